@@ -1,0 +1,109 @@
+"""Worker side: training state <-> a checkpoint directory, with a manifest written last and verified on load.
+
+A checkpoint directory holds:
+  model.pt, optimizer.pt, scheduler.pt   torch state dicts (the model unwrapped from DDP)
+  train_state.json                       step, epoch, step in epoch, samples consumed, world size
+  classes.json                           class index -> name (image jobs)
+  job.yaml                               the job config that produced it
+  manifest.json                          format version, every other file's size and sha256 — written last
+
+No RNG state is stored: the loop reseeds from (seed, rank, step) every step and augmentation draws from
+(seed, epoch, sample), so random state is a function of the position, which train_state.json records.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that is incomplete or damaged. The message names the directory and the file."""
+
+
+@dataclass
+class TrainState:
+    step: int = 0  # optimizer steps done in the whole run
+    epoch: int = 0  # the epoch in progress
+    step_in_epoch: int = 0  # optimizer steps done in that epoch
+    samples_seen: int = 0  # global samples trained on in the whole run
+    world_size: int = 1  # workers when the checkpoint was written (elastic runs log a change)
+
+
+def save(directory: str | Path, *, model, optimizer, scheduler, state: TrainState, classes: list[str] | None,
+         job_yaml: str) -> Path:
+    """Write a complete checkpoint into `directory`; the manifest goes last, so its presence means complete."""
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    torch.save(_unwrap(model).state_dict(), d / "model.pt")
+    torch.save(optimizer.state_dict(), d / "optimizer.pt")
+    torch.save(scheduler.state_dict(), d / "scheduler.pt")
+    (d / "train_state.json").write_text(json.dumps(asdict(state), indent=1))
+    if classes is not None:
+        (d / "classes.json").write_text(json.dumps(classes))
+    (d / "job.yaml").write_text(job_yaml)
+    files = {p.name: {"size": p.stat().st_size, "sha256": _sha256(p)} for p in sorted(d.iterdir())
+             if p.is_file() and p.name != MANIFEST}
+    tmp = d / (MANIFEST + ".tmp")
+    tmp.write_text(json.dumps({"format_version": FORMAT_VERSION, "files": files}, indent=1))
+    os.replace(tmp, d / MANIFEST)
+    return d
+
+
+def verify(directory: str | Path) -> dict:
+    """Check every file against the manifest. Returns the manifest or raises CheckpointError naming the file."""
+    d = Path(directory)
+    manifest_path = d / MANIFEST
+    if not manifest_path.is_file():
+        raise CheckpointError(f"checkpoint {d} has no {MANIFEST}: it was not completely written")
+    try:
+        manifest = json.loads(manifest_path.read_text())
+        files = manifest["files"]
+    except (ValueError, KeyError) as e:
+        raise CheckpointError(f"checkpoint {d}: {MANIFEST} is unreadable ({e})") from None
+    if manifest.get("format_version") != FORMAT_VERSION:
+        raise CheckpointError(f"checkpoint {d} has format {manifest.get('format_version')}, "
+                              f"this behemoth reads {FORMAT_VERSION}")
+    for name, expected in files.items():
+        p = d / name
+        if not p.is_file():
+            raise CheckpointError(f"checkpoint {d}: {name} is missing")
+        if p.stat().st_size != expected["size"] or _sha256(p) != expected["sha256"]:
+            raise CheckpointError(f"checkpoint {d}: {name} does not match its manifest (size or sha256)")
+    return manifest
+
+
+def load(directory: str | Path, *, model, optimizer=None, scheduler=None) -> TrainState:
+    """Verify, then restore the given objects in place. Returns the saved TrainState."""
+    d = Path(directory)
+    verify(d)
+    _unwrap(model).load_state_dict(torch.load(d / "model.pt", map_location="cpu", weights_only=True))
+    if optimizer is not None:
+        optimizer.load_state_dict(torch.load(d / "optimizer.pt", map_location="cpu", weights_only=True))
+    if scheduler is not None:
+        scheduler.load_state_dict(torch.load(d / "scheduler.pt", weights_only=True))
+    return TrainState(**json.loads((d / "train_state.json").read_text()))
+
+
+def read_state(directory: str | Path) -> TrainState:
+    return TrainState(**json.loads((Path(directory) / "train_state.json").read_text()))
+
+
+def _unwrap(model):
+    return model.module if hasattr(model, "module") else model
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()

@@ -1,0 +1,106 @@
+"""`behemoth train|check|data ...`: the command line. Thin: parse arguments, call the library, print."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from behemoth.config import ConfigError, dump_yaml, load_config
+
+
+def _add_config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("config", help="job YAML, e.g. jobs/configs/demo_images.yaml")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config key, e.g. --set train.lr=0.05 (repeatable)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="behemoth", description="Elastic, fault-tolerant training on Ray.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("train", help="train (or resume, same checkpoint.run_name) a job on Ray")
+    _add_config_args(p)
+
+    p = sub.add_parser("check", help="validate a job config and its data without starting Ray; print it")
+    _add_config_args(p)
+
+    data = sub.add_parser("data", help="data utilities").add_subparsers(dest="data_command", required=True)
+    p = data.add_parser("synth-images", help="write a learnable demo image dataset (ImageFolder of PNGs)")
+    p.add_argument("--out", required=True, help="output folder; train/ and val/ are created inside")
+    p.add_argument("--classes", type=int, default=10)
+    p.add_argument("--per-class", type=int, default=200, help="training images per class")
+    p.add_argument("--val-per-class", type=int, default=50)
+    p.add_argument("--size", type=int, default=32, help="image side in pixels")
+    p.add_argument("--seed", type=int, default=0)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return _dispatch(args)
+    except ConfigError as e:
+        print(f"behemoth: config error: {e}", file=sys.stderr)
+        return 2
+    except Exception as e:  # data errors and training failures: one clear line, then the exit code
+        message = user_facing_error(e)
+        if message is None:
+            raise
+        print(f"behemoth: error: {message}", file=sys.stderr)
+        return 1
+
+
+def _dispatch(args) -> int:
+    if args.command == "data":
+        from behemoth.data.synth import write_synth_images
+
+        counts = write_synth_images(args.out, args.classes, args.per_class, args.val_per_class, args.size,
+                                    args.seed)
+        print(f"wrote {counts['train']} train and {counts['val']} val images to {args.out}")
+        return 0
+    cfg = load_config(args.config, args.overrides)
+    if args.command == "check":
+        from behemoth.data.images import build_index
+
+        index = build_index(cfg.data)
+        print(dump_yaml(cfg), end="")
+        print(f"# data: {index.train.num_rows} train / {index.val.num_rows} val samples, "
+              f"{len(index.classes)} classes")
+        return 0
+    from behemoth.trainer import train
+
+    summary = train(cfg)
+    print("\n".join(["[behemoth] run finished"] + [f"  {line}" for line in summary.lines()]))
+    return 0
+
+
+# Errors behemoth raises for bad input. Inside a failed Ray Train run they arrive wrapped in Ray's
+# exceptions; the user gets the innermost behemoth message, not the 500-line traceback alone.
+_USER_ERRORS = ("DataError", "BadSampleError", "CheckpointError", "ConfigError")
+
+
+def user_facing_error(exc: BaseException) -> str | None:
+    from behemoth.checkpoint import CheckpointError
+    from behemoth.data.images import BadSampleError, DataError
+
+    seen = set()
+    todo = [exc]
+    while todo:
+        e = todo.pop()
+        if id(e) in seen or e is None:
+            continue
+        seen.add(id(e))
+        if isinstance(e, (DataError, BadSampleError, CheckpointError)):
+            return str(e)
+        todo += [e.__cause__, e.__context__, getattr(e, "cause", None)]
+        todo += list(getattr(e, "worker_failures", {}).values()) if hasattr(e, "worker_failures") else []
+    text = str(exc)
+    for name in _USER_ERRORS:
+        marker = f"{name}: "
+        if marker in text:
+            return text[text.rindex(marker):].splitlines()[0]
+    return None
+
+
+if __name__ == "__main__":
+    sys.exit(main())

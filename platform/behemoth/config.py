@@ -1,0 +1,282 @@
+"""Typed job config: one small dataclass per concern, loaded from YAML plus `--set a.b=c` overrides.
+
+Everything here is checked on the driver before Ray starts. Errors name the file, the key and what to do:
+an unknown key also names the closest valid key, a wrong type names the expected type.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A job config that cannot run. The message names the file, the key and the fix."""
+
+
+@dataclass
+class DataConfig:
+    kind: Literal["image_folder", "image_parquet"] = "image_folder"
+    # image_folder: ROOT/{train,val}/<class>/*.{png,jpg,jpeg}
+    root: str = ""
+    # image_parquet: files (or globs) holding an image-bytes column and a label column
+    train_files: list[str] = field(default_factory=list)
+    val_files: list[str] = field(default_factory=list)
+    image_column: str = "image"
+    label_column: str = "label"
+    image_size: int = 32
+    augment: Literal["crop_flip", "random_resized_crop", "none"] = "crop_flip"
+    crop_padding: int = 4
+    mean: list[float] = field(default_factory=lambda: [0.5, 0.5, 0.5])
+    std: list[float] = field(default_factory=lambda: [0.25, 0.25, 0.25])
+    # Undecodable images: 0 fails the run naming the file; N > 0 drops up to N and counts them.
+    max_bad_samples: int = 0
+    # Batches the Ray Data iterator prepares ahead of the training step.
+    prefetch_batches: int = 2
+    # CPUs each Ray Data decode/augment task reserves (fractions allowed on small machines).
+    cpus_per_task: float = 1.0
+
+    def validate(self) -> None:
+        if self.kind == "image_folder" and not self.root:
+            raise ConfigError("data.root is empty: set it to the folder holding train/ and val/")
+        if self.kind == "image_parquet" and not (self.train_files and self.val_files):
+            raise ConfigError("data.kind is image_parquet: set data.train_files and data.val_files")
+        _positive("data.image_size", self.image_size)
+        if len(self.mean) != 3 or len(self.std) != 3 or min(self.std) <= 0:
+            raise ConfigError("data.mean and data.std need 3 values each (RGB), std > 0")
+        if self.max_bad_samples < 0 or self.crop_padding < 0 or self.prefetch_batches < 0:
+            raise ConfigError("data.max_bad_samples, data.crop_padding and data.prefetch_batches must be >= 0")
+        _positive("data.cpus_per_task", self.cpus_per_task)
+
+
+@dataclass
+class ModelConfig:
+    # A name from behemoth.models.registry (e.g. resnet18, resnet50, resnet18_cifar, resnet_tiny_cifar).
+    name: str = "resnet18_cifar"
+
+    def validate(self) -> None:
+        from behemoth.models import registry  # light: no torch model is built here
+
+        registry.check_name(self.name)
+
+
+@dataclass
+class TrainConfig:
+    epochs: int = 1
+    # Stop after this many optimizer steps even if epochs remain (None: run all epochs).
+    max_steps: Optional[int] = None
+    # Samples per optimizer step summed over all workers; split evenly over them.
+    global_batch_size: int = 128
+    optimizer: Literal["sgd", "adamw"] = "sgd"
+    lr: float = 0.1
+    momentum: float = 0.9
+    weight_decay: float = 5e-4
+    # Linear warmup from 0 over this many steps, then cosine decay to lr * min_lr_ratio.
+    warmup_steps: int = 0
+    min_lr_ratio: float = 0.0
+    grad_clip: Optional[float] = None
+    seed: int = 0
+    # Report metrics (and print a progress line) every N steps.
+    log_every: int = 10
+
+    def validate(self) -> None:
+        _positive("train.epochs", self.epochs)
+        _positive("train.global_batch_size", self.global_batch_size)
+        _positive("train.lr", self.lr)
+        _positive("train.log_every", self.log_every)
+        if self.max_steps is not None:
+            _positive("train.max_steps", self.max_steps)
+        if self.warmup_steps < 0 or self.weight_decay < 0 or not 0 <= self.min_lr_ratio <= 1:
+            raise ConfigError("train.warmup_steps and train.weight_decay must be >= 0, min_lr_ratio in [0, 1]")
+
+
+@dataclass
+class ScalingConfig:
+    num_workers: int = 2
+    use_gpu: bool = False
+    cpus_per_worker: float = 1.0
+    gpus_per_worker: float = 1.0
+    # torch intra-op threads per worker (None: torch's default).
+    torch_threads: Optional[int] = None
+
+    def validate(self) -> None:
+        _positive("scaling.num_workers", self.num_workers)
+        _positive("scaling.cpus_per_worker", self.cpus_per_worker)
+        if self.use_gpu:
+            _positive("scaling.gpus_per_worker", self.gpus_per_worker)
+
+
+@dataclass
+class CheckpointConfig:
+    every_n_steps: int = 100
+    # Checkpoints kept in the run folder (Ray's CheckpointConfig(num_to_keep=K)).
+    keep: int = 3
+    # Local folder or URI (s3://...); a run lives in STORAGE_PATH/RUN_NAME.
+    storage_path: str = "runs"
+    # A fixed name makes a rerun resume from the run's latest checkpoint.
+    run_name: str = "behemoth"
+
+    def validate(self) -> None:
+        _positive("checkpoint.every_n_steps", self.every_n_steps)
+        _positive("checkpoint.keep", self.keep)
+        if not self.run_name or "/" in self.run_name:
+            raise ConfigError(f"checkpoint.run_name {self.run_name!r} must be a non-empty name without '/'")
+
+
+@dataclass
+class EvalConfig:
+    # Evaluate every N steps (None: only at the end of each epoch and of the run).
+    every_n_steps: Optional[int] = None
+    per_epoch: bool = True
+
+    def validate(self) -> None:
+        if self.every_n_steps is not None:
+            _positive("eval.every_n_steps", self.every_n_steps)
+
+
+@dataclass
+class FailureConfig:
+    # Worker-group restarts Ray Train may do (from the latest checkpoint) before the run fails.
+    max_failures: int = 1
+
+    def validate(self) -> None:
+        if self.max_failures < -1:
+            raise ConfigError("failure.max_failures must be >= 0 (or -1 for unlimited)")
+
+
+@dataclass
+class JobConfig:
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    scaling: ScalingConfig = field(default_factory=ScalingConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    failure: FailureConfig = field(default_factory=FailureConfig)
+
+    def validate(self) -> None:
+        for f in dataclasses.fields(self):
+            getattr(self, f.name).validate()
+        if self.train.global_batch_size % self.scaling.num_workers:
+            raise ConfigError(
+                f"train.global_batch_size {self.train.global_batch_size} is not divisible by "
+                f"scaling.num_workers {self.scaling.num_workers}: pick a multiple of the worker count"
+            )
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def _positive(key: str, value: float) -> None:
+    if value <= 0:
+        raise ConfigError(f"{key} must be > 0, got {value!r}")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Loading: YAML -> overrides -> typed objects -> validate
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> JobConfig:
+    """Read a job YAML (or start from defaults), apply `a.b=c` overrides, check types and values."""
+    where = str(path) if path else "<defaults>"
+    raw: dict = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {where} does not exist")
+        try:
+            raw = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{where} is not valid YAML: {e}") from None
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{where} must hold a mapping of sections (data, model, train, ...)")
+    for item in overrides or []:
+        _apply_override(raw, item)
+    cfg = from_dict(JobConfig, raw, where=where)
+    try:
+        cfg.validate()
+    except ConfigError as e:
+        raise ConfigError(f"{where}: {e}") from None
+    return cfg
+
+
+def config_from_dict(raw: dict, where: str = "<dict>") -> JobConfig:
+    cfg = from_dict(JobConfig, raw, where=where)
+    cfg.validate()
+    return cfg
+
+
+def _apply_override(raw: dict, item: str) -> None:
+    if "=" not in item:
+        raise ConfigError(f"--set {item!r}: expected KEY=VALUE, e.g. --set train.lr=0.05")
+    dotted, value = item.split("=", 1)
+    keys = dotted.strip().split(".")
+    node = raw
+    for k in keys[:-1]:
+        node = node.setdefault(k, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"--set {dotted}: {k} is not a section")
+    node[keys[-1]] = yaml.safe_load(value) if value != "" else ""
+
+
+def from_dict(cls: type, raw: Any, where: str, prefix: str = "") -> Any:
+    """Build dataclass `cls` from a mapping, checking keys and types recursively."""
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{where}: {prefix or 'the file'} must be a mapping, got {type(raw).__name__}")
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    for key in raw:
+        if key not in names:
+            close = difflib.get_close_matches(str(key), names, n=1, cutoff=0.5)
+            hint = f"; did you mean '{prefix}{close[0]}'?" if close else f"; valid keys: {', '.join(names)}"
+            raise ConfigError(f"{where}: unknown key '{prefix}{key}'{hint}")
+    kwargs = {k: _coerce(hints[k], v, where, f"{prefix}{k}") for k, v in raw.items()}
+    return cls(**kwargs)
+
+
+def _coerce(tp: Any, value: Any, where: str, key: str) -> Any:
+    if dataclasses.is_dataclass(tp):
+        return from_dict(tp, value or {}, where, prefix=key + ".")
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        for option in (a for a in args if a is not type(None)):
+            try:
+                return _coerce(option, value, where, key)
+            except ConfigError:
+                continue
+        raise _type_error(where, key, tp, value)
+    if origin is Literal:
+        if value not in args:
+            close = difflib.get_close_matches(str(value), [str(a) for a in args], n=1)
+            hint = f"; did you mean '{close[0]}'?" if close else ""
+            raise ConfigError(f"{where}: {key} must be one of {list(args)}, got {value!r}{hint}")
+        return value
+    if origin is list:
+        if not isinstance(value, list):
+            raise _type_error(where, key, tp, value)
+        return [_coerce(args[0], v, where, f"{key}[{i}]") for i, v in enumerate(value)]
+    if tp is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    if tp in (int, str, bool) and type(value) is tp:
+        return value
+    if tp is Any:
+        return value
+    raise _type_error(where, key, tp, value)
+
+
+def _type_error(where: str, key: str, tp: Any, value: Any) -> ConfigError:
+    name = getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+    return ConfigError(f"{where}: {key} expects {name}, got {type(value).__name__} {value!r}")
+
+
+def dump_yaml(cfg: JobConfig) -> str:
+    return yaml.safe_dump(cfg.to_dict(), sort_keys=False)

@@ -1,0 +1,1 @@
+"""Ray Data pipelines. images.py: image classification; order.py: the global sample order; synth.py: demo data."""

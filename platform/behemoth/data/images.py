@@ -1,0 +1,293 @@
+"""Image classification data: an index of samples built on the driver, decoded and augmented by Ray Data.
+
+Two layouts are read:
+- ImageFolder: ROOT/{train,val}/<class>/*.{png,jpg,jpeg} (the CIFAR/ImageNet layout);
+- parquet: files with an image-bytes column (raw bytes, or Hugging Face's {"bytes", "path"} struct) and a
+  label column (class names or integers).
+
+The driver only lists files and reads label columns (`build_index`), so a missing folder or an empty class
+fails before Ray starts. Decoding, augmentation and normalisation run in Ray Data `map_batches` tasks on the
+cluster's CPUs (`transform_batch`), fed in the order `behemoth.data.order` decides.
+"""
+
+from __future__ import annotations
+
+import glob
+import io
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+from PIL import Image
+
+from behemoth.config import DataConfig
+
+IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg"}
+INDEX_SCHEMA = pa.schema(
+    [("sample_id", pa.int64()), ("path", pa.string()), ("row", pa.int64()), ("label", pa.int64())]
+)
+
+
+class DataError(ValueError):
+    """Data that cannot be read. The message names the file or folder and what to do."""
+
+
+class BadSampleError(RuntimeError):
+    """An image that cannot be decoded, with no budget (data.max_bad_samples) left to drop it."""
+
+
+@dataclass
+class ImageIndex:
+    """What the workers need to find every sample: one row per image (path, parquet row, label)."""
+
+    train: pa.Table
+    val: pa.Table
+    classes: list[str]
+
+
+def build_index(cfg: DataConfig) -> ImageIndex:
+    if cfg.kind == "image_folder":
+        return index_image_folder(Path(cfg.root))
+    return index_parquet(cfg.train_files, cfg.val_files, cfg.image_column, cfg.label_column)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Indexing (driver side)
+
+
+def index_image_folder(root: Path) -> ImageIndex:
+    if not root.is_dir():
+        raise DataError(f"data folder {root} does not exist: create it, or point data.root at it "
+                        f"(demo data: behemoth data synth-images --out {root})")
+    splits = {}
+    for split in ("train", "val"):
+        folder = root / split
+        if not folder.is_dir():
+            raise DataError(f"{folder} is missing: data.root must hold train/ and val/ class folders")
+        splits[split] = _list_class_folders(folder)
+    classes = sorted(splits["train"])
+    unknown = sorted(set(splits["val"]) - set(classes))
+    if unknown:
+        raise DataError(f"{root / 'val'} has classes that train/ lacks: {unknown}")
+    to_index = {name: i for i, name in enumerate(classes)}
+    tables = {
+        split: _index_table([(str(p), -1, to_index[c]) for c, files in found.items() for p in files])
+        for split, found in splits.items()
+    }
+    return ImageIndex(tables["train"], tables["val"], classes)
+
+
+def _list_class_folders(folder: Path) -> dict[str, list[Path]]:
+    found = {}
+    for class_dir in sorted(p for p in folder.iterdir() if p.is_dir()):
+        files = sorted(p for p in class_dir.iterdir() if p.suffix.lower() in IMAGE_SUFFIXES)
+        if not files:
+            raise DataError(f"class folder {class_dir} holds no .png/.jpg/.jpeg images: add some or remove it")
+        found[class_dir.name] = files
+    if not found:
+        raise DataError(f"{folder} has no class folders: expected {folder}/<class>/*.png")
+    return found
+
+
+def index_parquet(train_files: list[str], val_files: list[str], image_col: str, label_col: str) -> ImageIndex:
+    labels = {}
+    rows = {}
+    for split, patterns in (("train", train_files), ("val", val_files)):
+        files = _expand(patterns, split)
+        rows[split], labels[split] = _read_label_columns(files, image_col, label_col)
+    all_labels = pa.concat_arrays([labels["train"], labels["val"]])
+    # Sorted class names; integer labels sort numerically.
+    classes = [str(v) for v in sorted(set(all_labels.to_pylist()))]
+    to_index = {name: i for i, name in enumerate(classes)}
+    tables = {
+        split: _index_table([(p, r, to_index[str(v)]) for (p, r), v in zip(rows[split], labels[split].to_pylist())])
+        for split in ("train", "val")
+    }
+    return ImageIndex(tables["train"], tables["val"], classes)
+
+
+def _expand(patterns: list[str], split: str) -> list[str]:
+    files = []
+    for pattern in patterns:
+        matched = sorted(glob.glob(pattern)) if any(c in pattern for c in "*?[") else [pattern]
+        missing = [f for f in matched if not Path(f).is_file()]
+        if not matched or missing:
+            raise DataError(f"data.{split}_files: {missing[0] if missing else pattern} matches no file")
+        files += matched
+    return files
+
+
+def _read_label_columns(files: list[str], image_col: str, label_col: str):
+    rows, labels = [], []
+    for f in files:
+        schema = pq.read_schema(f)
+        for col, key in ((image_col, "image_column"), (label_col, "label_column")):
+            if col not in schema.names:
+                raise DataError(f"{f} has no column '{col}' (data.{key}); its columns: {schema.names}")
+        column = pq.read_table(f, columns=[label_col]).column(label_col).combine_chunks()
+        if column.null_count:
+            raise DataError(f"{f}: column '{label_col}' has {column.null_count} empty labels")
+        rows += [(f, i) for i in range(len(column))]
+        labels.append(column.cast(pa.string()))
+    return rows, pa.concat_arrays(labels)
+
+
+def _index_table(entries: list[tuple[str, int, int]]) -> pa.Table:
+    paths, rows, labels = zip(*entries) if entries else ((), (), ())
+    return pa.Table.from_pydict(
+        {"sample_id": np.arange(len(paths)), "path": list(paths), "row": list(rows), "label": list(labels)},
+        schema=INDEX_SCHEMA,
+    )
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Decode + augment + normalise (runs inside Ray Data map_batches tasks)
+
+
+def transform_batch(batch: dict, *, cfg: DataConfig, seed: int, epoch: int, train: bool) -> dict:
+    """Index rows -> {"image": float32 [n,3,S,S] normalised, "label", "sample_id", "valid"}.
+
+    Augmentation draws from a generator seeded by (seed, epoch, sample_id): the same sample gets the same
+    crop and flip in the same epoch whichever worker or task decodes it, so resumed runs are exact.
+    """
+    size = cfg.image_size
+    raw = _load_bytes(batch["path"], batch["row"], cfg.image_column)
+    images = np.zeros((len(raw), 3, size, size), dtype=np.float32)
+    valid = np.ones(len(raw), dtype=bool)
+    mean = np.asarray(cfg.mean, dtype=np.float32)[:, None, None]
+    std = np.asarray(cfg.std, dtype=np.float32)[:, None, None]
+    for i, (data, sample_id) in enumerate(zip(raw, batch["sample_id"])):
+        try:
+            img = Image.open(io.BytesIO(data))
+            img = img.convert("RGB")
+        except Exception as e:  # PIL raises many types for bad files
+            if cfg.max_bad_samples == 0:
+                where = _describe(batch["path"][i], batch["row"][i])
+                raise BadSampleError(
+                    f"cannot decode image {where}: {e}. Fix or remove the file, or set "
+                    f"data.max_bad_samples to drop up to that many undecodable images"
+                ) from None
+            valid[i] = False
+            continue
+        rng = np.random.default_rng([seed, epoch, int(sample_id)])
+        pixels = augment(img, size, cfg, rng) if train else center_fit(img, size)
+        images[i] = (pixels.transpose(2, 0, 1).astype(np.float32) / 255.0 - mean) / std
+    return {"image": images, "label": batch["label"], "sample_id": batch["sample_id"], "valid": valid}
+
+
+def center_fit(img: Image.Image, size: int) -> np.ndarray:
+    """Resize the shorter side to `size`, centre-crop to size x size (evaluation, and crop_flip's base)."""
+    w, h = img.size
+    if (w, h) != (size, size):
+        scale = size / min(w, h)
+        img = img.resize((max(size, round(w * scale)), max(size, round(h * scale))), Image.BILINEAR)
+        w, h = img.size
+        left, top = (w - size) // 2, (h - size) // 2
+        img = img.crop((left, top, left + size, top + size))
+    return np.asarray(img, dtype=np.uint8)
+
+
+def augment(img: Image.Image, size: int, cfg: DataConfig, rng: np.random.Generator) -> np.ndarray:
+    if cfg.augment == "random_resized_crop":
+        pixels = _random_resized_crop(img, size, rng)
+    elif cfg.augment == "crop_flip":
+        pixels = _pad_random_crop(center_fit(img, size), cfg.crop_padding, rng)
+    else:
+        return center_fit(img, size)
+    return pixels[:, ::-1] if rng.random() < 0.5 else pixels
+
+
+def _pad_random_crop(pixels: np.ndarray, pad: int, rng: np.random.Generator) -> np.ndarray:
+    if pad == 0:
+        return pixels
+    size = pixels.shape[0]
+    padded = np.pad(pixels, ((pad, pad), (pad, pad), (0, 0)), mode="constant")
+    top, left = rng.integers(0, 2 * pad + 1, size=2)
+    return padded[top : top + size, left : left + size]
+
+
+def _random_resized_crop(img: Image.Image, size: int, rng: np.random.Generator) -> np.ndarray:
+    """Inception-style crop: area in [8%, 100%], aspect ratio in [3/4, 4/3] (log-uniform), then resize."""
+    w, h = img.size
+    for _ in range(10):
+        area = w * h * rng.uniform(0.08, 1.0)
+        ratio = np.exp(rng.uniform(np.log(3 / 4), np.log(4 / 3)))
+        cw, ch = int(round(np.sqrt(area * ratio))), int(round(np.sqrt(area / ratio)))
+        if 0 < cw <= w and 0 < ch <= h:
+            left, top = rng.integers(0, w - cw + 1), rng.integers(0, h - ch + 1)
+            return np.asarray(img.resize((size, size), Image.BILINEAR, box=(left, top, left + cw, top + ch)))
+    return center_fit(img, size)
+
+
+def _load_bytes(paths: np.ndarray, rows: np.ndarray, image_col: str) -> list[bytes]:
+    """Raw encoded bytes per sample: file contents, or the image cell of a parquet row."""
+    out: list[bytes | None] = [None] * len(paths)
+    parquet_rows: dict[str, list[int]] = {}
+    for i, (path, row) in enumerate(zip(paths, rows)):
+        if row < 0:
+            out[i] = Path(path).read_bytes()
+        else:
+            parquet_rows.setdefault(str(path), []).append(i)
+    for path, positions in parquet_rows.items():
+        cells = read_parquet_rows(path, [int(rows[i]) for i in positions], image_col)
+        for i, cell in zip(positions, cells):
+            out[i] = cell
+    return out
+
+
+def read_parquet_rows(path: str, rows: list[int], column: str) -> list[bytes]:
+    """Read only the row groups that hold `rows`, not the whole file."""
+    f = pq.ParquetFile(path)
+    sizes = [f.metadata.row_group(g).num_rows for g in range(f.num_row_groups)]
+    starts = np.cumsum([0] + sizes)
+    group_of = np.searchsorted(starts, rows, side="right") - 1
+    groups = sorted(set(int(g) for g in group_of))
+    table = f.read_row_groups(groups, columns=[column])
+    read_start = dict(zip(groups, np.cumsum([0] + [sizes[g] for g in groups[:-1]])))
+    positions = [int(read_start[g] + r - starts[g]) for r, g in zip(rows, group_of)]
+    cells = table.column(column).take(pa.array(positions)).to_pylist()
+    return [c["bytes"] if isinstance(c, dict) else c for c in cells]
+
+
+def _describe(path: str, row: int) -> str:
+    return str(path) if row < 0 else f"{path} (row {row})"
+
+
+def describe_samples(table: pa.Table, sample_ids) -> list[str]:
+    paths, rows = table.column("path").to_pylist(), table.column("row").to_pylist()
+    return [_describe(paths[i], rows[i]) for i in sorted(int(s) for s in sample_ids)]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Ray Data pipelines (built on the training workers, one per rank and epoch)
+
+
+def rank_dataset(index_table: pa.Table, indices: np.ndarray, cfg: DataConfig, *, seed: int, epoch: int,
+                 train: bool, batch_size: int):
+    """A Ray Dataset over index rows `indices`, in that order, decoded by CPU tasks.
+
+    Blocks of a few batches each let several tasks decode in parallel; `preserve_order` keeps their output
+    in the order given, which exact resume depends on.
+    """
+    import ray.data
+
+    ctx = ray.data.DataContext.get_current()
+    ctx.execution_options.preserve_order = True
+    # One pipeline per rank and epoch: Ray Data's progress bars and start/finish lines would drown the
+    # progress lines behemoth prints.
+    ctx.enable_progress_bars = False
+    ctx.print_on_execution_start = False
+    logging.getLogger("ray.data").setLevel(logging.WARNING)
+    rows = index_table.take(pa.array(indices, type=pa.int64()))
+    block = max(batch_size * 4, 1)
+    blocks = [rows.slice(i, block) for i in range(0, max(rows.num_rows, 1), block)]
+    return ray.data.from_arrow(blocks).map_batches(
+        transform_batch,
+        batch_format="numpy",
+        batch_size=None,
+        num_cpus=cfg.cpus_per_task,
+        fn_kwargs=dict(cfg=cfg, seed=seed, epoch=epoch, train=train),
+    )

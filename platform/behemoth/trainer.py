@@ -1,0 +1,106 @@
+"""Driver side: a checked job config -> Ray Train TorchTrainer -> fit -> a summary. Never touches CUDA.
+
+The data index is built (and the data checked) before Ray starts, so a missing folder or an empty class
+fails in a second with a message naming it, not after a cluster has been brought up.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+
+from behemoth.config import JobConfig
+from behemoth.data.images import ImageIndex, build_index
+
+
+@dataclass
+class RunSummary:
+    run_dir: str
+    metrics: dict  # the last reported metrics
+    latest_checkpoint: str | None
+    best_checkpoint: str | None  # highest val_accuracy among the kept checkpoints
+    best_val_accuracy: float | None
+    wall_s: float
+    resumed_from_step: int = 0  # 0: this invocation started from scratch
+
+    def lines(self) -> list[str]:
+        m = self.metrics
+        out = [f"run folder:        {self.run_dir}"]
+        if "val_accuracy" in m:
+            out.append(f"final val_acc:     {m['val_accuracy']:.4f} (val_loss {m['val_loss']:.4f}, "
+                       f"{m['val_samples']} samples)")
+        resumed = f", resumed from step {self.resumed_from_step}" if self.resumed_from_step else ""
+        out.append(f"steps:             {m.get('step')} ({m.get('samples_seen')} samples{resumed})")
+        if m.get("bad_samples"):
+            out.append(f"dropped images:    {m['bad_samples']} undecodable (data.max_bad_samples)")
+        out.append(f"latest checkpoint: {self.latest_checkpoint}")
+        if self.best_checkpoint:
+            out.append(f"best checkpoint:   {self.best_checkpoint} (val_acc {self.best_val_accuracy:.4f})")
+        out.append(f"wall time:         {self.wall_s:.1f} s")
+        return out
+
+
+def storage_path(cfg: JobConfig) -> str:
+    """Ray needs an absolute local path or a URI."""
+    path = cfg.checkpoint.storage_path
+    return path if "://" in path else os.path.abspath(os.path.expanduser(path))
+
+
+def ensure_ray() -> None:
+    """Connect to the cluster named by RAY_ADDRESS (as under `ray job submit`), or start a local one."""
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(logging_level="warning", log_to_driver=True)
+
+
+def build_trainer(cfg: JobConfig, index: ImageIndex):
+    import ray
+    from ray.train import CheckpointConfig, FailureConfig, LoggingConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    from behemoth.loop import train_loop_per_worker
+
+    resources = {"CPU": cfg.scaling.cpus_per_worker}
+    if cfg.scaling.use_gpu:
+        resources["GPU"] = cfg.scaling.gpus_per_worker
+    return TorchTrainer(
+        train_loop_per_worker,
+        # The index travels once through the object store, not pickled into every worker's config.
+        train_loop_config={"job": cfg.to_dict(), "index_ref": ray.put(index)},
+        scaling_config=ScalingConfig(
+            num_workers=cfg.scaling.num_workers, use_gpu=cfg.scaling.use_gpu, resources_per_worker=resources
+        ),
+        run_config=RunConfig(
+            name=cfg.checkpoint.run_name,
+            storage_path=storage_path(cfg),
+            failure_config=FailureConfig(max_failures=cfg.failure.max_failures),
+            checkpoint_config=CheckpointConfig(num_to_keep=cfg.checkpoint.keep),
+            # Ray Train's per-report INFO lines would bury behemoth's progress lines.
+            logging_config=LoggingConfig(log_level="WARNING"),
+        ),
+    )
+
+
+def train(cfg: JobConfig) -> RunSummary:
+    """Run (or resume, if the run name already has checkpoints) one training job. Blocks until it ends."""
+    index = build_index(cfg.data)  # checks the data before Ray starts
+    ensure_ray()
+    started = time.time()
+    result = build_trainer(cfg, index).fit()
+    return _summarise(cfg, result, time.time() - started)
+
+
+def _summarise(cfg: JobConfig, result, wall_s: float) -> RunSummary:
+    scored = [(m["val_accuracy"], c.path) for c, m in (result.best_checkpoints or []) if "val_accuracy" in m]
+    best_acc, best_path = max(scored) if scored else (None, None)
+    return RunSummary(
+        run_dir=os.path.join(storage_path(cfg), cfg.checkpoint.run_name),
+        metrics=dict(result.metrics or {}),
+        latest_checkpoint=result.checkpoint.path if result.checkpoint else None,
+        best_checkpoint=best_path,
+        best_val_accuracy=best_acc,
+        wall_s=wall_s,
+        resumed_from_step=(result.return_value or {}).get("resumed_from_step", 0),
+    )

@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# behemoth's two set-up-and-run commands (see README):
+#   ./run.sh demo   set up, make the demo images, train the demo job on a local Ray instance (2 workers)
+#   ./run.sh test   set up, run the test suite (extra arguments go to pytest)
+# Set-up is idempotent: a virtual environment in .venv (BEHEMOTH_VENV to move it), reinstalled only when
+# pyproject.toml changes.
+set -euo pipefail
+cd "$(dirname "$0")"
+VENV=${BEHEMOTH_VENV:-.venv}
+# torch is installed first at a pinned version (the CPU build this machine holds on disk; an unpinned torch
+# would pull a multi-GB CUDA build). The package itself accepts a range, so GPU users keep their build.
+TORCH_SPEC=${BEHEMOTH_TORCH_SPEC:-torch==2.13.0}
+
+quiet_pip() {  # pip's "Location ... is ignored" notes about this machine's local indexes are noise
+  "$VENV/bin/pip" "$@" 2> >(grep -v "is ignored: it is neither" >&2)
+}
+
+setup() {
+  local stamp="$VENV/.behemoth-installed" want
+  want="$(sha256sum pyproject.toml | cut -c1-16) $TORCH_SPEC"
+  [ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
+  if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+    echo "[run.sh] installing behemoth into $VENV (first run: a few minutes)"
+    quiet_pip install -q --upgrade pip
+    quiet_pip install -q "$TORCH_SPEC"
+    quiet_pip install -q -e ".[dev]"
+    echo "$want" > "$stamp"
+  fi
+}
+
+cmd=${1:-}
+shift || true
+case "$cmd" in
+  demo)
+    setup
+    [ -d data/demo_images/train ] || "$VENV/bin/behemoth" data synth-images --out data/demo_images
+    exec "$VENV/bin/behemoth" train jobs/configs/demo_images.yaml "$@"
+    ;;
+  test)
+    setup
+    exec "$VENV/bin/python" -m pytest tests "$@"
+    ;;
+  *)
+    echo "usage: ./run.sh demo [--set KEY=VALUE ...] | ./run.sh test [pytest args]" >&2
+    exit 2
+    ;;
+esac

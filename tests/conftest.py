@@ -1,0 +1,73 @@
+"""Shared fixtures. Ray's auth token and temp files live in a per-session temp folder, never in ~/.ray."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import tempfile
+from pathlib import Path
+
+import pytest
+
+_SESSION_DIR = Path(tempfile.mkdtemp(prefix="bh-test-"))
+
+
+def pytest_configure(config):
+    # Before anything imports ray: token auth on (as in production), with a throwaway token.
+    token = _SESSION_DIR / "auth_token"
+    token.write_text(secrets.token_hex(32))
+    token.chmod(0o600)
+    os.environ["RAY_AUTH_MODE"] = "token"
+    os.environ["RAY_AUTH_TOKEN_PATH"] = str(token)
+    os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+
+
+def pytest_collection_modifyitems(config, items):
+    try:
+        import torch
+
+        has_gpu = torch.cuda.is_available()
+    except ImportError:
+        has_gpu = False
+    skip = pytest.mark.skip(reason="needs a CUDA GPU; none is present on this machine")
+    for item in items:
+        if "gpu" in item.keywords and not has_gpu:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def image_root(tmp_path_factory) -> Path:
+    """A small synthetic ImageFolder: 4 classes, 24 train + 6 val images each, 16x16 PNGs."""
+    from behemoth.data.synth import write_synth_images
+
+    root = tmp_path_factory.mktemp("images")
+    write_synth_images(root, classes=4, per_class=24, val_per_class=6, size=16, seed=1)
+    return root
+
+
+@pytest.fixture(scope="module")
+def ray_local():
+    """One local Ray instance per test module (starting Ray costs seconds on 2 cores)."""
+    import ray
+
+    ray.init(num_cpus=2, include_dashboard=False, logging_level="warning",
+             _temp_dir=tempfile.mkdtemp(prefix="ray-", dir=_SESSION_DIR))
+    yield
+    ray.shutdown()
+
+
+def job_dict(image_root: Path, storage: Path, run_name: str = "t", **sections) -> dict:
+    """A tiny image job: 2 workers, 16x16 images, a tiny ResNet. `sections` update the defaults per section."""
+    job = {
+        "data": {"kind": "image_folder", "root": str(image_root), "image_size": 16, "crop_padding": 2,
+                 "cpus_per_task": 0.25, "prefetch_batches": 1},
+        "model": {"name": "resnet_tiny_cifar"},
+        "train": {"epochs": 2, "global_batch_size": 16, "lr": 0.05, "warmup_steps": 2, "log_every": 2},
+        "scaling": {"num_workers": 2, "cpus_per_worker": 0.5, "torch_threads": 1},
+        "checkpoint": {"every_n_steps": 3, "keep": 2, "storage_path": str(storage), "run_name": run_name},
+        "eval": {"per_epoch": True},
+        "failure": {"max_failures": 0},
+    }
+    for section, values in sections.items():
+        job[section].update(values)
+    return job

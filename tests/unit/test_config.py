@@ -1,0 +1,95 @@
+"""Job config: YAML + overrides -> typed objects; every mistake named before Ray starts."""
+
+from pathlib import Path
+
+import pytest
+
+from behemoth.config import ConfigError, load_config
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def write(tmp_path, text: str) -> Path:
+    """A job YAML; a data.root is added unless the text has a data section, so other checks are reached."""
+    p = tmp_path / "job.yaml"
+    p.write_text(text if text.startswith("data:") else "data:\n  root: /some/images\n" + text)
+    return p
+
+
+def test_unknown_key_names_key_file_and_closest(tmp_path):
+    p = write(tmp_path, "train:\n  learning_rat: 0.1\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(p)
+    msg = str(e.value)
+    assert "train.learning_rat" in msg and str(p) in msg
+    # no key is close to "learning_rat" except... none; the message lists the valid keys instead
+    assert "lr" in msg
+
+
+def test_misspelled_key_suggests_closest(tmp_path):
+    p = write(tmp_path, "train:\n  global_batchsize: 64\n")
+    with pytest.raises(ConfigError, match=r"unknown key 'train.global_batchsize'; did you mean 'train.global_batch_size'"):
+        load_config(p)
+
+
+def test_unknown_section(tmp_path):
+    with pytest.raises(ConfigError, match=r"unknown key 'trian'; did you mean 'train'"):
+        load_config(write(tmp_path, "trian:\n  lr: 0.1\n"))
+
+
+def test_wrong_type_names_key_and_expected_type(tmp_path):
+    with pytest.raises(ConfigError, match=r"train.epochs expects int, got str 'three'"):
+        load_config(write(tmp_path, "train:\n  epochs: three\n"))
+    with pytest.raises(ConfigError, match=r"scaling.use_gpu expects bool"):
+        load_config(write(tmp_path, "scaling:\n  use_gpu: 1\n"))
+
+
+def test_choice_outside_literal(tmp_path):
+    with pytest.raises(ConfigError, match=r"train.optimizer must be one of \['sgd', 'adamw'\], got 'adam'.*'adamw'"):
+        load_config(write(tmp_path, "train:\n  optimizer: adam\n"))
+
+
+def test_values_checked(tmp_path):
+    with pytest.raises(ConfigError, match="not divisible by scaling.num_workers 3"):
+        load_config(write(tmp_path, "train:\n  global_batch_size: 64\nscaling:\n  num_workers: 3\n"))
+    with pytest.raises(ConfigError, match="train.lr must be > 0"):
+        load_config(write(tmp_path, "train:\n  lr: 0\n"))
+    with pytest.raises(ConfigError, match="model.name 'resnet19' is not a known model; did you mean 'resnet18'"):
+        load_config(write(tmp_path, "model:\n  name: resnet19\n"))
+
+
+def test_overrides_are_typed_and_checked(tmp_path):
+    p = write(tmp_path, "train:\n  lr: 0.1\n")
+    cfg = load_config(p, ["train.lr=0.05", "scaling.num_workers=4", "train.max_steps=null", "data.root=/x"])
+    assert cfg.train.lr == 0.05 and cfg.scaling.num_workers == 4 and cfg.train.max_steps is None
+    assert cfg.data.root == "/x"
+    with pytest.raises(ConfigError, match=r"unknown key 'train.lrr'; did you mean 'train.lr'"):
+        load_config(p, ["train.lrr=0.1"])
+    with pytest.raises(ConfigError, match="expected KEY=VALUE"):
+        load_config(p, ["train.lr"])
+
+
+def test_int_accepted_for_float_but_not_bool_for_int(tmp_path):
+    cfg = load_config(write(tmp_path, "train:\n  lr: 1\n"))
+    assert isinstance(cfg.train.lr, float)
+    with pytest.raises(ConfigError, match="train.epochs expects int"):
+        load_config(write(tmp_path, "train:\n  epochs: true\n"))
+
+
+def test_missing_and_invalid_files(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "nope.yaml")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(write(tmp_path, "train: [unclosed\n"))
+
+
+@pytest.mark.parametrize("name", ["demo_images.yaml", "resnet50_imagenet_8gpu.yaml"])
+def test_shipped_configs_validate(name):
+    cfg = load_config(REPO / "jobs" / "configs" / name)
+    assert cfg.train.global_batch_size % cfg.scaling.num_workers == 0
+
+
+def test_8gpu_config_has_the_real_shape():
+    cfg = load_config(REPO / "jobs" / "configs" / "resnet50_imagenet_8gpu.yaml")
+    assert cfg.scaling.num_workers == 8 and cfg.scaling.use_gpu and cfg.model.name == "resnet50"
+    assert cfg.data.image_size == 224 and cfg.data.augment == "random_resized_crop"

@@ -1,0 +1,137 @@
+"""Image data: indexing, decode + augment + normalise, parquet vs ImageFolder, bad input."""
+
+import io
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from PIL import Image
+
+from behemoth.config import DataConfig
+from behemoth.data.images import BadSampleError, DataError, build_index, index_image_folder, transform_batch
+
+
+def batch_of(table: pa.Table) -> dict:
+    return {c: table.column(c).to_numpy(zero_copy_only=False) for c in table.column_names}
+
+
+def cfg(**kw) -> DataConfig:
+    return DataConfig(**{"root": "unused", "image_size": 16, "crop_padding": 2, **kw})
+
+
+def test_index_sorted_classes_and_counts(image_root):
+    index = index_image_folder(image_root)
+    assert index.classes == sorted(index.classes) and len(index.classes) == 4
+    assert index.train.num_rows == 96 and index.val.num_rows == 24
+    assert index.train.column("sample_id").to_pylist() == list(range(96))
+    labels = index.train.column("label").to_pylist()
+    paths = index.train.column("path").to_pylist()
+    assert all(f"/{index.classes[label]}/" in p for p, label in zip(paths, labels))
+
+
+def test_transform_shapes_dtypes_normalisation(tmp_path):
+    gray = tmp_path / "gray.png"
+    Image.new("RGB", (16, 16), (128, 128, 128)).save(gray)
+    table = pa.table({"sample_id": [0], "path": [str(gray)], "row": [-1], "label": [3]})
+    out = transform_batch(batch_of(table), cfg=cfg(), seed=0, epoch=0, train=False)
+    assert out["image"].shape == (1, 3, 16, 16) and out["image"].dtype == np.float32
+    np.testing.assert_allclose(out["image"], (128 / 255 - 0.5) / 0.25, atol=1e-6)  # float32
+    assert out["label"].tolist() == [3] and out["valid"].tolist() == [True]
+
+
+def test_augmentation_is_a_function_of_seed_epoch_and_sample(image_root):
+    index = index_image_folder(image_root)
+    b = batch_of(index.train.slice(0, 8))
+    a1 = transform_batch(b, cfg=cfg(), seed=0, epoch=1, train=True)["image"]
+    a2 = transform_batch(b, cfg=cfg(), seed=0, epoch=1, train=True)["image"]
+    np.testing.assert_array_equal(a1, a2)
+    # same sample decoded in a different batch (another worker/task) gets the same augmentation
+    alone = transform_batch(batch_of(index.train.slice(3, 1)), cfg=cfg(), seed=0, epoch=1, train=True)["image"]
+    np.testing.assert_array_equal(alone[0], a1[3])
+    other_epoch = transform_batch(b, cfg=cfg(), seed=0, epoch=2, train=True)["image"]
+    assert not np.array_equal(a1, other_epoch)
+    evals = [transform_batch(b, cfg=cfg(), seed=s, epoch=e, train=False)["image"] for s, e in ((0, 0), (5, 9))]
+    np.testing.assert_array_equal(*evals)  # evaluation has no randomness
+
+
+@pytest.mark.parametrize("augment", ["crop_flip", "random_resized_crop", "none"])
+@pytest.mark.parametrize("mode,size", [("L", (16, 16)), ("RGBA", (16, 16)), ("RGB", (37, 23)), ("P", (8, 40))])
+def test_odd_images_are_converted_and_resized(tmp_path, augment, mode, size):
+    path = tmp_path / f"odd_{mode}.png"
+    Image.new(mode, size).save(path)
+    table = pa.table({"sample_id": [0], "path": [str(path)], "row": [-1], "label": [0]})
+    for train in (True, False):
+        out = transform_batch(batch_of(table), cfg=cfg(augment=augment), seed=0, epoch=0, train=train)
+        assert out["image"].shape == (1, 3, 16, 16)
+
+
+def write_parquet_copy(image_root, out_dir, rows_per_group=10):
+    """The ImageFolder data as parquet: HF-style {"bytes", "path"} image structs and class-name labels."""
+    index = index_image_folder(image_root)
+    files = {}
+    for split in ("train", "val"):
+        t = getattr(index, split)
+        images = [{"bytes": open(p, "rb").read(), "path": p} for p in t.column("path").to_pylist()]
+        labels = [index.classes[i] for i in t.column("label").to_pylist()]
+        files[split] = str(out_dir / f"{split}.parquet")
+        pq.write_table(pa.table({"img": images, "cls": labels}), files[split], row_group_size=rows_per_group)
+    return index, files
+
+
+def test_parquet_and_image_folder_yield_the_same_samples(image_root, tmp_path):
+    folder_index, files = write_parquet_copy(image_root, tmp_path)
+    pq_cfg = cfg(kind="image_parquet", train_files=[files["train"]], val_files=[files["val"]],
+                 image_column="img", label_column="cls")
+    pq_index = build_index(pq_cfg)
+    assert pq_index.classes == folder_index.classes
+    assert pq_index.train.column("label").equals(folder_index.train.column("label"))
+    # a scattered set of rows across row groups, decoded from both sources
+    rows = [0, 95, 11, 57, 30, 10, 9]
+    for train in (True, False):
+        a = transform_batch(batch_of(folder_index.train.take(rows)), cfg=cfg(), seed=0, epoch=1, train=train)
+        b = transform_batch(batch_of(pq_index.train.take(rows)), cfg=pq_cfg, seed=0, epoch=1, train=train)
+        np.testing.assert_array_equal(a["image"], b["image"])
+        np.testing.assert_array_equal(a["label"], b["label"])
+
+
+def test_parquet_missing_column_named(image_root, tmp_path):
+    _, files = write_parquet_copy(image_root, tmp_path)
+    bad = cfg(kind="image_parquet", train_files=[files["train"]], val_files=[files["val"]], image_column="image",
+              label_column="cls")
+    with pytest.raises(DataError, match=r"train.parquet has no column 'image' \(data.image_column\)"):
+        build_index(bad)
+    with pytest.raises(DataError, match="matches no file"):
+        build_index(cfg(kind="image_parquet", train_files=[str(tmp_path / "x*.parquet")], val_files=["y"]))
+
+
+def test_missing_folder_and_empty_class_named(tmp_path):
+    with pytest.raises(DataError, match=f"data folder {tmp_path / 'nope'} does not exist"):
+        index_image_folder(tmp_path / "nope")
+    for split in ("train", "val"):
+        (tmp_path / split / "cat").mkdir(parents=True)
+        Image.new("RGB", (4, 4)).save(tmp_path / split / "cat" / "a.png")
+    (tmp_path / "train" / "dog").mkdir()
+    with pytest.raises(DataError, match=f"class folder {tmp_path / 'train' / 'dog'} holds no"):
+        index_image_folder(tmp_path)
+
+
+def test_corrupt_image_named_or_dropped_within_budget(tmp_path):
+    good, bad = tmp_path / "good.png", tmp_path / "bad.png"
+    Image.new("RGB", (16, 16)).save(good)
+    bad.write_bytes(b"\x89PNG\r\n\x1a\n this is not an image")
+    table = pa.table({"sample_id": [0, 1], "path": [str(good), str(bad)], "row": [-1, -1], "label": [0, 1]})
+    with pytest.raises(BadSampleError, match=f"cannot decode image {bad}.*data.max_bad_samples"):
+        transform_batch(batch_of(table), cfg=cfg(), seed=0, epoch=0, train=True)
+    out = transform_batch(batch_of(table), cfg=cfg(max_bad_samples=1), seed=0, epoch=0, train=True)
+    assert out["valid"].tolist() == [True, False]
+
+
+def test_jpeg_is_read(tmp_path):
+    buf = io.BytesIO()
+    Image.new("RGB", (20, 20), (255, 0, 0)).save(buf, format="JPEG")
+    path = tmp_path / "red.JPG"
+    path.write_bytes(buf.getvalue())
+    table = pa.table({"sample_id": [0], "path": [str(path)], "row": [-1], "label": [0]})
+    out = transform_batch(batch_of(table), cfg=cfg(mean=[0, 0, 0], std=[1, 1, 1]), seed=0, epoch=0, train=False)
+    assert out["image"][0, 0].mean() > 0.9 and out["image"][0, 2].mean() < 0.1
