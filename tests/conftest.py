@@ -51,7 +51,9 @@ def ray_local():
     import ray
 
     ray.init(num_cpus=2, include_dashboard=False, logging_level="warning",
-             _temp_dir=tempfile.mkdtemp(prefix="ray-", dir=_SESSION_DIR))
+             _temp_dir=tempfile.mkdtemp(prefix="ray-", dir=_SESSION_DIR),
+             # workers import test-module functions (e.g. a custom train loop) by name, as pytest does
+             runtime_env={"env_vars": {"PYTHONPATH": str(Path(__file__).parent)}})
     yield
     ray.shutdown()
 

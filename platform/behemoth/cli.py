@@ -80,26 +80,26 @@ _USER_ERRORS = ("DataError", "BadSampleError", "CheckpointError", "ConfigError")
 
 
 def user_facing_error(exc: BaseException) -> str | None:
+    """The innermost behemoth message in an exception and what it wraps (causes, Ray worker failures)."""
     from behemoth.checkpoint import CheckpointError
     from behemoth.data.images import BadSampleError, DataError
 
-    seen = set()
-    todo = [exc]
+    found = []
+    todo, seen = [exc], set()
     while todo:
         e = todo.pop()
-        if id(e) in seen or e is None:
+        if e is None or id(e) in seen:
             continue
         seen.add(id(e))
         if isinstance(e, (DataError, BadSampleError, CheckpointError)):
             return str(e)
+        text = str(e)
+        # Ray re-raises worker exceptions as new types whose text holds "BadSampleError: <message>".
+        found += [text[text.rindex(f"{name}: ") + len(name) + 2:].splitlines()[0]
+                  for name in _USER_ERRORS if f"{name}: " in text]
         todo += [e.__cause__, e.__context__, getattr(e, "cause", None)]
-        todo += list(getattr(e, "worker_failures", {}).values()) if hasattr(e, "worker_failures") else []
-    text = str(exc)
-    for name in _USER_ERRORS:
-        marker = f"{name}: "
-        if marker in text:
-            return text[text.rindex(marker):].splitlines()[0]
-    return None
+        todo += list((getattr(e, "worker_failures", None) or {}).values())
+    return max(found, key=len) if found else None
 
 
 if __name__ == "__main__":

@@ -169,6 +169,7 @@ def _report(cfg, state, total_steps, epoch_steps, window, bad_ids, index, model,
             rank, world, micro_batch) -> None:
     metrics = _train_metrics(cfg, state, total_steps, epoch_steps, window, bad_ids, index,
                              lr=scheduler.get_last_lr()[0])
+    sync_buffers(model)
     if _eval_due(cfg, state, total_steps):
         metrics.update(evaluate(model, index, cfg, rank, world, micro_batch))
     if rank == 0:
@@ -208,6 +209,18 @@ def _train_metrics(cfg, state, total_steps, epoch_steps, window, bad_ids, index,
         "bad_samples": len(bad),
         "world_size": state.world_size,
     }
+
+
+def sync_buffers(model) -> None:
+    """Give every rank rank 0's buffers (BatchNorm running stats).
+
+    DDP broadcasts buffers at the start of each forward, so after a step every rank holds running stats
+    updated with its own micro-batch. Before evaluating or checkpointing, all ranks adopt rank 0's: the same
+    values DDP would broadcast at the next step, so evaluation is consistent and the checkpoint is the state.
+    """
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        for buffer in (model.module if hasattr(model, "module") else model).buffers():
+            dist.broadcast(buffer, src=0)
 
 
 def _all_reduce_sum(t: torch.Tensor) -> None:

@@ -1,0 +1,33 @@
+"""Bad input fails on the driver, before Ray starts, with one line that names the culprit."""
+
+import yaml
+
+from behemoth.cli import main
+from conftest import job_dict
+
+
+def test_missing_data_folder_fails_before_ray(tmp_path, capsys):
+    import ray
+
+    cfg = tmp_path / "job.yaml"
+    cfg.write_text(yaml.safe_dump(job_dict(tmp_path / "no_such_images", tmp_path / "runs")))
+    assert main(["train", str(cfg)]) == 1
+    err = capsys.readouterr().err
+    assert f"data folder {tmp_path / 'no_such_images'} does not exist" in err
+    assert not ray.is_initialized()
+    assert not (tmp_path / "runs").exists()
+
+
+def test_config_error_exit_code_and_message(tmp_path, capsys):
+    cfg = tmp_path / "job.yaml"
+    cfg.write_text(yaml.safe_dump(job_dict(tmp_path, tmp_path / "runs")))
+    assert main(["train", str(cfg), "--set", "train.epoch=3"]) == 2
+    assert "unknown key 'train.epoch'; did you mean 'train.epochs'" in capsys.readouterr().err
+
+
+def test_check_prints_config_and_data_summary(image_root, tmp_path, capsys):
+    cfg = tmp_path / "job.yaml"
+    cfg.write_text(yaml.safe_dump(job_dict(image_root, tmp_path / "runs")))
+    assert main(["check", str(cfg), "--set", "train.lr=0.2"]) == 0
+    out = capsys.readouterr().out
+    assert "lr: 0.2" in out and "96 train / 24 val samples, 4 classes" in out
