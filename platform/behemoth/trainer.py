@@ -48,11 +48,22 @@ def storage_path(cfg: JobConfig) -> str:
 
 
 def ensure_ray() -> None:
-    """Connect to the cluster named by RAY_ADDRESS (as under `ray job submit`), or start a local one."""
+    """Connect to the cluster named by RAY_ADDRESS (as under `ray job submit`), or start a local one.
+
+    On an existing cluster the nodes may not have behemoth installed: the package travels with the job as a
+    runtime_env `py_modules` entry (uploaded once, cached per node). A local instance shares this process's
+    environment and needs nothing.
+    """
     import ray
 
-    if not ray.is_initialized():
-        ray.init(logging_level="warning", log_to_driver=True)
+    if ray.is_initialized():
+        return
+    runtime_env = None
+    if os.environ.get("RAY_ADDRESS"):
+        import behemoth
+
+        runtime_env = {"py_modules": [os.path.dirname(behemoth.__file__)]}
+    ray.init(logging_level="warning", log_to_driver=True, runtime_env=runtime_env)
 
 
 def build_trainer(cfg: JobConfig, index: ImageIndex):
