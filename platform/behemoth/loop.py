@@ -8,6 +8,7 @@ operations (all-reduce, ray.train.report) the same number of times.
 
 from __future__ import annotations
 
+import logging
 import sys
 import tempfile
 import time
@@ -31,6 +32,9 @@ from behemoth.optim import build_optimizer, warmup_cosine
 
 def train_loop_per_worker(loop_config: dict) -> dict:
     cfg = config_from_dict(loop_config["job"], where="job config")
+    # Ray Train logs every report at INFO through the `ray` handler, which LoggingConfig does not filter
+    # on workers (2.60); keep the console to behemoth's progress lines and real warnings.
+    logging.getLogger("ray.train").setLevel(logging.WARNING)
     index: ImageIndex = ray.get(loop_config["index_ref"])
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
