@@ -24,6 +24,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("check", help="validate a job config and its data without starting Ray; print it")
     _add_config_args(p)
 
+    p = sub.add_parser("check-cluster", help="validate a Ray cluster YAML offline (Ray's schema) and lint its security")
+    p.add_argument("cluster_yaml")
+    p.add_argument("--job", dest="jobs", action="append", default=[], metavar="JOB_YAML",
+                   help="also check a job config meant for this cluster (e.g. its checkpoint storage path)")
+
     data = sub.add_parser("data", help="data utilities").add_subparsers(dest="data_command", required=True)
     p = data.add_parser("synth-images", help="write a learnable demo image dataset (ImageFolder of PNGs)")
     p.add_argument("--out", required=True, help="output folder; train/ and val/ are created inside")
@@ -51,6 +56,14 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _dispatch(args) -> int:
+    if args.command == "check-cluster":
+        from behemoth.cluster_check import check_cluster
+
+        findings = check_cluster(args.cluster_yaml, args.jobs)
+        for finding in findings:
+            print(f"{args.cluster_yaml}: {finding}", file=sys.stderr)
+        print(f"{args.cluster_yaml}: {len(findings)} problem(s)" if findings else f"{args.cluster_yaml}: OK")
+        return 1 if findings else 0
     if args.command == "data":
         from behemoth.data.synth import write_synth_images
 

@@ -32,9 +32,7 @@ from behemoth.optim import build_optimizer, warmup_cosine
 
 def train_loop_per_worker(loop_config: dict) -> dict:
     cfg = config_from_dict(loop_config["job"], where="job config")
-    # Ray Train logs every report at INFO through the `ray` handler, which LoggingConfig does not filter
-    # on workers (2.60); keep the console to behemoth's progress lines and real warnings.
-    logging.getLogger("ray.train").setLevel(logging.WARNING)
+    _quiet_ray_train_reports()
     index: ImageIndex = ray.get(loop_config["index_ref"])
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
@@ -238,6 +236,14 @@ def _union_across_ranks(ids: set) -> set:
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, sorted(ids))
     return set().union(*map(set, gathered))
+
+
+def _quiet_ray_train_reports() -> None:
+    """Keep the console to behemoth's progress lines: Ray 2.60 logs every report at INFO from a logger named
+    by its file path (not under `ray.train`), so RunConfig's LoggingConfig cannot filter it."""
+    from ray.train.v2._internal.execution import context as train_context
+
+    logging.getLogger(train_context.__file__).setLevel(logging.WARNING)
 
 
 def console(message: str) -> None:

@@ -1,0 +1,190 @@
+"""`behemoth check-cluster cluster.yaml`: validate a Ray cluster launcher config offline, then lint it.
+
+1. Ray's own checks, no cloud calls: `prepare_config` (merges the provider's defaults) and `validate_config`
+   (the autoscaler's JSON schema, head_node_type, worker counts).
+2. behemoth's security and correctness lints, on the config as `ray up` would run it (defaults merged):
+   Ray ports open to the world, token auth missing or its token not mounted, the dashboard bound to
+   0.0.0.0, SSH left to the launcher's world-open default, GPU nodes without declared GPUs, and (with
+   --job) a local checkpoint storage path on a multi-node cluster.
+Each finding names the key (and line) and the fix.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+RAY_PORTS = {8265: "dashboard / job API", 6379: "GCS", 10001: "Ray client"}
+WORLD = {"0.0.0.0/0", "::/0"}
+GPU_INSTANCE = re.compile(r"^(p\d|g\d|gr\d|dl\d|trn\d|inf\d)", re.IGNORECASE)
+DEFAULT_TOKEN_PATH = "~/.ray/auth_token"
+
+
+@dataclass
+class Finding:
+    key: str
+    problem: str
+    fix: str
+    line: int | None = None
+
+    def __str__(self) -> str:
+        where = f"{self.key} (line {self.line})" if self.line else self.key
+        return f"{where}: {self.problem}. Fix: {self.fix}"
+
+
+def check_cluster(path: str | Path, job_configs: list[str] | None = None) -> list[Finding]:
+    logging.getLogger("ray.autoscaler").setLevel(logging.WARNING)  # prepare_config's INFO chatter
+    text = Path(path).read_text()
+    try:
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        return [Finding("<file>", f"not valid YAML ({e})", "fix the syntax")]
+    lines = _line_index(text)
+    findings = _ray_schema(raw)
+    if findings:  # the lints assume a structurally valid config
+        return _with_lines(findings, lines)
+    from ray.autoscaler._private.util import prepare_config
+
+    prepared = prepare_config(copy.deepcopy(raw))
+    findings += _open_ports(raw) + _ssh_default(raw) + _token_auth(prepared) + _dashboard_host(prepared)
+    findings += _gpu_resources(raw) + _storage(raw, job_configs or [])
+    return _with_lines(findings, lines)
+
+
+def _ray_schema(raw) -> list[Finding]:
+    import jsonschema
+    from ray.autoscaler._private.util import prepare_config, validate_config
+
+    if not isinstance(raw, dict):
+        return [Finding("<file>", "must be a mapping", "start from cluster.yaml in the repository")]
+    try:
+        validate_config(prepare_config(copy.deepcopy(raw)))
+    except jsonschema.ValidationError as e:
+        key = ".".join(str(p) for p in e.absolute_path) or "<top level>"
+        return [Finding(key, f"Ray's cluster schema rejects it: {e.message}", "see Ray's cluster YAML reference")]
+    except (ValueError, KeyError, TypeError) as e:
+        key = "head_node_type" if "head_node_type" in str(e) else "<config>"
+        return [Finding(key, f"Ray rejects it: {e}", "correct the value")]
+    return []
+
+
+def _open_ports(raw: dict) -> list[Finding]:
+    out = []
+    rules = raw.get("provider", {}).get("security_group", {}).get("IpPermissions", [])
+    for i, rule in enumerate(rules):
+        cidrs = {r.get("CidrIp") for r in rule.get("IpRanges", [])} | {
+            r.get("CidrIpv6") for r in rule.get("Ipv6Ranges", [])}
+        if not cidrs & WORLD:
+            continue
+        all_ports = str(rule.get("IpProtocol", "tcp")) == "-1" or rule.get("FromPort", 0) == -1
+        lo, hi = (0, 65535) if all_ports else (rule.get("FromPort", 0), rule.get("ToPort", rule.get("FromPort", 0)))
+        for port, name in RAY_PORTS.items():
+            if lo <= port <= hi:
+                out.append(Finding(f"provider.security_group.IpPermissions[{i}]",
+                                   f"port {port} ({name}) is open to the world ({', '.join(sorted(cidrs & WORLD))})",
+                                   "remove the rule; reach the dashboard with `ray dashboard cluster.yaml` (SSH tunnel)"))
+    return out
+
+
+def _ssh_default(raw: dict) -> list[Finding]:
+    """Ray's AWS launcher adds SSH from 0.0.0.0/0 to any security group it creates itself."""
+    if raw.get("provider", {}).get("type") != "aws":
+        return []
+    missing = [name for name, t in raw["available_node_types"].items()
+               if not t.get("node_config", {}).get("SecurityGroupIds")]
+    return [Finding(f"available_node_types.{name}.node_config",
+                    "no SecurityGroupIds: Ray's launcher creates a group with SSH open to 0.0.0.0/0",
+                    "create a group with SSH from your CIDR only (see cluster.yaml's header) and list it")
+            for name in missing]
+
+
+def _token_auth(prepared: dict) -> list[Finding]:
+    out, token_paths = [], set()
+    for key in ("head_start_ray_commands", "worker_start_ray_commands"):
+        commands = " ; ".join(prepared.get(key) or [])
+        if "RAY_AUTH_MODE=token" not in commands:
+            out.append(Finding(key, "starts Ray without token authentication",
+                               "prefix `ray start` with `export RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH=~/.ray/auth_token;`"))
+        m = re.search(r"RAY_AUTH_TOKEN_PATH=(\S+?);?(\s|$)", commands)
+        token_paths.add(m.group(1) if m else DEFAULT_TOKEN_PATH)
+    mounts = {_home(dest) for dest in (prepared.get("file_mounts") or {})}
+    for token in sorted(token_paths):
+        if _home(token) not in mounts:
+            out.append(Finding("file_mounts", f"the auth token {token} is not mounted onto the nodes",
+                               f'add "{token}": "~/.ray/auth_token" (your local token, mode 0600, never committed)'))
+    return out
+
+
+def _dashboard_host(prepared: dict) -> list[Finding]:
+    commands = " ; ".join(prepared.get("head_start_ray_commands") or [])
+    if "--dashboard-host=0.0.0.0" in commands or "--dashboard-host 0.0.0.0" in commands:
+        return [Finding("head_start_ray_commands", "the dashboard binds to 0.0.0.0 (Ray's launcher default)",
+                        "use --dashboard-host=127.0.0.1 and `ray dashboard cluster.yaml` to reach it")]
+    return []
+
+
+def _gpu_resources(raw: dict) -> list[Finding]:
+    out = []
+    for name, node_type in raw["available_node_types"].items():
+        instance = str(node_type.get("node_config", {}).get("InstanceType", ""))
+        if GPU_INSTANCE.match(instance) and not node_type.get("resources", {}).get("GPU"):
+            out.append(Finding(f"available_node_types.{name}.resources",
+                               f"{instance} is a GPU instance but declares no GPU resources",
+                               'declare them, e.g. resources: {"CPU": 96, "GPU": 8}'))
+    return out
+
+
+def _storage(raw: dict, job_configs: list[str]) -> list[Finding]:
+    from behemoth.config import load_config
+
+    multi_node = raw.get("max_workers", 0) > 0 and any(
+        t.get("max_workers", 0) > 0 for t in raw["available_node_types"].values())
+    out = []
+    for job in job_configs:
+        path = load_config(job).checkpoint.storage_path
+        if multi_node and "://" not in path:
+            out.append(Finding(f"{job}: checkpoint.storage_path",
+                               f"'{path}' is a local path on a multi-node cluster: workers on other nodes "
+                               f"cannot reach it and a lost node loses its checkpoints",
+                               "use object storage, e.g. s3://my-bucket/behemoth-runs"))
+    return out
+
+
+def _home(path: str) -> str:
+    return re.sub(r"^(/home/[^/]+|/root|\$HOME)(?=/)", "~", path.rstrip("/"))
+
+
+def _line_index(text: str) -> dict[str, int]:
+    """Dotted key -> line number, for the keys of nested mappings (sequences by index)."""
+    index: dict[str, int] = {}
+
+    def walk(node, prefix: str) -> None:
+        if isinstance(node, yaml.MappingNode):
+            for k, v in node.value:
+                key = f"{prefix}.{k.value}" if prefix else str(k.value)
+                index[key] = k.start_mark.line + 1
+                walk(v, key)
+        elif isinstance(node, yaml.SequenceNode):
+            for i, v in enumerate(node.value):
+                index[f"{prefix}[{i}]"] = v.start_mark.line + 1
+                walk(v, f"{prefix}[{i}]")
+
+    try:
+        walk(yaml.compose(text), "")
+    except yaml.YAMLError:
+        pass
+    return index
+
+
+def _with_lines(findings: list[Finding], lines: dict[str, int]) -> list[Finding]:
+    for f in findings:
+        key = f.key
+        while key and f.line is None:
+            f.line = lines.get(key)
+            key = key.rsplit(".", 1)[0] if "." in key else ""
+    return findings
