@@ -57,16 +57,24 @@ def check_cluster(path: str | Path, job_configs: list[str] | None = None) -> lis
 
 
 def _ray_schema(raw) -> list[Finding]:
+    import json
+
     import jsonschema
+    import ray.autoscaler
     from ray.autoscaler._private.util import prepare_config, validate_config
 
     if not isinstance(raw, dict):
         return [Finding("<file>", "must be a mapping", "start from cluster.yaml in the repository")]
     try:
-        validate_config(prepare_config(copy.deepcopy(raw)))
-    except jsonschema.ValidationError as e:
-        key = ".".join(str(p) for p in e.absolute_path) or "<top level>"
-        return [Finding(key, f"Ray's cluster schema rejects it: {e.message}", "see Ray's cluster YAML reference")]
+        prepared = prepare_config(copy.deepcopy(raw))
+        # Every schema violation at once (validate_config stops at the first), then Ray's other checks.
+        schema = json.loads((Path(ray.autoscaler.__file__).parent / "ray-schema.json").read_text())
+        errors = sorted(jsonschema.Draft7Validator(schema).iter_errors(prepared), key=lambda e: list(e.path))
+        if errors:
+            return [Finding(".".join(str(p) for p in e.absolute_path) or "<top level>",
+                            f"Ray's cluster schema rejects it: {e.message}", "see Ray's cluster YAML reference")
+                    for e in errors]
+        validate_config(prepared)
     except (ValueError, KeyError, TypeError) as e:
         key = "head_node_type" if "head_node_type" in str(e) else "<config>"
         return [Finding(key, f"Ray rejects it: {e}", "correct the value")]

@@ -64,6 +64,16 @@ def ensure_ray() -> None:
 
         runtime_env = {"py_modules": [os.path.dirname(behemoth.__file__)]}
     ray.init(logging_level="warning", log_to_driver=True, runtime_env=runtime_env)
+    tighten_token_file()
+
+
+def tighten_token_file() -> str | None:
+    """Ray 2.60 writes the token it generates for a new local cluster as 0644; only its owner may read it."""
+    path = os.environ.get("RAY_AUTH_TOKEN_PATH") or os.path.expanduser("~/.ray/auth_token")
+    if os.path.isfile(path) and os.stat(path).st_mode & 0o077:
+        os.chmod(path, 0o600)
+        return path
+    return None
 
 
 def build_trainer(cfg: JobConfig, index: ImageIndex):

@@ -31,3 +31,17 @@ def test_check_prints_config_and_data_summary(image_root, tmp_path, capsys):
     assert main(["check", str(cfg), "--set", "train.lr=0.2"]) == 0
     out = capsys.readouterr().out
     assert "lr: 0.2" in out and "96 train / 24 val samples, 4 classes" in out
+
+
+def test_auth_token_file_is_made_owner_only(tmp_path, monkeypatch):
+    import stat
+
+    from behemoth.trainer import tighten_token_file
+
+    token = tmp_path / "auth_token"
+    token.write_text("x" * 64)
+    token.chmod(0o644)  # as Ray 2.60 writes a generated token
+    monkeypatch.setenv("RAY_AUTH_TOKEN_PATH", str(token))
+    assert tighten_token_file() == str(token)
+    assert stat.S_IMODE(token.stat().st_mode) == 0o600
+    assert tighten_token_file() is None  # already private: untouched
