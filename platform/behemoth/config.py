@@ -122,6 +122,8 @@ class CheckpointConfig:
     storage_path: str = "runs"
     # A fixed name makes a rerun resume from the run's latest checkpoint.
     run_name: str = "behemoth"
+    # A rerun whose data or model config differs from the run's checkpoints is refused unless this is true.
+    resume_changed_config: bool = False
 
     def validate(self) -> None:
         _positive("checkpoint.every_n_steps", self.every_n_steps)

@@ -117,7 +117,8 @@ def evaluate(model, index: ImageIndex, cfg: JobConfig, rank: int, world: int, ba
     """Top-1 accuracy and loss over the whole validation set, each sample on exactly one rank."""
     net = model.module if hasattr(model, "module") else model  # no DDP collectives inside eval
     net.eval()
-    totals = torch.zeros(3, dtype=torch.float64, device=ray.train.torch.get_device())  # loss, correct, n
+    # loss sum, correct, valid samples, undecodable samples (dropped within data.max_bad_samples)
+    totals = torch.zeros(4, dtype=torch.float64, device=ray.train.torch.get_device())
     indices = rank_eval_indices(index.val.num_rows, rank, world)
     if len(indices):
         ds = rank_dataset(index.val, indices, cfg.data, seed=cfg.train.seed, epoch=0, train=False,
@@ -127,11 +128,12 @@ def evaluate(model, index: ImageIndex, cfg: JobConfig, rank: int, world: int, ba
             logits = net(pixel_values=batch["image"]).logits
             losses = F.cross_entropy(logits, batch["label"], reduction="none")
             correct = (logits.argmax(dim=1) == batch["label"]) & valid
-            totals += torch.stack([losses[valid].sum(), correct.sum(), valid.sum()]).to(totals)
+            totals += torch.stack([losses[valid].sum(), correct.sum(), valid.sum(), (~valid).sum()]).to(totals)
     _all_reduce_sum(totals)
     net.train()
     n = max(totals[2].item(), 1.0)
-    return {"val_loss": totals[0].item() / n, "val_accuracy": totals[1].item() / n, "val_samples": int(n)}
+    return {"val_loss": totals[0].item() / n, "val_accuracy": totals[1].item() / n, "val_samples": int(n),
+            "val_bad_samples": int(totals[3].item())}
 
 
 def restore_latest(model, optimizer, scheduler) -> TrainState | None:

@@ -10,7 +10,11 @@ import os
 import time
 from dataclasses import dataclass
 
-from behemoth.config import JobConfig
+from pathlib import Path
+
+import yaml
+
+from behemoth.config import ConfigError, JobConfig
 from behemoth.data.images import ImageIndex, build_index
 
 
@@ -32,8 +36,9 @@ class RunSummary:
                        f"{m['val_samples']} samples)")
         resumed = f", resumed from step {self.resumed_from_step}" if self.resumed_from_step else ""
         out.append(f"steps:             {m.get('step')} ({m.get('samples_seen')} samples{resumed})")
-        if m.get("bad_samples"):
-            out.append(f"dropped images:    {m['bad_samples']} undecodable (data.max_bad_samples)")
+        if m.get("bad_samples") or m.get("val_bad_samples"):
+            out.append(f"dropped images:    {m.get('bad_samples', 0)} undecodable in train, "
+                       f"{m.get('val_bad_samples', 0)} in val (data.max_bad_samples)")
         out.append(f"latest checkpoint: {self.latest_checkpoint}")
         if self.best_checkpoint:
             out.append(f"best checkpoint:   {self.best_checkpoint} (val_acc {self.best_val_accuracy:.4f})")
@@ -104,8 +109,34 @@ def build_trainer(cfg: JobConfig, index: ImageIndex):
     )
 
 
+# Keys that may change between a run and its resumption: they change speed or bookkeeping, not what is learnt.
+_RESUMABLE_CHANGES = {"data.prefetch_batches", "data.cpus_per_task", "data.max_bad_samples"}
+
+
+def check_resume_compatible(cfg: JobConfig) -> None:
+    """Refuse to resume a run whose latest local checkpoint was trained on another data or model config."""
+    run_dir = Path(storage_path(cfg)) / cfg.checkpoint.run_name
+    if "://" in str(run_dir) or not run_dir.is_dir() or cfg.checkpoint.resume_changed_config:
+        return
+    saved = sorted(run_dir.glob("checkpoint_*/job.yaml"))
+    if not saved:
+        return
+    before = yaml.safe_load(saved[-1].read_text()) or {}
+    now = cfg.to_dict()
+    changed = [f"{section}.{key}: {before.get(section, {}).get(key)!r} -> {value!r}"
+               for section in ("data", "model") for key, value in now[section].items()
+               if before.get(section, {}).get(key) != value and f"{section}.{key}" not in _RESUMABLE_CHANGES]
+    if changed:
+        raise ConfigError(
+            f"run '{cfg.checkpoint.run_name}' in {run_dir} was trained with a different config "
+            f"({saved[-1].parent.name}): {'; '.join(changed)}. Start a new run with another "
+            f"checkpoint.run_name, or resume anyway with --set checkpoint.resume_changed_config=true"
+        )
+
+
 def train(cfg: JobConfig) -> RunSummary:
     """Run (or resume, if the run name already has checkpoints) one training job. Blocks until it ends."""
+    check_resume_compatible(cfg)
     index = build_index(cfg.data)  # checks the data before Ray starts
     ensure_ray()
     started = time.time()

@@ -40,6 +40,8 @@ def cluster(tmp_path_factory):
     token.chmod(0o600)
     env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token)}
     env.pop("RAY_ADDRESS", None)
+    # As a user who started Ray from the activated environment: the job's `python` is this environment's.
+    env["PATH"] = f"{BIN}{os.pathsep}{env.get('PATH', '')}"
     gcs_port, dash_port = _free_port(), _free_port()
     temp_dir = tempfile.mkdtemp(prefix="rayh-")  # short: Ray's socket paths have a length limit
     start = [str(BIN / "ray"), "start", "--head", "--node-ip-address=127.0.0.1", f"--port={gcs_port}",

@@ -1,6 +1,7 @@
 """Real Ray, real DDP over gloo, real Ray Data pipelines, a tiny ResNet. One Ray instance for the module."""
 
 import shutil
+from pathlib import Path
 
 import pytest
 import ray
@@ -95,6 +96,20 @@ def test_run_checkpoints_then_same_name_resumes_exactly(image_root, tmp_path):
     a, b = _final_weights(resumed), _final_weights(straight)
     assert all(torch.equal(a[k], b[k]) for k in a)
 
+    # The latest checkpoint (step 9) is damaged on disk: the next rerun names it, skips it and resumes
+    # from the newest one that passes its manifest (step 6) instead of crashing or starting over.
+    latest = Path(resumed.latest_checkpoint)
+    weights = (latest / "model.pt").read_bytes()
+    (latest / "model.pt").write_bytes(weights[: len(weights) // 2])
+    fallback = train(config_from_dict(job_dict(image_root, storage, "resume", train={"max_steps": 12, **constant_lr})))
+    assert fallback.resumed_from_step == 6 and fallback.metrics["step"] == 12
+    # New checkpoints go to new folders (the damaged one is never written into; retention, keep=2, then
+    # evicts it as the oldest) and verify.
+    assert Path(fallback.latest_checkpoint) != latest
+    from behemoth.checkpoint import verify
+
+    verify(fallback.latest_checkpoint)
+
 
 @pytest.fixture
 def images_with_corrupt_file(image_root, tmp_path):
@@ -121,4 +136,4 @@ def test_corrupt_image_within_budget_is_dropped_and_counted(images_with_corrupt_
     cfg.write_text(yaml.safe_dump(job))
     assert main(["train", str(cfg)]) == 0
     out = capsys.readouterr().out
-    assert "dropped images:    1 undecodable" in out and "final val_acc:" in out
+    assert "dropped images:    1 undecodable in train, 0 in val" in out and "final val_acc:" in out

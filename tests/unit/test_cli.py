@@ -45,3 +45,30 @@ def test_auth_token_file_is_made_owner_only(tmp_path, monkeypatch):
     assert tighten_token_file() == str(token)
     assert stat.S_IMODE(token.stat().st_mode) == 0o600
     assert tighten_token_file() is None  # already private: untouched
+
+
+def test_resume_with_a_changed_model_or_data_config_is_refused(tmp_path):
+    import pytest
+
+    from behemoth.config import ConfigError, config_from_dict, dump_yaml
+    from behemoth.trainer import check_resume_compatible
+
+    job = job_dict(tmp_path / "images", tmp_path / "runs", "r1")
+    saved = tmp_path / "runs" / "r1" / "checkpoint_2026-01-01_00-00-00.000000"
+    saved.mkdir(parents=True)
+    (saved / "job.yaml").write_text(dump_yaml(config_from_dict(job)))
+
+    same = config_from_dict({**job, "train": {**job["train"], "epochs": 5},
+                             "data": {**job["data"], "prefetch_batches": 4}})
+    check_resume_compatible(same)  # longer training, more prefetch: fine
+
+    other_model = config_from_dict({**job, "model": {"name": "resnet18_cifar"}})
+    with pytest.raises(ConfigError, match=r"model.name: 'resnet_tiny_cifar' -> 'resnet18_cifar'.*resume_changed_config"):
+        check_resume_compatible(other_model)
+    other_data = config_from_dict({**job, "data": {**job["data"], "image_size": 32}})
+    with pytest.raises(ConfigError, match=r"data.image_size: 16 -> 32"):
+        check_resume_compatible(other_data)
+    other_data.checkpoint.resume_changed_config = True
+    check_resume_compatible(other_data)
+    check_resume_compatible(config_from_dict({**job, "model": {"name": "resnet18_cifar"},
+                                              "checkpoint": {**job["checkpoint"], "run_name": "fresh"}}))
