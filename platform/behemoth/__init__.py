@@ -1,4 +1,4 @@
-"""behemoth: elastic, fault-tolerant training on Ray.
+"""behemoth: fault-tolerant distributed training on Ray.
 
 Driver side: `behemoth.trainer.train(cfg)`; worker side: `behemoth.loop.train_loop_per_worker`.
 """

@@ -15,7 +15,9 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="behemoth", description="Elastic, fault-tolerant training on Ray.")
+    parser = argparse.ArgumentParser(
+        prog="behemoth", description="Fault-tolerant distributed training on Ray (Ray Data + Ray Train DDP)."
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("train", help="train (or resume, same checkpoint.run_name) a job on Ray")
