@@ -43,7 +43,7 @@ def save(directory: str | Path, *, model, optimizer, scheduler, state: TrainStat
     """Write a complete checkpoint into `directory`; the manifest goes last, so its presence means complete."""
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
-    torch.save(_unwrap(model).state_dict(), d / "model.pt")
+    torch.save(unwrap(model).state_dict(), d / "model.pt")
     torch.save(optimizer.state_dict(), d / "optimizer.pt")
     torch.save(scheduler.state_dict(), d / "scheduler.pt")
     (d / "train_state.json").write_text(json.dumps(asdict(state), indent=1))
@@ -85,7 +85,7 @@ def load(directory: str | Path, *, model, optimizer=None, scheduler=None) -> Tra
     """Verify, then restore the given objects in place. Returns the saved TrainState."""
     d = Path(directory)
     verify(d)
-    _unwrap(model).load_state_dict(torch.load(d / "model.pt", map_location="cpu", weights_only=True))
+    unwrap(model).load_state_dict(torch.load(d / "model.pt", map_location="cpu", weights_only=True))
     if optimizer is not None:
         optimizer.load_state_dict(torch.load(d / "optimizer.pt", map_location="cpu", weights_only=True))
     if scheduler is not None:
@@ -97,7 +97,8 @@ def read_state(directory: str | Path) -> TrainState:
     return TrainState(**json.loads((Path(directory) / "train_state.json").read_text()))
 
 
-def _unwrap(model):
+def unwrap(model):
+    """The model inside a DDP wrapper (or the model itself)."""
     return model.module if hasattr(model, "module") else model
 
 

@@ -45,18 +45,16 @@ def check_cluster(path: str | Path, job_configs: list[str] | None = None) -> lis
     except yaml.YAMLError as e:
         return [Finding("<file>", f"not valid YAML ({e})", "fix the syntax")]
     lines = _line_index(text)
-    findings = _ray_schema(raw)
+    prepared, findings = _ray_schema(raw)
     if findings:  # the lints assume a structurally valid config
         return _with_lines(findings, lines)
-    from ray.autoscaler._private.util import prepare_config
-
-    prepared = prepare_config(copy.deepcopy(raw))
     findings += _open_ports(raw) + _ssh_default(raw) + _token_auth(prepared) + _dashboard_host(prepared)
     findings += _gpu_resources(raw) + _storage(raw, job_configs or [])
     return _with_lines(findings, lines)
 
 
-def _ray_schema(raw) -> list[Finding]:
+def _ray_schema(raw) -> tuple[dict, list[Finding]]:
+    """The config with the provider's defaults merged (as `ray up` runs it), and Ray's objections to it."""
     import json
 
     import jsonschema
@@ -64,21 +62,21 @@ def _ray_schema(raw) -> list[Finding]:
     from ray.autoscaler._private.util import prepare_config, validate_config
 
     if not isinstance(raw, dict):
-        return [Finding("<file>", "must be a mapping", "start from cluster.yaml in the repository")]
+        return {}, [Finding("<file>", "must be a mapping", "start from cluster.yaml in the repository")]
     try:
         prepared = prepare_config(copy.deepcopy(raw))
         # Every schema violation at once (validate_config stops at the first), then Ray's other checks.
         schema = json.loads((Path(ray.autoscaler.__file__).parent / "ray-schema.json").read_text())
         errors = sorted(jsonschema.Draft7Validator(schema).iter_errors(prepared), key=lambda e: list(e.path))
         if errors:
-            return [Finding(".".join(str(p) for p in e.absolute_path) or "<top level>",
-                            f"Ray's cluster schema rejects it: {e.message}", "see Ray's cluster YAML reference")
-                    for e in errors]
+            return prepared, [Finding(".".join(str(p) for p in e.absolute_path) or "<top level>",
+                                      f"Ray's cluster schema rejects it: {e.message}",
+                                      "see Ray's cluster YAML reference") for e in errors]
         validate_config(prepared)
     except (ValueError, KeyError, TypeError) as e:
         key = "head_node_type" if "head_node_type" in str(e) else "<config>"
-        return [Finding(key, f"Ray rejects it: {e}", "correct the value")]
-    return []
+        return {}, [Finding(key, f"Ray rejects it: {e}", "correct the value")]
+    return prepared, []
 
 
 def _open_ports(raw: dict) -> list[Finding]:

@@ -21,7 +21,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from behemoth import checkpoint
-from behemoth.checkpoint import CheckpointError, TrainState
+from behemoth.checkpoint import CheckpointError, TrainState, unwrap
 from behemoth.config import JobConfig, config_from_dict, dump_yaml
 from behemoth.data.images import BadSampleError, ImageIndex, describe_samples, rank_dataset
 from behemoth.data.order import rank_eval_indices, rank_train_indices, steps_per_epoch
@@ -115,7 +115,7 @@ def train_step(model, optimizer, scheduler, batch: dict, cfg: JobConfig):
 @torch.no_grad()
 def evaluate(model, index: ImageIndex, cfg: JobConfig, rank: int, world: int, batch_size: int) -> dict:
     """Top-1 accuracy and loss over the whole validation set, each sample on exactly one rank."""
-    net = model.module if hasattr(model, "module") else model  # no DDP collectives inside eval
+    net = unwrap(model)  # no DDP collectives inside eval
     net.eval()
     # loss sum, correct, valid samples, undecodable samples (dropped within data.max_bad_samples)
     totals = torch.zeros(4, dtype=torch.float64, device=ray.train.torch.get_device())
@@ -173,12 +173,15 @@ def _report(cfg, state, total_steps, epoch_steps, window, bad_ids, index, model,
             rank, world, micro_batch) -> None:
     metrics = _train_metrics(cfg, state, total_steps, epoch_steps, window, bad_ids, index,
                              lr=scheduler.get_last_lr()[0])
-    sync_buffers(model)
-    if _eval_due(cfg, state, total_steps):
+    evaluate_now = _eval_due(cfg, state, total_steps)
+    checkpoint_now = state.step % cfg.checkpoint.every_n_steps == 0 or state.step >= total_steps
+    if evaluate_now or checkpoint_now:
+        sync_buffers(model)
+    if evaluate_now:
         metrics.update(evaluate(model, index, cfg, rank, world, micro_batch))
     if rank == 0:
         console(progress_line(metrics, total_steps, cfg.train.epochs))
-    if not (state.step % cfg.checkpoint.every_n_steps == 0 or state.step >= total_steps):
+    if not checkpoint_now:
         ray.train.report(metrics)
         return
     with tempfile.TemporaryDirectory() as tmp:
@@ -222,18 +225,22 @@ def sync_buffers(model) -> None:
     updated with its own micro-batch. Before evaluating or checkpointing, all ranks adopt rank 0's: the same
     values DDP would broadcast at the next step, so evaluation is consistent and the checkpoint is the state.
     """
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        for buffer in (model.module if hasattr(model, "module") else model).buffers():
+    if _distributed():
+        for buffer in unwrap(model).buffers():
             dist.broadcast(buffer, src=0)
 
 
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
 def _all_reduce_sum(t: torch.Tensor) -> None:
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+    if _distributed():
         dist.all_reduce(t, op=dist.ReduceOp.SUM)
 
 
 def _union_across_ranks(ids: set) -> set:
-    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+    if not _distributed():
         return set(ids)
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, sorted(ids))

@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass
-
 from pathlib import Path
 
 import yaml
