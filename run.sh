@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # behemoth's two set-up-and-run commands (see README):
 #   ./run.sh demo   set up, make the demo images, train the demo job on a local Ray instance (2 workers)
+#   ./run.sh demo-lm  the same for the language-model demo (generated stories, local BPE tokenizer)
 #   ./run.sh test   set up, run the test suite (extra arguments go to pytest)
 # Set-up is idempotent: a virtual environment in .venv (BEHEMOTH_VENV to move it), reinstalled only when
 # pyproject.toml changes.
@@ -36,12 +37,19 @@ case "$cmd" in
     [ -d data/demo_images/train ] || "$VENV/bin/behemoth" data synth-images --out data/demo_images
     exec "$VENV/bin/behemoth" train jobs/configs/demo_images.yaml "$@"
     ;;
+  demo-lm)
+    setup
+    [ -f data/demo_text/train.jsonl ] || "$VENV/bin/behemoth" data synth-text --out data/demo_text
+    [ -f data/demo_text/tokenizer/tokenizer.json ] || "$VENV/bin/behemoth" data train-tokenizer \
+      data/demo_text/train.jsonl --vocab-size 1024 --out data/demo_text/tokenizer
+    exec "$VENV/bin/behemoth" train jobs/configs/demo_lm.yaml "$@"
+    ;;
   test)
     setup
     exec "$VENV/bin/python" -m pytest tests "$@"
     ;;
   *)
-    echo "usage: ./run.sh demo [--set KEY=VALUE ...] | ./run.sh test [pytest args]" >&2
+    echo "usage: ./run.sh demo|demo-lm [--set KEY=VALUE ...] | ./run.sh test [pytest args]" >&2
     exit 2
     ;;
 esac

@@ -73,3 +73,36 @@ def job_dict(image_root: Path, storage: Path, run_name: str = "t", **sections) -
     for section, values in sections.items():
         job[section].update(values)
     return job
+
+
+@pytest.fixture(scope="session")
+def text_corpus(tmp_path_factory) -> Path:
+    """A small generated story corpus (train.jsonl 240 documents, val.jsonl 40) and a BPE tokenizer for it."""
+    from behemoth.data.synth_text import write_synth_text
+    from behemoth.data.tokenizer import train_tokenizer
+
+    root = tmp_path_factory.mktemp("text")
+    write_synth_text(root, train_documents=240, val_documents=40, seed=3)
+    train_tokenizer([str(root / "train.jsonl")], root / "tokenizer", vocab_size=400)
+    return root
+
+
+def lm_job_dict(corpus: Path, storage: Path, run_name: str = "lm", **sections) -> dict:
+    """A tiny causal-LM job: 2 workers, blocks of 32 tokens, a 2-layer Llama of width 32."""
+    job = {
+        "data": {"kind": "text", "train_files": [str(corpus / "train.jsonl")],
+                 "val_files": [str(corpus / "val.jsonl")], "tokenizer": str(corpus / "tokenizer"), "seq_len": 32,
+                 "cache_dir": str(storage / "cache"), "cpus_per_task": 0.25},
+        "model": {"name": "causal_lm", "hf_config": {
+            "model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+            "num_attention_heads": 2, "num_key_value_heads": 1, "max_position_embeddings": 32}},
+        "train": {"epochs": 1, "max_steps": 16, "global_batch_size": 16, "optimizer": "adamw", "lr": 0.01,
+                  "weight_decay": 0.0, "warmup_steps": 2, "log_every": 4},
+        "scaling": {"num_workers": 2, "cpus_per_worker": 0.5, "torch_threads": 1},
+        "checkpoint": {"every_n_steps": 8, "keep": 3, "storage_path": str(storage), "run_name": run_name},
+        "eval": {"every_n_steps": 8, "per_epoch": False},
+        "failure": {"max_failures": 0},
+    }
+    for section, values in sections.items():
+        job[section].update(values)
+    return job

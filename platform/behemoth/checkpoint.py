@@ -2,6 +2,7 @@
 
 A checkpoint directory holds:
   model.pt, optimizer.pt, scheduler.pt   torch state dicts (the model unwrapped from DDP)
+  scaler.pt                              the fp16 gradient scaler's state (train.precision fp16 only)
   train_state.json                       step, epoch, step in epoch, samples consumed, world size
   classes.json                           class index -> name (image jobs)
   job.yaml                               the job config that produced it
@@ -39,13 +40,15 @@ class TrainState:
 
 
 def save(directory: str | Path, *, model, optimizer, scheduler, state: TrainState, classes: list[str] | None,
-         job_yaml: str) -> Path:
+         job_yaml: str, scaler=None) -> Path:
     """Write a complete checkpoint into `directory`; the manifest goes last, so its presence means complete."""
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
     torch.save(unwrap(model).state_dict(), d / "model.pt")
     torch.save(optimizer.state_dict(), d / "optimizer.pt")
     torch.save(scheduler.state_dict(), d / "scheduler.pt")
+    if scaler is not None and scaler.is_enabled():
+        torch.save(scaler.state_dict(), d / "scaler.pt")
     (d / "train_state.json").write_text(json.dumps(asdict(state), indent=1))
     if classes is not None:
         (d / "classes.json").write_text(json.dumps(classes))
@@ -81,7 +84,7 @@ def verify(directory: str | Path) -> dict:
     return manifest
 
 
-def load(directory: str | Path, *, model, optimizer=None, scheduler=None) -> TrainState:
+def load(directory: str | Path, *, model, optimizer=None, scheduler=None, scaler=None) -> TrainState:
     """Verify, then restore the given objects in place. Returns the saved TrainState."""
     d = Path(directory)
     verify(d)
@@ -90,6 +93,8 @@ def load(directory: str | Path, *, model, optimizer=None, scheduler=None) -> Tra
         optimizer.load_state_dict(torch.load(d / "optimizer.pt", map_location="cpu", weights_only=True))
     if scheduler is not None:
         scheduler.load_state_dict(torch.load(d / "scheduler.pt", weights_only=True))
+    if scaler is not None and scaler.is_enabled() and (d / "scaler.pt").is_file():
+        scaler.load_state_dict(torch.load(d / "scaler.pt", weights_only=True))
     return TrainState(**json.loads((d / "train_state.json").read_text()))
 
 

@@ -39,6 +39,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--val-per-class", type=int, default=50)
     p.add_argument("--size", type=int, default=32, help="image side in pixels")
     p.add_argument("--seed", type=int, default=0)
+
+    p = data.add_parser("synth-text", help="write a learnable demo text corpus (train.jsonl, val.jsonl)")
+    p.add_argument("--out", required=True, help="output folder")
+    p.add_argument("--train-documents", type=int, default=4000)
+    p.add_argument("--val-documents", type=int, default=400)
+    p.add_argument("--seed", type=int, default=0)
+
+    p = data.add_parser("train-tokenizer", help="train a byte-level BPE tokenizer on text files, saved for "
+                        "AutoTokenizer.from_pretrained (EOS <|endoftext|>)")
+    p.add_argument("files", nargs="+", help=".txt, .jsonl or .parquet files (as data.train_files reads them)")
+    p.add_argument("--out", required=True, help="output folder (use it as data.tokenizer)")
+    p.add_argument("--vocab-size", type=int, default=4096)
+    p.add_argument("--text-field", default="text", help="JSONL field / parquet column (data.text_field)")
+    p.add_argument("--document", choices=["line", "file"], default="line", help=".txt: a document per line "
+                   "or per file (data.document)")
     return parser
 
 
@@ -67,26 +82,53 @@ def _dispatch(args) -> int:
         print(f"{args.cluster_yaml}: {len(findings)} problem(s)" if findings else f"{args.cluster_yaml}: OK")
         return 1 if findings else 0
     if args.command == "data":
-        from behemoth.data.synth import write_synth_images
-
-        counts = write_synth_images(args.out, args.classes, args.per_class, args.val_per_class, args.size,
-                                    args.seed)
-        print(f"wrote {counts['train']} train and {counts['val']} val images to {args.out}")
-        return 0
+        return _data_command(args)
     cfg = load_config(args.config, args.overrides)
     if args.command == "check":
-        from behemoth.data.images import build_index
-
-        index = build_index(cfg.data)
         print(dump_yaml(cfg), end="")
-        print(f"# data: {index.train.num_rows} train / {index.val.num_rows} val samples, "
-              f"{len(index.classes)} classes")
+        print(f"# data: {_check_data(cfg)}")
         return 0
     from behemoth.trainer import train
 
     summary = train(cfg)
     print("\n".join(["[behemoth] run finished"] + [f"  {line}" for line in summary.lines()]))
     return 0
+
+
+def _data_command(args) -> int:
+    if args.data_command == "synth-images":
+        from behemoth.data.synth import write_synth_images
+
+        counts = write_synth_images(args.out, args.classes, args.per_class, args.val_per_class, args.size,
+                                    args.seed)
+        print(f"wrote {counts['train']} train and {counts['val']} val images to {args.out}")
+    elif args.data_command == "synth-text":
+        from behemoth.data.synth_text import write_synth_text
+
+        counts = write_synth_text(args.out, args.train_documents, args.val_documents, args.seed)
+        print(f"wrote {counts['train']} train and {counts['val']} val documents to {args.out}/{{train,val}}.jsonl")
+    else:
+        from behemoth.data.tokenizer import train_tokenizer
+
+        tok = train_tokenizer(args.files, args.out, args.vocab_size, args.text_field, args.document)
+        print(f"wrote a byte-level BPE tokenizer ({len(tok)} tokens, eos {tok.eos_token!r}) to {args.out}")
+    return 0
+
+
+def _check_data(cfg) -> str:
+    """What can be checked without Ray: images are indexed; text files, columns and the tokenizer checked."""
+    from behemoth.tasks import is_text
+
+    if is_text(cfg):
+        from behemoth.data.text import check_text_sources, load_tokenizer
+
+        units = check_text_sources(cfg.data)
+        source = cfg.data.hf_dataset or f"{len({u.path for u in units})} files in {len(units)} work units"
+        return f"text: {source}; tokenizer {len(load_tokenizer(cfg.data.tokenizer))} tokens (tokenised at train time)"
+    from behemoth.data.images import build_index
+
+    index = build_index(cfg.data)
+    return f"{index.train.num_rows} train / {index.val.num_rows} val samples, {len(index.classes)} classes"
 
 
 # Errors behemoth raises for bad input. Inside a failed Ray Train run they arrive wrapped in Ray's
@@ -97,7 +139,8 @@ _USER_ERRORS = ("DataError", "BadSampleError", "CheckpointError", "ConfigError")
 def user_facing_error(exc: BaseException) -> str | None:
     """The innermost behemoth message in an exception and what it wraps (causes, Ray worker failures)."""
     from behemoth.checkpoint import CheckpointError
-    from behemoth.data.images import BadSampleError, DataError
+    from behemoth.data import DataError
+    from behemoth.data.images import BadSampleError
 
     found = []
     todo, seen = [exc], set()

@@ -21,12 +21,16 @@ class ConfigError(ValueError):
     """A job config that cannot run. The message names the file, the key and the fix."""
 
 
+TEXT_KINDS = ("text",)
+
+
 @dataclass
 class DataConfig:
-    kind: Literal["image_folder", "image_parquet"] = "image_folder"
+    # image_folder / image_parquet: image classification. text: causal language modelling.
+    kind: Literal["image_folder", "image_parquet", "text"] = "image_folder"
     # image_folder: ROOT/{train,val}/<class>/*.{png,jpg,jpeg}
     root: str = ""
-    # image_parquet: files (or globs) holding an image-bytes column and a label column
+    # image_parquet and text: files (or globs). Text with no val_files splits off val_fraction of documents.
     train_files: list[str] = field(default_factory=list)
     val_files: list[str] = field(default_factory=list)
     image_column: str = "image"
@@ -43,7 +47,30 @@ class DataConfig:
     # CPUs each Ray Data decode/augment task reserves (fractions allowed on small machines).
     cpus_per_task: float = 1.0
 
+    # --- text (kind: text) -------------------------------------------------------------------------------
+    # auto: from the file suffix (.txt, .jsonl/.json, .parquet), or hf_dataset when data.hf_dataset is set.
+    text_format: Literal["auto", "txt", "jsonl", "parquet", "hf_dataset"] = "auto"
+    # The JSONL field, parquet column or Hugging Face dataset column holding a document's text.
+    text_field: str = "text"
+    # .txt files: one document per line (empty lines skipped), or one document per file.
+    document: Literal["line", "file"] = "line"
+    # Without val_files: this fraction of documents (chosen by a hash of the text and train.seed) is validation.
+    val_fraction: float = 0.0
+    # A Hugging Face dataset: a folder written by Dataset(Dict).save_to_disk, or a hub name (needs network).
+    hf_dataset: str = ""
+    hf_config_name: Optional[str] = None
+    train_split: str = "train"
+    val_split: str = "validation"
+    # A fast tokenizer: a local from_pretrained folder (behemoth data train-tokenizer) or a hub name.
+    tokenizer: str = ""
+    # Tokens per training sample: documents joined with EOS and cut into blocks of seq_len.
+    seq_len: int = 512
+    # Tokenised, packed corpora are kept here, keyed by a fingerprint of sources, tokenizer and seq_len.
+    cache_dir: str = "data_cache"
+
     def validate(self) -> None:
+        if self.kind in TEXT_KINDS:
+            return self._validate_text()
         if self.kind == "image_folder" and not self.root:
             raise ConfigError("data.root is empty: set it to the folder holding train/ and val/")
         if self.kind == "image_parquet" and not (self.train_files and self.val_files):
@@ -55,16 +82,44 @@ class DataConfig:
             raise ConfigError("data.max_bad_samples, data.crop_padding and data.prefetch_batches must be >= 0")
         _positive("data.cpus_per_task", self.cpus_per_task)
 
+    def _validate_text(self) -> None:
+        if not (self.train_files or self.hf_dataset):
+            raise ConfigError("data.kind is text: set data.train_files (txt, jsonl or parquet files) "
+                              "or data.hf_dataset")
+        if self.train_files and self.hf_dataset:
+            raise ConfigError("data.train_files and data.hf_dataset are both set: keep one")
+        if not self.tokenizer:
+            raise ConfigError("data.tokenizer is empty: set a tokenizer folder or hub name "
+                              "(behemoth data train-tokenizer makes one from your corpus)")
+        if not 0 <= self.val_fraction < 1:
+            raise ConfigError(f"data.val_fraction must be in [0, 1), got {self.val_fraction}")
+        if self.train_files and not self.val_files and self.val_fraction == 0:
+            raise ConfigError("data: no validation text: set data.val_files or data.val_fraction (e.g. 0.05)")
+        if self.seq_len < 2:
+            raise ConfigError(f"data.seq_len must be >= 2, got {self.seq_len}")
+        _positive("data.cpus_per_task", self.cpus_per_task)
+
 
 @dataclass
 class ModelConfig:
-    # A name from behemoth.models.registry (e.g. resnet18, resnet50, resnet18_cifar, resnet_tiny_cifar).
+    # Image models: a name from behemoth.models.registry (resnet18, resnet50, resnet18_cifar,
+    # resnet_tiny_cifar). Text: causal_lm, any transformers AutoModelForCausalLM.
     name: str = "resnet18_cifar"
+    # causal_lm: weights from a local folder or hub name (AutoModelForCausalLM.from_pretrained) ...
+    pretrained: Optional[str] = None
+    # ... or a fresh model from a config: model_type plus sizes, e.g. {model_type: llama, hidden_size: 256}.
+    # With pretrained set, these keys override the pretrained config. vocab_size defaults to the tokenizer's.
+    hf_config: dict[str, Any] = field(default_factory=dict)
 
     def validate(self) -> None:
         from behemoth.models import registry  # light: no torch model is built here
 
         registry.check_name(self.name)
+        if self.name == "causal_lm" and not (self.pretrained or self.hf_config.get("model_type")):
+            raise ConfigError("model.name is causal_lm: set model.pretrained (a folder or hub name) or "
+                              "model.hf_config.model_type (e.g. llama) with its sizes")
+        if self.name != "causal_lm" and (self.pretrained or self.hf_config):
+            raise ConfigError(f"model.pretrained and model.hf_config are for causal_lm, not {self.name}")
 
 
 @dataclass
@@ -82,6 +137,11 @@ class TrainConfig:
     warmup_steps: int = 0
     min_lr_ratio: float = 0.0
     grad_clip: Optional[float] = None
+    # fp32, or autocast to bf16 (CPU and GPU) / fp16 (GPU only, with a gradient scaler). Weights stay fp32.
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    # Micro-batches per optimizer step on each worker: global_batch_size = micro-batch x grad_accum_steps x
+    # workers. Gradients are all-reduced once per step (DDP no_sync on the other micro-batches).
+    grad_accum_steps: int = 1
     seed: int = 0
     # Report metrics (and print a progress line) every N steps.
     log_every: int = 10
@@ -91,6 +151,7 @@ class TrainConfig:
         _positive("train.global_batch_size", self.global_batch_size)
         _positive("train.lr", self.lr)
         _positive("train.log_every", self.log_every)
+        _positive("train.grad_accum_steps", self.grad_accum_steps)
         if self.max_steps is not None:
             _positive("train.max_steps", self.max_steps)
         if self.warmup_steps < 0 or self.weight_decay < 0 or not 0 <= self.min_lr_ratio <= 1:
@@ -166,11 +227,20 @@ class JobConfig:
     def validate(self) -> None:
         for f in dataclasses.fields(self):
             getattr(self, f.name).validate()
-        if self.train.global_batch_size % self.scaling.num_workers:
+        text_data, lm = self.data.kind in TEXT_KINDS, self.model.name == "causal_lm"
+        if text_data != lm:
+            raise ConfigError(f"data.kind {self.data.kind} cannot train model.name {self.model.name}: text data "
+                              f"trains model.name causal_lm, image data an image model")
+        split = self.scaling.num_workers * self.train.grad_accum_steps
+        if self.train.global_batch_size % split:
             raise ConfigError(
                 f"train.global_batch_size {self.train.global_batch_size} is not divisible by "
-                f"scaling.num_workers {self.scaling.num_workers}: pick a multiple of the worker count"
+                f"scaling.num_workers {self.scaling.num_workers} x train.grad_accum_steps "
+                f"{self.train.grad_accum_steps}: pick a multiple of {split}"
             )
+        if self.train.precision == "fp16" and not self.scaling.use_gpu:
+            raise ConfigError("train.precision fp16 needs a GPU (its gradient scaler is CUDA-only): use bf16 "
+                              "on CPU, or set scaling.use_gpu: true")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -262,6 +332,10 @@ def _coerce(tp: Any, value: Any, where: str, key: str) -> Any:
             hint = f"; did you mean '{close[0]}'?" if close else ""
             raise ConfigError(f"{where}: {key} must be one of {list(args)}, got {value!r}{hint}")
         return value
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise _type_error(where, key, tp, value)
+        return {str(k): _coerce(args[1], v, where, f"{key}.{k}") for k, v in value.items()}
     if origin is list:
         if not isinstance(value, list):
             raise _type_error(where, key, tp, value)

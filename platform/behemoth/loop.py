@@ -1,5 +1,8 @@
 """Worker side: the function Ray Train runs on every worker. Reads top to bottom like a one-file script:
-config -> data index -> model (DDP) -> optimizer -> restore -> loop (step, report, evaluate, checkpoint).
+config -> task (data + model + loss) -> DDP -> optimizer -> restore -> loop (step, report, evaluate, checkpoint).
+
+What differs between image classification and language modelling lives in behemoth.tasks; this file is
+the same for both.
 
 It never imports ray.tune. Everything that decides *when* something happens (report, evaluate, checkpoint)
 depends only on the step counter, which is identical on every rank: all ranks call the collective
@@ -8,6 +11,8 @@ operations (all-reduce, ray.train.report) the same number of times.
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import logging
 import sys
 import tempfile
@@ -18,33 +23,34 @@ import ray.train
 import ray.train.torch
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from behemoth import checkpoint
 from behemoth.checkpoint import CheckpointError, TrainState, unwrap
 from behemoth.config import JobConfig, config_from_dict, dump_yaml
-from behemoth.data.images import BadSampleError, ImageIndex, describe_samples, rank_dataset
+from behemoth.data.images import BadSampleError
 from behemoth.data.order import rank_eval_indices, rank_train_indices, steps_per_epoch
 from behemoth.metrics import Window, data_wait_fraction, progress_line, throughput
-from behemoth.models.registry import build_model
 from behemoth.optim import build_optimizer, warmup_cosine
+from behemoth.precision import autocast, grad_scaler
+from behemoth.tasks import Task, make_task
 
 
 def train_loop_per_worker(loop_config: dict) -> dict:
     cfg = config_from_dict(loop_config["job"], where="job config")
     _quiet_ray_train_reports()
-    index: ImageIndex = ray.get(loop_config["index_ref"])
+    task: Task = make_task(cfg, ray.get(loop_config["data_ref"]))
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     if cfg.scaling.torch_threads:
         torch.set_num_threads(cfg.scaling.torch_threads)
 
-    # The plan: the global batch is fixed by the config and split evenly over the ranks.
-    global_batch = cfg.train.global_batch_size
-    micro_batch = global_batch // world
-    epoch_steps = steps_per_epoch(index.train.num_rows, global_batch)
+    # The plan: the global batch is fixed by the config, split evenly over the ranks and, on each rank,
+    # into grad_accum_steps micro-batches.
+    global_batch, accum = cfg.train.global_batch_size, cfg.train.grad_accum_steps
+    micro_batch = global_batch // (world * accum)
+    epoch_steps = steps_per_epoch(task.num_train_samples, global_batch)
     if epoch_steps == 0:
-        raise ValueError(f"train.global_batch_size {global_batch} exceeds the {index.train.num_rows} training "
+        raise ValueError(f"train.global_batch_size {global_batch} exceeds the {task.num_train_samples} training "
                          f"samples: lower it")
     total_steps = epoch_steps * cfg.train.epochs
     if cfg.train.max_steps:
@@ -52,12 +58,13 @@ def train_loop_per_worker(loop_config: dict) -> dict:
 
     # Same initial weights on every rank; prepare_model wraps in DDP (gloo on CPU, nccl on GPU).
     torch.manual_seed(cfg.train.seed)
-    model = ray.train.torch.prepare_model(build_model(cfg.model.name, len(index.classes)))
+    model = ray.train.torch.prepare_model(task.build_model())
     optimizer = build_optimizer(model, cfg.train)
     scheduler = warmup_cosine(optimizer, cfg.train, total_steps)
+    scaler = grad_scaler(ray.train.torch.get_device(), cfg.train.precision)
 
-    # Resume: the latest good checkpoint restores weights, optimizer, schedule and the data position.
-    state = restore_latest(model, optimizer, scheduler) or TrainState(world_size=world)
+    # Resume: the latest good checkpoint restores weights, optimizer, schedule, scaler and the data position.
+    state = restore_latest(model, optimizer, scheduler, scaler) or TrainState(world_size=world)
     if rank == 0 and state.step:
         console(f"resumed at step {state.step} (epoch {state.epoch}, step {state.step_in_epoch} in epoch)")
     state.world_size = world
@@ -66,20 +73,18 @@ def train_loop_per_worker(loop_config: dict) -> dict:
         if rank == 0:
             console(f"run already complete at step {state.step}: nothing to train")
         ray.train.report({"step": state.step, "epoch": state.step / epoch_steps, "samples_seen": state.samples_seen,
-                          **evaluate(model, index, cfg, rank, world, micro_batch)})
+                          **evaluate(model, task, rank, world, micro_batch)})
 
     window, bad_ids = Window(), set()
     while state.step < total_steps:
-        indices = rank_train_indices(index.train.num_rows, global_batch, cfg.train.seed, state.epoch,
+        indices = rank_train_indices(task.num_train_samples, global_batch, cfg.train.seed, state.epoch,
                                      rank, world, start_step=state.step_in_epoch)
-        ds = rank_dataset(index.train, indices, cfg.data, seed=cfg.train.seed, epoch=state.epoch, train=True,
-                          batch_size=micro_batch)
-        batches = ds.iter_torch_batches(batch_size=micro_batch, prefetch_batches=cfg.data.prefetch_batches)
-        for batch, wait_s in _timed(batches):
+        for micro_batches, wait_s in _timed(_grouped(task.train_batches(indices, state.epoch, micro_batch), accum)):
             # Reseed per step: dropout and the like draw from (seed, rank, step), so a resume is exact.
             torch.manual_seed(hash((cfg.train.seed, rank, state.step)) % 2**63)
-            loss_sum, n_valid = train_step(model, optimizer, scheduler, batch, cfg)
-            bad_ids.update(batch["sample_id"][~batch["valid"]].tolist())
+            loss_sum, n_valid = train_step(model, optimizer, scheduler, scaler, micro_batches, cfg, task)
+            for batch in micro_batches:
+                bad_ids.update(task.bad_sample_ids(batch))
             window.add(loss_sum, n_valid, wait_s)
             state.step += 1
             state.step_in_epoch += 1
@@ -87,8 +92,8 @@ def train_loop_per_worker(loop_config: dict) -> dict:
             if state.step_in_epoch == epoch_steps:  # epoch done: the next one starts at its step 0
                 state.epoch, state.step_in_epoch = state.epoch + 1, 0
             if _report_due(cfg, state, total_steps):
-                _report(cfg, state, total_steps, epoch_steps, window, bad_ids, index, model, optimizer,
-                        scheduler, rank, world, micro_batch)
+                _report(cfg, state, total_steps, epoch_steps, window, bad_ids, task, model, optimizer,
+                        scheduler, scaler, rank, world, micro_batch)
                 window = Window()
             if state.step >= total_steps:
                 break
@@ -96,47 +101,50 @@ def train_loop_per_worker(loop_config: dict) -> dict:
     return {"resumed_from_step": resumed_from_step, "final_step": state.step}
 
 
-def train_step(model, optimizer, scheduler, batch: dict, cfg: JobConfig):
-    """One optimizer step on this rank's micro-batch. Undecodable samples (valid=False) carry no loss."""
-    valid = batch["valid"].float()
-    logits = model(pixel_values=batch["image"]).logits
-    per_sample = F.cross_entropy(logits, batch["label"], reduction="none")
-    n_valid = valid.sum()
-    loss = (per_sample * valid).sum() / n_valid.clamp(min=1)
+def train_step(model, optimizer, scheduler, scaler, micro_batches: list[dict], cfg: JobConfig, task: Task):
+    """One optimizer step over this rank's micro-batches. Returns (loss summed over samples, samples).
+
+    Each micro-batch's mean loss is weighted 1/len(micro_batches), so the accumulated gradient is the mean
+    over the rank's share of the global batch; DDP then averages over the ranks. Only the last micro-batch's
+    backward all-reduces (no_sync on the others): one gradient exchange per optimizer step.
+    """
     optimizer.zero_grad(set_to_none=True)
-    loss.backward()
+    device = ray.train.torch.get_device()
+    loss_sum, n_sum = 0.0, 0.0
+    for i, batch in enumerate(micro_batches):
+        last = i == len(micro_batches) - 1
+        sync = contextlib.nullcontext() if last or not hasattr(model, "no_sync") else model.no_sync()
+        with sync:
+            with autocast(device, cfg.train.precision):
+                loss, n_valid = task.loss(model, batch)
+            scaler.scale(loss / len(micro_batches)).backward()
+        loss_sum, n_sum = loss_sum + loss.detach().float() * n_valid, n_sum + n_valid
     if cfg.train.grad_clip:
+        scaler.unscale_(optimizer)  # clip the true gradients, not the fp16-scaled ones
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip)
-    optimizer.step()
+    scaler.step(optimizer)  # skips the step if fp16 gradients overflowed
+    scaler.update()
     scheduler.step()
-    return loss.detach() * n_valid, n_valid
+    return loss_sum, n_sum
 
 
 @torch.no_grad()
-def evaluate(model, index: ImageIndex, cfg: JobConfig, rank: int, world: int, batch_size: int) -> dict:
-    """Top-1 accuracy and loss over the whole validation set, each sample on exactly one rank."""
+def evaluate(model, task: Task, rank: int, world: int, batch_size: int) -> dict:
+    """The task's validation metrics over the whole validation set, each sample on exactly one rank."""
     net = unwrap(model)  # no DDP collectives inside eval
     net.eval()
-    # loss sum, correct, valid samples, undecodable samples (dropped within data.max_bad_samples)
-    totals = torch.zeros(4, dtype=torch.float64, device=ray.train.torch.get_device())
-    indices = rank_eval_indices(index.val.num_rows, rank, world)
+    totals = torch.zeros(task.eval_size, dtype=torch.float64, device=ray.train.torch.get_device())
+    indices = rank_eval_indices(task.num_val_samples, rank, world)
     if len(indices):
-        ds = rank_dataset(index.val, indices, cfg.data, seed=cfg.train.seed, epoch=0, train=False,
-                          batch_size=batch_size)
-        for batch in ds.iter_torch_batches(batch_size=batch_size, prefetch_batches=cfg.data.prefetch_batches):
-            valid = batch["valid"]
-            logits = net(pixel_values=batch["image"]).logits
-            losses = F.cross_entropy(logits, batch["label"], reduction="none")
-            correct = (logits.argmax(dim=1) == batch["label"]) & valid
-            totals += torch.stack([losses[valid].sum(), correct.sum(), valid.sum(), (~valid).sum()]).to(totals)
+        for batch in task.eval_batches(indices, batch_size):
+            with autocast(totals.device, task.cfg.train.precision):
+                totals += task.eval_sums(net, batch).to(totals)
     _all_reduce_sum(totals)
     net.train()
-    n = max(totals[2].item(), 1.0)
-    return {"val_loss": totals[0].item() / n, "val_accuracy": totals[1].item() / n, "val_samples": int(n),
-            "val_bad_samples": int(totals[3].item())}
+    return task.eval_metrics(totals)
 
 
-def restore_latest(model, optimizer, scheduler) -> TrainState | None:
+def restore_latest(model, optimizer, scheduler, scaler) -> TrainState | None:
     """Restore from Ray's latest checkpoint; if it fails verification, from the newest earlier one that passes."""
     latest = ray.train.get_checkpoint()
     if latest is None:
@@ -148,7 +156,7 @@ def restore_latest(model, optimizer, scheduler) -> TrainState | None:
     for ckpt in candidates:
         try:
             with ckpt.as_directory() as d:
-                return checkpoint.load(d, model=model, optimizer=optimizer, scheduler=scheduler)
+                return checkpoint.load(d, model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler)
         except CheckpointError as e:
             console(f"WARNING: skipping checkpoint {ckpt.path}: {e}")
     raise CheckpointError(f"no checkpoint of this run passes verification (tried {[c.path for c in candidates]})")
@@ -169,16 +177,16 @@ def _eval_due(cfg: JobConfig, state: TrainState, total_steps: int) -> bool:
             or bool(every and state.step % every == 0))
 
 
-def _report(cfg, state, total_steps, epoch_steps, window, bad_ids, index, model, optimizer, scheduler,
+def _report(cfg, state, total_steps, epoch_steps, window, bad_ids, task, model, optimizer, scheduler, scaler,
             rank, world, micro_batch) -> None:
-    metrics = _train_metrics(cfg, state, total_steps, epoch_steps, window, bad_ids, index,
+    metrics = _train_metrics(cfg, state, total_steps, epoch_steps, window, bad_ids, task,
                              lr=scheduler.get_last_lr()[0])
     evaluate_now = _eval_due(cfg, state, total_steps)
     checkpoint_now = state.step % cfg.checkpoint.every_n_steps == 0 or state.step >= total_steps
     if evaluate_now or checkpoint_now:
         sync_buffers(model)
     if evaluate_now:
-        metrics.update(evaluate(model, index, cfg, rank, world, micro_batch))
+        metrics.update(evaluate(model, task, rank, world, micro_batch))
     if rank == 0:
         console(progress_line(metrics, total_steps, cfg.train.epochs))
     if not checkpoint_now:
@@ -187,24 +195,24 @@ def _report(cfg, state, total_steps, epoch_steps, window, bad_ids, index, model,
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = None
         if rank == 0:  # DDP keeps the ranks identical: one copy of the state is the whole state
-            checkpoint.save(tmp, model=model, optimizer=optimizer, scheduler=scheduler, state=state,
-                            classes=index.classes, job_yaml=dump_yaml(cfg))
+            checkpoint.save(tmp, model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler, state=state,
+                            classes=task.classes(), job_yaml=dump_yaml(cfg))
             ckpt = ray.train.Checkpoint.from_directory(tmp)
         ray.train.report(metrics, checkpoint=ckpt)
 
 
-def _train_metrics(cfg, state, total_steps, epoch_steps, window, bad_ids, index, lr) -> dict:
+def _train_metrics(cfg, state, total_steps, epoch_steps, window, bad_ids, task, lr) -> dict:
     stats = torch.tensor([float(window.loss_sum), float(window.loss_count)], dtype=torch.float64,
                          device=ray.train.torch.get_device())
     _all_reduce_sum(stats)
     bad = _union_across_ranks(bad_ids)
     if len(bad) > cfg.data.max_bad_samples:
-        names = describe_samples(index.train, list(bad)[:20])
+        names = task.describe_samples(list(bad)[:20])
         raise BadSampleError(f"{len(bad)} undecodable images exceed data.max_bad_samples="
                              f"{cfg.data.max_bad_samples}: {names}")
     elapsed = window.elapsed()
     samples_per_s = throughput(window.steps * cfg.train.global_batch_size, elapsed)
-    return {
+    metrics = {
         "step": state.step,
         "epoch": state.step / epoch_steps,
         "loss": stats[0].item() / max(stats[1].item(), 1.0),
@@ -216,6 +224,9 @@ def _train_metrics(cfg, state, total_steps, epoch_steps, window, bad_ids, index,
         "bad_samples": len(bad),
         "world_size": state.world_size,
     }
+    if task.tokens_per_sample:
+        metrics["tokens_per_s"] = samples_per_s * task.tokens_per_sample
+    return metrics
 
 
 def sync_buffers(model) -> None:
@@ -259,6 +270,13 @@ def console(message: str) -> None:
     """A line for the user's console. Not print(): Ray Train's print patch would show it twice."""
     sys.stdout.write(f"[behemoth] {message}\n")
     sys.stdout.flush()
+
+
+def _grouped(iterable, n: int):
+    """Lists of n consecutive items (the micro-batches of one optimizer step); a short tail is dropped."""
+    it = iter(iterable)
+    while len(group := list(itertools.islice(it, n))) == n:
+        yield group
 
 
 def _timed(iterable):

@@ -46,8 +46,12 @@ def progress_line(m: dict, total_steps: int, epochs: int) -> str:
     """One concise console line per report."""
     parts = [f"epoch {m['epoch']:.2f}/{epochs}", f"step {m['step']}/{total_steps}"]
     if "loss" in m:
-        parts += [f"loss {m['loss']:.4f}", f"lr {m['lr']:.3g}", f"{m['samples_per_s']:.0f} samples/s",
-                  f"data-wait {m['data_wait_frac']:.0%}", f"eta {format_eta(m['eta_s'])}"]
+        parts += [f"loss {m['loss']:.4f}", f"lr {m['lr']:.3g}", f"{m['samples_per_s']:.0f} samples/s"]
+        if "tokens_per_s" in m:
+            parts.append(f"{m['tokens_per_s']:.0f} tokens/s")
+        parts += [f"data-wait {m['data_wait_frac']:.0%}", f"eta {format_eta(m['eta_s'])}"]
     if "val_accuracy" in m:
         parts += [f"val_loss {m['val_loss']:.4f}", f"val_acc {m['val_accuracy']:.4f}"]
+    if "val_perplexity" in m:
+        parts += [f"val_loss {m['val_loss']:.4f}", f"val_ppl {m['val_perplexity']:.3f}"]
     return " | ".join(parts)

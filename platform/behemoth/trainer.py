@@ -1,7 +1,9 @@
 """Driver side: a checked job config -> Ray Train TorchTrainer -> fit -> a summary. Never touches CUDA.
 
-The data index is built (and the data checked) before Ray starts, so a missing folder or an empty class
-fails in a second with a message naming it, not after a cluster has been brought up.
+The data is checked before Ray starts, so a missing folder, an empty class or a text file without its
+column fails in a second with a message naming it, not after a cluster has been brought up. Images: the
+index of samples is built on the driver. Text: once Ray is up, the corpus is tokenised and packed by Ray
+Data (or read from its cache) before the workers start.
 """
 
 from __future__ import annotations
@@ -14,7 +16,8 @@ from pathlib import Path
 import yaml
 
 from behemoth.config import ConfigError, JobConfig
-from behemoth.data.images import ImageIndex, build_index
+from behemoth.data.images import build_index
+from behemoth.tasks import best_metric, is_text
 
 
 @dataclass
@@ -22,8 +25,9 @@ class RunSummary:
     run_dir: str
     metrics: dict  # the last reported metrics
     latest_checkpoint: str | None
-    best_checkpoint: str | None  # highest val_accuracy among the kept checkpoints
-    best_val_accuracy: float | None
+    best_checkpoint: str | None  # best val_accuracy (images) / lowest val_loss (text) among the kept ones
+    best_value: float | None
+    best_metric: str
     wall_s: float
     resumed_from_step: int = 0  # 0: this invocation started from scratch
 
@@ -33,6 +37,9 @@ class RunSummary:
         if "val_accuracy" in m:
             out.append(f"final val_acc:     {m['val_accuracy']:.4f} (val_loss {m['val_loss']:.4f}, "
                        f"{m['val_samples']} samples)")
+        if "val_perplexity" in m:
+            out.append(f"final val ppl:     {m['val_perplexity']:.3f} (val_loss {m['val_loss']:.4f}, "
+                       f"{m['val_tokens']} tokens)")
         resumed = f", resumed from step {self.resumed_from_step}" if self.resumed_from_step else ""
         out.append(f"steps:             {m.get('step')} ({m.get('samples_seen')} samples{resumed})")
         if m.get("bad_samples") or m.get("val_bad_samples"):
@@ -40,7 +47,7 @@ class RunSummary:
                        f"{m.get('val_bad_samples', 0)} in val (data.max_bad_samples)")
         out.append(f"latest checkpoint: {self.latest_checkpoint}")
         if self.best_checkpoint:
-            out.append(f"best checkpoint:   {self.best_checkpoint} (val_acc {self.best_val_accuracy:.4f})")
+            out.append(f"best checkpoint:   {self.best_checkpoint} ({self.best_metric} {self.best_value:.4f})")
         out.append(f"wall time:         {self.wall_s:.1f} s")
         return out
 
@@ -80,7 +87,8 @@ def tighten_token_file() -> str | None:
     return None
 
 
-def build_trainer(cfg: JobConfig, index: ImageIndex):
+def build_trainer(cfg: JobConfig, data):
+    """`data`: what prepare_data returned (an image index or packed token blocks)."""
     import ray
     from ray.train import CheckpointConfig, FailureConfig, LoggingConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
@@ -92,8 +100,8 @@ def build_trainer(cfg: JobConfig, index: ImageIndex):
         resources["GPU"] = cfg.scaling.gpus_per_worker
     return TorchTrainer(
         train_loop_per_worker,
-        # The index travels once through the object store, not pickled into every worker's config.
-        train_loop_config={"job": cfg.to_dict(), "index_ref": ray.put(index)},
+        # The data travels once through the object store, not pickled into every worker's config.
+        train_loop_config={"job": cfg.to_dict(), "data_ref": ray.put(data)},
         scaling_config=ScalingConfig(
             num_workers=cfg.scaling.num_workers, use_gpu=cfg.scaling.use_gpu, resources_per_worker=resources
         ),
@@ -136,22 +144,47 @@ def check_resume_compatible(cfg: JobConfig) -> None:
 def train(cfg: JobConfig) -> RunSummary:
     """Run (or resume, if the run name already has checkpoints) one training job. Blocks until it ends."""
     check_resume_compatible(cfg)
-    index = build_index(cfg.data)  # checks the data before Ray starts
-    ensure_ray()
     started = time.time()
-    result = build_trainer(cfg, index).fit()
+    data = prepare_data(cfg)
+    result = build_trainer(cfg, data).fit()
     return _summarise(cfg, result, time.time() - started)
 
 
+def prepare_data(cfg: JobConfig):
+    """Check the data (before Ray starts), start Ray, and return what the workers read."""
+    if not is_text(cfg):
+        index = build_index(cfg.data)
+        ensure_ray()
+        return index
+    from behemoth.data.text import check_text_sources, prepare_text
+
+    check_text_sources(cfg.data)
+    ensure_ray()
+    started = time.time()
+    tokens = prepare_text(cfg.data, seed=cfg.train.seed)
+    print(text_summary(tokens.stats, time.time() - started), flush=True)
+    return tokens
+
+
+def text_summary(stats: dict, seconds: float) -> str:
+    splits = "; ".join(
+        f"{s}: {stats[s]['blocks']} blocks of {stats['seq_len']} tokens ({stats[s]['documents']} documents, "
+        f"{stats[s]['tokens']} tokens, {stats[s]['tail_tokens_dropped']} in the final partial block dropped)"
+        for s in ("train", "val"))
+    return f"[behemoth] text {splits}. Cache {stats['cache']} ({seconds:.1f} s)"
+
+
 def _summarise(cfg: JobConfig, result, wall_s: float) -> RunSummary:
-    scored = [(m["val_accuracy"], c.path) for c, m in (result.best_checkpoints or []) if "val_accuracy" in m]
-    best_acc, best_path = max(scored) if scored else (None, None)
+    key, mode = best_metric(cfg)
+    scored = [(m[key], c.path) for c, m in (result.best_checkpoints or []) if key in m]
+    best_value, best_path = (max(scored) if mode == "max" else min(scored)) if scored else (None, None)
     return RunSummary(
         run_dir=os.path.join(storage_path(cfg), cfg.checkpoint.run_name),
         metrics=dict(result.metrics or {}),
         latest_checkpoint=result.checkpoint.path if result.checkpoint else None,
         best_checkpoint=best_path,
-        best_val_accuracy=best_acc,
+        best_value=best_value,
+        best_metric=key,
         wall_s=wall_s,
         resumed_from_step=(result.return_value or {}).get("resumed_from_step", 0),
     )

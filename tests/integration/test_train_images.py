@@ -24,20 +24,23 @@ def _two_rank_loop(config):
     from behemoth.loop import sync_buffers, train_step
     from behemoth.models.registry import build_model
     from behemoth.optim import build_optimizer, warmup_cosine
+    from behemoth.precision import grad_scaler
+    from behemoth.tasks.image import ImageClassification
 
     cfg = config_from_dict(config["job"])
-    index = ray.get(config["index_ref"])
+    index = ray.get(config["data_ref"])
     rank, world = ray.train.get_context().get_world_rank(), ray.train.get_context().get_world_size()
     torch.manual_seed(100 + rank)  # different initial weights per rank: DDP must make them agree
     model = ray.train.torch.prepare_model(build_model(cfg.model.name, len(index.classes)))
     opt = build_optimizer(model, cfg.train)
     sched = warmup_cosine(opt, cfg.train, 10)
+    scaler, task = grad_scaler(torch.device("cpu"), "fp32"), ImageClassification(cfg, index)
     micro = cfg.train.global_batch_size // world
     indices = rank_train_indices(index.train.num_rows, cfg.train.global_batch_size, 0, 0, rank, world)
     seen = []
     ds = rank_dataset(index.train, indices, cfg.data, seed=0, epoch=0, train=True, batch_size=micro)
     for i, batch in enumerate(ds.iter_torch_batches(batch_size=micro)):
-        train_step(model, opt, sched, batch, cfg)
+        train_step(model, opt, sched, scaler, [batch], cfg, task)
         seen += batch["sample_id"].tolist()
         if i == 3:
             break
@@ -52,7 +55,7 @@ def test_ddp_keeps_weights_identical_across_ranks(image_root, tmp_path):
     cfg = config_from_dict(job_dict(image_root, tmp_path / "runs"))
     TorchTrainer(
         _two_rank_loop,
-        train_loop_config={"job": cfg.to_dict(), "index_ref": ray.put(build_index(cfg.data)), "out": str(tmp_path)},
+        train_loop_config={"job": cfg.to_dict(), "data_ref": ray.put(build_index(cfg.data)), "out": str(tmp_path)},
         scaling_config=ScalingConfig(num_workers=2, resources_per_worker={"CPU": 0.5}),
         run_config=RunConfig(name="sync", storage_path=str(tmp_path / "runs")),
     ).fit()

@@ -83,7 +83,8 @@ def test_missing_and_invalid_files(tmp_path):
         load_config(write(tmp_path, "train: [unclosed\n"))
 
 
-@pytest.mark.parametrize("name", ["demo_images.yaml", "resnet50_imagenet_8gpu.yaml"])
+@pytest.mark.parametrize("name", ["demo_images.yaml", "resnet50_imagenet_8gpu.yaml", "demo_lm.yaml",
+                                  "llm_wikitext_8gpu.yaml"])
 def test_shipped_configs_validate(name):
     cfg = load_config(REPO / "jobs" / "configs" / name)
     assert cfg.train.global_batch_size % cfg.scaling.num_workers == 0
@@ -93,3 +94,36 @@ def test_8gpu_config_has_the_real_shape():
     cfg = load_config(REPO / "jobs" / "configs" / "resnet50_imagenet_8gpu.yaml")
     assert cfg.scaling.num_workers == 8 and cfg.scaling.use_gpu and cfg.model.name == "resnet50"
     assert cfg.data.image_size == 224 and cfg.data.augment == "random_resized_crop"
+
+
+def test_llm_8gpu_config_has_the_real_shape():
+    cfg = load_config(REPO / "jobs" / "configs" / "llm_wikitext_8gpu.yaml")
+    assert cfg.scaling.num_workers == 8 and cfg.scaling.use_gpu
+    assert cfg.model.name == "causal_lm" and cfg.model.pretrained == cfg.data.tokenizer  # the model's tokenizer
+    assert cfg.data.hf_dataset == "Salesforce/wikitext" and cfg.data.hf_config_name == "wikitext-103-raw-v1"
+    assert cfg.train.precision == "bf16" and cfg.train.grad_accum_steps > 1
+    micro = cfg.train.global_batch_size // (cfg.scaling.num_workers * cfg.train.grad_accum_steps)
+    assert micro * cfg.data.seq_len == 4 * 2048
+    assert cfg.checkpoint.storage_path.startswith("s3://")
+
+
+def test_text_config_checks(tmp_path):
+    text = "data:\n  kind: text\n  train_files: [a.jsonl]\n  tokenizer: tok\n"
+    with pytest.raises(ConfigError, match="no validation text: set data.val_files or data.val_fraction"):
+        load_config(write(tmp_path, text + "model:\n  name: causal_lm\n  hf_config: {model_type: llama}\n"))
+    text += "  val_fraction: 0.1\n"
+    with pytest.raises(ConfigError, match="data.kind text cannot train model.name resnet18_cifar"):
+        load_config(write(tmp_path, text))
+    with pytest.raises(ConfigError, match="set model.pretrained .* or model.hf_config.model_type"):
+        load_config(write(tmp_path, text + "model:\n  name: causal_lm\n"))
+    with pytest.raises(ConfigError, match=r"model.hf_config.hidden_size expects Any|hf_config expects dict"):
+        load_config(write(tmp_path, text + "model:\n  name: causal_lm\n  hf_config: [1]\n"))
+    cfg = load_config(write(tmp_path, text + "model:\n  name: causal_lm\n  hf_config: {model_type: llama, "
+                                             "hidden_size: 64}\n"), ["train.precision=bf16"])
+    assert cfg.model.hf_config == {"model_type": "llama", "hidden_size": 64}
+    with pytest.raises(ConfigError, match="fp16 needs a GPU"):
+        load_config(write(tmp_path, text + "model:\n  name: causal_lm\n  hf_config: {model_type: llama}\n"),
+                    ["train.precision=fp16"])
+    with pytest.raises(ConfigError, match=r"not divisible by scaling.num_workers 2 x train.grad_accum_steps 3"):
+        load_config(write(tmp_path, text + "model:\n  name: causal_lm\n  hf_config: {model_type: llama}\n"),
+                    ["train.grad_accum_steps=3", "train.global_batch_size=16"])

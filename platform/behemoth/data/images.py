@@ -12,7 +12,6 @@ cluster's CPUs (`transform_batch`), fed in the order `behemoth.data.order` decid
 
 from __future__ import annotations
 
-import glob
 import io
 import logging
 from dataclasses import dataclass
@@ -24,15 +23,12 @@ import pyarrow.parquet as pq
 from PIL import Image
 
 from behemoth.config import DataConfig
+from behemoth.data import DataError, expand_files
 
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg"}
 INDEX_SCHEMA = pa.schema(
     [("sample_id", pa.int64()), ("path", pa.string()), ("row", pa.int64()), ("label", pa.int64())]
 )
-
-
-class DataError(ValueError):
-    """Data that cannot be read. The message names the file or folder and what to do."""
 
 
 class BadSampleError(RuntimeError):
@@ -96,7 +92,7 @@ def index_parquet(train_files: list[str], val_files: list[str], image_col: str, 
     labels = {}
     rows = {}
     for split, patterns in (("train", train_files), ("val", val_files)):
-        files = _expand(patterns, split)
+        files = expand_files(patterns, f"data.{split}_files")
         rows[split], labels[split] = _read_label_columns(files, image_col, label_col)
     all_labels = pa.concat_arrays([labels["train"], labels["val"]])
     # Sorted class names; integer labels sort numerically.
@@ -107,17 +103,6 @@ def index_parquet(train_files: list[str], val_files: list[str], image_col: str, 
         for split in ("train", "val")
     }
     return ImageIndex(tables["train"], tables["val"], classes)
-
-
-def _expand(patterns: list[str], split: str) -> list[str]:
-    files = []
-    for pattern in patterns:
-        matched = sorted(glob.glob(pattern)) if any(c in pattern for c in "*?[") else [pattern]
-        missing = [f for f in matched if not Path(f).is_file()]
-        if not matched or missing:
-            raise DataError(f"data.{split}_files: {missing[0] if missing else pattern} matches no file")
-        files += matched
-    return files
 
 
 def _read_label_columns(files: list[str], image_col: str, label_col: str):

@@ -1,7 +1,9 @@
 """Names -> model builders, imported lazily so the driver never imports model code it does not need.
 
-A new model is one file in this folder plus one line in MODELS: "name": "module:function", where the
-function takes the number of classes and returns a torch module.
+Image models: one file in this folder plus one line in MODELS: "name": "module:function", where the
+function takes the number of classes and returns a torch module. Language models need no entry: the name
+`causal_lm` builds any transformers AutoModelForCausalLM from model.hf_config / model.pretrained
+(behemoth.models.causal_lm).
 """
 
 from __future__ import annotations
@@ -15,15 +17,17 @@ MODELS: dict[str, str] = {
     "resnet18_cifar": "behemoth.models.resnet:resnet18_cifar",
     "resnet_tiny_cifar": "behemoth.models.resnet:resnet_tiny_cifar",
 }
+CAUSAL_LM = "causal_lm"
 
 
 def check_name(name: str) -> None:
-    if name not in MODELS:
+    known = [*MODELS, CAUSAL_LM]
+    if name not in known:
         from behemoth.config import ConfigError
 
-        close = difflib.get_close_matches(name, list(MODELS), n=1)
+        close = difflib.get_close_matches(name, known, n=1)
         hint = f"; did you mean '{close[0]}'?" if close else ""
-        raise ConfigError(f"model.name '{name}' is not a known model{hint} (known: {', '.join(MODELS)})")
+        raise ConfigError(f"model.name '{name}' is not a known model{hint} (known: {', '.join(known)})")
 
 
 def build_model(name: str, num_classes: int):

@@ -1,0 +1,47 @@
+"""Causal language models: any transformers AutoModelForCausalLM, from a config or from pretrained weights.
+
+- `model.hf_config: {model_type: llama, hidden_size: 256, ...}` builds a fresh model with
+  `AutoConfig.for_model` (tests and demos: tiny models, no download);
+- `model.pretrained: PATH_OR_HUB_NAME` loads weights with `from_pretrained` (real fine-tuning runs); keys in
+  `model.hf_config` then override the pretrained config (e.g. dropout).
+
+The tokenizer decides the vocabulary: a fresh model gets the tokenizer's size and special-token ids; a
+pretrained model whose embedding is smaller than the tokenizer is refused rather than silently resized.
+"""
+
+from __future__ import annotations
+
+from behemoth.config import ConfigError, ModelConfig
+
+
+def build_causal_lm(model_cfg: ModelConfig, *, vocab_size: int, eos_id: int, bos_id: int | None, seq_len: int):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    overrides = dict(model_cfg.hf_config)
+    if model_cfg.pretrained:
+        overrides.pop("model_type", None)
+        model = AutoModelForCausalLM.from_pretrained(model_cfg.pretrained, **overrides)
+        config = model.config
+    else:
+        model_type = overrides.pop("model_type")
+        overrides.setdefault("vocab_size", vocab_size)
+        overrides.setdefault("eos_token_id", eos_id)
+        overrides.setdefault("bos_token_id", bos_id if bos_id is not None else eos_id)
+        try:
+            config = AutoConfig.for_model(model_type, **overrides)
+        except ValueError as e:  # unknown model_type
+            raise ConfigError(f"model.hf_config: {e}") from None
+        model = AutoModelForCausalLM.from_config(config)
+    _check_fits(model_cfg, config, vocab_size, seq_len)
+    return model
+
+
+def _check_fits(model_cfg: ModelConfig, config, vocab_size: int, seq_len: int) -> None:
+    where = model_cfg.pretrained or f"model.hf_config ({config.model_type})"
+    if config.vocab_size < vocab_size:
+        raise ConfigError(f"{where}: vocab_size {config.vocab_size} is smaller than the tokenizer's {vocab_size} "
+                          f"tokens: use the model's own tokenizer, or a larger model.hf_config.vocab_size")
+    max_positions = getattr(config, "max_position_embeddings", None)
+    if max_positions is not None and max_positions < seq_len:
+        raise ConfigError(f"{where}: max_position_embeddings {max_positions} < data.seq_len {seq_len}: lower "
+                          f"data.seq_len or raise model.hf_config.max_position_embeddings")

@@ -1,0 +1,69 @@
+"""Causal language modelling: packed token blocks from the object store; the model's own shifted loss;
+validation perplexity over every validation token, aggregated over all workers."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import ray.train.torch
+import torch
+
+from behemoth.config import JobConfig
+from behemoth.data.text import TokenIndex
+from behemoth.models.causal_lm import build_causal_lm
+
+
+class CausalLM:
+    best_metric = ("val_loss", "min")
+    eval_size = 2  # loss summed over predicted tokens, predicted tokens
+
+    def __init__(self, cfg: JobConfig, index: TokenIndex):
+        self.cfg, self.index = cfg, index
+        self.num_train_samples, self.num_val_samples = len(index.train), len(index.val)
+        self.tokens_per_sample = cfg.data.seq_len
+
+    def build_model(self):
+        return build_causal_lm(self.cfg.model, vocab_size=self.index.vocab_size, eos_id=self.index.eos_id,
+                               bos_id=self.index.bos_id, seq_len=self.cfg.data.seq_len)
+
+    def train_batches(self, indices, epoch: int, batch_size: int):
+        return self._batches(self.index.train, indices, batch_size)
+
+    def eval_batches(self, indices, batch_size: int):
+        return self._batches(self.index.val, indices, batch_size)
+
+    @staticmethod
+    def _batches(blocks: np.ndarray, indices, batch_size: int):
+        """The blocks are already tokenised and packed: a batch is a gather from the shared array."""
+        device = ray.train.torch.get_device()
+        for start in range(0, len(indices), batch_size):
+            rows = indices[start:start + batch_size]
+            ids = torch.from_numpy(blocks[rows].astype(np.int64))
+            yield {"input_ids": ids.to(device, non_blocking=True)}
+
+    def loss(self, model, batch):
+        """Labels are the inputs: the model shifts them, so each row predicts seq_len - 1 tokens."""
+        ids = batch["input_ids"]
+        return model(input_ids=ids, labels=ids).loss, torch.tensor(float(len(ids)), device=ids.device)
+
+    def eval_sums(self, model, batch):
+        ids = batch["input_ids"]
+        predicted = ids.shape[0] * (ids.shape[1] - 1)
+        loss = model(input_ids=ids, labels=ids).loss.to(torch.float64)
+        return torch.stack([loss * predicted, torch.tensor(float(predicted), dtype=torch.float64,
+                                                           device=ids.device)])
+
+    def eval_metrics(self, sums):
+        tokens = max(sums[1].item(), 1.0)
+        val_loss = sums[0].item() / tokens
+        return {"val_loss": val_loss, "val_perplexity": math.exp(min(val_loss, 50.0)), "val_tokens": int(tokens)}
+
+    def bad_sample_ids(self, batch):
+        return []  # text was checked and tokenised before training: a block cannot be undecodable
+
+    def describe_samples(self, sample_ids):
+        return [f"block {i}" for i in sample_ids]
+
+    def classes(self):
+        return None

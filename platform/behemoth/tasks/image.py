@@ -1,0 +1,65 @@
+"""Image classification: Ray Data decodes and augments the rank's samples; cross-entropy; top-1 accuracy."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from behemoth.config import JobConfig
+from behemoth.data.images import ImageIndex, describe_samples, rank_dataset
+from behemoth.models.registry import build_model
+
+
+class ImageClassification:
+    best_metric = ("val_accuracy", "max")
+    tokens_per_sample = None
+    eval_size = 4  # see eval_sums
+
+    def __init__(self, cfg: JobConfig, index: ImageIndex):
+        self.cfg, self.index = cfg, index
+        self.num_train_samples, self.num_val_samples = index.train.num_rows, index.val.num_rows
+
+    def build_model(self):
+        return build_model(self.cfg.model.name, len(self.index.classes))
+
+    def train_batches(self, indices, epoch: int, batch_size: int):
+        return self._batches(self.index.train, indices, epoch, batch_size, train=True)
+
+    def eval_batches(self, indices, batch_size: int):
+        return self._batches(self.index.val, indices, 0, batch_size, train=False)
+
+    def _batches(self, table, indices, epoch, batch_size, train):
+        ds = rank_dataset(table, indices, self.cfg.data, seed=self.cfg.train.seed, epoch=epoch, train=train,
+                          batch_size=batch_size)
+        return ds.iter_torch_batches(batch_size=batch_size, prefetch_batches=self.cfg.data.prefetch_batches)
+
+    def loss(self, model, batch):
+        """Mean cross-entropy over the decodable samples (undecodable ones, valid=False, carry no loss)."""
+        valid = batch["valid"].float()
+        logits = model(pixel_values=batch["image"]).logits
+        per_sample = F.cross_entropy(logits, batch["label"], reduction="none")
+        n_valid = valid.sum()
+        return (per_sample * valid).sum() / n_valid.clamp(min=1), n_valid
+
+    def eval_sums(self, model, batch):
+        # loss sum, correct, valid samples, undecodable samples (dropped within data.max_bad_samples)
+        valid = batch["valid"]
+        logits = model(pixel_values=batch["image"]).logits
+        losses = F.cross_entropy(logits, batch["label"], reduction="none")
+        correct = (logits.argmax(dim=1) == batch["label"]) & valid
+        sums = [losses[valid].sum(), correct.sum(), valid.sum(), (~valid).sum()]
+        return torch.stack(sums).to(torch.float64)
+
+    def eval_metrics(self, sums):
+        n = max(sums[2].item(), 1.0)
+        return {"val_loss": sums[0].item() / n, "val_accuracy": sums[1].item() / n, "val_samples": int(n),
+                "val_bad_samples": int(sums[3].item())}
+
+    def bad_sample_ids(self, batch):
+        return batch["sample_id"][~batch["valid"]].tolist()
+
+    def describe_samples(self, sample_ids):
+        return describe_samples(self.index.train, sample_ids)
+
+    def classes(self):
+        return self.index.classes

@@ -1,0 +1,76 @@
+"""Causal LM end to end on real Ray: Ray Data tokenisation + packing, 2 DDP workers over gloo, a tiny Llama,
+validation perplexity, checkpoint restore. One Ray instance for the module."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+import yaml
+
+from behemoth.checkpoint import read_state
+from behemoth.cli import main
+from behemoth.config import config_from_dict
+from behemoth.data import text
+from behemoth.data.text import prepare_text
+from behemoth.trainer import train
+from conftest import lm_job_dict
+from unit.test_text import reference_stream
+
+pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("ray_local")]
+
+
+def test_ray_data_packs_exactly_and_caches(text_corpus, tmp_path, monkeypatch):
+    monkeypatch.setattr(text, "UNIT_BYTES", 2000)  # ~20 Ray Data tasks; lines cross unit boundaries
+    cfg = config_from_dict(lm_job_dict(text_corpus, tmp_path))
+    tokens = prepare_text(cfg.data, seed=0)
+    for split, blocks in (("train", tokens.train), ("val", tokens.val)):
+        stream, n_docs = reference_stream(text_corpus / f"{split}.jsonl", "text", cfg.data.tokenizer)
+        assert blocks.shape == (len(stream) // 32, 32)
+        np.testing.assert_array_equal(blocks.reshape(-1), stream[: blocks.size])  # Ray kept the corpus order
+        assert tokens.stats[split]["documents"] == n_docs
+    assert tokens.train.dtype == np.uint16  # vocab of 400 fits
+    again = prepare_text(cfg.data, seed=0)  # the cache: same folder, same blocks
+    assert again.stats["cache"] == tokens.stats["cache"]
+    np.testing.assert_array_equal(again.train, tokens.train)
+    other = prepare_text(config_from_dict(lm_job_dict(text_corpus, tmp_path, data={"seq_len": 16})).data, seed=0)
+    assert other.stats["cache"] != tokens.stats["cache"] and other.train.shape[1] == 16
+
+
+def _initial_val_loss(cfg, tokens) -> float:
+    """The loss of the untrained model (same seed as the run) on the whole validation set."""
+    from behemoth.tasks.causal_lm import CausalLM
+
+    torch.manual_seed(cfg.train.seed)
+    model = CausalLM(cfg, tokens).build_model().eval()
+    with torch.no_grad():
+        ids = torch.from_numpy(tokens.val.astype(np.int64))
+        return model(input_ids=ids, labels=ids).loss.item()
+
+
+def test_two_worker_lm_run_lowers_loss_then_resumes_from_its_step(text_corpus, tmp_path):
+    cfg = config_from_dict(lm_job_dict(text_corpus, tmp_path, run_name="lm"))
+    first = train(cfg)
+    m = first.metrics
+    initial = _initial_val_loss(cfg, prepare_text(cfg.data, seed=0))
+    assert initial > 0.9 * math.log(400)  # untrained: close to uniform over the vocabulary
+    assert m["step"] == 16 and m["val_loss"] < initial - 1.0
+    assert m["val_perplexity"] == pytest.approx(math.exp(m["val_loss"]))
+    assert m["tokens_per_s"] == pytest.approx(m["samples_per_s"] * 32)
+    assert read_state(first.latest_checkpoint).step == 16
+
+    more = config_from_dict(lm_job_dict(text_corpus, tmp_path, run_name="lm", train={"max_steps": 24}))
+    second = train(more)
+    assert second.resumed_from_step == 16 and second.metrics["step"] == 24
+    assert read_state(second.latest_checkpoint).step == 24
+    assert second.metrics["val_loss"] < m["val_loss"]
+
+
+def test_invalid_utf8_fails_the_run_naming_file_and_line(text_corpus, tmp_path, capsys):
+    bad = tmp_path / "train.txt"
+    bad.write_bytes(b"a fine line\n" * 5 + "caf\u00e9\n".encode("latin-1"))
+    job = lm_job_dict(text_corpus, tmp_path, data={"train_files": [str(bad)]})
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(job))
+    assert main(["train", str(tmp_path / "job.yaml")]) == 1
+    assert f"{bad}: invalid UTF-8 at line 6 (byte 63)" in capsys.readouterr().err
+    assert not (tmp_path / "lm").exists()  # no run folder: it failed before training started

@@ -1,0 +1,152 @@
+"""Text sources, tokenisation and packing without Ray: the functions the Ray Data tasks run, run in order."""
+
+import json
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from behemoth.config import DataConfig
+from behemoth.data import DataError
+from behemoth.data import text
+from behemoth.data.order import rank_train_indices, steps_per_epoch
+from behemoth.data.text import (
+    Packer,
+    TokenizerSpec,
+    load_tokenizer,
+    plan_units,
+    read_unit_documents,
+    tokenize_units,
+)
+
+
+def text_cfg(corpus, **kw) -> DataConfig:
+    base = dict(kind="text", train_files=[str(corpus / "train.jsonl")], val_files=[str(corpus / "val.jsonl")],
+                tokenizer=str(corpus / "tokenizer"), seq_len=32)
+    return DataConfig(**{**base, **kw})
+
+
+def pack_without_ray(cfg: DataConfig, seed: int = 0) -> dict:
+    """What prepare_text builds, with the Ray Data step replaced by calling its UDF on each unit in order."""
+    packers = {"train": Packer(cfg.seq_len), "val": Packer(cfg.seq_len)}
+    for unit in plan_units(cfg):
+        batch = pa.Table.from_pylist([unit.__dict__])
+        out = tokenize_units(batch, text_field=cfg.text_field, tokenizer=TokenizerSpec.of(cfg.tokenizer), seed=seed,
+                             val_fraction=cfg.val_fraction)
+        for split, tokens, docs in zip(out["split"].to_pylist(), out["tokens"].to_pylist(),
+                                       out["documents"].to_pylist()):
+            packers[split].add(np.asarray(tokens, dtype=np.int32), docs)
+    return {s: p.finish() for s, p in packers.items()}
+
+
+def reference_stream(path, field, tokenizer) -> tuple[np.ndarray, int]:
+    """The corpus tokenised one document at a time, each followed by EOS: what the blocks must hold."""
+    tok = load_tokenizer(tokenizer)
+    docs = [json.loads(line)[field] for line in open(path, encoding="utf-8") if line.strip()]
+    ids = [t for d in docs for t in tok(d, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]]
+    return np.asarray(ids), len(docs)
+
+
+def test_packing_is_exact_across_unit_boundaries(text_corpus, monkeypatch):
+    monkeypatch.setattr(text, "UNIT_BYTES", 997)  # many units; lines cross their boundaries
+    cfg = text_cfg(text_corpus)
+    assert len(plan_units(cfg)) > 40
+    packed = pack_without_ray(cfg)
+    for split in ("train", "val"):
+        stream, n_docs = reference_stream(text_corpus / f"{split}.jsonl", "text", cfg.tokenizer)
+        blocks, counts = packed[split]
+        assert blocks.shape == (len(stream) // 32, 32)  # block count as computed
+        assert counts == {"documents": n_docs, "tokens": len(stream), "blocks": len(stream) // 32,
+                          "tail_tokens_dropped": len(stream) % 32}
+        # every token of the corpus exactly once, in order, except the final partial block
+        np.testing.assert_array_equal(blocks.reshape(-1), stream[: blocks.size])
+        eos = load_tokenizer(cfg.tokenizer).eos_token_id
+        assert (stream == eos).sum() == n_docs  # one EOS after each document, no other
+
+
+def test_documents_are_separated_by_eos(text_corpus):
+    cfg = text_cfg(text_corpus)
+    blocks, _ = pack_without_ray(cfg)["val"]
+    tok = load_tokenizer(cfg.tokenizer)
+    decoded = tok.decode(blocks.reshape(-1).tolist())
+    docs = decoded.split(tok.eos_token)
+    first = json.loads(open(text_corpus / "val.jsonl").readline())["text"]
+    assert docs[0] == first and len(docs) > 10
+
+
+def test_workers_shards_cover_each_block_once_per_epoch():
+    blocks, global_batch, world = 1001, 16, 2
+    steps = steps_per_epoch(blocks, global_batch)
+    for epoch in range(2):
+        shards = [rank_train_indices(blocks, global_batch, 0, epoch, rank, world) for rank in range(world)]
+        seen = np.concatenate(shards)
+        assert len(seen) == len(np.unique(seen)) == steps * global_batch  # disjoint, none repeated
+        assert len(set(range(blocks)) - set(seen)) == blocks % global_batch  # only the epoch's tail left out
+
+
+def test_jsonl_with_another_field_name(tmp_path, text_corpus):
+    src = tmp_path / "notes.jsonl"
+    src.write_text("\n".join(json.dumps({"id": i, "body": f"note number {i} says hello"}) for i in range(50)))
+    cfg = text_cfg(text_corpus, train_files=[str(src)], val_files=[], val_fraction=0.2, text_field="body")
+    packed = pack_without_ray(cfg)
+    assert packed["train"][1]["documents"] + packed["val"][1]["documents"] == 50
+    assert 0 < packed["val"][1]["documents"] < 25
+    with pytest.raises(DataError, match=rf"{src} line 1: no field 'text' \(data.text_field\); the record has "
+                                        r"\['body', 'id'\]"):
+        pack_without_ray(text_cfg(text_corpus, train_files=[str(src)], val_files=[], val_fraction=0.2))
+
+
+def test_txt_lines_files_and_parquet(tmp_path, text_corpus):
+    (tmp_path / "a.txt").write_text("first line\n\n  \nsecond line\n")
+    (tmp_path / "b.txt").write_text("a whole file\nof two lines")
+    pq.write_table(pa.table({"text": ["one", "", "two"], "n": [1, 2, 3]}), tmp_path / "c.parquet")
+    read = lambda **kw: [d for u in plan_units(text_cfg(text_corpus, **kw)) for d in read_unit_documents(u, "text")]
+    assert read(train_files=[str(tmp_path / "a.txt")], val_files=[str(tmp_path / "b.txt")]) == \
+        ["first line", "second line", "a whole file", "of two lines"]
+    assert read(train_files=[str(tmp_path / "b.txt")], document="file", val_fraction=0.5, val_files=[]) == \
+        ["a whole file\nof two lines"]
+    assert read(train_files=[str(tmp_path / "c.parquet")], val_files=[str(tmp_path / "c.parquet")]) == \
+        ["one", "two", "one", "two"]
+
+
+def test_invalid_utf8_names_file_and_line(tmp_path, text_corpus):
+    bad = tmp_path / "latin1.txt"
+    bad.write_bytes("good line\nanother\ncaf\u00e9 au lait\n".encode("latin-1"))
+    units = plan_units(text_cfg(text_corpus, train_files=[str(bad)]))
+    with pytest.raises(DataError, match=rf"{bad}: invalid UTF-8 at line 3 \(byte 21\).*iconv"):
+        read_unit_documents(units[0], "text")
+
+
+def test_empty_file_and_parquet_without_column_fail_on_the_driver(tmp_path, text_corpus):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    with pytest.raises(DataError, match=rf"{empty} is empty"):
+        plan_units(text_cfg(text_corpus, val_files=[str(empty)]))
+    table = tmp_path / "wrong.parquet"
+    pq.write_table(pa.table({"content": ["x"]}), table)
+    with pytest.raises(DataError, match=rf"{table} has no column 'text' \(data.text_field\); its columns: "
+                                        r"\['content'\]"):
+        plan_units(text_cfg(text_corpus, train_files=[str(table)]))
+    with pytest.raises(DataError, match="matches no file"):
+        plan_units(text_cfg(text_corpus, train_files=[str(tmp_path / "missing.jsonl")]))
+
+
+def test_bad_jsonl_line_is_named(tmp_path, text_corpus):
+    src = tmp_path / "broken.jsonl"
+    src.write_text('{"text": "fine"}\n{"text": "fine"}\n{"text": "cut off\n')
+    unit = plan_units(text_cfg(text_corpus, train_files=[str(src)]))[0]
+    with pytest.raises(DataError, match=rf"{src} line 3: not valid JSON"):
+        read_unit_documents(unit, "text")
+
+
+def test_tokenizer_round_trip_and_eos(text_corpus):
+    tok = load_tokenizer(str(text_corpus / "tokenizer"))
+    sentence = "One morning Ada went to the market. Zürich!"  # unseen characters still encode (byte-level)
+    assert tok.decode(tok(sentence, add_special_tokens=False)["input_ids"]) == sentence
+    assert tok.eos_token == "<|endoftext|>" and 300 < len(tok) <= 400
+
+
+def test_missing_tokenizer_is_a_data_error(tmp_path, text_corpus):
+    with pytest.raises(DataError, match="data.tokenizer .*cannot be loaded.*train-tokenizer"):
+        load_tokenizer(str(tmp_path / "no_tokenizer"))
