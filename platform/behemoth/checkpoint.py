@@ -45,6 +45,7 @@ def save(directory: str | Path, *, model, optimizer, scheduler, state: TrainStat
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
     torch.save(unwrap(model).state_dict(), d / "model.pt")
+    _fault_injection_point(state.step)
     torch.save(optimizer.state_dict(), d / "optimizer.pt")
     torch.save(scheduler.state_dict(), d / "scheduler.pt")
     if scaler is not None and scaler.is_enabled():
@@ -105,6 +106,24 @@ def read_state(directory: str | Path) -> TrainState:
 def unwrap(model):
     """The model inside a DDP wrapper (or the model itself)."""
     return model.module if hasattr(model, "module") else model
+
+
+# Fault injection for the failure tests (tests/integration/test_fault_tolerance.py), never set in real runs:
+# BEHEMOTH_FAULT_KILL_IN_SAVE=RUN_NAME:STEP:MARKER SIGKILLs the saving process of run RUN_NAME half-way
+# through writing the checkpoint of STEP (model written, manifest not), once: the marker file records it.
+FAULT_ENV = "BEHEMOTH_FAULT_KILL_IN_SAVE"
+
+
+def _fault_injection_point(step: int) -> None:
+    spec = os.environ.get(FAULT_ENV)
+    if not spec:
+        return
+    import ray.train
+
+    run, at, marker = spec.split(":", 2)
+    if run == ray.train.get_context().get_experiment_name() and int(at) == step and not os.path.exists(marker):
+        Path(marker).write_text(f"killed pid {os.getpid()} while saving step {step}\n")
+        os.kill(os.getpid(), 9)
 
 
 def _sha256(path: Path) -> str:

@@ -141,6 +141,7 @@ def user_facing_error(exc: BaseException) -> str | None:
     from behemoth.checkpoint import CheckpointError
     from behemoth.data import DataError
     from behemoth.data.images import BadSampleError
+    from behemoth.trainer import RunFailedError
 
     found = []
     todo, seen = [exc], set()
@@ -149,7 +150,7 @@ def user_facing_error(exc: BaseException) -> str | None:
         if e is None or id(e) in seen:
             continue
         seen.add(id(e))
-        if isinstance(e, (DataError, BadSampleError, CheckpointError)):
+        if isinstance(e, (DataError, BadSampleError, CheckpointError, RunFailedError)):
             return str(e)
         text = str(e)
         # Ray re-raises worker exceptions as new types whose text holds "BadSampleError: <message>".

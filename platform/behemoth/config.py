@@ -12,7 +12,7 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Any, Literal, Optional, Union
 
 import yaml
 
@@ -143,6 +143,9 @@ class TrainConfig:
     # workers. Gradients are all-reduced once per step (DDP no_sync on the other micro-batches).
     grad_accum_steps: int = 1
     seed: int = 0
+    # A folder: every rank appends the global sample ids of every step it trains (JSONL, one file per rank),
+    # to audit the data order after failures or resizes. Off (null) by default.
+    sample_ledger: Optional[str] = None
     # Report metrics (and print a progress line) every N steps.
     log_every: int = 10
 
@@ -160,15 +163,36 @@ class TrainConfig:
 
 @dataclass
 class ScalingConfig:
-    num_workers: int = 2
+    # A fixed count, or [min, max] for an elastic run: Ray Train starts with as many workers as the cluster
+    # has room for (up to max), restarts with fewer when workers or nodes are lost (down to min), and grows
+    # back when resources return. The global batch, LR schedule and sample order do not change with it.
+    num_workers: Union[int, list[int]] = 2
+    # Elastic runs: how often (seconds) Ray Train checks whether more workers would fit.
+    elastic_resize_interval_s: float = 60.0
     use_gpu: bool = False
     cpus_per_worker: float = 1.0
     gpus_per_worker: float = 1.0
     # torch intra-op threads per worker (None: torch's default).
     torch_threads: Optional[int] = None
 
+    @property
+    def min_workers(self) -> int:
+        return self.num_workers if isinstance(self.num_workers, int) else self.num_workers[0]
+
+    @property
+    def max_workers(self) -> int:
+        return self.num_workers if isinstance(self.num_workers, int) else self.num_workers[1]
+
+    @property
+    def elastic(self) -> bool:
+        return not isinstance(self.num_workers, int)
+
     def validate(self) -> None:
-        _positive("scaling.num_workers", self.num_workers)
+        if self.elastic and (len(self.num_workers) != 2 or self.num_workers[0] > self.num_workers[1]):
+            raise ConfigError(f"scaling.num_workers {self.num_workers}: give one count, or [min, max] with "
+                              f"min <= max")
+        _positive("scaling.num_workers", self.min_workers)
+        _positive("scaling.elastic_resize_interval_s", self.elastic_resize_interval_s)
         _positive("scaling.cpus_per_worker", self.cpus_per_worker)
         if self.use_gpu:
             _positive("scaling.gpus_per_worker", self.gpus_per_worker)
@@ -231,13 +255,16 @@ class JobConfig:
         if text_data != lm:
             raise ConfigError(f"data.kind {self.data.kind} cannot train model.name {self.model.name}: text data "
                               f"trains model.name causal_lm, image data an image model")
-        split = self.scaling.num_workers * self.train.grad_accum_steps
-        if self.train.global_batch_size % split:
-            raise ConfigError(
-                f"train.global_batch_size {self.train.global_batch_size} is not divisible by "
-                f"scaling.num_workers {self.scaling.num_workers} x train.grad_accum_steps "
-                f"{self.train.grad_accum_steps}: pick a multiple of {split}"
-            )
+        # Every world size the run may have must split the global batch evenly.
+        for workers in range(self.scaling.min_workers, self.scaling.max_workers + 1):
+            split = workers * self.train.grad_accum_steps
+            if self.train.global_batch_size % split:
+                which = f" (a size in the elastic range {self.scaling.num_workers})" if self.scaling.elastic else ""
+                raise ConfigError(
+                    f"train.global_batch_size {self.train.global_batch_size} is not divisible by "
+                    f"scaling.num_workers {workers}{which} x train.grad_accum_steps "
+                    f"{self.train.grad_accum_steps}: pick a multiple of {split}"
+                )
         if self.train.precision == "fp16" and not self.scaling.use_gpu:
             raise ConfigError("train.precision fp16 needs a GPU (its gradient scaler is CUDA-only): use bf16 "
                               "on CPU, or set scaling.use_gpu: true")

@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import json
 import logging
+import os
 import sys
 import tempfile
 import time
@@ -67,7 +69,13 @@ def train_loop_per_worker(loop_config: dict) -> dict:
     state = restore_latest(model, optimizer, scheduler, scaler) or TrainState(world_size=world)
     if rank == 0 and state.step:
         console(f"resumed at step {state.step} (epoch {state.epoch}, step {state.step_in_epoch} in epoch)")
+    if rank == 0 and state.world_size != world:  # an elastic resize, or a rerun with another worker count
+        before = global_batch // (state.world_size * accum)
+        console(f"world size {state.world_size} -> {world}: micro-batch per worker {before} -> {micro_batch} "
+                f"(x {accum} accumulation steps); global batch {global_batch}, LR schedule and sample order "
+                f"unchanged")
     state.world_size = world
+    ledger = SampleLedger(cfg.train.sample_ledger, rank, world)
     resumed_from_step = state.step
     if state.step >= total_steps:  # a rerun of a finished run: evaluate its final weights, train nothing
         if rank == 0:
@@ -79,13 +87,15 @@ def train_loop_per_worker(loop_config: dict) -> dict:
     while state.step < total_steps:
         indices = rank_train_indices(task.num_train_samples, global_batch, cfg.train.seed, state.epoch,
                                      rank, world, start_step=state.step_in_epoch)
-        for micro_batches, wait_s in _timed(_grouped(task.train_batches(indices, state.epoch, micro_batch), accum)):
+        batches = _grouped(task.train_batches(indices, state.epoch, micro_batch), accum)
+        for i, (micro_batches, wait_s) in enumerate(_timed(batches)):
             # Reseed per step: dropout and the like draw from (seed, rank, step), so a resume is exact.
             torch.manual_seed(hash((cfg.train.seed, rank, state.step)) % 2**63)
             loss_sum, n_valid = train_step(model, optimizer, scheduler, scaler, micro_batches, cfg, task)
             for batch in micro_batches:
                 bad_ids.update(task.bad_sample_ids(batch))
             window.add(loss_sum, n_valid, wait_s)
+            ledger.record(state, indices[i * micro_batch * accum:(i + 1) * micro_batch * accum], loss_sum, n_valid)
             state.step += 1
             state.step_in_epoch += 1
             state.samples_seen += global_batch
@@ -145,21 +155,58 @@ def evaluate(model, task: Task, rank: int, world: int, batch_size: int) -> dict:
 
 
 def restore_latest(model, optimizer, scheduler, scaler) -> TrainState | None:
-    """Restore from Ray's latest checkpoint; if it fails verification, from the newest earlier one that passes."""
+    """Restore the newest checkpoint that passes verification; None for a fresh run.
+
+    Candidates, newest first: complete checkpoints in the run folder newer than Ray Train's latest (written
+    and uploaded, but the worker or driver died before Ray Train registered them), Ray Train's latest, then
+    its earlier ones. A candidate that fails verification is skipped with a warning naming it.
+    """
     latest = ray.train.get_checkpoint()
-    if latest is None:
-        return None
-    candidates = [latest]
-    for reported in reversed(ray.train.get_all_reported_checkpoints()):
-        if reported.checkpoint.path != latest.path:
-            candidates.append(reported.checkpoint)
-    for ckpt in candidates:
+    candidates = [latest] if latest else []
+    candidates += [r.checkpoint for r in reversed(ray.train.get_all_reported_checkpoints())
+                   if latest is None or r.checkpoint.path != latest.path]
+    registered = _step_of(latest.path) if latest else -1
+    unregistered = [p for step, p in _run_folder_checkpoints() if step > registered]
+    if unregistered:
+        console(f"restoring from {unregistered[0]}: complete on disk, but not registered with Ray Train when "
+                f"the run stopped")
+    for ckpt in unregistered + candidates:
         try:
+            if isinstance(ckpt, str):
+                return checkpoint.load(ckpt, model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler)
             with ckpt.as_directory() as d:
                 return checkpoint.load(d, model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler)
         except CheckpointError as e:
-            console(f"WARNING: skipping checkpoint {ckpt.path}: {e}")
-    raise CheckpointError(f"no checkpoint of this run passes verification (tried {[c.path for c in candidates]})")
+            console(f"WARNING: skipping checkpoint {getattr(ckpt, 'path', ckpt)}: {e}")
+    if unregistered or candidates:
+        tried = [getattr(c, "path", c) for c in unregistered + candidates]
+        raise CheckpointError(f"no checkpoint of this run passes verification (tried {tried})")
+    return None
+
+
+def _run_folder_checkpoints() -> list[tuple[int, str]]:
+    """(step, path) of the complete checkpoints (manifest present) in this run's folder, newest first.
+    Local storage only: on a URI the registered checkpoints are all behemoth restores from."""
+    import pyarrow.fs
+
+    storage = ray.train.get_context().get_storage()
+    if not isinstance(storage.storage_filesystem, pyarrow.fs.LocalFileSystem):
+        return []
+    folder = storage.experiment_fs_path
+    found = []
+    for name in os.listdir(folder) if os.path.isdir(folder) else []:
+        path = os.path.join(folder, name)
+        if name.startswith("checkpoint_") and os.path.isfile(os.path.join(path, checkpoint.MANIFEST)):
+            found.append((_step_of(path), path))
+    return sorted(found, reverse=True)
+
+
+def _step_of(path: str) -> int:
+    """The step a local checkpoint was written at (-1 if unreadable: verification will name the problem)."""
+    try:
+        return checkpoint.read_state(path).step
+    except (OSError, ValueError, TypeError):
+        return -1
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -270,6 +317,37 @@ def console(message: str) -> None:
     """A line for the user's console. Not print(): Ray Train's print patch would show it twice."""
     sys.stdout.write(f"[behemoth] {message}\n")
     sys.stdout.flush()
+
+
+class SampleLedger:
+    """Appends {"step", "epoch", "rank", "world", "group", "node", "ids", "loss_sum", "samples"} per trained
+    step to FOLDER/rank<r>.jsonl (loss_sum: this rank's loss summed over its samples of the step).
+
+    An audit trail of the data order (train.sample_ledger). `group` names the worker group (rank 0's pid and
+    start time, the same on every rank): after a failure or a resize, the steps that were redone appear
+    under two groups, and for each step the records of the last group that trained it are what the final
+    weights were trained on.
+    """
+
+    def __init__(self, folder: str | None, rank: int, world: int):
+        self.file = None
+        if folder:
+            os.makedirs(folder, exist_ok=True)
+            self.file = open(os.path.join(folder, f"rank{rank}.jsonl"), "a", encoding="utf-8")  # noqa: SIM115
+        self.rank, self.world = rank, world
+        self.node = ray.get_runtime_context().get_node_id()
+        group = [f"{os.getpid()}-{time.time():.3f}"]
+        if folder and _distributed():
+            dist.broadcast_object_list(group, src=0)
+        self.group = group[0]
+
+    def record(self, state: TrainState, ids, loss_sum, samples) -> None:
+        if self.file is not None:
+            line = {"step": state.step + 1, "epoch": state.epoch, "rank": self.rank, "world": self.world,
+                    "group": self.group, "node": self.node, "ids": [int(i) for i in ids],
+                    "loss_sum": float(loss_sum), "samples": float(samples)}
+            self.file.write(json.dumps(line) + "\n")
+            self.file.flush()
 
 
 def _grouped(iterable, n: int):

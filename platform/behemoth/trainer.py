@@ -20,6 +20,10 @@ from behemoth.data.images import build_index
 from behemoth.tasks import best_metric, is_text
 
 
+class RunFailedError(RuntimeError):
+    """A run that Ray Train gave up on (workers kept dying past failure.max_failures). Checkpoints are kept."""
+
+
 @dataclass
 class RunSummary:
     run_dir: str
@@ -103,7 +107,9 @@ def build_trainer(cfg: JobConfig, data):
         # The data travels once through the object store, not pickled into every worker's config.
         train_loop_config={"job": cfg.to_dict(), "data_ref": ray.put(data)},
         scaling_config=ScalingConfig(
-            num_workers=cfg.scaling.num_workers, use_gpu=cfg.scaling.use_gpu, resources_per_worker=resources
+            num_workers=tuple(cfg.scaling.num_workers) if cfg.scaling.elastic else cfg.scaling.num_workers,
+            use_gpu=cfg.scaling.use_gpu, resources_per_worker=resources,
+            elastic_resize_monitor_interval_s=cfg.scaling.elastic_resize_interval_s,
         ),
         run_config=RunConfig(
             name=cfg.checkpoint.run_name,
@@ -146,8 +152,32 @@ def train(cfg: JobConfig) -> RunSummary:
     check_resume_compatible(cfg)
     started = time.time()
     data = prepare_data(cfg)
-    result = build_trainer(cfg, data).fit()
+    from ray.train import TrainingFailedError
+
+    try:
+        result = build_trainer(cfg, data).fit()
+    except TrainingFailedError as e:
+        from behemoth.cli import user_facing_error
+
+        if user_facing_error(e) is not None:  # behemoth's own message (bad data, ...) says it better
+            raise
+        raise RunFailedError(_failure_message(cfg, e)) from e
     return _summarise(cfg, result, time.time() - started)
+
+
+def _failure_message(cfg: JobConfig, e: Exception) -> str:
+    """What failed, what is kept, what to do: for a run whose worker group kept failing."""
+    from behemoth.checkpoint import read_state
+
+    failures = getattr(e, "worker_failures", None) or {"controller": getattr(e, "controller_failure", e)}
+    reasons = "; ".join(f"rank {rank}: {str(exc).strip().splitlines()[0]}" for rank, exc in failures.items())
+    run_dir = Path(storage_path(cfg)) / cfg.checkpoint.run_name
+    kept = sorted((read_state(c).step, c.name) for c in run_dir.glob("checkpoint_*")
+                  if (c / "manifest.json").is_file()) if "://" not in str(run_dir) else []
+    latest = f" (latest at step {kept[-1][0]}: {kept[-1][1]})" if kept else ""
+    return (f"run '{cfg.checkpoint.run_name}' failed and failure.max_failures={cfg.failure.max_failures} restarts "
+            f"are used up: {reasons}. Its checkpoints are kept in {run_dir}{latest}: rerun the same command to "
+            f"resume from the latest, or allow more restarts with failure.max_failures")
 
 
 def prepare_data(cfg: JobConfig):

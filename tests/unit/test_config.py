@@ -127,3 +127,13 @@ def test_text_config_checks(tmp_path):
     with pytest.raises(ConfigError, match=r"not divisible by scaling.num_workers 2 x train.grad_accum_steps 3"):
         load_config(write(tmp_path, text + "model:\n  name: causal_lm\n  hf_config: {model_type: llama}\n"),
                     ["train.grad_accum_steps=3", "train.global_batch_size=16"])
+
+
+def test_elastic_range_must_split_the_global_batch_at_every_size(tmp_path):
+    cfg = load_config(write(tmp_path, "train:\n  global_batch_size: 24\nscaling:\n  num_workers: [1, 4]\n"))
+    assert cfg.scaling.elastic and (cfg.scaling.min_workers, cfg.scaling.max_workers) == (1, 4)
+    with pytest.raises(ConfigError, match=r"not divisible by scaling.num_workers 3 \(a size in the elastic range "
+                                          r"\[2, 4\]\) x train.grad_accum_steps 1: pick a multiple of 3"):
+        load_config(write(tmp_path, "train:\n  global_batch_size: 16\nscaling:\n  num_workers: [2, 4]\n"))
+    with pytest.raises(ConfigError, match=r"give one count, or \[min, max\] with min <= max"):
+        load_config(write(tmp_path, "scaling:\n  num_workers: [4, 2]\n"))
