@@ -1,7 +1,6 @@
 """Real Ray, real DDP over gloo, real Ray Data pipelines, a tiny ResNet. One Ray instance for the module."""
 
 import shutil
-from pathlib import Path
 
 import pytest
 import ray
@@ -99,19 +98,8 @@ def test_run_checkpoints_then_same_name_resumes_exactly(image_root, tmp_path):
     a, b = _final_weights(resumed), _final_weights(straight)
     assert all(torch.equal(a[k], b[k]) for k in a)
 
-    # The latest checkpoint (step 9) is damaged on disk: the next rerun names it, skips it and resumes
-    # from the newest one that passes its manifest (step 6) instead of crashing or starting over.
-    latest = Path(resumed.latest_checkpoint)
-    weights = (latest / "model.pt").read_bytes()
-    (latest / "model.pt").write_bytes(weights[: len(weights) // 2])
-    fallback = train(config_from_dict(job_dict(image_root, storage, "resume", train={"max_steps": 12, **constant_lr})))
-    assert fallback.resumed_from_step == 6 and fallback.metrics["step"] == 12
-    # New checkpoints go to new folders (the damaged one is never written into; retention, keep=2, then
-    # evicts it as the oldest) and verify.
-    assert Path(fallback.latest_checkpoint) != latest
-    from behemoth.checkpoint import verify
-
-    verify(fallback.latest_checkpoint)
+    # A damaged latest checkpoint is skipped (named in a warning) for the previous good one: tested with
+    # the failure tests (test_fault_tolerance.py, R5).
 
 
 @pytest.fixture
