@@ -103,6 +103,20 @@ def read_state(directory: str | Path) -> TrainState:
     return TrainState(**json.loads((Path(directory) / "train_state.json").read_text()))
 
 
+def complete_checkpoints(folder: str | Path) -> list[tuple[int, str]]:
+    """(step, path) of the checkpoints in a run folder whose manifest was written, newest step first.
+    Unreadable train state counts as step -1 (verification names the problem when it is restored)."""
+    found = []
+    for path in Path(folder).glob("checkpoint_*") if Path(folder).is_dir() else []:
+        if (path / MANIFEST).is_file():
+            try:
+                step = read_state(path).step
+            except (OSError, ValueError, TypeError):
+                step = -1
+            found.append((step, str(path)))
+    return sorted(found, reverse=True)
+
+
 def unwrap(model):
     """The model inside a DDP wrapper (or the model itself)."""
     return model.module if hasattr(model, "module") else model

@@ -165,9 +165,14 @@ def restore_latest(model, optimizer, scheduler, scaler) -> TrainState | None:
     candidates = [latest] if latest else []
     candidates += [r.checkpoint for r in reversed(ray.train.get_all_reported_checkpoints())
                    if latest is None or r.checkpoint.path != latest.path]
-    registered = _step_of(latest.path) if latest else -1
+    registered = -1  # the step of Ray's latest, read even if the checkpoint is damaged
+    if latest and os.path.isdir(latest.path):
+        try:
+            registered = checkpoint.read_state(latest.path).step
+        except (OSError, ValueError, TypeError):
+            pass
     unregistered = [p for step, p in _run_folder_checkpoints() if step > registered]
-    if unregistered:
+    if unregistered and ray.train.get_context().get_world_rank() == 0:
         console(f"restoring from {unregistered[0]}: complete on disk, but not registered with Ray Train when "
                 f"the run stopped")
     for ckpt in unregistered + candidates:
@@ -185,28 +190,14 @@ def restore_latest(model, optimizer, scheduler, scaler) -> TrainState | None:
 
 
 def _run_folder_checkpoints() -> list[tuple[int, str]]:
-    """(step, path) of the complete checkpoints (manifest present) in this run's folder, newest first.
-    Local storage only: on a URI the registered checkpoints are all behemoth restores from."""
+    """Complete checkpoints in this run's folder, newest first. Local storage only: on a URI the registered
+    checkpoints are all behemoth restores from."""
     import pyarrow.fs
 
     storage = ray.train.get_context().get_storage()
     if not isinstance(storage.storage_filesystem, pyarrow.fs.LocalFileSystem):
         return []
-    folder = storage.experiment_fs_path
-    found = []
-    for name in os.listdir(folder) if os.path.isdir(folder) else []:
-        path = os.path.join(folder, name)
-        if name.startswith("checkpoint_") and os.path.isfile(os.path.join(path, checkpoint.MANIFEST)):
-            found.append((_step_of(path), path))
-    return sorted(found, reverse=True)
-
-
-def _step_of(path: str) -> int:
-    """The step a local checkpoint was written at (-1 if unreadable: verification will name the problem)."""
-    try:
-        return checkpoint.read_state(path).step
-    except (OSError, ValueError, TypeError):
-        return -1
+    return checkpoint.complete_checkpoints(storage.experiment_fs_path)
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -167,14 +167,13 @@ def train(cfg: JobConfig) -> RunSummary:
 
 def _failure_message(cfg: JobConfig, e: Exception) -> str:
     """What failed, what is kept, what to do: for a run whose worker group kept failing."""
-    from behemoth.checkpoint import read_state
+    from behemoth.checkpoint import complete_checkpoints
 
     failures = getattr(e, "worker_failures", None) or {"controller": getattr(e, "controller_failure", e)}
     reasons = "; ".join(f"rank {rank}: {str(exc).strip().splitlines()[0]}" for rank, exc in failures.items())
     run_dir = Path(storage_path(cfg)) / cfg.checkpoint.run_name
-    kept = sorted((read_state(c).step, c.name) for c in run_dir.glob("checkpoint_*")
-                  if (c / "manifest.json").is_file()) if "://" not in str(run_dir) else []
-    latest = f" (latest at step {kept[-1][0]}: {kept[-1][1]})" if kept else ""
+    kept = complete_checkpoints(run_dir) if "://" not in str(run_dir) else []
+    latest = f" (latest at step {kept[0][0]}: {Path(kept[0][1]).name})" if kept else ""
     return (f"run '{cfg.checkpoint.run_name}' failed and failure.max_failures={cfg.failure.max_failures} restarts "
             f"are used up: {reasons}. Its checkpoints are kept in {run_dir}{latest}: rerun the same command to "
             f"resume from the latest, or allow more restarts with failure.max_failures")
@@ -188,10 +187,10 @@ def prepare_data(cfg: JobConfig):
         return index
     from behemoth.data.text import check_text_sources, prepare_text
 
-    check_text_sources(cfg.data)
+    units = check_text_sources(cfg.data)
     ensure_ray()
     started = time.time()
-    tokens = prepare_text(cfg.data, seed=cfg.train.seed)
+    tokens = prepare_text(cfg.data, seed=cfg.train.seed, units=units)
     print(text_summary(tokens.stats, time.time() - started), flush=True)
     return tokens
 

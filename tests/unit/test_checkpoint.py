@@ -76,3 +76,15 @@ def test_damage_is_detected_and_named(tmp_path):
     (tmp_path / "manifest.json").unlink()  # never finished writing
     with pytest.raises(CheckpointError, match="has no manifest.json"):
         checkpoint.verify(tmp_path)
+
+
+def test_complete_checkpoints_lists_only_manifested_ones_newest_first(tmp_path):
+    model = build_model("resnet_tiny_cifar", 4)
+    opt = build_optimizer(model, CFG)
+    sched = warmup_cosine(opt, CFG, 10)
+    for step in (3, 9, 6):
+        checkpoint.save(tmp_path / f"checkpoint_{step}", model=model, optimizer=opt, scheduler=sched,
+                        state=TrainState(step=step), classes=None, job_yaml="")
+    (tmp_path / "checkpoint_9" / "manifest.json").unlink()  # written but never completed
+    assert [step for step, _ in checkpoint.complete_checkpoints(tmp_path)] == [6, 3]
+    assert checkpoint.complete_checkpoints(tmp_path / "missing") == []

@@ -311,9 +311,10 @@ def check_text_sources(cfg: DataConfig) -> list[Unit]:
     return plan_units(cfg)
 
 
-def prepare_text(cfg: DataConfig, seed: int) -> TokenIndex:
-    """Tokenise and pack the corpus (or reuse the cached result). Needs Ray (ray.init done)."""
-    units = check_text_sources(cfg)
+def prepare_text(cfg: DataConfig, seed: int, units: list[Unit] | None = None) -> TokenIndex:
+    """Tokenise and pack the corpus (or reuse the cached result). Needs Ray (ray.init done).
+    `units`: what check_text_sources returned, when the caller has already checked the sources."""
+    units = check_text_sources(cfg) if units is None else units
     tok = load_tokenizer(cfg.tokenizer)
     vocab = len(tok)
     dtype = np.uint16 if vocab <= np.iinfo(np.uint16).max + 1 else np.int32

@@ -16,8 +16,6 @@ from behemoth.config import TEXT_KINDS, JobConfig
 
 class Task(Protocol):
     cfg: JobConfig
-    # The metric that picks the best checkpoint, and whether higher is better.
-    best_metric: tuple[str, str]
     num_train_samples: int
     num_val_samples: int
     tokens_per_sample: int | None  # for tokens/s; None where a sample is not a token sequence
@@ -49,6 +47,7 @@ def is_text(cfg: JobConfig) -> bool:
 
 
 def best_metric(cfg: JobConfig) -> tuple[str, str]:
+    """The metric that picks the best checkpoint, and whether higher is better."""
     return ("val_loss", "min") if is_text(cfg) else ("val_accuracy", "max")
 
 

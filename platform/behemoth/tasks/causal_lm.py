@@ -15,7 +15,6 @@ from behemoth.models.causal_lm import build_causal_lm
 
 
 class CausalLM:
-    best_metric = ("val_loss", "min")
     eval_size = 2  # loss summed over predicted tokens, predicted tokens
 
     def __init__(self, cfg: JobConfig, index: TokenIndex):

@@ -11,7 +11,6 @@ from behemoth.models.registry import build_model
 
 
 class ImageClassification:
-    best_metric = ("val_accuracy", "max")
     tokens_per_sample = None
     eval_size = 4  # see eval_sums
 
