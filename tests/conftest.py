@@ -106,3 +106,26 @@ def lm_job_dict(corpus: Path, storage: Path, run_name: str = "lm", **sections) -
     for section, values in sections.items():
         job[section].update(values)
     return job
+
+
+# Once in a fresh-clone run of the whole suite (98 passed, results reported) the interpreter then died with a
+# segmentation fault while finalising — native threads of Ray / torch / tokenizers torn down at exit — and
+# the run's exit status became 139. Root cause not found (not reproducible with the unit tests alone). So
+# that the status reflects the tests, the process ends with pytest's own exit status right after pytest has
+# finished everything it does, skipping interpreter finalisation.
+_EXIT_STATUS = None
+
+
+def pytest_sessionfinish(session, exitstatus):
+    global _EXIT_STATUS
+    _EXIT_STATUS = int(exitstatus)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_unconfigure(config):
+    if _EXIT_STATUS is not None:
+        import sys
+
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(_EXIT_STATUS)
