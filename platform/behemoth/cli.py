@@ -23,6 +23,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("train", help="train (or resume, same checkpoint.run_name) a job on Ray")
     _add_config_args(p)
 
+    p = sub.add_parser("tune", help="sweep a job's keys (batch size, learning rate, ...) with Ray Tune; rerun "
+                       "the same sweep name to resume it")
+    p.add_argument("sweep", help="sweep YAML, e.g. jobs/configs/sweep_demo.yaml")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="a sweep key, e.g. --set name=lr2, or a job key for every trial, e.g. --set "
+                   "data.root=/abs/path (repeatable)")
+
     p = sub.add_parser("check", help="validate a job config and its data without starting Ray; print it")
     _add_config_args(p)
 
@@ -83,6 +90,8 @@ def _dispatch(args) -> int:
         return 1 if findings else 0
     if args.command == "data":
         return _data_command(args)
+    if args.command == "tune":
+        return _tune_command(args)
     cfg = load_config(args.config, args.overrides)
     if args.command == "check":
         print(dump_yaml(cfg), end="")
@@ -92,6 +101,23 @@ def _dispatch(args) -> int:
 
     summary = train(cfg)
     print("\n".join(["[behemoth] run finished"] + [f"  {line}" for line in summary.lines()]))
+    return 0
+
+
+def _tune_command(args) -> int:
+    import pandas as pd
+
+    from behemoth.tune import load_sweep, run_sweep
+
+    result = run_sweep(load_sweep(args.sweep, args.overrides))
+    with pd.option_context("display.width", 200, "display.max_columns", 20, "display.max_colwidth", 60):
+        print(result.table.drop(columns=["run_dir"]).to_string(index=False))
+    print("\n".join([
+        f"[behemoth] sweep finished: best {result.metric} {result.best_value:.4f} with "
+        + ", ".join(f"{k}={v}" for k, v in result.best_params.items()),
+        f"  results:         {result.results_csv}",
+        f"  best job config: {result.best_yaml}   (behemoth train {result.best_yaml})",
+        f"  best checkpoint: {result.best_checkpoint}"]))
     return 0
 
 

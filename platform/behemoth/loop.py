@@ -183,9 +183,11 @@ def restore_latest(model, optimizer, scheduler, scaler) -> TrainState | None:
                 return checkpoint.load(d, model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler)
         except CheckpointError as e:
             console(f"WARNING: skipping checkpoint {getattr(ckpt, 'path', ckpt)}: {e}")
-    if unregistered or candidates:
+    if candidates:  # Ray Train had registered checkpoints and none passes: never silently start over
         tried = [getattr(c, "path", c) for c in unregistered + candidates]
         raise CheckpointError(f"no checkpoint of this run passes verification (tried {tried})")
+    # Nothing registered: what failed were unregistered folders (an upload cut short by the failure, whose
+    # manifest was copied before the rest). Nothing was committed yet, so the run starts from step 0.
     return None
 
 
@@ -252,6 +254,7 @@ def _train_metrics(cfg, state, total_steps, epoch_steps, window, bad_ids, task, 
     samples_per_s = throughput(window.steps * cfg.train.global_batch_size, elapsed)
     metrics = {
         "step": state.step,
+        "total_steps": total_steps,
         "epoch": state.step / epoch_steps,
         "loss": stats[0].item() / max(stats[1].item(), 1.0),
         "lr": lr,
@@ -311,8 +314,8 @@ def console(message: str) -> None:
 
 
 class SampleLedger:
-    """Appends {"step", "epoch", "rank", "world", "group", "node", "ids", "loss_sum", "samples"} per trained
-    step to FOLDER/rank<r>.jsonl (loss_sum: this rank's loss summed over its samples of the step).
+    """Appends {"step", "epoch", "rank", "world", "group", "node", "pid", "ids", "loss_sum", "samples"} per
+    trained step to FOLDER/rank<r>.jsonl (loss_sum: this rank's loss summed over its samples of the step).
 
     An audit trail of the data order (train.sample_ledger). `group` names the worker group (rank 0's pid and
     start time, the same on every rank): after a failure or a resize, the steps that were redone appear
@@ -335,7 +338,7 @@ class SampleLedger:
     def record(self, state: TrainState, ids, loss_sum, samples) -> None:
         if self.file is not None:
             line = {"step": state.step + 1, "epoch": state.epoch, "rank": self.rank, "world": self.world,
-                    "group": self.group, "node": self.node, "ids": [int(i) for i in ids],
+                    "group": self.group, "node": self.node, "pid": os.getpid(), "ids": [int(i) for i in ids],
                     "loss_sum": float(loss_sum), "samples": float(samples)}
             self.file.write(json.dumps(line) + "\n")
             self.file.flush()

@@ -91,14 +91,24 @@ def tighten_token_file() -> str | None:
     return None
 
 
-def build_trainer(cfg: JobConfig, data):
-    """`data`: what prepare_data returned (an image index or packed token blocks)."""
+# Ray Train's controller collects the workers' reports when it polls them, every RAY_TRAIN_HEALTH_CHECK_INTERVAL_S
+# (2 s by default), and a worker holds at most one uncollected report: a run that reports (or checkpoints) more
+# often than every 2 s waits up to 2 s at each report. Polling every 0.2 s costs the controller a few small
+# actor calls per second. The driver's value reaches the controller (Ray propagates RAY_TRAIN_* variables);
+# a value the user sets wins.
+REPORT_POLL_ENV, REPORT_POLL_S = "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.2"
+
+
+def build_trainer(cfg: JobConfig, data, callbacks: list | None = None):
+    """`data`: what prepare_data returned (an image index or packed token blocks). `callbacks`: Ray Train
+    UserCallbacks (a sweep's trial passes the one that reports to Tune)."""
     import ray
     from ray.train import CheckpointConfig, FailureConfig, LoggingConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
     from behemoth.loop import train_loop_per_worker
 
+    os.environ.setdefault(REPORT_POLL_ENV, REPORT_POLL_S)
     resources = {"CPU": cfg.scaling.cpus_per_worker}
     if cfg.scaling.use_gpu:
         resources["GPU"] = cfg.scaling.gpus_per_worker
@@ -115,6 +125,7 @@ def build_trainer(cfg: JobConfig, data):
             name=cfg.checkpoint.run_name,
             storage_path=storage_path(cfg),
             failure_config=FailureConfig(max_failures=cfg.failure.max_failures),
+            callbacks=callbacks,
             checkpoint_config=CheckpointConfig(num_to_keep=cfg.checkpoint.keep),
             # Ray Train's per-report INFO lines would bury behemoth's progress lines.
             logging_config=LoggingConfig(log_level="WARNING"),
@@ -147,7 +158,7 @@ def check_resume_compatible(cfg: JobConfig) -> None:
         )
 
 
-def train(cfg: JobConfig) -> RunSummary:
+def train(cfg: JobConfig, callbacks: list | None = None) -> RunSummary:
     """Run (or resume, if the run name already has checkpoints) one training job. Blocks until it ends."""
     check_resume_compatible(cfg)
     started = time.time()
@@ -155,7 +166,7 @@ def train(cfg: JobConfig) -> RunSummary:
     from ray.train import TrainingFailedError
 
     try:
-        result = build_trainer(cfg, data).fit()
+        result = build_trainer(cfg, data, callbacks).fit()
     except TrainingFailedError as e:
         from behemoth.cli import user_facing_error
 

@@ -10,7 +10,6 @@ import yaml
 from behemoth.cli import main
 from behemoth.config import config_from_dict
 from behemoth.data.images import build_index
-from behemoth.trainer import train
 from conftest import job_dict
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("ray_local")]
@@ -71,37 +70,6 @@ def test_ddp_keeps_weights_identical_across_ranks(image_root, tmp_path):
     assert changed > len(rank1_init) // 2  # trained, and not rank 1's own initialisation
 
 
-def _final_weights(summary):
-    return torch.load(f"{summary.latest_checkpoint}/model.pt")
-
-
-def test_run_checkpoints_then_same_name_resumes_exactly(image_root, tmp_path):
-    storage = tmp_path / "runs"
-    # A constant learning rate: max_steps sets the schedule's horizon, so a 6-step run followed by a
-    # 9-step resume only matches a straight 9-step run when the schedule does not depend on it.
-    constant_lr = {"warmup_steps": 0, "min_lr_ratio": 1.0}
-    first = train(config_from_dict(job_dict(image_root, storage, "resume", train={"max_steps": 6, **constant_lr})))
-    assert first.metrics["step"] == 6 and first.resumed_from_step == 0
-    assert 0.0 <= first.metrics["val_accuracy"] <= 1.0 and first.metrics["val_samples"] == 24
-    kept = sorted(p for p in (storage / "resume").iterdir() if p.is_dir() and p.name.startswith("checkpoint_"))
-    assert len(kept) == 2  # every 3 steps, keep 2: steps 3 and 6
-    assert [yaml.safe_load((p / "train_state.json").read_text())["step"] for p in kept] == [3, 6]
-
-    # Same run name, longer run: continues at step 6 instead of starting over...
-    resumed = train(config_from_dict(job_dict(image_root, storage, "resume", train={"max_steps": 9, **constant_lr})))
-    assert resumed.resumed_from_step == 6 and resumed.metrics["step"] == 9
-    assert (kept[-1] / "manifest.json").exists()  # nothing committed before is lost
-    # ...and lands on exactly the weights of an uninterrupted 9-step run (same seed, CPU).
-    straight = train(config_from_dict(job_dict(image_root, storage, "straight",
-                                               train={"max_steps": 9, **constant_lr})))
-    assert straight.resumed_from_step == 0
-    a, b = _final_weights(resumed), _final_weights(straight)
-    assert all(torch.equal(a[k], b[k]) for k in a)
-
-    # A damaged latest checkpoint is skipped (named in a warning) for the previous good one: tested with
-    # the failure tests (test_fault_tolerance.py, R5).
-
-
 @pytest.fixture
 def images_with_corrupt_file(image_root, tmp_path):
     root = tmp_path / "images"
@@ -128,3 +96,16 @@ def test_corrupt_image_within_budget_is_dropped_and_counted(images_with_corrupt_
     assert main(["train", str(cfg)]) == 0
     out = capsys.readouterr().out
     assert "dropped images:    1 undecodable in train, 0 in val" in out and "final val_acc:" in out
+
+
+def test_a_sweep_refuses_to_start_without_rays_state_api(image_root, tmp_path):
+    """This module's Ray runs without its dashboard: a stopped trial's resources would never be freed (Ray
+    Train's PlacementGroupCleaner needs the state API), so the sweep refuses before any trial."""
+    from behemoth.config import ConfigError
+    from behemoth.tune import sweep
+
+    job = tmp_path / "job.yaml"
+    job.write_text(yaml.safe_dump(job_dict(image_root, tmp_path / "runs")))
+    with pytest.raises(ConfigError, match="Ray's state API is not reachable .* start Ray with the dashboard"):
+        sweep(job, {"train.lr": {"grid": [0.1, 0.01]}}, storage_path=str(tmp_path / "sweeps"))
+    assert not (tmp_path / "sweeps").exists()

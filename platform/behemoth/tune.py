@@ -1,0 +1,537 @@
+"""Driver side: sweeps of a job config with Ray Tune, each trial a full behemoth training run.
+
+A sweep is a job YAML plus a search space over any of its keys (`train.lr`, `train.global_batch_size`, ...).
+Ray 2.60 (Train V2) has no `Tuner(trainer)`: each trial runs `run_trial`, a driver function that builds the
+trial's job config and calls `behemoth.trainer.train` — its own workers, run folder, checkpoints and
+`failure.max_failures` — with a callback that forwards the run's evaluation reports to Tune, where the
+scheduler (ASHA by default) stops weak trials early.
+
+Everything is checked on the driver before a trial starts: every space key is a job key, every value in
+the space makes a valid job, the metric is one the task reports, the data is readable. Concurrency is
+bounded by the cluster's resources, so trials never wait on each other's workers.
+
+Outputs, in STORAGE_PATH/NAME: results.csv (one row per trial, best first), best.yaml (the best trial's
+full job config: `behemoth train best.yaml` reproduces it), the trials' run folders under runs/, and Tune's
+own experiment state (which `sweep` uses to resume a killed sweep of the same name).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+import yaml
+from ray.tune.integration.ray_train import TuneReportCallback
+
+from behemoth.config import ConfigError, JobConfig, config_from_dict, dump_yaml, from_dict, load_config
+from behemoth.tasks import best_metric, is_text
+
+DISTRIBUTIONS = ("grid", "choice", "uniform", "loguniform")
+# What the training loop reports at an evaluation, by task (behemoth.loop, behemoth.tasks).
+REPORTED = {"image": ("val_accuracy", "val_loss", "loss"), "text": ("val_loss", "val_perplexity", "loss")}
+TRIAL_DRIVER_MEMORY = 512 * 1024**2  # bytes: a trial driver process (Ray, torch imported) holds ~0.4 GiB
+MODES = {"val_accuracy": "max", "val_loss": "min", "val_perplexity": "min", "loss": "min"}
+
+
+@dataclass
+class SchedulerConfig:
+    # asha: stop trials whose metric at a rung (grace_period x reduction_factor^k) is in the bottom part.
+    kind: Literal["asha", "fifo"] = "asha"
+    # What a rung counts: epochs, or optimizer steps (runs that evaluate every N steps).
+    time_attr: Literal["epoch", "step"] = "epoch"
+    grace_period: float = 1
+    reduction_factor: float = 2
+    # The run length ASHA plans for (default: the job's epochs, or its steps).
+    max_t: Optional[float] = None
+
+
+@dataclass
+class SweepConfig:
+    # The job YAML every trial starts from (relative to the sweep file).
+    job: str = ""
+    # Overrides applied to every trial before the space, like `behemoth train --set`.
+    set: list[str] = field(default_factory=list)
+    # KEY: {grid: [...]} | {choice: [...]} | {uniform: [low, high]} | {loguniform: [low, high]}
+    space: dict[str, dict[str, list[Any]]] = field(default_factory=dict)
+    # Samples of the space (each grid combination num_samples times).
+    num_samples: int = 1
+    # What picks the best trial: val_accuracy/val_loss/loss (images), val_loss/val_perplexity/loss (text).
+    metric: Optional[str] = None  # default: val_accuracy (images), val_loss (text)
+    mode: Optional[Literal["min", "max"]] = None  # default: from the metric
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    # random: Tune's grid/random variant generator. optuna: TPE (pip install optuna).
+    searcher: Literal["random", "optuna"] = "random"
+    # Scale each trial's train.lr by its batch size against the job's: lr x (B / B_job) or x sqrt(B / B_job).
+    lr_scaling: Literal["none", "linear", "sqrt"] = "none"
+    # Trials running at once (default: as many as the cluster's CPUs/GPUs hold, from the largest trial).
+    max_concurrent_trials: Optional[int] = None
+    # Tune restarts of a trial whose training failed past its failure.max_failures (it resumes from its
+    # own checkpoints).
+    trial_max_failures: int = 0
+    name: str = "sweep"
+    # A sweep lives in STORAGE_PATH/NAME; rerunning the same name resumes it.
+    storage_path: str = "runs/sweeps"
+
+    def validate(self) -> None:
+        if not self.job:
+            raise ConfigError("job is empty: set it to the job YAML the trials start from")
+        if not self.space:
+            raise ConfigError("space is empty: give at least one key to search, e.g. "
+                              "space: {train.lr: {loguniform: [0.01, 0.3]}}")
+        for key, dist in self.space.items():
+            _check_distribution(key, dist)
+        if self.num_samples < 1 or self.trial_max_failures < -1:
+            raise ConfigError("num_samples must be >= 1 and trial_max_failures >= -1")
+        if self.max_concurrent_trials is not None and self.max_concurrent_trials < 1:
+            raise ConfigError(f"max_concurrent_trials must be >= 1, got {self.max_concurrent_trials}")
+        if not self.name or "/" in self.name:
+            raise ConfigError(f"name {self.name!r} must be a non-empty name without '/'")
+        s = self.scheduler
+        if s.grace_period <= 0 or s.reduction_factor <= 1 or (s.max_t is not None and s.max_t < s.grace_period):
+            raise ConfigError("scheduler: grace_period must be > 0, reduction_factor > 1, max_t >= grace_period")
+
+
+def _check_distribution(key: str, dist: dict) -> None:
+    if len(dist) != 1 or next(iter(dist)) not in DISTRIBUTIONS:
+        raise ConfigError(f"space.{key}: expected one of {{{', '.join(f'{d}: [...]' for d in DISTRIBUTIONS)}}}, "
+                          f"got {dist}")
+    kind, values = next(iter(dist.items()))
+    if not values:
+        raise ConfigError(f"space.{key}.{kind} is empty")
+    if kind in ("uniform", "loguniform"):
+        ok = len(values) == 2 and all(isinstance(v, (int, float)) for v in values) and values[0] < values[1]
+        if not ok or (kind == "loguniform" and values[0] <= 0):
+            raise ConfigError(f"space.{key}.{kind} needs [low, high] with low < high"
+                              f"{' and low > 0' if kind == 'loguniform' else ''}, got {values}")
+
+
+def load_sweep(path: str | Path, overrides: list[str] | None = None) -> SweepConfig:
+    """Read a sweep YAML. `overrides` (`KEY=VALUE`): a sweep key (name=..., scheduler.grace_period=2), or a
+    job key (data.root=..., train.epochs=2), which is added to the sweep's `set` list for every trial."""
+    import dataclasses
+
+    from behemoth.config import _apply_override
+
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"sweep file {p} does not exist")
+    raw = yaml.safe_load(p.read_text()) or {}
+    job_sections = {f.name for f in dataclasses.fields(JobConfig)}
+    for item in overrides or []:
+        if item.split(".", 1)[0] in job_sections:
+            raw["set"] = list(raw.get("set") or []) + [item]
+        else:
+            _apply_override(raw, item)
+    sweep_cfg = from_dict(SweepConfig, raw, where=str(p))
+    if sweep_cfg.job and not Path(sweep_cfg.job).is_absolute():
+        sweep_cfg.job = str(p.parent / sweep_cfg.job)
+    try:
+        sweep_cfg.validate()
+    except ConfigError as e:
+        raise ConfigError(f"{p}: {e}") from None
+    return sweep_cfg
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Trial configs: job YAML + sweep overrides (resolved once, on the driver) -> the trial's sampled values ->
+# LR scaling -> its own run folder
+
+
+def base_job(sweep_cfg: SweepConfig) -> dict:
+    """The job every trial starts from, as a dict, with relative local paths made absolute: trials run in
+    Tune's actors, whose working directory is not the driver's."""
+    cfg = load_config(sweep_cfg.job, sweep_cfg.set)
+    d = cfg.data
+    d.root = _absolute(d.root)
+    d.train_files, d.val_files = [_absolute(f) for f in d.train_files], [_absolute(f) for f in d.val_files]
+    d.tokenizer, d.hf_dataset, d.cache_dir = _absolute(d.tokenizer), _absolute(d.hf_dataset), _absolute(d.cache_dir)
+    cfg.checkpoint.storage_path = _absolute(cfg.checkpoint.storage_path)
+    return cfg.to_dict()
+
+
+def _absolute(path: str) -> str:
+    """A relative path that exists here (or a cache folder) made absolute; URIs and hub names unchanged."""
+    if not path or "://" in path or os.path.isabs(path):
+        return path
+    return os.path.abspath(path) if os.path.exists(path) or path.endswith("cache") else path
+
+
+def trial_job(base: dict, params: dict, lr_scaling: str = "none", run_dir: str | None = None) -> JobConfig:
+    """The full job config of a trial with sampled values `params` ({"train.lr": 0.05, ...})."""
+    raw = {section: dict(values) for section, values in base.items()}
+    for key, value in params.items():
+        section, name = key.split(".", 1)
+        raw[section][name] = value
+    if run_dir is not None:
+        raw["checkpoint"].update(storage_path=os.path.dirname(run_dir), run_name=os.path.basename(run_dir))
+        if raw["train"].get("sample_ledger"):
+            raw["train"]["sample_ledger"] = os.path.join(run_dir, "ledger")
+    if lr_scaling != "none":
+        ratio = raw["train"]["global_batch_size"] / base["train"]["global_batch_size"]
+        raw["train"]["lr"] = float(raw["train"]["lr"]) * (ratio if lr_scaling == "linear" else math.sqrt(ratio))
+    return config_from_dict(raw, where="trial config")
+
+
+def metric_and_mode(sweep_cfg: SweepConfig, cfg: JobConfig) -> tuple[str, str]:
+    default_metric, default_mode = best_metric(cfg)
+    metric = sweep_cfg.metric or default_metric
+    reported = REPORTED["text" if is_text(cfg) else "image"]
+    if metric not in reported:
+        raise ConfigError(f"metric {metric!r} is never reported by a {cfg.model.name} run; it reports "
+                          f"{', '.join(reported)} at each evaluation")
+    return metric, sweep_cfg.mode or MODES.get(metric, default_mode)
+
+
+def check_sweep(sweep_cfg: SweepConfig) -> list[JobConfig]:
+    """Every job the space can produce must be valid: the grid's and choices' values all combined, and each
+    range's two ends. Returns those jobs (for the resource bound). Raises ConfigError naming the key."""
+    sweep_cfg.validate()
+    base = base_job(sweep_cfg)  # the job file itself first: its errors name it
+    axes = []
+    for key, dist in sweep_cfg.space.items():
+        _check_key_exists(key)
+        axes.append([(key, v) for v in next(iter(dist.values()))])
+    jobs = []
+    for combination in itertools.product(*axes):
+        try:
+            jobs.append(trial_job(base, dict(combination), sweep_cfg.lr_scaling))
+        except ConfigError as e:
+            values = ", ".join(f"{k}={v!r}" for k, v in combination)
+            raise ConfigError(f"space: the trial {values} is not a valid job: {e}") from None
+    metric_and_mode(sweep_cfg, jobs[0])
+    if sweep_cfg.searcher == "optuna":
+        _optuna_searcher(sweep_cfg, "val_loss", "min")  # raises the install hint when optuna is missing
+    return jobs
+
+
+def _check_key_exists(key: str) -> None:
+    """`train.lr` must name a job key (section.field), with the closest valid key suggested."""
+    import dataclasses
+    import difflib
+
+    job = JobConfig()
+    valid = [f"{s.name}.{f.name}" for s in dataclasses.fields(job) for f in dataclasses.fields(getattr(job, s.name))]
+    if key not in valid:
+        close = difflib.get_close_matches(key, valid, n=1, cutoff=0.5)
+        hint = f"; did you mean '{close[0]}'?" if close else ""
+        raise ConfigError(f"space key '{key}' is not a job config key{hint}")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Resources: trials run at most as many at once as the cluster holds, so none waits on another's workers
+
+
+def trial_resources(cfg: JobConfig) -> dict[str, float]:
+    """What one trial of `cfg` holds at its largest: its workers, plus one Ray Data task for image decoding
+    (text is tokenised before the workers start, by the sweep driver)."""
+    s = cfg.scaling
+    need = {"CPU": s.max_workers * s.cpus_per_worker + (0 if is_text(cfg) else cfg.data.cpus_per_task)}
+    if s.use_gpu:
+        need["GPU"] = s.max_workers * s.gpus_per_worker
+    return need
+
+
+def concurrency_bound(jobs: list[JobConfig], cluster: dict[str, float]) -> int:
+    need = {k: max(trial_resources(j).get(k, 0) for j in jobs) for k in ("CPU", "GPU")}
+    fits = [int(cluster.get(k, 0) // v + 1e-9) for k, v in need.items() if v > 0]
+    n = min(fits)
+    if n < 1:
+        raise ConfigError(f"one trial needs {need['CPU']:g} CPUs and {need['GPU']:g} GPUs, the cluster has "
+                          f"{cluster.get('CPU', 0):g} and {cluster.get('GPU', 0):g}: lower scaling.num_workers / "
+                          f"cpus_per_worker, or set max_concurrent_trials on a cluster that autoscales")
+    return n
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Running: the trial driver function, the Tuner, the results
+
+
+def run_trial(params: dict, sweep: dict, base: dict, sweep_dir: str) -> None:
+    """One trial (runs in a Tune actor): the trial's job, trained by behemoth, evaluations sent to Tune.
+
+    The run folder is SWEEP_DIR/runs/TRIAL_ID, so a trial that Tune restarts (a resumed sweep, a retried
+    error) resumes from its own latest checkpoint. Every start is appended to SWEEP_DIR/trial_starts.jsonl.
+    """
+    from ray import tune
+
+    from behemoth.trainer import train
+
+    sweep_cfg = from_dict(SweepConfig, sweep, where="sweep")
+    trial_id = tune.get_context().get_trial_id()
+    run_dir = os.path.join(sweep_dir, "runs", trial_id)
+    cfg = trial_job(base, params, sweep_cfg.lr_scaling, run_dir)
+    metric, _ = metric_and_mode(sweep_cfg, cfg)
+    summary_file = Path(run_dir, "summary.json")
+    # Tune saves its experiment state at most every ~10 s: a sweep killed just after a trial finished may
+    # restart that trial. Its summary says it is done: hand Tune the final result again, train nothing.
+    finished_before = summary_file.is_file()
+    _append_jsonl(os.path.join(sweep_dir, "trial_starts.jsonl"), {
+        "trial_id": trial_id, "time": time.time(), "params": params, "lr": cfg.train.lr,
+        "finished_before": finished_before})
+    described = ", ".join(f"{k}={v}" for k, v in params.items())
+    if finished_before:
+        print(f"[behemoth] trial {trial_id} ({described}) had finished: its result is kept", flush=True)
+        tune.report(json.loads(summary_file.read_text())["metrics"])
+        return
+    print(f"[behemoth] trial {trial_id} ({described}, lr {cfg.train.lr:g}): run folder {run_dir}", flush=True)
+    summary = train(cfg, callbacks=[EvalReportCallback(metric)])
+    # Written when the trial has trained to its end (a trial ASHA stops never gets here).
+    tmp = summary_file.with_suffix(".tmp")
+    tmp.write_text(json.dumps({
+        "metrics": summary.metrics, "best_checkpoint": summary.best_checkpoint,
+        "latest_checkpoint": summary.latest_checkpoint, "resumed_from_step": summary.resumed_from_step}))
+    os.replace(tmp, summary_file)  # all or nothing: a half-written summary would pass for a finished trial
+
+
+def _append_jsonl(path: str, record: dict) -> None:
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+class EvalReportCallback(TuneReportCallback):
+    """Ray's TuneReportCallback, forwarding only the reports that carry the metric (the evaluations): the
+    run's other reports (loss every log_every steps) would fail Tune's check that every result holds it."""
+
+    def __init__(self, metric: str):
+        super().__init__()
+        self.metric = metric
+
+    def after_report(self, run_context, metrics, checkpoint):
+        if self.metric in metrics[0]:
+            super().after_report(run_context, metrics, checkpoint)
+
+
+@dataclass
+class SweepResult:
+    table: Any  # pandas.DataFrame: one row per trial, best first
+    best_params: dict
+    best_job: JobConfig  # the best trial's full job config (run name: NAME_best, in the job's storage path)
+    best_value: float
+    metric: str
+    best_checkpoint: Optional[str]
+    best_yaml: str
+    results_csv: str
+    sweep_dir: str
+
+
+def sweep_dir_of(sweep_cfg: SweepConfig) -> str:
+    path = sweep_cfg.storage_path
+    root = path if "://" in path else os.path.abspath(os.path.expanduser(path))
+    return os.path.join(root, sweep_cfg.name)
+
+
+def run_sweep(sweep_cfg: SweepConfig) -> SweepResult:
+    """Check the sweep, start (or resume: same name) it, and return its results. Blocks until it ends."""
+    jobs = check_sweep(sweep_cfg)
+    metric, mode = metric_and_mode(sweep_cfg, jobs[0])
+    sweep_dir = sweep_dir_of(sweep_cfg)
+    from behemoth.trainer import prepare_data
+
+    for job in _distinct_data(jobs):  # checks the data, starts Ray; text: tokenised once, here, into the cache
+        prepare_data(job)
+    _check_state_api()
+    _check_same_sweep(sweep_cfg, sweep_dir)
+    import ray
+    from ray import tune
+
+    concurrent = sweep_cfg.max_concurrent_trials or concurrency_bound(jobs, ray.cluster_resources())
+    trainable = tune.with_resources(
+        tune.with_parameters(run_trial, sweep=_to_dict(sweep_cfg), base=base_job(sweep_cfg), sweep_dir=sweep_dir),
+        # The trial's driver only waits on its run: it holds no CPU (its workers hold the run's CPUs and GPUs,
+        # see trial_resources), only the memory its process takes. (Ray refuses an empty request.)
+        {"CPU": 0, "memory": TRIAL_DRIVER_MEMORY})
+    print(f"[behemoth] sweep {sweep_cfg.name}: {metric} ({mode}), {_count(sweep_cfg)} trials, at most "
+          f"{concurrent} at once, scheduler {sweep_cfg.scheduler.kind}; folder {sweep_dir}", flush=True)
+    if tune.Tuner.can_restore(sweep_dir):
+        print(f"[behemoth] resuming sweep {sweep_cfg.name}: finished trials are kept, unfinished ones continue "
+              f"from their checkpoints, errored ones are retried", flush=True)
+        tuner = tune.Tuner.restore(sweep_dir, trainable, resume_unfinished=True, resume_errored=True)
+    else:
+        tuner = tune.Tuner(
+            trainable,
+            param_space={key: _domain(dist) for key, dist in sweep_cfg.space.items()},
+            tune_config=tune.TuneConfig(
+                metric=metric, mode=mode, num_samples=sweep_cfg.num_samples, max_concurrent_trials=concurrent,
+                scheduler=_scheduler(sweep_cfg, jobs[0]), search_alg=_searcher(sweep_cfg, metric, mode)),
+            run_config=tune.RunConfig(
+                name=sweep_cfg.name, storage_path=os.path.dirname(sweep_dir), verbose=0,
+                failure_config=tune.FailureConfig(max_failures=sweep_cfg.trial_max_failures)),
+        )
+    grid = tuner.fit()
+    return _results(sweep_cfg, grid, metric, mode, sweep_dir)
+
+
+def _check_state_api() -> None:
+    """When Tune stops a trial (ASHA), the trial's Ray Train controller dies with it, and Ray Train's
+    PlacementGroupCleaner frees the trial's workers' resources once Ray's state API reports the controller
+    dead. Without the state API (Ray started without its dashboard) those resources stay held and later
+    trials wait for them forever, so a sweep refuses to start."""
+    from ray.util.state import list_actors
+    from ray.util.state.exception import RayStateApiException
+
+    try:
+        list_actors(limit=1, timeout=10, raise_on_missing_output=False)
+    except (RayStateApiException, ConnectionError) as e:
+        raise ConfigError(
+            f"Ray's state API is not reachable ({type(e).__name__}): Ray was started without its dashboard. A "
+            f"sweep needs it (Ray Train frees a stopped trial's workers through it): start Ray with the "
+            f"dashboard (ray start --head without --include-dashboard=false; ray.init(include_dashboard=True))"
+        ) from None
+
+
+def _to_dict(sweep_cfg: SweepConfig) -> dict:
+    import dataclasses
+
+    return dataclasses.asdict(sweep_cfg)
+
+
+def _count(sweep_cfg: SweepConfig) -> int:
+    grids = [len(v) for dist in sweep_cfg.space.values() for k, v in dist.items() if k == "grid"]
+    return math.prod(grids) * sweep_cfg.num_samples
+
+
+def _distinct_data(jobs: list[JobConfig]) -> list[JobConfig]:
+    seen, out = set(), []
+    for job in jobs:
+        key = json.dumps(job.to_dict()["data"], sort_keys=True)
+        if key not in seen:
+            seen.add(key)
+            out.append(job)
+    return out
+
+
+def _check_same_sweep(sweep_cfg: SweepConfig, sweep_dir: str) -> None:
+    """A rerun of a sweep name resumes it: with the same job and space only. The first run stores them."""
+    path = Path(sweep_dir, "sweep.yaml")
+    now = {"job": base_job(sweep_cfg), "space": sweep_cfg.space, "num_samples": sweep_cfg.num_samples,
+           "lr_scaling": sweep_cfg.lr_scaling}
+    if "://" in sweep_dir:
+        return
+    if path.is_file():
+        before = yaml.safe_load(path.read_text())
+        changed = [key for key in now if before.get(key) != now[key]]
+        if changed:
+            raise ConfigError(f"sweep '{sweep_cfg.name}' in {sweep_dir} was started with a different "
+                              f"{' and '.join(changed)}: give this sweep another name (name=...), or delete the "
+                              f"folder to start it over")
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(now, sort_keys=False))
+
+
+def _domain(dist: dict):
+    from ray import tune
+
+    kind, values = next(iter(dist.items()))
+    return {"grid": tune.grid_search, "choice": tune.choice}[kind](values) if kind in ("grid", "choice") \
+        else getattr(tune, kind)(*values)
+
+
+def _scheduler(sweep_cfg: SweepConfig, job: JobConfig):
+    from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
+
+    s = sweep_cfg.scheduler
+    if s.kind == "fifo":
+        return FIFOScheduler()
+    max_t = s.max_t or (job.train.epochs if s.time_attr == "epoch" else job.train.max_steps)
+    if max_t is None:
+        raise ConfigError("scheduler.time_attr is step and the job has no train.max_steps: set scheduler.max_t")
+    # stop_last_trials=False: a trial that reaches max_t ends by itself (and writes its summary).
+    return ASHAScheduler(time_attr=s.time_attr, max_t=max_t, grace_period=s.grace_period,
+                         reduction_factor=s.reduction_factor, stop_last_trials=False)
+
+
+def _searcher(sweep_cfg: SweepConfig, metric: str, mode: str):
+    return _optuna_searcher(sweep_cfg, metric, mode) if sweep_cfg.searcher == "optuna" else None
+
+
+def _optuna_searcher(sweep_cfg: SweepConfig, metric: str, mode: str):
+    try:
+        from ray.tune.search.optuna import OptunaSearch
+        import optuna  # noqa: F401
+    except ImportError:
+        raise ConfigError("searcher optuna needs the optuna package: pip install optuna (or use searcher: "
+                          "random)") from None
+    grids = [key for key, dist in sweep_cfg.space.items() if "grid" in dist]
+    if grids:
+        raise ConfigError(f"searcher optuna samples, it does not enumerate grids: use choice for {grids}")
+    return OptunaSearch(metric=metric, mode=mode)
+
+
+def _results(sweep_cfg: SweepConfig, grid, metric: str, mode: str, sweep_dir: str) -> SweepResult:
+    """One row per trial (best first) -> results.csv; the best trial's job -> best.yaml."""
+    import pandas as pd
+
+    base, keys = base_job(sweep_cfg), list(sweep_cfg.space)
+    rows = [_trial_row(sweep_cfg, r, base, keys, metric, sweep_dir) for r in grid]
+    table = pd.DataFrame(rows).sort_values(metric, ascending=mode == "min", na_position="last", kind="stable")
+    table = table.reset_index(drop=True)
+    results_csv = os.path.join(sweep_dir, "results.csv")
+    table.to_csv(results_csv, index=False)
+    scored = table[table[metric].notna()]
+    if scored.empty:
+        raise RuntimeError(f"no trial of sweep {sweep_cfg.name} reported {metric}: see the trials' errors in "
+                           f"{results_csv}")
+    best = scored.iloc[0]
+    best_params = {k: _plain(best[k]) for k in keys}
+    best_job = trial_job(base, best_params, sweep_cfg.lr_scaling)
+    best_job.checkpoint.storage_path = base["checkpoint"]["storage_path"]
+    best_job.checkpoint.run_name = f"{sweep_cfg.name}_best"
+    best_yaml = os.path.join(sweep_dir, "best.yaml")
+    Path(best_yaml).write_text(
+        f"# The best trial of sweep {sweep_cfg.name}: {best['trial_id']}, {metric} {best[metric]:.6g} "
+        f"({best['status']}).\n# {', '.join(f'{k}={v!r}' for k, v in best_params.items())}; train.lr after "
+        f"lr_scaling {sweep_cfg.lr_scaling}: {best_job.train.lr:.6g}.\n# Reproduce it: behemoth train {best_yaml}\n"
+        + dump_yaml(best_job))
+    return SweepResult(table=table, best_params=best_params, best_job=best_job, best_value=float(best[metric]),
+                       metric=metric, best_checkpoint=best["best_checkpoint"] or None, best_yaml=best_yaml,
+                       results_csv=results_csv, sweep_dir=sweep_dir)
+
+
+def _trial_row(sweep_cfg: SweepConfig, result, base: dict, keys: list[str], metric: str, sweep_dir: str) -> dict:
+    from behemoth.checkpoint import complete_checkpoints
+
+    params = {k: result.config.get(k) for k in keys}
+    m = result.metrics or {}
+    trial_id = m.get("trial_id") or _trial_id_from_starts(sweep_dir, params)
+    run_dir = os.path.join(sweep_dir, "runs", str(trial_id))
+    summary_file = Path(run_dir, "summary.json")
+    summary = json.loads(summary_file.read_text()) if summary_file.is_file() else {}
+    m = {**m, **summary.get("metrics", {})}
+    if m.get("step") is not None and m["step"] >= m.get("total_steps", float("inf")):
+        status = "finished"  # (ASHA may still "stop" a trial at its last report, as it ends)
+    elif result.error is not None:
+        status = f"error: {str(result.error).strip().splitlines()[0][:200]}"
+    else:
+        status = "stopped early"
+    kept = complete_checkpoints(run_dir)
+    return {"trial_id": trial_id, "status": status, **params,
+            "lr": trial_job(base, params, sweep_cfg.lr_scaling).train.lr,
+            metric: m.get(metric, float("nan")), "epoch": m.get("epoch"), "step": m.get("step"),
+            "best_checkpoint": summary.get("best_checkpoint") or (kept[0][1] if kept else None), "run_dir": run_dir}
+
+
+def _trial_id_from_starts(sweep_dir: str, params: dict) -> str | None:
+    """A trial that failed before its first report has no trial_id in its result: find it by its params."""
+    path = Path(sweep_dir, "trial_starts.jsonl")
+    starts = [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
+    return next((s["trial_id"] for s in reversed(starts) if s["params"] == params), None)
+
+
+def _plain(value):
+    """numpy scalars from the table -> plain Python (for YAML and the config's type checks)."""
+    return value.item() if hasattr(value, "item") else value
+
+
+def sweep(job: str | Path, space: dict, **options) -> SweepResult:
+    """Sweep a job YAML from a Python script. `space`: {"train.lr": {"loguniform": [0.01, 0.3]}, ...};
+    `options`: the other SweepConfig keys (name, storage_path, num_samples, metric, mode, scheduler (a dict),
+    searcher, lr_scaling, max_concurrent_trials, trial_max_failures, set)."""
+    raw = {"job": str(job), "space": space, **options}
+    return run_sweep(from_dict(SweepConfig, raw, where="sweep()"))

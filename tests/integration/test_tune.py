@@ -1,0 +1,172 @@
+"""A real Ray Tune sweep on a local Ray instance: four trials, each a behemoth training run (1 worker, the
+tiny ResNet, 2 epochs), one at a time, ASHA deciding at epoch 1 over the learning rates 0.05 ... 0.00005.
+
+One sweep, driven through its life, checks: a trial whose training worker is SIGKILLed finishes (Ray Train
+restores it from its checkpoint) on exactly the weights of an uninterrupted run of its job; a sweep whose
+driver is SIGKILLed mid-way and rerun under the same name does not rerun its finished trial and continues the
+unfinished one from that trial's checkpoint; ASHA stops trials early; results.csv, best.yaml (the best
+trial's job) and the best checkpoint exist; the Python API returns the best config; afterwards every CPU of
+the cluster is free again (no leaked placement group).
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import ray
+import torch
+import yaml
+
+from behemoth.checkpoint import read_state
+from behemoth.config import config_from_dict, load_config
+from behemoth.trainer import train
+from behemoth.tune import load_sweep, run_sweep
+from conftest import job_dict
+
+pytestmark = pytest.mark.integration
+LRS = [0.05, 0.005, 0.0005, 0.00005]  # grid order = trial order (one at a time): each later one learns less
+
+
+@pytest.fixture(scope="module")
+def ray_with_dashboard():
+    """A local Ray instance as users start it: with the dashboard, whose state API Ray Train's
+    PlacementGroupCleaner needs to free the resources of a trial that Tune stops."""
+    import tempfile
+
+    from conftest import _SESSION_DIR
+
+    ray.init(num_cpus=2, include_dashboard=True, logging_level="warning",
+             _temp_dir=tempfile.mkdtemp(prefix="ray-", dir=_SESSION_DIR))
+    yield
+    ray.shutdown()
+
+
+def write_sweep(tmp_path: Path, image_root: Path) -> Path:
+    job = job_dict(image_root, tmp_path / "runs", "unused",
+                   train={"epochs": 2, "global_batch_size": 8, "log_every": 4,  # 12 steps per epoch
+                          "sample_ledger": str(tmp_path / "ledger")},
+                   scaling={"num_workers": 1, "cpus_per_worker": 0.5},
+                   checkpoint={"every_n_steps": 2, "keep": 2}, failure={"max_failures": 1})
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(job))
+    sweep = {"job": "job.yaml", "space": {"train.lr": {"grid": LRS}}, "metric": "val_loss",
+             "scheduler": {"kind": "asha", "grace_period": 1, "reduction_factor": 2},
+             "max_concurrent_trials": 1, "name": "tiny", "storage_path": str(tmp_path / "sweeps")}
+    path = tmp_path / "sweep.yaml"
+    path.write_text(yaml.safe_dump(sweep))
+    return path
+
+
+def starts(sweep_dir: Path) -> list[dict]:
+    path = sweep_dir / "trial_starts.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
+
+
+def wait_until(condition, what: str, timeout_s: float = 240):
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def ledger(run_dir: Path) -> list[dict]:
+    path = run_dir / "ledger" / "rank0.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
+
+
+def trained_step(run_dir: Path) -> int:
+    """The last step in the trial's ledger: past step 2, its checkpoint at step 2 is registered."""
+    records = ledger(run_dir)
+    return records[-1]["step"] if records else 0
+
+
+def nth_trial(sweep_dir: Path, n: int) -> str | None:
+    ids = list(dict.fromkeys(s["trial_id"] for s in starts(sweep_dir)))
+    return ids[n] if len(ids) > n else None
+
+
+def test_sweep_survives_worker_and_driver_kills_asha_stops_trials_and_resources_return(
+        ray_with_dashboard, image_root, tmp_path):
+    path = write_sweep(tmp_path, image_root)
+    sweep_dir = tmp_path / "sweeps" / "tiny"
+    runs = sweep_dir / "runs"
+    env = {**os.environ, "RAY_ADDRESS": ray.get_runtime_context().gcs_address}
+    log = (tmp_path / "driver.log").open("w")
+    driver = subprocess.Popen([sys.executable, "-m", "behemoth.cli", "tune", str(path)], env=env,
+                              stdout=log, stderr=subprocess.STDOUT)
+    try:
+        # Trial 1: once it has a checkpoint, SIGKILL its training worker; it must still finish.
+        first = wait_until(lambda: nth_trial(sweep_dir, 0), "the first trial")
+        wait_until(lambda: trained_step(runs / first) >= 4, "the first trial past its first checkpoint")
+        os.kill(ledger(runs / first)[-1]["pid"], signal.SIGKILL)  # its (only) training worker
+        wait_until(lambda: (runs / first / "summary.json").is_file(), "the first trial to finish")
+        # Trial 2: once it has a checkpoint, SIGKILL the sweep's driver.
+        second = wait_until(lambda: nth_trial(sweep_dir, 1), "the second trial")
+        wait_until(lambda: trained_step(runs / second) >= 3, "the second trial past its first checkpoint")
+    except AssertionError:
+        print((tmp_path / "driver.log").read_text()[-5000:])
+        raise
+    finally:
+        driver.send_signal(signal.SIGKILL)
+        driver.wait()
+    summary = json.loads((runs / first / "summary.json").read_text())
+    assert summary["resumed_from_step"] > 0  # trial 1 was restored after its worker died
+    wait_until(lambda: ray.available_resources().get("CPU", 0) >= 2, "the dead driver's trials to be reaped", 120)
+
+    result = run_sweep(load_sweep(path))  # the same sweep name: resumes
+
+    # The finished trial was not trained again; the interrupted one continued from its own checkpoint.
+    trained = [s["trial_id"] for s in starts(sweep_dir) if not s["finished_before"]]
+    assert trained.count(first) == 1 and trained.count(second) == 2, starts(sweep_dir)
+    records = ledger(runs / second)
+    groups = list(dict.fromkeys(r["group"] for r in records))
+    assert len(groups) == 2 and min(r["step"] for r in records if r["group"] == groups[1]) > 1
+
+    table = result.table
+    print(table.drop(columns=["run_dir", "best_checkpoint"]).to_string())
+    assert len(table) == 4 and sorted(table["train.lr"]) == sorted(LRS)
+    assert not table["status"].str.startswith("error").any()
+    stopped, finished = table[table["status"] == "stopped early"], table[table["status"] == "finished"]
+    assert len(stopped) >= 1 and (stopped["step"] < finished["step"].min()).all()  # ASHA stopped it early
+    # Best first; the Python API's best config is that row's.
+    assert table["val_loss"].is_monotonic_increasing and result.best_value == table["val_loss"].iloc[0]
+    assert result.best_params == {"train.lr": table["train.lr"].iloc[0]}
+    assert result.best_job.train.lr == table["train.lr"].iloc[0]
+    assert len(pd.read_csv(result.results_csv)) == 4
+    assert Path(result.best_checkpoint, "manifest.json").is_file()
+
+    # No leaked placement groups: every CPU free again, no placement group left alive.
+    wait_until(lambda: ray.available_resources().get("CPU") == ray.cluster_resources()["CPU"],
+               "all CPUs to be free after the sweep", 60)
+    alive = [pg for pg in ray.util.placement_group_table().values() if pg["state"] != "REMOVED"]
+    assert not alive, alive
+
+    # best.yaml is the best trial's job (a finished one), under a run name of its own.
+    assert table["status"].iloc[0] == "finished"
+    best_trial = yaml.safe_load(next((runs / table["trial_id"].iloc[0]).glob("checkpoint_*/job.yaml")).read_text())
+    best_yaml = load_config(result.best_yaml).to_dict()
+    assert best_yaml["checkpoint"]["run_name"] == "tiny_best"
+    for section in ("data", "model", "train", "scaling", "eval", "failure"):
+        assert {k: v for k, v in best_yaml[section].items() if k != "sample_ledger"} == \
+            {k: v for k, v in best_trial[section].items() if k != "sample_ledger"}, section
+
+    # Exact resume, image path (random crops and flips): trial 1, whose worker was SIGKILLed and restored,
+    # ends on the weights of the same job trained without interruption.
+    job = yaml.safe_load(next((runs / first).glob("checkpoint_*/job.yaml")).read_text())
+    job["checkpoint"].update(run_name="straight", storage_path=str(tmp_path / "runs"))
+    job["train"]["sample_ledger"] = None
+    straight = train(config_from_dict(job))
+    a, b = (torch.load(Path(p) / "model.pt") for p in (summary["latest_checkpoint"], straight.latest_checkpoint))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert straight.metrics["val_loss"] == json.loads((runs / first / "summary.json").read_text())["metrics"]["val_loss"]
+    # Retention is Ray's: every 2 steps, keep 2.
+    kept = [read_state(p).step for p in (tmp_path / "runs" / "straight").glob("checkpoint_*") if p.is_dir()]
+    assert sorted(kept) == [22, 24]

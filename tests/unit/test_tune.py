@@ -1,0 +1,137 @@
+"""Sweep configs: checked on the driver before any trial starts (no Ray), trial configs, LR scaling, the
+bound on concurrent trials."""
+
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from behemoth.cli import main
+from behemoth.config import ConfigError
+from behemoth.tune import (SweepConfig, base_job, check_sweep, concurrency_bound, load_sweep, sweep,
+                           trial_job)
+from conftest import job_dict
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def write_sweep(tmp_path: Path, image_root: Path, **keys) -> Path:
+    job = tmp_path / "job.yaml"
+    job.write_text(yaml.safe_dump(job_dict(image_root, tmp_path / "runs")))
+    raw = {"job": "job.yaml", "space": {"train.lr": {"grid": [0.01, 0.1]},
+                                        "train.global_batch_size": {"choice": [16, 32]}},
+           "name": "s", "storage_path": str(tmp_path / "sweeps"), **keys}
+    path = tmp_path / "sweep.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+def test_demo_sweep_config_is_valid_and_bounded_by_the_cluster():
+    s = load_sweep(REPO / "jobs/configs/sweep_demo.yaml")
+    jobs = check_sweep(s)
+    assert len(jobs) == 6  # 3 learning rates x 2 batch sizes
+    assert {(j.train.lr, j.train.global_batch_size) for j in jobs} == {
+        (lr, b) for lr in (0.02, 0.1, 0.5) for b in (32, 64)}
+    assert all(j.scaling.num_workers == 1 and j.train.epochs == 4 for j in jobs)
+    # 1 worker x 0.75 CPU + one 0.25-CPU decode task per trial
+    assert concurrency_bound(jobs, {"CPU": 2.0}) == 2
+    assert concurrency_bound(jobs, {"CPU": 128.0, "GPU": 8.0}) == 128
+    with pytest.raises(ConfigError, match="one trial needs 1 CPUs and 0 GPUs, the cluster has 0.5"):
+        concurrency_bound(jobs, {"CPU": 0.5})
+
+
+def test_gpu_trials_are_bounded_by_gpus(tmp_path, image_root):
+    s = load_sweep(write_sweep(tmp_path, image_root, set=["scaling.use_gpu=true", "scaling.num_workers=2"]))
+    assert concurrency_bound(check_sweep(s), {"CPU": 128.0, "GPU": 8.0}) == 4  # 2 GPUs per trial
+
+
+@pytest.mark.parametrize("space, message", [
+    ({}, "space is empty"),
+    ({"train.lrr": {"grid": [0.1]}}, "space key 'train.lrr' is not a job config key; did you mean 'train.lr'"),
+    ({"lr": {"grid": [0.1]}}, "space key 'lr' is not a job config key"),
+    ({"train.lr": {"loguniform": [0, 1]}}, r"train.lr.loguniform needs \[low, high\] with low < high and low > 0"),
+    ({"train.lr": {"normal": [0, 1]}}, "space.train.lr: expected one of"),
+    ({"train.lr": {"grid": []}}, "space.train.lr.grid is empty"),
+    ({"train.global_batch_size": {"grid": [16, 15]}},
+     "the trial train.global_batch_size=15 is not a valid job: train.global_batch_size 15 is not divisible"),
+    ({"train.optimizer": {"choice": ["sgd", "adam"]}}, "train.optimizer must be one of"),
+])
+def test_bad_space_is_refused_before_any_trial(tmp_path, image_root, space, message):
+    path = write_sweep(tmp_path, image_root)
+    raw = yaml.safe_load(path.read_text())
+    raw["space"] = space
+    path.write_text(yaml.safe_dump(raw))
+    with pytest.raises(ConfigError, match=message):
+        check_sweep(load_sweep(path))
+
+
+def test_metric_the_training_never_reports_is_refused(tmp_path, image_root):
+    with pytest.raises(ConfigError, match="metric 'val_acc' is never reported by a resnet_tiny_cifar run; it "
+                                          "reports val_accuracy, val_loss, loss"):
+        check_sweep(load_sweep(write_sweep(tmp_path, image_root, metric="val_acc")))
+    with pytest.raises(ConfigError, match="'val_perplexity' is never reported"):
+        check_sweep(load_sweep(write_sweep(tmp_path, image_root, metric="val_perplexity")))
+
+
+def test_optuna_missing_or_with_a_grid_is_a_clear_error(tmp_path, image_root, monkeypatch):
+    s = load_sweep(write_sweep(tmp_path, image_root, searcher="optuna"))
+    monkeypatch.setitem(sys.modules, "optuna", None)  # as if not installed
+    with pytest.raises(ConfigError, match="searcher optuna needs the optuna package: pip install optuna"):
+        check_sweep(s)
+
+
+def test_trial_job_applies_params_lr_scaling_and_its_own_run_folder(tmp_path, image_root):
+    s = load_sweep(write_sweep(tmp_path, image_root, set=["train.global_batch_size=32"]))
+    base = base_job(s)
+    for scaling, factor in (("none", 1.0), ("linear", 2.0), ("sqrt", 2 ** 0.5)):
+        cfg = trial_job(base, {"train.lr": 0.1, "train.global_batch_size": 64}, scaling, str(tmp_path / "r/t1"))
+        assert cfg.train.lr == pytest.approx(0.1 * factor) and cfg.train.global_batch_size == 64
+        assert (cfg.checkpoint.storage_path, cfg.checkpoint.run_name) == (str(tmp_path / "r"), "t1")
+    assert Path(base["data"]["root"]).is_absolute()
+
+
+def test_relative_data_paths_become_absolute_for_the_trials(tmp_path, image_root, monkeypatch):
+    monkeypatch.chdir(image_root.parent)
+    path = write_sweep(tmp_path, image_root)
+    raw = yaml.safe_load((tmp_path / "job.yaml").read_text())
+    raw["data"]["root"] = image_root.name  # relative to the working directory
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(raw))
+    assert base_job(load_sweep(path))["data"]["root"] == str(image_root)
+
+
+def test_cli_tune_bad_sweep_exits_2_before_ray(tmp_path, image_root, capsys):
+    import ray
+
+    path = write_sweep(tmp_path, image_root, space={"train.momentun": {"grid": [0.9]}})
+    assert main(["tune", str(path)]) == 2
+    assert "did you mean 'train.momentum'" in capsys.readouterr().err
+    assert not ray.is_initialized() and not (tmp_path / "sweeps").exists()
+
+
+def test_missing_data_is_refused_before_any_trial(tmp_path, capsys):
+    import ray
+
+    path = write_sweep(tmp_path, tmp_path / "no_images")
+    assert main(["tune", str(path)]) == 1
+    assert "no_images does not exist" in capsys.readouterr().err
+    assert not ray.is_initialized() and not (tmp_path / "sweeps").exists()
+
+
+def test_python_api_checks_its_arguments(tmp_path, image_root):
+    job = tmp_path / "job.yaml"
+    job.write_text(yaml.safe_dump(job_dict(image_root, tmp_path / "runs")))
+    with pytest.raises(ConfigError, match="unknown key 'num_sample'; did you mean 'num_samples'"):
+        sweep(job, {"train.lr": {"grid": [0.1]}}, num_sample=2)
+    with pytest.raises(ConfigError, match="space is empty"):
+        sweep(job, {})
+    assert SweepConfig().searcher == "random"
+
+
+def test_cli_overrides_set_sweep_keys_or_job_keys_for_every_trial(tmp_path, image_root):
+    s = load_sweep(write_sweep(tmp_path, image_root, set=["train.epochs=3"]),
+                   ["name=other", "scheduler.grace_period=2", "train.momentum=0.8", f"data.root={image_root}"])
+    assert (s.name, s.scheduler.grace_period) == ("other", 2)
+    assert s.set == ["train.epochs=3", "train.momentum=0.8", f"data.root={image_root}"]
+    jobs = check_sweep(s)
+    assert all(j.train.momentum == 0.8 and j.train.epochs == 3 for j in jobs)
