@@ -26,7 +26,7 @@ import yaml
 from behemoth.checkpoint import read_state
 from behemoth.config import config_from_dict, load_config
 from behemoth.trainer import train
-from behemoth.tune import load_sweep, run_sweep
+from behemoth.tune import sweep
 from conftest import job_dict
 
 pytestmark = pytest.mark.integration
@@ -121,7 +121,10 @@ def test_sweep_survives_worker_and_driver_kills_asha_stops_trials_and_resources_
     assert summary["resumed_from_step"] > 0  # trial 1 was restored after its worker died
     wait_until(lambda: ray.available_resources().get("CPU", 0) >= 2, "the dead driver's trials to be reaped", 120)
 
-    result = run_sweep(load_sweep(path))  # the same sweep name: resumes
+    # The same sweep from a script (the Python API), under the same name: resumes what the CLI started.
+    result = sweep(tmp_path / "job.yaml", space={"train.lr": {"grid": LRS}}, metric="val_loss",
+                   scheduler={"kind": "asha", "grace_period": 1, "reduction_factor": 2}, max_concurrent_trials=1,
+                   name="tiny", storage_path=str(tmp_path / "sweeps"))
 
     # The finished trial was not trained again; the interrupted one continued from its own checkpoint.
     trained = [s["trial_id"] for s in starts(sweep_dir) if not s["finished_before"]]
