@@ -442,8 +442,12 @@ def _scheduler(sweep_cfg: SweepConfig, job: JobConfig):
     max_t = s.max_t or (job.train.epochs if s.time_attr == "epoch" else job.train.max_steps)
     if max_t is None:
         raise ConfigError("scheduler.time_attr is step and the job has no train.max_steps: set scheduler.max_t")
-    # stop_last_trials=False: a trial that reaches max_t ends by itself (and writes its summary).
-    return ASHAScheduler(time_attr=s.time_attr, max_t=max_t, grace_period=s.grace_period,
+    # No decision at the run's end: ASHA puts a rung at max_t itself, where "stopping" a trial that has
+    # trained to its end kills its Ray Train controller while it shuts down, after it has released Ray
+    # Train's placement-group cleaner and before it has removed its placement group (seen: a leaked group
+    # holding a CPU after the sweep). A max_t a hair below the run's length keeps the rungs below it.
+    # stop_last_trials=False: a trial ends by itself (and writes its summary).
+    return ASHAScheduler(time_attr=s.time_attr, max_t=max_t * (1 - 1e-6), grace_period=s.grace_period,
                          reduction_factor=s.reduction_factor, stop_last_trials=False)
 
 
