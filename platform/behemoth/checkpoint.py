@@ -1,8 +1,10 @@
 """Worker side: training state <-> a checkpoint directory, with a manifest written last and verified on load.
 
 A checkpoint directory holds:
-  model.pt, optimizer.pt, scheduler.pt   torch state dicts (the model unwrapped from DDP)
+  model.pt, optimizer.pt, scheduler.pt   torch state dicts (the model unwrapped from DDP; under FSDP the full
+                                         state gathered by torch.distributed.checkpoint's get_state_dict)
   scaler.pt                              the fp16 gradient scaler's state (train.precision fp16 only)
+  comm_hook.pt                           each rank's gradient-compression state (PowerSGD only)
   train_state.json                       step, epoch, step in epoch, samples consumed, world size
   classes.json                           class index -> name (image jobs)
   job.yaml                               the job config that produced it
@@ -39,27 +41,74 @@ class TrainState:
     world_size: int = 1  # workers when the checkpoint was written (elastic runs log a change)
 
 
-def save(directory: str | Path, *, model, optimizer, scheduler, state: TrainState, classes: list[str] | None,
-         job_yaml: str, scaler=None) -> Path:
-    """Write a complete checkpoint into `directory`; the manifest goes last, so its presence means complete."""
+@dataclass
+class Snapshot:
+    """The training state copied to host memory: what a checkpoint directory will hold, file by file.
+    Taking it is the only part of a checkpoint the training step waits for when saving in the background."""
+
+    state_dicts: dict  # file name -> state dict of CPU tensors (torch.save)
+    texts: dict  # file name -> text
+    step: int
+
+
+def snapshot(*, model, optimizer, scheduler, state: TrainState, classes: list[str] | None, job_yaml: str,
+             scaler=None, hook_states: list | None = None) -> Snapshot | None:
+    """Copy the state to host memory. Under FSDP every rank must call it (the full state is gathered) and
+    only rank 0 gets the snapshot; under DDP call it on rank 0 only (the ranks are identical)."""
+    from behemoth.parallel import is_sharded
+
+    if is_sharded(model):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+        model_sd, optim_sd = get_state_dict(unwrap(model), optimizer,
+                                            options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if torch.distributed.get_rank() != 0:
+            return None
+    else:
+        model_sd, optim_sd = _cpu_copy(unwrap(model).state_dict()), _cpu_copy(optimizer.state_dict())
+    dicts = {"model.pt": model_sd, "optimizer.pt": optim_sd, "scheduler.pt": scheduler.state_dict()}
+    if scaler is not None and scaler.is_enabled():
+        dicts["scaler.pt"] = scaler.state_dict()
+    if hook_states is not None:  # per-rank gradient-compression state (PowerSGD error feedback)
+        dicts["comm_hook.pt"] = {"world_size": len(hook_states), "ranks": hook_states}
+    texts = {"train_state.json": json.dumps(asdict(state), indent=1), "job.yaml": job_yaml}
+    if classes is not None:
+        texts["classes.json"] = json.dumps(classes)
+    return Snapshot(dicts, texts, state.step)
+
+
+def write(directory: str | Path, snap: Snapshot) -> Path:
+    """Write a snapshot as a checkpoint directory; the manifest goes last, so its presence means complete."""
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
-    torch.save(unwrap(model).state_dict(), d / "model.pt")
-    _fault_injection_point(state.step)
-    torch.save(optimizer.state_dict(), d / "optimizer.pt")
-    torch.save(scheduler.state_dict(), d / "scheduler.pt")
-    if scaler is not None and scaler.is_enabled():
-        torch.save(scaler.state_dict(), d / "scaler.pt")
-    (d / "train_state.json").write_text(json.dumps(asdict(state), indent=1))
-    if classes is not None:
-        (d / "classes.json").write_text(json.dumps(classes))
-    (d / "job.yaml").write_text(job_yaml)
+    for i, (name, sd) in enumerate(snap.state_dicts.items()):
+        torch.save(sd, d / name)
+        if i == 0:
+            _fault_injection_point(snap.step)
+    for name, text in snap.texts.items():
+        (d / name).write_text(text)
     files = {p.name: {"size": p.stat().st_size, "sha256": _sha256(p)} for p in sorted(d.iterdir())
              if p.is_file() and p.name != MANIFEST}
     tmp = d / (MANIFEST + ".tmp")
     tmp.write_text(json.dumps({"format_version": FORMAT_VERSION, "files": files}, indent=1))
     os.replace(tmp, d / MANIFEST)
     return d
+
+
+def save(directory: str | Path, **state) -> Path:
+    """Snapshot and write in one call (the synchronous path; DDP or a single process)."""
+    return write(directory, snapshot(**state))
+
+
+def _cpu_copy(tree):
+    """A copy of a state dict whose tensors live in host memory and no longer alias the training state."""
+    if isinstance(tree, torch.Tensor):
+        return tree.detach().to("cpu", copy=True)
+    if isinstance(tree, dict):
+        return {k: _cpu_copy(v) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_cpu_copy(v) for v in tree)
+    return tree
 
 
 def verify(directory: str | Path) -> dict:
@@ -85,17 +134,33 @@ def verify(directory: str | Path) -> dict:
     return manifest
 
 
-def load(directory: str | Path, *, model, optimizer=None, scheduler=None, scaler=None) -> TrainState:
+def load(directory: str | Path, *, model, optimizer=None, scheduler=None, scaler=None,
+         hook_state=None) -> TrainState:
     """Verify, then restore the given objects in place. Returns the saved TrainState."""
+    from behemoth.parallel import is_sharded, load_hook_state
+
     d = Path(directory)
     verify(d)
-    unwrap(model).load_state_dict(torch.load(d / "model.pt", map_location="cpu", weights_only=True))
-    if optimizer is not None:
-        optimizer.load_state_dict(torch.load(d / "optimizer.pt", map_location="cpu", weights_only=True))
+    model_sd = torch.load(d / "model.pt", map_location="cpu", weights_only=True)
+    optim_sd = torch.load(d / "optimizer.pt", map_location="cpu", weights_only=True) if optimizer else None
+    if is_sharded(model):  # every rank hands the full state; FSDP keeps its own shard of it
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+        set_state_dict(unwrap(model), optimizer if optimizer else [], model_state_dict=model_sd,
+                       optim_state_dict=optim_sd or {}, options=StateDictOptions(full_state_dict=True))
+    else:
+        unwrap(model).load_state_dict(model_sd)
+        if optimizer is not None:
+            optimizer.load_state_dict(optim_sd)
     if scheduler is not None:
         scheduler.load_state_dict(torch.load(d / "scheduler.pt", weights_only=True))
     if scaler is not None and scaler.is_enabled() and (d / "scaler.pt").is_file():
         scaler.load_state_dict(torch.load(d / "scaler.pt", weights_only=True))
+    if hook_state is not None and (d / "comm_hook.pt").is_file():
+        saved = torch.load(d / "comm_hook.pt", weights_only=True)
+        rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+        if saved["world_size"] == world:  # each rank's error feedback is its own; a resize starts it afresh
+            load_hook_state(hook_state, saved["ranks"][rank], device=next(unwrap(model).parameters()).device)
     return TrainState(**json.loads((d / "train_state.json").read_text()))
 
 
@@ -118,8 +183,10 @@ def complete_checkpoints(folder: str | Path) -> list[tuple[int, str]]:
 
 
 def unwrap(model):
-    """The model inside a DDP wrapper (or the model itself)."""
-    return model.module if hasattr(model, "module") else model
+    """The model inside a torch.compile wrapper and/or a DDP wrapper (or the model itself; FSDP2 modules
+    are the model)."""
+    model = getattr(model, "_orig_mod", model)
+    return model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
 
 
 # Fault injection for the failure tests (tests/integration/test_fault_tolerance.py), never set in real runs:

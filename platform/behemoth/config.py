@@ -142,6 +142,26 @@ class TrainConfig:
     # Micro-batches per optimizer step on each worker: global_batch_size = micro-batch x grad_accum_steps x
     # workers. Gradients are all-reduced once per step (DDP no_sync on the other micro-batches).
     grad_accum_steps: int = 1
+    # Per-worker micro-batch instead of grad_accum_steps: an int, or auto (the largest that fits the device's
+    # memory: a search before training, under auto_batch_memory_mb on CPU). Accumulation then keeps
+    # global_batch_size: grad_accum_steps = global_batch_size / (workers x micro-batch). None: use
+    # grad_accum_steps.
+    micro_batch_size: Union[int, Literal["auto"], None] = None
+    # The memory a worker's training step may use when micro_batch_size is auto: required on CPU (no
+    # allocator limit to hit); on GPU it defaults to the device's free memory.
+    auto_batch_memory_mb: Optional[float] = None
+    # torch.compile the model (mode: default, reduce-overhead, max-autotune, max-autotune-no-cudagraphs).
+    # A compilation failure at the first step falls back to eager training, with a console line.
+    compile: bool = False
+    compile_mode: Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"] = "default"
+    # DDP gradient compression: fp16/bf16 halve the bytes of each all-reduce; powersgd sends rank-r factors
+    # (after powersgd_warmup_steps of plain all-reduce) with per-rank error feedback kept in the checkpoint.
+    grad_compression: Literal["none", "fp16", "bf16", "powersgd"] = "none"
+    powersgd_rank: int = 1
+    powersgd_warmup_steps: int = 10
+    # Peak FLOP/s of one worker's device for the MFU metric (None: a table of known GPUs, or a measured
+    # matmul peak on CPU).
+    peak_tflops: Optional[float] = None
     seed: int = 0
     # A folder: every rank appends the global sample ids of every step it trains (JSONL, one file per rank),
     # to audit the data order after failures or resizes. Off (null) by default.
@@ -155,6 +175,16 @@ class TrainConfig:
         _positive("train.lr", self.lr)
         _positive("train.log_every", self.log_every)
         _positive("train.grad_accum_steps", self.grad_accum_steps)
+        if isinstance(self.micro_batch_size, int):
+            _positive("train.micro_batch_size", self.micro_batch_size)
+        if self.micro_batch_size is not None and self.grad_accum_steps != 1:
+            raise ConfigError("train.micro_batch_size and train.grad_accum_steps are both set: the micro-batch "
+                              "decides the accumulation; keep one")
+        if self.auto_batch_memory_mb is not None:
+            _positive("train.auto_batch_memory_mb", self.auto_batch_memory_mb)
+        _positive("train.powersgd_rank", self.powersgd_rank)
+        if self.peak_tflops is not None:
+            _positive("train.peak_tflops", self.peak_tflops)
         if self.max_steps is not None:
             _positive("train.max_steps", self.max_steps)
         if self.warmup_steps < 0 or self.weight_decay < 0 or not 0 <= self.min_lr_ratio <= 1:
@@ -172,6 +202,10 @@ class ScalingConfig:
     use_gpu: bool = False
     cpus_per_worker: float = 1.0
     gpus_per_worker: float = 1.0
+    # ddp: every worker holds the whole model. fsdp_grad_op: FSDP2 with gradients and optimizer state
+    # sharded, parameters gathered once per step (ZeRO-2 analogue). fsdp_full: parameters sharded too,
+    # gathered per block in forward and again in backward (ZeRO-3 analogue).
+    strategy: Literal["ddp", "fsdp_grad_op", "fsdp_full"] = "ddp"
     # torch intra-op threads per worker (None: torch's default).
     torch_threads: Optional[int] = None
 
@@ -207,6 +241,9 @@ class CheckpointConfig:
     storage_path: str = "runs"
     # A fixed name makes a rerun resume from the run's latest checkpoint.
     run_name: str = "behemoth"
+    # Save in the background: the step only waits for a copy of the state in host memory; writing, the
+    # manifest and the upload happen in a thread (Ray Train's asynchronous upload keeps reports in order).
+    async_save: bool = True
     # A rerun whose data or model config differs from the run's checkpoints is refused unless this is true.
     resume_changed_config: bool = False
 
@@ -256,18 +293,27 @@ class JobConfig:
             raise ConfigError(f"data.kind {self.data.kind} cannot train model.name {self.model.name}: text data "
                               f"trains model.name causal_lm, image data an image model")
         # Every world size the run may have must split the global batch evenly.
+        micro = self.train.micro_batch_size
         for workers in range(self.scaling.min_workers, self.scaling.max_workers + 1):
-            split = workers * self.train.grad_accum_steps
+            which = f" (a size in the elastic range {self.scaling.num_workers})" if self.scaling.elastic else ""
+            split = workers * (micro if isinstance(micro, int) else self.train.grad_accum_steps)
             if self.train.global_batch_size % split:
-                which = f" (a size in the elastic range {self.scaling.num_workers})" if self.scaling.elastic else ""
+                by = (f"train.micro_batch_size {micro}" if isinstance(micro, int)
+                      else f"train.grad_accum_steps {self.train.grad_accum_steps}")
                 raise ConfigError(
                     f"train.global_batch_size {self.train.global_batch_size} is not divisible by "
-                    f"scaling.num_workers {workers}{which} x train.grad_accum_steps "
-                    f"{self.train.grad_accum_steps}: pick a multiple of {split}"
+                    f"scaling.num_workers {workers}{which} x {by}: pick a multiple of {split}"
                 )
         if self.train.precision == "fp16" and not self.scaling.use_gpu:
             raise ConfigError("train.precision fp16 needs a GPU (its gradient scaler is CUDA-only): use bf16 "
                               "on CPU, or set scaling.use_gpu: true")
+        if micro == "auto" and not self.scaling.use_gpu and self.train.auto_batch_memory_mb is None:
+            raise ConfigError("train.micro_batch_size auto on CPU needs train.auto_batch_memory_mb (the memory "
+                              "one worker's training step may use, e.g. 4096)")
+        if self.scaling.strategy != "ddp" and self.train.grad_compression != "none":
+            raise ConfigError(f"train.grad_compression {self.train.grad_compression} is a DDP communication hook; "
+                              f"scaling.strategy {self.scaling.strategy} reduce-scatters its own gradients: "
+                              f"set grad_compression: none or strategy: ddp")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

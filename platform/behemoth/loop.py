@@ -26,7 +26,7 @@ import ray.train.torch
 import torch
 import torch.distributed as dist
 
-from behemoth import checkpoint
+from behemoth import autobatch, checkpoint, metrics, parallel
 from behemoth.checkpoint import CheckpointError, TrainState, unwrap
 from behemoth.config import JobConfig, config_from_dict, dump_yaml
 from behemoth.data.images import BadSampleError
@@ -43,13 +43,10 @@ def train_loop_per_worker(loop_config: dict) -> dict:
     task: Task = make_task(cfg, ray.get(loop_config["data_ref"]))
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    device = ray.train.torch.get_device()
     if cfg.scaling.torch_threads:
         torch.set_num_threads(cfg.scaling.torch_threads)
-
-    # The plan: the global batch is fixed by the config, split evenly over the ranks and, on each rank,
-    # into grad_accum_steps micro-batches.
-    global_batch, accum = cfg.train.global_batch_size, cfg.train.grad_accum_steps
-    micro_batch = global_batch // (world * accum)
+    global_batch = cfg.train.global_batch_size
     epoch_steps = steps_per_epoch(task.num_train_samples, global_batch)
     if epoch_steps == 0:
         raise ValueError(f"train.global_batch_size {global_batch} exceeds the {task.num_train_samples} training "
@@ -58,24 +55,31 @@ def train_loop_per_worker(loop_config: dict) -> dict:
     if cfg.train.max_steps:
         total_steps = min(total_steps, cfg.train.max_steps)
 
-    # Same initial weights on every rank; prepare_model wraps in DDP (gloo on CPU, nccl on GPU).
+    # Same initial weights on every rank. The plan: the global batch is fixed by the config, split evenly
+    # over the ranks and, on each rank, into `accum` micro-batches.
     torch.manual_seed(cfg.train.seed)
-    model = ray.train.torch.prepare_model(task.build_model())
+    model = task.build_model().to(device)
+    micro_batch, accum = batch_plan(cfg, world, model, task, device, rank)
+    speed = SpeedMeter(cfg, task, model, device, world, micro_batch, accum)
+    # DDP (gloo on CPU, nccl on GPU) or FSDP; gradient compression; torch.compile.
+    model, hook_state = parallel.wrap(model, cfg, console=console if rank == 0 else lambda m: None)
     optimizer = build_optimizer(model, cfg.train)
     scheduler = warmup_cosine(optimizer, cfg.train, total_steps)
-    scaler = grad_scaler(ray.train.torch.get_device(), cfg.train.precision)
+    scaler = grad_scaler(device, cfg.train.precision)
 
-    # Resume: the latest good checkpoint restores weights, optimizer, schedule, scaler and the data position.
-    state = restore_latest(model, optimizer, scheduler, scaler) or TrainState(world_size=world)
+    # Resume: the latest good checkpoint restores weights, optimizer, schedule, scaler, compression state and
+    # the data position.
+    state = restore_latest(model, optimizer, scheduler, scaler, hook_state) or TrainState(world_size=world)
     if rank == 0 and state.step:
         console(f"resumed at step {state.step} (epoch {state.epoch}, step {state.step_in_epoch} in epoch)")
     if rank == 0 and state.world_size != world:  # an elastic resize, or a rerun with another worker count
-        before = global_batch // (state.world_size * accum)
-        console(f"world size {state.world_size} -> {world}: micro-batch per worker {before} -> {micro_batch} "
-                f"(x {accum} accumulation steps); global batch {global_batch}, LR schedule and sample order "
-                f"unchanged")
+        before = global_batch // state.world_size
+        console(f"world size {state.world_size} -> {world}: samples per worker and step {before} -> "
+                f"{global_batch // world} (micro-batch {micro_batch} x {accum} accumulation steps); global batch "
+                f"{global_batch}, LR schedule and sample order unchanged")
     state.world_size = world
     ledger = SampleLedger(cfg.train.sample_ledger, rank, world)
+    saver = CheckpointSaver(cfg, task, rank)
     resumed_from_step = state.step
     if state.step >= total_steps:  # a rerun of a finished run: evaluate its final weights, train nothing
         if rank == 0:
@@ -91,7 +95,7 @@ def train_loop_per_worker(loop_config: dict) -> dict:
         for i, (micro_batches, wait_s) in enumerate(_timed(batches)):
             # Reseed per step: dropout and the like draw from (seed, rank, step), so a resume is exact.
             torch.manual_seed(hash((cfg.train.seed, rank, state.step)) % 2**63)
-            loss_sum, n_valid = train_step(model, optimizer, scheduler, scaler, micro_batches, cfg, task)
+            loss_sum, n_valid = train_step(model, optimizer, scheduler, scaler, micro_batches, cfg, task, device)
             for batch in micro_batches:
                 bad_ids.update(task.bad_sample_ids(batch))
             window.add(loss_sum, n_valid, wait_s)
@@ -103,7 +107,7 @@ def train_loop_per_worker(loop_config: dict) -> dict:
                 state.epoch, state.step_in_epoch = state.epoch + 1, 0
             if _report_due(cfg, state, total_steps):
                 _report(cfg, state, total_steps, epoch_steps, window, bad_ids, task, model, optimizer,
-                        scheduler, scaler, rank, world, micro_batch)
+                        scheduler, scaler, hook_state, rank, world, micro_batch, speed, saver)
                 window = Window()
             if state.step >= total_steps:
                 break
@@ -111,7 +115,8 @@ def train_loop_per_worker(loop_config: dict) -> dict:
     return {"resumed_from_step": resumed_from_step, "final_step": state.step}
 
 
-def train_step(model, optimizer, scheduler, scaler, micro_batches: list[dict], cfg: JobConfig, task: Task):
+def train_step(model, optimizer, scheduler, scaler, micro_batches: list[dict], cfg: JobConfig, task: Task,
+               device: torch.device):
     """One optimizer step over this rank's micro-batches. Returns (loss summed over samples, samples).
 
     Each micro-batch's mean loss is weighted 1/len(micro_batches), so the accumulated gradient is the mean
@@ -119,12 +124,10 @@ def train_step(model, optimizer, scheduler, scaler, micro_batches: list[dict], c
     backward all-reduces (no_sync on the others): one gradient exchange per optimizer step.
     """
     optimizer.zero_grad(set_to_none=True)
-    device = ray.train.torch.get_device()
     loss_sum, n_sum = 0.0, 0.0
     for i, batch in enumerate(micro_batches):
         last = i == len(micro_batches) - 1
-        sync = contextlib.nullcontext() if last or not hasattr(model, "no_sync") else model.no_sync()
-        with sync:
+        with contextlib.nullcontext() if last else parallel.no_grad_sync(model):
             with autocast(device, cfg.train.precision):
                 loss, n_valid = task.loss(model, batch)
             scaler.scale(loss / len(micro_batches)).backward()
@@ -138,23 +141,89 @@ def train_step(model, optimizer, scheduler, scaler, micro_batches: list[dict], c
     return loss_sum, n_sum
 
 
+def batch_plan(cfg: JobConfig, world: int, model, task: Task, device, rank: int) -> tuple[int, int]:
+    """(per-worker micro-batch, accumulation steps) whose product times the world is the global batch."""
+    share = cfg.train.global_batch_size // world
+    micro = cfg.train.micro_batch_size
+    if micro is None:
+        return share // cfg.train.grad_accum_steps, cfg.train.grad_accum_steps
+    if micro == "auto":
+        micro = _auto_micro_batch(cfg, model, task, device, share, rank)
+    return micro, share // micro
+
+
+def _auto_micro_batch(cfg: JobConfig, model, task: Task, device, share: int, rank: int) -> int:
+    """train.micro_batch_size auto: search on this rank, agree on the smallest result over the ranks."""
+    cap_mb = cfg.train.auto_batch_memory_mb
+    cap = int(cap_mb * 2**20) if cap_mb else int(0.9 * torch.cuda.get_device_properties(device).total_memory)
+    slots = 2 if cfg.train.optimizer == "adamw" else int(cfg.train.momentum > 0)
+    buffers = {k: v.clone() for k, v in model.named_buffers()}  # the probes must not move BN statistics
+
+    def loss_at(m):
+        with autocast(device, cfg.train.precision):
+            return task.loss(model, task.example_batch(m))[0]
+
+    largest, micro = autobatch.find_micro_batch(model, loss_at, share, device, cap, slots)
+    model.load_state_dict(buffers, strict=False)
+    agreed = torch.tensor([micro], device=device)
+    if _distributed():
+        dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
+    micro = int(agreed.item())
+    if rank == 0:
+        console(f"micro_batch_size auto: up to {largest} samples fit in {cap / 2**20:.0f} MiB; using {micro} "
+                f"(x {share // micro} accumulation steps = {share} per worker, global batch "
+                f"{cfg.train.global_batch_size})")
+    return micro
+
+
+class SpeedMeter:
+    """MFU and peak memory for the reports. The model's FLOPs per sample are counted once, before training,
+    on a forward of one example batch; the device's peak from a table (GPU) or a measured matmul (CPU)."""
+
+    def __init__(self, cfg: JobConfig, task: Task, model, device, world: int, micro_batch: int, accum: int):
+        self.device, self.world, self.micro_batch, self.accum = device, world, micro_batch, accum
+        buffers = {k: v.clone() for k, v in model.named_buffers()}
+        model.eval()
+        batch = task.example_batch(micro_batch)
+        self.flops_per_sample = metrics.training_flops_per_sample(lambda: task.loss(model, batch), micro_batch)
+        model.train()
+        model.load_state_dict(buffers, strict=False)
+        self.peak, self.peak_source = metrics.peak_flops(device, cfg.train.precision, cfg.train.peak_tflops)
+
+    def metrics(self, samples_per_s: float) -> dict:
+        return {"mfu": metrics.mfu(self.flops_per_sample, samples_per_s, self.world, self.peak),
+                "peak_mem_gb": metrics.peak_memory_bytes(self.device) / 1e9,
+                "model_tflops_per_sample": self.flops_per_sample / 1e12,
+                "micro_batch_size": self.micro_batch, "grad_accum_steps": self.accum}
+
+
 @torch.no_grad()
 def evaluate(model, task: Task, rank: int, world: int, batch_size: int) -> dict:
     """The task's validation metrics over the whole validation set, each sample on exactly one rank."""
-    net = unwrap(model)  # no DDP collectives inside eval
+    sharded = parallel.is_sharded(model)
+    # DDP: the inner model, so no collectives run inside eval. FSDP: the sharded model gathers its
+    # parameters in every forward, so all ranks must run the same number of forwards (see below).
+    net = unwrap(model)
     net.eval()
     totals = torch.zeros(task.eval_size, dtype=torch.float64, device=ray.train.torch.get_device())
     indices = rank_eval_indices(task.num_val_samples, rank, world)
+    forwards = 0
     if len(indices):
         for batch in task.eval_batches(indices, batch_size):
             with autocast(totals.device, task.cfg.train.precision):
                 totals += task.eval_sums(net, batch).to(totals)
+            forwards += 1
+    if sharded:  # ranks with fewer batches join the others' all-gathers with forwards they discard
+        most = max(-(-len(rank_eval_indices(task.num_val_samples, r, world)) // batch_size) for r in range(world))
+        for _ in range(most - forwards):
+            with autocast(totals.device, task.cfg.train.precision):
+                task.eval_sums(net, task.example_batch(1))
     _all_reduce_sum(totals)
     net.train()
     return task.eval_metrics(totals)
 
 
-def restore_latest(model, optimizer, scheduler, scaler) -> TrainState | None:
+def restore_latest(model, optimizer, scheduler, scaler, hook_state=None) -> TrainState | None:
     """Restore the newest checkpoint that passes verification; None for a fresh run.
 
     Candidates, newest first: complete checkpoints in the run folder newer than Ray Train's latest (written
@@ -177,10 +246,11 @@ def restore_latest(model, optimizer, scheduler, scaler) -> TrainState | None:
                 f"the run stopped")
     for ckpt in unregistered + candidates:
         try:
+            parts = dict(model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler, hook_state=hook_state)
             if isinstance(ckpt, str):
-                return checkpoint.load(ckpt, model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler)
+                return checkpoint.load(ckpt, **parts)
             with ckpt.as_directory() as d:
-                return checkpoint.load(d, model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler)
+                return checkpoint.load(d, **parts)
         except CheckpointError as e:
             console(f"WARNING: skipping checkpoint {getattr(ckpt, 'path', ckpt)}: {e}")
     if candidates:  # Ray Train had registered checkpoints and none passes: never silently start over
@@ -218,9 +288,12 @@ def _eval_due(cfg: JobConfig, state: TrainState, total_steps: int) -> bool:
 
 
 def _report(cfg, state, total_steps, epoch_steps, window, bad_ids, task, model, optimizer, scheduler, scaler,
-            rank, world, micro_batch) -> None:
+            hook_state, rank, world, micro_batch, speed, saver) -> None:
     metrics = _train_metrics(cfg, state, total_steps, epoch_steps, window, bad_ids, task,
                              lr=scheduler.get_last_lr()[0])
+    metrics.update(speed.metrics(metrics["samples_per_s"]))
+    if saver.last_block_s is not None:
+        metrics["checkpoint_block_s"] = saver.last_block_s
     evaluate_now = _eval_due(cfg, state, total_steps)
     checkpoint_now = state.step % cfg.checkpoint.every_n_steps == 0 or state.step >= total_steps
     if evaluate_now or checkpoint_now:
@@ -229,16 +302,57 @@ def _report(cfg, state, total_steps, epoch_steps, window, bad_ids, task, model, 
         metrics.update(evaluate(model, task, rank, world, micro_batch))
     if rank == 0:
         console(progress_line(metrics, total_steps, cfg.train.epochs))
-    if not checkpoint_now:
+    if checkpoint_now:
+        saver.save_and_report(metrics, state, model, optimizer, scheduler, scaler, hook_state)
+    else:
         ray.train.report(metrics)
-        return
-    with tempfile.TemporaryDirectory() as tmp:
-        ckpt = None
-        if rank == 0:  # DDP keeps the ranks identical: one copy of the state is the whole state
-            checkpoint.save(tmp, model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler, state=state,
-                            classes=task.classes(), job_yaml=dump_yaml(cfg))
-            ckpt = ray.train.Checkpoint.from_directory(tmp)
-        ray.train.report(metrics, checkpoint=ckpt)
+
+
+class CheckpointSaver:
+    """Checkpoints through ray.train.report, from rank 0 (DDP keeps the ranks identical: one copy of the state
+    is the whole state; FSDP gathers the full state on rank 0).
+
+    With checkpoint.async_save the step waits only for a host-memory snapshot of the state: writing the
+    files, the manifest and the upload run in Ray Train's upload thread (CheckpointUploadMode.ASYNC, which
+    still registers checkpoints in report order). `last_block_s` is how long the last checkpoint held the
+    training loop, reported with the next metrics.
+    """
+
+    def __init__(self, cfg: JobConfig, task: Task, rank: int):
+        self.cfg, self.task, self.rank = cfg, task, rank
+        self.last_block_s = None
+
+    def save_and_report(self, metrics, state, model, optimizer, scheduler, scaler, hook_state) -> None:
+        t0 = time.perf_counter()
+        hook_states = _gather_to_rank0(parallel.hook_state(hook_state)) if hook_state is not None else None
+        snap = None
+        if self.rank == 0 or parallel.is_sharded(model):
+            snap = checkpoint.snapshot(model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler,
+                                       state=state, classes=self.task.classes(), job_yaml=dump_yaml(self.cfg),
+                                       hook_states=hook_states)
+        if not self.cfg.checkpoint.async_save:
+            with tempfile.TemporaryDirectory() as tmp:
+                ckpt = ray.train.Checkpoint.from_directory(str(checkpoint.write(tmp, snap))) if snap else None
+                ray.train.report(metrics, checkpoint=ckpt)
+        elif snap is None:
+            ray.train.report(metrics)
+        else:
+            ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(tempfile.mkdtemp()),
+                             checkpoint_upload_mode=ray.train.CheckpointUploadMode.ASYNC,
+                             checkpoint_upload_fn=_write_then_upload(snap))
+        self.last_block_s = time.perf_counter() - t0
+
+
+def _write_then_upload(snap):
+    """The upload function Ray Train calls in its upload thread: write the snapshot into the (empty) local
+    checkpoint folder, then copy it to the run's storage as Ray would. Ray deletes the local folder after."""
+    storage = ray.train.get_context().get_storage()
+
+    def write_then_upload(ckpt, dir_name):
+        checkpoint.write(ckpt.path, snap)
+        return storage.persist_current_checkpoint(ckpt, dir_name)
+
+    return write_then_upload
 
 
 def _train_metrics(cfg, state, total_steps, epoch_steps, window, bad_ids, task, lr) -> dict:
@@ -289,6 +403,15 @@ def _distributed() -> bool:
 def _all_reduce_sum(t: torch.Tensor) -> None:
     if _distributed():
         dist.all_reduce(t, op=dist.ReduceOp.SUM)
+
+
+def _gather_to_rank0(obj):
+    """[obj of rank 0, obj of rank 1, ...] on rank 0, None elsewhere."""
+    if not _distributed():
+        return [obj]
+    gathered = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(obj, gathered, dst=0)
+    return gathered
 
 
 def _union_across_ranks(ids: set) -> set:

@@ -49,9 +49,101 @@ def progress_line(m: dict, total_steps: int, epochs: int) -> str:
         parts += [f"loss {m['loss']:.4f}", f"lr {m['lr']:.3g}", f"{m['samples_per_s']:.0f} samples/s"]
         if "tokens_per_s" in m:
             parts.append(f"{m['tokens_per_s']:.0f} tokens/s")
-        parts += [f"data-wait {m['data_wait_frac']:.0%}", f"eta {format_eta(m['eta_s'])}"]
+        parts.append(f"data-wait {m['data_wait_frac']:.0%}")
+        if "mfu" in m:
+            parts.append(f"MFU {m['mfu']:.1%}")
+        if "peak_mem_gb" in m:
+            parts.append(f"mem {m['peak_mem_gb']:.2f} GB")
+        parts.append(f"eta {format_eta(m['eta_s'])}")
     if "val_accuracy" in m:
         parts += [f"val_loss {m['val_loss']:.4f}", f"val_acc {m['val_accuracy']:.4f}"]
     if "val_perplexity" in m:
         parts += [f"val_loss {m['val_loss']:.4f}", f"val_ppl {m['val_perplexity']:.3f}"]
     return " | ".join(parts)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Model FLOPs utilisation and memory. torch only (imported lazily: the pure functions above stay light).
+
+# Dense peak TFLOP/s per GPU from the vendors' data sheets (no sparsity), by precision. fp32 means TF32
+# tensor cores where the card has them (what PyTorch uses for matmuls with allow_tf32), else plain fp32.
+GPU_PEAK_TFLOPS = {
+    "H200": {"bf16": 989.0, "fp16": 989.0, "fp32": 494.0},
+    "H100": {"bf16": 989.0, "fp16": 989.0, "fp32": 494.0},  # SXM; PCIe is ~756/378: override if so
+    "A100": {"bf16": 312.0, "fp16": 312.0, "fp32": 156.0},
+    "L40S": {"bf16": 362.0, "fp16": 362.0, "fp32": 183.0},
+    "A10G": {"bf16": 70.0, "fp16": 70.0, "fp32": 35.0},
+    "L4": {"bf16": 121.0, "fp16": 121.0, "fp32": 60.0},
+    "V100": {"bf16": 15.7, "fp16": 125.0, "fp32": 15.7},  # no bf16 tensor cores
+    "T4": {"bf16": 8.1, "fp16": 65.0, "fp32": 8.1},
+}
+
+
+def training_flops_per_sample(forward_fn, batch_size: int) -> float:
+    """Model FLOPs of one training sample: the forward's matmul/conv/attention FLOPs (counted by torch's
+    FlopCounterMode on a real forward) times 3 (the backward costs about twice the forward)."""
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    counter = FlopCounterMode(display=False)
+    with torch.no_grad(), counter:
+        forward_fn()
+    return 3.0 * counter.get_total_flops() / batch_size
+
+
+def peak_flops(device, precision: str, override_tflops: float | None = None) -> tuple[float, str]:
+    """(peak FLOP/s of one device, where the figure comes from). GPUs from the table by name; CPUs by a
+    measured matmul (the best this process reaches with its threads: MFU then says how far the model's
+    step is from the machine's own matmul speed)."""
+    import torch
+
+    if override_tflops:
+        return override_tflops * 1e12, "train.peak_tflops"
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        for key, table in GPU_PEAK_TFLOPS.items():
+            if key in name.upper().replace("NVIDIA ", ""):
+                return table[precision] * 1e12, f"data sheet for {name}"
+        return measured_matmul_flops(device, precision), f"measured matmul on {name} (not in the table)"
+    return measured_matmul_flops(device, precision), "measured matmul on this CPU"
+
+
+def measured_matmul_flops(device, precision: str, n: int = 1024, repeats: int = 5) -> float:
+    import torch
+
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision, torch.float32)
+    if device.type == "cpu" and dtype == torch.float16:
+        dtype = torch.float32
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    best = float("inf")
+    for _ in range(repeats + 1):  # the first call warms up
+        _sync(device)
+        t0 = time.perf_counter()
+        a @ b
+        _sync(device)
+        best = min(best, time.perf_counter() - t0)
+    return 2.0 * n**3 / best
+
+
+def mfu(flops_per_sample: float, samples_per_s: float, devices: int, device_peak_flops: float) -> float:
+    """Model FLOPs utilisation: the model's useful FLOP/s over the devices' combined peak."""
+    return flops_per_sample * samples_per_s / max(devices * device_peak_flops, 1e-9)
+
+
+def peak_memory_bytes(device) -> int:
+    """The most memory this worker has held: CUDA's max allocated on GPU, the process's peak RSS on CPU."""
+    import resource
+
+    import torch
+
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def _sync(device) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

@@ -38,7 +38,7 @@ def _two_rank_loop(config):
     seen = []
     ds = rank_dataset(index.train, indices, cfg.data, seed=0, epoch=0, train=True, batch_size=micro)
     for i, batch in enumerate(ds.iter_torch_batches(batch_size=micro)):
-        train_step(model, opt, sched, scaler, [batch], cfg, task)
+        train_step(model, opt, sched, scaler, [batch], cfg, task, torch.device("cpu"))
         seen += batch["sample_id"].tolist()
         if i == 3:
             break

@@ -61,6 +61,43 @@ def test_two_worker_lm_run_lowers_loss(text_corpus, tmp_path):
     assert read_state(summary.latest_checkpoint).step == 16
 
 
+def _step_memory_mb(cfg, tokens, micro_batch: int) -> float:
+    """What behemoth's micro-batch search measures for this job's model at a micro-batch size (CPU)."""
+    from behemoth.autobatch import step_memory_bytes
+    from behemoth.precision import autocast
+    from behemoth.tasks.causal_lm import CausalLM
+
+    torch.manual_seed(cfg.train.seed)
+    model = CausalLM(cfg, tokens).build_model()
+    ids = torch.zeros(micro_batch, cfg.data.seq_len, dtype=torch.long)
+    with autocast(torch.device("cpu"), cfg.train.precision):
+        return step_memory_bytes(model, lambda: model(input_ids=ids, labels=ids).loss, optimizer_slots=2) / 2**20
+
+
+def test_speed_switches_in_a_real_run(text_corpus, tmp_path):
+    """FSDP with full sharding + bf16 autocast + an automatic micro-batch under a memory cap + asynchronous
+    checkpoints, through Ray Train on 2 workers; the metrics a user watches; a rerun restores the sharded
+    state and continues. (What each switch does to the numbers: test_speed_switches.py.)"""
+    job = lm_job_dict(text_corpus, tmp_path, run_name="fast", scaling={"strategy": "fsdp_full"},
+                      train={"max_steps": 8, "precision": "bf16", "micro_batch_size": "auto",
+                             "auto_batch_memory_mb": 1e6},
+                      checkpoint={"every_n_steps": 4}, eval={"every_n_steps": 4})
+    cfg = config_from_dict(job)
+    tokens = prepare_text(cfg.data, seed=0)
+    cap_mb = 0.6 * _step_memory_mb(cfg, tokens, 8)  # a worker's 8 samples do not fit at once
+    job["train"]["auto_batch_memory_mb"] = cap_mb
+    first = train(config_from_dict(job)).metrics
+    micro, accum = first["micro_batch_size"], first["grad_accum_steps"]
+    assert micro < 8 and micro * accum == 8 and _step_memory_mb(cfg, tokens, micro) <= cap_mb
+    assert first["step"] == 8 and first["val_loss"] < _initial_val_loss(cfg, tokens) - 0.5
+    assert 0 < first["mfu"] < 1 and first["peak_mem_gb"] > 0.1 and first["model_tflops_per_sample"] > 0
+    assert 0 <= first["checkpoint_block_s"] < 5  # the step-4 checkpoint's wait, reported at step 8
+    job["train"]["max_steps"] = 12
+    summary = train(config_from_dict(job))
+    assert summary.resumed_from_step == 8 and summary.metrics["step"] == 12
+    assert read_state(summary.latest_checkpoint).step == 12
+
+
 def test_invalid_utf8_fails_the_run_naming_file_and_line(text_corpus, tmp_path, capsys):
     bad = tmp_path / "train.txt"
     bad.write_bytes(b"a fine line\n" * 5 + "caf\u00e9\n".encode("latin-1"))

@@ -27,6 +27,9 @@ class Task(Protocol):
 
     def eval_batches(self, indices, batch_size: int) -> Iterable[dict]: ...
 
+    def example_batch(self, batch_size: int) -> dict:
+        """A batch of the right shapes on the training device (FLOP counting, micro-batch search)."""
+
     def loss(self, model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """(mean loss over the batch's valid samples, number of valid samples)."""
 

@@ -32,14 +32,25 @@ class CausalLM:
     def eval_batches(self, indices, batch_size: int):
         return self._batches(self.index.val, indices, batch_size)
 
+    def example_batch(self, batch_size: int):
+        return {"input_ids": torch.zeros(batch_size, self.cfg.data.seq_len, dtype=torch.long,
+                                         device=ray.train.torch.get_device())}
+
     @staticmethod
     def _batches(blocks: np.ndarray, indices, batch_size: int):
-        """The blocks are already tokenised and packed: a batch is a gather from the shared array."""
+        """The blocks are already tokenised and packed: a batch is a gather from the shared array. On GPU the
+        gather lands in pinned memory and the copy is issued one batch ahead, so it overlaps the step."""
         device = ray.train.torch.get_device()
+        pin = device.type == "cuda"
+        pending = None
         for start in range(0, len(indices), batch_size):
-            rows = indices[start:start + batch_size]
-            ids = torch.from_numpy(blocks[rows].astype(np.int64))
-            yield {"input_ids": ids.to(device, non_blocking=True)}
+            ids = torch.from_numpy(blocks[indices[start:start + batch_size]].astype(np.int64))
+            ready = {"input_ids": (ids.pin_memory() if pin else ids).to(device, non_blocking=True)}
+            if pending is not None:
+                yield pending
+            pending = ready
+        if pending is not None:
+            yield pending
 
     def loss(self, model, batch):
         """Labels are the inputs: the model shifts them, so each row predicts seq_len - 1 tokens."""

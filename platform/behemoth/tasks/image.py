@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ray.train.torch
 import torch
 import torch.nn.functional as F
 
@@ -27,10 +28,21 @@ class ImageClassification:
     def eval_batches(self, indices, batch_size: int):
         return self._batches(self.index.val, indices, 0, batch_size, train=False)
 
+    def example_batch(self, batch_size: int):
+        device = ray.train.torch.get_device()
+        size = self.cfg.data.image_size
+        return {"image": torch.randn(batch_size, 3, size, size, device=device),
+                "label": torch.zeros(batch_size, dtype=torch.long, device=device),
+                "valid": torch.ones(batch_size, dtype=torch.bool, device=device)}
+
     def _batches(self, table, indices, epoch, batch_size, train):
         ds = rank_dataset(table, indices, self.cfg.data, seed=self.cfg.train.seed, epoch=epoch, train=train,
                           batch_size=batch_size)
-        return ds.iter_torch_batches(batch_size=batch_size, prefetch_batches=self.cfg.data.prefetch_batches)
+        # On GPU, batches are pinned and copied to the device in Ray Data's prefetch threads, overlapping
+        # the copy with the step before.
+        return ds.iter_torch_batches(batch_size=batch_size, prefetch_batches=self.cfg.data.prefetch_batches,
+                                     device=ray.train.torch.get_device(),
+                                     pin_memory=self.cfg.scaling.use_gpu)
 
     def loss(self, model, batch):
         """Mean cross-entropy over the decodable samples (undecodable ones, valid=False, carry no loss)."""

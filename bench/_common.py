@@ -1,0 +1,80 @@
+"""What the training benchmarks share: a generated corpus, an LM job, behemoth's metrics log, and figures.
+
+Every benchmark runs behemoth through `behemoth.trainer.train` (a real local Ray, Ray Train workers) and
+reads what the run reported from RUN_DIR/metrics.jsonl, the log every run writes.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "platform"))
+
+
+def lm_corpus(root: Path = REPO / "data" / "bench_text") -> Path:
+    """Generated stories (2,000 train / 100 val documents) and a 1,024-token BPE tokenizer, made once."""
+    from behemoth.data.synth_text import write_synth_text
+    from behemoth.data.tokenizer import train_tokenizer
+
+    if not (root / "tokenizer" / "tokenizer.json").is_file():
+        write_synth_text(root, train_documents=2000, val_documents=100, seed=0)
+        train_tokenizer([str(root / "train.jsonl")], root / "tokenizer", vocab_size=1024)
+    return root
+
+
+def lm_job(corpus: Path, storage: Path, run_name: str, *, hidden: int = 256, layers: int = 4, seq_len: int = 128,
+           batch: int = 16, steps: int = 60, workers: int = 1, threads: int = 2, log_every: int = 10,
+           checkpoint_every: int = 10_000, **sections) -> dict:
+    """A Llama-style LM job on the corpus. `sections` update a section's keys, e.g. train={...}."""
+    job = {
+        "data": {"kind": "text", "train_files": [str(corpus / "train.jsonl")],
+                 "val_files": [str(corpus / "val.jsonl")], "tokenizer": str(corpus / "tokenizer"),
+                 "seq_len": seq_len, "cache_dir": str(storage / "cache"), "cpus_per_task": 0.25},
+        "model": {"name": "causal_lm", "hf_config": {
+            "model_type": "llama", "hidden_size": hidden, "intermediate_size": 4 * hidden,
+            "num_hidden_layers": layers, "num_attention_heads": max(hidden // 64, 1),
+            "max_position_embeddings": seq_len}},
+        "train": {"epochs": 100, "max_steps": steps, "global_batch_size": batch, "optimizer": "adamw",
+                  "lr": 3e-4, "weight_decay": 0.0, "warmup_steps": 5, "log_every": log_every},
+        "scaling": {"num_workers": workers, "cpus_per_worker": 1.0 if workers == 1 else 0.75,
+                    "torch_threads": threads},
+        "checkpoint": {"every_n_steps": checkpoint_every, "keep": 2, "storage_path": str(storage),
+                       "run_name": run_name},
+        "eval": {"every_n_steps": None, "per_epoch": False},
+        "failure": {"max_failures": 0},
+    }
+    for section, values in sections.items():
+        job[section].update(values)
+    return job
+
+
+def run_behemoth(job: dict) -> list[dict]:
+    """Train the job; return every report rank 0 made (metrics.jsonl of the run)."""
+    from behemoth.config import config_from_dict
+    from behemoth.trainer import train
+
+    summary = train(config_from_dict(job))
+    return read_metrics(Path(summary.run_dir))
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def steady_steps_per_s(reports: list[dict], batch: int) -> float:
+    """Optimizer steps per second over the training reports after the first window (warm-up excluded)."""
+    train = [r for r in reports if "samples_per_s" in r]
+    steps = seconds = 0.0
+    for before, r in zip(train, train[1:]):
+        n = r["step"] - before["step"]
+        steps += n
+        seconds += n * batch / r["samples_per_s"]
+    return steps / seconds
+
+
+def spread(xs: list[float], fmt: str = "{:.3f}") -> str:
+    return f"median {fmt.format(statistics.median(xs))} (min {fmt.format(min(xs))}, max {fmt.format(max(xs))})"

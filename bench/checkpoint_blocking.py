@@ -1,0 +1,106 @@
+"""Benchmark P4: how long a checkpoint holds up training — behemoth vs a synchronous torch.save.
+
+behemoth (checkpoint.async_save, the default) blocks the step only for a host-memory copy of the state;
+the files, their sha256 manifest and the upload to the run folder are written by Ray Train's upload thread
+while training goes on. Each behemoth run reports `checkpoint_block_s` (the time the last checkpoint held
+the loop) with its next metrics; a run checkpoints every --every steps. The baseline is what a user's loop
+would do at the same point: `torch.save({"model": ..., "optimizer": ...}, path)` of the same state (same
+model, AdamW state after real steps) into the same folder, timed in this process. For reference the
+synchronous behemoth path (checkpoint.async_save=false: write + sha256 + manifest + upload before going
+on) is run too. Runs alternate with the baseline saves, --repeats of each.
+
+    .venv/bin/python bench/checkpoint_blocking.py [--repeats 3] [--hidden 512] [--layers 6]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+from _common import lm_corpus, lm_job, run_behemoth, spread
+
+
+def torch_save_seconds(cfg, tokens, folder: Path, saves: int) -> list[float]:
+    """Synchronous torch.save of model + AdamW state (after 2 real steps, so the state exists)."""
+    import numpy as np
+    import torch
+
+    from behemoth.tasks.causal_lm import CausalLM
+
+    torch.manual_seed(0)
+    model = CausalLM(cfg, tokens).build_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    ids = torch.from_numpy(tokens.train[:4].astype(np.int64))
+    for _ in range(2):
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+    times = []
+    for i in range(saves):
+        t0 = time.perf_counter()
+        torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, folder / f"plain_{i}.pt")
+        times.append(time.perf_counter() - t0)
+        (folder / f"plain_{i}.pt").unlink()
+    return times
+
+
+def step_rate(reports: list[dict]) -> float:
+    """Steps per second between the first and the last report (checkpoints included)."""
+    return (reports[-1]["step"] - reports[0]["step"]) / (reports[-1]["time"] - reports[0]["time"])
+
+
+def block_times(reports: list[dict]) -> list[float]:
+    return [r["checkpoint_block_s"] for r in reports if "checkpoint_block_s" in r]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--hidden", type=int, default=512)
+    p.add_argument("--layers", type=int, default=6)
+    p.add_argument("--every", type=int, default=5)
+    p.add_argument("--checkpoints", type=int, default=6)
+    args = p.parse_args()
+
+    from behemoth.config import config_from_dict
+    from behemoth.data.text import prepare_text
+    from behemoth.trainer import ensure_ray
+
+    storage = Path(tempfile.mkdtemp(prefix="bench-p4-"))
+    corpus = lm_corpus()
+
+    def job(run, async_save=True):
+        return lm_job(corpus, storage, run, hidden=args.hidden, layers=args.layers, batch=8, seq_len=64,
+                      steps=args.every * args.checkpoints, log_every=args.every, checkpoint_every=args.every,
+                      checkpoint={"async_save": async_save, "keep": 2})
+
+    cfg = config_from_dict(job("plain"))
+    ensure_ray()
+    tokens = prepare_text(cfg.data, seed=0)
+    ours, sync, plain, rates = [], [], [], {"async": [], "sync": []}
+    for r in range(args.repeats):
+        reports = run_behemoth(job(f"p4_async_{r}"))
+        ours += block_times(reports)
+        rates["async"].append(step_rate(reports))
+        plain += torch_save_seconds(cfg, tokens, storage, args.checkpoints - 1)
+        reports = run_behemoth(job(f"p4_sync_{r}", async_save=False))
+        sync += block_times(reports)
+        rates["sync"].append(step_rate(reports))
+        print(f"repeat {r}: behemoth async {statistics.median(ours):.3f} s, behemoth sync "
+              f"{statistics.median(sync):.3f} s, torch.save {statistics.median(plain):.3f} s", flush=True)
+    size = sum(f.stat().st_size for f in next(storage.glob("p4_async_0/checkpoint_*")).iterdir()) / 2**20
+    print(f"LM hidden {args.hidden}, {args.layers} layers: checkpoint of {size:.0f} MiB (model + AdamW state); "
+          f"a checkpoint every {args.every} steps, {len(ours)} checkpoints per variant")
+    print(f"  behemoth async (default):   blocked {spread(ours, '{:.4f}')} s per checkpoint")
+    print(f"  behemoth sync (reference):  blocked {spread(sync, '{:.4f}')} s per checkpoint")
+    print(f"  synchronous torch.save:     blocked {spread(plain, '{:.4f}')} s per checkpoint")
+    print(f"  ratio torch.save / behemoth async: {statistics.median(plain) / statistics.median(ours):.1f}x less "
+          f"blocking (medians)")
+    print(f"  whole-run step rate incl. checkpoints: async {spread(rates['async'])} vs sync "
+          f"{spread(rates['sync'])} steps/s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,85 @@
+"""Benchmark P1: behemoth's steady-state training step rate (1 Ray Train worker) vs a plain PyTorch loop.
+
+Both train the same Llama-style LM (built by behemoth from the same config and seed) on the same packed
+token blocks in the same order, with AdamW, the same batch and the same torch thread count; the plain loop
+runs in this process with nothing around it. behemoth's rate is what its own reports say (samples/s per
+window of --log-every steps, first window excluded as warm-up), so it includes everything behemoth does per
+step: the sample order, the metrics all-reduce, the reports to Ray Train, the data-wait timing. Checkpoints
+and evaluation happen only after the last measured step. Runs alternate, --repeats of each.
+
+    .venv/bin/python bench/step_overhead.py [--repeats 5] [--steps 60] [--threads 2] [--hidden 256]
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+from pathlib import Path
+
+from _common import lm_corpus, lm_job, run_behemoth, spread, steady_steps_per_s
+
+
+def plain_steps_per_s(cfg, tokens, steps: int, warmup: int, threads: int) -> float:
+    """The loop a user would write: same model, data order, optimizer and threads; no Ray."""
+    import numpy as np
+    import torch
+
+    from behemoth.data.order import rank_train_indices
+    from behemoth.tasks.causal_lm import CausalLM
+
+    torch.set_num_threads(threads)
+    torch.manual_seed(cfg.train.seed)
+    model = CausalLM(cfg, tokens).build_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr, weight_decay=0.0)
+    batch = cfg.train.global_batch_size
+    order = rank_train_indices(len(tokens.train), batch, cfg.train.seed, 0, 0, 1)
+    for step in range(warmup + steps):
+        if step == warmup:
+            started = time.perf_counter()
+        ids = torch.from_numpy(tokens.train[order[step * batch:(step + 1) * batch]].astype(np.int64))
+        opt.zero_grad(set_to_none=True)
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+    return steps / (time.perf_counter() - started)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--steps", type=int, default=60, help="steps per behemoth run (the first window is warm-up)")
+    p.add_argument("--log-every", type=int, default=10)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--batch", type=int, default=16)
+    args = p.parse_args()
+
+    from behemoth.config import config_from_dict
+    from behemoth.data.text import prepare_text
+    from behemoth.trainer import ensure_ray
+
+    storage = Path(tempfile.mkdtemp(prefix="bench-p1-"))
+    corpus = lm_corpus()
+
+    def job(run):
+        return lm_job(corpus, storage, run, hidden=args.hidden, batch=args.batch, steps=args.steps,
+                      threads=args.threads, log_every=args.log_every)
+
+    cfg = config_from_dict(job("plain"))
+    ensure_ray()
+    tokens = prepare_text(cfg.data, seed=cfg.train.seed)
+    ours, plain = [], []
+    for r in range(args.repeats):
+        ours.append(steady_steps_per_s(run_behemoth(job(f"p1_{r}")), args.batch))
+        plain.append(plain_steps_per_s(cfg, tokens, args.steps - args.log_every, args.log_every, args.threads))
+        print(f"repeat {r}: behemoth {ours[-1]:.3f} steps/s, plain loop {plain[-1]:.3f} steps/s", flush=True)
+    ratios = [o / b for o, b in zip(ours, plain)]
+    print(f"LM hidden {args.hidden}, 4 layers, seq 128, batch {args.batch}, {args.threads} torch threads, "
+          f"{args.steps - args.log_every} measured steps, {args.repeats} repeats alternating")
+    print(f"  behemoth (1 Ray Train worker): {spread(ours)} steps/s")
+    print(f"  plain PyTorch loop:            {spread(plain)} steps/s")
+    print(f"  ratio behemoth / plain: {spread(ratios)}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,105 @@
+"""Speed switches without Ray: their config checks, the automatic micro-batch search, MFU and memory metrics."""
+
+import pytest
+import torch
+
+from behemoth import autobatch, metrics
+from behemoth.config import ConfigError, load_config
+
+from .test_config import write
+
+
+@pytest.mark.parametrize("text, message", [
+    ("train:\n  micro_batch_size: 16\n  grad_accum_steps: 2\n", "both set"),
+    ("train:\n  micro_batch_size: auto\n", "auto_batch_memory_mb"),
+    ("train:\n  global_batch_size: 64\n  micro_batch_size: 12\n", r"num_workers 2 x train.micro_batch_size 12"),
+    ("train:\n  grad_compression: powersgd\nscaling:\n  strategy: fsdp_full\n", "DDP communication hook"),
+    ("train:\n  grad_compression: topk\n", "must be one of"),
+    ("train:\n  compile_mode: fast\n", "must be one of"),
+    ("scaling:\n  strategy: zero2\n", "must be one of"),
+    ("train:\n  precision: fp16\n", "needs a GPU"),
+])
+def test_speed_switch_mistakes_are_named(tmp_path, text, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(write(tmp_path, text))
+
+
+def test_speed_switches_accepted(tmp_path):
+    cfg = load_config(write(tmp_path, "train:\n  global_batch_size: 64\n  micro_batch_size: auto\n"
+                                      "  auto_batch_memory_mb: 512\n  compile: true\n  grad_compression: bf16\n"
+                                      "  precision: bf16\ncheckpoint:\n  async_save: false\n"))
+    assert cfg.train.micro_batch_size == "auto" and cfg.train.grad_compression == "bf16"
+    cfg = load_config(write(tmp_path, "train:\n  global_batch_size: 64\n  micro_batch_size: 8\n"
+                                      "scaling:\n  strategy: fsdp_grad_op\n"))
+    assert cfg.train.micro_batch_size == 8 and cfg.scaling.strategy == "fsdp_grad_op"
+
+
+def _mlp():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10))
+
+
+def _loss_at(model):
+    return lambda m: torch.nn.functional.cross_entropy(model(torch.randn(m, 64)), torch.zeros(m, dtype=torch.long))
+
+
+def test_step_memory_counts_weights_grads_optimizer_and_activations():
+    model = _mlp()
+    params = sum(p.numel() for p in model.parameters()) * 4
+    one, two = (autobatch.step_memory_bytes(model, lambda m=m: _loss_at(model)(m), 1) for m in (100, 200))
+    # activations saved for the backward: input 64, linear out 256 (for ReLU), ReLU out 256, logits 10 ...
+    per_sample = (two - one) / 100
+    assert 4 * (64 + 256) <= per_sample <= 4 * (64 + 3 * 256 + 3 * 10)
+    assert one - 100 * per_sample == pytest.approx(3 * params, rel=0.01)  # weights + grads + momentum
+    assert all(p.grad is None for p in model.parameters())  # the probe leaves no gradients behind
+
+
+def test_auto_micro_batch_finds_the_limit_under_a_cap():
+    model = _mlp()
+    cpu = torch.device("cpu")
+
+    def memory(m):
+        return autobatch.step_memory_bytes(model, lambda: _loss_at(model)(m), 1)
+
+    cap = memory(37) + 1  # 37 samples fit, 38 do not
+    largest, micro = autobatch.find_micro_batch(model, _loss_at(model), share=64, device=cpu, cap_bytes=cap,
+                                                optimizer_slots=1)
+    assert largest == 37 and memory(37) <= cap < memory(38)
+    assert micro == 32  # the largest divisor of the worker's 64 samples at or under 37: 2 accumulation steps
+    assert autobatch.find_micro_batch(model, _loss_at(model), 64, cpu, 10**12, 1) == (64, 64)  # no limit hit
+    with pytest.raises(MemoryError, match="even 1 sample"):
+        autobatch.find_micro_batch(model, _loss_at(model), 64, cpu, memory(1) - 1, 1)
+
+
+def test_largest_fitting_is_a_binary_search():
+    calls = []
+
+    def fits(m):
+        calls.append(m)
+        return m <= 300
+
+    assert autobatch.largest_fitting(fits, 1000) == 300 and len(calls) <= 11
+    assert autobatch.largest_fitting(lambda m: False, 8) == 0
+    assert autobatch.largest_divisor_at_most(48, 20) == 16 and autobatch.largest_divisor_at_most(7, 6) == 1
+
+
+def test_flops_per_sample_counts_the_model():
+    model = torch.nn.Linear(64, 32, bias=False)
+    x = torch.randn(8, 64)
+    # forward: 2 * 64 * 32 per sample; training = 3x forward
+    assert metrics.training_flops_per_sample(lambda: model(x), 8) == 3 * 2 * 64 * 32
+
+
+def test_mfu_and_peak_flops():
+    assert metrics.mfu(1e9, 100.0, devices=2, device_peak_flops=1e11) == pytest.approx(0.5)
+    assert metrics.peak_flops(torch.device("cpu"), "fp32", override_tflops=2.0) == (2e12, "train.peak_tflops")
+    measured, source = metrics.peak_flops(torch.device("cpu"), "fp32")
+    assert 1e8 < measured < 1e13 and "measured" in source
+    assert metrics.peak_memory_bytes(torch.device("cpu")) > 50e6  # this process's peak RSS
+
+
+def test_progress_line_shows_mfu_and_memory():
+    m = {"epoch": 0.5, "step": 10, "loss": 1.0, "lr": 0.1, "samples_per_s": 100.0, "data_wait_frac": 0.25,
+         "mfu": 0.123, "peak_mem_gb": 1.5, "eta_s": 30}
+    line = metrics.progress_line(m, 20, 1)
+    assert "MFU 12.3%" in line and "mem 1.50 GB" in line and "data-wait 25%" in line
