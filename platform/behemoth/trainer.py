@@ -8,11 +8,13 @@ Data (or read from its cache) before the workers start.
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import ray.train
 import yaml
 
 from behemoth.config import ConfigError, JobConfig
@@ -99,6 +101,26 @@ def tighten_token_file() -> str | None:
 REPORT_POLL_ENV, REPORT_POLL_S = "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.2"
 
 
+def metrics_log(cfg: JobConfig) -> list:
+    """The callback that appends every report to RUN_DIR/metrics.jsonl (local storage only)."""
+    run_dir = os.path.join(storage_path(cfg), cfg.checkpoint.run_name)
+    return [] if "://" in run_dir else [MetricsLog(os.path.join(run_dir, "metrics.jsonl"))]
+
+
+class MetricsLog(ray.train.UserCallback):
+    """Appends rank 0's metrics of every report, with the wall-clock time, to a JSON-lines file: the run's
+    history for plots and benchmarks (a resumed run appends; redone steps appear twice). Runs in Ray Train's
+    controller, on the driver's node."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def after_report(self, run_context, metrics, checkpoint):
+        os.makedirs(os.path.dirname(self.path), exist_ok=True)
+        with open(self.path, "a", encoding="utf-8") as f:
+            f.write(json.dumps({"time": time.time(), **metrics[0]}) + "\n")
+
+
 def build_trainer(cfg: JobConfig, data, callbacks: list | None = None):
     """`data`: what prepare_data returned (an image index or packed token blocks). `callbacks`: Ray Train
     UserCallbacks (a sweep's trial passes the one that reports to Tune)."""
@@ -125,7 +147,7 @@ def build_trainer(cfg: JobConfig, data, callbacks: list | None = None):
             name=cfg.checkpoint.run_name,
             storage_path=storage_path(cfg),
             failure_config=FailureConfig(max_failures=cfg.failure.max_failures),
-            callbacks=callbacks,
+            callbacks=[*metrics_log(cfg), *(callbacks or [])],
             checkpoint_config=CheckpointConfig(num_to_keep=cfg.checkpoint.keep),
             # Ray Train's per-report INFO lines would bury behemoth's progress lines.
             logging_config=LoggingConfig(log_level="WARNING"),

@@ -1,6 +1,7 @@
 """Causal LM end to end on real Ray: Ray Data tokenisation + packing, 2 DDP workers over gloo, a tiny Llama,
 validation perplexity, checkpoint restore. One Ray instance for the module."""
 
+import json
 import math
 
 import numpy as np
@@ -96,6 +97,8 @@ def test_speed_switches_in_a_real_run(text_corpus, tmp_path):
     summary = train(config_from_dict(job))
     assert summary.resumed_from_step == 8 and summary.metrics["step"] == 12
     assert read_state(summary.latest_checkpoint).step == 12
+    log = [json.loads(line) for line in (tmp_path / "fast" / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in log] == [4, 8, 12] and all("mfu" in m and m["time"] > 0 for m in log)
 
 
 def test_invalid_utf8_fails_the_run_naming_file_and_line(text_corpus, tmp_path, capsys):
