@@ -52,9 +52,14 @@ class Snapshot:
 
 
 def snapshot(*, model, optimizer, scheduler, state: TrainState, classes: list[str] | None, job_yaml: str,
-             scaler=None, hook_states: list | None = None) -> Snapshot | None:
+             scaler=None, hook_states: list | None = None, buffers: dict | None = None) -> Snapshot | None:
     """Copy the state to host memory. Under FSDP every rank must call it (the full state is gathered) and
-    only rank 0 gets the snapshot; under DDP call it on rank 0 only (the ranks are identical)."""
+    only rank 0 gets the snapshot; under DDP call it on rank 0 only (the ranks are identical).
+
+    `buffers`: host tensors from an earlier snapshot to copy into (same shapes), filled in as needed. Reusing
+    them saves allocating and page-faulting the whole state again at every checkpoint, which costs as much
+    as the copy itself. The caller must not pass buffers a snapshot still being written uses.
+    """
     from behemoth.parallel import is_sharded
 
     if is_sharded(model):
@@ -65,7 +70,11 @@ def snapshot(*, model, optimizer, scheduler, state: TrainState, classes: list[st
         if torch.distributed.get_rank() != 0:
             return None
     else:
-        model_sd, optim_sd = _cpu_copy(unwrap(model).state_dict()), _cpu_copy(optimizer.state_dict())
+        pool = {} if buffers is None else buffers
+        model_sd = _cpu_copy(unwrap(model).state_dict(), pool, "model")
+        optim_sd = _cpu_copy(optimizer.state_dict(), pool, "optimizer")
+        if next(unwrap(model).parameters()).is_cuda:
+            torch.cuda.synchronize()  # the device-to-host copies were issued non-blocking
     dicts = {"model.pt": model_sd, "optimizer.pt": optim_sd, "scheduler.pt": scheduler.state_dict()}
     if scaler is not None and scaler.is_enabled():
         dicts["scaler.pt"] = scaler.state_dict()
@@ -100,14 +109,19 @@ def save(directory: str | Path, **state) -> Path:
     return write(directory, snapshot(**state))
 
 
-def _cpu_copy(tree):
-    """A copy of a state dict whose tensors live in host memory and no longer alias the training state."""
+def _cpu_copy(tree, pool: dict, path: str):
+    """A copy of a state dict whose tensors live in host memory (pool[path] reused when it fits; pinned
+    for CUDA tensors) and no longer alias the training state."""
     if isinstance(tree, torch.Tensor):
-        return tree.detach().to("cpu", copy=True)
+        t = tree.detach()
+        buf = pool.get(path)
+        if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
+            buf = pool[path] = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda)
+        return buf.copy_(t, non_blocking=t.is_cuda)
     if isinstance(tree, dict):
-        return {k: _cpu_copy(v) for k, v in tree.items()}
+        return {k: _cpu_copy(v, pool, f"{path}/{k}") for k, v in tree.items()}
     if isinstance(tree, (list, tuple)):
-        return type(tree)(_cpu_copy(v) for v in tree)
+        return type(tree)(_cpu_copy(v, pool, f"{path}/{i}") for i, v in enumerate(tree))
     return tree
 
 

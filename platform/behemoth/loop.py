@@ -18,6 +18,7 @@ import logging
 import os
 import sys
 import tempfile
+import threading
 import time
 
 import ray
@@ -321,15 +322,19 @@ class CheckpointSaver:
     def __init__(self, cfg: JobConfig, task: Task, rank: int):
         self.cfg, self.task, self.rank = cfg, task, rank
         self.last_block_s = None
+        # Host buffers the snapshots copy into, reused while no write of an earlier snapshot still reads them.
+        self.buffers: dict = {}
+        self.buffers_free = threading.Event()
+        self.buffers_free.set()
 
     def save_and_report(self, metrics, state, model, optimizer, scheduler, scaler, hook_state) -> None:
         t0 = time.perf_counter()
         hook_states = _gather_to_rank0(parallel.hook_state(hook_state)) if hook_state is not None else None
-        snap = None
+        snap, reuse = None, self.buffers_free.is_set()
         if self.rank == 0 or parallel.is_sharded(model):
             snap = checkpoint.snapshot(model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler,
                                        state=state, classes=self.task.classes(), job_yaml=dump_yaml(self.cfg),
-                                       hook_states=hook_states)
+                                       hook_states=hook_states, buffers=self.buffers if reuse else None)
         if not self.cfg.checkpoint.async_save:
             with tempfile.TemporaryDirectory() as tmp:
                 ckpt = ray.train.Checkpoint.from_directory(str(checkpoint.write(tmp, snap))) if snap else None
@@ -337,22 +342,29 @@ class CheckpointSaver:
         elif snap is None:
             ray.train.report(metrics)
         else:
+            if reuse:
+                self.buffers_free.clear()  # until the upload thread has written this snapshot
             ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(tempfile.mkdtemp()),
                              checkpoint_upload_mode=ray.train.CheckpointUploadMode.ASYNC,
-                             checkpoint_upload_fn=_write_then_upload(snap))
+                             checkpoint_upload_fn=self._write_then_upload(snap, self.buffers_free if reuse else None))
         self.last_block_s = time.perf_counter() - t0
 
+    @staticmethod
+    def _write_then_upload(snap, written):
+        """The upload function Ray Train calls in its upload thread: write the snapshot into the (empty) local
+        checkpoint folder, free its buffers, then copy the folder to the run's storage as Ray would (Ray
+        deletes the local folder after)."""
+        storage = ray.train.get_context().get_storage()
 
-def _write_then_upload(snap):
-    """The upload function Ray Train calls in its upload thread: write the snapshot into the (empty) local
-    checkpoint folder, then copy it to the run's storage as Ray would. Ray deletes the local folder after."""
-    storage = ray.train.get_context().get_storage()
+        def write_then_upload(ckpt, dir_name):
+            try:
+                checkpoint.write(ckpt.path, snap)
+            finally:
+                if written is not None:
+                    written.set()
+            return storage.persist_current_checkpoint(ckpt, dir_name)
 
-    def write_then_upload(ckpt, dir_name):
-        checkpoint.write(ckpt.path, snap)
-        return storage.persist_current_checkpoint(ckpt, dir_name)
-
-    return write_then_upload
+        return write_then_upload
 
 
 def _train_metrics(cfg, state, total_steps, epoch_steps, window, bad_ids, task, lr) -> dict:

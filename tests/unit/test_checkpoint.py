@@ -88,3 +88,26 @@ def test_complete_checkpoints_lists_only_manifested_ones_newest_first(tmp_path):
     (tmp_path / "checkpoint_9" / "manifest.json").unlink()  # written but never completed
     assert [step for step, _ in checkpoint.complete_checkpoints(tmp_path)] == [6, 3]
     assert checkpoint.complete_checkpoints(tmp_path / "missing") == []
+
+
+def test_snapshot_is_a_copy_and_reuses_its_buffers(tmp_path):
+    """The asynchronous save copies the state into host buffers kept between checkpoints: the copy must not
+    alias the live weights (training goes on while it is written), and the second snapshot must fill the
+    same buffers instead of allocating the whole state again."""
+    model, opt, sched = make()
+    step(model, opt, sched, 0)
+    buffers = {}
+    parts = dict(model=model, optimizer=opt, scheduler=sched, classes=None, job_yaml="")
+    first = checkpoint.snapshot(state=TrainState(step=1), buffers=buffers, **parts)
+    saved = {k: v.clone() for k, v in first.state_dicts["model.pt"].items()}
+    held = {id(t) for t in buffers.values()}
+    step(model, opt, sched, 1)  # training moves on: the snapshot keeps step 1's values
+    assert_same_tensors(first.state_dicts["model.pt"], saved)
+    assert any(not torch.equal(v, model.state_dict()[k]) for k, v in saved.items())
+    checkpoint.write(tmp_path / "a", first)
+    second = checkpoint.snapshot(state=TrainState(step=2), buffers=buffers, **parts)
+    assert {id(t) for t in buffers.values()} == held  # same buffers, refilled
+    assert_same_tensors(second.state_dicts["model.pt"], model.state_dict())
+    model2, opt2, sched2 = make(seed=1)
+    checkpoint.load(tmp_path / "a", model=model2, optimizer=opt2, scheduler=sched2)
+    assert_same_tensors(model2.state_dict(), saved)

@@ -1,0 +1,125 @@
+"""Benchmark P2: end-to-end images/s — behemoth (Ray Data decode + augment -> 1 Ray Train worker) vs
+torch.utils.data.DataLoader(num_workers=2) feeding a plain loop.
+
+Both decode the same PNGs with the same code (behemoth.data.images.transform_batch: decode, pad + random
+crop + flip seeded per sample, normalise), train the same model (resnet_tiny_cifar) with SGD at the same
+batch size and one torch thread. behemoth's figure is its own report (samples/s per window, the first
+window excluded: worker start, first tasks); the plain loop is timed over the same steps after the same
+warm-up. Also printed: behemoth's data-wait fraction (the share of step time spent waiting for a batch).
+Runs alternate, --repeats of each.
+
+    .venv/bin/python bench/ingest_vs_dataloader.py [--repeats 5] [--steps 60] [--batch 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+from _common import REPO, read_metrics, spread, steady_steps_per_s
+
+
+class ImageRows:
+    """A map-style torch Dataset over behemoth's image index: one transform_batch call per sample."""
+
+    def __init__(self, table, cfg, epoch: int):
+        self.rows, self.cfg, self.epoch = table.to_pydict(), cfg, epoch
+
+    def __len__(self):
+        return len(self.rows["path"])
+
+    def __getitem__(self, i):
+        import numpy as np
+
+        from behemoth.data.images import transform_batch
+
+        batch = {k: np.asarray([v[i]]) for k, v in self.rows.items()}
+        out = transform_batch(batch, cfg=self.cfg, seed=0, epoch=self.epoch, train=True)
+        return out["image"][0], int(out["label"][0])
+
+
+def plain_images_per_s(index, cfg, batch: int, steps: int, warmup: int) -> float:
+    import torch
+    import torch.nn.functional as F
+
+    from behemoth.models.registry import build_model
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = build_model("resnet_tiny_cifar", len(index.classes))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    step, epoch = 0, 0
+    while step < warmup + steps:
+        loader = torch.utils.data.DataLoader(ImageRows(index.train, cfg, epoch), batch_size=batch, shuffle=True,
+                                             num_workers=2, drop_last=True,
+                                             generator=torch.Generator().manual_seed(epoch))
+        for images, labels in loader:
+            if step == warmup:
+                started = time.perf_counter()
+            opt.zero_grad(set_to_none=True)
+            F.cross_entropy(model(pixel_values=images).logits, labels).backward()
+            opt.step()
+            step += 1
+            if step == warmup + steps:
+                break
+        epoch += 1
+    return steps * batch / (time.perf_counter() - started)
+
+
+def behemoth_job(root: Path, storage: Path, run: str, batch: int, steps: int, log_every: int) -> dict:
+    return {
+        "data": {"kind": "image_folder", "root": str(root), "image_size": 32, "cpus_per_task": 0.25,
+                 "prefetch_batches": 2},
+        "model": {"name": "resnet_tiny_cifar"},
+        "train": {"epochs": 100, "max_steps": steps, "global_batch_size": batch, "lr": 0.05, "log_every": log_every},
+        "scaling": {"num_workers": 1, "cpus_per_worker": 1.0, "torch_threads": 1},
+        "checkpoint": {"every_n_steps": 10_000, "storage_path": str(storage), "run_name": run},
+        "eval": {"per_epoch": False},
+        "failure": {"max_failures": 0},
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--log-every", type=int, default=10)
+    p.add_argument("--data", default=str(REPO / "data" / "demo_images"), help="an ImageFolder (made if missing)")
+    args = p.parse_args()
+
+    from behemoth.config import DataConfig, config_from_dict
+    from behemoth.data.images import build_index
+    from behemoth.data.synth import write_synth_images
+    from behemoth.trainer import train
+
+    root = Path(args.data)
+    if not (root / "train").is_dir():
+        write_synth_images(root, classes=10, per_class=200, val_per_class=50, size=32, seed=0)
+    storage = Path(tempfile.mkdtemp(prefix="bench-p2-"))
+    cfg = DataConfig(kind="image_folder", root=str(root), image_size=32)
+    index = build_index(cfg)
+    ours, plain, waits = [], [], []
+    for r in range(args.repeats):
+        job = behemoth_job(root, storage, f"p2_{r}", args.batch, args.steps, args.log_every)
+        summary = train(config_from_dict(job))
+        reports = [m for m in read_metrics(Path(summary.run_dir)) if "samples_per_s" in m]
+        ours.append(steady_steps_per_s(reports, args.batch) * args.batch)
+        waits.append(statistics.mean(m["data_wait_frac"] for m in reports[1:]))
+        plain.append(plain_images_per_s(index, cfg, args.batch, args.steps - args.log_every, args.log_every))
+        print(f"repeat {r}: behemoth {ours[-1]:.0f} images/s (data-wait {waits[-1]:.0%}), "
+              f"DataLoader {plain[-1]:.0f} images/s", flush=True)
+    ratios = [o / b for o, b in zip(ours, plain)]
+    print(f"{index.train.num_rows} PNGs 32x32, resnet_tiny_cifar, batch {args.batch}, 1 torch thread, "
+          f"{args.steps - args.log_every} measured steps, {args.repeats} repeats alternating")
+    print(f"  behemoth (Ray Data, 0.25-CPU tasks -> 1 worker): {spread(ours, '{:.0f}')} images/s, "
+          f"data-wait {spread(waits, '{:.0%}')}")
+    print(f"  DataLoader(num_workers=2) -> plain loop:        {spread(plain, '{:.0f}')} images/s")
+    print(f"  ratio behemoth / DataLoader: {spread(ratios)}")
+
+
+if __name__ == "__main__":
+    main()
