@@ -148,7 +148,7 @@ class TrainConfig:
     # grad_accum_steps.
     micro_batch_size: Union[int, Literal["auto"], None] = None
     # The memory a worker's training step may use when micro_batch_size is auto: required on CPU (no
-    # allocator limit to hit); on GPU it defaults to the device's free memory.
+    # allocator limit to hit); on GPU it defaults to 90% of the device's memory.
     auto_batch_memory_mb: Optional[float] = None
     # torch.compile the model (mode: default, reduce-overhead, max-autotune, max-autotune-no-cudagraphs).
     # A compilation failure at the first step falls back to eager training, with a console line.

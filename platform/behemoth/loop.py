@@ -185,8 +185,8 @@ class SpeedMeter:
         self.device, self.world, self.micro_batch, self.accum = device, world, micro_batch, accum
         buffers = {k: v.clone() for k, v in model.named_buffers()}
         model.eval()
-        batch = task.example_batch(micro_batch)
-        self.flops_per_sample = metrics.training_flops_per_sample(lambda: task.loss(model, batch), micro_batch)
+        batch = task.example_batch(1)  # FLOPs per sample do not depend on the batch; one sample is cheapest
+        self.flops_per_sample = metrics.training_flops_per_sample(lambda: task.loss(model, batch), 1)
         model.train()
         model.load_state_dict(buffers, strict=False)
         self.peak, self.peak_source = metrics.peak_flops(device, cfg.train.precision, cfg.train.peak_tflops)
