@@ -151,7 +151,7 @@ def verify(directory: str | Path) -> dict:
 def load(directory: str | Path, *, model, optimizer=None, scheduler=None, scaler=None,
          hook_state=None) -> TrainState:
     """Verify, then restore the given objects in place. Returns the saved TrainState."""
-    from behemoth.parallel import is_sharded, load_hook_state
+    from behemoth.parallel import is_sharded
 
     d = Path(directory)
     verify(d)
@@ -174,7 +174,7 @@ def load(directory: str | Path, *, model, optimizer=None, scheduler=None, scaler
         saved = torch.load(d / "comm_hook.pt", weights_only=True)
         rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
         if saved["world_size"] == world:  # each rank's error feedback is its own; a resize starts it afresh
-            load_hook_state(hook_state, saved["ranks"][rank], device=next(unwrap(model).parameters()).device)
+            hook_state.load_bytes(saved["ranks"][rank], device=next(unwrap(model).parameters()).device)
     return TrainState(**json.loads((d / "train_state.json").read_text()))
 
 

@@ -329,7 +329,7 @@ class CheckpointSaver:
 
     def save_and_report(self, metrics, state, model, optimizer, scheduler, scaler, hook_state) -> None:
         t0 = time.perf_counter()
-        hook_states = _gather_to_rank0(parallel.hook_state(hook_state)) if hook_state is not None else None
+        hook_states = _gather_to_rank0(hook_state.to_bytes()) if hook_state is not None else None
         snap, reuse = None, self.buffers_free.is_set()
         if self.rank == 0 or parallel.is_sharded(model):
             snap = checkpoint.snapshot(model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler,

@@ -6,7 +6,7 @@
   torch.compile.
 - Gradient compression: DDP communication hooks. fp16 and bf16 cast each gradient bucket before the
   all-reduce (half the bytes on the wire); PowerSGD sends low-rank factors, with error feedback that each
-  rank keeps for itself (its state is saved per rank in the checkpoint: see hook_state / load_hook_state).
+  rank keeps for itself (its state is saved per rank in the checkpoint: see PowerSGD.to_bytes / load_bytes).
 - `no_grad_sync(model)`: the context for the micro-batches of an accumulation that must not all-reduce.
 
 Nothing here knows about Ray except `wrap`, which asks Ray Train for the device: the tests drive the rest
@@ -24,6 +24,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from behemoth.checkpoint import unwrap
 from behemoth.config import TrainConfig
 
 log = logging.getLogger(__name__)
@@ -112,13 +113,9 @@ def register_compression(model, cfg: TrainConfig):
     state = powerSGD_hook.PowerSGDState(
         process_group=None, matrix_approximation_rank=cfg.powersgd_rank,
         start_powerSGD_iter=max(cfg.powersgd_warmup_steps, 1), min_compression_rate=2, random_seed=cfg.seed)
-    compression = PowerSGD(state, unwrap_ddp(model), in_order=dist.get_backend() == "gloo")
+    compression = PowerSGD(state, unwrap(model), in_order=dist.get_backend() == "gloo")
     model.register_comm_hook(state, compression.hook)
     return compression
-
-
-def unwrap_ddp(model):
-    return model.module if hasattr(model, "module") else model
 
 
 class PowerSGD:
@@ -233,16 +230,6 @@ def bf16_cast_hook(process_group, bucket):
         return buffer
 
     return fut.then(decompress)
-
-
-def hook_state(compression) -> bytes | None:
-    """This rank's compression state as bytes (PowerSGD: error feedback, warm-start factors, iteration)."""
-    return None if compression is None else compression.to_bytes()
-
-
-def load_hook_state(compression, saved: bytes, device) -> None:
-    """Restore this rank's compression state (the registered hook keeps its objects)."""
-    compression.load_bytes(saved, device)
 
 
 @contextlib.contextmanager

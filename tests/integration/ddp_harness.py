@@ -149,7 +149,7 @@ def powersgd_restore(rank, world, out):
     hook = parallel.register_compression(model, cfg.train)
     _, opt, sched = train(model, cfg, rank, world, steps=4)
     states = [None] * world if rank == 0 else None
-    dist.gather_object(parallel.hook_state(hook), states, dst=0)
+    dist.gather_object(hook.to_bytes(), states, dst=0)
     folder = os.path.join(out, "powersgd_ckpt")
     if rank == 0:
         checkpoint.save(folder, model=model, optimizer=opt, scheduler=sched, state=TrainState(step=4),
