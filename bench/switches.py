@@ -16,7 +16,7 @@ import statistics
 import tempfile
 from pathlib import Path
 
-from _common import lm_corpus, lm_job, run_behemoth, steady_steps_per_s
+from _common import lm_corpus, lm_job, run_behemoth, spread, steady_steps_per_s
 
 VARIANTS = {
     "fp32": {},
@@ -53,17 +53,16 @@ def main() -> None:
             losses[name].append(reports[-1]["loss"])
             waits[name].append(statistics.mean(m["data_wait_frac"] for m in reports[1:]))
             print(f"repeat {r} {name}: {rates[name][-1]:.3f} steps/s, loss {losses[name][-1]:.4f}", flush=True)
-    base_rate = statistics.median(rates["fp32"]) if "fp32" in rates else None
-    base_loss = statistics.median(losses["fp32"]) if "fp32" in losses else None
     print(f"LM hidden {args.hidden}, 4 layers, seq 128, 2 workers x 1 thread, global batch 16, {args.steps} steps, "
-          f"{args.repeats} repeat(s)")
-    print(f"  {'variant':18s} {'steps/s':>8s} {'vs fp32':>8s} {'loss':>8s} {'vs fp32':>8s} {'data-wait':>9s}")
+          f"{args.repeats} repeat(s); ratios are paired (each repeat's variant over that repeat's fp32 run)")
+    print(f"  {'variant':18s} {'steps/s':>8s} {'vs fp32: median (min, max)':>40s} {'loss':>8s} {'vs fp32':>8s} "
+          f"{'data-wait':>9s}")
     for n in names:
         rate, loss = statistics.median(rates[n]), statistics.median(losses[n])
-        rel_rate = f"{rate / base_rate:.2f}x" if base_rate else "-"
-        rel_loss = f"{(loss - base_loss) / base_loss:+.1%}" if base_loss else "-"
-        print(f"  {n:18s} {rate:8.3f} {rel_rate:>8s} {loss:8.4f} {rel_loss:>8s} {statistics.median(waits[n]):9.1%}")
-
+        rel_rate = spread([v / b for v, b in zip(rates[n], rates["fp32"])]) if "fp32" in rates else "-"
+        rel_loss = (f"{statistics.median((v - b) / b for v, b in zip(losses[n], losses['fp32'])):+.1%}"
+                    if "fp32" in losses else "-")
+        print(f"  {n:18s} {rate:8.3f} {rel_rate:>40s} {loss:8.4f} {rel_loss:>8s} {statistics.median(waits[n]):9.1%}")
 
 if __name__ == "__main__":
     main()

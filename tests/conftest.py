@@ -50,7 +50,10 @@ def ray_local():
     """One local Ray instance per test module (starting Ray costs seconds on 2 cores)."""
     import ray
 
-    ray.init(num_cpus=2, include_dashboard=False, logging_level="warning",
+    from behemoth.trainer import LOCAL_RAY_SYSTEM_CONFIG
+
+    # as behemoth starts a local instance (workers at niceness 0)
+    ray.init(num_cpus=2, include_dashboard=False, logging_level="warning", _system_config=LOCAL_RAY_SYSTEM_CONFIG,
              _temp_dir=tempfile.mkdtemp(prefix="ray-", dir=_SESSION_DIR),
              # workers import test-module functions (e.g. a custom train loop) by name, as pytest does
              runtime_env={"env_vars": {"PYTHONPATH": str(Path(__file__).parent)}})

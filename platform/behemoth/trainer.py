@@ -75,13 +75,22 @@ def ensure_ray() -> None:
 
     if ray.is_initialized():
         return
-    runtime_env = None
     if os.environ.get("RAY_ADDRESS"):
         import behemoth
 
         runtime_env = {"py_modules": [os.path.dirname(behemoth.__file__)]}
-    ray.init(logging_level="warning", log_to_driver=True, runtime_env=runtime_env)
+        ray.init(logging_level="warning", log_to_driver=True, runtime_env=runtime_env)
+    else:
+        ray.init(logging_level="warning", log_to_driver=True, _system_config=LOCAL_RAY_SYSTEM_CONFIG)
     tighten_token_file()
+
+
+# Ray starts its worker processes at niceness 15, below its own daemons (raylet, GCS, dashboard agent) and the
+# driver, so that the control plane stays responsive on nodes that tasks saturate. On a local instance the
+# training workers (and their decode tasks) are the workload: at niceness 15 they yield the CPU to every
+# daemon wake-up, and on 2 cores the image pipeline trained ~25% slower (P2 in BENCHMARKS.md: 138-163
+# images/s at 15, 194-202 at 0). A cluster started with `ray start` keeps Ray's default.
+LOCAL_RAY_SYSTEM_CONFIG = {"worker_niceness": 0}
 
 
 def tighten_token_file() -> str | None:

@@ -109,3 +109,18 @@ def test_invalid_utf8_fails_the_run_naming_file_and_line(text_corpus, tmp_path, 
     assert main(["train", str(tmp_path / "job.yaml")]) == 1
     assert f"{bad}: invalid UTF-8 at line 6 (byte 63)" in capsys.readouterr().err
     assert not (tmp_path / "lm").exists()  # no run folder: it failed before training started
+
+
+def test_a_local_ray_runs_its_workers_at_normal_priority():
+    """behemoth's own local Ray instance starts workers at niceness 0, not Ray's 15 (which made them yield the
+    CPU to every Ray daemon: ~25% slower training on 2 cores, BENCHMARKS.md P2). A fresh process, no
+    RAY_ADDRESS: ensure_ray starts the instance as `behemoth train` does."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import os, ray; from behemoth.trainer import ensure_ray; ensure_ray(); "
+            "print('niceness', ray.get(ray.remote(lambda: os.nice(0)).remote()))")
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert "niceness 0" in out.stdout, out.stdout + out.stderr[-3000:]

@@ -41,7 +41,9 @@ def ray_with_dashboard():
 
     from conftest import _SESSION_DIR
 
-    ray.init(num_cpus=2, include_dashboard=True, logging_level="warning",
+    from behemoth.trainer import LOCAL_RAY_SYSTEM_CONFIG
+
+    ray.init(num_cpus=2, include_dashboard=True, logging_level="warning", _system_config=LOCAL_RAY_SYSTEM_CONFIG,
              _temp_dir=tempfile.mkdtemp(prefix="ray-", dir=_SESSION_DIR))
     yield
     ray.shutdown()
