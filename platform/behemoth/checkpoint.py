@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import threading
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -41,6 +42,45 @@ class TrainState:
     world_size: int = 1  # workers when the checkpoint was written (elastic runs log a change)
 
 
+class Copies:
+    """Host copies of device or host tensors, some of them possibly still in flight.
+
+    On CPU the copies deferred by snapshot(overlap=True) run in a thread (torch's copy releases the GIL);
+    on GPU every copy is queued non-blocking on the current stream and an event follows them: later kernels
+    on that stream (the next step's optimizer update) run after them by stream order.
+    """
+
+    def __init__(self, now: list, later: list):
+        self.thread = self.event = None
+        for dst, src in now:
+            dst.copy_(src, non_blocking=src.is_cuda)
+        if later and not any(src.is_cuda for _, src in later):
+            self.thread = threading.Thread(target=_copy_all, args=(later,), name="behemoth-snapshot", daemon=True)
+            self.thread.start()
+            return
+        for dst, src in later:
+            dst.copy_(src, non_blocking=src.is_cuda)
+        if any(src.is_cuda for _, src in now + later):
+            self.event = torch.cuda.Event()
+            self.event.record()
+
+    def wait_sources_free(self) -> None:
+        """Return once the live tensors may change again (before the next optimizer update)."""
+        if self.thread is not None:
+            self.thread.join()
+
+    def wait_done(self) -> None:
+        """Return once every copy has landed in host memory (before writing the files)."""
+        self.wait_sources_free()
+        if self.event is not None:
+            self.event.synchronize()
+
+
+def _copy_all(pairs: list) -> None:
+    for dst, src in pairs:
+        dst.copy_(src)
+
+
 @dataclass
 class Snapshot:
     """The training state copied to host memory: what a checkpoint directory will hold, file by file.
@@ -49,19 +89,31 @@ class Snapshot:
     state_dicts: dict  # file name -> state dict of CPU tensors (torch.save)
     texts: dict  # file name -> text
     step: int
+    copies: Copies | None = None  # tensor copies possibly still in flight (snapshot(overlap=True))
+
+    def wait_sources_free(self) -> None:
+        if self.copies is not None:
+            self.copies.wait_sources_free()
 
 
 def snapshot(*, model, optimizer, scheduler, state: TrainState, classes: list[str] | None, job_yaml: str,
-             scaler=None, hook_states: list | None = None, buffers: dict | None = None) -> Snapshot | None:
+             scaler=None, hook_states: list | None = None, buffers: dict | None = None,
+             overlap: bool = False) -> Snapshot | None:
     """Copy the state to host memory. Under FSDP every rank must call it (the full state is gathered) and
     only rank 0 gets the snapshot; under DDP call it on rank 0 only (the ranks are identical).
 
     `buffers`: host tensors from an earlier snapshot to copy into (same shapes), filled in as needed. Reusing
     them saves allocating and page-faulting the whole state again at every checkpoint, which costs as much
     as the copy itself. The caller must not pass buffers a snapshot still being written uses.
+
+    `overlap` (DDP or one process): the model's buffers (BatchNorm statistics: the next forward updates them)
+    are copied before returning; parameters and optimizer state, which only the optimizer update changes,
+    are copied while the next step's forward and backward run. The caller must call
+    `snap.wait_sources_free()` before that update; `write` waits for the copies itself.
     """
     from behemoth.parallel import is_sharded
 
+    copies = None
     if is_sharded(model):
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
@@ -70,11 +122,14 @@ def snapshot(*, model, optimizer, scheduler, state: TrainState, classes: list[st
         if torch.distributed.get_rank() != 0:
             return None
     else:
-        pool = {} if buffers is None else buffers
-        model_sd = _cpu_copy(unwrap(model).state_dict(), pool, "model")
-        optim_sd = _cpu_copy(optimizer.state_dict(), pool, "optimizer")
-        if next(unwrap(model).parameters()).is_cuda:
-            torch.cuda.synchronize()  # the device-to-host copies were issued non-blocking
+        pool, pairs = ({} if buffers is None else buffers), []
+        model_sd = _host_buffers(unwrap(model).state_dict(), pool, "model", pairs)
+        optim_sd = _host_buffers(optimizer.state_dict(), pool, "optimizer", pairs)
+        volatile = {b.data_ptr() for b in unwrap(model).buffers()}
+        deferred = [overlap and src.data_ptr() not in volatile for _, src in pairs]
+        copies = Copies([p for p, d in zip(pairs, deferred) if not d], [p for p, d in zip(pairs, deferred) if d])
+        if not overlap:
+            copies.wait_done()
     dicts = {"model.pt": model_sd, "optimizer.pt": optim_sd, "scheduler.pt": scheduler.state_dict()}
     if scaler is not None and scaler.is_enabled():
         dicts["scaler.pt"] = scaler.state_dict()
@@ -83,11 +138,13 @@ def snapshot(*, model, optimizer, scheduler, state: TrainState, classes: list[st
     texts = {"train_state.json": json.dumps(asdict(state), indent=1), "job.yaml": job_yaml}
     if classes is not None:
         texts["classes.json"] = json.dumps(classes)
-    return Snapshot(dicts, texts, state.step)
+    return Snapshot(dicts, texts, state.step, copies)
 
 
 def write(directory: str | Path, snap: Snapshot) -> Path:
     """Write a snapshot as a checkpoint directory; the manifest goes last, so its presence means complete."""
+    if snap.copies is not None:
+        snap.copies.wait_done()
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
     for i, (name, sd) in enumerate(snap.state_dicts.items()):
@@ -109,19 +166,21 @@ def save(directory: str | Path, **state) -> Path:
     return write(directory, snapshot(**state))
 
 
-def _cpu_copy(tree, pool: dict, path: str):
-    """A copy of a state dict whose tensors live in host memory (pool[path] reused when it fits; pinned
-    for CUDA tensors) and no longer alias the training state."""
+def _host_buffers(tree, pool: dict, path: str, pairs: list):
+    """The state dict with every tensor replaced by a host buffer (pool[path] reused when it fits; pinned
+    for CUDA tensors) that no longer aliases the training state; the (buffer, source) pairs still to copy
+    are appended to `pairs`."""
     if isinstance(tree, torch.Tensor):
         t = tree.detach()
         buf = pool.get(path)
         if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
             buf = pool[path] = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda)
-        return buf.copy_(t, non_blocking=t.is_cuda)
+        pairs.append((buf, t))
+        return buf
     if isinstance(tree, dict):
-        return {k: _cpu_copy(v, pool, f"{path}/{k}") for k, v in tree.items()}
+        return {k: _host_buffers(v, pool, f"{path}/{k}", pairs) for k, v in tree.items()}
     if isinstance(tree, (list, tuple)):
-        return type(tree)(_cpu_copy(v, pool, f"{path}/{i}") for i, v in enumerate(tree))
+        return type(tree)(_host_buffers(v, pool, f"{path}/{i}", pairs) for i, v in enumerate(tree))
     return tree
 
 

@@ -96,7 +96,8 @@ def train_loop_per_worker(loop_config: dict) -> dict:
         for i, (micro_batches, wait_s) in enumerate(_timed(batches)):
             # Reseed per step: dropout and the like draw from (seed, rank, step), so a resume is exact.
             torch.manual_seed(hash((cfg.train.seed, rank, state.step)) % 2**63)
-            loss_sum, n_valid = train_step(model, optimizer, scheduler, scaler, micro_batches, cfg, task, device)
+            loss_sum, n_valid = train_step(model, optimizer, scheduler, scaler, micro_batches, cfg, task, device,
+                                           before_update=saver.before_update)
             for batch in micro_batches:
                 bad_ids.update(task.bad_sample_ids(batch))
             window.add(loss_sum, n_valid, wait_s)
@@ -117,12 +118,13 @@ def train_loop_per_worker(loop_config: dict) -> dict:
 
 
 def train_step(model, optimizer, scheduler, scaler, micro_batches: list[dict], cfg: JobConfig, task: Task,
-               device: torch.device):
+               device: torch.device, before_update=None):
     """One optimizer step over this rank's micro-batches. Returns (loss summed over samples, samples).
 
     Each micro-batch's mean loss is weighted 1/len(micro_batches), so the accumulated gradient is the mean
     over the rank's share of the global batch; DDP then averages over the ranks. Only the last micro-batch's
     backward all-reduces (no_sync on the others): one gradient exchange per optimizer step.
+    `before_update` runs before the weights change (a checkpoint snapshot may still be copying them).
     """
     optimizer.zero_grad(set_to_none=True)
     loss_sum, n_sum = 0.0, 0.0
@@ -136,6 +138,8 @@ def train_step(model, optimizer, scheduler, scaler, micro_batches: list[dict], c
     if cfg.train.grad_clip:
         scaler.unscale_(optimizer)  # clip the true gradients, not the fp16-scaled ones
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip)
+    if before_update is not None:
+        before_update()
     scaler.step(optimizer)  # skips the step if fp16 gradients overflowed
     scaler.update()
     scheduler.step()
@@ -313,10 +317,12 @@ class CheckpointSaver:
     """Checkpoints through ray.train.report, from rank 0 (DDP keeps the ranks identical: one copy of the state
     is the whole state; FSDP gathers the full state on rank 0).
 
-    With checkpoint.async_save the step waits only for a host-memory snapshot of the state: writing the
-    files, the manifest and the upload run in Ray Train's upload thread (CheckpointUploadMode.ASYNC, which
-    still registers checkpoints in report order). `last_block_s` is how long the last checkpoint held the
-    training loop, reported with the next metrics.
+    With checkpoint.async_save the step waits only for a host-memory snapshot of the state, and under DDP
+    only for part of it: the parameters and optimizer state are copied while the next step's forward and
+    backward run, and that step waits for the copy before its optimizer update (`before_update`). Writing
+    the files, the manifest and the upload run in Ray Train's upload thread (CheckpointUploadMode.ASYNC,
+    which still registers checkpoints in report order). `last_block_s` is how long the last checkpoint held
+    the training loop (at the report, and before the next update), reported with the next metrics.
     """
 
     def __init__(self, cfg: JobConfig, task: Task, rank: int):
@@ -326,6 +332,15 @@ class CheckpointSaver:
         self.buffers: dict = {}
         self.buffers_free = threading.Event()
         self.buffers_free.set()
+        self.copying = None  # the last snapshot while its copy may still read the live state
+
+    def before_update(self) -> None:
+        """Called before every optimizer update: the snapshot's copy of the state must be complete."""
+        if self.copying is not None:
+            t0 = time.perf_counter()
+            self.copying.wait_sources_free()
+            self.copying = None
+            self.last_block_s += time.perf_counter() - t0
 
     def save_and_report(self, metrics, state, model, optimizer, scheduler, scaler, hook_state) -> None:
         t0 = time.perf_counter()
@@ -334,7 +349,8 @@ class CheckpointSaver:
         if self.rank == 0 or parallel.is_sharded(model):
             snap = checkpoint.snapshot(model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler,
                                        state=state, classes=self.task.classes(), job_yaml=dump_yaml(self.cfg),
-                                       hook_states=hook_states, buffers=self.buffers if reuse else None)
+                                       hook_states=hook_states, buffers=self.buffers if reuse else None,
+                                       overlap=self.cfg.checkpoint.async_save)
         if not self.cfg.checkpoint.async_save:
             with tempfile.TemporaryDirectory() as tmp:
                 ckpt = ray.train.Checkpoint.from_directory(str(checkpoint.write(tmp, snap))) if snap else None
@@ -347,6 +363,7 @@ class CheckpointSaver:
             ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(tempfile.mkdtemp()),
                              checkpoint_upload_mode=ray.train.CheckpointUploadMode.ASYNC,
                              checkpoint_upload_fn=self._write_then_upload(snap, self.buffers_free if reuse else None))
+        self.copying = snap
         self.last_block_s = time.perf_counter() - t0
 
     @staticmethod

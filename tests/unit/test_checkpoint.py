@@ -111,3 +111,38 @@ def test_snapshot_is_a_copy_and_reuses_its_buffers(tmp_path):
     model2, opt2, sched2 = make(seed=1)
     checkpoint.load(tmp_path / "a", model=model2, optimizer=opt2, scheduler=sched2)
     assert_same_tensors(model2.state_dict(), saved)
+
+
+def test_overlapped_snapshot_holds_the_state_of_its_step(tmp_path, monkeypatch):
+    """snapshot(overlap=True) copies parameters and optimizer state while the next step's forward and backward
+    run, and must still hold exactly the state of the step it was taken at: the BatchNorm statistics that
+    the next forward changes were copied before it returned, the weights that the next update changes are
+    copied before that update (wait_sources_free), and write() waits for the copies. The background copy is
+    held until the forward and backward are done, so a tensor wrongly left to it shows."""
+    import threading
+
+    backward_done, copy_all = threading.Event(), checkpoint._copy_all
+    monkeypatch.setattr(checkpoint, "_copy_all", lambda pairs: (backward_done.wait(), copy_all(pairs)))
+    model, opt, sched = make()
+    step(model, opt, sched, 0)
+    expected_model = {k: v.clone() for k, v in model.state_dict().items()}
+    expected_opt = {i: {k: v.clone() for k, v in s.items()} for i, s in opt.state_dict()["state"].items()}
+    parts = dict(model=model, optimizer=opt, scheduler=sched, classes=None, job_yaml="")
+    snap = checkpoint.snapshot(state=TrainState(step=1), buffers={}, overlap=True, **parts)
+    # The next step, as the loop runs it: forward + backward, then wait, then the update.
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(4, 3, 16, 16, generator=g), torch.randint(0, 4, (4,), generator=g)
+    opt.zero_grad()
+    torch.nn.functional.cross_entropy(model(pixel_values=x).logits, y).backward()  # changes the BN statistics
+    assert not torch.equal(model.state_dict()["resnet.embedder.embedder.normalization.running_mean"],
+                           expected_model["resnet.embedder.embedder.normalization.running_mean"])
+    backward_done.set()
+    snap.wait_sources_free()
+    opt.step()
+    checkpoint.write(tmp_path / "a", snap)
+    assert_same_tensors(snap.state_dicts["model.pt"], expected_model)
+    for i, s in snap.state_dicts["optimizer.pt"]["state"].items():
+        assert_same_tensors(s, expected_opt[i])
+    model2, opt2, sched2 = make(seed=1)
+    checkpoint.load(tmp_path / "a", model=model2, optimizer=opt2, scheduler=sched2)
+    assert_same_tensors(model2.state_dict(), expected_model)
