@@ -294,23 +294,23 @@ def _eval_due(cfg: JobConfig, state: TrainState, total_steps: int) -> bool:
 
 def _report(cfg, state, total_steps, epoch_steps, window, bad_ids, task, model, optimizer, scheduler, scaler,
             hook_state, rank, world, micro_batch, speed, saver) -> None:
-    metrics = _train_metrics(cfg, state, total_steps, epoch_steps, window, bad_ids, task,
-                             lr=scheduler.get_last_lr()[0])
-    metrics.update(speed.metrics(metrics["samples_per_s"]))
+    report = _train_metrics(cfg, state, total_steps, epoch_steps, window, bad_ids, task,
+                            lr=scheduler.get_last_lr()[0])
+    report.update(speed.metrics(report["samples_per_s"]))
     if saver.last_block_s is not None:
-        metrics["checkpoint_block_s"] = saver.last_block_s
+        report["checkpoint_block_s"] = saver.last_block_s
     evaluate_now = _eval_due(cfg, state, total_steps)
     checkpoint_now = state.step % cfg.checkpoint.every_n_steps == 0 or state.step >= total_steps
     if evaluate_now or checkpoint_now:
         sync_buffers(model)
     if evaluate_now:
-        metrics.update(evaluate(model, task, rank, world, micro_batch))
+        report.update(evaluate(model, task, rank, world, micro_batch))
     if rank == 0:
-        console(progress_line(metrics, total_steps, cfg.train.epochs))
+        console(progress_line(report, total_steps, cfg.train.epochs))
     if checkpoint_now:
-        saver.save_and_report(metrics, state, model, optimizer, scheduler, scaler, hook_state)
+        saver.save_and_report(report, state, model, optimizer, scheduler, scaler, hook_state)
     else:
-        ray.train.report(metrics)
+        ray.train.report(report)
 
 
 class CheckpointSaver:

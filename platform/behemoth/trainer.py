@@ -169,15 +169,26 @@ _RESUMABLE_CHANGES = {"data.prefetch_batches", "data.cpus_per_task", "data.max_b
 
 
 def check_resume_compatible(cfg: JobConfig) -> None:
-    """Refuse to resume a run whose latest local checkpoint was trained on another data or model config."""
+    """Refuse to resume a run whose latest local checkpoint was trained on another data or model config, or
+    written under the other kind of scaling.strategy (DDP and FSDP checkpoints key the optimizer state
+    differently: by parameter index, by parameter name; torch cannot load one into the other)."""
     run_dir = Path(storage_path(cfg)) / cfg.checkpoint.run_name
-    if "://" in str(run_dir) or not run_dir.is_dir() or cfg.checkpoint.resume_changed_config:
+    if "://" in str(run_dir) or not run_dir.is_dir():
         return
     saved = sorted(run_dir.glob("checkpoint_*/job.yaml"))
     if not saved:
         return
     before = yaml.safe_load(saved[-1].read_text()) or {}
     now = cfg.to_dict()
+    strategy_then = (before.get("scaling") or {}).get("strategy", "ddp")
+    if (strategy_then == "ddp") != (cfg.scaling.strategy == "ddp"):
+        raise ConfigError(
+            f"run '{cfg.checkpoint.run_name}' in {run_dir} was checkpointed with scaling.strategy "
+            f"{strategy_then} ({saved[-1].parent.name}); this run uses {cfg.scaling.strategy}, whose optimizer "
+            f"state is laid out differently. Resume with scaling.strategy={strategy_then}, or start a new run "
+            f"with another checkpoint.run_name")
+    if cfg.checkpoint.resume_changed_config:
+        return
     changed = [f"{section}.{key}: {before.get(section, {}).get(key)!r} -> {value!r}"
                for section in ("data", "model") for key, value in now[section].items()
                if before.get(section, {}).get(key) != value and f"{section}.{key}" not in _RESUMABLE_CHANGES]
