@@ -52,10 +52,12 @@ class Copies:
 
     def __init__(self, now: list, later: list):
         self.thread = self.event = None
+        self.errors: list[BaseException] = []  # a failed background copy must fail the checkpoint, not vanish
         for dst, src in now:
             dst.copy_(src, non_blocking=src.is_cuda)
         if later and not any(src.is_cuda for _, src in later):
-            self.thread = threading.Thread(target=_copy_all, args=(later,), name="behemoth-snapshot", daemon=True)
+            self.thread = threading.Thread(target=self._copy_all, args=(later,), name="behemoth-snapshot",
+                                           daemon=True)
             self.thread.start()
             return
         for dst, src in later:
@@ -64,21 +66,25 @@ class Copies:
             self.event = torch.cuda.Event()
             self.event.record()
 
+    def _copy_all(self, pairs: list) -> None:
+        try:
+            for dst, src in pairs:
+                dst.copy_(src)
+        except BaseException as e:  # noqa: BLE001 - re-raised by wait_sources_free in the caller's thread
+            self.errors.append(e)
+
     def wait_sources_free(self) -> None:
         """Return once the live tensors may change again (before the next optimizer update)."""
         if self.thread is not None:
             self.thread.join()
+        if self.errors:
+            raise CheckpointError(f"copying the training state for a checkpoint failed: {self.errors[0]!r}")
 
     def wait_done(self) -> None:
         """Return once every copy has landed in host memory (before writing the files)."""
         self.wait_sources_free()
         if self.event is not None:
             self.event.synchronize()
-
-
-def _copy_all(pairs: list) -> None:
-    for dst, src in pairs:
-        dst.copy_(src)
 
 
 @dataclass

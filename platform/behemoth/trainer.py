@@ -78,10 +78,10 @@ def ensure_ray() -> None:
     if os.environ.get("RAY_ADDRESS"):
         import behemoth
 
-        runtime_env = {"py_modules": [os.path.dirname(behemoth.__file__)]}
-        ray.init(logging_level="warning", log_to_driver=True, runtime_env=runtime_env)
+        options = {"runtime_env": {"py_modules": [os.path.dirname(behemoth.__file__)]}}
     else:
-        ray.init(logging_level="warning", log_to_driver=True, _system_config=LOCAL_RAY_SYSTEM_CONFIG)
+        options = {"_system_config": LOCAL_RAY_SYSTEM_CONFIG}
+    ray.init(logging_level="warning", log_to_driver=True, **options)
     tighten_token_file()
 
 

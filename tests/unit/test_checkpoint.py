@@ -121,8 +121,9 @@ def test_overlapped_snapshot_holds_the_state_of_its_step(tmp_path, monkeypatch):
     held until the forward and backward are done, so a tensor wrongly left to it shows."""
     import threading
 
-    backward_done, copy_all = threading.Event(), checkpoint._copy_all
-    monkeypatch.setattr(checkpoint, "_copy_all", lambda pairs: (backward_done.wait(), copy_all(pairs)))
+    backward_done, copy_all = threading.Event(), checkpoint.Copies._copy_all
+    monkeypatch.setattr(checkpoint.Copies, "_copy_all",
+                        lambda self, pairs: (backward_done.wait(), copy_all(self, pairs)))
     model, opt, sched = make()
     step(model, opt, sched, 0)
     expected_model = {k: v.clone() for k, v in model.state_dict().items()}
@@ -146,3 +147,11 @@ def test_overlapped_snapshot_holds_the_state_of_its_step(tmp_path, monkeypatch):
     model2, opt2, sched2 = make(seed=1)
     checkpoint.load(tmp_path / "a", model=model2, optimizer=opt2, scheduler=sched2)
     assert_same_tensors(model2.state_dict(), expected_model)
+
+
+def test_a_failed_background_copy_fails_the_checkpoint():
+    """A copy that fails in the snapshot thread must surface (before the update, and before any file is
+    written), never leave a half-copied snapshot to be written under a valid manifest."""
+    copies = checkpoint.Copies([], [(torch.empty(3), torch.ones(4))])  # shapes differ: the copy raises
+    with pytest.raises(CheckpointError, match="copying the training state for a checkpoint failed"):
+        copies.wait_done()
