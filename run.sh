@@ -2,7 +2,7 @@
 # behemoth's two set-up-and-run commands (see README):
 #   ./run.sh demo   set up, make the demo images, train the demo job on a local Ray instance (2 workers)
 #   ./run.sh demo-lm  the same for the language-model demo (generated stories, local BPE tokenizer)
-#   ./run.sh test   set up, run the test suite (extra arguments go to pytest)
+#   ./run.sh test   set up, run the test suite (arguments go to pytest: paths narrow it, e.g. tests/unit)
 # Set-up is idempotent: a virtual environment in .venv (BEHEMOTH_VENV to move it), reinstalled only when
 # pyproject.toml changes.
 set -euo pipefail
@@ -46,7 +46,7 @@ case "$cmd" in
     ;;
   test)
     setup
-    exec "$VENV/bin/python" -m pytest tests "$@"
+    exec "$VENV/bin/python" -m pytest "$@"  # no arguments: pyproject testpaths = tests
     ;;
   *)
     echo "usage: ./run.sh demo|demo-lm [--set KEY=VALUE ...] | ./run.sh test [pytest args]" >&2
