@@ -93,6 +93,22 @@ def ensure_ray() -> None:
 LOCAL_RAY_SYSTEM_CONFIG = {"worker_niceness": 0}
 
 
+# Exact resume needs the same float results for the same values, wherever they sit in memory. Intel MKL (torch's
+# BLAS on x86 CPUs) does not promise that by default: it may take another code path for an operand at another
+# alignment. Seen on AMD EPYC (AVX2): a [64 x 48] @ [48 x 1] matmul gave different bits at 12 of 16 float offsets
+# (tests/unit/test_determinism.py). It matters where operands are views at arbitrary offsets, as PowerSGD's
+# matrices are views into DDP's flat gradient buckets, whose layout differs between a restored run (DDP's initial
+# buckets) and the run it continues (buckets rebuilt after step 1): the restored run differed by 1.5e-8.
+# MKL's conditional numerical reproducibility in STRICT mode removes the dependence on alignment and keeps the
+# best instruction set (no measurable cost on the demo models). A value the user sets wins.
+REPRODUCIBLE_BLAS_ENV = {"MKL_CBWR": "AUTO,STRICT"}
+
+
+def worker_env_vars() -> dict:
+    """Environment variables every training worker starts with (read by libraries when they initialise)."""
+    return {key: os.environ.get(key, value) for key, value in REPRODUCIBLE_BLAS_ENV.items()}
+
+
 def tighten_token_file() -> str | None:
     """Ray 2.60 writes the token it generates for a new local cluster as 0644; only its owner may read it."""
     path = os.environ.get("RAY_AUTH_TOKEN_PATH") or os.path.expanduser("~/.ray/auth_token")
@@ -160,6 +176,8 @@ def build_trainer(cfg: JobConfig, data, callbacks: list | None = None):
             checkpoint_config=CheckpointConfig(num_to_keep=cfg.checkpoint.keep),
             # Ray Train's per-report INFO lines would bury behemoth's progress lines.
             logging_config=LoggingConfig(log_level="WARNING"),
+            # merged with the job's runtime env (its py_modules stay)
+            worker_runtime_env={"env_vars": worker_env_vars()},
         ),
     )
 
