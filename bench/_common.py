@@ -66,14 +66,13 @@ def read_metrics(run_dir: Path) -> list[dict]:
 
 
 def steady_steps_per_s(reports: list[dict], batch: int) -> float:
-    """Optimizer steps per second over the training reports after the first window (warm-up excluded)."""
+    """Optimizer steps per second from the first training report to the last, by rank 0's clock at each
+    (`wall_time`): one continuous span holding every step, every report to Ray Train and every console line
+    in between, as a baseline timed from its first measured step to its last. The steps up to the first
+    report are warm-up. (`batch` is unused: kept so callers read the same.)"""
     train = [r for r in reports if "samples_per_s" in r]
-    steps = seconds = 0.0
-    for before, r in zip(train, train[1:]):
-        n = r["step"] - before["step"]
-        steps += n
-        seconds += n * batch / r["samples_per_s"]
-    return steps / seconds
+    first, last = train[0], train[-1]
+    return (last["step"] - first["step"]) / (last["wall_time"] - first["wall_time"])
 
 
 def spread(xs: list[float], fmt: str = "{:.3f}") -> str:

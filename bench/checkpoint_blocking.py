@@ -47,8 +47,8 @@ def torch_save_seconds(cfg, tokens, folder: Path, saves: int) -> list[float]:
 
 
 def step_rate(reports: list[dict]) -> float:
-    """Steps per second between the first and the last report (checkpoints included)."""
-    return (reports[-1]["step"] - reports[0]["step"]) / (reports[-1]["time"] - reports[0]["time"])
+    """Steps per second between the first and the last report, by rank 0's clock (checkpoints included)."""
+    return (reports[-1]["step"] - reports[0]["step"]) / (reports[-1]["wall_time"] - reports[0]["wall_time"])
 
 
 def block_times(reports: list[dict]) -> list[float]:

@@ -3,9 +3,10 @@ torch.utils.data.DataLoader(num_workers=2) feeding a plain loop.
 
 Both decode the same PNGs with the same code (behemoth.data.images.transform_batch: decode, pad + random
 crop + flip seeded per sample, normalise), train the same model (resnet_tiny_cifar) with SGD at the same
-batch size and one torch thread. behemoth's figure is its own report (samples/s per window, the first
-window excluded: worker start, first tasks); the plain loop is timed over the same steps after the same
-warm-up. Also printed: behemoth's data-wait fraction (the share of step time spent waiting for a batch).
+batch size and one torch thread. Both are timed as one continuous span over the same steps after the same
+warm-up: behemoth from its first report to its last by rank 0's clock (every step, report and console line
+in between; before the first report: worker start, first tasks), the plain loop from its first measured
+step to its last. Also printed: behemoth's data-wait fraction (the share of step time spent waiting for a batch).
 Runs alternate, --repeats of each.
 
     .venv/bin/python bench/ingest_vs_dataloader.py [--repeats 5] [--steps 60] [--batch 64]

@@ -2,10 +2,12 @@
 
 Both train the same Llama-style LM (built by behemoth from the same config and seed) on the same packed
 token blocks in the same order, with AdamW, the same batch and the same torch thread count; the plain loop
-runs in this process with nothing around it. behemoth's rate is what its own reports say (samples/s per
-window of --log-every steps, first window excluded as warm-up), so it includes everything behemoth does per
-step: the sample order, the metrics all-reduce, the reports to Ray Train, the data-wait timing. Checkpoints
-and evaluation happen only after the last measured step. Runs alternate, --repeats of each.
+runs in this process with nothing around it. Both are timed as one continuous span: the plain loop from its
+first measured step to its last; behemoth from its first report (the --log-every steps before it are
+warm-up, as the plain loop's) to its last, by rank 0's clock at each report, so the span holds everything
+behemoth does: the sample order, the metrics all-reduce, every report to Ray Train and console line, the
+data-wait timing. Checkpoints and evaluation happen only after the last measured step. Runs alternate,
+--repeats of each.
 
     .venv/bin/python bench/step_overhead.py [--repeats 5] [--steps 60] [--threads 2] [--hidden 256]
 """

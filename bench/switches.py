@@ -1,8 +1,9 @@
 """Benchmark: what each speed switch does on this machine — step rate and loss against the fp32 DDP run.
 
 The same LM job (2 Ray Train workers over gloo, 1 torch thread each, global batch 16) is trained once per
-switch for --steps steps; the step rate is behemoth's own report (steady state: the first window, with
-torch.compile's compilation, is excluded), the loss is the mean training loss of the last window. The
+switch for --steps steps; the step rate is from behemoth's first report to its last, by rank 0's clock
+(one continuous span, reports included; the steps before the first report, with torch.compile's
+compilation, are warm-up), the loss is the mean training loss of the last window. The
 order of the variants rotates each repeat. On 2 CPU cores with workers talking over loopback, this shows
 what the switches cost or buy *here*; on GPUs with NCCL the balance is different (see BENCHMARKS.md).
 

@@ -8,7 +8,8 @@ map batch's remainder, behemoth packs one continuous stream (so it keeps slightl
 Both run in this one process, alternating, `--repeats` times after a warm-up of each; the median ratio is
 printed. Ray is started once (as a run starts it once); its worker processes are warm after the warm-up.
 datasets forks its process pool per map call, as it does for a user. Caches are off on both sides
-(behemoth gets a fresh cache folder per repeat; datasets runs with caching disabled).
+(behemoth gets a fresh cache folder per repeat; datasets gets a fresh cache folder per repeat for
+load_dataset's JSON-to-Arrow conversion, and runs its maps with caching disabled).
 
     .venv/bin/python bench/tokenize_pack.py [--documents 60000] [--repeats 5] [--cpus 2]
 """
@@ -44,9 +45,16 @@ def run_datasets(corpus: Path, tokenizer: str, seq_len: int, num_proc: int) -> i
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(tokenizer)
-    raw = datasets.load_dataset("json", data_files={"train": str(corpus / "train.jsonl"),
-                                                   "validation": str(corpus / "val.jsonl")})
+    cache = tempfile.mkdtemp(prefix="hf-cache-")  # fresh: load_dataset would reuse its Arrow conversion
+    try:
+        raw = datasets.load_dataset("json", data_files={"train": str(corpus / "train.jsonl"),
+                                                       "validation": str(corpus / "val.jsonl")}, cache_dir=cache)
+        return _tokenize_and_pack(raw, tok, seq_len, num_proc)
+    finally:
+        shutil.rmtree(cache, ignore_errors=True)
 
+
+def _tokenize_and_pack(raw, tok, seq_len: int, num_proc: int) -> int:
     def tokenize(batch):
         ids = tok(batch["text"], add_special_tokens=False)["input_ids"]
         return {"input_ids": [x + [tok.eos_token_id] for x in ids]}

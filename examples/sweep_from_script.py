@@ -17,7 +17,8 @@ result = sweep(
     lr_scaling="linear",  # each sampled lr is for batch 64 (the job's); scaled to the trial's batch
     name="sweep_from_script",
 )
-print(result.table[["trial_id", "status", "train.lr", "train.global_batch_size", "lr", "val_accuracy"]])
+# to_string: the whole table (pandas would elide columns of a wide table with "...")
+print(result.table[["trial_id", "status", "train.lr", "train.global_batch_size", "lr", "val_accuracy"]].to_string(index=False))
 print("best:", result.best_params, f"{result.metric} = {result.best_value:.4f}")
 print("reproduce it with: behemoth train", result.best_yaml)
 print("best checkpoint:", result.best_checkpoint)

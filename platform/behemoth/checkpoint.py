@@ -153,10 +153,8 @@ def write(directory: str | Path, snap: Snapshot) -> Path:
         snap.copies.wait_done()
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
-    for i, (name, sd) in enumerate(snap.state_dicts.items()):
+    for name, sd in snap.state_dicts.items():
         torch.save(sd, d / name)
-        if i == 0:
-            _fault_injection_point(snap.step)
     for name, text in snap.texts.items():
         (d / name).write_text(text)
     files = {p.name: {"size": p.stat().st_size, "sha256": _sha256(p)} for p in sorted(d.iterdir())
@@ -269,12 +267,13 @@ def unwrap(model):
 
 
 # Fault injection for the failure tests (tests/integration/test_fault_tolerance.py), never set in real runs:
-# BEHEMOTH_FAULT_KILL_IN_SAVE=RUN_NAME:STEP:MARKER SIGKILLs the saving process of run RUN_NAME half-way
-# through writing the checkpoint of STEP (model written, manifest not), once: the marker file records it.
-FAULT_ENV = "BEHEMOTH_FAULT_KILL_IN_SAVE"
+# BEHEMOTH_FAULT_KILL_IN_UPLOAD=RUN_NAME:STEP:MARKER SIGKILLs the process uploading the checkpoint of STEP of
+# run RUN_NAME after its files reached the run folder and before its manifest did, once: the marker file
+# records it.
+FAULT_ENV = "BEHEMOTH_FAULT_KILL_IN_UPLOAD"
 
 
-def _fault_injection_point(step: int) -> None:
+def fault_injection_point(step: int) -> None:
     spec = os.environ.get(FAULT_ENV)
     if not spec:
         return
@@ -282,7 +281,7 @@ def _fault_injection_point(step: int) -> None:
 
     run, at, marker = spec.split(":", 2)
     if run == ray.train.get_context().get_experiment_name() and int(at) == step and not os.path.exists(marker):
-        Path(marker).write_text(f"killed pid {os.getpid()} while saving step {step}\n")
+        Path(marker).write_text(f"killed pid {os.getpid()} while uploading step {step}\n")
         os.kill(os.getpid(), 9)
 
 

@@ -159,8 +159,8 @@ class TrainConfig:
     grad_compression: Literal["none", "fp16", "bf16", "powersgd"] = "none"
     powersgd_rank: int = 1
     powersgd_warmup_steps: int = 10
-    # Peak FLOP/s of one worker's device for the MFU metric (None: a table of known GPUs, or a measured
-    # matmul peak on CPU).
+    # Peak TFLOP/s of one worker's device, for the MFU metric (None: the data sheet of a known GPU; on a CPU
+    # or an unknown GPU the reports show achieved TFLOP/s per worker and no MFU).
     peak_tflops: Optional[float] = None
     seed: int = 0
     # A folder: every rank appends the global sample ids of every step it trains (JSONL, one file per rank),
@@ -371,6 +371,24 @@ def _apply_override(raw: dict, item: str) -> None:
     node[keys[-1]] = yaml.safe_load(value) if value != "" else ""
 
 
+# What other trainers (transformers' TrainingArguments, Lightning, torchtitan) call some of our keys: a misspelt
+# or borrowed name is matched against these too, so `learning_rat` suggests `lr`, not `min_lr_ratio`.
+KEY_SYNONYMS = {
+    "learning_rate": "lr", "batch_size": "global_batch_size", "train_batch_size": "global_batch_size",
+    "num_epochs": "epochs", "max_epochs": "epochs", "num_train_epochs": "epochs",
+    "gradient_accumulation_steps": "grad_accum_steps", "accumulate_grad_batches": "grad_accum_steps",
+    "max_grad_norm": "grad_clip", "gradient_clip_val": "grad_clip", "warmup": "warmup_steps",
+    "mixed_precision": "precision", "optim": "optimizer", "workers": "num_workers",
+}
+
+
+def closest_key(key: str, names: list[str]) -> str | None:
+    """The valid key a mistyped `key` most likely meant (None: nothing is close), synonyms included."""
+    synonyms = {alias: name for alias, name in KEY_SYNONYMS.items() if name in names}
+    close = difflib.get_close_matches(key, [*names, *synonyms], n=1, cutoff=0.5)
+    return synonyms.get(close[0], close[0]) if close else None
+
+
 def from_dict(cls: type, raw: Any, where: str, prefix: str = "") -> Any:
     """Build dataclass `cls` from a mapping, checking keys and types recursively."""
     if not isinstance(raw, dict):
@@ -379,8 +397,8 @@ def from_dict(cls: type, raw: Any, where: str, prefix: str = "") -> Any:
     names = [f.name for f in dataclasses.fields(cls)]
     for key in raw:
         if key not in names:
-            close = difflib.get_close_matches(str(key), names, n=1, cutoff=0.5)
-            hint = f"; did you mean '{prefix}{close[0]}'?" if close else f"; valid keys: {', '.join(names)}"
+            close = closest_key(str(key), names)
+            hint = f"; did you mean '{prefix}{close}'?" if close else f"; valid keys: {', '.join(names)}"
             raise ConfigError(f"{where}: unknown key '{prefix}{key}'{hint}")
     kwargs = {k: _coerce(hints[k], v, where, f"{prefix}{k}") for k, v in raw.items()}
     return cls(**kwargs)

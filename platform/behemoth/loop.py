@@ -93,7 +93,7 @@ def train_loop_per_worker(loop_config: dict) -> dict:
         indices = rank_train_indices(task.num_train_samples, global_batch, cfg.train.seed, state.epoch,
                                      rank, world, start_step=state.step_in_epoch)
         batches = _grouped(task.train_batches(indices, state.epoch, micro_batch), accum)
-        for i, (micro_batches, wait_s) in enumerate(_timed(batches)):
+        for micro_batches, wait_s in _timed(batches):
             # Reseed per step: dropout and the like draw from (seed, rank, step), so a resume is exact.
             torch.manual_seed(hash((cfg.train.seed, rank, state.step)) % 2**63)
             loss_sum, n_valid = train_step(model, optimizer, scheduler, scaler, micro_batches, cfg, task, device,
@@ -101,7 +101,7 @@ def train_loop_per_worker(loop_config: dict) -> dict:
             for batch in micro_batches:
                 bad_ids.update(task.bad_sample_ids(batch))
             window.add(loss_sum, n_valid, wait_s)
-            ledger.record(state, indices[i * micro_batch * accum:(i + 1) * micro_batch * accum], loss_sum, n_valid)
+            ledger.record(state, micro_batches, loss_sum, n_valid)
             state.step += 1
             state.step_in_epoch += 1
             state.samples_seen += global_batch
@@ -114,7 +114,7 @@ def train_loop_per_worker(loop_config: dict) -> dict:
             if state.step >= total_steps:
                 break
     # Rank 0's return value reaches the driver as Result.return_value.
-    return {"resumed_from_step": resumed_from_step, "final_step": state.step}
+    return {"resumed_from_step": resumed_from_step, "final_step": state.step, "peak_source": speed.peak_source}
 
 
 def train_step(model, optimizer, scheduler, scaler, micro_batches: list[dict], cfg: JobConfig, task: Task,
@@ -182,8 +182,9 @@ def _auto_micro_batch(cfg: JobConfig, model, task: Task, device, share: int, ran
 
 
 class SpeedMeter:
-    """MFU and peak memory for the reports. The model's FLOPs per sample are counted once, before training,
-    on a forward of one example batch; the device's peak from a table (GPU) or a measured matmul (CPU)."""
+    """Achieved TFLOP/s, MFU and peak memory for the reports. The model's FLOPs per sample are counted once,
+    before training, on a forward of one example batch. MFU only where the device's peak is known (a GPU's
+    data sheet, or train.peak_tflops): see metrics.peak_flops."""
 
     def __init__(self, cfg: JobConfig, task: Task, model, device, world: int, micro_batch: int, accum: int):
         self.device, self.world, self.micro_batch, self.accum = device, world, micro_batch, accum
@@ -196,10 +197,13 @@ class SpeedMeter:
         self.peak, self.peak_source = metrics.peak_flops(device, cfg.train.precision, cfg.train.peak_tflops)
 
     def metrics(self, samples_per_s: float) -> dict:
-        return {"mfu": metrics.mfu(self.flops_per_sample, samples_per_s, self.world, self.peak),
-                "peak_mem_gb": metrics.peak_memory_bytes(self.device) / 1e9,
-                "model_tflops_per_sample": self.flops_per_sample / 1e12,
-                "micro_batch_size": self.micro_batch, "grad_accum_steps": self.accum}
+        out = {"tflops_per_worker": self.flops_per_sample * samples_per_s / self.world / 1e12,
+               "peak_mem_gb": metrics.peak_memory_bytes(self.device) / 1e9,
+               "model_tflops_per_sample": self.flops_per_sample / 1e12,
+               "micro_batch_size": self.micro_batch, "grad_accum_steps": self.accum}
+        if self.peak:
+            out["mfu"] = metrics.mfu(self.flops_per_sample, samples_per_s, self.world, self.peak)
+        return out
 
 
 @torch.no_grad()
@@ -245,8 +249,11 @@ def restore_latest(model, optimizer, scheduler, scaler, hook_state=None) -> Trai
             registered = checkpoint.read_state(latest.path).step
         except (OSError, ValueError, TypeError):
             pass
+    rank0 = ray.train.get_context().get_world_rank() == 0
+    if rank0:
+        _remove_partial_uploads({c.path for c in candidates})
     unregistered = [p for step, p in _run_folder_checkpoints() if step > registered]
-    if unregistered and ray.train.get_context().get_world_rank() == 0:
+    if unregistered and rank0:
         console(f"restoring from {unregistered[0]}: complete on disk, but not registered with Ray Train when "
                 f"the run stopped")
     for ckpt in unregistered + candidates:
@@ -264,6 +271,25 @@ def restore_latest(model, optimizer, scheduler, scaler, hook_state=None) -> Trai
     # Nothing registered: what failed were unregistered folders (an upload cut short by the failure, whose
     # manifest was copied before the rest). Nothing was committed yet, so the run starts from step 0.
     return None
+
+
+def _remove_partial_uploads(registered: set[str]) -> None:
+    """Delete checkpoint folders of this run that have no manifest and that Ray Train never registered:
+    uploads cut short by a failure (upload_manifest_last puts the manifest last). No upload of this run is in
+    flight while a worker group starts (the previous group is gone), so each one is dead."""
+    import pyarrow.fs
+
+    storage = ray.train.get_context().get_storage()
+    fs, run_dir = storage.storage_filesystem, storage.experiment_fs_path
+    entries = fs.get_file_info(pyarrow.fs.FileSelector(run_dir, allow_not_found=True))
+    for entry in entries:
+        if entry.type != pyarrow.fs.FileType.Directory or not entry.base_name.startswith("checkpoint_"):
+            continue
+        manifest = fs.get_file_info(f"{entry.path}/{checkpoint.MANIFEST}")
+        if manifest.type == pyarrow.fs.FileType.NotFound and entry.path not in registered:
+            console(f"removing {entry.path}: a checkpoint upload that did not finish (no manifest); it is never "
+                    f"restored")
+            fs.delete_dir(entry.path)
 
 
 def _run_folder_checkpoints() -> list[tuple[int, str]]:
@@ -354,7 +380,7 @@ class CheckpointSaver:
         if not self.cfg.checkpoint.async_save:
             with tempfile.TemporaryDirectory() as tmp:
                 ckpt = ray.train.Checkpoint.from_directory(str(checkpoint.write(tmp, snap))) if snap else None
-                ray.train.report(metrics, checkpoint=ckpt)
+                ray.train.report(metrics, checkpoint=ckpt, checkpoint_upload_fn=upload_manifest_last if snap else None)
         elif snap is None:
             ray.train.report(metrics)
         else:
@@ -369,9 +395,7 @@ class CheckpointSaver:
     @staticmethod
     def _write_then_upload(snap, written):
         """The upload function Ray Train calls in its upload thread: write the snapshot into the (empty) local
-        checkpoint folder, free its buffers, then copy the folder to the run's storage as Ray would (Ray
-        deletes the local folder after)."""
-        storage = ray.train.get_context().get_storage()
+        checkpoint folder, free its buffers, then upload it (Ray deletes the local folder after)."""
 
         def write_then_upload(ckpt, dir_name):
             try:
@@ -379,9 +403,32 @@ class CheckpointSaver:
             finally:
                 if written is not None:
                     written.set()
-            return storage.persist_current_checkpoint(ckpt, dir_name)
+            return upload_manifest_last(ckpt, dir_name)
 
         return write_then_upload
+
+
+def upload_manifest_last(ckpt, dir_name: str):
+    """Copy a written checkpoint folder to the run's storage (local or URI) with its manifest last: Ray's own
+    copy moves the files in parallel, so a copy cut short (the worker or node dies) could leave a manifest
+    beside incomplete files. Uploaded this way, a folder in the run folder without a manifest is an upload
+    that did not finish (restore_latest removes it), and one with a manifest has all its files."""
+    import shutil
+
+    import pyarrow.fs
+
+    storage = ray.train.get_context().get_storage()
+    held = tempfile.mkdtemp(prefix="manifest-")
+    try:
+        shutil.move(os.path.join(ckpt.path, checkpoint.MANIFEST), held)
+        persisted = storage.persist_current_checkpoint(ckpt, dir_name)
+        checkpoint.fault_injection_point(checkpoint.read_state(ckpt.path).step)
+        pyarrow.fs.copy_files(os.path.join(held, checkpoint.MANIFEST), f"{persisted.path}/{checkpoint.MANIFEST}",
+                              source_filesystem=pyarrow.fs.LocalFileSystem(),
+                              destination_filesystem=persisted.filesystem)
+    finally:
+        shutil.rmtree(held, ignore_errors=True)
+    return persisted
 
 
 def _train_metrics(cfg, state, total_steps, epoch_steps, window, bad_ids, task, lr) -> dict:
@@ -407,6 +454,7 @@ def _train_metrics(cfg, state, total_steps, epoch_steps, window, bad_ids, task, 
         "samples_seen": state.samples_seen,
         "bad_samples": len(bad),
         "world_size": state.world_size,
+        "wall_time": time.time(),  # rank 0's clock as it reports: spans between reports include everything
     }
     if task.tokens_per_sample:
         metrics["tokens_per_s"] = samples_per_s * task.tokens_per_sample
@@ -469,7 +517,10 @@ class SampleLedger:
     """Appends {"step", "epoch", "rank", "world", "group", "node", "pid", "ids", "loss_sum", "samples"} per
     trained step to FOLDER/rank<r>.jsonl (loss_sum: this rank's loss summed over its samples of the step).
 
-    An audit trail of the data order (train.sample_ledger). `group` names the worker group (rank 0's pid and
+    An audit trail of the data order (train.sample_ledger). `ids` are the `sample_id`s of the batches the
+    step actually trained on, as the data pipeline delivered them (not the slice of the planned order it
+    asked for): an audit against the planned order thus catches a pipeline that skips, repeats or reorders
+    samples, as well as a wrong resume position. `group` names the worker group (rank 0's pid and
     start time, the same on every rank): after a failure or a resize, the steps that were redone appear
     under two groups, and for each step the records of the last group that trained it are what the final
     weights were trained on.
@@ -487,10 +538,11 @@ class SampleLedger:
             dist.broadcast_object_list(group, src=0)
         self.group = group[0]
 
-    def record(self, state: TrainState, ids, loss_sum, samples) -> None:
+    def record(self, state: TrainState, micro_batches: list[dict], loss_sum, samples) -> None:
         if self.file is not None:
+            ids = torch.cat([batch["sample_id"].reshape(-1).cpu() for batch in micro_batches]).tolist()
             line = {"step": state.step + 1, "epoch": state.epoch, "rank": self.rank, "world": self.world,
-                    "group": self.group, "node": self.node, "pid": os.getpid(), "ids": [int(i) for i in ids],
+                    "group": self.group, "node": self.node, "pid": os.getpid(), "ids": ids,
                     "loss_sum": float(loss_sum), "samples": float(samples)}
             self.file.write(json.dumps(line) + "\n")
             self.file.flush()

@@ -52,6 +52,8 @@ def progress_line(m: dict, total_steps: int, epochs: int) -> str:
         parts.append(f"data-wait {m['data_wait_frac']:.0%}")
         if "mfu" in m:
             parts.append(f"MFU {m['mfu']:.1%}")
+        elif "tflops_per_worker" in m:
+            parts.append(f"{m['tflops_per_worker']:.3g} TFLOP/s/worker")
         if "peak_mem_gb" in m:
             parts.append(f"mem {m['peak_mem_gb']:.2f} GB")
         parts.append(f"eta {format_eta(m['eta_s'])}")
@@ -91,39 +93,24 @@ def training_flops_per_sample(forward_fn, batch_size: int) -> float:
     return 3.0 * counter.get_total_flops() / batch_size
 
 
-def peak_flops(device, precision: str, override_tflops: float | None = None) -> tuple[float, str]:
-    """(peak FLOP/s of one device, where the figure comes from). GPUs from the table by name; CPUs by a
-    measured matmul (the best this process reaches with its threads: MFU then says how far the model's
-    step is from the machine's own matmul speed)."""
+def peak_flops(device, precision: str, override_tflops: float | None = None) -> tuple[float | None, str]:
+    """(peak FLOP/s of one device, where the figure comes from), or (None, why not).
+
+    Only a peak the device cannot beat makes MFU meaningful: the user's `train.peak_tflops`, or a known GPU's
+    data sheet. A CPU has no such figure here (a matmul timed on cores that other processes share was beaten
+    by the model itself: 101-102 % "MFU" in sweep trials), nor has a GPU missing from the table: for those the
+    reports carry the achieved TFLOP/s instead, and MFU only once train.peak_tflops is set."""
     import torch
 
     if override_tflops:
-        return override_tflops * 1e12, "train.peak_tflops"
+        return override_tflops * 1e12, f"train.peak_tflops {override_tflops:g}"
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
         for key, table in GPU_PEAK_TFLOPS.items():
             if key in name.upper().replace("NVIDIA ", ""):
-                return table[precision] * 1e12, f"data sheet for {name}"
-        return measured_matmul_flops(device, precision), f"measured matmul on {name} (not in the table)"
-    return measured_matmul_flops(device, precision), "measured matmul on this CPU"
-
-
-def measured_matmul_flops(device, precision: str, n: int = 1024, repeats: int = 5) -> float:
-    import torch
-
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision, torch.float32)
-    if device.type == "cpu" and dtype == torch.float16:
-        dtype = torch.float32
-    a = torch.randn(n, n, device=device, dtype=dtype)
-    b = torch.randn(n, n, device=device, dtype=dtype)
-    best = float("inf")
-    for _ in range(repeats + 1):  # the first call warms up
-        _sync(device)
-        t0 = time.perf_counter()
-        a @ b
-        _sync(device)
-        best = min(best, time.perf_counter() - t0)
-    return 2.0 * n**3 / best
+                return table[precision] * 1e12, f"data sheet for {name}, {precision}"
+        return None, f"{name} is not in behemoth's data-sheet table: set train.peak_tflops for MFU"
+    return None, "no data-sheet peak for a CPU: set train.peak_tflops for MFU"
 
 
 def mfu(flops_per_sample: float, samples_per_s: float, devices: int, device_peak_flops: float) -> float:

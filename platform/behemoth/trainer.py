@@ -36,6 +36,7 @@ class RunSummary:
     best_metric: str
     wall_s: float
     resumed_from_step: int = 0  # 0: this invocation started from scratch
+    peak_source: str | None = None  # where the MFU's peak came from (or why there is no MFU)
 
     def lines(self) -> list[str]:
         m = self.metrics
@@ -51,6 +52,10 @@ class RunSummary:
         if m.get("bad_samples") or m.get("val_bad_samples"):
             out.append(f"dropped images:    {m.get('bad_samples', 0)} undecodable in train, "
                        f"{m.get('val_bad_samples', 0)} in val (data.max_bad_samples)")
+        if "tflops_per_worker" in m:
+            mfu = f"MFU {m['mfu']:.1%}; " if "mfu" in m else ""
+            out.append(f"model speed:       {m['tflops_per_worker']:.3g} TFLOP/s per worker ({mfu}"
+                       f"peak: {self.peak_source})")
         out.append(f"latest checkpoint: {self.latest_checkpoint}")
         if self.best_checkpoint:
             out.append(f"best checkpoint:   {self.best_checkpoint} ({self.best_metric} {self.best_value:.4f})")
@@ -287,4 +292,5 @@ def _summarise(cfg: JobConfig, result, wall_s: float) -> RunSummary:
         best_metric=key,
         wall_s=wall_s,
         resumed_from_step=(result.return_value or {}).get("resumed_from_step", 0),
+        peak_source=(result.return_value or {}).get("peak_source"),
     )

@@ -1,13 +1,15 @@
 """Failures on a real multi-node Ray cluster (ray.cluster_utils.Cluster: a head with 0 CPUs and 1-CPU worker
 nodes, one training worker per node): a node removed, a worker SIGKILLed while writing a checkpoint, the
-driver SIGKILLed, an elastic run that shrinks and grows. Every run trains the same tiny causal LM for 60
-steps with a checkpoint every 10, and writes a ledger of the sample ids of every step (train.sample_ledger).
+driver SIGKILLed, an elastic run that shrinks and grows. Every run trains the same tiny causal LM for 150
+steps with a checkpoint every 10, and writes a ledger of the sample ids each step trained on, as the data
+pipeline delivered them (train.sample_ledger).
 
 The checks, for each failure: the run completes at the exact final step; the steps trained twice are at most
-one checkpoint interval; the ledger's surviving record of every step holds exactly the global batch the
-uninterrupted order assigns to it (so per epoch no sample is trained twice and none is skipped); the final
-weights equal the uninterrupted run's (torch.equal; allclose for the elastic run, whose all-reduce sums over
-a different number of workers).
+one checkpoint interval (two or three where the test says why); the ledger's surviving record of every step
+holds exactly the global batch the uninterrupted order assigns to it (so per epoch no sample is trained twice
+and none is skipped); the final weights equal the uninterrupted run's (torch.equal). The elastic run's
+all-reduce sums over another number of workers (float rounding differs), so it is checked by its losses: see
+its test.
 """
 
 import json
@@ -17,7 +19,6 @@ import subprocess
 import sys
 import threading
 import time
-from collections import defaultdict
 from pathlib import Path
 
 import numpy as np
@@ -25,12 +26,13 @@ import pytest
 import ray
 import torch
 import yaml
-
 from behemoth.checkpoint import FAULT_ENV, read_state
 from behemoth.config import ConfigError, config_from_dict
-from behemoth.data.order import epoch_order, steps_per_epoch
 from behemoth.trainer import RunFailedError, train
 from conftest import lm_job_dict
+
+from integration import ledger_audit
+from integration.ledger_audit import read_ledger
 
 pytestmark = pytest.mark.integration
 # ~0.1 s per step: 150 steps leave time for a failure (and, elastic, a regrowth) to land mid-run
@@ -88,38 +90,8 @@ def straight(cluster, text_corpus, tmp_path_factory):
 # Ledger audit
 
 
-def read_ledger(folder: Path) -> list[dict]:
-    return [json.loads(line) for f in sorted(folder.glob("rank*.jsonl")) for line in f.read_text().splitlines()]
-
-
 def audit(folder: Path, n_blocks: int, steps: int = STEPS) -> dict:
-    """For each step, the records of the last worker group that trained it are what the final weights were
-    trained on. Check that they give every step exactly its global batch of the uninterrupted order, and
-    count the steps trained by more than one group."""
-    records = read_ledger(folder)
-    groups = list(dict.fromkeys(r["group"] for r in records if r["rank"] == 0))  # rank 0's file: time order
-    by_step = defaultdict(lambda: defaultdict(list))
-    for r in records:
-        by_step[r["step"]][r["group"]].append(r)
-    epoch_steps = steps_per_epoch(n_blocks, BATCH)
-    worlds, redone, losses, group_losses = {}, [], {}, {}
-    for step in range(1, steps + 1):
-        assert by_step[step], f"step {step} is missing from the ledger"
-        trained_by = sorted(by_step[step], key=groups.index)
-        redone += [step] if len(trained_by) > 1 else []
-        ranks = sorted(by_step[step][trained_by[-1]], key=lambda r: r["rank"])
-        world = ranks[0]["world"]
-        assert [r["rank"] for r in ranks] == list(range(world)), f"step {step}: {ranks}"
-        got = np.concatenate([r["ids"] for r in ranks])
-        by_group = {g: by_step[step][g] for g in trained_by}
-        group_losses[step] = [sum(r["loss_sum"] for r in rs) / sum(r["samples"] for r in rs) for rs in by_group.values()]
-        losses[step] = group_losses[step][-1]
-        epoch, g = divmod(step - 1, epoch_steps)
-        expected = epoch_order(n_blocks, 0, epoch)[g * BATCH:(g + 1) * BATCH]
-        np.testing.assert_array_equal(got, expected, err_msg=f"step {step}")
-        worlds[step] = world
-    return {"redone": redone, "worlds": worlds, "records": records, "losses": losses,
-            "group_losses": group_losses}
+    return ledger_audit.audit(folder, n_blocks, steps, BATCH)
 
 
 def n_blocks(storage: Path) -> int:
@@ -205,13 +177,14 @@ def test_r1_r3_node_removed_then_driver_killed(cluster, straight, text_corpus, t
     assert len(list(dict.fromkeys(r["group"] for r in result["records"]))) == 3  # start, after R1, rerun
 
 
-def test_r2_r4_worker_killed_while_writing_a_checkpoint_then_at_step_37(cluster, straight, text_corpus, tmp_path):
-    """First run, failure.max_failures=0: rank 0 is SIGKILLed half-way through writing checkpoint 30 (the
-    fault hook in checkpoint.save); the run fails at once with a clear error (R4, and R2's exhausted
-    restarts). Then checkpoint 20 is damaged on disk (R5). The rerun under the same name, max_failures=1,
-    skips 20 with a warning and resumes from 10 — the partial 30 is never restored from — and a training
-    worker is SIGKILLed at step 37 (R2): Ray Train restarts the group, behemoth restores checkpoint 30 and
-    the run ends on the uninterrupted run's weights."""
+def test_r2_r4_worker_killed_while_uploading_a_checkpoint_then_at_step_37(cluster, straight, text_corpus, tmp_path,
+                                                                          capfd):
+    """First run, failure.max_failures=0: rank 0 is SIGKILLed half-way through uploading checkpoint 30 into
+    the run folder (the fault hook in loop.upload_manifest_last: the files are there, the manifest is not);
+    the run fails at once with a clear error (R4, and R2's exhausted restarts). Then checkpoint 20 is damaged
+    on disk (R5). The rerun under the same name, max_failures=1, removes the partial 30 and says so, skips 20
+    with a warning and resumes from 10, and a training worker is SIGKILLed at step 37 (R2): Ray Train restarts
+    the group, behemoth restores checkpoint 30 and the run ends on the uninterrupted run's weights."""
     name = "killed_in_save"
     cfg = config_from_dict(job(text_corpus, tmp_path, name, failure={"max_failures": 0}))
     started = time.time()
@@ -220,6 +193,9 @@ def test_r2_r4_worker_killed_while_writing_a_checkpoint_then_at_step_37(cluster,
     assert time.time() - started < 240  # failed, did not hang
     message = str(e.value)
     assert "failure.max_failures=0" in message and "latest at step 20" in message and "rerun" in message
+    # R4: the cut upload is in the run folder (the kill was real), as files without their manifest.
+    partial = [c for c in (tmp_path / name).glob("checkpoint_*") if not (c / "manifest.json").exists()]
+    assert len(partial) == 1 and read_state(partial[0]).step == 30 and (partial[0] / "model.pt").is_file()
 
     # R5: the newest complete checkpoint (20) is damaged on disk before the rerun.
     newest = max((c for c in (tmp_path / name).glob("checkpoint_*") if (c / "manifest.json").is_file()),
@@ -244,8 +220,13 @@ def test_r2_r4_worker_killed_while_writing_a_checkpoint_then_at_step_37(cluster,
     records = read_ledger(ledger)
     worker_groups = list(dict.fromkeys(r["group"] for r in records if r["rank"] == 0))
     assert len(worker_groups) == 3  # the failed run, the rerun, the rerun's restart
-    # The rerun started after checkpoint 10: 30 was partial, 20 damaged (skipped with a warning).
+    # The rerun started after checkpoint 10: 30 was partial (removed, never restored), 20 damaged (skipped
+    # with a warning).
     assert min(r["step"] for r in records if r["group"] == worker_groups[1]) == 11
+    assert not partial[0].exists()
+    console = capfd.readouterr().out
+    assert f"removing {partial[0]}: a checkpoint upload that did not finish" in console
+    assert "WARNING: skipping checkpoint" in console and "does not match its manifest" in console
     # Redone: 11..30 (the damaged 20 costs one more interval), then 31..37+ after the SIGKILL.
     check_recovered(summary, tmp_path, name, straight[0], max_redone=3 * EVERY)
 
@@ -299,7 +280,10 @@ def test_r6_elastic_two_one_two(cluster, straight, text_corpus, tmp_path):
     for step in range(1, first_resize + 1):
         assert result["losses"][step] == pytest.approx(reference[step], rel=1e-6 if step < first_resize else 1e-5)
     before_regrow = result["group_losses"][regrow]
-    if len(before_regrow) > 1:  # the 1-worker group had trained that step before it was resized
+    # At the regrow the exact check needs a second computation of that step: there is one when the 1-worker
+    # group had trained past its last checkpoint before it was resized (usual); when the resize came right at
+    # a checkpoint, only the 2-worker group trained the step and only the curve check below applies.
+    if len(before_regrow) > 1:
         assert before_regrow[-1] == pytest.approx(before_regrow[-2], rel=1e-5)
     windows = [range(start, start + 10) for start in range(1, STEPS + 1, 10)]
     window_drift = max(abs(np.mean([result["losses"][s] for s in w]) / np.mean([reference[s] for s in w]) - 1)

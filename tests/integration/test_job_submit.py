@@ -28,23 +28,42 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def python_without_behemoth(folder: Path) -> Path:
+    """A virtual environment with every package of this one except behemoth: its site-packages folder is on
+    the path through a .pth line, and a folder added that way has its own .pth files (among them the
+    editable install's, which puts platform/ on the path) ignored. A cluster started with it is a cluster
+    without behemoth installed: its workers get the package only through the job's py_modules."""
+    import site
+    import venv
+
+    venv.create(folder, with_pip=False)
+    target = next(folder.glob("lib/python*/site-packages"))
+    (target / "parent_env.pth").write_text("\n".join(site.getsitepackages()) + "\n")
+    return folder / "bin" / "python"
+
+
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    """A head node on 127.0.0.1 with token auth; yields (dashboard address, env for the ray CLI)."""
+    """A head node on 127.0.0.1 with token auth, on a Python without behemoth; yields (dashboard address,
+    env for the ray CLI, whose `python` is that Python)."""
     import secrets
     import tempfile
 
     home = tmp_path_factory.mktemp("cluster")
+    python = python_without_behemoth(home / "env")
+    hidden = subprocess.run([str(python), "-c", "import behemoth"], capture_output=True, text=True)
+    assert hidden.returncode != 0 and "No module named 'behemoth'" in hidden.stderr, hidden.stderr
     token = home / "auth_token"
     token.write_text(secrets.token_hex(32))
     token.chmod(0o600)
     env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token)}
     env.pop("RAY_ADDRESS", None)
-    # As a user who started Ray from the activated environment: the job's `python` is this environment's.
-    env["PATH"] = f"{BIN}{os.pathsep}{env.get('PATH', '')}"
+    # As a user who started Ray from their activated environment: the job's `python` is that environment's.
+    env["PATH"] = f"{python.parent}{os.pathsep}{env.get('PATH', '')}"
     gcs_port, dash_port = _free_port(), _free_port()
     temp_dir = tempfile.mkdtemp(prefix="rayh-")  # short: Ray's socket paths have a length limit
-    start = [str(BIN / "ray"), "start", "--head", "--node-ip-address=127.0.0.1", f"--port={gcs_port}",
+    # Ray runs its daemons and workers with the interpreter that ran `ray start`.
+    start = [str(python), str(BIN / "ray"), "start", "--head", "--node-ip-address=127.0.0.1", f"--port={gcs_port}",
              "--dashboard-host=127.0.0.1", f"--dashboard-port={dash_port}", "--num-cpus=2",
              f"--temp-dir={temp_dir}", "--disable-usage-stats", "--include-dashboard=true"]
     subprocess.run(start, env=env, check=True, capture_output=True, timeout=120)
@@ -61,7 +80,7 @@ def _submit(address, env, cwd, config_path, *overrides):
 
 
 def test_job_api_refuses_missing_and_wrong_tokens(cluster):
-    address, _ = cluster
+    address, *_ = cluster
     with pytest.raises(urllib.error.HTTPError) as missing:
         urllib.request.urlopen(f"{address}/api/jobs/", timeout=30)
     assert missing.value.code == 401

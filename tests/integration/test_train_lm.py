@@ -49,8 +49,12 @@ def _initial_val_loss(cfg, tokens) -> float:
         return model(input_ids=ids, labels=ids).loss.item()
 
 
-def test_two_worker_lm_run_lowers_loss(text_corpus, tmp_path):
-    """Restoring LM runs from checkpoints (exactly, after failures) is tested in test_fault_tolerance.py."""
+def test_two_worker_lm_run_lowers_loss_then_reruns(text_corpus, tmp_path):
+    """A 2-worker run lowers the loss. Rerunning the finished run re-evaluates its final weights and trains
+    nothing. When none of its registered checkpoints verifies, a rerun refuses to start over and keeps them.
+    (Restoring LM runs from checkpoints, exactly, after failures: test_fault_tolerance.py.)"""
+    from behemoth.checkpoint import complete_checkpoints
+
     cfg = config_from_dict(lm_job_dict(text_corpus, tmp_path, run_name="lm"))
     summary = train(cfg)
     m = summary.metrics
@@ -60,6 +64,24 @@ def test_two_worker_lm_run_lowers_loss(text_corpus, tmp_path):
     assert m["val_perplexity"] == pytest.approx(math.exp(m["val_loss"]))
     assert m["tokens_per_s"] == pytest.approx(m["samples_per_s"] * 32)
     assert read_state(summary.latest_checkpoint).step == 16
+
+    kept = complete_checkpoints(tmp_path / "lm")
+    again = train(cfg)
+    assert again.resumed_from_step == 16 and again.metrics["step"] == 16
+    assert again.metrics["val_loss"] == m["val_loss"]  # the same weights, evaluated again
+    assert "loss" not in again.metrics and complete_checkpoints(tmp_path / "lm") == kept  # nothing trained
+
+    for _, path in kept:  # every checkpoint damaged: nothing to resume from, and step 0 would lose the run
+        weights = f"{path}/model.pt"
+        data = open(weights, "rb").read()
+        open(weights, "wb").write(data[: len(data) // 2])
+    with pytest.raises(Exception, match="no checkpoint of this run passes verification") as refused:
+        train(cfg)
+    from behemoth.cli import user_facing_error
+
+    shown = user_facing_error(refused.value)  # the one line `behemoth train` prints
+    assert shown.startswith("no checkpoint of this run passes verification") and kept[0][1] in shown
+    assert complete_checkpoints(tmp_path / "lm") == kept  # nothing deleted
 
 
 def _step_memory_mb(cfg, tokens, micro_batch: int) -> float:
@@ -78,25 +100,32 @@ def _step_memory_mb(cfg, tokens, micro_batch: int) -> float:
 def test_speed_switches_in_a_real_run(text_corpus, tmp_path):
     """FSDP with full sharding + bf16 autocast + an automatic micro-batch under a memory cap + asynchronous
     checkpoints, through Ray Train on 2 workers; the metrics a user watches; a rerun restores the sharded
-    state and continues. (What each switch does to the numbers: test_speed_switches.py.)"""
-    job = lm_job_dict(text_corpus, tmp_path, run_name="fast", scaling={"strategy": "fsdp_full"},
-                      train={"max_steps": 8, "precision": "bf16", "micro_batch_size": "auto",
-                             "auto_batch_memory_mb": 1e6},
-                      checkpoint={"every_n_steps": 4}, eval={"every_n_steps": 4})
-    cfg = config_from_dict(job)
+    state (model, optimizer, data position) and continues: 8 steps then 4 more end on exactly the weights of
+    12 uninterrupted steps. (What each switch does to the numbers: test_speed_switches.py.)"""
+    def job_for(run_name, max_steps, cap_mb):
+        # a constant LR: a run's length (max_steps) does not change its schedule
+        return lm_job_dict(text_corpus, tmp_path, run_name=run_name, scaling={"strategy": "fsdp_full"},
+                           train={"max_steps": max_steps, "precision": "bf16", "micro_batch_size": "auto",
+                                  "auto_batch_memory_mb": cap_mb, "peak_tflops": 0.5, "warmup_steps": 0,
+                                  "min_lr_ratio": 1.0},
+                           checkpoint={"every_n_steps": 4}, eval={"every_n_steps": 4})
+
+    cfg = config_from_dict(job_for("fast", 8, 1e6))
     tokens = prepare_text(cfg.data, seed=0)
     cap_mb = 0.6 * _step_memory_mb(cfg, tokens, 8)  # a worker's 8 samples do not fit at once
-    job["train"]["auto_batch_memory_mb"] = cap_mb
-    first = train(config_from_dict(job)).metrics
+    first = train(config_from_dict(job_for("fast", 8, cap_mb))).metrics
     micro, accum = first["micro_batch_size"], first["grad_accum_steps"]
     assert micro < 8 and micro * accum == 8 and _step_memory_mb(cfg, tokens, micro) <= cap_mb
     assert first["step"] == 8 and first["val_loss"] < _initial_val_loss(cfg, tokens) - 0.5
-    assert 0 < first["mfu"] < 1 and first["peak_mem_gb"] > 0.1 and first["model_tflops_per_sample"] > 0
+    assert first["peak_mem_gb"] > 0.1 and first["model_tflops_per_sample"] > 0
+    assert first["mfu"] == pytest.approx(first["tflops_per_worker"] / 0.5) and 0 < first["mfu"] < 1
     assert 0 <= first["checkpoint_block_s"] < 5  # the step-4 checkpoint's wait, reported at step 8
-    job["train"]["max_steps"] = 12
-    summary = train(config_from_dict(job))
+    summary = train(config_from_dict(job_for("fast", 12, cap_mb)))
     assert summary.resumed_from_step == 8 and summary.metrics["step"] == 12
     assert read_state(summary.latest_checkpoint).step == 12
+    straight = train(config_from_dict(job_for("straight", 12, cap_mb)))
+    a, b = (torch.load(f"{s.latest_checkpoint}/model.pt") for s in (summary, straight))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     log = [json.loads(line) for line in (tmp_path / "fast" / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in log] == [4, 8, 12] and all("mfu" in m and m["time"] > 0 for m in log)
 
@@ -124,3 +153,24 @@ def test_a_local_ray_runs_its_workers_at_normal_priority():
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert "niceness 0" in out.stdout, out.stdout + out.stderr[-3000:]
+
+
+def test_the_ledger_audit_catches_a_pipeline_that_repeats_a_batch(text_corpus, tmp_path):
+    """The ledger holds what the pipeline delivered, so the audit the failure tests rely on (and pass with
+    the real pipeline) fails when the data layer repeats a batch and skips the one it replaces, though the
+    planned order is right."""
+    from behemoth.trainer import build_trainer, prepare_data
+    from integration import ledger_audit
+    from integration.faulty_pipeline import REPEATED_AT, loop_with_a_repeated_batch
+
+    job = lm_job_dict(text_corpus, tmp_path, run_name="faulty",
+                      train={"max_steps": REPEATED_AT + 2, "sample_ledger": str(tmp_path / "ledger")},
+                      checkpoint={"every_n_steps": 100}, eval={"every_n_steps": None})
+    cfg = config_from_dict(job)
+    data = prepare_data(cfg)
+    trainer = build_trainer(cfg, data)
+    trainer.train_loop_per_worker = loop_with_a_repeated_batch
+    trainer.fit()
+    with pytest.raises(AssertionError, match=f"step {REPEATED_AT + 1}"):
+        ledger_audit.audit(tmp_path / "ledger", len(data.train), steps=REPEATED_AT + 2, batch=16)
+    ledger_audit.audit(tmp_path / "ledger", len(data.train), steps=REPEATED_AT, batch=16)  # the steps before

@@ -22,8 +22,20 @@ def test_unknown_key_names_key_file_and_closest(tmp_path):
         load_config(p)
     msg = str(e.value)
     assert "train.learning_rat" in msg and str(p) in msg
-    # no key is close to "learning_rat" except... none; the message lists the valid keys instead
-    assert "lr" in msg
+    # close to learning_rate, which other trainers call what behemoth calls lr (not min_lr_ratio)
+    assert msg.endswith("unknown key 'train.learning_rat'; did you mean 'train.lr'?")
+
+
+@pytest.mark.parametrize("key, meant", [("max_grad_norm", "train.grad_clip"), ("num_epochs", "train.epochs"),
+                                        ("gradient_accumulation_steps", "train.grad_accum_steps")])
+def test_names_from_other_trainers_suggest_ours(tmp_path, key, meant):
+    with pytest.raises(ConfigError, match=rf"unknown key 'train.{key}'; did you mean '{meant}'\?"):
+        load_config(write(tmp_path, f"train:\n  {key}: 1\n"))
+
+
+def test_a_key_close_to_nothing_lists_the_valid_keys(tmp_path):
+    with pytest.raises(ConfigError, match=r"unknown key 'train.zzzz'; valid keys: epochs, max_steps, "):
+        load_config(write(tmp_path, "train:\n  zzzz: 1\n"))
 
 
 def test_misspelled_key_suggests_closest(tmp_path):

@@ -23,7 +23,9 @@ class Task(Protocol):
 
     def build_model(self) -> torch.nn.Module: ...
 
-    def train_batches(self, indices, epoch: int, batch_size: int) -> Iterable[dict]: ...
+    def train_batches(self, indices, epoch: int, batch_size: int) -> Iterable[dict]:
+        """Batches of the samples at `indices`, in that order. Each batch holds a "sample_id" tensor: the
+        indices it carries (the sample ledger records them)."""
 
     def eval_batches(self, indices, batch_size: int) -> Iterable[dict]: ...
 

@@ -38,14 +38,17 @@ class CausalLM:
 
     @staticmethod
     def _batches(blocks: np.ndarray, indices, batch_size: int):
-        """The blocks are already tokenised and packed: a batch is a gather from the shared array. On GPU the
-        gather lands in pinned memory and the copy is issued one batch ahead, so it overlaps the step."""
+        """The blocks are already tokenised and packed: a batch is a gather from the shared array (its
+        `sample_id`s are the block indices). On GPU the gather lands in pinned memory and the copy is issued
+        one batch ahead, so it overlaps the step."""
         device = ray.train.torch.get_device()
         pin = device.type == "cuda"
         pending = None
         for start in range(0, len(indices), batch_size):
-            ids = torch.from_numpy(blocks[indices[start:start + batch_size]].astype(np.int64))
-            ready = {"input_ids": (ids.pin_memory() if pin else ids).to(device, non_blocking=True)}
+            block_ids = np.asarray(indices[start:start + batch_size], dtype=np.int64)
+            ids = torch.from_numpy(blocks[block_ids].astype(np.int64))
+            ready = {"input_ids": (ids.pin_memory() if pin else ids).to(device, non_blocking=True),
+                     "sample_id": torch.from_numpy(block_ids)}  # for the sample ledger; stays on the host
             if pending is not None:
                 yield pending
             pending = ready
