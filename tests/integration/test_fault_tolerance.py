@@ -194,7 +194,7 @@ def test_r2_r4_worker_killed_while_uploading_a_checkpoint_then_at_step_37(cluste
     message = str(e.value)
     assert "failure.max_failures=0" in message and "latest at step 20" in message and "rerun" in message
     # R4: the cut upload is in the run folder (the kill was real), as files without their manifest.
-    partial = [c for c in (tmp_path / name).glob("checkpoint_*") if not (c / "manifest.json").exists()]
+    partial = [c for c in (tmp_path / name).glob("checkpoint_*") if c.is_dir() and not (c / "manifest.json").exists()]
     assert len(partial) == 1 and read_state(partial[0]).step == 30 and (partial[0] / "model.pt").is_file()
 
     # R5: the newest complete checkpoint (20) is damaged on disk before the rerun.

@@ -66,10 +66,14 @@ def test_two_worker_lm_run_lowers_loss_then_reruns(text_corpus, tmp_path):
     assert read_state(summary.latest_checkpoint).step == 16
 
     kept = complete_checkpoints(tmp_path / "lm")
+    log = tmp_path / "lm" / "metrics.jsonl"
+    reports = len(log.read_text().splitlines())
     again = train(cfg)
     assert again.resumed_from_step == 16 and again.metrics["step"] == 16
-    assert again.metrics["val_loss"] == m["val_loss"]  # the same weights, evaluated again
-    assert "loss" not in again.metrics and complete_checkpoints(tmp_path / "lm") == kept  # nothing trained
+    new = [json.loads(line) for line in log.read_text().splitlines()[reports:]]
+    assert len(new) == 1 and new[0]["step"] == 16 and "loss" not in new[0]  # one evaluation, no training step
+    assert new[0]["val_loss"] == m["val_loss"]  # the same weights, evaluated again
+    assert complete_checkpoints(tmp_path / "lm") == kept  # no checkpoint written
 
     for _, path in kept:  # every checkpoint damaged: nothing to resume from, and step 0 would lose the run
         weights = f"{path}/model.pt"

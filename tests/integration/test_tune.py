@@ -90,6 +90,26 @@ def trained_step(run_dir: Path) -> int:
     return records[-1]["step"] if records else 0
 
 
+def resource_holders() -> str:
+    """Who holds the cluster's resources: placement groups not removed, live actors, and what Ray Train's
+    placement-group cleaners logged (they free the workers of a trial that Tune stops)."""
+    lines = [f"available {ray.available_resources()} of {ray.cluster_resources()}"]
+    lines += [f"placement group {pg['placement_group_id']} {pg['state']} bundles {pg['bundles']}"
+              for pg in ray.util.placement_group_table().values() if pg["state"] != "REMOVED"]
+    try:
+        from ray.util.state import list_actors
+
+        lines += [f"actor {a.class_name} pid {a.pid} {a.state}" for a in list_actors(
+            filters=[("state", "=", "ALIVE")], limit=200, raise_on_missing_output=False)]
+    except Exception as e:  # noqa: BLE001 - diagnostics only
+        lines.append(f"(state API: {e})")
+    logs = Path(ray._private.worker._global_node.get_session_dir_path()) / "logs"
+    for log in sorted(logs.glob("worker-*.err")):
+        lines += [f"{log.name}: {line}" for line in log.read_text(errors="replace").splitlines()
+                  if "PlacementGroupCleaner" in line or "placement group" in line.lower()]
+    return "\n".join(lines)
+
+
 def nth_trial(sweep_dir: Path, n: int) -> str | None:
     ids = list(dict.fromkeys(s["trial_id"] for s in starts(sweep_dir)))
     return ids[n] if len(ids) > n else None
@@ -149,8 +169,12 @@ def test_sweep_survives_worker_and_driver_kills_asha_stops_trials_and_resources_
     assert Path(result.best_checkpoint, "manifest.json").is_file()
 
     # No leaked placement groups: every CPU free again, no placement group left alive.
-    wait_until(lambda: ray.available_resources().get("CPU") == ray.cluster_resources()["CPU"],
-               "all CPUs to be free after the sweep", 60)
+    try:
+        wait_until(lambda: ray.available_resources().get("CPU") == ray.cluster_resources()["CPU"],
+                   "all CPUs to be free after the sweep", 60)
+    except AssertionError:
+        print(resource_holders())  # what holds them, for the failure report
+        raise
     alive = [pg for pg in ray.util.placement_group_table().values() if pg["state"] != "REMOVED"]
     assert not alive, alive
 
