@@ -337,6 +337,7 @@ def run_sweep(sweep_cfg: SweepConfig) -> SweepResult:
         prepare_data(job)
     _check_state_api()
     _check_same_sweep(sweep_cfg, sweep_dir)
+    _start_data_stats_actor()
     import ray
     from ray import tune
 
@@ -363,8 +364,82 @@ def run_sweep(sweep_cfg: SweepConfig) -> SweepResult:
                 name=sweep_cfg.name, storage_path=os.path.dirname(sweep_dir), verbose=0,
                 failure_config=tune.FailureConfig(max_failures=sweep_cfg.trial_max_failures)),
         )
-    grid = tuner.fit()
+    with OrphanedPlacementGroupReaper():
+        grid = tuner.fit()
     return _results(sweep_cfg, grid, metric, mode, sweep_dir)
+
+
+class OrphanedPlacementGroupReaper:
+    """Frees the placement groups of this job whose creating actor is dead, while a sweep runs and once more
+    after it (waiting up to `settle_s` for trial controllers still shutting down).
+
+    A Ray Train race (Ray 2.60): when Tune stops a trial while its Ray Train controller is starting a worker
+    group, the controller gets SIGTERM, stops its placement-group cleaner on the way out, and, still draining
+    its control loop (an async actor), creates the worker group's placement group ~0.15 s later. Nothing then
+    owns that group: GCS removes a dead actor's group only once its job has ended too. Each one held a
+    trial's CPUs for the rest of the sweep (seen in tests/integration/test_tune.py: 0.5 CPU still held after
+    the sweep). A group whose creator actor is dead can never be used again, so removing it is safe; GCS
+    says which (`creator_actor_dead`), no dashboard needed.
+    """
+
+    def __init__(self, every_s: float = 2.0, settle_s: float = 30.0):
+        import threading
+
+        self.every_s, self.settle_s = every_s, settle_s
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="behemoth-pg-reaper", daemon=True)
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.done.set()
+        self.thread.join()
+        deadline = time.monotonic() + self.settle_s
+        while _live_train_controllers() and time.monotonic() < deadline:
+            reap_orphaned_placement_groups()
+            time.sleep(0.2)
+        reap_orphaned_placement_groups()
+
+    def _run(self):
+        while not self.done.wait(self.every_s):
+            reap_orphaned_placement_groups()
+
+
+def reap_orphaned_placement_groups() -> list[str]:
+    """Remove this job's placement groups (not detached) whose creating actor is dead; their ids."""
+    import ray
+    from ray._private.state import state
+    from ray.core.generated import gcs_pb2
+    from ray.util.placement_group import PlacementGroup, remove_placement_group
+
+    job = ray.get_runtime_context().get_job_id()
+    # The actor table, not the group's creator_actor_dead flag: GCS sets that flag when the creator dies, so a
+    # group registered after its creator's death (the race above) never gets it.
+    dead = {actor_id for actor_id, actor in state.actor_table(None).items() if actor.get("State") == "DEAD"}
+    reaped = []
+    for raw in state._connect_and_get_accessor().get_placement_group_table():
+        pg = gcs_pb2.PlacementGroupTableData.FromString(raw)
+        # A group the driver created (Tune's trial groups) has the nil creator actor, marked dead: never those.
+        created_by_actor = pg.creator_actor_id and not ray.ActorID(pg.creator_actor_id).is_nil()
+        if (pg.state != gcs_pb2.PlacementGroupTableData.REMOVED and not pg.is_detached and created_by_actor
+                and (pg.creator_actor_dead or pg.creator_actor_id.hex() in dead) and pg.creator_job_id.hex() == job):
+            remove_placement_group(PlacementGroup(ray.PlacementGroupID(pg.placement_group_id)))
+            reaped.append(pg.placement_group_id.hex())
+            print(f"[behemoth] freed placement group {reaped[-1]}: its creator (a stopped trial's Ray Train "
+                  f"controller) is dead", flush=True)
+    return reaped
+
+
+def _live_train_controllers() -> int:
+    """Ray Train controllers of this job still alive (by GCS's actor table)."""
+    import ray
+    from ray._private.state import state
+
+    job = ray.get_runtime_context().get_job_id()
+    return sum(1 for a in state.actor_table(None).values()
+               if a.get("State") == "ALIVE" and a.get("JobID") == job and a.get("ActorClassName", "").endswith("TrainController"))
 
 
 def _check_state_api() -> None:
@@ -383,6 +458,21 @@ def _check_state_api() -> None:
             f"sweep needs it (Ray Train frees a stopped trial's workers through it): start Ray with the "
             f"dashboard (ray start --head without --include-dashboard=false; ray.init(include_dashboard=True))"
         ) from None
+
+
+def _start_data_stats_actor() -> None:
+    """Create Ray Data's stats actor here, on the sweep's driver, before any trial does.
+
+    Ray Data keeps one named, detached `_StatsActor` per cluster, created by the first process that runs a
+    dataset. In a sweep that is a trial: its processes run inside the trial's placement group, which captures
+    the actors they create, so the stats actor was placed in that group and killed when the trial ended. A
+    dataset another trial was iterating then sent its metrics to a new stats actor that had never registered
+    it: `KeyError: 'dataset_...'` tracebacks on the console of runs that were fine. Created from the driver,
+    it is in no placement group and lives as long as the cluster.
+    """
+    from ray.data._internal.stats import get_or_create_stats_actor
+
+    get_or_create_stats_actor()
 
 
 def _to_dict(sweep_cfg: SweepConfig) -> dict:

@@ -168,6 +168,13 @@ def test_sweep_survives_worker_and_driver_kills_asha_stops_trials_and_resources_
     assert len(pd.read_csv(result.results_csv)) == 4
     assert Path(result.best_checkpoint, "manifest.json").is_file()
 
+    # Ray Data's stats actor is the one the sweep created up front, in no trial's placement group: trials
+    # ending did not kill it (that made later trials' datasets report to a new one: KeyError tracebacks).
+    from ray.util.state import list_actors
+
+    stats = list_actors(filters=[("class_name", "=", "_StatsActor")], raise_on_missing_output=False)
+    assert len(stats) == 1 and stats[0].state == "ALIVE" and not stats[0].placement_group_id, stats
+
     # No leaked placement groups: every CPU free again, no placement group left alive.
     try:
         wait_until(lambda: ray.available_resources().get("CPU") == ray.cluster_resources()["CPU"],
@@ -199,3 +206,31 @@ def test_sweep_survives_worker_and_driver_kills_asha_stops_trials_and_resources_
     # Retention is Ray's: every 2 steps, keep 2.
     kept = [read_state(p).step for p in (tmp_path / "runs" / "straight").glob("checkpoint_*") if p.is_dir()]
     assert sorted(kept) == [22, 24]
+
+
+def test_a_placement_group_whose_creator_died_is_freed(ray_with_dashboard):
+    """What the sweep's reaper does for a stopped trial's controller that created its worker group's placement
+    group on its way out (a Ray Train race): an actor creates a group, dies, and the group's CPU comes back."""
+    from ray.util.placement_group import placement_group
+
+    from behemoth.tune import reap_orphaned_placement_groups
+
+    @ray.remote(num_cpus=0)
+    class Creator:
+        def create(self):
+            group = placement_group([{"CPU": 0.5}])
+            ray.get(group.ready())
+            return group.id.hex()
+
+    creator = Creator.remote()
+    group = ray.get(creator.create.remote())
+    drivers = placement_group([{"CPU": 0.25}])  # as Tune's trial groups: created by the driver, not an actor
+    ray.get(drivers.ready())
+    reaped = reap_orphaned_placement_groups()
+    assert group not in reaped and drivers.id.hex() not in reaped  # a live creator, and the driver: untouched
+    ray.kill(creator)
+    wait_until(lambda: group in reap_orphaned_placement_groups(), "the orphaned group to be reaped", 30)
+    wait_until(lambda: ray.available_resources().get("CPU") == ray.cluster_resources()["CPU"] - 0.25,
+               "its CPU back", 30)
+    assert ray.util.placement_group_table(drivers)["state"] == "CREATED"
+    ray.util.remove_placement_group(drivers)
