@@ -546,15 +546,15 @@ def _searcher(sweep_cfg: SweepConfig, metric: str, mode: str):
 
 
 def _optuna_searcher(sweep_cfg: SweepConfig, metric: str, mode: str):
+    grids = [key for key, dist in sweep_cfg.space.items() if "grid" in dist]
+    if grids:  # a mistake in the sweep itself: said whether optuna is installed or not
+        raise ConfigError(f"searcher optuna samples, it does not enumerate grids: use choice for {grids}")
     try:
         from ray.tune.search.optuna import OptunaSearch
         import optuna  # noqa: F401
     except ImportError:
         raise ConfigError("searcher optuna needs the optuna package: pip install optuna (or use searcher: "
                           "random)") from None
-    grids = [key for key, dist in sweep_cfg.space.items() if "grid" in dist]
-    if grids:
-        raise ConfigError(f"searcher optuna samples, it does not enumerate grids: use choice for {grids}")
     return OptunaSearch(metric=metric, mode=mode)
 
 

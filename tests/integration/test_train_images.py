@@ -19,7 +19,9 @@ def _two_rank_loop(config):
     """A few real training steps with behemoth's pieces; each rank saves what it ends with."""
     from behemoth.data.images import rank_dataset
     from behemoth.data.order import rank_train_indices
-    from behemoth.loop import sync_buffers, train_step
+    import numpy as np
+
+    from behemoth.loop import evaluate, sync_buffers, train_step
     from behemoth.models.registry import build_model
     from behemoth.optim import build_optimizer, warmup_cosine
     from behemoth.precision import grad_scaler
@@ -43,10 +45,17 @@ def _two_rank_loop(config):
         if i == 3:
             break
     sync_buffers(model)  # what the loop does before evaluating or checkpointing (BatchNorm running stats)
-    torch.save({"weights": model.module.state_dict(), "seen": seen}, f"{config['out']}/rank{rank}.pt")
+    # behemoth's evaluation over 2 ranks (batches of 5: uneven per rank), and the same weights evaluated over
+    # the whole validation set in one process
+    evaluated = evaluate(model, task, rank, world, batch_size=5)
+    net = model.module.eval()
+    with torch.no_grad():
+        sums = sum(task.eval_sums(net, b).double() for b in task.eval_batches(np.arange(index.val.num_rows), 7))
+    torch.save({"weights": model.module.state_dict(), "seen": seen, "evaluated": evaluated,
+                "one_process": task.eval_metrics(sums)}, f"{config['out']}/rank{rank}.pt")
 
 
-def test_ddp_keeps_weights_identical_across_ranks(image_root, tmp_path):
+def test_ddp_keeps_weights_identical_across_ranks_and_evaluates_each_sample_once(image_root, tmp_path):
     from ray.train import RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
@@ -59,6 +68,11 @@ def test_ddp_keeps_weights_identical_across_ranks(image_root, tmp_path):
     ).fit()
     r0, r1 = (torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1))
     assert len(r0["seen"]) == len(r1["seen"]) == 4 * 8 and not set(r0["seen"]) & set(r1["seen"])
+    # Evaluation over 2 workers counts every validation sample exactly once: the one-process figures.
+    for r in (r0, r1):
+        assert r["evaluated"]["val_samples"] == r["one_process"]["val_samples"] == 4 * 6
+        assert r["evaluated"]["val_accuracy"] == r["one_process"]["val_accuracy"]
+        assert r["evaluated"]["val_loss"] == pytest.approx(r["one_process"]["val_loss"], rel=1e-6)
     torch.manual_seed(101)
     from behemoth.models.registry import build_model
 

@@ -38,6 +38,22 @@ def test_ray_data_packs_exactly_and_caches(text_corpus, tmp_path, monkeypatch):
     assert other.stats["cache"] != tokens.stats["cache"] and other.train.shape[1] == 16
 
 
+def test_a_saved_hugging_face_dataset_packs_like_the_files(text_corpus, tmp_path):
+    """data.hf_dataset: a DatasetDict written by save_to_disk (train + validation) goes through Ray Data's
+    from_huggingface and packs to exactly the blocks of the same documents read from JSONL files."""
+    import datasets
+
+    folder = tmp_path / "hf"
+    datasets.DatasetDict({split: datasets.Dataset.from_json(str(text_corpus / f"{name}.jsonl"))
+                          for split, name in (("train", "train"), ("validation", "val"))}).save_to_disk(folder)
+    files = prepare_text(config_from_dict(lm_job_dict(text_corpus, tmp_path / "a")).data, seed=0)
+    job = lm_job_dict(text_corpus, tmp_path / "b", data={"train_files": [], "val_files": [], "hf_dataset": str(folder)})
+    hf = prepare_text(config_from_dict(job).data, seed=0)
+    np.testing.assert_array_equal(hf.train, files.train)
+    np.testing.assert_array_equal(hf.val, files.val)
+    assert hf.stats["train"]["documents"] == 240 and hf.stats["val"]["documents"] == 40
+
+
 def _initial_val_loss(cfg, tokens) -> float:
     """The loss of the untrained model (same seed as the run) on the whole validation set."""
     from behemoth.tasks.causal_lm import CausalLM

@@ -75,10 +75,13 @@ def test_metric_the_training_never_reports_is_refused(tmp_path, image_root):
 
 
 def test_optuna_missing_or_with_a_grid_is_a_clear_error(tmp_path, image_root, monkeypatch):
-    s = load_sweep(write_sweep(tmp_path, image_root, searcher="optuna"))
-    monkeypatch.setitem(sys.modules, "optuna", None)  # as if not installed
+    monkeypatch.setitem(sys.modules, "optuna", None)  # as if not installed (optuna is not a dependency)
+    with pytest.raises(ConfigError, match=r"searcher optuna samples, it does not enumerate grids: use choice "
+                                          r"for \['train.lr'\]"):
+        check_sweep(load_sweep(write_sweep(tmp_path, image_root, searcher="optuna")))
+    no_grid = {"train.lr": {"loguniform": [0.01, 0.1]}, "train.global_batch_size": {"choice": [16, 32]}}
     with pytest.raises(ConfigError, match="searcher optuna needs the optuna package: pip install optuna"):
-        check_sweep(s)
+        check_sweep(load_sweep(write_sweep(tmp_path, image_root, searcher="optuna", space=no_grid)))
 
 
 def test_trial_job_applies_params_lr_scaling_and_its_own_run_folder(tmp_path, image_root):
