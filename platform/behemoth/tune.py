@@ -408,23 +408,27 @@ class OrphanedPlacementGroupReaper:
 
 
 def reap_orphaned_placement_groups() -> list[str]:
-    """Remove this job's placement groups (not detached) whose creating actor is dead; their ids."""
+    """Remove the placement groups (not detached) whose creating actor is dead, of this job or of a job that
+    has ended (a sweep driver killed before this one resumed it); their ids. Never another live job's."""
     import ray
     from ray._private.state import state
     from ray.core.generated import gcs_pb2
     from ray.util.placement_group import PlacementGroup, remove_placement_group
 
     job = ray.get_runtime_context().get_job_id()
+    ended = {j["JobID"] for j in state.job_table() if j.get("IsDead")}
     # The actor table, not the group's creator_actor_dead flag: GCS sets that flag when the creator dies, so a
-    # group registered after its creator's death (the race above) never gets it.
+    # group registered after its creator's death (the race above) never gets it. (Seen too: a dead job's group
+    # whose creator and job were both dead, left CREATED.)
     dead = {actor_id for actor_id, actor in state.actor_table(None).items() if actor.get("State") == "DEAD"}
     reaped = []
     for raw in state._connect_and_get_accessor().get_placement_group_table():
         pg = gcs_pb2.PlacementGroupTableData.FromString(raw)
         # A group the driver created (Tune's trial groups) has the nil creator actor, marked dead: never those.
         created_by_actor = pg.creator_actor_id and not ray.ActorID(pg.creator_actor_id).is_nil()
+        ours_or_ended = pg.creator_job_id.hex() == job or pg.creator_job_id.hex() in ended
         if (pg.state != gcs_pb2.PlacementGroupTableData.REMOVED and not pg.is_detached and created_by_actor
-                and (pg.creator_actor_dead or pg.creator_actor_id.hex() in dead) and pg.creator_job_id.hex() == job):
+                and (pg.creator_actor_dead or pg.creator_actor_id.hex() in dead) and ours_or_ended):
             remove_placement_group(PlacementGroup(ray.PlacementGroupID(pg.placement_group_id)))
             reaped.append(pg.placement_group_id.hex())
             print(f"[behemoth] freed placement group {reaped[-1]}: its creator (a stopped trial's Ray Train "

@@ -222,6 +222,8 @@ def test_a_placement_group_whose_creator_died_is_freed(ray_with_dashboard):
             ray.get(group.ready())
             return group.id.hex()
 
+    reap_orphaned_placement_groups()  # nothing left over from the sweep test
+    before = ray.available_resources().get("CPU")
     creator = Creator.remote()
     group = ray.get(creator.create.remote())
     drivers = placement_group([{"CPU": 0.25}])  # as Tune's trial groups: created by the driver, not an actor
@@ -230,7 +232,6 @@ def test_a_placement_group_whose_creator_died_is_freed(ray_with_dashboard):
     assert group not in reaped and drivers.id.hex() not in reaped  # a live creator, and the driver: untouched
     ray.kill(creator)
     wait_until(lambda: group in reap_orphaned_placement_groups(), "the orphaned group to be reaped", 30)
-    wait_until(lambda: ray.available_resources().get("CPU") == ray.cluster_resources()["CPU"] - 0.25,
-               "its CPU back", 30)
+    wait_until(lambda: ray.available_resources().get("CPU") == before - 0.25, "its CPU back", 30)
     assert ray.util.placement_group_table(drivers)["state"] == "CREATED"
     ray.util.remove_placement_group(drivers)
