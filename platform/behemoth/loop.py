@@ -12,6 +12,7 @@ operations (all-reduce, ray.train.report) the same number of times.
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import json
 import logging
@@ -380,7 +381,8 @@ class CheckpointSaver:
         if not self.cfg.checkpoint.async_save:
             with tempfile.TemporaryDirectory() as tmp:
                 ckpt = ray.train.Checkpoint.from_directory(str(checkpoint.write(tmp, snap))) if snap else None
-                ray.train.report(metrics, checkpoint=ckpt, checkpoint_upload_fn=upload_manifest_last if snap else None)
+                ray.train.report(metrics, checkpoint=ckpt,
+                                 checkpoint_upload_fn=functools.partial(upload_manifest_last, step=snap.step) if snap else None)
         elif snap is None:
             ray.train.report(metrics)
         else:
@@ -403,12 +405,12 @@ class CheckpointSaver:
             finally:
                 if written is not None:
                     written.set()
-            return upload_manifest_last(ckpt, dir_name)
+            return upload_manifest_last(ckpt, dir_name, snap.step)
 
         return write_then_upload
 
 
-def upload_manifest_last(ckpt, dir_name: str):
+def upload_manifest_last(ckpt, dir_name: str, step: int):
     """Copy a written checkpoint folder to the run's storage (local or URI) with its manifest last: Ray's own
     copy moves the files in parallel, so a copy cut short (the worker or node dies) could leave a manifest
     beside incomplete files. Uploaded this way, a folder in the run folder without a manifest is an upload
@@ -422,7 +424,7 @@ def upload_manifest_last(ckpt, dir_name: str):
     try:
         shutil.move(os.path.join(ckpt.path, checkpoint.MANIFEST), held)
         persisted = storage.persist_current_checkpoint(ckpt, dir_name)
-        checkpoint.fault_injection_point(checkpoint.read_state(ckpt.path).step)
+        checkpoint.fault_injection_point(step)
         pyarrow.fs.copy_files(os.path.join(held, checkpoint.MANIFEST), f"{persisted.path}/{checkpoint.MANIFEST}",
                               source_filesystem=pyarrow.fs.LocalFileSystem(),
                               destination_filesystem=persisted.filesystem)
