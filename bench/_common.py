@@ -1,6 +1,6 @@
 """What the training benchmarks share: a generated corpus, an LM job, behemoth's metrics log, and figures.
 
-Every benchmark runs behemoth through `behemoth.trainer.train` (a real local Ray, Ray Train workers) and
+Every benchmark runs behemoth through `behemoth.driver.trainer.train` (a real local Ray, Ray Train workers) and
 reads what the run reported from RUN_DIR/metrics.jsonl, the log every run writes.
 """
 
@@ -55,7 +55,7 @@ def lm_job(corpus: Path, storage: Path, run_name: str, *, hidden: int = 256, lay
 def run_behemoth(job: dict) -> list[dict]:
     """Train the job; return every report rank 0 made (metrics.jsonl of the run)."""
     from behemoth.config import config_from_dict
-    from behemoth.trainer import train
+    from behemoth.driver.trainer import train
 
     summary = train(config_from_dict(job))
     return read_metrics(Path(summary.run_dir))

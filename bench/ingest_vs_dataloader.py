@@ -95,7 +95,7 @@ def main() -> None:
     from behemoth.config import DataConfig, config_from_dict
     from behemoth.data.images import build_index
     from behemoth.data.synth import write_synth_images
-    from behemoth.trainer import train
+    from behemoth.driver.trainer import train
 
     root = Path(args.data)
     if not (root / "train").is_dir():

@@ -2,7 +2,7 @@
 
     ray job submit --working-dir . -- python jobs/train.py --config jobs/configs/demo_images.yaml
 
-Thin on purpose: all logic lives in the behemoth package (see behemoth.cli).
+Thin on purpose: all logic lives in the behemoth package (see behemoth.driver.cli).
 """
 
 import argparse
@@ -13,7 +13,7 @@ from pathlib import Path
 # without an install on the cluster (platform/ is a source root, never a package).
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "platform"))
 
-from behemoth.cli import main  # noqa: E402
+from behemoth.driver.cli import main  # noqa: E402
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

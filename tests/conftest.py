@@ -50,7 +50,7 @@ def ray_local():
     """One local Ray instance per test module (starting Ray costs seconds on 2 cores)."""
     import ray
 
-    from behemoth.trainer import LOCAL_RAY_SYSTEM_CONFIG
+    from behemoth.driver.trainer import LOCAL_RAY_SYSTEM_CONFIG
 
     # as behemoth starts a local instance (workers at niceness 0)
     ray.init(num_cpus=2, include_dashboard=False, logging_level="warning", _system_config=LOCAL_RAY_SYSTEM_CONFIG,

@@ -1,9 +1,33 @@
 """behemoth: fault-tolerant distributed training on Ray.
 
-Driver side: `behemoth.trainer.train(cfg)`; worker side: `behemoth.loop.train_loop_per_worker`.
+The house (each a folder): `driver/` (cli, trainer, tune, cluster check: one process, no CUDA), `worker/` (the
+loop Ray Train runs on every worker and what it uses), `tasks/` (one file per workload, both sides), `data/`
+(Ray Data pipelines), `models/`; on the shared floor `config`, `errors`, `paths`, `checkpoint`, `metrics`.
+
+Python API: `behemoth.train(cfg)`, `behemoth.sweep(job, space, ...)` (also `behemoth.tune.sweep`),
+`behemoth.load_config(path, overrides)`. Ray and torch are imported only when `train` or `sweep` is used.
 """
 
-from behemoth.config import ConfigError, JobConfig, load_config
+from behemoth.config import JobConfig, load_config
+from behemoth.errors import CheckpointError, ConfigError, DataError, RunFailedError
 
-__all__ = ["ConfigError", "JobConfig", "load_config"]
+__all__ = ["CheckpointError", "ConfigError", "DataError", "JobConfig", "RunFailedError", "load_config", "sweep",
+           "train"]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    """`train`, `sweep` and the `tune` module, imported on first use (they import Ray)."""
+    if name == "train":
+        from behemoth.driver.trainer import train
+
+        return train
+    if name == "sweep":
+        from behemoth.driver.tune import sweep
+
+        return sweep
+    if name == "tune":
+        from behemoth.driver import tune
+
+        return tune
+    raise AttributeError(f"module 'behemoth' has no attribute {name!r}")

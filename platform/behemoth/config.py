@@ -16,18 +16,29 @@ from typing import Any, Literal, Optional, Union
 
 import yaml
 
-
-class ConfigError(ValueError):
-    """A job config that cannot run. The message names the file, the key and the fix."""
+from behemoth.errors import ConfigError
 
 
+# data.kind -> the task that trains it ("module:Class", imported only when a run needs it: behemoth.tasks).
+# Adding a workload to behemoth: its file in tasks/ and its line here. A task outside behemoth needs no
+# line: `data.kind: my_package.my_module:MyTask`.
+TASKS: dict[str, str] = {
+    "image_folder": "behemoth.tasks.image:ImageClassification",
+    "image_parquet": "behemoth.tasks.image:ImageClassification",
+    "text": "behemoth.tasks.causal_lm:CausalLM",
+}
 TEXT_KINDS = ("text",)
+
+
+def is_custom_kind(kind: str) -> bool:
+    """A task given by import path (module:Class) rather than one of TASKS."""
+    return kind not in TASKS and ":" in kind
 
 
 @dataclass
 class DataConfig:
     # image_folder / image_parquet: image classification. text: causal language modelling.
-    kind: Literal["image_folder", "image_parquet", "text"] = "image_folder"
+    kind: str = "image_folder"
     # image_folder: ROOT/{train,val}/<class>/*.{png,jpg,jpeg}
     root: str = ""
     # image_parquet and text: files (or globs). Text with no val_files splits off val_fraction of documents.
@@ -69,6 +80,13 @@ class DataConfig:
     cache_dir: str = "data_cache"
 
     def validate(self) -> None:
+        if self.kind not in TASKS and not is_custom_kind(self.kind):
+            close = closest_key(self.kind, list(TASKS))
+            hint = f"; did you mean '{close}'?" if close else ""
+            raise ConfigError(f"data.kind '{self.kind}' is not a known task{hint} (known: {', '.join(TASKS)}; or "
+                              f"your own task class as module:Class)")
+        if is_custom_kind(self.kind):
+            return  # the task checks its own data (its check() runs before Ray starts)
         if self.kind in TEXT_KINDS:
             return self._validate_text()
         if self.kind == "image_folder" and not self.root:
@@ -286,10 +304,12 @@ class JobConfig:
     failure: FailureConfig = field(default_factory=FailureConfig)
 
     def validate(self) -> None:
+        custom = is_custom_kind(self.data.kind)
         for f in dataclasses.fields(self):
-            getattr(self, f.name).validate()
+            if not (custom and f.name == "model"):  # a task of one's own builds its own model
+                getattr(self, f.name).validate()
         text_data, lm = self.data.kind in TEXT_KINDS, self.model.name == "causal_lm"
-        if text_data != lm:
+        if not custom and text_data != lm:
             raise ConfigError(f"data.kind {self.data.kind} cannot train model.name {self.model.name}: text data "
                               f"trains model.name causal_lm, image data an image model")
         # Every world size the run may have must split the global batch evenly.
@@ -328,22 +348,27 @@ def _positive(key: str, value: float) -> None:
 # Loading: YAML -> overrides -> typed objects -> validate
 
 
+def read_yaml_mapping(path: str | Path, what: str = "config file", holds: str = "sections (data, model, "
+                      "train, ...)") -> dict:
+    """The mapping a YAML file holds; a missing file, invalid YAML or another shape is a ConfigError."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"{what} {p} does not exist")
+    try:
+        raw = yaml.safe_load(p.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{p} is not valid YAML: {' '.join(str(e).split())}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{p} must hold a mapping of {holds}")
+    return raw
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> JobConfig:
     """Read a job YAML (or start from defaults), apply `a.b=c` overrides, check types and values."""
     where = str(path) if path else "<defaults>"
-    raw: dict = {}
-    if path is not None:
-        p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"config file {where} does not exist")
-        try:
-            raw = yaml.safe_load(p.read_text()) or {}
-        except yaml.YAMLError as e:
-            raise ConfigError(f"{where} is not valid YAML: {e}") from None
-        if not isinstance(raw, dict):
-            raise ConfigError(f"{where} must hold a mapping of sections (data, model, train, ...)")
+    raw = read_yaml_mapping(path) if path is not None else {}
     for item in overrides or []:
-        _apply_override(raw, item)
+        apply_override(raw, item)
     cfg = from_dict(JobConfig, raw, where=where)
     try:
         cfg.validate()
@@ -358,7 +383,8 @@ def config_from_dict(raw: dict, where: str = "<dict>") -> JobConfig:
     return cfg
 
 
-def _apply_override(raw: dict, item: str) -> None:
+def apply_override(raw: dict, item: str) -> None:
+    """Set `raw[a][b] = value` for a `--set a.b=value` item (the value read as YAML)."""
     if "=" not in item:
         raise ConfigError(f"--set {item!r}: expected KEY=VALUE, e.g. --set train.lr=0.05")
     dotted, value = item.split("=", 1)

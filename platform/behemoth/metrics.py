@@ -42,8 +42,8 @@ def format_eta(seconds: float) -> str:
     return f"{h}:{m:02d}:{s:02d}" if h else f"{m}:{s:02d}"
 
 
-def progress_line(m: dict, total_steps: int, epochs: int) -> str:
-    """One concise console line per report."""
+def progress_line(m: dict, total_steps: int, epochs: int, task_fields: list[str] = ()) -> str:
+    """One concise console line per report; `task_fields`: the task's own (its validation metrics)."""
     parts = [f"epoch {m['epoch']:.2f}/{epochs}", f"step {m['step']}/{total_steps}"]
     if "loss" in m:
         parts += [f"loss {m['loss']:.4f}", f"lr {m['lr']:.3g}", f"{m['samples_per_s']:.0f} samples/s"]
@@ -57,11 +57,7 @@ def progress_line(m: dict, total_steps: int, epochs: int) -> str:
         if "peak_mem_gb" in m:
             parts.append(f"mem {m['peak_mem_gb']:.2f} GB")
         parts.append(f"eta {format_eta(m['eta_s'])}")
-    if "val_accuracy" in m:
-        parts += [f"val_loss {m['val_loss']:.4f}", f"val_acc {m['val_accuracy']:.4f}"]
-    if "val_perplexity" in m:
-        parts += [f"val_loss {m['val_loss']:.4f}", f"val_ppl {m['val_perplexity']:.3f}"]
-    return " | ".join(parts)
+    return " | ".join([*parts, *task_fields])
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -16,11 +16,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from behemoth import checkpoint, parallel
+from behemoth import checkpoint
+from behemoth.worker import checkpointing
+from behemoth.worker import parallel
 from behemoth.checkpoint import TrainState
 from behemoth.config import JobConfig
-from behemoth.loop import train_step
-from behemoth.precision import grad_scaler
+from behemoth.worker.loop import train_step
+from behemoth.worker.precision import grad_scaler
 
 GLOBAL_BATCH, STEPS, FEATURES, CLASSES = 32, 6, 48, 10
 CPU = torch.device("cpu")
@@ -83,7 +85,7 @@ def full_params(model) -> dict:
 
     if parallel.is_sharded(model):
         return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
-    return {k: v.detach().clone() for k, v in checkpoint.unwrap(model).state_dict().items()}
+    return {k: v.detach().clone() for k, v in parallel.unwrap(model).state_dict().items()}
 
 
 def ddp(bucket_cap_mb: float = 25.0) -> DDP:
@@ -152,7 +154,7 @@ def powersgd_restore(rank, world, out):
     dist.gather_object(hook.to_bytes(), states, dst=0)
     folder = os.path.join(out, "powersgd_ckpt")
     if rank == 0:
-        checkpoint.save(folder, model=model, optimizer=opt, scheduler=sched, state=TrainState(step=4),
+        checkpointing.save(folder, model=model, optimizer=opt, scheduler=sched, state=TrainState(step=4),
                         classes=None, job_yaml="", hook_states=states)
     dist.barrier()
     train(model, cfg, rank, world, start=4, steps=4, optimizer=opt, scheduler=sched)
@@ -163,7 +165,7 @@ def powersgd_restore(rank, world, out):
         hook = parallel.register_compression(model, cfg.train)
         opt = torch.optim.SGD(model.parameters(), lr=cfg.train.lr, momentum=cfg.train.momentum)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
-        checkpoint.load(folder, model=model, optimizer=opt, scheduler=sched, hook_state=hook if restore_hook else None)
+        checkpointing.load(folder, model=model, optimizer=opt, scheduler=sched, hook_state=hook if restore_hook else None)
         if not restore_hook:
             hook.state.iter = 4  # the same schedule (compressing), only the error feedback and Q are new
         train(model, cfg, rank, world, start=4, steps=4, optimizer=opt, scheduler=sched)
@@ -177,7 +179,7 @@ def fsdp(strategy):
         model = parallel.shard(make_model(), reshard_after_forward=strategy == "fsdp_full")
         losses, opt, sched = train(model, cfg, rank, world, steps=3, accum=2)
         folder = os.path.join(out, f"{strategy}_ckpt")
-        snap = checkpoint.snapshot(model=model, optimizer=opt, scheduler=sched, state=TrainState(step=3),
+        snap = checkpointing.snapshot(model=model, optimizer=opt, scheduler=sched, state=TrainState(step=3),
                                    classes=None, job_yaml="")  # collective: every rank gathers
         if rank == 0:
             checkpoint.write(folder, snap)
@@ -187,7 +189,7 @@ def fsdp(strategy):
         fresh = parallel.shard(make_model(), reshard_after_forward=strategy == "fsdp_full")
         opt2 = torch.optim.SGD(fresh.parameters(), lr=cfg.train.lr, momentum=cfg.train.momentum)
         sched2 = torch.optim.lr_scheduler.LambdaLR(opt2, lambda s: 1.0)
-        step = checkpoint.load(folder, model=fresh, optimizer=opt2, scheduler=sched2).step
+        step = checkpointing.load(folder, model=fresh, optimizer=opt2, scheduler=sched2).step
         train(fresh, cfg, rank, world, start=3, steps=3, accum=2, optimizer=opt2, scheduler=sched2)
         local = sum(p.to_local().numel() for p in model.parameters())
         return {"losses": losses + more, "params": final, "restored": full_params(fresh), "restored_step": step,

@@ -3,7 +3,7 @@
 Ray Train workers import this module by name (the tests' Ray instance puts tests/ on their PYTHONPATH).
 """
 
-from behemoth.loop import train_loop_per_worker
+from behemoth.worker.loop import train_loop_per_worker
 from behemoth.tasks.causal_lm import CausalLM
 
 REPEATED_AT = 3  # the 4th batch of every epoch pass is a second copy of the 3rd (and the real 4th is skipped)

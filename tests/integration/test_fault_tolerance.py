@@ -28,7 +28,8 @@ import torch
 import yaml
 from behemoth.checkpoint import FAULT_ENV, read_state
 from behemoth.config import ConfigError, config_from_dict
-from behemoth.trainer import RunFailedError, train
+from behemoth.driver.trainer import train
+from behemoth.errors import RunFailedError
 from conftest import lm_job_dict
 
 from integration import ledger_audit
@@ -142,7 +143,7 @@ def check_recovered(summary, storage: Path, name: str, straight_summary, max_red
 
 
 def test_r1_r3_node_removed_then_driver_killed(cluster, straight, text_corpus, tmp_path):
-    """The driver runs as its own process (`python -m behemoth.cli train`, RAY_ADDRESS = the cluster).
+    """The driver runs as its own process (`python -m behemoth.driver.cli train`, RAY_ADDRESS = the cluster).
     R1: at step 37 rank 1's node is removed and a new node joins; the run recovers on it. R3: at step 90 the
     driver is SIGKILLed; a changed model config under the same name is refused; the same command resumes.
     The run ends on the uninterrupted run's weights; each failure redid at most one checkpoint interval."""
@@ -152,7 +153,7 @@ def test_r1_r3_node_removed_then_driver_killed(cluster, straight, text_corpus, t
     config = tmp_path / "job.yaml"
     config.write_text(yaml.safe_dump(job(text_corpus, tmp_path, name)))
     env = {**os.environ, "RAY_ADDRESS": c.address, "PYTHONPATH": str(TESTS)}
-    driver = subprocess.Popen([sys.executable, "-m", "behemoth.cli", "train", str(config)], env=env,
+    driver = subprocess.Popen([sys.executable, "-m", "behemoth.driver.cli", "train", str(config)], env=env,
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         wait_for_step(ledger, FAIL_AT)
@@ -180,7 +181,7 @@ def test_r1_r3_node_removed_then_driver_killed(cluster, straight, text_corpus, t
 def test_r2_r4_worker_killed_while_uploading_a_checkpoint_then_at_step_37(cluster, straight, text_corpus, tmp_path,
                                                                           capfd):
     """First run, failure.max_failures=0: rank 0 is SIGKILLed half-way through uploading checkpoint 30 into
-    the run folder (the fault hook in loop.upload_manifest_last: the files are there, the manifest is not);
+    the run folder (the fault hook in worker/saver.upload_manifest_last: the files are there, the manifest is not);
     the run fails at once with a clear error (R4, and R2's exhausted restarts). Then checkpoint 20 is damaged
     on disk (R5). The rerun under the same name, max_failures=1, removes the partial 30 and says so, skips 20
     with a warning and resumes from 10, and a training worker is SIGKILLed at step 37 (R2): Ray Train restarts

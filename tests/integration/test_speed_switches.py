@@ -21,7 +21,7 @@ pytestmark = pytest.mark.integration
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    from behemoth.trainer import worker_env_vars
+    from behemoth.driver.trainer import worker_env_vars
 
     out = tmp_path_factory.mktemp("ddp")
     with socket.socket() as s:
@@ -125,7 +125,7 @@ def _train_single(model, steps=4):
 
 
 def test_torch_compile_trains_like_eager():
-    from behemoth import parallel
+    from behemoth.worker import parallel
 
     lines = []
     compiled = parallel.compile_model(harness.make_model(), "default", lines.append)
@@ -140,7 +140,7 @@ def test_torch_compile_failure_falls_back_to_eager(monkeypatch):
     then eager training with eager's numbers."""
     import torch._inductor.config as inductor_config
 
-    from behemoth import parallel
+    from behemoth.worker import parallel
 
     torch._dynamo.reset()
     monkeypatch.setattr(inductor_config.cpp, "cxx", ("/nonexistent/c++",))
@@ -155,10 +155,10 @@ def test_torch_compile_failure_falls_back_to_eager(monkeypatch):
 @pytest.mark.gpu
 def test_fp16_with_grad_scaler_on_gpu(tmp_path):
     """The GPU-only path: fp16 autocast with a GradScaler, its state saved and restored."""
-    from behemoth import checkpoint
+    from behemoth.worker import checkpointing
     from behemoth.checkpoint import TrainState
-    from behemoth.loop import train_step
-    from behemoth.precision import grad_scaler
+    from behemoth.worker.loop import train_step
+    from behemoth.worker.precision import grad_scaler
 
     device = torch.device("cuda")
     cfg = harness.config(precision="fp16")
@@ -171,8 +171,8 @@ def test_fp16_with_grad_scaler_on_gpu(tmp_path):
         train_step(model, opt, sched, scaler, [{"x": x[i].to(device), "y": y[i].to(device)}], cfg,
                    harness.ToyTask(), device)
     assert scaler.is_enabled() and scaler.get_scale() > 0
-    checkpoint.save(tmp_path, model=model, optimizer=opt, scheduler=sched, scaler=scaler, state=TrainState(),
+    checkpointing.save(tmp_path, model=model, optimizer=opt, scheduler=sched, scaler=scaler, state=TrainState(),
                     classes=None, job_yaml="")
     scaler2 = grad_scaler(device, "fp16")
-    checkpoint.load(tmp_path, model=harness.make_model().to(device), scaler=scaler2)
+    checkpointing.load(tmp_path, model=harness.make_model().to(device), scaler=scaler2)
     assert scaler2.get_scale() == scaler.get_scale()

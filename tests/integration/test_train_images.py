@@ -7,7 +7,7 @@ import ray
 import torch
 import yaml
 
-from behemoth.cli import main
+from behemoth.driver.cli import main
 from behemoth.config import config_from_dict
 from behemoth.data.images import build_index
 from conftest import job_dict
@@ -21,10 +21,12 @@ def _two_rank_loop(config):
     from behemoth.data.order import rank_train_indices
     import numpy as np
 
-    from behemoth.loop import evaluate, sync_buffers, train_step
+    from behemoth.worker.collectives import sync_buffers
+    from behemoth.worker.evaluate import evaluate
+    from behemoth.worker.loop import train_step
     from behemoth.models.registry import build_model
-    from behemoth.optim import build_optimizer, warmup_cosine
-    from behemoth.precision import grad_scaler
+    from behemoth.worker.optim import build_optimizer, warmup_cosine
+    from behemoth.worker.precision import grad_scaler
     from behemoth.tasks.image import ImageClassification
 
     cfg = config_from_dict(config["job"])
@@ -119,10 +121,32 @@ def test_a_sweep_refuses_to_start_without_rays_state_api(image_root, tmp_path):
     """This module's Ray runs without its dashboard: a stopped trial's resources would never be freed (Ray
     Train's PlacementGroupCleaner needs the state API), so the sweep refuses before any trial."""
     from behemoth.config import ConfigError
-    from behemoth.tune import sweep
+    from behemoth.driver.tune import sweep
 
     job = tmp_path / "job.yaml"
     job.write_text(yaml.safe_dump(job_dict(image_root, tmp_path / "runs")))
     with pytest.raises(ConfigError, match="Ray's state API is not reachable .* start Ray with the dashboard"):
         sweep(job, {"train.lr": {"grid": [0.1, 0.01]}}, storage_path=str(tmp_path / "sweeps"))
     assert not (tmp_path / "sweeps").exists()
+
+
+def test_a_task_of_ones_own_runs_end_to_end_from_its_file_alone(tmp_path, capsys):
+    """Adding a workload is its file: tests/integration/toy_task.py (linear regression, nothing of behemoth's
+    image or text code), named by import path in data.kind. It trains on 2 workers through Ray Train, is
+    checked by `behemoth check`, reports its own metric, picks its best checkpoint by it and prints its own
+    summary line."""
+    from behemoth.driver.cli import main
+    from behemoth.driver.trainer import train
+
+    job = job_dict(tmp_path, tmp_path / "runs", "toy", data={"kind": "integration.toy_task:LinearRegression"},
+                   train={"epochs": 3, "global_batch_size": 32, "lr": 0.1, "momentum": 0.0, "weight_decay": 0.0,
+                          "warmup_steps": 0, "log_every": 8},
+                   checkpoint={"every_n_steps": 16, "keep": 3}, eval={"per_epoch": True})
+    (tmp_path / "toy.yaml").write_text(yaml.safe_dump(job))
+    assert main(["check", str(tmp_path / "toy.yaml")]) == 0
+    assert "# data: 512 train / 128 val rows of 8 features" in capsys.readouterr().out
+    summary = train(config_from_dict(job))
+    m = summary.metrics
+    assert m["step"] == 48 and m["val_mse"] < 0.01  # from ~8 (|w|^2) at the start
+    assert summary.best_metric == "val_mse" and summary.best_value == pytest.approx(m["val_mse"])
+    assert summary.lines()[1].startswith("final val_mse:")

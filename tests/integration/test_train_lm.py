@@ -3,6 +3,7 @@ validation perplexity, checkpoint restore. One Ray instance for the module."""
 
 import json
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -10,11 +11,11 @@ import torch
 import yaml
 
 from behemoth.checkpoint import read_state
-from behemoth.cli import main
+from behemoth.driver.cli import main
 from behemoth.config import config_from_dict
 from behemoth.data import text
 from behemoth.data.text import prepare_text
-from behemoth.trainer import train
+from behemoth.driver.trainer import train
 from conftest import lm_job_dict
 from unit.test_text import reference_stream
 
@@ -97,7 +98,7 @@ def test_two_worker_lm_run_lowers_loss_then_reruns(text_corpus, tmp_path):
         open(weights, "wb").write(data[: len(data) // 2])
     with pytest.raises(Exception, match="no checkpoint of this run passes verification") as refused:
         train(cfg)
-    from behemoth.cli import user_facing_error
+    from behemoth.errors import user_facing_error
 
     shown = user_facing_error(refused.value)  # the one line `behemoth train` prints
     assert shown.startswith("no checkpoint of this run passes verification") and kept[0][1] in shown
@@ -106,8 +107,8 @@ def test_two_worker_lm_run_lowers_loss_then_reruns(text_corpus, tmp_path):
 
 def _step_memory_mb(cfg, tokens, micro_batch: int) -> float:
     """What behemoth's micro-batch search measures for this job's model at a micro-batch size (CPU)."""
-    from behemoth.autobatch import step_memory_bytes
-    from behemoth.precision import autocast
+    from behemoth.worker.autobatch import step_memory_bytes
+    from behemoth.worker.precision import autocast
     from behemoth.tasks.causal_lm import CausalLM
 
     torch.manual_seed(cfg.train.seed)
@@ -150,6 +151,43 @@ def test_speed_switches_in_a_real_run(text_corpus, tmp_path):
     assert [m["step"] for m in log] == [4, 8, 12] and all("mfu" in m and m["time"] > 0 for m in log)
 
 
+def test_powersgd_through_ray_train_restores_exactly(text_corpus, tmp_path, monkeypatch):
+    """PowerSGD compression with asynchronous checkpoints on the loop's own path inside Ray Train (2 DDP
+    workers): the snapshot carries each rank's hook state (error feedback, Q matrices), the upload thread
+    writes it, a restore loads it. Rank 0 is SIGKILLed while uploading checkpoint 8 (the fault hook); Ray
+    Train restarts the group, which removes the partial upload, restores checkpoint 4 and redoes steps 5-8
+    and beyond. Every redone step's loss on every rank equals, bit for bit, what the first group computed:
+    from step 6 on that holds only if the PowerSGD state was restored exactly (step 5's update used it)."""
+    from behemoth.driver import trainer
+    from behemoth.checkpoint import FAULT_ENV
+    from integration.ledger_audit import read_ledger
+
+    marker = tmp_path / "killed"
+    env = trainer.worker_env_vars
+    monkeypatch.setattr(trainer, "worker_env_vars", lambda: {**env(), FAULT_ENV: f"powersgd:8:{marker}"})
+    ledger = tmp_path / "ledger"
+    cfg = config_from_dict(lm_job_dict(
+        text_corpus, tmp_path, run_name="powersgd",
+        train={"max_steps": 12, "grad_compression": "powersgd", "powersgd_warmup_steps": 2, "warmup_steps": 0,
+               "sample_ledger": str(ledger)},
+        checkpoint={"every_n_steps": 4, "async_save": True}, eval={"every_n_steps": None},
+        failure={"max_failures": 1}))
+    summary = train(cfg)
+    assert marker.is_file()  # the kill happened
+    assert summary.metrics["step"] == 12 and summary.resumed_from_step == 4
+    assert (Path(summary.latest_checkpoint) / "comm_hook.pt").is_file()
+    records = read_ledger(ledger)
+    groups = list(dict.fromkeys(r["group"] for r in records if r["rank"] == 0))
+    assert len(groups) == 2
+    first = {(r["step"], r["rank"]): r for r in records if r["group"] == groups[0]}
+    redone = [r for r in records if r["group"] == groups[1] and (r["step"], r["rank"]) in first]
+    assert {r["step"] for r in redone} >= {5, 6, 7, 8}
+    for r in redone:
+        before = first[(r["step"], r["rank"])]
+        assert r["ids"] == before["ids"]
+        assert r["loss_sum"] == before["loss_sum"], (r["step"], r["rank"], r["loss_sum"], before["loss_sum"])
+
+
 def test_invalid_utf8_fails_the_run_naming_file_and_line(text_corpus, tmp_path, capsys):
     bad = tmp_path / "train.txt"
     bad.write_bytes(b"a fine line\n" * 5 + "caf\u00e9\n".encode("latin-1"))
@@ -168,7 +206,7 @@ def test_a_local_ray_runs_its_workers_at_normal_priority():
     import subprocess
     import sys
 
-    code = ("import os, ray; from behemoth.trainer import ensure_ray; ensure_ray(); "
+    code = ("import os, ray; from behemoth.driver.trainer import ensure_ray; ensure_ray(); "
             "print('niceness', ray.get(ray.remote(lambda: os.nice(0)).remote()))")
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
@@ -179,7 +217,7 @@ def test_the_ledger_audit_catches_a_pipeline_that_repeats_a_batch(text_corpus, t
     """The ledger holds what the pipeline delivered, so the audit the failure tests rely on (and pass with
     the real pipeline) fails when the data layer repeats a batch and skips the one it replaces, though the
     planned order is right."""
-    from behemoth.trainer import build_trainer, prepare_data
+    from behemoth.driver.trainer import build_trainer, prepare_data
     from integration import ledger_audit
     from integration.faulty_pipeline import REPEATED_AT, loop_with_a_repeated_batch
 

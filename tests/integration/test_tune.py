@@ -25,8 +25,8 @@ import yaml
 
 from behemoth.checkpoint import read_state
 from behemoth.config import config_from_dict, load_config
-from behemoth.trainer import train
-from behemoth.tune import sweep
+from behemoth.driver.trainer import train
+from behemoth.driver.tune import sweep
 from conftest import job_dict
 
 pytestmark = pytest.mark.integration
@@ -41,7 +41,7 @@ def ray_with_dashboard():
 
     from conftest import _SESSION_DIR
 
-    from behemoth.trainer import LOCAL_RAY_SYSTEM_CONFIG
+    from behemoth.driver.trainer import LOCAL_RAY_SYSTEM_CONFIG
 
     ray.init(num_cpus=2, include_dashboard=True, logging_level="warning", _system_config=LOCAL_RAY_SYSTEM_CONFIG,
              _temp_dir=tempfile.mkdtemp(prefix="ray-", dir=_SESSION_DIR))
@@ -116,13 +116,13 @@ def nth_trial(sweep_dir: Path, n: int) -> str | None:
 
 
 def test_sweep_survives_worker_and_driver_kills_asha_stops_trials_and_resources_return(
-        ray_with_dashboard, image_root, tmp_path):
+        ray_with_dashboard, image_root, tmp_path, capfd):
     path = write_sweep(tmp_path, image_root)
     sweep_dir = tmp_path / "sweeps" / "tiny"
     runs = sweep_dir / "runs"
     env = {**os.environ, "RAY_ADDRESS": ray.get_runtime_context().gcs_address}
     log = (tmp_path / "driver.log").open("w")
-    driver = subprocess.Popen([sys.executable, "-m", "behemoth.cli", "tune", str(path)], env=env,
+    driver = subprocess.Popen([sys.executable, "-m", "behemoth.driver.cli", "tune", str(path)], env=env,
                               stdout=log, stderr=subprocess.STDOUT)
     try:
         # Trial 1: once it has a checkpoint, SIGKILL its training worker; it must still finish.
@@ -147,6 +147,9 @@ def test_sweep_survives_worker_and_driver_kills_asha_stops_trials_and_resources_
     result = sweep(tmp_path / "job.yaml", space={"train.lr": {"grid": LRS}}, metric="val_loss",
                    scheduler={"kind": "asha", "grace_period": 1, "reduction_factor": 2}, max_concurrent_trials=1,
                    name="tiny", storage_path=str(tmp_path / "sweeps"))
+    console = capfd.readouterr()
+    console = console.out + console.err
+    print(console)
 
     # The finished trial was not trained again; the interrupted one continued from its own checkpoint.
     trained = [s["trial_id"] for s in starts(sweep_dir) if not s["finished_before"]]
@@ -161,6 +164,13 @@ def test_sweep_survives_worker_and_driver_kills_asha_stops_trials_and_resources_
     assert not table["status"].str.startswith("error").any()
     stopped, finished = table[table["status"] == "stopped early"], table[table["status"] == "finished"]
     assert len(stopped) >= 1 and (stopped["step"] < finished["step"].min()).all()  # ASHA stopped it early
+    # Each trial that ended in this run says so in one line, and nothing printed a traceback (Tune stopping a
+    # trial's actor made Ray print its SIGTERM exit as one).
+    for trial_id in stopped["trial_id"]:
+        if trial_id in console:
+            assert f"[behemoth] trial {trial_id} stopped early by the scheduler at epoch" in console
+    assert "[behemoth] trial " in console and ("stopped early by the scheduler" in console or " finished: " in console)
+    assert "Traceback" not in console and "PreemptionWatcher" not in console
     # Best first; the Python API's best config is that row's.
     assert table["val_loss"].is_monotonic_increasing and result.best_value == table["val_loss"].iloc[0]
     assert result.best_params == {"train.lr": table["train.lr"].iloc[0]}
@@ -213,7 +223,7 @@ def test_a_placement_group_whose_creator_died_is_freed(ray_with_dashboard):
     group on its way out (a Ray Train race): an actor creates a group, dies, and the group's CPU comes back."""
     from ray.util.placement_group import placement_group
 
-    from behemoth.tune import reap_orphaned_placement_groups
+    from behemoth.driver.tune import reap_orphaned_placement_groups
 
     @ray.remote(num_cpus=0)
     class Creator:

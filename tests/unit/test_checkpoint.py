@@ -4,10 +4,11 @@ import pytest
 import torch
 
 from behemoth import checkpoint
+from behemoth.worker import checkpointing
 from behemoth.checkpoint import CheckpointError, TrainState
 from behemoth.config import TrainConfig
 from behemoth.models.registry import build_model
-from behemoth.optim import build_optimizer, warmup_cosine
+from behemoth.worker.optim import build_optimizer, warmup_cosine
 
 CFG = TrainConfig(lr=0.1, warmup_steps=2, optimizer="sgd")
 
@@ -40,11 +41,11 @@ def test_round_trip_restores_everything_exactly(tmp_path):
     for s in range(3):
         step(model, opt, sched, s)
     state = TrainState(step=3, epoch=0, step_in_epoch=3, samples_seen=12, world_size=2)
-    checkpoint.save(tmp_path, model=model, optimizer=opt, scheduler=sched, state=state, classes=["a", "b"],
+    checkpointing.save(tmp_path, model=model, optimizer=opt, scheduler=sched, state=state, classes=["a", "b"],
                     job_yaml="x: 1\n")
 
     model2, opt2, sched2 = make(seed=99)  # different weights before the restore
-    assert checkpoint.load(tmp_path, model=model2, optimizer=opt2, scheduler=sched2) == state
+    assert checkpointing.load(tmp_path, model=model2, optimizer=opt2, scheduler=sched2) == state
     assert_same_tensors(model.state_dict(), model2.state_dict())
     assert sched2.state_dict()["last_epoch"] == 3 and sched2.get_last_lr() == sched.get_last_lr()
     # continuing both gives identical weights: optimizer momentum came back too
@@ -55,7 +56,7 @@ def test_round_trip_restores_everything_exactly(tmp_path):
 
 def test_manifest_lists_every_file_and_is_written_last(tmp_path):
     model, opt, sched = make()
-    checkpoint.save(tmp_path, model=model, optimizer=opt, scheduler=sched, state=TrainState(), classes=None,
+    checkpointing.save(tmp_path, model=model, optimizer=opt, scheduler=sched, state=TrainState(), classes=None,
                     job_yaml="")
     manifest = checkpoint.verify(tmp_path)
     assert set(manifest["files"]) == {"model.pt", "optimizer.pt", "scheduler.pt", "train_state.json", "job.yaml"}
@@ -64,13 +65,13 @@ def test_manifest_lists_every_file_and_is_written_last(tmp_path):
 
 def test_damage_is_detected_and_named(tmp_path):
     model, opt, sched = make()
-    checkpoint.save(tmp_path, model=model, optimizer=opt, scheduler=sched, state=TrainState(), classes=None,
+    checkpointing.save(tmp_path, model=model, optimizer=opt, scheduler=sched, state=TrainState(), classes=None,
                     job_yaml="")
     weights = tmp_path / "model.pt"
     data = weights.read_bytes()
     weights.write_bytes(data[: len(data) // 2])  # truncated, as by a crash mid-copy
     with pytest.raises(CheckpointError, match=f"{tmp_path}: model.pt does not match its manifest"):
-        checkpoint.load(tmp_path, model=make()[0])
+        checkpointing.load(tmp_path, model=make()[0])
     weights.write_bytes(data)
     checkpoint.verify(tmp_path)
     (tmp_path / "manifest.json").unlink()  # never finished writing
@@ -83,7 +84,7 @@ def test_complete_checkpoints_lists_only_manifested_ones_newest_first(tmp_path):
     opt = build_optimizer(model, CFG)
     sched = warmup_cosine(opt, CFG, 10)
     for step in (3, 9, 6):
-        checkpoint.save(tmp_path / f"checkpoint_{step}", model=model, optimizer=opt, scheduler=sched,
+        checkpointing.save(tmp_path / f"checkpoint_{step}", model=model, optimizer=opt, scheduler=sched,
                         state=TrainState(step=step), classes=None, job_yaml="")
     (tmp_path / "checkpoint_9" / "manifest.json").unlink()  # written but never completed
     assert [step for step, _ in checkpoint.complete_checkpoints(tmp_path)] == [6, 3]
@@ -98,18 +99,18 @@ def test_snapshot_is_a_copy_and_reuses_its_buffers(tmp_path):
     step(model, opt, sched, 0)
     buffers = {}
     parts = dict(model=model, optimizer=opt, scheduler=sched, classes=None, job_yaml="")
-    first = checkpoint.snapshot(state=TrainState(step=1), buffers=buffers, **parts)
+    first = checkpointing.snapshot(state=TrainState(step=1), buffers=buffers, **parts)
     saved = {k: v.clone() for k, v in first.state_dicts["model.pt"].items()}
     held = {id(t) for t in buffers.values()}
     step(model, opt, sched, 1)  # training moves on: the snapshot keeps step 1's values
     assert_same_tensors(first.state_dicts["model.pt"], saved)
     assert any(not torch.equal(v, model.state_dict()[k]) for k, v in saved.items())
     checkpoint.write(tmp_path / "a", first)
-    second = checkpoint.snapshot(state=TrainState(step=2), buffers=buffers, **parts)
+    second = checkpointing.snapshot(state=TrainState(step=2), buffers=buffers, **parts)
     assert {id(t) for t in buffers.values()} == held  # same buffers, refilled
     assert_same_tensors(second.state_dicts["model.pt"], model.state_dict())
     model2, opt2, sched2 = make(seed=1)
-    checkpoint.load(tmp_path / "a", model=model2, optimizer=opt2, scheduler=sched2)
+    checkpointing.load(tmp_path / "a", model=model2, optimizer=opt2, scheduler=sched2)
     assert_same_tensors(model2.state_dict(), saved)
 
 
@@ -121,15 +122,15 @@ def test_overlapped_snapshot_holds_the_state_of_its_step(tmp_path, monkeypatch):
     held until the forward and backward are done, so a tensor wrongly left to it shows."""
     import threading
 
-    backward_done, copy_all = threading.Event(), checkpoint.Copies._copy_all
-    monkeypatch.setattr(checkpoint.Copies, "_copy_all",
+    backward_done, copy_all = threading.Event(), checkpointing.Copies._copy_all
+    monkeypatch.setattr(checkpointing.Copies, "_copy_all",
                         lambda self, pairs: (backward_done.wait(), copy_all(self, pairs)))
     model, opt, sched = make()
     step(model, opt, sched, 0)
     expected_model = {k: v.clone() for k, v in model.state_dict().items()}
     expected_opt = {i: {k: v.clone() for k, v in s.items()} for i, s in opt.state_dict()["state"].items()}
     parts = dict(model=model, optimizer=opt, scheduler=sched, classes=None, job_yaml="")
-    snap = checkpoint.snapshot(state=TrainState(step=1), buffers={}, overlap=True, **parts)
+    snap = checkpointing.snapshot(state=TrainState(step=1), buffers={}, overlap=True, **parts)
     # The next step, as the loop runs it: forward + backward, then wait, then the update.
     g = torch.Generator().manual_seed(1)
     x, y = torch.randn(4, 3, 16, 16, generator=g), torch.randint(0, 4, (4,), generator=g)
@@ -145,13 +146,13 @@ def test_overlapped_snapshot_holds_the_state_of_its_step(tmp_path, monkeypatch):
     for i, s in snap.state_dicts["optimizer.pt"]["state"].items():
         assert_same_tensors(s, expected_opt[i])
     model2, opt2, sched2 = make(seed=1)
-    checkpoint.load(tmp_path / "a", model=model2, optimizer=opt2, scheduler=sched2)
+    checkpointing.load(tmp_path / "a", model=model2, optimizer=opt2, scheduler=sched2)
     assert_same_tensors(model2.state_dict(), expected_model)
 
 
 def test_a_failed_background_copy_fails_the_checkpoint():
     """A copy that fails in the snapshot thread must surface (before the update, and before any file is
     written), never leave a half-copied snapshot to be written under a valid manifest."""
-    copies = checkpoint.Copies([], [(torch.empty(3), torch.ones(4))])  # shapes differ: the copy raises
+    copies = checkpointing.Copies([], [(torch.empty(3), torch.ones(4))])  # shapes differ: the copy raises
     with pytest.raises(CheckpointError, match="copying the training state for a checkpoint failed"):
         copies.wait_done()

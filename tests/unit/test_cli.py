@@ -2,7 +2,7 @@
 
 import yaml
 
-from behemoth.cli import main
+from behemoth.driver.cli import main
 from conftest import job_dict
 
 
@@ -36,7 +36,7 @@ def test_check_prints_config_and_data_summary(image_root, tmp_path, capsys):
 def test_auth_token_file_is_made_owner_only(tmp_path, monkeypatch):
     import stat
 
-    from behemoth.trainer import tighten_token_file
+    from behemoth.driver.trainer import tighten_token_file
 
     token = tmp_path / "auth_token"
     token.write_text("x" * 64)
@@ -51,7 +51,7 @@ def test_resume_with_a_changed_model_or_data_config_is_refused(tmp_path):
     import pytest
 
     from behemoth.config import ConfigError, config_from_dict, dump_yaml
-    from behemoth.trainer import check_resume_compatible
+    from behemoth.driver.trainer import check_resume_compatible
 
     job = job_dict(tmp_path / "images", tmp_path / "runs", "r1")
     saved = tmp_path / "runs" / "r1" / "checkpoint_2026-01-01_00-00-00.000000"
@@ -81,3 +81,48 @@ def test_resume_with_a_changed_model_or_data_config_is_refused(tmp_path):
         check_resume_compatible(fsdp)
     (saved / "job.yaml").write_text(dump_yaml(fsdp))
     check_resume_compatible(config_from_dict({**job, "scaling": {**job["scaling"], "strategy": "fsdp_grad_op"}}))
+
+
+def _actions(parser):
+    import argparse
+
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                yield from _actions(sub)
+        elif not isinstance(action, (argparse._HelpAction, argparse._VersionAction)):
+            yield parser.prog, action
+
+
+def test_every_argument_has_help():
+    from behemoth.driver.cli import build_parser
+
+    missing = [f"{prog} {action.dest}" for prog, action in _actions(build_parser()) if not action.help]
+    assert missing == []
+
+
+def test_user_errors_are_one_line_with_their_exit_code(tmp_path, capsys):
+    """Three that ended in tracebacks: a class count the demo data cannot have, a malformed sweep YAML, a
+    missing cluster file."""
+    import pytest
+
+    with pytest.raises(SystemExit) as e:  # argparse: usage, then the one error line
+        main(["data", "synth-images", "--out", str(tmp_path / "x"), "--classes", "11"])
+    assert e.value.code == 2 and "argument --classes: 11 is not between 1 and 10" in capsys.readouterr().err
+    bad = tmp_path / "sweep.yaml"
+    bad.write_text("name: [oops\n")
+    assert main(["tune", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"behemoth: config error: {bad} is not valid YAML") and err.count("\n") == 1
+    assert main(["check-cluster", str(tmp_path / "nope.yaml")]) == 2
+    assert capsys.readouterr().err == f"behemoth: config error: cluster file {tmp_path / 'nope.yaml'} does not exist\n"
+
+
+def test_version_and_python_dash_m():
+    import subprocess
+    import sys
+
+    import behemoth
+
+    out = subprocess.run([sys.executable, "-m", "behemoth", "--version"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == f"behemoth {behemoth.__version__}"

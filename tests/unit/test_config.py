@@ -149,3 +149,20 @@ def test_elastic_range_must_split_the_global_batch_at_every_size(tmp_path):
         load_config(write(tmp_path, "train:\n  global_batch_size: 16\nscaling:\n  num_workers: [2, 4]\n"))
     with pytest.raises(ConfigError, match=r"give one count, or \[min, max\] with min <= max"):
         load_config(write(tmp_path, "scaling:\n  num_workers: [4, 2]\n"))
+
+
+def test_the_configuration_reference_names_every_key():
+    """docs/configuration.md lists every job config key (section.key), and no key that does not exist."""
+    import dataclasses
+    import re
+    from pathlib import Path
+
+    from behemoth.config import JobConfig
+
+    keys = {f"{section.name}.{f.name}" for section in dataclasses.fields(JobConfig)
+            for f in dataclasses.fields(section.default_factory())}
+    doc = (Path(__file__).parents[2] / "docs" / "configuration.md").read_text()
+    table = [line for line in doc.splitlines() if line.startswith("| `")]
+    named = {m for line in table for m in re.findall(r"`([a-z]+\.[a-z_]+)`", line.split("|")[1])}
+    assert sorted(keys - named) == [], "keys missing from docs/configuration.md"
+    assert sorted(named - keys) == [], "docs/configuration.md names keys that do not exist"

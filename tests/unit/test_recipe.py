@@ -8,10 +8,10 @@ import torch.nn.functional as F
 
 from behemoth.config import ConfigError, JobConfig, TrainConfig
 from behemoth.data.text import is_validation
-from behemoth.loop import train_step
+from behemoth.worker.loop import train_step
 from behemoth.models.registry import build_model
-from behemoth.optim import build_optimizer, warmup_cosine
-from behemoth.precision import grad_scaler
+from behemoth.worker.optim import build_optimizer, warmup_cosine
+from behemoth.worker.precision import grad_scaler
 
 
 def test_no_weight_decay_on_biases_and_norm_weights():
@@ -89,7 +89,7 @@ def test_val_fraction_split_is_stable():
 
 @pytest.mark.parametrize("change", ["job", "space", "num_samples", "lr_scaling"])
 def test_a_sweep_rerun_with_another_definition_is_refused(tmp_path, image_root, change):
-    from behemoth.tune import _check_same_sweep, load_sweep
+    from behemoth.driver.tune import _check_same_sweep, load_sweep
     from unit.test_tune import write_sweep
 
     first = load_sweep(write_sweep(tmp_path, image_root))

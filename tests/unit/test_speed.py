@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from behemoth import autobatch, metrics
+from behemoth import metrics
+from behemoth.worker import autobatch
 from behemoth.config import ConfigError, load_config
 
 from .test_config import write

@@ -1,4 +1,4 @@
-from behemoth.cli import main
+from behemoth.driver.cli import main
 from behemoth.data.images import index_image_folder
 
 

@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from behemoth.cli import main
+from behemoth.driver.cli import main
 from behemoth.config import ConfigError
-from behemoth.tune import (SweepConfig, base_job, check_sweep, concurrency_bound, load_sweep, sweep,
+from behemoth.driver.tune import (SweepConfig, base_job, check_sweep, concurrency_bound, load_sweep, sweep,
                            trial_job)
 from conftest import job_dict
 

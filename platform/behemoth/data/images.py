@@ -23,16 +23,13 @@ import pyarrow.parquet as pq
 from PIL import Image
 
 from behemoth.config import DataConfig
-from behemoth.data import DataError, expand_files
+from behemoth.errors import BadSampleError
+from behemoth.data import DataError, expand_files, ordered_data_context
 
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg"}
 INDEX_SCHEMA = pa.schema(
     [("sample_id", pa.int64()), ("path", pa.string()), ("row", pa.int64()), ("label", pa.int64())]
 )
-
-
-class BadSampleError(RuntimeError):
-    """An image that cannot be decoded, with no budget (data.max_bad_samples) left to drop it."""
 
 
 @dataclass
@@ -259,13 +256,7 @@ def rank_dataset(index_table: pa.Table, indices: np.ndarray, cfg: DataConfig, *,
     """
     import ray.data
 
-    ctx = ray.data.DataContext.get_current()
-    ctx.execution_options.preserve_order = True
-    # One pipeline per rank and epoch: Ray Data's progress bars and start/finish lines would drown the
-    # progress lines behemoth prints.
-    ctx.enable_progress_bars = False
-    ctx.print_on_execution_start = False
-    logging.getLogger("ray.data").setLevel(logging.WARNING)
+    ordered_data_context(logging.WARNING)
     rows = index_table.take(pa.array(indices, type=pa.int64()))
     block = max(batch_size * 4, 1)
     blocks = [rows.slice(i, block) for i in range(0, max(rows.num_rows, 1), block)]

@@ -11,10 +11,11 @@ pretrained model whose embedding is smaller than the tokenizer is refused rather
 
 from __future__ import annotations
 
-from behemoth.config import ConfigError, ModelConfig
+from behemoth.errors import ConfigError
 
 
-def build_causal_lm(model_cfg: ModelConfig, *, vocab_size: int, eos_id: int, bos_id: int | None, seq_len: int):
+def build_causal_lm(model_cfg, *, vocab_size: int, eos_id: int, bos_id: int | None, seq_len: int):
+    """`model_cfg`: the job's behemoth.config.ModelConfig (not imported: models/ stands below config)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     overrides = dict(model_cfg.hf_config)

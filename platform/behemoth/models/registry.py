@@ -11,6 +11,8 @@ from __future__ import annotations
 import difflib
 import importlib
 
+from behemoth.errors import ConfigError
+
 MODELS: dict[str, str] = {
     "resnet18": "behemoth.models.resnet:resnet18",
     "resnet50": "behemoth.models.resnet:resnet50",
@@ -23,8 +25,6 @@ CAUSAL_LM = "causal_lm"
 def check_name(name: str) -> None:
     known = [*MODELS, CAUSAL_LM]
     if name not in known:
-        from behemoth.config import ConfigError
-
         close = difflib.get_close_matches(name, known, n=1)
         hint = f"; did you mean '{close[0]}'?" if close else ""
         raise ConfigError(f"model.name '{name}' is not a known model{hint} (known: {', '.join(known)})")

@@ -1,18 +1,30 @@
-"""What differs between workloads, behind one small interface the worker loop calls (see Task below).
+"""Tasks: what differs between workloads, each in one file that owns both sides, behind one registry keyed by
+`data.kind`.
 
-The loop (behemoth.loop) owns everything that is the same for every workload: the global sample order,
-DDP, optimizer and schedule, checkpoints, reports. A task owns the data it feeds, the model it builds, the
-loss, and the validation metrics. Two tasks exist: image classification and causal language modelling.
+Driver side (class attributes and classmethods, used before and after a run):
+  `best`            the metric that picks the best checkpoint, and "max" or "min"
+  `reported`        metrics a sweep may optimise (with their modes)
+  `check(cfg)`      read and check the data without Ray; what `prepare` needs next (e.g. an index)
+  `prepare(cfg, checked)`  with Ray up: what the workers read (it travels once through the object store)
+  `describe(checked)`      one line for `behemoth check`
+  `summary_lines(metrics)` the task's lines in the run summary; `progress_fields(metrics)`: its progress-line fields
+  `data_cpus(cfg)`  CPUs its data pipeline needs beside the workers (a sweep bounds concurrency with it)
+Worker side (an instance per worker, made from the prepared data): see the Task protocol below.
+
+The loop (behemoth.worker.loop) owns everything that is the same for every workload: the global sample order,
+DDP/FSDP, optimizer and schedule, checkpoints, reports. Adding a workload is one file plus one line in
+config.TASKS; a task outside behemoth needs no line at all: `data.kind: my_package.my_module:MyTask`.
 """
 
 from __future__ import annotations
 
+import importlib
 from typing import Iterable, Protocol
 
 import torch
 
-from behemoth.config import TEXT_KINDS, JobConfig
-
+from behemoth.config import TASKS, JobConfig
+from behemoth.errors import ConfigError
 
 class Task(Protocol):
     cfg: JobConfig
@@ -47,21 +59,34 @@ class Task(Protocol):
     def classes(self) -> list[str] | None: ...
 
 
-def is_text(cfg: JobConfig) -> bool:
-    return cfg.data.kind in TEXT_KINDS
+def task_path(kind: str) -> str:
+    """The "module:Class" of the task for a data.kind (one of config.TASKS, or itself a "module:Class")."""
+    if kind in TASKS:
+        return TASKS[kind]
+    if ":" in kind:
+        return kind
+    raise ConfigError(f"data.kind '{kind}' is not a known task (known: {', '.join(TASKS)}; or give a task class "
+                      f"as module:Class)")
+
+
+def task_class(kind_or_path: str) -> type:
+    module, _, name = task_path(kind_or_path).partition(":")
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as e:
+        raise ConfigError(f"data.kind '{kind_or_path}': cannot import task {module}:{name} ({e})") from None
+
+
+def task_of(cfg: JobConfig) -> type:
+    """Driver side: the task class of a job."""
+    return task_class(cfg.data.kind)
 
 
 def best_metric(cfg: JobConfig) -> tuple[str, str]:
     """The metric that picks the best checkpoint, and whether higher is better."""
-    return ("val_loss", "min") if is_text(cfg) else ("val_accuracy", "max")
+    return task_of(cfg).best
 
 
 def make_task(cfg: JobConfig, data) -> Task:
-    """Worker side: the task for this job over the data the driver prepared (an index or token blocks)."""
-    if is_text(cfg):
-        from behemoth.tasks.causal_lm import CausalLM
-
-        return CausalLM(cfg, data)
-    from behemoth.tasks.image import ImageClassification
-
-    return ImageClassification(cfg, data)
+    """Worker side: the task for this job over the data the driver prepared."""
+    return task_class(cfg.data.kind)(cfg, data)

@@ -15,6 +15,57 @@ from behemoth.models.causal_lm import build_causal_lm
 
 
 class CausalLM:
+    # --- driver side ------------------------------------------------------------------------------------
+    best = ("val_loss", "min")
+    reported = {"val_loss": "min", "val_perplexity": "min", "loss": "min"}
+
+    @classmethod
+    def check(cls, cfg: JobConfig):
+        """Files, formats, columns and the tokenizer, checked without Ray; the work units to tokenise."""
+        from behemoth.data.text import check_text_sources
+
+        return check_text_sources(cfg.data)
+
+    @classmethod
+    def prepare(cls, cfg: JobConfig, units) -> TokenIndex:
+        """Tokenise and pack the corpus with Ray Data (or read its cache): the blocks the workers gather from."""
+        import time
+
+        from behemoth.data.text import prepare_text
+
+        started = time.time()
+        tokens = prepare_text(cfg.data, seed=cfg.train.seed, units=units)
+        stats = tokens.stats
+        splits = "; ".join(
+            f"{s}: {stats[s]['blocks']} blocks of {stats['seq_len']} tokens ({stats[s]['documents']} documents, "
+            f"{stats[s]['tokens']} tokens, {stats[s]['tail_tokens_dropped']} in the final partial block dropped)"
+            for s in ("train", "val"))
+        print(f"[behemoth] text {splits}. Cache {stats['cache']} ({time.time() - started:.1f} s)", flush=True)
+        return tokens
+
+    @classmethod
+    def describe(cls, cfg: JobConfig, units) -> str:
+        from behemoth.data.text import load_tokenizer
+
+        source = cfg.data.hf_dataset or f"{len({u.path for u in units})} files in {len(units)} work units"
+        return f"text: {source}; tokenizer {len(load_tokenizer(cfg.data.tokenizer))} tokens (tokenised at train time)"
+
+    @classmethod
+    def data_cpus(cls, cfg: JobConfig) -> float:
+        return 0.0  # tokenised once, before the workers start
+
+    @staticmethod
+    def summary_lines(m: dict) -> list[str]:
+        if "val_perplexity" not in m:
+            return []
+        return [f"final val ppl:     {m['val_perplexity']:.3f} (val_loss {m['val_loss']:.4f}, "
+                f"{m['val_tokens']} tokens)"]
+
+    @staticmethod
+    def progress_fields(m: dict) -> list[str]:
+        return [f"val_loss {m['val_loss']:.4f}", f"val_ppl {m['val_perplexity']:.3f}"] if "val_perplexity" in m else []
+
+    # --- worker side ------------------------------------------------------------------------------------
     eval_size = 2  # loss summed over predicted tokens, predicted tokens
 
     def __init__(self, cfg: JobConfig, index: TokenIndex):

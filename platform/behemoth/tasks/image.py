@@ -7,11 +7,48 @@ import torch
 import torch.nn.functional as F
 
 from behemoth.config import JobConfig
-from behemoth.data.images import ImageIndex, describe_samples, rank_dataset
+from behemoth.data.images import ImageIndex, build_index, describe_samples, rank_dataset
 from behemoth.models.registry import build_model
 
 
 class ImageClassification:
+    # --- driver side ------------------------------------------------------------------------------------
+    best = ("val_accuracy", "max")
+    reported = {"val_accuracy": "max", "val_loss": "min", "loss": "min"}
+
+    @classmethod
+    def check(cls, cfg: JobConfig) -> ImageIndex:
+        """The index of samples (files or parquet rows, labels), built and checked on the driver."""
+        return build_index(cfg.data)
+
+    @classmethod
+    def prepare(cls, cfg: JobConfig, index: ImageIndex) -> ImageIndex:
+        return index  # the workers decode their own samples, in Ray Data tasks
+
+    @classmethod
+    def describe(cls, cfg: JobConfig, index: ImageIndex) -> str:
+        return f"{index.train.num_rows} train / {index.val.num_rows} val samples, {len(index.classes)} classes"
+
+    @classmethod
+    def data_cpus(cls, cfg: JobConfig) -> float:
+        return cfg.data.cpus_per_task  # decode tasks run beside the workers
+
+    @staticmethod
+    def summary_lines(m: dict) -> list[str]:
+        out = []
+        if "val_accuracy" in m:
+            out.append(f"final val_acc:     {m['val_accuracy']:.4f} (val_loss {m['val_loss']:.4f}, "
+                       f"{m['val_samples']} samples)")
+        if m.get("bad_samples") or m.get("val_bad_samples"):
+            out.append(f"dropped images:    {m.get('bad_samples', 0)} undecodable in train, "
+                       f"{m.get('val_bad_samples', 0)} in val (data.max_bad_samples)")
+        return out
+
+    @staticmethod
+    def progress_fields(m: dict) -> list[str]:
+        return [f"val_loss {m['val_loss']:.4f}", f"val_acc {m['val_accuracy']:.4f}"] if "val_accuracy" in m else []
+
+    # --- worker side ------------------------------------------------------------------------------------
     tokens_per_sample = None
     eval_size = 4  # see eval_sums
 

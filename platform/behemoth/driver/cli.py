@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from behemoth.config import ConfigError, dump_yaml, load_config
+from behemoth import __version__
+from behemoth.config import dump_yaml, load_config
+from behemoth.errors import ConfigError, user_facing_error
 
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
@@ -14,10 +16,22 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
                    help="override a config key, e.g. --set train.lr=0.05 (repeatable)")
 
 
+def _int_between(low: int, high: int):
+    def parse(text: str) -> int:
+        value = int(text)
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"{value} is not between {low} and {high}")
+        return value
+
+    return parse
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="behemoth", description="Fault-tolerant distributed training on Ray (Ray Data + Ray Train DDP)."
-    )
+        prog="behemoth", description="Fault-tolerant distributed training on Ray (Ray Data + Ray Train DDP).",
+        epilog="Exit status: 0 success; 1 a data error, a damaged checkpoint or a failed run (one line says "
+               "which); 2 a config error or bad arguments. Also: python -m behemoth ...")
+    parser.add_argument("--version", action="version", version=f"behemoth {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("train", help="train (or resume, same checkpoint.run_name) a job on Ray")
@@ -34,30 +48,30 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(p)
 
     p = sub.add_parser("check-cluster", help="validate a Ray cluster YAML offline (Ray's schema) and lint its security")
-    p.add_argument("cluster_yaml")
+    p.add_argument("cluster_yaml", help="the cluster config for `ray up`, e.g. cluster.yaml")
     p.add_argument("--job", dest="jobs", action="append", default=[], metavar="JOB_YAML",
                    help="also check a job config meant for this cluster (e.g. its checkpoint storage path)")
 
     data = sub.add_parser("data", help="data utilities").add_subparsers(dest="data_command", required=True)
     p = data.add_parser("synth-images", help="write a learnable demo image dataset (ImageFolder of PNGs)")
     p.add_argument("--out", required=True, help="output folder; train/ and val/ are created inside")
-    p.add_argument("--classes", type=int, default=10)
+    p.add_argument("--classes", type=_int_between(1, 10), default=10, help="number of classes, 1 to 10")
     p.add_argument("--per-class", type=int, default=200, help="training images per class")
-    p.add_argument("--val-per-class", type=int, default=50)
+    p.add_argument("--val-per-class", type=int, default=50, help="validation images per class")
     p.add_argument("--size", type=int, default=32, help="image side in pixels")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="random seed (the same seed writes the same data)")
 
     p = data.add_parser("synth-text", help="write a learnable demo text corpus (train.jsonl, val.jsonl)")
     p.add_argument("--out", required=True, help="output folder")
-    p.add_argument("--train-documents", type=int, default=4000)
-    p.add_argument("--val-documents", type=int, default=400)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--train-documents", type=int, default=4000, help="stories in train.jsonl")
+    p.add_argument("--val-documents", type=int, default=400, help="stories in val.jsonl")
+    p.add_argument("--seed", type=int, default=0, help="random seed (the same seed writes the same data)")
 
     p = data.add_parser("train-tokenizer", help="train a byte-level BPE tokenizer on text files, saved for "
                         "AutoTokenizer.from_pretrained (EOS <|endoftext|>)")
     p.add_argument("files", nargs="+", help=".txt, .jsonl or .parquet files (as data.train_files reads them)")
     p.add_argument("--out", required=True, help="output folder (use it as data.tokenizer)")
-    p.add_argument("--vocab-size", type=int, default=4096)
+    p.add_argument("--vocab-size", type=int, default=4096, help="tokens in the vocabulary, special tokens included")
     p.add_argument("--text-field", default="text", help="JSONL field / parquet column (data.text_field)")
     p.add_argument("--document", choices=["line", "file"], default="line", help=".txt: a document per line "
                    "or per file (data.document)")
@@ -81,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _dispatch(args) -> int:
     if args.command == "check-cluster":
-        from behemoth.cluster_check import check_cluster
+        from behemoth.driver.cluster_check import check_cluster
 
         findings = check_cluster(args.cluster_yaml, args.jobs)
         for finding in findings:
@@ -97,7 +111,7 @@ def _dispatch(args) -> int:
         print(dump_yaml(cfg), end="")
         print(f"# data: {_check_data(cfg)}")
         return 0
-    from behemoth.trainer import train
+    from behemoth.driver.trainer import train
 
     summary = train(cfg)
     print("\n".join(["[behemoth] run finished"] + [f"  {line}" for line in summary.lines()]))
@@ -107,7 +121,7 @@ def _dispatch(args) -> int:
 def _tune_command(args) -> int:
     import pandas as pd
 
-    from behemoth.tune import load_sweep, run_sweep
+    from behemoth.driver.tune import load_sweep, run_sweep
 
     result = run_sweep(load_sweep(args.sweep, args.overrides))
     with pd.option_context("display.width", 200, "display.max_columns", 20, "display.max_colwidth", 60):
@@ -142,49 +156,11 @@ def _data_command(args) -> int:
 
 
 def _check_data(cfg) -> str:
-    """What can be checked without Ray: images are indexed; text files, columns and the tokenizer checked."""
-    from behemoth.tasks import is_text
+    """What the task can check without Ray (images: indexed; text: files, columns and the tokenizer)."""
+    from behemoth.tasks import task_of
 
-    if is_text(cfg):
-        from behemoth.data.text import check_text_sources, load_tokenizer
-
-        units = check_text_sources(cfg.data)
-        source = cfg.data.hf_dataset or f"{len({u.path for u in units})} files in {len(units)} work units"
-        return f"text: {source}; tokenizer {len(load_tokenizer(cfg.data.tokenizer))} tokens (tokenised at train time)"
-    from behemoth.data.images import build_index
-
-    index = build_index(cfg.data)
-    return f"{index.train.num_rows} train / {index.val.num_rows} val samples, {len(index.classes)} classes"
-
-
-# Errors behemoth raises for bad input. Inside a failed Ray Train run they arrive wrapped in Ray's
-# exceptions; the user gets the innermost behemoth message, not the 500-line traceback alone.
-_USER_ERRORS = ("DataError", "BadSampleError", "CheckpointError", "ConfigError")
-
-
-def user_facing_error(exc: BaseException) -> str | None:
-    """The innermost behemoth message in an exception and what it wraps (causes, Ray worker failures)."""
-    from behemoth.checkpoint import CheckpointError
-    from behemoth.data import DataError
-    from behemoth.data.images import BadSampleError
-    from behemoth.trainer import RunFailedError
-
-    found = []
-    todo, seen = [exc], set()
-    while todo:
-        e = todo.pop()
-        if e is None or id(e) in seen:
-            continue
-        seen.add(id(e))
-        if isinstance(e, (DataError, BadSampleError, CheckpointError, RunFailedError)):
-            return str(e)
-        text = str(e)
-        # Ray re-raises worker exceptions as new types whose text holds "BadSampleError: <message>".
-        found += [text[text.rindex(f"{name}: ") + len(name) + 2:].splitlines()[0]
-                  for name in _USER_ERRORS if f"{name}: " in text]
-        todo += [e.__cause__, e.__context__, getattr(e, "cause", None)]
-        todo += list((getattr(e, "worker_failures", None) or {}).values())
-    return max(found, key=len) if found else None
+    task = task_of(cfg)
+    return task.describe(cfg, task.check(cfg))
 
 
 if __name__ == "__main__":

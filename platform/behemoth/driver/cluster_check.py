@@ -19,6 +19,9 @@ from pathlib import Path
 
 import yaml
 
+from behemoth import paths
+from behemoth.errors import ConfigError
+
 RAY_PORTS = {8265: "dashboard / job API", 6379: "GCS", 10001: "Ray client"}
 WORLD = {"0.0.0.0/0", "::/0"}
 GPU_INSTANCE = re.compile(r"^(p\d|g\d|gr\d|dl\d|trn\d|inf\d)", re.IGNORECASE)
@@ -39,6 +42,8 @@ class Finding:
 
 def check_cluster(path: str | Path, job_configs: list[str] | None = None) -> list[Finding]:
     logging.getLogger("ray.autoscaler").setLevel(logging.WARNING)  # prepare_config's INFO chatter
+    if not Path(path).is_file():
+        raise ConfigError(f"cluster file {path} does not exist")
     text = Path(path).read_text()
     try:
         raw = yaml.safe_load(text)
@@ -153,7 +158,7 @@ def _storage(raw: dict, job_configs: list[str]) -> list[Finding]:
     out = []
     for job in job_configs:
         path = load_config(job).checkpoint.storage_path
-        if multi_node and "://" not in path:
+        if multi_node and not paths.is_uri(path):
             out.append(Finding(f"{job}: checkpoint.storage_path",
                                f"'{path}' is a local path on a multi-node cluster: workers on other nodes "
                                f"cannot reach it and a lost node loses its checkpoints",

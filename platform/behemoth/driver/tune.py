@@ -2,7 +2,7 @@
 
 A sweep is a job YAML plus a search space over any of its keys (`train.lr`, `train.global_batch_size`, ...).
 Ray 2.60 (Train V2) has no `Tuner(trainer)`: each trial runs `run_trial`, a driver function that builds the
-trial's job config and calls `behemoth.trainer.train` — its own workers, run folder, checkpoints and
+trial's job config and calls `behemoth.driver.trainer.train` — its own workers, run folder, checkpoints and
 `failure.max_failures` — with a callback that forwards the run's evaluation reports to Tune, where the
 scheduler (ASHA by default) stops weak trials early.
 
@@ -27,16 +27,16 @@ from pathlib import Path
 from typing import Any, Literal, Optional
 
 import yaml
+from ray.tune import Callback
 from ray.tune.integration.ray_train import TuneReportCallback
 
-from behemoth.config import ConfigError, JobConfig, config_from_dict, dump_yaml, from_dict, load_config
-from behemoth.tasks import best_metric, is_text
+from behemoth import paths
+from behemoth.config import (ConfigError, JobConfig, apply_override, config_from_dict, dump_yaml, from_dict,
+                             load_config, read_yaml_mapping)
+from behemoth.tasks import task_of
 
 DISTRIBUTIONS = ("grid", "choice", "uniform", "loguniform")
-# What the training loop reports at an evaluation, by task (behemoth.loop, behemoth.tasks).
-REPORTED = {"image": ("val_accuracy", "val_loss", "loss"), "text": ("val_loss", "val_perplexity", "loss")}
 TRIAL_DRIVER_MEMORY = 512 * 1024**2  # bytes: a trial driver process (Ray, torch imported) holds ~0.4 GiB
-MODES = {"val_accuracy": "max", "val_loss": "min", "val_perplexity": "min", "loss": "min"}
 
 
 @dataclass
@@ -116,18 +116,14 @@ def load_sweep(path: str | Path, overrides: list[str] | None = None) -> SweepCon
     job key (data.root=..., train.epochs=2), which is added to the sweep's `set` list for every trial."""
     import dataclasses
 
-    from behemoth.config import _apply_override
-
     p = Path(path)
-    if not p.is_file():
-        raise ConfigError(f"sweep file {p} does not exist")
-    raw = yaml.safe_load(p.read_text()) or {}
+    raw = read_yaml_mapping(p, "sweep file", "sweep keys (name, job, space, ...)")
     job_sections = {f.name for f in dataclasses.fields(JobConfig)}
     for item in overrides or []:
         if item.split(".", 1)[0] in job_sections:
             raw["set"] = list(raw.get("set") or []) + [item]
         else:
-            _apply_override(raw, item)
+            apply_override(raw, item)
     sweep_cfg = from_dict(SweepConfig, raw, where=str(p))
     if sweep_cfg.job and not Path(sweep_cfg.job).is_absolute():
         sweep_cfg.job = str(p.parent / sweep_cfg.job)
@@ -157,7 +153,7 @@ def base_job(sweep_cfg: SweepConfig) -> dict:
 
 def _absolute(path: str) -> str:
     """A relative path that exists here (or a cache folder) made absolute; URIs and hub names unchanged."""
-    if not path or "://" in path or os.path.isabs(path):
+    if not path or paths.is_uri(path) or os.path.isabs(path):
         return path
     return os.path.abspath(path) if os.path.exists(path) or path.endswith("cache") else path
 
@@ -169,9 +165,10 @@ def trial_job(base: dict, params: dict, lr_scaling: str = "none", run_dir: str |
         section, name = key.split(".", 1)
         raw[section][name] = value
     if run_dir is not None:
-        raw["checkpoint"].update(storage_path=os.path.dirname(run_dir), run_name=os.path.basename(run_dir))
+        storage, name = paths.split_run_dir(run_dir)
+        raw["checkpoint"].update(storage_path=storage, run_name=name)
         if raw["train"].get("sample_ledger"):
-            raw["train"]["sample_ledger"] = os.path.join(run_dir, "ledger")
+            raw["train"]["sample_ledger"] = paths.join(run_dir, "ledger")
     if lr_scaling != "none":
         ratio = raw["train"]["global_batch_size"] / base["train"]["global_batch_size"]
         raw["train"]["lr"] = float(raw["train"]["lr"]) * (ratio if lr_scaling == "linear" else math.sqrt(ratio))
@@ -179,13 +176,14 @@ def trial_job(base: dict, params: dict, lr_scaling: str = "none", run_dir: str |
 
 
 def metric_and_mode(sweep_cfg: SweepConfig, cfg: JobConfig) -> tuple[str, str]:
-    default_metric, default_mode = best_metric(cfg)
+    task = task_of(cfg)
+    default_metric, default_mode = task.best
     metric = sweep_cfg.metric or default_metric
-    reported = REPORTED["text" if is_text(cfg) else "image"]
+    reported = task.reported
     if metric not in reported:
         raise ConfigError(f"metric {metric!r} is never reported by a {cfg.model.name} run; it reports "
                           f"{', '.join(reported)} at each evaluation")
-    return metric, sweep_cfg.mode or MODES.get(metric, default_mode)
+    return metric, sweep_cfg.mode or reported.get(metric, default_mode)
 
 
 def check_sweep(sweep_cfg: SweepConfig) -> list[JobConfig]:
@@ -231,7 +229,7 @@ def trial_resources(cfg: JobConfig) -> dict[str, float]:
     """What one trial of `cfg` holds at its largest: its workers, plus one Ray Data task for image decoding
     (text is tokenised before the workers start, by the sweep driver)."""
     s = cfg.scaling
-    need = {"CPU": s.max_workers * s.cpus_per_worker + (0 if is_text(cfg) else cfg.data.cpus_per_task)}
+    need = {"CPU": s.max_workers * s.cpus_per_worker + task_of(cfg).data_cpus(cfg)}
     if s.use_gpu:
         need["GPU"] = s.max_workers * s.gpus_per_worker
     return need
@@ -260,11 +258,11 @@ def run_trial(params: dict, sweep: dict, base: dict, sweep_dir: str) -> None:
     """
     from ray import tune
 
-    from behemoth.trainer import train
+    from behemoth.driver.trainer import train
 
     sweep_cfg = from_dict(SweepConfig, sweep, where="sweep")
     trial_id = tune.get_context().get_trial_id()
-    run_dir = os.path.join(sweep_dir, "runs", trial_id)
+    run_dir = paths.join(sweep_dir, "runs", trial_id)
     cfg = trial_job(base, params, sweep_cfg.lr_scaling, run_dir)
     metric, _ = metric_and_mode(sweep_cfg, cfg)
     summary_file = Path(run_dir, "summary.json")
@@ -321,9 +319,7 @@ class SweepResult:
 
 
 def sweep_dir_of(sweep_cfg: SweepConfig) -> str:
-    path = sweep_cfg.storage_path
-    root = path if "://" in path else os.path.abspath(os.path.expanduser(path))
-    return os.path.join(root, sweep_cfg.name)
+    return paths.run_dir(sweep_cfg.storage_path, sweep_cfg.name)
 
 
 def run_sweep(sweep_cfg: SweepConfig) -> SweepResult:
@@ -331,7 +327,7 @@ def run_sweep(sweep_cfg: SweepConfig) -> SweepResult:
     jobs = check_sweep(sweep_cfg)
     metric, mode = metric_and_mode(sweep_cfg, jobs[0])
     sweep_dir = sweep_dir_of(sweep_cfg)
-    from behemoth.trainer import prepare_data
+    from behemoth.driver.trainer import prepare_data
 
     for job in _distinct_data(jobs):  # checks the data, starts Ray; text: tokenised once, here, into the cache
         prepare_data(job)
@@ -361,12 +357,32 @@ def run_sweep(sweep_cfg: SweepConfig) -> SweepResult:
                 metric=metric, mode=mode, num_samples=sweep_cfg.num_samples, max_concurrent_trials=concurrent,
                 scheduler=_scheduler(sweep_cfg, jobs[0]), search_alg=_searcher(sweep_cfg, metric, mode)),
             run_config=tune.RunConfig(
-                name=sweep_cfg.name, storage_path=os.path.dirname(sweep_dir), verbose=0,
-                failure_config=tune.FailureConfig(max_failures=sweep_cfg.trial_max_failures)),
+                name=sweep_cfg.name, storage_path=paths.split_run_dir(sweep_dir)[0], verbose=0,
+                failure_config=tune.FailureConfig(max_failures=sweep_cfg.trial_max_failures),
+                callbacks=[TrialOutcomeLines(metric)]),
         )
     with OrphanedPlacementGroupReaper():
         grid = tuner.fit()
     return _results(sweep_cfg, grid, metric, mode, sweep_dir)
+
+
+class TrialOutcomeLines(Callback):
+    """One console line per trial as it ends: finished, or stopped early by the scheduler (ASHA), with its
+    last evaluation. Tune calls on_trial_complete for both and marks both results `done`; a trial finished
+    when its last report is at its last step (as the results table decides, _trial_row)."""
+
+    def __init__(self, metric: str):
+        self.metric = metric
+
+    def on_trial_complete(self, iteration, trials, trial, **info):
+        result = trial.last_result or {}
+        value = result.get(self.metric)
+        shown = f"{self.metric} {value:.4f}" if isinstance(value, (int, float)) else "not evaluated yet"
+        if result.get("step", 0) >= result.get("total_steps", float("inf")):
+            print(f"[behemoth] trial {trial.trial_id} finished: {shown}", flush=True)
+        else:
+            print(f"[behemoth] trial {trial.trial_id} stopped early by the scheduler at epoch "
+                  f"{result.get('epoch', 0):.2f}: {shown}", flush=True)
 
 
 class OrphanedPlacementGroupReaper:
@@ -505,7 +521,7 @@ def _check_same_sweep(sweep_cfg: SweepConfig, sweep_dir: str) -> None:
     path = Path(sweep_dir, "sweep.yaml")
     now = {"job": base_job(sweep_cfg), "space": sweep_cfg.space, "num_samples": sweep_cfg.num_samples,
            "lr_scaling": sweep_cfg.lr_scaling}
-    if "://" in sweep_dir:
+    if paths.is_uri(sweep_dir):
         return
     if path.is_file():
         before = yaml.safe_load(path.read_text())

@@ -11,19 +11,16 @@ from __future__ import annotations
 import json
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import ray.train
 import yaml
 
-from behemoth.config import ConfigError, JobConfig
-from behemoth.data.images import build_index
-from behemoth.tasks import best_metric, is_text
-
-
-class RunFailedError(RuntimeError):
-    """A run that Ray Train gave up on (workers kept dying past failure.max_failures). Checkpoints are kept."""
+from behemoth import paths
+from behemoth.config import JobConfig
+from behemoth.errors import ConfigError, RunFailedError, user_facing_error
+from behemoth.tasks import task_of
 
 
 @dataclass
@@ -37,21 +34,13 @@ class RunSummary:
     wall_s: float
     resumed_from_step: int = 0  # 0: this invocation started from scratch
     peak_source: str | None = None  # where the MFU's peak came from (or why there is no MFU)
+    task_lines: list[str] = field(default_factory=list)  # the task's own lines (its final metrics)
 
     def lines(self) -> list[str]:
         m = self.metrics
-        out = [f"run folder:        {self.run_dir}"]
-        if "val_accuracy" in m:
-            out.append(f"final val_acc:     {m['val_accuracy']:.4f} (val_loss {m['val_loss']:.4f}, "
-                       f"{m['val_samples']} samples)")
-        if "val_perplexity" in m:
-            out.append(f"final val ppl:     {m['val_perplexity']:.3f} (val_loss {m['val_loss']:.4f}, "
-                       f"{m['val_tokens']} tokens)")
+        out = [f"run folder:        {self.run_dir}", *self.task_lines]
         resumed = f", resumed from step {self.resumed_from_step}" if self.resumed_from_step else ""
         out.append(f"steps:             {m.get('step')} ({m.get('samples_seen')} samples{resumed})")
-        if m.get("bad_samples") or m.get("val_bad_samples"):
-            out.append(f"dropped images:    {m.get('bad_samples', 0)} undecodable in train, "
-                       f"{m.get('val_bad_samples', 0)} in val (data.max_bad_samples)")
         if "tflops_per_worker" in m:
             mfu = f"MFU {m['mfu']:.1%}; " if "mfu" in m else ""
             out.append(f"model speed:       {m['tflops_per_worker']:.3g} TFLOP/s per worker ({mfu}"
@@ -63,10 +52,15 @@ class RunSummary:
         return out
 
 
+def run_dir(cfg: JobConfig) -> str:
+    """The job's run folder (local: absolute; or a URI)."""
+    return paths.run_dir(cfg.checkpoint.storage_path, cfg.checkpoint.run_name)
+
+
 def storage_path(cfg: JobConfig) -> str:
     """Ray needs an absolute local path or a URI."""
     path = cfg.checkpoint.storage_path
-    return path if "://" in path else os.path.abspath(os.path.expanduser(path))
+    return paths.storage_root(path)
 
 
 def ensure_ray() -> None:
@@ -78,15 +72,21 @@ def ensure_ray() -> None:
     """
     import ray
 
+    from behemoth.driver import ray_console
+
     if ray.is_initialized():
+        ray_console.install()
         return
     if os.environ.get("RAY_ADDRESS"):
-        import behemoth
-
-        options = {"runtime_env": {"py_modules": [os.path.dirname(behemoth.__file__)]}}
+        package = str(Path(__file__).resolve().parents[1])  # platform/behemoth
+        options = {"runtime_env": {"py_modules": [package]}}
     else:
         options = {"_system_config": LOCAL_RAY_SYSTEM_CONFIG}
+        # Token auth on, said explicitly: Ray 2.60 turns it on by default for a new local instance and warns
+        # about that default on every start. A value the user sets (e.g. disabled) wins.
+        os.environ.setdefault("RAY_AUTH_MODE", "token")
     ray.init(logging_level="warning", log_to_driver=True, **options)
+    ray_console.install()
     tighten_token_file()
 
 
@@ -133,8 +133,8 @@ REPORT_POLL_ENV, REPORT_POLL_S = "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.2"
 
 def metrics_log(cfg: JobConfig) -> list:
     """The callback that appends every report to RUN_DIR/metrics.jsonl (local storage only)."""
-    run_dir = os.path.join(storage_path(cfg), cfg.checkpoint.run_name)
-    return [] if "://" in run_dir else [MetricsLog(os.path.join(run_dir, "metrics.jsonl"))]
+    folder = run_dir(cfg)
+    return [] if paths.is_uri(folder) else [MetricsLog(os.path.join(folder, "metrics.jsonl"))]
 
 
 class MetricsLog(ray.train.UserCallback):
@@ -158,7 +158,7 @@ def build_trainer(cfg: JobConfig, data, callbacks: list | None = None):
     from ray.train import CheckpointConfig, FailureConfig, LoggingConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
-    from behemoth.loop import train_loop_per_worker
+    from behemoth.worker.loop import train_loop_per_worker
 
     os.environ.setdefault(REPORT_POLL_ENV, REPORT_POLL_S)
     resources = {"CPU": cfg.scaling.cpus_per_worker}
@@ -195,10 +195,10 @@ def check_resume_compatible(cfg: JobConfig) -> None:
     """Refuse to resume a run whose latest local checkpoint was trained on another data or model config, or
     written under the other kind of scaling.strategy (DDP and FSDP checkpoints key the optimizer state
     differently: by parameter index, by parameter name; torch cannot load one into the other)."""
-    run_dir = Path(storage_path(cfg)) / cfg.checkpoint.run_name
-    if "://" in str(run_dir) or not run_dir.is_dir():
+    folder = run_dir(cfg)
+    if paths.is_uri(folder) or not Path(folder).is_dir():
         return
-    saved = sorted(run_dir.glob("checkpoint_*/job.yaml"))
+    saved = sorted(Path(folder).glob("checkpoint_*/job.yaml"))
     if not saved:
         return
     before = yaml.safe_load(saved[-1].read_text()) or {}
@@ -206,7 +206,7 @@ def check_resume_compatible(cfg: JobConfig) -> None:
     strategy_then = (before.get("scaling") or {}).get("strategy", "ddp")
     if (strategy_then == "ddp") != (cfg.scaling.strategy == "ddp"):
         raise ConfigError(
-            f"run '{cfg.checkpoint.run_name}' in {run_dir} was checkpointed with scaling.strategy "
+            f"run '{cfg.checkpoint.run_name}' in {folder} was checkpointed with scaling.strategy "
             f"{strategy_then} ({saved[-1].parent.name}); this run uses {cfg.scaling.strategy}, whose optimizer "
             f"state is laid out differently. Resume with scaling.strategy={strategy_then}, or start a new run "
             f"with another checkpoint.run_name")
@@ -217,7 +217,7 @@ def check_resume_compatible(cfg: JobConfig) -> None:
                if before.get(section, {}).get(key) != value and f"{section}.{key}" not in _RESUMABLE_CHANGES]
     if changed:
         raise ConfigError(
-            f"run '{cfg.checkpoint.run_name}' in {run_dir} was trained with a different config "
+            f"run '{cfg.checkpoint.run_name}' in {folder} was trained with a different config "
             f"({saved[-1].parent.name}): {'; '.join(changed)}. Start a new run with another "
             f"checkpoint.run_name, or resume anyway with --set checkpoint.resume_changed_config=true"
         )
@@ -233,8 +233,6 @@ def train(cfg: JobConfig, callbacks: list | None = None) -> RunSummary:
     try:
         result = build_trainer(cfg, data, callbacks).fit()
     except TrainingFailedError as e:
-        from behemoth.cli import user_facing_error
-
         if user_facing_error(e) is not None:  # behemoth's own message (bad data, ...) says it better
             raise
         raise RunFailedError(_failure_message(cfg, e)) from e
@@ -247,44 +245,29 @@ def _failure_message(cfg: JobConfig, e: Exception) -> str:
 
     failures = getattr(e, "worker_failures", None) or {"controller": getattr(e, "controller_failure", e)}
     reasons = "; ".join(f"rank {rank}: {str(exc).strip().splitlines()[0]}" for rank, exc in failures.items())
-    run_dir = Path(storage_path(cfg)) / cfg.checkpoint.run_name
-    kept = complete_checkpoints(run_dir) if "://" not in str(run_dir) else []
+    folder = run_dir(cfg)
+    kept = [] if paths.is_uri(folder) else complete_checkpoints(folder)
     latest = f" (latest at step {kept[0][0]}: {Path(kept[0][1]).name})" if kept else ""
     return (f"run '{cfg.checkpoint.run_name}' failed and failure.max_failures={cfg.failure.max_failures} restarts "
-            f"are used up: {reasons}. Its checkpoints are kept in {run_dir}{latest}: rerun the same command to "
+            f"are used up: {reasons}. Its checkpoints are kept in {folder}{latest}: rerun the same command to "
             f"resume from the latest, or allow more restarts with failure.max_failures")
 
 
 def prepare_data(cfg: JobConfig):
-    """Check the data (before Ray starts), start Ray, and return what the workers read."""
-    if not is_text(cfg):
-        index = build_index(cfg.data)
-        ensure_ray()
-        return index
-    from behemoth.data.text import check_text_sources, prepare_text
-
-    units = check_text_sources(cfg.data)
+    """The task checks its data (before Ray starts), Ray starts, the task prepares what the workers read."""
+    task = task_of(cfg)
+    checked = task.check(cfg)
     ensure_ray()
-    started = time.time()
-    tokens = prepare_text(cfg.data, seed=cfg.train.seed, units=units)
-    print(text_summary(tokens.stats, time.time() - started), flush=True)
-    return tokens
-
-
-def text_summary(stats: dict, seconds: float) -> str:
-    splits = "; ".join(
-        f"{s}: {stats[s]['blocks']} blocks of {stats['seq_len']} tokens ({stats[s]['documents']} documents, "
-        f"{stats[s]['tokens']} tokens, {stats[s]['tail_tokens_dropped']} in the final partial block dropped)"
-        for s in ("train", "val"))
-    return f"[behemoth] text {splits}. Cache {stats['cache']} ({seconds:.1f} s)"
+    return task.prepare(cfg, checked)
 
 
 def _summarise(cfg: JobConfig, result, wall_s: float) -> RunSummary:
-    key, mode = best_metric(cfg)
+    task = task_of(cfg)
+    key, mode = task.best
     scored = [(m[key], c.path) for c, m in (result.best_checkpoints or []) if key in m]
     best_value, best_path = (max(scored) if mode == "max" else min(scored)) if scored else (None, None)
     return RunSummary(
-        run_dir=os.path.join(storage_path(cfg), cfg.checkpoint.run_name),
+        run_dir=run_dir(cfg),
         metrics=dict(result.metrics or {}),
         latest_checkpoint=result.checkpoint.path if result.checkpoint else None,
         best_checkpoint=best_path,
@@ -293,4 +276,5 @@ def _summarise(cfg: JobConfig, result, wall_s: float) -> RunSummary:
         wall_s=wall_s,
         resumed_from_step=(result.return_value or {}).get("resumed_from_step", 0),
         peak_source=(result.return_value or {}).get("peak_source"),
+        task_lines=task.summary_lines(dict(result.metrics or {})),
     )

@@ -24,7 +24,6 @@ import time
 import torch
 import torch.distributed as dist
 
-from behemoth.checkpoint import unwrap
 from behemoth.config import TrainConfig
 
 log = logging.getLogger(__name__)
@@ -64,6 +63,13 @@ def shard(model: torch.nn.Module, reshard_after_forward: bool) -> torch.nn.Modul
             fully_shard(module, mesh=mesh, reshard_after_forward=reshard_after_forward)
     fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward)
     return model
+
+
+def unwrap(model):
+    """The model inside a torch.compile wrapper and/or a DDP wrapper (or the model itself; FSDP2 modules
+    are the model)."""
+    model = getattr(model, "_orig_mod", model)
+    return model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
 
 
 def is_sharded(model) -> bool:

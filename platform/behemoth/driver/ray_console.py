@@ -1,0 +1,61 @@
+"""What of Ray's own output reaches the driver's console: everything, except lines known to be noise in a
+behemoth run (each listed below with why), so that a traceback on the console means something failed.
+
+Ray forwards every worker's and actor's stdout/stderr to the driver (log_to_driver). behemoth wraps the
+handler that prints them (Ray 2.60: `ray_print_logs` on the driver's stdstream dispatcher) with a filter;
+warnings and tracebacks that match none of the patterns pass unchanged.
+"""
+
+from __future__ import annotations
+
+import re
+
+# Whole lines that are noise in every behemoth run.
+NOISE_LINES = [
+    # Ray Train's controller creates its PreemptionWatcher actor with arguments in the object store and
+    # restarts allowed; Ray's core worker warns about that pattern at every controller start (not actionable).
+    re.compile(r"core_worker\.cc:\d+: Actor with class name: 'PreemptionWatcher' .* has constructor arguments"),
+    # Ray Train's placement-group cleaner, after a stopped sweep trial: the sweep prints its own line.
+    re.compile(r"^Detected that the Ray Train controller actor \(\w+\) is dead\. Cleaning up placement group"),
+]
+
+# A traceback block (from "Traceback ..." or "Exception ignored in ..." to its "SystemExit: N" line) is noise
+# when Ray's SIGTERM handler raised it: Ray asked the process to exit (Tune stopping a trial's actor), and
+# the handler's SystemExit surfaced inside whatever Python was running, e.g. a weakref callback.
+_BLOCK_START = re.compile(r"^(Traceback \(most recent call last\):|Exception ignored in: )")
+_BLOCK_END = re.compile(r"^SystemExit: \d+\s*$")
+
+
+def filter_lines(lines: list[str]) -> list[str]:
+    """`lines` without the noise lines and without tracebacks of a SIGTERM-requested exit."""
+    kept, i = [], 0
+    while i < len(lines):
+        if _BLOCK_START.match(lines[i]):
+            end = next((j for j in range(i + 1, min(len(lines), i + 40)) if _BLOCK_END.match(lines[j])), None)
+            if end is not None and any("sigterm_handler" in line for line in lines[i:end]):
+                i = end + 1
+                continue
+        if not any(p.search(lines[i]) for p in NOISE_LINES):
+            kept.append(lines[i])
+        i += 1
+    return kept
+
+
+def install() -> None:
+    """Filter the worker output this driver prints (once per Ray session; a no-op without log_to_driver)."""
+    from ray._private.ray_logging import global_worker_stdstream_dispatcher as dispatcher
+
+    with dispatcher._lock:
+        for i, (name, handler) in enumerate(dispatcher.handlers):
+            if name == "ray_print_logs" and not getattr(handler, "behemoth_filter", False):
+                dispatcher.handlers[i] = (name, _filtered(handler))
+
+
+def _filtered(print_logs):
+    def print_filtered(data: dict) -> None:
+        lines = filter_lines(data.get("lines") or [])
+        if lines:
+            print_logs({**data, "lines": lines})
+
+    print_filtered.behemoth_filter = True
+    return print_filtered

@@ -1,0 +1,38 @@
+"""Where a run lives: the storage root and run folder of a job, locally or under a URI (s3://, gs://, ...).
+
+Every place that needs a run's paths asks here, so "is it a URI" is decided once.
+"""
+
+from __future__ import annotations
+
+import os
+
+
+def is_uri(path: str) -> bool:
+    return "://" in str(path)
+
+
+def storage_root(path: str) -> str:
+    """A storage path as Ray needs it: a URI unchanged, a local path absolute (~ expanded)."""
+    return path if is_uri(path) else os.path.abspath(os.path.expanduser(path))
+
+
+def join(root: str, *parts: str) -> str:
+    """`root`/`parts`, with '/' for a URI (never the OS separator)."""
+    if is_uri(root):
+        return "/".join([root.rstrip("/"), *parts])
+    return os.path.join(root, *parts)
+
+
+def run_dir(storage_path: str, run_name: str) -> str:
+    """The folder of run `run_name` under `storage_path` (local: absolute)."""
+    return join(storage_root(storage_path), run_name)
+
+
+def split_run_dir(path: str) -> tuple[str, str]:
+    """(storage_path, run_name) of a run folder: run_dir's inverse."""
+    path = str(path).rstrip("/")
+    if is_uri(path):
+        head, _, name = path.rpartition("/")
+        return head, name
+    return os.path.dirname(path), os.path.basename(path)

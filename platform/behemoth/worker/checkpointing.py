@@ -1,0 +1,154 @@
+"""Worker side: a run's live objects (model, optimizer, schedule, scaler, compression state) -> a host-memory
+snapshot -> a checkpoint directory (behemoth.checkpoint's format), and back into the objects on restore."""
+
+from __future__ import annotations
+
+import json
+import threading
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from behemoth.checkpoint import Snapshot, TrainState, verify, write
+from behemoth.errors import CheckpointError
+from behemoth.worker.parallel import is_sharded, unwrap
+
+
+class Copies:
+    """Host copies of device or host tensors, some of them possibly still in flight.
+
+    On CPU the copies deferred by snapshot(overlap=True) run in a thread (torch's copy releases the GIL);
+    on GPU every copy is queued non-blocking on the current stream and an event follows them: later kernels
+    on that stream (the next step's optimizer update) run after them by stream order.
+    """
+
+    def __init__(self, now: list, later: list):
+        self.thread = self.event = None
+        self.errors: list[BaseException] = []  # a failed background copy must fail the checkpoint, not vanish
+        for dst, src in now:
+            dst.copy_(src, non_blocking=src.is_cuda)
+        if later and not any(src.is_cuda for _, src in later):
+            self.thread = threading.Thread(target=self._copy_all, args=(later,), name="behemoth-snapshot",
+                                           daemon=True)
+            self.thread.start()
+            return
+        for dst, src in later:
+            dst.copy_(src, non_blocking=src.is_cuda)
+        if any(src.is_cuda for _, src in now + later):
+            self.event = torch.cuda.Event()
+            self.event.record()
+
+    def _copy_all(self, pairs: list) -> None:
+        try:
+            for dst, src in pairs:
+                dst.copy_(src)
+        except BaseException as e:  # noqa: BLE001 - re-raised by wait_sources_free in the caller's thread
+            self.errors.append(e)
+
+    def wait_sources_free(self) -> None:
+        """Return once the live tensors may change again (before the next optimizer update)."""
+        if self.thread is not None:
+            self.thread.join()
+        if self.errors:
+            raise CheckpointError(f"copying the training state for a checkpoint failed: {self.errors[0]!r}")
+
+    def wait_done(self) -> None:
+        """Return once every copy has landed in host memory (before writing the files)."""
+        self.wait_sources_free()
+        if self.event is not None:
+            self.event.synchronize()
+
+
+def snapshot(*, model, optimizer, scheduler, state: TrainState, classes: list[str] | None, job_yaml: str,
+             scaler=None, hook_states: list | None = None, buffers: dict | None = None,
+             overlap: bool = False) -> Snapshot | None:
+    """Copy the state to host memory. Under FSDP every rank must call it (the full state is gathered) and
+    only rank 0 gets the snapshot; under DDP call it on rank 0 only (the ranks are identical).
+
+    `buffers`: host tensors from an earlier snapshot to copy into (same shapes), filled in as needed. Reusing
+    them saves allocating and page-faulting the whole state again at every checkpoint, which costs as much
+    as the copy itself. The caller must not pass buffers a snapshot still being written uses.
+
+    `overlap` (DDP or one process): the model's buffers (BatchNorm statistics: the next forward updates them)
+    are copied before returning; parameters and optimizer state, which only the optimizer update changes,
+    are copied while the next step's forward and backward run. The caller must call
+    `snap.wait_sources_free()` before that update; `write` waits for the copies itself.
+    """
+    copies = None
+    if is_sharded(model):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+        model_sd, optim_sd = get_state_dict(unwrap(model), optimizer,
+                                            options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if torch.distributed.get_rank() != 0:
+            return None
+    else:
+        pool, pairs = ({} if buffers is None else buffers), []
+        model_sd = _host_buffers(unwrap(model).state_dict(), pool, "model", pairs)
+        optim_sd = _host_buffers(optimizer.state_dict(), pool, "optimizer", pairs)
+        volatile = {b.data_ptr() for b in unwrap(model).buffers()}
+        deferred = [overlap and src.data_ptr() not in volatile for _, src in pairs]
+        copies = Copies([p for p, d in zip(pairs, deferred) if not d], [p for p, d in zip(pairs, deferred) if d])
+        if not overlap:
+            copies.wait_done()
+    dicts = {"model.pt": model_sd, "optimizer.pt": optim_sd, "scheduler.pt": scheduler.state_dict()}
+    if scaler is not None and scaler.is_enabled():
+        dicts["scaler.pt"] = scaler.state_dict()
+    if hook_states is not None:  # per-rank gradient-compression state (PowerSGD error feedback)
+        dicts["comm_hook.pt"] = {"world_size": len(hook_states), "ranks": hook_states}
+    texts = {"train_state.json": json.dumps(asdict(state), indent=1), "job.yaml": job_yaml}
+    if classes is not None:
+        texts["classes.json"] = json.dumps(classes)
+    return Snapshot(dicts, texts, state.step, copies)
+
+
+def save(directory: str | Path, **state) -> Path:
+    """Snapshot and write in one call (the synchronous path; DDP or a single process)."""
+    return write(directory, snapshot(**state))
+
+
+def _host_buffers(tree, pool: dict, path: str, pairs: list):
+    """The state dict with every tensor replaced by a host buffer (pool[path] reused when it fits; pinned
+    for CUDA tensors) that no longer aliases the training state; the (buffer, source) pairs still to copy
+    are appended to `pairs`."""
+    if isinstance(tree, torch.Tensor):
+        t = tree.detach()
+        buf = pool.get(path)
+        if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
+            buf = pool[path] = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda)
+        pairs.append((buf, t))
+        return buf
+    if isinstance(tree, dict):
+        return {k: _host_buffers(v, pool, f"{path}/{k}", pairs) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_host_buffers(v, pool, f"{path}/{i}", pairs) for i, v in enumerate(tree))
+    return tree
+
+
+def load(directory: str | Path, *, model, optimizer=None, scheduler=None, scaler=None,
+         hook_state=None) -> TrainState:
+    """Verify, then restore the given objects in place. Returns the saved TrainState."""
+    d = Path(directory)
+    verify(d)
+    model_sd = torch.load(d / "model.pt", map_location="cpu", weights_only=True)
+    optim_sd = torch.load(d / "optimizer.pt", map_location="cpu", weights_only=True) if optimizer else None
+    if is_sharded(model):  # every rank hands the full state; FSDP keeps its own shard of it
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+        set_state_dict(unwrap(model), optimizer if optimizer else [], model_state_dict=model_sd,
+                       optim_state_dict=optim_sd or {}, options=StateDictOptions(full_state_dict=True))
+    else:
+        unwrap(model).load_state_dict(model_sd)
+        if optimizer is not None:
+            optimizer.load_state_dict(optim_sd)
+    if scheduler is not None:
+        scheduler.load_state_dict(torch.load(d / "scheduler.pt", weights_only=True))
+    if scaler is not None and scaler.is_enabled() and (d / "scaler.pt").is_file():
+        scaler.load_state_dict(torch.load(d / "scaler.pt", weights_only=True))
+    if hook_state is not None and (d / "comm_hook.pt").is_file():
+        saved = torch.load(d / "comm_hook.pt", weights_only=True)
+        rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+        if saved["world_size"] == world:  # each rank's error feedback is its own; a resize starts it afresh
+            hook_state.load_bytes(saved["ranks"][rank], device=next(unwrap(model).parameters()).device)
+    return TrainState(**json.loads((d / "train_state.json").read_text()))

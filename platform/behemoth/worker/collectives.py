@@ -1,0 +1,51 @@
+"""Worker side: the few collective operations the loop needs, each a no-op in a single process.
+
+All ranks call them at the same points (decided by the step counter alone), so none can deadlock.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from behemoth.worker.parallel import unwrap
+
+
+def sync_buffers(model) -> None:
+    """Give every rank rank 0's buffers (BatchNorm running stats).
+
+    DDP broadcasts buffers at the start of each forward, so after a step every rank holds running stats
+    updated with its own micro-batch. Before evaluating or checkpointing, all ranks adopt rank 0's: the same
+    values DDP would broadcast at the next step, so evaluation is consistent and the checkpoint is the state.
+    """
+    if distributed():
+        for buffer in unwrap(model).buffers():
+            dist.broadcast(buffer, src=0)
+
+
+def distributed() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def all_reduce_sum(t: torch.Tensor) -> None:
+    if distributed():
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+
+
+def gather_to_rank0(obj):
+    """[obj of rank 0, obj of rank 1, ...] on rank 0, None elsewhere."""
+    if not distributed():
+        return [obj]
+    gathered = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(obj, gathered, dst=0)
+    return gathered
+
+
+def union_across_ranks(ids: set) -> set:
+    if not distributed():
+        return set(ids)
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, sorted(ids))
+    return set().union(*map(set, gathered))
+
+

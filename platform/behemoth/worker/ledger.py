@@ -1,0 +1,49 @@
+"""Worker side: the sample ledger (train.sample_ledger), an audit trail of what each step trained on."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import ray
+import torch
+import torch.distributed as dist
+
+from behemoth.checkpoint import TrainState
+from behemoth.worker.collectives import distributed
+
+
+class SampleLedger:
+    """Appends {"step", "epoch", "rank", "world", "group", "node", "pid", "ids", "loss_sum", "samples"} per
+    trained step to FOLDER/rank<r>.jsonl (loss_sum: this rank's loss summed over its samples of the step).
+
+    An audit trail of the data order (train.sample_ledger). `ids` are the `sample_id`s of the batches the
+    step actually trained on, as the data pipeline delivered them (not the slice of the planned order it
+    asked for): an audit against the planned order thus catches a pipeline that skips, repeats or reorders
+    samples, as well as a wrong resume position. `group` names the worker group (rank 0's pid and
+    start time, the same on every rank): after a failure or a resize, the steps that were redone appear
+    under two groups, and for each step the records of the last group that trained it are what the final
+    weights were trained on.
+    """
+
+    def __init__(self, folder: str | None, rank: int, world: int):
+        self.file = None
+        if folder:
+            os.makedirs(folder, exist_ok=True)
+            self.file = open(os.path.join(folder, f"rank{rank}.jsonl"), "a", encoding="utf-8")  # noqa: SIM115
+        self.rank, self.world = rank, world
+        self.node = ray.get_runtime_context().get_node_id()
+        group = [f"{os.getpid()}-{time.time():.3f}"]
+        if folder and distributed():
+            dist.broadcast_object_list(group, src=0)
+        self.group = group[0]
+
+    def record(self, state: TrainState, micro_batches: list[dict], loss_sum, samples) -> None:
+        if self.file is not None:
+            ids = torch.cat([batch["sample_id"].reshape(-1).cpu() for batch in micro_batches]).tolist()
+            line = {"step": state.step + 1, "epoch": state.epoch, "rank": self.rank, "world": self.world,
+                    "group": self.group, "node": self.node, "pid": os.getpid(), "ids": ids,
+                    "loss_sum": float(loss_sum), "samples": float(samples)}
+            self.file.write(json.dumps(line) + "\n")
+            self.file.flush()

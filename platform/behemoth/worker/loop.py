@@ -1,0 +1,170 @@
+"""Worker side: the function Ray Train runs on every worker. Reads top to bottom like a one-file script:
+config -> task (data + model + loss) -> DDP/FSDP -> optimizer -> restore -> loop (step, report, evaluate,
+checkpoint).
+
+What differs between workloads lives in behemoth.tasks; this file is the same for all of them. The rest of
+the worker room: plan (micro-batch x accumulation), speed (TFLOP/s, MFU), restore (which checkpoint),
+saver (checkpoints through Ray Train), report (what a report step does, and when), ledger (the audit trail
+of samples), evaluate, collectives, parallel (DDP, FSDP, compression, compile), precision, optim.
+
+It never imports ray.tune. Everything that decides *when* something happens (report, evaluate, checkpoint)
+depends only on the step counter, which is identical on every rank: all ranks call the collective
+operations (all-reduce, ray.train.report) the same number of times.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import time
+
+import ray
+import ray.train
+import ray.train.torch
+import torch
+
+from behemoth.checkpoint import TrainState
+from behemoth.config import JobConfig, config_from_dict
+from behemoth.data.order import rank_train_indices, steps_per_epoch
+from behemoth.metrics import Window
+from behemoth.tasks import Task, make_task
+from behemoth.worker import parallel
+from behemoth.worker.console import console, quiet_ray_train_reports
+from behemoth.worker.ledger import SampleLedger
+from behemoth.worker.optim import build_optimizer, warmup_cosine
+from behemoth.worker.plan import batch_plan
+from behemoth.worker.precision import autocast, grad_scaler
+from behemoth.worker.report import Reporter, report_due
+from behemoth.worker.restore import restore_latest
+from behemoth.worker.run import Run
+from behemoth.worker.saver import CheckpointSaver
+from behemoth.worker.speed import SpeedMeter
+
+
+def train_loop_per_worker(loop_config: dict) -> dict:
+    cfg = config_from_dict(loop_config["job"], where="job config")
+    quiet_ray_train_reports()
+    task: Task = make_task(cfg, ray.get(loop_config["data_ref"]))
+    ctx = ray.train.get_context()
+    rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    device = ray.train.torch.get_device()
+    if cfg.scaling.torch_threads:
+        torch.set_num_threads(cfg.scaling.torch_threads)
+    global_batch = cfg.train.global_batch_size
+    epoch_steps, total_steps = _steps(cfg, task)
+
+    # Same initial weights on every rank. The plan: the global batch is fixed by the config, split evenly
+    # over the ranks and, on each rank, into `accum` micro-batches.
+    torch.manual_seed(cfg.train.seed)
+    model = task.build_model().to(device)
+    micro_batch, accum = batch_plan(cfg, world, model, task, device, rank)
+    speed = SpeedMeter(cfg, task, model, device, world, micro_batch, accum)
+    # DDP (gloo on CPU, nccl on GPU) or FSDP; gradient compression; torch.compile.
+    model, hook_state = parallel.wrap(model, cfg, console=console if rank == 0 else lambda m: None)
+    optimizer = build_optimizer(model, cfg.train)
+    run = Run(model, optimizer, warmup_cosine(optimizer, cfg.train, total_steps),
+              grad_scaler(device, cfg.train.precision), hook_state)
+
+    # Resume: the latest good checkpoint restores weights, optimizer, schedule, scaler, compression state and
+    # the data position.
+    state = restore_latest(run) or TrainState(world_size=world)
+    if rank == 0:
+        _announce_resume(cfg, state, world, micro_batch, accum)
+    state.world_size = world
+    ledger = SampleLedger(cfg.train.sample_ledger, rank, world)
+    saver = CheckpointSaver(cfg, task, rank)
+    reporter = Reporter(cfg, task, run, speed, saver, micro_batch, total_steps, epoch_steps)
+    resumed_from_step = state.step
+    if state.step >= total_steps:  # a rerun of a finished run: evaluate its final weights, train nothing
+        reporter.completed_run(state)
+
+    window, bad_ids = Window(), set()
+    while state.step < total_steps:
+        indices = rank_train_indices(task.num_train_samples, global_batch, cfg.train.seed, state.epoch,
+                                     rank, world, start_step=state.step_in_epoch)
+        batches = _grouped(task.train_batches(indices, state.epoch, micro_batch), accum)
+        for micro_batches, wait_s in _timed(batches):
+            # Reseed per step: dropout and the like draw from (seed, rank, step), so a resume is exact.
+            torch.manual_seed(hash((cfg.train.seed, rank, state.step)) % 2**63)
+            loss_sum, n_valid = train_step(run.model, run.optimizer, run.scheduler, run.scaler, micro_batches,
+                                           cfg, task, device, before_update=saver.before_update)
+            for batch in micro_batches:
+                bad_ids.update(task.bad_sample_ids(batch))
+            window.add(loss_sum, n_valid, wait_s)
+            ledger.record(state, micro_batches, loss_sum, n_valid)
+            state.advance(epoch_steps, global_batch)
+            if report_due(cfg, state, total_steps):
+                reporter.report(state, window, bad_ids)
+                window = Window()
+            if state.step >= total_steps:
+                break
+    # Rank 0's return value reaches the driver as Result.return_value.
+    return {"resumed_from_step": resumed_from_step, "final_step": state.step, "peak_source": speed.peak_source}
+
+
+def train_step(model, optimizer, scheduler, scaler, micro_batches: list[dict], cfg: JobConfig, task: Task,
+               device: torch.device, before_update=None):
+    """One optimizer step over this rank's micro-batches. Returns (loss summed over samples, samples).
+
+    Each micro-batch's mean loss is weighted 1/len(micro_batches), so the accumulated gradient is the mean
+    over the rank's share of the global batch; DDP then averages over the ranks. Only the last micro-batch's
+    backward all-reduces (no_sync on the others): one gradient exchange per optimizer step.
+    `before_update` runs before the weights change (a checkpoint snapshot may still be copying them).
+    """
+    optimizer.zero_grad(set_to_none=True)
+    loss_sum, n_sum = 0.0, 0.0
+    for i, batch in enumerate(micro_batches):
+        last = i == len(micro_batches) - 1
+        with contextlib.nullcontext() if last else parallel.no_grad_sync(model):
+            with autocast(device, cfg.train.precision):
+                loss, n_valid = task.loss(model, batch)
+            scaler.scale(loss / len(micro_batches)).backward()
+        loss_sum, n_sum = loss_sum + loss.detach().float() * n_valid, n_sum + n_valid
+    if cfg.train.grad_clip:
+        scaler.unscale_(optimizer)  # clip the true gradients, not the fp16-scaled ones
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip)
+    if before_update is not None:
+        before_update()
+    scaler.step(optimizer)  # skips the step if fp16 gradients overflowed
+    scaler.update()
+    scheduler.step()
+    return loss_sum, n_sum
+
+
+def _steps(cfg: JobConfig, task: Task) -> tuple[int, int]:
+    """(optimizer steps per epoch, steps in the whole run)."""
+    epoch_steps = steps_per_epoch(task.num_train_samples, cfg.train.global_batch_size)
+    if epoch_steps == 0:
+        raise ValueError(f"train.global_batch_size {cfg.train.global_batch_size} exceeds the "
+                         f"{task.num_train_samples} training samples: lower it")
+    total_steps = epoch_steps * cfg.train.epochs
+    return epoch_steps, min(total_steps, cfg.train.max_steps) if cfg.train.max_steps else total_steps
+
+
+def _announce_resume(cfg: JobConfig, state: TrainState, world: int, micro_batch: int, accum: int) -> None:
+    if state.step:
+        console(f"resumed at step {state.step} (epoch {state.epoch}, step {state.step_in_epoch} in epoch)")
+    if state.world_size != world:  # an elastic resize, or a rerun with another worker count
+        global_batch = cfg.train.global_batch_size
+        console(f"world size {state.world_size} -> {world}: samples per worker and step "
+                f"{global_batch // state.world_size} -> {global_batch // world} (micro-batch {micro_batch} x "
+                f"{accum} accumulation steps); global batch {global_batch}, LR schedule and sample order unchanged")
+
+
+def _grouped(iterable, n: int):
+    """Lists of n consecutive items (the micro-batches of one optimizer step); a short tail is dropped."""
+    it = iter(iterable)
+    while len(group := list(itertools.islice(it, n))) == n:
+        yield group
+
+
+def _timed(iterable):
+    """Yield (item, seconds spent waiting for it): the data-wait part of each step."""
+    it = iter(iterable)
+    while True:
+        t0 = time.perf_counter()
+        try:
+            item = next(it)
+        except StopIteration:
+            return
+        yield item, time.perf_counter() - t0

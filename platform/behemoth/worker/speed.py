@@ -1,0 +1,32 @@
+"""Worker side: the speed figures every report carries (achieved TFLOP/s, MFU where a peak is known, memory)."""
+
+from __future__ import annotations
+
+from behemoth import metrics
+from behemoth.config import JobConfig
+from behemoth.tasks import Task
+
+
+class SpeedMeter:
+    """Achieved TFLOP/s, MFU and peak memory for the reports. The model's FLOPs per sample are counted once,
+    before training, on a forward of one example batch. MFU only where the device's peak is known (a GPU's
+    data sheet, or train.peak_tflops): see metrics.peak_flops."""
+
+    def __init__(self, cfg: JobConfig, task: Task, model, device, world: int, micro_batch: int, accum: int):
+        self.device, self.world, self.micro_batch, self.accum = device, world, micro_batch, accum
+        buffers = {k: v.clone() for k, v in model.named_buffers()}
+        model.eval()
+        batch = task.example_batch(1)  # FLOPs per sample do not depend on the batch; one sample is cheapest
+        self.flops_per_sample = metrics.training_flops_per_sample(lambda: task.loss(model, batch), 1)
+        model.train()
+        model.load_state_dict(buffers, strict=False)
+        self.peak, self.peak_source = metrics.peak_flops(device, cfg.train.precision, cfg.train.peak_tflops)
+
+    def metrics(self, samples_per_s: float) -> dict:
+        out = {"tflops_per_worker": self.flops_per_sample * samples_per_s / self.world / 1e12,
+               "peak_mem_gb": metrics.peak_memory_bytes(self.device) / 1e9,
+               "model_tflops_per_sample": self.flops_per_sample / 1e12,
+               "micro_batch_size": self.micro_batch, "grad_accum_steps": self.accum}
+        if self.peak:
+            out["mfu"] = metrics.mfu(self.flops_per_sample, samples_per_s, self.world, self.peak)
+        return out

@@ -1,0 +1,95 @@
+"""A workload behemoth does not know: linear regression on generated data, as a user would write their own.
+
+Everything a task needs is in this file; the job names it by import path (`data.kind:
+integration.toy_task:LinearRegression`). Ray Train workers import it by name (the tests' Ray instance puts
+tests/ on their PYTHONPATH).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import ray.train.torch
+import torch
+
+FEATURES, TRAIN, VAL = 8, 512, 128
+
+
+class LinearRegression:
+    # --- driver side ------------------------------------------------------------------------------------
+    best = ("val_mse", "min")
+    reported = {"val_mse": "min", "loss": "min"}
+
+    @classmethod
+    def check(cls, cfg):
+        rng = np.random.default_rng(cfg.train.seed)
+        w = rng.normal(size=FEATURES)
+        x = rng.normal(size=(TRAIN + VAL, FEATURES)).astype(np.float32)
+        y = (x @ w + 0.01 * rng.normal(size=TRAIN + VAL)).astype(np.float32)
+        return {"x": x, "y": y}
+
+    @classmethod
+    def prepare(cls, cfg, data):
+        return data
+
+    @classmethod
+    def describe(cls, cfg, data):
+        return f"{TRAIN} train / {VAL} val rows of {FEATURES} features"
+
+    @classmethod
+    def data_cpus(cls, cfg):
+        return 0.0
+
+    @staticmethod
+    def summary_lines(m):
+        return [f"final val_mse:     {m['val_mse']:.5f}"] if "val_mse" in m else []
+
+    @staticmethod
+    def progress_fields(m):
+        return [f"val_mse {m['val_mse']:.5f}"] if "val_mse" in m else []
+
+    # --- worker side ------------------------------------------------------------------------------------
+    tokens_per_sample = None
+    eval_size = 2  # squared error summed, rows
+
+    def __init__(self, cfg, data):
+        self.cfg, self.data = cfg, data
+        self.num_train_samples, self.num_val_samples = TRAIN, VAL
+
+    def build_model(self):
+        return torch.nn.Linear(FEATURES, 1)
+
+    def _batches(self, offset, indices, batch_size):
+        device = ray.train.torch.get_device()
+        for start in range(0, len(indices), batch_size):
+            ids = np.asarray(indices[start:start + batch_size], dtype=np.int64)
+            yield {"x": torch.from_numpy(self.data["x"][offset + ids]).to(device),
+                   "y": torch.from_numpy(self.data["y"][offset + ids]).to(device), "sample_id": torch.from_numpy(ids)}
+
+    def train_batches(self, indices, epoch, batch_size):
+        return self._batches(0, indices, batch_size)
+
+    def eval_batches(self, indices, batch_size):
+        return self._batches(TRAIN, indices, batch_size)
+
+    def example_batch(self, batch_size):
+        device = ray.train.torch.get_device()
+        return {"x": torch.zeros(batch_size, FEATURES, device=device), "y": torch.zeros(batch_size, device=device)}
+
+    def loss(self, model, batch):
+        return torch.nn.functional.mse_loss(model(batch["x"]).squeeze(1), batch["y"]), torch.tensor(len(batch["y"]))
+
+    def eval_sums(self, model, batch):
+        err = ((model(batch["x"]).squeeze(1) - batch["y"]) ** 2).sum()
+        return torch.stack([err, torch.tensor(float(len(batch["y"])))]).to(torch.float64)
+
+    def eval_metrics(self, sums):
+        return {"val_mse": sums[0].item() / max(sums[1].item(), 1.0)}
+
+    def bad_sample_ids(self, batch):
+        return []
+
+    def describe_samples(self, sample_ids):
+        return [f"row {i}" for i in sample_ids]
+
+    def classes(self):
+        return None

@@ -1,0 +1,43 @@
+"""The filter on Ray's forwarded worker output: known noise goes, real warnings and tracebacks stay."""
+
+from behemoth.driver.ray_console import filter_lines
+
+PREEMPTION = ("[2026-11-23 12:48:54,770 E 30855 30961] core_worker.cc:2465: Actor with class name: "
+              "'PreemptionWatcher' and ID: '4de217be29b7c9db2091bd7c01000000' has constructor arguments in the "
+              "object store and max_restarts > 0. If the arguments in the object store go out of scope or are "
+              "lost, the actor restart will fail. See https://github.com/ray-project/ray/issues/53727 for more "
+              "details.")
+# As a trial actor that Tune stopped printed it (examples/sweep_from_script.py)
+SIGTERM_EXIT = [
+    "Exception ignored in: <function WeakSet.__init__.<locals>._remove at 0x7f7268ae39c0>",
+    "Traceback (most recent call last):",
+    '  File "/root/.pyenv/versions/3.11.7/lib/python3.11/_weakrefset.py", line 39, in _remove',
+    "    def _remove(item, selfref=ref(self)):",
+    "",
+    '  File "/work/main/.venv/lib/python3.11/site-packages/ray/_private/worker.py", line 1063, in sigterm_handler',
+    "    raise_sys_exit_with_custom_error_message(",
+    '  File "python/ray/_raylet.pyx", line 712, in ray._raylet.raise_sys_exit_with_custom_error_message',
+    "SystemExit: 1",
+]
+REAL_TRACEBACK = [
+    "Traceback (most recent call last):",
+    '  File "/work/main/platform/behemoth/loop.py", line 80, in train_loop_per_worker',
+    "    raise SystemExit(1)",
+    "SystemExit: 1",
+    "Traceback (most recent call last):",
+    '  File "x.py", line 1, in <module>',
+    "ValueError: a real failure",
+]
+
+
+def test_noise_lines_and_sigterm_exits_are_dropped():
+    lines = ["[behemoth] step 10/20", PREEMPTION, *SIGTERM_EXIT, "[behemoth] step 20/20"]
+    assert filter_lines(lines) == ["[behemoth] step 10/20", "[behemoth] step 20/20"]
+
+
+def test_real_warnings_and_tracebacks_pass_unchanged():
+    warning = ("WARNING: 8 PYTHON worker processes have been started on node: f5c1 with address: 192.0.2.2, "
+               "which is 4x the maximum expected startup concurrency (2).")
+    other_actor = PREEMPTION.replace("PreemptionWatcher", "MyActor")
+    lines = [warning, other_actor, *REAL_TRACEBACK]
+    assert filter_lines(lines) == lines
