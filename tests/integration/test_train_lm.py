@@ -208,9 +208,12 @@ def test_a_local_ray_runs_its_workers_at_normal_priority():
 
     code = ("import os, ray; from behemoth.driver.trainer import ensure_ray; ensure_ray(); "
             "print('niceness', ray.get(ray.remote(lambda: os.nice(0)).remote()))")
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    # As a user's shell has it: no RAY_ADDRESS, no RAY_AUTH_MODE (Ray turns token auth on by default); the
+    # token stays the tests' (RAY_AUTH_TOKEN_PATH), not ~/.ray's.
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_AUTH_MODE")}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert "niceness 0" in out.stdout, out.stdout + out.stderr[-3000:]
+    assert "Token authentication is enabled" not in out.stderr  # the notice about the default, filtered
 
 
 def test_the_ledger_audit_catches_a_pipeline_that_repeats_a_batch(text_corpus, tmp_path):

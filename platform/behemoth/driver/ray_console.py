@@ -8,6 +8,7 @@ warnings and tracebacks that match none of the patterns pass unchanged.
 
 from __future__ import annotations
 
+import logging
 import re
 
 # Whole lines that are noise in every behemoth run.
@@ -59,3 +60,20 @@ def _filtered(print_logs):
 
     print_filtered.behemoth_filter = True
     return print_filtered
+
+
+class _TokenAuthNotice(logging.Filter):
+    """Ray 2.60 turns token auth on by default for a new local instance and says so at every start ("Token
+    authentication is enabled for this Ray cluster. Set RAY_AUTH_MODE=disabled to opt out"): behemoth wants
+    it on, so that is not news. Its warning that auth is *disabled* still shows. (Setting RAY_AUTH_MODE=token
+    instead does not work from here: Ray's core reads it when ray is imported, and a GCS started with the
+    variable then rejects this driver.)"""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Token authentication is enabled for this Ray cluster")
+
+
+def quiet_token_auth_notice() -> None:
+    logger = logging.getLogger("ray._private.authentication.authentication_token_setup")
+    if not any(isinstance(f, _TokenAuthNotice) for f in logger.filters):
+        logger.addFilter(_TokenAuthNotice())

@@ -82,9 +82,7 @@ def ensure_ray() -> None:
         options = {"runtime_env": {"py_modules": [package]}}
     else:
         options = {"_system_config": LOCAL_RAY_SYSTEM_CONFIG}
-        # Token auth on, said explicitly: Ray 2.60 turns it on by default for a new local instance and warns
-        # about that default on every start. A value the user sets (e.g. disabled) wins.
-        os.environ.setdefault("RAY_AUTH_MODE", "token")
+        ray_console.quiet_token_auth_notice()
     ray.init(logging_level="warning", log_to_driver=True, **options)
     ray_console.install()
     tighten_token_file()
