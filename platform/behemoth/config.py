@@ -7,7 +7,6 @@ an unknown key also names the closest valid key, a wrong type names the expected
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import types
 import typing
 from dataclasses import dataclass, field
@@ -16,7 +15,7 @@ from typing import Any, Literal, Optional, Union
 
 import yaml
 
-from behemoth.errors import ConfigError
+from behemoth.errors import ConfigError, did_you_mean
 
 
 # data.kind -> the task that trains it ("module:Class", imported only when a run needs it: behemoth.tasks).
@@ -81,9 +80,7 @@ class DataConfig:
 
     def validate(self) -> None:
         if self.kind not in TASKS and not is_custom_kind(self.kind):
-            close = closest_key(self.kind, list(TASKS))
-            hint = f"; did you mean '{close}'?" if close else ""
-            raise ConfigError(f"data.kind '{self.kind}' is not a known task{hint} (known: {', '.join(TASKS)}; or "
+            raise ConfigError(f"data.kind '{self.kind}' is not a known task{did_you_mean(self.kind, list(TASKS))} (known: {', '.join(TASKS)}; or "
                               f"your own task class as module:Class)")
         if is_custom_kind(self.kind):
             return  # the task checks its own data (its check() runs before Ray starts)
@@ -397,24 +394,6 @@ def apply_override(raw: dict, item: str) -> None:
     node[keys[-1]] = yaml.safe_load(value) if value != "" else ""
 
 
-# What other trainers (transformers' TrainingArguments, Lightning, torchtitan) call some of our keys: a misspelt
-# or borrowed name is matched against these too, so `learning_rat` suggests `lr`, not `min_lr_ratio`.
-KEY_SYNONYMS = {
-    "learning_rate": "lr", "batch_size": "global_batch_size", "train_batch_size": "global_batch_size",
-    "num_epochs": "epochs", "max_epochs": "epochs", "num_train_epochs": "epochs",
-    "gradient_accumulation_steps": "grad_accum_steps", "accumulate_grad_batches": "grad_accum_steps",
-    "max_grad_norm": "grad_clip", "gradient_clip_val": "grad_clip", "warmup": "warmup_steps",
-    "mixed_precision": "precision", "optim": "optimizer", "workers": "num_workers",
-}
-
-
-def closest_key(key: str, names: list[str]) -> str | None:
-    """The valid key a mistyped `key` most likely meant (None: nothing is close), synonyms included."""
-    synonyms = {alias: name for alias, name in KEY_SYNONYMS.items() if name in names}
-    close = difflib.get_close_matches(key, [*names, *synonyms], n=1, cutoff=0.5)
-    return synonyms.get(close[0], close[0]) if close else None
-
-
 def from_dict(cls: type, raw: Any, where: str, prefix: str = "") -> Any:
     """Build dataclass `cls` from a mapping, checking keys and types recursively."""
     if not isinstance(raw, dict):
@@ -423,8 +402,7 @@ def from_dict(cls: type, raw: Any, where: str, prefix: str = "") -> Any:
     names = [f.name for f in dataclasses.fields(cls)]
     for key in raw:
         if key not in names:
-            close = closest_key(str(key), names)
-            hint = f"; did you mean '{prefix}{close}'?" if close else f"; valid keys: {', '.join(names)}"
+            hint = did_you_mean(key, names, prefix) or f"; valid keys: {', '.join(names)}"
             raise ConfigError(f"{where}: unknown key '{prefix}{key}'{hint}")
     kwargs = {k: _coerce(hints[k], v, where, f"{prefix}{k}") for k, v in raw.items()}
     return cls(**kwargs)
@@ -445,9 +423,8 @@ def _coerce(tp: Any, value: Any, where: str, key: str) -> Any:
         raise _type_error(where, key, tp, value)
     if origin is Literal:
         if value not in args:
-            close = difflib.get_close_matches(str(value), [str(a) for a in args], n=1)
-            hint = f"; did you mean '{close[0]}'?" if close else ""
-            raise ConfigError(f"{where}: {key} must be one of {list(args)}, got {value!r}{hint}")
+            raise ConfigError(f"{where}: {key} must be one of {list(args)}, got {value!r}"
+                              f"{did_you_mean(value, list(args))}")
         return value
     if origin is dict:
         if not isinstance(value, dict):

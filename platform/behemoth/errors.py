@@ -1,7 +1,7 @@
 """The errors behemoth raises for bad input or a run it cannot finish, and the one line a user sees.
 
 Every room may import this module; it imports nothing of behemoth. Each message names the culprit (file,
-row, key, checkpoint) and what to do. `behemoth` (the CLI) prints `user_facing_error(e)` as one line and exits
+row, key, checkpoint) and what to do; `did_you_mean` is the one suggestion of the closest valid name. `behemoth` (the CLI) prints `user_facing_error(e)` as one line and exits
 with 2 for a ConfigError, 1 for the others.
 """
 
@@ -26,6 +26,33 @@ class CheckpointError(RuntimeError):
 
 class RunFailedError(RuntimeError):
     """A run that Ray Train gave up on (workers kept dying past failure.max_failures). Checkpoints are kept."""
+
+
+# What other trainers (transformers' TrainingArguments, Lightning, torchtitan) call some of our keys: a misspelt
+# or borrowed name is matched against these too, so `learning_rat` suggests `lr`, not `min_lr_ratio`.
+KEY_SYNONYMS = {
+    "learning_rate": "lr", "batch_size": "global_batch_size", "train_batch_size": "global_batch_size",
+    "num_epochs": "epochs", "max_epochs": "epochs", "num_train_epochs": "epochs",
+    "gradient_accumulation_steps": "grad_accum_steps", "accumulate_grad_batches": "grad_accum_steps",
+    "max_grad_norm": "grad_clip", "gradient_clip_val": "grad_clip", "warmup": "warmup_steps",
+    "mixed_precision": "precision", "optim": "optimizer", "workers": "num_workers",
+}
+
+
+def closest_key(key: str, names: list[str]) -> str | None:
+    """The valid name a mistyped `key` most likely meant (None: nothing is close), synonyms included."""
+    import difflib
+
+    synonyms = {alias: name for alias, name in KEY_SYNONYMS.items() if name in names}
+    close = difflib.get_close_matches(key, [*names, *synonyms], n=1, cutoff=0.5)
+    return synonyms.get(close[0], close[0]) if close else None
+
+
+def did_you_mean(key: str, names: list[str], prefix: str = "") -> str:
+    """"; did you mean 'PREFIX<closest>'?" for an error message, or "" when no valid name is close. The one
+    did-you-mean of behemoth (config keys, choices, model names, task kinds, sweep keys)."""
+    close = closest_key(str(key), [str(n) for n in names])
+    return f"; did you mean '{prefix}{close}'?" if close else ""
 
 
 USER_ERRORS = (ConfigError, DataError, BadSampleError, CheckpointError, RunFailedError)

@@ -24,6 +24,7 @@ from PIL import Image
 
 from behemoth.config import DataConfig
 from behemoth.errors import BadSampleError
+from behemoth.progress import progress
 from behemoth.data import DataError, expand_files, ordered_data_context
 
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg"}
@@ -75,7 +76,8 @@ def index_image_folder(root: Path) -> ImageIndex:
 
 def _list_class_folders(folder: Path) -> dict[str, list[Path]]:
     found = {}
-    for class_dir in sorted(p for p in folder.iterdir() if p.is_dir()):
+    class_dirs = sorted(p for p in folder.iterdir() if p.is_dir())
+    for class_dir in progress(class_dirs, f"indexing {folder}", unit="class"):
         files = sorted(p for p in class_dir.iterdir() if p.suffix.lower() in IMAGE_SUFFIXES)
         if not files:
             raise DataError(f"class folder {class_dir} holds no .png/.jpg/.jpeg images: add some or remove it")

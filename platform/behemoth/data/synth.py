@@ -14,6 +14,8 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
+from behemoth.progress import progress
+
 SHAPES = ("disk", "square", "ring", "plus", "bar")
 FAMILIES = ("warm", "cool")
 CLASS_NAMES = [f"{shape}_{family}" for family in FAMILIES for shape in SHAPES]
@@ -55,13 +57,13 @@ def write_synth_images(out: str | Path, classes: int = 10, per_class: int = 200,
     if not 1 <= classes <= len(CLASS_NAMES):
         raise ValueError(f"--classes must be between 1 and {len(CLASS_NAMES)}")
     out = Path(out)
-    counts = {}
-    for split_id, (split, n) in enumerate((("train", per_class), ("val", val_per_class))):
-        for c in range(classes):
-            folder = out / split / CLASS_NAMES[c]
+    splits = (("train", per_class), ("val", val_per_class))
+    images = [(split_id, split, c, i) for split_id, (split, n) in enumerate(splits) for c in range(classes)
+              for i in range(n)]
+    for split_id, split, c, i in progress(images, "writing demo images", unit="img"):
+        folder = out / split / CLASS_NAMES[c]
+        if i == 0:
             folder.mkdir(parents=True, exist_ok=True)
-            for i in range(n):
-                rng = np.random.default_rng([seed, split_id, c, i])
-                Image.fromarray(synth_image(c, size, rng)).save(folder / f"{i:06d}.png")
-        counts[split] = n * classes
-    return counts
+        rng = np.random.default_rng([seed, split_id, c, i])
+        Image.fromarray(synth_image(c, size, rng)).save(folder / f"{i:06d}.png")
+    return {split: n * classes for split, n in splits}

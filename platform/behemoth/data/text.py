@@ -43,6 +43,7 @@ import pyarrow.parquet as pq
 
 from behemoth.config import DataConfig
 from behemoth.data import DataError, expand_files, ordered_data_context
+from behemoth.progress import progress
 
 CACHE_VERSION = 1
 UNIT_BYTES = 1 << 20  # a line-oriented file is cut into work units of about this many bytes
@@ -329,7 +330,8 @@ def prepare_text(cfg: DataConfig, seed: int, units: list[Unit] | None = None) ->
 
 def _build_cache(cfg: DataConfig, units: list[Unit], seed: int, dtype, cache: Path) -> None:
     packers = {"train": Packer(cfg.seq_len, dtype), "val": Packer(cfg.seq_len, dtype)}
-    for batch in _token_stream(cfg, units, seed):
+    for batch in progress(_token_stream(cfg, units, seed), "tokenising", total=None if cfg.hf_dataset else len(units),
+                          unit="unit" if not cfg.hf_dataset else "batch"):
         for split, tokens, docs in zip(batch["split"].to_pylist(), _list_values(batch["tokens"]),
                                        batch["documents"].to_pylist()):
             packers[split].add(tokens, docs)

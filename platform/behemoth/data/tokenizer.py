@@ -11,6 +11,7 @@ from pathlib import Path
 
 from behemoth.config import DataConfig
 from behemoth.data.text import plan_units, read_unit_documents
+from behemoth.progress import watching
 
 EOS = "<|endoftext|>"
 
@@ -30,7 +31,7 @@ def train_tokenizer(files: list[str], out: str | Path, vocab_size: int = 4096, t
 
     bpe = ByteLevelBPETokenizer()
     bpe.train_from_iterator(iter_documents(files, text_field, document), vocab_size=vocab_size,
-                            min_frequency=min_frequency, special_tokens=[EOS], show_progress=False)
+                            min_frequency=min_frequency, special_tokens=[EOS], show_progress=watching())
     tok = PreTrainedTokenizerFast(tokenizer_object=bpe._tokenizer, eos_token=EOS, bos_token=EOS, unk_token=None)
     tok.save_pretrained(str(out))
     return tok

@@ -31,6 +31,7 @@ from ray.tune import Callback
 from ray.tune.integration.ray_train import TuneReportCallback
 
 from behemoth import paths
+from behemoth.errors import did_you_mean
 from behemoth.config import (ConfigError, JobConfig, apply_override, config_from_dict, dump_yaml, from_dict,
                              load_config, read_yaml_mapping)
 from behemoth.tasks import task_of
@@ -211,14 +212,11 @@ def check_sweep(sweep_cfg: SweepConfig) -> list[JobConfig]:
 def _check_key_exists(key: str) -> None:
     """`train.lr` must name a job key (section.field), with the closest valid key suggested."""
     import dataclasses
-    import difflib
 
     job = JobConfig()
     valid = [f"{s.name}.{f.name}" for s in dataclasses.fields(job) for f in dataclasses.fields(getattr(job, s.name))]
     if key not in valid:
-        close = difflib.get_close_matches(key, valid, n=1, cutoff=0.5)
-        hint = f"; did you mean '{close[0]}'?" if close else ""
-        raise ConfigError(f"space key '{key}' is not a job config key{hint}")
+        raise ConfigError(f"space key '{key}' is not a job config key{did_you_mean(key, valid)}")
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -269,7 +267,7 @@ def run_trial(params: dict, sweep: dict, base: dict, sweep_dir: str) -> None:
     # Tune saves its experiment state at most every ~10 s: a sweep killed just after a trial finished may
     # restart that trial. Its summary says it is done: hand Tune the final result again, train nothing.
     finished_before = summary_file.is_file()
-    _append_jsonl(os.path.join(sweep_dir, "trial_starts.jsonl"), {
+    _append_jsonl(paths.join(sweep_dir, "trial_starts.jsonl"), {
         "trial_id": trial_id, "time": time.time(), "params": params, "lr": cfg.train.lr,
         "finished_before": finished_before})
     described = ", ".join(f"{k}={v}" for k, v in params.items())
@@ -586,7 +584,7 @@ def _results(sweep_cfg: SweepConfig, grid, metric: str, mode: str, sweep_dir: st
     rows = [_trial_row(sweep_cfg, r, base, keys, metric, sweep_dir) for r in grid]
     table = pd.DataFrame(rows).sort_values(metric, ascending=mode == "min", na_position="last", kind="stable")
     table = table.reset_index(drop=True)
-    results_csv = os.path.join(sweep_dir, "results.csv")
+    results_csv = paths.join(sweep_dir, "results.csv")
     table.to_csv(results_csv, index=False)
     scored = table[table[metric].notna()]
     if scored.empty:
@@ -597,7 +595,7 @@ def _results(sweep_cfg: SweepConfig, grid, metric: str, mode: str, sweep_dir: st
     best_job = trial_job(base, best_params, sweep_cfg.lr_scaling)
     best_job.checkpoint.storage_path = base["checkpoint"]["storage_path"]
     best_job.checkpoint.run_name = f"{sweep_cfg.name}_best"
-    best_yaml = os.path.join(sweep_dir, "best.yaml")
+    best_yaml = paths.join(sweep_dir, "best.yaml")
     Path(best_yaml).write_text(
         f"# The best trial of sweep {sweep_cfg.name}: {best['trial_id']}, {metric} {best[metric]:.6g} "
         f"({best['status']}).\n# {', '.join(f'{k}={v!r}' for k, v in best_params.items())}; train.lr after "
@@ -614,7 +612,7 @@ def _trial_row(sweep_cfg: SweepConfig, result, base: dict, keys: list[str], metr
     params = {k: result.config.get(k) for k in keys}
     m = result.metrics or {}
     trial_id = m.get("trial_id") or _trial_id_from_starts(sweep_dir, params)
-    run_dir = os.path.join(sweep_dir, "runs", str(trial_id))
+    run_dir = paths.join(sweep_dir, "runs", str(trial_id))
     summary_file = Path(run_dir, "summary.json")
     summary = json.loads(summary_file.read_text()) if summary_file.is_file() else {}
     m = {**m, **summary.get("metrics", {})}

@@ -8,10 +8,9 @@ function takes the number of classes and returns a torch module. Language models
 
 from __future__ import annotations
 
-import difflib
 import importlib
 
-from behemoth.errors import ConfigError
+from behemoth.errors import ConfigError, did_you_mean
 
 MODELS: dict[str, str] = {
     "resnet18": "behemoth.models.resnet:resnet18",
@@ -25,9 +24,8 @@ CAUSAL_LM = "causal_lm"
 def check_name(name: str) -> None:
     known = [*MODELS, CAUSAL_LM]
     if name not in known:
-        close = difflib.get_close_matches(name, known, n=1)
-        hint = f"; did you mean '{close[0]}'?" if close else ""
-        raise ConfigError(f"model.name '{name}' is not a known model{hint} (known: {', '.join(known)})")
+        raise ConfigError(f"model.name '{name}' is not a known model{did_you_mean(name, known)} "
+                          f"(known: {', '.join(known)})")
 
 
 def build_model(name: str, num_classes: int):
