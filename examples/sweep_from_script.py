@@ -6,7 +6,7 @@
 Rerunning it resumes the sweep named here (finished trials are not run again).
 """
 
-from behemoth.driver.tune import sweep
+from behemoth import sweep
 
 result = sweep(
     "jobs/configs/demo_images.yaml",
