@@ -15,6 +15,7 @@ from typing import Any, Literal, Optional, Union
 
 import yaml
 
+from behemoth import paths
 from behemoth.errors import ConfigError, did_you_mean
 
 
@@ -125,6 +126,9 @@ class ModelConfig:
     # ... or a fresh model from a config: model_type plus sizes, e.g. {model_type: llama, hidden_size: 256}.
     # With pretrained set, these keys override the pretrained config. vocab_size defaults to the tokenizer's.
     hf_config: dict[str, Any] = field(default_factory=dict)
+    # Run Python code shipped with a pretrained model's repository (transformers' trust_remote_code). Off: a
+    # model that needs it is refused by transformers with its own message. Never set through hf_config.
+    trust_remote_code: bool = False
 
     def validate(self) -> None:
         from behemoth.models import registry  # light: no torch model is built here
@@ -133,6 +137,9 @@ class ModelConfig:
         if self.name == "causal_lm" and not (self.pretrained or self.hf_config.get("model_type")):
             raise ConfigError("model.name is causal_lm: set model.pretrained (a folder or hub name) or "
                               "model.hf_config.model_type (e.g. llama) with its sizes")
+        if "trust_remote_code" in self.hf_config:
+            raise ConfigError("model.hf_config.trust_remote_code: running a model repository's own code is a "
+                              "decision of its own: set model.trust_remote_code: true (and remove it from hf_config)")
         if self.name != "causal_lm" and (self.pretrained or self.hf_config):
             raise ConfigError(f"model.pretrained and model.hf_config are for causal_lm, not {self.name}")
 
@@ -265,8 +272,7 @@ class CheckpointConfig:
     def validate(self) -> None:
         _positive("checkpoint.every_n_steps", self.every_n_steps)
         _positive("checkpoint.keep", self.keep)
-        if not self.run_name or "/" in self.run_name:
-            raise ConfigError(f"checkpoint.run_name {self.run_name!r} must be a non-empty name without '/'")
+        paths.check_name("checkpoint.run_name", self.run_name)
 
 
 @dataclass

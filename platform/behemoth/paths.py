@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import os
 
+from behemoth.errors import ConfigError
+
 
 def is_uri(path: str) -> bool:
     return "://" in str(path)
@@ -22,6 +24,14 @@ def join(root: str, *parts: str) -> str:
     if is_uri(root):
         return "/".join([root.rstrip("/"), *parts])
     return os.path.join(root, *parts)
+
+
+def check_name(key: str, name: str) -> None:
+    """A run or sweep name becomes one folder under the storage path: one plain path component, never '.',
+    '..' or anything with a separator (which would put the run outside its storage path)."""
+    if not name or name in (".", "..") or "/" in name or "\\" in name or name != name.strip():
+        raise ConfigError(f"{key} {name!r} must be a plain folder name: not empty, not '.' or '..', no '/' "
+                          f"or '\\', no surrounding spaces")
 
 
 def run_dir(storage_path: str, run_name: str) -> str:

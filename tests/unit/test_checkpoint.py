@@ -156,3 +156,33 @@ def test_a_failed_background_copy_fails_the_checkpoint():
     copies = checkpointing.Copies([], [(torch.empty(3), torch.ones(4))])  # shapes differ: the copy raises
     with pytest.raises(CheckpointError, match="copying the training state for a checkpoint failed"):
         copies.wait_done()
+
+
+class _RunsCode:
+    """A pickle payload: unpickling it calls a function (here: writes a marker file)."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def test_compression_state_loads_without_unpickling_code(tmp_path):
+    """comm_hook.pt (PowerSGD's per-rank state) is read with weights_only=True: a checkpoint whose file was
+    replaced by one that runs code on load (its manifest rewritten to match: a checksum proves integrity, not
+    authorship) is refused, and the code never runs."""
+    import io
+    import pickle
+
+    import pytest
+    import torch
+
+    from behemoth.worker.parallel import PowerSGD
+
+    payload = io.BytesIO()
+    torch.save({"state": {"rng_state": _RunsCode(tmp_path / "ran")}, "pieces": {}}, payload)
+    hook = object.__new__(PowerSGD)
+    with pytest.raises(pickle.UnpicklingError):
+        hook.load_bytes(payload.getvalue(), device="cpu")
+    assert not (tmp_path / "ran").exists()

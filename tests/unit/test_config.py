@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from behemoth.config import ConfigError, load_config
+from behemoth.config import ConfigError, config_from_dict, load_config
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -166,3 +166,24 @@ def test_the_configuration_reference_names_every_key():
     named = {m for line in table for m in re.findall(r"`([a-z]+\.[a-z_]+)`", line.split("|")[1])}
     assert sorted(keys - named) == [], "keys missing from docs/configuration.md"
     assert sorted(named - keys) == [], "docs/configuration.md names keys that do not exist"
+
+
+def test_code_from_a_model_repository_runs_only_when_the_job_says_so():
+    """`trust_remote_code: true` slipped into model.hf_config (passed to from_pretrained) is refused; the
+    explicit key is model.trust_remote_code, off by default."""
+    hf = {"model": {"name": "causal_lm", "pretrained": "some/model", "hf_config": {"trust_remote_code": True}},
+          "data": {"kind": "text", "train_files": ["a.jsonl"], "val_files": ["b.jsonl"], "tokenizer": "tok"}}
+    with pytest.raises(ConfigError, match="set model.trust_remote_code: true"):
+        config_from_dict(hf)
+    hf["model"]["hf_config"] = {}
+    assert config_from_dict(hf).model.trust_remote_code is False
+
+
+@pytest.mark.parametrize("name", ["..", ".", "", "a/b", "../x", " x", "a\\b"])
+def test_run_and_sweep_names_stay_inside_their_storage_path(name):
+    from behemoth.driver.tune import SweepConfig
+
+    with pytest.raises(ConfigError, match="must be a plain folder name"):
+        config_from_dict({"data": {"root": "x"}, "checkpoint": {"run_name": name}})
+    with pytest.raises(ConfigError, match="must be a plain folder name"):
+        SweepConfig(job="job.yaml", space={"train.lr": {"grid": [0.1]}}, name=name).validate()

@@ -82,6 +82,7 @@ class SweepConfig:
     def validate(self) -> None:
         if not self.job:
             raise ConfigError("job is empty: set it to the job YAML the trials start from")
+        paths.check_name("name", self.name)
         if not self.space:
             raise ConfigError("space is empty: give at least one key to search, e.g. "
                               "space: {train.lr: {loguniform: [0.01, 0.3]}}")

@@ -21,7 +21,8 @@ def build_causal_lm(model_cfg, *, vocab_size: int, eos_id: int, bos_id: int | No
     overrides = dict(model_cfg.hf_config)
     if model_cfg.pretrained:
         overrides.pop("model_type", None)
-        model = AutoModelForCausalLM.from_pretrained(model_cfg.pretrained, **overrides)
+        model = AutoModelForCausalLM.from_pretrained(model_cfg.pretrained,
+                                                     trust_remote_code=model_cfg.trust_remote_code, **overrides)
         config = model.config
     else:
         model_type = overrides.pop("model_type")

@@ -209,18 +209,28 @@ class PowerSGD:
         with _quiet_powersgd():
             values = {k: v for k, v in self.state.__getstate__().items()
                       if k not in ("error_dict", "p_memory_dict", "q_memory_dict")}
+        # PowerSGD's numpy RandomState as plain numbers, so that loading needs no pickle (weights_only=True)
+        _, keys, pos, has_gauss, cached_gaussian = values.pop("rng").get_state()
+        values["rng_state"] = {"keys": torch.from_numpy(keys.astype("int64")), "pos": int(pos),
+                               "has_gauss": int(has_gauss), "cached_gaussian": float(cached_gaussian)}
         buf = io.BytesIO()
         torch.save({"state": values, "pieces": {k: {n: t.clone() for n, t in d.items()}
                                                 for k, d in self.pieces.items()}}, buf)
         return buf.getvalue()
 
     def load_bytes(self, saved: bytes, device) -> None:
-        # weights_only=False: the state holds a numpy RandomState. The file passed the checkpoint's sha256
-        # verification before this point.
-        saved = torch.load(io.BytesIO(saved), map_location=device, weights_only=False)
+        # weights_only: tensors and plain values only, never a pickle (a checksum proves integrity, not who
+        # wrote the file: whoever can write the bucket must not get code run on every worker).
+        import numpy as np
+
+        saved = torch.load(io.BytesIO(saved), map_location=device, weights_only=True)
+        rng_state = saved["state"].pop("rng_state")
+        rng = np.random.RandomState()
+        rng.set_state(("MT19937", rng_state["keys"].cpu().numpy().astype(np.uint32), rng_state["pos"],
+                       rng_state["has_gauss"], rng_state["cached_gaussian"]))
         empty = {"error_dict": {}, "p_memory_dict": {}, "q_memory_dict": {}}
         with _quiet_powersgd():
-            self.state.__setstate__({**saved["state"], **empty})
+            self.state.__setstate__({**saved["state"], "rng": rng, **empty})
         self.pieces, self.layout = saved["pieces"], {}
 
 
