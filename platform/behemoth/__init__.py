@@ -10,10 +10,10 @@ Python API: `behemoth.train(cfg)`, `behemoth.sweep(job, space, ...)` (also `behe
 
 from behemoth.config import JobConfig, load_config
 from behemoth.errors import CheckpointError, ConfigError, DataError, RunFailedError
+from behemoth.version import __version__
 
 __all__ = ["CheckpointError", "ConfigError", "DataError", "JobConfig", "RunFailedError", "load_config", "sweep",
-           "train"]
-__version__ = "0.1.0"
+           "train", "__version__"]
 
 
 def __getattr__(name: str):

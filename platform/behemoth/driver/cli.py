@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from behemoth import __version__
+from behemoth.version import __version__
 from behemoth.config import dump_yaml, load_config
 from behemoth.errors import ConfigError, user_facing_error
 
