@@ -41,3 +41,26 @@ def test_real_warnings_and_tracebacks_pass_unchanged():
     other_actor = PREEMPTION.replace("PreemptionWatcher", "MyActor")
     lines = [warning, other_actor, *REAL_TRACEBACK]
     assert filter_lines(lines) == lines
+
+
+# As a stopped trial's training worker printed it (a fresh-clone run of the sweep test), report in flight
+TEARDOWN = [
+    "Error in training function:",
+    "Traceback (most recent call last):",
+    '  File "/tmp/full6/platform/behemoth/worker/saver.py", line 73, in save_and_report',
+    "    ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(tempfile.mkdtemp()),",
+    '  File "/tmp/full6/.venv/lib/python3.11/site-packages/ray/_private/worker.py", line 1055, in get_objects',
+    "    raise value",
+    "ray.exceptions.ActorDiedError: The actor died unexpectedly before finishing this task.",
+    "\tclass_name: SynchronizationActor",
+    "\tpid: 18435",
+    "The actor is dead because its worker process has died. Worker exit type: INTENDED_SYSTEM_EXIT Worker exit "
+    "detail: Destroying worker since its placement group was removed. Placement group id: 54",
+]
+
+
+def test_a_stopped_trials_teardown_traceback_is_dropped_a_real_actor_death_is_not():
+    assert filter_lines(["[behemoth] step 18/24", *TEARDOWN, ""]) == ["[behemoth] step 18/24", ""]
+    crashed = [*TEARDOWN[:-1], "The actor is dead because its worker process has died. Worker exit type: "
+               "SYSTEM_ERROR Worker exit detail: Worker exits unexpectedly."]
+    assert filter_lines(crashed) == crashed

@@ -23,17 +23,31 @@ NOISE_LINES = [
 # A traceback block (from "Traceback ..." or "Exception ignored in ..." to its "SystemExit: N" line) is noise
 # when Ray's SIGTERM handler raised it: Ray asked the process to exit (Tune stopping a trial's actor), and
 # the handler's SystemExit surfaced inside whatever Python was running, e.g. a weakref callback.
-_BLOCK_START = re.compile(r"^(Traceback \(most recent call last\):|Exception ignored in: )")
-_BLOCK_END = re.compile(r"^SystemExit: \d+\s*$")
+# Likewise a training worker's "Error in training function" whose cause is that Ray destroyed its worker
+# group on purpose (a stopped trial: Ray Train removes the group's placement group, and a report in flight
+# finds Ray Train's SynchronizationActor gone): the error names INTENDED_SYSTEM_EXIT and the removal.
+_BLOCK_START = re.compile(r"^(Traceback \(most recent call last\):|Exception ignored in: |Error in training function:)")
+_SIGTERM_END = re.compile(r"^SystemExit: \d+\s*$")
+_TEARDOWN_END = re.compile(r"Worker exit type: INTENDED_SYSTEM_EXIT .*placement group was removed")
+
+
+def _intended_exit_block(lines: list[str], i: int) -> int | None:
+    """The index of the last line of the intended-exit traceback starting at lines[i], or None."""
+    for j in range(i + 1, min(len(lines), i + 60)):
+        if _SIGTERM_END.match(lines[j]):
+            return j if any("sigterm_handler" in line for line in lines[i:j]) else None
+        if _TEARDOWN_END.search(lines[j]):
+            return j if any("ActorDiedError" in line for line in lines[i:j]) else None
+    return None
 
 
 def filter_lines(lines: list[str]) -> list[str]:
-    """`lines` without the noise lines and without tracebacks of a SIGTERM-requested exit."""
+    """`lines` without the noise lines and without tracebacks of an exit Ray asked for."""
     kept, i = [], 0
     while i < len(lines):
         if _BLOCK_START.match(lines[i]):
-            end = next((j for j in range(i + 1, min(len(lines), i + 40)) if _BLOCK_END.match(lines[j])), None)
-            if end is not None and any("sigterm_handler" in line for line in lines[i:end]):
+            end = _intended_exit_block(lines, i)
+            if end is not None:
                 i = end + 1
                 continue
         if not any(p.search(lines[i]) for p in NOISE_LINES):
