@@ -64,3 +64,29 @@ def test_a_stopped_trials_teardown_traceback_is_dropped_a_real_actor_death_is_no
     crashed = [*TEARDOWN[:-1], "The actor is dead because its worker process has died. Worker exit type: "
                "SYSTEM_ERROR Worker exit detail: Worker exits unexpectedly."]
     assert filter_lines(crashed) == crashed
+
+
+# As Ray Train's controller printed it after the sweep test killed a training worker (a fresh-clone run)
+CRASHED_SHUTDOWN = [
+    "Graceful shutdown of backend failed. This is expected if one of the workers has crashed.",
+    "Traceback (most recent call last):",
+    '  File "/x/ray/train/v2/_internal/callbacks/backend_setup.py", line 27, in before_execution_group_shutdown',
+    "    self._backend.on_shutdown(execution_group, self._backend_config)",
+    '  File "/x/ray/train/torch/config.py", line 333, in on_shutdown',
+    "    ray.get(futures, timeout=timeout_s)",
+    "    raise value",
+    "ray.exceptions.ActorDiedError: The actor died unexpectedly before finishing this task.",
+    "\tclass_name: RayTrainWorker",
+    "\tpid: 23229",
+    "The actor is dead because its worker process has died. Worker exit type: SYSTEM_ERROR Worker exit detail: "
+    "Worker unexpectedly exits with a connection error code 2. End of file.",
+]
+
+
+def test_the_controllers_shutdown_traceback_after_a_worker_crash_keeps_only_rays_line():
+    assert filter_lines(CRASHED_SHUTDOWN + ["next"]) == [CRASHED_SHUTDOWN[0], "next"]
+    # the same traceback without Ray's line above it (not the shutdown of a crashed group) passes unchanged
+    assert filter_lines(CRASHED_SHUTDOWN[1:]) == CRASHED_SHUTDOWN[1:]
+    # and a traceback under that line that is not torch's shutdown call passes too
+    other = [CRASHED_SHUTDOWN[0], *REAL_TRACEBACK]
+    assert filter_lines(other) == other

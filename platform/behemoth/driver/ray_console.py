@@ -26,13 +26,24 @@ NOISE_LINES = [
 # Likewise a training worker's "Error in training function" whose cause is that Ray destroyed its worker
 # group on purpose (a stopped trial: Ray Train removes the group's placement group, and a report in flight
 # finds Ray Train's SynchronizationActor gone): the error names INTENDED_SYSTEM_EXIT and the removal.
+# And the traceback Ray Train's controller prints under its own line "Graceful shutdown of backend failed. This
+# is expected if one of the workers has crashed.": torch's shutdown call to a worker that died raised
+# ActorDiedError. The line stays (it says what happened); the traceback under it says nothing more.
 _BLOCK_START = re.compile(r"^(Traceback \(most recent call last\):|Exception ignored in: |Error in training function:)")
 _SIGTERM_END = re.compile(r"^SystemExit: \d+\s*$")
 _TEARDOWN_END = re.compile(r"Worker exit type: INTENDED_SYSTEM_EXIT .*placement group was removed")
+_CRASHED_SHUTDOWN = "Graceful shutdown of backend failed. This is expected if one of the workers has crashed."
+_DEAD_ACTOR_END = re.compile(r"^The actor is dead because")
 
 
 def _intended_exit_block(lines: list[str], i: int) -> int | None:
     """The index of the last line of the intended-exit traceback starting at lines[i], or None."""
+    if i > 0 and lines[i - 1].strip() == _CRASHED_SHUTDOWN:
+        for j in range(i + 1, min(len(lines), i + 60)):
+            if _DEAD_ACTOR_END.match(lines[j]):
+                shutdown = any("on_shutdown" in line for line in lines[i:j])
+                return j if shutdown and any("ActorDiedError" in line for line in lines[i:j]) else None
+        return None
     for j in range(i + 1, min(len(lines), i + 60)):
         if _SIGTERM_END.match(lines[j]):
             return j if any("sigterm_handler" in line for line in lines[i:j]) else None

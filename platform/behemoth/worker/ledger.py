@@ -31,7 +31,10 @@ class SampleLedger:
         self.file = None
         if folder:
             os.makedirs(folder, exist_ok=True)
-            self.file = open(os.path.join(folder, f"rank{rank}.jsonl"), "a", encoding="utf-8")  # noqa: SIM115
+            path = os.path.join(folder, f"rank{rank}.jsonl")
+            self.file = open(path, "a", encoding="utf-8")  # noqa: SIM115
+            if _ends_mid_line(path):  # the last writer was killed mid-record: start our records on a new line
+                self.file.write("\n")
         self.rank, self.world = rank, world
         self.node = ray.get_runtime_context().get_node_id()
         group = [f"{os.getpid()}-{time.time():.3f}"]
@@ -47,3 +50,12 @@ class SampleLedger:
                     "loss_sum": float(loss_sum), "samples": float(samples)}
             self.file.write(json.dumps(line) + "\n")
             self.file.flush()
+
+
+def _ends_mid_line(path: str) -> bool:
+    with open(path, "rb") as f:
+        f.seek(0, os.SEEK_END)
+        if f.tell() == 0:
+            return False
+        f.seek(-1, os.SEEK_END)
+        return f.read(1) != b"\n"
