@@ -2,7 +2,7 @@
 torch.utils.data.DataLoader(num_workers=2) feeding a plain loop.
 
 Both decode the same PNGs with the same code (behemoth.data.images.transform_batch: decode, pad + random
-crop + flip seeded per sample, normalise), train the same model (resnet_tiny_cifar) with SGD at the same
+crop + flip seeded per sample, normalise), train the same model (regnet_tiny_cifar) with SGD at the same
 batch size and one torch thread. Both are timed as one continuous span over the same steps after the same
 warm-up: behemoth from its first report to its last by rank 0's clock (every step, report and console line
 in between; before the first report: worker start, first tasks), the plain loop from its first measured
@@ -50,7 +50,7 @@ def plain_images_per_s(index, cfg, batch: int, steps: int, warmup: int) -> float
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    model = build_model("resnet_tiny_cifar", len(index.classes))
+    model = build_model("regnet_tiny_cifar", len(index.classes))
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     step, epoch = 0, 0
     while step < warmup + steps:
@@ -74,7 +74,7 @@ def behemoth_job(root: Path, storage: Path, run: str, batch: int, steps: int, lo
     return {
         "data": {"kind": "image_folder", "root": str(root), "image_size": 32, "cpus_per_task": 0.25,
                  "prefetch_batches": 2},
-        "model": {"name": "resnet_tiny_cifar"},
+        "model": {"name": "regnet_tiny_cifar"},
         "train": {"epochs": 100, "max_steps": steps, "global_batch_size": batch, "lr": 0.05, "log_every": log_every},
         "scaling": {"num_workers": 1, "cpus_per_worker": 1.0, "torch_threads": 1},
         "checkpoint": {"every_n_steps": 10_000, "storage_path": str(storage), "run_name": run},
@@ -114,7 +114,7 @@ def main() -> None:
         print(f"repeat {r}: behemoth {ours[-1]:.0f} images/s (data-wait {waits[-1]:.0%}), "
               f"DataLoader {plain[-1]:.0f} images/s", flush=True)
     ratios = [o / b for o, b in zip(ours, plain)]
-    print(f"{index.train.num_rows} PNGs 32x32, resnet_tiny_cifar, batch {args.batch}, 1 torch thread, "
+    print(f"{index.train.num_rows} PNGs 32x32, regnet_tiny_cifar, batch {args.batch}, 1 torch thread, "
           f"{args.steps - args.log_every} measured steps, {args.repeats} repeats alternating")
     print(f"  behemoth (Ray Data, 0.25-CPU tasks -> 1 worker): {spread(ours, '{:.0f}')} images/s, "
           f"data-wait {spread(waits, '{:.0%}')}")

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 _SESSION_DIR = Path(tempfile.mkdtemp(prefix="bh-test-"))
+REPO = Path(__file__).resolve().parents[1]
 
 
 def pytest_configure(config):
@@ -55,8 +56,9 @@ def ray_local():
     # as behemoth starts a local instance (workers at niceness 0)
     ray.init(num_cpus=2, include_dashboard=False, logging_level="warning", _system_config=LOCAL_RAY_SYSTEM_CONFIG,
              _temp_dir=tempfile.mkdtemp(prefix="ray-", dir=_SESSION_DIR),
-             # workers import test-module functions (e.g. a custom train loop) by name, as pytest does
-             runtime_env={"env_vars": {"PYTHONPATH": str(Path(__file__).parent)}})
+             # workers import test-module functions (e.g. a custom train loop) by name, as pytest does, and
+             # the examples by their import paths from the repository root (examples.custom_model:...)
+             runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), str(REPO)])}})
     yield
     ray.shutdown()
 
@@ -66,7 +68,7 @@ def job_dict(image_root: Path, storage: Path, run_name: str = "t", **sections) -
     job = {
         "data": {"kind": "image_folder", "root": str(image_root), "image_size": 16, "crop_padding": 2,
                  "cpus_per_task": 0.25, "prefetch_batches": 1},
-        "model": {"name": "resnet_tiny_cifar"},
+        "model": {"name": "regnet_tiny_cifar"},
         "train": {"epochs": 2, "global_batch_size": 16, "lr": 0.05, "warmup_steps": 2, "log_every": 2},
         "scaling": {"num_workers": 2, "cpus_per_worker": 0.5, "torch_threads": 1},
         "checkpoint": {"every_n_steps": 3, "keep": 2, "storage_path": str(storage), "run_name": run_name},

@@ -8,6 +8,7 @@ A checkpoint directory holds:
   comm_hook.pt                           each rank's gradient-compression state (PowerSGD only)
   train_state.json                       step, epoch, step in epoch, samples consumed, world size
   classes.json                           class index -> name (image jobs)
+  metrics.json                           the metrics reported with it (evaluation when one was due)
   job.yaml                               the job config that produced it
   manifest.json                          format version, every other file's size and sha256 — written last
 

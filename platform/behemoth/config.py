@@ -118,30 +118,41 @@ class DataConfig:
 
 @dataclass
 class ModelConfig:
-    # Image models: a name from behemoth.models.registry (resnet18, resnet50, resnet18_cifar,
-    # resnet_tiny_cifar). Text: causal_lm, any transformers AutoModelForCausalLM.
-    name: str = "resnet18_cifar"
-    # causal_lm: weights from a local folder or hub name (AutoModelForCausalLM.from_pretrained) ...
+    # Image models: a registered name (resnet18, resnet50, regnet_cifar, regnet_tiny_cifar), or
+    # image_classifier: any transformers AutoModelForImageClassification (ViT, ConvNeXt, ...) from hf_config
+    # or pretrained. Text: causal_lm, any transformers AutoModelForCausalLM. Or your own builder as an import
+    # path, my_package.my_module:function, called with num_classes= (images) or vocab_size= (text) and
+    # returning a torch.nn.Module.
+    name: str = "regnet_cifar"
+    # causal_lm / image_classifier: weights from a local folder or hub name (from_pretrained) ...
     pretrained: Optional[str] = None
     # ... or a fresh model from a config: model_type plus sizes, e.g. {model_type: llama, hidden_size: 256}.
-    # With pretrained set, these keys override the pretrained config. vocab_size defaults to the tokenizer's.
+    # With pretrained set, these keys override the pretrained config. vocab_size defaults to the tokenizer's,
+    # num_labels to the number of classes.
     hf_config: dict[str, Any] = field(default_factory=dict)
     # Run Python code shipped with a pretrained model's repository (transformers' trust_remote_code). Off: a
     # model that needs it is refused by transformers with its own message. Never set through hf_config.
     trust_remote_code: bool = False
 
+    @property
+    def from_hf_config(self) -> bool:
+        """Built by transformers' Auto classes from hf_config / pretrained (not a registered builder)."""
+        return self.name in ("causal_lm", "image_classifier")
+
     def validate(self) -> None:
         from behemoth.models import registry  # light: no torch model is built here
 
         registry.check_name(self.name)
-        if self.name == "causal_lm" and not (self.pretrained or self.hf_config.get("model_type")):
-            raise ConfigError("model.name is causal_lm: set model.pretrained (a folder or hub name) or "
-                              "model.hf_config.model_type (e.g. llama) with its sizes")
+        if self.from_hf_config and not (self.pretrained or self.hf_config.get("model_type")):
+            raise ConfigError(f"model.name is {self.name}: set model.pretrained (a folder or hub name) or "
+                              f"model.hf_config.model_type (e.g. {'llama' if self.name == 'causal_lm' else 'vit'}) "
+                              f"with its sizes")
         if "trust_remote_code" in self.hf_config:
             raise ConfigError("model.hf_config.trust_remote_code: running a model repository's own code is a "
                               "decision of its own: set model.trust_remote_code: true (and remove it from hf_config)")
-        if self.name != "causal_lm" and (self.pretrained or self.hf_config):
-            raise ConfigError(f"model.pretrained and model.hf_config are for causal_lm, not {self.name}")
+        if not self.from_hf_config and (self.pretrained or self.hf_config):
+            raise ConfigError(f"model.pretrained and model.hf_config are for causal_lm and image_classifier, "
+                              f"not {self.name}")
 
 
 @dataclass
@@ -190,6 +201,14 @@ class TrainConfig:
     sample_ledger: Optional[str] = None
     # Report metrics (and print a progress line) every N steps.
     log_every: int = 10
+    # Fine-tuning: start from these weights (only the weights: a fresh optimizer, schedule and step 0). A
+    # behemoth checkpoint folder, a run folder (its checkpoint chosen by init_from_checkpoint), or a Hugging
+    # Face folder (behemoth export, or any save_pretrained folder). An image model's classification head is
+    # re-initialised when the number of classes differs. A run that already has checkpoints of its own
+    # resumes from them instead: init_from only decides how a run starts.
+    init_from: Optional[str] = None
+    # Which checkpoint of a run folder: best (the task's best metric) or latest.
+    init_from_checkpoint: Literal["best", "latest"] = "best"
 
     def validate(self) -> None:
         _positive("train.epochs", self.epochs)
@@ -312,7 +331,7 @@ class JobConfig:
             if not (custom and f.name == "model"):  # a task of one's own builds its own model
                 getattr(self, f.name).validate()
         text_data, lm = self.data.kind in TEXT_KINDS, self.model.name == "causal_lm"
-        if not custom and text_data != lm:
+        if not custom and text_data != lm and ":" not in self.model.name:
             raise ConfigError(f"data.kind {self.data.kind} cannot train model.name {self.model.name}: text data "
                               f"trains model.name causal_lm, image data an image model")
         # Every world size the run may have must split the global batch evenly.

@@ -78,7 +78,7 @@ def test_ddp_keeps_weights_identical_across_ranks_and_evaluates_each_sample_once
     torch.manual_seed(101)
     from behemoth.models.registry import build_model
 
-    rank1_init = build_model("resnet_tiny_cifar", 4).state_dict()
+    rank1_init = build_model("regnet_tiny_cifar", 4).state_dict()
     changed = 0
     for name, w in r0["weights"].items():
         assert torch.equal(w, r1["weights"][name]), name

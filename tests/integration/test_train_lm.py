@@ -91,6 +91,7 @@ def test_two_worker_lm_run_lowers_loss_then_reruns(text_corpus, tmp_path):
     assert len(new) == 1 and new[0]["step"] == 16 and "loss" not in new[0]  # one evaluation, no training step
     assert new[0]["val_loss"] == m["val_loss"]  # the same weights, evaluated again
     assert complete_checkpoints(tmp_path / "lm") == kept  # no checkpoint written
+    _export_loads_with_transformers_alone(summary, cfg, tmp_path)
 
     for _, path in kept:  # every checkpoint damaged: nothing to resume from, and step 0 would lose the run
         weights = f"{path}/model.pt"
@@ -103,6 +104,31 @@ def test_two_worker_lm_run_lowers_loss_then_reruns(text_corpus, tmp_path):
     shown = user_facing_error(refused.value)  # the one line `behemoth train` prints
     assert shown.startswith("no checkpoint of this run passes verification") and kept[0][1] in shown
     assert complete_checkpoints(tmp_path / "lm") == kept  # nothing deleted
+
+
+def _export_loads_with_transformers_alone(summary, cfg, tmp_path) -> None:
+    """behemoth export of the run's latest checkpoint, loaded with AutoModelForCausalLM + AutoTokenizer in a
+    fresh interpreter without behemoth: the validation loss over the run's validation blocks equals the
+    run's, the tokenizer encodes as the run's did, and generate produces text."""
+    import subprocess
+    import sys
+
+    from behemoth.data.text import load_tokenizer
+
+    out = tmp_path / "export"
+    assert main(["export", summary.run_dir, "--latest", "--out", str(out)]) == 0
+    assert {"config.json", "model.safetensors", "tokenizer.json", "README.md"} <= {p.name for p in out.iterdir()}
+    blocks = tmp_path / "val_blocks.npy"
+    np.save(blocks, prepare_text(cfg.data, seed=0).val)
+    text = json.loads((Path(cfg.data.val_files[0])).read_text().splitlines()[0])["text"]
+    hf_only = Path(__file__).with_name("hf_only.py")
+    run = subprocess.run([sys.executable, str(hf_only), "lm", str(out), str(blocks), text], capture_output=True,
+                         text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    got = json.loads(run.stdout.strip().splitlines()[-1])
+    assert got["val_loss"] == pytest.approx(summary.metrics["val_loss"], rel=1e-5)
+    assert got["ids"] == load_tokenizer(cfg.data.tokenizer)(text)["input_ids"]
+    assert len(got["generated"].split()) >= 2
 
 
 def _step_memory_mb(cfg, tokens, micro_batch: int) -> float:

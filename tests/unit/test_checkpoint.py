@@ -15,7 +15,7 @@ CFG = TrainConfig(lr=0.1, warmup_steps=2, optimizer="sgd")
 
 def make(seed=0):
     torch.manual_seed(seed)
-    model = build_model("resnet_tiny_cifar", 4)
+    model = build_model("regnet_tiny_cifar", 4)
     opt = build_optimizer(model, CFG)
     return model, opt, warmup_cosine(opt, CFG, total_steps=20)
 
@@ -80,7 +80,7 @@ def test_damage_is_detected_and_named(tmp_path):
 
 
 def test_complete_checkpoints_lists_only_manifested_ones_newest_first(tmp_path):
-    model = build_model("resnet_tiny_cifar", 4)
+    model = build_model("regnet_tiny_cifar", 4)
     opt = build_optimizer(model, CFG)
     sched = warmup_cosine(opt, CFG, 10)
     for step in (3, 9, 6):
@@ -136,8 +136,8 @@ def test_overlapped_snapshot_holds_the_state_of_its_step(tmp_path, monkeypatch):
     x, y = torch.randn(4, 3, 16, 16, generator=g), torch.randint(0, 4, (4,), generator=g)
     opt.zero_grad()
     torch.nn.functional.cross_entropy(model(pixel_values=x).logits, y).backward()  # changes the BN statistics
-    assert not torch.equal(model.state_dict()["resnet.embedder.embedder.normalization.running_mean"],
-                           expected_model["resnet.embedder.embedder.normalization.running_mean"])
+    assert not torch.equal(model.state_dict()["regnet.embedder.embedder.normalization.running_mean"],
+                           expected_model["regnet.embedder.embedder.normalization.running_mean"])
     backward_done.set()
     snap.wait_sources_free()
     opt.step()

@@ -62,15 +62,15 @@ def test_resume_with_a_changed_model_or_data_config_is_refused(tmp_path):
                              "data": {**job["data"], "prefetch_batches": 4}})
     check_resume_compatible(same)  # longer training, more prefetch: fine
 
-    other_model = config_from_dict({**job, "model": {"name": "resnet18_cifar"}})
-    with pytest.raises(ConfigError, match=r"model.name: 'resnet_tiny_cifar' -> 'resnet18_cifar'.*resume_changed_config"):
+    other_model = config_from_dict({**job, "model": {"name": "regnet_cifar"}})
+    with pytest.raises(ConfigError, match=r"model.name: 'regnet_tiny_cifar' -> 'regnet_cifar'.*resume_changed_config"):
         check_resume_compatible(other_model)
     other_data = config_from_dict({**job, "data": {**job["data"], "image_size": 32}})
     with pytest.raises(ConfigError, match=r"data.image_size: 16 -> 32"):
         check_resume_compatible(other_data)
     other_data.checkpoint.resume_changed_config = True
     check_resume_compatible(other_data)
-    check_resume_compatible(config_from_dict({**job, "model": {"name": "resnet18_cifar"},
+    check_resume_compatible(config_from_dict({**job, "model": {"name": "regnet_cifar"},
                                               "checkpoint": {**job["checkpoint"], "run_name": "fresh"}}))
 
     # DDP and FSDP checkpoints hold the optimizer state in different layouts: refused even with

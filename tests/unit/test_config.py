@@ -124,7 +124,7 @@ def test_text_config_checks(tmp_path):
     with pytest.raises(ConfigError, match="no validation text: set data.val_files or data.val_fraction"):
         load_config(write(tmp_path, text + "model:\n  name: causal_lm\n  hf_config: {model_type: llama}\n"))
     text += "  val_fraction: 0.1\n"
-    with pytest.raises(ConfigError, match="data.kind text cannot train model.name resnet18_cifar"):
+    with pytest.raises(ConfigError, match="data.kind text cannot train model.name regnet_cifar"):
         load_config(write(tmp_path, text))
     with pytest.raises(ConfigError, match="set model.pretrained .* or model.hf_config.model_type"):
         load_config(write(tmp_path, text + "model:\n  name: causal_lm\n"))

@@ -7,26 +7,86 @@ from behemoth.config import ConfigError
 from behemoth.models.registry import MODELS, build_model
 
 
-def test_registry_builds_transformers_resnets():
-    from transformers import ResNetForImageClassification
+@pytest.mark.parametrize("name", list(MODELS))
+def test_every_registered_model_round_trips_through_save_pretrained(name, tmp_path):
+    """A stock transformers config expresses each registered model: saved and loaded with transformers alone,
+    it computes the same logits (the CIFAR-stem ResNets it replaced could not: their stem is not in the config)."""
+    from transformers import AutoModelForImageClassification, PreTrainedModel
 
-    for name in MODELS:
-        assert isinstance(build_model(name, 10), ResNetForImageClassification)
-
-
-@pytest.mark.parametrize("name,size", [("resnet_tiny_cifar", 32), ("resnet18_cifar", 32), ("resnet18", 64)])
-def test_forward_shapes(name, size):
+    torch.manual_seed(0)
     model = build_model(name, 7).eval()
+    assert isinstance(model, PreTrainedModel)
+    model.save_pretrained(tmp_path)
+    loaded = AutoModelForImageClassification.from_pretrained(tmp_path).eval()
+    x = torch.randn(2, 3, 64, 64)
     with torch.no_grad():
-        logits = model(pixel_values=torch.randn(2, 3, size, size)).logits
-    assert logits.shape == (2, 7)
+        assert torch.equal(model(pixel_values=x).logits, loaded(pixel_values=x).logits)
+    assert model(pixel_values=x).logits.shape == (2, 7)
 
 
-def test_cifar_stem_keeps_resolution():
-    model = build_model("resnet18_cifar", 10)
-    stem = model.resnet.embedder(torch.randn(1, 3, 32, 32))
-    assert stem.shape[-2:] == (32, 32)  # the ImageNet stem would give 8x8
-    assert build_model("resnet18", 10).resnet.embedder(torch.randn(1, 3, 32, 32)).shape[-2:] == (8, 8)
+def test_cifar_models_keep_more_resolution_than_the_imagenet_stem():
+    x = torch.randn(1, 3, 32, 32)
+    regnet = build_model("regnet_cifar", 10)
+    first_stage = regnet.regnet.encoder.stages[0](regnet.regnet.embedder(x))
+    assert first_stage.shape[-2:] == (16, 16)
+    assert build_model("resnet18", 10).resnet.embedder(x).shape[-2:] == (8, 8)
+
+
+def test_removed_cifar_resnets_name_their_replacement():
+    with pytest.raises(ConfigError, match="'resnet_tiny_cifar' was removed.*Use 'regnet_tiny_cifar'"):
+        build_model("resnet_tiny_cifar", 10)
+    with pytest.raises(ConfigError, match="Use 'regnet_cifar'"):
+        build_model("resnet18_cifar", 10)
+
+
+def small_cnn(num_classes):  # a user's builder, by import path (tests.unit.test_models:small_cnn)
+    return torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.Flatten(), torch.nn.LazyLinear(num_classes))
+
+
+def not_a_module(num_classes):
+    return {"classes": num_classes}
+
+
+def needs_other_facts(vocab_size):
+    return torch.nn.Linear(vocab_size, 2)
+
+
+NOT_CALLABLE = 3
+
+
+def test_a_builder_by_import_path_and_its_errors():
+    from behemoth.models.registry import check_name, check_user_model
+
+    assert isinstance(build_model("unit.test_models:small_cnn", 5), torch.nn.Sequential)
+    check_user_model("unit.test_models:small_cnn", num_classes=5)
+    with pytest.raises(ConfigError, match="module no_such_pkg.models cannot be imported"):
+        check_name("no_such_pkg.models:build")
+    with pytest.raises(ConfigError, match="has no attribute 'nope'"):
+        check_name("unit.test_models:nope")
+    with pytest.raises(ConfigError, match="NOT_CALLABLE is a int, not a function"):
+        check_name("unit.test_models:NOT_CALLABLE")
+    with pytest.raises(ConfigError, match=r"returned dict, not a torch.nn.Module \(called with num_classes=5\)"):
+        check_user_model("unit.test_models:not_a_module", num_classes=5)
+    with pytest.raises(ConfigError, match="calling it with num_classes=5 failed: TypeError"):
+        check_user_model("unit.test_models:needs_other_facts", num_classes=5)
+
+
+def test_image_classifier_from_hf_config_gets_the_classes_and_image_size():
+    from transformers import ViTForImageClassification
+
+    from behemoth.config import ModelConfig
+    from behemoth.models.image_classifier import build_image_classifier
+
+    cfg = ModelConfig(name="image_classifier", hf_config={
+        "model_type": "vit", "hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
+        "intermediate_size": 64, "patch_size": 8})
+    model = build_image_classifier(cfg, num_classes=3, image_size=32)
+    assert isinstance(model, ViTForImageClassification)
+    assert model.config.num_labels == 3 and model.config.image_size == 32
+    assert model(pixel_values=torch.randn(2, 3, 32, 32)).logits.shape == (2, 3)
+    with pytest.raises(ConfigError, match="model.hf_config"):
+        build_image_classifier(ModelConfig(name="image_classifier", hf_config={"model_type": "vitt"}),
+                               num_classes=3, image_size=32)
 
 
 def test_resnet_sizes_match_the_papers():

@@ -17,7 +17,7 @@ from behemoth.worker.precision import grad_scaler
 def test_no_weight_decay_on_biases_and_norm_weights():
     """SGD with a zero gradient moves only what is decayed: every matrix/kernel shrinks, no 1-d parameter
     (bias, BatchNorm weight and bias) changes."""
-    model = build_model("resnet_tiny_cifar", 4)
+    model = build_model("regnet_tiny_cifar", 4)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     opt = build_optimizer(model, TrainConfig(weight_decay=0.1, lr=0.5, momentum=0.0))
     for p in model.parameters():

@@ -67,7 +67,7 @@ def test_bad_space_is_refused_before_any_trial(tmp_path, image_root, space, mess
 
 
 def test_metric_the_training_never_reports_is_refused(tmp_path, image_root):
-    with pytest.raises(ConfigError, match="metric 'val_acc' is never reported by a resnet_tiny_cifar run; it "
+    with pytest.raises(ConfigError, match="metric 'val_acc' is never reported by a regnet_tiny_cifar run; it "
                                           "reports val_accuracy, val_loss, loss"):
         check_sweep(load_sweep(write_sweep(tmp_path, image_root, metric="val_acc")))
     with pytest.raises(ConfigError, match="'val_perplexity' is never reported"):

@@ -43,7 +43,9 @@ class ImageIndex:
 
 
 def build_index(cfg: DataConfig) -> ImageIndex:
-    if cfg.kind == "image_folder":
+    """image_folder: data.root; image_parquet: data.train_files / val_files. A task of one's own built on image
+    classification (data.kind: module:Class) reads parquet when data.train_files is set, data.root otherwise."""
+    if cfg.kind == "image_folder" or (cfg.kind != "image_parquet" and not cfg.train_files):
         return index_image_folder(Path(cfg.root))
     return index_parquet(cfg.train_files, cfg.val_files, cfg.image_column, cfg.label_column)
 

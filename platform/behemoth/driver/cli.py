@@ -44,6 +44,25 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a sweep key, e.g. --set name=lr2, or a job key for every trial, e.g. --set "
                    "data.root=/abs/path (repeatable)")
 
+    p = sub.add_parser("eval", help="evaluate a checkpoint with the job's data pipeline and workers; print the "
+                       "metrics and write them as JSON next to the checkpoint")
+    _add_config_args(p)
+    p.add_argument("--checkpoint", required=True, help="a checkpoint folder, a run folder (its best checkpoint; "
+                   "--latest: its latest) or a Hugging Face folder whose weights fit the job's model")
+    p.add_argument("--split", choices=["val", "train"], default="val", help="what to evaluate (train: the "
+                   "training samples without augmentation)")
+    p.add_argument("--latest", action="store_true", help="a run folder's latest checkpoint instead of its best")
+
+    p = sub.add_parser("export", help="write a checkpoint as a Hugging Face model folder (save_pretrained: "
+                       "safetensors, config with labels, image processor or tokenizer, model card)")
+    p.add_argument("checkpoint", help="a checkpoint folder, or a run folder (its best checkpoint by default)")
+    p.add_argument("--out", required=True, help="a new (or empty) folder to write")
+    pick = p.add_mutually_exclusive_group()
+    pick.add_argument("--best", dest="which", action="store_const", const="best", default="best",
+                      help="a run folder's best checkpoint by the task's metric (default)")
+    pick.add_argument("--latest", dest="which", action="store_const", const="latest",
+                      help="a run folder's latest checkpoint")
+
     p = sub.add_parser("check", help="validate a job config and its data without starting Ray; print it")
     _add_config_args(p)
 
@@ -106,7 +125,21 @@ def _dispatch(args) -> int:
         return _data_command(args)
     if args.command == "tune":
         return _tune_command(args)
+    if args.command == "export":
+        from behemoth.driver.export import export
+
+        out, source = export(args.checkpoint, args.out, args.which)
+        print(f"[behemoth] exported {source}\n  to {out} (load with transformers' from_pretrained / pipeline; "
+              f"see its README.md)")
+        return 0
     cfg = load_config(args.config, args.overrides)
+    if args.command == "eval":
+        from behemoth.driver.evaluate import evaluate_checkpoint
+
+        metrics, written = evaluate_checkpoint(cfg, args.checkpoint, args.split, "latest" if args.latest else "best")
+        print("\n".join(["[behemoth] evaluation finished", *[f"  {k}: {v}" for k, v in metrics.items()],
+                         f"  written to {written}"]))
+        return 0
     if args.command == "check":
         print(dump_yaml(cfg), end="")
         print(f"# data: {_check_data(cfg)}")

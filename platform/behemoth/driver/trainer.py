@@ -221,9 +221,36 @@ def check_resume_compatible(cfg: JobConfig) -> None:
         )
 
 
+def resolve_init_from(cfg: JobConfig) -> JobConfig:
+    """train.init_from -> the one folder its weights come from (a run folder: its best or latest checkpoint),
+    chosen once here so that every worker, and every restart, starts from the same weights; the run's
+    checkpoints record the chosen folder in their job.yaml."""
+    import dataclasses
+
+    from behemoth import weights
+    from behemoth.checkpoint import complete_checkpoints, verify
+
+    source = cfg.train.init_from
+    if not source:
+        return cfg
+    if paths.is_uri(source):
+        raise ConfigError(f"train.init_from {source}: a local folder is needed (copy the checkpoint down first)")
+    chosen, how = weights.resolve(source, cfg.train.init_from_checkpoint, task_of(cfg).best)
+    if weights.is_checkpoint(chosen):
+        verify(chosen)  # a damaged source fails here, naming its file, before Ray starts
+    folder = run_dir(cfg)
+    if not paths.is_uri(folder) and complete_checkpoints(folder):
+        print(f"[behemoth] train.init_from is set, but run '{cfg.checkpoint.run_name}' has checkpoints of its own: "
+              f"it resumes from them (init_from decides only how a run starts)", flush=True)
+    else:
+        print(f"[behemoth] init_from {source}: {chosen} ({how})", flush=True)
+    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, init_from=chosen))
+
+
 def train(cfg: JobConfig, callbacks: list | None = None) -> RunSummary:
     """Run (or resume, if the run name already has checkpoints) one training job. Blocks until it ends."""
     check_resume_compatible(cfg)
+    cfg = resolve_init_from(cfg)
     started = time.time()
     data = prepare_data(cfg)
     from ray.train import TrainingFailedError

@@ -9,6 +9,8 @@ Driver side (class attributes and classmethods, used before and after a run):
   `describe(checked)`      one line for `behemoth check`
   `summary_lines(metrics)` the task's lines in the run summary; `progress_fields(metrics)`: its progress-line fields
   `data_cpus(cfg)`  CPUs its data pipeline needs beside the workers (a sweep bounds concurrency with it)
+  `model_from_checkpoint(cfg, ckpt)`, `save_for_transformers(cfg, out)`  (optional) for `behemoth export`:
+                    the model a checkpoint holds, and the files beside it (image processor, tokenizer)
 Worker side (an instance per worker, made from the prepared data): see the Task protocol below.
 
 The loop (behemoth.worker.loop) owns everything that is the same for every workload: the global sample order,
@@ -39,7 +41,9 @@ class Task(Protocol):
         """Batches of the samples at `indices`, in that order. Each batch holds a "sample_id" tensor: the
         indices it carries (the sample ledger records them)."""
 
-    def eval_batches(self, indices, batch_size: int) -> Iterable[dict]: ...
+    def eval_batches(self, indices, batch_size: int, split: str = "val") -> Iterable[dict]:
+        """Evaluation batches (no augmentation) of the samples at `indices` of a split: "val", or "train"
+        (only `behemoth eval --split train` asks for it)."""
 
     def example_batch(self, batch_size: int) -> dict:
         """A batch of the right shapes on the training device (FLOP counting, micro-batch search)."""
@@ -57,6 +61,10 @@ class Task(Protocol):
     def describe_samples(self, sample_ids) -> list[str]: ...
 
     def classes(self) -> list[str] | None: ...
+
+    # Optional. Fine-tuning (train.init_from) with weights of another shape: (key, model's tensor, source's
+    # tensor) -> may the model keep its fresh tensor (image classification: the head, for other classes).
+    reinit_ok = None
 
 
 def task_path(kind: str) -> str:

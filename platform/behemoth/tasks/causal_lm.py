@@ -1,17 +1,32 @@
 """Causal language modelling: packed token blocks from the object store; the model's own shifted loss;
-validation perplexity over every validation token, aggregated over all workers."""
+validation perplexity over every validation token, aggregated over all workers.
+
+The model: `causal_lm` (any transformers AutoModelForCausalLM), called as `model(input_ids, labels=input_ids)`
+for its own loss, or a user's builder by import path, called with vocab_size= and returning a module whose
+`model(input_ids)` gives the logits [batch, seq, vocab]: the loss is then the same shifted cross-entropy.
+"""
 
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import numpy as np
 import ray.train.torch
 import torch
+import torch.nn.functional as F
 
+from behemoth import weights
 from behemoth.config import JobConfig
 from behemoth.data.text import TokenIndex
+from behemoth.models import registry
 from behemoth.models.causal_lm import build_causal_lm
+
+
+def build_lm(cfg: JobConfig, vocab_size: int, eos_id: int, bos_id: int | None) -> torch.nn.Module:
+    if registry.is_import_path(cfg.model.name):
+        return registry.build_user_model(cfg.model.name, vocab_size=vocab_size)
+    return build_causal_lm(cfg.model, vocab_size=vocab_size, eos_id=eos_id, bos_id=bos_id, seq_len=cfg.data.seq_len)
 
 
 class CausalLM:
@@ -22,9 +37,12 @@ class CausalLM:
     @classmethod
     def check(cls, cfg: JobConfig):
         """Files, formats, columns and the tokenizer, checked without Ray; the work units to tokenise."""
-        from behemoth.data.text import check_text_sources
+        from behemoth.data.text import check_text_sources, load_tokenizer
 
-        return check_text_sources(cfg.data)
+        units = check_text_sources(cfg.data)
+        if registry.is_import_path(cfg.model.name):
+            registry.check_user_model(cfg.model.name, vocab_size=len(load_tokenizer(cfg.data.tokenizer)))
+        return units
 
     @classmethod
     def prepare(cls, cfg: JobConfig, units) -> TokenIndex:
@@ -65,6 +83,24 @@ class CausalLM:
     def progress_fields(m: dict) -> list[str]:
         return [f"val_loss {m['val_loss']:.4f}", f"val_ppl {m['val_perplexity']:.3f}"] if "val_perplexity" in m else []
 
+    @classmethod
+    def model_from_checkpoint(cls, cfg: JobConfig, ckpt: str) -> torch.nn.Module:
+        """Driver side (export): the model a checkpoint holds, built as the workers built it (the vocabulary
+        from the run's tokenizer, data.tokenizer)."""
+        from behemoth.data.text import load_tokenizer
+
+        tok = load_tokenizer(cfg.data.tokenizer)
+        model = build_lm(cfg, len(tok), tok.eos_token_id, tok.bos_token_id)
+        weights.load_weights(model, weights.read_state_dict(ckpt), ckpt)
+        return model
+
+    @classmethod
+    def save_for_transformers(cls, cfg: JobConfig, out: Path) -> None:
+        """The run's tokenizer files, for AutoTokenizer.from_pretrained."""
+        from behemoth.data.text import load_tokenizer
+
+        load_tokenizer(cfg.data.tokenizer).save_pretrained(out)
+
     # --- worker side ------------------------------------------------------------------------------------
     eval_size = 2  # loss summed over predicted tokens, predicted tokens
 
@@ -72,16 +108,19 @@ class CausalLM:
         self.cfg, self.index = cfg, index
         self.num_train_samples, self.num_val_samples = len(index.train), len(index.val)
         self.tokens_per_sample = cfg.data.seq_len
+        self.transformers_model = not registry.is_import_path(cfg.model.name)
+
+    reinit_ok = None  # fine-tuning loads every tensor: the vocabulary is the tokenizer's
 
     def build_model(self):
-        return build_causal_lm(self.cfg.model, vocab_size=self.index.vocab_size, eos_id=self.index.eos_id,
-                               bos_id=self.index.bos_id, seq_len=self.cfg.data.seq_len)
+        return build_lm(self.cfg, self.index.vocab_size, self.index.eos_id, self.index.bos_id)
 
     def train_batches(self, indices, epoch: int, batch_size: int):
         return self._batches(self.index.train, indices, batch_size)
 
-    def eval_batches(self, indices, batch_size: int):
-        return self._batches(self.index.val, indices, batch_size)
+    def eval_batches(self, indices, batch_size: int, split: str = "val"):
+        return self._batches(getattr(self.index, split), indices, batch_size)
+
 
     def example_batch(self, batch_size: int):
         return {"input_ids": torch.zeros(batch_size, self.cfg.data.seq_len, dtype=torch.long,
@@ -107,14 +146,21 @@ class CausalLM:
             yield pending
 
     def loss(self, model, batch):
-        """Labels are the inputs: the model shifts them, so each row predicts seq_len - 1 tokens."""
+        """Labels are the inputs, shifted by one: each row predicts seq_len - 1 tokens."""
         ids = batch["input_ids"]
-        return model(input_ids=ids, labels=ids).loss, torch.tensor(float(len(ids)), device=ids.device)
+        return self._mean_loss(model, ids), torch.tensor(float(len(ids)), device=ids.device)
+
+    def _mean_loss(self, model, ids: torch.Tensor) -> torch.Tensor:
+        if self.transformers_model:
+            return model(input_ids=ids, labels=ids).loss  # the model shifts the labels itself
+        out = model(ids)
+        logits = out.logits if hasattr(out, "logits") else out
+        return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(), ids[:, 1:].reshape(-1))
 
     def eval_sums(self, model, batch):
         ids = batch["input_ids"]
         predicted = ids.shape[0] * (ids.shape[1] - 1)
-        loss = model(input_ids=ids, labels=ids).loss.to(torch.float64)
+        loss = self._mean_loss(model, ids).to(torch.float64)
         return torch.stack([loss * predicted, torch.tensor(float(predicted), dtype=torch.float64,
                                                            device=ids.device)])
 

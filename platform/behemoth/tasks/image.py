@@ -1,14 +1,45 @@
-"""Image classification: Ray Data decodes and augments the rank's samples; cross-entropy; top-1 accuracy."""
+"""Image classification: Ray Data decodes and augments the rank's samples; cross-entropy; top-1 accuracy.
+
+The model: a registered name, `image_classifier` (any transformers AutoModelForImageClassification) or a
+user's builder by import path (behemoth.models.registry). A transformers model is called as
+`model(pixel_values=...).logits`; any other module as `model(images)`, returning the logits.
+"""
 
 from __future__ import annotations
+
+import json
+from pathlib import Path
 
 import ray.train.torch
 import torch
 import torch.nn.functional as F
 
+from behemoth import weights
 from behemoth.config import JobConfig
 from behemoth.data.images import ImageIndex, build_index, describe_samples, rank_dataset
-from behemoth.models.registry import build_model
+from behemoth.models import registry
+
+
+def build_image_model(cfg: JobConfig, classes: list[str]) -> torch.nn.Module:
+    """The job's model for these classes; a transformers model also gets their names (id2label, label2id),
+    which its exported config.json carries."""
+    name = cfg.model.name
+    if name == registry.IMAGE_CLASSIFIER:
+        from behemoth.models.image_classifier import build_image_classifier
+
+        model = build_image_classifier(cfg.model, num_classes=len(classes), image_size=cfg.data.image_size)
+    else:
+        model = registry.build_model(name, len(classes))
+    if hasattr(getattr(model, "config", None), "id2label"):
+        model.config.id2label = dict(enumerate(classes))
+        model.config.label2id = {c: i for i, c in enumerate(classes)}
+    return model
+
+
+def is_transformers_model(model: torch.nn.Module) -> bool:
+    from transformers import PreTrainedModel
+
+    return isinstance(model, PreTrainedModel)
 
 
 class ImageClassification:
@@ -18,8 +49,12 @@ class ImageClassification:
 
     @classmethod
     def check(cls, cfg: JobConfig) -> ImageIndex:
-        """The index of samples (files or parquet rows, labels), built and checked on the driver."""
-        return build_index(cfg.data)
+        """The index of samples (files or parquet rows, labels), built and checked on the driver; a user's
+        model builder is called once on torch's meta device (no memory) to check what it returns."""
+        index = build_index(cfg.data)
+        if registry.is_import_path(cfg.model.name):
+            registry.check_user_model(cfg.model.name, num_classes=len(index.classes))
+        return index
 
     @classmethod
     def prepare(cls, cfg: JobConfig, index: ImageIndex) -> ImageIndex:
@@ -48,22 +83,58 @@ class ImageClassification:
     def progress_fields(m: dict) -> list[str]:
         return [f"val_loss {m['val_loss']:.4f}", f"val_acc {m['val_accuracy']:.4f}"] if "val_accuracy" in m else []
 
+    @classmethod
+    def model_from_checkpoint(cls, cfg: JobConfig, ckpt: str) -> torch.nn.Module:
+        """Driver side (export): the model a checkpoint holds, built as the workers built it."""
+        model = build_image_model(cfg, json.loads((Path(ckpt) / "classes.json").read_text()))
+        weights.load_weights(model, weights.read_state_dict(ckpt), ckpt)
+        return model
+
+    @classmethod
+    def save_for_transformers(cls, cfg: JobConfig, out: Path) -> None:
+        """An image processor config that repeats the validation preprocessing (behemoth.data.images:
+        center_fit, then /255 and mean/std): shorter side resized to data.image_size (bilinear), centre crop,
+        RGB. transformers' BitImageProcessor does exactly these steps."""
+        size = cfg.data.image_size
+        (out / "preprocessor_config.json").write_text(json.dumps({
+            "image_processor_type": "BitImageProcessor",
+            "do_convert_rgb": True,
+            "do_resize": True, "size": {"shortest_edge": size}, "resample": 2,  # PIL.Image.BILINEAR
+            "do_center_crop": True, "crop_size": {"height": size, "width": size},
+            "do_rescale": True, "rescale_factor": 1 / 255,
+            "do_normalize": True, "image_mean": list(cfg.data.mean), "image_std": list(cfg.data.std),
+        }, indent=2))
+
     # --- worker side ------------------------------------------------------------------------------------
     tokens_per_sample = None
     eval_size = 4  # see eval_sums
 
+    # fine-tuning with another number of classes: the head's weight and bias start fresh (weights.load_weights)
+    reinit_ok = staticmethod(weights.class_dim_differs)
+
     def __init__(self, cfg: JobConfig, index: ImageIndex):
         self.cfg, self.index = cfg, index
         self.num_train_samples, self.num_val_samples = index.train.num_rows, index.val.num_rows
+        self.transformers_model = True
 
     def build_model(self):
-        return build_model(self.cfg.model.name, len(self.index.classes))
+        model = build_image_model(self.cfg, self.index.classes)
+        self.transformers_model = is_transformers_model(model)
+        return model
+
+    def logits(self, model, images: torch.Tensor) -> torch.Tensor:
+        if self.transformers_model:
+            return model(pixel_values=images).logits
+        out = model(images)
+        return out.logits if hasattr(out, "logits") else out
 
     def train_batches(self, indices, epoch: int, batch_size: int):
         return self._batches(self.index.train, indices, epoch, batch_size, train=True)
 
-    def eval_batches(self, indices, batch_size: int):
-        return self._batches(self.index.val, indices, 0, batch_size, train=False)
+    def eval_batches(self, indices, batch_size: int, split: str = "val"):
+        """Validation-style batches (no augmentation) of the val split, or of the train split."""
+        return self._batches(getattr(self.index, split), indices, 0, batch_size, train=False)
+
 
     def example_batch(self, batch_size: int):
         device = ray.train.torch.get_device()
@@ -84,7 +155,7 @@ class ImageClassification:
     def loss(self, model, batch):
         """Mean cross-entropy over the decodable samples (undecodable ones, valid=False, carry no loss)."""
         valid = batch["valid"].float()
-        logits = model(pixel_values=batch["image"]).logits
+        logits = self.logits(model, batch["image"])
         per_sample = F.cross_entropy(logits, batch["label"], reduction="none")
         n_valid = valid.sum()
         return (per_sample * valid).sum() / n_valid.clamp(min=1), n_valid
@@ -92,7 +163,7 @@ class ImageClassification:
     def eval_sums(self, model, batch):
         # loss sum, correct, valid samples, undecodable samples (dropped within data.max_bad_samples)
         valid = batch["valid"]
-        logits = model(pixel_values=batch["image"]).logits
+        logits = self.logits(model, batch["image"])
         losses = F.cross_entropy(logits, batch["label"], reduction="none")
         correct = (logits.argmax(dim=1) == batch["label"]) & valid
         sums = [losses[valid].sum(), correct.sum(), valid.sum(), (~valid).sum()]

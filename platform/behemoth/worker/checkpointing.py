@@ -62,7 +62,7 @@ class Copies:
 
 def snapshot(*, model, optimizer, scheduler, state: TrainState, classes: list[str] | None, job_yaml: str,
              scaler=None, hook_states: list | None = None, buffers: dict | None = None,
-             overlap: bool = False) -> Snapshot | None:
+             overlap: bool = False, metrics: dict | None = None) -> Snapshot | None:
     """Copy the state to host memory. Under FSDP every rank must call it (the full state is gathered) and
     only rank 0 gets the snapshot; under DDP call it on rank 0 only (the ranks are identical).
 
@@ -100,6 +100,8 @@ def snapshot(*, model, optimizer, scheduler, state: TrainState, classes: list[st
     texts = {"train_state.json": json.dumps(asdict(state), indent=1), "job.yaml": job_yaml}
     if classes is not None:
         texts["classes.json"] = json.dumps(classes)
+    if metrics is not None:  # what the run reported with this checkpoint: picks a run's best, fills a model card
+        texts["metrics.json"] = json.dumps(metrics, indent=1)
     return Snapshot(dicts, texts, state.step, copies)
 
 

@@ -35,7 +35,7 @@ from behemoth.worker.optim import build_optimizer, warmup_cosine
 from behemoth.worker.plan import batch_plan
 from behemoth.worker.precision import autocast, grad_scaler
 from behemoth.worker.report import Reporter, report_due
-from behemoth.worker.restore import restore_latest
+from behemoth.worker.restore import load_init_from, restore_latest
 from behemoth.worker.run import Run
 from behemoth.worker.saver import CheckpointSaver
 from behemoth.worker.speed import SpeedMeter
@@ -57,6 +57,8 @@ def train_loop_per_worker(loop_config: dict) -> dict:
     # over the ranks and, on each rank, into `accum` micro-batches.
     torch.manual_seed(cfg.train.seed)
     model = task.build_model().to(device)
+    # Fine-tuning: train.init_from's weights (unless the run resumes from its own checkpoints, below).
+    init_line = load_init_from(model, cfg, task)
     micro_batch, accum = batch_plan(cfg, world, model, task, device, rank)
     speed = SpeedMeter(cfg, task, model, device, world, micro_batch, accum)
     # DDP (gloo on CPU, nccl on GPU) or FSDP; gradient compression; torch.compile.
@@ -70,6 +72,8 @@ def train_loop_per_worker(loop_config: dict) -> dict:
     state = restore_latest(run) or TrainState(world_size=world)
     if rank == 0:
         _announce_resume(cfg, state, world, micro_batch, accum)
+        if init_line:
+            console(init_line)
     state.world_size = world
     ledger = SampleLedger(cfg.train.sample_ledger, rank, world)
     saver = CheckpointSaver(cfg, task, rank)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import ray
 import ray.train
 
-from behemoth import checkpoint
+from behemoth import checkpoint, weights
 from behemoth.worker import checkpointing
 from behemoth.checkpoint import TrainState
 from behemoth.errors import CheckpointError
@@ -82,3 +82,19 @@ def _run_folder_checkpoints() -> list[tuple[int, str]]:
     if not isinstance(storage.storage_filesystem, pyarrow.fs.LocalFileSystem):
         return []
     return checkpoint.complete_checkpoints(storage.experiment_fs_path)
+
+
+def load_init_from(model, cfg, task) -> str | None:
+    """Fine-tuning: the weights of train.init_from (the driver resolved it to one folder) into a fresh run's
+    model, before DDP/FSDP wraps it; only the weights (the optimizer, schedule and step start fresh). Skipped
+    when the run has checkpoints of its own: it resumes from them. Returns the line to print, or None."""
+    source = cfg.train.init_from
+    if not source or ray.train.get_checkpoint() is not None or _run_folder_checkpoints():
+        return None
+    reinit = weights.load_weights(model, weights.read_state_dict(source), source, getattr(task, "reinit_ok", None))
+    line = f"init_from {source}: weights loaded; optimizer, LR schedule and step start fresh"
+    if reinit:
+        shapes = model.state_dict()
+        line += (f"; re-initialised for this data's classes: "
+                 f"{', '.join(f'{k} {list(shapes[k].shape)}' for k in reinit)}")
+    return line

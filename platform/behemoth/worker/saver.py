@@ -59,7 +59,7 @@ class CheckpointSaver:
             snap = checkpointing.snapshot(**run.parts(),
                                        state=state, classes=self.task.classes(), job_yaml=dump_yaml(self.cfg),
                                        hook_states=hook_states, buffers=self.buffers if reuse else None,
-                                       overlap=self.cfg.checkpoint.async_save)
+                                       overlap=self.cfg.checkpoint.async_save, metrics=metrics)
         if not self.cfg.checkpoint.async_save:
             with tempfile.TemporaryDirectory() as tmp:
                 ckpt = ray.train.Checkpoint.from_directory(str(checkpoint.write(tmp, snap))) if snap else None

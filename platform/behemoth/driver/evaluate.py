@@ -1,0 +1,72 @@
+"""Driver side: `behemoth eval` — a checkpoint's model through the task's evaluation, with the job's Ray Data
+preprocessing, worker count and batch size (the same numbers as the run's own evaluation), on Ray Train.
+
+The metrics are printed and written as JSON next to the checkpoint: CHECKPOINT.eval_SPLIT.json.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+from behemoth import paths, weights
+from behemoth.config import JobConfig
+from behemoth.errors import ConfigError
+from behemoth.tasks import task_of
+
+
+def eval_batch_size(cfg: JobConfig, world: int) -> int:
+    """The per-worker batch the run evaluated with: its micro-batch (auto: the plan without a search)."""
+    if isinstance(cfg.train.micro_batch_size, int):
+        return cfg.train.micro_batch_size
+    return cfg.train.global_batch_size // (world * cfg.train.grad_accum_steps)
+
+
+def evaluate_checkpoint(cfg: JobConfig, checkpoint: str, split: str = "val", which: str = "best") -> tuple[dict, str]:
+    """(metrics, the JSON file written). `checkpoint`: a checkpoint folder, a run folder (its best or latest
+    checkpoint, `which`) or a Hugging Face folder whose weights fit the job's model."""
+    from ray.train import LoggingConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+    import ray
+
+    from behemoth.driver.trainer import ensure_ray, worker_env_vars
+    from behemoth.worker.evaluate import evaluate_checkpoint_per_worker
+
+    if paths.is_uri(checkpoint):
+        raise ConfigError(f"--checkpoint {checkpoint}: behemoth eval reads a local folder; copy the checkpoint "
+                          f"down first (e.g. aws s3 cp --recursive)")
+    task = task_of(cfg)
+    ckpt, how = weights.resolve(checkpoint, which, task.best)
+    weights.read_state_dict(ckpt)  # verified and readable before Ray starts
+    checked = task.check(cfg)
+    ensure_ray()
+    data = task.prepare(cfg, checked)
+    world = cfg.scaling.max_workers
+    print(f"[behemoth] evaluating {ckpt} ({how}) on the {split} split: {world} workers, batch "
+          f"{eval_batch_size(cfg, world)} per worker", flush=True)
+    resources = {"CPU": cfg.scaling.cpus_per_worker}
+    if cfg.scaling.use_gpu:
+        resources["GPU"] = cfg.scaling.gpus_per_worker
+    storage = tempfile.mkdtemp(prefix="behemoth-eval-")  # Ray Train's bookkeeping only: nothing to keep
+    try:
+        result = TorchTrainer(
+            evaluate_checkpoint_per_worker,
+            train_loop_config={"job": cfg.to_dict(), "data_ref": ray.put(data), "checkpoint": ckpt, "split": split,
+                               "batch_size": eval_batch_size(cfg, world)},
+            scaling_config=ScalingConfig(num_workers=world, use_gpu=cfg.scaling.use_gpu,
+                                         resources_per_worker=resources),
+            run_config=RunConfig(name=f"eval-{int(time.time())}", storage_path=storage,
+                                 logging_config=LoggingConfig(log_level="WARNING"),
+                                 worker_runtime_env={"env_vars": worker_env_vars()}),
+        ).fit()
+    finally:
+        shutil.rmtree(storage, ignore_errors=True)
+    metrics = result.return_value
+    if split != "val":  # the task names its metrics for the validation split
+        metrics = {k.replace("val_", f"{split}_", 1) if k.startswith("val_") else k: v for k, v in metrics.items()}
+    out = Path(ckpt).parent / f"{Path(ckpt).name}.eval_{split}.json"
+    out.write_text(json.dumps({"checkpoint": ckpt, "split": split, "workers": world, "metrics": metrics}, indent=1))
+    return metrics, str(out)

@@ -1,0 +1,107 @@
+"""Driver side: `behemoth export` — a checkpoint (or a run's best or latest) as a Hugging Face model folder.
+
+The folder holds what `from_pretrained` and `pipeline` read, so it loads with transformers alone:
+- a transformers model: `save_pretrained` (config.json with the class names as id2label/label2id for images,
+  model.safetensors);
+- the task's files beside it: an image processor config that repeats behemoth's validation preprocessing
+  (size, crop, mean, std), or the run's tokenizer;
+- a model card (README.md): how to load it, the job config, the data, the steps and the final metrics.
+A model of one's own (model.name as an import path) is written as model.safetensors plus
+behemoth_model.json naming its builder: loading it needs that builder's code, which the card shows.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import yaml
+
+from behemoth import weights
+from behemoth.checkpoint import read_state
+from behemoth.config import JobConfig, config_from_dict, dump_yaml
+from behemoth.errors import CheckpointError, ConfigError
+from behemoth.tasks import task_of
+
+
+def export(path: str, out: str, which: str = "best") -> tuple[Path, str]:
+    """Write the export of `path` (a checkpoint folder, or a run folder: its `which` checkpoint) to `out`, a
+    new or empty folder. Returns (the folder, which checkpoint was exported and why)."""
+    out_dir = Path(out)
+    if out_dir.exists() and any(out_dir.iterdir()):
+        raise ConfigError(f"--out {out} is not empty: export into a new folder (nothing is overwritten)")
+    cfg = _job_of(path)
+    task = task_of(cfg)
+    if not hasattr(task, "model_from_checkpoint"):
+        raise ConfigError(f"task {cfg.data.kind} has no model_from_checkpoint: it cannot be exported")
+    ckpt, how = weights.resolve(path, which, task.best)
+    if not weights.is_checkpoint(ckpt):
+        raise ConfigError(f"{path} is already a Hugging Face folder, not a behemoth checkpoint")
+    cfg = _job_of(ckpt)  # the chosen checkpoint's own config
+    from transformers import PreTrainedModel
+    from transformers.utils import logging as transformers_logging
+
+    transformers_logging.disable_progress_bar()  # "Loading weights" / "Writing model shards" bars: one model
+    model = task.model_from_checkpoint(cfg, ckpt).eval()
+    out_dir.mkdir(parents=True, exist_ok=True)
+
+    if isinstance(model, PreTrainedModel):
+        model.save_pretrained(out_dir)
+        if hasattr(task, "save_for_transformers"):
+            task.save_for_transformers(cfg, out_dir)
+    else:
+        from safetensors.torch import save_model
+
+        save_model(model, str(out_dir / "model.safetensors"))
+        (out_dir / "behemoth_model.json").write_text(json.dumps({"builder": cfg.model.name}, indent=1))
+    (out_dir / "README.md").write_text(model_card(cfg, ckpt, how, isinstance(model, PreTrainedModel)))
+    return out_dir, f"{ckpt} ({how})"
+
+
+def _job_of(path: str) -> JobConfig:
+    """The job config of a checkpoint folder, or of a run folder's latest complete checkpoint."""
+    p = Path(path)
+    candidates = [p] if weights.is_checkpoint(p) else [Path(c) for _, c in _complete(p)]
+    if not candidates:
+        weights.resolve(path)  # raises the message that says what the folder is not
+    job = candidates[0] / "job.yaml"
+    try:
+        return config_from_dict(yaml.safe_load(job.read_text()) or {}, where=str(job))
+    except OSError as e:
+        raise CheckpointError(f"{candidates[0]}: cannot read its job.yaml ({e})") from None
+
+
+def _complete(p: Path):
+    from behemoth.checkpoint import complete_checkpoints
+
+    return complete_checkpoints(p) if p.is_dir() else []
+
+
+def model_card(cfg: JobConfig, ckpt: str, how: str, transformers_model: bool) -> str:
+    state = read_state(ckpt)
+    metrics = {k: v for k, v in weights.checkpoint_metrics(ckpt).items()
+               if k.startswith("val_") or k in ("loss", "step", "epoch", "samples_seen")}
+    text = cfg.data.kind == "text"
+    if not transformers_model:
+        load = (f"model = {cfg.model.name.split(':')[1]}(...)  # from {cfg.model.name.split(':')[0]}, with the "
+                f"run's {'vocab_size' if text else 'num_classes'}\nsafetensors.torch.load_model(model, "
+                f"'model.safetensors')")
+    elif text:
+        load = ("from transformers import AutoModelForCausalLM, AutoTokenizer\n"
+                "model = AutoModelForCausalLM.from_pretrained(FOLDER)\ntokenizer = AutoTokenizer.from_pretrained(FOLDER)")
+    else:
+        load = ("from transformers import pipeline\nclassify = pipeline('image-classification', model=FOLDER)\n"
+                "classify('image.png')")
+    data = cfg.data.root or ", ".join(cfg.data.train_files) or cfg.data.hf_dataset
+    lines = [
+        f"# {cfg.checkpoint.run_name}", "",
+        f"Trained with behemoth: {cfg.model.name} on {cfg.data.kind} data ({data}), exported from {ckpt} ({how}).",
+        "", "## Load", "", "```python", load, "```", "",
+        "## Training", "",
+        f"- steps: {state.step} ({state.samples_seen} samples, epoch {state.epoch}, {state.world_size} workers)",
+        f"- global batch {cfg.train.global_batch_size}, {cfg.train.optimizer} lr {cfg.train.lr}, precision "
+        f"{cfg.train.precision}, seed {cfg.train.seed}",
+        *(["", "## Metrics at this checkpoint", "", *[f"- {k}: {v}" for k, v in metrics.items()]] if metrics else []),
+        "", "## Job config", "", "```yaml", dump_yaml(cfg).rstrip(), "```", "",
+    ]
+    return "\n".join(lines)

@@ -1,0 +1,126 @@
+"""Model weights in and out (shared floor): which folder to read them from (a behemoth checkpoint, a run
+folder's best or latest checkpoint, a Hugging Face folder), reading them without running code, and loading
+them into a freshly built model where every tensor must fit but a classification head of another size.
+
+Used by fine-tuning (train.init_from, worker side), `behemoth eval` and `behemoth export` (driver side).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+
+from behemoth.checkpoint import MANIFEST, complete_checkpoints, verify
+from behemoth.errors import CheckpointError
+
+HF_WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
+
+
+def is_checkpoint(path: str | Path) -> bool:
+    return (Path(path) / MANIFEST).is_file()
+
+
+def is_hf_folder(path: str | Path) -> bool:
+    p = Path(path)
+    return (p / "config.json").is_file() and any((p / name).is_file() for name in HF_WEIGHT_FILES)
+
+
+def resolve(path: str, which: str = "best", best: tuple[str, str] = ("val_loss", "min")) -> tuple[str, str]:
+    """(the folder holding the weights, how it was chosen) for a checkpoint folder, a Hugging Face folder or a
+    run folder; of a run's complete checkpoints `which` picks the best by `best` (metric, "max"/"min") among
+    those whose metrics.json records it, or the latest."""
+    p = Path(path).expanduser()
+    if not p.is_dir():
+        raise CheckpointError(f"{path} does not exist (or is not a folder): give a checkpoint folder, a run "
+                              f"folder or a Hugging Face model folder")
+    if is_checkpoint(p) or is_hf_folder(p):
+        return str(p.resolve()), "as given"
+    found = complete_checkpoints(p)  # (step, path), newest first
+    if not found:
+        raise CheckpointError(f"{path} is not a behemoth checkpoint (no {MANIFEST}), not a run folder with a "
+                              f"complete checkpoint_* folder, and not a Hugging Face folder (config.json and "
+                              f"{' or '.join(HF_WEIGHT_FILES)})")
+    latest = f"its latest checkpoint (step {found[0][0]})"
+    if which == "latest":
+        return found[0][1], latest
+    metric, mode = best
+    scored = [(m[metric], step, ckpt) for step, ckpt in found
+              if metric in (m := checkpoint_metrics(ckpt))]
+    if not scored:
+        return found[0][1], f"{latest}: none of its checkpoints records {metric}"
+    # ties go to the later checkpoint
+    value, step, ckpt = max(scored, key=lambda s: (s[0] if mode == "max" else -s[0], s[1]))
+    return ckpt, f"its best checkpoint by {metric} ({value:.4f}, step {step})"
+
+
+def checkpoint_metrics(ckpt: str | Path) -> dict:
+    """What a run reported with a checkpoint ({} for checkpoints written before behemoth recorded it)."""
+    try:
+        return json.loads((Path(ckpt) / "metrics.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def read_state_dict(path: str | Path) -> dict:
+    """A model state dict, read without running code: a checkpoint's model.pt (verified against its manifest
+    first), or a Hugging Face folder's safetensors (one file or shards) or pytorch_model.bin (weights_only)."""
+    p = Path(path)
+    if is_checkpoint(p):
+        verify(p)
+        return torch.load(p / "model.pt", map_location="cpu", weights_only=True)
+    from safetensors.torch import load_file
+
+    if (p / "model.safetensors").is_file():
+        return load_file(p / "model.safetensors")
+    if (p / "model.safetensors.index.json").is_file():
+        shards = sorted(set(json.loads((p / "model.safetensors.index.json").read_text())["weight_map"].values()))
+        return {k: v for shard in shards for k, v in load_file(p / shard).items()}
+    if (p / "pytorch_model.bin").is_file():
+        return torch.load(p / "pytorch_model.bin", map_location="cpu", weights_only=True)
+    raise CheckpointError(f"{path}: no model weights found (a checkpoint's {MANIFEST} and model.pt, or "
+                          f"{' / '.join(HF_WEIGHT_FILES)})")
+
+
+# (key, tensor of the model, tensor of the source) -> may this key keep its fresh initialisation
+ReinitPolicy = Callable[[str, torch.Tensor, torch.Tensor], bool]
+
+
+def load_weights(model: torch.nn.Module, source: dict, where: str,
+                 reinit_ok: Optional[ReinitPolicy] = None) -> list[str]:
+    """Load `source` into `model`. Every tensor of the model must come from the source by name and shape,
+    except those `reinit_ok` lets keep their fresh initialisation (returned), and parameters tied to one that
+    does (a language model's output layer tied to its embedding: Hugging Face files store it once)."""
+    own = model.state_dict()
+    reinit = [k for k in own if k in source and source[k].shape != own[k].shape
+              and reinit_ok is not None and reinit_ok(k, own[k], source[k])]
+    wrong_shape = [f"{k} {tuple(source[k].shape)} (model: {tuple(own[k].shape)})" for k in own
+                   if k in source and source[k].shape != own[k].shape and k not in reinit]
+    tied = _tied_to_present(own, source)
+    missing = [k for k in own if k not in source and k not in tied]
+    unexpected = [k for k in source if k not in own]
+    problems = [f"{label}: {', '.join(keys[:5])}{' ...' if len(keys) > 5 else ''}"
+                for label, keys in (("other shape", wrong_shape), ("missing", missing),
+                                    ("not in the model", unexpected)) if keys]
+    if problems:
+        raise CheckpointError(f"{where}: its weights do not fit the model this job builds ({'; '.join(problems)}): "
+                              f"use the model config the weights were trained with")
+    model.load_state_dict({k: v for k, v in source.items() if k not in reinit}, strict=False)
+    return reinit
+
+
+def class_dim_differs(key: str, own: torch.Tensor, source: torch.Tensor) -> bool:
+    """The re-initialisation policy of classification: only a tensor that differs in its first (class)
+    dimension alone, i.e. the head's weight and bias for another number of classes."""
+    return own.dim() == source.dim() and own.shape[1:] == source.shape[1:]
+
+
+def _tied_to_present(own: dict, source: dict) -> set[str]:
+    """Keys of the model's state dict that share storage with another key the source has."""
+    by_storage: dict = {}
+    for k, v in own.items():
+        by_storage.setdefault((v.untyped_storage().data_ptr(), v.storage_offset(), tuple(v.shape)), []).append(k)
+    return {k for keys in by_storage.values() if len(keys) > 1 and any(x in source for x in keys)
+            for k in keys}

@@ -1,0 +1,191 @@
+"""Models in and out (issue 15): `behemoth eval` and `behemoth export` against the run's own evaluation, the
+export loaded by transformers alone in a fresh process, fine-tuning with train.init_from, a user's own model
+and loss (examples/custom_model.py) end to end, and a transformers ViT from model.hf_config.
+(The language-model export: test_train_lm.py, on that module's run.) One Ray instance for the module."""
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import yaml
+
+from behemoth import weights
+from behemoth.checkpoint import complete_checkpoints
+from behemoth.config import config_from_dict, dump_yaml
+from behemoth.data.images import build_index, transform_batch
+from behemoth.driver.cli import main
+from behemoth.driver.trainer import resolve_init_from, train
+from behemoth.tasks.image import ImageClassification, build_image_model
+from conftest import REPO, job_dict
+
+pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("ray_local")]
+HF_ONLY = Path(__file__).with_name("hf_only.py")
+
+
+@pytest.fixture(scope="module")
+def image_run(image_root, tmp_path_factory):
+    """A finished 2-worker run of the tiny RegNet: 12 steps, checkpoints every 3 (2 kept), evaluated per epoch."""
+    storage = tmp_path_factory.mktemp("io")
+    cfg = config_from_dict(job_dict(image_root, storage, run_name="src"))
+    return cfg, train(cfg)
+
+
+def _behemoth_predictions(cfg, ckpt):
+    """behemoth's own predictions for every validation image: its validation preprocessing, the checkpoint's
+    model; (class names, top-1 minus top-2 logit) in index order."""
+    index = build_index(cfg.data)
+    rows = index.val.to_pydict()
+    batch = transform_batch({k: np.asarray(v) for k, v in rows.items()}, cfg=cfg.data, seed=0, epoch=0, train=False)
+    model = ImageClassification.model_from_checkpoint(cfg, ckpt).eval()
+    with torch.no_grad():
+        logits = model(pixel_values=torch.from_numpy(batch["image"])).logits
+    top2 = logits.topk(2, dim=1).values
+    return [index.classes[i] for i in logits.argmax(1).tolist()], (top2[:, 0] - top2[:, 1]).tolist(), rows
+
+
+def test_eval_and_export_match_the_run_and_the_export_loads_with_transformers_alone(image_run, tmp_path):
+    cfg, summary = image_run
+    final = summary.metrics
+    job_yaml = tmp_path / "job.yaml"
+    job_yaml.write_text(dump_yaml(cfg))
+    latest = summary.latest_checkpoint
+
+    # behemoth eval: the same metrics as the run's final evaluation (same pipeline, workers, batch)
+    assert main(["eval", str(job_yaml), "--checkpoint", summary.run_dir, "--latest"]) == 0
+    written = json.loads(Path(f"{latest}.eval_val.json").read_text())
+    assert written["checkpoint"] == latest and written["workers"] == 2
+    assert written["metrics"]["val_accuracy"] == final["val_accuracy"]
+    assert written["metrics"]["val_loss"] == pytest.approx(final["val_loss"], rel=1e-9)
+
+    # export: a save_pretrained folder with the class names and the preprocessing, and a model card
+    out = tmp_path / "export"
+    assert main(["export", summary.run_dir, "--latest", "--out", str(out)]) == 0
+    config = json.loads((out / "config.json").read_text())
+    classes = build_index(cfg.data).classes
+    assert config["model_type"] == "regnet" and config["id2label"] == {str(i): c for i, c in enumerate(classes)}
+    processor = json.loads((out / "preprocessor_config.json").read_text())
+    assert processor["crop_size"] == {"height": 16, "width": 16} and processor["image_std"] == cfg.data.std
+    card = (out / "README.md").read_text()
+    assert "steps: 12" in card and f"val_accuracy: {final['val_accuracy']}" in card and "regnet_tiny_cifar" in card
+    assert main(["export", summary.run_dir, "--out", str(out)]) == 2  # never into a folder that holds files
+
+    # a fresh interpreter without behemoth: transformers' pipeline predicts what behemoth predicts
+    labels, margins, rows = _behemoth_predictions(cfg, latest)
+    files = tmp_path / "files.json"
+    files.write_text(json.dumps(rows["path"]))
+    run = subprocess.run([sys.executable, str(HF_ONLY), "images", str(out), str(files)], capture_output=True,
+                         text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    got = json.loads(run.stdout.strip().splitlines()[-1])
+    # Equal wherever the prediction is not a near-tie that last-bit float differences could flip.
+    differ = [i for i, (a, b) in enumerate(zip(got["labels"], labels)) if a != b and margins[i] > 1e-4]
+    assert differ == [] and len(got["labels"]) == len(labels)
+    truth = [classes[y] for y in rows["label"]]
+    accuracy = sum(a == t for a, t in zip(got["labels"], truth)) / len(truth)
+    if min(margins) > 1e-4:
+        assert accuracy == final["val_accuracy"]
+
+
+def test_init_from_loads_exactly_those_weights_and_only_the_head_starts_fresh(image_run, image_root, tmp_path,
+                                                                             capfd):
+    cfg, summary = image_run
+    source, how = weights.resolve(summary.run_dir, "best", ("val_accuracy", "max"))
+    assert source == summary.best_checkpoint and how.startswith("its best checkpoint by val_accuracy")
+    saved = weights.read_state_dict(source)
+    classes = build_index(cfg.data).classes
+
+    # What the worker does before the first step (worker/restore.load_init_from): every tensor is the source's.
+    torch.manual_seed(0)
+    same = build_image_model(cfg, classes)
+    assert weights.load_weights(same, saved, source, ImageClassification.reinit_ok) == []
+    assert all(torch.equal(t, saved[k]) for k, t in same.state_dict().items())
+    # Three classes: the head's weight and bias keep their fresh initialisation, nothing else does.
+    torch.manual_seed(0)
+    three = build_image_model(cfg, classes[:3])
+    fresh = {k: t.clone() for k, t in three.state_dict().items()}
+    reinit = weights.load_weights(three, saved, source, ImageClassification.reinit_ok)
+    assert reinit == ["classifier.1.weight", "classifier.1.bias"]
+    for k, t in three.state_dict().items():
+        assert torch.equal(t, fresh[k] if k in reinit else saved[k]), k
+
+    # A real run from the source's run folder on 3-class data: step 0, a fresh optimizer, the head named.
+    root3 = tmp_path / "three"
+    for split in ("train", "val"):
+        for c in classes[:3]:
+            shutil.copytree(image_root / split / c, root3 / split / c)
+    job = job_dict(root3, tmp_path, run_name="ft", train={"init_from": summary.run_dir, "max_steps": 3})
+    ft = train(config_from_dict(job))
+    console = capfd.readouterr().out
+    assert f"[behemoth] init_from {summary.run_dir}: {source} (its best checkpoint" in console
+    assert (f"init_from {source}: weights loaded; optimizer, LR schedule and step start fresh; re-initialised for "
+            f"this data's classes: classifier.1.weight [3, 128], classifier.1.bias [3]") in console
+    assert ft.resumed_from_step == 0 and ft.metrics["step"] == 3
+    recorded = yaml.safe_load((Path(ft.latest_checkpoint) / "job.yaml").read_text())
+    assert recorded["train"]["init_from"] == source  # the folder chosen, not the run folder given
+    # Rerun with init_from still set: the run's own checkpoints win, and the driver says so.
+    resolve_init_from(config_from_dict(job))
+    assert "has checkpoints of its own: it resumes from them" in capfd.readouterr().out
+
+
+def test_the_custom_model_and_loss_example_trains_resumes_exactly_and_exports(image_root, tmp_path):
+    """examples/custom_model.yaml (a plain PyTorch CNN by import path, a focal-loss task subclass) on 2 DDP
+    workers: checkpoints; a run that resumes from the uninterrupted run's step-4 checkpoint (copied into its
+    own run folder: what a run whose driver died after step 4 leaves) ends on the uninterrupted run's
+    weights; the export loads into the builder with safetensors."""
+    from safetensors.torch import load_model
+
+    sys.path.insert(0, str(REPO))
+    from examples.custom_model import small_cnn
+
+    example = yaml.safe_load((REPO / "examples" / "custom_model.yaml").read_text())
+    assert example["model"]["name"] == "examples.custom_model:small_cnn"
+
+    def job(name, failures):
+        j = {**example, "data": {**example["data"], "root": str(image_root), "image_size": 16, "crop_padding": 2},
+             "train": {**example["train"], "max_steps": 12, "global_batch_size": 16, "warmup_steps": 2,
+                       "log_every": 2},
+             "checkpoint": {**example["checkpoint"], "every_n_steps": 4, "storage_path": str(tmp_path),
+                            "run_name": name},
+             "failure": {"max_failures": failures}}
+        j["checkpoint"]["keep"] = 3
+        return config_from_dict(j)
+
+    straight = train(job("straight", 0))
+    step4 = next(Path(p) for step, p in complete_checkpoints(tmp_path / "straight") if step == 4)
+    shutil.copytree(step4, tmp_path / "resumed" / step4.name)
+    resumed = train(job("resumed", 0))
+    assert resumed.resumed_from_step == 4 and resumed.metrics["step"] == 12
+    a = torch.load(f"{straight.latest_checkpoint}/model.pt", weights_only=True)
+    b = torch.load(f"{resumed.latest_checkpoint}/model.pt", weights_only=True)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert np.isfinite(straight.metrics["loss"]) and "val_accuracy" in straight.metrics
+
+    out = tmp_path / "export"
+    assert main(["export", str(tmp_path / "straight"), "--out", str(out)]) == 0
+    assert json.loads((out / "behemoth_model.json").read_text()) == {"builder": "examples.custom_model:small_cnn"}
+    model = small_cnn(num_classes=4)
+    load_model(model, str(out / "model.safetensors"))
+    best = weights.read_state_dict(straight.best_checkpoint)
+    assert all(torch.equal(t, best[k]) for k, t in model.state_dict().items())
+
+
+def test_a_vit_from_hf_config_trains_and_exports(image_root, tmp_path):
+    from transformers import AutoModelForImageClassification
+
+    job = job_dict(image_root, tmp_path, run_name="vit", model={"name": "image_classifier", "hf_config": {
+        "model_type": "vit", "hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
+        "intermediate_size": 64, "patch_size": 4}}, train={"max_steps": 4, "optimizer": "adamw", "lr": 0.001})
+    summary = train(config_from_dict(job))
+    assert summary.metrics["step"] == 4 and "val_accuracy" in summary.metrics
+    out = tmp_path / "export"
+    assert main(["export", summary.run_dir, "--latest", "--out", str(out)]) == 0
+    loaded = AutoModelForImageClassification.from_pretrained(out).eval()
+    assert loaded.config.model_type == "vit" and loaded.config.image_size == 16 and loaded.config.num_labels == 4
+    saved = weights.read_state_dict(summary.latest_checkpoint)
+    assert all(torch.equal(t, saved[k]) for k, t in loaded.state_dict().items())
+    assert complete_checkpoints(tmp_path / "vit")
