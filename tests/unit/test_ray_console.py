@@ -90,3 +90,14 @@ def test_the_controllers_shutdown_traceback_after_a_worker_crash_keeps_only_rays
     # and a traceback under that line that is not torch's shutdown call passes too
     other = [CRASHED_SHUTDOWN[0], *REAL_TRACEBACK]
     assert filter_lines(other) == other
+
+
+def test_a_worker_whose_stopped_controller_took_its_sync_actor_along_is_dropped():
+    """As a fresh-clone run of the sweep test printed it: the worker's report in flight found the
+    SynchronizationActor dead because its owner (the stopped trial's controller) exited on purpose."""
+    owner_gone = [*TEARDOWN[:-1], "The actor is dead because its owner has died. Owner Id: 547e Owner Ip address: "
+                  "192.0.2.2 Owner worker exit type: INTENDED_SYSTEM_EXIT Worker exit detail: Owner's worker "
+                  "process has crashed."]
+    assert filter_lines(["before", *owner_gone, "after"]) == ["before", "after"]
+    crashed_owner = [*owner_gone[:-1], owner_gone[-1].replace("INTENDED_SYSTEM_EXIT", "SYSTEM_ERROR")]
+    assert filter_lines(crashed_owner) == crashed_owner

@@ -20,35 +20,36 @@ NOISE_LINES = [
     re.compile(r"^Detected that the Ray Train controller actor \(\w+\) is dead\. Cleaning up placement group"),
 ]
 
-# A traceback block (from "Traceback ..." or "Exception ignored in ..." to its "SystemExit: N" line) is noise
-# when Ray's SIGTERM handler raised it: Ray asked the process to exit (Tune stopping a trial's actor), and
-# the handler's SystemExit surfaced inside whatever Python was running, e.g. a weakref callback.
-# Likewise a training worker's "Error in training function" whose cause is that Ray destroyed its worker
-# group on purpose (a stopped trial: Ray Train removes the group's placement group, and a report in flight
-# finds Ray Train's SynchronizationActor gone): the error names INTENDED_SYSTEM_EXIT and the removal.
-# And the traceback Ray Train's controller prints under its own line "Graceful shutdown of backend failed. This
-# is expected if one of the workers has crashed.": torch's shutdown call to a worker that died raised
-# ActorDiedError. The line stays (it says what happened); the traceback under it says nothing more.
+# A traceback block (from "Traceback ..." or "Exception ignored in ..." to its end) is noise when it records an
+# exit Ray asked for, which is how a sweep stops a trial and how Ray Train tears down a worker group:
+# - it ends in "SystemExit: N" raised by Ray's SIGTERM handler (Tune stopping a trial's actor; the handler's
+#   SystemExit surfaced inside whatever Python was running, e.g. a weakref callback);
+# - it holds an ActorDiedError and ends in Ray's "The actor is dead because ..." line with exit type
+#   INTENDED_SYSTEM_EXIT: a training worker's "Error in training function" whose report in flight found Ray
+#   Train's SynchronizationActor gone because Ray destroyed the group on purpose (its placement group was
+#   removed, or its owner, the trial's controller, was stopped);
+# - it is the traceback Ray Train's controller prints under its own line "Graceful shutdown of backend failed.
+#   This is expected if one of the workers has crashed." (torch's on_shutdown call to a dead worker): the line
+#   stays, as it says what happened; the traceback under it says nothing more.
+# An actor that died any other way (exit type SYSTEM_ERROR, not under that line) still shows.
 _BLOCK_START = re.compile(r"^(Traceback \(most recent call last\):|Exception ignored in: |Error in training function:)")
 _SIGTERM_END = re.compile(r"^SystemExit: \d+\s*$")
-_TEARDOWN_END = re.compile(r"Worker exit type: INTENDED_SYSTEM_EXIT .*placement group was removed")
+_ACTOR_DEATH_END = re.compile(r"^The actor is dead because")
+_INTENDED = re.compile(r"exit type: INTENDED_SYSTEM_EXIT", re.IGNORECASE)
 _CRASHED_SHUTDOWN = "Graceful shutdown of backend failed. This is expected if one of the workers has crashed."
-_DEAD_ACTOR_END = re.compile(r"^The actor is dead because")
 
 
 def _intended_exit_block(lines: list[str], i: int) -> int | None:
     """The index of the last line of the intended-exit traceback starting at lines[i], or None."""
-    if i > 0 and lines[i - 1].strip() == _CRASHED_SHUTDOWN:
-        for j in range(i + 1, min(len(lines), i + 60)):
-            if _DEAD_ACTOR_END.match(lines[j]):
-                shutdown = any("on_shutdown" in line for line in lines[i:j])
-                return j if shutdown and any("ActorDiedError" in line for line in lines[i:j]) else None
-        return None
+    under_shutdown_line = i > 0 and lines[i - 1].strip() == _CRASHED_SHUTDOWN
     for j in range(i + 1, min(len(lines), i + 60)):
+        block = lines[i:j]
         if _SIGTERM_END.match(lines[j]):
-            return j if any("sigterm_handler" in line for line in lines[i:j]) else None
-        if _TEARDOWN_END.search(lines[j]):
-            return j if any("ActorDiedError" in line for line in lines[i:j]) else None
+            return j if any("sigterm_handler" in line for line in block) else None
+        if _ACTOR_DEATH_END.match(lines[j]):
+            intended = _INTENDED.search(lines[j]) or (
+                under_shutdown_line and any("on_shutdown" in line for line in block))
+            return j if intended and any("ActorDiedError" in line for line in block) else None
     return None
 
 
