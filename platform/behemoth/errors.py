@@ -1,8 +1,9 @@
 """The errors behemoth raises for bad input or a run it cannot finish, and the one line a user sees.
 
 Every room may import this module; it imports nothing of behemoth. Each message names the culprit (file,
-row, key, checkpoint) and what to do; `did_you_mean` is the one suggestion of the closest valid name. `behemoth` (the CLI) prints `user_facing_error(e)` as one line and exits
-with 2 for a ConfigError, 1 for the others.
+row, key, checkpoint) and what to do; `did_you_mean` is the one suggestion of the closest valid name.
+`behemoth` (the CLI) prints `user_facing_error(e)` as one line and exits with 2 for a ConfigError, 1 for the
+others.
 """
 
 from __future__ import annotations

@@ -111,10 +111,15 @@ def load_weights(model: torch.nn.Module, source: dict, where: str,
     return reinit
 
 
-def class_dim_differs(key: str, own: torch.Tensor, source: torch.Tensor) -> bool:
-    """The re-initialisation policy of classification: only a tensor that differs in its first (class)
-    dimension alone, i.e. the head's weight and bias for another number of classes."""
-    return own.dim() == source.dim() and own.shape[1:] == source.shape[1:]
+def classification_head(num_classes: int) -> ReinitPolicy:
+    """The re-initialisation policy of classification: only the head for another number of classes, i.e. a
+    tensor whose first dimension is this model's class count where the source's is another, all else equal."""
+
+    def head(key: str, own: torch.Tensor, source: torch.Tensor) -> bool:
+        return (own.dim() == source.dim() and own.shape[0] == num_classes != source.shape[0]
+                and own.shape[1:] == source.shape[1:])
+
+    return head
 
 
 def _tied_to_present(own: dict, source: dict) -> set[str]:

@@ -102,13 +102,13 @@ def test_init_from_loads_exactly_those_weights_and_only_the_head_starts_fresh(im
     # What the worker does before the first step (worker/restore.load_init_from): every tensor is the source's.
     torch.manual_seed(0)
     same = build_image_model(cfg, classes)
-    assert weights.load_weights(same, saved, source, ImageClassification.reinit_ok) == []
+    assert weights.load_weights(same, saved, source, weights.classification_head(len(classes))) == []
     assert all(torch.equal(t, saved[k]) for k, t in same.state_dict().items())
     # Three classes: the head's weight and bias keep their fresh initialisation, nothing else does.
     torch.manual_seed(0)
     three = build_image_model(cfg, classes[:3])
     fresh = {k: t.clone() for k, t in three.state_dict().items()}
-    reinit = weights.load_weights(three, saved, source, ImageClassification.reinit_ok)
+    reinit = weights.load_weights(three, saved, source, weights.classification_head(3))
     assert reinit == ["classifier.1.weight", "classifier.1.bias"]
     for k, t in three.state_dict().items():
         assert torch.equal(t, fresh[k] if k in reinit else saved[k]), k

@@ -68,8 +68,8 @@ class LinearRegression:
     def train_batches(self, indices, epoch, batch_size):
         return self._batches(0, indices, batch_size)
 
-    def eval_batches(self, indices, batch_size):
-        return self._batches(TRAIN, indices, batch_size)
+    def eval_batches(self, indices, batch_size, split="val"):
+        return self._batches(TRAIN if split == "val" else 0, indices, batch_size)
 
     def example_batch(self, batch_size):
         device = ray.train.torch.get_device()

@@ -32,7 +32,7 @@ def evaluate_checkpoint(cfg: JobConfig, checkpoint: str, split: str = "val", whi
     from ray.train.torch import TorchTrainer
     import ray
 
-    from behemoth.driver.trainer import ensure_ray, worker_env_vars
+    from behemoth.driver.trainer import ensure_ray, worker_env_vars, worker_resources
     from behemoth.worker.evaluate import evaluate_checkpoint_per_worker
 
     if paths.is_uri(checkpoint):
@@ -47,9 +47,6 @@ def evaluate_checkpoint(cfg: JobConfig, checkpoint: str, split: str = "val", whi
     world = cfg.scaling.max_workers
     print(f"[behemoth] evaluating {ckpt} ({how}) on the {split} split: {world} workers, batch "
           f"{eval_batch_size(cfg, world)} per worker", flush=True)
-    resources = {"CPU": cfg.scaling.cpus_per_worker}
-    if cfg.scaling.use_gpu:
-        resources["GPU"] = cfg.scaling.gpus_per_worker
     storage = tempfile.mkdtemp(prefix="behemoth-eval-")  # Ray Train's bookkeeping only: nothing to keep
     try:
         result = TorchTrainer(
@@ -57,7 +54,7 @@ def evaluate_checkpoint(cfg: JobConfig, checkpoint: str, split: str = "val", whi
             train_loop_config={"job": cfg.to_dict(), "data_ref": ray.put(data), "checkpoint": ckpt, "split": split,
                                "batch_size": eval_batch_size(cfg, world)},
             scaling_config=ScalingConfig(num_workers=world, use_gpu=cfg.scaling.use_gpu,
-                                         resources_per_worker=resources),
+                                         resources_per_worker=worker_resources(cfg)),
             run_config=RunConfig(name=f"eval-{int(time.time())}", storage_path=storage,
                                  logging_config=LoggingConfig(log_level="WARNING"),
                                  worker_runtime_env={"env_vars": worker_env_vars()}),

@@ -18,7 +18,7 @@ from pathlib import Path
 import yaml
 
 from behemoth import weights
-from behemoth.checkpoint import read_state
+from behemoth.checkpoint import complete_checkpoints, read_state
 from behemoth.config import JobConfig, config_from_dict, dump_yaml
 from behemoth.errors import CheckpointError, ConfigError
 from behemoth.tasks import task_of
@@ -61,7 +61,7 @@ def export(path: str, out: str, which: str = "best") -> tuple[Path, str]:
 def _job_of(path: str) -> JobConfig:
     """The job config of a checkpoint folder, or of a run folder's latest complete checkpoint."""
     p = Path(path)
-    candidates = [p] if weights.is_checkpoint(p) else [Path(c) for _, c in _complete(p)]
+    candidates = [p] if weights.is_checkpoint(p) else [Path(c) for _, c in complete_checkpoints(p)]
     if not candidates:
         weights.resolve(path)  # raises the message that says what the folder is not
     job = candidates[0] / "job.yaml"
@@ -69,12 +69,6 @@ def _job_of(path: str) -> JobConfig:
         return config_from_dict(yaml.safe_load(job.read_text()) or {}, where=str(job))
     except OSError as e:
         raise CheckpointError(f"{candidates[0]}: cannot read its job.yaml ({e})") from None
-
-
-def _complete(p: Path):
-    from behemoth.checkpoint import complete_checkpoints
-
-    return complete_checkpoints(p) if p.is_dir() else []
 
 
 def model_card(cfg: JobConfig, ckpt: str, how: str, transformers_model: bool) -> str:

@@ -149,6 +149,14 @@ class MetricsLog(ray.train.UserCallback):
             f.write(json.dumps({"time": time.time(), **metrics[0]}) + "\n")
 
 
+def worker_resources(cfg: JobConfig) -> dict:
+    """What one training worker reserves (training and `behemoth eval` alike)."""
+    resources = {"CPU": cfg.scaling.cpus_per_worker}
+    if cfg.scaling.use_gpu:
+        resources["GPU"] = cfg.scaling.gpus_per_worker
+    return resources
+
+
 def build_trainer(cfg: JobConfig, data, callbacks: list | None = None):
     """`data`: what prepare_data returned (an image index or packed token blocks). `callbacks`: Ray Train
     UserCallbacks (a sweep's trial passes the one that reports to Tune)."""
@@ -159,9 +167,7 @@ def build_trainer(cfg: JobConfig, data, callbacks: list | None = None):
     from behemoth.worker.loop import train_loop_per_worker
 
     os.environ.setdefault(REPORT_POLL_ENV, REPORT_POLL_S)
-    resources = {"CPU": cfg.scaling.cpus_per_worker}
-    if cfg.scaling.use_gpu:
-        resources["GPU"] = cfg.scaling.gpus_per_worker
+    resources = worker_resources(cfg)
     return TorchTrainer(
         train_loop_per_worker,
         # The data travels once through the object store, not pickled into every worker's config.

@@ -36,12 +36,6 @@ def build_image_model(cfg: JobConfig, classes: list[str]) -> torch.nn.Module:
     return model
 
 
-def is_transformers_model(model: torch.nn.Module) -> bool:
-    from transformers import PreTrainedModel
-
-    return isinstance(model, PreTrainedModel)
-
-
 class ImageClassification:
     # --- driver side ------------------------------------------------------------------------------------
     best = ("val_accuracy", "max")
@@ -109,18 +103,17 @@ class ImageClassification:
     tokens_per_sample = None
     eval_size = 4  # see eval_sums
 
-    # fine-tuning with another number of classes: the head's weight and bias start fresh (weights.load_weights)
-    reinit_ok = staticmethod(weights.class_dim_differs)
-
     def __init__(self, cfg: JobConfig, index: ImageIndex):
         self.cfg, self.index = cfg, index
         self.num_train_samples, self.num_val_samples = index.train.num_rows, index.val.num_rows
-        self.transformers_model = True
+        # registered and image_classifier models are transformers ones; a user's builder gets the tensor
+        # (a transformers model it returns takes pixel_values as its first argument too)
+        self.transformers_model = not registry.is_import_path(cfg.model.name)
+        # fine-tuning with another number of classes: the head's weight and bias start fresh (weights.load_weights)
+        self.reinit_ok = weights.classification_head(len(index.classes))
 
     def build_model(self):
-        model = build_image_model(self.cfg, self.index.classes)
-        self.transformers_model = is_transformers_model(model)
-        return model
+        return build_image_model(self.cfg, self.index.classes)
 
     def logits(self, model, images: torch.Tensor) -> torch.Tensor:
         if self.transformers_model:

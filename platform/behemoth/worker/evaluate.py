@@ -32,10 +32,7 @@ def evaluate(model, task: Task, rank: int, world: int, batch_size: int, split: s
     indices = rank_eval_indices(n, rank, world)
     forwards = 0
     if len(indices):
-        # (a task of one's own that predates the split argument still evaluates its val split)
-        batches = task.eval_batches(indices, batch_size, split) if split != "val" else task.eval_batches(
-            indices, batch_size)
-        for batch in batches:
+        for batch in task.eval_batches(indices, batch_size, split):
             with autocast(totals.device, task.cfg.train.precision):
                 totals += task.eval_sums(net, batch).to(totals)
             forwards += 1

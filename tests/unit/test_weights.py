@@ -1,0 +1,106 @@
+"""behemoth.weights: which folder the weights come from, and loading them into a freshly built model."""
+
+import json
+
+import pytest
+import torch
+
+from behemoth import checkpoint, weights
+from behemoth.checkpoint import Snapshot, TrainState
+from behemoth.errors import CheckpointError
+
+
+def _checkpoint(folder, step, metrics=None, model=None):
+    model = model or torch.nn.Linear(3, 2)
+    texts = {"train_state.json": json.dumps({"step": step})}
+    if metrics is not None:
+        texts["metrics.json"] = json.dumps(metrics)
+    return checkpoint.write(folder, Snapshot({"model.pt": model.state_dict()}, texts, step))
+
+
+def test_a_run_folders_best_and_latest_and_what_is_not_a_source(tmp_path):
+    run = tmp_path / "run"
+    _checkpoint(run / "checkpoint_a", 10, {"val_accuracy": 0.5})
+    _checkpoint(run / "checkpoint_b", 20, {"val_accuracy": 0.8})
+    _checkpoint(run / "checkpoint_c", 30, {"val_accuracy": 0.8})  # a tie: the later one
+    _checkpoint(run / "checkpoint_d", 40, {"loss": 0.1})  # no evaluation with this one
+    (run / "checkpoint_e").mkdir()  # an upload that never finished: no manifest, never chosen
+    best, how = weights.resolve(str(run), "best", ("val_accuracy", "max"))
+    assert best.endswith("checkpoint_c") and how == "its best checkpoint by val_accuracy (0.8000, step 30)"
+    assert weights.resolve(str(run), "best", ("val_accuracy", "min"))[0].endswith("checkpoint_a")
+    assert weights.resolve(str(run), "latest")[0].endswith("checkpoint_d")
+    fallback, how = weights.resolve(str(run), "best", ("val_loss", "min"))
+    assert fallback.endswith("checkpoint_d") and "none of its checkpoints records val_loss" in how
+    assert weights.resolve(str(run / "checkpoint_a"))[1] == "as given"
+    with pytest.raises(CheckpointError, match="does not exist"):
+        weights.resolve(str(tmp_path / "nowhere"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(CheckpointError, match="not a behemoth checkpoint .* not a run folder"):
+        weights.resolve(str(tmp_path / "empty"))
+
+
+def test_read_verifies_a_checkpoint_and_reads_hugging_face_files(tmp_path):
+    model = torch.nn.Linear(3, 2)
+    ckpt = _checkpoint(tmp_path / "ckpt", 1, model=model)
+    assert torch.equal(weights.read_state_dict(ckpt)["weight"], model.weight)
+    data = (ckpt / "model.pt").read_bytes()
+    (ckpt / "model.pt").write_bytes(data[:-8])
+    with pytest.raises(CheckpointError, match="model.pt does not match its manifest"):
+        weights.read_state_dict(ckpt)
+    from safetensors.torch import save_file
+
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text("{}")
+    save_file(model.state_dict(), hf / "model.safetensors")
+    assert weights.is_hf_folder(hf) and torch.equal(weights.read_state_dict(hf)["bias"], model.bias)
+
+
+def test_load_takes_every_tensor_but_an_allowed_head_and_names_what_does_not_fit():
+    torch.manual_seed(0)
+    source = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 10)).state_dict()
+    three = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 3))
+    fresh_head = three[1].weight.detach().clone()
+    with pytest.raises(CheckpointError, match=r"other shape: 1.weight \(10, 8\) \(model: \(3, 8\)\)"):
+        weights.load_weights(three, source, "src")  # no policy: another head is an error
+    assert weights.load_weights(three, source, "src", weights.classification_head(3)) == ["1.weight", "1.bias"]
+    assert torch.equal(three[0].weight, source["0.weight"]) and torch.equal(three[1].weight, fresh_head)
+    wider = torch.nn.Sequential(torch.nn.Linear(4, 9), torch.nn.Linear(9, 10))
+    with pytest.raises(CheckpointError, match=r"other shape: 0.weight \(8, 4\) \(model: \(9, 4\)\), 0.bias"):
+        weights.load_weights(wider, source, "src", weights.classification_head(10))  # a hidden layer, not the head
+    with pytest.raises(CheckpointError, match=r"missing: 1.bias.*not in the model: extra"):
+        weights.load_weights(torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 10)),
+                             {**{k: v for k, v in source.items() if k != "1.bias"}, "extra": torch.zeros(1)}, "src")
+
+
+def test_a_tied_output_layer_stored_once_loads():
+    class Tied(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = torch.nn.Embedding(5, 3)
+            self.head = torch.nn.Linear(3, 5, bias=False)
+            self.head.weight = self.embed.weight
+
+    source = {"embed.weight": torch.randn(5, 3)}  # as save_pretrained stores tied weights: once
+    model = Tied()
+    assert weights.load_weights(model, source, "src") == []
+    assert torch.equal(model.head.weight, source["embed.weight"])
+    untied = torch.nn.ModuleDict({"embed": torch.nn.Embedding(5, 3), "head": torch.nn.Linear(3, 5, bias=False)})
+    with pytest.raises(CheckpointError, match="missing: head.weight"):
+        weights.load_weights(untied, source, "src")
+
+
+def test_the_ledger_reader_skips_a_torn_line_and_the_writer_starts_after_it(tmp_path):
+    from behemoth.worker.ledger import _ends_mid_line
+    from integration.ledger_audit import read_ledger
+
+    f = tmp_path / "rank0.jsonl"
+    f.write_text('{"step": 1}\n{"step": 2, "ids": [1, 2')  # a writer killed mid-record
+    assert _ends_mid_line(str(f)) and [r["step"] for r in read_ledger(tmp_path)] == [1]
+    f.write_text(f.read_text() + '\n{"step": 2}\n{"step": 3')  # the next group's writer starts a new line
+    assert [r["step"] for r in read_ledger(tmp_path)] == [1, 2]  # step 3: a line still being written
+    f.write_text('{"step": 1}\n{"step": 2}}\n')  # complete yet unreadable: not a torn line, an error
+    with pytest.raises(AssertionError, match="not torn"):
+        read_ledger(tmp_path)
+    f.write_text('{"step": 1}\n')
+    assert not _ends_mid_line(str(f))
