@@ -56,6 +56,13 @@ def resolve(path: str, which: str = "best", best: tuple[str, str] = ("val_loss",
     return ckpt, f"its best checkpoint by {metric} ({value:.4f}, step {step})"
 
 
+def check(folder: str) -> None:
+    """Before Ray starts, without loading the weights: a checkpoint must match its manifest (a Hugging Face
+    folder has none; its files are read when the model loads them)."""
+    if is_checkpoint(folder):
+        verify(folder)
+
+
 def checkpoint_metrics(ckpt: str | Path) -> dict:
     """What a run reported with a checkpoint ({} for checkpoints written before behemoth recorded it)."""
     try:

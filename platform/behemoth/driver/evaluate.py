@@ -40,7 +40,7 @@ def evaluate_checkpoint(cfg: JobConfig, checkpoint: str, split: str = "val", whi
                           f"down first (e.g. aws s3 cp --recursive)")
     task = task_of(cfg)
     ckpt, how = weights.resolve(checkpoint, which, task.best)
-    weights.read_state_dict(ckpt)  # verified and readable before Ray starts
+    weights.check(ckpt)  # a damaged checkpoint fails here, naming its file, before Ray starts
     checked = task.check(cfg)
     ensure_ray()
     data = task.prepare(cfg, checked)

@@ -234,7 +234,7 @@ def resolve_init_from(cfg: JobConfig) -> JobConfig:
     import dataclasses
 
     from behemoth import weights
-    from behemoth.checkpoint import complete_checkpoints, verify
+    from behemoth.checkpoint import complete_checkpoints
 
     source = cfg.train.init_from
     if not source:
@@ -242,8 +242,7 @@ def resolve_init_from(cfg: JobConfig) -> JobConfig:
     if paths.is_uri(source):
         raise ConfigError(f"train.init_from {source}: a local folder is needed (copy the checkpoint down first)")
     chosen, how = weights.resolve(source, cfg.train.init_from_checkpoint, task_of(cfg).best)
-    if weights.is_checkpoint(chosen):
-        verify(chosen)  # a damaged source fails here, naming its file, before Ray starts
+    weights.check(chosen)  # a damaged source fails here, naming its file, before Ray starts
     folder = run_dir(cfg)
     if not paths.is_uri(folder) and complete_checkpoints(folder):
         print(f"[behemoth] train.init_from is set, but run '{cfg.checkpoint.run_name}' has checkpoints of its own: "
