@@ -1,5 +1,5 @@
-"""A real Ray Tune sweep on a local Ray instance: four trials, each a behemoth training run (1 worker, the
-tiny RegNet, 2 epochs), one at a time, ASHA deciding at epoch 1 over the learning rates 0.05 ... 0.00005.
+"""A real Ray Tune sweep on a local Ray instance: three trials, each a behemoth training run (1 worker, the
+tiny RegNet, 2 epochs), one at a time, ASHA deciding at epoch 1 over the learning rates 0.05, 0.005, 0.0005.
 
 One sweep, driven through its life, checks: a trial whose training worker is SIGKILLed finishes (Ray Train
 restores it from its checkpoint) on exactly the weights of an uninterrupted run of its job; a sweep whose
@@ -30,14 +30,17 @@ from behemoth.driver.tune import sweep
 from conftest import job_dict
 
 pytestmark = pytest.mark.integration
-LRS = [0.05, 0.005, 0.0005, 0.00005]  # grid order = trial order (one at a time): each later one learns less
+# Grid order = trial order (one at a time): each later one learns less. The first trial's worker and the second's
+# driver are killed; ASHA (reduction factor 2) stops the third at epoch 1, its val_loss being past the median of
+# the two before it.
+LRS = [0.05, 0.005, 0.0005]
 
 
 @pytest.fixture(scope="module")
 def sweep_images(tmp_path_factory) -> Path:
     """Two classes that differ in colour family (a warm and a cool disk), 48 train + 12 val images each, 16x16:
     learnable in the trials' 24 steps, so the learning rates rank clearly (measured, val_loss at epoch 1 /
-    2: 0.20 / 0.03, 0.46 / 0.35, 0.74 / 0.69, 0.77 / 0.79). On the 4 shape classes of `image_root` no rate
+    2 for lr 0.05 ... 0.00005: 0.20 / 0.03, 0.46 / 0.35, 0.74 / 0.69, 0.77 / 0.79). On the 4 shape classes of `image_root` no rate
     learned anything in 24 steps (every val_loss near chance, ln 4): which trial ASHA stopped and which came
     out best was noise, and a stopped trial could rank first."""
     import shutil
@@ -160,7 +163,21 @@ def test_sweep_survives_worker_and_driver_kills_asha_stops_trials_and_resources_
         driver.wait()
     summary = json.loads((runs / first / "summary.json").read_text())
     assert summary["resumed_from_step"] > 0  # trial 1 was restored after its worker died
-    wait_until(lambda: ray.available_resources().get("CPU", 0) >= 2, "the dead driver's trials to be reaped", 120)
+    # Ray frees what the dead driver's job held (its trials' actors and placement groups), except, at times, a
+    # worker group's placement group that a trial's Ray Train controller created on its way out (the race in
+    # tune.OrphanedPlacementGroupReaper): the resuming sweep frees such a group first thing, as done here (a
+    # fresh-clone run once timed out on this wait without it).
+    from behemoth.driver.tune import reap_orphaned_placement_groups
+
+    def freed() -> bool:
+        reap_orphaned_placement_groups()
+        return ray.available_resources().get("CPU", 0) >= 2
+
+    try:
+        wait_until(freed, "the dead driver's trials to be reaped", 120)
+    except AssertionError:
+        print(resource_holders())
+        raise
 
     # The same sweep from a script (the Python API), under the same name: resumes what the CLI started.
     result = sweep(tmp_path / "job.yaml", space={"train.lr": {"grid": LRS}}, metric="val_loss",
@@ -179,7 +196,7 @@ def test_sweep_survives_worker_and_driver_kills_asha_stops_trials_and_resources_
 
     table = result.table
     print(table.drop(columns=["run_dir", "best_checkpoint"]).to_string())
-    assert len(table) == 4 and sorted(table["train.lr"]) == sorted(LRS)
+    assert len(table) == len(LRS) and sorted(table["train.lr"]) == sorted(LRS)
     assert not table["status"].str.startswith("error").any()
     stopped, finished = table[table["status"] == "stopped early"], table[table["status"] == "finished"]
     assert len(stopped) >= 1 and (stopped["step"] < finished["step"].min()).all()  # ASHA stopped it early
@@ -194,7 +211,7 @@ def test_sweep_survives_worker_and_driver_kills_asha_stops_trials_and_resources_
     assert table["val_loss"].is_monotonic_increasing and result.best_value == table["val_loss"].iloc[0]
     assert result.best_params == {"train.lr": table["train.lr"].iloc[0]}
     assert result.best_job.train.lr == table["train.lr"].iloc[0]
-    assert len(pd.read_csv(result.results_csv)) == 4
+    assert len(pd.read_csv(result.results_csv)) == len(LRS)
     assert Path(result.best_checkpoint, "manifest.json").is_file()
 
     # Ray Data's stats actor is the one the sweep created up front, in no trial's placement group: trials

@@ -405,6 +405,7 @@ class OrphanedPlacementGroupReaper:
         self.thread = threading.Thread(target=self._run, name="behemoth-pg-reaper", daemon=True)
 
     def __enter__(self):
+        reap_orphaned_placement_groups()  # a killed driver's leftovers, before the first trial waits for CPUs
         self.thread.start()
         return self
 
