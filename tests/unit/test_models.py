@@ -1,4 +1,6 @@
 import math
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -14,14 +16,41 @@ def test_every_registered_model_round_trips_through_save_pretrained(name, tmp_pa
     from transformers import AutoModelForImageClassification, PreTrainedModel
 
     torch.manual_seed(0)
-    model = build_model(name, 7).eval()
+    trained = build_model(name, 7).eval()
+    model = trained.to_transformers() if hasattr(trained, "to_transformers") else trained  # as export does
     assert isinstance(model, PreTrainedModel)
     model.save_pretrained(tmp_path)
     loaded = AutoModelForImageClassification.from_pretrained(tmp_path).eval()
     x = torch.randn(2, 3, 64, 64)
     with torch.no_grad():
-        assert torch.equal(model(pixel_values=x).logits, loaded(pixel_values=x).logits)
+        assert torch.equal(trained(pixel_values=x).logits, loaded(pixel_values=x).logits)
     assert model(pixel_values=x).logits.shape == (2, 7)
+
+
+@pytest.mark.parametrize("name", ["regnet_tiny_cifar", "regnet_cifar"])
+def test_the_plain_torch_regnet_is_transformers_regnet(name):
+    """What the workers train is transformers' RegNetForImageClassification without its import: the same
+    parameter and buffer names, the same initial weights for a seed, the same logits in train and eval mode."""
+    from transformers import RegNetForImageClassification
+
+    torch.manual_seed(3)
+    ours = build_model(name, 10)
+    torch.manual_seed(3)
+    theirs = RegNetForImageClassification(ours.transformers_config())
+    a, b = ours.state_dict(), theirs.state_dict()
+    assert list(a) == list(b) and all(torch.equal(a[k], b[k]) for k in a)
+    x = torch.randn(4, 3, 32, 32)
+    for train in (True, False):
+        ours.train(train), theirs.train(train)
+        assert torch.equal(ours(pixel_values=x).logits, theirs(pixel_values=x).logits)
+    assert all(torch.equal(a[k], b[k]) for k in a)  # batch norm statistics moved alike in train mode
+
+
+def test_building_a_regnet_does_not_import_transformers():
+    """The point of the plain-torch RegNet: a training worker skips transformers' 4-7 s import."""
+    code = ("import sys; from behemoth.models.registry import build_model; build_model('regnet_tiny_cifar', 3); "
+            "assert 'transformers' not in sys.modules, 'transformers was imported'")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 
 def test_cifar_models_keep_more_resolution_than_the_imagenet_stem():

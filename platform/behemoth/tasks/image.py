@@ -1,8 +1,8 @@
 """Image classification: Ray Data decodes and augments the rank's samples; cross-entropy; top-1 accuracy.
 
 The model: a registered name, `image_classifier` (any transformers AutoModelForImageClassification) or a
-user's builder by import path (behemoth.models.registry). A transformers model is called as
-`model(pixel_values=...).logits`; any other module as `model(images)`, returning the logits.
+user's builder by import path (behemoth.models.registry). Registered and transformers models are called as
+`model(pixel_values=...).logits`; a user's module as `model(images)`, returning the logits.
 """
 
 from __future__ import annotations
@@ -80,9 +80,11 @@ class ImageClassification:
     @classmethod
     def model_from_checkpoint(cls, cfg: JobConfig, ckpt: str) -> torch.nn.Module:
         """Driver side (export): the model a checkpoint holds, built as the workers built it."""
-        model = build_image_model(cfg, json.loads((Path(ckpt) / "classes.json").read_text()))
+        classes = json.loads((Path(ckpt) / "classes.json").read_text())
+        model = build_image_model(cfg, classes)
         weights.load_weights(model, weights.read_state_dict(ckpt), ckpt)
-        return model
+        # the registered RegNets train as plain torch modules with transformers' layout (models/regnet.py)
+        return model.to_transformers(classes) if hasattr(model, "to_transformers") else model
 
     @classmethod
     def save_for_transformers(cls, cfg: JobConfig, out: Path) -> None:
@@ -106,8 +108,9 @@ class ImageClassification:
     def __init__(self, cfg: JobConfig, index: ImageIndex):
         self.cfg, self.index = cfg, index
         self.num_train_samples, self.num_val_samples = index.train.num_rows, index.val.num_rows
-        # registered and image_classifier models are transformers ones; a user's builder gets the tensor
-        # (a transformers model it returns takes pixel_values as its first argument too)
+        # registered and image_classifier models are called as transformers models (the registered RegNets
+        # are plain torch with the same interface); a user's builder gets the tensor (a transformers model it
+        # returns takes pixel_values as its first argument too)
         self.transformers_model = not registry.is_import_path(cfg.model.name)
         # fine-tuning with another number of classes: the head's weight and bias start fresh (weights.load_weights)
         self.reinit_ok = weights.classification_head(len(index.classes))
