@@ -13,8 +13,13 @@ REPO = Path(__file__).resolve().parents[2]
 CLUSTER = REPO / "cluster.yaml"
 
 
+def filled(text: str) -> str:
+    """The template with its placeholders filled in, as a user would."""
+    return text.replace("ami-REPLACE_ME", "ami-0a0b0c0d0e0f01234").replace("sg-REPLACE_ME", "sg-0123456789abcdef0")
+
+
 def mutated(tmp_path, edit) -> Path:
-    cfg = yaml.safe_load(CLUSTER.read_text())
+    cfg = yaml.safe_load(filled(CLUSTER.read_text()))
     edit(cfg)
     out = tmp_path / "cluster.yaml"
     out.write_text(yaml.safe_dump(cfg, sort_keys=False))
@@ -25,9 +30,14 @@ def messages(path, jobs=None) -> str:
     return "\n".join(str(f) for f in check_cluster(path, jobs))
 
 
-def test_shipped_cluster_yaml_passes(capsys):
-    assert check_cluster(CLUSTER) == []
-    assert main(["check-cluster", str(CLUSTER), "--job", str(REPO / "jobs/configs/resnet50_imagenet_8gpu.yaml")]) == 0
+def test_the_template_shows_only_its_placeholders_and_a_filled_copy_passes(tmp_path, capsys):
+    findings = check_cluster(CLUSTER)
+    assert {f.problem for f in findings} == {"'ami-REPLACE_ME' is a placeholder", "'sg-REPLACE_ME' is a placeholder"}
+    assert len(findings) == 6 and all("fill in before `ray up`" in f.fix for f in findings)  # 3 node types
+    copy = tmp_path / "cluster.yaml"
+    copy.write_text(filled(CLUSTER.read_text()))
+    assert check_cluster(copy) == []
+    assert main(["check-cluster", str(copy), "--job", str(REPO / "jobs/configs/resnet50_imagenet_8gpu.yaml")]) == 0
     assert "OK" in capsys.readouterr().out
 
 
@@ -35,6 +45,11 @@ def _open_port(cfg, port_from, port_to, cidr="0.0.0.0/0"):
     cfg["provider"]["security_group"] = {"GroupName": "x", "IpPermissions": [
         {"FromPort": 22, "ToPort": 22, "IpProtocol": "tcp", "IpRanges": [{"CidrIp": "10.0.0.0/8"}]},
         {"FromPort": port_from, "ToPort": port_to, "IpProtocol": "tcp", "IpRanges": [{"CidrIp": cidr}]}]}
+
+
+def _start_flags(cfg, flags: str):
+    cfg["head_start_ray_commands"] = [c.replace("--disable-usage-stats", flags + " --disable-usage-stats")
+                                      for c in cfg["head_start_ray_commands"]]
 
 
 def _drop_token(cfg):
@@ -53,6 +68,26 @@ CASES = [
     ("range covering the GCS port", lambda c: _open_port(c, 6000, 7000, "::/0") or
      c["provider"]["security_group"]["IpPermissions"][1].update(IpRanges=[], Ipv6Ranges=[{"CidrIpv6": "::/0"}]),
      r"port 6379 \(GCS\) is open to the world"),
+    ("SSH from anywhere", lambda c: _open_port(c, 22, 22), r"port 22 \(SSH\) is open to the world.*your own CIDR"),
+    ("dashboard agent over IPv6", lambda c: _open_port(c, 52365, 52365, "::/0") or
+     c["provider"]["security_group"]["IpPermissions"][1].update(IpRanges=[], Ipv6Ranges=[{"CidrIpv6": "::/0"}]),
+     r"port 52365 \(dashboard agent\) is open to the world \(::/0\)"),
+    ("the object manager port the template sets", lambda c: _open_port(c, 8000, 8100),
+     r"port 8076 \(object manager\) is open"),
+    ("part of the worker port range", lambda c: _open_port(c, 15000, 25000),
+     r"ports 15000-19999 \(Ray's worker ports 10002-19999\) is open"),
+    ("a moved worker port range", lambda c: _start_flags(c, "--min-worker-port=20000 --max-worker-port=20100") or
+     _open_port(c, 20050, 20050), r"ports 20050-20050 \(Ray's worker ports 20000-20100\)"),
+    ("where the OS puts the node manager", lambda c: _open_port(c, 40000, 40010),
+     r"ports 40000-40010 \(where the OS places Ray's dashboard agent gRPC, node manager, runtime env agent, "
+     r"metrics export\)"),
+    ("a metrics export port set explicitly", lambda c: _start_flags(c, "--metrics-export-port=9100") or
+     _open_port(c, 9100, 9100), r"port 9100 \(metrics export\) is open"),
+    ("the GCS moved and opened", lambda c: c.update(head_start_ray_commands=[
+        cmd.replace("--port=6379", "--port=7000") for cmd in c["head_start_ray_commands"]]) or _open_port(c, 7000, 7000),
+     r"port 7000 \(GCS\) is open"),
+    ("a placeholder left", lambda c: c["available_node_types"]["gpu_a100x8"]["node_config"].update(
+        ImageId="ami-REPLACE_ME"), r"gpu_a100x8.node_config.ImageId.*'ami-REPLACE_ME' is a placeholder"),
     ("no token auth on workers", _drop_token, r"worker_start_ray_commands.*starts Ray without token authentication"),
     ("token not mounted", lambda c: c["file_mounts"].pop("~/.ray/auth_token"),
      r"file_mounts.*auth token ~/.ray/auth_token is not mounted"),
@@ -83,6 +118,7 @@ def test_findings_carry_line_numbers(tmp_path):
 def test_local_storage_path_on_a_multi_node_cluster(tmp_path):
     job = tmp_path / "job.yaml"
     job.write_text("data:\n  root: /data/imagenet\ncheckpoint:\n  storage_path: /home/ubuntu/runs\n")
-    assert "'/home/ubuntu/runs' is a local path on a multi-node cluster" in messages(CLUSTER, [str(job)])
+    cluster = mutated(tmp_path, lambda c: None)
+    assert "'/home/ubuntu/runs' is a local path on a multi-node cluster" in messages(cluster, [str(job)])
     job.write_text("data:\n  root: /data/imagenet\ncheckpoint:\n  storage_path: s3://bucket/runs\n")
-    assert messages(CLUSTER, [str(job)]) == ""
+    assert messages(cluster, [str(job)]) == ""

@@ -3,8 +3,9 @@
 1. Ray's own checks, no cloud calls: `prepare_config` (merges the provider's defaults) and `validate_config`
    (the autoscaler's JSON schema, head_node_type, worker counts).
 2. behemoth's security and correctness lints, on the config as `ray up` would run it (defaults merged):
-   Ray ports open to the world, token auth missing or its token not mounted, the dashboard bound to
-   0.0.0.0, SSH left to the launcher's world-open default, GPU nodes without declared GPUs, and (with
+   placeholders left unfilled (REPLACE_ME); any Ray port (fixed, the worker range, or where the OS places the
+   ones `ray start` leaves to it) or SSH open to the world (0.0.0.0/0, ::/0); token auth missing or its token
+   not mounted; the dashboard bound to 0.0.0.0; SSH left to the launcher's world-open default, GPU nodes without declared GPUs, and (with
    --job) a local checkpoint storage path on a multi-node cluster.
 Each finding names the key (and line) and the fix.
 """
@@ -22,7 +23,19 @@ import yaml
 from behemoth import paths
 from behemoth.errors import ConfigError
 
-RAY_PORTS = {8265: "dashboard / job API", 6379: "GCS", 10001: "Ray client"}
+# Every port a Ray node listens on (Ray 2.60's `ray start` defaults), and SSH. A port `ray start` is given
+# explicitly (`--object-manager-port=8076`, ...) is checked at that number instead.
+RAY_PORTS = {22: "SSH", 6379: "GCS", 8265: "dashboard / job API", 10001: "Ray client",
+             52365: "dashboard agent"}
+PORT_FLAGS = {"--port": "GCS", "--dashboard-port": "dashboard / job API", "--ray-client-server-port": "Ray client",
+              "--dashboard-agent-listen-port": "dashboard agent", "--dashboard-agent-grpc-port": "dashboard agent gRPC",
+              "--object-manager-port": "object manager", "--node-manager-port": "node manager",
+              "--runtime-env-agent-port": "runtime env agent", "--metrics-export-port": "metrics export"}
+WORKER_PORTS = (10002, 19999)  # --min-worker-port / --max-worker-port
+# Ports `ray start` leaves to the OS when not given (node and object manager, agents' gRPC, runtime env agent,
+# metrics export): Linux's ephemeral range.
+EPHEMERAL = (32768, 60999)
+PLACEHOLDER = "REPLACE_ME"  # the template's marker for a value only the user knows (cluster.yaml)
 WORLD = {"0.0.0.0/0", "::/0"}
 GPU_INSTANCE = re.compile(r"^(p\d|g\d|gr\d|dl\d|trn\d|inf\d)", re.IGNORECASE)
 DEFAULT_TOKEN_PATH = "~/.ray/auth_token"
@@ -53,6 +66,7 @@ def check_cluster(path: str | Path, job_configs: list[str] | None = None) -> lis
     prepared, findings = _ray_schema(raw)
     if findings:  # the lints assume a structurally valid config
         return _with_lines(findings, lines)
+    findings += _placeholders(raw)
     findings += _open_ports(raw) + _ssh_default(raw) + _token_auth(prepared) + _dashboard_host(prepared)
     findings += _gpu_resources(raw) + _storage(raw, job_configs or [])
     return _with_lines(findings, lines)
@@ -85,6 +99,8 @@ def _ray_schema(raw) -> tuple[dict, list[Finding]]:
 
 
 def _open_ports(raw: dict) -> list[Finding]:
+    """Each Ray port (and SSH) that a security-group rule opens to 0.0.0.0/0 or ::/0."""
+    fixed, randomised, (wlo, whi) = _ray_ports(raw)
     out = []
     rules = raw.get("provider", {}).get("security_group", {}).get("IpPermissions", [])
     for i, rule in enumerate(rules):
@@ -94,12 +110,50 @@ def _open_ports(raw: dict) -> list[Finding]:
             continue
         all_ports = str(rule.get("IpProtocol", "tcp")) == "-1" or rule.get("FromPort", 0) == -1
         lo, hi = (0, 65535) if all_ports else (rule.get("FromPort", 0), rule.get("ToPort", rule.get("FromPort", 0)))
-        for port, name in RAY_PORTS.items():
-            if lo <= port <= hi:
-                out.append(Finding(f"provider.security_group.IpPermissions[{i}]",
-                                   f"port {port} ({name}) is open to the world ({', '.join(sorted(cidrs & WORLD))})",
-                                   "remove the rule; reach the dashboard with `ray dashboard cluster.yaml` (SSH tunnel)"))
+        world = ", ".join(sorted(cidrs & WORLD))
+        opened = [f"port {port} ({name})" for port, name in sorted(fixed.items()) if lo <= port <= hi]
+        if lo <= whi and wlo <= hi:
+            opened.append(f"ports {max(lo, wlo)}-{min(hi, whi)} (Ray's worker ports {wlo}-{whi})")
+        if randomised and lo <= EPHEMERAL[1] and EPHEMERAL[0] <= hi:
+            opened.append(f"ports {max(lo, EPHEMERAL[0])}-{min(hi, EPHEMERAL[1])} (where the OS places Ray's "
+                          f"{', '.join(randomised)})")
+        key = f"provider.security_group.IpPermissions[{i}]"
+        for what in opened:
+            fix = ("allow SSH from your own CIDR only" if what.startswith("port 22 ") else
+                   "remove the rule (nodes reach each other inside the group); reach the dashboard with "
+                   "`ray dashboard cluster.yaml` (SSH tunnel)")
+            out.append(Finding(key, f"{what} is open to the world ({world})", fix))
     return out
+
+
+def _ray_ports(raw: dict) -> tuple[dict[int, str], list[str], tuple[int, int]]:
+    """(fixed port -> what listens there, services on OS-chosen ports, the worker port range) for the
+    cluster's `ray start` commands."""
+    commands = " ".join(str(c) for key in ("head_start_ray_commands", "worker_start_ray_commands")
+                        for c in raw.get(key) or [])
+    given = {flag: int(m.group(1)) for flag in [*PORT_FLAGS, "--min-worker-port", "--max-worker-port"]
+             if (m := re.search(r"(?<![\w-])" + re.escape(flag) + r"[= ](\d+)", commands))}
+    fixed = {port: name for port, name in RAY_PORTS.items()
+             if not any(PORT_FLAGS.get(flag) == name for flag in given)}
+    randomised = []
+    for flag, name in PORT_FLAGS.items():
+        if given.get(flag):  # 0 means "the OS chooses"
+            fixed[given[flag]] = name
+        elif name not in RAY_PORTS.values():
+            randomised.append(name)
+    return fixed, randomised, (given.get("--min-worker-port", WORKER_PORTS[0]),
+                               given.get("--max-worker-port", WORKER_PORTS[1]))
+
+
+def _placeholders(raw, key: str = "") -> list[Finding]:
+    """Values the template leaves for the user (REPLACE_ME): `ray up` would fail on them, or worse."""
+    if isinstance(raw, dict):
+        return [f for k, v in raw.items() for f in _placeholders(v, f"{key}.{k}" if key else str(k))]
+    if isinstance(raw, list):
+        return [f for i, v in enumerate(raw) for f in _placeholders(v, f"{key}[{i}]")]
+    if isinstance(raw, str) and PLACEHOLDER in raw:
+        return [Finding(key, f"'{raw}' is a placeholder", "fill in before `ray up` (see the file's header)")]
+    return []
 
 
 def _ssh_default(raw: dict) -> list[Finding]:
