@@ -252,8 +252,18 @@ def resolve_init_from(cfg: JobConfig) -> JobConfig:
     return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, init_from=chosen))
 
 
-def train(cfg: JobConfig, callbacks: list | None = None) -> RunSummary:
-    """Run (or resume, if the run name already has checkpoints) one training job. Blocks until it ends."""
+def train(cfg: JobConfig, callbacks: list | None = None, lock: bool = True) -> RunSummary:
+    """Run (or resume, if the run name already has checkpoints) one training job. Blocks until it ends.
+    `lock`: hold the run folder's lease (driver/runlock.py); a sweep's trial runs under its sweep's."""
+    if not lock:
+        return _train(cfg, callbacks)
+    from behemoth.driver.runlock import RunLock
+
+    with RunLock(run_dir(cfg), f"run '{cfg.checkpoint.run_name}'"):
+        return _train(cfg, callbacks)
+
+
+def _train(cfg: JobConfig, callbacks: list | None) -> RunSummary:
     check_resume_compatible(cfg)
     cfg = resolve_init_from(cfg)
     started = time.time()

@@ -277,7 +277,7 @@ def run_trial(params: dict, sweep: dict, base: dict, sweep_dir: str) -> None:
         tune.report(json.loads(summary_file.read_text())["metrics"])
         return
     print(f"[behemoth] trial {trial_id} ({described}, lr {cfg.train.lr:g}): run folder {run_dir}", flush=True)
-    summary = train(cfg, callbacks=[EvalReportCallback(metric)])
+    summary = train(cfg, callbacks=[EvalReportCallback(metric)], lock=False)  # under the sweep's lease
     # Written when the trial has trained to its end (a trial ASHA stops never gets here).
     tmp = summary_file.with_suffix(".tmp")
     tmp.write_text(json.dumps({
@@ -322,10 +322,18 @@ def sweep_dir_of(sweep_cfg: SweepConfig) -> str:
 
 
 def run_sweep(sweep_cfg: SweepConfig) -> SweepResult:
-    """Check the sweep, start (or resume: same name) it, and return its results. Blocks until it ends."""
+    """Check the sweep, start (or resume: same name) it, and return its results. Blocks until it ends. One
+    driver per sweep folder (driver/runlock.py): its trials' run folders are inside it."""
+    from behemoth.driver.runlock import RunLock
+
     jobs = check_sweep(sweep_cfg)
-    metric, mode = metric_and_mode(sweep_cfg, jobs[0])
     sweep_dir = sweep_dir_of(sweep_cfg)
+    with RunLock(sweep_dir, f"sweep '{sweep_cfg.name}'"):
+        return _run_sweep(sweep_cfg, jobs, sweep_dir)
+
+
+def _run_sweep(sweep_cfg: SweepConfig, jobs: list, sweep_dir: str) -> SweepResult:
+    metric, mode = metric_and_mode(sweep_cfg, jobs[0])
     from behemoth.driver.trainer import prepare_data
 
     for job in _distinct_data(jobs):  # checks the data, starts Ray; text: tokenised once, here, into the cache
