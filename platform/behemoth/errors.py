@@ -59,10 +59,16 @@ def did_you_mean(key: str, names: list[str], prefix: str = "") -> str:
 USER_ERRORS = (ConfigError, DataError, BadSampleError, CheckpointError, RunFailedError)
 
 
-def user_facing_error(exc: BaseException) -> str | None:
-    """The innermost behemoth message in an exception and what it wraps (causes, Ray worker failures), or
-    None when there is none. Inside a failed Ray Train run behemoth's errors arrive wrapped in Ray's
-    exceptions, re-raised as new types whose text holds "BadSampleError: <message>"."""
+# What a retry cannot fix: the same config or the same data fails the same way on every restart of the worker
+# group, so a run ends on them at once, without using failure.max_failures (driver/failure_policy.py).
+NOT_RETRIED = (ConfigError, DataError, BadSampleError)
+
+
+def user_facing_error(exc: BaseException, kinds: tuple | None = None) -> str | None:
+    """The innermost behemoth message (of `kinds`; default: any of USER_ERRORS) in an exception and what it wraps (causes, Ray worker
+    failures), or None when there is none. Inside a failed Ray Train run behemoth's errors arrive wrapped in
+    Ray's exceptions, re-raised as new types whose text holds "BadSampleError: <message>"."""
+    direct, named = (USER_ERRORS, USER_ERRORS[:4]) if kinds is None else (kinds, kinds)
     found = []
     todo, seen = [exc], set()
     while todo:
@@ -70,11 +76,11 @@ def user_facing_error(exc: BaseException) -> str | None:
         if e is None or id(e) in seen:
             continue
         seen.add(id(e))
-        if isinstance(e, USER_ERRORS) and not isinstance(e, ConfigError):
+        if isinstance(e, direct) and not isinstance(e, ConfigError):
             return str(e)
         text = str(e)
         found += [text[text.rindex(f"{t.__name__}: ") + len(t.__name__) + 2:].splitlines()[0]
-                  for t in USER_ERRORS[:4] if f"{t.__name__}: " in text]
+                  for t in named if f"{t.__name__}: " in text]
         todo += [e.__cause__, e.__context__, getattr(e, "cause", None)]
         todo += list((getattr(e, "worker_failures", None) or {}).values())
     return max(found, key=len) if found else None

@@ -1,6 +1,7 @@
 """Real Ray, real DDP over gloo, real Ray Data pipelines, a tiny ResNet. One Ray instance for the module."""
 
 import shutil
+import time
 
 import pytest
 import ray
@@ -95,13 +96,23 @@ def images_with_corrupt_file(image_root, tmp_path):
     return root, bad
 
 
-def test_corrupt_image_fails_the_run_naming_the_file(images_with_corrupt_file, tmp_path, capsys):
+def test_corrupt_image_fails_the_run_naming_the_file_without_retrying(images_with_corrupt_file, tmp_path, capfd):
+    """Restarts allowed (failure.max_failures=3), but a restart would decode the same file again: the run ends
+    at the first failure (driver/failure_policy.py), with the one message naming the file."""
     root, bad = images_with_corrupt_file
     cfg = tmp_path / "job.yaml"
-    cfg.write_text(yaml.safe_dump(job_dict(root, tmp_path / "runs", "corrupt", train={"epochs": 1})))
+    cfg.write_text(yaml.safe_dump(job_dict(root, tmp_path / "runs", "corrupt", train={"epochs": 1},
+                                           failure={"max_failures": 3})))
     assert main(["train", str(cfg)]) == 1
-    err = capsys.readouterr().err
-    assert f"cannot decode image {bad}" in err and "data.max_bad_samples" in err
+    console = ""
+    deadline = time.time() + 20  # the controller's line comes through Ray's log forwarding
+    while "not retried" not in console and time.time() < deadline:
+        out, err = capfd.readouterr()
+        console += out + err
+        time.sleep(0.2)
+    assert f"cannot decode image {bad}" in console and "data.max_bad_samples" in console
+    assert console.count("[behemoth] not retried (a restart would fail the same way; failure.max_failures is "
+                         "left unused): ") == 1
 
 
 def test_corrupt_image_within_budget_is_dropped_and_counted(images_with_corrupt_file, tmp_path, capsys):

@@ -164,8 +164,10 @@ def build_trainer(cfg: JobConfig, data, callbacks: list | None = None):
     from ray.train import CheckpointConfig, FailureConfig, LoggingConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
+    from behemoth.driver import failure_policy
     from behemoth.worker.loop import train_loop_per_worker
 
+    failure_policy.install()  # a data or config error ends the run at once, without using max_failures
     os.environ.setdefault(REPORT_POLL_ENV, REPORT_POLL_S)
     resources = worker_resources(cfg)
     return TorchTrainer(

@@ -1,0 +1,40 @@
+"""Ray Train's failure policy, with one rule added: an error a retry cannot fix ends the run at once.
+
+Ray Train restarts the worker group after any worker error, up to `failure.max_failures` times. For a corrupt
+image over its budget, invalid UTF-8 in a text file or a config a worker rejects, every restart fails the same
+way (the same samples come in the same order): the restarts only delay the one clear message, and print Ray's
+tracebacks each time. `FailFastPolicy` raises at once when a worker failure carries one of
+`errors.NOT_RETRIED` (found in the text of Ray's wrapped exceptions, as the CLI finds the message it prints),
+and otherwise decides as Ray's default policy does (worker deaths, preemptions, controller errors).
+
+Ray 2.60 has no public hook for a failure policy (FailureConfig only counts); `install()` replaces the
+factory its trainer calls. The Ray version is pinned to that line (pyproject.toml).
+"""
+
+from __future__ import annotations
+
+from ray.train.v2._internal.execution.failure_handling import DefaultFailurePolicy
+from ray.train.v2._internal.execution.failure_handling.failure_policy import FailureDecision
+
+from behemoth.errors import NOT_RETRIED, user_facing_error
+
+
+class FailFastPolicy(DefaultFailurePolicy):
+    def make_decision(self, training_failed_error) -> FailureDecision:
+        message = user_facing_error(training_failed_error, NOT_RETRIED)
+        if message is not None:
+            print(f"[behemoth] not retried (a restart would fail the same way; failure.max_failures is left "
+                  f"unused): {message}", flush=True)
+            return FailureDecision.RAISE
+        return super().make_decision(training_failed_error)
+
+
+def create(failure_config) -> FailFastPolicy:
+    return FailFastPolicy(failure_config)
+
+
+def install() -> None:
+    """Make Ray Train's trainers (created after this, in this process) use FailFastPolicy."""
+    from ray.train.v2.api import data_parallel_trainer
+
+    data_parallel_trainer.create_failure_policy = create
