@@ -64,11 +64,11 @@ USER_ERRORS = (ConfigError, DataError, BadSampleError, CheckpointError, RunFaile
 NOT_RETRIED = (ConfigError, DataError, BadSampleError)
 
 
-def user_facing_error(exc: BaseException, kinds: tuple | None = None) -> str | None:
-    """The innermost behemoth message (of `kinds`; default: any of USER_ERRORS) in an exception and what it wraps (causes, Ray worker
+def user_facing_error(exc: BaseException, kinds: tuple = USER_ERRORS) -> str | None:
+    """The innermost behemoth message (of one of `kinds`) in an exception and what it wraps (causes, Ray worker
     failures), or None when there is none. Inside a failed Ray Train run behemoth's errors arrive wrapped in
     Ray's exceptions, re-raised as new types whose text holds "BadSampleError: <message>"."""
-    direct, named = (USER_ERRORS, USER_ERRORS[:4]) if kinds is None else (kinds, kinds)
+    named = tuple(t for t in kinds if t is not RunFailedError)  # the driver's summary: never in worker text
     found = []
     todo, seen = [exc], set()
     while todo:
@@ -76,7 +76,7 @@ def user_facing_error(exc: BaseException, kinds: tuple | None = None) -> str | N
         if e is None or id(e) in seen:
             continue
         seen.add(id(e))
-        if isinstance(e, direct) and not isinstance(e, ConfigError):
+        if isinstance(e, kinds) and not isinstance(e, ConfigError):
             return str(e)
         text = str(e)
         found += [text[text.rindex(f"{t.__name__}: ") + len(t.__name__) + 2:].splitlines()[0]
