@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import secrets
 import tempfile
+import threading
 from pathlib import Path
 
 import pytest
@@ -50,7 +51,6 @@ def image_root(tmp_path_factory) -> Path:
 def ray_local():
     """One local Ray instance per test module (starting Ray costs seconds on 2 cores)."""
     import ray
-
     from behemoth.driver.trainer import LOCAL_RAY_SYSTEM_CONFIG
 
     # as behemoth starts a local instance (workers at niceness 0)
@@ -74,6 +74,7 @@ def job_dict(image_root: Path, storage: Path, run_name: str = "t", **sections) -
         "checkpoint": {"every_n_steps": 3, "keep": 2, "storage_path": str(storage), "run_name": run_name},
         "eval": {"per_epoch": True},
         "failure": {"max_failures": 0},
+        "tracking": {"report": False},  # ~2 s of plotting per run; tests/integration/test_tracking.py draws it
     }
     for section, values in sections.items():
         job[section].update(values)
@@ -107,10 +108,39 @@ def lm_job_dict(corpus: Path, storage: Path, run_name: str = "lm", **sections) -
         "checkpoint": {"every_n_steps": 8, "keep": 3, "storage_path": str(storage), "run_name": run_name},
         "eval": {"every_n_steps": 8, "per_epoch": False},
         "failure": {"max_failures": 0},
+        "tracking": {"report": False},  # as job_dict
     }
     for section, values in sections.items():
         job[section].update(values)
     return job
+
+
+def in_thread(fn) -> tuple[threading.Thread, dict]:
+    """Run fn() in a thread; its return value (or exception) lands in the dict as "value" (or "error")."""
+    out = {}
+
+    def run():
+        try:
+            out["value"] = fn()
+        except BaseException as e:  # noqa: BLE001 - handed to the test thread
+            out["error"] = e
+
+    t = threading.Thread(target=run)
+    t.start()
+    return t, out
+
+
+def train_worker_pids() -> list[int]:
+    """Processes Ray titles `ray::RayTrainWorker...` (every node of a test cluster is on this machine)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if (entry / "cmdline").read_bytes().startswith(b"ray::RayTrainWorker"):
+                    pids.append(int(entry.name))
+            except OSError:
+                continue
+    return pids
 
 
 # Once in a fresh-clone run of the whole suite (98 passed, results reported) the interpreter then died with a

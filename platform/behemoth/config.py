@@ -316,6 +316,31 @@ class FailureConfig:
 
 
 @dataclass
+class MlflowConfig:
+    # Off unless set: a local folder (file store, MLflow's legacy backend), sqlite:///PATH.db, or an
+    # http(s):// tracking server. Needs the mlflow extra: pip install 'behemoth[mlflow]'.
+    uri: Optional[str] = None
+    experiment: str = "behemoth"
+
+    def validate(self) -> None:
+        if self.uri is not None and not self.uri.strip():
+            raise ConfigError("tracking.mlflow.uri is empty: give a folder, sqlite:///PATH.db or http(s)://HOST, "
+                              "or leave it unset (MLflow off)")
+
+
+@dataclass
+class TrackingConfig:
+    # TensorBoard event files in RUN_FOLDER/tensorboard (`tensorboard --logdir RUN_FOLDER`).
+    tensorboard: bool = True
+    # `behemoth report` at the end of every run: RUN_FOLDER/report/report.html and its PNGs.
+    report: bool = True
+    mlflow: MlflowConfig = field(default_factory=MlflowConfig)
+
+    def validate(self) -> None:
+        self.mlflow.validate()
+
+
+@dataclass
 class JobConfig:
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -324,6 +349,7 @@ class JobConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     failure: FailureConfig = field(default_factory=FailureConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
 
     def validate(self) -> None:
         custom = is_custom_kind(self.data.kind)

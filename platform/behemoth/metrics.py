@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+import uuid
 from dataclasses import dataclass, field
 
 
@@ -24,6 +25,33 @@ class Window:
 
     def elapsed(self) -> float:
         return max(time.perf_counter() - self.started, 1e-9)
+
+
+PHASES = ("step", "data_wait", "eval", "checkpoint", "report")
+
+
+@dataclass
+class PhaseClock:
+    """Where one worker group's time goes, as rank 0 sees it: the goodput account (behemoth.tracking.goodput)
+    is built from it. `marks`: wall-clock times (time.time) of the training function's milestones, from its
+    start to the first step; `totals`: seconds per phase since the loop started, cumulative. Every report
+    carries `snapshot()` taken as the report begins, so between two reports the phases' growth accounts for
+    the wall time between them (what is left over is loop bookkeeping, shown as unaccounted)."""
+
+    group_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
+    marks: dict = field(default_factory=lambda: {"started": time.time()})
+    totals: dict = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
+
+    def mark(self, name: str) -> None:
+        self.marks[name] = time.time()
+
+    def add(self, phase: str, seconds: float) -> None:
+        self.totals[phase] += seconds
+
+    def snapshot(self) -> dict:
+        return {"group_id": self.group_id, "wall_time": time.time(),
+                **{f"mark_{k}": v for k, v in self.marks.items()},
+                **{f"time_{k}_s": v for k, v in self.totals.items()}}
 
 
 def throughput(samples: int, seconds: float) -> float:

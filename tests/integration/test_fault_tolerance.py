@@ -17,7 +17,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -30,7 +29,7 @@ from behemoth.checkpoint import FAULT_ENV, read_state
 from behemoth.config import ConfigError, config_from_dict
 from behemoth.driver.trainer import train
 from behemoth.errors import RunFailedError
-from conftest import lm_job_dict
+from conftest import in_thread, lm_job_dict, train_worker_pids
 
 from integration import ledger_audit
 from integration.ledger_audit import read_ledger
@@ -116,20 +115,6 @@ def same_weights(a: str, b: str) -> bool:
     return all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
-def in_thread(fn) -> tuple[threading.Thread, dict]:
-    out = {}
-
-    def run():
-        try:
-            out["value"] = fn()
-        except BaseException as e:  # noqa: BLE001 - handed to the test thread
-            out["error"] = e
-
-    t = threading.Thread(target=run)
-    t.start()
-    return t, out
-
-
 def check_recovered(summary, storage: Path, name: str, straight_summary, max_redone: int = EVERY) -> dict:
     assert summary.metrics["step"] == STEPS and read_state(summary.latest_checkpoint).step == STEPS
     result = audit(storage / f"ledger-{name}", n_blocks(storage))
@@ -213,7 +198,7 @@ def test_r2_r4_worker_killed_while_uploading_a_checkpoint_then_at_step_37(cluste
     while not any(r["step"] >= FAIL_AT and r["group"] not in groups for r in read_ledger(ledger)):
         assert time.time() < deadline, "the rerun did not reach step 37"
         time.sleep(0.05)
-    os.kill(max(_train_worker_pids()), signal.SIGKILL)
+    os.kill(max(train_worker_pids()), signal.SIGKILL)
     t.join(timeout=400)
     assert not t.is_alive() and "error" not in out, out.get("error")
     summary = out["value"]
@@ -230,19 +215,6 @@ def test_r2_r4_worker_killed_while_uploading_a_checkpoint_then_at_step_37(cluste
     assert "WARNING: skipping checkpoint" in console and "does not match its manifest" in console
     # Redone: 11..30 (the damaged 20 costs one more interval), then 31..37+ after the SIGKILL.
     check_recovered(summary, tmp_path, name, straight[0], max_redone=3 * EVERY)
-
-
-def _train_worker_pids() -> list[int]:
-    """Processes Ray titles `ray::RayTrainWorker...` (every node of the test cluster is on this machine)."""
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                if (entry / "cmdline").read_bytes().startswith(b"ray::RayTrainWorker"):
-                    pids.append(int(entry.name))
-            except OSError:
-                continue
-    return pids
 
 
 def test_r6_elastic_two_one_two(cluster, straight, text_corpus, tmp_path):

@@ -76,7 +76,9 @@ def write_sweep(tmp_path: Path, image_root: Path) -> Path:
                    train={"epochs": 2, "global_batch_size": 8, "log_every": 4,  # 96 images: 12 steps per epoch
                           "sample_ledger": str(tmp_path / "ledger")},
                    scaling={"num_workers": 1, "cpus_per_worker": 0.5},
-                   checkpoint={"every_n_steps": 2, "keep": 2}, failure={"max_failures": 1})
+                   checkpoint={"every_n_steps": 2, "keep": 2}, failure={"max_failures": 1},
+                   # the sweep's report (trials write none); MLflow: a parent run, the trials nested
+                   tracking={"report": True, "mlflow": {"uri": f"sqlite:///{tmp_path}/mlflow.db"}})
     (tmp_path / "job.yaml").write_text(yaml.safe_dump(job))
     sweep = {"job": "job.yaml", "space": {"train.lr": {"grid": LRS}}, "metric": "val_loss",
              "scheduler": {"kind": "asha", "grace_period": 1, "reduction_factor": 2},
@@ -213,6 +215,19 @@ def test_sweep_survives_worker_and_driver_kills_asha_stops_trials_and_resources_
     assert result.best_job.train.lr == table["train.lr"].iloc[0]
     assert len(pd.read_csv(result.results_csv)) == len(LRS)
     assert Path(result.best_checkpoint, "manifest.json").is_file()
+    report = Path(result.sweep_dir) / "report"
+    assert f"[behemoth] sweep report: {report / 'report.html'}" in console
+    assert (report / "val_loss_vs_train_lr.png").stat().st_size > 5000 and (report / "trials.png").is_file()
+    page = (report / "report.html").read_text()
+    assert page.count("<tr>") == len(LRS) + 1 and "stopped early" in page
+    from behemoth.tracking import mlflow_run
+
+    c = mlflow_run.client(f"sqlite:///{tmp_path}/mlflow.db")
+    logged = c.search_runs([c.get_experiment_by_name("behemoth").experiment_id])
+    parents = [r for r in logged if "mlflow.parentRunId" not in r.data.tags]
+    assert [r.info.run_name for r in parents] == ["sweep tiny"]  # one, though the sweep's driver was killed
+    trials = [r for r in logged if r.data.tags.get("mlflow.parentRunId") == parents[0].info.run_id]
+    assert sorted(float(r.data.params["train.lr"]) for r in trials) == sorted(LRS) and len(logged) == len(LRS) + 1
 
     # Ray Data's stats actor is the one the sweep created up front, in no trial's placement group: trials
     # ending did not kill it (that made later trials' datasets report to a new one: KeyError tracebacks).

@@ -63,6 +63,10 @@ def build_parser() -> argparse.ArgumentParser:
     pick.add_argument("--latest", dest="which", action="store_const", const="latest",
                       help="a run folder's latest checkpoint")
 
+    p = sub.add_parser("report", help="write a run's (or a sweep's) report: FOLDER/report/report.html with its "
+                       "plots embedded, and the PNGs (`behemoth train` writes it at the end of every run)")
+    p.add_argument("folder", help="a run folder (STORAGE_PATH/RUN_NAME) or a sweep folder (with results.csv)")
+
     p = sub.add_parser("check", help="validate a job config and its data without starting Ray; print it")
     _add_config_args(p)
 
@@ -125,6 +129,11 @@ def _dispatch(args) -> int:
         return _data_command(args)
     if args.command == "tune":
         return _tune_command(args)
+    if args.command == "report":
+        from behemoth.tracking.report import write_report
+
+        print(f"[behemoth] report: {write_report(args.folder)}")
+        return 0
     if args.command == "export":
         from behemoth.driver.export import export
 
@@ -146,9 +155,24 @@ def _dispatch(args) -> int:
         return 0
     from behemoth.driver.trainer import train
 
-    summary = train(cfg)
+    summary = train(cfg, process_start=_process_start())
     print("\n".join(["[behemoth] run finished"] + [f"  {line}" for line in summary.lines()]))
     return 0
+
+
+def _process_start() -> float | None:
+    """When this process started (the goodput account's start-up includes the imports before `train`):
+    Linux's /proc (start time in clock ticks after boot); None elsewhere (the account starts at `train`)."""
+    import os
+
+    try:
+        with open("/proc/self/stat") as f:
+            after_name = f.read().rsplit(")", 1)[1].split()  # the name may hold spaces; fields from the 3rd on
+        with open("/proc/stat") as f:
+            boot = next(int(line.split()[1]) for line in f if line.startswith("btime"))
+        return boot + int(after_name[19]) / os.sysconf("SC_CLK_TCK")  # field 22: starttime
+    except (OSError, ValueError, StopIteration, IndexError):
+        return None
 
 
 def _tune_command(args) -> int:

@@ -8,13 +8,11 @@ Data (or read from its cache) before the workers start.
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import ray.train
 import yaml
 
 from behemoth import paths
@@ -35,6 +33,9 @@ class RunSummary:
     resumed_from_step: int = 0  # 0: this invocation started from scratch
     peak_source: str | None = None  # where the MFU's peak came from (or why there is no MFU)
     task_lines: list[str] = field(default_factory=list)  # the task's own lines (its final metrics)
+    goodput: object = None  # tracking.goodput.Account over every invocation of the run, or None
+    report: str | None = None  # report.html, if written
+    tensorboard: bool = False
 
     def lines(self) -> list[str]:
         m = self.metrics
@@ -49,6 +50,12 @@ class RunSummary:
         if self.best_checkpoint:
             out.append(f"best checkpoint:   {self.best_checkpoint} ({self.best_metric} {self.best_value:.4f})")
         out.append(f"wall time:         {self.wall_s:.1f} s")
+        if self.goodput is not None:
+            out.append(f"goodput:           {self.goodput.line()}")
+        if self.tensorboard:
+            out.append(f"tensorboard:       tensorboard --logdir {self.run_dir}")
+        if self.report:
+            out.append(f"report:            {self.report}")
         return out
 
 
@@ -129,26 +136,6 @@ def tighten_token_file() -> str | None:
 REPORT_POLL_ENV, REPORT_POLL_S = "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.2"
 
 
-def metrics_log(cfg: JobConfig) -> list:
-    """The callback that appends every report to RUN_DIR/metrics.jsonl (local storage only)."""
-    folder = run_dir(cfg)
-    return [] if paths.is_uri(folder) else [MetricsLog(os.path.join(folder, "metrics.jsonl"))]
-
-
-class MetricsLog(ray.train.UserCallback):
-    """Appends rank 0's metrics of every report, with the wall-clock time, to a JSON-lines file: the run's
-    history for plots and benchmarks (a resumed run appends; redone steps appear twice). Runs in Ray Train's
-    controller, on the driver's node."""
-
-    def __init__(self, path: str):
-        self.path = path
-
-    def after_report(self, run_context, metrics, checkpoint):
-        os.makedirs(os.path.dirname(self.path), exist_ok=True)
-        with open(self.path, "a", encoding="utf-8") as f:
-            f.write(json.dumps({"time": time.time(), **metrics[0]}) + "\n")
-
-
 def worker_resources(cfg: JobConfig) -> dict:
     """What one training worker reserves (training and `behemoth eval` alike)."""
     resources = {"CPU": cfg.scaling.cpus_per_worker}
@@ -159,7 +146,7 @@ def worker_resources(cfg: JobConfig) -> dict:
 
 def build_trainer(cfg: JobConfig, data, callbacks: list | None = None):
     """`data`: what prepare_data returned (an image index or packed token blocks). `callbacks`: Ray Train
-    UserCallbacks (a sweep's trial passes the one that reports to Tune)."""
+    callbacks (the run's recorder, tracking/callbacks.py; a sweep's trial adds the one that reports to Tune)."""
     import ray
     from ray.train import CheckpointConfig, FailureConfig, LoggingConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
@@ -183,7 +170,7 @@ def build_trainer(cfg: JobConfig, data, callbacks: list | None = None):
             name=cfg.checkpoint.run_name,
             storage_path=storage_path(cfg),
             failure_config=FailureConfig(max_failures=cfg.failure.max_failures),
-            callbacks=[*metrics_log(cfg), *(callbacks or [])],
+            callbacks=list(callbacks or []),
             checkpoint_config=CheckpointConfig(num_to_keep=cfg.checkpoint.keep),
             # Ray Train's per-report INFO lines would bury behemoth's progress lines.
             logging_config=LoggingConfig(log_level="WARNING"),
@@ -254,31 +241,43 @@ def resolve_init_from(cfg: JobConfig) -> JobConfig:
     return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, init_from=chosen))
 
 
-def train(cfg: JobConfig, callbacks: list | None = None, lock: bool = True) -> RunSummary:
+def train(cfg: JobConfig, callbacks: list | None = None, lock: bool = True, process_start: float | None = None,
+          parent_mlflow_run: str | None = None) -> RunSummary:
     """Run (or resume, if the run name already has checkpoints) one training job. Blocks until it ends.
-    `lock`: hold the run folder's lease (driver/runlock.py); a sweep's trial runs under its sweep's."""
+    `lock`: hold the run folder's lease (driver/runlock.py); a sweep's trial runs under its sweep's.
+    `process_start`: when this process started (the command line's), where the goodput account's start-up
+    begins (default: this call). `parent_mlflow_run`: a sweep's MLflow run, under which this one nests."""
+    from behemoth.tracking.run import RunTracking
+
+    tracking = RunTracking(cfg, run_dir(cfg), process_start, parent_mlflow_run)
     if not lock:
-        return _train(cfg, callbacks)
+        return _train(cfg, callbacks, tracking)
     from behemoth.driver.runlock import RunLock
 
     with RunLock(run_dir(cfg), f"run '{cfg.checkpoint.run_name}'"):
-        return _train(cfg, callbacks)
+        return _train(cfg, callbacks, tracking)
 
 
-def _train(cfg: JobConfig, callbacks: list | None) -> RunSummary:
+def _train(cfg: JobConfig, callbacks: list | None, tracking) -> RunSummary:
     check_resume_compatible(cfg)
     cfg = resolve_init_from(cfg)
     started = time.time()
-    data = prepare_data(cfg)
+    data = prepare_data(cfg, tracking.mark)
     from ray.train import TrainingFailedError
 
     try:
-        result = build_trainer(cfg, data, callbacks).fit()
+        result = build_trainer(cfg, data, [*tracking.callbacks(), *(callbacks or [])]).fit()
     except TrainingFailedError as e:
+        tracking.finish("failed")
         if user_facing_error(e) is not None:  # behemoth's own message (bad data, ...) says it better
             raise
         raise RunFailedError(_failure_message(cfg, e)) from e
-    return _summarise(cfg, result, time.time() - started)
+    summary = _summarise(cfg, result, time.time() - started)
+    returned = result.return_value or {}
+    tracking.finish("finished", returned.get("clock"), returned.get("final_step"), summary.best_checkpoint)
+    summary.goodput, summary.report = tracking.account, tracking.report_path
+    summary.tensorboard = cfg.tracking.tensorboard
+    return summary
 
 
 def _failure_message(cfg: JobConfig, e: Exception) -> str:
@@ -295,12 +294,16 @@ def _failure_message(cfg: JobConfig, e: Exception) -> str:
             f"resume from the latest, or allow more restarts with failure.max_failures")
 
 
-def prepare_data(cfg: JobConfig):
-    """The task checks its data (before Ray starts), Ray starts, the task prepares what the workers read."""
+def prepare_data(cfg: JobConfig, mark=lambda milestone: None):
+    """The task checks its data (before Ray starts), Ray starts, the task prepares what the workers read.
+    `mark`: called with each milestone's name (the goodput account's start-up detail)."""
     task = task_of(cfg)
     checked = task.check(cfg)
     ensure_ray()
-    return task.prepare(cfg, checked)
+    mark("ray_ready")
+    data = task.prepare(cfg, checked)
+    mark("data_ready")
+    return data
 
 
 def _summarise(cfg: JobConfig, result, wall_s: float) -> RunSummary:

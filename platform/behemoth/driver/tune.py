@@ -24,16 +24,24 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Any, Literal
 
 import yaml
 from ray.tune import Callback
 from ray.tune.integration.ray_train import TuneReportCallback
 
 from behemoth import paths
+from behemoth.config import (
+    ConfigError,
+    JobConfig,
+    apply_override,
+    config_from_dict,
+    dump_yaml,
+    from_dict,
+    load_config,
+    read_yaml_mapping,
+)
 from behemoth.errors import did_you_mean
-from behemoth.config import (ConfigError, JobConfig, apply_override, config_from_dict, dump_yaml, from_dict,
-                             load_config, read_yaml_mapping)
 from behemoth.tasks import task_of
 
 DISTRIBUTIONS = ("grid", "choice", "uniform", "loguniform")
@@ -49,7 +57,7 @@ class SchedulerConfig:
     grace_period: float = 1
     reduction_factor: float = 2
     # The run length ASHA plans for (default: the job's epochs, or its steps).
-    max_t: Optional[float] = None
+    max_t: float | None = None
 
 
 @dataclass
@@ -63,15 +71,15 @@ class SweepConfig:
     # Samples of the space (each grid combination num_samples times).
     num_samples: int = 1
     # What picks the best trial: val_accuracy/val_loss/loss (images), val_loss/val_perplexity/loss (text).
-    metric: Optional[str] = None  # default: val_accuracy (images), val_loss (text)
-    mode: Optional[Literal["min", "max"]] = None  # default: from the metric
+    metric: str | None = None  # default: val_accuracy (images), val_loss (text)
+    mode: Literal["min", "max"] | None = None  # default: from the metric
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     # random: Tune's grid/random variant generator. optuna: TPE (pip install optuna).
     searcher: Literal["random", "optuna"] = "random"
     # Scale each trial's train.lr by its batch size against the job's: lr x (B / B_job) or x sqrt(B / B_job).
     lr_scaling: Literal["none", "linear", "sqrt"] = "none"
     # Trials running at once (default: as many as the cluster's CPUs/GPUs hold, from the largest trial).
-    max_concurrent_trials: Optional[int] = None
+    max_concurrent_trials: int | None = None
     # Tune restarts of a trial whose training failed past its failure.max_failures (it resumes from its
     # own checkpoints).
     trial_max_failures: int = 0
@@ -249,11 +257,13 @@ def concurrency_bound(jobs: list[JobConfig], cluster: dict[str, float]) -> int:
 # Running: the trial driver function, the Tuner, the results
 
 
-def run_trial(params: dict, sweep: dict, base: dict, sweep_dir: str) -> None:
+def run_trial(params: dict, sweep: dict, base: dict, sweep_dir: str, mlflow_parent: str | None = None) -> None:
     """One trial (runs in a Tune actor): the trial's job, trained by behemoth, evaluations sent to Tune.
 
     The run folder is SWEEP_DIR/runs/TRIAL_ID, so a trial that Tune restarts (a resumed sweep, a retried
     error) resumes from its own latest checkpoint. Every start is appended to SWEEP_DIR/trial_starts.jsonl.
+    `mlflow_parent`: the sweep's MLflow run, under which the trial's run nests. A trial writes no report of its
+    own (the sweep's report shows every trial; `behemoth report SWEEP/runs/TRIAL` draws one on demand).
     """
     from ray import tune
 
@@ -263,6 +273,7 @@ def run_trial(params: dict, sweep: dict, base: dict, sweep_dir: str) -> None:
     trial_id = tune.get_context().get_trial_id()
     run_dir = paths.join(sweep_dir, "runs", trial_id)
     cfg = trial_job(base, params, sweep_cfg.lr_scaling, run_dir)
+    cfg.tracking.report = False
     metric, _ = metric_and_mode(sweep_cfg, cfg)
     summary_file = Path(run_dir, "summary.json")
     # Tune saves its experiment state at most every ~10 s: a sweep killed just after a trial finished may
@@ -277,7 +288,8 @@ def run_trial(params: dict, sweep: dict, base: dict, sweep_dir: str) -> None:
         tune.report(json.loads(summary_file.read_text())["metrics"])
         return
     print(f"[behemoth] trial {trial_id} ({described}, lr {cfg.train.lr:g}): run folder {run_dir}", flush=True)
-    summary = train(cfg, callbacks=[EvalReportCallback(metric)], lock=False)  # under the sweep's lease
+    summary = train(cfg, callbacks=[EvalReportCallback(metric)], lock=False,  # under the sweep's lease
+                    parent_mlflow_run=mlflow_parent)
     # Written when the trial has trained to its end (a trial ASHA stops never gets here).
     tmp = summary_file.with_suffix(".tmp")
     tmp.write_text(json.dumps({
@@ -311,7 +323,7 @@ class SweepResult:
     best_job: JobConfig  # the best trial's full job config (run name: NAME_best, in the job's storage path)
     best_value: float
     metric: str
-    best_checkpoint: Optional[str]
+    best_checkpoint: str | None
     best_yaml: str
     results_csv: str
     sweep_dir: str
@@ -345,8 +357,10 @@ def _run_sweep(sweep_cfg: SweepConfig, jobs: list, sweep_dir: str) -> SweepResul
     from ray import tune
 
     concurrent = sweep_cfg.max_concurrent_trials or concurrency_bound(jobs, ray.cluster_resources())
+    mlflow_parent = _sweep_mlflow_run(sweep_cfg, jobs[0], sweep_dir)
     trainable = tune.with_resources(
-        tune.with_parameters(run_trial, sweep=_to_dict(sweep_cfg), base=base_job(sweep_cfg), sweep_dir=sweep_dir),
+        tune.with_parameters(run_trial, sweep=_to_dict(sweep_cfg), base=base_job(sweep_cfg), sweep_dir=sweep_dir,
+                             mlflow_parent=mlflow_parent),
         # The trial's driver only waits on its run: it holds no CPU (its workers hold the run's CPUs and GPUs,
         # see trial_resources), only the memory its process takes. (Ray refuses an empty request.)
         {"CPU": 0, "memory": TRIAL_DRIVER_MEMORY})
@@ -370,7 +384,46 @@ def _run_sweep(sweep_cfg: SweepConfig, jobs: list, sweep_dir: str) -> SweepResul
         )
     with OrphanedPlacementGroupReaper():
         grid = tuner.fit()
-    return _results(sweep_cfg, grid, metric, mode, sweep_dir)
+    result = _results(sweep_cfg, grid, metric, mode, sweep_dir)
+    _finish_tracking(jobs[0], sweep_dir, mlflow_parent, result)
+    return result
+
+
+def _sweep_mlflow_run(sweep_cfg: SweepConfig, job: JobConfig, sweep_dir: str) -> str | None:
+    """The sweep's parent MLflow run (its trials' runs nest under it), kept across resumes; None if off."""
+    if not job.tracking.mlflow.uri:
+        return None
+    from behemoth.tracking import mlflow_run
+
+    mlflow_run.client(job.tracking.mlflow.uri)  # MLflow not installed: a config error now
+    try:
+        return mlflow_run.open_run(job.tracking.mlflow.uri, job.tracking.mlflow.experiment, sweep_dir,
+                                   f"sweep {sweep_cfg.name}", _to_dict(sweep_cfg))
+    except Exception as e:  # noqa: BLE001 - tracking never stops a sweep
+        print(f"[behemoth] WARNING: MLflow ({job.tracking.mlflow.uri}) is off for this sweep: {type(e).__name__}: "
+              f"{e}", flush=True)
+        return None
+
+
+def _finish_tracking(job: JobConfig, sweep_dir: str, mlflow_parent: str | None, result: SweepResult) -> None:
+    """The sweep's report (tracking.report) and its MLflow parent run's artifacts and end."""
+    report = None
+    if job.tracking.report:
+        from behemoth.tracking.report import write_sweep_report
+
+        try:
+            report = write_sweep_report(sweep_dir)
+            print(f"[behemoth] sweep report: {report}", flush=True)
+        except Exception as e:  # noqa: BLE001
+            print(f"[behemoth] WARNING: the sweep report could not be written: {type(e).__name__}: {e}", flush=True)
+    if mlflow_parent:
+        from behemoth.tracking import mlflow_run
+
+        files = [result.results_csv, result.best_yaml, *([os.path.dirname(report)] if report else [])]
+        try:
+            mlflow_run.finish(job.tracking.mlflow.uri, mlflow_parent, "FINISHED", {}, 0, artifacts=files)
+        except Exception as e:  # noqa: BLE001
+            print(f"[behemoth] WARNING: MLflow could not close the sweep's run: {type(e).__name__}: {e}", flush=True)
 
 
 class TrialOutcomeLines(Callback):
@@ -578,8 +631,8 @@ def _optuna_searcher(sweep_cfg: SweepConfig, metric: str, mode: str):
     if grids:  # a mistake in the sweep itself: said whether optuna is installed or not
         raise ConfigError(f"searcher optuna samples, it does not enumerate grids: use choice for {grids}")
     try:
-        from ray.tune.search.optuna import OptunaSearch
         import optuna  # noqa: F401
+        from ray.tune.search.optuna import OptunaSearch
     except ImportError:
         raise ConfigError("searcher optuna needs the optuna package: pip install optuna (or use searcher: "
                           "random)") from None

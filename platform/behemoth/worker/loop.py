@@ -26,7 +26,7 @@ import torch
 from behemoth.checkpoint import TrainState
 from behemoth.config import JobConfig, config_from_dict
 from behemoth.data.order import rank_train_indices, steps_per_epoch
-from behemoth.metrics import Window
+from behemoth.metrics import PhaseClock, Window
 from behemoth.tasks import Task, make_task
 from behemoth.worker import parallel
 from behemoth.worker.console import console, quiet_ray_train_reports
@@ -42,9 +42,11 @@ from behemoth.worker.speed import SpeedMeter
 
 
 def train_loop_per_worker(loop_config: dict) -> dict:
+    clock = PhaseClock()  # where this worker group's time goes (the goodput account reads it from the reports)
     cfg = config_from_dict(loop_config["job"], where="job config")
     quiet_ray_train_reports()
     task: Task = make_task(cfg, ray.get(loop_config["data_ref"]))
+    clock.mark("task_ready")
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     device = ray.train.torch.get_device()
@@ -59,6 +61,7 @@ def train_loop_per_worker(loop_config: dict) -> dict:
     model = task.build_model().to(device)
     # Fine-tuning: train.init_from's weights (unless the run resumes from its own checkpoints, below).
     init_line = load_init_from(model, cfg, task)
+    clock.mark("model_built")
     micro_batch, accum = batch_plan(cfg, world, model, task, device, rank)
     speed = SpeedMeter(cfg, task, model, device, world, micro_batch, accum)
     # DDP (gloo on CPU, nccl on GPU) or FSDP; gradient compression; torch.compile.
@@ -70,24 +73,29 @@ def train_loop_per_worker(loop_config: dict) -> dict:
     # Resume: the latest good checkpoint restores weights, optimizer, schedule, scaler, compression state and
     # the data position.
     state = restore_latest(run) or TrainState(world_size=world)
+    clock.mark("restored")
     if rank == 0:
         _announce_resume(cfg, state, world, micro_batch, accum)
         if init_line:
             console(init_line)
     state.world_size = world
     ledger = SampleLedger(cfg.train.sample_ledger, rank, world)
-    saver = CheckpointSaver(cfg, task, rank)
-    reporter = Reporter(cfg, task, run, speed, saver, micro_batch, total_steps, epoch_steps)
+    saver = CheckpointSaver(cfg, task, rank, clock)
     resumed_from_step = state.step
+    reporter = Reporter(cfg, task, run, speed, saver, micro_batch, total_steps, epoch_steps, clock,
+                        resumed_from_step)
     if state.step >= total_steps:  # a rerun of a finished run: evaluate its final weights, train nothing
         reporter.completed_run(state)
 
     window, bad_ids = Window(), set()
+    clock.mark("loop_started")
     while state.step < total_steps:
         indices = rank_train_indices(task.num_train_samples, global_batch, cfg.train.seed, state.epoch,
                                      rank, world, start_step=state.step_in_epoch)
         batches = _grouped(task.train_batches(indices, state.epoch, micro_batch), accum)
         for micro_batches, wait_s in _timed(batches):
+            clock.add("data_wait", wait_s)
+            step_started, blocked_before = time.perf_counter(), clock.totals["checkpoint"]
             # Reseed per step: dropout and the like draw from (seed, rank, step), so a resume is exact.
             torch.manual_seed(hash((cfg.train.seed, rank, state.step)) % 2**63)
             loss_sum, n_valid = train_step(run.model, run.optimizer, run.scheduler, run.scaler, micro_batches,
@@ -97,13 +105,16 @@ def train_loop_per_worker(loop_config: dict) -> dict:
             window.add(loss_sum, n_valid, wait_s)
             ledger.record(state, micro_batches, loss_sum, n_valid)
             state.advance(epoch_steps, global_batch)
+            # the step's time, less what it waited for a checkpoint snapshot (counted as checkpoint time)
+            clock.add("step", time.perf_counter() - step_started - (clock.totals["checkpoint"] - blocked_before))
             if report_due(cfg, state, total_steps):
                 reporter.report(state, window, bad_ids)
                 window = Window()
             if state.step >= total_steps:
                 break
     # Rank 0's return value reaches the driver as Result.return_value.
-    return {"resumed_from_step": resumed_from_step, "final_step": state.step, "peak_source": speed.peak_source}
+    return {"resumed_from_step": resumed_from_step, "final_step": state.step, "peak_source": speed.peak_source,
+            "clock": clock.snapshot()}
 
 
 def train_step(model, optimizer, scheduler, scaler, micro_batches: list[dict], cfg: JobConfig, task: Task,

@@ -12,7 +12,7 @@ import torch
 from behemoth.checkpoint import TrainState
 from behemoth.config import JobConfig
 from behemoth.errors import BadSampleError
-from behemoth.metrics import Window, data_wait_fraction, progress_line, throughput
+from behemoth.metrics import PhaseClock, Window, data_wait_fraction, progress_line, throughput
 from behemoth.tasks import Task
 from behemoth.worker.collectives import all_reduce_sum, sync_buffers, union_across_ranks
 from behemoth.worker.console import console
@@ -42,14 +42,18 @@ class Reporter:
     the ranks), speed, evaluation and a checkpoint when due; rank 0 prints the progress line."""
 
     def __init__(self, cfg: JobConfig, task: Task, run: Run, speed: SpeedMeter, saver: CheckpointSaver,
-                 micro_batch: int, total_steps: int, epoch_steps: int):
+                 micro_batch: int, total_steps: int, epoch_steps: int, clock: PhaseClock,
+                 resumed_from_step: int = 0):
         ctx = ray.train.get_context()
         self.cfg, self.task, self.run, self.speed, self.saver = cfg, task, run, speed, saver
         self.rank, self.world = ctx.get_world_rank(), ctx.get_world_size()
         self.micro_batch, self.total_steps, self.epoch_steps = micro_batch, total_steps, epoch_steps
+        self.clock, self.resumed_from_step = clock, resumed_from_step
 
     def report(self, state: TrainState, window: Window, bad_ids: set) -> None:
-        report = self.train_metrics(state, window, bad_ids)
+        started, clock = time.perf_counter(), self.clock.snapshot()  # the phases up to this report
+        report = {**self.train_metrics(state, window, bad_ids), **clock,
+                  "resumed_from_step": self.resumed_from_step}
         report.update(self.speed.metrics(report["samples_per_s"]))
         if self.saver.last_block_s is not None:
             report["checkpoint_block_s"] = self.saver.last_block_s
@@ -57,14 +61,23 @@ class Reporter:
         checkpoint_now = checkpoint_due(self.cfg, state, self.total_steps)
         if evaluate_now or checkpoint_now:
             sync_buffers(self.run.model)
+        eval_s = checkpoint_s = 0.0
         if evaluate_now:
+            t0 = time.perf_counter()
             report.update(self.evaluate())
+            eval_s = time.perf_counter() - t0
+            report["eval_s"] = eval_s
         if self.rank == 0:
             console(progress_line(report, self.total_steps, self.cfg.train.epochs, self.task.progress_fields(report)))
         if checkpoint_now:
+            t0 = time.perf_counter()
             self.saver.save_and_report(report, state, self.run)
+            checkpoint_s = time.perf_counter() - t0
         else:
             ray.train.report(report)
+        self.clock.add("eval", eval_s)
+        self.clock.add("checkpoint", checkpoint_s)
+        self.clock.add("report", time.perf_counter() - started - eval_s - checkpoint_s)
 
     def evaluate(self) -> dict:
         return evaluate(self.run.model, self.task, self.rank, self.world, self.micro_batch)
@@ -74,7 +87,8 @@ class Reporter:
         if self.rank == 0:
             console(f"run already complete at step {state.step}: nothing to train")
         ray.train.report({"step": state.step, "epoch": state.step / self.epoch_steps,
-                          "samples_seen": state.samples_seen, **self.evaluate()})
+                          "samples_seen": state.samples_seen, **self.clock.snapshot(),
+                          "resumed_from_step": self.resumed_from_step, **self.evaluate()})
 
     def train_metrics(self, state: TrainState, window: Window, bad_ids: set) -> dict:
         cfg = self.cfg
@@ -100,7 +114,6 @@ class Reporter:
             "samples_seen": state.samples_seen,
             "bad_samples": len(bad),
             "world_size": state.world_size,
-            "wall_time": time.time(),  # rank 0's clock as it reports: spans between reports include everything
         }
         if self.task.tokens_per_sample:
             metrics["tokens_per_s"] = samples_per_s * self.task.tokens_per_sample

@@ -13,11 +13,11 @@ import ray
 import ray.train
 
 from behemoth import checkpoint
-from behemoth.worker import checkpointing
 from behemoth.checkpoint import TrainState
 from behemoth.config import JobConfig, dump_yaml
+from behemoth.metrics import PhaseClock
 from behemoth.tasks import Task
-from behemoth.worker import parallel
+from behemoth.worker import checkpointing, parallel
 from behemoth.worker.collectives import gather_to_rank0
 from behemoth.worker.run import Run
 
@@ -34,8 +34,8 @@ class CheckpointSaver:
     the training loop (at the report, and before the next update), reported with the next metrics.
     """
 
-    def __init__(self, cfg: JobConfig, task: Task, rank: int):
-        self.cfg, self.task, self.rank = cfg, task, rank
+    def __init__(self, cfg: JobConfig, task: Task, rank: int, clock: PhaseClock | None = None):
+        self.cfg, self.task, self.rank, self.clock = cfg, task, rank, clock
         self.last_block_s = None
         # Host buffers the snapshots copy into, reused while no write of an earlier snapshot still reads them.
         self.buffers: dict = {}
@@ -49,7 +49,10 @@ class CheckpointSaver:
             t0 = time.perf_counter()
             self.copying.wait_sources_free()
             self.copying = None
-            self.last_block_s += time.perf_counter() - t0
+            waited = time.perf_counter() - t0
+            self.last_block_s += waited
+            if self.clock is not None:
+                self.clock.add("checkpoint", waited)
 
     def save_and_report(self, metrics: dict, state: TrainState, run: Run) -> None:
         t0 = time.perf_counter()

@@ -1,0 +1,96 @@
+"""The run's recorder inside Ray Train's controller (an actor on the driver's node): every report goes to
+metrics.jsonl, TensorBoard and MLflow; worker group starts, failures and resizes go to timeline.jsonl.
+
+Ray Train's developer callback interfaces are used (a report callback and a controller callback in one
+object, so the trackers can be closed when the controller finishes); Ray is pinned to 2.60.
+"""
+
+from __future__ import annotations
+
+import time
+
+from ray.train.v2._internal.execution.callback import ControllerCallback, ReportCallback
+
+from behemoth import paths
+from behemoth.tracking.records import METRICS, TIMELINE, JsonlLog
+
+
+class RunRecorder(ControllerCallback, ReportCallback):
+    def __init__(self, run_dir: str, invocation: str, tensorboard: bool = True,
+                 mlflow: tuple[str, str] | None = None):
+        """`mlflow`: (tracking URI, run id) of the run's MLflow run, or None."""
+        self.run_dir, self.invocation = run_dir, invocation
+        self.use_tensorboard, self.mlflow_target = tensorboard, mlflow
+        self._metrics = self._timeline = self._tb = self._mlflow = None
+        self._warned: set[str] = set()
+
+    # Ray Train's hooks -----------------------------------------------------------------------------------
+    def after_report(self, training_report, metrics):
+        report = metrics[0]  # rank 0's
+        self.metrics_log.append({"time": time.time(), "invocation": self.invocation, **report})
+        if report.get("step", 0) <= report.get("resumed_from_step", 0):
+            return  # nothing trained (a rerun of a finished run re-evaluates it): its curves have these steps
+        if self.use_tensorboard:
+            self._guarded("TensorBoard", lambda: self.tensorboard.log(report, training_report.checkpoint is not None))
+        if self.mlflow_target:
+            from behemoth.tracking.tensorboard import scalar_tags
+
+            self._guarded("MLflow", lambda: self.mlflow.log(scalar_tags(report), report["step"],
+                                                            report.get("wall_time", time.time())))
+
+    def before_controller_execute_resize_decision(self, resize_decision):
+        self.event("group_start", workers=resize_decision.num_workers)
+
+    def before_controller_execute_failure_decision(self, failure_decision):
+        self.event("failure", decision=failure_decision.value)
+
+    def after_controller_finish(self, result):
+        self.close()
+
+    def before_controller_abort(self):
+        self.close()
+
+    # ------------------------------------------------------------------------------------------------------
+    @property
+    def metrics_log(self) -> JsonlLog:
+        if self._metrics is None:
+            self._metrics = JsonlLog(paths.join(self.run_dir, METRICS))
+        return self._metrics
+
+    @property
+    def tensorboard(self):
+        if self._tb is None:
+            from behemoth.tracking.tensorboard import TensorBoardLog
+
+            self._tb = TensorBoardLog(self.run_dir)
+        return self._tb
+
+    @property
+    def mlflow(self):
+        if self._mlflow is None:
+            from behemoth.tracking.mlflow_run import MlflowMetrics
+
+            self._mlflow = MlflowMetrics(*self.mlflow_target)
+        return self._mlflow
+
+    def event(self, name: str, **fields) -> None:
+        if self._timeline is None:
+            self._timeline = JsonlLog(paths.join(self.run_dir, TIMELINE))
+        self._timeline.append({"time": time.time(), "event": name, "invocation": self.invocation, **fields})
+
+    def close(self) -> None:
+        if self._tb is not None:
+            self._guarded("TensorBoard", self._tb.close)
+        if self._mlflow is not None:
+            self._mlflow.close()
+
+    def _guarded(self, what: str, fn) -> None:
+        """A tracker's failure is reported once and never reaches the training."""
+        if what in self._warned:
+            return
+        try:
+            fn()
+        except Exception as e:  # noqa: BLE001
+            self._warned.add(what)
+            print(f"[behemoth] WARNING: {what} tracking failed and is off for the rest of this run (training goes "
+                  f"on): {type(e).__name__}: {e}", flush=True)

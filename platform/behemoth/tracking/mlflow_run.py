@@ -1,0 +1,151 @@
+"""MLflow tracking (tracking.mlflow.uri): one MLflow run per behemoth run, continued by every resume.
+
+The driver opens the run (or finds it again: its id is kept in RUN_FOLDER/mlflow.json), logs the flattened
+job config as params and, at the end, the report, the goodput account and the best checkpoint's manifest as
+artifacts. Ray Train's controller logs every report as metrics with its step, from a background thread: a
+slow or unreachable server never holds the training up, and a failure is reported once, then tracking stops.
+A sweep's trials are nested runs under one parent run per sweep.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import threading
+
+from behemoth import paths
+from behemoth.errors import ConfigError
+from behemoth.tracking.records import read_text, write_text
+
+RUN_FILE = "mlflow.json"
+# The MLflow client retries an unreachable server for minutes by default; a training run should not wait.
+_CLIENT_ENV = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1", "MLFLOW_HTTP_REQUEST_TIMEOUT": "10"}
+
+
+def tracking_uri(uri: str) -> str:
+    """A folder (MLflow's file store), sqlite:///..., http(s)://... as MLflow takes it."""
+    if "://" in uri or uri.startswith("sqlite:"):
+        return uri
+    os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")  # a folder: the user asked for the file store
+    return "file://" + os.path.abspath(os.path.expanduser(uri))
+
+
+def client(uri: str):
+    for key, value in _CLIENT_ENV.items():
+        os.environ.setdefault(key, value)
+    try:
+        import mlflow
+    except ImportError:
+        raise ConfigError("tracking.mlflow.uri is set but MLflow is not installed: pip install 'behemoth[mlflow]' "
+                          "(or unset tracking.mlflow.uri)") from None
+    import logging
+
+    logging.getLogger("mlflow").setLevel(logging.WARNING)  # its database set-up lines are not the run's news
+    return mlflow.MlflowClient(tracking_uri=tracking_uri(uri))
+
+
+def flat(mapping: dict, prefix: str = "") -> dict[str, str]:
+    """A nested config as MLflow params: dotted keys, values as text (MLflow keeps at most 6000 characters)."""
+    out = {}
+    for key, value in mapping.items():
+        if isinstance(value, dict) and value:
+            out.update(flat(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = str(value)[:6000]
+    return out
+
+
+def open_run(uri: str, experiment: str, run_dir: str, run_name: str, params: dict,
+             parent_run_id: str | None = None) -> str:
+    """The MLflow run of this behemoth run: the one recorded in the run folder (a resume), else a new one."""
+    c = client(uri)
+    record = paths.join(run_dir, RUN_FILE)
+    known = _read_record(record)
+    if known and known.get("uri") == uri:
+        c.update_run(known["run_id"], status="RUNNING")
+        return known["run_id"]
+    found = c.get_experiment_by_name(experiment)
+    experiment_id = found.experiment_id if found else c.create_experiment(experiment)
+    tags = {"behemoth.run_dir": run_dir}
+    if parent_run_id:
+        tags["mlflow.parentRunId"] = parent_run_id
+    run_id = c.create_run(experiment_id, run_name=run_name, tags=tags).info.run_id
+    items = list(flat(params).items())
+    from mlflow.entities import Param
+
+    for i in range(0, len(items), 100):  # MLflow takes at most 100 params per batch
+        c.log_batch(run_id, params=[Param(k, v) for k, v in items[i:i + 100]])
+    write_text(record, json.dumps({"uri": uri, "experiment_id": experiment_id, "run_id": run_id}))
+    return run_id
+
+
+def finish(uri: str, run_id: str, status: str, metrics: dict[str, float], step: int,
+           artifacts: list[str] = (), text: dict[str, str] | None = None) -> None:
+    """The end of an invocation: the run's final scalars, its files, its status (FINISHED, FAILED, KILLED)."""
+    from mlflow.entities import Metric
+
+    c = client(uri)
+    import time
+
+    now = int(time.time() * 1000)
+    if metrics:
+        c.log_batch(run_id, metrics=[Metric(k, float(v), now, step) for k, v in metrics.items()])
+    for path in artifacts:
+        if os.path.isdir(path):
+            c.log_artifacts(run_id, path, artifact_path=os.path.basename(path))
+        elif os.path.isfile(path):
+            c.log_artifact(run_id, path)
+    for name, content in (text or {}).items():
+        c.log_text(run_id, content, name)
+    c.set_terminated(run_id, status=status)
+
+
+class MlflowMetrics:
+    """Logs reports as metrics from a background thread (in Ray Train's controller)."""
+
+    def __init__(self, uri: str, run_id: str):
+        self.uri, self.run_id = uri, run_id
+        self.queue: queue.Queue | None = None
+        self.failed = False
+
+    def log(self, values: dict[str, float], step: int, wall_time: float) -> None:
+        if self.failed:
+            return
+        if self.queue is None:
+            self.queue = queue.Queue()
+            threading.Thread(target=self._drain, daemon=True, name="behemoth-mlflow").start()
+        self.queue.put((values, step, int(wall_time * 1000)))
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        """Wait (a bounded time) for what is queued to be sent."""
+        if self.queue is not None and not self.failed:
+            done = threading.Event()
+            self.queue.put(done)
+            done.wait(timeout_s)
+
+    def _drain(self) -> None:
+        from mlflow.entities import Metric
+
+        c = None
+        while True:
+            item = self.queue.get()
+            if isinstance(item, threading.Event):
+                item.set()
+                continue
+            if self.failed:
+                continue
+            values, step, millis = item
+            try:
+                c = c or client(self.uri)
+                c.log_batch(self.run_id, metrics=[Metric(k, v, millis, step) for k, v in values.items()])
+            except Exception as e:  # noqa: BLE001 - tracking must never end the run
+                self.failed = True
+                print(f"[behemoth] WARNING: MLflow tracking to {self.uri} failed and is off for the rest of this "
+                      f"run (training goes on): {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",
+                      flush=True)
+
+
+def _read_record(path: str) -> dict | None:
+    text = read_text(path)
+    return json.loads(text) if text else None

@@ -1,0 +1,120 @@
+"""The driver's side of a run's records: one object per invocation of `train`.
+
+It marks the invocation's start-up milestones, hands Ray Train the recorder (tracking/callbacks.py), and
+when the run ends (finished or failed) writes the end of the invocation, the goodput account (goodput.json),
+the goodput scalars to TensorBoard and MLflow, the report, and closes the MLflow run.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+
+from behemoth import paths
+from behemoth.config import JobConfig
+from behemoth.tracking import goodput
+from behemoth.tracking.records import METRICS, TIMELINE, JsonlLog, read_jsonl, write_text
+
+GOODPUT = "goodput.json"
+
+
+class RunTracking:
+    def __init__(self, cfg: JobConfig, run_dir: str, process_start: float | None = None,
+                 parent_mlflow_run: str | None = None):
+        self.cfg, self.run_dir = cfg, run_dir
+        self.invocation = uuid.uuid4().hex[:12]
+        now = time.time()
+        self.marks = {"process_start": process_start or now, "invoked": now}
+        self.parent_mlflow_run = parent_mlflow_run
+        self.mlflow_run_id: str | None = None
+        self.account: goodput.Account | None = None
+        self.report_path: str | None = None
+
+    def mark(self, name: str) -> None:
+        self.marks[name] = time.time()
+
+    def callbacks(self) -> list:
+        """Called just before fit: the recorder for Ray Train, after the invocation's start is written."""
+        from behemoth.tracking.callbacks import RunRecorder
+
+        mlflow = self.cfg.tracking.mlflow
+        if mlflow.uri and self.mlflow_run_id is None:
+            from behemoth.tracking import mlflow_run
+
+            mlflow_run.client(mlflow.uri)  # MLflow not installed: a config error, before the run starts
+            self.mlflow_run_id = _quietly(f"MLflow ({mlflow.uri}: tracking is off for this run)", lambda: mlflow_run.open_run(
+                mlflow.uri, mlflow.experiment, self.run_dir, self.cfg.checkpoint.run_name, self.cfg.to_dict(),
+                self.parent_mlflow_run))
+        self.mark("fit_called")
+        self._timeline().append({"time": time.time(), "event": "invocation_start", "invocation": self.invocation,
+                                 "marks": self.marks})
+        return [RunRecorder(self.run_dir, self.invocation, self.cfg.tracking.tensorboard,
+                            (mlflow.uri, self.mlflow_run_id) if self.mlflow_run_id else None)]
+
+    def finish(self, status: str, clock: dict | None = None, final_step: int | None = None,
+               best_checkpoint: str | None = None) -> None:
+        """`status`: finished or failed. `clock`: rank 0's final PhaseClock snapshot (a finished run).
+
+        The report and MLflow's artifacts are made from the account as of now; the invocation's end is written
+        after them (they are part of its shutdown), and goodput.json and the summary use the final account."""
+        if "fit_called" not in self.marks:
+            return  # never reached Ray Train: nothing recorded
+        end = {"event": "invocation_end", "invocation": self.invocation, "status": status, "clock": clock}
+        timeline = read_jsonl(paths.join(self.run_dir, TIMELINE))
+        reports = read_jsonl(paths.join(self.run_dir, METRICS))
+        provisional = goodput.account([*timeline, {"time": time.time(), **end}], reports)
+        step = final_step or max((g.last_step for g in provisional.groups), default=0)
+        if self.cfg.tracking.tensorboard:
+            _quietly("TensorBoard", lambda: _tensorboard_final(self.run_dir, step, _scalars(provisional)))
+        if self.cfg.tracking.report:
+            from behemoth.tracking.report import write_run_report
+
+            self.report_path = _quietly("the report", lambda: write_run_report(self.run_dir, provisional))
+        if self.mlflow_run_id:
+            from behemoth.tracking import mlflow_run
+
+            _quietly("MLflow", lambda: mlflow_run.finish(
+                self.cfg.tracking.mlflow.uri, self.mlflow_run_id, "FINISHED" if status == "finished" else "FAILED",
+                _scalars(provisional), step, artifacts=self._artifacts(best_checkpoint)))
+        end["time"] = time.time()
+        self._timeline().append(end)
+        self.account = goodput.account([*timeline, end], reports)
+        write_text(paths.join(self.run_dir, GOODPUT), json.dumps(self.account.as_dict(), indent=1))
+
+    def _artifacts(self, best_checkpoint: str | None) -> list[str]:
+        if paths.is_uri(self.run_dir):
+            return []  # MLflow's client reads local files; a URI run folder's report stays there
+        import os
+
+        from behemoth.checkpoint import complete_checkpoints
+
+        out = []
+        if self.report_path:
+            out.append(os.path.dirname(self.report_path))
+        kept = complete_checkpoints(self.run_dir)
+        chosen = best_checkpoint or (kept[0][1] if kept else None)  # the best; else the latest
+        if chosen and os.path.isfile(os.path.join(chosen, "manifest.json")):
+            out.append(os.path.join(chosen, "manifest.json"))
+        return out
+
+    def _timeline(self) -> JsonlLog:
+        return JsonlLog(paths.join(self.run_dir, TIMELINE))
+
+
+def _scalars(account: goodput.Account) -> dict[str, float]:
+    return {"goodput/fraction": account.goodput, **{f"goodput/{t}_s": v for t, v in account.terms.items()}}
+
+
+def _tensorboard_final(run_dir: str, step: int, scalars: dict) -> None:
+    from behemoth.tracking.tensorboard import TensorBoardLog
+
+    TensorBoardLog(run_dir).log_final(step, scalars)
+
+
+def _quietly(what: str, fn):
+    try:
+        return fn()
+    except Exception as e:  # noqa: BLE001 - tracking never turns a run's result into a failure
+        print(f"[behemoth] WARNING: {what} could not be written: {type(e).__name__}: {e}", flush=True)
+        return None

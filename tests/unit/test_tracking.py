@@ -1,0 +1,228 @@
+"""The run's records, the goodput account, TensorBoard, MLflow and the report, on records written here (the
+integration test tests/integration/test_tracking.py runs them under a real run with a killed worker)."""
+
+import json
+from pathlib import Path
+
+import pytest
+from behemoth.tracking import goodput
+from behemoth.tracking.records import JsonlLog, latest_per_step, read_jsonl
+from behemoth.tracking.tensorboard import TensorBoardLog, scalar_tags
+
+T0 = 1_000_000.0
+
+
+def report(inv, group, step, at, loop, resumed=0, workers=2, times=None):
+    """A report as the worker sends it: the PhaseClock snapshot taken as the report began."""
+    r = {"invocation": inv, "group_id": group, "step": step, "wall_time": at, "mark_started": loop - 3,
+         "mark_loop_started": loop, "resumed_from_step": resumed, "world_size": workers, "loss": 1.0 / step,
+         "lr": 0.1, "samples_per_s": 100.0, "data_wait_frac": 0.1, "total_steps": 40}
+    r.update({f"time_{k}_s": (times or {}).get(k, 0.0) for k in ("step", "data_wait", "eval", "checkpoint", "report")})
+    return r
+
+
+def steady(inv, group, first, last, loop, start_time, resumed=0, step_s=0.5, wait_s=0.1):
+    """Reports at every step from `first` to `last`: each step 0.5 s of compute and 0.1 s of data-wait."""
+    out = []
+    for i, step in enumerate(range(first, last + 1)):
+        n = i + 1
+        out.append(report(inv, group, step, start_time + n * (step_s + wait_s), loop, resumed,
+                          times={"step": n * step_s, "data_wait": n * wait_s}))
+    return out
+
+
+def start(inv, at, process_start):
+    return {"event": "invocation_start", "invocation": inv, "time": at,
+            "marks": {"process_start": process_start, "invoked": process_start + 1, "ray_ready": process_start + 4,
+                      "data_ready": process_start + 5, "fit_called": at}}
+
+
+def end(inv, at, clock=None, status="finished"):
+    return {"event": "invocation_end", "invocation": inv, "time": at, "status": status, "clock": clock}
+
+
+def test_a_finished_run_adds_up_and_counts_its_phases():
+    reports = steady("a", "g1", 1, 10, loop=T0 + 20, start_time=T0 + 20)  # last report at T0 + 26
+    final = {**reports[-1], "wall_time": T0 + 27.0, "time_step_s": 5.5, "time_eval_s": 0.4}
+    timeline = [start("a", T0 + 8, T0), end("a", T0 + 30, final)]
+    acc = goodput.account(timeline, reports)
+    assert acc.total_s == pytest.approx(30.0)
+    assert sum(acc.terms.values()) == pytest.approx(acc.total_s)
+    assert acc.terms["startup"] == pytest.approx(20.0)  # process start -> the first step
+    assert acc.terms["productive"] == pytest.approx(5.5) and acc.terms["evaluation"] == pytest.approx(0.4)
+    assert acc.terms["data_wait"] == pytest.approx(1.0) and acc.terms["lost"] == 0.0
+    assert acc.terms["shutdown"] == pytest.approx(3.0)  # the group returned at +27, the invocation ended at +30
+    assert acc.goodput == pytest.approx(5.5 / 30)
+    assert acc.startup_detail == pytest.approx({"imports": 1, "ray": 3, "data": 1, "tracking": 3, "workers": 9,
+                                                "model_and_restore": 3})
+    assert "18.3% of 30.0 s" in acc.line()
+
+
+def test_a_worker_failure_loses_the_time_since_the_restored_checkpoint():
+    first = steady("a", "g1", 1, 25, loop=T0 + 20, start_time=T0 + 20)  # step 20 reported at T0 + 32
+    failure = {"event": "failure", "invocation": "a", "time": T0 + 36.0, "decision": "RETRY"}
+    second = steady("a", "g2", 21, 40, loop=T0 + 50, start_time=T0 + 50, resumed=20)
+    final = {**second[-1], "wall_time": second[-1]["wall_time"]}
+    timeline = [start("a", T0 + 5, T0), failure, end("a", final["wall_time"] + 2, final)]
+    acc = goodput.account(timeline, first + second)
+    g1, g2 = acc.groups
+    assert g1.restored_by_next == 20 and g2.restored_by_next is None
+    # lost: from the report of step 20 (the checkpoint the restart went back to) to the failure
+    assert g1.terms["lost"] == pytest.approx(36.0 - 32.0)
+    assert g1.terms["productive"] == pytest.approx(20 * 0.5)  # the 20 kept steps only
+    assert g2.terms["downtime"] == pytest.approx(50.0 - 36.0)  # failure -> the next group's first step
+    assert sum(acc.terms.values()) == pytest.approx(acc.total_s)
+    assert acc.terms["productive"] == pytest.approx(40 * 0.5)  # every step once
+
+
+def test_a_killed_driver_and_its_rerun_are_summed():
+    killed = steady("a", "g1", 1, 15, loop=T0 + 20, start_time=T0 + 20)  # the driver died after step 15
+    rerun = steady("b", "g2", 11, 40, loop=T0 + 120, start_time=T0 + 120, resumed=10)
+    timeline = [start("a", T0 + 5, T0), start("b", T0 + 105, T0 + 100),
+                end("b", rerun[-1]["wall_time"] + 1, rerun[-1])]
+    acc = goodput.account(timeline, killed + rerun)
+    inv_a, inv_b = acc.invocations
+    assert inv_a["total_s"] == pytest.approx(killed[-1]["wall_time"] - T0)  # ends at its last record
+    assert "killed" in inv_a["status"]
+    assert acc.groups[0].terms["lost"] == pytest.approx(killed[-1]["wall_time"] - killed[9]["wall_time"])
+    assert acc.terms["startup"] == pytest.approx(20 + 20)  # each invocation's own start-up
+    assert acc.total_s == pytest.approx(inv_a["total_s"] + inv_b["total_s"])  # not the gap between them
+    assert sum(acc.terms.values()) == pytest.approx(acc.total_s)
+
+
+def test_latest_per_step_keeps_the_surviving_record_of_each_step():
+    first = steady("a", "g1", 1, 25, loop=T0, start_time=T0)
+    second = steady("a", "g2", 21, 30, loop=T0 + 60, start_time=T0 + 60, resumed=20)
+    kept = latest_per_step(first + second)
+    assert [r["step"] for r in kept] == list(range(1, 31))
+    assert {r["group_id"] for r in kept if r["step"] > 20} == {"g2"}
+
+
+def test_records_go_through_pyarrow_for_a_uri(tmp_path):
+    uri = f"file://{tmp_path}/run/metrics.jsonl"
+    log = JsonlLog(uri)
+    log.append({"step": 1})
+    JsonlLog(uri).append({"step": 2})  # a second writer (a rerun) keeps what was there
+    assert [r["step"] for r in read_jsonl(uri)] == [1, 2]
+    (tmp_path / "run" / "metrics.jsonl").open("a").write('{"step": 3, "cut sho')  # a line a kill cut short
+    assert [r["step"] for r in read_jsonl(uri)] == [1, 2]
+
+
+def test_scalar_tags_name_the_curves_and_skip_bookkeeping():
+    tags = scalar_tags({"step": 3, "loss": 0.5, "val_accuracy": 0.9, "samples_per_s": 10, "mark_started": 1.0,
+                        "time_step_s": 2.0, "group_id": "x", "peak_mem_gb": 1.5, "world_size": 2})
+    assert tags == {"train/loss": 0.5, "val/accuracy": 0.9, "speed/samples_per_s": 10.0, "memory/peak_mem_gb": 1.5,
+                    "cluster/world_size": 2.0}
+
+
+@pytest.mark.parametrize("uri", [False, True])
+def test_tensorboard_shows_each_step_once_after_a_restart(tmp_path, uri):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    run_dir = f"file://{tmp_path}/run" if uri else str(tmp_path / "run")
+    first = steady("a", "g1", 1, 25, loop=T0, start_time=T0)
+    second = [{**r, "loss": 100.0 + r["step"]} for r in steady("a", "g2", 21, 30, loop=T0 + 60,
+                                                                start_time=T0 + 60, resumed=20)]
+    tb = TensorBoardLog(run_dir)
+    for r in first:
+        tb.log(r)
+    tb.close()
+    tb = TensorBoardLog(run_dir)  # the recorder of a rerun
+    for r in second:
+        tb.log(r, checkpoint=r["step"] == 30)
+    tb.close()
+    events = EventAccumulator(str(tmp_path / "run" / "tensorboard"))
+    events.Reload()
+    loss = [(e.step, e.value) for e in events.Scalars("train/loss")]
+    assert [s for s, _ in loss] == list(range(1, 31))  # no duplicates, no gaps
+    assert dict(loss)[21] == pytest.approx(121.0) and dict(loss)[20] == pytest.approx(1 / 20)
+
+
+def test_mlflow_run_is_continued_and_nested(tmp_path):
+    from behemoth.tracking import mlflow_run
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    c = mlflow_run.client(uri)
+    parent = c.create_run(c.create_experiment("sweeps")).info.run_id
+    run_dir = str(tmp_path / "run")
+    run_id = mlflow_run.open_run(uri, "exp", run_dir, "r1", {"train": {"lr": 0.1}, "model": {"name": "m"}}, parent)
+    metrics = mlflow_run.MlflowMetrics(uri, run_id)
+    for step in (1, 2, 3):
+        metrics.log({"train/loss": 1.0 / step}, step, T0 + step)
+    metrics.close()
+    (tmp_path / "art.txt").write_text("hello")
+    mlflow_run.finish(uri, run_id, "FINISHED", {"goodput/fraction": 0.5}, 3, artifacts=[str(tmp_path / "art.txt")])
+    again = mlflow_run.open_run(uri, "exp", run_dir, "r1", {"train": {"lr": 0.1}})  # a resume: the same run
+    assert again == run_id
+    run = c.get_run(run_id)
+    assert run.data.params == {"train.lr": "0.1", "model.name": "m"}
+    assert run.data.tags["mlflow.parentRunId"] == parent and run.info.run_name == "r1"
+    assert [(m.step, m.value) for m in c.get_metric_history(run_id, "train/loss")] == [(1, 1.0), (2, 0.5),
+                                                                                      (3, pytest.approx(1 / 3))]
+    assert [a.path for a in c.list_artifacts(run_id)] == ["art.txt"]
+
+
+def test_mlflow_down_warns_once_and_never_raises(capsys):
+    from behemoth.tracking import mlflow_run
+
+    metrics = mlflow_run.MlflowMetrics("http://127.0.0.1:9", "0" * 32)  # nothing listens on port 9
+    for step in range(3):
+        metrics.log({"train/loss": 1.0}, step, T0)
+    metrics.close(timeout_s=60)
+    out = capsys.readouterr().out
+    assert out.count("MLflow tracking to http://127.0.0.1:9 failed") == 1 and metrics.failed
+
+
+def test_run_report_files_and_goodput_table(tmp_path):
+    from behemoth.tracking.records import METRICS, TIMELINE
+    from behemoth.tracking.report import write_report
+
+    run = tmp_path / "run"
+    run.mkdir()
+    first = steady("a", "g1", 1, 25, loop=T0 + 20, start_time=T0 + 20)
+    second = steady("a", "g2", 21, 40, loop=T0 + 50, start_time=T0 + 50, resumed=20)
+    for r in second[-5:]:
+        r["val_loss"], r["val_accuracy"] = 0.3, 0.9
+    timeline = [start("a", T0 + 5, T0), {"event": "failure", "invocation": "a", "time": T0 + 36.0},
+                end("a", second[-1]["wall_time"] + 2, second[-1])]
+    (run / METRICS).write_text("".join(json.dumps(r) + "\n" for r in first + second))
+    (run / TIMELINE).write_text("".join(json.dumps(e) + "\n" for e in timeline))
+    page = write_report(str(run))
+    acc = goodput.account(timeline, first + second)
+    for name in ("loss", "validation", "lr", "throughput", "speed", "checkpoints", "world_size", "goodput"):
+        png = run / "report" / f"{name}.png"
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000, name
+    html = Path(page).read_text()
+    assert html.count("data:image/png;base64,") == 8
+    assert f"<td>lost</td><td>{acc.terms['lost']:.2f}</td>" in html
+    assert f"<td>productive</td><td>{acc.terms['productive']:.2f}</td>" in html
+    assert "final val_accuracy</td><td>0.9" in html
+
+
+def test_sweep_report(tmp_path):
+    import pandas as pd
+    from behemoth.tracking.report import write_report
+
+    rows = []
+    for i, (lr, status, value) in enumerate([(0.05, "finished", 0.95), (0.005, "finished", 0.7),
+                                             (0.0005, "stopped early", 0.4)]):
+        run = tmp_path / "runs" / f"t{i}"
+        run.mkdir(parents=True)
+        (run / "metrics.jsonl").write_text("".join(json.dumps(
+            {"step": e * 10, "epoch": e, "group_id": "g", "val_accuracy": value * e / 2}) + "\n" for e in (1, 2)))
+        rows.append({"trial_id": f"t{i}", "status": status, "train.lr": lr, "lr": lr, "val_accuracy": value,
+                     "epoch": 2, "step": 20, "best_checkpoint": "", "run_dir": str(run)})
+    pd.DataFrame(rows).to_csv(tmp_path / "results.csv", index=False)
+    page = write_report(str(tmp_path))
+    assert (tmp_path / "report" / "val_accuracy_vs_train_lr.png").is_file()
+    assert (tmp_path / "report" / "trials.png").is_file()
+    html = Path(page).read_text()
+    assert html.count("<tr>") == 4 and "stopped early" in html
+
+
+def test_report_of_a_folder_that_is_neither_names_it(tmp_path):
+    from behemoth.errors import ConfigError
+    from behemoth.tracking.report import write_report
+
+    with pytest.raises(ConfigError, match="neither a run folder"):
+        write_report(str(tmp_path))
