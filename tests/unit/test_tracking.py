@@ -33,7 +33,8 @@ def steady(inv, group, first, last, loop, start_time, resumed=0, step_s=0.5, wai
 
 def start(inv, at, process_start):
     return {"event": "invocation_start", "invocation": inv, "time": at,
-            "marks": {"process_start": process_start, "invoked": process_start + 1, "ray_ready": process_start + 4,
+            "marks": {"process_start": process_start, "invoked": process_start + 1,
+                      "data_checked": process_start + 2, "ray_ready": process_start + 4,
                       "data_ready": process_start + 5, "fit_called": at}}
 
 
@@ -53,8 +54,8 @@ def test_a_finished_run_adds_up_and_counts_its_phases():
     assert acc.terms["data_wait"] == pytest.approx(1.0) and acc.terms["lost"] == 0.0
     assert acc.terms["shutdown"] == pytest.approx(3.0)  # the group returned at +27, the invocation ended at +30
     assert acc.goodput == pytest.approx(5.5 / 30)
-    assert acc.startup_detail == pytest.approx({"imports": 1, "ray": 3, "data": 1, "tracking": 3, "workers": 9,
-                                                "model_and_restore": 3})
+    assert acc.startup_detail == pytest.approx({"imports": 1, "data_check": 1, "ray": 2, "data_prepare": 1,
+                                                "tracking": 3, "workers": 9, "model_and_restore": 3})
     assert "18.3% of 30.0 s" in acc.line()
 
 

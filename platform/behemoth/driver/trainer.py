@@ -299,6 +299,7 @@ def prepare_data(cfg: JobConfig, mark=lambda milestone: None):
     `mark`: called with each milestone's name (the goodput account's start-up detail)."""
     task = task_of(cfg)
     checked = task.check(cfg)
+    mark("data_checked")
     ensure_ray()
     mark("ray_ready")
     data = task.prepare(cfg, checked)

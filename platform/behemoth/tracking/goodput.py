@@ -28,9 +28,11 @@ from dataclasses import dataclass, field
 
 TERMS = ("startup", "productive", "data_wait", "checkpoint", "evaluation", "reporting", "lost", "downtime",
          "shutdown", "unaccounted")
-# The first group's start-up, by milestone: process start -> `train` called -> Ray up -> data prepared ->
-# trackers opened (MLflow) and fit called -> rank 0's training function starts -> its first step.
-STARTUP_PARTS = ("imports", "ray", "data", "tracking", "workers", "model_and_restore")
+# The first group's start-up, by milestone: process start -> `train` called -> data checked (images: the index
+# built) -> Ray up -> data prepared (text: tokenised and packed) -> trackers opened (MLflow) and fit called ->
+# rank 0's training function starts (Ray Train's controller and workers) -> its first step (model, restore).
+STARTUP_PARTS = ("imports", "data_check", "ray", "data_prepare", "tracking", "workers", "model_and_restore")
+_STARTUP_MARKS = ("invoked", "data_checked", "ray_ready", "data_ready", "fit_called")
 _PHASE_TERMS = {"step": "productive", "data_wait": "data_wait", "checkpoint": "checkpoint", "eval": "evaluation",
                 "report": "reporting"}
 
@@ -120,7 +122,7 @@ def account(timeline: list[dict], reports: list[dict]) -> Account:
             gt["startup" if first else "downtime"] = loop_started - boundary
             if first:
                 marks = start.get("marks", {})
-                points = [t0, *(marks.get(m, t0) for m in ("invoked", "ray_ready", "data_ready", "fit_called")),
+                points = [t0, *(marks.get(m, t0) for m in _STARTUP_MARKS),
                           last.get("mark_started", loop_started), loop_started]
                 for key, a, b in zip(STARTUP_PARTS, points, points[1:]):
                     detail[key] += max(b - a, 0.0)

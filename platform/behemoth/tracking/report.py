@@ -60,10 +60,12 @@ def write_run_report(run_dir: str, account: goodput.Account | None = None) -> st
     restarts = _restarts(reports)
     figures: dict[str, object] = {}
 
-    def by_step(title, ylabel, series, name, log=False, twin=None):
+    def by_step(title, ylabel, series, name, log=False, twin=None, changes_only=False):
         fig, ax = plt.subplots(figsize=(7.5, 3.6))
         for label, key, style in series:
             pts = [(r["step"], r[key]) for r in kept if isinstance(r.get(key), (int, float))]
+            if changes_only:  # a value every report carries until it changes (the last checkpoint's stall)
+                pts = [p for i, p in enumerate(pts) if i == 0 or p[1] != pts[i - 1][1]]
             if pts:
                 ax.plot(*zip(*pts), style, label=label, markersize=4)
         if twin:
@@ -86,7 +88,8 @@ def write_run_report(run_dir: str, account: goodput.Account | None = None) -> st
         figures[name] = fig
 
     by_step("Loss", "loss", [("training (per report)", "loss", "-"), ("validation", "val_loss", "o-")], "loss")
-    val_keys = sorted({k for r in kept for k in r if k.startswith("val_") and k != "val_loss"})
+    val_keys = sorted({k for r in kept for k in r if k.startswith("val_") and k != "val_loss"
+                       and not k.endswith(("samples", "tokens"))})  # rates, not the counts evaluated
     if val_keys:
         by_step("Validation", "value", [(k[4:], k, "o-") for k in val_keys], "validation")
     by_step("Learning rate", "lr", [("lr", "lr", "-")], "lr")
@@ -98,8 +101,8 @@ def write_run_report(run_dir: str, account: goodput.Account | None = None) -> st
     speed_key = ("MFU", "mfu") if any("mfu" in r for r in kept) else ("TFLOP/s per worker", "tflops_per_worker")
     by_step("Model speed and memory", speed_key[0], [(speed_key[0], speed_key[1], "-")], "speed",
             twin=("peak memory (GB)", "peak_mem_gb", "--"))
-    by_step("Checkpoint stalls", "seconds the loop was held", [("per checkpoint", "checkpoint_block_s", "o")],
-            "checkpoints")
+    by_step("Checkpoint stalls (each at the first report after its checkpoint)", "seconds the loop was held",
+            [("per checkpoint", "checkpoint_block_s", "o")], "checkpoints", changes_only=True)
     figures["world_size"] = _world_size(plt, reports, timeline, account)
     if account and account.groups:
         figures["goodput"] = _goodput_bars(plt, account)
