@@ -91,6 +91,20 @@ def test_a_killed_driver_and_its_rerun_are_summed():
     assert sum(acc.terms.values()) == pytest.approx(acc.total_s)
 
 
+def test_a_rerun_of_a_finished_run_loses_nothing():
+    """The same command after the run finished: the rerun re-evaluates (a group that resumes at the last step);
+    the finished group's tail (its last evaluation and checkpoint) is not lost work."""
+    done = steady("a", "g1", 1, 10, loop=T0 + 20, start_time=T0 + 20)
+    final = {**done[-1], "wall_time": T0 + 28.0, "time_step_s": 5.5, "time_eval_s": 1.5}
+    again = {**report("b", "g2", 10, T0 + 120, T0 + 120, resumed=10), "time_step_s": 0.0}
+    timeline = [start("a", T0 + 8, T0), end("a", T0 + 30, final), start("b", T0 + 105, T0 + 100),
+                end("b", T0 + 125, {**again, "wall_time": T0 + 123})]
+    acc = goodput.account(timeline, [*done, again])
+    assert acc.groups[0].restored_by_next == 10 and acc.terms["lost"] == 0.0
+    assert acc.terms["evaluation"] == pytest.approx(1.5) and acc.terms["productive"] == pytest.approx(5.5)
+    assert sum(acc.terms.values()) == pytest.approx(acc.total_s) == pytest.approx(30 + 25)
+
+
 def test_latest_per_step_keeps_the_surviving_record_of_each_step():
     first = steady("a", "g1", 1, 25, loop=T0, start_time=T0)
     second = steady("a", "g2", 21, 30, loop=T0 + 60, start_time=T0 + 60, resumed=20)
@@ -161,6 +175,18 @@ def test_mlflow_run_is_continued_and_nested(tmp_path):
     assert [(m.step, m.value) for m in c.get_metric_history(run_id, "train/loss")] == [(1, 1.0), (2, 0.5),
                                                                                       (3, pytest.approx(1 / 3))]
     assert [a.path for a in c.list_artifacts(run_id)] == ["art.txt"]
+
+
+def test_mlflow_to_a_folder(tmp_path):
+    """tracking.mlflow.uri as a plain folder: MLflow's file store (which MLflow 3 allows only when asked)."""
+    from behemoth.tracking import mlflow_run
+
+    folder = str(tmp_path / "mlruns")
+    run_id = mlflow_run.open_run(folder, "exp", str(tmp_path / "run"), "r1", {"train": {"lr": 0.1}})
+    mlflow_run.finish(folder, run_id, "FINISHED", {"goodput/fraction": 0.25}, 7)
+    run = mlflow_run.client(folder).get_run(run_id)
+    assert run.data.metrics == {"goodput/fraction": 0.25} and run.info.status == "FINISHED"
+    assert (tmp_path / "mlruns").is_dir()
 
 
 def test_mlflow_down_warns_once_and_never_raises(capsys):

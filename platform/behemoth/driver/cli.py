@@ -155,7 +155,7 @@ def _dispatch(args) -> int:
         return 0
     from behemoth.driver.trainer import train
 
-    summary = train(cfg, process_start=_process_start())
+    summary = train(cfg, process_start=_process_start(), end_ray=True)
     print("\n".join(["[behemoth] run finished"] + [f"  {line}" for line in summary.lines()]))
     return 0
 

@@ -70,6 +70,9 @@ def storage_path(cfg: JobConfig) -> str:
     return paths.storage_root(path)
 
 
+_RAY_STARTED_HERE = False  # ensure_ray called ray.init in this process (not the caller)
+
+
 def ensure_ray() -> None:
     """Connect to the cluster named by RAY_ADDRESS (as under `ray job submit`), or start a local one.
 
@@ -91,6 +94,8 @@ def ensure_ray() -> None:
         options = {"_system_config": LOCAL_RAY_SYSTEM_CONFIG}
         ray_console.quiet_token_auth_notice()
     ray.init(logging_level="warning", log_to_driver=True, **options)
+    global _RAY_STARTED_HERE
+    _RAY_STARTED_HERE = True
     ray_console.install()
     tighten_token_file()
 
@@ -242,23 +247,25 @@ def resolve_init_from(cfg: JobConfig) -> JobConfig:
 
 
 def train(cfg: JobConfig, callbacks: list | None = None, lock: bool = True, process_start: float | None = None,
-          parent_mlflow_run: str | None = None) -> RunSummary:
+          parent_mlflow_run: str | None = None, end_ray: bool = False) -> RunSummary:
     """Run (or resume, if the run name already has checkpoints) one training job. Blocks until it ends.
     `lock`: hold the run folder's lease (driver/runlock.py); a sweep's trial runs under its sweep's.
     `process_start`: when this process started (the command line's), where the goodput account's start-up
-    begins (default: this call). `parent_mlflow_run`: a sweep's MLflow run, under which this one nests."""
+    begins (default: this call). `parent_mlflow_run`: a sweep's MLflow run, under which this one nests.
+    `end_ray`: shut Ray down as soon as the run ends (the command line, whose process ends with the run: Ray's
+    shutdown, seconds of it, then falls inside the run's accounted time instead of after it)."""
     from behemoth.tracking.run import RunTracking
 
     tracking = RunTracking(cfg, run_dir(cfg), process_start, parent_mlflow_run)
     if not lock:
-        return _train(cfg, callbacks, tracking)
+        return _train(cfg, callbacks, tracking, end_ray)
     from behemoth.driver.runlock import RunLock
 
     with RunLock(run_dir(cfg), f"run '{cfg.checkpoint.run_name}'"):
-        return _train(cfg, callbacks, tracking)
+        return _train(cfg, callbacks, tracking, end_ray)
 
 
-def _train(cfg: JobConfig, callbacks: list | None, tracking) -> RunSummary:
+def _train(cfg: JobConfig, callbacks: list | None, tracking, end_ray: bool = False) -> RunSummary:
     check_resume_compatible(cfg)
     cfg = resolve_init_from(cfg)
     started = time.time()
@@ -268,16 +275,28 @@ def _train(cfg: JobConfig, callbacks: list | None, tracking) -> RunSummary:
     try:
         result = build_trainer(cfg, data, [*tracking.callbacks(), *(callbacks or [])]).fit()
     except TrainingFailedError as e:
+        _end_ray(end_ray)
         tracking.finish("failed")
         if user_facing_error(e) is not None:  # behemoth's own message (bad data, ...) says it better
             raise
         raise RunFailedError(_failure_message(cfg, e)) from e
     summary = _summarise(cfg, result, time.time() - started)
+    _end_ray(end_ray)
     returned = result.return_value or {}
     tracking.finish("finished", returned.get("clock"), returned.get("final_step"), summary.best_checkpoint)
     summary.goodput, summary.report = tracking.account, tracking.report_path
     summary.tensorboard = cfg.tracking.tensorboard
     return summary
+
+
+def _end_ray(end: bool) -> None:
+    """Shut Ray down, if asked and if behemoth started (or connected) it: never a caller's own instance."""
+    global _RAY_STARTED_HERE
+    if end and _RAY_STARTED_HERE:
+        import ray
+
+        ray.shutdown()
+        _RAY_STARTED_HERE = False
 
 
 def _failure_message(cfg: JobConfig, e: Exception) -> str:

@@ -85,60 +85,66 @@ def account(timeline: list[dict], reports: list[dict]) -> Account:
     for r in reports:
         if r.get("group_id") and "step" in r:
             by_group.setdefault(r["group_id"], []).append(r)
+    for rs in by_group.values():
+        rs.sort(key=lambda r: r["wall_time"])
     groups_of = {i: sorted((g for g, rs in by_group.items() if rs[0].get("invocation") == i),
                            key=lambda g: by_group[g][0]["wall_time"]) for i in order}
     sequence = [g for i in order for g in groups_of[i]]  # every worker group of the run, in time order
+    restored_by_next = {g: by_group[nxt][0].get("resumed_from_step", 0) for g, nxt in zip(sequence, sequence[1:])}
 
-    terms = dict.fromkeys(TERMS, 0.0)
-    detail = dict.fromkeys(STARTUP_PARTS, 0.0)
+    terms, detail = dict.fromkeys(TERMS, 0.0), dict.fromkeys(STARTUP_PARTS, 0.0)
     groups, invocations = [], []
     for inv in order:
-        start, end_event = starts[inv], ends.get(inv)
+        start, end_event = starts[inv], ends.get(inv) or {}
         t0 = start.get("marks", {}).get("process_start", start["time"])
-        records = [e["time"] for e in timeline if e.get("invocation") == inv] + [
-            r["wall_time"] for g in groups_of[inv] for r in by_group[g]]
-        t_end = end_event["time"] if end_event else max(records)
-        final_clock = (end_event or {}).get("clock") or {}
-        inv_terms = dict.fromkeys(TERMS, 0.0)
-        boundary, first = t0, True
-        events = sorted((e for e in timeline if e.get("invocation") == inv and e.get("event") in
-                         ("failure", "group_start")), key=lambda e: e["time"])
-        for g in groups_of[inv]:
-            rs = sorted(by_group[g], key=lambda r: r["wall_time"])
-            last = rs[-1]
-            loop_started = last.get("mark_loop_started", rs[0]["wall_time"])
-            later = sequence[sequence.index(g) + 1:]
-            restored = by_group[later[0]][0].get("resumed_from_step", 0) if later else None
-            if final_clock.get("group_id") == g:  # the group returned normally: its final counters
-                ended, cut_counters, cut_time = final_clock["wall_time"], final_clock, final_clock["wall_time"]
-            else:  # failed, resized, or its driver was killed: ends when the controller acted (or at its last report)
-                after = [e["time"] for e in events if e["time"] > last["wall_time"]]
-                ended = min(after) if after else last["wall_time"]
-                cut_counters, cut_time = last, last["wall_time"]
-            if restored is not None:  # the next group went back to `restored`: what came after it is lost
-                kept = [r for r in rs if r["step"] <= restored and r.get("mark_loop_started") is not None]
-                cut_counters, cut_time = (kept[-1], kept[-1]["wall_time"]) if kept else ({}, loop_started)
-            gt = dict.fromkeys(TERMS, 0.0)
-            gt["startup" if first else "downtime"] = loop_started - boundary
-            if first:
-                marks = start.get("marks", {})
-                points = [t0, *(marks.get(m, t0) for m in _STARTUP_MARKS),
-                          last.get("mark_started", loop_started), loop_started]
-                for key, a, b in zip(STARTUP_PARTS, points, points[1:]):
-                    detail[key] += max(b - a, 0.0)
-            for phase, term in _PHASE_TERMS.items():
-                gt[term] = cut_counters.get(f"time_{phase}_s", 0.0)
-            gt["unaccounted"] = (cut_time - loop_started) - sum(gt[t] for t in _PHASE_TERMS.values())
-            gt["lost"] = ended - cut_time
+        t_end = end_event.get("time") or max([e["time"] for e in timeline if e.get("invocation") == inv]
+                                             + [r["wall_time"] for g in groups_of[inv] for r in by_group[g]])
+        acted = sorted(e["time"] for e in timeline if e.get("invocation") == inv and e.get("event") in
+                       ("failure", "group_start"))  # when Ray Train's controller ended or replaced a group
+        inv_terms, boundary = dict.fromkeys(TERMS, 0.0), t0
+        for n, g in enumerate(groups_of[inv]):
+            group = _group(inv, g, by_group[g], end_event.get("clock") or {}, acted, restored_by_next.get(g),
+                           boundary, first=n == 0)
+            if n == 0:
+                _startup_parts(detail, t0, start.get("marks", {}), by_group[g][-1], group.loop_started)
+            groups.append(group)
             for t in TERMS:
-                inv_terms[t] += gt[t]
-            groups.append(GroupAccount(inv, g, int(last.get("world_size", 0)), last.get("mark_started", loop_started),
-                                       loop_started, ended, rs[0]["step"], last["step"],
-                                       int(last.get("resumed_from_step", 0)), restored, loop_started - boundary, gt))
-            boundary, first = ended, False
-        inv_terms["startup" if first else "shutdown"] += t_end - boundary
+                inv_terms[t] += group.terms[t]
+            boundary = group.ended
+        inv_terms["shutdown" if groups_of[inv] else "startup"] += t_end - boundary
         for t in TERMS:
             terms[t] += inv_terms[t]
         invocations.append({"invocation": inv, "start": t0, "end": t_end, "total_s": t_end - t0,
-                            "status": (end_event or {}).get("status", "killed (no end record)"), "terms_s": inv_terms})
+                            "status": end_event.get("status", "killed (no end record)"), "terms_s": inv_terms})
     return Account(terms, sum(i["total_s"] for i in invocations), groups, invocations, detail)
+
+
+def _group(inv: str, g: str, rs: list[dict], final_clock: dict, acted: list[float], restored: int | None,
+           boundary: float, first: bool) -> GroupAccount:
+    """One worker group's account: the time before its first step (start-up or downtime), its measured phases
+    up to the point its work was kept, and what a failure threw away after that."""
+    last = rs[-1]
+    loop_started = last.get("mark_loop_started", rs[0]["wall_time"])
+    if final_clock.get("group_id") == g:  # it returned normally: its final counters, nothing lost
+        ended, cut, cut_time = final_clock["wall_time"], final_clock, final_clock["wall_time"]
+    else:  # failed, resized, or its driver was killed: it ended when the controller acted (or at its last report)
+        ended = min([t for t in acted if t > last["wall_time"]], default=last["wall_time"])
+        cut, cut_time = last, last["wall_time"]
+        if restored is not None:  # the next group went back to step `restored`: what came after it is lost
+            kept = [r for r in rs if r["step"] <= restored and r.get("mark_loop_started") is not None]
+            cut, cut_time = (kept[-1], kept[-1]["wall_time"]) if kept else ({}, loop_started)
+    terms = dict.fromkeys(TERMS, 0.0)
+    terms["startup" if first else "downtime"] = loop_started - boundary
+    for phase, term in _PHASE_TERMS.items():
+        terms[term] = cut.get(f"time_{phase}_s", 0.0)
+    terms["unaccounted"] = (cut_time - loop_started) - sum(terms[t] for t in _PHASE_TERMS.values())
+    terms["lost"] = ended - cut_time
+    return GroupAccount(inv, g, int(last.get("world_size", 0)), last.get("mark_started", loop_started), loop_started,
+                        ended, rs[0]["step"], last["step"], int(last.get("resumed_from_step", 0)), restored,
+                        loop_started - boundary, terms)
+
+
+def _startup_parts(detail: dict, t0: float, marks: dict, report: dict, loop_started: float) -> None:
+    points = [t0, *(marks.get(m, t0) for m in _STARTUP_MARKS), report.get("mark_started", loop_started), loop_started]
+    for key, a, b in zip(STARTUP_PARTS, points, points[1:]):
+        detail[key] += max(b - a, 0.0)
