@@ -96,6 +96,14 @@ def test_a_torn_lease_does_not_block(tmp_path):
         assert read_lease(str(tmp_path))["token"] == lock.lease["token"]
 
 
+def test_a_storage_path_that_is_a_file_is_one_config_error(tmp_path):
+    (tmp_path / "runs").write_text("not a folder")
+    from behemoth.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"cannot create the run folder .*runs/r1 .*checkpoint.storage_path"):
+        RunLock(str(tmp_path / "runs" / "r1"), "train").acquire()
+
+
 def test_train_and_sweep_are_refused_before_ray_starts(tmp_path, live_process):
     import ray
     from behemoth.config import config_from_dict

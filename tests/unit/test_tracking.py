@@ -158,7 +158,7 @@ def test_mlflow_run_is_continued_and_nested(tmp_path):
 
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     c = mlflow_run.client(uri)
-    parent = c.create_run(c.create_experiment("sweeps")).info.run_id
+    parent = c.create_run(mlflow_run.experiment_id_of(c, uri, "sweeps")).info.run_id
     run_dir = str(tmp_path / "run")
     run_id = mlflow_run.open_run(uri, "exp", run_dir, "r1", {"train": {"lr": 0.1}, "model": {"name": "m"}}, parent)
     metrics = mlflow_run.MlflowMetrics(uri, run_id)
@@ -175,6 +175,9 @@ def test_mlflow_run_is_continued_and_nested(tmp_path):
     assert [(m.step, m.value) for m in c.get_metric_history(run_id, "train/loss")] == [(1, 1.0), (2, 0.5),
                                                                                       (3, pytest.approx(1 / 3))]
     assert [a.path for a in c.list_artifacts(run_id)] == ["art.txt"]
+    # artifacts beside the database, not in ./mlruns of the current folder (MLflow's default for sqlite)
+    assert run.info.artifact_uri.startswith(f"file://{tmp_path}/mlartifacts/exp/")
+    assert (tmp_path / "mlartifacts" / "exp" / run_id / "artifacts" / "art.txt").is_file()
 
 
 def test_mlflow_to_a_folder(tmp_path):

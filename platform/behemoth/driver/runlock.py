@@ -112,7 +112,11 @@ class RunLock:
         if not paths.is_uri(self.folder):  # folders this lock creates, removed again if a refused run leaves them empty
             missing = [self.path, *(str(p) for p in Path(self.path).parents)]
             self._created = [d for d in missing if not os.path.isdir(d)]
-        self.fs.create_dir(self.path, recursive=True)
+        try:
+            self.fs.create_dir(self.path, recursive=True)
+        except OSError as e:  # a file where a folder should be, no permission, a read-only mount
+            raise ConfigError(f"cannot create the run folder {self.folder} ({e}): point checkpoint.storage_path "
+                              f"at a folder this driver can write") from None
         held = read_lease(self.folder)
         if held is None and not paths.is_uri(self.folder) and self._create_exclusively():
             return

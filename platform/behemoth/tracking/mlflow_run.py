@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import queue
+import re
 import threading
 
 from behemoth import paths
@@ -65,8 +66,7 @@ def open_run(uri: str, experiment: str, run_dir: str, run_name: str, params: dic
     if known and known.get("uri") == uri:
         c.update_run(known["run_id"], status="RUNNING")
         return known["run_id"]
-    found = c.get_experiment_by_name(experiment)
-    experiment_id = found.experiment_id if found else c.create_experiment(experiment)
+    experiment_id = experiment_id_of(c, uri, experiment)
     tags = {"behemoth.run_dir": run_dir}
     if parent_run_id:
         tags["mlflow.parentRunId"] = parent_run_id
@@ -78,6 +78,22 @@ def open_run(uri: str, experiment: str, run_dir: str, run_name: str, params: dic
         c.log_batch(run_id, params=[Param(k, v) for k, v in items[i:i + 100]])
     write_text(record, json.dumps({"uri": uri, "experiment_id": experiment_id, "run_id": run_id}))
     return run_id
+
+
+def experiment_id_of(c, uri: str, name: str) -> str:
+    """The experiment's id, created if needed. With a sqlite store MLflow would put a new experiment's artifacts
+    under ./mlruns of whatever folder the driver happens to run in; behemoth keeps them beside the database, in
+    DB_FOLDER/mlartifacts/<experiment name> (runs have their own subfolders, by run id)."""
+    found = c.get_experiment_by_name(name)
+    if found:
+        return found.experiment_id
+    if not uri.startswith("sqlite:"):
+        return c.create_experiment(name)  # a folder or a server: MLflow's own place for artifacts
+    from sqlalchemy.engine import make_url
+
+    folder = os.path.dirname(os.path.abspath(make_url(uri).database))
+    safe = re.sub(r"[^A-Za-z0-9._-]", "_", name)
+    return c.create_experiment(name, artifact_location=f"file://{folder}/mlartifacts/{safe}")
 
 
 def finish(uri: str, run_id: str, status: str, metrics: dict[str, float], step: int,

@@ -252,6 +252,9 @@ def write_sweep_report(sweep_dir: str) -> str:
         numeric = pd.to_numeric(table[key], errors="coerce")
         if numeric.notna().all() and (numeric > 0).all() and numeric.max() / numeric.min() >= 20:
             ax.set_xscale("log")
+            values = sorted(numeric.unique())  # ticks at the swept values only, written plainly
+            ax.set_xticks(values, [f"{v:g}" for v in values])
+            ax.xaxis.set_minor_locator(plt.NullLocator())
         ax.set_xlabel(key)
         ax.set_ylabel(f"{metric} (last evaluation)")
         ax.set_title(f"{metric} against {key}")

@@ -107,6 +107,8 @@ def train_loop_per_worker(loop_config: dict) -> dict:
             state.advance(epoch_steps, global_batch)
             # the step's time, less what it waited for a checkpoint snapshot (counted as checkpoint time)
             clock.add("step", time.perf_counter() - step_started - (clock.totals["checkpoint"] - blocked_before))
+            if "first_step" not in clock.marks:
+                clock.mark("first_step")  # time to first step: the start-up a user waits through
             if report_due(cfg, state, total_steps):
                 reporter.report(state, window, bad_ids)
                 window = Window()
