@@ -54,8 +54,9 @@ class PngFolder(torch.utils.data.Dataset):
     """ROOT/<class>/<image>.png, classes in sorted order (torchvision's ImageFolder layout)."""
 
     def __init__(self, root: Path, train: bool, size: int = 32, pad: int = 4):
-        self.classes = sorted(p.name for p in root.iterdir() if p.is_dir())
-        self.items = [(str(f), i) for i, c in enumerate(self.classes) for f in sorted((root / c).iterdir())]
+        # (not `classes`: cloudpickle would then ship the `torch.classes` module with train_func, and fail)
+        self.class_names = sorted(p.name for p in root.iterdir() if p.is_dir())
+        self.items = [(str(f), i) for i, c in enumerate(self.class_names) for f in sorted((root / c).iterdir())]
         self.train, self.size, self.pad = train, size, pad
 
     def __len__(self):
@@ -91,7 +92,7 @@ def train_func(config: dict) -> None:
     val_loader = ray.train.torch.prepare_data_loader(torch.utils.data.DataLoader(val_set, **loader_args))
 
     torch.manual_seed(0)
-    model = ray.train.torch.prepare_model(build_model("regnet_tiny_cifar", len(train_set.classes)))
+    model = ray.train.torch.prepare_model(build_model("regnet_tiny_cifar", len(train_set.class_names)))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, nesterov=True, weight_decay=5e-4)
     total, warmup = config["epochs"] * len(train_loader), 20
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: (s + 1) / warmup if s < warmup else
@@ -103,7 +104,7 @@ def train_func(config: dict) -> None:
             train_loader.sampler.set_epoch(epoch)
         model.train()
         for images, labels in train_loader:
-            loss = torch.nn.functional.cross_entropy(model(images), labels)
+            loss = torch.nn.functional.cross_entropy(model(images).logits, labels)
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
@@ -115,7 +116,7 @@ def train_func(config: dict) -> None:
         correct, count = torch.zeros(()), torch.zeros(())
         with torch.no_grad():
             for images, labels in val_loader:
-                correct += (model(images).argmax(1) == labels).sum()
+                correct += (model(images).logits.argmax(1) == labels).sum()
                 count += len(labels)
         torch.distributed.all_reduce(correct)
         torch.distributed.all_reduce(count)

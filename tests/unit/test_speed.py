@@ -113,3 +113,30 @@ def test_progress_line_shows_mfu_and_memory():
          "mfu": 0.123, "peak_mem_gb": 1.5, "eta_s": 30}
     line = metrics.progress_line(m, 20, 1)
     assert "MFU 12.3%" in line and "mem 1.50 GB" in line and "data-wait 25%" in line
+
+
+def test_ray_data_scheduling_loop_is_paced_only_while_the_consumer_has_batches(monkeypatch):
+    """behemoth.data.pace_scheduling_loop: Ray Data's loop spun while training (the consumer) was busy."""
+    import time
+
+    from ray.data._internal.execution.streaming_executor import StreamingExecutor
+
+    from behemoth import data
+
+    steps, sleeps = [], []
+    monkeypatch.setattr(StreamingExecutor, "_scheduling_loop_step", lambda self, topology: steps.append(1) or True)
+    monkeypatch.setattr(time, "sleep", sleeps.append)
+    data.pace_scheduling_loop()
+    data.pace_scheduling_loop()  # installed once: a second call does not wrap it again
+
+    class Executor:
+        idle = False
+
+        def _consumer_idling(self):
+            return self.idle
+
+    ex = Executor()
+    assert StreamingExecutor._scheduling_loop_step(ex, None) is True and sleeps == [data.SCHEDULER_PAUSE_S]
+    ex.idle = True  # the consumer waits for data: no pause
+    StreamingExecutor._scheduling_loop_step(ex, None)
+    assert sleeps == [data.SCHEDULER_PAUSE_S] and len(steps) == 2

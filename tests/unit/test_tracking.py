@@ -57,6 +57,11 @@ def test_a_finished_run_adds_up_and_counts_its_phases():
     assert acc.startup_detail == pytest.approx({"imports": 1, "data_check": 1, "ray": 2, "data_prepare": 1,
                                                 "tracking": 3, "workers": 9, "model_and_restore": 3})
     assert "18.3% of 30.0 s" in acc.line()
+    assert acc.startup_line() is None  # the reports carry no first-step mark
+    for r in reports:
+        r["mark_first_step"] = T0 + 20.7
+    line = goodput.account(timeline, reports).startup_line()
+    assert line.startswith("20.7 s from process start to the end of the first step (imports 1.0, data check 1.0,")
 
 
 def test_a_worker_failure_loses_the_time_since_the_restored_checkpoint():

@@ -36,4 +36,38 @@ def ordered_data_context(ray_data_log_level: int = logging.WARNING):
     logging.getLogger("ray.data").setLevel(ray_data_log_level)
     # With the bars off, Ray Data says once per process how to turn them back on: not news in a behemoth run.
     logging.getLogger("ray.data._internal.progress").setLevel(logging.ERROR)
+    pace_scheduling_loop()
     return ctx
+
+
+# Ray Data runs a dataset's scheduling loop in a thread of the process that iterates it: for behemoth's
+# pipelines, the training worker. Ray 2.60's loop blocks only in ray.wait on running tasks, which returns at
+# once when finished tasks' outputs are held back by backpressure (the consumer, training, is the slow side):
+# it then spins, updating resource budgets and Prometheus gauges hundreds of times a second. A py-spy profile of
+# a demo training worker counted the loop's thread as busy as the training thread itself (707 vs 682 samples
+# of 25 s), competing with it for the GIL and the core. While the consumer has batches waiting (it is not
+# idle), nothing the loop could do is urgent: behemoth paces it to one step per SCHEDULER_PAUSE_S. When the
+# consumer waits for data, the loop runs at full speed as before.
+SCHEDULER_PAUSE_S = 0.02
+
+
+def pace_scheduling_loop() -> None:
+    """Install the pacing above (once per process; a Ray without this private loop is left as it is)."""
+    import time
+
+    try:
+        from ray.data._internal.execution.streaming_executor import StreamingExecutor
+    except ImportError:
+        return
+    step = getattr(StreamingExecutor, "_scheduling_loop_step", None)
+    if step is None or getattr(step, "paced_by_behemoth", False) or not hasattr(StreamingExecutor, "_consumer_idling"):
+        return
+
+    def paced_step(self, topology):
+        go_on = step(self, topology)
+        if go_on and not self._consumer_idling():
+            time.sleep(SCHEDULER_PAUSE_S)
+        return go_on
+
+    paced_step.paced_by_behemoth = True
+    StreamingExecutor._scheduling_loop_step = paced_step

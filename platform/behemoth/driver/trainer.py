@@ -52,6 +52,8 @@ class RunSummary:
         out.append(f"wall time:         {self.wall_s:.1f} s")
         if self.goodput is not None:
             out.append(f"goodput:           {self.goodput.line()}")
+            if self.goodput.startup_line():
+                out.append(f"first step:        {self.goodput.startup_line()}")
         if self.tensorboard:
             out.append(f"tensorboard:       tensorboard --logdir {self.run_dir}")
         if self.report:

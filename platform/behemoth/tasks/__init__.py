@@ -39,11 +39,15 @@ class Task(Protocol):
 
     def train_batches(self, indices, epoch: int, batch_size: int) -> Iterable[dict]:
         """Batches of the samples at `indices`, in that order. Each batch holds a "sample_id" tensor: the
-        indices it carries (the sample ledger records them)."""
+        indices it carries (the sample ledger records them). The next epoch's call comes from a background
+        thread a few steps before the current epoch's batches run out (behemoth.worker.feed), so two of its
+        iterators may be alive at once."""
 
     def eval_batches(self, indices, batch_size: int, split: str = "val") -> Iterable[dict]:
         """Evaluation batches (no augmentation) of the samples at `indices` of a split: "val", or "train"
-        (only `behemoth eval --split train` asks for it)."""
+        (only `behemoth eval --split train` asks for it). A task whose evaluation batches are the same at
+        every call may say so with a class attribute `eval_batches_repeat = True`: the worker then keeps
+        them after the first evaluation (up to behemoth.worker.evaluate.KEEP_BYTES per worker)."""
 
     def example_batch(self, batch_size: int) -> dict:
         """A batch of the right shapes on the training device (FLOP counting, micro-batch search)."""

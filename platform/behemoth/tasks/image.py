@@ -104,6 +104,7 @@ class ImageClassification:
     # --- worker side ------------------------------------------------------------------------------------
     tokens_per_sample = None
     eval_size = 4  # see eval_sums
+    eval_batches_repeat = True  # centre-fitted, never augmented: the worker keeps them after the first evaluation
 
     def __init__(self, cfg: JobConfig, index: ImageIndex):
         self.cfg, self.index = cfg, index

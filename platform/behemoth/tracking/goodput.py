@@ -71,6 +71,17 @@ class Account:
         return (f"{self.goodput:.1%} of {self.total_s:.1f} s trained (productive {self.terms['productive']:.1f} s; "
                 + ", ".join(shown) + ")")
 
+    def startup_line(self) -> str | None:
+        """Time to the first step of the latest invocation (the command just run) and where it went."""
+        latest = self.invocations[-1] if self.invocations else {}
+        if latest.get("first_step_s") is None:
+            return None
+        parts = ""
+        if len(self.invocations) == 1:  # the detail is summed over invocations: shown for a single one
+            shown = [f"{k.replace('_', ' ')} {v:.1f}" for k, v in self.startup_detail.items() if v >= 0.05]
+            parts = f" ({', '.join(shown)} s; then the first batch and step)"
+        return f"{latest['first_step_s']:.1f} s from process start to the end of the first step{parts}"
+
     def as_dict(self) -> dict:
         return {"goodput": self.goodput, "total_s": self.total_s, "terms_s": self.terms,
                 "startup_detail_s": self.startup_detail, "invocations": self.invocations,
@@ -114,8 +125,11 @@ def account(timeline: list[dict], reports: list[dict]) -> Account:
         inv_terms["shutdown" if groups_of[inv] else "startup"] += t_end - boundary
         for t in TERMS:
             terms[t] += inv_terms[t]
+        first_step = next((r["mark_first_step"] for g in groups_of[inv] for r in by_group[g]
+                           if "mark_first_step" in r), None)
         invocations.append({"invocation": inv, "start": t0, "end": t_end, "total_s": t_end - t0,
-                            "status": end_event.get("status", "killed (no end record)"), "terms_s": inv_terms})
+                            "status": end_event.get("status", "killed (no end record)"), "terms_s": inv_terms,
+                            "first_step_s": None if first_step is None else first_step - t0})
     return Account(terms, sum(i["total_s"] for i in invocations), groups, invocations, detail)
 
 

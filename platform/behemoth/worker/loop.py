@@ -15,7 +15,6 @@ operations (all-reduce, ray.train.report) the same number of times.
 from __future__ import annotations
 
 import contextlib
-import itertools
 import time
 
 import ray
@@ -25,11 +24,12 @@ import torch
 
 from behemoth.checkpoint import TrainState
 from behemoth.config import JobConfig, config_from_dict
-from behemoth.data.order import rank_train_indices, steps_per_epoch
+from behemoth.data.order import steps_per_epoch
 from behemoth.metrics import PhaseClock, Window
 from behemoth.tasks import Task, make_task
 from behemoth.worker import parallel
 from behemoth.worker.console import console, quiet_ray_train_reports
+from behemoth.worker.feed import EpochFeed
 from behemoth.worker.ledger import SampleLedger
 from behemoth.worker.optim import build_optimizer, warmup_cosine
 from behemoth.worker.plan import batch_plan
@@ -63,7 +63,7 @@ def train_loop_per_worker(loop_config: dict) -> dict:
     init_line = load_init_from(model, cfg, task)
     clock.mark("model_built")
     micro_batch, accum = batch_plan(cfg, world, model, task, device, rank)
-    speed = SpeedMeter(cfg, task, model, device, world, micro_batch, accum)
+    speed = SpeedMeter(cfg, task, model, device, world, micro_batch, accum, rank)
     # DDP (gloo on CPU, nccl on GPU) or FSDP; gradient compression; torch.compile.
     model, hook_state = parallel.wrap(model, cfg, console=console if rank == 0 else lambda m: None)
     optimizer = build_optimizer(model, cfg.train)
@@ -88,12 +88,10 @@ def train_loop_per_worker(loop_config: dict) -> dict:
         reporter.completed_run(state)
 
     window, bad_ids = Window(), set()
+    feed = EpochFeed(task, cfg, rank, world, micro_batch, accum, epoch_steps)  # the next epoch starts early
     clock.mark("loop_started")
     while state.step < total_steps:
-        indices = rank_train_indices(task.num_train_samples, global_batch, cfg.train.seed, state.epoch,
-                                     rank, world, start_step=state.step_in_epoch)
-        batches = _grouped(task.train_batches(indices, state.epoch, micro_batch), accum)
-        for micro_batches, wait_s in _timed(batches):
+        for micro_batches, wait_s in _timed(feed.steps(state)):
             clock.add("data_wait", wait_s)
             step_started, blocked_before = time.perf_counter(), clock.totals["checkpoint"]
             # Reseed per step: dropout and the like draw from (seed, rank, step), so a resume is exact.
@@ -105,6 +103,7 @@ def train_loop_per_worker(loop_config: dict) -> dict:
             window.add(loss_sum, n_valid, wait_s)
             ledger.record(state, micro_batches, loss_sum, n_valid)
             state.advance(epoch_steps, global_batch)
+            feed.ahead(state, total_steps)
             # the step's time, less what it waited for a checkpoint snapshot (counted as checkpoint time)
             clock.add("step", time.perf_counter() - step_started - (clock.totals["checkpoint"] - blocked_before))
             if "first_step" not in clock.marks:
@@ -166,13 +165,6 @@ def _announce_resume(cfg: JobConfig, state: TrainState, world: int, micro_batch:
         console(f"world size {state.world_size} -> {world}: samples per worker and step "
                 f"{global_batch // state.world_size} -> {global_batch // world} (micro-batch {micro_batch} x "
                 f"{accum} accumulation steps); global batch {global_batch}, LR schedule and sample order unchanged")
-
-
-def _grouped(iterable, n: int):
-    """Lists of n consecutive items (the micro-batches of one optimizer step); a short tail is dropped."""
-    it = iter(iterable)
-    while len(group := list(itertools.islice(it, n))) == n:
-        yield group
 
 
 def _timed(iterable):

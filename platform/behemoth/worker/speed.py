@@ -9,24 +9,37 @@ from behemoth.tasks import Task
 
 class SpeedMeter:
     """Achieved TFLOP/s, MFU and peak memory for the reports. The model's FLOPs per sample are counted once,
-    before training, on a forward of one example batch. MFU only where the device's peak is known (a GPU's
-    data sheet, or train.peak_tflops): see metrics.peak_flops."""
+    before training, on a forward of one example batch, by rank 0 only: the run's metrics are rank 0's (Ray
+    Train keeps rank 0's report), and torch's FLOP counter costs seconds the first time in a process (it
+    imports torch._dynamo: 1.9 s on an idle core, 3.5 s with both demo workers doing it at once on 2 cores).
+    MFU only where the device's peak is known (a GPU's data sheet, or train.peak_tflops): see
+    metrics.peak_flops."""
 
-    def __init__(self, cfg: JobConfig, task: Task, model, device, world: int, micro_batch: int, accum: int):
+    def __init__(self, cfg: JobConfig, task: Task, model, device, world: int, micro_batch: int, accum: int,
+                 rank: int = 0):
         self.device, self.world, self.micro_batch, self.accum = device, world, micro_batch, accum
+        self.peak, self.peak_source = metrics.peak_flops(device, cfg.train.precision, cfg.train.peak_tflops)
+        self.flops_per_sample = None
+        if rank == 0:
+            self.flops_per_sample = self._count(task, model)
+
+    @staticmethod
+    def _count(task: Task, model) -> float:
         buffers = {k: v.clone() for k, v in model.named_buffers()}
         model.eval()
         batch = task.example_batch(1)  # FLOPs per sample do not depend on the batch; one sample is cheapest
-        self.flops_per_sample = metrics.training_flops_per_sample(lambda: task.loss(model, batch), 1)
+        flops = metrics.training_flops_per_sample(lambda: task.loss(model, batch), 1)
         model.train()
         model.load_state_dict(buffers, strict=False)
-        self.peak, self.peak_source = metrics.peak_flops(device, cfg.train.precision, cfg.train.peak_tflops)
+        return flops
 
     def metrics(self, samples_per_s: float) -> dict:
-        out = {"tflops_per_worker": self.flops_per_sample * samples_per_s / self.world / 1e12,
-               "peak_mem_gb": metrics.peak_memory_bytes(self.device) / 1e9,
-               "model_tflops_per_sample": self.flops_per_sample / 1e12,
+        out = {"peak_mem_gb": metrics.peak_memory_bytes(self.device) / 1e9,
                "micro_batch_size": self.micro_batch, "grad_accum_steps": self.accum}
+        if self.flops_per_sample is None:  # ranks other than 0: their reports' metrics are not kept
+            return out
+        out["tflops_per_worker"] = self.flops_per_sample * samples_per_s / self.world / 1e12
+        out["model_tflops_per_sample"] = self.flops_per_sample / 1e12
         if self.peak:
             out["mfu"] = metrics.mfu(self.flops_per_sample, samples_per_s, self.world, self.peak)
         return out

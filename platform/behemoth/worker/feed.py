@@ -1,0 +1,84 @@
+"""The rank's training batches, epoch after epoch, with the next epoch's input pipeline started before the
+current epoch ends.
+
+Each epoch has its own pipeline (the image task's is a Ray Dataset over the rank's samples in the epoch's
+order): starting one costs seconds before its first batch (the execution plan, the first decode tasks, the
+processes that run them), which the training steps would wait through at every epoch start (the demo: ~3 s per
+epoch on 2 cores, most of its data-wait). So, `LOOKAHEAD_STEPS` before an epoch's end, a background thread
+builds the next epoch's pipeline and pulls its first micro-batches: its start-up overlaps the last steps
+and the end-of-epoch evaluation. The order is unchanged: the next epoch's samples depend only on (seed,
+epoch, rank, world size), as they do when it is started at the boundary; a resume starts mid-epoch as before.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from typing import Callable, Iterable, Iterator
+
+from behemoth.checkpoint import TrainState
+from behemoth.data.order import rank_train_indices
+
+LOOKAHEAD_STEPS = 4  # ~1 s of steps here, plus the end-of-epoch evaluation: what a pipeline's start-up needs
+
+
+class EpochFeed:
+    """`steps(state)`: lists of `accum` micro-batches, one per optimizer step, from the state's position to the
+    end of its epoch. `ahead(state, total_steps)` after each step starts the next epoch early when due."""
+
+    def __init__(self, task, cfg, rank: int, world: int, micro_batch: int, accum: int, epoch_steps: int):
+        self.task, self.cfg, self.rank, self.world = task, cfg, rank, world
+        self.micro_batch, self.accum, self.epoch_steps = micro_batch, accum, epoch_steps
+        self._next: _Started | None = None
+
+    def steps(self, state: TrainState) -> Iterator[list]:
+        if self._next is not None and self._next.epoch == state.epoch and state.step_in_epoch == 0:
+            started, self._next = self._next, None
+            return started.iterator()
+        return self._open(state.epoch, state.step_in_epoch)
+
+    def ahead(self, state: TrainState, total_steps: int) -> None:
+        left = self.epoch_steps - state.step_in_epoch
+        next_epoch_starts_at = state.step + left
+        if self._next is None and 0 < left <= LOOKAHEAD_STEPS and next_epoch_starts_at < total_steps:
+            epoch = state.epoch + 1  # bound now: the state moves on while the thread starts
+            self._next = _Started(epoch, lambda: self._open(epoch, 0))
+
+    def _open(self, epoch: int, start_step: int) -> Iterator[list]:
+        indices = rank_train_indices(self.task.num_train_samples, self.cfg.train.global_batch_size,
+                                     self.cfg.train.seed, epoch, self.rank, self.world, start_step=start_step)
+        return _grouped(self.task.train_batches(indices, epoch, self.micro_batch), self.accum)
+
+
+class _Started:
+    """An epoch's step iterator opened in a daemon thread that also pulls its first step's batches."""
+
+    _END = object()
+
+    def __init__(self, epoch: int, open_fn: Callable[[], Iterator]):
+        self.epoch, self._box = epoch, {}
+        self._thread = threading.Thread(target=self._pull, args=(open_fn,), daemon=True,
+                                        name=f"behemoth-epoch-{epoch}")
+        self._thread.start()
+
+    def _pull(self, open_fn) -> None:
+        try:
+            it = open_fn()
+            self._box["first"], self._box["it"] = next(it, self._END), it
+        except BaseException as e:  # noqa: BLE001 - raised in the training thread when the epoch begins
+            self._box["error"] = e
+
+    def iterator(self) -> Iterator[list]:
+        self._thread.join()
+        if "error" in self._box:
+            raise self._box["error"]
+        if self._box["first"] is not self._END:
+            yield self._box["first"]
+            yield from self._box["it"]
+
+
+def _grouped(iterable: Iterable, n: int) -> Iterator[list]:
+    """Lists of n consecutive items (the micro-batches of one optimizer step); a short tail is dropped."""
+    it = iter(iterable)
+    while len(group := list(itertools.islice(it, n))) == n:
+        yield group

@@ -1,0 +1,107 @@
+"""The epoch feed: the next epoch's pipeline is opened (and its first step pulled) before the current epoch
+ends, and the steps it delivers are exactly those of opening every epoch at its boundary."""
+
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+from behemoth.checkpoint import TrainState
+from behemoth.data.order import rank_train_indices
+from behemoth.worker.feed import LOOKAHEAD_STEPS, EpochFeed
+
+SAMPLES, BATCH, WORLD, EPOCH_STEPS = 100, 8, 2, 12  # 12 steps of 8 (4 per rank), 4 samples dropped
+
+
+class Task:
+    """Batches are the sample ids themselves; records which epoch was opened when, and from which thread."""
+
+    num_train_samples = SAMPLES
+
+    def __init__(self, fail_epoch=None):
+        self.opened, self.fail_epoch = [], fail_epoch
+
+    def train_batches(self, indices, epoch, batch_size):
+        self.opened.append((epoch, threading.current_thread().name, self.steps_done))
+        if epoch == self.fail_epoch:
+            raise ValueError(f"cannot read epoch {epoch}")
+        time.sleep(0.05)  # a pipeline's start-up
+        return ([int(i) for i in indices[j:j + batch_size]] for j in range(0, len(indices), batch_size))
+
+
+def cfg():
+    return SimpleNamespace(train=SimpleNamespace(global_batch_size=BATCH, seed=3))
+
+
+def run(task, total_steps, rank=0, state=None, micro_batch=2, accum=2):
+    """The loop's use of the feed; returns the micro-batches of every step."""
+    feed, state = EpochFeed(task, cfg(), rank, WORLD, micro_batch, accum, EPOCH_STEPS), state or TrainState()
+    out = []
+    while state.step < total_steps:
+        for step in feed.steps(state):
+            out.append(step)
+            task.steps_done = state.step + 1
+            state.advance(EPOCH_STEPS, BATCH)
+            feed.ahead(state, total_steps)
+            if state.step >= total_steps:
+                break
+    return out
+
+
+def expected(total_steps, rank=0, start=0, micro_batch=2):
+    out = []
+    for step in range(start, total_steps):
+        epoch, in_epoch = divmod(step, EPOCH_STEPS)
+        ids = [int(i) for i in rank_train_indices(SAMPLES, BATCH, 3, epoch, rank, WORLD, start_step=in_epoch)[:4]]
+        out.append([ids[:micro_batch], ids[micro_batch:]])
+    return out
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_same_steps_as_opening_each_epoch_at_its_boundary(rank):
+    task = Task()
+    task.steps_done = 0
+    assert run(task, 3 * EPOCH_STEPS, rank) == expected(3 * EPOCH_STEPS, rank)
+    # epochs 1 and 2 were opened in the background, from LOOKAHEAD_STEPS before their start (when the thread
+    # got going) to their start at the latest (the training thread waits for it there)
+    assert [(e, name.startswith("behemoth-epoch")) for e, name, _ in task.opened] == [(0, False), (1, True), (2, True)]
+    for epoch, _, at in task.opened[1:]:
+        assert epoch * EPOCH_STEPS - LOOKAHEAD_STEPS <= at <= epoch * EPOCH_STEPS
+
+
+def test_a_resume_mid_epoch_and_a_run_ending_mid_epoch():
+    task = Task()
+    task.steps_done = 17
+    state = TrainState(step=17, epoch=1, step_in_epoch=5)
+    total = 2 * EPOCH_STEPS + 5  # max_steps inside epoch 2
+    assert run(task, total, state=state) == expected(total, start=17)
+    assert [e for e, _, _ in task.opened] == [1, 2]
+
+
+def test_nothing_is_opened_past_the_last_step():
+    task = Task()
+    task.steps_done = 0
+    run(task, 2 * EPOCH_STEPS)
+    assert [e for e, _, _ in task.opened] == [0, 1]  # no epoch 2
+
+
+def test_an_error_opening_the_next_epoch_is_raised_in_the_training_thread_at_its_start():
+    task = Task(fail_epoch=1)
+    task.steps_done = 0
+    seen = []
+    with pytest.raises(ValueError, match="cannot read epoch 1"):
+        for step in run_steps(task, 2 * EPOCH_STEPS, seen):
+            pass
+    assert len(seen) == EPOCH_STEPS  # every step of epoch 0 trained first
+
+
+def run_steps(task, total_steps, seen):
+    feed, state = EpochFeed(task, cfg(), 0, WORLD, 4, 1, EPOCH_STEPS), TrainState()
+    while state.step < total_steps:
+        for step in feed.steps(state):
+            seen.append(step)
+            task.steps_done = state.step + 1
+            state.advance(EPOCH_STEPS, BATCH)
+            feed.ahead(state, total_steps)
+            yield step
+
