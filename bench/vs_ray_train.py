@@ -30,8 +30,11 @@ def run_behemoth(epochs: int, storage: str, name: str) -> dict:
     cmd = [sys.executable, "-m", "behemoth", "train", "jobs/configs/demo_images.yaml", f"--set=train.epochs={epochs}",
            f"--set=checkpoint.storage_path={storage}", f"--set=checkpoint.run_name={name}"]
     launched = time.time()
-    subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, check=True)
+    out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, check=True).stdout
     wall = time.time() - launched
+    for line in out.splitlines():  # where behemoth's time went, for each run
+        if line.strip().startswith(("goodput:", "first step:")):
+            print("   ", line.strip())
     reports = [json.loads(line) for line in (Path(storage) / name / "metrics.jsonl").read_text().splitlines()]
     last_eval = [r for r in reports if "val_accuracy" in r][-1]
     return {"wall": wall, "first_step": reports[0]["mark_first_step"] - launched,

@@ -33,9 +33,11 @@ def cfg():
     return SimpleNamespace(train=SimpleNamespace(global_batch_size=BATCH, seed=3))
 
 
-def run(task, total_steps, rank=0, state=None, micro_batch=2, accum=2):
+def run(task, total_steps, rank=0, state=None, micro_batch=2, accum=2, start=False):
     """The loop's use of the feed; returns the micro-batches of every step."""
     feed, state = EpochFeed(task, cfg(), rank, WORLD, micro_batch, accum, EPOCH_STEPS), state or TrainState()
+    if start:
+        feed.start(state)
     out = []
     while state.step < total_steps:
         for step in feed.steps(state):
@@ -76,6 +78,15 @@ def test_a_resume_mid_epoch_and_a_run_ending_mid_epoch():
     total = 2 * EPOCH_STEPS + 5  # max_steps inside epoch 2
     assert run(task, total, state=state) == expected(total, start=17)
     assert [e for e, _, _ in task.opened] == [1, 2]
+
+
+def test_the_first_epoch_started_before_the_loop_is_the_one_the_loop_takes():
+    task = Task()
+    task.steps_done = 17
+    state = TrainState(step=17, epoch=1, step_in_epoch=5)  # a resume: epoch 1 from its step 5
+    total = 3 * EPOCH_STEPS
+    assert run(task, total, state=state, start=True) == expected(total, start=17)
+    assert [(e, name.startswith("behemoth-epoch")) for e, name, _ in task.opened] == [(1, True), (2, True)]
 
 
 def test_nothing_is_opened_past_the_last_step():

@@ -6,7 +6,8 @@ order): starting one costs seconds before its first batch (the execution plan, t
 processes that run them), which the training steps would wait through at every epoch start (the demo: ~3 s per
 epoch on 2 cores, most of its data-wait). So, `LOOKAHEAD_STEPS` before an epoch's end, a background thread
 builds the next epoch's pipeline and pulls its first micro-batches: its start-up overlaps the last steps
-and the end-of-epoch evaluation. The order is unchanged: the next epoch's samples depend only on (seed,
+and the end-of-epoch evaluation. The run's first epoch is opened the same way right after the restore, so
+that rank 0's FLOP count overlaps its start-up. The order is unchanged: the next epoch's samples depend only on (seed,
 epoch, rank, world size), as they do when it is started at the boundary; a resume starts mid-epoch as before.
 """
 
@@ -31,9 +32,16 @@ class EpochFeed:
         self.micro_batch, self.accum, self.epoch_steps = micro_batch, accum, epoch_steps
         self._next: _Started | None = None
 
+    def start(self, state: TrainState) -> None:
+        """Open the state's epoch (from its position) in the background: the set-up before the first step
+        (the FLOP count) overlaps the pipeline's start-up."""
+        epoch, start_step = state.epoch, state.step_in_epoch
+        self._next = _Started(epoch, start_step, lambda: self._open(epoch, start_step))
+
     def steps(self, state: TrainState) -> Iterator[list]:
-        if self._next is not None and self._next.epoch == state.epoch and state.step_in_epoch == 0:
-            started, self._next = self._next, None
+        started = self._next
+        if started is not None and (started.epoch, started.start_step) == (state.epoch, state.step_in_epoch):
+            self._next = None
             return started.iterator()
         return self._open(state.epoch, state.step_in_epoch)
 
@@ -42,7 +50,7 @@ class EpochFeed:
         next_epoch_starts_at = state.step + left
         if self._next is None and 0 < left <= LOOKAHEAD_STEPS and next_epoch_starts_at < total_steps:
             epoch = state.epoch + 1  # bound now: the state moves on while the thread starts
-            self._next = _Started(epoch, lambda: self._open(epoch, 0))
+            self._next = _Started(epoch, 0, lambda: self._open(epoch, 0))
 
     def _open(self, epoch: int, start_step: int) -> Iterator[list]:
         indices = rank_train_indices(self.task.num_train_samples, self.cfg.train.global_batch_size,
@@ -55,8 +63,8 @@ class _Started:
 
     _END = object()
 
-    def __init__(self, epoch: int, open_fn: Callable[[], Iterator]):
-        self.epoch, self._box = epoch, {}
+    def __init__(self, epoch: int, start_step: int, open_fn: Callable[[], Iterator]):
+        self.epoch, self.start_step, self._box = epoch, start_step, {}
         self._thread = threading.Thread(target=self._pull, args=(open_fn,), daemon=True,
                                         name=f"behemoth-epoch-{epoch}")
         self._thread.start()

@@ -63,7 +63,9 @@ def train_loop_per_worker(loop_config: dict) -> dict:
     init_line = load_init_from(model, cfg, task)
     clock.mark("model_built")
     micro_batch, accum = batch_plan(cfg, world, model, task, device, rank)
-    speed = SpeedMeter(cfg, task, model, device, world, micro_batch, accum, rank)
+    speed = SpeedMeter(cfg, device, world, micro_batch, accum)
+    if rank == 0 and SpeedMeter.counts_before_wrapping(cfg):
+        speed.count(task, model)
     # DDP (gloo on CPU, nccl on GPU) or FSDP; gradient compression; torch.compile.
     model, hook_state = parallel.wrap(model, cfg, console=console if rank == 0 else lambda m: None)
     optimizer = build_optimizer(model, cfg.train)
@@ -73,6 +75,11 @@ def train_loop_per_worker(loop_config: dict) -> dict:
     # Resume: the latest good checkpoint restores weights, optimizer, schedule, scaler, compression state and
     # the data position.
     state = restore_latest(run) or TrainState(world_size=world)
+    feed = EpochFeed(task, cfg, rank, world, micro_batch, accum, epoch_steps)
+    if state.step < total_steps:
+        feed.start(state)  # the first epoch's pipeline starts in the background (and the next ones early)
+    if rank == 0 and speed.flops_per_sample is None:
+        speed.count(task, parallel.unwrap(run.model))  # ... while rank 0 counts the model's FLOPs
     clock.mark("restored")
     if rank == 0:
         _announce_resume(cfg, state, world, micro_batch, accum)
@@ -88,7 +95,6 @@ def train_loop_per_worker(loop_config: dict) -> dict:
         reporter.completed_run(state)
 
     window, bad_ids = Window(), set()
-    feed = EpochFeed(task, cfg, rank, world, micro_batch, accum, epoch_steps)  # the next epoch starts early
     clock.mark("loop_started")
     while state.step < total_steps:
         for micro_batches, wait_s in _timed(feed.steps(state)):

@@ -15,23 +15,26 @@ class SpeedMeter:
     MFU only where the device's peak is known (a GPU's data sheet, or train.peak_tflops): see
     metrics.peak_flops."""
 
-    def __init__(self, cfg: JobConfig, task: Task, model, device, world: int, micro_batch: int, accum: int,
-                 rank: int = 0):
+    def __init__(self, cfg: JobConfig, device, world: int, micro_batch: int, accum: int):
         self.device, self.world, self.micro_batch, self.accum = device, world, micro_batch, accum
         self.peak, self.peak_source = metrics.peak_flops(device, cfg.train.precision, cfg.train.peak_tflops)
-        self.flops_per_sample = None
-        if rank == 0:
-            self.flops_per_sample = self._count(task, model)
+        self.flops_per_sample = None  # set by count(), on rank 0
 
     @staticmethod
-    def _count(task: Task, model) -> float:
+    def counts_before_wrapping(cfg: JobConfig) -> bool:
+        """FSDP gathers parameters in every forward (rank 0 cannot run one alone) and a compiled model would
+        compile for the count: those count on the plain module, before wrapping. DDP counts after the restore,
+        on the module inside DDP, while the first epoch's pipeline starts (worker/feed.py)."""
+        return cfg.scaling.strategy != "ddp" or cfg.train.compile
+
+    def count(self, task: Task, model) -> None:
+        """Count the FLOPs per sample on `model`, a plain module (no wrapper, no collectives in its forward)."""
         buffers = {k: v.clone() for k, v in model.named_buffers()}
         model.eval()
         batch = task.example_batch(1)  # FLOPs per sample do not depend on the batch; one sample is cheapest
-        flops = metrics.training_flops_per_sample(lambda: task.loss(model, batch), 1)
+        self.flops_per_sample = metrics.training_flops_per_sample(lambda: task.loss(model, batch), 1)
         model.train()
         model.load_state_dict(buffers, strict=False)
-        return flops
 
     def metrics(self, samples_per_s: float) -> dict:
         out = {"peak_mem_gb": metrics.peak_memory_bytes(self.device) / 1e9,
