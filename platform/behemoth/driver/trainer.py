@@ -107,7 +107,13 @@ def ensure_ray() -> None:
 # training workers (and their decode tasks) are the workload: at niceness 15 they yield the CPU to every
 # daemon wake-up, and on 2 cores the image pipeline trained ~25% slower (P2 in BENCHMARKS.md: 138-163
 # images/s at 15, 194-202 at 0). A cluster started with `ray start` keeps Ray's default.
-LOCAL_RAY_SYSTEM_CONFIG = {"worker_niceness": 0}
+#
+# Ray also kills a task worker process after 1 s idle once the node has more worker processes than CPUs, which
+# a node running training workers always has. Each epoch's decode tasks finish early in the epoch (training is
+# the slow side), so their processes were killed mid-epoch and new ones started for the next epoch: two new
+# processes per epoch in the demo (seen in `ps`), each importing Ray, Ray Data and the decode code again,
+# seconds of CPU taken from training on every epoch. Kept idle for a minute, they serve the next epoch.
+LOCAL_RAY_SYSTEM_CONFIG = {"worker_niceness": 0, "idle_worker_killing_time_threshold_ms": 60_000}
 
 
 # Exact resume needs the same float results for the same values, wherever they sit in memory. Intel MKL (torch's
