@@ -38,13 +38,13 @@ def process_start() -> float:
 
 STARTED = process_start()
 
-import numpy as np  # noqa: E402
-import ray.train  # noqa: E402
-import ray.train.torch  # noqa: E402
-import torch  # noqa: E402
-from PIL import Image  # noqa: E402
-from ray.train import Checkpoint, CheckpointConfig, RunConfig, ScalingConfig  # noqa: E402
-from ray.train.torch import TorchTrainer  # noqa: E402
+import numpy as np
+import ray.train
+import ray.train.torch
+import torch
+from PIL import Image
+from ray.train import Checkpoint, CheckpointConfig, RunConfig, ScalingConfig
+from ray.train.torch import TorchTrainer
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "platform"))

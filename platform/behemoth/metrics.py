@@ -45,6 +45,10 @@ class PhaseClock:
     def mark(self, name: str) -> None:
         self.marks[name] = time.time()
 
+    def mark_once(self, name: str) -> None:
+        if name not in self.marks:
+            self.marks[name] = time.time()
+
     def add(self, phase: str, seconds: float) -> None:
         self.totals[phase] += seconds
 

@@ -57,52 +57,7 @@ def write_run_report(run_dir: str, account: goodput.Account | None = None) -> st
     kept = latest_per_step(reports)
     if account is None and timeline:
         account = goodput.account(timeline, reports)
-    restarts = _restarts(reports)
-    figures: dict[str, object] = {}
-
-    def by_step(title, ylabel, series, name, log=False, twin=None, changes_only=False):
-        fig, ax = plt.subplots(figsize=(7.5, 3.6))
-        for label, key, style in series:
-            pts = [(r["step"], r[key]) for r in kept if isinstance(r.get(key), (int, float))]
-            if changes_only:  # a value every report carries until it changes (the last checkpoint's stall)
-                pts = [p for i, p in enumerate(pts) if i == 0 or p[1] != pts[i - 1][1]]
-            if pts:
-                ax.plot(*zip(*pts), style, label=label, markersize=4)
-        if twin:
-            label, key, style = twin
-            pts = [(r["step"], r[key]) for r in kept if isinstance(r.get(key), (int, float))]
-            ax2 = ax.twinx()
-            if pts:
-                ax2.plot(*zip(*pts), style, label=label, color="#ef6c00", markersize=3)
-            ax2.set_ylabel(label)
-            _legend(ax2, loc="upper right")
-        _mark_restarts(ax, restarts)
-        ax.set_xlabel("step")
-        ax.set_ylabel(ylabel)
-        ax.set_title(title)
-        if log:
-            ax.set_yscale("log")
-        _legend(ax, loc="upper left" if twin else "best")
-        ax.grid(alpha=0.3)
-        _margins(fig, 0.88 if twin else 0.97)
-        figures[name] = fig
-
-    by_step("Loss", "loss", [("training (per report)", "loss", "-"), ("validation", "val_loss", "o-")], "loss")
-    val_keys = sorted({k for r in kept for k in r if k.startswith("val_") and k != "val_loss"
-                       and not k.endswith(("samples", "tokens"))})  # rates, not the counts evaluated
-    if val_keys:
-        by_step("Validation", "value", [(k[4:], k, "o-") for k in val_keys], "validation")
-    by_step("Learning rate", "lr", [("lr", "lr", "-")], "lr")
-    throughput = [("samples/s", "samples_per_s", "-")]
-    if any("tokens_per_s" in r for r in kept):
-        throughput = [("tokens/s", "tokens_per_s", "-")]
-    by_step("Throughput and data-wait", throughput[0][0], throughput, "throughput",
-            twin=("data-wait (share of step time)", "data_wait_frac", "--"))
-    speed_key = ("MFU", "mfu") if any("mfu" in r for r in kept) else ("TFLOP/s per worker", "tflops_per_worker")
-    by_step("Model speed and memory", speed_key[0], [(speed_key[0], speed_key[1], "-")], "speed",
-            twin=("peak memory (GB)", "peak_mem_gb", "--"))
-    by_step("Checkpoint stalls (each at the first report after its checkpoint)", "seconds the loop was held",
-            [("per checkpoint", "checkpoint_block_s", "o")], "checkpoints", changes_only=True)
+    figures = _step_figures(plt, kept, _restarts(reports))
     figures["world_size"] = _world_size(plt, reports, timeline, account)
     if account and account.groups:
         figures["goodput"] = _goodput_bars(plt, account)
@@ -118,6 +73,61 @@ def write_run_report(run_dir: str, account: goodput.Account | None = None) -> st
     target = paths.join(out, "report.html")
     write_text(target, page)
     return target
+
+
+def _step_figures(plt, kept: list[dict], restarts: list) -> dict:
+    """The curves against the step: loss, validation rates, LR, throughput + data-wait, speed + memory,
+    checkpoint stalls."""
+    figures = {}
+
+    def by_step(name, title, ylabel, series, **kw):
+        figures[name] = _by_step(plt, kept, restarts, title, ylabel, series, **kw)
+
+    by_step("loss", "Loss", "loss", [("training (per report)", "loss", "-"), ("validation", "val_loss", "o-")])
+    val_keys = sorted({k for r in kept for k in r if k.startswith("val_") and k != "val_loss"
+                       and not k.endswith(("samples", "tokens"))})  # rates, not the counts evaluated
+    if val_keys:
+        by_step("validation", "Validation", "value", [(k[4:], k, "o-") for k in val_keys])
+    by_step("lr", "Learning rate", "lr", [("lr", "lr", "-")])
+    throughput = [("samples/s", "samples_per_s", "-")]
+    if any("tokens_per_s" in r for r in kept):
+        throughput = [("tokens/s", "tokens_per_s", "-")]
+    by_step("throughput", "Throughput and data-wait", throughput[0][0], throughput,
+            twin=("data-wait (share of step time)", "data_wait_frac", "--"))
+    speed_key = ("MFU", "mfu") if any("mfu" in r for r in kept) else ("TFLOP/s per worker", "tflops_per_worker")
+    by_step("speed", "Model speed and memory", speed_key[0], [(speed_key[0], speed_key[1], "-")],
+            twin=("peak memory (GB)", "peak_mem_gb", "--"))
+    by_step("checkpoints", "Checkpoint stalls (each at the first report after its checkpoint)",
+            "seconds the loop was held", [("per checkpoint", "checkpoint_block_s", "o")], changes_only=True)
+    return figures
+
+
+def _by_step(plt, kept, restarts, title, ylabel, series, twin=None, changes_only=False):
+    """One figure: `series` (label, report key, line style) against the step, an optional `twin` on a second
+    axis, restarts marked."""
+    fig, ax = plt.subplots(figsize=(7.5, 3.6))
+    for label, key, style in series:
+        pts = [(r["step"], r[key]) for r in kept if isinstance(r.get(key), (int, float))]
+        if changes_only:  # a value every report carries until it changes (the last checkpoint's stall)
+            pts = [p for i, p in enumerate(pts) if i == 0 or p[1] != pts[i - 1][1]]
+        if pts:
+            ax.plot(*zip(*pts), style, label=label, markersize=4)
+    if twin:
+        label, key, style = twin
+        pts = [(r["step"], r[key]) for r in kept if isinstance(r.get(key), (int, float))]
+        ax2 = ax.twinx()
+        if pts:
+            ax2.plot(*zip(*pts), style, label=label, color="#ef6c00", markersize=3)
+        ax2.set_ylabel(label)
+        _legend(ax2, loc="upper right")
+    _mark_restarts(ax, restarts)
+    ax.set_xlabel("step")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    _legend(ax, loc="upper left" if twin else "best")
+    ax.grid(alpha=0.3)
+    _margins(fig, 0.88 if twin else 0.97)
+    return fig
 
 
 def _restarts(reports: list[dict]) -> list[tuple[int, str]]:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import itertools
 import threading
-from typing import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 from behemoth.checkpoint import TrainState
 from behemoth.data.order import rank_train_indices

@@ -3,9 +3,10 @@ config -> task (data + model + loss) -> DDP/FSDP -> optimizer -> restore -> loop
 checkpoint).
 
 What differs between workloads lives in behemoth.tasks; this file is the same for all of them. The rest of
-the worker room: plan (micro-batch x accumulation), speed (TFLOP/s, MFU), restore (which checkpoint),
-saver (checkpoints through Ray Train), report (what a report step does, and when), ledger (the audit trail
-of samples), evaluate, collectives, parallel (DDP, FSDP, compression, compile), precision, optim.
+the worker room: plan (micro-batch x accumulation), feed (the steps' batches, each epoch's pipeline opened
+ahead), speed (TFLOP/s, MFU), restore (which checkpoint), saver (checkpoints through Ray Train), report (what a
+report step does, and when), ledger (the audit trail of samples), evaluate, collectives, parallel (DDP, FSDP,
+compression, compile), precision, optim.
 
 It never imports ray.tune. Everything that decides *when* something happens (report, evaluate, checkpoint)
 depends only on the step counter, which is identical on every rank: all ranks call the collective
@@ -52,28 +53,10 @@ def train_loop_per_worker(loop_config: dict) -> dict:
     device = ray.train.torch.get_device()
     if cfg.scaling.torch_threads:
         torch.set_num_threads(cfg.scaling.torch_threads)
-    global_batch = cfg.train.global_batch_size
     epoch_steps, total_steps = _steps(cfg, task)
+    run, speed, micro_batch, accum, init_line = _build_run(cfg, task, clock, rank, world, device, total_steps)
 
-    # Same initial weights on every rank. The plan: the global batch is fixed by the config, split evenly
-    # over the ranks and, on each rank, into `accum` micro-batches.
-    torch.manual_seed(cfg.train.seed)
-    model = task.build_model().to(device)
-    # Fine-tuning: train.init_from's weights (unless the run resumes from its own checkpoints, below).
-    init_line = load_init_from(model, cfg, task)
-    clock.mark("model_built")
-    micro_batch, accum = batch_plan(cfg, world, model, task, device, rank)
-    speed = SpeedMeter(cfg, device, world, micro_batch, accum)
-    if rank == 0 and SpeedMeter.counts_before_wrapping(cfg):
-        speed.count(task, model)
-    # DDP (gloo on CPU, nccl on GPU) or FSDP; gradient compression; torch.compile.
-    model, hook_state = parallel.wrap(model, cfg, console=console if rank == 0 else lambda m: None)
-    optimizer = build_optimizer(model, cfg.train)
-    run = Run(model, optimizer, warmup_cosine(optimizer, cfg.train, total_steps),
-              grad_scaler(device, cfg.train.precision), hook_state)
-
-    # Resume: the latest good checkpoint restores weights, optimizer, schedule, scaler, compression state and
-    # the data position.
+    # Resume: the latest good checkpoint restores weights, optimizer, schedule, scaler, compression, data position.
     state = restore_latest(run) or TrainState(world_size=world)
     feed = EpochFeed(task, cfg, rank, world, micro_batch, accum, epoch_steps)
     if state.step < total_steps:
@@ -82,9 +65,7 @@ def train_loop_per_worker(loop_config: dict) -> dict:
         speed.count(task, parallel.unwrap(run.model))  # ... while rank 0 counts the model's FLOPs
     clock.mark("restored")
     if rank == 0:
-        _announce_resume(cfg, state, world, micro_batch, accum)
-        if init_line:
-            console(init_line)
+        _announce_resume(cfg, state, world, micro_batch, accum, init_line)
     state.world_size = world
     ledger = SampleLedger(cfg.train.sample_ledger, rank, world)
     saver = CheckpointSaver(cfg, task, rank, clock)
@@ -108,12 +89,11 @@ def train_loop_per_worker(loop_config: dict) -> dict:
                 bad_ids.update(task.bad_sample_ids(batch))
             window.add(loss_sum, n_valid, wait_s)
             ledger.record(state, micro_batches, loss_sum, n_valid)
-            state.advance(epoch_steps, global_batch)
+            state.advance(epoch_steps, cfg.train.global_batch_size)
             feed.ahead(state, total_steps)
             # the step's time, less what it waited for a checkpoint snapshot (counted as checkpoint time)
             clock.add("step", time.perf_counter() - step_started - (clock.totals["checkpoint"] - blocked_before))
-            if "first_step" not in clock.marks:
-                clock.mark("first_step")  # time to first step: the start-up a user waits through
+            clock.mark_once("first_step")  # time to first step: the start-up a user waits through
             if report_due(cfg, state, total_steps):
                 reporter.report(state, window, bad_ids)
                 window = Window()
@@ -122,6 +102,27 @@ def train_loop_per_worker(loop_config: dict) -> dict:
     # Rank 0's return value reaches the driver as Result.return_value.
     return {"resumed_from_step": resumed_from_step, "final_step": state.step, "peak_source": speed.peak_source,
             "clock": clock.snapshot()}
+
+
+def _build_run(cfg: JobConfig, task: Task, clock: PhaseClock, rank: int, world: int, device, total_steps: int):
+    """The model (same initial weights on every rank, or train.init_from's), the batch plan (the global batch,
+    fixed by the config, split evenly over the ranks and, on each rank, into `accum` micro-batches), DDP (gloo
+    on CPU, nccl on GPU) or FSDP with compression and torch.compile, the optimizer and schedule.
+    Returns (run, speed meter, micro-batch, accum, the fine-tuning line or None)."""
+    torch.manual_seed(cfg.train.seed)
+    model = task.build_model().to(device)
+    # Fine-tuning: train.init_from's weights (unless the run resumes from its own checkpoints).
+    init_line = load_init_from(model, cfg, task)
+    clock.mark("model_built")
+    micro_batch, accum = batch_plan(cfg, world, model, task, device, rank)
+    speed = SpeedMeter(cfg, device, world, micro_batch, accum)
+    if rank == 0 and SpeedMeter.counts_before_wrapping(cfg):
+        speed.count(task, model)
+    model, hook_state = parallel.wrap(model, cfg, console=console if rank == 0 else lambda m: None)
+    optimizer = build_optimizer(model, cfg.train)
+    run = Run(model, optimizer, warmup_cosine(optimizer, cfg.train, total_steps),
+              grad_scaler(device, cfg.train.precision), hook_state)
+    return run, speed, micro_batch, accum, init_line
 
 
 def train_step(model, optimizer, scheduler, scaler, micro_batches: list[dict], cfg: JobConfig, task: Task,
@@ -163,7 +164,10 @@ def _steps(cfg: JobConfig, task: Task) -> tuple[int, int]:
     return epoch_steps, min(total_steps, cfg.train.max_steps) if cfg.train.max_steps else total_steps
 
 
-def _announce_resume(cfg: JobConfig, state: TrainState, world: int, micro_batch: int, accum: int) -> None:
+def _announce_resume(cfg: JobConfig, state: TrainState, world: int, micro_batch: int, accum: int,
+                     init_line: str | None) -> None:
+    if init_line:
+        console(init_line)
     if state.step:
         console(f"resumed at step {state.step} (epoch {state.epoch}, step {state.step_in_epoch} in epoch)")
     if state.world_size != world:  # an elastic resize, or a rerun with another worker count
