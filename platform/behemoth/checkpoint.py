@@ -106,17 +106,38 @@ def verify(directory: str | Path) -> dict:
     return manifest
 
 
-def read_state(directory: str | Path) -> TrainState:
-    return TrainState(**json.loads((Path(directory) / "train_state.json").read_text()))
+def read_state(directory: str | Path, fs=None) -> TrainState:
+    """A checkpoint's train_state.json: a local folder, a URI (s3://...), or a path on the pyarrow `fs`."""
+    return TrainState(**json.loads(read_file(f"{directory}/train_state.json", fs)))
+
+
+def read_file(path: str, fs=None) -> bytes:
+    """A file's bytes: a local path, a URI, or a path on the pyarrow filesystem `fs`."""
+    fs, where = filesystem(path, fs)
+    with fs.open_input_stream(where) as f:
+        return f.read()
+
+
+def filesystem(path: str | Path, fs=None):
+    """(pyarrow filesystem, path on it) for a local path (made absolute) or a URI; `fs` given: (fs, path)."""
+    import pyarrow.fs
+
+    from behemoth import paths
+
+    if fs is not None:
+        return fs, str(path)
+    if paths.is_uri(str(path)):
+        return pyarrow.fs.FileSystem.from_uri(str(path))
+    return pyarrow.fs.LocalFileSystem(), os.path.abspath(path)
 
 
 def checkpoint_folders(run_dir: str | Path, fs=None) -> list[tuple[str, bool]]:
     """(path, complete) of each checkpoint_* folder in a run folder, complete meaning its manifest is there.
-    `fs`: the pyarrow filesystem `run_dir` is a path on (a run's storage, local or a URI's); None: local."""
+    `fs`: the pyarrow filesystem `run_dir` is a path on; None: `run_dir` is a local path or a URI. The paths
+    are paths on that filesystem (a URI's without its scheme: see complete_checkpoints for URIs back)."""
     import pyarrow.fs
 
-    if fs is None:
-        fs, run_dir = pyarrow.fs.LocalFileSystem(), os.path.abspath(run_dir)
+    fs, run_dir = filesystem(run_dir, fs)
     found = []
     for entry in fs.get_file_info(pyarrow.fs.FileSelector(str(run_dir), allow_not_found=True)):
         if entry.type == pyarrow.fs.FileType.Directory and entry.base_name.startswith("checkpoint_"):
@@ -125,17 +146,22 @@ def checkpoint_folders(run_dir: str | Path, fs=None) -> list[tuple[str, bool]]:
     return found
 
 
-def complete_checkpoints(folder: str | Path) -> list[tuple[int, str]]:
-    """(step, path) of the checkpoints in a local run folder whose manifest was written, newest step first.
+def complete_checkpoints(folder: str | Path, fs=None) -> list[tuple[int, str]]:
+    """(step, path) of the checkpoints in a run folder whose manifest was written, newest step first: local,
+    a URI (the paths come back as URIs of the same scheme), or a path on the pyarrow filesystem `fs`.
     Unreadable train state counts as step -1 (verification names the problem when it is restored)."""
+    from behemoth import paths
+
+    scheme = str(folder).split("://")[0] + "://" if fs is None and paths.is_uri(str(folder)) else ""
+    fs, where = filesystem(folder, fs)
     found = []
-    for path, complete in checkpoint_folders(folder):
+    for path, complete in checkpoint_folders(where, fs):
         if complete:
             try:
-                step = read_state(path).step
+                step = read_state(path, fs).step
             except (OSError, ValueError, TypeError):
                 step = -1
-            found.append((step, path))
+            found.append((step, scheme + path))
     return sorted(found, reverse=True)
 
 

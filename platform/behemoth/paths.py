@@ -26,6 +26,14 @@ def join(root: str, *parts: str) -> str:
     return os.path.join(root, *parts)
 
 
+def as_uri_of(root: str, fs_path: str | None) -> str | None:
+    """A path on a storage's pyarrow filesystem as the user names it: under a URI root (s3://bucket/...) the
+    filesystem's path is "bucket/..." and gets the root's scheme back; a local path is returned as it is."""
+    if fs_path is None or not is_uri(root) or is_uri(fs_path):
+        return fs_path
+    return f"{root.split('://')[0]}://{fs_path.lstrip('/')}"
+
+
 def check_name(key: str, name: str) -> None:
     """A run or sweep name becomes one folder under the storage path: one plain path component, never '.',
     '..' or anything with a separator (which would put the run outside its storage path)."""

@@ -50,13 +50,16 @@ def test_auth_token_file_is_made_owner_only(tmp_path, monkeypatch):
 def test_resume_with_a_changed_model_or_data_config_is_refused(tmp_path):
     import pytest
 
+    from behemoth import checkpoint
     from behemoth.config import ConfigError, config_from_dict, dump_yaml
     from behemoth.driver.trainer import check_resume_compatible
 
     job = job_dict(tmp_path / "images", tmp_path / "runs", "r1")
     saved = tmp_path / "runs" / "r1" / "checkpoint_2026-01-01_00-00-00.000000"
-    saved.mkdir(parents=True)
-    (saved / "job.yaml").write_text(dump_yaml(config_from_dict(job)))
+    # a complete checkpoint (its manifest written last), as the saver leaves one; its weights do not matter here
+    checkpoint.write(saved, checkpoint.Snapshot(state_dicts={}, step=3, texts={
+        "job.yaml": dump_yaml(config_from_dict(job)), "train_state.json": '{"step": 3}'}))
+    (saved.parent / "checkpoint_2026-01-01_00-00-01.000000").mkdir()  # an upload cut short: never compared
 
     same = config_from_dict({**job, "train": {**job["train"], "epochs": 5},
                              "data": {**job["data"], "prefetch_batches": 4}})

@@ -46,6 +46,13 @@ def test_gpu_trials_are_bounded_by_gpus(tmp_path, image_root):
     assert concurrency_bound(check_sweep(s), {"CPU": 128.0, "GPU": 8.0}) == 4  # 2 GPUs per trial
 
 
+def test_a_sweep_on_an_object_store_is_refused_with_what_to_do(tmp_path, image_root):
+    s = load_sweep(write_sweep(tmp_path, image_root, storage_path="s3://bucket/sweeps"))
+    with pytest.raises(ConfigError, match="sweep storage_path s3://bucket/sweeps: a sweep keeps its folder on a "
+                                          "local or shared filesystem"):
+        check_sweep(s)
+
+
 @pytest.mark.parametrize("space, message", [
     ({}, "space is empty"),
     ({"train.lrr": {"grid": [0.1]}}, "space key 'train.lrr' is not a job config key; did you mean 'train.lr'"),

@@ -198,22 +198,24 @@ _RESUMABLE_CHANGES = {"data.prefetch_batches", "data.cpus_per_task", "data.max_b
 
 
 def check_resume_compatible(cfg: JobConfig) -> None:
-    """Refuse to resume a run whose latest local checkpoint was trained on another data or model config, or
-    written under the other kind of scaling.strategy (DDP and FSDP checkpoints key the optimizer state
-    differently: by parameter index, by parameter name; torch cannot load one into the other)."""
+    """Refuse to resume a run whose latest checkpoint (local or under a URI) was trained on another data or
+    model config, or written under the other kind of scaling.strategy (DDP and FSDP checkpoints key the
+    optimizer state differently: by parameter index, by parameter name; torch cannot load one into the other)."""
+    from behemoth.checkpoint import complete_checkpoints, read_file
+
     folder = run_dir(cfg)
-    if paths.is_uri(folder) or not Path(folder).is_dir():
+    kept = complete_checkpoints(folder)
+    if not kept:
         return
-    saved = sorted(Path(folder).glob("checkpoint_*/job.yaml"))
-    if not saved:
-        return
-    before = yaml.safe_load(saved[-1].read_text()) or {}
+    latest = kept[0][1]
+    name = latest.rstrip("/").rpartition("/")[2]
+    before = yaml.safe_load(read_file(f"{latest}/job.yaml")) or {}
     now = cfg.to_dict()
     strategy_then = (before.get("scaling") or {}).get("strategy", "ddp")
     if (strategy_then == "ddp") != (cfg.scaling.strategy == "ddp"):
         raise ConfigError(
             f"run '{cfg.checkpoint.run_name}' in {folder} was checkpointed with scaling.strategy "
-            f"{strategy_then} ({saved[-1].parent.name}); this run uses {cfg.scaling.strategy}, whose optimizer "
+            f"{strategy_then} ({name}); this run uses {cfg.scaling.strategy}, whose optimizer "
             f"state is laid out differently. Resume with scaling.strategy={strategy_then}, or start a new run "
             f"with another checkpoint.run_name")
     if cfg.checkpoint.resume_changed_config:
@@ -224,7 +226,7 @@ def check_resume_compatible(cfg: JobConfig) -> None:
     if changed:
         raise ConfigError(
             f"run '{cfg.checkpoint.run_name}' in {folder} was trained with a different config "
-            f"({saved[-1].parent.name}): {'; '.join(changed)}. Start a new run with another "
+            f"({name}): {'; '.join(changed)}. Start a new run with another "
             f"checkpoint.run_name, or resume anyway with --set checkpoint.resume_changed_config=true"
         )
 
@@ -246,7 +248,7 @@ def resolve_init_from(cfg: JobConfig) -> JobConfig:
     chosen, how = weights.resolve(source, cfg.train.init_from_checkpoint, task_of(cfg).best)
     weights.check(chosen)  # a damaged source fails here, naming its file, before Ray starts
     folder = run_dir(cfg)
-    if not paths.is_uri(folder) and complete_checkpoints(folder):
+    if complete_checkpoints(folder):
         print(f"[behemoth] train.init_from is set, but run '{cfg.checkpoint.run_name}' has checkpoints of its own: "
               f"it resumes from them (init_from decides only how a run starts)", flush=True)
     else:
@@ -314,8 +316,8 @@ def _failure_message(cfg: JobConfig, e: Exception) -> str:
     failures = getattr(e, "worker_failures", None) or {"controller": getattr(e, "controller_failure", e)}
     reasons = "; ".join(f"rank {rank}: {str(exc).strip().splitlines()[0]}" for rank, exc in failures.items())
     folder = run_dir(cfg)
-    kept = [] if paths.is_uri(folder) else complete_checkpoints(folder)
-    latest = f" (latest at step {kept[0][0]}: {Path(kept[0][1]).name})" if kept else ""
+    kept = complete_checkpoints(folder)
+    latest = f" (latest at step {kept[0][0]}: {kept[0][1].rstrip('/').rpartition('/')[2]})" if kept else ""
     return (f"run '{cfg.checkpoint.run_name}' failed and failure.max_failures={cfg.failure.max_failures} restarts "
             f"are used up: {reasons}. Its checkpoints are kept in {folder}{latest}: rerun the same command to "
             f"resume from the latest, or allow more restarts with failure.max_failures")
@@ -339,11 +341,12 @@ def _summarise(cfg: JobConfig, result, wall_s: float) -> RunSummary:
     key, mode = task.best
     scored = [(m[key], c.path) for c, m in (result.best_checkpoints or []) if key in m]
     best_value, best_path = (max(scored) if mode == "max" else min(scored)) if scored else (None, None)
+    root = paths.storage_root(cfg.checkpoint.storage_path)  # Ray gives paths on the storage's filesystem
     return RunSummary(
         run_dir=run_dir(cfg),
         metrics=dict(result.metrics or {}),
-        latest_checkpoint=result.checkpoint.path if result.checkpoint else None,
-        best_checkpoint=best_path,
+        latest_checkpoint=paths.as_uri_of(root, result.checkpoint.path if result.checkpoint else None),
+        best_checkpoint=paths.as_uri_of(root, best_path),
         best_value=best_value,
         best_metric=key,
         wall_s=wall_s,

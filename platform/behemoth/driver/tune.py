@@ -200,6 +200,10 @@ def check_sweep(sweep_cfg: SweepConfig) -> list[JobConfig]:
     """Every job the space can produce must be valid: the grid's and choices' values all combined, and each
     range's two ends. Returns those jobs (for the resource bound). Raises ConfigError naming the key."""
     sweep_cfg.validate()
+    if paths.is_uri(sweep_cfg.storage_path):  # its own files (trial starts, results, best.yaml) are local files
+        raise ConfigError(f"sweep storage_path {sweep_cfg.storage_path}: a sweep keeps its folder on a local or "
+                          f"shared filesystem (an object store is not supported for sweeps yet; single runs "
+                          f"support it): give a path, e.g. a shared mount on a cluster")
     base = base_job(sweep_cfg)  # the job file itself first: its errors name it
     axes = []
     for key, dist in sweep_cfg.space.items():

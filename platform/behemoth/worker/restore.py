@@ -28,20 +28,18 @@ def restore_latest(run: Run) -> TrainState | None:
     rank0 = ray.train.get_context().get_world_rank() == 0
     if rank0:
         _remove_partial_uploads({c.path for c in candidates})
-    unregistered = [p for step, p in _run_folder_checkpoints() if step > registered]
+    unregistered = [ckpt for step, ckpt in _run_folder_checkpoints() if step > registered]
     if unregistered and rank0:
-        console(f"restoring from {unregistered[0]}: complete on disk, but not registered with Ray Train when "
-                f"the run stopped")
+        console(f"restoring from {unregistered[0].path}: complete in the run folder, but not registered with "
+                f"Ray Train when the run stopped")
     for ckpt in unregistered + candidates:
         try:
-            if isinstance(ckpt, str):
-                return checkpointing.load(ckpt, **run.parts(), hook_state=run.hook_state)
-            with ckpt.as_directory() as d:
+            with ckpt.as_directory() as d:  # local storage: the folder itself; an object store: a download
                 return checkpointing.load(d, **run.parts(), hook_state=run.hook_state)
         except CheckpointError as e:
-            console(f"WARNING: skipping checkpoint {getattr(ckpt, 'path', ckpt)}: {e}")
+            console(f"WARNING: skipping checkpoint {ckpt.path}: {e}")
     if candidates:  # Ray Train had registered checkpoints and none passes: never silently start over
-        tried = [getattr(c, "path", c) for c in unregistered + candidates]
+        tried = [c.path for c in unregistered + candidates]
         raise CheckpointError(f"no checkpoint of this run passes verification (tried {tried})")
     # Nothing registered: what failed were unregistered folders (an upload cut short by the failure, whose
     # manifest was copied before the rest). Nothing was committed yet, so the run starts from step 0.
@@ -50,11 +48,9 @@ def restore_latest(run: Run) -> TrainState | None:
 
 def _step_of(latest) -> int:
     """The step of Ray's latest checkpoint, read even if the checkpoint is damaged (-1: none, unreadable)."""
-    import os
-
-    if latest and os.path.isdir(latest.path):
+    if latest:
         try:
-            return checkpoint.read_state(latest.path).step
+            return checkpoint.read_state(latest.path, latest.filesystem).step
         except (OSError, ValueError, TypeError):
             pass
     return -1
@@ -73,15 +69,13 @@ def _remove_partial_uploads(registered: set[str]) -> None:
             fs.delete_dir(path)
 
 
-def _run_folder_checkpoints() -> list[tuple[int, str]]:
-    """Complete checkpoints in this run's folder, newest first. Local storage only: on a URI the registered
-    checkpoints are all behemoth restores from."""
-    import pyarrow.fs
-
+def _run_folder_checkpoints() -> list[tuple[int, ray.train.Checkpoint]]:
+    """(step, checkpoint) of the complete checkpoints in this run's folder, newest first, on the run's storage
+    (a local folder or an object store)."""
     storage = ray.train.get_context().get_storage()
-    if not isinstance(storage.storage_filesystem, pyarrow.fs.LocalFileSystem):
-        return []
-    return checkpoint.complete_checkpoints(storage.experiment_fs_path)
+    fs = storage.storage_filesystem
+    return [(step, ray.train.Checkpoint(path, filesystem=fs))
+            for step, path in checkpoint.complete_checkpoints(storage.experiment_fs_path, fs)]
 
 
 def load_init_from(model, cfg, task) -> str | None:
