@@ -65,18 +65,25 @@ class Snapshot:
             self.copies.wait_sources_free()
 
 
-def write(directory: str | Path, snap: Snapshot) -> Path:
-    """Write a snapshot as a checkpoint directory; the manifest goes last, so its presence means complete."""
+def write(directory: str | Path, snap: Snapshot, before_manifest=None) -> Path:
+    """Write a snapshot as a checkpoint directory; the manifest goes last, so its presence means complete.
+    `before_manifest`: called when every other file is written (the failure tests' kill point)."""
     if snap.copies is not None:
         snap.copies.wait_done()
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
     for name, sd in snap.state_dicts.items():
-        torch.save(sd, d / name)
+        # Through a Python file: a full disk then surfaces as OSError ENOSPC (under torch's RuntimeError);
+        # torch.save to a path reports only "unexpected pos ..." from its zip writer.
+        with open(d / name, "wb") as f:
+            torch.save(sd, f)
+        _fault_disk_full(snap.step, d / name)
     for name, text in snap.texts.items():
         (d / name).write_text(text)
     files = {p.name: {"size": p.stat().st_size, "sha256": _sha256(p)} for p in sorted(d.iterdir())
              if p.is_file() and p.name != MANIFEST}
+    if before_manifest is not None:
+        before_manifest()
     tmp = d / (MANIFEST + ".tmp")
     tmp.write_text(json.dumps({"format_version": FORMAT_VERSION, "files": files}, indent=1))
     os.replace(tmp, d / MANIFEST)
@@ -182,6 +189,53 @@ def fault_injection_point(step: int) -> None:
     if run == ray.train.get_context().get_experiment_name() and int(at) == step and not os.path.exists(marker):
         Path(marker).write_text(f"killed pid {os.getpid()} while uploading step {step}\n")
         os.kill(os.getpid(), 9)
+
+
+# BEHEMOTH_FAULT_DISK_FULL=RUN_NAME:STEP makes the checkpoint of STEP of run RUN_NAME fail after its first file
+# with the OSError a full disk raises (ENOSPC), every time (tests/integration/test_train_images.py).
+DISK_FULL_ENV = "BEHEMOTH_FAULT_DISK_FULL"
+
+
+def _fault_disk_full(step: int, path: Path) -> None:
+    spec = os.environ.get(DISK_FULL_ENV)
+    if not spec:
+        return
+    import errno
+
+    import ray.train
+
+    run, at = spec.split(":", 1)
+    if run == ray.train.get_context().get_experiment_name() and int(at) == step:
+        raise OSError(errno.ENOSPC, f"No space left on device (injected by {DISK_FULL_ENV})", str(path))
+
+
+def is_disk_full(e: BaseException | None) -> bool:
+    """A full disk or quota: an OSError saying so (errno, or pyarrow's message), here or in what caused it
+    (torch.save raises a RuntimeError over the file's OSError)."""
+    import errno
+
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, OSError) and (e.errno in (errno.ENOSPC, errno.EDQUOT) or "No space left on device" in
+                                       str(e) or "Disk quota exceeded" in str(e)):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
+def snapshot_bytes(snap: Snapshot) -> int:
+    """About the bytes a snapshot takes on disk: its tensors' and texts' sizes (torch.save adds little)."""
+    def size(x) -> int:
+        if isinstance(x, torch.Tensor):
+            return x.numel() * x.element_size()
+        if isinstance(x, dict):
+            return sum(size(v) for v in x.values())
+        if isinstance(x, (list, tuple)):
+            return sum(size(v) for v in x)
+        return 0
+
+    return size(snap.state_dicts) + sum(len(t.encode()) for t in snap.texts.values())
 
 
 def _sha256(path: Path) -> str:

@@ -25,6 +25,10 @@ class CheckpointError(RuntimeError):
     """A checkpoint that is incomplete or damaged. The message names the directory and the file."""
 
 
+class StorageFullError(RuntimeError):
+    """A checkpoint that did not fit on its disk. The message names the folder, the space needed and free."""
+
+
 class RunFailedError(RuntimeError):
     """A run that Ray Train gave up on (workers kept dying past failure.max_failures). Checkpoints are kept."""
 
@@ -56,12 +60,13 @@ def did_you_mean(key: str, names: list[str], prefix: str = "") -> str:
     return f"; did you mean '{prefix}{close}'?" if close else ""
 
 
-USER_ERRORS = (ConfigError, DataError, BadSampleError, CheckpointError, RunFailedError)
+USER_ERRORS = (ConfigError, DataError, BadSampleError, CheckpointError, StorageFullError, RunFailedError)
 
 
 # What a retry cannot fix: the same config or the same data fails the same way on every restart of the worker
-# group, so a run ends on them at once, without using failure.max_failures (driver/failure_policy.py).
-NOT_RETRIED = (ConfigError, DataError, BadSampleError)
+# group, and a full disk stays full (a restart would redo the steps since the last checkpoint and fail on the
+# same write), so a run ends on them at once, without using failure.max_failures (driver/failure_policy.py).
+NOT_RETRIED = (ConfigError, DataError, BadSampleError, StorageFullError)
 
 
 def user_facing_error(exc: BaseException, kinds: tuple = USER_ERRORS) -> str | None:

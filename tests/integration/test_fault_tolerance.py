@@ -166,7 +166,7 @@ def test_r1_r3_node_removed_then_driver_killed(cluster, straight, text_corpus, t
 def test_r2_r4_worker_killed_while_uploading_a_checkpoint_then_at_step_37(cluster, straight, text_corpus, tmp_path,
                                                                           capfd):
     """First run, failure.max_failures=0: rank 0 is SIGKILLed half-way through uploading checkpoint 30 into
-    the run folder (the fault hook in worker/saver.upload_manifest_last: the files are there, the manifest is not);
+    the run folder (the fault hook between its files and its manifest: the files are there, the manifest is not);
     the run fails at once with a clear error (R4, and R2's exhausted restarts). Then checkpoint 20 is damaged
     on disk (R5). The rerun under the same name, max_failures=1, removes the partial 30 and says so, skips 20
     with a warning and resumes from 10, and a training worker is SIGKILLed at step 37 (R2): Ray Train restarts

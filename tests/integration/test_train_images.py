@@ -115,6 +115,42 @@ def test_corrupt_image_fails_the_run_naming_the_file_without_retrying(images_wit
                          "left unused): ") == 1
 
 
+def test_a_full_disk_fails_the_checkpoint_cleanly_and_a_rerun_resumes(image_root, tmp_path, monkeypatch, capfd):
+    """The disk fills while the checkpoint of step 6 is written (ENOSPC injected after its first file, in the
+    worker's upload thread, as the OS raises it): the run ends at once with one message naming the folder and
+    the space needed (restarts allowed, none used: a full disk stays full); step 3's checkpoint is intact and
+    verifies; nothing of step 6's is left in the run folder or in the workers' TMPDIR; the rerun resumes from
+    step 3 and ends."""
+    from behemoth.checkpoint import DISK_FULL_ENV, checkpoint_folders, complete_checkpoints, verify
+    from behemoth.driver import trainer
+
+    tmp = tmp_path / "worker-tmp"
+    tmp.mkdir()
+    env = trainer.worker_env_vars
+    monkeypatch.setattr(trainer, "worker_env_vars", lambda: {**env(), DISK_FULL_ENV: "full:6", "TMPDIR": str(tmp)})
+    cfg = tmp_path / "job.yaml"
+    cfg.write_text(yaml.safe_dump(job_dict(image_root, tmp_path / "runs", "full", train={"epochs": 2},
+                                           failure={"max_failures": 2})))
+    assert main(["train", str(cfg)]) == 1
+    console = ""
+    deadline = time.time() + 20  # the controller's line comes through Ray's log forwarding
+    while "not retried" not in console and time.time() < deadline:
+        out, err = capfd.readouterr()
+        console += out + err
+        time.sleep(0.2)
+    run = tmp_path / "runs" / "full"
+    assert f"the checkpoint of step 6 did not fit: no space left on the device of {run}; it needs about" in console
+    assert console.count("[behemoth] not retried") == 1
+    kept = complete_checkpoints(run)
+    assert [step for step, _ in kept] == [3] and len(checkpoint_folders(run)) == 1
+    verify(kept[0][1])
+    assert not list(tmp.rglob("*.pt")), list(tmp.rglob("*"))
+
+    monkeypatch.setattr(trainer, "worker_env_vars", env)  # space again
+    summary = trainer.train(config_from_dict(yaml.safe_load(cfg.read_text())))
+    assert summary.resumed_from_step == 3 and summary.metrics["step"] == 12
+
+
 def test_corrupt_image_within_budget_is_dropped_and_counted(images_with_corrupt_file, tmp_path, capsys):
     root, bad = images_with_corrupt_file
     cfg = tmp_path / "job.yaml"

@@ -186,3 +186,47 @@ def test_compression_state_loads_without_unpickling_code(tmp_path):
     with pytest.raises(pickle.UnpicklingError):
         hook.load_bytes(payload.getvalue(), device="cpu")
     assert not (tmp_path / "ran").exists()
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A real 1 MB filesystem (tmpfs), where this machine lets the test mount one (it needs root)."""
+    import subprocess
+
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], capture_output=True, text=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a 1 MB tmpfs here ({done.stderr.strip()}); the injected-ENOSPC run in "
+                    f"tests/integration/test_train_images.py still covers a full disk")
+    yield mnt
+    subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def test_a_full_disk_fails_the_checkpoint_cleanly_on_a_real_filesystem(small_disk, tmp_path):
+    """The saver's write (what Ray Train's upload function calls, with the run's storage) on a real, full
+    filesystem: torch.save's error is recognised as a full disk; what the checkpoint wrote and its staging
+    folder are removed; one message names the folder and the space needed; the earlier checkpoint is
+    untouched and verifies. The whole run under Ray: tests/integration/test_train_images.py."""
+    import pyarrow.fs
+    import ray.train
+
+    from behemoth.errors import StorageFullError
+    from behemoth.worker import saver
+
+    run = small_disk / "run"
+    state = '{"step": %d}'
+    earlier = checkpoint.write(run / "checkpoint_1", checkpoint.Snapshot(
+        state_dicts={"model.pt": {"w": torch.zeros(1000)}}, texts={"train_state.json": state % 1}, step=1))
+    staging = tmp_path / "staging"
+    staging.mkdir()
+    big = checkpoint.Snapshot(state_dicts={"model.pt": {"w": torch.zeros(500_000)}},
+                              texts={"train_state.json": state % 2}, step=2)
+    assert checkpoint.snapshot_bytes(big) == 2_000_000 + len(state % 2)
+    with pytest.raises(StorageFullError, match=rf"the checkpoint of step 2 did not fit: no space left on the "
+                                               rf"device of {run}; it needs about 2.0 MB, \d\.\d MB is free"):
+        saver.store(big, ray.train.Checkpoint.from_directory(str(staging)), "checkpoint_2",
+                    pyarrow.fs.LocalFileSystem(), str(run))
+    assert not (run / "checkpoint_2").exists() and not staging.exists()
+    assert checkpoint.complete_checkpoints(run) == [(1, str(earlier))]
+    checkpoint.verify(earlier)

@@ -101,3 +101,37 @@ def test_a_worker_whose_stopped_controller_took_its_sync_actor_along_is_dropped(
     assert filter_lines(["before", *owner_gone, "after"]) == ["before", "after"]
     crashed_owner = [*owner_gone[:-1], owner_gone[-1].replace("INTENDED_SYSTEM_EXIT", "SYSTEM_ERROR")]
     assert filter_lines(crashed_owner) == crashed_owner
+
+
+# As a training worker printed it when its checkpoint hit a full disk (the upload thread's report, then the
+# training function's), shortened
+UPLOAD_FAILED = [
+    '`ray.train.report(checkpoint_upload_mode=ASYNC)` checkpoint upload failed in the background thread. Raising eagerly to avoid training in a corrupted state with ',
+    'Traceback (most recent call last):',
+    '  File "/work/main/.venv/lib/python3.11/site-packages/ray/train/v2/_internal/execution/context.py", line 554, in _upload_checkpoint_and_report',
+    '    training_report = self._upload_checkpoint(',
+    '  File "/work/main/platform/behemoth/worker/saver.py", line 119, in write_checkpoint',
+    '    raise StorageFullError(_disk_full_message(snap, where, storage)) from None',
+    'behemoth.errors.StorageFullError: the checkpoint of step 62 did not fit: no space left on the device of /tmp/runs/demofull; it needs about 2.0 MB, 3.1 MB is free.',
+    "Error in training function:",
+    'Traceback (most recent call last):',
+    '  File "/work/main/.venv/lib/python3.11/site-packages/ray/train/v2/_internal/execution/context.py", line 554, in _upload_checkpoint_and_report',
+    '    training_report = self._upload_checkpoint(',
+    '  File "/work/main/platform/behemoth/worker/saver.py", line 119, in write_checkpoint',
+    '    raise StorageFullError(_disk_full_message(snap, where, storage)) from None',
+    'behemoth.errors.StorageFullError: the checkpoint of step 62 did not fit: no space left on the device of /tmp/runs/demofull; it needs about 2.0 MB, 3.1 MB is free.',
+]
+
+
+def test_a_traceback_ending_in_an_error_that_ends_the_run_is_dropped_others_stay():
+    """A StorageFullError (or a bad sample, a config error) ends the run with the failure policy's line and the
+    command's error line: the worker's tracebacks of it say nothing more. A traceback ending in another error,
+    or one that only passes through a behemoth error before ending in another, stays."""
+    lines = ["[behemoth] step 60/62", *UPLOAD_FAILED, "", "[behemoth] after"]
+    assert filter_lines(lines) == ["[behemoth] step 60/62", "[behemoth] after"]
+    other = [*UPLOAD_FAILED[1:6], "RuntimeError: something else"]
+    assert filter_lines(other) == other
+    chained = [*UPLOAD_FAILED[1:7], "", "During handling of the above exception, another exception occurred:", "",
+               *REAL_TRACEBACK[4:]]
+    assert filter_lines(chained) == chained
+    assert filter_lines([UPLOAD_FAILED[0], *REAL_TRACEBACK]) == [UPLOAD_FAILED[0], *REAL_TRACEBACK]

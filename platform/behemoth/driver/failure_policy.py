@@ -24,9 +24,21 @@ class FailFastPolicy(DefaultFailurePolicy):
         message = user_facing_error(training_failed_error, NOT_RETRIED)
         if message is not None:
             print(f"[behemoth] not retried (a restart would fail the same way; failure.max_failures is left "
-                  f"unused): {message}", flush=True)
+                  f"unused): {message}{_where_tracebacks_are()}", flush=True)
             return FailureDecision.RAISE
         return super().make_decision(training_failed_error)
+
+
+def _where_tracebacks_are() -> str:
+    """Where Ray keeps the failed worker's full traceback (its log folder on the worker's node), as a suffix
+    for the policy's line; the console leaves that traceback out (driver/ray_console.py)."""
+    try:
+        import ray._private.worker
+
+        node = ray._private.worker._global_node
+        return f" (the worker's traceback: worker-*.err in {node.get_logs_dir_path()} of its node)" if node else ""
+    except Exception:  # noqa: BLE001 - a private Ray API: without it the line only lacks the pointer
+        return ""
 
 
 def create(failure_config) -> FailFastPolicy:

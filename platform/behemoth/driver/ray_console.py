@@ -11,6 +11,8 @@ from __future__ import annotations
 import logging
 import re
 
+from behemoth.errors import NOT_RETRIED
+
 # Whole lines that are noise in every behemoth run.
 NOISE_LINES = [
     # Ray Train's controller creates its PreemptionWatcher actor with arguments in the object store and
@@ -53,12 +55,43 @@ def _intended_exit_block(lines: list[str], i: int) -> int | None:
     return None
 
 
+# A traceback block that ends in one of behemoth's errors that end a run at once (errors.NOT_RETRIED: a bad
+# sample, a config a worker rejects, a full disk) says nothing the one line of the controller's failure policy
+# and the command's error line do not: it is left in Ray's worker log (the policy's line says where), not
+# printed. So is Ray's own line announcing a failed background upload just before such a block.
+_NOT_RETRIED_END = re.compile(rf"^behemoth\.errors\.({'|'.join(t.__name__ for t in NOT_RETRIED)}): ")
+_UPLOAD_FAILED = "`ray.train.report(checkpoint_upload_mode=ASYNC)` checkpoint upload failed in the background"
+_CHAINING = ("During handling of the above exception", "The above exception was the direct cause")
+
+
+def _not_retried_block(lines: list[str], i: int) -> int | None:
+    """The index of the last line of the traceback starting at lines[i] if it ends in a NOT_RETRIED error
+    (a chained traceback ends at the exception line no "During handling ..." follows)."""
+    for j in range(i + 1, min(len(lines), i + 200)):
+        line = lines[j]
+        if not line.strip() or line[0].isspace() or _BLOCK_START.match(line) or line.startswith(_CHAINING):
+            continue
+        following = next((x for x in lines[j + 1:j + 3] if x.strip()), "")
+        if following.startswith(_CHAINING):
+            continue  # the chain goes on: its last exception decides
+        return j if _NOT_RETRIED_END.match(line) else None
+    return None
+
+
 def filter_lines(lines: list[str]) -> list[str]:
-    """`lines` without the noise lines and without tracebacks of an exit Ray asked for."""
+    """`lines` without the noise lines, without tracebacks of an exit Ray asked for, and without tracebacks
+    of an error that ends the run with its own line."""
     kept, i = [], 0
     while i < len(lines):
+        if lines[i].startswith(_UPLOAD_FAILED) and i + 1 < len(lines) and _BLOCK_START.match(lines[i + 1]) \
+                and _not_retried_block(lines, i + 1) is not None:
+            i += 1
+            continue
         if _BLOCK_START.match(lines[i]):
             end = _intended_exit_block(lines, i)
+            if end is None and (end := _not_retried_block(lines, i)) is not None:
+                while end + 1 < len(lines) and not lines[end + 1].strip():
+                    end += 1  # and the blank line Ray Train prints after it
             if end is not None:
                 i = end + 1
                 continue

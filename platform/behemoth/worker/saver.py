@@ -5,16 +5,19 @@ from __future__ import annotations
 
 import functools
 import os
+import shutil
 import tempfile
 import threading
 import time
 
+import pyarrow.fs
 import ray
 import ray.train
 
 from behemoth import checkpoint
 from behemoth.checkpoint import TrainState
 from behemoth.config import JobConfig, dump_yaml
+from behemoth.errors import StorageFullError
 from behemoth.metrics import PhaseClock
 from behemoth.tasks import Task
 from behemoth.worker import checkpointing, parallel
@@ -64,10 +67,10 @@ class CheckpointSaver:
                                        hook_states=hook_states, buffers=self.buffers if reuse else None,
                                        overlap=self.cfg.checkpoint.async_save, metrics=metrics)
         if not self.cfg.checkpoint.async_save:
-            with tempfile.TemporaryDirectory() as tmp:
-                ckpt = ray.train.Checkpoint.from_directory(str(checkpoint.write(tmp, snap))) if snap else None
-                upload = functools.partial(upload_manifest_last, step=snap.step) if snap else None
-                ray.train.report(metrics, checkpoint=ckpt, checkpoint_upload_fn=upload)
+            with tempfile.TemporaryDirectory() as tmp:  # an empty folder: the files go where write_checkpoint says
+                ckpt = ray.train.Checkpoint.from_directory(tmp) if snap else None
+                ray.train.report(metrics, checkpoint=ckpt,
+                                 checkpoint_upload_fn=functools.partial(write_checkpoint, snap) if snap else None)
         elif snap is None:
             ray.train.report(metrics)
         else:
@@ -75,24 +78,67 @@ class CheckpointSaver:
                 self.buffers_free.clear()  # until the upload thread has written this snapshot
             ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(tempfile.mkdtemp()),
                              checkpoint_upload_mode=ray.train.CheckpointUploadMode.ASYNC,
-                             checkpoint_upload_fn=self._write_then_upload(snap, self.buffers_free if reuse else None))
+                             checkpoint_upload_fn=functools.partial(write_checkpoint, snap,
+                                                                    written=self.buffers_free if reuse else None))
         self.copying = snap
         self.last_block_s = time.perf_counter() - t0
 
-    @staticmethod
-    def _write_then_upload(snap, written):
-        """The upload function Ray Train calls in its upload thread: write the snapshot into the (empty) local
-        checkpoint folder, free its buffers, then upload it (Ray deletes the local folder after)."""
 
-        def write_then_upload(ckpt, dir_name):
-            try:
+def write_checkpoint(snap, ckpt, dir_name: str, written: threading.Event | None = None):
+    """The upload function Ray Train calls (in its upload thread when saving asynchronously): `store` into
+    this run's storage."""
+    storage = ray.train.get_context().get_storage()
+    return store(snap, ckpt, dir_name, storage.storage_filesystem, storage.experiment_fs_path, written)
+
+
+def store(snap, ckpt, dir_name: str, fs, run_path: str, written: threading.Event | None = None):
+    """Write the snapshot as checkpoint `dir_name` of the run folder `run_path` on the pyarrow filesystem `fs`
+    and return it as a ray.train.Checkpoint; `written` is set once the snapshot's buffers have been read.
+
+    On local storage (a disk or a shared mount) the files are written straight into the run folder, manifest
+    last: the checkpoint needs its own size on disk once, not twice. An object store needs local files to
+    upload: they are staged in `ckpt`'s empty temporary folder, then uploaded manifest last. A full disk, at
+    either place, removes what this checkpoint wrote and raises one StorageFullError (not retried) naming the
+    folder and the space needed; the checkpoints before it are untouched."""
+    local = isinstance(fs, pyarrow.fs.LocalFileSystem)
+    dest = f"{run_path}/{dir_name}"
+    try:
+        try:
+            if local:
+                checkpoint.write(dest, snap, before_manifest=lambda: checkpoint.fault_injection_point(snap.step))
+            else:
                 checkpoint.write(ckpt.path, snap)
-            finally:
-                if written is not None:
-                    written.set()
-            return upload_manifest_last(ckpt, dir_name, snap.step)
+        finally:
+            if written is not None:
+                written.set()
+        if local:
+            return ray.train.Checkpoint(dest, filesystem=fs)
+        return upload_manifest_last(ckpt, dir_name, snap.step)
+    except Exception as e:  # noqa: BLE001 - a full disk can arrive as torch's RuntimeError
+        if not checkpoint.is_disk_full(e):
+            raise
+        shutil.rmtree(ckpt.path, ignore_errors=True)  # staged files (an object store's), or the empty folder
+        if local:
+            shutil.rmtree(dest, ignore_errors=True)
+        raise StorageFullError(_disk_full_message(snap, dest if local else ckpt.path, run_path)) from None
 
-        return write_then_upload
+
+def _disk_full_message(snap, where: str, run_path: str) -> str:
+    folder = os.path.dirname(where)
+    while folder and not os.path.isdir(folder):
+        folder = os.path.dirname(folder)
+    free = shutil.disk_usage(folder).free if folder else None
+    staged = "" if where.startswith(run_path) else " (the local staging folder of an upload: TMPDIR)"
+    return (f"the checkpoint of step {snap.step} did not fit: no space left on the device of {folder}{staged}; "
+            f"it needs about {_mb(checkpoint.snapshot_bytes(snap))}, "
+            f"{_mb(free) if free is not None else 'an unknown amount'} is free. What it had written is removed; "
+            f"the run's earlier checkpoints in {run_path} are untouched. Free space there (or point "
+            f"checkpoint.storage_path at a larger disk), then rerun the same command: it resumes from the "
+            f"latest checkpoint")
+
+
+def _mb(n: int) -> str:
+    return f"{n / 1e6:.1f} MB"
 
 
 def upload_manifest_last(ckpt, dir_name: str, step: int):
@@ -100,10 +146,6 @@ def upload_manifest_last(ckpt, dir_name: str, step: int):
     copy moves the files in parallel, so a copy cut short (the worker or node dies) could leave a manifest
     beside incomplete files. Uploaded this way, a folder in the run folder without a manifest is an upload
     that did not finish (restore_latest removes it), and one with a manifest has all its files."""
-    import shutil
-
-    import pyarrow.fs
-
     storage = ray.train.get_context().get_storage()
     held = tempfile.mkdtemp(prefix="manifest-")
     try:
