@@ -13,31 +13,63 @@ from typing import Callable, Optional
 
 import torch
 
-from behemoth.checkpoint import MANIFEST, complete_checkpoints, verify
+from behemoth import paths
+from behemoth.checkpoint import MANIFEST, complete_checkpoints, filesystem, read_file, verify
 from behemoth.errors import CheckpointError
 
 HF_WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
 
 
 def is_checkpoint(path: str | Path) -> bool:
-    return (Path(path) / MANIFEST).is_file()
+    return _is_file(f"{path}/{MANIFEST}")
 
 
 def is_hf_folder(path: str | Path) -> bool:
-    p = Path(path)
-    return (p / "config.json").is_file() and any((p / name).is_file() for name in HF_WEIGHT_FILES)
+    return _is_file(f"{path}/config.json") and any(_is_file(f"{path}/{name}") for name in HF_WEIGHT_FILES)
+
+
+def _is_file(path: str) -> bool:
+    """A local path or a URI (s3://...): read through pyarrow's filesystem."""
+    import pyarrow.fs
+
+    fs, where = filesystem(path)
+    return fs.get_file_info(where).type == pyarrow.fs.FileType.File
+
+
+_FETCHED: dict[str, str] = {}
+
+
+def local(path: str) -> str:
+    """A folder as a local path: a URI's (s3://...) is downloaded once per process into a temporary folder
+    (every worker that reads init_from's weights downloads its own copy: a node's disk is its own)."""
+    if not paths.is_uri(path):
+        return path
+    if path not in _FETCHED:
+        import tempfile
+
+        import pyarrow.fs
+
+        fs, where = filesystem(path)
+        target = tempfile.mkdtemp(prefix="behemoth-weights-")
+        pyarrow.fs.copy_files(where, target, source_filesystem=fs)
+        _FETCHED[path] = target
+    return _FETCHED[path]
 
 
 def resolve(path: str, which: str = "best", best: tuple[str, str] = ("val_loss", "min")) -> tuple[str, str]:
     """(the folder holding the weights, how it was chosen) for a checkpoint folder, a Hugging Face folder or a
-    run folder; of a run's complete checkpoints `which` picks the best by `best` (metric, "max"/"min") among
-    those whose metrics.json records it, or the latest."""
-    p = Path(path).expanduser()
-    if not p.is_dir():
+    run folder, local or under a URI; of a run's complete checkpoints `which` picks the best by `best`
+    (metric, "max"/"min") among those whose metrics.json records it, or the latest."""
+    import pyarrow.fs
+
+    uri = paths.is_uri(path)
+    fs, where = filesystem(path if uri else Path(path).expanduser())
+    if fs.get_file_info(where).type != pyarrow.fs.FileType.Directory:
         raise CheckpointError(f"{path} does not exist (or is not a folder): give a checkpoint folder, a run "
                               f"folder or a Hugging Face model folder")
+    p = path if uri else str(Path(path).expanduser().resolve())
     if is_checkpoint(p) or is_hf_folder(p):
-        return str(p.resolve()), "as given"
+        return p, "as given"
     found = complete_checkpoints(p)  # (step, path), newest first
     if not found:
         raise CheckpointError(f"{path} is not a behemoth checkpoint (no {MANIFEST}), not a run folder with a "
@@ -60,21 +92,22 @@ def check(folder: str) -> None:
     """Before Ray starts, without loading the weights: a checkpoint must match its manifest (a Hugging Face
     folder has none; its files are read when the model loads them)."""
     if is_checkpoint(folder):
-        verify(folder)
+        verify(local(folder))
 
 
 def checkpoint_metrics(ckpt: str | Path) -> dict:
     """What a run reported with a checkpoint ({} for checkpoints written before behemoth recorded it)."""
     try:
-        return json.loads((Path(ckpt) / "metrics.json").read_text())
+        return json.loads(read_file(f"{ckpt}/metrics.json"))
     except (OSError, ValueError):
         return {}
 
 
 def read_state_dict(path: str | Path) -> dict:
     """A model state dict, read without running code: a checkpoint's model.pt (verified against its manifest
-    first), or a Hugging Face folder's safetensors (one file or shards) or pytorch_model.bin (weights_only)."""
-    p = Path(path)
+    first), or a Hugging Face folder's safetensors (one file or shards) or pytorch_model.bin (weights_only).
+    A URI's folder is downloaded first (`local`)."""
+    p = Path(local(str(path)))
     if is_checkpoint(p):
         verify(p)
         return torch.load(p / "model.pt", map_location="cpu", weights_only=True)

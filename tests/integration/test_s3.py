@@ -4,8 +4,9 @@ store sets it (docs/failures.md). No local path pretends to be a bucket.
 
 Every safety check and record that works on local storage must work on s3://: the run lock, the resume
 compatibility check, the DDP/FSDP refusal, recovery of complete checkpoints Ray Train never registered, and
-metrics.jsonl / timeline.jsonl."""
+metrics.jsonl / timeline.jsonl; and models come out of the bucket: `behemoth eval` and train.init_from."""
 
+import json
 import os
 import socket
 import subprocess
@@ -14,11 +15,14 @@ import time
 
 import pyarrow.fs
 import pytest
+import yaml
 from behemoth.checkpoint import complete_checkpoints, read_state
 from behemoth.config import ConfigError, config_from_dict
+from behemoth.driver.evaluate import evaluate_checkpoint
 from behemoth.driver.runlock import RunLock, RunLockedError, read_lease
 from behemoth.driver.trainer import train
-from behemoth.tracking.records import read_jsonl
+from behemoth.tracking.records import read_jsonl, read_text
+from behemoth.weights import resolve
 from conftest import job_dict
 
 pytestmark = pytest.mark.integration
@@ -116,3 +120,15 @@ def test_a_run_on_s3_keeps_every_check_and_record(s3_endpoint, ray_local, image_
     assert second.resumed_from_step == 6 and second.metrics["step"] == 12
     records = read_jsonl(f"{folder}/metrics.jsonl")
     assert len(records) > logged and min(r["step"] for r in records[logged:]) > 6  # appended; none redone
+
+    # Models out of the bucket: `behemoth eval` of the run folder (its best checkpoint) writes its JSON beside
+    # the checkpoint; a local run fine-tunes from the s3 run folder (its weights downloaded and verified).
+    metrics, written = evaluate_checkpoint(config_from_dict(job), folder)
+    best, _ = resolve(folder, "best", ("val_accuracy", "max"))
+    assert written == f"{best}.eval_val.json" and json.loads(read_text(written))["metrics"] == metrics
+    assert metrics["val_accuracy"] == max(r["val_accuracy"] for r in records if "val_accuracy" in r)
+    tuned = train(config_from_dict(job_dict(image_root, tmp_path / "local", "ft", train={
+        "epochs": 1, "init_from": folder, "init_from_checkpoint": "latest"})))
+    assert yaml.safe_load(read_text(f"{tuned.latest_checkpoint}/job.yaml"))["train"]["init_from"] == \
+        complete_checkpoints(folder)[0][1]
+    assert tuned.resumed_from_step == 0 and tuned.metrics["step"] == 6

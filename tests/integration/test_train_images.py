@@ -113,6 +113,8 @@ def test_corrupt_image_fails_the_run_naming_the_file_without_retrying(images_wit
     assert f"cannot decode image {bad}" in console and "data.max_bad_samples" in console
     assert console.count("[behemoth] not retried (a restart would fail the same way; failure.max_failures is "
                          "left unused): ") == 1
+    assert "Traceback" not in console, console  # the worker's traceback stays in its log (the line says where)
+    assert "(the worker's traceback: worker-*.err in " in console
 
 
 def test_a_full_disk_fails_the_checkpoint_cleanly_and_a_rerun_resumes(image_root, tmp_path, monkeypatch, capfd):
@@ -140,7 +142,7 @@ def test_a_full_disk_fails_the_checkpoint_cleanly_and_a_rerun_resumes(image_root
         time.sleep(0.2)
     run = tmp_path / "runs" / "full"
     assert f"the checkpoint of step 6 did not fit: no space left on the device of {run}; it needs about" in console
-    assert console.count("[behemoth] not retried") == 1
+    assert console.count("[behemoth] not retried") == 1 and "Traceback" not in console, console
     kept = complete_checkpoints(run)
     assert [step for step, _ in kept] == [3] and len(checkpoint_folders(run)) == 1
     verify(kept[0][1])

@@ -135,3 +135,56 @@ def test_a_traceback_ending_in_an_error_that_ends_the_run_is_dropped_others_stay
                *REAL_TRACEBACK[4:]]
     assert filter_lines(chained) == chained
     assert filter_lines([UPLOAD_FAILED[0], *REAL_TRACEBACK]) == [UPLOAD_FAILED[0], *REAL_TRACEBACK]
+
+
+# As a training worker printed a corrupt image over its budget (the integration test's console), shortened:
+# Ray Data's two lines, then the training function's traceback, whose RayTaskError line holds the decode task's
+# frames and ends in behemoth's error
+BAD_SAMPLE = [
+    'An exception was raised from a task of operator "MapBatches(transform_batch)". Dataset execution will now '
+    'abort. To ignore this exception and continue, set DataContext.max_errored_blocks.',
+    "Exception occurred in user code, with the abbreviated stack trace below. The Ray Data internal stack frames "
+    "are omitted from stdout.",
+    "Error in training function:",
+    "Traceback (most recent call last):",
+    '  File "/work/main/platform/behemoth/worker/loop.py", line 82, in train_loop_per_worker',
+    "    for micro_batches, wait_s in _timed(feed.steps(state)):",
+    '  File "/work/main/.venv/lib/python3.11/site-packages/ray/data/exceptions.py", line 113, in handle_trace',
+    "    raise e.with_traceback(None)",
+    "ray.exceptions.RayTaskError(UserCodeException): \x1b[36mray::MapBatches(transform_batch)()\x1b[39m (pid=576, "
+    "ip=192.0.2.2)",
+    '  File "/work/main/platform/behemoth/data/images.py", line 155, in transform_batch',
+    "    raise BadSampleError(",
+    "behemoth.errors.BadSampleError: cannot decode image /data/train/disk_warm/000005.png: Truncated File Read.",
+]
+
+
+def test_a_bad_sample_through_a_ray_task_leaves_only_behemoths_lines():
+    lines = ["[behemoth] step 2/12", *BAD_SAMPLE, "[behemoth] not retried ..."]
+    assert filter_lines(lines) == ["[behemoth] step 2/12", "[behemoth] not retried ..."]
+    # the same Ray task failing on something else: all of it stays
+    other = [*BAD_SAMPLE[:-1], "ValueError: something else"]
+    assert filter_lines(other) == other
+
+
+# Ray Data wraps the task's error: what followed BAD_SAMPLE in the real console
+RAY_DATA_WRAPPER = [
+    "",
+    "The above exception was the direct cause of the following exception:",
+    "",
+    "\x1b[36mray::MapBatches(transform_batch)()\x1b[39m (pid=4775, ip=192.0.2.2)",
+    "ray.exceptions.UserCodeException: UDF failed to process a data block.",
+    "Failed to apply UDF transform after 1/1 attempts (total backoff 0.0s).",
+    "To change retry attempts, backoff, or which errors are retried, configure `retry_on_exception`.",
+    "",
+]
+
+
+def test_rays_wrapping_of_a_run_ending_error_goes_with_it_another_error_during_handling_stays():
+    lines = ["[behemoth] step 2/12", *BAD_SAMPLE, *RAY_DATA_WRAPPER, "[behemoth] not retried ..."]
+    assert filter_lines(lines) == ["[behemoth] step 2/12", "[behemoth] not retried ..."]
+    during = [*BAD_SAMPLE[2:], "", "During handling of the above exception, another exception occurred:", "",
+              *REAL_TRACEBACK[4:]]
+    assert filter_lines(during) == during
+    not_ray = [*BAD_SAMPLE[2:], *RAY_DATA_WRAPPER[:4], "ValueError: a user's own wrapper", ""]
+    assert filter_lines(not_ray) == not_ray

@@ -75,6 +75,29 @@ def test_grad_clip_bounds_the_applied_gradient_norm():
     assert _grad_norm_at_update(1.0) == pytest.approx(1.0, rel=1e-5)
 
 
+def test_out_of_gpu_memory_in_a_step_is_a_config_error_that_is_not_retried():
+    """A CUDA out-of-memory in a training step (raised here by the task's loss: no GPU on this machine) ends
+    the run with one message saying what to change, as an error the failure policy does not retry."""
+    from behemoth.errors import NOT_RETRIED, user_facing_error
+
+    class _OutOfMemory:
+        def loss(self, model, batch):
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    model = torch.nn.Linear(8, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    cfg = JobConfig()
+    cfg.train.micro_batch_size = 8
+    with pytest.raises(ConfigError, match=r"out of GPU memory in a training step \(train.micro_batch_size 8, 2 "
+                                          r"micro-batch\(es\) per step.*Lower train.micro_batch_size") as e:
+        train_step(model, opt, sched, grad_scaler(torch.device("cpu"), "fp32"), [{}, {}], cfg, _OutOfMemory(),
+                   torch.device("cpu"))
+    # what the failure policy sees: Ray's wrapper of the worker's error, with its text
+    wrapped = RuntimeError(f"Traceback ...\nbehemoth.errors.ConfigError: {e.value}")
+    assert user_facing_error(wrapped, NOT_RETRIED) == str(e.value)
+
+
 def test_val_fraction_split_is_stable():
     """A document's split depends on its text and the seed only: not on its position, nor on the corpus."""
     docs = [f"document number {i} about something" for i in range(2000)]

@@ -68,7 +68,7 @@ def test_auto_micro_batch_finds_the_limit_under_a_cap():
     assert largest == 37 and memory(37) <= cap < memory(38)
     assert micro == 32  # the largest divisor of the worker's 64 samples at or under 37: 2 accumulation steps
     assert autobatch.find_micro_batch(model, _loss_at(model), 64, cpu, 10**12, 1) == (64, 64)  # no limit hit
-    with pytest.raises(MemoryError, match="even 1 sample"):
+    with pytest.raises(ConfigError, match="even 1 sample"):  # not retried (errors.NOT_RETRIED)
         autobatch.find_micro_batch(model, _loss_at(model), 64, cpu, memory(1) - 1, 1)
 
 

@@ -10,12 +10,11 @@ import json
 import shutil
 import tempfile
 import time
-from pathlib import Path
 
-from behemoth import paths, weights
+from behemoth import weights
 from behemoth.config import JobConfig
-from behemoth.errors import ConfigError
 from behemoth.tasks import task_of
+from behemoth.tracking.records import write_text
 
 
 def eval_batch_size(cfg: JobConfig, world: int) -> int:
@@ -35,9 +34,6 @@ def evaluate_checkpoint(cfg: JobConfig, checkpoint: str, split: str = "val", whi
     from behemoth.driver.trainer import ensure_ray, worker_env_vars, worker_resources
     from behemoth.worker.evaluate import evaluate_checkpoint_per_worker
 
-    if paths.is_uri(checkpoint):
-        raise ConfigError(f"--checkpoint {checkpoint}: behemoth eval reads a local folder; copy the checkpoint "
-                          f"down first (e.g. aws s3 cp --recursive)")
     task = task_of(cfg)
     ckpt, how = weights.resolve(checkpoint, which, task.best)
     weights.check(ckpt)  # a damaged checkpoint fails here, naming its file, before Ray starts
@@ -64,6 +60,6 @@ def evaluate_checkpoint(cfg: JobConfig, checkpoint: str, split: str = "val", whi
     metrics = result.return_value
     if split != "val":  # the task names its metrics for the validation split
         metrics = {k.replace("val_", f"{split}_", 1) if k.startswith("val_") else k: v for k, v in metrics.items()}
-    out = Path(ckpt).parent / f"{Path(ckpt).name}.eval_{split}.json"
-    out.write_text(json.dumps({"checkpoint": ckpt, "split": split, "workers": world, "metrics": metrics}, indent=1))
-    return metrics, str(out)
+    out = f"{ckpt.rstrip('/')}.eval_{split}.json"  # beside the checkpoint folder, local or under a URI
+    write_text(out, json.dumps({"checkpoint": ckpt, "split": split, "workers": world, "metrics": metrics}, indent=1))
+    return metrics, out

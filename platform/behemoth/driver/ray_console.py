@@ -60,22 +60,47 @@ def _intended_exit_block(lines: list[str], i: int) -> int | None:
 # and the command's error line do not: it is left in Ray's worker log (the policy's line says where), not
 # printed. So is Ray's own line announcing a failed background upload just before such a block.
 _NOT_RETRIED_END = re.compile(rf"^behemoth\.errors\.({'|'.join(t.__name__ for t in NOT_RETRIED)}): ")
-_UPLOAD_FAILED = "`ray.train.report(checkpoint_upload_mode=ASYNC)` checkpoint upload failed in the background"
+# Ray's own lines announcing such a failure, just before its traceback: a failed background upload (Ray Train),
+# a failed task of a dataset (Ray Data).
+_PREAMBLES = ("`ray.train.report(checkpoint_upload_mode=ASYNC)` checkpoint upload failed in the background",
+              "An exception was raised from a task of operator",
+              "Exception occurred in user code, with the abbreviated stack trace below")
 _CHAINING = ("During handling of the above exception", "The above exception was the direct cause")
 
 
+_RAY_TASK_HEADER = re.compile(r"^(\x1b\[\d+m)?ray::")  # "ray::MapBatches(transform_batch)() (pid=.., ip=..)"
+_DIRECT_CAUSE = "The above exception was the direct cause"
+
+
 def _not_retried_block(lines: list[str], i: int) -> int | None:
-    """The index of the last line of the traceback starting at lines[i] if it ends in a NOT_RETRIED error
-    (a chained traceback ends at the exception line no "During handling ..." follows)."""
-    for j in range(i + 1, min(len(lines), i + 200)):
+    """The index of the last line of the traceback starting at lines[i] if what failed is a NOT_RETRIED error:
+    its exception line, after any number of frames (Ray's RayTaskError line holds its task's frames under it),
+    and then at most Ray's own wrapping of it ("The above exception was the direct cause ..." followed by a
+    `ray.exceptions.` error, e.g. Ray Data's UserCodeException), up to the blank line that ends that. Another
+    exception raised while handling it, or any other error, keeps the whole traceback."""
+    j = i + 1
+    while j < min(len(lines), i + 200):
         line = lines[j]
-        if not line.strip() or line[0].isspace() or _BLOCK_START.match(line) or line.startswith(_CHAINING):
-            continue
+        if _NOT_RETRIED_END.match(line):
+            break
         following = next((x for x in lines[j + 1:j + 3] if x.strip()), "")
-        if following.startswith(_CHAINING):
-            continue  # the chain goes on: its last exception decides
-        return j if _NOT_RETRIED_END.match(line) else None
-    return None
+        if (line.strip() and not line[0].isspace() and not _BLOCK_START.match(line)
+                and not _RAY_TASK_HEADER.match(line) and not following[:1].isspace()):
+            return None  # the traceback ends in another error
+        j += 1
+    else:
+        return None
+    after = next((k for k in range(j + 1, min(len(lines), j + 4)) if lines[k].strip()), None)
+    if after is None or not lines[after].startswith(_CHAINING):
+        return j
+    if not lines[after].startswith(_DIRECT_CAUSE):
+        return None  # something else failed while handling it
+    wrapper = next((k for k in range(after + 1, min(len(lines), after + 6))
+                    if lines[k].strip() and not _RAY_TASK_HEADER.match(lines[k])), None)
+    if wrapper is None or not lines[wrapper].startswith("ray.exceptions."):
+        return None
+    end = next((k for k in range(wrapper + 1, min(len(lines), wrapper + 20)) if not lines[k].strip()), None)
+    return end if end is not None else len(lines) - 1
 
 
 def filter_lines(lines: list[str]) -> list[str]:
@@ -83,15 +108,13 @@ def filter_lines(lines: list[str]) -> list[str]:
     of an error that ends the run with its own line."""
     kept, i = [], 0
     while i < len(lines):
-        if lines[i].startswith(_UPLOAD_FAILED) and i + 1 < len(lines) and _BLOCK_START.match(lines[i + 1]) \
-                and _not_retried_block(lines, i + 1) is not None:
-            i += 1
-            continue
         if _BLOCK_START.match(lines[i]):
             end = _intended_exit_block(lines, i)
             if end is None and (end := _not_retried_block(lines, i)) is not None:
                 while end + 1 < len(lines) and not lines[end + 1].strip():
                     end += 1  # and the blank line Ray Train prints after it
+                while kept and kept[-1].startswith(_PREAMBLES):
+                    kept.pop()  # Ray's announcement of it
             if end is not None:
                 i = end + 1
                 continue

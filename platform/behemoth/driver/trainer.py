@@ -243,8 +243,6 @@ def resolve_init_from(cfg: JobConfig) -> JobConfig:
     source = cfg.train.init_from
     if not source:
         return cfg
-    if paths.is_uri(source):
-        raise ConfigError(f"train.init_from {source}: a local folder is needed (copy the checkpoint down first)")
     chosen, how = weights.resolve(source, cfg.train.init_from_checkpoint, task_of(cfg).best)
     weights.check(chosen)  # a damaged source fails here, naming its file, before Ray starts
     folder = run_dir(cfg)

@@ -19,6 +19,8 @@ from typing import Callable
 
 import torch
 
+from behemoth.errors import ConfigError
+
 
 def largest_fitting(fits: Callable[[int], bool], upper: int) -> int:
     """The largest m in [1, upper] with fits(m), for a monotone fits. 0 if even 1 does not fit."""
@@ -74,8 +76,8 @@ def cuda_step_fits(model: torch.nn.Module, run_loss: Callable[[], torch.Tensor],
 def find_micro_batch(model, loss_at: Callable[[int], torch.Tensor], share: int, device, cap_bytes: int,
                      optimizer_slots: int) -> tuple[int, int]:
     """(largest micro-batch that fits, the micro-batch to use: the largest divisor of `share` not above it).
-    `loss_at(m)` runs the forward of a micro-batch of m samples and returns its loss. Raises if one sample
-    does not fit."""
+    `loss_at(m)` runs the forward of a micro-batch of m samples and returns its loss. Raises ConfigError
+    (not retried: a restart would search the same way) if one sample does not fit."""
     if device.type == "cuda":
         def fits(m):
             return cuda_step_fits(model, lambda: loss_at(m), device, cap_bytes)
@@ -84,7 +86,7 @@ def find_micro_batch(model, loss_at: Callable[[int], torch.Tensor], share: int, 
             return step_memory_bytes(model, lambda: loss_at(m), optimizer_slots) <= cap_bytes
     largest = largest_fitting(fits, share)
     if largest == 0:
-        raise MemoryError(f"train.micro_batch_size auto: even 1 sample per micro-batch does not fit in "
+        raise ConfigError(f"train.micro_batch_size auto: even 1 sample per micro-batch does not fit in "
                           f"{cap_bytes / 2**20:.0f} MiB: raise train.auto_batch_memory_mb, use a smaller model "
                           f"or shard it (scaling.strategy fsdp_full)")
     return largest, largest_divisor_at_most(share, largest)

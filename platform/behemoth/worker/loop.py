@@ -25,6 +25,7 @@ import torch
 
 from behemoth.checkpoint import TrainState
 from behemoth.config import JobConfig, config_from_dict
+from behemoth.errors import ConfigError
 from behemoth.data.order import steps_per_epoch
 from behemoth.metrics import PhaseClock, Window
 from behemoth.tasks import Task, make_task
@@ -139,9 +140,19 @@ def train_step(model, optimizer, scheduler, scaler, micro_batches: list[dict], c
     for i, batch in enumerate(micro_batches):
         last = i == len(micro_batches) - 1
         with contextlib.nullcontext() if last else parallel.no_grad_sync(model):
-            with autocast(device, cfg.train.precision):
-                loss, n_valid = task.loss(model, batch)
-            scaler.scale(loss / len(micro_batches)).backward()
+            try:
+                with autocast(device, cfg.train.precision):
+                    loss, n_valid = task.loss(model, batch)
+                scaler.scale(loss / len(micro_batches)).backward()
+            except torch.cuda.OutOfMemoryError:
+                # The same micro-batch runs out the same way after a restart: a config error, not retried.
+                raise ConfigError(
+                    f"out of GPU memory in a training step (train.micro_batch_size "
+                    f"{cfg.train.micro_batch_size or 'not set: the worker share of the global batch'}, "
+                    f"{len(micro_batches)} micro-batch(es) per step, precision {cfg.train.precision}): a restart "
+                    f"would run out the same way. Lower train.micro_batch_size (accumulation keeps the global "
+                    f"batch) or set it to auto, train in bf16, or shard the model (scaling.strategy fsdp_full)"
+                ) from None
         loss_sum, n_sum = loss_sum + loss.detach().float() * n_valid, n_sum + n_valid
     if cfg.train.grad_clip:
         scaler.unscale_(optimizer)  # clip the true gradients, not the fp16-scaled ones
@@ -158,8 +169,8 @@ def _steps(cfg: JobConfig, task: Task) -> tuple[int, int]:
     """(optimizer steps per epoch, steps in the whole run)."""
     epoch_steps = steps_per_epoch(task.num_train_samples, cfg.train.global_batch_size)
     if epoch_steps == 0:
-        raise ValueError(f"train.global_batch_size {cfg.train.global_batch_size} exceeds the "
-                         f"{task.num_train_samples} training samples: lower it")
+        raise ConfigError(f"train.global_batch_size {cfg.train.global_batch_size} exceeds the "
+                          f"{task.num_train_samples} training samples: lower it")
     total_steps = epoch_steps * cfg.train.epochs
     return epoch_steps, min(total_steps, cfg.train.max_steps) if cfg.train.max_steps else total_steps
 
