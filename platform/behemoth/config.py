@@ -203,7 +203,8 @@ class TrainConfig:
     log_every: int = 10
     # Fine-tuning: start from these weights (only the weights: a fresh optimizer, schedule and step 0). A
     # behemoth checkpoint folder, a run folder (its checkpoint chosen by init_from_checkpoint), or a Hugging
-    # Face folder (behemoth export, or any save_pretrained folder). An image model's classification head is
+    # Face folder (behemoth export, or any save_pretrained folder); local or a URI (s3://..., downloaded by the
+    # driver to verify it and by each worker to load it). An image model's classification head is
     # re-initialised when the number of classes differs. A run that already has checkpoints of its own
     # resumes from them instead: init_from only decides how a run starts.
     init_from: Optional[str] = None

@@ -48,7 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
                        "metrics and write them as JSON next to the checkpoint")
     _add_config_args(p)
     p.add_argument("--checkpoint", required=True, help="a checkpoint folder, a run folder (its best checkpoint; "
-                   "--latest: its latest) or a Hugging Face folder whose weights fit the job's model")
+                   "--latest: its latest) or a Hugging Face folder whose weights fit the job's model; local or a URI "
+                   "(s3://...)")
     p.add_argument("--split", choices=["val", "train"], default="val", help="what to evaluate (train: the "
                    "training samples without augmentation)")
     p.add_argument("--latest", action="store_true", help="a run folder's latest checkpoint instead of its best")

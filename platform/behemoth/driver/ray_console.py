@@ -1,5 +1,6 @@
 """What of Ray's own output reaches the driver's console: everything, except lines known to be noise in a
-behemoth run (each listed below with why), so that a traceback on the console means something failed.
+behemoth run (each listed below with why), so that a traceback on the console means something failed that
+behemoth's own lines do not already explain (a run-ending data, config or disk error is said in one line).
 
 Ray forwards every worker's and actor's stdout/stderr to the driver (log_to_driver). behemoth wraps the
 handler that prints them (Ray 2.60: `ray_print_logs` on the driver's stdstream dispatcher) with a filter;
@@ -58,7 +59,7 @@ def _intended_exit_block(lines: list[str], i: int) -> int | None:
 # A traceback block that ends in one of behemoth's errors that end a run at once (errors.NOT_RETRIED: a bad
 # sample, a config a worker rejects, a full disk) says nothing the one line of the controller's failure policy
 # and the command's error line do not: it is left in Ray's worker log (the policy's line says where), not
-# printed. So is Ray's own line announcing a failed background upload just before such a block.
+# printed; nor are Ray's lines that announce it (_PREAMBLES) and Ray's wrapping of it (_not_retried_block).
 _NOT_RETRIED_END = re.compile(rf"^behemoth\.errors\.({'|'.join(t.__name__ for t in NOT_RETRIED)}): ")
 # Ray's own lines announcing such a failure, just before its traceback: a failed background upload (Ray Train),
 # a failed task of a dataset (Ray Data).
