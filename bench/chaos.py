@@ -91,14 +91,11 @@ def main() -> None:
     args = p.parse_args()
 
     import ray
-    import torch
     from behemoth.config import config_from_dict
     from behemoth.data.synth_text import write_synth_text
     from behemoth.data.tokenizer import train_tokenizer
     from behemoth.driver.trainer import train
-    from ledger_audit import audit
     from ray.cluster_utils import Cluster
-    from test_fault_tolerance import BATCH
 
     work = Path(tempfile.mkdtemp(prefix="behemoth-chaos-"))
     corpus = work / "text"
@@ -136,35 +133,44 @@ def main() -> None:
             raise SystemExit(f"[chaos] the run failed after {len(events)} failures: {out['error']}")
         summary = out["value"]
 
-        n_blocks = _blocks(storage)
-        result = audit(storage / "ledger-chaos", n_blocks, args.steps, BATCH)  # exact batch of every step
-        groups = list(dict.fromkeys(r["group"] for r in result["records"] if r["rank"] == 0))
-        # The steps each failure cost: its group's steps past the checkpoint the next group restored.
-        restored = {g: min(r["step"] for r in result["records"] if r["group"] == g) - 1 for g in groups}
-        allowed = set()
-        for e in events:
-            nxt = groups[groups.index(e["group"]) + 1]
-            allowed |= set(range(restored[nxt] + 1, e["hit_at"] + 2))  # the step in flight when hit too
-            e["restored_from"] = restored[nxt]
-        redone = result["redone"]
-        assert set(redone) <= allowed, sorted(set(redone) - allowed)
-        wa = torch.load(Path(summary.latest_checkpoint) / "model.pt")
-        wb = torch.load(Path(straight.latest_checkpoint) / "model.pt")
-        equal = all(torch.equal(wa[k], wb[k]) for k in wa)
-        assert summary.metrics["step"] == args.steps and equal
-
-        print()
-        for i, e in enumerate(events, 1):
-            print(f"  {i:2d}. step {e['hit_at']:3d}: {e['what']}; restored from step {e['restored_from']} "
-                  f"({e['hit_at'] - e['restored_from']} steps redone at most)")
-        print(f"[chaos] {len(events)} failures survived ({sum('SIGKILL' in e['what'] for e in events)} workers "
-              f"killed, {sum('node' in e['what'] for e in events)} nodes removed), {len(redone)} steps redone "
-              f"(each within its failure's interval), {len(groups)} worker groups; final weights torch.equal to "
-              f"the uninterrupted run's: {equal}; every step's kept batch exact. Wall: {chaos_s:.0f} s "
-              f"(uninterrupted {straight_s:.0f} s)")
+        check_and_print(events, summary, straight, storage, args.steps, f"Wall: {chaos_s:.0f} s (uninterrupted "
+                        f"{straight_s:.0f} s)")
     finally:
         ray.shutdown()
         cluster.shutdown()
+
+
+def check_and_print(events: list[dict], summary, straight, storage: Path, steps: int, timing: str) -> None:
+    """The ledger audit (every step's kept batch exact), the redone steps inside the failures' intervals, the
+    final weights equal to the uninterrupted run's; then the per-failure lines and the summary line."""
+    import torch
+    from ledger_audit import audit
+    from test_fault_tolerance import BATCH
+
+    result = audit(storage / "ledger-chaos", _blocks(storage), steps, BATCH)  # exact batch of every step
+    groups = list(dict.fromkeys(r["group"] for r in result["records"] if r["rank"] == 0))
+    # The steps each failure cost: its group's steps past the checkpoint the next group restored.
+    restored = {g: min(r["step"] for r in result["records"] if r["group"] == g) - 1 for g in groups}
+    allowed = set()
+    for e in events:
+        nxt = groups[groups.index(e["group"]) + 1]
+        allowed |= set(range(restored[nxt] + 1, e["hit_at"] + 2))  # the step in flight when hit too
+        e["restored_from"] = restored[nxt]
+    redone = result["redone"]
+    assert set(redone) <= allowed, sorted(set(redone) - allowed)
+    wa = torch.load(Path(summary.latest_checkpoint) / "model.pt")
+    wb = torch.load(Path(straight.latest_checkpoint) / "model.pt")
+    equal = all(torch.equal(wa[k], wb[k]) for k in wa)
+    assert summary.metrics["step"] == steps and equal
+
+    print()
+    for i, e in enumerate(events, 1):
+        print(f"  {i:2d}. step {e['hit_at']:3d}: {e['what']}; restored from step {e['restored_from']} "
+              f"({e['hit_at'] - e['restored_from']} steps redone at most)")
+    print(f"[chaos] {len(events)} failures survived ({sum('SIGKILL' in e['what'] for e in events)} workers "
+          f"killed, {sum('node' in e['what'] for e in events)} nodes removed), {len(redone)} steps redone "
+          f"(each within its failure's interval), {len(groups)} worker groups; final weights torch.equal to "
+          f"the uninterrupted run's: {equal}; every step's kept batch exact. {timing}")
 
 
 def _blocks(storage: Path) -> int:

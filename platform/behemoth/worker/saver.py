@@ -114,7 +114,7 @@ def store(snap, ckpt, dir_name: str, fs, run_path: str, written: threading.Event
         if local:
             return ray.train.Checkpoint(dest, filesystem=fs)
         return upload_manifest_last(ckpt, dir_name, snap.step)
-    except Exception as e:  # noqa: BLE001 - a full disk can arrive as torch's RuntimeError
+    except Exception as e:  # a full disk can arrive as torch's RuntimeError
         if not checkpoint.is_disk_full(e):
             raise
         shutil.rmtree(ckpt.path, ignore_errors=True)  # staged files (an object store's), or the empty folder
