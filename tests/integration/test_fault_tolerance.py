@@ -27,8 +27,10 @@ import torch
 import yaml
 from behemoth.checkpoint import FAULT_ENV, read_state
 from behemoth.config import ConfigError, config_from_dict
+from behemoth.driver.stale_requests import COORDINATOR, COORDINATOR_NAMESPACE
 from behemoth.driver.trainer import train
 from behemoth.errors import RunFailedError
+from behemoth.tracking.records import read_jsonl
 from conftest import in_thread, lm_job_dict, train_worker_pids
 
 from integration import ledger_audit
@@ -158,6 +160,13 @@ def test_r1_r3_node_removed_then_driver_killed(cluster, straight, text_corpus, t
             **cfg.model.hf_config, "num_hidden_layers": 2}}}))
     summary = train(cfg)  # same name: resumes
     assert summary.resumed_from_step in (90, 100)
+    # The killed driver's controller never withdrew its resource request from Ray's autoscaling coordinator;
+    # the rerun did (else an elastic run on this cluster would wait up to 180 s for it to expire: R6).
+    timeline = read_jsonl(str(tmp_path / name / "timeline.jsonl"))
+    killed = next(f"train-{e['ray_train_run_id']}" for e in timeline if e["event"] == "controller_start")
+    coordinator = ray.get_actor(COORDINATOR, namespace=COORDINATOR_NAMESPACE)
+    assert ray.get(coordinator.get_reserved_resources.remote(killed)) == {}
+    assert [e["requester_ids"] for e in timeline if e["event"] == "requests_withdrawn"] == [[killed]]
     result = check_recovered(summary, tmp_path, name, straight[0], max_redone=2 * EVERY)
     assert len({r["node"] for r in result["records"] if r["rank"] == 1}) >= 2  # rank 1 moved off the lost node
     assert len(list(dict.fromkeys(r["group"] for r in result["records"]))) == 3  # start, after R1, rerun

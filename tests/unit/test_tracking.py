@@ -96,6 +96,24 @@ def test_a_killed_driver_and_its_rerun_are_summed():
     assert sum(acc.terms.values()) == pytest.approx(acc.total_s)
 
 
+def test_a_killed_drivers_resource_request_is_withdrawn_once():
+    """Controllers of invocations without an end record died with their driver (driver/stale_requests.py);
+    a request a rerun has withdrawn is not withdrawn again."""
+    from behemoth.driver.stale_requests import requester_ids_of_killed_invocations
+
+    def controller(inv, run_id):
+        return {"time": T0, "event": "controller_start", "invocation": inv, "ray_train_run_id": run_id}
+
+    timeline = [start("a", T0 + 5, T0), controller("a", "r1"), end("a", T0 + 60),  # finished
+                start("b", T0 + 70, T0 + 65), controller("b", "r2"),  # killed
+                start("c", T0 + 90, T0 + 85)]  # the rerun, before its controller starts
+    assert requester_ids_of_killed_invocations(timeline) == ["train-r2"]
+    timeline.append({"time": T0 + 91, "event": "requests_withdrawn", "invocation": "c", "requester_ids": ["train-r2"]})
+    assert requester_ids_of_killed_invocations(timeline) == []
+    acc = goodput.account(timeline, [])  # the new events change nothing in the account
+    assert [i["invocation"] for i in acc.invocations] == ["a", "b", "c"]
+
+
 def test_a_rerun_of_a_finished_run_loses_nothing():
     """The same command after the run finished: the rerun re-evaluates (a group that resumes at the last step);
     the finished group's tail (its last evaluation and checkpoint) is not lost work."""

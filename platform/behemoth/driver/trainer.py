@@ -17,6 +17,7 @@ import yaml
 
 from behemoth import paths
 from behemoth.config import JobConfig
+from behemoth.driver.stale_requests import withdraw_killed_drivers_requests
 from behemoth.errors import ConfigError, RunFailedError, user_facing_error
 from behemoth.tasks import task_of
 
@@ -280,6 +281,7 @@ def _train(cfg: JobConfig, callbacks: list | None, tracking, end_ray: bool = Fal
     data = prepare_data(cfg, tracking.mark)
     from ray.train import TrainingFailedError
 
+    withdraw_killed_drivers_requests(tracking.run_dir, tracking.invocation)
     try:
         result = build_trainer(cfg, data, [*tracking.callbacks(), *(callbacks or [])]).fit()
     except TrainingFailedError as e:

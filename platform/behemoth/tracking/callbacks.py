@@ -1,5 +1,6 @@
 """The run's recorder inside Ray Train's controller (an actor on the driver's node): every report goes to
-metrics.jsonl, TensorBoard and MLflow; worker group starts, failures and resizes go to timeline.jsonl.
+metrics.jsonl, TensorBoard and MLflow; the controller's start, worker group starts, failures and resizes go
+to timeline.jsonl.
 
 Ray Train's developer callback interfaces are used (a report callback and a controller callback in one
 object, so the trackers can be closed when the controller finishes); Ray is pinned to 2.60.
@@ -37,6 +38,11 @@ class RunRecorder(ControllerCallback, ReportCallback):
 
             self._guarded("MLflow", lambda: self.mlflow.log(scalar_tags(report), report["step"],
                                                             report.get("wall_time", time.time())))
+
+    def after_controller_start(self, train_run_context):
+        # Ray's autoscaling coordinator knows this controller's resource request by this id: a rerun after
+        # a killed driver withdraws it (driver/stale_requests.py)
+        self.event("controller_start", ray_train_run_id=train_run_context.run_id)
 
     def before_controller_execute_resize_decision(self, resize_decision):
         self.event("group_start", workers=resize_decision.num_workers)

@@ -3,7 +3,9 @@
 - metrics.jsonl: every report of every worker group (rank 0's metrics, with the invocation that ran it);
   a resumed run appends, so steps redone after a failure appear twice (`latest_per_step` keeps the survivor).
 - timeline.jsonl: one line per event of the run's life: an invocation starting (with its start-up
-  milestones) and ending, a worker group failing, a resize. The goodput account and the report read both.
+  milestones) and ending, Ray Train's controller starting (its run id), a worker group starting (a restart,
+  a resize) or failing, a killed driver's resource request withdrawn (driver/stale_requests.py). The goodput
+  account and the report read both.
 
 Local files are appended to. Object stores have no append: a URI's file is read once and rewritten whole on
 every write (one writer at a time: the run lock's holder and the Ray Train controller it starts).
