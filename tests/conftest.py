@@ -24,7 +24,14 @@ def pytest_configure(config):
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 
 
+# The integration modules that use the shared local Ray instance run next to each other; then test_s3.py (its
+# workers need the S3 variables: an instance of its own) and test_tune.py (the dashboard); the unit tests last.
+_RUNS_LATE = {"test_s3.py": 1, "test_tune.py": 2}
+
+
 def pytest_collection_modifyitems(config, items):
+    items.sort(key=lambda item: _RUNS_LATE.get(item.path.name, 0) if item.path.parent.name == "integration" else 3)
+    # (a stable sort: otherwise pytest's order)
     try:
         import torch
 
@@ -47,20 +54,45 @@ def image_root(tmp_path_factory) -> Path:
     return root
 
 
+# The tests' local Ray instance, kept from one module to the next (starting Ray, and the one-time work of a first
+# fit on a new instance — Ray Data's and Ray Train's helper actors, the decode workers — cost ~12 s on 2 cores).
+# It is started again when the environment its workers inherit has changed (test_s3.py's AWS variables), and
+# stopped before a module starts Ray its own way (stop_local_ray: a multi-node cluster, the dashboard).
+_LOCAL_RAY: dict = {"env": None}
+_INHERITED = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION", "AWS_ENDPOINT_URL")
+
+
+def stop_local_ray() -> None:
+    if _LOCAL_RAY["env"] is not None:
+        import ray
+
+        ray.shutdown()
+        _LOCAL_RAY["env"] = None
+
+
 @pytest.fixture(scope="module")
 def ray_local():
-    """One local Ray instance per test module (starting Ray costs seconds on 2 cores)."""
+    """The shared local Ray instance (see _LOCAL_RAY), started if this module needs a new one."""
     import ray
     from behemoth.driver.trainer import LOCAL_RAY_SYSTEM_CONFIG
 
-    # as behemoth starts a local instance (workers at niceness 0)
-    ray.init(num_cpus=2, include_dashboard=False, logging_level="warning", _system_config=LOCAL_RAY_SYSTEM_CONFIG,
-             _temp_dir=tempfile.mkdtemp(prefix="ray-", dir=_SESSION_DIR),
-             # workers import test-module functions (e.g. a custom train loop) by name, as pytest does, and
-             # the examples by their import paths from the repository root (examples.custom_model:...)
-             runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), str(REPO)])}})
+    env = {k: os.environ.get(k) for k in _INHERITED}
+    if _LOCAL_RAY["env"] != env or not ray.is_initialized():
+        stop_local_ray()
+        # as behemoth starts a local instance (workers at niceness 0)
+        ray.init(num_cpus=2, include_dashboard=False, logging_level="warning", _system_config=LOCAL_RAY_SYSTEM_CONFIG,
+                 _temp_dir=tempfile.mkdtemp(prefix="ray-", dir=_SESSION_DIR),
+                 # workers import test-module functions (e.g. a custom train loop) by name, as pytest does, and
+                 # the examples by their import paths from the repository root (examples.custom_model:...)
+                 runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), str(REPO)])}})
+        _LOCAL_RAY["env"] = env
     yield
-    ray.shutdown()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _local_ray_stops_at_the_end():
+    yield
+    stop_local_ray()
 
 
 def job_dict(image_root: Path, storage: Path, run_name: str = "t", **sections) -> dict:

@@ -31,7 +31,7 @@ from behemoth.driver.stale_requests import COORDINATOR, COORDINATOR_NAMESPACE
 from behemoth.driver.trainer import train
 from behemoth.errors import RunFailedError
 from behemoth.tracking.records import read_jsonl
-from conftest import in_thread, lm_job_dict, train_worker_pids
+from conftest import in_thread, lm_job_dict, stop_local_ray, train_worker_pids
 
 from integration import ledger_audit
 from integration.ledger_audit import read_ledger
@@ -46,6 +46,7 @@ TESTS = Path(__file__).resolve().parents[1]
 def cluster(tmp_path_factory):
     from ray.cluster_utils import Cluster
 
+    stop_local_ray()  # the other modules' shared instance (conftest.py)
     marker = tmp_path_factory.mktemp("fault") / "killed-in-save"
     c = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
     nodes = [c.add_node(num_cpus=1) for _ in range(2)]

@@ -27,7 +27,7 @@ from behemoth.checkpoint import read_state
 from behemoth.config import config_from_dict, load_config
 from behemoth.driver.trainer import train
 from behemoth.driver.tune import sweep
-from conftest import job_dict
+from conftest import job_dict, stop_local_ray
 
 pytestmark = pytest.mark.integration
 # Grid order = trial order (one at a time): each later one learns less. The first trial's worker and the second's
@@ -65,6 +65,7 @@ def ray_with_dashboard():
 
     from behemoth.driver.trainer import LOCAL_RAY_SYSTEM_CONFIG
 
+    stop_local_ray()  # the other modules' shared instance (conftest.py)
     ray.init(num_cpus=2, include_dashboard=True, logging_level="warning", _system_config=LOCAL_RAY_SYSTEM_CONFIG,
              _temp_dir=tempfile.mkdtemp(prefix="ray-", dir=_SESSION_DIR))
     yield
