@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from behemoth import faults
 from behemoth.errors import CheckpointError
 
 FORMAT_VERSION = 1
@@ -77,7 +78,7 @@ def write(directory: str | Path, snap: Snapshot, before_manifest=None) -> Path:
         # torch.save to a path reports only "unexpected pos ..." from its zip writer.
         with open(d / name, "wb") as f:
             torch.save(sd, f)
-        _fault_disk_full(snap.step, d / name)
+        faults.disk_full(snap.step, d / name)
     for name, text in snap.texts.items():
         (d / name).write_text(text)
     files = {p.name: {"size": p.stat().st_size, "sha256": _sha256(p)} for p in sorted(d.iterdir())
@@ -170,43 +171,6 @@ def complete_checkpoints(folder: str | Path, fs=None) -> list[tuple[int, str]]:
                 step = -1
             found.append((step, scheme + path))
     return sorted(found, reverse=True)
-
-
-# Fault injection for the failure tests (tests/integration/test_fault_tolerance.py), never set in real runs:
-# BEHEMOTH_FAULT_KILL_IN_UPLOAD=RUN_NAME:STEP:MARKER SIGKILLs the process uploading the checkpoint of STEP of
-# run RUN_NAME after its files reached the run folder and before its manifest did, once: the marker file
-# records it.
-FAULT_ENV = "BEHEMOTH_FAULT_KILL_IN_UPLOAD"
-
-
-def fault_injection_point(step: int) -> None:
-    spec = os.environ.get(FAULT_ENV)
-    if not spec:
-        return
-    import ray.train
-
-    run, at, marker = spec.split(":", 2)
-    if run == ray.train.get_context().get_experiment_name() and int(at) == step and not os.path.exists(marker):
-        Path(marker).write_text(f"killed pid {os.getpid()} while uploading step {step}\n")
-        os.kill(os.getpid(), 9)
-
-
-# BEHEMOTH_FAULT_DISK_FULL=RUN_NAME:STEP makes the checkpoint of STEP of run RUN_NAME fail after its first file
-# with the OSError a full disk raises (ENOSPC), every time (tests/integration/test_train_images.py).
-DISK_FULL_ENV = "BEHEMOTH_FAULT_DISK_FULL"
-
-
-def _fault_disk_full(step: int, path: Path) -> None:
-    spec = os.environ.get(DISK_FULL_ENV)
-    if not spec:
-        return
-    import errno
-
-    import ray.train
-
-    run, at = spec.split(":", 1)
-    if run == ray.train.get_context().get_experiment_name() and int(at) == step:
-        raise OSError(errno.ENOSPC, f"No space left on device (injected by {DISK_FULL_ENV})", str(path))
 
 
 def is_disk_full(e: BaseException | None) -> bool:

@@ -25,10 +25,11 @@ import pytest
 import ray
 import torch
 import yaml
-from behemoth.checkpoint import FAULT_ENV, read_state
+from behemoth.checkpoint import read_state
 from behemoth.config import ConfigError, config_from_dict
 from behemoth.driver.stale_requests import COORDINATOR, COORDINATOR_NAMESPACE
 from behemoth.driver.trainer import train
+from behemoth.faults import FAULT_ENV, SLOW_WORLD_ENV
 from behemoth.errors import RunFailedError
 from behemoth.tracking.records import read_jsonl
 from conftest import in_thread, lm_job_dict, stop_local_ray, train_worker_pids
@@ -39,6 +40,7 @@ from integration.ledger_audit import read_ledger
 pytestmark = pytest.mark.integration
 # ~0.1 s per step: 150 steps leave time for a failure (and, elastic, a regrowth) to land mid-run
 STEPS, EVERY, FAIL_AT, BATCH = 150, 10, 37, 16
+SLOW_STEP_S = 0.5  # R6: the pace of the 1-worker group
 TESTS = Path(__file__).resolve().parents[1]
 
 
@@ -53,6 +55,8 @@ def cluster(tmp_path_factory):
     c.wait_for_nodes()
     ray.init(address=c.address, logging_level="warning", runtime_env={"env_vars": {
         "PYTHONPATH": str(TESTS), FAULT_ENV: f"killed_in_save:30:{marker}",
+        # R6's shrunk group trains each step 0.5 s slower, so that it cannot finish before the run regrows.
+        SLOW_WORLD_ENV: f"elastic:1:{SLOW_STEP_S}",
         # Ray Train waits 60 s for a worker group that cannot be placed (an elastic restart that counted a
         # node still being removed) before it tries a smaller one; 20 s keeps the test short and still gives
         # a regrow onto a just-added node time to place its workers on a loaded 2-core machine (10 s once
@@ -231,11 +235,12 @@ def test_r6_elastic_two_one_two(cluster, straight, text_corpus, tmp_path):
     """num_workers [1, 2]: rank 1's node is removed at step 15 (the run continues on 1 worker), a node is
     added back (the run grows to 2 again). Ray's autoscaling coordinator refreshes its view of the cluster
     every 20 s, so growing back takes ~25 s or more (a regrow attempt whose placement misses the start
-    timeout falls back to 1 worker and is retried): this run is 150 steps longer than the others (50 were not
-    always enough: a fresh-clone run once ended still on 1 worker), and its first STEPS steps are compared
-    with the fixed-size run (constant learning rate: the same curve)."""
+    timeout falls back to 1 worker and is retried). The 1-worker group is paced (behemoth/faults.py: each of
+    its steps SLOW_STEP_S longer), so the regrow lands before the run ends on any machine: the run's 50 steps
+    beyond the others' took their time from the step rate, and a fast CPU once finished them on 1 worker.
+    Its first STEPS steps are compared with the fixed-size run (constant learning rate: the same curve)."""
     c, nodes = cluster
-    name, steps = "elastic", STEPS + 150
+    name, steps = "elastic", STEPS + 50
     cfg = config_from_dict(job(text_corpus, tmp_path, name, train={"max_steps": steps},
                                scaling={"num_workers": [1, 2], "elastic_resize_interval_s": 3}))
     t, out = in_thread(lambda: train(cfg))

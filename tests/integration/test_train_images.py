@@ -123,7 +123,8 @@ def test_a_full_disk_fails_the_checkpoint_cleanly_and_a_rerun_resumes(image_root
     the space needed (restarts allowed, none used: a full disk stays full); step 3's checkpoint is intact and
     verifies; nothing of step 6's is left in the run folder or in the workers' TMPDIR; the rerun resumes from
     step 3 and ends."""
-    from behemoth.checkpoint import DISK_FULL_ENV, checkpoint_folders, complete_checkpoints, verify
+    from behemoth.faults import DISK_FULL_ENV
+    from behemoth.checkpoint import checkpoint_folders, complete_checkpoints, verify
     from behemoth.driver import trainer
 
     tmp = tmp_path / "worker-tmp"

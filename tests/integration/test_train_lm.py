@@ -185,7 +185,7 @@ def test_powersgd_through_ray_train_restores_exactly(text_corpus, tmp_path, monk
     and beyond. Every redone step's loss on every rank equals, bit for bit, what the first group computed:
     from step 6 on that holds only if the PowerSGD state was restored exactly (step 5's update used it)."""
     from behemoth.driver import trainer
-    from behemoth.checkpoint import FAULT_ENV
+    from behemoth.faults import FAULT_ENV
     from integration.ledger_audit import read_ledger
 
     marker = tmp_path / "killed"

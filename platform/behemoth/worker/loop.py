@@ -23,6 +23,7 @@ import ray.train
 import ray.train.torch
 import torch
 
+from behemoth import faults
 from behemoth.checkpoint import TrainState
 from behemoth.config import JobConfig, config_from_dict
 from behemoth.errors import ConfigError
@@ -90,6 +91,7 @@ def train_loop_per_worker(loop_config: dict) -> dict:
                 bad_ids.update(task.bad_sample_ids(batch))
             window.add(loss_sum, n_valid, wait_s)
             ledger.record(state, micro_batches, loss_sum, n_valid)
+            faults.slow_step(world)  # the failure tests' pacing (behemoth/faults.py); nothing in a real run
             state.advance(epoch_steps, cfg.train.global_batch_size)
             feed.ahead(state, total_steps)
             # the step's time, less what it waited for a checkpoint snapshot (counted as checkpoint time)

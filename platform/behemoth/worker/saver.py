@@ -14,7 +14,7 @@ import pyarrow.fs
 import ray
 import ray.train
 
-from behemoth import checkpoint
+from behemoth import checkpoint, faults
 from behemoth.checkpoint import TrainState
 from behemoth.config import JobConfig, dump_yaml
 from behemoth.errors import StorageFullError
@@ -105,7 +105,7 @@ def store(snap, ckpt, dir_name: str, fs, run_path: str, written: threading.Event
     try:
         try:
             if local:
-                checkpoint.write(dest, snap, before_manifest=lambda: checkpoint.fault_injection_point(snap.step))
+                checkpoint.write(dest, snap, before_manifest=lambda: faults.kill_in_upload(snap.step))
             else:
                 checkpoint.write(ckpt.path, snap)
         finally:
@@ -151,7 +151,7 @@ def upload_manifest_last(ckpt, dir_name: str, step: int):
     try:
         shutil.move(os.path.join(ckpt.path, checkpoint.MANIFEST), held)
         persisted = storage.persist_current_checkpoint(ckpt, dir_name)
-        checkpoint.fault_injection_point(step)
+        faults.kill_in_upload(step)
         pyarrow.fs.copy_files(os.path.join(held, checkpoint.MANIFEST), f"{persisted.path}/{checkpoint.MANIFEST}",
                               source_filesystem=pyarrow.fs.LocalFileSystem(),
                               destination_filesystem=persisted.filesystem)

@@ -1,0 +1,57 @@
+"""Fault injection for the failure tests, never set in real runs: each hook reads one environment variable
+that a test puts into the training workers' environment, and does nothing when it is unset. All of them act
+on one run only (its name is the first field), so the other runs of a test cluster are untouched.
+
+- BEHEMOTH_FAULT_KILL_IN_UPLOAD=RUN:STEP:MARKER SIGKILLs the process uploading the checkpoint of STEP after its
+  files reached the run folder and before its manifest did, once: the marker file records it
+  (tests/integration/test_fault_tolerance.py, test_train_lm.py).
+- BEHEMOTH_FAULT_DISK_FULL=RUN:STEP makes the checkpoint of STEP fail after its first file with the OSError a
+  full disk raises (ENOSPC), every time (tests/integration/test_train_images.py).
+- BEHEMOTH_FAULT_SLOW_WORLD=RUN:WORLD:SECONDS makes every step trained by a worker group of WORLD workers take
+  SECONDS longer: the elastic test's shrunk group cannot finish the run before Ray Train grows it back, however
+  fast the machine trains (test_fault_tolerance.py, R6).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+FAULT_ENV = "BEHEMOTH_FAULT_KILL_IN_UPLOAD"
+DISK_FULL_ENV = "BEHEMOTH_FAULT_DISK_FULL"
+SLOW_WORLD_ENV = "BEHEMOTH_FAULT_SLOW_WORLD"
+
+
+def _spec_for_this_run(env: str) -> list[str] | None:
+    """The fields after the run name, when `env` is set for the run this worker trains."""
+    spec = os.environ.get(env)
+    if not spec:
+        return None
+    import ray.train
+
+    run, rest = spec.split(":", 1)
+    return rest.split(":") if run == ray.train.get_context().get_experiment_name() else None
+
+
+def kill_in_upload(step: int) -> None:
+    fields = _spec_for_this_run(FAULT_ENV)
+    if fields is not None:
+        at, marker = fields[0], ":".join(fields[1:])
+        if int(at) == step and not os.path.exists(marker):
+            Path(marker).write_text(f"killed pid {os.getpid()} while uploading step {step}\n")
+            os.kill(os.getpid(), 9)
+
+
+def disk_full(step: int, path: Path) -> None:
+    fields = _spec_for_this_run(DISK_FULL_ENV)
+    if fields is not None and int(fields[0]) == step:
+        import errno
+
+        raise OSError(errno.ENOSPC, f"No space left on device (injected by {DISK_FULL_ENV})", str(path))
+
+
+def slow_step(world: int) -> None:
+    fields = _spec_for_this_run(SLOW_WORLD_ENV)
+    if fields is not None and int(fields[0]) == world:
+        time.sleep(float(fields[1]))
