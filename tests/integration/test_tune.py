@@ -121,6 +121,7 @@ def resource_holders() -> str:
     lines = [f"available {ray.available_resources()} of {ray.cluster_resources()}"]
     lines += [f"placement group {pg['placement_group_id']} {pg['state']} bundles {pg['bundles']}"
               for pg in ray.util.placement_group_table().values() if pg["state"] != "REMOVED"]
+    lines += _placement_group_creators()
     try:
         from ray.util.state import list_actors
 
@@ -133,6 +134,26 @@ def resource_holders() -> str:
         lines += [f"{log.name}: {line}" for line in log.read_text(errors="replace").splitlines()
                   if "PlacementGroupCleaner" in line or "placement group" in line.lower()]
     return "\n".join(lines)
+
+
+def _placement_group_creators() -> list[str]:
+    """For each placement group not removed: the actor and job that created it, and their states in GCS."""
+    from ray._private.state import state
+    from ray.core.generated import gcs_pb2
+
+    actors = state.actor_table(None)
+    dead_jobs = {j["JobID"] for j in state.job_table() if j.get("IsDead")}
+    lines = []
+    for raw in state._connect_and_get_accessor().get_placement_group_table():
+        pg = gcs_pb2.PlacementGroupTableData.FromString(raw)
+        if pg.state == gcs_pb2.PlacementGroupTableData.REMOVED:
+            continue
+        creator = actors.get(pg.creator_actor_id.hex(), {})
+        lines.append(f"placement group {pg.placement_group_id.hex()}: created by actor {pg.creator_actor_id.hex()} "
+                     f"({creator.get('ActorClassName', '?')}, {creator.get('State', 'not in the actor table')}, "
+                     f"creator_actor_dead={pg.creator_actor_dead}) of job {pg.creator_job_id.hex()} "
+                     f"({'dead' if pg.creator_job_id.hex() in dead_jobs else 'alive'}), detached={pg.is_detached}")
+    return lines
 
 
 def nth_trial(sweep_dir: Path, n: int) -> str | None:

@@ -145,3 +145,28 @@ def test_cli_overrides_set_sweep_keys_or_job_keys_for_every_trial(tmp_path, imag
     assert s.set == ["train.epochs=3", "train.momentum=0.8", f"data.root={image_root}"]
     jobs = check_sweep(s)
     assert all(j.train.momentum == 0.8 and j.train.epochs == 3 for j in jobs)
+
+
+def test_the_reaper_keeps_watching_after_the_last_trial_controller_is_gone(monkeypatch):
+    """A dying controller's last placement group reaches GCS after the controller itself is dead: the reaper's
+    end waits for quiet_s without controllers or new orphaned groups (GCS's tables stubbed: the loop is ours)."""
+    import time
+
+    from behemoth.driver import tune
+
+    start = time.monotonic()
+    controller_until, orphan_at = start + 0.3, start + 0.6  # the group turns up 0.3 s after its controller died
+    reaped = []
+
+    def reap():
+        if time.monotonic() >= orphan_at and not reaped:
+            reaped.append("pg")
+            return ["pg"]
+        return []
+
+    monkeypatch.setattr(tune, "reap_orphaned_placement_groups", reap)
+    monkeypatch.setattr(tune, "_live_train_controllers", lambda: int(time.monotonic() < controller_until))
+    reaper = tune.OrphanedPlacementGroupReaper(every_s=60, settle_s=10, quiet_s=1.0)
+    reaper.thread.start()  # (what __enter__ does, without its first reap)
+    reaper.__exit__(None, None, None)
+    assert reaped == ["pg"] and time.monotonic() - start < 5

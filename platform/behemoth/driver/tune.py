@@ -462,10 +462,10 @@ class OrphanedPlacementGroupReaper:
     says which (`creator_actor_dead`), no dashboard needed.
     """
 
-    def __init__(self, every_s: float = 2.0, settle_s: float = 30.0):
+    def __init__(self, every_s: float = 2.0, settle_s: float = 30.0, quiet_s: float = 3.0):
         import threading
 
-        self.every_s, self.settle_s = every_s, settle_s
+        self.every_s, self.settle_s, self.quiet_s = every_s, settle_s, quiet_s
         self.done = threading.Event()
         self.thread = threading.Thread(target=self._run, name="behemoth-pg-reaper", daemon=True)
 
@@ -475,11 +475,20 @@ class OrphanedPlacementGroupReaper:
         return self
 
     def __exit__(self, *exc):
+        """Reap until no trial controller of this job is alive and none of their groups has turned up for
+        `quiet_s`: a dying controller's last group request reaches GCS after the controller is already dead
+        (a fresh-clone sweep test once found such a group 60 s after the sweep, the reaper having stopped as
+        soon as the last controller was gone)."""
         self.done.set()
         self.thread.join()
-        deadline = time.monotonic() + self.settle_s
-        while _live_train_controllers() and time.monotonic() < deadline:
-            reap_orphaned_placement_groups()
+        deadline, quiet_since = time.monotonic() + self.settle_s, None
+        while time.monotonic() < deadline:
+            if reap_orphaned_placement_groups() or _live_train_controllers():
+                quiet_since = None
+            elif quiet_since is None:
+                quiet_since = time.monotonic()
+            elif time.monotonic() - quiet_since >= self.quiet_s:
+                return
             time.sleep(0.2)
         reap_orphaned_placement_groups()
 
