@@ -91,8 +91,9 @@ def write(directory: str | Path, snap: Snapshot, before_manifest=None) -> Path:
     return d
 
 
-def verify(directory: str | Path) -> dict:
-    """Check every file against the manifest. Returns the manifest or raises CheckpointError naming the file."""
+def verify(directory: str | Path, only: tuple[str, ...] | None = None) -> dict:
+    """Check every file (or the files named in `only`) against the manifest. Returns the manifest or raises
+    CheckpointError naming the file."""
     d = Path(directory)
     manifest_path = d / MANIFEST
     if not manifest_path.is_file():
@@ -106,6 +107,8 @@ def verify(directory: str | Path) -> dict:
         raise CheckpointError(f"checkpoint {d} has format {manifest.get('format_version')}, "
                               f"this behemoth reads {FORMAT_VERSION}")
     for name, expected in files.items():
+        if only is not None and name not in only:
+            continue
         p = d / name
         if not p.is_file():
             raise CheckpointError(f"checkpoint {d}: {name} is missing")

@@ -7,9 +7,11 @@ Used by fine-tuning (train.init_from, worker side), `behemoth eval` and `behemot
 
 from __future__ import annotations
 
+import contextlib
 import json
+import tempfile
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 
@@ -36,24 +38,27 @@ def _is_file(path: str) -> bool:
     return fs.get_file_info(where).type == pyarrow.fs.FileType.File
 
 
-_FETCHED: dict[str, str] = {}
+MODEL_FILE = "model.pt"  # a checkpoint's weights; the rest of it (optimizer, schedule, ...) is the run's
 
 
-def local(path: str) -> str:
-    """A folder as a local path: a URI's (s3://...) is downloaded once per process into a temporary folder
-    (every worker that reads init_from's weights downloads its own copy: a node's disk is its own)."""
+@contextlib.contextmanager
+def fetched(path: str) -> Iterator[Path]:
+    """A weights folder as a local path while the block runs. A URI's (s3://...) is downloaded into a temporary
+    folder, removed afterwards: of a checkpoint only its manifest and model.pt (its optimizer state and the rest
+    are not read), of a Hugging Face folder every file."""
     if not paths.is_uri(path):
-        return path
-    if path not in _FETCHED:
-        import tempfile
+        yield Path(path)
+        return
+    import pyarrow.fs
 
-        import pyarrow.fs
-
-        fs, where = filesystem(path)
-        target = tempfile.mkdtemp(prefix="behemoth-weights-")
-        pyarrow.fs.copy_files(where, target, source_filesystem=fs)
-        _FETCHED[path] = target
-    return _FETCHED[path]
+    fs, where = filesystem(path)
+    with tempfile.TemporaryDirectory(prefix="behemoth-weights-") as target:
+        if is_checkpoint(path):
+            for name in (MANIFEST, MODEL_FILE):
+                pyarrow.fs.copy_files(f"{where}/{name}", f"{target}/{name}", source_filesystem=fs)
+        else:
+            pyarrow.fs.copy_files(where, target, source_filesystem=fs)
+        yield Path(target)
 
 
 def resolve(path: str, which: str = "best", best: tuple[str, str] = ("val_loss", "min")) -> tuple[str, str]:
@@ -89,10 +94,11 @@ def resolve(path: str, which: str = "best", best: tuple[str, str] = ("val_loss",
 
 
 def check(folder: str) -> None:
-    """Before Ray starts, without loading the weights: a checkpoint must match its manifest (a Hugging Face
-    folder has none; its files are read when the model loads them)."""
+    """Before Ray starts, without loading the weights: a checkpoint's model.pt must match its manifest (a
+    Hugging Face folder has none; its files are read when the model loads them)."""
     if is_checkpoint(folder):
-        verify(local(folder))
+        with fetched(folder) as p:
+            verify(p, only=(MODEL_FILE,))
 
 
 def checkpoint_metrics(ckpt: str | Path) -> dict:
@@ -106,11 +112,15 @@ def checkpoint_metrics(ckpt: str | Path) -> dict:
 def read_state_dict(path: str | Path) -> dict:
     """A model state dict, read without running code: a checkpoint's model.pt (verified against its manifest
     first), or a Hugging Face folder's safetensors (one file or shards) or pytorch_model.bin (weights_only).
-    A URI's folder is downloaded first (`local`)."""
-    p = Path(local(str(path)))
+    A URI's folder is downloaded first, and removed once read (`fetched`)."""
+    with fetched(str(path)) as p:
+        return _read_state_dict(p, path)
+
+
+def _read_state_dict(p: Path, path: str | Path) -> dict:
     if is_checkpoint(p):
-        verify(p)
-        return torch.load(p / "model.pt", map_location="cpu", weights_only=True)
+        verify(p, only=(MODEL_FILE,))
+        return torch.load(p / MODEL_FILE, map_location="cpu", weights_only=True)
     from safetensors.torch import load_file
 
     if (p / "model.safetensors").is_file():

@@ -104,3 +104,30 @@ def test_the_ledger_reader_skips_a_torn_line_and_the_writer_starts_after_it(tmp_
         read_ledger(tmp_path)
     f.write_text('{"step": 1}\n')
     assert not _ends_mid_line(str(f))
+
+
+def test_a_checkpoint_under_a_uri_is_fetched_without_its_optimizer_state_and_removed_after(tmp_path):
+    """Reading weights from an object store (a file:// URI here, through the same pyarrow path as s3://)
+    downloads the manifest and model.pt only, verifies model.pt, and leaves no copy behind."""
+    model = torch.nn.Linear(3, 2)
+    ckpt = _checkpoint(tmp_path / "ckpt", 1, model=model)
+    uri = f"file://{ckpt}"
+    with weights.fetched(uri) as local:
+        assert sorted(p.name for p in local.iterdir()) == ["manifest.json", "model.pt"]  # no train_state.json
+    assert not local.exists()
+    assert torch.equal(weights.read_state_dict(uri)["weight"], model.weight)
+    (ckpt / "train_state.json").write_text("damaged")  # not the weights: reading them does not care
+    weights.check(uri)
+    data = (ckpt / "model.pt").read_bytes()
+    (ckpt / "model.pt").write_bytes(data[:-8])
+    with pytest.raises(CheckpointError, match="model.pt does not match its manifest"):
+        weights.check(uri)
+
+
+def test_under_ddp_only_rank_0_reads_the_init_from_weights():
+    """DDP's wrapper broadcasts rank 0's weights; FSDP shards every rank's own copy; one worker reads its own."""
+    from behemoth.worker.restore import reads_init_from
+
+    assert [reads_init_from("ddp", r, 2) for r in range(2)] == [True, False]
+    assert reads_init_from("ddp", 0, 1)
+    assert [reads_init_from("fsdp", r, 2) for r in range(2)] == [True, True]

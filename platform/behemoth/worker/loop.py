@@ -115,7 +115,7 @@ def _build_run(cfg: JobConfig, task: Task, clock: PhaseClock, rank: int, world: 
     torch.manual_seed(cfg.train.seed)
     model = task.build_model().to(device)
     # Fine-tuning: train.init_from's weights (unless the run resumes from its own checkpoints).
-    init_line = load_init_from(model, cfg, task)
+    init_line = load_init_from(model, cfg, task, rank, world)
     clock.mark("model_built")
     micro_batch, accum = batch_plan(cfg, world, model, task, device, rank)
     speed = SpeedMeter(cfg, device, world, micro_batch, accum)

@@ -78,12 +78,17 @@ def _run_folder_checkpoints() -> list[tuple[int, ray.train.Checkpoint]]:
             for step, path in checkpoint.complete_checkpoints(storage.experiment_fs_path, fs)]
 
 
-def load_init_from(model, cfg, task) -> str | None:
+def load_init_from(model, cfg, task, rank: int, world: int) -> str | None:
     """Fine-tuning: the weights of train.init_from (the driver resolved it to one folder) into a fresh run's
     model, before DDP/FSDP wraps it; only the weights (the optimizer, schedule and step start fresh). Skipped
-    when the run has checkpoints of its own: it resumes from them. Returns the line to print, or None."""
+    when the run has checkpoints of its own: it resumes from them. Returns the line to print, or None.
+
+    Under DDP only rank 0 reads them: wrapping the model in DDP broadcasts rank 0's parameters and buffers to
+    every rank. FSDP shards each rank's own full copy, so there every rank reads them."""
     source = cfg.train.init_from
     if not source or ray.train.get_checkpoint() is not None or _run_folder_checkpoints():
+        return None
+    if not reads_init_from(cfg.scaling.strategy, rank, world):
         return None
     reinit = weights.load_weights(model, weights.read_state_dict(source), source, getattr(task, "reinit_ok", None))
     line = f"init_from {source}: weights loaded; optimizer, LR schedule and step start fresh"
@@ -92,3 +97,8 @@ def load_init_from(model, cfg, task) -> str | None:
         line += (f"; re-initialised for this data's classes: "
                  f"{', '.join(f'{k} {list(shapes[k].shape)}' for k in reinit)}")
     return line
+
+
+def reads_init_from(strategy: str, rank: int, world: int) -> bool:
+    """Whether this rank reads train.init_from's weights itself (see load_init_from)."""
+    return rank == 0 or not (strategy == "ddp" and world > 1)
