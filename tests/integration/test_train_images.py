@@ -180,11 +180,11 @@ def test_a_sweep_refuses_to_start_without_rays_state_api(image_root, tmp_path):
     assert not (tmp_path / "sweeps").exists()
 
 
-def test_a_task_of_ones_own_runs_end_to_end_from_its_file_alone(tmp_path, capsys):
+def test_a_task_of_ones_own_runs_end_to_end_from_its_file_alone(tmp_path, capfd):
     """Adding a workload is its file: tests/integration/toy_task.py (linear regression, nothing of behemoth's
     image or text code), named by import path in data.kind. It trains on 2 workers through Ray Train, is
     checked by `behemoth check`, reports its own metric, picks its best checkpoint by it and prints its own
-    summary line."""
+    summary line. Its print() shows once per worker (Ray Train's print patch showed it twice)."""
     from behemoth.driver.cli import main
     from behemoth.driver.trainer import train
 
@@ -194,8 +194,13 @@ def test_a_task_of_ones_own_runs_end_to_end_from_its_file_alone(tmp_path, capsys
                    checkpoint={"every_n_steps": 16, "keep": 3}, eval={"per_epoch": True})
     (tmp_path / "toy.yaml").write_text(yaml.safe_dump(job))
     assert main(["check", str(tmp_path / "toy.yaml")]) == 0
-    assert "# data: 512 train / 128 val rows of 8 features" in capsys.readouterr().out
+    assert "# data: 512 train / 128 val rows of 8 features" in capfd.readouterr().out
     summary = train(config_from_dict(job))
+    console = capfd.readouterr()
+    printed = [line for line in (console.out + console.err).splitlines()
+               if "toy task: a linear model" in line and "pid=" in line]
+    pids = [line.split("pid=")[1].split(")")[0] for line in printed]
+    assert pids and all(pids.count(pid) == 1 for pid in pids), printed
     m = summary.metrics
     assert m["step"] == 48 and m["val_mse"] < 0.01  # from ~8 (|w|^2) at the start
     assert summary.best_metric == "val_mse" and summary.best_value == pytest.approx(m["val_mse"])

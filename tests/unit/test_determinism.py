@@ -40,4 +40,6 @@ def test_worker_environment_makes_matmul_independent_of_alignment(monkeypatch):
 
 def test_a_users_own_mkl_setting_wins(monkeypatch):
     monkeypatch.setenv("MKL_CBWR", "COMPATIBLE")
-    assert worker_env_vars() == {"MKL_CBWR": "COMPATIBLE"}
+    assert worker_env_vars()["MKL_CBWR"] == "COMPATIBLE"
+    monkeypatch.setenv("RAY_TRAIN_ENABLE_PRINT_PATCH", "1")  # the same for Ray Train's print patch (off by default)
+    assert worker_env_vars() == {"MKL_CBWR": "COMPATIBLE", "RAY_TRAIN_ENABLE_PRINT_PATCH": "1"}

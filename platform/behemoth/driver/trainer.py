@@ -128,9 +128,15 @@ LOCAL_RAY_SYSTEM_CONFIG = {"worker_niceness": 0, "idle_worker_killing_time_thres
 REPRODUCIBLE_BLAS_ENV = {"MKL_CBWR": "AUTO,STRICT"}
 
 
+# Ray Train replaces print() in its workers with a version that logs the line and, because Ray's worker wraps
+# sys.stdout, prints it as well: a user's print() in their own model, loss or task showed twice on the console.
+# Off, print() is Python's again (one line, forwarded by Ray like any worker output). A value the user sets wins.
+PRINT_PATCH_ENV = {"RAY_TRAIN_ENABLE_PRINT_PATCH": "0"}
+
+
 def worker_env_vars() -> dict:
     """Environment variables every training worker starts with (read by libraries when they initialise)."""
-    return {key: os.environ.get(key, value) for key, value in REPRODUCIBLE_BLAS_ENV.items()}
+    return {key: os.environ.get(key, value) for key, value in {**REPRODUCIBLE_BLAS_ENV, **PRINT_PATCH_ENV}.items()}
 
 
 def tighten_token_file() -> str | None:
