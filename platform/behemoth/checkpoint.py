@@ -106,6 +106,9 @@ def verify(directory: str | Path, only: tuple[str, ...] | None = None) -> dict:
     if manifest.get("format_version") != FORMAT_VERSION:
         raise CheckpointError(f"checkpoint {d} has format {manifest.get('format_version')}, "
                               f"this behemoth reads {FORMAT_VERSION}")
+    unlisted = [name for name in only or () if name not in files]
+    if unlisted:
+        raise CheckpointError(f"checkpoint {d}: {', '.join(unlisted)} not in its {MANIFEST}")
     for name, expected in files.items():
         if only is not None and name not in only:
             continue

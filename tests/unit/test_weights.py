@@ -122,12 +122,49 @@ def test_a_checkpoint_under_a_uri_is_fetched_without_its_optimizer_state_and_rem
     (ckpt / "model.pt").write_bytes(data[:-8])
     with pytest.raises(CheckpointError, match="model.pt does not match its manifest"):
         weights.check(uri)
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    del manifest["files"]["model.pt"]
+    (ckpt / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError, match="model.pt not in its manifest.json"):
+        weights.read_state_dict(ckpt)  # locally too: a manifest that does not cover the weights verifies nothing
 
 
-def test_under_ddp_only_rank_0_reads_the_init_from_weights():
-    """DDP's wrapper broadcasts rank 0's weights; FSDP shards every rank's own copy; one worker reads its own."""
+def _ddp_rank(rank: int, port: int, source: dict, out: str) -> None:
+    """One of 2 gloo ranks: reads the source weights only if reads_init_from says so, then wraps in DDP."""
+    import torch.distributed as dist
+
+    from behemoth.worker.restore import reads_init_from
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    torch.manual_seed(rank)  # every rank starts from other weights
+    model = torch.nn.Linear(3, 2)
+    if reads_init_from("ddp", rank, 2):
+        weights.load_weights(model, source, "src")
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    torch.save(ddp.module.state_dict(), f"{out}/rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+def test_under_ddp_only_rank_0_reads_the_init_from_weights_and_every_rank_starts_from_them(tmp_path):
+    """The rule (worker/restore.reads_init_from): under DDP with several workers only rank 0 reads; FSDP (each
+    rank shards its own full copy) and a single worker read their own. And what it relies on: wrapping in DDP
+    gives every rank rank 0's weights (two real gloo processes, rank 1 never reading the source)."""
+    import socket
+
+    import torch.multiprocessing as mp
+
     from behemoth.worker.restore import reads_init_from
 
     assert [reads_init_from("ddp", r, 2) for r in range(2)] == [True, False]
     assert reads_init_from("ddp", 0, 1)
     assert [reads_init_from("fsdp", r, 2) for r in range(2)] == [True, True]
+
+    torch.manual_seed(42)
+    source = torch.nn.Linear(3, 2).state_dict()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_ddp_rank, args=(port, source, str(tmp_path)), nprocs=2)
+    for rank in range(2):
+        got = torch.load(tmp_path / f"rank{rank}.pt")
+        assert all(torch.equal(got[k], source[k]) for k in source), rank
