@@ -56,7 +56,7 @@ def main() -> None:
 
     import ray
 
-    from behemoth.config import DataConfig
+    from behemoth.tasks.image import ImageData
     from behemoth.data.images import build_index
     from behemoth.data.synth import write_synth_images
 
@@ -64,7 +64,7 @@ def main() -> None:
     if not (root / "train").is_dir():
         root = Path(tempfile.mkdtemp(prefix="bench-images-"))
         write_synth_images(root, classes=10, per_class=200, val_per_class=50, size=32, seed=0)
-    cfg = DataConfig(kind="image_folder", root=str(root), cpus_per_task=args.cpus_per_task, prefetch_batches=2)
+    cfg = ImageData(kind="image_folder", root=str(root), cpus_per_task=args.cpus_per_task, prefetch_batches=2)
     index = build_index(cfg)
     ray.init(num_cpus=args.cpus, include_dashboard=False, logging_level="warning")
     for ordered in (True, False):  # warm-up: worker processes, imports

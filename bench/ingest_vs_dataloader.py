@@ -92,7 +92,8 @@ def main() -> None:
     p.add_argument("--data", default=str(REPO / "data" / "demo_images"), help="an ImageFolder (made if missing)")
     args = p.parse_args()
 
-    from behemoth.config import DataConfig, config_from_dict
+    from behemoth.config import config_from_dict
+    from behemoth.tasks.image import ImageData
     from behemoth.data.images import build_index
     from behemoth.data.synth import write_synth_images
     from behemoth.driver.trainer import train
@@ -101,7 +102,7 @@ def main() -> None:
     if not (root / "train").is_dir():
         write_synth_images(root, classes=10, per_class=200, val_per_class=50, size=32, seed=0)
     storage = Path(tempfile.mkdtemp(prefix="bench-p2-"))
-    cfg = DataConfig(kind="image_folder", root=str(root), image_size=32)
+    cfg = ImageData(kind="image_folder", root=str(root), image_size=32)
     index = build_index(cfg)
     ours, plain, waits = [], [], []
     for r in range(args.repeats):

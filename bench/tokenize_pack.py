@@ -29,12 +29,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "platform"))
 
 
 def run_behemoth(corpus: Path, tokenizer: str, seq_len: int, workdir: Path, cpus: int) -> int:
-    from behemoth.config import DataConfig
+    from behemoth.tasks.causal_lm import TextData
     from behemoth.data.text import prepare_text
 
     cache = workdir / "cache"
     shutil.rmtree(cache, ignore_errors=True)
-    cfg = DataConfig(kind="text", train_files=[str(corpus / "train.jsonl")], val_files=[str(corpus / "val.jsonl")],
+    cfg = TextData(kind="text", train_files=[str(corpus / "train.jsonl")], val_files=[str(corpus / "val.jsonl")],
                      tokenizer=tokenizer, seq_len=seq_len, cache_dir=str(cache), cpus_per_task=1.0)
     tokens = prepare_text(cfg, seed=0)
     return tokens.train.size + tokens.val.size

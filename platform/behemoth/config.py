@@ -7,11 +7,12 @@ an unknown key also names the closest valid key, a wrong type names the expected
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Optional, Union
+from typing import Any, ClassVar, Literal, Optional, Union
 
 import yaml
 
@@ -19,15 +20,14 @@ from behemoth import paths
 from behemoth.errors import ConfigError, did_you_mean
 
 
-# data.kind -> the task that trains it ("module:Class", imported only when a run needs it: behemoth.tasks).
-# Adding a workload to behemoth: its file in tasks/ and its line here. A task outside behemoth needs no
-# line: `data.kind: my_package.my_module:MyTask`.
+# data.kind -> the task that trains it ("module:Class", imported when a job of that kind is loaded:
+# behemoth.tasks). Adding a workload to behemoth: its file in tasks/ and its line here. A task outside behemoth
+# needs no line: `data.kind: my_package.my_module:MyTask`.
 TASKS: dict[str, str] = {
     "image_folder": "behemoth.tasks.image:ImageClassification",
     "image_parquet": "behemoth.tasks.image:ImageClassification",
     "text": "behemoth.tasks.causal_lm:CausalLM",
 }
-TEXT_KINDS = ("text",)
 
 
 def is_custom_kind(kind: str) -> bool:
@@ -37,83 +37,72 @@ def is_custom_kind(kind: str) -> bool:
 
 @dataclass
 class DataConfig:
-    # image_folder / image_parquet: image classification. text: causal language modelling.
+    """The `data:` keys every task has. A task's own keys (image size, tokenizer, ...) are in its section, a
+    subclass of this one that the task names as `data_config` (tasks/image.py: ImageData, tasks/causal_lm.py:
+    TextData): the YAML's `data:` mapping is read into the section of its `kind` (data_section), so a key of
+    another task's section is an unknown key, and each task checks its own values."""
+
+    # A key of TASKS (image_folder, image_parquet: image classification; text: causal language modelling), or
+    # a task class of one's own as module:Class.
     kind: str = "image_folder"
-    # image_folder: ROOT/{train,val}/<class>/*.{png,jpg,jpeg}
-    root: str = ""
-    # image_parquet and text: files (or globs). Text with no val_files splits off val_fraction of documents.
+    # Files (or globs) holding the training and validation samples (image_parquet, text).
     train_files: list[str] = field(default_factory=list)
     val_files: list[str] = field(default_factory=list)
-    image_column: str = "image"
-    label_column: str = "label"
-    image_size: int = 32
-    augment: Literal["crop_flip", "random_resized_crop", "none"] = "crop_flip"
-    crop_padding: int = 4
-    mean: list[float] = field(default_factory=lambda: [0.5, 0.5, 0.5])
-    std: list[float] = field(default_factory=lambda: [0.25, 0.25, 0.25])
-    # Undecodable images: 0 fails the run naming the file; N > 0 drops up to N and counts them.
+    # Samples the task cannot read (an undecodable image): 0 fails the run naming the sample; N > 0 drops up
+    # to N and counts them.
     max_bad_samples: int = 0
     # Batches the Ray Data iterator prepares ahead of the training step.
     prefetch_batches: int = 2
-    # CPUs each Ray Data decode/augment task reserves (fractions allowed on small machines).
+    # CPUs each Ray Data task (decode, augment, tokenise) reserves (fractions allowed on small machines).
     cpus_per_task: float = 1.0
 
-    # --- text (kind: text) -------------------------------------------------------------------------------
-    # auto: from the file suffix (.txt, .jsonl/.json, .parquet), or hf_dataset when data.hf_dataset is set.
-    text_format: Literal["auto", "txt", "jsonl", "parquet", "hf_dataset"] = "auto"
-    # The JSONL field, parquet column or Hugging Face dataset column holding a document's text.
-    text_field: str = "text"
-    # .txt files: one document per line (empty lines skipped), or one document per file.
-    document: Literal["line", "file"] = "line"
-    # Without val_files: this fraction of documents (chosen by a hash of the text and train.seed) is validation.
-    val_fraction: float = 0.0
-    # A Hugging Face dataset: a folder written by Dataset(Dict).save_to_disk, or a hub name (needs network).
-    hf_dataset: str = ""
-    hf_config_name: Optional[str] = None
-    train_split: str = "train"
-    val_split: str = "validation"
-    # A fast tokenizer: a local from_pretrained folder (behemoth data train-tokenizer) or a hub name.
-    tokenizer: str = ""
-    # Tokens per training sample: documents joined with EOS and cut into blocks of seq_len.
-    seq_len: int = 512
-    # Tokenised, packed corpora are kept here, keyed by a fingerprint of sources, tokenizer and seq_len.
-    cache_dir: str = "data_cache"
+    # Keys holding local paths (a string or a list of them): a sweep makes them absolute for its trials.
+    path_keys: ClassVar[tuple[str, ...]] = ("train_files", "val_files")
+
+    @classmethod
+    def section_for(cls, raw: dict) -> type[DataConfig]:
+        """The class a `data:` mapping is read into: its kind's section."""
+        kind = raw.get("kind", cls.kind)
+        if not isinstance(kind, str):
+            raise ConfigError(f"data.kind expects str, got {type(kind).__name__} {kind!r}")
+        return data_section(kind)
 
     def validate(self) -> None:
-        if self.kind not in TASKS and not is_custom_kind(self.kind):
-            raise ConfigError(f"data.kind '{self.kind}' is not a known task{did_you_mean(self.kind, list(TASKS))} (known: {', '.join(TASKS)}; or "
-                              f"your own task class as module:Class)")
-        if is_custom_kind(self.kind):
-            return  # the task checks its own data (its check() runs before Ray starts)
-        if self.kind in TEXT_KINDS:
-            return self._validate_text()
-        if self.kind == "image_folder" and not self.root:
-            raise ConfigError("data.root is empty: set it to the folder holding train/ and val/")
-        if self.kind == "image_parquet" and not (self.train_files and self.val_files):
-            raise ConfigError("data.kind is image_parquet: set data.train_files and data.val_files")
-        _positive("data.image_size", self.image_size)
-        if len(self.mean) != 3 or len(self.std) != 3 or min(self.std) <= 0:
-            raise ConfigError("data.mean and data.std need 3 values each (RGB), std > 0")
-        if self.max_bad_samples < 0 or self.crop_padding < 0 or self.prefetch_batches < 0:
-            raise ConfigError("data.max_bad_samples, data.crop_padding and data.prefetch_batches must be >= 0")
+        if type(self) is not data_section(self.kind):
+            raise ConfigError(f"data.kind {self.kind} is read into {data_section(self.kind).__name__}, not "
+                              f"{type(self).__name__}: build the data section with config.data_section(kind)")
+        if self.max_bad_samples < 0 or self.prefetch_batches < 0:
+            raise ConfigError("data.max_bad_samples and data.prefetch_batches must be >= 0")
         _positive("data.cpus_per_task", self.cpus_per_task)
 
-    def _validate_text(self) -> None:
-        if not (self.train_files or self.hf_dataset):
-            raise ConfigError("data.kind is text: set data.train_files (txt, jsonl or parquet files) "
-                              "or data.hf_dataset")
-        if self.train_files and self.hf_dataset:
-            raise ConfigError("data.train_files and data.hf_dataset are both set: keep one")
-        if not self.tokenizer:
-            raise ConfigError("data.tokenizer is empty: set a tokenizer folder or hub name "
-                              "(behemoth data train-tokenizer makes one from your corpus)")
-        if not 0 <= self.val_fraction < 1:
-            raise ConfigError(f"data.val_fraction must be in [0, 1), got {self.val_fraction}")
-        if self.train_files and not self.val_files and self.val_fraction == 0:
-            raise ConfigError("data: no validation text: set data.val_files or data.val_fraction (e.g. 0.05)")
-        if self.seq_len < 2:
-            raise ConfigError(f"data.seq_len must be >= 2, got {self.seq_len}")
-        _positive("data.cpus_per_task", self.cpus_per_task)
+    def check_model(self, model: ModelConfig) -> None:
+        """Refuse a model this data cannot train (a task's section says which)."""
+
+    def source(self) -> str:
+        """The data in a few words (a model card's line)."""
+        return ", ".join(self.train_files)
+
+
+def import_task(kind: str) -> type:
+    """The task class of a data.kind (one of TASKS, or itself a "module:Class"), its module imported."""
+    if kind not in TASKS and not is_custom_kind(kind):
+        raise ConfigError(f"data.kind '{kind}' is not a known task{did_you_mean(kind, list(TASKS))} (known: "
+                          f"{', '.join(TASKS)}; or your own task class as module:Class)")
+    module, _, name = TASKS.get(kind, kind).partition(":")
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as e:
+        raise ConfigError(f"data.kind '{kind}': cannot import task {module}:{name} ({e})") from None
+
+
+def data_section(kind: str) -> type[DataConfig]:
+    """The `data:` section class of a data.kind: its task's `data_config` (DataConfig where a task of one's own
+    has no keys of its own)."""
+    section = getattr(import_task(kind), "data_config", DataConfig)
+    if not (isinstance(section, type) and issubclass(section, DataConfig)):
+        raise ConfigError(f"data.kind '{kind}': the task's data_config must be a dataclass subclassing "
+                          f"behemoth.config.DataConfig, got {section!r}")
+    return section
 
 
 @dataclass
@@ -343,7 +332,7 @@ class TrackingConfig:
 
 @dataclass
 class JobConfig:
-    data: DataConfig = field(default_factory=DataConfig)
+    data: DataConfig = field(default_factory=lambda: data_section(DataConfig.kind)())
     model: ModelConfig = field(default_factory=ModelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     scaling: ScalingConfig = field(default_factory=ScalingConfig)
@@ -357,10 +346,8 @@ class JobConfig:
         for f in dataclasses.fields(self):
             if not (custom and f.name == "model"):  # a task of one's own builds its own model
                 getattr(self, f.name).validate()
-        text_data, lm = self.data.kind in TEXT_KINDS, self.model.name == "causal_lm"
-        if not custom and text_data != lm and ":" not in self.model.name:
-            raise ConfigError(f"data.kind {self.data.kind} cannot train model.name {self.model.name}: text data "
-                              f"trains model.name causal_lm, image data an image model")
+        if not custom and ":" not in self.model.name:
+            self.data.check_model(self.model)
         # Every world size the run may have must split the global batch evenly.
         micro = self.train.micro_batch_size
         for workers in range(self.scaling.min_workers, self.scaling.max_workers + 1):
@@ -450,12 +437,19 @@ def from_dict(cls: type, raw: Any, where: str, prefix: str = "") -> Any:
     """Build dataclass `cls` from a mapping, checking keys and types recursively."""
     if not isinstance(raw, dict):
         raise ConfigError(f"{where}: {prefix or 'the file'} must be a mapping, got {type(raw).__name__}")
+    scope = ""
+    if hasattr(cls, "section_for"):  # a section whose keys depend on another key (data: on its kind)
+        try:
+            cls = cls.section_for(raw)
+        except ConfigError as e:
+            raise ConfigError(f"{where}: {e}") from None
+        scope = f" for {prefix}kind {raw.get('kind', cls.kind)}"
     hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls)]
     for key in raw:
         if key not in names:
             hint = did_you_mean(key, names, prefix) or f"; valid keys: {', '.join(names)}"
-            raise ConfigError(f"{where}: unknown key '{prefix}{key}'{hint}")
+            raise ConfigError(f"{where}: unknown key '{prefix}{key}'{scope}{hint}")
     kwargs = {k: _coerce(hints[k], v, where, f"{prefix}{k}") for k, v in raw.items()}
     return cls(**kwargs)
 

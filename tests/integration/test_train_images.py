@@ -182,23 +182,25 @@ def test_a_sweep_refuses_to_start_without_rays_state_api(image_root, tmp_path):
 
 def test_a_task_of_ones_own_runs_end_to_end_from_its_file_alone(tmp_path, capfd):
     """Adding a workload is its file: tests/integration/toy_task.py (linear regression, nothing of behemoth's
-    image or text code), named by import path in data.kind. It trains on 2 workers through Ray Train, is
-    checked by `behemoth check`, reports its own metric, picks its best checkpoint by it and prints its own
-    summary line. Its print() shows once per worker (Ray Train's print patch showed it twice)."""
+    image or text code), named by import path in data.kind. Its own data keys (data.features) are read,
+    checked and shipped to the workers; it trains on 2 workers through Ray Train, is checked by `behemoth
+    check`, reports its own metric, picks its best checkpoint by it and prints its own summary line. Its
+    print() shows once per worker (Ray Train's print patch showed it twice)."""
     from behemoth.driver.cli import main
     from behemoth.driver.trainer import train
 
-    job = job_dict(tmp_path, tmp_path / "runs", "toy", data={"kind": "integration.toy_task:LinearRegression"},
+    job = job_dict(tmp_path, tmp_path / "runs", "toy",
                    train={"epochs": 3, "global_batch_size": 32, "lr": 0.1, "momentum": 0.0, "weight_decay": 0.0,
                           "warmup_steps": 0, "log_every": 8},
                    checkpoint={"every_n_steps": 16, "keep": 3}, eval={"per_epoch": True})
+    job["data"] = {"kind": "integration.toy_task:LinearRegression", "features": 6}  # its keys, not the images'
     (tmp_path / "toy.yaml").write_text(yaml.safe_dump(job))
     assert main(["check", str(tmp_path / "toy.yaml")]) == 0
-    assert "# data: 512 train / 128 val rows of 8 features" in capfd.readouterr().out
+    assert "# data: 512 train / 128 val rows of 6 features" in capfd.readouterr().out
     summary = train(config_from_dict(job))
     console = capfd.readouterr()
     printed = [line for line in (console.out + console.err).splitlines()
-               if "toy task: a linear model" in line and "pid=" in line]
+               if "toy task: a linear model of 6 features" in line and "pid=" in line]
     pids = [line.split("pid=")[1].split(")")[0] for line in printed]
     assert pids and all(pids.count(pid) == 1 for pid in pids), printed
     m = summary.metrics

@@ -1,30 +1,49 @@
 """A workload behemoth does not know: linear regression on generated data, as a user would write their own.
 
-Everything a task needs is in this file; the job names it by import path (`data.kind:
-integration.toy_task:LinearRegression`). Ray Train workers import it by name (the tests' Ray instance puts
+Everything a task needs is in this file, its own `data:` keys (ToyData) included; the job names it by
+import path (`data.kind: integration.toy_task:LinearRegression`). Ray Train workers import it by name (the tests' Ray instance puts
 tests/ on their PYTHONPATH).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import ray.train.torch
 import torch
 
-FEATURES, TRAIN, VAL = 8, 512, 128
+from behemoth.config import DataConfig
+from behemoth.errors import ConfigError
+
+TRAIN, VAL = 512, 128
+
+
+@dataclass
+class ToyData(DataConfig):
+    """This task's `data:` keys beside the common ones (data.kind, data.prefetch_batches, ...)."""
+
+    features: int = 8
+    noise: float = 0.01
+
+    def validate(self) -> None:
+        super().validate()
+        if self.features < 1:
+            raise ConfigError(f"data.features must be >= 1, got {self.features}")
 
 
 class LinearRegression:
     # --- driver side ------------------------------------------------------------------------------------
+    data_config = ToyData
     best = ("val_mse", "min")
     reported = {"val_mse": "min", "loss": "min"}
 
     @classmethod
     def check(cls, cfg):
         rng = np.random.default_rng(cfg.train.seed)
-        w = rng.normal(size=FEATURES)
-        x = rng.normal(size=(TRAIN + VAL, FEATURES)).astype(np.float32)
-        y = (x @ w + 0.01 * rng.normal(size=TRAIN + VAL)).astype(np.float32)
+        w = rng.normal(size=cfg.data.features)
+        x = rng.normal(size=(TRAIN + VAL, cfg.data.features)).astype(np.float32)
+        y = (x @ w + cfg.data.noise * rng.normal(size=TRAIN + VAL)).astype(np.float32)
         return {"x": x, "y": y}
 
     @classmethod
@@ -33,7 +52,7 @@ class LinearRegression:
 
     @classmethod
     def describe(cls, cfg, data):
-        return f"{TRAIN} train / {VAL} val rows of {FEATURES} features"
+        return f"{TRAIN} train / {VAL} val rows of {cfg.data.features} features"
 
     @classmethod
     def data_cpus(cls, cfg):
@@ -56,8 +75,9 @@ class LinearRegression:
         self.num_train_samples, self.num_val_samples = TRAIN, VAL
 
     def build_model(self):
-        print(f"toy task: a linear model of {FEATURES} features", flush=True)  # a user's print, on each worker
-        return torch.nn.Linear(FEATURES, 1)
+        features = self.cfg.data.features
+        print(f"toy task: a linear model of {features} features", flush=True)  # a user's print, on each worker
+        return torch.nn.Linear(features, 1)
 
     def _batches(self, offset, indices, batch_size):
         device = ray.train.torch.get_device()
@@ -74,7 +94,7 @@ class LinearRegression:
 
     def example_batch(self, batch_size):
         device = ray.train.torch.get_device()
-        return {"x": torch.zeros(batch_size, FEATURES, device=device), "y": torch.zeros(batch_size, device=device)}
+        return {"x": torch.zeros(batch_size, self.cfg.data.features, device=device), "y": torch.zeros(batch_size, device=device)}
 
     def loss(self, model, batch):
         return torch.nn.functional.mse_loss(model(batch["x"]).squeeze(1), batch["y"]), torch.tensor(len(batch["y"]))

@@ -152,12 +152,13 @@ def test_elastic_range_must_split_the_global_batch_at_every_size(tmp_path):
 
 
 def test_the_configuration_reference_names_every_key():
-    """docs/configuration.md lists every job config key (section.key), and no key that does not exist."""
+    """docs/configuration.md lists every job config key (section.key), each built-in task's data keys
+    included, and no key that does not exist."""
     import dataclasses
     import re
     from pathlib import Path
 
-    from behemoth.config import JobConfig
+    from behemoth.config import TASKS, JobConfig, data_section
 
     def leaves(cls, prefix):  # a nested section (tracking.mlflow) by its own keys
         for f in dataclasses.fields(cls):
@@ -167,7 +168,7 @@ def test_the_configuration_reference_names_every_key():
             else:
                 yield f"{prefix}{f.name}"
 
-    keys = set(leaves(JobConfig, ""))
+    keys = set(leaves(JobConfig, "")).union(*(leaves(data_section(kind), "data.") for kind in TASKS))
     doc = (Path(__file__).parents[2] / "docs" / "configuration.md").read_text()
     table = [line for line in doc.splitlines() if line.startswith("| `")]
     named = {m for line in table for m in re.findall(r"`([a-z]+(?:\.[a-z_]+)+)`", line.split("|")[1])}
@@ -194,3 +195,65 @@ def test_run_and_sweep_names_stay_inside_their_storage_path(name):
         config_from_dict({"data": {"root": "x"}, "checkpoint": {"run_name": name}})
     with pytest.raises(ConfigError, match="must be a plain folder name"):
         SweepConfig(job="job.yaml", space={"train.lr": {"grid": [0.1]}}, name=name).validate()
+
+
+def test_each_task_reads_and_checks_its_own_data_keys(tmp_path):
+    """`data:` is read into the section of its kind (the task's data_config): a key of another task's section
+    is an unknown key for this kind, each section checks its own values, and the job's objects are the task's
+    section classes (what the workers unpickle)."""
+    from behemoth.tasks.causal_lm import TextData
+    from behemoth.tasks.image import ImageData
+
+    image = load_config(write(tmp_path, "data:\n  root: imgs\n  image_size: 16\n"))
+    assert type(image.data) is ImageData and image.data.image_size == 16
+    with pytest.raises(ConfigError, match="unknown key 'data.tokenizer' for data.kind image_folder"):
+        load_config(write(tmp_path, "data:\n  root: imgs\n  tokenizer: tok\n"))
+    text = ("data:\n  kind: text\n  train_files: [a.jsonl]\n  val_fraction: 0.1\n  tokenizer: tok\n"
+            "model:\n  name: causal_lm\n  hf_config: {model_type: llama}\n")
+    assert type(load_config(write(tmp_path, text)).data) is TextData
+    with pytest.raises(ConfigError, match="unknown key 'data.image_siz' for data.kind text"):
+        load_config(write(tmp_path, text.replace("  tokenizer: tok\n", "  tokenizer: tok\n  image_siz: 8\n")))
+    with pytest.raises(ConfigError, match="data.seq_len must be >= 2"):
+        load_config(write(tmp_path, text), ["data.seq_len=1"])
+    with pytest.raises(ConfigError, match="data.image_size must be > 0"):
+        load_config(write(tmp_path, "data:\n  root: imgs\n  image_size: 0\n"))
+    with pytest.raises(ConfigError, match="data.kind 'txt' is not a known task; did you mean 'text'"):
+        load_config(write(tmp_path, "data:\n  kind: txt\n"))
+    with pytest.raises(ConfigError, match="data.kind expects str"):
+        load_config(write(tmp_path, "data:\n  kind: [text]\n"))
+
+
+def test_a_task_of_ones_own_brings_its_data_keys(tmp_path, monkeypatch):
+    """A task outside behemoth (module:Class) names its section as data_config: its keys are accepted and
+    checked by it; without one, only the common keys are."""
+    import dataclasses
+    import sys
+    import types
+
+    from behemoth.config import DataConfig
+
+    @dataclasses.dataclass
+    class MyData(DataConfig):
+        vocab: int = 10
+
+        def validate(self):
+            super().validate()
+            if self.vocab < 2:
+                raise ConfigError("data.vocab must be >= 2")
+
+    module = types.ModuleType("my_tasks")
+    module.WithKeys = type("WithKeys", (), {"data_config": MyData})
+    module.WithoutKeys = type("WithoutKeys", (), {})
+    module.Broken = type("Broken", (), {"data_config": dict})
+    monkeypatch.setitem(sys.modules, "my_tasks", module)
+    cfg = config_from_dict({"data": {"kind": "my_tasks:WithKeys", "vocab": 50, "prefetch_batches": 1}})
+    assert type(cfg.data) is MyData and cfg.data.vocab == 50 and cfg.data.prefetch_batches == 1
+    with pytest.raises(ConfigError, match="data.vocab must be >= 2"):
+        config_from_dict({"data": {"kind": "my_tasks:WithKeys", "vocab": 1}})
+    assert type(config_from_dict({"data": {"kind": "my_tasks:WithoutKeys"}}).data) is DataConfig
+    with pytest.raises(ConfigError, match="unknown key 'data.vocab' for data.kind my_tasks:WithoutKeys"):
+        config_from_dict({"data": {"kind": "my_tasks:WithoutKeys", "vocab": 50}})
+    with pytest.raises(ConfigError, match="data_config must be a dataclass subclassing"):
+        config_from_dict({"data": {"kind": "my_tasks:Broken"}})
+    with pytest.raises(ConfigError, match="cannot import task no_such_module:Task"):
+        config_from_dict({"data": {"kind": "no_such_module:Task"}})

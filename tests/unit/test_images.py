@@ -8,7 +8,7 @@ import pyarrow.parquet as pq
 import pytest
 from PIL import Image
 
-from behemoth.config import DataConfig
+from behemoth.tasks.image import ImageData
 from behemoth.data.images import BadSampleError, DataError, build_index, index_image_folder, transform_batch
 
 
@@ -16,8 +16,8 @@ def batch_of(table: pa.Table) -> dict:
     return {c: table.column(c).to_numpy(zero_copy_only=False) for c in table.column_names}
 
 
-def cfg(**kw) -> DataConfig:
-    return DataConfig(**{"root": "unused", "image_size": 16, "crop_padding": 2, **kw})
+def cfg(**kw) -> ImageData:
+    return ImageData(**{"root": "unused", "image_size": 16, "crop_padding": 2, **kw})
 
 
 def test_index_sorted_classes_and_counts(image_root):

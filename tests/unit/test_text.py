@@ -7,7 +7,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from behemoth.config import DataConfig
+from behemoth.tasks.causal_lm import TextData
 from behemoth.data import DataError
 from behemoth.data import text
 from behemoth.data.order import rank_train_indices, steps_per_epoch
@@ -21,13 +21,13 @@ from behemoth.data.text import (
 )
 
 
-def text_cfg(corpus, **kw) -> DataConfig:
+def text_cfg(corpus, **kw) -> TextData:
     base = dict(kind="text", train_files=[str(corpus / "train.jsonl")], val_files=[str(corpus / "val.jsonl")],
                 tokenizer=str(corpus / "tokenizer"), seq_len=32)
-    return DataConfig(**{**base, **kw})
+    return TextData(**{**base, **kw})
 
 
-def pack_without_ray(cfg: DataConfig, seed: int = 0) -> dict:
+def pack_without_ray(cfg: TextData, seed: int = 0) -> dict:
     """What prepare_text builds, with the Ray Data step replaced by calling its UDF on each unit in order."""
     packers = {"train": Packer(cfg.seq_len), "val": Packer(cfg.seq_len)}
     for unit in plan_units(cfg):

@@ -55,8 +55,11 @@ def test_a_sweep_on_an_object_store_is_refused_with_what_to_do(tmp_path, image_r
 
 @pytest.mark.parametrize("space, message", [
     ({}, "space is empty"),
-    ({"train.lrr": {"grid": [0.1]}}, "space key 'train.lrr' is not a job config key; did you mean 'train.lr'"),
-    ({"lr": {"grid": [0.1]}}, "space key 'lr' is not a job config key"),
+    ({"train.lrr": {"grid": [0.1]}},
+     r"space key 'train.lrr' is not a key of the sweep's job \(data.kind image_folder\); did you mean 'train.lr'"),
+    # a key of another task's data section: the job's kind decides which keys exist
+    ({"data.seq_len": {"grid": [64]}}, r"space key 'data.seq_len' is not a key of the sweep's job \(data.kind image"),
+    ({"lr": {"grid": [0.1]}}, "space key 'lr' is not a key of the sweep's job"),
     ({"train.lr": {"loguniform": [0, 1]}}, r"train.lr.loguniform needs \[low, high\] with low < high and low > 0"),
     ({"train.lr": {"normal": [0, 1]}}, "space.train.lr: expected one of"),
     ({"train.lr": {"grid": []}}, "space.train.lr.grid is empty"),

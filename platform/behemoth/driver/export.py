@@ -86,7 +86,7 @@ def model_card(cfg: JobConfig, ckpt: str, how: str, transformers_model: bool) ->
     else:
         load = ("from transformers import pipeline\nclassify = pipeline('image-classification', model=FOLDER)\n"
                 "classify('image.png')")
-    data = cfg.data.root or ", ".join(cfg.data.train_files) or cfg.data.hf_dataset
+    data = cfg.data.source()
     lines = [
         f"# {cfg.checkpoint.run_name}", "",
         f"Trained with behemoth: {cfg.model.name} on {cfg.data.kind} data ({data}), exported from {ckpt} ({how}).",

@@ -153,10 +153,9 @@ def base_job(sweep_cfg: SweepConfig) -> dict:
     """The job every trial starts from, as a dict, with relative local paths made absolute: trials run in
     Tune's actors, whose working directory is not the driver's."""
     cfg = load_config(sweep_cfg.job, sweep_cfg.set)
-    d = cfg.data
-    d.root = _absolute(d.root)
-    d.train_files, d.val_files = [_absolute(f) for f in d.train_files], [_absolute(f) for f in d.val_files]
-    d.tokenizer, d.hf_dataset, d.cache_dir = _absolute(d.tokenizer), _absolute(d.hf_dataset), _absolute(d.cache_dir)
+    for key in cfg.data.path_keys:  # the task's section says which of its keys are paths
+        value = getattr(cfg.data, key)
+        setattr(cfg.data, key, [_absolute(v) for v in value] if isinstance(value, list) else _absolute(value))
     cfg.checkpoint.storage_path = _absolute(cfg.checkpoint.storage_path)
     return cfg.to_dict()
 
@@ -207,7 +206,7 @@ def check_sweep(sweep_cfg: SweepConfig) -> list[JobConfig]:
     base = base_job(sweep_cfg)  # the job file itself first: its errors name it
     axes = []
     for key, dist in sweep_cfg.space.items():
-        _check_key_exists(key)
+        _check_key_exists(key, base)
         axes.append([(key, v) for v in next(iter(dist.values()))])
     jobs = []
     for combination in itertools.product(*axes):
@@ -222,14 +221,16 @@ def check_sweep(sweep_cfg: SweepConfig) -> list[JobConfig]:
     return jobs
 
 
-def _check_key_exists(key: str) -> None:
-    """`train.lr` must name a job key (section.field), with the closest valid key suggested."""
+def _check_key_exists(key: str, base: dict) -> None:
+    """`train.lr` must name a key (section.field) of the sweep's job (its data section: that of its kind), with
+    the closest valid key suggested."""
     import dataclasses
 
-    job = JobConfig()
+    job = config_from_dict(base, where="the sweep's job")
     valid = [f"{s.name}.{f.name}" for s in dataclasses.fields(job) for f in dataclasses.fields(getattr(job, s.name))]
     if key not in valid:
-        raise ConfigError(f"space key '{key}' is not a job config key{did_you_mean(key, valid)}")
+        raise ConfigError(f"space key '{key}' is not a key of the sweep's job (data.kind {job.data.kind})"
+                          f"{did_you_mean(key, valid)}")
 
 
 # ---------------------------------------------------------------------------------------------------------

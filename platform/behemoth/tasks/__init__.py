@@ -2,6 +2,9 @@
 `data.kind`.
 
 Driver side (class attributes and classmethods, used before and after a run):
+  `data_config`     (optional) its `data:` section: a dataclass subclassing config.DataConfig with the task's own
+                    keys, their checks (`validate`) and the models it can train (`check_model`); a job's `data:`
+                    mapping is read into its kind's section when the config is loaded
   `best`            the metric that picks the best checkpoint, and "max" or "min"
   `reported`        metrics a sweep may optimise (with their modes)
   `check(cfg)`      read and check the data without Ray; what `prepare` needs next (e.g. an index)
@@ -20,13 +23,12 @@ config.TASKS; a task outside behemoth needs no line at all: `data.kind: my_packa
 
 from __future__ import annotations
 
-import importlib
 from typing import Iterable, Protocol
 
 import torch
 
-from behemoth.config import TASKS, JobConfig
-from behemoth.errors import ConfigError
+from behemoth.config import JobConfig, import_task
+
 
 class Task(Protocol):
     cfg: JobConfig
@@ -71,27 +73,9 @@ class Task(Protocol):
     reinit_ok = None
 
 
-def task_path(kind: str) -> str:
-    """The "module:Class" of the task for a data.kind (one of config.TASKS, or itself a "module:Class")."""
-    if kind in TASKS:
-        return TASKS[kind]
-    if ":" in kind:
-        return kind
-    raise ConfigError(f"data.kind '{kind}' is not a known task (known: {', '.join(TASKS)}; or give a task class "
-                      f"as module:Class)")
-
-
-def task_class(kind_or_path: str) -> type:
-    module, _, name = task_path(kind_or_path).partition(":")
-    try:
-        return getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError) as e:
-        raise ConfigError(f"data.kind '{kind_or_path}': cannot import task {module}:{name} ({e})") from None
-
-
 def task_of(cfg: JobConfig) -> type:
     """Driver side: the task class of a job."""
-    return task_class(cfg.data.kind)
+    return import_task(cfg.data.kind)
 
 
 def best_metric(cfg: JobConfig) -> tuple[str, str]:
@@ -101,4 +85,4 @@ def best_metric(cfg: JobConfig) -> tuple[str, str]:
 
 def make_task(cfg: JobConfig, data) -> Task:
     """Worker side: the task for this job over the data the driver prepared."""
-    return task_class(cfg.data.kind)(cfg, data)
+    return import_task(cfg.data.kind)(cfg, data)

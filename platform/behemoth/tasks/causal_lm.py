@@ -9,7 +9,9 @@ for its own loss, or a user's builder by import path, called with vocab_size= an
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar, Literal, Optional
 
 import numpy as np
 import ray.train.torch
@@ -17,10 +19,64 @@ import torch
 import torch.nn.functional as F
 
 from behemoth import weights
-from behemoth.config import JobConfig
+from behemoth.config import DataConfig, JobConfig, ModelConfig
+from behemoth.errors import ConfigError
 from behemoth.data.text import TokenIndex
 from behemoth.models import registry
 from behemoth.models.causal_lm import build_causal_lm
+
+
+@dataclass
+class TextData(DataConfig):
+    """`data:` of a language-model job (kind: text): text files (data.train_files / val_files) or a Hugging
+    Face dataset, a tokenizer, and the block length the tokens are packed into (docs/language-models.md)."""
+
+    # auto: from the file suffix (.txt, .jsonl/.json, .parquet), or hf_dataset when data.hf_dataset is set.
+    text_format: Literal["auto", "txt", "jsonl", "parquet", "hf_dataset"] = "auto"
+    # The JSONL field, parquet column or Hugging Face dataset column holding a document's text.
+    text_field: str = "text"
+    # .txt files: one document per line (empty lines skipped), or one document per file.
+    document: Literal["line", "file"] = "line"
+    # Without val_files: this fraction of documents (chosen by a hash of the text and train.seed) is validation.
+    val_fraction: float = 0.0
+    # A Hugging Face dataset: a folder written by Dataset(Dict).save_to_disk, or a hub name (needs network).
+    hf_dataset: str = ""
+    hf_config_name: Optional[str] = None
+    train_split: str = "train"
+    val_split: str = "validation"
+    # A fast tokenizer: a local from_pretrained folder (behemoth data train-tokenizer) or a hub name.
+    tokenizer: str = ""
+    # Tokens per training sample: documents joined with EOS and cut into blocks of seq_len.
+    seq_len: int = 512
+    # Tokenised, packed corpora are kept here, keyed by a fingerprint of sources, tokenizer and seq_len.
+    cache_dir: str = "data_cache"
+
+    path_keys: ClassVar[tuple[str, ...]] = (*DataConfig.path_keys, "tokenizer", "hf_dataset", "cache_dir")
+
+    def validate(self) -> None:
+        super().validate()
+        if not (self.train_files or self.hf_dataset):
+            raise ConfigError("data.kind is text: set data.train_files (txt, jsonl or parquet files) "
+                              "or data.hf_dataset")
+        if self.train_files and self.hf_dataset:
+            raise ConfigError("data.train_files and data.hf_dataset are both set: keep one")
+        if not self.tokenizer:
+            raise ConfigError("data.tokenizer is empty: set a tokenizer folder or hub name "
+                              "(behemoth data train-tokenizer makes one from your corpus)")
+        if not 0 <= self.val_fraction < 1:
+            raise ConfigError(f"data.val_fraction must be in [0, 1), got {self.val_fraction}")
+        if self.train_files and not self.val_files and self.val_fraction == 0:
+            raise ConfigError("data: no validation text: set data.val_files or data.val_fraction (e.g. 0.05)")
+        if self.seq_len < 2:
+            raise ConfigError(f"data.seq_len must be >= 2, got {self.seq_len}")
+
+    def check_model(self, model: ModelConfig) -> None:
+        if model.name != "causal_lm":
+            raise ConfigError(f"data.kind {self.kind} cannot train model.name {model.name}: text data trains "
+                              f"model.name causal_lm (or a builder of one's own, module:function)")
+
+    def source(self) -> str:
+        return self.hf_dataset or super().source()
 
 
 def build_lm(cfg: JobConfig, vocab_size: int, eos_id: int, bos_id: int | None) -> torch.nn.Module:
@@ -31,6 +87,7 @@ def build_lm(cfg: JobConfig, vocab_size: int, eos_id: int, bos_id: int | None) -
 
 class CausalLM:
     # --- driver side ------------------------------------------------------------------------------------
+    data_config = TextData
     best = ("val_loss", "min")
     reported = {"val_loss": "min", "val_perplexity": "min", "loss": "min"}
 

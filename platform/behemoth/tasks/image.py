@@ -8,16 +8,57 @@ user's builder by import path (behemoth.models.registry). Registered and transfo
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import ClassVar, Literal
 
 import ray.train.torch
 import torch
 import torch.nn.functional as F
 
 from behemoth import weights
-from behemoth.config import JobConfig
+from behemoth.config import DataConfig, JobConfig, ModelConfig
+from behemoth.errors import ConfigError
 from behemoth.data.images import ImageIndex, build_index, describe_samples, rank_dataset
 from behemoth.models import registry
+
+
+@dataclass
+class ImageData(DataConfig):
+    """`data:` of an image job: image_folder (ROOT/{train,val}/<class>/*.{png,jpg,jpeg}) or image_parquet
+    (data.train_files / val_files with an image-bytes column and a label column)."""
+
+    root: str = ""
+    image_column: str = "image"
+    label_column: str = "label"
+    image_size: int = 32
+    augment: Literal["crop_flip", "random_resized_crop", "none"] = "crop_flip"
+    crop_padding: int = 4
+    mean: list[float] = field(default_factory=lambda: [0.5, 0.5, 0.5])
+    std: list[float] = field(default_factory=lambda: [0.25, 0.25, 0.25])
+
+    path_keys: ClassVar[tuple[str, ...]] = (*DataConfig.path_keys, "root")
+
+    def validate(self) -> None:
+        super().validate()
+        if self.kind == "image_folder" and not self.root:
+            raise ConfigError("data.root is empty: set it to the folder holding train/ and val/")
+        if self.kind == "image_parquet" and not (self.train_files and self.val_files):
+            raise ConfigError("data.kind is image_parquet: set data.train_files and data.val_files")
+        if self.image_size <= 0:
+            raise ConfigError(f"data.image_size must be > 0, got {self.image_size!r}")
+        if len(self.mean) != 3 or len(self.std) != 3 or min(self.std) <= 0:
+            raise ConfigError("data.mean and data.std need 3 values each (RGB), std > 0")
+        if self.crop_padding < 0:
+            raise ConfigError("data.crop_padding must be >= 0")
+
+    def check_model(self, model: ModelConfig) -> None:
+        if model.name == "causal_lm":
+            raise ConfigError(f"data.kind {self.kind} cannot train model.name causal_lm: image data trains an "
+                              f"image model (text data: data.kind text)")
+
+    def source(self) -> str:
+        return self.root or super().source()
 
 
 def build_image_model(cfg: JobConfig, classes: list[str]) -> torch.nn.Module:
@@ -38,6 +79,7 @@ def build_image_model(cfg: JobConfig, classes: list[str]) -> torch.nn.Module:
 
 class ImageClassification:
     # --- driver side ------------------------------------------------------------------------------------
+    data_config = ImageData
     best = ("val_accuracy", "max")
     reported = {"val_accuracy": "max", "val_loss": "min", "loss": "min"}
 
