@@ -35,6 +35,13 @@ def test_ray_data_packs_exactly_and_caches(text_corpus, tmp_path, monkeypatch):
     again = prepare_text(cfg.data, seed=0)  # the cache: same folder, same blocks
     assert again.stats["cache"] == tokens.stats["cache"]
     np.testing.assert_array_equal(again.train, tokens.train)
+    shards = json.loads((Path(tokens.stats["cache"]) / "meta.json").read_text())["train"]["shards"]
+    assert [s["file"] for s in shards] == ["train-00000.npy"]  # a small corpus: one shard per split
+    files = prepare_text(config_from_dict(lm_job_dict(text_corpus, tmp_path, data={"token_store": "files"})).data,
+                         seed=0)  # the same cache, read by the workers from its files
+    assert files.stats["cache"] == tokens.stats["cache"] and isinstance(files.train, text.TokenShards)
+    ids = np.random.default_rng(0).permutation(len(tokens.train))
+    np.testing.assert_array_equal(files.train[ids], tokens.train[ids])
     other = prepare_text(config_from_dict(lm_job_dict(text_corpus, tmp_path, data={"seq_len": 16})).data, seed=0)
     assert other.stats["cache"] != tokens.stats["cache"] and other.train.shape[1] == 16
 

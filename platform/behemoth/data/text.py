@@ -20,8 +20,10 @@ the tokenizer, seq_len and the split):
    only tokens not in a block are the final partial block of each split (< seq_len tokens), dropped and
    counted in the cache's meta.json. Labels are the inputs: the model shifts them.
 
-The packed blocks ([n, seq_len] arrays) reach the training workers through Ray's object store, so the nodes
-need no shared filesystem; the global order over blocks is behemoth.data.order's, as for images.
+The packed blocks ([n, seq_len] arrays) are written to the cache in shards as they fill
+(behemoth.data.token_store), and reach the training workers through Ray's object store (data.token_store:
+memory; the nodes need no shared filesystem) or as files each worker memory-maps (files; a corpus larger than
+memory). The global order over blocks is behemoth.data.order's, as for images.
 """
 
 from __future__ import annotations
@@ -43,9 +45,10 @@ import pyarrow.parquet as pq
 
 from behemoth.config import DataConfig
 from behemoth.data import DataError, expand_files, ordered_data_context
+from behemoth.data.token_store import ShardWriter, TokenShards, load_blocks
 from behemoth.progress import progress
 
-CACHE_VERSION = 1
+CACHE_VERSION = 2  # 2: blocks in shards (token_store.py); 1 had one train.npy / val.npy
 UNIT_BYTES = 1 << 20  # a line-oriented file is cut into work units of about this many bytes
 _FORMATS = {".txt": "txt", ".text": "txt", ".jsonl": "jsonl", ".json": "jsonl", ".parquet": "parquet"}
 
@@ -54,8 +57,8 @@ _FORMATS = {".txt": "txt", ".text": "txt", ".jsonl": "jsonl", ".json": "jsonl", 
 class TokenIndex:
     """Packed token blocks per split, and what the model needs to know about the tokenizer."""
 
-    train: np.ndarray  # [blocks, seq_len], uint16 (vocab <= 65535) or int32
-    val: np.ndarray
+    train: np.ndarray | TokenShards  # [blocks, seq_len], uint16 (vocab <= 65535) or int32; in memory or files
+    val: np.ndarray | TokenShards
     vocab_size: int
     eos_id: int
     bos_id: int | None
@@ -276,9 +279,11 @@ def tokenize_rows(batch: dict, *, text_field: str, tokenizer: TokenizerSpec, spl
 class Packer:
     """Cuts a stream of token arrays into rows of seq_len tokens; the carry crosses chunk boundaries."""
 
-    def __init__(self, seq_len: int, dtype=np.int32):
-        self.seq_len, self.dtype = seq_len, dtype
+    def __init__(self, seq_len: int, dtype=np.int32, sink=None):
+        """`sink`: called with each chunk of full blocks (a ShardWriter's add); without one they are kept."""
+        self.seq_len, self.dtype, self.sink = seq_len, dtype, sink
         self.blocks: list[np.ndarray] = []
+        self.count = 0
         self.carry = np.empty(0, dtype=dtype)
         self.tokens = 0
         self.documents = 0
@@ -289,13 +294,16 @@ class Packer:
         stream = np.concatenate([self.carry, tokens.astype(self.dtype, copy=False)])
         full = len(stream) // self.seq_len * self.seq_len
         if full:
-            self.blocks.append(stream[:full].reshape(-1, self.seq_len))
+            blocks = stream[:full].reshape(-1, self.seq_len)
+            self.count += len(blocks)
+            self.sink(blocks) if self.sink else self.blocks.append(blocks)
         self.carry = stream[full:]
 
     def finish(self) -> tuple[np.ndarray, dict]:
-        """All full blocks, and the counts; the final len(carry) < seq_len tokens are dropped."""
+        """The full blocks kept (none with a sink), and the counts; the final len(carry) < seq_len tokens are
+        dropped."""
         blocks = np.concatenate(self.blocks) if self.blocks else np.empty((0, self.seq_len), self.dtype)
-        return blocks, {"documents": self.documents, "tokens": self.tokens, "blocks": len(blocks),
+        return blocks, {"documents": self.documents, "tokens": self.tokens, "blocks": self.count,
                         "tail_tokens_dropped": len(self.carry)}
 
 
@@ -323,34 +331,47 @@ def prepare_text(cfg: DataConfig, seed: int, units: list[Unit] | None = None) ->
     if not (cache / "meta.json").is_file():
         _build_cache(cfg, units, seed, dtype, cache)
     meta = json.loads((cache / "meta.json").read_text())
-    arrays = {s: np.load(cache / f"{s}.npy") for s in ("train", "val")}
+    read = TokenShards if cfg.token_store == "files" else load_blocks
+    arrays = {s: read(cache, meta[s]["shards"], cfg.seq_len, dtype) for s in ("train", "val")}
     return TokenIndex(train=arrays["train"], val=arrays["val"], vocab_size=vocab, eos_id=tok.eos_token_id,
                       bos_id=tok.bos_token_id, stats={**meta, "cache": str(cache)})
 
 
 def _build_cache(cfg: DataConfig, units: list[Unit], seed: int, dtype, cache: Path) -> None:
-    packers = {"train": Packer(cfg.seq_len, dtype), "val": Packer(cfg.seq_len, dtype)}
-    for batch in progress(_token_stream(cfg, units, seed), "tokenising", total=None if cfg.hf_dataset else len(units),
-                          unit="unit" if not cfg.hf_dataset else "batch"):
-        for split, tokens, docs in zip(batch["split"].to_pylist(), _list_values(batch["tokens"]),
-                                       batch["documents"].to_pylist()):
-            packers[split].add(tokens, docs)
+    """Tokenise and pack into shards in a temporary folder beside `cache`, renamed to it when complete."""
     tmp = cache.with_name(f"{cache.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    meta = {"version": CACHE_VERSION, "seq_len": cfg.seq_len, "tokenizer": cfg.tokenizer}
-    for split, packer in packers.items():
-        blocks, counts = packer.finish()
-        if len(blocks) == 0:
-            raise DataError(f"the {split} text holds {counts['tokens']} tokens ({counts['documents']} documents), "
-                            f"fewer than one block of data.seq_len={cfg.seq_len}: add text or lower seq_len")
-        np.save(tmp / f"{split}.npy", blocks)
-        meta[split] = counts
+    try:
+        meta = _pack_into(tmp, cfg, units, seed, dtype)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     (tmp / "meta.json").write_text(json.dumps(meta, indent=1))  # last: its presence means complete
     try:
         os.replace(tmp, cache)
     except OSError:  # another run built the same cache meanwhile: theirs is as good
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _pack_into(folder: Path, cfg: DataConfig, units: list[Unit], seed: int, dtype) -> dict:
+    """The token stream packed into each split's shards in `folder` (one shard in memory at a time); the meta."""
+    writers = {split: ShardWriter(folder, split, cfg.seq_len, dtype) for split in ("train", "val")}
+    packers = {split: Packer(cfg.seq_len, dtype, sink=writers[split].add) for split in ("train", "val")}
+    for batch in progress(_token_stream(cfg, units, seed), "tokenising", total=None if cfg.hf_dataset else len(units),
+                          unit="unit" if not cfg.hf_dataset else "batch"):
+        for split, tokens, docs in zip(batch["split"].to_pylist(), _list_values(batch["tokens"]),
+                                       batch["documents"].to_pylist()):
+            packers[split].add(tokens, docs)
+    meta = {"version": CACHE_VERSION, "seq_len": cfg.seq_len, "tokenizer": cfg.tokenizer,
+            "dtype": np.dtype(dtype).name}
+    for split, packer in packers.items():
+        _, counts = packer.finish()
+        if counts["blocks"] == 0:
+            raise DataError(f"the {split} text holds {counts['tokens']} tokens ({counts['documents']} documents), "
+                            f"fewer than one block of data.seq_len={cfg.seq_len}: add text or lower seq_len")
+        meta[split] = {**counts, "shards": writers[split].finish()}
+    return meta
 
 
 def _list_values(column: pa.ChunkedArray):

@@ -48,8 +48,12 @@ class TextData(DataConfig):
     tokenizer: str = ""
     # Tokens per training sample: documents joined with EOS and cut into blocks of seq_len.
     seq_len: int = 512
-    # Tokenised, packed corpora are kept here, keyed by a fingerprint of sources, tokenizer and seq_len.
+    # Tokenised, packed corpora are kept here (in shards), keyed by a fingerprint of sources, tokenizer and seq_len.
     cache_dir: str = "data_cache"
+    # How the workers get the packed blocks: memory (through Ray's object store; the corpus must fit in it) or
+    # files (each worker memory-maps the cache's shards: a corpus larger than memory; cache_dir must then be a
+    # folder every node reads: one machine, or a shared filesystem).
+    token_store: Literal["memory", "files"] = "memory"
 
     path_keys: ClassVar[tuple[str, ...]] = (*DataConfig.path_keys, "tokenizer", "hf_dataset", "cache_dir")
 
@@ -184,15 +188,19 @@ class CausalLM:
                                          device=ray.train.torch.get_device())}
 
     @staticmethod
-    def _batches(blocks: np.ndarray, indices, batch_size: int):
-        """The blocks are already tokenised and packed: a batch is a gather from the shared array (its
-        `sample_id`s are the block indices). On GPU the gather lands in pinned memory and the copy is issued
-        one batch ahead, so it overlaps the step."""
+    def _batches(blocks, indices, batch_size: int):
+        """The blocks are already tokenised and packed: a batch is a gather by block index (its `sample_id`s)
+        from the array shared through the object store, or from the memory-mapped shard files
+        (data.token_store: files; the batch after next is then prefetched into the page cache). On GPU the
+        gather lands in pinned memory and the copy is issued one batch ahead, so it overlaps the step."""
         device = ray.train.torch.get_device()
         pin = device.type == "cuda"
+        prefetch = getattr(blocks, "prefetch", None)
         pending = None
         for start in range(0, len(indices), batch_size):
             block_ids = np.asarray(indices[start:start + batch_size], dtype=np.int64)
+            if prefetch is not None:
+                prefetch(indices[start + batch_size:start + 2 * batch_size])
             ids = torch.from_numpy(blocks[block_ids].astype(np.int64))
             ready = {"input_ids": (ids.pin_memory() if pin else ids).to(device, non_blocking=True),
                      "sample_id": torch.from_numpy(block_ids)}  # for the sample ledger; stays on the host

@@ -1,0 +1,90 @@
+"""Packed token blocks in shard files: written as the packer fills them, read back by global block index."""
+
+import pickle
+
+import numpy as np
+import pytest
+
+from behemoth.data.text import Packer
+from behemoth.data.token_store import ShardWriter, TokenShards, load_blocks
+from behemoth.errors import DataError
+
+SEQ = 8
+
+
+def write_store(folder, blocks: np.ndarray, shard_bytes: int, chunks: list[int]) -> list[dict]:
+    """`blocks` through a ShardWriter, added in chunks of the given sizes."""
+    writer = ShardWriter(folder, "train", SEQ, blocks.dtype, shard_bytes=shard_bytes)
+    at = 0
+    for n in chunks:
+        writer.add(blocks[at:at + n])
+        at += n
+    assert at == len(blocks)
+    return writer.finish()
+
+
+def test_blocks_read_back_by_global_index_across_shards(tmp_path):
+    rng = np.random.default_rng(0)
+    blocks = rng.integers(0, 50_000, size=(1000, SEQ), dtype=np.uint16)
+    # 7 blocks of 16 bytes per 112-byte shard; chunks that straddle shard boundaries
+    shards = write_store(tmp_path, blocks, shard_bytes=7 * SEQ * 2, chunks=[3, 10, 1, 500, 486])
+    assert [s["blocks"] for s in shards] == [7] * 142 + [6] and sum(s["blocks"] for s in shards) == 1000
+    assert all(s["bytes"] == (tmp_path / s["file"]).stat().st_size for s in shards)
+
+    store = TokenShards(tmp_path, shards, SEQ, np.uint16)
+    assert len(store) == 1000 and store.shape == (1000, SEQ)
+    for ids in (rng.permutation(1000)[:64], np.array([999, 0, 6, 7, 7]), np.arange(1000), np.array([], np.int64)):
+        store.prefetch(ids)
+        got = store[ids]
+        assert got.dtype == np.uint16 and np.array_equal(got, blocks[ids])
+    with pytest.raises(IndexError):
+        store[np.array([1000])]
+    assert np.array_equal(load_blocks(tmp_path, shards, SEQ, np.uint16), blocks)
+
+
+def test_what_travels_to_a_worker_is_the_table_not_the_tokens(tmp_path):
+    """Pickled (as Ray ships it to each worker), a store is its folder and shard table: its size does not grow
+    with the corpus, and the copy opens the files itself."""
+    rng = np.random.default_rng(1)
+    small = rng.integers(0, 1000, size=(100, SEQ), dtype=np.int32)
+    big = rng.integers(0, 1000, size=(200_000, SEQ), dtype=np.int32)  # 6.4 MB
+    (tmp_path / "s").mkdir(), (tmp_path / "b").mkdir()
+    shards_small = write_store(tmp_path / "s", small, 1 << 20, [100])
+    shards_big = write_store(tmp_path / "b", big, 1 << 20, [200_000])
+    store = TokenShards(tmp_path / "b", shards_big, SEQ, np.int32)
+    store[np.array([5])]  # opened here: the maps must not travel
+    shipped = pickle.dumps(store)
+    assert len(shipped) < 4096 < big.nbytes // 1000
+    assert len(shipped) - len(pickle.dumps(TokenShards(tmp_path / "s", shards_small, SEQ, np.int32))) < 1024
+    copy = pickle.loads(shipped)
+    assert copy._maps == {} and np.array_equal(copy[np.array([199_999, 3])], big[[199_999, 3]])
+
+
+def test_a_damaged_or_unreachable_shard_is_named(tmp_path):
+    blocks = np.arange(40 * SEQ, dtype=np.uint16).reshape(40, SEQ)
+    shards = write_store(tmp_path, blocks, shard_bytes=10 * SEQ * 2, chunks=[40])
+    path = tmp_path / shards[2]["file"]
+    path.write_bytes(path.read_bytes()[:-SEQ])  # truncated
+    store = TokenShards(tmp_path, shards, SEQ, np.uint16)
+    assert np.array_equal(store[np.array([0, 19])], blocks[[0, 19]])  # other shards still read
+    with pytest.raises(DataError, match=f"token shard {path} has .* bytes, its cache's meta.json says"):
+        store[np.array([25])]
+    path.unlink()
+    with pytest.raises(DataError, match=f"token shard {path} does not exist on this node: .*shared filesystem"):
+        TokenShards(tmp_path, shards, SEQ, np.uint16)[np.array([25])]
+
+
+def test_the_packer_streams_the_same_blocks_into_shards(tmp_path):
+    """With a sink, the packer keeps no blocks itself: the shards hold exactly the blocks it would have kept."""
+    rng = np.random.default_rng(2)
+    docs = [rng.integers(0, 300, size=rng.integers(1, 40)) for _ in range(200)]
+    kept = Packer(SEQ, np.uint16)
+    writer = ShardWriter(tmp_path, "train", SEQ, np.uint16, shard_bytes=5 * SEQ * 2)
+    streamed = Packer(SEQ, np.uint16, sink=writer.add)
+    for d in docs:
+        kept.add(d, 1)
+        streamed.add(d, 1)
+    blocks, counts = kept.finish()
+    nothing, streamed_counts = streamed.finish()
+    assert len(nothing) == 0 and streamed.blocks == [] and counts == streamed_counts
+    assert np.array_equal(load_blocks(tmp_path, writer.finish(), SEQ, np.uint16), blocks)
