@@ -64,3 +64,17 @@ def test_the_import_graph_points_down():
             assert "driver" not in ours and not any(m.startswith("ray.tune") for m in imported), rel
         if room not in ("driver", "__init__", "__main__"):
             assert "driver" not in ours, f"{rel} imports the driver room"
+
+
+def test_the_loop_file_and_every_function_stay_short():
+    """The house's reading rules (issue 18): the training loop's file reads top to bottom in <= 300 lines, and
+    no function in the package is over ~60 lines (62: a signature and a docstring's tail of slack)."""
+    import ast
+
+    package = REPO / "platform" / "behemoth"
+    assert len((package / "worker" / "loop.py").read_text().splitlines()) <= 300
+    long = [f"{path.relative_to(package)}:{node.name} {node.end_lineno - node.lineno + 1} lines"
+            for path in sorted(package.rglob("*.py"))
+            for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno + 1 > 62]
+    assert long == [], "split these functions"

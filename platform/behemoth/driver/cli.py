@@ -76,7 +76,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--job", dest="jobs", action="append", default=[], metavar="JOB_YAML",
                    help="also check a job config meant for this cluster (e.g. its checkpoint storage path)")
 
-    data = sub.add_parser("data", help="data utilities").add_subparsers(dest="data_command", required=True)
+    _add_data_commands(sub.add_parser("data", help="data utilities").add_subparsers(dest="data_command",
+                                                                                      required=True))
+    return parser
+
+
+def _add_data_commands(data) -> None:
+    """`behemoth data ...`: demo data and a local tokenizer."""
     p = data.add_parser("synth-images", help="write a learnable demo image dataset (ImageFolder of PNGs)")
     p.add_argument("--out", required=True, help="output folder; train/ and val/ are created inside")
     p.add_argument("--classes", type=_int_between(1, 10), default=10, help="number of classes, 1 to 10")
@@ -99,7 +105,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--text-field", default="text", help="JSONL field / parquet column (data.text_field)")
     p.add_argument("--document", choices=["line", "file"], default="line", help=".txt: a document per line "
                    "or per file (data.document)")
-    return parser
 
 
 def main(argv: list[str] | None = None) -> int:
