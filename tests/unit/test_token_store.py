@@ -1,6 +1,7 @@
 """Packed token blocks in shard files: written as the packer fills them, read back by global block index."""
 
 import pickle
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -88,3 +89,44 @@ def test_the_packer_streams_the_same_blocks_into_shards(tmp_path):
     nothing, streamed_counts = streamed.finish()
     assert len(nothing) == 0 and streamed.blocks == [] and counts == streamed_counts
     assert np.array_equal(load_blocks(tmp_path, writer.finish(), SEQ, np.uint16), blocks)
+
+
+def test_a_uri_folder_is_read_by_ranged_requests_and_uploaded_meta_last(tmp_path, monkeypatch):
+    """A cache under a URI (here file://, through the same pyarrow calls as s3://): upload() writes the shards
+    then meta.json; the workers' reads are one ranged request per block, fetched ahead by prefetch, with the
+    last blocks kept; a truncated shard is named."""
+    from behemoth.data import token_store
+    from behemoth.data.token_store import upload
+
+    rng = np.random.default_rng(3)
+    blocks = rng.integers(0, 60_000, size=(300, SEQ), dtype=np.uint16)
+    local = tmp_path / "built"
+    local.mkdir()
+    shards = write_store(local, blocks, shard_bytes=64 * SEQ * 2, chunks=[300])
+    (local / "meta.json").write_text("{}")
+    order = []
+    real_copy = token_store.shutil.copyfileobj
+    monkeypatch.setattr(token_store.shutil, "copyfileobj", lambda src, dst, n: (order.append(Path(src.name).name),
+                                                                                real_copy(src, dst, n)))
+    uri = f"file://{tmp_path}/bucket/cache"
+    (tmp_path / "bucket" / "cache").mkdir(parents=True)
+    upload(local, uri)
+    assert order[-1] == "meta.json" and sorted(order[:-1]) == sorted(s["file"] for s in shards)
+
+    store = pickle.loads(pickle.dumps(TokenShards(uri, shards, SEQ, np.uint16)))
+    ids = rng.permutation(300)[:40]
+    store.prefetch(ids)
+    assert np.array_equal(store[ids], blocks[ids]) and np.array_equal(store[np.arange(300)], blocks)
+    assert np.array_equal(load_blocks(uri, shards, SEQ, np.uint16), blocks)
+    reads = []
+    reader = store._reader()
+    real_read = reader._read
+    monkeypatch.setattr(reader, "_read", lambda i: (reads.append(i), real_read(i))[1])
+    store[ids]  # kept: no request
+    assert reads == []
+
+    path = tmp_path / "bucket" / "cache" / shards[1]["file"]
+    path.write_bytes(path.read_bytes()[:-SEQ])
+    fresh = TokenShards(uri, shards, SEQ, np.uint16)
+    with pytest.raises(DataError, match=f"token shard {uri}/{shards[1]['file']} ends before block 127"):
+        fresh[np.array([127])]

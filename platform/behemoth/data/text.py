@@ -35,6 +35,7 @@ import json
 import logging
 import os
 import shutil
+import tempfile
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,7 +46,9 @@ import pyarrow.parquet as pq
 
 from behemoth.config import DataConfig
 from behemoth.data import DataError, expand_files, ordered_data_context
-from behemoth.data.token_store import ShardWriter, TokenShards, load_blocks
+from behemoth import paths
+from behemoth.checkpoint import read_file
+from behemoth.data.token_store import ShardWriter, TokenShards, load_blocks, upload
 from behemoth.progress import progress
 
 CACHE_VERSION = 2  # 2: blocks in shards (token_store.py); 1 had one train.npy / val.npy
@@ -327,14 +330,28 @@ def prepare_text(cfg: DataConfig, seed: int, units: list[Unit] | None = None) ->
     tok = load_tokenizer(cfg.tokenizer)
     vocab = len(tok)
     dtype = np.uint16 if vocab <= np.iinfo(np.uint16).max + 1 else np.int32
-    cache = Path(cfg.cache_dir).expanduser().absolute() / _fingerprint(cfg, units, seed)
-    if not (cache / "meta.json").is_file():
-        _build_cache(cfg, units, seed, dtype, cache)
-    meta = json.loads((cache / "meta.json").read_text())
+    cache = paths.join(paths.storage_root(cfg.cache_dir), _fingerprint(cfg, units, seed))
+    meta = _cache_meta(cache)
+    if meta is None:
+        if paths.is_uri(cache):  # built here, then uploaded (meta.json last)
+            with tempfile.TemporaryDirectory(prefix="behemoth-tokens-") as local:
+                _build_cache(cfg, units, seed, dtype, Path(local) / "cache")
+                upload(Path(local) / "cache", cache)
+        else:
+            _build_cache(cfg, units, seed, dtype, Path(cache))
+        meta = _cache_meta(cache)
     read = TokenShards if cfg.token_store == "files" else load_blocks
     arrays = {s: read(cache, meta[s]["shards"], cfg.seq_len, dtype) for s in ("train", "val")}
     return TokenIndex(train=arrays["train"], val=arrays["val"], vocab_size=vocab, eos_id=tok.eos_token_id,
                       bos_id=tok.bos_token_id, stats={**meta, "cache": str(cache)})
+
+
+def _cache_meta(cache: str) -> dict | None:
+    """A complete cache's meta.json (local or under a URI), or None."""
+    try:
+        return json.loads(read_file(f"{cache}/meta.json"))
+    except (FileNotFoundError, OSError):
+        return None
 
 
 def _build_cache(cfg: DataConfig, units: list[Unit], seed: int, dtype, cache: Path) -> None:

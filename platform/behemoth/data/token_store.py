@@ -8,23 +8,34 @@ not the corpus.
 Two ways the workers read them (data.token_store):
 - `memory`: the driver loads every shard into one array, which reaches the workers through Ray's object store
   (the corpus must fit in it; no shared filesystem needed).
-- `files`: the workers get only a TokenShards (the folder and the shard table, a few hundred bytes) and
-  memory-map the shards themselves; a batch is a gather by global block index, and the next batch's pages are
-  asked of the kernel ahead (`prefetch`, madvise WILLNEED). The OS page cache is the per-worker cache. The
-  corpus need not fit in memory or the object store; the cache folder must be readable by every node (one
-  machine, or a shared filesystem).
+- `files`: the workers get only a TokenShards (the folder and the shard table, a few hundred bytes) and read
+  the shards themselves, a batch being a gather by global block index. A local or shared-filesystem folder is
+  memory-mapped, the next batch's pages asked of the kernel ahead (`prefetch`, madvise WILLNEED); the OS page
+  cache is the per-worker cache. A URI folder (s3://...) is read with one ranged request per block, the next
+  batch's fetched ahead by a few threads, the last REMOTE_CACHE_BLOCKS blocks kept. The corpus need not fit in
+  memory or the object store; the folder must be one every node reads (one machine, a shared filesystem, or
+  the object store the URI names).
 """
 
 from __future__ import annotations
 
+import io
 import mmap
+import shutil
+import threading
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
 
+from behemoth import paths
+from behemoth.checkpoint import filesystem, read_file
 from behemoth.errors import DataError
 
 SHARD_BYTES = 64 << 20
+REMOTE_CACHE_BLOCKS = 4096  # per worker and split: blocks read from a URI kept for reuse
+REMOTE_READERS = 8  # threads fetching blocks from a URI ahead of the step
 
 
 class ShardWriter:
@@ -60,10 +71,21 @@ class ShardWriter:
 
 
 def load_blocks(folder: str | Path, shards: list[dict], seq_len: int, dtype) -> np.ndarray:
-    """A split's blocks as one array in memory (data.token_store: memory)."""
+    """A split's blocks as one array in memory (data.token_store: memory), from a local folder or a URI."""
     if not shards:
         return np.empty((0, seq_len), dtype)
+    if paths.is_uri(str(folder)):
+        return np.concatenate([np.load(io.BytesIO(read_file(f"{folder}/{s['file']}"))) for s in shards])
     return np.concatenate([np.load(Path(folder) / s["file"]) for s in shards])
+
+
+def upload(local: Path, uri: str) -> None:
+    """A finished local cache folder to `uri`: the shards first, meta.json last (its presence means complete)."""
+    fs, root = filesystem(uri)
+    names = sorted(p.name for p in local.iterdir() if p.name != "meta.json") + ["meta.json"]
+    for name in names:
+        with open(local / name, "rb") as src, fs.open_output_stream(f"{root}/{name}") as dst:
+            shutil.copyfileobj(src, dst, 8 << 20)
 
 
 class TokenShards:
@@ -76,17 +98,20 @@ class TokenShards:
         self.starts = np.cumsum([0] + [s["blocks"] for s in shards])
         self.shape = (int(self.starts[-1]), seq_len)
         self._maps: dict[int, tuple[mmap.mmap, int, np.ndarray]] = {}  # shard -> (mapping, header bytes, rows)
+        self._remote = None  # a URI folder's reader, made on first use in each process
 
     def __len__(self) -> int:
         return self.shape[0]
 
     def __getstate__(self) -> dict:
-        return {**self.__dict__, "_maps": {}}
+        return {**self.__dict__, "_maps": {}, "_remote": None}
 
     def __getitem__(self, ids) -> np.ndarray:
         ids = np.asarray(ids, dtype=np.int64)
         if ids.size and (ids.min() < 0 or ids.max() >= len(self)):
             raise IndexError(f"block index out of range [0, {len(self)})")
+        if paths.is_uri(self.folder):
+            return self._reader().gather(ids)
         out = np.empty((len(ids), self.seq_len), self.dtype)
         shard = np.searchsorted(self.starts, ids, side="right") - 1
         for s in np.unique(shard):
@@ -95,9 +120,12 @@ class TokenShards:
         return out
 
     def prefetch(self, ids) -> None:
-        """Ask the kernel to read these blocks' pages now (asynchronously), so the gather that follows finds
-        them in the page cache."""
+        """Start reading these blocks now, so the gather that follows finds them read: a URI's blocks are
+        fetched by background threads, a local file's pages asked of the kernel (asynchronously)."""
         ids = np.asarray(ids, dtype=np.int64)
+        if paths.is_uri(self.folder):
+            self._reader().prefetch(ids)
+            return
         shard = np.searchsorted(self.starts, ids, side="right") - 1
         row = self.seq_len * self.dtype.itemsize
         page = mmap.PAGESIZE
@@ -106,6 +134,19 @@ class TokenShards:
             start = header + int(i - self.starts[s]) * row
             aligned = start // page * page
             m.madvise(mmap.MADV_WILLNEED, aligned, start + row - aligned)
+
+    def locate(self, i: int) -> tuple[dict, int]:
+        """(shard, byte offset in its file) of block `i`: the header is .npy's, whose length is the file's size
+        less the rows'."""
+        s = int(np.searchsorted(self.starts, i, side="right") - 1)
+        row = self.seq_len * self.dtype.itemsize
+        shard = self.shards[s]
+        return shard, shard["bytes"] - shard["blocks"] * row + int(i - self.starts[s]) * row
+
+    def _reader(self) -> RemoteBlocks:
+        if self._remote is None:
+            self._remote = RemoteBlocks(self)
+        return self._remote
 
     def _array(self, s: int) -> np.ndarray:
         return self._open(s)[2]
@@ -129,3 +170,49 @@ class TokenShards:
             rows = np.frombuffer(m, dtype=self.dtype, offset=header).reshape(shard["blocks"], self.seq_len)
             self._maps[s] = (m, header, rows)
         return self._maps[s]
+
+
+class RemoteBlocks:
+    """Blocks of a URI folder's shards by ranged reads: one request per block, REMOTE_READERS at a time,
+    started ahead by prefetch; the last REMOTE_CACHE_BLOCKS blocks kept (a block re-read within an epoch, or
+    the evaluation's, costs no request)."""
+
+    def __init__(self, store: TokenShards):
+        self.store, self.row = store, store.seq_len * store.dtype.itemsize
+        self.fs, self.root = filesystem(store.folder)
+        self.files: dict[str, object] = {}
+        self.pool = ThreadPoolExecutor(REMOTE_READERS, thread_name_prefix="behemoth-blocks")
+        self.pending: OrderedDict[int, Future] = OrderedDict()
+        self.lock = threading.Lock()
+
+    def prefetch(self, ids: np.ndarray) -> list[Future]:
+        """The reads of these blocks, started (or found started or done)."""
+        futures = []
+        with self.lock:
+            for i in map(int, ids):
+                if i in self.pending:
+                    self.pending.move_to_end(i)
+                else:
+                    self.pending[i] = self.pool.submit(self._read, i)
+                futures.append(self.pending[i])
+            while len(self.pending) > REMOTE_CACHE_BLOCKS:
+                self.pending.popitem(last=False)
+        return futures
+
+    def gather(self, ids: np.ndarray) -> np.ndarray:
+        rows = [f.result() for f in self.prefetch(ids)]
+        return np.stack(rows) if rows else np.empty((0, self.store.seq_len), self.store.dtype)
+
+    def _read(self, i: int) -> np.ndarray:
+        shard, offset = self.store.locate(i)
+        path = f"{self.root}/{shard['file']}"
+        try:
+            with self.lock:
+                f = self.files.get(path) or self.files.setdefault(path, self.fs.open_input_file(path))
+            data = f.read_at(self.row, offset)
+        except (OSError, FileNotFoundError) as e:
+            raise DataError(f"token shard {self.store.folder}/{shard['file']}: cannot read block {i} ({e})") from None
+        if len(data) != self.row:
+            raise DataError(f"token shard {self.store.folder}/{shard['file']} ends before block {i}: the cache is "
+                            f"damaged; delete {self.store.folder} and rerun to rebuild it")
+        return np.frombuffer(data, dtype=self.store.dtype)

@@ -48,11 +48,12 @@ class TextData(DataConfig):
     tokenizer: str = ""
     # Tokens per training sample: documents joined with EOS and cut into blocks of seq_len.
     seq_len: int = 512
-    # Tokenised, packed corpora are kept here (in shards), keyed by a fingerprint of sources, tokenizer and seq_len.
+    # Tokenised, packed corpora are kept here (in shards; a folder or a URI such as s3://bucket/cache), keyed by a
+    # fingerprint of sources, tokenizer and seq_len.
     cache_dir: str = "data_cache"
     # How the workers get the packed blocks: memory (through Ray's object store; the corpus must fit in it) or
-    # files (each worker memory-maps the cache's shards: a corpus larger than memory; cache_dir must then be a
-    # folder every node reads: one machine, or a shared filesystem).
+    # files (each worker reads the cache's shards, memory-mapped or by ranged requests to a URI: a corpus larger
+    # than memory; cache_dir must then be one every node reads: one machine, a shared filesystem, a bucket).
     token_store: Literal["memory", "files"] = "memory"
 
     path_keys: ClassVar[tuple[str, ...]] = (*DataConfig.path_keys, "tokenizer", "hf_dataset", "cache_dir")
