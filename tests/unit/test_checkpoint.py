@@ -230,3 +230,32 @@ def test_a_full_disk_fails_the_checkpoint_cleanly_on_a_real_filesystem(small_dis
     assert not (run / "checkpoint_2").exists() and not staging.exists()
     assert checkpoint.complete_checkpoints(run) == [(1, str(earlier))]
     checkpoint.verify(earlier)
+
+
+def test_retention_reaches_checkpoints_ray_train_never_registered(tmp_path):
+    """A run resumed from a checkpoint Ray Train never registered (its driver died between the upload and the
+    registration): at the end, checkpoint.keep applies to it too. Complete checkpoints older than every one Ray
+    Train keeps are removed; the kept ones, a newer unregistered one and an incomplete one are not touched."""
+    from types import SimpleNamespace
+
+    from behemoth.config import config_from_dict
+    from behemoth.driver.trainer import retire_unregistered
+
+    cfg = config_from_dict({"data": {"root": "x"}, "checkpoint": {"storage_path": str(tmp_path), "run_name": "r",
+                                                                   "keep": 2}})
+    run = tmp_path / "r"
+    model = build_model("regnet_tiny_cifar", 4)
+    opt = build_optimizer(model, CFG)
+    sched = warmup_cosine(opt, CFG, 10)
+    for s in (3, 6, 9, 12, 15):
+        checkpointing.save(run / f"checkpoint_{s:02d}", model=model, optimizer=opt, scheduler=sched,
+                           state=TrainState(step=s), classes=None, job_yaml="")
+    (run / "checkpoint_15" / "manifest.json").unlink()  # an upload cut short: not this function's business
+    kept = [(SimpleNamespace(path=str(run / f"checkpoint_{s:02d}")), {}) for s in (9, 12)]
+    removed = retire_unregistered(cfg, kept)
+    assert sorted(removed) == [str(run / "checkpoint_03"), str(run / "checkpoint_06")]
+    assert sorted(p.name for p in run.iterdir()) == ["checkpoint_09", "checkpoint_12", "checkpoint_15"]
+    assert [s for s, _ in checkpoint.complete_checkpoints(run)] == [12, 9]
+    assert retire_unregistered(cfg, []) == []  # nothing kept (no checkpoint registered): nothing removed
+    kept_with_newer = [(SimpleNamespace(path=str(run / "checkpoint_09")), {})]
+    assert retire_unregistered(cfg, kept_with_newer) == []  # 12 is newer than what Ray keeps: left alone

@@ -296,6 +296,7 @@ def _train(cfg: JobConfig, callbacks: list | None, tracking, end_ray: bool = Fal
         if user_facing_error(e) is not None:  # behemoth's own message (bad data, ...) says it better
             raise
         raise RunFailedError(_failure_message(cfg, e)) from e
+    retire_unregistered(cfg, result.best_checkpoints or [])
     summary = _summarise(cfg, result, time.time() - started)
     _end_ray(end_ray)
     returned = result.return_value or {}
@@ -340,6 +341,31 @@ def prepare_data(cfg: JobConfig, mark=lambda milestone: None):
     data = task.prepare(cfg, checked)
     mark("data_ready")
     return data
+
+
+def retire_unregistered(cfg: JobConfig, kept: list) -> list[str]:
+    """Apply checkpoint.keep to the checkpoints Ray Train does not know: complete ones in the run folder that it
+    never registered (a driver or worker died between their upload and their registration; a rerun resumed
+    from them) and that are older than every checkpoint it keeps (`kept`: the finished run's
+    (checkpoint, metrics)). Retention would have deleted them had Ray Train known them; without this they
+    stay forever. Returns the folders removed."""
+    from behemoth.checkpoint import complete_checkpoints, filesystem
+
+    root = paths.storage_root(cfg.checkpoint.storage_path)
+    kept_paths = {paths.as_uri_of(root, c.path).rstrip("/") for c, _ in kept}
+    found = complete_checkpoints(run_dir(cfg))
+    kept_steps = [step for step, path in found if path.rstrip("/") in kept_paths]
+    if not kept_steps:
+        return []
+    removed = []
+    for step, path in found:
+        if step < min(kept_steps) and path.rstrip("/") not in kept_paths:
+            fs, where = filesystem(path)
+            fs.delete_dir(where)
+            removed.append(path)
+            print(f"[behemoth] removed {path} (step {step}): a checkpoint Ray Train never registered, older than "
+                  f"the {len(kept_steps)} it keeps (checkpoint.keep)", flush=True)
+    return removed
 
 
 def _summarise(cfg: JobConfig, result, wall_s: float) -> RunSummary:
