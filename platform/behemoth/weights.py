@@ -95,10 +95,29 @@ def resolve(path: str, which: str = "best", best: tuple[str, str] = ("val_loss",
 
 def check(folder: str) -> None:
     """Before Ray starts, without loading the weights: a checkpoint's model.pt must match its manifest (a
-    Hugging Face folder has none; its files are read when the model loads them)."""
-    if is_checkpoint(folder):
-        with fetched(folder) as p:
-            verify(p, only=(MODEL_FILE,))
+    Hugging Face folder has none; its files are read when the model loads them). A local model.pt is hashed;
+    one under a URI is not downloaded for this (each worker that reads it downloads it and checks its sha256
+    before loading it): here its manifest must list it and its size must be the manifest's."""
+    if not is_checkpoint(folder):
+        return
+    if not paths.is_uri(folder):
+        verify(folder, only=(MODEL_FILE,))
+        return
+    import pyarrow.fs
+
+    try:
+        expected = json.loads(read_file(f"{folder}/{MANIFEST}"))["files"].get(MODEL_FILE)
+    except (ValueError, KeyError) as e:
+        raise CheckpointError(f"checkpoint {folder}: {MANIFEST} is unreadable ({e})") from None
+    if expected is None:
+        raise CheckpointError(f"checkpoint {folder}: {MODEL_FILE} not in its {MANIFEST}")
+    fs, where = filesystem(f"{folder}/{MODEL_FILE}")
+    info = fs.get_file_info(where)
+    if info.type != pyarrow.fs.FileType.File:
+        raise CheckpointError(f"checkpoint {folder}: {MODEL_FILE} is missing")
+    if info.size != expected["size"]:
+        raise CheckpointError(f"checkpoint {folder}: {MODEL_FILE} does not match its manifest (size {info.size}, "
+                              f"manifest {expected['size']})")
 
 
 def checkpoint_metrics(ckpt: str | Path) -> dict:

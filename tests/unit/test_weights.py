@@ -2,6 +2,7 @@
 
 import json
 
+import pyarrow.fs
 import pytest
 import torch
 
@@ -106,9 +107,10 @@ def test_the_ledger_reader_skips_a_torn_line_and_the_writer_starts_after_it(tmp_
     assert not _ends_mid_line(str(f))
 
 
-def test_a_checkpoint_under_a_uri_is_fetched_without_its_optimizer_state_and_removed_after(tmp_path):
+def test_a_checkpoint_under_a_uri_is_fetched_without_its_optimizer_state_and_removed_after(tmp_path, monkeypatch):
     """Reading weights from an object store (a file:// URI here, through the same pyarrow path as s3://)
-    downloads the manifest and model.pt only, verifies model.pt, and leaves no copy behind."""
+    downloads the manifest and model.pt only, verifies model.pt, and leaves no copy behind. The driver's check
+    before Ray starts downloads nothing (the manifest and model.pt's size): the workers download it once."""
     model = torch.nn.Linear(3, 2)
     ckpt = _checkpoint(tmp_path / "ckpt", 1, model=model)
     uri = f"file://{ckpt}"
@@ -117,11 +119,23 @@ def test_a_checkpoint_under_a_uri_is_fetched_without_its_optimizer_state_and_rem
     assert not local.exists()
     assert torch.equal(weights.read_state_dict(uri)["weight"], model.weight)
     (ckpt / "train_state.json").write_text("damaged")  # not the weights: reading them does not care
-    weights.check(uri)
+    copies = []
+    real_copy = pyarrow.fs.copy_files
+    monkeypatch.setattr(pyarrow.fs, "copy_files", lambda *a, **k: (copies.append(a[0]), real_copy(*a, **k)))
+    weights.check(uri)  # the driver's check: the manifest and model.pt's size, nothing downloaded
+    assert copies == []
     data = (ckpt / "model.pt").read_bytes()
-    (ckpt / "model.pt").write_bytes(data[:-8])
+    (ckpt / "model.pt").write_bytes(data[:-8] + bytes(8))  # same size, other bytes: the reader's sha256 sees it
+    weights.check(uri)
     with pytest.raises(CheckpointError, match="model.pt does not match its manifest"):
+        weights.read_state_dict(uri)
+    (ckpt / "model.pt").write_bytes(data[:-8])
+    with pytest.raises(CheckpointError, match=r"model.pt does not match its manifest \(size"):
         weights.check(uri)
+    (ckpt / "model.pt").unlink()
+    with pytest.raises(CheckpointError, match="model.pt is missing"):
+        weights.check(uri)
+    (ckpt / "model.pt").write_bytes(data)
     manifest = json.loads((ckpt / "manifest.json").read_text())
     del manifest["files"]["model.pt"]
     (ckpt / "manifest.json").write_text(json.dumps(manifest))

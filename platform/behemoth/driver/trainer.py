@@ -251,7 +251,7 @@ def resolve_init_from(cfg: JobConfig) -> JobConfig:
     if not source:
         return cfg
     chosen, how = weights.resolve(source, cfg.train.init_from_checkpoint, task_of(cfg).best)
-    weights.check(chosen)  # a damaged source fails here, naming its file, before Ray starts
+    weights.check(chosen)  # a damaged source fails here, naming its file, before Ray starts (weights.check)
     folder = run_dir(cfg)
     if complete_checkpoints(folder):
         print(f"[behemoth] train.init_from is set, but run '{cfg.checkpoint.run_name}' has checkpoints of its own: "
