@@ -98,18 +98,8 @@ def verify(directory: str | Path, only: tuple[str, ...] | None = None) -> dict:
     manifest_path = d / MANIFEST
     if not manifest_path.is_file():
         raise CheckpointError(f"checkpoint {d} has no {MANIFEST}: it was not completely written")
-    try:
-        manifest = json.loads(manifest_path.read_text())
-        files = manifest["files"]
-    except (ValueError, KeyError) as e:
-        raise CheckpointError(f"checkpoint {d}: {MANIFEST} is unreadable ({e})") from None
-    if manifest.get("format_version") != FORMAT_VERSION:
-        raise CheckpointError(f"checkpoint {d} has format {manifest.get('format_version')}, "
-                              f"this behemoth reads {FORMAT_VERSION}")
-    unlisted = [name for name in only or () if name not in files]
-    if unlisted:
-        raise CheckpointError(f"checkpoint {d}: {', '.join(unlisted)} not in its {MANIFEST}")
-    for name, expected in files.items():
+    manifest = read_manifest(manifest_path.read_bytes(), d, only)
+    for name, expected in manifest["files"].items():
         if only is not None and name not in only:
             continue
         p = d / name
@@ -117,6 +107,22 @@ def verify(directory: str | Path, only: tuple[str, ...] | None = None) -> dict:
             raise CheckpointError(f"checkpoint {d}: {name} is missing")
         if p.stat().st_size != expected["size"] or _sha256(p) != expected["sha256"]:
             raise CheckpointError(f"checkpoint {d}: {name} does not match its manifest (size or sha256)")
+    return manifest
+
+
+def read_manifest(text: bytes | str, where, only: tuple[str, ...] | None = None) -> dict:
+    """A manifest's contents, checked: readable, this format, and listing every file in `only`."""
+    try:
+        manifest = json.loads(text)
+        files = manifest["files"]
+    except (ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(f"checkpoint {where}: {MANIFEST} is unreadable ({e})") from None
+    if manifest.get("format_version") != FORMAT_VERSION:
+        raise CheckpointError(f"checkpoint {where} has format {manifest.get('format_version')}, "
+                              f"this behemoth reads {FORMAT_VERSION}")
+    unlisted = [name for name in only or () if name not in files]
+    if unlisted:
+        raise CheckpointError(f"checkpoint {where}: {', '.join(unlisted)} not in its {MANIFEST}")
     return manifest
 
 

@@ -16,7 +16,7 @@ from typing import Callable, Iterator, Optional
 import torch
 
 from behemoth import paths
-from behemoth.checkpoint import MANIFEST, complete_checkpoints, filesystem, read_file, verify
+from behemoth.checkpoint import MANIFEST, complete_checkpoints, filesystem, read_file, read_manifest, verify
 from behemoth.errors import CheckpointError
 
 HF_WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
@@ -105,12 +105,7 @@ def check(folder: str) -> None:
         return
     import pyarrow.fs
 
-    try:
-        expected = json.loads(read_file(f"{folder}/{MANIFEST}"))["files"].get(MODEL_FILE)
-    except (ValueError, KeyError) as e:
-        raise CheckpointError(f"checkpoint {folder}: {MANIFEST} is unreadable ({e})") from None
-    if expected is None:
-        raise CheckpointError(f"checkpoint {folder}: {MODEL_FILE} not in its {MANIFEST}")
+    expected = read_manifest(read_file(f"{folder}/{MANIFEST}"), folder, only=(MODEL_FILE,))["files"][MODEL_FILE]
     fs, where = filesystem(f"{folder}/{MODEL_FILE}")
     info = fs.get_file_info(where)
     if info.type != pyarrow.fs.FileType.File:

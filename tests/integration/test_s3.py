@@ -138,8 +138,9 @@ def test_a_run_on_s3_keeps_every_check_and_record(s3_endpoint, ray_local, image_
 
 
 def test_a_token_cache_in_the_bucket_trains_like_a_local_one(s3_endpoint, ray_local, text_corpus, tmp_path):
-    """data.cache_dir on s3:// with token_store: files: the packed corpus is built once, uploaded (meta.json
-    last) and read by the workers with ranged requests: 8 steps end on exactly the weights of the same run
+    """data.cache_dir on s3:// with token_store: files: the packed corpus is built once and uploaded into the
+    bucket, read back as shard files, and the workers train from the bucket (ranged reads: TokenShards; their
+    order and count are tests/unit/test_token_store.py's): 8 steps end on exactly the weights of the same run
     from a local cache in memory."""
     import torch
 

@@ -125,6 +125,16 @@ def test_a_uri_folder_is_read_by_ranged_requests_and_uploaded_meta_last(tmp_path
     store[ids]  # kept: no request
     assert reads == []
 
+    ahead = TokenShards(uri, shards, SEQ, np.uint16)  # a fresh reader: each block read once, by prefetch
+    requests = []
+    fresh = ahead._reader()
+    real_fresh = fresh._read
+    monkeypatch.setattr(fresh, "_read", lambda i: (requests.append(i), real_fresh(i))[1])
+    more = np.array([5, 250, 5, 77])
+    ahead.prefetch(more)
+    assert len(fresh.pending) == 3  # started (one read per distinct block) before the gather asks
+    assert np.array_equal(ahead[more], blocks[more]) and sorted(requests) == [5, 77, 250]
+
     path = tmp_path / "bucket" / "cache" / shards[1]["file"]
     path.write_bytes(path.read_bytes()[:-SEQ])
     fresh = TokenShards(uri, shards, SEQ, np.uint16)

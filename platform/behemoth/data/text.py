@@ -44,10 +44,10 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from behemoth.config import DataConfig
-from behemoth.data import DataError, expand_files, ordered_data_context
 from behemoth import paths
 from behemoth.checkpoint import read_file
+from behemoth.config import DataConfig
+from behemoth.data import DataError, expand_files, ordered_data_context
 from behemoth.data.token_store import ShardWriter, TokenShards, load_blocks, upload
 from behemoth.progress import progress
 
@@ -299,7 +299,10 @@ class Packer:
         if full:
             blocks = stream[:full].reshape(-1, self.seq_len)
             self.count += len(blocks)
-            self.sink(blocks) if self.sink else self.blocks.append(blocks)
+            if self.sink:
+                self.sink(blocks)
+            else:
+                self.blocks.append(blocks)
         self.carry = stream[full:]
 
     def finish(self) -> tuple[np.ndarray, dict]:

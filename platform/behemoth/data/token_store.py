@@ -97,7 +97,7 @@ class TokenShards:
         self.folder, self.shards, self.seq_len, self.dtype = str(folder), shards, seq_len, np.dtype(dtype)
         self.starts = np.cumsum([0] + [s["blocks"] for s in shards])
         self.shape = (int(self.starts[-1]), seq_len)
-        self._maps: dict[int, tuple[mmap.mmap, int, np.ndarray]] = {}  # shard -> (mapping, header bytes, rows)
+        self._maps: dict[int, tuple[mmap.mmap, np.ndarray]] = {}  # shard -> (mapping, its rows)
         self._remote = None  # a URI folder's reader, made on first use in each process
 
     def __len__(self) -> int:
@@ -126,22 +126,21 @@ class TokenShards:
         if paths.is_uri(self.folder):
             self._reader().prefetch(ids)
             return
-        shard = np.searchsorted(self.starts, ids, side="right") - 1
-        row = self.seq_len * self.dtype.itemsize
-        page = mmap.PAGESIZE
-        for s, i in zip(shard, ids):
-            m, header, _ = self._open(int(s))
-            start = header + int(i - self.starts[s]) * row
-            aligned = start // page * page
-            m.madvise(mmap.MADV_WILLNEED, aligned, start + row - aligned)
+        row, page = self.seq_len * self.dtype.itemsize, mmap.PAGESIZE
+        for i in map(int, ids):
+            s, offset = self.locate(i)
+            aligned = offset // page * page
+            self._open(s)[0].madvise(mmap.MADV_WILLNEED, aligned, offset + row - aligned)
 
-    def locate(self, i: int) -> tuple[dict, int]:
-        """(shard, byte offset in its file) of block `i`: the header is .npy's, whose length is the file's size
-        less the rows'."""
+    def locate(self, i: int) -> tuple[int, int]:
+        """(shard index, byte offset in its file) of block `i`."""
         s = int(np.searchsorted(self.starts, i, side="right") - 1)
-        row = self.seq_len * self.dtype.itemsize
+        return s, self._header(s) + int(i - self.starts[s]) * self.seq_len * self.dtype.itemsize
+
+    def _header(self, s: int) -> int:
+        """The bytes of shard `s`'s .npy header: its file's size less its rows'."""
         shard = self.shards[s]
-        return shard, shard["bytes"] - shard["blocks"] * row + int(i - self.starts[s]) * row
+        return shard["bytes"] - shard["blocks"] * self.seq_len * self.dtype.itemsize
 
     def _reader(self) -> RemoteBlocks:
         if self._remote is None:
@@ -149,9 +148,9 @@ class TokenShards:
         return self._remote
 
     def _array(self, s: int) -> np.ndarray:
-        return self._open(s)[2]
+        return self._open(s)[1]
 
-    def _open(self, s: int) -> tuple[mmap.mmap, int, np.ndarray]:
+    def _open(self, s: int) -> tuple[mmap.mmap, np.ndarray]:
         if s not in self._maps:
             shard = self.shards[s]
             path = Path(self.folder) / shard["file"]
@@ -164,11 +163,10 @@ class TokenShards:
             if size != shard["bytes"]:
                 raise DataError(f"token shard {path} has {size} bytes, its cache's meta.json says {shard['bytes']}: "
                                 f"the cache is damaged; delete {self.folder} and rerun to rebuild it")
-            header = size - shard["blocks"] * self.seq_len * self.dtype.itemsize  # the .npy header's bytes
             with open(path, "rb") as f:
                 m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-            rows = np.frombuffer(m, dtype=self.dtype, offset=header).reshape(shard["blocks"], self.seq_len)
-            self._maps[s] = (m, header, rows)
+            rows = np.frombuffer(m, dtype=self.dtype, offset=self._header(s)).reshape(shard["blocks"], self.seq_len)
+            self._maps[s] = (m, rows)
         return self._maps[s]
 
 
@@ -204,7 +202,8 @@ class RemoteBlocks:
         return np.stack(rows) if rows else np.empty((0, self.store.seq_len), self.store.dtype)
 
     def _read(self, i: int) -> np.ndarray:
-        shard, offset = self.store.locate(i)
+        s, offset = self.store.locate(i)
+        shard = self.store.shards[s]
         path = f"{self.root}/{shard['file']}"
         try:
             with self.lock:

@@ -36,7 +36,7 @@ def evaluate_checkpoint(cfg: JobConfig, checkpoint: str, split: str = "val", whi
 
     task = task_of(cfg)
     ckpt, how = weights.resolve(checkpoint, which, task.best)
-    weights.check(ckpt)  # a damaged checkpoint fails here, naming its file, before Ray starts (weights.check)
+    weights.check(ckpt)  # damage it can see without the weights fails here, before Ray starts
     checked = task.check(cfg)
     ensure_ray()
     data = task.prepare(cfg, checked)

@@ -251,7 +251,7 @@ def resolve_init_from(cfg: JobConfig) -> JobConfig:
     if not source:
         return cfg
     chosen, how = weights.resolve(source, cfg.train.init_from_checkpoint, task_of(cfg).best)
-    weights.check(chosen)  # a damaged source fails here, naming its file, before Ray starts (weights.check)
+    weights.check(chosen)  # damage it can see without the weights fails here, before Ray starts
     folder = run_dir(cfg)
     if complete_checkpoints(folder):
         print(f"[behemoth] train.init_from is set, but run '{cfg.checkpoint.run_name}' has checkpoints of its own: "
@@ -357,9 +357,9 @@ def retire_unregistered(cfg: JobConfig, kept: list) -> list[str]:
     kept_steps = [step for step, path in found if path.rstrip("/") in kept_paths]
     if not kept_steps:
         return []
-    removed = []
+    oldest_kept, removed = min(kept_steps), []
     for step, path in found:
-        if step < min(kept_steps) and path.rstrip("/") not in kept_paths:
+        if step < oldest_kept and path.rstrip("/") not in kept_paths:
             fs, where = filesystem(path)
             fs.delete_dir(where)
             removed.append(path)

@@ -204,9 +204,11 @@ def check_sweep(sweep_cfg: SweepConfig) -> list[JobConfig]:
                           f"shared filesystem (an object store is not supported for sweeps yet; single runs "
                           f"support it): give a path, e.g. a shared mount on a cluster")
     base = base_job(sweep_cfg)  # the job file itself first: its errors name it
-    axes = []
+    axes, valid = [], _job_keys(base)
     for key, dist in sweep_cfg.space.items():
-        _check_key_exists(key, base)
+        if key not in valid:
+            raise ConfigError(f"space key '{key}' is not a key of the sweep's job (data.kind {base['data']['kind']})"
+                              f"{did_you_mean(key, valid)}")
         axes.append([(key, v) for v in next(iter(dist.values()))])
     jobs = []
     for combination in itertools.product(*axes):
@@ -221,16 +223,12 @@ def check_sweep(sweep_cfg: SweepConfig) -> list[JobConfig]:
     return jobs
 
 
-def _check_key_exists(key: str, base: dict) -> None:
-    """`train.lr` must name a key (section.field) of the sweep's job (its data section: that of its kind), with
-    the closest valid key suggested."""
+def _job_keys(base: dict) -> list[str]:
+    """Every key (section.field) of the sweep's job; its data section's are those of its kind."""
     import dataclasses
 
     job = config_from_dict(base, where="the sweep's job")
-    valid = [f"{s.name}.{f.name}" for s in dataclasses.fields(job) for f in dataclasses.fields(getattr(job, s.name))]
-    if key not in valid:
-        raise ConfigError(f"space key '{key}' is not a key of the sweep's job (data.kind {job.data.kind})"
-                          f"{did_you_mean(key, valid)}")
+    return [f"{s.name}.{f.name}" for s in dataclasses.fields(job) for f in dataclasses.fields(getattr(job, s.name))]
 
 
 # ---------------------------------------------------------------------------------------------------------
