@@ -12,6 +12,12 @@ A checkpoint directory holds:
   job.yaml                               the job config that produced it
   manifest.json                          format version, every other file's size and sha256 — written last
 
+A sharded checkpoint (checkpoint.format sharded: FSDP's default) holds, instead of model.pt and optimizer.pt,
+  state/.metadata, state/__R_0.distcp    the model and optimizer state as torch.distributed.checkpoint (DCP)
+                                         wrote it: one file per rank R with that rank's shards, and the index
+and its manifest (format 2) lists every rank's files: rank 0 writes it last, once every rank has written and
+hashed its own (behemoth.worker.sharded). It loads at any world size, under FSDP or DDP.
+
 No RNG state is stored: the loop reseeds from (seed, rank, step) every step and augmentation draws from
 (seed, epoch, sample), so random state is a function of the position, which train_state.json records.
 """
@@ -30,8 +36,10 @@ import torch
 from behemoth import faults
 from behemoth.errors import CheckpointError
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 1  # model.pt, optimizer.pt: the full state, written by one process
+SHARDED_FORMAT = 2  # state/: DCP shards, written by every rank
 MANIFEST = "manifest.json"
+STATE_DIR = "state"
 
 
 @dataclass
@@ -69,6 +77,16 @@ class Snapshot:
 def write(directory: str | Path, snap: Snapshot, before_manifest=None) -> Path:
     """Write a snapshot as a checkpoint directory; the manifest goes last, so its presence means complete.
     `before_manifest`: called when every other file is written (the failure tests' kill point)."""
+    d = write_files(directory, snap)
+    files = hash_files(d, [p.name for p in sorted(d.iterdir()) if p.is_file() and p.name != MANIFEST])
+    if before_manifest is not None:
+        before_manifest()
+    commit(d, files, FORMAT_VERSION)
+    return d
+
+
+def write_files(directory: str | Path, snap: Snapshot) -> Path:
+    """A snapshot's files (not the manifest) into `directory`, created if needed."""
     if snap.copies is not None:
         snap.copies.wait_done()
     d = Path(directory)
@@ -81,14 +99,56 @@ def write(directory: str | Path, snap: Snapshot, before_manifest=None) -> Path:
         faults.disk_full(snap.step, d / name)
     for name, text in snap.texts.items():
         (d / name).write_text(text)
-    files = {p.name: {"size": p.stat().st_size, "sha256": _sha256(p)} for p in sorted(d.iterdir())
-             if p.is_file() and p.name != MANIFEST}
-    if before_manifest is not None:
-        before_manifest()
-    tmp = d / (MANIFEST + ".tmp")
-    tmp.write_text(json.dumps({"format_version": FORMAT_VERSION, "files": files}, indent=1))
-    os.replace(tmp, d / MANIFEST)
     return d
+
+
+def hash_files(directory: str | Path, names: list[str]) -> dict:
+    """{name: {size, sha256}} of files in `directory` (names relative to it): a manifest's entries."""
+    d = Path(directory)
+    return {name: {"size": (d / name).stat().st_size, "sha256": _sha256(d / name)} for name in names}
+
+
+def commit(directory: str | Path, files: dict, format_version: int) -> None:
+    """Write the manifest over `files` (hash_files' entries), atomically: the checkpoint is now complete."""
+    d = Path(directory)
+    tmp = d / (MANIFEST + ".tmp")
+    tmp.write_text(json.dumps({"format_version": format_version, "files": files}, indent=1))
+    os.replace(tmp, d / MANIFEST)
+
+
+def weight_files(manifest: dict) -> tuple[str, ...]:
+    """The files holding a checkpoint's model weights: model.pt, or a sharded one's state/ folder."""
+    if manifest.get("format_version") == SHARDED_FORMAT:
+        return tuple(name for name in manifest["files"] if name.startswith(STATE_DIR + "/"))
+    return ("model.pt",)
+
+
+def is_sharded_format(directory: str | Path) -> bool:
+    """Whether a local checkpoint folder's manifest says it is sharded (False when it has none: verification
+    names that)."""
+    try:
+        return json.loads((Path(directory) / MANIFEST).read_text()).get("format_version") == SHARDED_FORMAT
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def read_sharded_weights(directory: str | Path) -> dict:
+    """A sharded checkpoint's model weights as one state dict of whole tensors, read by this process alone (no
+    collective, even inside a process group: export, evaluation, fine-tuning on one rank): only the model's
+    entries, whose shapes and dtypes the checkpoint's index gives."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    reader = dcp.FileSystemReader(str(Path(directory) / STATE_DIR))
+    target = {key: torch.empty(meta.size, dtype=meta.properties.dtype)
+              for key, meta in reader.read_metadata().state_dict_metadata.items()
+              if key.startswith("model.") and isinstance(meta, TensorStorageMetadata)}
+    with warnings.catch_warnings():  # its "no process group: loading in a single process" is what is meant
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(target, storage_reader=reader, no_dist=True)
+    return {key[len("model."):]: value for key, value in target.items()}
 
 
 def verify(directory: str | Path, only: tuple[str, ...] | None = None) -> dict:
@@ -117,9 +177,9 @@ def read_manifest(text: bytes | str, where, only: tuple[str, ...] | None = None)
         files = manifest["files"]
     except (ValueError, KeyError, TypeError) as e:
         raise CheckpointError(f"checkpoint {where}: {MANIFEST} is unreadable ({e})") from None
-    if manifest.get("format_version") != FORMAT_VERSION:
+    if manifest.get("format_version") not in (FORMAT_VERSION, SHARDED_FORMAT):
         raise CheckpointError(f"checkpoint {where} has format {manifest.get('format_version')}, "
-                              f"this behemoth reads {FORMAT_VERSION}")
+                              f"this behemoth reads {FORMAT_VERSION} and {SHARDED_FORMAT}")
     unlisted = [name for name in only or () if name not in files]
     if unlisted:
         raise CheckpointError(f"checkpoint {where}: {', '.join(unlisted)} not in its {MANIFEST}")

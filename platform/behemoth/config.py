@@ -275,6 +275,10 @@ class CheckpointConfig:
     # Save in the background: the step only waits for a copy of the state in host memory; writing, the
     # manifest and the upload happen in a thread (Ray Train's asynchronous upload keeps reports in order).
     async_save: bool = True
+    # How the model and optimizer state is written: "full" (model.pt and optimizer.pt, the whole state gathered
+    # on rank 0), "sharded" (every rank writes its own shards with torch.distributed.checkpoint, nothing is
+    # gathered; loads at any world size), or "auto": sharded under FSDP, full under DDP.
+    format: Literal["auto", "full", "sharded"] = "auto"
     # A rerun whose data or model config differs from the run's checkpoints is refused unless this is true.
     resume_changed_config: bool = False
 
@@ -282,6 +286,10 @@ class CheckpointConfig:
         _positive("checkpoint.every_n_steps", self.every_n_steps)
         _positive("checkpoint.keep", self.keep)
         paths.check_name("checkpoint.run_name", self.run_name)
+
+    def sharded(self, strategy: str) -> bool:
+        """Whether this run writes sharded checkpoints under scaling.strategy `strategy`."""
+        return self.format == "sharded" or (self.format == "auto" and strategy != "ddp")
 
 
 @dataclass

@@ -16,7 +16,8 @@ from typing import Callable, Iterator, Optional
 import torch
 
 from behemoth import paths
-from behemoth.checkpoint import MANIFEST, complete_checkpoints, filesystem, read_file, read_manifest, verify
+from behemoth.checkpoint import (MANIFEST, SHARDED_FORMAT, complete_checkpoints, filesystem, read_file, read_manifest,
+                                 read_sharded_weights, verify, weight_files)
 from behemoth.errors import CheckpointError
 
 HF_WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
@@ -38,14 +39,14 @@ def _is_file(path: str) -> bool:
     return fs.get_file_info(where).type == pyarrow.fs.FileType.File
 
 
-MODEL_FILE = "model.pt"  # a checkpoint's weights; the rest of it (optimizer, schedule, ...) is the run's
+MODEL_FILE = "model.pt"  # a full checkpoint's weights; the rest of it (optimizer, schedule, ...) is the run's
 
 
 @contextlib.contextmanager
 def fetched(path: str) -> Iterator[Path]:
     """A weights folder as a local path while the block runs. A URI's (s3://...) is downloaded into a temporary
-    folder, removed afterwards: of a checkpoint only its manifest and model.pt (its optimizer state and the rest
-    are not read), of a Hugging Face folder every file."""
+    folder, removed afterwards: of a checkpoint only its manifest and the files holding the weights (model.pt;
+    a sharded checkpoint's state/ folder), of a Hugging Face folder every file."""
     if not paths.is_uri(path):
         yield Path(path)
         return
@@ -54,7 +55,9 @@ def fetched(path: str) -> Iterator[Path]:
     fs, where = filesystem(path)
     with tempfile.TemporaryDirectory(prefix="behemoth-weights-") as target:
         if is_checkpoint(path):
-            for name in (MANIFEST, MODEL_FILE):
+            manifest = read_manifest(read_file(f"{path}/{MANIFEST}"), path)
+            for name in (MANIFEST, *weight_files(manifest)):
+                Path(target, name).parent.mkdir(exist_ok=True)  # a sharded checkpoint's state/
                 pyarrow.fs.copy_files(f"{where}/{name}", f"{target}/{name}", source_filesystem=fs)
         else:
             pyarrow.fs.copy_files(where, target, source_filesystem=fs)
@@ -94,25 +97,31 @@ def resolve(path: str, which: str = "best", best: tuple[str, str] = ("val_loss",
 
 
 def check(folder: str) -> None:
-    """Before Ray starts, without loading the weights: a checkpoint's model.pt must match its manifest (a
-    Hugging Face folder has none; its files are read when the model loads them). A local model.pt is hashed;
-    one under a URI is not downloaded for this (each worker that reads it downloads it and checks its sha256
-    before loading it): here its manifest must list it and its size must be the manifest's."""
+    """Before Ray starts, without loading the weights: a checkpoint's weight files (model.pt, or a sharded
+    checkpoint's state/ files) must match its manifest (a Hugging Face folder has none; its files are read
+    when the model loads them). Local files are hashed; under a URI they are not downloaded for this (each
+    worker that reads them downloads them and checks their sha256 before loading): here the manifest must list
+    them and their sizes must be the manifest's."""
     if not is_checkpoint(folder):
         return
+    manifest = read_manifest(read_file(f"{folder}/{MANIFEST}"), folder)
+    names = weight_files(manifest)
     if not paths.is_uri(folder):
-        verify(folder, only=(MODEL_FILE,))
+        verify(folder, only=names)
         return
     import pyarrow.fs
 
-    expected = read_manifest(read_file(f"{folder}/{MANIFEST}"), folder, only=(MODEL_FILE,))["files"][MODEL_FILE]
-    fs, where = filesystem(f"{folder}/{MODEL_FILE}")
-    info = fs.get_file_info(where)
-    if info.type != pyarrow.fs.FileType.File:
-        raise CheckpointError(f"checkpoint {folder}: {MODEL_FILE} is missing")
-    if info.size != expected["size"]:
-        raise CheckpointError(f"checkpoint {folder}: {MODEL_FILE} does not match its manifest (size {info.size}, "
-                              f"manifest {expected['size']})")
+    for name in names:
+        expected = manifest["files"].get(name)
+        if expected is None:
+            raise CheckpointError(f"checkpoint {folder}: {name} not in its {MANIFEST}")
+        fs, where = filesystem(f"{folder}/{name}")
+        info = fs.get_file_info(where)
+        if info.type != pyarrow.fs.FileType.File:
+            raise CheckpointError(f"checkpoint {folder}: {name} is missing")
+        if info.size != expected["size"]:
+            raise CheckpointError(f"checkpoint {folder}: {name} does not match its manifest (size {info.size}, "
+                                  f"manifest {expected['size']})")
 
 
 def checkpoint_metrics(ckpt: str | Path) -> dict:
@@ -133,7 +142,10 @@ def read_state_dict(path: str | Path) -> dict:
 
 def _read_state_dict(p: Path, path: str | Path) -> dict:
     if is_checkpoint(p):
-        verify(p, only=(MODEL_FILE,))
+        manifest = read_manifest((p / MANIFEST).read_bytes(), p)
+        verify(p, only=weight_files(manifest))
+        if manifest["format_version"] == SHARDED_FORMAT:
+            return read_sharded_weights(p)
         return torch.load(p / MODEL_FILE, map_location="cpu", weights_only=True)
     from safetensors.torch import load_file
 

@@ -198,6 +198,54 @@ def fsdp(strategy):
     return scenario
 
 
+def layouts(rank, world, out):
+    """Both checkpoint layouts under both strategies: FSDP and DDP each train 3 steps and save (FSDP sharded
+    with DCP and full; DDP full), then fresh models of either strategy restore each checkpoint and train 3
+    more. Returns the weights each ends on (and a control restoring only the weights: momentum lost)."""
+    from behemoth.worker.sharded import ShardedWriter
+
+    cfg = config()
+
+    def fresh(strategy):
+        model = parallel.shard(make_model(), reshard_after_forward=True) if strategy == "fsdp" else ddp()
+        opt = torch.optim.SGD(model.parameters(), lr=cfg.train.lr, momentum=cfg.train.momentum)
+        return model, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+
+    def save_sharded(model, opt, sched, folder):
+        writer = ShardedWriter(rank)
+        small = checkpoint.Snapshot(*checkpointing.extras(scheduler=sched, state=TrainState(step=3), classes=None,
+                                                          job_yaml=""), 3) if rank == 0 else None
+        writer.commit(writer.start(model, opt, folder), folder, small)
+
+    results, folders = {}, {k: os.path.join(out, f"layout_{k}") for k in ("sharded", "fsdp_full", "ddp_full")}
+    for strategy in ("fsdp", "ddp"):
+        model, opt, sched = fresh(strategy)
+        accum = 2 if strategy == "fsdp" else 1
+        train(model, cfg, rank, world, steps=3, accum=accum, optimizer=opt, scheduler=sched)
+        parts = dict(model=model, optimizer=opt, scheduler=sched, state=TrainState(step=3), classes=None, job_yaml="")
+        if strategy == "fsdp":
+            save_sharded(model, opt, sched, folders["sharded"])
+            snap = checkpointing.snapshot(**parts)  # collective: every rank gathers
+            if rank == 0:
+                checkpoint.write(folders["fsdp_full"], snap)
+        elif rank == 0:
+            checkpointing.save(folders["ddp_full"], **parts)
+        dist.barrier()
+        train(model, cfg, rank, world, start=3, steps=3, accum=accum, optimizer=opt, scheduler=sched)
+        results[f"{strategy}_final"] = full_params(model)
+    results["files"] = sorted(os.listdir(os.path.join(folders["sharded"], checkpoint.STATE_DIR)))
+    for layout, strategy in (("sharded", "fsdp"), ("sharded", "ddp"), ("fsdp_full", "ddp"), ("ddp_full", "fsdp"),
+                             ("sharded", "ddp_weights_only")):
+        model, opt, sched = fresh(strategy.split("_")[0])
+        weights_only = strategy.endswith("weights_only")
+        step = checkpointing.load(folders[layout], model=model, optimizer=None if weights_only else opt,
+                                  scheduler=sched).step
+        train(model, cfg, rank, world, start=step, steps=3, accum=2 if strategy == "fsdp" else 1, optimizer=opt,
+              scheduler=sched)
+        results[f"{layout}->{strategy}"] = full_params(model)
+    return results
+
+
 SCENARIOS = {
     "baseline": baseline,
     "accumulation": accumulation,
@@ -208,6 +256,7 @@ SCENARIOS = {
     "powersgd_restore": powersgd_restore,
     "fsdp_grad_op": fsdp("fsdp_grad_op"),
     "fsdp_full": fsdp("fsdp_full"),
+    "layouts": layouts,
 }
 
 

@@ -3,7 +3,7 @@ through pyarrow's S3 filesystem with its endpoint taken from AWS_ENDPOINT_URL, a
 store sets it (docs/failures.md). No local path pretends to be a bucket.
 
 Every safety check and record that works on local storage must work on s3://: the run lock, the resume
-compatibility check, the DDP/FSDP refusal, recovery of complete checkpoints Ray Train never registered, and
+compatibility check, sharded (FSDP) checkpoints uploaded by every rank, recovery of complete checkpoints Ray Train never registered, and
 metrics.jsonl / timeline.jsonl; and models come out of the bucket: `behemoth eval` and train.init_from."""
 
 import json
@@ -103,26 +103,29 @@ def test_a_run_on_s3_keeps_every_check_and_record(s3_endpoint, ray_local, image_
     assert [r["event"] for r in read_jsonl(f"{folder}/timeline.jsonl")][-1] == "invocation_end"
     assert read_lease(folder) is None  # released
 
-    # Resume checks, before Ray is asked for anything: another model, the other strategy.
+    # The resume check, before Ray is asked for anything: another model.
     changed = job_dict(image_root, storage, "r", train={"epochs": 2}, model={"name": "regnet_cifar"})
     with pytest.raises(ConfigError, match=r"was trained with a different config .*model.name: "
                                           r"'regnet_tiny_cifar' -> 'regnet_cifar'"):
         train(config_from_dict(changed))
-    fsdp = job_dict(image_root, storage, "r", train={"epochs": 2}, scaling={"strategy": "fsdp_full"})
-    with pytest.raises(ConfigError, match="was checkpointed with scaling.strategy ddp"):
-        train(config_from_dict(fsdp))
 
     # Ray Train's registration of the checkpoints lost (a driver killed between an upload and its
     # registration leaves the same state): the rerun restores the newest complete checkpoint in the folder.
+    # It switches to FSDP: DDP's full checkpoint loads under FSDP, whose checkpoints 9 and 12 are sharded, each
+    # rank uploading its own DCP file into the bucket and rank 0 the manifest last.
     logged = len(read_jsonl(f"{folder}/metrics.jsonl"))
     fs, path = pyarrow.fs.FileSystem.from_uri(folder)
     fs.delete_file(f"{path}/checkpoint_manager_snapshot.json")
-    second = train(config_from_dict(job_dict(image_root, storage, "r", train={"epochs": 2})))
+    second = train(config_from_dict(job_dict(image_root, storage, "r", train={"epochs": 2},
+                                             scaling={"strategy": "fsdp_full"})))
     assert second.resumed_from_step == 6 and second.metrics["step"] == 12
     records = read_jsonl(f"{folder}/metrics.jsonl")
     assert len(records) > logged and min(r["step"] for r in records[logged:]) > 6  # appended; none redone
     # checkpoint.keep (2) reaches the checkpoints Ray Train forgot: 3 and 6 are older than the 9 and 12 it keeps
     assert [step for step, _ in complete_checkpoints(folder)] == [12, 9]
+    twelve = complete_checkpoints(folder)[0][1].rpartition("/")[2]
+    assert {f"{twelve}/state/__0_0.distcp", f"{twelve}/state/__1_0.distcp", f"{twelve}/state/.metadata",
+            f"{twelve}/manifest.json"} <= set(s3_files(folder)) and f"{twelve}/model.pt" not in s3_files(folder)
 
     # Models out of the bucket: `behemoth eval` of the run folder (its best checkpoint) writes its JSON beside
     # the checkpoint; a local run fine-tunes from the s3 run folder (its weights downloaded and verified).

@@ -259,3 +259,49 @@ def test_retention_reaches_checkpoints_ray_train_never_registered(tmp_path):
     assert retire_unregistered(cfg, []) == []  # nothing kept (no checkpoint registered): nothing removed
     kept_with_newer = [(SimpleNamespace(path=str(run / "checkpoint_09")), {})]
     assert retire_unregistered(cfg, kept_with_newer) == []  # 12 is newer than what Ray keeps: left alone
+
+
+def test_a_sharded_checkpoint_round_trips_and_names_a_damaged_shard(tmp_path):
+    """checkpoint.format sharded in one process (no process group; the 2-rank and 2 -> 1 cases are the
+    integration tests'): the DCP files and the small files under one manifest (format 2) written last; a
+    restore gives back weights, BatchNorm statistics, optimizer state and schedule exactly (continuing both
+    ends equal); export's reader gets the weights whole; a flipped byte in the shard file is named by the
+    pre-flight check, by the reader and by the restore."""
+    from behemoth import weights
+    from behemoth.worker.sharded import ShardedWriter
+
+    model, opt, sched = make()
+    for s in range(3):
+        step(model, opt, sched, s)
+    state = TrainState(step=3, step_in_epoch=3, samples_seen=12)
+    writer = ShardedWriter(rank=0)
+    small = checkpoint.Snapshot(*checkpointing.extras(scheduler=sched, state=state, classes=None, job_yaml="x: 1\n"),
+                                step=3)
+    folder = tmp_path / "checkpoint_a"
+    written = writer.start(model, opt, str(folder))
+    step(model, opt, sched, 7)  # the copy was taken when start returned: training on does not reach the files
+    writer.commit(written, str(folder), small)
+    manifest = checkpoint.verify(folder)
+    assert manifest["format_version"] == checkpoint.SHARDED_FORMAT
+    assert set(manifest["files"]) == {"state/.metadata", "state/__0_0.distcp", "scheduler.pt", "train_state.json",
+                                      "job.yaml"}
+
+    model2, opt2, sched2 = make(seed=99)
+    assert checkpointing.load(folder, model=model2, optimizer=opt2, scheduler=sched2) == state
+    model3, opt3, sched3 = make()
+    for s in range(3):
+        step(model3, opt3, sched3, s)  # the state at step 3, as saved
+    assert_same_tensors(model3.state_dict(), model2.state_dict())
+    assert_same_tensors(weights.read_state_dict(folder), model3.state_dict())
+    for m, o, s in ((model3, opt3, sched3), (model2, opt2, sched2)):
+        step(m, o, s, seed=10)
+    assert_same_tensors(model3.state_dict(), model2.state_dict())  # momentum and schedule came back too
+
+    shard = folder / "state" / "__0_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 1
+    shard.write_bytes(bytes(data))
+    for attempt in (lambda: weights.check(str(folder)), lambda: weights.read_state_dict(folder),
+                    lambda: checkpointing.load(folder, model=model2, optimizer=opt2, scheduler=sched2)):
+        with pytest.raises(CheckpointError, match=r"state/__0_0.distcp does not match its manifest"):
+            attempt()

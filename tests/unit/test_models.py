@@ -27,6 +27,17 @@ def test_every_registered_model_round_trips_through_save_pretrained(name, tmp_pa
     assert model(pixel_values=x).logits.shape == (2, 7)
 
 
+@pytest.mark.parametrize("name", list(MODELS))
+def test_every_registered_model_shows_fsdp_its_logits(name):
+    """FSDP hooks the tensors of a forward's output (found through torch's pytree) to gather the parameters
+    again for backward; an output it cannot look into (the plain RegNet returned a SimpleNamespace) failed
+    the first FSDP backward of every image job ("setStorage ... storage of size 0")."""
+    from torch.utils._pytree import tree_leaves
+
+    out = build_model(name, 7)(pixel_values=torch.randn(2, 3, 32, 32))
+    assert any(leaf is out.logits for leaf in tree_leaves(out))
+
+
 @pytest.mark.parametrize("name", ["regnet_tiny_cifar", "regnet_cifar"])
 def test_the_plain_torch_regnet_is_transformers_regnet(name):
     """What the workers train is transformers' RegNetForImageClassification without its import: the same

@@ -206,8 +206,7 @@ _RESUMABLE_CHANGES = {"data.prefetch_batches", "data.cpus_per_task", "data.max_b
 
 def check_resume_compatible(cfg: JobConfig) -> None:
     """Refuse to resume a run whose latest checkpoint (local or under a URI) was trained on another data or
-    model config, or written under the other kind of scaling.strategy (DDP and FSDP checkpoints key the
-    optimizer state differently: by parameter index, by parameter name; torch cannot load one into the other)."""
+    model config. (A change of scaling.strategy is fine: either checkpoint layout loads under DDP and FSDP.)"""
     from behemoth.checkpoint import complete_checkpoints, read_file
 
     folder = run_dir(cfg)
@@ -218,13 +217,6 @@ def check_resume_compatible(cfg: JobConfig) -> None:
     name = latest.rstrip("/").rpartition("/")[2]
     before = yaml.safe_load(read_file(f"{latest}/job.yaml")) or {}
     now = cfg.to_dict()
-    strategy_then = (before.get("scaling") or {}).get("strategy", "ddp")
-    if (strategy_then == "ddp") != (cfg.scaling.strategy == "ddp"):
-        raise ConfigError(
-            f"run '{cfg.checkpoint.run_name}' in {folder} was checkpointed with scaling.strategy "
-            f"{strategy_then} ({name}); this run uses {cfg.scaling.strategy}, whose optimizer "
-            f"state is laid out differently. Resume with scaling.strategy={strategy_then}, or start a new run "
-            f"with another checkpoint.run_name")
     if cfg.checkpoint.resume_changed_config:
         return
     changed = [f"{section}.{key}: {before.get(section, {}).get(key)!r} -> {value!r}"

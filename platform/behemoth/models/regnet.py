@@ -22,7 +22,7 @@ at a quarter of the step time of the CIFAR-stem ResNet it replaced (which needed
 from __future__ import annotations
 
 import math
-from types import SimpleNamespace
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -111,6 +111,14 @@ class _Backbone(nn.Module):
         return self.pooler(self.encoder(self.embedder(x)))
 
 
+class Output(NamedTuple):
+    """What the model returns: `.logits`, like a transformers model's output. A named tuple, so that torch's
+    pytree sees the tensor in it: FSDP hooks the output's tensors to gather the parameters again for backward
+    (an object it cannot look into left the first backward without them)."""
+
+    logits: torch.Tensor
+
+
 class RegNetX(nn.Module):
     """`RegNetForImageClassification(RegNetConfig(layer_type="x", ...))` in plain torch: called as
     `model(pixel_values=images).logits`, like the transformers model."""
@@ -131,7 +139,7 @@ class RegNetX(nn.Module):
         nn.init.uniform_(head.bias, -bound, bound)
 
     def forward(self, pixel_values: torch.Tensor):
-        return SimpleNamespace(logits=self.classifier(self.regnet(pixel_values)))
+        return Output(logits=self.classifier(self.regnet(pixel_values)))
 
     def transformers_config(self, classes: list[str] | None = None):
         from transformers import RegNetConfig

@@ -10,8 +10,9 @@ from pathlib import Path
 
 import torch
 
-from behemoth.checkpoint import Snapshot, TrainState, verify, write
+from behemoth.checkpoint import Snapshot, TrainState, is_sharded_format, verify, write
 from behemoth.errors import CheckpointError
+from behemoth.worker import sharded
 from behemoth.worker.parallel import is_sharded, unwrap
 
 
@@ -92,7 +93,17 @@ def snapshot(*, model, optimizer, scheduler, state: TrainState, classes: list[st
         copies = Copies([p for p, d in zip(pairs, deferred) if not d], [p for p, d in zip(pairs, deferred) if d])
         if not overlap:
             copies.wait_done()
-    dicts = {"model.pt": model_sd, "optimizer.pt": optim_sd, "scheduler.pt": scheduler.state_dict()}
+    dicts, texts = extras(scheduler=scheduler, state=state, classes=classes, job_yaml=job_yaml, scaler=scaler,
+                          hook_states=hook_states, metrics=metrics)
+    dicts = {"model.pt": model_sd, "optimizer.pt": optim_sd, **dicts}
+    return Snapshot(dicts, texts, state.step, copies)
+
+
+def extras(*, scheduler, state: TrainState, classes: list[str] | None, job_yaml: str, scaler=None,
+           hook_states: list | None = None, metrics: dict | None = None) -> tuple[dict, dict]:
+    """(state dicts, texts) of a checkpoint's files besides the model and optimizer state: the schedule,
+    scaler, compression state, train state, classes, metrics and job, taken on rank 0."""
+    dicts = {"scheduler.pt": scheduler.state_dict()}
     if scaler is not None and scaler.is_enabled():
         dicts["scaler.pt"] = scaler.state_dict()
     if hook_states is not None:  # per-rank gradient-compression state (PowerSGD error feedback)
@@ -102,7 +113,7 @@ def snapshot(*, model, optimizer, scheduler, state: TrainState, classes: list[st
         texts["classes.json"] = json.dumps(classes)
     if metrics is not None:  # what the run reported with this checkpoint: picks a run's best, fills a model card
         texts["metrics.json"] = json.dumps(metrics, indent=1)
-    return Snapshot(dicts, texts, state.step, copies)
+    return dicts, texts
 
 
 def save(directory: str | Path, **state) -> Path:
@@ -130,20 +141,30 @@ def _host_buffers(tree, pool: dict, path: str, pairs: list):
 
 def load(directory: str | Path, *, model, optimizer=None, scheduler=None, scaler=None,
          hook_state=None) -> TrainState:
-    """Verify, then restore the given objects in place. Returns the saved TrainState."""
-    d = Path(directory)
-    verify(d)
-    model_sd = torch.load(d / "model.pt", map_location="cpu", weights_only=True)
-    optim_sd = torch.load(d / "optimizer.pt", map_location="cpu", weights_only=True) if optimizer else None
-    if is_sharded(model):  # every rank hands the full state; FSDP keeps its own shard of it
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+    """Verify, then restore the given objects in place. Returns the saved TrainState.
 
-        set_state_dict(unwrap(model), optimizer if optimizer else [], model_state_dict=model_sd,
-                       optim_state_dict=optim_sd or {}, options=StateDictOptions(full_state_dict=True))
+    Either format under either strategy: a sharded checkpoint through DCP (every rank calls this; it
+    reshards to this world size), a full one read whole by each rank (under FSDP each keeps its shard). The
+    optimizer state of a full checkpoint written under DDP is keyed by parameter index, under FSDP by name:
+    each is converted to what this run's optimizer takes."""
+    d = Path(directory)
+    if is_sharded_format(d):
+        sharded.load(d, model, optimizer)
     else:
-        unwrap(model).load_state_dict(model_sd)
-        if optimizer is not None:
-            optimizer.load_state_dict(optim_sd)
+        verify(d)
+        model_sd = torch.load(d / "model.pt", map_location="cpu", weights_only=True)
+        optim_sd = torch.load(d / "optimizer.pt", map_location="cpu", weights_only=True) if optimizer else None
+        if is_sharded(model) or (optim_sd and _keyed_by_name(optim_sd)):
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+            if optim_sd and not _keyed_by_name(optim_sd):
+                optim_sd = _by_name(optim_sd, optimizer, model)
+            set_state_dict(unwrap(model), optimizer if optimizer else [], model_state_dict=model_sd,
+                           optim_state_dict=optim_sd or {}, options=StateDictOptions(full_state_dict=True))
+        else:
+            unwrap(model).load_state_dict(model_sd)
+            if optimizer is not None:
+                optimizer.load_state_dict(optim_sd)
     if scheduler is not None:
         scheduler.load_state_dict(torch.load(d / "scheduler.pt", weights_only=True))
     if scaler is not None and scaler.is_enabled() and (d / "scaler.pt").is_file():
@@ -154,3 +175,18 @@ def load(directory: str | Path, *, model, optimizer=None, scheduler=None, scaler
         if saved["world_size"] == world:  # each rank's error feedback is its own; a resize starts it afresh
             hook_state.load_bytes(saved["ranks"][rank], device=next(unwrap(model).parameters()).device)
     return TrainState(**json.loads((d / "train_state.json").read_text()))
+
+
+def _keyed_by_name(optim_sd: dict) -> bool:
+    """Whether an optimizer state dict names its parameters (torch.distributed's layout) or numbers them
+    (optimizer.state_dict()'s)."""
+    return any(isinstance(p, str) for group in optim_sd.get("param_groups", []) for p in group["params"])
+
+
+def _by_name(optim_sd: dict, optimizer, model) -> dict:
+    """optimizer.state_dict()'s layout (parameters numbered in the order of the optimizer's groups) -> keyed
+    by parameter name, with this run's optimizer (built by the same recipe) giving the order."""
+    names = {id(p): name for name, p in unwrap(model).named_parameters()}
+    order = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
+    return {"state": {order[i]: v for i, v in optim_sd["state"].items()},
+            "param_groups": [{**g, "params": [order[i] for i in g["params"]]} for g in optim_sd["param_groups"]]}

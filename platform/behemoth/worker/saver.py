@@ -23,6 +23,7 @@ from behemoth.tasks import Task
 from behemoth.worker import checkpointing, parallel
 from behemoth.worker.collectives import gather_to_rank0
 from behemoth.worker.run import Run
+from behemoth.worker.sharded import ShardedWriter
 
 
 class CheckpointSaver:
@@ -39,6 +40,8 @@ class CheckpointSaver:
 
     def __init__(self, cfg: JobConfig, task: Task, rank: int, clock: PhaseClock | None = None):
         self.cfg, self.task, self.rank, self.clock = cfg, task, rank, clock
+        # checkpoint.format sharded: every rank writes its own shards (worker/sharded.py), nothing gathered
+        self.sharded = ShardedWriter(rank) if cfg.checkpoint.sharded(cfg.scaling.strategy) else None
         self.last_block_s = None
         # Host buffers the snapshots copy into, reused while no write of an earlier snapshot still reads them.
         self.buffers: dict = {}
@@ -60,6 +63,10 @@ class CheckpointSaver:
     def save_and_report(self, metrics: dict, state: TrainState, run: Run) -> None:
         t0 = time.perf_counter()
         hook_states = gather_to_rank0(run.hook_state.to_bytes()) if run.hook_state is not None else None
+        if self.sharded is not None:
+            self._save_sharded(metrics, state, run, hook_states)
+            self.last_block_s = time.perf_counter() - t0
+            return
         snap, reuse = None, self.buffers_free.is_set()
         if self.rank == 0 or parallel.is_sharded(run.model):
             snap = checkpointing.snapshot(**run.parts(),
@@ -82,6 +89,48 @@ class CheckpointSaver:
                                                                     written=self.buffers_free if reuse else None))
         self.copying = snap
         self.last_block_s = time.perf_counter() - t0
+
+
+    def _save_sharded(self, metrics: dict, state: TrainState, run: Run, hook_states) -> None:
+        """Every rank starts writing its shards (the step waits for their copy to host memory), straight into
+        the run folder on local storage or into a local staging folder uploaded by each rank for a URI; the
+        commit (hashes, manifest by rank 0) runs in Ray Train's upload thread, or here without async_save."""
+        self.sharded.wait()  # the previous checkpoint is committed: its collectives are over
+        storage = ray.train.get_context().get_storage()
+        name = self.sharded.agree(storage.make_default_checkpoint_dir_name())
+        local = isinstance(storage.storage_filesystem, pyarrow.fs.LocalFileSystem)
+        folder = f"{storage.experiment_fs_path}/{name}" if local else tempfile.mkdtemp(prefix="behemoth-shards-")
+        written = self.sharded.start(run.model, run.optimizer, folder)
+        small = None
+        if self.rank == 0:
+            dicts, texts = checkpointing.extras(scheduler=run.scheduler, scaler=run.scaler, state=state,
+                                                classes=self.task.classes(), job_yaml=dump_yaml(self.cfg),
+                                                hook_states=hook_states, metrics=metrics)
+            small = checkpoint.Snapshot(dicts, texts, state.step)
+        commit = functools.partial(_commit_sharded, self.sharded, written, folder, small, local)
+        mode = ray.train.CheckpointUploadMode.ASYNC if self.cfg.checkpoint.async_save else \
+            ray.train.CheckpointUploadMode.SYNC
+        ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(tempfile.mkdtemp()),
+                         checkpoint_dir_name=name, checkpoint_upload_mode=mode, checkpoint_upload_fn=commit)
+
+
+def _commit_sharded(writer: ShardedWriter, written, folder: str, small, local: bool, ckpt, dir_name: str):
+    """The upload function of a sharded checkpoint (Ray Train's upload thread with async_save): commit it
+    (ShardedWriter.commit); under a URI each rank uploads its files, rank 0 the manifest last."""
+    storage = ray.train.get_context().get_storage()
+    fs, dest = storage.storage_filesystem, f"{storage.experiment_fs_path}/{dir_name}"
+
+    def upload(names: list[str]) -> None:
+        for name in names:
+            pyarrow.fs.copy_files(os.path.join(folder, name), f"{dest}/{name}",
+                                  source_filesystem=pyarrow.fs.LocalFileSystem(), destination_filesystem=fs)
+
+    try:
+        writer.commit(written, folder, small, None if local else upload)
+    finally:  # (Ray Train removes `ckpt`, its empty checkpoint folder)
+        if not local:
+            shutil.rmtree(folder, ignore_errors=True)
+    return ray.train.Checkpoint(dest, filesystem=fs)
 
 
 def write_checkpoint(snap, ckpt, dir_name: str, written: threading.Event | None = None):

@@ -1,0 +1,149 @@
+"""Worker side: sharded checkpoints (checkpoint.format sharded; FSDP's default). Every rank writes its own
+shards of the model and optimizer state with torch.distributed.checkpoint (DCP) into the checkpoint's state/
+folder, in the background; rank 0 writes the small files (schedule, train state, job, ...) and, once every
+rank has written and hashed its own files, the manifest over all of them, last. Nothing is gathered on one
+rank. A sharded checkpoint loads at any world size (DCP reshards), under FSDP or DDP.
+
+The order, per checkpoint: the training thread takes each rank's local state dict (views of its shards) and
+starts dcp.async_save, which copies them to host memory before returning (the step's only wait); the write
+and the commit (hashes gathered on rank 0, manifest) run in Ray Train's upload thread. A dedicated gloo group
+carries the checkpoint's collectives, so they never meet the training's on the default group, and a
+checkpoint starts only once the previous one is committed: on every rank the group sees the same sequence.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import warnings
+from pathlib import Path
+
+import torch.distributed as dist
+
+from behemoth import checkpoint, faults
+from behemoth.checkpoint import STATE_DIR, Snapshot
+from behemoth.errors import CheckpointError
+from behemoth.worker.parallel import unwrap
+
+
+def _state_dicts(model, optimizer) -> dict:
+    """{"model": ..., "optimizer": ...} keyed by parameter name: each rank's shards (DTensors) under FSDP,
+    whole tensors under DDP. A fresh optimizer's state is created (zeros) so that a load has a target."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_sd, optim_sd = get_state_dict(unwrap(model), optimizer)
+    return {"model": model_sd, "optimizer": optim_sd}
+
+
+def own_files(folder: str | Path, rank: int) -> list[str]:
+    """The files of a sharded checkpoint that `rank` wrote: its DCP data file(s), and for rank 0 the index
+    (DCP's FileSystemWriter names a rank's files __RANK_N.distcp)."""
+    state = Path(folder) / STATE_DIR
+    names = sorted(p.name for p in state.glob(f"__{rank}_*.distcp"))
+    if rank == 0:
+        names.append(".metadata")
+    return [f"{STATE_DIR}/{name}" for name in names]
+
+
+class ShardedWriter:
+    """One per worker: starts each rank's DCP write, then commits the checkpoint from the upload thread."""
+
+    def __init__(self, rank: int):
+        self.rank = rank
+        self.group = dist.new_group(backend="gloo") if dist.is_initialized() else None
+        self.committed = threading.Event()  # the previous checkpoint's commit is over (or failed)
+        self.committed.set()
+
+    def agree(self, name: str) -> str:
+        """Rank 0's `name` on every rank (the checkpoint folder, known before Ray Train's report)."""
+        names = [name]
+        if self.group is not None:
+            dist.broadcast_object_list(names, src=0, group=self.group)
+        return names[0]
+
+    def start(self, model, optimizer, folder: str):
+        """Begin writing this rank's shards into `folder`/state (every rank calls it, same folder). Returns
+        once the state is copied to host memory; the future completes when every rank's files are written."""
+        import torch.distributed.checkpoint as dcp
+
+        self.committed.wait()
+        self.committed.clear()
+        try:
+            Path(folder, STATE_DIR).mkdir(parents=True, exist_ok=True)
+            with _quiet_single_process():
+                return dcp.async_save(_state_dicts(model, optimizer), checkpoint_id=f"{folder}/{STATE_DIR}",
+                                      process_group=self.group, no_dist=self.group is None)
+        except BaseException:
+            self.committed.set()
+            raise
+
+    def commit(self, written, folder: str, small: Snapshot | None, upload=None) -> None:
+        """In the upload thread, every rank: wait for the write, hash this rank's files (rank 0 first writes
+        `small`, the other files), `upload(names)` them when the folder is a local staging folder, gather
+        the hashes on rank 0, which writes the manifest last."""
+        try:
+            written.result()
+            if small is not None:
+                checkpoint.write_files(folder, small)
+            names = own_files(folder, self.rank)
+            if small is not None:
+                names += list(small.state_dicts) + list(small.texts)
+            files = checkpoint.hash_files(folder, names)
+            if upload is not None:
+                upload(names)
+            gathered = [files]
+            if self.group is not None:
+                gathered = [None] * dist.get_world_size(self.group) if self.rank == 0 else None
+                dist.gather_object(files, gathered, dst=0, group=self.group)
+            if self.rank == 0:
+                faults.kill_in_upload(small.step)
+                checkpoint.commit(folder, {k: v for f in gathered for k, v in f.items()},
+                                  checkpoint.SHARDED_FORMAT)
+                if upload is not None:
+                    upload([checkpoint.MANIFEST])
+        finally:
+            self.committed.set()
+
+    def wait(self) -> None:
+        """Return once the last checkpoint is committed (the run's end)."""
+        self.committed.wait()
+
+
+def load(folder: str | Path, model, optimizer=None) -> None:
+    """Load a sharded checkpoint's model and optimizer state into this rank's objects (every rank calls it).
+    The ranks share the hashing (rank r checks every world-th file) and all fail together, naming the file,
+    when one does not match: they go on to the same next checkpoint."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
+    d = Path(folder)
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    names = sorted(checkpoint.read_manifest((d / checkpoint.MANIFEST).read_bytes(), d)["files"])
+    try:
+        checkpoint.verify(d, only=tuple(names[rank::world]))
+        problem = None
+    except CheckpointError as e:
+        problem = str(e)
+    problems = [problem]
+    if world > 1:
+        problems = [None] * world
+        dist.all_gather_object(problems, problem)
+    if any(problems):
+        raise CheckpointError(next(p for p in problems if p))
+    target = _state_dicts(model, optimizer if optimizer is not None else [])
+    if optimizer is None:
+        target.pop("optimizer")
+    with _quiet_single_process():
+        dcp.load(target, checkpoint_id=str(d / STATE_DIR), no_dist=not dist.is_initialized())
+    set_state_dict(unwrap(model), optimizer if optimizer is not None else [], model_state_dict=target["model"],
+                   optim_state_dict=target.get("optimizer", {}))
+
+
+@contextlib.contextmanager
+def _quiet_single_process():
+    """DCP warns that it assumes a single process when no process group exists: here that is what is meant
+    (a one-process use outside Ray Train: the unit tests, a tool)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
