@@ -215,7 +215,7 @@ def layouts(rank, world, out):
         writer = ShardedWriter(rank)
         small = checkpoint.Snapshot(*checkpointing.extras(scheduler=sched, state=TrainState(step=3), classes=None,
                                                           job_yaml=""), 3) if rank == 0 else None
-        writer.commit(writer.start(model, opt, folder), folder, small)
+        writer.commit(writer.start(model, opt, folder)[0], folder, small)
 
     results, folders = {}, {k: os.path.join(out, f"layout_{k}") for k in ("sharded", "fsdp_full", "ddp_full")}
     for strategy in ("fsdp", "ddp"):

@@ -268,6 +268,7 @@ def test_a_sharded_checkpoint_round_trips_and_names_a_damaged_shard(tmp_path):
     ends equal); export's reader gets the weights whole; a flipped byte in the shard file is named by the
     pre-flight check, by the reader and by the restore."""
     from behemoth import weights
+    from behemoth.worker import sharded
     from behemoth.worker.sharded import ShardedWriter
 
     model, opt, sched = make()
@@ -278,7 +279,9 @@ def test_a_sharded_checkpoint_round_trips_and_names_a_damaged_shard(tmp_path):
     small = checkpoint.Snapshot(*checkpointing.extras(scheduler=sched, state=state, classes=None, job_yaml="x: 1\n"),
                                 step=3)
     folder = tmp_path / "checkpoint_a"
-    written = writer.start(model, opt, str(folder))
+    assert not sharded.overlappable(model)  # BatchNorm statistics are in its state dict: copied before return
+    written, staging = writer.start(model, opt, str(folder))
+    assert staging is None
     step(model, opt, sched, 7)  # the copy was taken when start returned: training on does not reach the files
     writer.commit(written, str(folder), small)
     manifest = checkpoint.verify(folder)
@@ -305,3 +308,34 @@ def test_a_sharded_checkpoint_round_trips_and_names_a_damaged_shard(tmp_path):
                     lambda: checkpointing.load(folder, model=model2, optimizer=opt2, scheduler=sched2)):
         with pytest.raises(CheckpointError, match=r"state/__0_0.distcp does not match its manifest"):
             attempt()
+
+
+def test_a_sharded_checkpoint_copied_in_the_background_holds_its_step(tmp_path):
+    """A model without buffers in its state dict (a language model's) lets the copy to host memory run in
+    DCP's staging thread while the next forward and backward run; the optimizer update waits for it
+    (`wait_sources_free`, the saver's before_update). The files hold the state of the checkpoint's step."""
+    from behemoth.worker import sharded
+    from behemoth.worker.sharded import ShardedWriter
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 8))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    x = torch.randn(32, 64)
+
+    def train_step(update=True):
+        model(x).square().mean().backward()
+        if update:
+            opt.step()
+            opt.zero_grad()
+
+    train_step()
+    expected = {k: v.clone() for k, v in model.state_dict().items()}
+    assert sharded.overlappable(model)
+    writer = ShardedWriter(rank=0)
+    written, staging = writer.start(model, opt, str(tmp_path / "c"), overlap=True)
+    train_step(update=False)  # the next step's forward and backward, while the copy may still run
+    staging.wait_sources_free()
+    opt.step()
+    writer.commit(written, str(tmp_path / "c"), checkpoint.Snapshot({}, {"train_state.json": '{"step": 1}'}, 1))
+    assert_same_tensors(checkpoint.read_sharded_weights(tmp_path / "c"), expected)
+    assert not torch.equal(model[0].weight, expected["0.weight"])  # training did go on

@@ -23,6 +23,7 @@ from behemoth.tasks import Task
 from behemoth.worker import checkpointing, parallel
 from behemoth.worker.collectives import gather_to_rank0
 from behemoth.worker.run import Run
+from behemoth.worker import sharded
 from behemoth.worker.sharded import ShardedWriter
 
 
@@ -41,7 +42,8 @@ class CheckpointSaver:
     def __init__(self, cfg: JobConfig, task: Task, rank: int, clock: PhaseClock | None = None):
         self.cfg, self.task, self.rank, self.clock = cfg, task, rank, clock
         # checkpoint.format sharded: every rank writes its own shards (worker/sharded.py), nothing gathered
-        self.sharded = ShardedWriter(rank) if cfg.checkpoint.sharded(cfg.scaling.strategy) else None
+        self.writer = ShardedWriter(rank) if cfg.checkpoint.sharded(cfg.scaling.strategy) else None
+        self.overlap = None  # sharded: whether the state copy overlaps the next step (decided at the first save)
         self.last_block_s = None
         # Host buffers the snapshots copy into, reused while no write of an earlier snapshot still reads them.
         self.buffers: dict = {}
@@ -63,7 +65,7 @@ class CheckpointSaver:
     def save_and_report(self, metrics: dict, state: TrainState, run: Run) -> None:
         t0 = time.perf_counter()
         hook_states = gather_to_rank0(run.hook_state.to_bytes()) if run.hook_state is not None else None
-        if self.sharded is not None:
+        if self.writer is not None:
             self._save_sharded(metrics, state, run, hook_states)
             self.last_block_s = time.perf_counter() - t0
             return
@@ -95,19 +97,21 @@ class CheckpointSaver:
         """Every rank starts writing its shards (the step waits for their copy to host memory), straight into
         the run folder on local storage or into a local staging folder uploaded by each rank for a URI; the
         commit (hashes, manifest by rank 0) runs in Ray Train's upload thread, or here without async_save."""
-        self.sharded.wait()  # the previous checkpoint is committed: its collectives are over
+        self.writer.wait()  # the previous checkpoint is committed: its collectives are over
         storage = ray.train.get_context().get_storage()
-        name = self.sharded.agree(storage.make_default_checkpoint_dir_name())
+        name = self.writer.agree(storage.make_default_checkpoint_dir_name())
         local = isinstance(storage.storage_filesystem, pyarrow.fs.LocalFileSystem)
         folder = f"{storage.experiment_fs_path}/{name}" if local else tempfile.mkdtemp(prefix="behemoth-shards-")
-        written = self.sharded.start(run.model, run.optimizer, folder)
+        if self.overlap is None:
+            self.overlap = self.cfg.checkpoint.async_save and sharded.overlappable(run.model)
+        written, self.copying = self.writer.start(run.model, run.optimizer, folder, overlap=self.overlap)
         small = None
         if self.rank == 0:
             dicts, texts = checkpointing.extras(scheduler=run.scheduler, scaler=run.scaler, state=state,
                                                 classes=self.task.classes(), job_yaml=dump_yaml(self.cfg),
                                                 hook_states=hook_states, metrics=metrics)
             small = checkpoint.Snapshot(dicts, texts, state.step)
-        commit = functools.partial(_commit_sharded, self.sharded, written, folder, small, local)
+        commit = functools.partial(_commit_sharded, self.writer, written, folder, small, local)
         mode = ray.train.CheckpointUploadMode.ASYNC if self.cfg.checkpoint.async_save else \
             ray.train.CheckpointUploadMode.SYNC
         ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(tempfile.mkdtemp()),

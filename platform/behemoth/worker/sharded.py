@@ -18,12 +18,16 @@ import threading
 import warnings
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 
 from behemoth import checkpoint, faults
 from behemoth.checkpoint import STATE_DIR, Snapshot
 from behemoth.errors import CheckpointError
 from behemoth.worker.parallel import unwrap
+
+
+SINGLE_PROCESS_WARNING = "torch.distributed is disabled"
 
 
 def _state_dicts(model, optimizer) -> dict:
@@ -51,8 +55,11 @@ class ShardedWriter:
     def __init__(self, rank: int):
         self.rank = rank
         self.group = dist.new_group(backend="gloo") if dist.is_initialized() else None
+        if self.group is None:  # one process on purpose; DCP's warning saying so can come from its own threads
+            warnings.filterwarnings("ignore", message=SINGLE_PROCESS_WARNING)
         self.committed = threading.Event()  # the previous checkpoint's commit is over (or failed)
         self.committed.set()
+        self.stagers: dict = {}  # overlap -> DCP's stager: its host buffers are reused checkpoint after checkpoint
 
     def agree(self, name: str) -> str:
         """Rank 0's `name` on every rank (the checkpoint folder, known before Ray Train's report)."""
@@ -61,21 +68,38 @@ class ShardedWriter:
             dist.broadcast_object_list(names, src=0, group=self.group)
         return names[0]
 
-    def start(self, model, optimizer, folder: str):
+    def start(self, model, optimizer, folder: str, overlap: bool = False):
         """Begin writing this rank's shards into `folder`/state (every rank calls it, same folder). Returns
-        once the state is copied to host memory; the future completes when every rank's files are written."""
+        (written, staging): `written` completes when every rank's files are written. The state is copied
+        to host buffers (kept from one checkpoint to the next) before this returns, or with `overlap` in
+        DCP's staging thread while training goes on: then `staging.wait_sources_free()` must return before
+        the weights change (the next optimizer update). Overlap only for a model without buffers in its
+        state dict: a forward changes those (BatchNorm statistics)."""
         import torch.distributed.checkpoint as dcp
 
         self.committed.wait()
         self.committed.clear()
         try:
             Path(folder, STATE_DIR).mkdir(parents=True, exist_ok=True)
-            with _quiet_single_process():
-                return dcp.async_save(_state_dicts(model, optimizer), checkpoint_id=f"{folder}/{STATE_DIR}",
-                                      process_group=self.group, no_dist=self.group is None)
+            saved = dcp.async_save(_state_dicts(model, optimizer), checkpoint_id=f"{folder}/{STATE_DIR}",
+                                   process_group=self.group, no_dist=self.group is None,
+                                   async_stager=self._stager(overlap))
         except BaseException:
             self.committed.set()
             raise
+        if overlap:
+            return saved.upload_completion, Staging(saved.staging_completion)
+        return saved, None
+
+    def _stager(self, overlap: bool):
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+        if overlap not in self.stagers:
+            pinned = torch.cuda.is_available()  # device -> host copies from pinned buffers
+            self.stagers[overlap] = DefaultStager(StagingOptions(use_pinned_memory=pinned, use_shared_memory=False,
+                                                                 use_async_staging=overlap,
+                                                                 use_non_blocking_copy=overlap and pinned))
+        return self.stagers[overlap]
 
     def commit(self, written, folder: str, small: Snapshot | None, upload=None) -> None:
         """In the upload thread, every rank: wait for the write, hash this rank's files (rank 0 first writes
@@ -105,8 +129,24 @@ class ShardedWriter:
             self.committed.set()
 
     def wait(self) -> None:
-        """Return once the last checkpoint is committed (the run's end)."""
+        """Return once the last checkpoint is committed (its collectives are over on this rank)."""
         self.committed.wait()
+
+
+class Staging:
+    """A checkpoint's copy of the state to host memory, running in DCP's staging thread."""
+
+    def __init__(self, future):
+        self.future = future
+
+    def wait_sources_free(self) -> None:
+        self.future.result()
+
+
+def overlappable(model) -> bool:
+    """Whether the state copy may overlap the next forward: no buffer of the model is in its state dict."""
+    m = unwrap(model)
+    return not any(name in m.state_dict() for name, _ in m.named_buffers())
 
 
 def load(folder: str | Path, model, optimizer=None) -> None:
@@ -145,5 +185,5 @@ def _quiet_single_process():
     """DCP warns that it assumes a single process when no process group exists: here that is what is meant
     (a one-process use outside Ray Train: the unit tests, a tool)."""
     with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        warnings.filterwarnings("ignore", message=SINGLE_PROCESS_WARNING)
         yield
