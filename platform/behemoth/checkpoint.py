@@ -247,7 +247,7 @@ def complete_checkpoints(folder: str | Path, fs=None) -> list[tuple[int, str]]:
 
 def is_disk_full(e: BaseException | None) -> bool:
     """A full disk or quota: an OSError saying so (errno, or pyarrow's message), here or in what caused it
-    (torch.save raises a RuntimeError over the file's OSError)."""
+    (torch.save raises a RuntimeError over the file's OSError; DCP collects each rank's in `failures`)."""
     import errno
 
     seen = set()
@@ -255,6 +255,10 @@ def is_disk_full(e: BaseException | None) -> bool:
         seen.add(id(e))
         if isinstance(e, OSError) and (e.errno in (errno.ENOSPC, errno.EDQUOT) or "No space left on device" in
                                        str(e) or "Disk quota exceeded" in str(e)):
+            return True
+        # torch.distributed.checkpoint's CheckpointException: {rank: (exception, traceback)} of every rank
+        failures = (getattr(e, "failures", None) or {}).values()
+        if any(is_disk_full(f[0] if isinstance(f, tuple) else f) for f in failures):
             return True
         e = e.__cause__ or e.__context__
     return False

@@ -232,6 +232,37 @@ def test_a_full_disk_fails_the_checkpoint_cleanly_on_a_real_filesystem(small_dis
     checkpoint.verify(earlier)
 
 
+def test_a_full_disk_fails_a_sharded_checkpoint_cleanly_on_a_real_filesystem(small_disk):
+    """The same for a sharded checkpoint (what the upload function runs on every rank): DCP's write fails
+    ("unexpected pos ..." from torch.save, over the file's ENOSPC, inside DCP's CheckpointException), which is
+    recognised as a full disk; the folder is removed; one message names it and this rank's size; the earlier
+    checkpoint is untouched. (Without recognising it the run failed with the bare "unexpected pos 704 vs 598".)"""
+    import pyarrow.fs
+
+    from behemoth.errors import StorageFullError
+    from behemoth.worker import saver
+    from behemoth.worker.sharded import ShardedWriter
+
+    run = small_disk / "run"
+    earlier = checkpoint.write(run / "checkpoint_1", checkpoint.Snapshot(
+        state_dicts={"model.pt": {"w": torch.zeros(1000)}}, texts={"train_state.json": '{"step": 1}'}, step=1))
+    model = torch.nn.Linear(1000, 500)  # 2.0 MB of weights, 2.0 MB of momentum after a step
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.randn(2, 1000)).sum().backward()
+    opt.step()
+    writer = ShardedWriter(rank=0)
+    written, _ = writer.start(model, opt, str(run / "checkpoint_2"))
+    assert writer.last_bytes == 2 * 500_500 * 4  # weights and momentum
+    small = checkpoint.Snapshot({}, {"train_state.json": '{"step": 2}'}, 2)
+    with pytest.raises(StorageFullError, match=rf"the checkpoint of step 2 did not fit: no space left on the "
+                                               rf"device of {run}; it needs about 4.0 MB for this rank's shards"):
+        saver.commit_sharded(writer, written, str(run / "checkpoint_2"), small, 2, writer.last_bytes,
+                             pyarrow.fs.LocalFileSystem(), str(run), "checkpoint_2", local=True)
+    assert not (run / "checkpoint_2").exists()
+    assert checkpoint.complete_checkpoints(run) == [(1, str(earlier))]
+    checkpoint.verify(earlier)
+
+
 def test_retention_reaches_checkpoints_ray_train_never_registered(tmp_path):
     """A run resumed from a checkpoint Ray Train never registered (its driver died between the upload and the
     registration): at the end, checkpoint.keep applies to it too. Complete checkpoints older than every one Ray

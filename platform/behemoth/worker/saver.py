@@ -111,18 +111,31 @@ class CheckpointSaver:
                                                 classes=self.task.classes(), job_yaml=dump_yaml(self.cfg),
                                                 hook_states=hook_states, metrics=metrics)
             small = checkpoint.Snapshot(dicts, texts, state.step)
-        commit = functools.partial(_commit_sharded, self.writer, written, folder, small, local)
+        commit = functools.partial(_commit_sharded, self.writer, written, folder, small, local, state.step,
+                                   self.writer.last_bytes)
         mode = ray.train.CheckpointUploadMode.ASYNC if self.cfg.checkpoint.async_save else \
             ray.train.CheckpointUploadMode.SYNC
         ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(tempfile.mkdtemp()),
                          checkpoint_dir_name=name, checkpoint_upload_mode=mode, checkpoint_upload_fn=commit)
 
 
-def _commit_sharded(writer: ShardedWriter, written, folder: str, small, local: bool, ckpt, dir_name: str):
-    """The upload function of a sharded checkpoint (Ray Train's upload thread with async_save): commit it
-    (ShardedWriter.commit); under a URI each rank uploads its files, rank 0 the manifest last."""
+def _commit_sharded(writer: ShardedWriter, written, folder: str, small, local: bool, step: int, needed: int,
+                    ckpt, dir_name: str):
+    """The upload function of a sharded checkpoint (Ray Train's upload thread with async_save): `commit_sharded`
+    into this run's storage. (Ray Train removes `ckpt`, its empty checkpoint folder.)"""
     storage = ray.train.get_context().get_storage()
-    fs, dest = storage.storage_filesystem, f"{storage.experiment_fs_path}/{dir_name}"
+    commit_sharded(writer, written, folder, small, step, needed, storage.storage_filesystem,
+                   storage.experiment_fs_path, dir_name, local)
+    return ray.train.Checkpoint(f"{storage.experiment_fs_path}/{dir_name}", filesystem=storage.storage_filesystem)
+
+
+def commit_sharded(writer: ShardedWriter, written, folder: str, small, step: int, needed: int, fs, run_path: str,
+                   dir_name: str, local: bool) -> None:
+    """Commit a sharded checkpoint (ShardedWriter.commit): `folder` is the checkpoint in the run folder, or
+    under a URI a local staging folder whose files each rank uploads (rank 0 the manifest last). A full disk on
+    any rank fails every rank's commit (DCP shares its write errors): each removes what it wrote and raises one
+    StorageFullError (not retried) naming the folder; the checkpoints before it are untouched."""
+    dest = f"{run_path}/{dir_name}"
 
     def upload(names: list[str]) -> None:
         for name in names:
@@ -131,10 +144,14 @@ def _commit_sharded(writer: ShardedWriter, written, folder: str, small, local: b
 
     try:
         writer.commit(written, folder, small, None if local else upload)
-    finally:  # (Ray Train removes `ckpt`, its empty checkpoint folder)
+    except Exception as e:
+        if not checkpoint.is_disk_full(e):
+            raise
+        shutil.rmtree(folder, ignore_errors=True)
+        raise StorageFullError(_disk_full_message(step, needed, folder, run_path, " for this rank's shards")) from None
+    finally:
         if not local:
             shutil.rmtree(folder, ignore_errors=True)
-    return ray.train.Checkpoint(dest, filesystem=fs)
 
 
 def write_checkpoint(snap, ckpt, dir_name: str, written: threading.Event | None = None):
@@ -173,17 +190,18 @@ def store(snap, ckpt, dir_name: str, fs, run_path: str, written: threading.Event
         shutil.rmtree(ckpt.path, ignore_errors=True)  # staged files (an object store's), or the empty folder
         if local:
             shutil.rmtree(dest, ignore_errors=True)
-        raise StorageFullError(_disk_full_message(snap, dest if local else ckpt.path, run_path)) from None
+        raise StorageFullError(_disk_full_message(snap.step, checkpoint.snapshot_bytes(snap),
+                                                  dest if local else ckpt.path, run_path)) from None
 
 
-def _disk_full_message(snap, where: str, run_path: str) -> str:
+def _disk_full_message(step: int, needed: int, where: str, run_path: str, needed_for: str = "") -> str:
     folder = os.path.dirname(where)
     while folder and not os.path.isdir(folder):
         folder = os.path.dirname(folder)
     free = shutil.disk_usage(folder).free if folder else None
     staged = "" if where.startswith(run_path) else " (the local staging folder of an upload: TMPDIR)"
-    return (f"the checkpoint of step {snap.step} did not fit: no space left on the device of {folder}{staged}; "
-            f"it needs about {_mb(checkpoint.snapshot_bytes(snap))}, "
+    return (f"the checkpoint of step {step} did not fit: no space left on the device of {folder}{staged}; "
+            f"it needs about {_mb(needed)}{needed_for}, "
             f"{_mb(free) if free is not None else 'an unknown amount'} is free. What it had written is removed; "
             f"the run's earlier checkpoints in {run_path} are untouched. Free space there (or point "
             f"checkpoint.storage_path at a larger disk), then rerun the same command: it resumes from the "

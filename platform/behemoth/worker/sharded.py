@@ -39,6 +39,18 @@ def _state_dicts(model, optimizer) -> dict:
     return {"model": model_sd, "optimizer": optim_sd}
 
 
+def _local_bytes(tree) -> int:
+    """The bytes of the tensors this rank holds in a state dict (a DTensor's local shard)."""
+    if isinstance(tree, torch.Tensor):
+        local = tree.to_local() if hasattr(tree, "to_local") else tree
+        return local.numel() * local.element_size()
+    if isinstance(tree, dict):
+        return sum(_local_bytes(v) for v in tree.values())
+    if isinstance(tree, (list, tuple)):
+        return sum(_local_bytes(v) for v in tree)
+    return 0
+
+
 def own_files(folder: str | Path, rank: int) -> list[str]:
     """The files of a sharded checkpoint that `rank` wrote: its DCP data file(s), and for rank 0 the index
     (DCP's FileSystemWriter names a rank's files __RANK_N.distcp)."""
@@ -60,6 +72,7 @@ class ShardedWriter:
         self.committed = threading.Event()  # the previous checkpoint's commit is over (or failed)
         self.committed.set()
         self.stagers: dict = {}  # overlap -> DCP's stager: its host buffers are reused checkpoint after checkpoint
+        self.last_bytes = 0  # the bytes of this rank's state in the last checkpoint (a full disk's message)
 
     def agree(self, name: str) -> str:
         """Rank 0's `name` on every rank (the checkpoint folder, known before Ray Train's report)."""
@@ -81,7 +94,9 @@ class ShardedWriter:
         self.committed.clear()
         try:
             Path(folder, STATE_DIR).mkdir(parents=True, exist_ok=True)
-            saved = dcp.async_save(_state_dicts(model, optimizer), checkpoint_id=f"{folder}/{STATE_DIR}",
+            state = _state_dicts(model, optimizer)
+            self.last_bytes = _local_bytes(state)
+            saved = dcp.async_save(state, checkpoint_id=f"{folder}/{STATE_DIR}",
                                    process_group=self.group, no_dist=self.group is None,
                                    async_stager=self._stager(overlap))
         except BaseException:
@@ -106,7 +121,8 @@ class ShardedWriter:
         `small`, the other files), `upload(names)` them when the folder is a local staging folder, gather
         the hashes on rank 0, which writes the manifest last."""
         try:
-            written.result()
+            with _as_checkpoint_error(f"writing the shards of {folder}"):
+                written.result()
             if small is not None:
                 checkpoint.write_files(folder, small)
             names = own_files(folder, self.rank)
@@ -174,7 +190,7 @@ def load(folder: str | Path, model, optimizer=None) -> None:
     target = _state_dicts(model, optimizer if optimizer is not None else [])
     if optimizer is None:
         target.pop("optimizer")
-    with _quiet_single_process():
+    with _quiet_single_process(), _as_checkpoint_error(f"checkpoint {d}: loading its shards"):
         dcp.load(target, checkpoint_id=str(d / STATE_DIR), no_dist=not dist.is_initialized())
     set_state_dict(unwrap(model), optimizer if optimizer is not None else [], model_state_dict=target["model"],
                    optim_state_dict=target.get("optimizer", {}))
@@ -187,3 +203,18 @@ def _quiet_single_process():
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=SINGLE_PROCESS_WARNING)
         yield
+
+
+@contextlib.contextmanager
+def _as_checkpoint_error(what: str):
+    """DCP's CheckpointException derives from BaseException: Ray Train's upload thread catches Exception only,
+    so a failed write there would vanish and leave the run waiting for the report forever. As CheckpointError
+    (its cause kept: a full disk is still recognised) it fails the worker like any checkpoint error."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        yield
+    except CheckpointException as e:
+        first = next(iter(e.failures.values()), None)
+        reason = first[0] if isinstance(first, tuple) else first
+        raise CheckpointError(f"{what} failed on rank(s) {sorted(e.failures)}: {reason!r}") from e
