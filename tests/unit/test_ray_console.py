@@ -188,3 +188,27 @@ def test_rays_wrapping_of_a_run_ending_error_goes_with_it_another_error_during_h
     assert filter_lines(during) == during
     not_ray = [*BAD_SAMPLE[2:], *RAY_DATA_WRAPPER[:4], "ValueError: a user's own wrapper", ""]
     assert filter_lines(not_ray) == not_ray
+
+
+def test_a_traceback_cut_between_two_forwarded_batches_is_filtered_as_one():
+    """Ray forwards a process's output in batches: a run-ending error's traceback cut anywhere in two still goes
+    (the first part alone matched nothing and printed: the full-disk test saw "Traceback" now and then), and
+    a real traceback cut anywhere comes out whole, in order, once its second part (or a flush) arrives."""
+    from behemoth.driver.ray_console import _filtered
+
+    def through(batches):
+        out = []
+        handler = _filtered(lambda data: out.extend(data["lines"]))
+        for batch in batches:
+            handler({"pid": 7, "is_err": True, "lines": batch})
+        handler.flush()
+        return out
+
+    ending = ["[behemoth] step 60/62", *UPLOAD_FAILED, "", "[behemoth] after"]
+    real = ["[behemoth] step 1", *UPLOAD_FAILED[1:6], "RuntimeError: something else", "[behemoth] step 2"]
+    for k in range(1, len(ending)):  # (cut just before Ray's blank line after it, that line stays: harmless)
+        printed = [line for line in through([ending[:k], ending[k:]]) if line.strip()]
+        assert printed == ["[behemoth] step 60/62", "[behemoth] after"], k
+    for k in range(1, len(real)):
+        assert through([real[:k], real[k:]]) == real, k
+    assert through([real[:3]]) == real[:3]  # never completed: let out as it is

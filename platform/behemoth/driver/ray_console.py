@@ -9,8 +9,11 @@ warnings and tracebacks that match none of the patterns pass unchanged.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import re
+import threading
+import time
 
 from behemoth.errors import NOT_RETRIED
 
@@ -135,12 +138,70 @@ def install() -> None:
                 dispatcher.handlers[i] = (name, _filtered(handler))
 
 
+# Ray forwards a process's output in batches as it comes, so a traceback can arrive cut in two: its first part
+# alone would match no pattern and print. A batch that ends inside a traceback keeps that traceback back (per
+# process and stream) until the same process's next batch completes it; held lines are let out as they are
+# once HOLD_S passes without it (at the next batch of any process), and at the driver's exit.
+HOLD_S = 2.0
+
+
+def _unfinished_tail(lines: list[str]) -> int | None:
+    """Where a traceback cut off by the end of `lines` begins (its chain and Ray's announcement of it included),
+    or None when the last line that is not blank is not inside one (a frame, a block start, a chaining line,
+    an announcement)."""
+    body = [line for line in lines if line.strip()]
+    if not body or not (body[-1][:1].isspace() or _BLOCK_START.match(body[-1])
+                        or body[-1].startswith(_CHAINING + _PREAMBLES)):
+        return None
+    starts = [i for i, line in enumerate(lines) if _BLOCK_START.match(line) or line.startswith(_PREAMBLES)]
+    if not starts:
+        return None
+    start = starts[-1]
+    while True:
+        prev = start - 1
+        while prev >= 0 and not lines[prev].strip():
+            prev -= 1
+        if prev >= 0 and (_BLOCK_START.match(lines[prev]) or lines[prev].startswith(_PREAMBLES)):
+            start = prev  # "Error in training function:" over its "Traceback ...", an announcement over it
+        elif prev >= 0 and lines[prev].startswith(_CHAINING) and any(i < prev for i in starts):
+            start = max(i for i in starts if i < prev)  # the first traceback of a chain
+        else:
+            return start
+
+
 def _filtered(print_logs):
-    def print_filtered(data: dict) -> None:
-        lines = filter_lines(data.get("lines") or [])
+    held: dict = {}  # (pid, is_err) -> (data, lines, since)
+    lock = threading.Lock()
+
+    def emit(data: dict, lines: list[str]) -> None:
+        lines = filter_lines(lines)
         if lines:
             print_logs({**data, "lines": lines})
 
+    def print_filtered(data: dict) -> None:
+        key = (data.get("pid"), data.get("is_err"))
+        with lock:
+            now = time.monotonic()
+            lines = list(data.get("lines") or [])
+            if key in held:
+                lines = held.pop(key)[1] + lines
+            for stale in [k for k, (_, _, since) in held.items() if now - since > HOLD_S]:
+                old, old_lines, _ = held.pop(stale)
+                emit(old, old_lines)
+            cut = _unfinished_tail(lines)
+            if cut is not None:
+                held[key] = (data, lines[cut:], now)
+                lines = lines[:cut]
+            emit(data, lines)
+
+    def flush() -> None:
+        with lock:
+            while held:
+                data, lines, _ = held.pop(next(iter(held)))
+                emit(data, lines)
+
+    atexit.register(flush)
+    print_filtered.flush = flush
     print_filtered.behemoth_filter = True
     return print_filtered
 
