@@ -39,7 +39,10 @@ from behemoth.errors import CheckpointError
 FORMAT_VERSION = 1  # model.pt, optimizer.pt: the full state, written by one process
 SHARDED_FORMAT = 2  # state/: DCP shards, written by every rank
 MANIFEST = "manifest.json"
+MODEL_FILE = "model.pt"  # a full checkpoint's weights; the rest of it (optimizer, schedule, ...) is the run's
 STATE_DIR = "state"
+# What DCP warns when it runs without a process group: in a one-process use that is what is meant.
+SINGLE_PROCESS_WARNING = "torch.distributed is disabled"
 
 
 @dataclass
@@ -120,7 +123,7 @@ def weight_files(manifest: dict) -> tuple[str, ...]:
     """The files holding a checkpoint's model weights: model.pt, or a sharded one's state/ folder."""
     if manifest.get("format_version") == SHARDED_FORMAT:
         return tuple(name for name in manifest["files"] if name.startswith(STATE_DIR + "/"))
-    return ("model.pt",)
+    return (MODEL_FILE,)
 
 
 def is_sharded_format(directory: str | Path) -> bool:
@@ -146,7 +149,7 @@ def read_sharded_weights(directory: str | Path) -> dict:
               for key, meta in reader.read_metadata().state_dict_metadata.items()
               if key.startswith("model.") and isinstance(meta, TensorStorageMetadata)}
     with warnings.catch_warnings():  # its "no process group: loading in a single process" is what is meant
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        warnings.filterwarnings("ignore", message=SINGLE_PROCESS_WARNING)
         dcp.load(target, storage_reader=reader, no_dist=True)
     return {key[len("model."):]: value for key, value in target.items()}
 
@@ -266,16 +269,19 @@ def is_disk_full(e: BaseException | None) -> bool:
 
 def snapshot_bytes(snap: Snapshot) -> int:
     """About the bytes a snapshot takes on disk: its tensors' and texts' sizes (torch.save adds little)."""
-    def size(x) -> int:
-        if isinstance(x, torch.Tensor):
-            return x.numel() * x.element_size()
-        if isinstance(x, dict):
-            return sum(size(v) for v in x.values())
-        if isinstance(x, (list, tuple)):
-            return sum(size(v) for v in x)
-        return 0
+    return tensor_bytes(snap.state_dicts) + sum(len(t.encode()) for t in snap.texts.values())
 
-    return size(snap.state_dicts) + sum(len(t.encode()) for t in snap.texts.values())
+
+def tensor_bytes(tree) -> int:
+    """The bytes of the tensors in a state dict (nested dicts and lists); of a DTensor, this rank's shard."""
+    if isinstance(tree, torch.Tensor):
+        local = tree.to_local() if hasattr(tree, "to_local") else tree
+        return local.numel() * local.element_size()
+    if isinstance(tree, dict):
+        return sum(tensor_bytes(v) for v in tree.values())
+    if isinstance(tree, (list, tuple)):
+        return sum(tensor_bytes(v) for v in tree)
+    return 0
 
 
 def _sha256(path: Path) -> str:

@@ -16,8 +16,8 @@ from typing import Callable, Iterator, Optional
 import torch
 
 from behemoth import paths
-from behemoth.checkpoint import (MANIFEST, SHARDED_FORMAT, complete_checkpoints, filesystem, read_file, read_manifest,
-                                 read_sharded_weights, verify, weight_files)
+from behemoth.checkpoint import (MANIFEST, MODEL_FILE, SHARDED_FORMAT, complete_checkpoints, filesystem, read_file,
+                                 read_manifest, read_sharded_weights, verify, weight_files)
 from behemoth.errors import CheckpointError
 
 HF_WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
@@ -39,9 +39,6 @@ def _is_file(path: str) -> bool:
     return fs.get_file_info(where).type == pyarrow.fs.FileType.File
 
 
-MODEL_FILE = "model.pt"  # a full checkpoint's weights; the rest of it (optimizer, schedule, ...) is the run's
-
-
 @contextlib.contextmanager
 def fetched(path: str) -> Iterator[Path]:
     """A weights folder as a local path while the block runs. A URI's (s3://...) is downloaded into a temporary
@@ -55,8 +52,9 @@ def fetched(path: str) -> Iterator[Path]:
     fs, where = filesystem(path)
     with tempfile.TemporaryDirectory(prefix="behemoth-weights-") as target:
         if is_checkpoint(path):
-            manifest = read_manifest(read_file(f"{path}/{MANIFEST}"), path)
-            for name in (MANIFEST, *weight_files(manifest)):
+            text = read_file(f"{path}/{MANIFEST}")
+            Path(target, MANIFEST).write_bytes(text)
+            for name in weight_files(read_manifest(text, path)):
                 Path(target, name).parent.mkdir(exist_ok=True)  # a sharded checkpoint's state/
                 pyarrow.fs.copy_files(f"{where}/{name}", f"{target}/{name}", source_filesystem=fs)
         else:

@@ -294,8 +294,8 @@ def test_retention_reaches_checkpoints_ray_train_never_registered(tmp_path):
 
 def test_a_sharded_checkpoint_round_trips_and_names_a_damaged_shard(tmp_path):
     """checkpoint.format sharded in one process (no process group; the 2-rank and 2 -> 1 cases are the
-    integration tests'): the DCP files and the small files under one manifest (format 2) written last; a
-    restore gives back weights, BatchNorm statistics, optimizer state and schedule exactly (continuing both
+    integration tests'): the DCP files and the small files under one manifest (format 2; that it comes last is
+    the integration test's kill); a restore gives back weights, BatchNorm statistics, optimizer state and schedule exactly (continuing both
     ends equal); export's reader gets the weights whole; a flipped byte in the shard file is named by the
     pre-flight check, by the reader and by the restore."""
     from behemoth import weights

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from behemoth.checkpoint import Snapshot, TrainState, is_sharded_format, verify, write
+from behemoth.checkpoint import MODEL_FILE, Snapshot, TrainState, is_sharded_format, verify, write
 from behemoth.errors import CheckpointError
 from behemoth.worker import sharded
 from behemoth.worker.parallel import is_sharded, unwrap
@@ -95,7 +95,7 @@ def snapshot(*, model, optimizer, scheduler, state: TrainState, classes: list[st
             copies.wait_done()
     dicts, texts = extras(scheduler=scheduler, state=state, classes=classes, job_yaml=job_yaml, scaler=scaler,
                           hook_states=hook_states, metrics=metrics)
-    dicts = {"model.pt": model_sd, "optimizer.pt": optim_sd, **dicts}
+    dicts = {MODEL_FILE: model_sd, "optimizer.pt": optim_sd, **dicts}
     return Snapshot(dicts, texts, state.step, copies)
 
 
@@ -152,12 +152,13 @@ def load(directory: str | Path, *, model, optimizer=None, scheduler=None, scaler
         sharded.load(d, model, optimizer)
     else:
         verify(d)
-        model_sd = torch.load(d / "model.pt", map_location="cpu", weights_only=True)
+        model_sd = torch.load(d / MODEL_FILE, map_location="cpu", weights_only=True)
         optim_sd = torch.load(d / "optimizer.pt", map_location="cpu", weights_only=True) if optimizer else None
-        if is_sharded(model) or (optim_sd and _keyed_by_name(optim_sd)):
+        by_name = bool(optim_sd) and _keyed_by_name(optim_sd)
+        if is_sharded(model) or by_name:
             from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
-            if optim_sd and not _keyed_by_name(optim_sd):
+            if optim_sd and not by_name:
                 optim_sd = _by_name(optim_sd, optimizer, model)
             set_state_dict(unwrap(model), optimizer if optimizer else [], model_state_dict=model_sd,
                            optim_state_dict=optim_sd or {}, options=StateDictOptions(full_state_dict=True))

@@ -20,10 +20,9 @@ from behemoth.config import JobConfig, dump_yaml
 from behemoth.errors import StorageFullError
 from behemoth.metrics import PhaseClock
 from behemoth.tasks import Task
-from behemoth.worker import checkpointing, parallel
+from behemoth.worker import checkpointing, parallel, sharded
 from behemoth.worker.collectives import gather_to_rank0
 from behemoth.worker.run import Run
-from behemoth.worker import sharded
 from behemoth.worker.sharded import ShardedWriter
 
 
@@ -91,7 +90,6 @@ class CheckpointSaver:
                                                                     written=self.buffers_free if reuse else None))
         self.copying = snap
         self.last_block_s = time.perf_counter() - t0
-
 
     def _save_sharded(self, metrics: dict, state: TrainState, run: Run, hook_states) -> None:
         """Every rank starts writing its shards (the step waits for their copy to host memory), straight into

@@ -5,8 +5,9 @@ rank has written and hashed its own files, the manifest over all of them, last. 
 rank. A sharded checkpoint loads at any world size (DCP reshards), under FSDP or DDP.
 
 The order, per checkpoint: the training thread takes each rank's local state dict (views of its shards) and
-starts dcp.async_save, which copies them to host memory before returning (the step's only wait); the write
-and the commit (hashes gathered on rank 0, manifest) run in Ray Train's upload thread. A dedicated gloo group
+starts dcp.async_save, which copies them into host buffers (before returning, or in DCP's staging thread while
+the next forward and backward run: see ShardedWriter.start); the write and the commit (hashes gathered on
+rank 0, manifest) run in Ray Train's upload thread. A dedicated gloo group
 carries the checkpoint's collectives, so they never meet the training's on the default group, and a
 checkpoint starts only once the previous one is committed: on every rank the group sees the same sequence.
 """
@@ -22,12 +23,9 @@ import torch
 import torch.distributed as dist
 
 from behemoth import checkpoint, faults
-from behemoth.checkpoint import STATE_DIR, Snapshot
+from behemoth.checkpoint import SINGLE_PROCESS_WARNING, STATE_DIR, Snapshot
 from behemoth.errors import CheckpointError
 from behemoth.worker.parallel import unwrap
-
-
-SINGLE_PROCESS_WARNING = "torch.distributed is disabled"
 
 
 def _state_dicts(model, optimizer) -> dict:
@@ -37,18 +35,6 @@ def _state_dicts(model, optimizer) -> dict:
 
     model_sd, optim_sd = get_state_dict(unwrap(model), optimizer)
     return {"model": model_sd, "optimizer": optim_sd}
-
-
-def _local_bytes(tree) -> int:
-    """The bytes of the tensors this rank holds in a state dict (a DTensor's local shard)."""
-    if isinstance(tree, torch.Tensor):
-        local = tree.to_local() if hasattr(tree, "to_local") else tree
-        return local.numel() * local.element_size()
-    if isinstance(tree, dict):
-        return sum(_local_bytes(v) for v in tree.values())
-    if isinstance(tree, (list, tuple)):
-        return sum(_local_bytes(v) for v in tree)
-    return 0
 
 
 def own_files(folder: str | Path, rank: int) -> list[str]:
@@ -95,7 +81,7 @@ class ShardedWriter:
         try:
             Path(folder, STATE_DIR).mkdir(parents=True, exist_ok=True)
             state = _state_dicts(model, optimizer)
-            self.last_bytes = _local_bytes(state)
+            self.last_bytes = checkpoint.tensor_bytes(state)
             saved = dcp.async_save(state, checkpoint_id=f"{folder}/{STATE_DIR}",
                                    process_group=self.group, no_dist=self.group is None,
                                    async_stager=self._stager(overlap))
