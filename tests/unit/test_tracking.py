@@ -2,6 +2,7 @@
 integration test tests/integration/test_tracking.py runs them under a real run with a killed worker)."""
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -154,8 +155,13 @@ def test_scalar_tags_name_the_curves_and_skip_bookkeeping():
 
 
 @pytest.mark.parametrize("uri", [False, True])
-def test_tensorboard_shows_each_step_once_after_a_restart(tmp_path, uri):
+def test_tensorboard_shows_each_step_once_after_a_restart(tmp_path, uri, monkeypatch):
+    import tempfile
+
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    (tmp_path / "tmp").mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
 
     run_dir = f"file://{tmp_path}/run" if uri else str(tmp_path / "run")
     first = steady("a", "g1", 1, 25, loop=T0, start_time=T0)
@@ -164,16 +170,21 @@ def test_tensorboard_shows_each_step_once_after_a_restart(tmp_path, uri):
     tb = TensorBoardLog(run_dir)
     for r in first:
         tb.log(r)
-    tb.close()
+    tb.finish()  # the first invocation ends (its controller finishes or aborts)
     tb = TensorBoardLog(run_dir)  # the recorder of a rerun
     for r in second:
         tb.log(r, checkpoint=r["step"] == 30)
-    tb.close()
+    assert os.path.isdir(tb.local)
+    tb.finish()  # the run ends
+    # under a URI the local copy (a temp folder) goes once the run folder has the files; a local run writes there
+    assert os.path.isdir(tb.local) != uri
     events = EventAccumulator(str(tmp_path / "run" / "tensorboard"))
     events.Reload()
     loss = [(e.step, e.value) for e in events.Scalars("train/loss")]
     assert [s for s, _ in loss] == list(range(1, 31))  # no duplicates, no gaps
     assert dict(loss)[21] == pytest.approx(121.0) and dict(loss)[20] == pytest.approx(1 / 20)
+    TensorBoardLog(run_dir).log_final(30, {"goodput/fraction": 0.5})  # the driver's scalars of the whole run
+    assert os.listdir(tmp_path / "tmp") == []  # nothing left in the temp folder
 
 
 def test_mlflow_run_is_continued_and_nested(tmp_path):

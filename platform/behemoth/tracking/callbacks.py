@@ -86,7 +86,8 @@ class RunRecorder(ControllerCallback, ReportCallback):
 
     def close(self) -> None:
         if self._tb is not None:
-            self._guarded("TensorBoard", self._tb.close)
+            self._guarded("TensorBoard", self._tb.finish)
+            self._tb = None  # a later report (none is expected) opens a new one
         if self._mlflow is not None:
             self._mlflow.close()
 

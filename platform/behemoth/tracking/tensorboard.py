@@ -3,12 +3,13 @@
 A worker group that starts from a checkpoint opens a new event file with `purge_step` = the first step it
 trains: TensorBoard hides what the failed group logged for the steps trained again, so each step shows once.
 Under a URI (s3://...) the files are written to a local folder and copied to the run folder through
-pyarrow's filesystem at every checkpoint and when the run ends.
+pyarrow's filesystem at every checkpoint and when the run ends; `finish` removes that local folder.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 import time
 
@@ -65,13 +66,23 @@ class TensorBoardLog:
         with SummaryWriter(self.local) as writer:
             for tag, value in values.items():
                 writer.add_scalar(tag, value, step)
-        self.mirror()
+        self.finish()
 
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()
             self.writer = None
             self.mirror()
+
+    def finish(self) -> None:
+        """Close, copy the event files to the run folder (under a URI) and remove the local copies. Before,
+        every run on a URI left a folder of event files in the temp directory (185 of them piled up here)."""
+        try:
+            self.close()
+            self.mirror()
+        finally:
+            if self.local != self.target:
+                shutil.rmtree(self.local, ignore_errors=True)
 
     def mirror(self) -> None:
         self.mirrored = time.time()
