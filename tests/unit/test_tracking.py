@@ -3,6 +3,7 @@ integration test tests/integration/test_tracking.py runs them under a real run w
 
 import json
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -171,6 +172,11 @@ def test_tensorboard_shows_each_step_once_after_a_restart(tmp_path, uri, monkeyp
     for r in first:
         tb.log(r)
     tb.finish()  # the first invocation ends (its controller finishes or aborts)
+    # TensorBoard reads a folder's event files in name order, and a name holds the second it was made in, then
+    # the process and a per-process counter (not zero-padded): two writers of one process made in the same
+    # second sort by counter as text, "10" before "9", and the restart's purge then hid its own steps (seen
+    # when earlier tests of the session had made 9 writers). A real restart starts seconds later.
+    time.sleep(1.01 - time.time() % 1)
     tb = TensorBoardLog(run_dir)  # the recorder of a rerun
     for r in second:
         tb.log(r, checkpoint=r["step"] == 30)
