@@ -207,3 +207,34 @@ def test_a_task_of_ones_own_runs_end_to_end_from_its_file_alone(tmp_path, capfd)
     assert m["step"] == 48 and m["val_mse"] < 0.01  # from ~8 (|w|^2) at the start
     assert summary.best_metric == "val_mse" and summary.best_value == pytest.approx(m["val_mse"])
     assert summary.lines()[1].startswith("final val_mse:")
+
+
+def test_the_data_processes_started_while_ray_train_starts_are_the_ones_the_workers_tasks_run_in(
+        image_root, tmp_path, monkeypatch):
+    """On a local instance the driver starts one process per worker for the decode tasks before `fit`
+    (driver/warmup.py). Ray hands a worker's task an idle process only if their runtime environments serialise
+    the same: behemoth's prediction of the workers' environment must be the real one, and the tasks a training
+    worker submits (a plain task, a Ray Data map) must run in those processes, their imports done. Watched fail
+    with the controller's variable left out of the prediction. (The other way to miss, the same variables in
+    another serialised form where the job's environment is empty, cannot happen under the tests' Ray, whose job
+    sets PYTHONPATH: measured on the demo instead, BENCHMARKS.md.)"""
+    import json
+
+    from behemoth.driver.trainer import (build_trainer, prepare_data, training_worker_runtime_env,
+                                         warm_up_data_processes)
+    from integration.warm_probe import where_tasks_run
+
+    # a variable Ray Train propagates, with a value of this test only: no idle process of an earlier test fits
+    monkeypatch.setenv("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", "61.5")
+    cfg = config_from_dict(job_dict(image_root, tmp_path, run_name="warm"))
+    trainer = build_trainer(cfg, prepare_data(cfg))
+    warm = {pid for pid in ray.get(warm_up_data_processes(cfg))}
+    assert len(warm) == 2  # one per worker
+    trainer.train_loop_per_worker = where_tasks_run
+    trainer.fit()
+    job_env = ray.get_runtime_context().runtime_env.get("env_vars", {})  # the tests' PYTHONPATH
+    for rank in (0, 1):
+        seen = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert seen["runtime_env"] == {"env_vars": {**job_env, **training_worker_runtime_env()["env_vars"]}}
+        assert seen["task"][0] in warm and seen["task"][1], seen
+        assert seen["map"][0] in warm and seen["map"][1], seen

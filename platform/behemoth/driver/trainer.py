@@ -94,7 +94,8 @@ def ensure_ray() -> None:
         package = str(Path(__file__).resolve().parents[1])  # platform/behemoth
         options = {"runtime_env": {"py_modules": [package]}}
     else:
-        options = {"_system_config": LOCAL_RAY_SYSTEM_CONFIG}
+        # behemoth's worker variables for the whole job, not only Ray Train's workers: see warm_up_data_processes
+        options = {"_system_config": LOCAL_RAY_SYSTEM_CONFIG, "runtime_env": {"env_vars": worker_env_vars()}}
         ray_console.quiet_token_auth_notice()
     ray.init(logging_level="warning", log_to_driver=True, **options)
     global _RAY_STARTED_HERE
@@ -114,7 +115,15 @@ def ensure_ray() -> None:
 # the slow side), so their processes were killed mid-epoch and new ones started for the next epoch: two new
 # processes per epoch in the demo (seen in `ps`), each importing Ray, Ray Data and the decode code again,
 # seconds of CPU taken from training on every epoch. Kept idle for a minute, they serve the next epoch.
-LOCAL_RAY_SYSTEM_CONFIG = {"worker_niceness": 0, "idle_worker_killing_time_threshold_ms": 60_000}
+#
+# Ray also starts one idle worker process per CPU when the driver connects, for tasks in the driver's runtime
+# environment. behemoth's processes all run in another (Ray Train's controller and workers, and every task a
+# worker submits, carry Ray Train's environment variables), so those processes were never used: each imported
+# Ray at the moment Ray Train's own processes start, on the same cores (2 x ~1 s of CPU here; seen in `ps`:
+# two `ray::IDLE` from the start to the end of the demo). The processes behemoth does use are started ahead
+# on purpose (driver/warmup.py).
+LOCAL_RAY_SYSTEM_CONFIG = {"worker_niceness": 0, "idle_worker_killing_time_threshold_ms": 60_000,
+                           "prestart_worker_first_driver": False}
 
 
 # Exact resume needs the same float results for the same values, wherever they sit in memory. Intel MKL (torch's
@@ -155,6 +164,49 @@ def tighten_token_file() -> str | None:
 # a value the user sets wins.
 REPORT_POLL_ENV, REPORT_POLL_S = "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.2"
 
+# Ray Train starts a preemption watcher per worker group (an actor process that polls Ray for nodes being
+# drained: a cloud's spot instances). A local instance is one machine nobody drains: the watcher was one more
+# process importing Ray while the first epoch's pipeline starts. Off on a local instance (where RAY_ADDRESS is
+# not set); a value the user sets wins.
+PREEMPTION_WATCHER_ENV = "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"
+
+
+def training_worker_runtime_env() -> dict:
+    """The runtime environment Ray Train gives the training workers, and so every task they submit (Ray Data's
+    decode tasks): the RAY_TRAIN_* variables it propagates from the driver, the one its controller adds (a
+    child inherits its parent's variables) and behemoth's (worker_env_vars). Mirrors Ray Train 2.60
+    (DataParallelTrainer._initialize_and_run_controller, WorkerGroup._get_worker_runtime_env), called after
+    build_trainer has set the driver's variables; a test compares it with a real worker's."""
+    from ray._common.constants import RAY_WARN_BLOCKING_GET_INSIDE_ASYNC_ENV_VAR
+    from ray.train.v2._internal.constants import (DEFAULT_RAY_WARN_BLOCKING_GET_INSIDE_ASYNC_VALUE,
+                                                  get_env_vars_to_propagate)
+
+    env = {RAY_WARN_BLOCKING_GET_INSIDE_ASYNC_ENV_VAR: DEFAULT_RAY_WARN_BLOCKING_GET_INSIDE_ASYNC_VALUE,
+           **get_env_vars_to_propagate()}
+    return {"env_vars": {**env, **worker_env_vars()}}
+
+
+def warm_up_data_processes(cfg: JobConfig) -> list:
+    """On a local instance, start the processes the task's data pipeline will run in (driver/warmup.py) while
+    Ray Train starts; nothing on a cluster (RAY_ADDRESS), where they may land on any node, or for a task that
+    declares no `data_modules`. Returns the warm-up tasks' refs.
+
+    Ray gives a task an idle process whose runtime environment has the same serialized form, not only the same
+    content. A child's environment is merged with its parent's and written out anew, except where the parent's
+    is empty: a training worker's (merged through the controller's) and a task's from a driver with an empty
+    job environment have the same variables and different texts, and no process was shared (measured: the
+    warm processes stayed idle while the decode tasks started four new ones). behemoth's local instance
+    therefore gives the job its worker variables (ensure_ray), so that both go through the merge; where the
+    job's environment is empty (a caller's own ray.init) nothing is started."""
+    import ray
+
+    modules = getattr(task_of(cfg), "data_modules", ())
+    if os.environ.get("RAY_ADDRESS") or not modules or not ray.get_runtime_context().runtime_env:
+        return []
+    from behemoth.driver import warmup
+
+    return warmup.start(tuple(modules), cfg.scaling.max_workers, training_worker_runtime_env())
+
 
 def worker_resources(cfg: JobConfig) -> dict:
     """What one training worker reserves (training and `behemoth eval` alike)."""
@@ -176,6 +228,8 @@ def build_trainer(cfg: JobConfig, data, callbacks: list | None = None):
 
     failure_policy.install()  # a data or config error ends the run at once, without using max_failures
     os.environ.setdefault(REPORT_POLL_ENV, REPORT_POLL_S)
+    if not os.environ.get("RAY_ADDRESS"):
+        os.environ.setdefault(PREEMPTION_WATCHER_ENV, "0")
     resources = worker_resources(cfg)
     return TorchTrainer(
         train_loop_per_worker,
@@ -280,8 +334,10 @@ def _train(cfg: JobConfig, callbacks: list | None, tracking, end_ray: bool = Fal
     from ray.train import TrainingFailedError
 
     withdraw_killed_drivers_requests(tracking.run_dir, tracking.invocation)
+    trainer = build_trainer(cfg, data, [*tracking.callbacks(), *(callbacks or [])])
+    warm_up_data_processes(cfg)
     try:
-        result = build_trainer(cfg, data, [*tracking.callbacks(), *(callbacks or [])]).fit()
+        result = trainer.fit()
     except TrainingFailedError as e:
         _end_ray(end_ray)
         tracking.finish("failed")

@@ -80,6 +80,8 @@ def build_image_model(cfg: JobConfig, classes: list[str]) -> torch.nn.Module:
 class ImageClassification:
     # --- driver side ------------------------------------------------------------------------------------
     data_config = ImageData
+    # what its decode tasks import: on a local instance their processes start while Ray Train starts
+    data_modules = ("ray.data", "behemoth.data.images")
     best = ("val_accuracy", "max")
     reported = {"val_accuracy": "max", "val_loss": "min", "loss": "min"}
 

@@ -1,0 +1,39 @@
+"""Start the data pipeline's worker processes while Ray Train starts its own (a local Ray instance only).
+
+On a fresh local instance, the first training batch waited for processes that only start once the training
+workers open their first epoch: Ray Data's stats actor, then one decode process per rank's pipeline, each
+importing Ray Data and the task's decode code (~1 s of CPU each). Those seconds sat on the path to the first
+step, after Ray Train's own chain (controller, then the workers). Started from the driver just before `fit`, the
+same processes come up while the controller starts and are idle, imports done, when the first decode tasks
+arrive: Ray hands a task an idle process of the same job and runtime environment, and a task submitted by a
+training worker carries the worker's runtime environment, which `start` is given
+(driver/trainer.training_worker_runtime_env; tests/integration/test_train_images.py checks both against a real
+run). Idle processes are kept for a minute on a local instance (trainer.LOCAL_RAY_SYSTEM_CONFIG).
+
+This module imports nothing heavy: a warm-up process imports it to run `_import`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+
+
+def _import(modules: tuple[str, ...]) -> int:
+    for name in modules:
+        importlib.import_module(name)
+    return os.getpid()
+
+
+def start(modules: tuple[str, ...], processes: int, runtime_env: dict) -> list:
+    """Start `processes` idle worker processes with `runtime_env` that have imported `modules`, and Ray
+    Data's stats actor; returns at once (the object refs of the warm-up tasks: their pids, for tests)."""
+    import ray
+    from ray.data._internal.stats import get_or_create_stats_actor
+
+    task = ray.remote(_import).options(num_cpus=0, runtime_env=runtime_env, name="behemoth.warm_up")
+    refs = [task.remote(modules) for _ in range(processes)]
+    # after the tasks: Ray starts as many processes at once as the node has CPUs, and a task that found none
+    # started for it ran after the first, in its process
+    get_or_create_stats_actor()  # created here it also lives outside any placement group (see driver/tune.py)
+    return refs
