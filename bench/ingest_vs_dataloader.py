@@ -6,8 +6,10 @@ crop + flip seeded per sample, normalise), train the same model (regnet_tiny_cif
 batch size and one torch thread. Both are timed as one continuous span over the same steps after the same
 warm-up: behemoth from its first report to its last by rank 0's clock (every step, report and console line
 in between; before the first report: worker start, first tasks), the plain loop from its first measured
-step to its last. Also printed: behemoth's data-wait fraction (the share of step time spent waiting for a batch).
-Runs alternate, --repeats of each.
+step to its last. Also printed: behemoth's data-wait fraction (the share of step time spent waiting for a batch), and for both
+the whole machine's CPU time per image over the same span (from /proc/stat: every process, Ray's included) and
+the cores it kept busy: on a machine whose cores are all busy, images/s is cores / CPU per image, so the CPU per
+image of each path is what more cores would scale. Runs alternate, --repeats of each.
 
     .venv/bin/python bench/ingest_vs_dataloader.py [--repeats 5] [--steps 60] [--batch 64]
 """
@@ -20,7 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _common import REPO, read_metrics, spread, steady_steps_per_s
+from _common import REPO, MachineCpu, read_metrics, spread, steady_steps_per_s
 
 
 class ImageRows:
@@ -42,7 +44,8 @@ class ImageRows:
         return out["image"][0], int(out["label"][0])
 
 
-def plain_images_per_s(index, cfg, batch: int, steps: int, warmup: int) -> float:
+def plain_images_per_s(index, cfg, batch: int, steps: int, warmup: int) -> tuple[float, float, float]:
+    """(images/s, wall time of the first measured step, of the last) of the DataLoader loop."""
     import torch
     import torch.nn.functional as F
 
@@ -59,7 +62,7 @@ def plain_images_per_s(index, cfg, batch: int, steps: int, warmup: int) -> float
                                              generator=torch.Generator().manual_seed(epoch))
         for images, labels in loader:
             if step == warmup:
-                started = time.perf_counter()
+                started, started_at = time.perf_counter(), time.time()
             opt.zero_grad(set_to_none=True)
             F.cross_entropy(model(pixel_values=images).logits, labels).backward()
             opt.step()
@@ -67,7 +70,7 @@ def plain_images_per_s(index, cfg, batch: int, steps: int, warmup: int) -> float
             if step == warmup + steps:
                 break
         epoch += 1
-    return steps * batch / (time.perf_counter() - started)
+    return steps * batch / (time.perf_counter() - started), started_at, time.time()
 
 
 def behemoth_job(root: Path, storage: Path, run: str, batch: int, steps: int, log_every: int) -> dict:
@@ -104,16 +107,30 @@ def main() -> None:
     storage = Path(tempfile.mkdtemp(prefix="bench-p2-"))
     cfg = ImageData(kind="image_folder", root=str(root), image_size=32)
     index = build_index(cfg)
-    ours, plain, waits = [], [], []
+    ours, plain, waits, cpu = [], [], [], {"behemoth": [], "plain": []}
+    cores = {"behemoth": [], "plain": []}
+    meter = MachineCpu()
+
+    def account(path: str, images: int, t0: float, t1: float) -> str:
+        seconds = meter.seconds(t0, t1)
+        cpu[path].append(seconds / images * 1e3)
+        cores[path].append(seconds / (t1 - t0))
+        return f"{cpu[path][-1]:.2f} ms CPU/image, {cores[path][-1]:.2f} cores busy"
+
     for r in range(args.repeats):
         job = behemoth_job(root, storage, f"p2_{r}", args.batch, args.steps, args.log_every)
         summary = train(config_from_dict(job))
         reports = [m for m in read_metrics(Path(summary.run_dir)) if "samples_per_s" in m]
         ours.append(steady_steps_per_s(reports, args.batch) * args.batch)
         waits.append(statistics.mean(m["data_wait_frac"] for m in reports[1:]))
-        plain.append(plain_images_per_s(index, cfg, args.batch, args.steps - args.log_every, args.log_every))
-        print(f"repeat {r}: behemoth {ours[-1]:.0f} images/s (data-wait {waits[-1]:.0%}), "
-              f"DataLoader {plain[-1]:.0f} images/s", flush=True)
+        ours_cpu = account("behemoth", (reports[-1]["step"] - reports[0]["step"]) * args.batch,
+                           reports[0]["wall_time"], reports[-1]["wall_time"])
+        rate, t0, t1 = plain_images_per_s(index, cfg, args.batch, args.steps - args.log_every, args.log_every)
+        plain.append(rate)
+        plain_cpu = account("plain", (args.steps - args.log_every) * args.batch, t0, t1)
+        print(f"repeat {r}: behemoth {ours[-1]:.0f} images/s (data-wait {waits[-1]:.0%}; {ours_cpu}), "
+              f"DataLoader {plain[-1]:.0f} images/s ({plain_cpu})", flush=True)
+    meter.stop()
     ratios = [o / b for o, b in zip(ours, plain)]
     print(f"{index.train.num_rows} PNGs 32x32, regnet_tiny_cifar, batch {args.batch}, 1 torch thread, "
           f"{args.steps - args.log_every} measured steps, {args.repeats} repeats alternating")
@@ -121,6 +138,9 @@ def main() -> None:
           f"data-wait {spread(waits, '{:.0%}')}")
     print(f"  DataLoader(num_workers=2) -> plain loop:        {spread(plain, '{:.0f}')} images/s")
     print(f"  ratio behemoth / DataLoader: {spread(ratios)}")
+    for path, name in (("behemoth", "behemoth"), ("plain", "DataLoader")):
+        print(f"  whole machine, {name}: {spread(cpu[path], '{:.2f}')} ms CPU per image, "
+              f"{spread(cores[path], '{:.2f}')} cores busy")
 
 
 if __name__ == "__main__":
