@@ -295,19 +295,42 @@ def test_invalid_utf8_fails_the_run_naming_file_and_line(text_corpus, tmp_path, 
 
 def test_a_local_ray_runs_its_workers_at_normal_priority():
     """behemoth's own local Ray instance starts workers at niceness 0, not Ray's 15 (which made them yield the
-    CPU to every Ray daemon: ~25% slower training on 2 cores, BENCHMARKS.md P2). A fresh process, no
-    RAY_ADDRESS: ensure_ray starts the instance as `behemoth train` does."""
+    CPU to every Ray daemon: ~25% slower training on 2 cores, BENCHMARKS.md P2); it prestarts no worker
+    processes (none of behemoth's could use them), turns Ray Train's preemption watcher off, and gives the job
+    behemoth's worker variables (driver/warmup.py needs them). A fresh process, no RAY_ADDRESS: ensure_ray
+    starts the instance as `behemoth train` does."""
     import os
     import subprocess
     import sys
 
-    code = ("import os, ray; from behemoth.driver.trainer import ensure_ray; ensure_ray(); "
-            "print('niceness', ray.get(ray.remote(lambda: os.nice(0)).remote()))")
+    code = """if True:
+        import os, time, ray
+        from behemoth.driver import trainer
+
+        def processes():  # (pid, parent, title) of every process
+            for pid in filter(str.isdigit, os.listdir("/proc")):
+                try:
+                    with open(f"/proc/{pid}/stat") as f, open(f"/proc/{pid}/cmdline", "rb") as g:
+                        yield int(pid), int(f.read().rpartition(")")[2].split()[1]), g.read().decode(errors="replace")
+                except OSError:  # gone meanwhile
+                    pass
+
+        trainer.ensure_ray()
+        time.sleep(3)  # Ray prestarts its workers once the driver has connected
+        ours = {pid for pid, parent, _ in processes() if parent == os.getpid()}  # this instance's raylet, GCS...
+        print("idle", sum("ray::IDLE" in title for _, parent, title in processes() if parent in ours))
+        print("job env", sorted(ray.get_runtime_context().runtime_env["env_vars"]))
+        trainer.set_ray_train_env()
+        print("watcher", os.environ["RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"])
+        print("niceness", ray.get(ray.remote(lambda: os.nice(0)).remote()))
+    """
     # As a user's shell has it: no RAY_ADDRESS, no RAY_AUTH_MODE (Ray turns token auth on by default); the
     # token stays the tests' (RAY_AUTH_TOKEN_PATH), not ~/.ray's.
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_AUTH_MODE")}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert "niceness 0" in out.stdout, out.stdout + out.stderr[-3000:]
+    assert "idle 0\n" in out.stdout and "watcher 0\n" in out.stdout, out.stdout
+    assert "job env ['MKL_CBWR', 'RAY_TRAIN_ENABLE_PRINT_PATCH']" in out.stdout, out.stdout
     assert "Token authentication is enabled" not in out.stderr  # the notice about the default, filtered
 
 

@@ -165,10 +165,19 @@ def tighten_token_file() -> str | None:
 REPORT_POLL_ENV, REPORT_POLL_S = "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.2"
 
 # Ray Train starts a preemption watcher per worker group (an actor process that polls Ray for nodes being
-# drained: a cloud's spot instances). A local instance is one machine nobody drains: the watcher was one more
-# process importing Ray while the first epoch's pipeline starts. Off on a local instance (where RAY_ADDRESS is
-# not set); a value the user sets wins.
+# drained: a cloud's spot instances; Ray Train then waits out the drain and restarts the group, charging a
+# separate retry budget). The local instance behemoth starts is one machine whose loss ends the run anyway:
+# there the watcher was only one more process importing Ray while the first epoch's pipeline starts, and it is
+# off. Anywhere else (`ray job submit`, or a caller's own ray.init, which may reach a cluster that adds spot
+# nodes later) it stays on. A value the user sets wins.
 PREEMPTION_WATCHER_ENV = "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"
+
+
+def set_ray_train_env() -> None:
+    """The driver's RAY_TRAIN_* settings (Ray Train propagates them to its controller and workers)."""
+    os.environ.setdefault(REPORT_POLL_ENV, REPORT_POLL_S)
+    if _RAY_STARTED_HERE and not os.environ.get("RAY_ADDRESS"):
+        os.environ.setdefault(PREEMPTION_WATCHER_ENV, "0")
 
 
 def training_worker_runtime_env() -> dict:
@@ -188,8 +197,8 @@ def training_worker_runtime_env() -> dict:
 
 def warm_up_data_processes(cfg: JobConfig) -> list:
     """On a local instance, start the processes the task's data pipeline will run in (driver/warmup.py) while
-    Ray Train starts; nothing on a cluster (RAY_ADDRESS), where they may land on any node, or for a task that
-    declares no `data_modules`. Returns the warm-up tasks' refs.
+    Ray Train starts; nothing on a cluster (RAY_ADDRESS, or more than one node), where they may land on any
+    node, or for a task that declares no `data_modules`. Returns the warm-up tasks' refs.
 
     Ray gives a task an idle process whose runtime environment has the same serialized form, not only the same
     content. A child's environment is merged with its parent's and written out anew, except where the parent's
@@ -202,6 +211,8 @@ def warm_up_data_processes(cfg: JobConfig) -> list:
 
     modules = getattr(task_of(cfg), "data_modules", ())
     if os.environ.get("RAY_ADDRESS") or not modules or not ray.get_runtime_context().runtime_env:
+        return []
+    if sum(node["Alive"] for node in ray.nodes()) > 1:
         return []
     from behemoth.driver import warmup
 
@@ -227,9 +238,7 @@ def build_trainer(cfg: JobConfig, data, callbacks: list | None = None):
     from behemoth.worker.loop import train_loop_per_worker
 
     failure_policy.install()  # a data or config error ends the run at once, without using max_failures
-    os.environ.setdefault(REPORT_POLL_ENV, REPORT_POLL_S)
-    if not os.environ.get("RAY_ADDRESS"):
-        os.environ.setdefault(PREEMPTION_WATCHER_ENV, "0")
+    set_ray_train_env()
     resources = worker_resources(cfg)
     return TorchTrainer(
         train_loop_per_worker,
