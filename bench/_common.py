@@ -7,9 +7,14 @@ reads what the run reported from RUN_DIR/metrics.jsonl, the log every run writes
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import sys
+import threading
+import time
 from pathlib import Path
+
+import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "platform"))
@@ -85,9 +90,6 @@ class MachineCpu:
     times (time.time(), e.g. rank 0's report times), interpolated between samples. Linux only."""
 
     def __init__(self, every_s: float = 0.05):
-        import os
-        import threading
-
         self.tick, self.samples, self._stop = os.sysconf("SC_CLK_TCK"), [], threading.Event()
         self._thread = threading.Thread(target=self._run, args=(every_s,), daemon=True)
         self._thread.start()
@@ -99,15 +101,11 @@ class MachineCpu:
         return (sum(fields[:8]) - idle) / self.tick  # user nice system idle iowait irq softirq steal
 
     def _run(self, every_s: float) -> None:
-        import time
-
         while not self._stop.is_set():
             self.samples.append((time.time(), self._busy()))
             self._stop.wait(every_s)
 
     def seconds(self, t0: float, t1: float) -> float:
-        import numpy as np
-
         times, busy = np.array(self.samples).T
         return float(np.interp(t1, times, busy) - np.interp(t0, times, busy))
 

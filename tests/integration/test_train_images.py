@@ -209,7 +209,7 @@ def test_a_task_of_ones_own_runs_end_to_end_from_its_file_alone(tmp_path, capfd)
     assert summary.lines()[1].startswith("final val_mse:")
 
 
-def test_the_data_processes_started_while_ray_train_starts_are_the_ones_the_workers_tasks_run_in(
+def test_the_data_processes_the_driver_starts_are_the_ones_the_workers_tasks_run_in(
         image_root, tmp_path, monkeypatch):
     """On a local instance the driver starts one process per worker for the decode tasks before `fit`
     (driver/warmup.py). Ray hands a worker's task an idle process only if their runtime environments serialise

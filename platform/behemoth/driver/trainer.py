@@ -210,9 +210,8 @@ def warm_up_data_processes(cfg: JobConfig) -> list:
     import ray
 
     modules = getattr(task_of(cfg), "data_modules", ())
-    if os.environ.get("RAY_ADDRESS") or not modules or not ray.get_runtime_context().runtime_env:
-        return []
-    if sum(node["Alive"] for node in ray.nodes()) > 1:
+    if (os.environ.get("RAY_ADDRESS") or not modules or not ray.get_runtime_context().runtime_env
+            or sum(node["Alive"] for node in ray.nodes()) > 1):
         return []
     from behemoth.driver import warmup
 

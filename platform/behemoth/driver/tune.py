@@ -31,6 +31,7 @@ from ray.tune import Callback
 from ray.tune.integration.ray_train import TuneReportCallback
 
 from behemoth import paths
+from behemoth.driver import warmup
 from behemoth.config import (
     ConfigError,
     JobConfig,
@@ -355,7 +356,7 @@ def _run_sweep(sweep_cfg: SweepConfig, jobs: list, sweep_dir: str) -> SweepResul
         prepare_data(job)
     _check_state_api()
     _check_same_sweep(sweep_cfg, sweep_dir)
-    _start_data_stats_actor()
+    warmup.start_data_stats_actor()
     import ray
     from ray import tune
 
@@ -551,21 +552,6 @@ def _check_state_api() -> None:
             f"sweep needs it (Ray Train frees a stopped trial's workers through it): start Ray with the "
             f"dashboard (ray start --head without --include-dashboard=false; ray.init(include_dashboard=True))"
         ) from None
-
-
-def _start_data_stats_actor() -> None:
-    """Create Ray Data's stats actor here, on the sweep's driver, before any trial does.
-
-    Ray Data keeps one named, detached `_StatsActor` per cluster, created by the first process that runs a
-    dataset. In a sweep that is a trial: its processes run inside the trial's placement group, which captures
-    the actors they create, so the stats actor was placed in that group and killed when the trial ended. A
-    dataset another trial was iterating then sent its metrics to a new stats actor that had never registered
-    it: `KeyError: 'dataset_...'` tracebacks on the console of runs that were fine. Created from the driver,
-    it is in no placement group and lives as long as the cluster.
-    """
-    from ray.data._internal.stats import get_or_create_stats_actor
-
-    get_or_create_stats_actor()
 
 
 def _to_dict(sweep_cfg: SweepConfig) -> dict:

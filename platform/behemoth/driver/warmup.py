@@ -29,11 +29,26 @@ def start(modules: tuple[str, ...], processes: int, runtime_env: dict) -> list:
     """Start `processes` idle worker processes with `runtime_env` that have imported `modules`, and Ray
     Data's stats actor; returns at once (the object refs of the warm-up tasks: their pids, for tests)."""
     import ray
-    from ray.data._internal.stats import get_or_create_stats_actor
 
     task = ray.remote(_import).options(num_cpus=0, runtime_env=runtime_env, name="behemoth.warm_up")
     refs = [task.remote(modules) for _ in range(processes)]
     # after the tasks: Ray starts as many processes at once as the node has CPUs, and a task that found none
     # started for it ran after the first, in its process
-    get_or_create_stats_actor()  # created here it also lives outside any placement group (see driver/tune.py)
+    start_data_stats_actor()
     return refs
+
+
+def start_data_stats_actor() -> None:
+    """Create Ray Data's stats actor from this driver (a run's, before `fit`; a sweep's, before any trial).
+
+    Ray Data keeps one named, detached `_StatsActor` per cluster, created by the first process that runs a
+    dataset. In a sweep that is a trial: its processes run inside the trial's placement group, which captures
+    the actors they create, so the stats actor was placed in that group and killed when the trial ended. A
+    dataset another trial was iterating then sent its metrics to a new stats actor that had never registered
+    it: `KeyError: 'dataset_...'` tracebacks on the console of runs that were fine. Created from a driver, it
+    is in no placement group and lives as long as the cluster; a run's first batch no longer waits for it.
+    Returns at once (the actor starts in the background); one that exists is kept.
+    """
+    from ray.data._internal.stats import get_or_create_stats_actor
+
+    get_or_create_stats_actor()

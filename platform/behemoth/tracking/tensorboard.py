@@ -78,8 +78,10 @@ class TensorBoardLog:
         """Close, copy the event files to the run folder (under a URI) and remove the local copies. Before,
         every run on a URI left a folder of event files in the temp directory (185 of them piled up here)."""
         try:
-            self.close()
-            self.mirror()
+            if self.writer is not None:
+                self.close()  # copies the files
+            else:
+                self.mirror()
         finally:
             if self.local != self.target:
                 shutil.rmtree(self.local, ignore_errors=True)
