@@ -26,8 +26,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 
-def run_behemoth(epochs: int, storage: str, name: str) -> dict:
-    cmd = [sys.executable, "-m", "behemoth", "train", "jobs/configs/demo_images.yaml", f"--set=train.epochs={epochs}",
+def run_behemoth(epochs: int, storage: str, name: str, entry: tuple[str, ...] = ("-m", "behemoth")) -> dict:
+    """`python -m behemoth train` of the demo job as a whole process (`entry`: what follows the interpreter)."""
+    cmd = [sys.executable, *entry, "train", "jobs/configs/demo_images.yaml", f"--set=train.epochs={epochs}",
            f"--set=checkpoint.storage_path={storage}", f"--set=checkpoint.run_name={name}"]
     launched = time.time()
     out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, check=True).stdout
