@@ -6,6 +6,7 @@ Every place that needs a run's paths asks here, so "is it a URI" is decided once
 from __future__ import annotations
 
 import os
+import re
 
 from behemoth.errors import ConfigError
 
@@ -34,12 +35,20 @@ def as_uri_of(root: str, fs_path: str | None) -> str | None:
     return f"{root.split('://')[0]}://{fs_path.lstrip('/')}"
 
 
-def check_name(key: str, name: str) -> None:
-    """A run or sweep name becomes one folder under the storage path: one plain path component, never '.',
-    '..' or anything with a separator (which would put the run outside its storage path)."""
-    if not name or name in (".", "..") or "/" in name or "\\" in name or name != name.strip():
-        raise ConfigError(f"{key} {name!r} must be a plain folder name: not empty, not '.' or '..', no '/' "
-                          f"or '\\', no surrounding spaces")
+# A run or sweep name: letters, digits, '.', '_', '-'. Anything else means something else to some storage:
+# pyarrow reads '#' in s3://.../runs/exp#1 as a fragment and '?' as filesystem options, '%2F' may decode to
+# '/', spaces and long names break shells and object-store keys. Not starting with '.' (hidden, '..') or '-'
+# (a command-line flag).
+NAME_PATTERN = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]*")
+NAME_MAX = 128
+
+
+def check_name(key: str, name: str, max_len: int = NAME_MAX) -> None:
+    """A run or sweep name becomes one folder under the storage path, local or on an object store: checked
+    before any path is built from it, so no storage reads it as anything but one plain folder."""
+    if not (isinstance(name, str) and NAME_PATTERN.fullmatch(name) and len(name) <= max_len):
+        raise ConfigError(f"{key} {name!r} must be a plain folder name: 1-{max_len} characters of A-Z a-z 0-9 "
+                          f"'.' '_' '-', not starting with '.' or '-'")
 
 
 def run_dir(storage_path: str, run_name: str) -> str:

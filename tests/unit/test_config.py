@@ -197,6 +197,34 @@ def test_run_and_sweep_names_stay_inside_their_storage_path(name):
         SweepConfig(job="job.yaml", space={"train.lr": {"grid": [0.1]}}, name=name).validate()
 
 
+@pytest.mark.parametrize("storage", ["runs", "s3://bucket/runs"])
+@pytest.mark.parametrize("name", ["exp#1", "a?b", "a%2F..%2Fx", "x y", "r" * 129, "-rf", ".hidden", "run:1",
+                                  "caf\u00e9"])
+def test_run_and_sweep_names_are_plain_on_every_storage(tmp_path, storage, name):
+    """pyarrow reads s3://bucket/runs/exp#1 as runs/exp and ?... as filesystem options: a name is refused on
+    every storage, naming the key and the rule, before any path is built from it."""
+    from behemoth.driver.tune import SweepConfig, load_sweep
+
+    rule = r"must be a plain folder name: 1-\d+ characters of A-Z a-z 0-9 '.' '_' '-', not starting with"
+    with pytest.raises(ConfigError, match=rf"checkpoint.run_name '.*' {rule}"):
+        load_config(write(tmp_path, f"checkpoint:\n  storage_path: {storage}\n"), [f"checkpoint.run_name={name}"])
+    sweep = tmp_path / "sweep.yaml"
+    sweep.write_text(f"job: job.yaml\nstorage_path: {storage}\nspace: {{train.lr: {{grid: [0.1]}}}}\n")
+    with pytest.raises(ConfigError, match=rf"name '.*' {rule}"):
+        load_sweep(sweep, [f"name={name}"])
+
+
+def test_names_that_pass_and_the_length_limits(tmp_path):
+    from behemoth.driver.tune import SweepConfig
+
+    for name in ["r", "exp_1.v2-b", "A" * 128]:
+        assert config_from_dict({"data": {"root": "x"}, "checkpoint": {"run_name": name}}).checkpoint.run_name == name
+    sweep = dict(job="job.yaml", space={"train.lr": {"grid": [0.1]}})
+    SweepConfig(**sweep, name="s" * 123).validate()  # its best run, NAME_best, is 128 characters
+    with pytest.raises(ConfigError, match=r"name 's{124}' must be a plain folder name: 1-123 characters"):
+        SweepConfig(**sweep, name="s" * 124).validate()
+
+
 def test_each_task_reads_and_checks_its_own_data_keys(tmp_path):
     """`data:` is read into the section of its kind (the task's data_config): a key of another task's section
     is an unknown key for this kind, each section checks its own values, and the job's objects are the task's

@@ -91,7 +91,8 @@ class SweepConfig:
     def validate(self) -> None:
         if not self.job:
             raise ConfigError("job is empty: set it to the job YAML the trials start from")
-        paths.check_name("name", self.name)
+        # its best trial becomes the job NAME_best, whose run name must pass too
+        paths.check_name("name", self.name, paths.NAME_MAX - len("_best"))
         if not self.space:
             raise ConfigError("space is empty: give at least one key to search, e.g. "
                               "space: {train.lr: {loguniform: [0.01, 0.3]}}")
