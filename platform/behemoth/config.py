@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import sys
 import types
 import typing
 from dataclasses import dataclass, field
@@ -120,7 +121,8 @@ class ModelConfig:
     # num_labels to the number of classes.
     hf_config: dict[str, Any] = field(default_factory=dict)
     # Run Python code shipped with a pretrained model's repository (transformers' trust_remote_code). Off: a
-    # model that needs it is refused by transformers with its own message. Never set through hf_config.
+    # model that needs it is refused by transformers with its own message. Never set through hf_config; on,
+    # load_config prints a warning naming the repository. Never read from a checkpoint's job.yaml (export).
     trust_remote_code: bool = False
 
     @property
@@ -129,16 +131,17 @@ class ModelConfig:
         return self.name in ("causal_lm", "image_classifier")
 
     def validate(self) -> None:
-        from behemoth.models import registry  # light: no torch model is built here
+        from behemoth.models import hf_keys, registry  # light: no torch model is built here
 
         registry.check_name(self.name)
         if self.from_hf_config and not (self.pretrained or self.hf_config.get("model_type")):
             raise ConfigError(f"model.name is {self.name}: set model.pretrained (a folder or hub name) or "
                               f"model.hf_config.model_type (e.g. {'llama' if self.name == 'causal_lm' else 'vit'}) "
                               f"with its sizes")
-        if "trust_remote_code" in self.hf_config:
-            raise ConfigError("model.hf_config.trust_remote_code: running a model repository's own code is a "
-                              "decision of its own: set model.trust_remote_code: true (and remove it from hf_config)")
+        hf_keys.check_hf_config(self.hf_config)  # architecture keys only: no option of from_pretrained
+        if self.trust_remote_code and not self.pretrained:
+            raise ConfigError("model.trust_remote_code runs the code of model.pretrained's repository, and "
+                              "model.pretrained is not set: set it, or remove trust_remote_code")
         if not self.from_hf_config and (self.pretrained or self.hf_config):
             raise ConfigError(f"model.pretrained and model.hf_config are for causal_lm and image_classifier, "
                               f"not {self.name}")
@@ -418,7 +421,17 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         cfg.validate()
     except ConfigError as e:
         raise ConfigError(f"{where}: {e}") from None
+    warn_remote_code(cfg.model)
     return cfg
+
+
+def warn_remote_code(model: ModelConfig) -> None:
+    """The one line that says whose code will run when a job trusts a repository's code (printed where the
+    job is loaded on the driver: once per run, not once per worker)."""
+    if model.trust_remote_code:
+        print(f"[behemoth] warning: model.trust_remote_code is true: the Python code of repository "
+              f"{model.pretrained} will run wherever the model is built (every worker, behemoth export)",
+              file=sys.stderr, flush=True)
 
 
 def config_from_dict(raw: dict, where: str = "<dict>") -> JobConfig:

@@ -187,6 +187,62 @@ def test_code_from_a_model_repository_runs_only_when_the_job_says_so():
     assert config_from_dict(hf).model.trust_remote_code is False
 
 
+@pytest.mark.parametrize("option, why", [
+    ("weights_only=false", "unpickles the weights file"), ("use_kernels=true", "fetches compiled kernels"),
+    ("kernel_config={}", "fetches compiled kernels"), ("allow_all_kernels=true", "unverified Hub"),
+    ("code_revision=main", "revision of a repository's code"), ("revision=abc", "downloaded from"),
+    ("dtype=bfloat16", "placed, cast or sharded"), ("device_map=auto", "placed, cast or sharded"),
+    ("attn_implementation=kernels-community/flash-attn3", "Hub repository whose kernel")])
+def test_hf_config_takes_architecture_keys_only(option, why):
+    """model.hf_config goes to from_pretrained as kwargs: a loading option there is refused by name, with why;
+    architecture keys (and a built-in attention implementation) pass."""
+    key = option.split("=")[0]
+    with pytest.raises(ConfigError, match=rf"model.hf_config.{key} .*{why}"):
+        load_config(REPO / "jobs" / "configs" / "demo_lm.yaml", [f"model.hf_config.{option}"])
+    cfg = load_config(REPO / "jobs" / "configs" / "demo_lm.yaml", ["model.hf_config.attn_implementation=sdpa",
+                                                                   "model.hf_config.attention_dropout=0.1"])
+    assert cfg.model.hf_config["attn_implementation"] == "sdpa"
+
+
+def test_the_loading_options_are_every_option_transformers_takes_out_of_from_pretrained():
+    """hf_keys.LOADING_OPTIONS names every parameter of from_pretrained and every kwarg that it, the Auto
+    classes and the config loading pop: a transformers upgrade that adds one fails here, not in a user's run."""
+    import inspect
+    import re
+
+    from transformers import PretrainedConfig, PreTrainedModel
+    from transformers.models.auto.auto_factory import _BaseAutoModelClass
+
+    from behemoth.models.hf_keys import KERNEL_NAMING_KEYS, LOADING_OPTIONS
+
+    functions = [PreTrainedModel.from_pretrained, _BaseAutoModelClass.from_pretrained,
+                 PretrainedConfig._get_config_dict, PretrainedConfig.from_dict]
+    taken = {name for fn in functions for name, p in inspect.signature(fn).parameters.items()
+             if p.kind is p.KEYWORD_ONLY or (p.default is not p.empty and name != "self")}
+    for fn in functions:
+        source = inspect.getsource(fn)
+        taken |= set(re.findall(r"kwargs\.pop\(\s*[\"'](\w+)", source))
+        for names in re.findall(r"(?:for name in|hub_kwargs_names =) \[(.*?)\]", source, re.S):
+            taken |= set(re.findall(r"[\"'](\w+)[\"']", names))
+    assert {"weights_only", "use_kernels", "trust_remote_code", "cache_dir", "mirror"} <= taken  # the parse works
+    assert sorted(taken - set(LOADING_OPTIONS) - set(KERNEL_NAMING_KEYS)) == []
+
+
+def test_trusting_a_repositorys_code_prints_one_warning_naming_it(tmp_path, capsys):
+    text = ("data:\n  kind: text\n  train_files: [a.jsonl]\n  val_fraction: 0.1\n  tokenizer: tok\n"
+            "model:\n  name: causal_lm\n  pretrained: some-org/some-model\n")
+    load_config(write(tmp_path, text))
+    assert "trust_remote_code" not in capsys.readouterr().err
+    cfg = load_config(write(tmp_path, text + "  trust_remote_code: true\n"))
+    err = capsys.readouterr().err
+    assert cfg.model.trust_remote_code and err.count("\n") == 1
+    assert "warning: model.trust_remote_code is true: the Python code of repository some-org/some-model will run" in err
+    with pytest.raises(ConfigError, match="model.trust_remote_code runs the code of model.pretrained's repository, "
+                                          "and model.pretrained is not set"):
+        load_config(write(tmp_path, text.replace("pretrained: some-org/some-model", "hf_config: {model_type: llama}")
+                          + "  trust_remote_code: true\n"))
+
+
 @pytest.mark.parametrize("name", ["..", ".", "", "a/b", "../x", " x", "a\\b"])
 def test_run_and_sweep_names_stay_inside_their_storage_path(name):
     from behemoth.driver.tune import SweepConfig
