@@ -66,19 +66,26 @@ def test_a_finished_run_adds_up_and_counts_its_phases():
     assert line.startswith("20.7 s from process start to the end of the first step (imports 1.0, data check 1.0,")
 
 
-def test_a_worker_failure_loses_the_time_since_the_restored_checkpoint():
+def test_a_worker_failure_loses_the_time_its_thrown_away_steps_took():
+    """Lost work is the compute and data-wait of the steps after the restored checkpoint, not the wall time
+    since its report: an evaluation, a checkpoint and the failure's detection in that stretch are not lost."""
     first = steady("a", "g1", 1, 25, loop=T0 + 20, start_time=T0 + 20)  # step 20 reported at T0 + 32
-    failure = {"event": "failure", "invocation": "a", "time": T0 + 36.0, "decision": "RETRY"}
+    for r in first[20:]:  # steps 21-25: an evaluation (1.5 s) and a checkpoint (0.5 s) ran after step 21
+        r["wall_time"] += 2.0
+        r.update(time_eval_s=1.5, time_checkpoint_s=0.5)
+    failure = {"event": "failure", "invocation": "a", "time": T0 + 39.0, "decision": "RETRY"}  # 2 s after 25
     second = steady("a", "g2", 21, 40, loop=T0 + 50, start_time=T0 + 50, resumed=20)
     final = {**second[-1], "wall_time": second[-1]["wall_time"]}
     timeline = [start("a", T0 + 5, T0), failure, end("a", final["wall_time"] + 2, final)]
     acc = goodput.account(timeline, first + second)
     g1, g2 = acc.groups
     assert g1.restored_by_next == 20 and g2.restored_by_next is None
-    # lost: from the report of step 20 (the checkpoint the restart went back to) to the failure
-    assert g1.terms["lost"] == pytest.approx(36.0 - 32.0)
-    assert g1.terms["productive"] == pytest.approx(20 * 0.5)  # the 20 kept steps only
-    assert g2.terms["downtime"] == pytest.approx(50.0 - 36.0)  # failure -> the next group's first step
+    assert g1.terms["lost"] == pytest.approx(5 * (0.5 + 0.1))  # steps 21-25, trained again by g2
+    assert g1.terms["productive"] == pytest.approx(20 * 0.5) and g1.terms["data_wait"] == pytest.approx(20 * 0.1)
+    assert g1.terms["evaluation"] == pytest.approx(1.5) and g1.terms["checkpoint"] == pytest.approx(0.5)
+    assert g1.terms["downtime"] == pytest.approx(39.0 - 37.0)  # its last report -> the failure seen
+    assert g1.terms["unaccounted"] == pytest.approx(0.0)
+    assert g2.terms["downtime"] == pytest.approx(50.0 - 39.0)  # failure -> the next group's first step
     assert sum(acc.terms.values()) == pytest.approx(acc.total_s)
     assert acc.terms["productive"] == pytest.approx(40 * 0.5)  # every step once
 
@@ -296,3 +303,33 @@ def test_report_of_a_folder_that_is_neither_names_it(tmp_path):
 
     with pytest.raises(ConfigError, match="neither a run folder"):
         write_report(str(tmp_path))
+
+
+def test_the_end_of_a_run_shows_one_account_everywhere(tmp_path):
+    """The summary, goodput.json, the report's table and MLflow's goodput metrics are one account, made once
+    after the invocation's end (an account made before the report was drawn differed from the final one by
+    the seconds the report and MLflow took: 134.31 s in the report, 136.0 s in the summary)."""
+    from behemoth.config import config_from_dict
+    from behemoth.tracking import mlflow_run
+    from behemoth.tracking.records import METRICS
+    from behemoth.tracking.run import GOODPUT, RunTracking
+    from conftest import job_dict
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    cfg = config_from_dict(job_dict(tmp_path / "images", tmp_path, "one", tracking={
+        "report": True, "mlflow": {"uri": uri, "experiment": "tests"}}))
+    now = time.time()
+    tracking = RunTracking(cfg, str(tmp_path / "one"), process_start=now - 30)
+    tracking.callbacks()  # the invocation's start (and its MLflow run), as just before fit
+    reports = steady(tracking.invocation, "g1", 1, 10, loop=now - 20, start_time=now - 20)
+    for r in reports:  # as the controller's recorder writes them
+        JsonlLog(str(tmp_path / "one" / METRICS)).append(r)
+    tracking.finish("finished", {**reports[-1], "wall_time": now - 13})
+    acc = tracking.account
+    saved = json.loads((tmp_path / "one" / GOODPUT).read_text())
+    assert saved["total_s"] == acc.total_s and saved["terms_s"] == acc.terms and saved["goodput"] == acc.goodput
+    html = (tmp_path / "one" / "report" / "report.html").read_text()
+    assert f"<td>total (wall time)</td><td>{acc.total_s:.2f}</td>" in html
+    assert f"<td>shutdown</td><td>{acc.terms['shutdown']:.2f}</td>" in html and acc.line() in html
+    logged = mlflow_run.client(uri).get_run(tracking.mlflow_run_id).data.metrics
+    assert logged["goodput/fraction"] == acc.goodput and logged["goodput/shutdown_s"] == acc.terms["shutdown"]

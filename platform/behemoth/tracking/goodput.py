@@ -10,9 +10,12 @@ Pure: the run's records in (timeline.jsonl, metrics.jsonl), an account out. The 
   checkpoint   the training loop held by a checkpoint (snapshot, or the whole save when synchronous)
   evaluation   validation passes
   reporting    metrics all-reduce, ray.train.report, console lines
-  lost         work a failure threw away: from the checkpoint the next group restored to the failure
-               (steps trained again, and anything else the failed group did after that checkpoint)
-  downtime     between a failed (or resized) worker group and the next one's first step
+  lost         work a failure threw away: the measured compute and data-wait of the steps after the
+               checkpoint the next group restored (they are trained again); the evaluation, checkpoints and
+               reports of that stretch stay in their own terms (they were spent all the same)
+  downtime     a failed (or resized) worker group's last report -> the next one's first step: the failure's
+               detection, the restart, and the steps trained after that report (not measured: no report
+               carries them; at most train.log_every - 1 of them plus the step under way)
   shutdown     the last group's end -> the invocation's end (Ray Train's shutdown, the report, MLflow's
                artifacts)
   unaccounted  the rest of the kept spans (loop bookkeeping between the measured phases)
@@ -144,15 +147,19 @@ def _group(inv: str, g: str, rs: list[dict], final_clock: dict, acted: list[floa
     else:  # failed, resized, or its driver was killed: it ended when the controller acted (or at its last report)
         ended = min([t for t in acted if t > last["wall_time"]], default=last["wall_time"])
         cut, cut_time = last, last["wall_time"]
-        if restored is not None:  # the next group went back to step `restored`: what came after it is lost
-            kept = [r for r in rs if r["step"] <= restored and r.get("mark_loop_started") is not None]
-            cut, cut_time = (kept[-1], kept[-1]["wall_time"]) if kept else ({}, loop_started)
+    kept = cut  # the counters as of the last step whose result survived
+    if restored is not None and cut is last:  # the next group went back to step `restored`: later steps are lost
+        before = [r for r in rs if r["step"] <= restored and r.get("mark_loop_started") is not None]
+        kept = before[-1] if before else {}
     terms = dict.fromkeys(TERMS, 0.0)
     terms["startup" if first else "downtime"] = loop_started - boundary
-    for phase, term in _PHASE_TERMS.items():
+    for phase, term in _PHASE_TERMS.items():  # evaluation, checkpoints, reports: spent, whether kept or not
         terms[term] = cut.get(f"time_{phase}_s", 0.0)
-    terms["unaccounted"] = (cut_time - loop_started) - sum(terms[t] for t in _PHASE_TERMS.values())
-    terms["lost"] = ended - cut_time
+    for phase in ("step", "data_wait"):  # the thrown-away steps' own time (compute and data) is the lost work
+        terms[_PHASE_TERMS[phase]] = kept.get(f"time_{phase}_s", 0.0)
+        terms["lost"] += cut.get(f"time_{phase}_s", 0.0) - kept.get(f"time_{phase}_s", 0.0)
+    terms["unaccounted"] = (cut_time - loop_started) - sum(terms[t] for t in (*_PHASE_TERMS.values(), "lost"))
+    terms["downtime"] += ended - cut_time  # its last report -> the failure seen (unreported steps, detection)
     return GroupAccount(inv, g, int(last.get("world_size", 0)), last.get("mark_started", loop_started), loop_started,
                         ended, rs[0]["step"], last["step"], int(last.get("resumed_from_step", 0)), restored,
                         loop_started - boundary, terms)
