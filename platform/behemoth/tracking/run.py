@@ -1,8 +1,8 @@
 """The driver's side of a run's records: one object per invocation of `train`.
 
 It marks the invocation's start-up milestones, hands Ray Train the recorder (tracking/callbacks.py), and
-when the run ends (finished or failed) writes the end of the invocation, the goodput account (goodput.json),
-the goodput scalars to TensorBoard and MLflow, the report, and closes the MLflow run.
+when the run ends (finished or failed) writes the end of the invocation, then from one goodput account made
+after it: goodput.json, the goodput scalars to TensorBoard and MLflow, the report; and closes the MLflow run.
 """
 
 from __future__ import annotations
@@ -56,31 +56,31 @@ class RunTracking:
                best_checkpoint: str | None = None) -> None:
         """`status`: finished or failed. `clock`: rank 0's final PhaseClock snapshot (a finished run).
 
-        The report and MLflow's artifacts are made from the account as of now; the invocation's end is written
-        after them (they are part of its shutdown), and goodput.json and the summary use the final account."""
+        The invocation ends here (Ray Train has shut down): its end is written first, then the account is made
+        once from the records, and goodput.json, TensorBoard's and MLflow's goodput scalars, the report and the
+        summary all show that one account. Writing them comes after the end, outside the account (an account
+        made before them and another after would disagree by the seconds they take)."""
         if "fit_called" not in self.marks:
             return  # never reached Ray Train: nothing recorded
-        end = {"event": "invocation_end", "invocation": self.invocation, "status": status, "clock": clock}
-        timeline = read_jsonl(paths.join(self.run_dir, TIMELINE))
-        reports = read_jsonl(paths.join(self.run_dir, METRICS))
-        provisional = goodput.account([*timeline, {"time": time.time(), **end}], reports)
-        step = final_step or max((g.last_step for g in provisional.groups), default=0)
+        self._timeline().append({"time": time.time(), "event": "invocation_end", "invocation": self.invocation,
+                                 "status": status, "clock": clock})
+        account = goodput.account(read_jsonl(paths.join(self.run_dir, TIMELINE)),
+                                  read_jsonl(paths.join(self.run_dir, METRICS)))
+        self.account = account
+        write_text(paths.join(self.run_dir, GOODPUT), json.dumps(account.as_dict(), indent=1))
+        step = final_step or max((g.last_step for g in account.groups), default=0)
         if self.cfg.tracking.tensorboard:
-            _quietly("TensorBoard", lambda: _tensorboard_final(self.run_dir, step, _scalars(provisional)))
+            _quietly("TensorBoard", lambda: _tensorboard_final(self.run_dir, step, _scalars(account)))
         if self.cfg.tracking.report:
             from behemoth.tracking.report import write_run_report
 
-            self.report_path = _quietly("the report", lambda: write_run_report(self.run_dir, provisional))
+            self.report_path = _quietly("the report", lambda: write_run_report(self.run_dir, account))
         if self.mlflow_run_id:
             from behemoth.tracking import mlflow_run
 
             _quietly("MLflow", lambda: mlflow_run.finish(
                 self.cfg.tracking.mlflow.uri, self.mlflow_run_id, "FINISHED" if status == "finished" else "FAILED",
-                _scalars(provisional), step, artifacts=self._artifacts(best_checkpoint)))
-        end["time"] = time.time()
-        self._timeline().append(end)
-        self.account = goodput.account([*timeline, end], reports)
-        write_text(paths.join(self.run_dir, GOODPUT), json.dumps(self.account.as_dict(), indent=1))
+                _scalars(account), step, artifacts=self._artifacts(best_checkpoint)))
 
     def _artifacts(self, best_checkpoint: str | None) -> list[str]:
         if paths.is_uri(self.run_dir):
