@@ -333,3 +333,45 @@ def test_the_end_of_a_run_shows_one_account_everywhere(tmp_path):
     assert f"<td>shutdown</td><td>{acc.terms['shutdown']:.2f}</td>" in html and acc.line() in html
     logged = mlflow_run.client(uri).get_run(tracking.mlflow_run_id).data.metrics
     assert logged["goodput/fraction"] == acc.goodput and logged["goodput/shutdown_s"] == acc.terms["shutdown"]
+
+
+PROBE = '''
+import json, subprocess, sys, time
+from behemoth.driver.cli import _process_start
+
+def test_probe():
+    time.sleep(1.0)  # a process this Python starts later (it inherits run.sh's variable) dates from its own start
+    child = subprocess.run([sys.executable, "-c", "from behemoth.driver.cli import _process_start as p; "
+                            "import time; print(p(), time.time())"], capture_output=True, text=True, check=True)
+    with open(OUT, "w") as f:
+        json.dump({"start": _process_start(), "now": time.time(), "child": child.stdout.split()}, f)
+'''
+
+
+def test_run_sh_counts_from_when_python_starts_not_its_install(tmp_path):
+    """`./run.sh demo` installs, then execs Python: the process (and /proc's start time) is the shell's, so the
+    install was counted as the run's imports (first step 104.1 s, imports 79.9). The account starts when Python
+    does; run.sh reports the install once, on its own. The install here is a stand-in pip that takes 1.5 s, in a
+    virtual environment whose python runs this one."""
+    import subprocess
+    import sys
+
+    venv = tmp_path / "venv" / "bin"
+    venv.mkdir(parents=True)
+    (venv / "python").write_text(f'#!/bin/sh\nexec {sys.executable} "$@"\n')
+    (venv / "pip").write_text("#!/bin/sh\nsleep 0.5\n")
+    for tool in ("python", "pip"):
+        (venv / tool).chmod(0o755)
+    out = tmp_path / "probe.json"
+    (tmp_path / "test_probe.py").write_text(f"OUT = {str(out)!r}\n{PROBE}")
+    repo = Path(__file__).resolve().parents[2]
+    spawned = time.time()
+    ran = subprocess.run([str(repo / "run.sh"), "test", "-q", "-p", "no:cacheprovider", str(tmp_path / "test_probe.py")],
+                         env={**os.environ, "BEHEMOTH_VENV": str(tmp_path / "venv")}, capture_output=True, text=True)
+    assert ran.returncode == 0, ran.stdout + ran.stderr
+    probe = json.loads(out.read_text())
+    assert spawned + 1.5 <= probe["start"] <= probe["now"] - 1.0, (spawned, probe)  # after the install
+    child_start, child_now = map(float, probe["child"])
+    assert probe["start"] + 1.0 <= child_start <= child_now  # the child's own start, not the inherited time
+    installed = [line for line in ran.stdout.splitlines() if line.startswith("[run.sh] installed in ")]
+    assert len(installed) == 1 and "not in a run's start-up or goodput" in installed[0], ran.stdout
