@@ -9,7 +9,11 @@ the working directory is on the workers' path already):
 
     behemoth data synth-images --out data/demo_images                      # once
     PYTHONPATH=. behemoth train examples/custom_model.yaml
-    behemoth export runs/custom_model --out exports/custom_model           # safetensors + its builder's name
+    PYTHONPATH=. behemoth export runs/custom_model --out exports/custom_model \
+        --model-code examples.custom_model:small_cnn \
+        --task-code examples.custom_model:FocalLossImages                  # safetensors + its builder's name
+
+(export imports no code that only a checkpoint names: the two flags say that you trust these two.)
 
 Everything else is behemoth's: Ray Data decoding and augmentation, DDP over the workers, checkpoints, exact
 resume, evaluation (top-1 accuracy), export. tests/integration/test_models_io.py runs this example.

@@ -166,7 +166,9 @@ def test_the_custom_model_and_loss_example_trains_resumes_exactly_and_exports(im
     assert np.isfinite(straight.metrics["loss"]) and "val_accuracy" in straight.metrics
 
     out = tmp_path / "export"
-    assert main(["export", str(tmp_path / "straight"), "--out", str(out)]) == 0
+    # the checkpoint names its task and model by import path: they run only when named here too
+    assert main(["export", str(tmp_path / "straight"), "--out", str(out), "--model-code",
+                 "examples.custom_model:small_cnn", "--task-code", "examples.custom_model:FocalLossImages"]) == 0
     assert json.loads((out / "behemoth_model.json").read_text()) == {"builder": "examples.custom_model:small_cnn"}
     model = small_cnn(num_classes=4)
     load_model(model, str(out / "model.safetensors"))

@@ -1,5 +1,7 @@
 """Bad input fails on the driver, before Ray starts, with one line that names the culprit."""
 
+from pathlib import Path
+
 import yaml
 
 from behemoth.driver.cli import main
@@ -124,3 +126,94 @@ def test_version_and_python_dash_m():
 
     out = subprocess.run([sys.executable, "-m", "behemoth", "--version"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and out.stdout.strip() == f"behemoth {behemoth.__version__}"
+
+
+# A module whose import leaves a marker file: code a checkpoint names runs only if the user names it too.
+HOSTILE = """
+import pathlib
+
+import torch
+
+from behemoth.tasks.image import ImageClassification
+
+pathlib.Path({marker!r}).write_text("imported")
+
+
+def build(num_classes):
+    return torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(3 * 16 * 16, num_classes))
+
+
+class Task(ImageClassification):
+    pass
+"""
+
+
+def _hostile_module(tmp_path, monkeypatch) -> tuple[str, Path]:
+    """(module name, its marker file): the module importable here, one per test (an import stays in sys.modules)."""
+    module, marker = f"hostile_{tmp_path.name}", tmp_path / "imported.txt"
+    (tmp_path / "code").mkdir()
+    (tmp_path / "code" / f"{module}.py").write_text(HOSTILE.format(marker=str(marker)))
+    monkeypatch.syspath_prepend(str(tmp_path / "code"))
+    return module, marker
+
+
+def _run_of(tmp_path, job: dict) -> Path:
+    """A run folder with one complete checkpoint of a 4-class linear model, whose job.yaml is `job`, written
+    as data (building a config from it would import the code it names, here)."""
+    import json
+
+    import torch
+
+    from behemoth import checkpoint
+
+    weights = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(3 * 16 * 16, 4)).state_dict()
+    saved = tmp_path / "runs" / "given" / "checkpoint_2026-01-01_00-00-00.000000"
+    checkpoint.write(saved, checkpoint.Snapshot(state_dicts={"model.pt": weights}, step=3, texts={
+        "job.yaml": yaml.safe_dump(job), "train_state.json": '{"step": 3}', "classes.json": json.dumps(list("abcd"))}))
+    return saved.parent
+
+
+def test_export_imports_no_model_builder_that_only_the_checkpoint_names(tmp_path, monkeypatch, capsys):
+    module, marker = _hostile_module(tmp_path, monkeypatch)
+    run = _run_of(tmp_path, job_dict(tmp_path / "images", tmp_path / "runs", model={"name": f"{module}:build"}))
+    out = tmp_path / "export"
+    assert main(["export", str(run), "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert f"model.name {module}:build is a model builder by import path" in err
+    assert f"If you trust it, pass --model-code {module}:build" in err and err.count("\n") == 1
+    assert not marker.exists() and not out.exists()
+
+    assert main(["export", str(run), "--out", str(out), "--model-code", f"{module}:build"]) == 0
+    assert marker.exists() and (out / "model.safetensors").is_file()
+    assert '"builder": "' + module + ':build"' in (out / "behemoth_model.json").read_text()
+
+
+def test_export_imports_no_task_that_only_the_checkpoint_names(tmp_path, monkeypatch, capsys):
+    module, marker = _hostile_module(tmp_path, monkeypatch)
+    run = _run_of(tmp_path, job_dict(tmp_path / "images", tmp_path / "runs", data={"kind": f"{module}:Task"},
+                                     model={"name": f"{module}:build"}))
+    out = tmp_path / "export"
+    assert main(["export", str(run), "--out", str(out)]) == 2
+    assert f"data.kind {module}:Task is a task by import path" in capsys.readouterr().err
+    assert main(["export", str(run), "--out", str(out), "--task-code", f"{module}:Task"]) == 2
+    assert f"pass --model-code {module}:build" in capsys.readouterr().err
+    assert not marker.exists() and not out.exists()
+    assert main(["export", str(run), "--out", str(out), "--task-code", f"{module}:Task", "--model-code",
+                 f"{module}:build"]) == 0
+    assert marker.exists() and (out / "model.safetensors").is_file()
+
+
+def test_export_never_honours_trust_remote_code_from_a_checkpoint(tmp_path, capsys):
+    """A checkpoint's model.trust_remote_code would run its model.pretrained repository's code: refused
+    unless the user passes --trust-remote-code (then the warning names the repository)."""
+    from behemoth.driver.export import TrustedCode, _job_of
+
+    repo = tmp_path / "someone" / "model"
+    run = _run_of(tmp_path, {
+        "data": {"kind": "text", "train_files": ["a.jsonl"], "val_fraction": 0.1, "tokenizer": "tok"},
+        "model": {"name": "causal_lm", "pretrained": str(repo), "trust_remote_code": True}})
+    assert main(["export", str(run), "--out", str(tmp_path / "export")]) == 2
+    err = capsys.readouterr().err
+    assert f"model.trust_remote_code is true, which would run the code of repository {repo}" in err
+    assert "does not honour it from a checkpoint. If you trust that repository, pass --trust-remote-code" in err
+    assert _job_of(str(run), TrustedCode(trust_remote_code=True)).model.trust_remote_code is True

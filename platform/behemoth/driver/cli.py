@@ -9,9 +9,6 @@ from behemoth.version import __version__
 from behemoth.config import dump_yaml, load_config
 from behemoth.errors import ConfigError, user_facing_error
 
-# Set by run.sh as it execs Python (after installing it): when this Python started (see _process_start).
-EXEC_TIME_ENV = "BEHEMOTH_EXEC_TIME"
-
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("config", help="job YAML, e.g. jobs/configs/demo_images.yaml")
@@ -25,6 +22,16 @@ def _int_between(low: int, high: int):
         if not low <= value <= high:
             raise argparse.ArgumentTypeError(f"{value} is not between {low} and {high}")
         return value
+
+    return parse
+
+
+def _import_path(what: str):
+    def parse(text: str) -> str:
+        module, _, attr = text.partition(":")
+        if not (module and attr):
+            raise argparse.ArgumentTypeError(f"{text!r} is not an import path: give module:{what}")
+        return text
 
     return parse
 
@@ -66,6 +73,14 @@ def build_parser() -> argparse.ArgumentParser:
                       help="a run folder's best checkpoint by the task's metric (default)")
     pick.add_argument("--latest", dest="which", action="store_const", const="latest",
                       help="a run folder's latest checkpoint")
+    # A checkpoint's job.yaml is data from whoever wrote it: code it names runs only when named here too.
+    p.add_argument("--model-code", type=_import_path("function"), metavar="MODULE:FUNCTION",
+                   help="import this model builder (a checkpoint whose model.name is one by import path: behemoth "
+                   "imports no code that only the checkpoint names)")
+    p.add_argument("--task-code", type=_import_path("Class"), metavar="MODULE:CLASS",
+                   help="import this task (a checkpoint whose data.kind is one by import path)")
+    p.add_argument("--trust-remote-code", action="store_true", help="run the code of the checkpoint's "
+                   "model.pretrained repository (its job.yaml's model.trust_remote_code is never honoured alone)")
 
     p = sub.add_parser("report", help="write a run's (or a sweep's) report: FOLDER/report/report.html with its "
                        "plots embedded, and the PNGs (`behemoth train` writes it at the end of every run)")
@@ -144,9 +159,10 @@ def _dispatch(args) -> int:
         print(f"[behemoth] report: {write_report(args.folder)}")
         return 0
     if args.command == "export":
-        from behemoth.driver.export import export
+        from behemoth.driver.export import TrustedCode, export
 
-        out, source = export(args.checkpoint, args.out, args.which)
+        trusted = TrustedCode(args.model_code, args.task_code, args.trust_remote_code)
+        out, source = export(args.checkpoint, args.out, args.which, trusted)
         print(f"[behemoth] exported {source}\n  to {out} (load with transformers' from_pretrained / pipeline; "
               f"see its README.md)")
         return 0
@@ -170,11 +186,8 @@ def _dispatch(args) -> int:
 
 
 def _process_start() -> float | None:
-    """When this Python started (the goodput account's start-up and the `first step` line count from it, imports
-    included): Linux's /proc start time, or, where a shell `exec`ed Python after its own work (run.sh, after
-    installing: the process, and so its /proc start, is the shell's), the exec's time the shell recorded in
-    EXEC_TIME_ENV. The later of the two: a process this Python starts inherits the variable but started after
-    it. None without /proc (the account then starts at `train`)."""
+    """When this process started (the goodput account's start-up includes the imports before `train`):
+    Linux's /proc (start time in clock ticks after boot); None elsewhere (the account starts at `train`)."""
     import os
 
     try:
@@ -182,13 +195,9 @@ def _process_start() -> float | None:
             after_name = f.read().rsplit(")", 1)[1].split()  # the name may hold spaces; fields from the 3rd on
         with open("/proc/stat") as f:
             boot = next(int(line.split()[1]) for line in f if line.startswith("btime"))
-        started = boot + int(after_name[19]) / os.sysconf("SC_CLK_TCK")  # field 22: starttime
+        return boot + int(after_name[19]) / os.sysconf("SC_CLK_TCK")  # field 22: starttime
     except (OSError, ValueError, StopIteration, IndexError):
         return None
-    try:
-        return max(started, float(os.environ.get(EXEC_TIME_ENV, "")))
-    except ValueError:  # not set (or not a number: a shell whose `date` has no %N)
-        return started
 
 
 def _tune_command(args) -> int:

@@ -8,36 +8,56 @@ The folder holds what `from_pretrained` and `pipeline` read, so it loads with tr
 - a model card (README.md): how to load it, the job config, the data, the steps and the final metrics.
 A model of one's own (model.name as an import path) is written as model.safetensors plus
 behemoth_model.json naming its builder: loading it needs that builder's code, which the card shows.
+
+A checkpoint may come from someone else, and its job.yaml is only data: behemoth imports no module that job.yaml
+alone names (a model builder or a task by import path) and never honours its model.trust_remote_code. The user
+names that code on the command line (--model-code, --task-code, --trust-remote-code) or export refuses, saying
+which flag would run what.
 """
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 import yaml
 
 from behemoth import weights
 from behemoth.checkpoint import complete_checkpoints, read_state
-from behemoth.config import JobConfig, config_from_dict, dump_yaml
+from behemoth.config import (DataConfig, JobConfig, ModelConfig, config_from_dict, dump_yaml, is_custom_kind,
+                             warn_remote_code)
+from behemoth.models import registry
 from behemoth.errors import CheckpointError, ConfigError
 from behemoth.tasks import task_of
 
 
-def export(path: str, out: str, which: str = "best") -> tuple[Path, str]:
+@dataclass(frozen=True)
+class TrustedCode:
+    """The code the user allows an export to run, named by them, not by the checkpoint: a model builder
+    (module:function) and a task (module:Class) to import, and whether model.pretrained's own code may run."""
+
+    model_code: Optional[str] = None
+    task_code: Optional[str] = None
+    trust_remote_code: bool = False
+
+
+def export(path: str, out: str, which: str = "best", trusted: TrustedCode = TrustedCode()) -> tuple[Path, str]:
     """Write the export of `path` (a checkpoint folder, or a run folder: its `which` checkpoint) to `out`, a
     new or empty folder. Returns (the folder, which checkpoint was exported and why)."""
     out_dir = Path(out)
     if out_dir.exists() and any(out_dir.iterdir()):
         raise ConfigError(f"--out {out} is not empty: export into a new folder (nothing is overwritten)")
-    cfg = _job_of(path)
+    cfg = _job_of(path, trusted)
     task = task_of(cfg)
     if not hasattr(task, "model_from_checkpoint"):
         raise ConfigError(f"task {cfg.data.kind} has no model_from_checkpoint: it cannot be exported")
     ckpt, how = weights.resolve(path, which, task.best)
     if not weights.is_checkpoint(ckpt):
         raise ConfigError(f"{path} is already a Hugging Face folder, not a behemoth checkpoint")
-    cfg = _job_of(ckpt)  # the chosen checkpoint's own config
+    cfg = _job_of(ckpt, trusted)  # the chosen checkpoint's own config
+    warn_remote_code(cfg.model)
     from transformers import PreTrainedModel
     from transformers.utils import logging as transformers_logging
 
@@ -58,17 +78,44 @@ def export(path: str, out: str, which: str = "best") -> tuple[Path, str]:
     return out_dir, f"{ckpt} ({how})"
 
 
-def _job_of(path: str) -> JobConfig:
-    """The job config of a checkpoint folder, or of a run folder's latest complete checkpoint."""
+def _job_of(path: str, trusted: TrustedCode) -> JobConfig:
+    """The job config of a checkpoint folder, or of a run folder's latest complete checkpoint, with only the
+    code the user trusts (its job.yaml is read as data first: building the config imports what it names)."""
     p = Path(path)
     candidates = [p] if weights.is_checkpoint(p) else [Path(c) for _, c in complete_checkpoints(p)]
     if not candidates:
         weights.resolve(path)  # raises the message that says what the folder is not
     job = candidates[0] / "job.yaml"
     try:
-        return config_from_dict(yaml.safe_load(job.read_text()) or {}, where=str(job))
+        raw = yaml.safe_load(job.read_text()) or {}
     except OSError as e:
         raise CheckpointError(f"{candidates[0]}: cannot read its job.yaml ({e})") from None
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{job} does not hold a job config (a mapping of sections)")
+    return config_from_dict(_with_trusted_code(raw, trusted, job), where=str(job))
+
+
+def _with_trusted_code(raw: dict, trusted: TrustedCode, job: Path) -> dict:
+    """`raw` with the code to import and run replaced by what the user named; code that only the checkpoint
+    names is refused, naming the flag that would run it."""
+    model, data = dict(raw.get("model") or {}), dict(raw.get("data") or {})
+    kind, name = data.get("kind", DataConfig.kind), model.get("name", ModelConfig.name)
+    if isinstance(kind, str) and is_custom_kind(kind) and trusted.task_code is None:
+        raise ConfigError(f"{job}: data.kind {kind} is a task by import path; behemoth does not import code that "
+                          f"a checkpoint names. If you trust it, pass --task-code {kind}")
+    if isinstance(name, str) and registry.is_import_path(name) and trusted.model_code is None:
+        raise ConfigError(f"{job}: model.name {name} is a model builder by import path; behemoth does not import "
+                          f"code that a checkpoint names. If you trust it, pass --model-code {name}")
+    if model.get("trust_remote_code") and not trusted.trust_remote_code:
+        raise ConfigError(f"{job}: model.trust_remote_code is true, which would run the code of repository "
+                          f"{model.get('pretrained')}; behemoth does not honour it from a checkpoint. If you trust "
+                          f"that repository, pass --trust-remote-code")
+    if trusted.task_code is not None:
+        data["kind"] = trusted.task_code
+    if trusted.model_code is not None:
+        model["name"] = trusted.model_code
+    model["trust_remote_code"] = trusted.trust_remote_code and bool(model.get("pretrained"))
+    return {**raw, "model": model, "data": data}
 
 
 def model_card(cfg: JobConfig, ckpt: str, how: str, transformers_model: bool) -> str:
