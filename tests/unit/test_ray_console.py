@@ -1,5 +1,9 @@
 """The filter on Ray's forwarded worker output: known noise goes, real warnings and tracebacks stay."""
 
+import functools
+import itertools
+
+import pytest
 from behemoth.driver.ray_console import filter_lines
 
 PREEMPTION = ("[2026-11-23 12:48:54,770 E 30855 30961] core_worker.cc:2465: Actor with class name: "
@@ -212,3 +216,154 @@ def test_a_traceback_cut_between_two_forwarded_batches_is_filtered_as_one():
     for k in range(1, len(real)):
         assert through([real[:k], real[k:]]) == real, k
     assert through([real[:3]]) == real[:3]  # never completed: let out as it is
+
+
+# The console never loses a real error. Real tracebacks (each must reach the console whole, in order) and every
+# kind of noise block (each with what of it stays), put in every order and cut at every point across batches.
+def _frames(*where):
+    return [line for name, code in where for line in (f'  File "{name}", in f', f"    {code}")]
+
+
+SIGTERM_FRAME = SIGTERM_EXIT[5:8]  # Ray's SIGTERM handler raising SystemExit inside whatever ran
+CHAIN = ["", "During handling of the above exception, another exception occurred:", ""]
+REAL = {
+    "plain": ["Error in training function:", "Traceback (most recent call last):",
+              *_frames(("/work/main/platform/behemoth/worker/loop.py", "loss = task.loss(model, batch)"),
+                       ("/x/torch/nn/modules/linear.py", "return F.linear(input, self.weight, self.bias)")),
+              "           ^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^",
+              "RuntimeError: mat1 and mat2 shapes cannot be multiplied (8x512 and 256x10)", ""],
+    "chained": ["Error in training function:", "Traceback (most recent call last):",
+                *_frames(("/home/u/my_task.py", "return self.classes[name]")), "KeyError: 'cat'", *CHAIN,
+                "Traceback (most recent call last):", *_frames(("/home/u/my_task.py", "raise ValueError(name)")),
+                "ValueError: unknown class cat", ""],
+    # a real error being handled when Ray stopped the process: its last link alone reads as a SIGTERM exit
+    "chained into a stop": ["Traceback (most recent call last):", *_frames(("/home/u/up.py", "client.put(p)")),
+                            "OSError: [Errno 28] No space left on device", *CHAIN,
+                            "Traceback (most recent call last):", *_frames(("/home/u/up.py", "time.sleep(9)")),
+                            *SIGTERM_FRAME, "SystemExit: 1"],
+    "a stop chained into an error": [*SIGTERM_EXIT[1:], *CHAIN, "Traceback (most recent call last):",
+                                     *_frames(("/home/u/up.py", "os.remove(lock)")),
+                                     "FileNotFoundError: [Errno 2] No such file or directory: '/tmp/u.lock'"],
+    "thread": ["Exception in thread Thread-3 (prefetch):", "Traceback (most recent call last):",
+               *_frames(("/usr/lib/python3.11/threading.py", "self.run()"), ("/home/u/prefetch.py", "next(it)")),
+               "OSError: [Errno 5] Input/output error"],
+    "ray task": ["Error in training function:", "Traceback (most recent call last):",
+                 *_frames(("/work/main/platform/behemoth/worker/loop.py", "stats = ray.get(ref)")),
+                 "ray.exceptions.RayTaskError(ValueError): \x1b[36mray::stats()\x1b[39m (pid=812, ip=192.0.2.2)",
+                 *_frames(("/home/u/stats.py", "raise ValueError('empty shard')")), "ValueError: empty shard", ""],
+    "a user's SystemExit": REAL_TRACEBACK[:4],
+    "an actor that crashed": [*TEARDOWN[:-1], ("The actor is dead because its worker process has died. Worker "
+                                               "exit type: SYSTEM_ERROR Worker exit detail: Worker exits "
+                                               "unexpectedly.")],
+    # behemoth's run-ending errors where they did not end the run (or not alone): they show
+    "behemoth error in a thread": ["Exception in thread Thread-5 (write):", *UPLOAD_FAILED[1:7]],
+    "behemoth error logged": ["[behemoth] WARNING: the report could not be written", *UPLOAD_FAILED[1:7]],
+    "behemoth error Ray Data let pass": [
+        ('An exception was raised from a task of operator "MapBatches(transform_batch)". Ignoring this exception '
+         'with remaining max_errored_blocks=3.'), *BAD_SAMPLE[3:]],
+    "behemoth error, then another": [*BAD_SAMPLE[2:], *CHAIN, *REAL_TRACEBACK[4:]],
+    "behemoth error raised handling another": [
+        "Error in training function:", "Traceback (most recent call last):",
+        *_frames(("/work/main/platform/behemoth/data/token_store.py", "f = open(path, 'rb')")),
+        "FileNotFoundError: [Errno 2] No such file or directory: '/cache/shard-3.bin'", *CHAIN,
+        *BAD_SAMPLE[3:7], "behemoth.errors.DataError: token shard /cache/shard-3.bin does not exist on this node"],
+    "behemoth error in a user's wrapper": [*BAD_SAMPLE[2:], *RAY_DATA_WRAPPER[:4], "ValueError: user wrap", ""],
+}
+NOISE = {  # name: (its lines, those of them that stay)
+    "preemption": ([PREEMPTION], []),
+    "controller gone": (["Detected that the Ray Train controller actor (ab12) is dead. Cleaning up placement group"],
+                        []),
+    "sigterm": (SIGTERM_EXIT, []),
+    "teardown": ([*TEARDOWN, ""], []),
+    "owner gone": ([*TEARDOWN[:-1], ("The actor is dead because its owner has died. Owner Id: 547e Owner worker "
+                                     "exit type: INTENDED_SYSTEM_EXIT Worker exit detail: Owner's worker process "
+                                     "has crashed.")], []),
+    "crashed shutdown": (CRASHED_SHUTDOWN, CRASHED_SHUTDOWN[:1]),
+    "disk full": ([*UPLOAD_FAILED, ""], []),
+    "bad sample": ([*BAD_SAMPLE, *RAY_DATA_WRAPPER], []),
+}
+
+
+@functools.cache
+def _handler():
+    """One filter for all the streams of these tests, each on its own pid (a filter's start costs a thread)."""
+    from behemoth.driver.ray_console import _filtered
+
+    printed = []
+    return _filtered(printed.append), printed, itertools.count(1000)
+
+
+def _through(batches):
+    """What the console shows of a stream of `batches` of one process."""
+    handler, printed, pids = _handler()
+    pid = next(pids)
+    for batch in batches:
+        handler({"pid": pid, "is_err": True, "lines": batch})
+    handler.flush()
+    out = [line for data in printed if data["pid"] == pid for line in data["lines"]]
+    printed.clear()
+    return out
+
+
+def _cuts(lines, every_cut):
+    """The ways a stream of lines can arrive: each line alone, and (every_cut) in two batches cut anywhere."""
+    yield [[line] for line in lines]
+    for k in range(1, len(lines) if every_cut else 0):
+        yield [lines[:k], lines[k:]]
+
+
+def _contains(out, block):
+    return any(out[k:k + len(block)] == block for k in range(len(out) - len(block) + 1))
+
+
+@pytest.mark.parametrize("real", sorted(REAL))
+def test_every_real_traceback_reaches_the_console_whole_whatever_noise_is_around_it_and_however_it_is_cut(real):
+    """Each real traceback between any two noise blocks (or none), as Ray forwards them: each line alone and,
+    with one noise block or none, cut in two at every point. Its lines come out whole and in order, and all
+    the noise goes (the demo's and the sweep's console stay free of tracebacks)."""
+    kinds = [None, *sorted(NOISE)]
+    for before in kinds:
+        for after in kinds:
+            noise_before, stays_before = NOISE[before] if before else ([], [])
+            noise_after, stays_after = NOISE[after] if after else ([], [])
+            lines = ["[behemoth] step 1", *noise_before, *REAL[real], *noise_after, "[behemoth] step 2"]
+            expected = ["[behemoth] step 1", *stays_before, *REAL[real], *stays_after, "[behemoth] step 2"]
+            for batches in _cuts(lines, every_cut=not (before and after)):
+                out = _through(batches)
+                where = (before, real, after, [len(b) for b in batches])
+                assert _contains(out, REAL[real]), where
+                assert [x for x in out if x.strip()] == [x for x in expected if x.strip()], where
+
+
+def test_two_real_tracebacks_in_a_row_both_show():
+    for first, one in REAL.items():
+        for second, other in REAL.items():
+            for batches in _cuts([*one, *other], every_cut=True):
+                out = _through(batches)
+                assert _contains(out, one) and _contains(out, other), (first, second, batches)
+
+
+def test_a_real_error_followed_by_rays_stop_of_the_process_shows():
+    """The order in which they come when a trial or worker fails and is then stopped: a real error, then Ray's
+    SIGTERM exit or an intended-exit teardown. The real one stays, the stop goes."""
+    for noise in ("sigterm", "teardown"):
+        lines = REAL["plain"] + NOISE[noise][0]
+        assert [x for x in filter_lines(lines) if x.strip()] == [x for x in REAL["plain"] if x.strip()], noise
+
+
+def test_held_lines_are_let_out_when_nothing_completes_them(monkeypatch):
+    """A traceback cut off by the end of a batch is held for its rest; if that never comes (a process that hangs
+    or died mid-write) it is printed after HOLD_S, without waiting for another batch or the driver's exit."""
+    import time
+
+    from behemoth.driver import ray_console
+
+    monkeypatch.setattr(ray_console, "HOLD_S", 0.2)
+    out = []
+    handler = ray_console._filtered(lambda data: out.extend(data["lines"]))
+    handler({"pid": 7, "is_err": True, "lines": REAL["thread"][:3]})
+    assert out == REAL["thread"][:1]  # the traceback is held: its end may still make it noise
+    deadline = time.monotonic() + 5
+    while len(out) < 3 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert out == REAL["thread"][:3]

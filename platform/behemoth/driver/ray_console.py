@@ -1,10 +1,13 @@
-"""What of Ray's own output reaches the driver's console: everything, except lines known to be noise in a
-behemoth run (each listed below with why), so that a traceback on the console means something failed that
-behemoth's own lines do not already explain (a run-ending data, config or disk error is said in one line).
+"""What of Ray's own output reaches the driver's console: everything, except what is proven noise in a behemoth
+run: a few whole lines, and tracebacks that are, whole, one traceback of a known kind (each listed below with
+why), so that a traceback on the console means something failed that behemoth's own lines do not already
+explain. The console never loses a real error: a block is dropped only when all of it, from its first line to
+its last, is read as one of those kinds, with no other error chained to it before or after; anything else,
+however it is cut across Ray's batches and whatever noise comes before or after it, is printed whole, in
+order. The dropped tracebacks stay in Ray's worker logs (worker-*.err in the node's Ray log folder).
 
 Ray forwards every worker's and actor's stdout/stderr to the driver (log_to_driver). behemoth wraps the
-handler that prints them (Ray 2.60: `ray_print_logs` on the driver's stdstream dispatcher) with a filter;
-warnings and tracebacks that match none of the patterns pass unchanged.
+handler that prints them (Ray 2.60: `ray_print_logs` on the driver's stdstream dispatcher) with a filter.
 """
 
 from __future__ import annotations
@@ -26,106 +29,188 @@ NOISE_LINES = [
     re.compile(r"^Detected that the Ray Train controller actor \(\w+\) is dead\. Cleaning up placement group"),
 ]
 
-# A traceback block (from "Traceback ..." or "Exception ignored in ..." to its end) is noise when it records an
-# exit Ray asked for, which is how a sweep stops a trial and how Ray Train tears down a worker group:
-# - it ends in "SystemExit: N" raised by Ray's SIGTERM handler (Tune stopping a trial's actor; the handler's
-#   SystemExit surfaced inside whatever Python was running, e.g. a weakref callback);
-# - it holds an ActorDiedError and ends in Ray's "The actor is dead because ..." line with exit type
-#   INTENDED_SYSTEM_EXIT: a training worker's "Error in training function" whose report in flight found Ray
-#   Train's SynchronizationActor gone because Ray destroyed the group on purpose (its placement group was
-#   removed, or its owner, the trial's controller, was stopped);
-# - it is the traceback Ray Train's controller prints under its own line "Graceful shutdown of backend failed.
-#   This is expected if one of the workers has crashed." (torch's on_shutdown call to a dead worker): the line
-#   stays, as it says what happened; the traceback under it says nothing more.
-# An actor that died any other way (exit type SYSTEM_ERROR, not under that line) still shows.
-_BLOCK_START = re.compile(r"^(Traceback \(most recent call last\):|Exception ignored in: |Error in training function:)")
+# The traceback blocks that are noise, each one traceback read whole (its header, "Traceback ...", frames, its
+# exception line and what belongs to that line, nothing else), not chained to another:
+# 1. An exit Ray asked for, which is how a sweep stops a trial and how Ray Train tears down a worker group:
+#    - "SystemExit: N" raised by Ray's SIGTERM handler (a frame of ray/_private/worker.py's sigterm_handler):
+#      Tune stopping a trial's actor; it surfaces inside whatever Python was running, e.g. a weakref callback;
+#    - an ActorDiedError whose "The actor is dead because ..." line says INTENDED_SYSTEM_EXIT: a training
+#      worker's "Error in training function" whose report in flight found Ray Train's SynchronizationActor gone
+#      because Ray destroyed the group on purpose (its placement group was removed, or its owner, the trial's
+#      controller, was stopped);
+#    - the ActorDiedError of torch's on_shutdown call to a dead worker, under Ray Train's controller's own line
+#      "Graceful shutdown of backend failed. This is expected if one of the workers has crashed.": the line
+#      stays, as it says what happened; the traceback under it says nothing more.
+#    An actor that died any other way (exit type SYSTEM_ERROR, not under that line) still shows.
+# 2. A worker's failure on one of behemoth's errors that end a run at once (errors.NOT_RETRIED: a bad sample, a
+#    config a worker rejects, a full disk): the run ends with the failure policy's line (which says where the
+#    traceback is kept) and the command's error line. Only where Ray Train prints the failure it hands to the
+#    controller, which is what ends the run: under "Error in training function:" (ray/train/v2/_internal/
+#    util.py: construct_user_exception_with_traceback) or under the line of a failed background checkpoint
+#    upload, which Ray Train hands on the same way right after. With it go Ray Data's lines announcing it just
+#    above and Ray's wrapping of it just below. The same error printed anywhere else (a thread's, a log's), or
+#    chained to another error, shows: it did not, or not alone, end the run.
+_TRACEBACK = "Traceback (most recent call last):"
+_TRAIN_FN_FAILED = "Error in training function:"
+_IGNORED = "Exception ignored in: "
+_UPLOAD_FAILED = "`ray.train.report(checkpoint_upload_mode=ASYNC)` checkpoint upload failed in the background"
+_DATA_ABORT = re.compile(r'^An exception was raised from a task of operator ".*"\. Dataset execution will now abort\.')
+_DATA_USER_CODE = "Exception occurred in user code, with the abbreviated stack trace below"
+_CRASHED_SHUTDOWN = "Graceful shutdown of backend failed. This is expected if one of the workers has crashed."
+_DIRECT_CAUSE = "The above exception was the direct cause"
+_CHAINING = ("During handling of the above exception", _DIRECT_CAUSE)
 _SIGTERM_END = re.compile(r"^SystemExit: \d+\s*$")
+_SIGTERM_FRAME = re.compile(r'ray/_private/worker\.py", line \d+, in sigterm_handler\s*$')
+_ACTOR_DIED = "ray.exceptions.ActorDiedError: "
 _ACTOR_DEATH_END = re.compile(r"^The actor is dead because")
 _INTENDED = re.compile(r"exit type: INTENDED_SYSTEM_EXIT", re.IGNORECASE)
-_CRASHED_SHUTDOWN = "Graceful shutdown of backend failed. This is expected if one of the workers has crashed."
-
-
-def _intended_exit_block(lines: list[str], i: int) -> int | None:
-    """The index of the last line of the intended-exit traceback starting at lines[i], or None."""
-    under_shutdown_line = i > 0 and lines[i - 1].strip() == _CRASHED_SHUTDOWN
-    for j in range(i + 1, min(len(lines), i + 60)):
-        block = lines[i:j]
-        if _SIGTERM_END.match(lines[j]):
-            return j if any("sigterm_handler" in line for line in block) else None
-        if _ACTOR_DEATH_END.match(lines[j]):
-            intended = _INTENDED.search(lines[j]) or (
-                under_shutdown_line and any("on_shutdown" in line for line in block))
-            return j if intended and any("ActorDiedError" in line for line in block) else None
-    return None
-
-
-# A traceback block that ends in one of behemoth's errors that end a run at once (errors.NOT_RETRIED: a bad
-# sample, a config a worker rejects, a full disk) says nothing the one line of the controller's failure policy
-# and the command's error line do not: it is left in Ray's worker log (the policy's line says where), not
-# printed; nor are Ray's lines that announce it (_PREAMBLES) and Ray's wrapping of it (_not_retried_block).
 _NOT_RETRIED_END = re.compile(rf"^behemoth\.errors\.({'|'.join(t.__name__ for t in NOT_RETRIED)}): ")
-# Ray's own lines announcing such a failure, just before its traceback: a failed background upload (Ray Train),
-# a failed task of a dataset (Ray Data).
-_PREAMBLES = ("`ray.train.report(checkpoint_upload_mode=ASYNC)` checkpoint upload failed in the background",
-              "An exception was raised from a task of operator",
-              "Exception occurred in user code, with the abbreviated stack trace below")
-_CHAINING = ("During handling of the above exception", "The above exception was the direct cause")
-
-
 _RAY_TASK_HEADER = re.compile(r"^(\x1b\[\d+m)?ray::")  # "ray::MapBatches(transform_batch)() (pid=.., ip=..)"
-_DIRECT_CAUSE = "The above exception was the direct cause"
+# A RayTaskError's line, over the frames of the remote task it carries
+_RAY_TASK_LINE = re.compile(r"^((\x1b\[\d+m)?ray::|ray\.exceptions\.RayTaskError(\(\w+\))?: )")
+_END = "\x00"  # what a read past the last line gives: a line that is no part of any block
 
 
-def _not_retried_block(lines: list[str], i: int) -> int | None:
-    """The index of the last line of the traceback starting at lines[i] if what failed is a NOT_RETRIED error:
-    its exception line, after any number of frames (Ray's RayTaskError line holds its task's frames under it),
-    and then at most Ray's own wrapping of it ("The above exception was the direct cause ..." followed by a
-    `ray.exceptions.` error, e.g. Ray Data's UserCodeException), up to the blank line that ends that. Another
-    exception raised while handling it, or any other error, keeps the whole traceback."""
-    j = i + 1
-    while j < min(len(lines), i + 200):
-        line = lines[j]
-        if _NOT_RETRIED_END.match(line):
-            break
-        following = next((x for x in lines[j + 1:j + 3] if x.strip()), "")
-        if (line.strip() and not line[0].isspace() and not _BLOCK_START.match(line)
-                and not _RAY_TASK_HEADER.match(line) and not following[:1].isspace()):
-            return None  # the traceback ends in another error
-        j += 1
-    else:
-        return None
-    after = next((k for k in range(j + 1, min(len(lines), j + 4)) if lines[k].strip()), None)
-    if after is None or not lines[after].startswith(_CHAINING):
+class _Lines:
+    """The lines being read, noting a read past the last one (`ran_out`): a block read then may be decided
+    differently once the lines after it come (a chained traceback, the rest of a cut one)."""
+
+    def __init__(self, lines: list[str]):
+        self.lines, self.ran_out = lines, False
+
+    def __getitem__(self, j: int) -> str:
+        if j < len(self.lines):
+            return self.lines[j]
+        self.ran_out = True
+        return _END
+
+    def text_from(self, j: int) -> int:
+        """The index of the first line from j on that is not blank."""
+        while self[j] != _END and not self[j].strip():
+            j += 1
         return j
-    if not lines[after].startswith(_DIRECT_CAUSE):
-        return None  # something else failed while handling it
-    wrapper = next((k for k in range(after + 1, min(len(lines), after + 6))
-                    if lines[k].strip() and not _RAY_TASK_HEADER.match(lines[k])), None)
-    if wrapper is None or not lines[wrapper].startswith("ray.exceptions."):
+
+
+def _exception_line(src: _Lines, j: int) -> int | None:
+    """The index of the exception line of the traceback whose "Traceback ..." line is lines[j], or None when
+    lines[j] does not start one. Frames are indented lines, with blank lines between them and RayTaskError
+    lines over a remote task's frames; the exception line follows the last frame directly."""
+    if src[j].rstrip() != _TRACEBACK:
         return None
-    end = next((k for k in range(wrapper + 1, min(len(lines), wrapper + 20)) if not lines[k].strip()), None)
-    return end if end is not None else len(lines) - 1
+    k = j + 1
+    while src[k].startswith(" ") or (
+            (not src[k].strip() or _RAY_TASK_LINE.match(src[k])) and src[src.text_from(k + 1)].startswith(" ")):
+        k += 1
+    return k if src[k] != _END and src[k].strip() else None
+
+
+def _intended_exit_end(src: _Lines, i: int, under_shutdown: bool = False) -> int | None:
+    """The index of the last line of the intended-exit traceback (kind 1) starting at lines[i] ("Traceback"
+    or a header over it), or None."""
+    j = i + 1 if src[i].startswith((_IGNORED, _TRAIN_FN_FAILED)) else i
+    k = _exception_line(src, j)
+    if k is None:
+        return None
+    frames = src.lines[j + 1:k]
+    if _SIGTERM_END.match(src[k]):
+        return k if any(_SIGTERM_FRAME.search(line) for line in frames) else None
+    if not src[k].startswith(_ACTOR_DIED):
+        return None
+    k += 1
+    while src[k].startswith("\t"):  # the ActorDiedError's "\tclass_name: ...", "\tpid: ..."
+        k += 1
+    intended = _ACTOR_DEATH_END.match(src[k]) and (
+        _INTENDED.search(src[k]) or (under_shutdown and any("in on_shutdown" in line for line in frames)))
+    return k if intended else None
+
+
+def _run_ending_end(src: _Lines, i: int) -> int | None:
+    """The index of the last line of the run-ending traceback (kind 2) under Ray Train's line lines[i], with
+    Ray's wrapping of it and the blank lines after it, or None."""
+    k = _exception_line(src, i + 1)
+    if k is None or not _NOT_RETRIED_END.match(src[k]):
+        return None
+    after = src.text_from(k + 1)
+    if src[after].startswith(_DIRECT_CAUSE):
+        k = _ray_wrapping_end(src, after)
+        if k is None:
+            return None
+    while src[k + 1] != _END and not src[k + 1].strip():
+        k += 1  # the blank line Ray Train prints after it
+    return k
+
+
+def _ray_wrapping_end(src: _Lines, j: int) -> int | None:
+    """lines[j] says "The above exception was the direct cause ...": the index of the last line of what
+    follows if it is Ray's wrapping (a `ray::` task line, a `ray.exceptions.` error and its message, e.g.
+    Ray Data's UserCodeException), or None (a user's own wrapper, say)."""
+    k = src.text_from(j + 1)
+    if _RAY_TASK_HEADER.match(src[k]):
+        k += 1
+    if not src[k].startswith("ray.exceptions."):
+        return None
+    while _goes_on_message(src[k + 1]):
+        k += 1
+    return k
+
+
+def _goes_on_message(line: str) -> bool:
+    """Whether `line` can be one more line of an exception's message: text, not a frame, not a new block."""
+    return (line != _END and bool(line.strip()) and not line[0].isspace() and not line.startswith(_CHAINING)
+            and line.rstrip() not in (_TRACEBACK, _TRAIN_FN_FAILED, _CRASHED_SHUTDOWN)
+            and not line.startswith((_IGNORED, _UPLOAD_FAILED, _DATA_USER_CODE)) and not _DATA_ABORT.match(line))
+
+
+def _noise_block(src: _Lines, i: int, before: str) -> tuple[int, int] | None:
+    """(first, last): the lines to drop for the noise block that lines[i] starts, or None. `before`: the last
+    line that is not blank before lines[i] (in this or an earlier batch of the same stream)."""
+    line, first, end = src[i], i, None
+    if line.rstrip() == _CRASHED_SHUTDOWN:
+        first = i + 1  # the line stays
+        end = _intended_exit_end(src, first, under_shutdown=True)
+    elif _DATA_ABORT.match(line) or line.startswith(_DATA_USER_CODE):
+        j = i
+        while _DATA_ABORT.match(src[j]) or src[j].startswith(_DATA_USER_CODE):
+            j += 1
+        end = _run_ending_end(src, j) if src[j].rstrip() == _TRAIN_FN_FAILED else None
+    elif line.startswith(_UPLOAD_FAILED):
+        end = _run_ending_end(src, i)
+    elif line.rstrip() == _TRAIN_FN_FAILED:
+        end = _run_ending_end(src, i)
+        end = _intended_exit_end(src, i) if end is None else end
+    elif line.rstrip() == _TRACEBACK or line.startswith(_IGNORED):
+        end = _intended_exit_end(src, i)
+    if end is None or before.startswith(_CHAINING) or src[src.text_from(end + 1)].startswith(_CHAINING):
+        return None  # not noise, or one link of a chained traceback: another error is in it
+    return first, end
+
+
+def _scan(lines: list[str], before: str = "", final: bool = True) -> tuple[list[str], list[str], str]:
+    """(the lines to print, the lines to hold back, the last line not blank before those held). Unless `final`,
+    the lines from the first block that cannot be decided before more lines come (it reaches the last line)
+    are held back; `before`: the last line not blank that came before `lines` in the same stream."""
+    src, kept, i = _Lines(lines), [], 0
+    while i < len(lines):
+        src.ran_out = False
+        block = _noise_block(src, i, before)
+        if src.ran_out and not final:
+            return kept, lines[i:], before
+        if block is None:
+            if not any(p.search(lines[i]) for p in NOISE_LINES):
+                kept.append(lines[i])
+            before = lines[i] if lines[i].strip() else before
+            i += 1
+        else:
+            first, end = block
+            kept += lines[i:first]  # (the crashed-shutdown line)
+            before = next(line for line in reversed(lines[i:end + 1]) if line.strip())
+            i = end + 1
+    return kept, [], before
 
 
 def filter_lines(lines: list[str]) -> list[str]:
-    """`lines` without the noise lines, without tracebacks of an exit Ray asked for, and without tracebacks
-    of an error that ends the run with its own line."""
-    kept, i = [], 0
-    while i < len(lines):
-        if _BLOCK_START.match(lines[i]):
-            end = _intended_exit_block(lines, i)
-            if end is None and (end := _not_retried_block(lines, i)) is not None:
-                while end + 1 < len(lines) and not lines[end + 1].strip():
-                    end += 1  # and the blank line Ray Train prints after it
-                while kept and kept[-1].startswith(_PREAMBLES):
-                    kept.pop()  # Ray's announcement of it
-            if end is not None:
-                i = end + 1
-                continue
-        if not any(p.search(lines[i]) for p in NOISE_LINES):
-            kept.append(lines[i])
-        i += 1
-    return kept
+    """`lines` without the noise lines and the noise tracebacks."""
+    return _scan(lines)[0]
 
 
 def install() -> None:
@@ -138,67 +223,55 @@ def install() -> None:
                 dispatcher.handlers[i] = (name, _filtered(handler))
 
 
-# Ray forwards a process's output in batches as it comes, so a traceback can arrive cut in two: its first part
-# alone would match no pattern and print. A batch that ends inside a traceback keeps that traceback back (per
-# process and stream) until the same process's next batch completes it; held lines are let out as they are
-# once HOLD_S passes without it (at the next batch of any process), and at the driver's exit.
+# Ray forwards a process's output in batches as it comes, so a traceback can arrive cut anywhere: a part alone
+# may read as noise or as real when the whole does not. A batch whose end leaves a block undecided keeps that
+# block back (per process and stream) until the same process's next batch decides it; held lines are let out,
+# filtered as they are, once HOLD_S passes without it, and at the driver's exit.
 HOLD_S = 2.0
-
-
-def _unfinished_tail(lines: list[str]) -> int | None:
-    """Where a traceback cut off by the end of `lines` begins (its chain and Ray's announcement of it included),
-    or None when the last line that is not blank is not inside one (a frame, a block start, a chaining line,
-    an announcement)."""
-    body = [line for line in lines if line.strip()]
-    if not body or not (body[-1][:1].isspace() or _BLOCK_START.match(body[-1])
-                        or body[-1].startswith(_CHAINING + _PREAMBLES)):
-        return None
-    starts = [i for i, line in enumerate(lines) if _BLOCK_START.match(line) or line.startswith(_PREAMBLES)]
-    if not starts:
-        return None
-    start = starts[-1]
-    while True:
-        prev = start - 1
-        while prev >= 0 and not lines[prev].strip():
-            prev -= 1
-        if prev >= 0 and (_BLOCK_START.match(lines[prev]) or lines[prev].startswith(_PREAMBLES)):
-            start = prev  # "Error in training function:" over its "Traceback ...", an announcement over it
-        elif prev >= 0 and lines[prev].startswith(_CHAINING) and any(i < prev for i in starts):
-            start = max(i for i in starts if i < prev)  # the first traceback of a chain
-        else:
-            return start
 
 
 def _filtered(print_logs):
     held: dict = {}  # (pid, is_err) -> (data, lines, since)
+    before: dict = {}  # (pid, is_err) -> the last line not blank before what is held (chains cross batches)
     lock = threading.Lock()
+    timer = [None]  # the one pending release of held lines, if any
 
-    def emit(data: dict, lines: list[str]) -> None:
-        lines = filter_lines(lines)
-        if lines:
-            print_logs({**data, "lines": lines})
+    def scan(key, data: dict, lines: list[str], final: bool) -> None:
+        kept, rest, before[key] = _scan(lines, before.get(key, ""), final)
+        if rest:
+            held[key] = (data, rest, time.monotonic())
+        if kept:
+            print_logs({**data, "lines": kept})
+
+    def release(now: float, stale_only: bool) -> None:
+        for key in [k for k, (_, _, since) in held.items() if not stale_only or now - since >= HOLD_S]:
+            data, lines, _ = held.pop(key)
+            scan(key, data, lines, final=True)
+
+    def schedule(now: float) -> None:
+        """Wake up when the oldest held lines are due, unless a wake-up is pending."""
+        if held and timer[0] is None:
+            due = min(since for _, _, since in held.values()) + HOLD_S
+            timer[0] = threading.Timer(max(0.0, due - now), wake_up)
+            timer[0].daemon = True  # nothing waits for it at exit: the atexit flush lets all out
+            timer[0].start()
+
+    def wake_up() -> None:
+        with lock:
+            timer[0], now = None, time.monotonic()
+            release(now, stale_only=True)
+            schedule(now)
 
     def print_filtered(data: dict) -> None:
         key = (data.get("pid"), data.get("is_err"))
         with lock:
-            now = time.monotonic()
-            lines = list(data.get("lines") or [])
-            if key in held:
-                lines = held.pop(key)[1] + lines
-            for stale in [k for k, (_, _, since) in held.items() if now - since > HOLD_S]:
-                old, old_lines, _ = held.pop(stale)
-                emit(old, old_lines)
-            cut = _unfinished_tail(lines)
-            if cut is not None:
-                held[key] = (data, lines[cut:], now)
-                lines = lines[:cut]
-            emit(data, lines)
+            lines = (held.pop(key)[1] if key in held else []) + list(data.get("lines") or [])
+            scan(key, data, lines, final=False)
+            schedule(time.monotonic())
 
     def flush() -> None:
         with lock:
-            while held:
-                data, lines, _ = held.pop(next(iter(held)))
-                emit(data, lines)
+            release(time.monotonic(), stale_only=False)
 
     atexit.register(flush)
     print_filtered.flush = flush
