@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
-from PIL import Image
+from PIL import Image, ImageOps
 
 from behemoth.config import DataConfig
 from behemoth.errors import BadSampleError
@@ -147,8 +147,7 @@ def transform_batch(batch: dict, *, cfg: DataConfig, seed: int, epoch: int, trai
     std = np.asarray(cfg.std, dtype=np.float32)[:, None, None]
     for i, (data, sample_id) in enumerate(zip(raw, batch["sample_id"])):
         try:
-            img = Image.open(io.BytesIO(data))
-            img = img.convert("RGB")
+            img = decode_rgb(data)
         except Exception as e:  # PIL raises many types for bad files
             if cfg.max_bad_samples == 0:
                 where = _describe(batch["path"][i], batch["row"][i])
@@ -164,14 +163,31 @@ def transform_batch(batch: dict, *, cfg: DataConfig, seed: int, epoch: int, trai
     return {"image": images, "label": batch["label"], "sample_id": batch["sample_id"], "valid": valid}
 
 
+def decode_rgb(data: bytes) -> Image.Image:
+    """An encoded image as transformers' pipeline loads one (transformers.image_utils.load_image): turned
+    upright by its EXIF orientation, then converted to RGB (alpha dropped, not composited), so that an exported
+    model is handed the pixels it was trained on."""
+    img = Image.open(io.BytesIO(data))
+    ImageOps.exif_transpose(img, in_place=True)
+    return img.convert("RGB")
+
+
+def fit_size(width: int, height: int, size: int) -> tuple[int, int]:
+    """(width, height) after resizing the shorter side to `size`: the longer side is size * long / short,
+    truncated, as transformers computes it (image_transforms.get_resize_output_image_size, used by both of its
+    image-processor backends), so that an exported model's processor resizes to the same pixel grid."""
+    short, long = (width, height) if width <= height else (height, width)
+    new_long = int(size * long / short)
+    return (size, new_long) if width <= height else (new_long, size)
+
+
 def center_fit(img: Image.Image, size: int) -> np.ndarray:
-    """Resize the shorter side to `size`, centre-crop to size x size (evaluation, and crop_flip's base)."""
-    w, h = img.size
-    if (w, h) != (size, size):
-        scale = size / min(w, h)
-        img = img.resize((max(size, round(w * scale)), max(size, round(h * scale))), Image.BILINEAR)
-        w, h = img.size
-        left, top = (w - size) // 2, (h - size) // 2
+    """Resize the shorter side to `size` (bilinear, fit_size), centre-crop to size x size (evaluation, and
+    crop_flip's base). The exported image processor (tasks/image.py: save_for_transformers) repeats it."""
+    if img.size != (size, size):
+        img = img.resize(fit_size(*img.size, size), Image.BILINEAR)
+        # the top-left corner transformers' center_crop picks: (dimension - crop) // 2
+        left, top = (img.width - size) // 2, (img.height - size) // 2
         img = img.crop((left, top, left + size, top + size))
     return np.asarray(img, dtype=np.uint8)
 

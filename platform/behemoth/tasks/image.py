@@ -133,8 +133,12 @@ class ImageClassification:
     @classmethod
     def save_for_transformers(cls, cfg: JobConfig, out: Path) -> None:
         """An image processor config that repeats the validation preprocessing (behemoth.data.images:
-        center_fit, then /255 and mean/std): shorter side resized to data.image_size (bilinear), centre crop,
-        RGB. transformers' BitImageProcessor does exactly these steps."""
+        decode_rgb, center_fit, then /255 and mean/std): RGB, shorter side resized to data.image_size
+        (bilinear, the longer side's size truncated as transformers does), centre crop. With transformers' PIL
+        backend the pixels are behemoth's, bit for bit (tests/unit/test_export_parity.py). Its torchvision
+        backend (the default where torchvision is installed) resizes to the same size and crops the same
+        window, but torch's uint8 resize rounds some values one level off PIL's (and differently on CPUs with
+        and without AVX2): logits within ~1e-3, not bit-exact."""
         size = cfg.data.image_size
         (out / "preprocessor_config.json").write_text(json.dumps({
             "image_processor_type": "BitImageProcessor",
