@@ -53,6 +53,7 @@ def check_name(key: str, name: str, max_len: int = NAME_MAX) -> None:
 
 def run_dir(storage_path: str, run_name: str) -> str:
     """The folder of run `run_name` under `storage_path` (local: absolute)."""
+    check_name("checkpoint.run_name", run_name)  # also for a config the Python API never validated
     return join(storage_root(storage_path), run_name)
 
 

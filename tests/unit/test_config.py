@@ -259,11 +259,15 @@ def test_run_and_sweep_names_stay_inside_their_storage_path(name):
 def test_run_and_sweep_names_are_plain_on_every_storage(tmp_path, storage, name):
     """pyarrow reads s3://bucket/runs/exp#1 as runs/exp and ?... as filesystem options: a name is refused on
     every storage, naming the key and the rule, before any path is built from it."""
-    from behemoth.driver.tune import SweepConfig, load_sweep
+    from behemoth.config import CheckpointConfig, JobConfig
+    from behemoth.driver.trainer import run_dir
+    from behemoth.driver.tune import load_sweep
 
     rule = r"must be a plain folder name: 1-\d+ characters of A-Z a-z 0-9 '.' '_' '-', not starting with"
     with pytest.raises(ConfigError, match=rf"checkpoint.run_name '.*' {rule}"):
         load_config(write(tmp_path, f"checkpoint:\n  storage_path: {storage}\n"), [f"checkpoint.run_name={name}"])
+    with pytest.raises(ConfigError, match=rf"checkpoint.run_name '.*' {rule}"):  # a config never validated
+        run_dir(JobConfig(checkpoint=CheckpointConfig(storage_path=storage, run_name=name)))
     sweep = tmp_path / "sweep.yaml"
     sweep.write_text(f"job: job.yaml\nstorage_path: {storage}\nspace: {{train.lr: {{grid: [0.1]}}}}\n")
     with pytest.raises(ConfigError, match=rf"name '.*' {rule}"):
