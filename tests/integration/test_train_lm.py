@@ -28,10 +28,12 @@ def test_ray_data_packs_exactly_and_caches(text_corpus, tmp_path, monkeypatch):
     monkeypatch.setattr(text, "UNIT_BYTES", 2000)  # ~20 Ray Data tasks; lines cross unit boundaries
     cfg = config_from_dict(lm_job_dict(text_corpus, tmp_path))
     tokens = prepare_text(cfg.data, seed=0)
-    for split, blocks in (("train", tokens.train), ("val", tokens.val)):
+    for split, store in (("train", tokens.train), ("val", tokens.val)):
         stream, n_docs = reference_stream(text_corpus / f"{split}.jsonl", "text", cfg.data.tokenizer)
-        assert blocks.shape == (len(stream) // 32, 32)
+        blocks = np.asarray(store)
+        assert blocks.shape == store.shape == (len(stream) // 32, 32)
         np.testing.assert_array_equal(blocks.reshape(-1), stream[: blocks.size])  # Ray kept the corpus order
+        np.testing.assert_array_equal(store.gather(np.arange(len(store)))["id"], np.arange(len(store)))
         assert tokens.stats[split]["documents"] == n_docs
     assert tokens.train.dtype == np.uint16  # vocab of 400 fits
     again = prepare_text(cfg.data, seed=0)  # the cache: same folder, same blocks
@@ -334,22 +336,32 @@ def test_a_local_ray_runs_its_workers_at_normal_priority():
     assert "Token authentication is enabled" not in out.stderr  # the notice about the default, filtered
 
 
-def test_the_ledger_audit_catches_a_pipeline_that_repeats_a_batch(text_corpus, tmp_path):
-    """The ledger holds what the pipeline delivered, so the audit the failure tests rely on (and pass with
-    the real pipeline) fails when the data layer repeats a batch and skips the one it replaces, though the
-    planned order is right."""
-    from behemoth.driver.trainer import build_trainer, prepare_data
-    from integration import ledger_audit
-    from integration.faulty_pipeline import REPEATED_AT, loop_with_a_repeated_batch
+BROKEN_PIPELINES = {  # faulty_pipeline's loop -> the audit's message for its first BROKEN_AT + 2 steps
+    "loop_with_a_repeated_batch": "step 4 trained step 3's batch again (a repeated batch); step 4's batch was "
+                                  "never trained (a skipped batch)",
+    "loop_with_a_skipped_batch": "step 4 trained step 5's batch, ahead of its place; step 5 trained step 6's "
+                                 "batch, ahead of its place; step 4's batch was never trained (a skipped batch)"}
 
+
+@pytest.mark.parametrize("loop", BROKEN_PIPELINES)
+def test_the_ledger_audit_names_a_repeated_and_a_skipped_batch(text_corpus, tmp_path, loop):
+    """The ledger holds what the pipeline delivered, so the audit the failure tests rely on (and pass with
+    the real pipeline) fails when the data layer repeats a batch in place of the next, or drops one, though
+    the planned order is right; its message says which step trained what (a ledger that stopped recording
+    would say a step is missing instead)."""
+    from behemoth.driver.trainer import build_trainer, prepare_data
+    from integration import faulty_pipeline, ledger_audit
+
+    broken_at = faulty_pipeline.BROKEN_AT
     job = lm_job_dict(text_corpus, tmp_path, run_name="faulty",
-                      train={"max_steps": REPEATED_AT + 2, "sample_ledger": str(tmp_path / "ledger")},
+                      train={"max_steps": broken_at + 2, "sample_ledger": str(tmp_path / "ledger")},
                       checkpoint={"every_n_steps": 100}, eval={"every_n_steps": None})
     cfg = config_from_dict(job)
     data = prepare_data(cfg)
     trainer = build_trainer(cfg, data)
-    trainer.train_loop_per_worker = loop_with_a_repeated_batch
+    trainer.train_loop_per_worker = getattr(faulty_pipeline, loop)
     trainer.fit()
-    with pytest.raises(AssertionError, match=f"step {REPEATED_AT + 1}"):
-        ledger_audit.audit(tmp_path / "ledger", len(data.train), steps=REPEATED_AT + 2, batch=16)
-    ledger_audit.audit(tmp_path / "ledger", len(data.train), steps=REPEATED_AT, batch=16)  # the steps before
+    with pytest.raises(AssertionError) as e:
+        ledger_audit.audit(tmp_path / "ledger", len(data.train), steps=broken_at + 2, batch=16)
+    assert str(e.value) == f"the ledger differs from the planned order: {BROKEN_PIPELINES[loop]}"
+    ledger_audit.audit(tmp_path / "ledger", len(data.train), steps=broken_at, batch=16)  # the steps before

@@ -1,5 +1,6 @@
 """Packed token blocks in shard files: written as the packer fills them, read back by global block index."""
 
+import json
 import pickle
 from pathlib import Path
 
@@ -140,3 +141,44 @@ def test_a_uri_folder_is_read_by_ranged_requests_and_uploaded_meta_last(tmp_path
     fresh = TokenShards(uri, shards, SEQ, np.uint16)
     with pytest.raises(DataError, match=f"token shard {uri}/{shards[1]['file']} ends before block 127"):
         fresh[np.array([127])]
+
+
+def test_a_batch_reports_the_blocks_it_read_so_a_wrong_gather_fails_the_ledger_audit(tmp_path):
+    """A text batch's sample ids are the ids stored with the blocks, read by the same gather as the tokens:
+    the ledger of a real gather passes the audit; a gather that reads the wrong rows (here: each shard's
+    neighbour) reports the blocks it read, and the audit names the step."""
+    from behemoth.checkpoint import TrainState
+    from behemoth.tasks.causal_lm import gather_batch
+    from behemoth.worker.ledger import SampleLedger
+    from integration.ledger_audit import audit, planned_batches
+
+    blocks = np.arange(64 * SEQ, dtype=np.uint16).reshape(64, SEQ)  # block i holds i*SEQ .. i*SEQ + SEQ-1
+    (tmp_path / "store").mkdir()
+    shards = write_store(tmp_path / "store", blocks, shard_bytes=16 * SEQ * 2, chunks=[64])
+    plan = planned_batches(64, 8, 3)
+
+    def ledger(store, name: str):
+        writer = SampleLedger(str(tmp_path / name), rank=0, world=1)
+        for step, ids in plan.items():
+            batch = gather_batch(store, ids)
+            read = batch["sample_id"].numpy()
+            assert np.array_equal(batch["input_ids"].numpy(), blocks[read])  # the ids name the tokens delivered
+            writer.record(TrainState(step=step - 1), [batch], loss_sum=1.0, samples=8)
+        writer.file.close()
+        return tmp_path / name
+
+    store = TokenShards(tmp_path / "store", shards, SEQ, np.uint16)
+    audit(ledger(store, "right"), 64, steps=3, batch=8)
+    audit(ledger(load_blocks(tmp_path / "store", shards, SEQ, np.uint16), "memory"), 64, steps=3, batch=8)
+
+    real_array = TokenShards._array
+    wrong = TokenShards(tmp_path / "store", shards, SEQ, np.uint16)
+    wrong._array = lambda s: real_array(wrong, (s + 1) % len(shards))
+    folder = ledger(wrong, "wrong")
+    got = [r["ids"] for r in map(json.loads, (folder / "rank0.jsonl").read_text().splitlines())]
+    assert got == [[(i + 16) % 64 for i in ids] for ids in plan.values()]
+    foreign = sorted(set(got[0]) - set(plan[1].tolist()))
+    with pytest.raises(AssertionError) as e:
+        audit(folder, 64, steps=3, batch=8)
+    assert str(e.value).startswith("the ledger differs from the planned order: step 1 trained samples outside "
+                                   f"its planned batch: {foreign[:8]}; step 2 ")

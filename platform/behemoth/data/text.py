@@ -48,10 +48,10 @@ from behemoth import paths
 from behemoth.checkpoint import read_file
 from behemoth.config import DataConfig
 from behemoth.data import DataError, expand_files, ordered_data_context
-from behemoth.data.token_store import ShardWriter, TokenShards, load_blocks, upload
+from behemoth.data.token_store import ShardWriter, TokenBlocks, TokenShards, load_blocks, upload
 from behemoth.progress import progress
 
-CACHE_VERSION = 2  # 2: blocks in shards (token_store.py); 1 had one train.npy / val.npy
+CACHE_VERSION = 3  # 3: each block stored with its index (token_store.py); 2: shards of tokens; 1: train.npy
 UNIT_BYTES = 1 << 20  # a line-oriented file is cut into work units of about this many bytes
 _FORMATS = {".txt": "txt", ".text": "txt", ".jsonl": "jsonl", ".json": "jsonl", ".parquet": "parquet"}
 
@@ -60,8 +60,8 @@ _FORMATS = {".txt": "txt", ".text": "txt", ".jsonl": "jsonl", ".json": "jsonl", 
 class TokenIndex:
     """Packed token blocks per split, and what the model needs to know about the tokenizer."""
 
-    train: np.ndarray | TokenShards  # [blocks, seq_len], uint16 (vocab <= 65535) or int32; in memory or files
-    val: np.ndarray | TokenShards
+    train: TokenBlocks | TokenShards  # [blocks, seq_len], uint16 (vocab <= 65535) or int32; in memory or files
+    val: TokenBlocks | TokenShards
     vocab_size: int
     eos_id: int
     bos_id: int | None

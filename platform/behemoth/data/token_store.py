@@ -1,9 +1,11 @@
 """Packed token blocks on disk, in shards: written once as the packer fills them, read by global block index.
 
-A split's blocks ([n, seq_len] tokens) are `.npy` files of about SHARD_BYTES each (`train-00000.npy`, ...),
-listed with their block counts and byte sizes in the cache's meta.json (written last: its presence means
+A split's blocks ([n, seq_len] tokens) are `.npy` files of about SHARD_BYTES of tokens each (`train-00000.npy`,
+...), listed with their block counts and byte sizes in the cache's meta.json (written last: its presence means
 complete). The packer streams full blocks into a ShardWriter, so building a corpus holds one shard in memory,
-not the corpus.
+not the corpus. Each row is a record of the block's global index (`id`, written by the packer) and its tokens:
+a gather returns both from the same rows, so the ids a batch reports (the sample ledger's) are those of the
+tokens the model receives, read back with them; a gather that fetched the wrong rows reports the wrong ids.
 
 Two ways the workers read them (data.token_store):
 - `memory`: the driver loads every shard into one array, which reaches the workers through Ray's object store
@@ -38,14 +40,29 @@ REMOTE_CACHE_BLOCKS = 4096  # per worker and split: blocks read from a URI kept 
 REMOTE_READERS = 8  # threads fetching blocks from a URI ahead of the step
 
 
+def block_records(seq_len: int, dtype) -> np.dtype:
+    """One stored block: its global index in the split, then its tokens."""
+    return np.dtype([("id", "<i8"), ("tokens", np.dtype(dtype), (seq_len,))])
+
+
+def as_records(blocks: np.ndarray, first_id: int) -> np.ndarray:
+    """[n, seq_len] tokens as records numbered first_id, first_id + 1, ..."""
+    out = np.empty(len(blocks), block_records(blocks.shape[1], blocks.dtype))
+    out["id"] = np.arange(first_id, first_id + len(blocks))
+    out["tokens"] = blocks
+    return out
+
+
 class ShardWriter:
-    """Appends blocks of one split; each SHARD_BYTES of them become one `.npy` file in `folder`."""
+    """Appends blocks of one split, numbering them in order; each SHARD_BYTES of tokens become one `.npy` file
+    of block records in `folder`."""
 
     def __init__(self, folder: Path, split: str, seq_len: int, dtype, shard_bytes: int = SHARD_BYTES):
         self.folder, self.split, self.seq_len, self.dtype = Path(folder), split, seq_len, np.dtype(dtype)
         self.shard_blocks = max(1, shard_bytes // (seq_len * self.dtype.itemsize))
         self.pending: list[np.ndarray] = []
         self.pending_blocks = 0
+        self.written = 0  # blocks in the shards written so far: the id of the next shard's first block
         self.shards: list[dict] = []
 
     def add(self, blocks: np.ndarray) -> None:
@@ -66,17 +83,42 @@ class ShardWriter:
 
     def _write(self, blocks: np.ndarray) -> None:
         name = f"{self.split}-{len(self.shards):05d}.npy"
-        np.save(self.folder / name, np.ascontiguousarray(blocks, dtype=self.dtype))
+        np.save(self.folder / name, as_records(blocks.astype(self.dtype, copy=False), self.written))
+        self.written += len(blocks)
         self.shards.append({"file": name, "blocks": len(blocks), "bytes": (self.folder / name).stat().st_size})
 
 
-def load_blocks(folder: str | Path, shards: list[dict], seq_len: int, dtype) -> np.ndarray:
-    """A split's blocks as one array in memory (data.token_store: memory), from a local folder or a URI."""
+class TokenBlocks:
+    """A split's block records in memory (data.token_store: memory): `len(blocks)`, `blocks.shape` and
+    `blocks[ids]` (the tokens, [len(ids), seq_len]) as for an array of tokens, and `blocks.gather(ids)`, the
+    records (`id`, `tokens`) of the rows read. Pickles as its array (Ray ships it out of band, zero-copy)."""
+
+    def __init__(self, records: np.ndarray):
+        self.records = records
+        self.shape = (len(records), records.dtype["tokens"].shape[0])
+        self.dtype = records.dtype["tokens"].base
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def __getitem__(self, ids) -> np.ndarray:
+        return self.records[ids]["tokens"]
+
+    def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        tokens = self.records["tokens"]
+        return tokens if dtype is None else tokens.astype(dtype)
+
+    def gather(self, ids) -> np.ndarray:
+        return self.records[np.asarray(ids, dtype=np.int64)]
+
+
+def load_blocks(folder: str | Path, shards: list[dict], seq_len: int, dtype) -> TokenBlocks:
+    """A split's blocks in memory (data.token_store: memory), from a local folder or a URI."""
     if not shards:
-        return np.empty((0, seq_len), dtype)
+        return TokenBlocks(np.empty(0, block_records(seq_len, dtype)))
     if paths.is_uri(str(folder)):
-        return np.concatenate([np.load(io.BytesIO(read_file(f"{folder}/{s['file']}"))) for s in shards])
-    return np.concatenate([np.load(Path(folder) / s["file"]) for s in shards])
+        return TokenBlocks(np.concatenate([np.load(io.BytesIO(read_file(f"{folder}/{s['file']}"))) for s in shards]))
+    return TokenBlocks(np.concatenate([np.load(Path(folder) / s["file"]) for s in shards]))
 
 
 def upload(local: Path, uri: str) -> None:
@@ -89,12 +131,13 @@ def upload(local: Path, uri: str) -> None:
 
 
 class TokenShards:
-    """A split's blocks read from their shard files: `len(blocks)`, `blocks[ids]` (rows by global block index,
-    in the order of `ids`), `blocks.prefetch(ids)`. Pickles as its folder and shard table; each process opens
-    the files itself, on first use."""
+    """A split's blocks read from their shard files: `len(blocks)`, `blocks[ids]` (tokens by global block index,
+    in the order of `ids`), `blocks.gather(ids)` (the records read: `id`, `tokens`), `blocks.prefetch(ids)`.
+    Pickles as its folder and shard table; each process opens the files itself, on first use."""
 
     def __init__(self, folder: str | Path, shards: list[dict], seq_len: int, dtype):
         self.folder, self.shards, self.seq_len, self.dtype = str(folder), shards, seq_len, np.dtype(dtype)
+        self.record = block_records(seq_len, dtype)
         self.starts = np.cumsum([0] + [s["blocks"] for s in shards])
         self.shape = (int(self.starts[-1]), seq_len)
         self._maps: dict[int, tuple[mmap.mmap, np.ndarray]] = {}  # shard -> (mapping, its rows)
@@ -107,12 +150,15 @@ class TokenShards:
         return {**self.__dict__, "_maps": {}, "_remote": None}
 
     def __getitem__(self, ids) -> np.ndarray:
+        return self.gather(ids)["tokens"]
+
+    def gather(self, ids) -> np.ndarray:
         ids = np.asarray(ids, dtype=np.int64)
         if ids.size and (ids.min() < 0 or ids.max() >= len(self)):
             raise IndexError(f"block index out of range [0, {len(self)})")
         if paths.is_uri(self.folder):
             return self._reader().gather(ids)
-        out = np.empty((len(ids), self.seq_len), self.dtype)
+        out = np.empty(len(ids), self.record)
         shard = np.searchsorted(self.starts, ids, side="right") - 1
         for s in np.unique(shard):
             where = shard == s
@@ -126,7 +172,7 @@ class TokenShards:
         if paths.is_uri(self.folder):
             self._reader().prefetch(ids)
             return
-        row, page = self.seq_len * self.dtype.itemsize, mmap.PAGESIZE
+        row, page = self.record.itemsize, mmap.PAGESIZE
         for i in map(int, ids):
             s, offset = self.locate(i)
             aligned = offset // page * page
@@ -135,12 +181,12 @@ class TokenShards:
     def locate(self, i: int) -> tuple[int, int]:
         """(shard index, byte offset in its file) of block `i`."""
         s = int(np.searchsorted(self.starts, i, side="right") - 1)
-        return s, self._header(s) + int(i - self.starts[s]) * self.seq_len * self.dtype.itemsize
+        return s, self._header(s) + int(i - self.starts[s]) * self.record.itemsize
 
     def _header(self, s: int) -> int:
         """The bytes of shard `s`'s .npy header: its file's size less its rows'."""
         shard = self.shards[s]
-        return shard["bytes"] - shard["blocks"] * self.seq_len * self.dtype.itemsize
+        return shard["bytes"] - shard["blocks"] * self.record.itemsize
 
     def _reader(self) -> RemoteBlocks:
         if self._remote is None:
@@ -165,7 +211,7 @@ class TokenShards:
                                 f"the cache is damaged; delete {self.folder} and rerun to rebuild it")
             with open(path, "rb") as f:
                 m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-            rows = np.frombuffer(m, dtype=self.dtype, offset=self._header(s)).reshape(shard["blocks"], self.seq_len)
+            rows = np.frombuffer(m, dtype=self.record, offset=self._header(s), count=shard["blocks"])
             self._maps[s] = (m, rows)
         return self._maps[s]
 
@@ -176,7 +222,7 @@ class RemoteBlocks:
     the evaluation's, costs no request)."""
 
     def __init__(self, store: TokenShards):
-        self.store, self.row = store, store.seq_len * store.dtype.itemsize
+        self.store, self.row = store, store.record.itemsize
         self.fs, self.root = filesystem(store.folder)
         self.files: dict[str, object] = {}
         self.pool = ThreadPoolExecutor(REMOTE_READERS, thread_name_prefix="behemoth-blocks")
@@ -199,7 +245,7 @@ class RemoteBlocks:
 
     def gather(self, ids: np.ndarray) -> np.ndarray:
         rows = [f.result() for f in self.prefetch(ids)]
-        return np.stack(rows) if rows else np.empty((0, self.store.seq_len), self.store.dtype)
+        return np.concatenate(rows) if rows else np.empty(0, self.store.record)
 
     def _read(self, i: int) -> np.ndarray:
         s, offset = self.store.locate(i)
@@ -214,4 +260,4 @@ class RemoteBlocks:
         if len(data) != self.row:
             raise DataError(f"token shard {self.store.folder}/{shard['file']} ends before block {i}: the cache is "
                             f"damaged; delete {self.store.folder} and rerun to rebuild it")
-        return np.frombuffer(data, dtype=self.store.dtype)
+        return np.frombuffer(data, dtype=self.store.record)

@@ -190,21 +190,20 @@ class CausalLM:
 
     @staticmethod
     def _batches(blocks, indices, batch_size: int):
-        """The blocks are already tokenised and packed: a batch is a gather by block index (its `sample_id`s)
-        from the array shared through the object store, or from the memory-mapped shard files
-        (data.token_store: files; the batch after next is then prefetched into the page cache). On GPU the
-        gather lands in pinned memory and the copy is issued one batch ahead, so it overlaps the step."""
+        """The blocks are already tokenised and packed: a batch is a gather by block index from the array
+        shared through the object store, or from the memory-mapped shard files (data.token_store: files; the
+        batch after next is then prefetched into the page cache). On GPU the gather lands in pinned memory and
+        the copy is issued one batch ahead, so it overlaps the step."""
         device = ray.train.torch.get_device()
         pin = device.type == "cuda"
         prefetch = getattr(blocks, "prefetch", None)
         pending = None
         for start in range(0, len(indices), batch_size):
-            block_ids = np.asarray(indices[start:start + batch_size], dtype=np.int64)
             if prefetch is not None:
                 prefetch(indices[start + batch_size:start + 2 * batch_size])
-            ids = torch.from_numpy(blocks[block_ids].astype(np.int64))
-            ready = {"input_ids": (ids.pin_memory() if pin else ids).to(device, non_blocking=True),
-                     "sample_id": torch.from_numpy(block_ids)}  # for the sample ledger; stays on the host
+            ready = gather_batch(blocks, indices[start:start + batch_size])
+            ids = ready["input_ids"]
+            ready["input_ids"] = (ids.pin_memory() if pin else ids).to(device, non_blocking=True)
             if pending is not None:
                 yield pending
             pending = ready
@@ -243,3 +242,12 @@ class CausalLM:
 
     def classes(self):
         return None
+
+
+def gather_batch(blocks, block_ids) -> dict:
+    """One batch on the host: the tokens of these blocks, and as `sample_id` the ids stored with the tokens
+    (token_store), read from the same rows. The sample ledger records them: they name the blocks the model
+    received, not the ones the plan asked for, so a gather that fetched the wrong rows shows in the ledger."""
+    rows = blocks.gather(np.asarray(block_ids, dtype=np.int64))
+    return {"input_ids": torch.from_numpy(rows["tokens"].astype(np.int64)),
+            "sample_id": torch.from_numpy(rows["id"].copy())}

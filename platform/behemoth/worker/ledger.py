@@ -20,8 +20,10 @@ class SampleLedger:
 
     An audit trail of the data order (train.sample_ledger). `ids` are the `sample_id`s of the batches the
     step actually trained on, as the data pipeline delivered them (not the slice of the planned order it
-    asked for): an audit against the planned order thus catches a pipeline that skips, repeats or reorders
-    samples, as well as a wrong resume position. `group` names the worker group (rank 0's pid and
+    asked for): an image row's id travels with it through Ray Data, a text block's is stored with its tokens
+    and read back by the same gather (data/token_store.py). An audit against the planned order thus catches
+    a pipeline that skips, repeats or reorders samples, a gather that reads the wrong rows, and a wrong
+    resume position. `group` names the worker group (rank 0's pid and
     start time, the same on every rank): after a failure or a resize, the steps that were redone appear
     under two groups, and for each step the records of the last group that trained it are what the final
     weights were trained on.
@@ -36,7 +38,8 @@ class SampleLedger:
             if _ends_mid_line(path):  # the last writer was killed mid-record: start our records on a new line
                 self.file.write("\n")
         self.rank, self.world = rank, world
-        self.node = ray.get_runtime_context().get_node_id()
+        # Outside a Ray worker (a test writing a ledger from a real pipeline) there is no node to name.
+        self.node = ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
         group = [f"{os.getpid()}-{time.time():.3f}"]
         if folder and distributed():
             dist.broadcast_object_list(group, src=0)
