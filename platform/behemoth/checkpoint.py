@@ -13,10 +13,13 @@ A checkpoint directory holds:
   manifest.json                          format version, every other file's size and sha256 — written last
 
 A sharded checkpoint (checkpoint.format sharded: FSDP's default) holds, instead of model.pt and optimizer.pt,
-  state/.metadata, state/__R_0.distcp    the model and optimizer state as torch.distributed.checkpoint (DCP)
-                                         wrote it: one file per rank R with that rank's shards, and the index
-and its manifest (format 2) lists every rank's files: rank 0 writes it last, once every rank has written and
-hashed its own (behemoth.worker.sharded). It loads at any world size, under FSDP or DDP.
+  state/.metadata, state/__R_0.distcp    the model and optimizer tensors as torch.distributed.checkpoint (DCP)
+                                         wrote them: one file per rank R with that rank's shards, and the index
+  state_values.json                      the state's other entries (the optimizer's param_groups: lr, ...)
+and its manifest (format 3) lists every rank's files: rank 0 writes it last, once every rank has written and
+hashed its own (behemoth.worker.sharded). It loads at any world size, under FSDP or DDP, and nothing in it is
+unpickled freely (behemoth.shard_reader). Format 2, written before, held the param_groups as pickles inside
+DCP: it still loads, those entries with weights_only.
 
 No RNG state is stored: the loop reseeds from (seed, rank, step) every step and augmentation draws from
 (seed, epoch, sample), so random state is a function of the position, which train_state.json records.
@@ -37,7 +40,10 @@ from behemoth import faults
 from behemoth.errors import CheckpointError
 
 FORMAT_VERSION = 1  # model.pt, optimizer.pt: the full state, written by one process
-SHARDED_FORMAT = 2  # state/: DCP shards, written by every rank
+SHARDED_FORMAT = 3  # state/: DCP shards (tensors only), written by every rank; state_values.json: the rest
+LEGACY_SHARDED_FORMAT = 2  # the param_groups pickled inside DCP: read with weights_only (shard_reader)
+SHARDED_FORMATS = (LEGACY_SHARDED_FORMAT, SHARDED_FORMAT)
+VALUES_FILE = "state_values.json"
 MANIFEST = "manifest.json"
 MODEL_FILE = "model.pt"  # a full checkpoint's weights; the rest of it (optimizer, schedule, ...) is the run's
 STATE_DIR = "state"
@@ -121,7 +127,7 @@ def commit(directory: str | Path, files: dict, format_version: int) -> None:
 
 def weight_files(manifest: dict) -> tuple[str, ...]:
     """The files holding a checkpoint's model weights: model.pt, or a sharded one's state/ folder."""
-    if manifest.get("format_version") == SHARDED_FORMAT:
+    if manifest.get("format_version") in SHARDED_FORMATS:
         return tuple(name for name in manifest["files"] if name.startswith(STATE_DIR + "/"))
     return (MODEL_FILE,)
 
@@ -130,28 +136,9 @@ def is_sharded_format(directory: str | Path) -> bool:
     """Whether a local checkpoint folder's manifest says it is sharded (False when it has none: verification
     names that)."""
     try:
-        return json.loads((Path(directory) / MANIFEST).read_text()).get("format_version") == SHARDED_FORMAT
+        return json.loads((Path(directory) / MANIFEST).read_text()).get("format_version") in SHARDED_FORMATS
     except (OSError, ValueError, AttributeError):
         return False
-
-
-def read_sharded_weights(directory: str | Path) -> dict:
-    """A sharded checkpoint's model weights as one state dict of whole tensors, read by this process alone (no
-    collective, even inside a process group: export, evaluation, fine-tuning on one rank): only the model's
-    entries, whose shapes and dtypes the checkpoint's index gives."""
-    import warnings
-
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    reader = dcp.FileSystemReader(str(Path(directory) / STATE_DIR))
-    target = {key: torch.empty(meta.size, dtype=meta.properties.dtype)
-              for key, meta in reader.read_metadata().state_dict_metadata.items()
-              if key.startswith("model.") and isinstance(meta, TensorStorageMetadata)}
-    with warnings.catch_warnings():  # its "no process group: loading in a single process" is what is meant
-        warnings.filterwarnings("ignore", message=SINGLE_PROCESS_WARNING)
-        dcp.load(target, storage_reader=reader, no_dist=True)
-    return {key[len("model."):]: value for key, value in target.items()}
 
 
 def verify(directory: str | Path, only: tuple[str, ...] | None = None) -> dict:
@@ -180,9 +167,9 @@ def read_manifest(text: bytes | str, where, only: tuple[str, ...] | None = None)
         files = manifest["files"]
     except (ValueError, KeyError, TypeError) as e:
         raise CheckpointError(f"checkpoint {where}: {MANIFEST} is unreadable ({e})") from None
-    if manifest.get("format_version") not in (FORMAT_VERSION, SHARDED_FORMAT):
+    if manifest.get("format_version") not in (FORMAT_VERSION, *SHARDED_FORMATS):
         raise CheckpointError(f"checkpoint {where} has format {manifest.get('format_version')}, "
-                              f"this behemoth reads {FORMAT_VERSION} and {SHARDED_FORMAT}")
+                              f"this behemoth reads {FORMAT_VERSION}, {LEGACY_SHARDED_FORMAT} and {SHARDED_FORMAT}")
     unlisted = [name for name in only or () if name not in files]
     if unlisted:
         raise CheckpointError(f"checkpoint {where}: {', '.join(unlisted)} not in its {MANIFEST}")

@@ -16,8 +16,8 @@ from typing import Callable, Iterator, Optional
 import torch
 
 from behemoth import paths
-from behemoth.checkpoint import (MANIFEST, MODEL_FILE, SHARDED_FORMAT, complete_checkpoints, filesystem, read_file,
-                                 read_manifest, read_sharded_weights, verify, weight_files)
+from behemoth.checkpoint import (MANIFEST, MODEL_FILE, SHARDED_FORMATS, complete_checkpoints, filesystem, read_file,
+                                 read_manifest, verify, weight_files)
 from behemoth.errors import CheckpointError
 
 HF_WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
@@ -142,7 +142,9 @@ def _read_state_dict(p: Path, path: str | Path) -> dict:
     if is_checkpoint(p):
         manifest = read_manifest((p / MANIFEST).read_bytes(), p)
         verify(p, only=weight_files(manifest))
-        if manifest["format_version"] == SHARDED_FORMAT:
+        if manifest["format_version"] in SHARDED_FORMATS:
+            from behemoth.shard_reader import read_sharded_weights  # DCP's modules: only when one is read
+
             return read_sharded_weights(p)
         return torch.load(p / MODEL_FILE, map_location="cpu", weights_only=True)
     from safetensors.torch import load_file

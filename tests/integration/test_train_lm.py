@@ -219,8 +219,9 @@ def test_sharded_checkpoints_survive_a_kill_and_resume_on_fewer_workers(text_cor
         [".metadata", "__0_0.distcp", "__1_0.distcp"]
     eight = Path(complete_checkpoints(folder)[0][1])
     manifest = json.loads((eight / "manifest.json").read_text())
-    assert manifest["format_version"] == 2 and "model.pt" not in manifest["files"]
-    assert {"state/.metadata", "state/__0_0.distcp", "state/__1_0.distcp", "scheduler.pt"} <= set(manifest["files"])
+    assert manifest["format_version"] == 3 and "model.pt" not in manifest["files"]
+    assert {"state/.metadata", "state/__0_0.distcp", "state/__1_0.distcp", "state_values.json",
+            "scheduler.pt"} <= set(manifest["files"])
     shard = eight / "state" / "__1_0.distcp"
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0xFF

@@ -1,5 +1,9 @@
 """Checkpoint round trip is exact; damage is detected and named."""
 
+import io
+import pickle
+import warnings
+
 import pytest
 import torch
 
@@ -294,7 +298,7 @@ def test_retention_reaches_checkpoints_ray_train_never_registered(tmp_path):
 
 def test_a_sharded_checkpoint_round_trips_and_names_a_damaged_shard(tmp_path):
     """checkpoint.format sharded in one process (no process group; the 2-rank and 2 -> 1 cases are the
-    integration tests'): the DCP files and the small files under one manifest (format 2; that it comes last is
+    integration tests'): the DCP files and the small files under one manifest (format 3; that it comes last is
     the integration test's kill); a restore gives back weights, BatchNorm statistics, optimizer state and schedule exactly (continuing both
     ends equal); export's reader gets the weights whole; a flipped byte in the shard file is named by the
     pre-flight check, by the reader and by the restore."""
@@ -317,8 +321,8 @@ def test_a_sharded_checkpoint_round_trips_and_names_a_damaged_shard(tmp_path):
     writer.commit(written, str(folder), small)
     manifest = checkpoint.verify(folder)
     assert manifest["format_version"] == checkpoint.SHARDED_FORMAT
-    assert set(manifest["files"]) == {"state/.metadata", "state/__0_0.distcp", "scheduler.pt", "train_state.json",
-                                      "job.yaml"}
+    assert set(manifest["files"]) == {"state/.metadata", "state/__0_0.distcp", "state_values.json", "scheduler.pt",
+                                      "train_state.json", "job.yaml"}
 
     model2, opt2, sched2 = make(seed=99)
     assert checkpointing.load(folder, model=model2, optimizer=opt2, scheduler=sched2) == state
@@ -345,6 +349,7 @@ def test_a_sharded_checkpoint_copied_in_the_background_holds_its_step(tmp_path):
     """A model without buffers in its state dict (a language model's) lets the copy to host memory run in
     DCP's staging thread while the next forward and backward run; the optimizer update waits for it
     (`wait_sources_free`, the saver's before_update). The files hold the state of the checkpoint's step."""
+    from behemoth.shard_reader import read_sharded_weights
     from behemoth.worker import sharded
     from behemoth.worker.sharded import ShardedWriter
 
@@ -368,5 +373,150 @@ def test_a_sharded_checkpoint_copied_in_the_background_holds_its_step(tmp_path):
     staging.wait_sources_free()
     opt.step()
     writer.commit(written, str(tmp_path / "c"), checkpoint.Snapshot({}, {"train_state.json": '{"step": 1}'}, 1))
-    assert_same_tensors(checkpoint.read_sharded_weights(tmp_path / "c"), expected)
+    assert_same_tensors(read_sharded_weights(tmp_path / "c"), expected)
     assert not torch.equal(model[0].weight, expected["0.weight"])  # training did go on
+
+
+class _OpensFile:
+    """What a crafted checkpoint file holds: unpickling it opens (creates) `path` for writing."""
+
+    def __init__(self, path):
+        self.path = str(path)
+
+    def __reduce__(self):
+        return open, (self.path, "w")
+
+
+def _write_sharded(folder, legacy=False):
+    """A single-process sharded checkpoint at step 2 (SGD with momentum, a schedule); returns its state.
+    `legacy`: as the previous behemoth wrote it (format 2: the whole state through DCP, param_groups pickled)."""
+    import torch.distributed.checkpoint as dcp
+
+    from behemoth.worker.sharded import ShardedWriter, _state_dicts
+
+    model, opt, sched = make()
+    for s in range(2):
+        step(model, opt, sched, s)
+    state = TrainState(step=2, step_in_epoch=2, samples_seen=8)
+    small = checkpoint.Snapshot(*checkpointing.extras(scheduler=sched, state=state, classes=None, job_yaml="x: 1\n"),
+                                step=2)
+    if legacy:
+        with warnings.catch_warnings():  # one process, on purpose
+            warnings.filterwarnings("ignore", message=checkpoint.SINGLE_PROCESS_WARNING)
+            dcp.save(_state_dicts(model, opt), checkpoint_id=str(folder / "state"), no_dist=True)
+        checkpoint.write_files(folder, small)
+        names = ["state/.metadata", "state/__0_0.distcp", *small.state_dicts, *small.texts]
+        checkpoint.commit(folder, checkpoint.hash_files(folder, names), checkpoint.LEGACY_SHARDED_FORMAT)
+        return model, opt, sched, state
+    writer = ShardedWriter(rank=0)
+    writer.commit(writer.start(model, opt, str(folder))[0], str(folder), small)
+    return model, opt, sched, state
+
+
+def _rehash(folder):
+    """The manifest fixed up over the crafted files, as anyone who can write the folder can: its sha256 proves
+    integrity, not who wrote the files."""
+    manifest = checkpoint.verify(folder, only=())
+    checkpoint.commit(folder, checkpoint.hash_files(folder, list(manifest["files"])), manifest["format_version"])
+
+
+def _craft_index(folder, change):
+    """The checkpoint's DCP index changed by `change(index)`, the manifest fixed up."""
+    index_file = folder / "state" / ".metadata"
+    with open(index_file, "rb") as f:
+        index = pickle.load(f)  # the test's own file, just written
+    change(index)
+    index_file.write_bytes(pickle.dumps(index))
+    _rehash(folder)
+
+
+def _append_payload(folder, marker):
+    """A torch.save'd object whose unpickling creates `marker`, appended to the shard file: its DCP storage."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+    payload = io.BytesIO()
+    torch.save(_OpensFile(marker), payload)
+    shard = folder / "state" / "__0_0.distcp"
+    offset = shard.stat().st_size
+    with open(shard, "ab") as f:
+        f.write(payload.getvalue())
+    return _StorageInfo("__0_0.distcp", offset, len(payload.getvalue()))
+
+
+def _readers(folder):
+    """Every way a sharded checkpoint is read: export, eval and init_from read its weights with
+    weights.read_state_dict; a resume restores everything with checkpointing.load."""
+    from behemoth import weights
+
+    model, opt, sched = make(seed=5)
+    return {"export/eval/init_from": lambda: weights.read_state_dict(folder),
+            "resume": lambda: checkpointing.load(folder, model=model, optimizer=opt, scheduler=sched)}
+
+
+def test_a_crafted_shard_index_is_refused_and_never_run(tmp_path):
+    """A sharded checkpoint's DCP index (state/.metadata) is a pickle: read with a restricted unpickler (DCP's
+    metadata classes, torch sizes and dtypes only), one whose loading would call anything else is refused by
+    every reader, naming the file and what it names, and the code never runs. An index naming a file outside
+    state/ (or one its manifest does not list) is refused too."""
+    folder = tmp_path / "c"
+    _write_sharded(folder)
+    index = (folder / "state" / ".metadata").read_bytes()
+    marker = tmp_path / "ran"
+    (folder / "state" / ".metadata").write_bytes(pickle.dumps(_OpensFile(marker)))
+    _rehash(folder)
+    for use, read in _readers(folder).items():
+        with pytest.raises(CheckpointError, match=r"state/\.metadata is not DCP's index.* names io\.open"):
+            read()
+        assert not marker.exists(), use
+
+    (folder / "state" / ".metadata").write_bytes(index)
+    _craft_index(folder, lambda index: setattr(next(iter(index.storage_data.values())), "relative_path",
+                                               "../train_state.json"))
+    for use, read in _readers(folder).items():
+        with pytest.raises(CheckpointError, match=r"state/\.metadata names \.\./train_state\.json, which is not a "
+                                                  r"shard file its manifest lists"):
+            read()
+
+
+def test_a_crafted_non_tensor_entry_is_refused_and_never_run(tmp_path):
+    """No non-tensor entry of a sharded checkpoint is unpickled freely. The current format keeps none in DCP
+    (the optimizer's settings are in state_values.json): an index declaring one is refused by every reader. A
+    format-2 checkpoint's (the previous behemoth's: its param_groups in DCP) load with weights_only, so one
+    crafted to run code is refused."""
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
+
+    folder, marker, key = tmp_path / "c", tmp_path / "ran", "model.classifier.1.weight"
+    _write_sharded(folder)
+    storage = _append_payload(folder, marker)
+
+    def declare_bytes(index):
+        index.state_dict_metadata[key] = BytesStorageMetadata()
+        index.storage_data[MetadataIndex(key)] = storage
+
+    _craft_index(folder, declare_bytes)
+    for use, read in _readers(folder).items():
+        with pytest.raises(CheckpointError, match=rf"state/\.metadata declares {key} as non-tensor data"):
+            read()
+        assert not marker.exists(), use
+
+    legacy, lr = tmp_path / "legacy", "optimizer.param_groups.0.lr"
+    _write_sharded(legacy, legacy=True)
+    storage = _append_payload(legacy, marker)
+    _craft_index(legacy, lambda index: index.storage_data.__setitem__(MetadataIndex(lr), storage))
+    with pytest.raises(CheckpointError, match=rf"checkpoint {legacy}: {lr} in the shards is not plain data, refused"):
+        _readers(legacy)["resume"]()
+    assert not marker.exists()
+
+
+def test_a_format_2_sharded_checkpoint_still_restores_exactly(tmp_path):
+    """A sharded checkpoint the previous behemoth wrote (format 2: param_groups pickled inside DCP) restores
+    everything (its plain entries through weights_only) and reads whole for export; continuing both ends equal."""
+    from behemoth import weights
+
+    model, opt, sched, state = _write_sharded(tmp_path / "c", legacy=True)
+    model2, opt2, sched2 = make(seed=99)
+    assert checkpointing.load(tmp_path / "c", model=model2, optimizer=opt2, scheduler=sched2) == state
+    assert_same_tensors(weights.read_state_dict(tmp_path / "c"), model.state_dict())
+    for m, o, s in ((model, opt, sched), (model2, opt2, sched2)):
+        step(m, o, s, seed=10)
+    assert_same_tensors(model.state_dict(), model2.state_dict())

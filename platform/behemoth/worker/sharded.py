@@ -1,8 +1,10 @@
 """Worker side: sharded checkpoints (checkpoint.format sharded; FSDP's default). Every rank writes its own
-shards of the model and optimizer state with torch.distributed.checkpoint (DCP) into the checkpoint's state/
-folder, in the background; rank 0 writes the small files (schedule, train state, job, ...) and, once every
-rank has written and hashed its own files, the manifest over all of them, last. Nothing is gathered on one
-rank. A sharded checkpoint loads at any world size (DCP reshards), under FSDP or DDP.
+shards of the model and optimizer tensors with torch.distributed.checkpoint (DCP) into the checkpoint's state/
+folder, in the background; rank 0 writes the state's other entries as JSON (state_values.json: DCP would
+pickle them, and loading a pickle runs code), the small files (schedule, train state, job, ...) and, once
+every rank has written and hashed its own files, the manifest over all of them, last. Nothing is gathered on
+one rank. A sharded checkpoint loads at any world size (DCP reshards), under FSDP or DDP, through
+behemoth.shard_reader (nothing unpickled freely).
 
 The order, per checkpoint: the training thread takes each rank's local state dict (views of its shards) and
 starts dcp.async_save, which copies them into host buffers (before returning, or in DCP's staging thread while
@@ -22,8 +24,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from behemoth import checkpoint, faults
-from behemoth.checkpoint import SINGLE_PROCESS_WARNING, STATE_DIR, Snapshot
+from behemoth import checkpoint, faults, shard_reader
+from behemoth.checkpoint import SINGLE_PROCESS_WARNING, STATE_DIR, VALUES_FILE, Snapshot
 from behemoth.errors import CheckpointError
 from behemoth.worker.parallel import unwrap
 
@@ -39,12 +41,12 @@ def _state_dicts(model, optimizer) -> dict:
 
 def own_files(folder: str | Path, rank: int) -> list[str]:
     """The files of a sharded checkpoint that `rank` wrote: its DCP data file(s), and for rank 0 the index
-    (DCP's FileSystemWriter names a rank's files __RANK_N.distcp)."""
+    and the non-tensor values (DCP's FileSystemWriter names a rank's files __RANK_N.distcp)."""
     state = Path(folder) / STATE_DIR
     names = sorted(p.name for p in state.glob(f"__{rank}_*.distcp"))
     if rank == 0:
         names.append(".metadata")
-    return [f"{STATE_DIR}/{name}" for name in names]
+    return [f"{STATE_DIR}/{name}" for name in names] + ([VALUES_FILE] if rank == 0 else [])
 
 
 class ShardedWriter:
@@ -80,9 +82,12 @@ class ShardedWriter:
         self.committed.clear()
         try:
             Path(folder, STATE_DIR).mkdir(parents=True, exist_ok=True)
-            state = _state_dicts(model, optimizer)
-            self.last_bytes = checkpoint.tensor_bytes(state)
-            saved = dcp.async_save(state, checkpoint_id=f"{folder}/{STATE_DIR}",
+            # only tensors go through DCP; the rest (the same on every rank: the optimizer's settings) is JSON
+            tensors, values, _ = shard_reader.split_state(_state_dicts(model, optimizer))
+            if self.rank == 0:
+                Path(folder, VALUES_FILE).write_text(shard_reader.values_text(values))
+            self.last_bytes = checkpoint.tensor_bytes(tensors)
+            saved = dcp.async_save(tensors, checkpoint_id=f"{folder}/{STATE_DIR}",
                                    process_group=self.group, no_dist=self.group is None,
                                    async_stager=self._stager(overlap))
         except BaseException:
@@ -154,14 +159,15 @@ def overlappable(model) -> bool:
 def load(folder: str | Path, model, optimizer=None) -> None:
     """Load a sharded checkpoint's model and optimizer state into this rank's objects (every rank calls it).
     The ranks share the hashing (rank r checks every world-th file) and all fail together, naming the file,
-    when one does not match: they go on to the same next checkpoint."""
-    import torch.distributed.checkpoint as dcp
+    when one does not match: they go on to the same next checkpoint. Every rank reads the same verified index
+    and values, so a checkpoint shard_reader refuses fails on every rank alike."""
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
     d = Path(folder)
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
-    names = sorted(checkpoint.read_manifest((d / checkpoint.MANIFEST).read_bytes(), d)["files"])
+    manifest = checkpoint.read_manifest((d / checkpoint.MANIFEST).read_bytes(), d)
+    names = sorted(manifest["files"])
     try:
         checkpoint.verify(d, only=tuple(names[rank::world]))
         problem = None
@@ -176,19 +182,10 @@ def load(folder: str | Path, model, optimizer=None) -> None:
     target = _state_dicts(model, optimizer if optimizer is not None else [])
     if optimizer is None:
         target.pop("optimizer")
-    with _quiet_single_process(), _as_checkpoint_error(f"checkpoint {d}: loading its shards"):
-        dcp.load(target, checkpoint_id=str(d / STATE_DIR), no_dist=not dist.is_initialized())
+    with _as_checkpoint_error(f"checkpoint {d}: loading its shards"):
+        shard_reader.load_shards(d, manifest, target, no_dist=not dist.is_initialized())
     set_state_dict(unwrap(model), optimizer if optimizer is not None else [], model_state_dict=target["model"],
                    optim_state_dict=target.get("optimizer", {}))
-
-
-@contextlib.contextmanager
-def _quiet_single_process():
-    """DCP warns that it assumes a single process when no process group exists: here that is what is meant
-    (a one-process use outside Ray Train: the unit tests, a tool)."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=SINGLE_PROCESS_WARNING)
-        yield
 
 
 @contextlib.contextmanager
