@@ -33,6 +33,11 @@ class RunFailedError(RuntimeError):
     """A run that Ray Train gave up on (workers kept dying past failure.max_failures). Checkpoints are kept."""
 
 
+class LeaseLostError(RuntimeError):
+    """A driver whose run folder another driver took over (driver/runlock.py): it stops before its next
+    registering or deleting step. The message names the folder and the new holder."""
+
+
 # What other trainers (transformers' TrainingArguments, Lightning, torchtitan) call some of our keys: a misspelt
 # or borrowed name is matched against these too, so `learning_rat` suggests `lr`, not `min_lr_ratio`.
 KEY_SYNONYMS = {
@@ -60,13 +65,15 @@ def did_you_mean(key: str, names: list[str], prefix: str = "") -> str:
     return f"; did you mean '{prefix}{close}'?" if close else ""
 
 
-USER_ERRORS = (ConfigError, DataError, BadSampleError, CheckpointError, StorageFullError, RunFailedError)
+USER_ERRORS = (ConfigError, DataError, BadSampleError, CheckpointError, StorageFullError, RunFailedError,
+               LeaseLostError)
 
 
 # What a retry cannot fix: the same config or the same data fails the same way on every restart of the worker
 # group, and a full disk stays full (a restart would redo the steps since the last checkpoint and fail on the
-# same write), so a run ends on them at once, without using failure.max_failures (driver/failure_policy.py).
-NOT_RETRIED = (ConfigError, DataError, BadSampleError, StorageFullError)
+# same write), and a folder another driver took over stays taken, so a run ends on them at once, without using
+# failure.max_failures (driver/failure_policy.py).
+NOT_RETRIED = (ConfigError, DataError, BadSampleError, StorageFullError, LeaseLostError)
 
 
 def user_facing_error(exc: BaseException, kinds: tuple = USER_ERRORS) -> str | None:

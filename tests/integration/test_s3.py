@@ -90,6 +90,33 @@ def test_the_run_lock_holds_on_s3(s3_endpoint):
     assert read_lease(folder) is None
 
 
+def test_two_drivers_starting_at_once_on_s3_cannot_both_win(s3_endpoint, monkeypatch):
+    """Both read the lease before either wrote it (none; then an expired one): S3's conditional writes
+    (If-None-Match: * to create, If-Match: ETag to take over, through boto3) let only the first win. The
+    winner's lease has the next generation, and its release removes only its own lease."""
+    from behemoth.driver import runlock
+
+    folder = f"s3://{BUCKET}/locks/race"
+    fs, path = pyarrow.fs.FileSystem.from_uri(folder)
+    expired = {"host": "elsewhere", "pid": 1, "token": "theirs", "generation": 7, "started": 0, "heartbeat": 0}
+    for before, generation in ((None, 1), (expired, 8)):
+        if before:
+            with fs.open_output_stream(f"{path}/.behemoth.lock") as f:
+                f.write(json.dumps(before).encode())
+        first, second = RunLock(folder, "run 'race'"), RunLock(folder, "run 'race'")
+        seen = runlock._S3Lease(folder, path).read()
+        first.acquire()
+        with monkeypatch.context() as m:
+            m.setattr(runlock._S3Lease, "read", lambda self, seen=seen: seen)  # the second driver's read came first
+            with pytest.raises(RunLockedError, match="another driver took it at the same moment"):
+                second.acquire()
+        assert read_lease(folder)["token"] == first.lease["token"] and read_lease(folder)["generation"] == generation
+        second.release()  # the refused one removes nothing
+        assert read_lease(folder)["token"] == first.lease["token"]
+        first.release()
+        assert read_lease(folder) is None
+
+
 def test_a_run_on_s3_keeps_every_check_and_record(s3_endpoint, ray_local, image_root, tmp_path):
     storage = f"s3://{BUCKET}/runs"
     folder = f"{storage}/r"

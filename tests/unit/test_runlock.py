@@ -11,6 +11,7 @@ import time
 import pytest
 from behemoth.driver import runlock
 from behemoth.driver.runlock import LOCK_NAME, RunLock, RunLockedError, read_lease
+from behemoth.errors import LeaseLostError
 
 
 def lease_of(pid: int, host: str | None = None, heartbeat_age: float = 0.0) -> dict:
@@ -39,7 +40,7 @@ def test_held_while_running_and_removed_after(tmp_path):
     with RunLock(str(folder), "run 'a'") as lock:
         lease = read_lease(str(folder))
         assert lease["pid"] == os.getpid() and lease["host"] == socket.gethostname()
-        assert lease["token"] == lock.lease["token"]
+        assert lease["token"] == lock.lease["token"] and lease["generation"] == 1
     assert not (folder / LOCK_NAME).exists()
     assert not (tmp_path / "runs").exists()  # the folders it created for a run that wrote nothing are gone
 
@@ -127,3 +128,105 @@ def test_train_and_sweep_are_refused_before_ray_starts(tmp_path, live_process):
     with pytest.raises(RunLockedError, match="sweep 's'"):
         run_sweep(load_sweep(tmp_path / "sweep.yaml"))
     assert not ray.is_initialized()
+
+
+def test_a_takeover_writes_the_next_generation_and_the_fence_fails_once_the_lease_is_lost(tmp_path, live_process):
+    (tmp_path / LOCK_NAME).write_text(json.dumps({**lease_of(1, "elsewhere", runlock.EXPIRY_S + 5), "generation": 4}))
+    with RunLock(str(tmp_path), "run 'a'") as lock:
+        assert read_lease(str(tmp_path))["generation"] == 5 == lock.fence().generation
+        lock.fence().check("deleting checkpoint_3")  # still held: nothing raised
+        # another driver takes the folder over (this one was stopped past the expiry)
+        (tmp_path / LOCK_NAME).write_text(json.dumps({**lease_of(live_process), "generation": 6}))
+        with pytest.raises(LeaseLostError, match=rf"run 'a' in {tmp_path}: this driver no longer holds the folder's "
+                                                 rf"lease \(generation 5\): it is now held by pid {live_process} on "
+                                                 rf".*generation 6.* stops before deleting checkpoint_3"):
+            lock.fence().check("deleting checkpoint_3")
+        assert lock.heartbeat() is False  # a late heartbeat does not write over the new holder's lease
+    assert read_lease(str(tmp_path))["token"] == "theirs"  # nor does the end of the run remove it
+
+
+def test_two_drivers_starting_at_once_cannot_both_win(tmp_path, monkeypatch):
+    """Both read the folder before either wrote (no lease, then an expired one): the lease is written only on
+    the condition that it is still what was read, so the second is refused."""
+    for expired in (None, {**lease_of(1, "elsewhere", runlock.EXPIRY_S + 5), "generation": 1}):
+        if expired:
+            (tmp_path / LOCK_NAME).write_text(json.dumps(expired))
+        first, second = RunLock(str(tmp_path), "run 'a'"), RunLock(str(tmp_path), "run 'a'")
+        seen = runlock._LocalLease(str(tmp_path)).read()
+        first.acquire()
+        with monkeypatch.context() as m:
+            m.setattr(runlock._LocalLease, "read", lambda self, seen=seen: seen)  # the second driver's read came first
+            with pytest.raises(RunLockedError, match="another driver took it at the same moment"):
+                second.acquire()
+        assert read_lease(str(tmp_path))["token"] == first.lease["token"]
+        first.release()
+
+
+DRIVER_A = """
+import json, sys, time
+from pathlib import Path
+from types import SimpleNamespace
+from behemoth import checkpoint
+from behemoth.config import config_from_dict
+from behemoth.driver import runlock
+from behemoth.driver.lease_fence import LeaseFenceCallback
+from behemoth.driver.trainer import retire_unregistered
+
+runlock.HEARTBEAT_S = 0.1
+storage, go = sys.argv[1], Path(sys.argv[2])
+folder = f"{storage}/r"
+cfg = config_from_dict({"data": {"root": "x"}, "checkpoint": {"storage_path": storage, "run_name": "r", "keep": 1}})
+with runlock.RunLock(folder, "run 'r'") as lock:
+    transfer = LeaseFenceCallback(lock.fence())  # what Ray Train's workers run around a checkpoint's upload
+    for step in (10, 20):
+        while not go.exists():
+            time.sleep(0.02)
+        go.unlink()
+        with transfer.on_checkpoint_transfer():
+            checkpoint.write(f"{folder}/checkpoint_{step}",
+                             checkpoint.Snapshot({}, {"train_state.json": json.dumps({"step": step})}, step))
+        retire_unregistered(cfg, [(SimpleNamespace(path=f"{folder}/checkpoint_{step}"), {})], lock.fence())
+        print("round", step, flush=True)
+"""
+
+
+def test_a_driver_stopped_past_the_expiry_stops_before_touching_the_new_holders_checkpoints(tmp_path, monkeypatch):
+    """Real processes: driver A holds run 'r', writes checkpoint 10 (through the workers' fence) and applies
+    retention (the driver's deleting step), then is SIGSTOPped past the expiry. This process, driver B, takes
+    the folder over and writes checkpoints 13 and 16. A gets SIGCONT and goes on to its next round, which would
+    write checkpoint 20 and remove every unregistered checkpoint older than it: it stops with LeaseLostError
+    before either, and B's checkpoints are all there."""
+    import signal
+
+    from behemoth import checkpoint
+
+    monkeypatch.setattr(runlock, "EXPIRY_S", 1.0)
+    folder, go = tmp_path / "r", tmp_path / "go"
+    a = subprocess.Popen([sys.executable, "-c", DRIVER_A, str(tmp_path), str(go)], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    try:
+        go.touch()
+        assert a.stdout.readline() == "round 10\n", a.stderr.read() if a.poll() is not None else ""
+        os.kill(a.pid, signal.SIGSTOP)
+        time.sleep(runlock.EXPIRY_S + 0.5)
+        with RunLock(str(folder), "run 'r'") as b:
+            assert b.fence().generation == 2
+            for step in (13, 16):
+                checkpoint.write(folder / f"checkpoint_{step}",
+                                 checkpoint.Snapshot({}, {"train_state.json": json.dumps({"step": step})}, step))
+            go.touch()
+            os.kill(a.pid, signal.SIGCONT)
+            out, err = a.communicate(timeout=120)
+            assert sorted(p.name for p in folder.glob("checkpoint_*")) == ["checkpoint_10", "checkpoint_13",
+                                                                          "checkpoint_16"], err
+            assert [s for s, _ in checkpoint.complete_checkpoints(folder)] == [16, 13, 10]
+            assert a.returncode == 1 and "round 20" not in out
+            assert (f"LeaseLostError: run 'r' in {folder}: this driver no longer holds the folder's lease "
+                    f"(generation 1): it is now held by pid {os.getpid()}") in err, err
+            assert "stops before writing a checkpoint into it" in err
+            assert read_lease(str(folder))["token"] == b.lease["token"]
+    finally:
+        if a.poll() is None:
+            os.kill(a.pid, signal.SIGCONT)
+            a.kill()
+        a.wait()

@@ -316,9 +316,10 @@ def resolve_init_from(cfg: JobConfig) -> JobConfig:
 
 
 def train(cfg: JobConfig, callbacks: list | None = None, lock: bool = True, process_start: float | None = None,
-          parent_mlflow_run: str | None = None, end_ray: bool = False) -> RunSummary:
+          parent_mlflow_run: str | None = None, end_ray: bool = False, fence=None) -> RunSummary:
     """Run (or resume, if the run name already has checkpoints) one training job. Blocks until it ends.
-    `lock`: hold the run folder's lease (driver/runlock.py); a sweep's trial runs under its sweep's.
+    `lock`: hold the run folder's lease (driver/runlock.py); a sweep's trial runs under its sweep's, whose
+    `fence` (runlock.Fence) it checks before registering or deleting checkpoints, as a run checks its own.
     `process_start`: when this process started (the command line's), where the goodput account's start-up
     begins (default: this call). `parent_mlflow_run`: a sweep's MLflow run, under which this one nests.
     `end_ray`: shut Ray down as soon as the run ends (the command line, whose process ends with the run: Ray's
@@ -327,14 +328,14 @@ def train(cfg: JobConfig, callbacks: list | None = None, lock: bool = True, proc
 
     tracking = RunTracking(cfg, run_dir(cfg), process_start, parent_mlflow_run)
     if not lock:
-        return _train(cfg, callbacks, tracking, end_ray)
+        return _train(cfg, callbacks, tracking, end_ray, fence)
     from behemoth.driver.runlock import RunLock
 
-    with RunLock(run_dir(cfg), f"run '{cfg.checkpoint.run_name}'"):
-        return _train(cfg, callbacks, tracking, end_ray)
+    with RunLock(run_dir(cfg), f"run '{cfg.checkpoint.run_name}'") as held:
+        return _train(cfg, callbacks, tracking, end_ray, held.fence())
 
 
-def _train(cfg: JobConfig, callbacks: list | None, tracking, end_ray: bool = False) -> RunSummary:
+def _train(cfg: JobConfig, callbacks: list | None, tracking, end_ray: bool = False, fence=None) -> RunSummary:
     check_resume_compatible(cfg)
     cfg = resolve_init_from(cfg)
     started = time.time()
@@ -342,6 +343,10 @@ def _train(cfg: JobConfig, callbacks: list | None, tracking, end_ray: bool = Fal
     from ray.train import TrainingFailedError
 
     withdraw_killed_drivers_requests(tracking.run_dir, tracking.invocation)
+    if fence is not None:  # Ray Train's workers check the lease around each checkpoint (driver/lease_fence.py)
+        from behemoth.driver.lease_fence import LeaseFenceCallback
+
+        callbacks = [*(callbacks or []), LeaseFenceCallback(fence)]
     trainer = build_trainer(cfg, data, [*tracking.callbacks(), *(callbacks or [])])
     warm_up_data_processes(cfg)
     try:
@@ -352,7 +357,7 @@ def _train(cfg: JobConfig, callbacks: list | None, tracking, end_ray: bool = Fal
         if user_facing_error(e) is not None:  # behemoth's own message (bad data, ...) says it better
             raise
         raise RunFailedError(_failure_message(cfg, e)) from e
-    retire_unregistered(cfg, result.best_checkpoints or [])
+    retire_unregistered(cfg, result.best_checkpoints or [], fence)
     summary = _summarise(cfg, result, time.time() - started)
     _end_ray(end_ray)
     returned = result.return_value or {}
@@ -399,13 +404,17 @@ def prepare_data(cfg: JobConfig, mark=lambda milestone: None):
     return data
 
 
-def retire_unregistered(cfg: JobConfig, kept: list) -> list[str]:
+def retire_unregistered(cfg: JobConfig, kept: list, fence=None) -> list[str]:
     """Apply checkpoint.keep to the checkpoints Ray Train does not know: complete ones in the run folder that it
     never registered (a driver or worker died between their upload and their registration; a rerun resumed
     from them) and that are older than every checkpoint it keeps (`kept`: the finished run's
     (checkpoint, metrics)). Retention would have deleted them had Ray Train known them; without this they
-    stay forever. Returns the folders removed."""
+    stay forever. Returns the folders removed. `fence`: the run lock's (runlock.Fence), checked first: a driver
+    whose folder another driver took over removes nothing there."""
     from behemoth.checkpoint import complete_checkpoints, filesystem
+
+    if fence is not None:
+        fence.check("removing the checkpoints Ray Train never registered")
 
     root = paths.storage_root(cfg.checkpoint.storage_path)
     kept_paths = {paths.as_uri_of(root, c.path).rstrip("/") for c, _ in kept}

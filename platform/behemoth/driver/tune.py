@@ -262,7 +262,8 @@ def concurrency_bound(jobs: list[JobConfig], cluster: dict[str, float]) -> int:
 # Running: the trial driver function, the Tuner, the results
 
 
-def run_trial(params: dict, sweep: dict, base: dict, sweep_dir: str, mlflow_parent: str | None = None) -> None:
+def run_trial(params: dict, sweep: dict, base: dict, sweep_dir: str, mlflow_parent: str | None = None,
+              fence=None) -> None:
     """One trial (runs in a Tune actor): the trial's job, trained by behemoth, evaluations sent to Tune.
 
     The run folder is SWEEP_DIR/runs/TRIAL_ID, so a trial that Tune restarts (a resumed sweep, a retried
@@ -293,8 +294,8 @@ def run_trial(params: dict, sweep: dict, base: dict, sweep_dir: str, mlflow_pare
         tune.report(json.loads(summary_file.read_text())["metrics"])
         return
     print(f"[behemoth] trial {trial_id} ({described}, lr {cfg.train.lr:g}): run folder {run_dir}", flush=True)
-    summary = train(cfg, callbacks=[EvalReportCallback(metric)], lock=False,  # under the sweep's lease
-                    parent_mlflow_run=mlflow_parent)
+    summary = train(cfg, callbacks=[EvalReportCallback(metric)], lock=False,  # under the sweep's lease,
+                    parent_mlflow_run=mlflow_parent, fence=fence)  # fenced by it (driver/runlock.py)
     # Written when the trial has trained to its end (a trial ASHA stops never gets here).
     tmp = summary_file.with_suffix(".tmp")
     tmp.write_text(json.dumps({
@@ -345,11 +346,11 @@ def run_sweep(sweep_cfg: SweepConfig) -> SweepResult:
 
     jobs = check_sweep(sweep_cfg)
     sweep_dir = sweep_dir_of(sweep_cfg)
-    with RunLock(sweep_dir, f"sweep '{sweep_cfg.name}'"):
-        return _run_sweep(sweep_cfg, jobs, sweep_dir)
+    with RunLock(sweep_dir, f"sweep '{sweep_cfg.name}'") as held:
+        return _run_sweep(sweep_cfg, jobs, sweep_dir, held.fence())
 
 
-def _run_sweep(sweep_cfg: SweepConfig, jobs: list, sweep_dir: str) -> SweepResult:
+def _run_sweep(sweep_cfg: SweepConfig, jobs: list, sweep_dir: str, fence) -> SweepResult:
     metric, mode = metric_and_mode(sweep_cfg, jobs[0])
     from behemoth.driver.trainer import prepare_data
 
@@ -365,7 +366,7 @@ def _run_sweep(sweep_cfg: SweepConfig, jobs: list, sweep_dir: str) -> SweepResul
     mlflow_parent = _sweep_mlflow_run(sweep_cfg, jobs[0], sweep_dir)
     trainable = tune.with_resources(
         tune.with_parameters(run_trial, sweep=_to_dict(sweep_cfg), base=base_job(sweep_cfg), sweep_dir=sweep_dir,
-                             mlflow_parent=mlflow_parent),
+                             mlflow_parent=mlflow_parent, fence=fence),
         # The trial's driver only waits on its run: it holds no CPU (its workers hold the run's CPUs and GPUs,
         # see trial_resources), only the memory its process takes. (Ray refuses an empty request.)
         {"CPU": 0, "memory": TRIAL_DRIVER_MEMORY})
@@ -389,6 +390,7 @@ def _run_sweep(sweep_cfg: SweepConfig, jobs: list, sweep_dir: str) -> SweepResul
         )
     with OrphanedPlacementGroupReaper():
         grid = tuner.fit()
+    fence.check("writing the sweep's results.csv and best.yaml")
     result = _results(sweep_cfg, grid, metric, mode, sweep_dir)
     _finish_tracking(jobs[0], sweep_dir, mlflow_parent, result)
     return result
