@@ -48,15 +48,41 @@ def _behemoth_predictions(cfg, ckpt):
     return [index.classes[i] for i in logits.argmax(1).tolist()], (top2[:, 0] - top2[:, 1]).tolist(), rows
 
 
-def test_eval_and_export_match_the_run_and_the_export_loads_with_transformers_alone(image_run, tmp_path):
+def _received(run_dir: str, tmp_path: Path, monkeypatch) -> tuple[Path, Path]:
+    """A copy of a run folder as received from someone else: every checkpoint's job.yaml names a module (here
+    importable) whose import writes a marker file, as its model builder and its task; manifests rewritten to
+    match. eval and init_from build the model from the user's config: they never import it. (The copy, the
+    folder, the marker.)"""
+    from behemoth import checkpoint
+
+    module, marker = f"hostile_{tmp_path.name}", tmp_path / "imported.txt"
+    (tmp_path / "code").mkdir()
+    (tmp_path / "code" / f"{module}.py").write_text(f"import pathlib\npathlib.Path({str(marker)!r}).touch()\n")
+    monkeypatch.syspath_prepend(str(tmp_path / "code"))
+    copy = tmp_path / "received" / Path(run_dir).name
+    shutil.copytree(run_dir, copy)
+    for _, ckpt in complete_checkpoints(copy):
+        job = yaml.safe_load(Path(ckpt, "job.yaml").read_text())
+        job["model"]["name"], job["data"]["kind"] = f"{module}:build", f"{module}:Task"
+        Path(ckpt, "job.yaml").write_text(yaml.safe_dump(job))
+        manifest = json.loads(Path(ckpt, checkpoint.MANIFEST).read_text())
+        checkpoint.commit(ckpt, checkpoint.hash_files(ckpt, list(manifest["files"])), manifest["format_version"])
+    return copy, marker
+
+
+def test_eval_and_export_match_the_run_and_the_export_loads_with_transformers_alone(image_run, tmp_path,
+                                                                                    monkeypatch):
     cfg, summary = image_run
     final = summary.metrics
     job_yaml = tmp_path / "job.yaml"
     job_yaml.write_text(dump_yaml(cfg))
-    latest = summary.latest_checkpoint
+    received, marker = _received(summary.run_dir, tmp_path, monkeypatch)
+    latest = complete_checkpoints(received)[0][1]
 
-    # behemoth eval: the same metrics as the run's final evaluation (same pipeline, workers, batch)
-    assert main(["eval", str(job_yaml), "--checkpoint", summary.run_dir, "--latest"]) == 0
+    # behemoth eval: the same metrics as the run's final evaluation (same pipeline, workers, batch), of a copy
+    # whose job.yaml names code to import: eval builds the model from the user's config, and imports none
+    assert main(["eval", str(job_yaml), "--checkpoint", str(received), "--latest"]) == 0
+    assert not marker.exists()
     written = json.loads(Path(f"{latest}.eval_val.json").read_text())
     assert written["checkpoint"] == latest and written["workers"] == 2
     assert written["metrics"]["val_accuracy"] == final["val_accuracy"]
@@ -92,7 +118,7 @@ def test_eval_and_export_match_the_run_and_the_export_loads_with_transformers_al
 
 
 def test_init_from_loads_exactly_those_weights_and_only_the_head_starts_fresh(image_run, image_root, tmp_path,
-                                                                             capfd):
+                                                                             capfd, monkeypatch):
     cfg, summary = image_run
     source, how = weights.resolve(summary.run_dir, "best", ("val_accuracy", "max"))
     assert source == summary.best_checkpoint and how.startswith("its best checkpoint by val_accuracy")
@@ -118,10 +144,14 @@ def test_init_from_loads_exactly_those_weights_and_only_the_head_starts_fresh(im
     for split in ("train", "val"):
         for c in classes[:3]:
             shutil.copytree(image_root / split / c, root3 / split / c)
-    job = job_dict(root3, tmp_path, run_name="ft", train={"init_from": summary.run_dir, "max_steps": 3})
+    # From a copy whose job.yaml names code to import: the run's own config builds the model, none is imported.
+    received, marker = _received(summary.run_dir, tmp_path, monkeypatch)
+    source = weights.resolve(str(received), "best", ("val_accuracy", "max"))[0]
+    job = job_dict(root3, tmp_path, run_name="ft", train={"init_from": str(received), "max_steps": 3})
     ft = train(config_from_dict(job))
+    assert not marker.exists()
     console = capfd.readouterr().out
-    assert f"[behemoth] init_from {summary.run_dir}: {source} (its best checkpoint" in console
+    assert f"[behemoth] init_from {received}: {source} (its best checkpoint" in console
     assert (f"init_from {source}: weights loaded; optimizer, LR schedule and step start fresh; re-initialised for "
             f"this data's classes: classifier.1.weight [3, 128], classifier.1.bias [3]") in console
     assert ft.resumed_from_step == 0 and ft.metrics["step"] == 3
