@@ -186,6 +186,9 @@ def test_export_imports_no_model_builder_that_only_the_checkpoint_names(tmp_path
     assert main(["export", str(run), "--out", str(out), "--model-code", f"{module}:build"]) == 0
     assert marker.exists() and (out / "model.safetensors").is_file()
     assert '"builder": "' + module + ':build"' in (out / "behemoth_model.json").read_text()
+    (out / "config.json").write_text("{}")  # now a Hugging Face folder: nothing to export from
+    assert main(["export", str(out), "--out", str(tmp_path / "again")]) == 2
+    assert f"{out} is already a Hugging Face folder, not a behemoth checkpoint" in capsys.readouterr().err
 
 
 def test_export_imports_no_task_that_only_the_checkpoint_names(tmp_path, monkeypatch, capsys):

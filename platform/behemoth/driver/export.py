@@ -28,8 +28,8 @@ from behemoth import weights
 from behemoth.checkpoint import complete_checkpoints, read_state
 from behemoth.config import (DataConfig, JobConfig, ModelConfig, config_from_dict, dump_yaml, is_custom_kind,
                              warn_remote_code)
-from behemoth.models import registry
 from behemoth.errors import CheckpointError, ConfigError
+from behemoth.models import registry
 from behemoth.tasks import task_of
 
 
@@ -84,7 +84,8 @@ def _job_of(path: str, trusted: TrustedCode) -> JobConfig:
     p = Path(path)
     candidates = [p] if weights.is_checkpoint(p) else [Path(c) for _, c in complete_checkpoints(p)]
     if not candidates:
-        weights.resolve(path)  # raises the message that says what the folder is not
+        weights.resolve(path)  # raises the message that says what the folder is not, or:
+        raise ConfigError(f"{path} is already a Hugging Face folder, not a behemoth checkpoint")
     job = candidates[0] / "job.yaml"
     try:
         raw = yaml.safe_load(job.read_text()) or {}
