@@ -188,7 +188,7 @@ def test_code_from_a_model_repository_runs_only_when_the_job_says_so():
 
 
 @pytest.mark.parametrize("option, why", [
-    ("weights_only=false", "unpickles the weights file"), ("use_kernels=true", "fetches compiled kernels"),
+    ("weights_only=false", "weights file is unpickled, which runs any code"), ("use_kernels=true", "fetches compiled kernels"),
     ("kernel_config={}", "fetches compiled kernels"), ("allow_all_kernels=true", "unverified Hub"),
     ("code_revision=main", "revision of a repository's code"), ("revision=abc", "downloaded from"),
     ("dtype=bfloat16", "placed, cast or sharded"), ("device_map=auto", "placed, cast or sharded"),

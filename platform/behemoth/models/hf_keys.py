@@ -24,8 +24,8 @@ _INTERNAL = "is an internal or obsolete from_pretrained argument"
 
 # option -> why it is not an architecture key
 LOADING_OPTIONS: dict[str, str] = {
-    "weights_only": f"weights_only: false unpickles the weights file, which {_RUNS_CODE}; behemoth loads with "
-                    "weights_only=True only",
+    "weights_only": "decides whether the weights file is unpickled, which runs any code inside it (behemoth "
+                    "loads with weights_only=True only)",
     "trust_remote_code": "runs the repository's own Python code: set model.trust_remote_code: true if you mean it",
     "code_revision": f"picks the revision of a repository's code to run ({_RUNS_CODE})",
     "use_kernels": f"fetches compiled kernels from the Hugging Face Hub and runs them ({_RUNS_CODE})",
