@@ -7,6 +7,10 @@ on one run only (its name is the first field), so the other runs of a test clust
   (tests/integration/test_fault_tolerance.py, test_train_lm.py).
 - BEHEMOTH_FAULT_DISK_FULL=RUN:STEP makes the checkpoint of STEP fail after its first file with the OSError a
   full disk raises (ENOSPC), every time (tests/integration/test_train_images.py).
+- BEHEMOTH_FAULT_KILL_AT_STEP=RUN:STEP:MARKER SIGKILLs rank 0 once, 1 s after STEP and its report (Ray Train's
+  controller collects a report when it next polls, every 0.2 s: a kill right after it takes the last report or
+  two with it), and writes to the marker the seconds its worker group had trained and waited for data by then
+  (tests/integration/test_tracking.py: the goodput account's lost work against a kill at a known step).
 - BEHEMOTH_FAULT_SLOW_WORLD=RUN:WORLD:SECONDS makes every step trained by a worker group of WORLD workers take
   SECONDS longer: the elastic test's shrunk group cannot finish the run before Ray Train grows it back, however
   fast the machine trains (test_fault_tolerance.py, R6).
@@ -21,6 +25,7 @@ from pathlib import Path
 FAULT_ENV = "BEHEMOTH_FAULT_KILL_IN_UPLOAD"
 DISK_FULL_ENV = "BEHEMOTH_FAULT_DISK_FULL"
 SLOW_WORLD_ENV = "BEHEMOTH_FAULT_SLOW_WORLD"
+KILL_AT_STEP_ENV = "BEHEMOTH_FAULT_KILL_AT_STEP"
 
 
 def _spec_for_this_run(env: str) -> list[str] | None:
@@ -40,6 +45,20 @@ def kill_in_upload(step: int) -> None:
         at, marker = fields[0], ":".join(fields[1:])
         if int(at) == step and not os.path.exists(marker):
             Path(marker).write_text(f"killed pid {os.getpid()} while uploading step {step}\n")
+            os.kill(os.getpid(), 9)
+
+
+def kill_at_step(step: int, rank: int, totals: dict) -> None:
+    """`totals`: rank 0's PhaseClock totals (seconds per phase since its loop started)."""
+    fields = _spec_for_this_run(KILL_AT_STEP_ENV)
+    if fields is not None and rank == 0:
+        at, marker = fields[0], ":".join(fields[1:])
+        if int(at) == step and not os.path.exists(marker):
+            import json
+
+            time.sleep(1.0)
+            Path(marker).write_text(json.dumps({"step": step, "pid": os.getpid(), "killed_at": time.time(),
+                                                "step_s": totals["step"], "data_wait_s": totals["data_wait"]}))
             os.kill(os.getpid(), 9)
 
 
