@@ -60,9 +60,6 @@ def train_loop_per_worker(loop_config: dict) -> dict:
 
     # Resume: the latest good checkpoint restores weights, optimizer, schedule, scaler, compression, data position.
     state = restore_latest(run) or TrainState(world_size=world)
-    if __import__("os").environ.get("BEHEMOTH_6B_BREAK") and state.world_size == 1 and world == 2:  # 6B-TEMP
-        with torch.no_grad():  # 6B-TEMP
-            next(run.model.parameters()).mul_(1.01)  # 6B-TEMP
     feed = EpochFeed(task, cfg, rank, world, micro_batch, accum, epoch_steps)
     if state.step < total_steps:
         feed.start(state)  # the first epoch's pipeline starts in the background (and the next ones early)
