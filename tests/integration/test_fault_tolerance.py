@@ -8,8 +8,8 @@ The checks, for each failure: the run completes at the exact final step; the ste
 one checkpoint interval (two or three where the test says why); the ledger's surviving record of every step
 holds exactly the global batch the uninterrupted order assigns to it (so per epoch no sample is trained twice
 and none is skipped); the final weights equal the uninterrupted run's (torch.equal). The elastic run's
-all-reduce sums over another number of workers (float rounding differs), so it is checked by its losses: see
-its test.
+all-reduce sums over another number of workers (float rounding differs), so it is checked by its losses (its
+weights drift apart from the uninterrupted run's: the distance is printed, not bounded): see its test.
 """
 
 import json
@@ -238,10 +238,12 @@ def test_r6_elastic_two_one_two(cluster, straight, text_corpus, tmp_path):
     timeout falls back to 1 worker and is retried). The 1-worker group is paced (behemoth/faults.py: each of
     its steps SLOW_STEP_S longer), so the regrow lands before the run ends on any machine: the run's 50 steps
     beyond the others' took their time from the step rate, and a fast CPU once finished them on 1 worker.
-    Its first STEPS steps are compared with the fixed-size run (constant learning rate: the same curve)."""
+    Its first STEPS steps are compared with the fixed-size run (constant learning rate: the same curve).
+    Every checkpoint is kept (~16 MB each), so that the one the regrown group restored can be read after."""
     c, nodes = cluster
     name, steps = "elastic", STEPS + 50
     cfg = config_from_dict(job(text_corpus, tmp_path, name, train={"max_steps": steps},
+                               checkpoint={"keep": steps // EVERY},
                                scaling={"num_workers": [1, 2], "elastic_resize_interval_s": 3}))
     t, out = in_thread(lambda: train(cfg))
     ledger = tmp_path / f"ledger-{name}"
@@ -260,28 +262,59 @@ def test_r6_elastic_two_one_two(cluster, straight, text_corpus, tmp_path):
     # The same batches in the same order, so the loss curve is the fixed-size run's up to float rounding.
     # Exactly checkable: identical before the first resize, and at the first step after each restore on a
     # new world size (same weights from the checkpoint, the same samples split differently) equal to 1e-5
-    # to what the previous worker group computed for that step (or, at the first resize, the fixed run).
+    # to the loss of those weights on that batch computed another way: at the first resize, by the fixed
+    # run; at the regrow, here in one process from the checkpoint the regrown group restored, on every run
+    # (the 1-worker group computed that step too only when it was resized after starting it: not always).
     # Beyond those steps the last-bit differences (sums in another order) grow through training as they do
     # between any two runs that differ in rounding; the curve is checked to follow the fixed run's.
     reference = audit(straight[1] / "ledger-straight", n_blocks(straight[1]))["losses"]
     first_resize, regrow = worlds.index(1) + 1, worlds.index(2, worlds.index(1)) + 1
     for step in range(1, first_resize + 1):
         assert result["losses"][step] == pytest.approx(reference[step], rel=1e-6 if step < first_resize else 1e-5)
+    restored = loss_from_checkpoint(cfg, tmp_path / name, regrow - 1, n_blocks(tmp_path))
+    assert result["losses"][regrow] == pytest.approx(restored, rel=1e-5)
     before_regrow = result["group_losses"][regrow]
-    # At the regrow the exact check needs a second computation of that step: there is one when the 1-worker
-    # group had trained past its last checkpoint before it was resized (usual); when the resize came right at
-    # a checkpoint, only the 2-worker group trained the step and only the curve check below applies.
-    if len(before_regrow) > 1:
-        assert before_regrow[-1] == pytest.approx(before_regrow[-2], rel=1e-5)
     windows = [range(start, start + 10) for start in range(1, STEPS + 1, 10)]
     window_drift = max(abs(np.mean([result["losses"][s] for s in w]) / np.mean([reference[s] for s in w]) - 1)
                        for w in windows)
     step_drift = max(abs(result["losses"][s] / reference[s] - 1) for s in range(1, STEPS + 1))
+    weight_drift = relative_distance(checkpoint_at(tmp_path / name, STEPS), straight[0].latest_checkpoint)
     print(f"elastic: 2 workers to step {first_resize - 1}, 1 from step {first_resize}, 2 again from step "
-          f"{regrow} (step {regrow} computed by both groups: {before_regrow}); loss vs the fixed-size run over "
+          f"{regrow} (step {regrow}: {before_regrow} by the groups that trained it, {restored} here from "
+          f"checkpoint {regrow - 1}); loss vs the fixed-size run over "
           f"{STEPS} steps: max relative difference per step {step_drift:.2e}, per 10-step window "
-          f"{window_drift:.2e}")
+          f"{window_drift:.2e}; weights at step {STEPS}: relative distance {weight_drift:.2e}")
+    # The weights are not bounded: they drift apart (0.37 of the fixed run's norm at step 150, measured, more
+    # than the fixed run moved in its last 20 steps), while the loss curve stays within the bound below.
     assert window_drift < 0.1
+
+
+def checkpoint_at(run_folder: Path, step: int) -> str:
+    from behemoth.checkpoint import complete_checkpoints
+
+    return next(path for s, path in complete_checkpoints(run_folder) if s == step)
+
+
+def relative_distance(a: str, b: str) -> float:
+    """||A - B|| / ||B|| over every weight of two checkpoints (L2, all tensors as one vector)."""
+    from behemoth.weights import read_state_dict
+
+    wa, wb = read_state_dict(a), read_state_dict(b)
+    diff = sum(float((wa[k].double() - wb[k].double()).pow(2).sum()) for k in wb)
+    return (diff / sum(float(wb[k].double().pow(2).sum()) for k in wb)) ** 0.5
+
+
+def loss_from_checkpoint(cfg, run_folder: Path, step: int, n_blocks: int) -> float:
+    """The loss of step `step + 1`'s global batch (the planned order) on the weights of the run's checkpoint
+    at `step`, computed in this process: one forward over the whole batch, no workers."""
+    from behemoth.data.text import prepare_text
+    from behemoth.tasks.causal_lm import CausalLM
+
+    model = CausalLM.model_from_checkpoint(cfg, checkpoint_at(run_folder, step)).eval()
+    ids = ledger_audit.planned_batches(n_blocks, BATCH, step + 1)[step + 1]
+    tokens = torch.from_numpy(prepare_text(cfg.data, seed=0).train[ids].astype(np.int64))  # the run's cache
+    with torch.no_grad():
+        return model(input_ids=tokens, labels=tokens).loss.item()
 
 
 def _wait_for_free_cpus(n: float, timeout_s: float = 120) -> None:
