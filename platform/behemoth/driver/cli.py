@@ -9,6 +9,9 @@ from behemoth.version import __version__
 from behemoth.config import dump_yaml, load_config
 from behemoth.errors import ConfigError, user_facing_error
 
+# Set by run.sh as it execs Python (after installing it): when this Python started (see _process_start).
+EXEC_TIME_ENV = "BEHEMOTH_EXEC_TIME"
+
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("config", help="job YAML, e.g. jobs/configs/demo_images.yaml")
@@ -186,8 +189,11 @@ def _dispatch(args) -> int:
 
 
 def _process_start() -> float | None:
-    """When this process started (the goodput account's start-up includes the imports before `train`):
-    Linux's /proc (start time in clock ticks after boot); None elsewhere (the account starts at `train`)."""
+    """When this Python started (the goodput account's start-up and the `first step` line count from it, imports
+    included): Linux's /proc start time, or, where a shell `exec`ed Python after its own work (run.sh, after
+    installing: the process, and so its /proc start, is the shell's), the exec's time the shell recorded in
+    EXEC_TIME_ENV. The later of the two: a process this Python starts inherits the variable but started after
+    it. None without /proc (the account then starts at `train`)."""
     import os
 
     try:
@@ -195,9 +201,13 @@ def _process_start() -> float | None:
             after_name = f.read().rsplit(")", 1)[1].split()  # the name may hold spaces; fields from the 3rd on
         with open("/proc/stat") as f:
             boot = next(int(line.split()[1]) for line in f if line.startswith("btime"))
-        return boot + int(after_name[19]) / os.sysconf("SC_CLK_TCK")  # field 22: starttime
+        started = boot + int(after_name[19]) / os.sysconf("SC_CLK_TCK")  # field 22: starttime
     except (OSError, ValueError, StopIteration, IndexError):
         return None
+    try:
+        return max(started, float(os.environ.get(EXEC_TIME_ENV, "")))
+    except ValueError:  # not set (or not a number: a shell whose `date` has no %N)
+        return started
 
 
 def _tune_command(args) -> int:
