@@ -1,5 +1,6 @@
 """Real Ray, real DDP over gloo, real Ray Data pipelines, a tiny ResNet. One Ray instance for the module."""
 
+import re
 import shutil
 import time
 
@@ -152,6 +153,35 @@ def test_a_full_disk_fails_the_checkpoint_cleanly_and_a_rerun_resumes(image_root
     monkeypatch.setattr(trainer, "worker_env_vars", env)  # space again
     summary = trainer.train(config_from_dict(yaml.safe_load(cfg.read_text())))
     assert summary.resumed_from_step == 3 and summary.metrics["step"] == 12
+
+
+def test_a_run_whose_folder_was_taken_over_stops_before_its_first_checkpoint(tmp_path):
+    """The run lock's fence in Ray Train's workers (driver/lease_fence.py), as train() wires it: this driver's
+    lease (generation 1) was taken over by another driver (generation 2) before the run's first checkpoint.
+    The run ends there, at once (restarts allowed, none used), with LeaseLostError naming the new holder:
+    nothing is written into the folder as a checkpoint, and Ray Train registers (and deletes) nothing."""
+    import json
+
+    from behemoth.driver.runlock import LOCK_NAME, Fence
+    from behemoth.driver.trainer import train
+    from behemoth.errors import user_facing_error
+    from behemoth.tracking.records import read_jsonl
+
+    folder = tmp_path / "runs" / "taken"
+    folder.mkdir(parents=True)
+    (folder / LOCK_NAME).write_text(json.dumps({"host": "elsewhere", "pid": 1, "token": "theirs", "generation": 2,
+                                                "command": "behemoth train x", "started": time.time(),
+                                                "heartbeat": time.time()}))
+    job = job_dict(tmp_path, tmp_path / "runs", "taken", train={"epochs": 1}, failure={"max_failures": 2},
+                   scaling={"num_workers": 1}, checkpoint={"every_n_steps": 1})
+    job["data"] = {"kind": "integration.toy_task:LinearRegression"}  # no image pipeline to start: the cheapest run
+    with pytest.raises(Exception) as failed:
+        train(config_from_dict(job), lock=False, fence=Fence(str(folder), "run 'taken'", "mine", 1))
+    assert re.match(rf"run 'taken' in {folder}: this driver no longer holds the folder's lease \(generation 1\): "
+                    rf"it is now held by pid 1 on elsewhere .* stops before writing a checkpoint into it",
+                    user_facing_error(failed.value) or ""), failed.value
+    assert not list(folder.glob("checkpoint*")), list(folder.iterdir())
+    assert [r["event"] for r in read_jsonl(str(folder / "timeline.jsonl"))].count("group_start") == 1
 
 
 def test_corrupt_image_within_budget_is_dropped_and_counted(images_with_corrupt_file, tmp_path, capsys):
