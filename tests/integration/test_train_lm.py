@@ -73,7 +73,7 @@ def _initial_val_loss(cfg, tokens) -> float:
     torch.manual_seed(cfg.train.seed)
     model = CausalLM(cfg, tokens).build_model().eval()
     with torch.no_grad():
-        ids = torch.from_numpy(tokens.val.astype(np.int64))
+        ids = torch.from_numpy(tokens.val[np.arange(len(tokens.val))].astype(np.int64))
         return model(input_ids=ids, labels=ids).loss.item()
 
 
