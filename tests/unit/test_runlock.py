@@ -230,3 +230,25 @@ def test_a_driver_stopped_past_the_expiry_stops_before_touching_the_new_holders_
             os.kill(a.pid, signal.SIGCONT)
             a.kill()
         a.wait()
+
+
+def test_a_restore_deletes_an_unfinished_upload_only_while_its_driver_holds_the_lease(tmp_path, live_process):
+    """A worker group's restore removes checkpoint folders without a manifest (uploads cut short). Once another
+    driver holds the folder, an unfinished upload may be that driver's live one: the restore stops with
+    LeaseLostError and deletes nothing; while the lease is its driver's, it removes the dead upload."""
+    import pyarrow.fs
+
+    from behemoth.worker.restore import remove_partial_uploads
+
+    (tmp_path / "checkpoint_5").mkdir()  # no manifest: an upload that has not finished
+    fs = pyarrow.fs.LocalFileSystem()
+    with RunLock(str(tmp_path), "run 'a'") as lock:
+        fence = lock.fence()
+        (tmp_path / LOCK_NAME).write_text(json.dumps({**lease_of(live_process), "generation": 2}))  # taken over
+        with pytest.raises(LeaseLostError, match=r"stops before removing checkpoint uploads that did not finish "
+                                                 rf"\({tmp_path}/checkpoint_5\)"):
+            remove_partial_uploads(str(tmp_path), fs, set(), fence)
+        assert (tmp_path / "checkpoint_5").is_dir()
+        (tmp_path / LOCK_NAME).write_text(json.dumps(lock.lease))  # this driver's lease again
+        assert remove_partial_uploads(str(tmp_path), fs, set(), fence) == [f"{tmp_path}/checkpoint_5"]
+        assert not (tmp_path / "checkpoint_5").exists()

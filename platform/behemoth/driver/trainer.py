@@ -226,9 +226,11 @@ def worker_resources(cfg: JobConfig) -> dict:
     return resources
 
 
-def build_trainer(cfg: JobConfig, data, callbacks: list | None = None):
+def build_trainer(cfg: JobConfig, data, callbacks: list | None = None, fence=None):
     """`data`: what prepare_data returned (an image index or packed token blocks). `callbacks`: Ray Train
-    callbacks (the run's recorder, tracking/callbacks.py; a sweep's trial adds the one that reports to Tune)."""
+    callbacks (the run's recorder, tracking/callbacks.py; a sweep's trial adds the one that reports to Tune).
+    `fence` (runlock.Fence): the workers check the lease around each checkpoint upload (driver/lease_fence.py)
+    and before a restore deletes an unfinished upload (worker/restore.py)."""
     import ray
     from ray.train import CheckpointConfig, FailureConfig, LoggingConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
@@ -239,10 +241,14 @@ def build_trainer(cfg: JobConfig, data, callbacks: list | None = None):
     failure_policy.install()  # a data or config error ends the run at once, without using max_failures
     set_ray_train_env()
     resources = worker_resources(cfg)
+    if fence is not None:
+        from behemoth.driver.lease_fence import LeaseFenceCallback
+
+        callbacks = [*(callbacks or []), LeaseFenceCallback(fence)]
     return TorchTrainer(
         train_loop_per_worker,
         # The data travels once through the object store, not pickled into every worker's config.
-        train_loop_config={"job": cfg.to_dict(), "data_ref": ray.put(data)},
+        train_loop_config={"job": cfg.to_dict(), "data_ref": ray.put(data), "fence": fence},
         scaling_config=ScalingConfig(
             num_workers=tuple(cfg.scaling.num_workers) if cfg.scaling.elastic else cfg.scaling.num_workers,
             use_gpu=cfg.scaling.use_gpu, resources_per_worker=resources,
@@ -343,11 +349,7 @@ def _train(cfg: JobConfig, callbacks: list | None, tracking, end_ray: bool = Fal
     from ray.train import TrainingFailedError
 
     withdraw_killed_drivers_requests(tracking.run_dir, tracking.invocation)
-    if fence is not None:  # Ray Train's workers check the lease around each checkpoint (driver/lease_fence.py)
-        from behemoth.driver.lease_fence import LeaseFenceCallback
-
-        callbacks = [*(callbacks or []), LeaseFenceCallback(fence)]
-    trainer = build_trainer(cfg, data, [*tracking.callbacks(), *(callbacks or [])])
+    trainer = build_trainer(cfg, data, [*tracking.callbacks(), *(callbacks or [])], fence)
     warm_up_data_processes(cfg)
     try:
         result = trainer.fit()

@@ -59,7 +59,7 @@ def train_loop_per_worker(loop_config: dict) -> dict:
     run, speed, micro_batch, accum, init_line = _build_run(cfg, task, clock, rank, world, device, total_steps)
 
     # Resume: the latest good checkpoint restores weights, optimizer, schedule, scaler, compression, data position.
-    state = restore_latest(run) or TrainState(world_size=world)
+    state = restore_latest(run, loop_config.get("fence")) or TrainState(world_size=world)
     feed = EpochFeed(task, cfg, rank, world, micro_batch, accum, epoch_steps)
     if state.step < total_steps:
         feed.start(state)  # the first epoch's pipeline starts in the background (and the next ones early)

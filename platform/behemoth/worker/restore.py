@@ -13,8 +13,9 @@ from behemoth.worker.console import console
 from behemoth.worker.run import Run
 
 
-def restore_latest(run: Run) -> TrainState | None:
-    """Restore the newest checkpoint that passes verification into `run`; None for a fresh run.
+def restore_latest(run: Run, fence=None) -> TrainState | None:
+    """Restore the newest checkpoint that passes verification into `run`; None for a fresh run. `fence`
+    (runlock.Fence, None outside a locked run): checked before an unfinished upload is deleted.
 
     Candidates, newest first: complete checkpoints in the run folder newer than Ray Train's latest (written
     and uploaded, but the worker or driver died before Ray Train registered them), Ray Train's latest, then
@@ -27,7 +28,9 @@ def restore_latest(run: Run) -> TrainState | None:
     registered = _step_of(latest)
     rank0 = ray.train.get_context().get_world_rank() == 0
     if rank0:
-        _remove_partial_uploads({c.path for c in candidates})
+        storage = ray.train.get_context().get_storage()
+        remove_partial_uploads(storage.experiment_fs_path, storage.storage_filesystem,
+                               {c.path for c in candidates}, fence)
     unregistered = [ckpt for step, ckpt in _run_folder_checkpoints() if step > registered]
     if unregistered and rank0:
         console(f"restoring from {unregistered[0].path}: complete in the run folder, but not registered with "
@@ -56,17 +59,21 @@ def _step_of(latest) -> int:
     return -1
 
 
-def _remove_partial_uploads(registered: set[str]) -> None:
+def remove_partial_uploads(run_folder: str, fs, registered: set[str], fence=None) -> list[str]:
     """Delete checkpoint folders of this run that have no manifest and that Ray Train never registered:
     uploads cut short by a failure (saver.upload_manifest_last puts the manifest last). No upload of this run
-    is in flight while a worker group starts (the previous group is gone), so each one is dead."""
-    storage = ray.train.get_context().get_storage()
-    fs = storage.storage_filesystem
-    for path, complete in checkpoint.checkpoint_folders(storage.experiment_fs_path, fs):
-        if not complete and path not in registered:
-            console(f"removing {path}: a checkpoint upload that did not finish (no manifest); it is never "
-                    f"restored")
-            fs.delete_dir(path)
+    is in flight while a worker group starts (the previous group is gone), so each one is dead, unless another
+    driver has taken the folder over meanwhile: then an unfinished upload may be its live one, so the lease is
+    checked first (LeaseLostError ends the run, nothing deleted). Returns the folders removed."""
+    partial = [path for path, complete in checkpoint.checkpoint_folders(run_folder, fs)
+               if not complete and path not in registered]
+    if partial and fence is not None:
+        fence.check(f"removing checkpoint uploads that did not finish ({', '.join(partial)})")
+    for path in partial:
+        console(f"removing {path}: a checkpoint upload that did not finish (no manifest); it is never "
+                f"restored")
+        fs.delete_dir(path)
+    return partial
 
 
 def _run_folder_checkpoints() -> list[tuple[int, ray.train.Checkpoint]]:
