@@ -173,3 +173,17 @@ def test_the_reaper_keeps_watching_after_the_last_trial_controller_is_gone(monke
     reaper.thread.start()  # (what __enter__ does, without its first reap)
     reaper.__exit__(None, None, None)
     assert reaped == ["pg"] and time.monotonic() - start < 5
+
+
+def test_asha_with_no_rung_before_a_trials_end_is_refused_before_ray(tmp_path, image_root, capsys):
+    """A 1-epoch job under ASHA's default grace period of 1 epoch: Ray's ASHAScheduler failed on an assertion
+    (a traceback) after the sweep's lock was taken; now one line says what to change, before Ray starts."""
+    import ray
+
+    path = write_sweep(tmp_path, image_root, set=["train.epochs=1"])
+    assert main(["tune", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert ("scheduler asha: a trial lasts 1 epoch(s), not more than scheduler.grace_period 1, so ASHA has no "
+            "point to stop a trial before its end") in err and "Traceback" not in err
+    assert not ray.is_initialized() and not (tmp_path / "sweeps").exists()
+    assert len(check_sweep(load_sweep(path, ["scheduler.kind=fifo"]))) == 4  # no rungs, no such limit

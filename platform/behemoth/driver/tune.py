@@ -220,6 +220,8 @@ def check_sweep(sweep_cfg: SweepConfig) -> list[JobConfig]:
             values = ", ".join(f"{k}={v!r}" for k, v in combination)
             raise ConfigError(f"space: the trial {values} is not a valid job: {e}") from None
     metric_and_mode(sweep_cfg, jobs[0])
+    if sweep_cfg.scheduler.kind == "asha":
+        asha_max_t(sweep_cfg, jobs[0])
     if sweep_cfg.searcher == "optuna":
         _optuna_searcher(sweep_cfg, "val_loss", "min")  # raises the install hint when optuna is missing
     return jobs
@@ -611,9 +613,7 @@ def _scheduler(sweep_cfg: SweepConfig, job: JobConfig):
     s = sweep_cfg.scheduler
     if s.kind == "fifo":
         return FIFOScheduler()
-    max_t = s.max_t or (job.train.epochs if s.time_attr == "epoch" else job.train.max_steps)
-    if max_t is None:
-        raise ConfigError("scheduler.time_attr is step and the job has no train.max_steps: set scheduler.max_t")
+    max_t = asha_max_t(sweep_cfg, job)
     # No decision at the run's end: ASHA puts a rung at max_t itself, where "stopping" a trial that has
     # trained to its end kills its Ray Train controller while it shuts down, after it has released Ray
     # Train's placement-group cleaner and before it has removed its placement group (seen: a leaked group
@@ -621,6 +621,19 @@ def _scheduler(sweep_cfg: SweepConfig, job: JobConfig):
     # stop_last_trials=False: a trial ends by itself (and writes its summary).
     return ASHAScheduler(time_attr=s.time_attr, max_t=max_t * (1 - 1e-6), grace_period=s.grace_period,
                          reduction_factor=s.reduction_factor, stop_last_trials=False)
+
+
+def asha_max_t(sweep_cfg: SweepConfig, job: JobConfig) -> float:
+    """The length of a trial in ASHA's time_attr; ConfigError where ASHA would have no rung before its end."""
+    s = sweep_cfg.scheduler
+    max_t = s.max_t or (job.train.epochs if s.time_attr == "epoch" else job.train.max_steps)
+    if max_t is None:
+        raise ConfigError("scheduler.time_attr is step and the job has no train.max_steps: set scheduler.max_t")
+    if max_t <= s.grace_period:  # Ray's ASHAScheduler would fail on an assertion (its max_t is a hair below)
+        raise ConfigError(f"scheduler asha: a trial lasts {max_t:g} {s.time_attr}(s), not more than "
+                          f"scheduler.grace_period {s.grace_period:g}, so ASHA has no point to stop a trial before "
+                          f"its end: lower scheduler.grace_period, train longer, or use scheduler.kind: fifo")
+    return max_t
 
 
 def _searcher(sweep_cfg: SweepConfig, metric: str, mode: str):
