@@ -187,3 +187,23 @@ def test_asha_with_no_rung_before_a_trials_end_is_refused_before_ray(tmp_path, i
             "point to stop a trial before its end") in err and "Traceback" not in err
     assert not ray.is_initialized() and not (tmp_path / "sweeps").exists()
     assert len(check_sweep(load_sweep(path, ["scheduler.kind=fifo"]))) == 4  # no rungs, no such limit
+
+
+def test_a_sweep_whose_every_trial_failed_ends_on_one_line_naming_its_results(tmp_path, image_root):
+    """Every trial errored (a broken model): the sweep writes results.csv with each trial's error and ends with
+    behemoth's one line (it was a bare RuntimeError, printed by the CLI as a traceback)."""
+    from ray.tune import Result
+
+    from behemoth.driver import tune as tune_module
+    from behemoth.errors import user_facing_error
+
+    s = load_sweep(write_sweep(tmp_path, image_root))
+    grid = [Result(metrics={"config": {"train.lr": lr, "train.global_batch_size": 16}, "trial_id": f"t{i}"},
+                   checkpoint=None, error=RuntimeError("mat1 and mat2 shapes cannot be multiplied"), path=str(tmp_path))
+            for i, lr in enumerate((0.01, 0.1))]
+    (tmp_path / "sweeps" / "s").mkdir(parents=True)
+    with pytest.raises(Exception) as raised:
+        tune_module._results(s, grid, "val_accuracy", "max", str(tmp_path / "sweeps" / "s"))
+    assert user_facing_error(raised.value) == (f"no trial of sweep s reported val_accuracy: see the trials' errors "
+                                               f"in {tmp_path}/sweeps/s/results.csv")
+    assert (tmp_path / "sweeps/s/results.csv").read_text().count("error: mat1 and mat2 shapes") == 2

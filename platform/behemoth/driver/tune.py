@@ -42,7 +42,7 @@ from behemoth.config import (
     load_config,
     read_yaml_mapping,
 )
-from behemoth.errors import did_you_mean
+from behemoth.errors import RunFailedError, did_you_mean
 from behemoth.tasks import task_of
 
 DISTRIBUTIONS = ("grid", "choice", "uniform", "loguniform")
@@ -665,8 +665,8 @@ def _results(sweep_cfg: SweepConfig, grid, metric: str, mode: str, sweep_dir: st
     table.to_csv(results_csv, index=False)
     scored = table[table[metric].notna()]
     if scored.empty:
-        raise RuntimeError(f"no trial of sweep {sweep_cfg.name} reported {metric}: see the trials' errors in "
-                           f"{results_csv}")
+        raise RunFailedError(f"no trial of sweep {sweep_cfg.name} reported {metric}: see the trials' errors in "
+                            f"{results_csv}")
     best = scored.iloc[0]
     best_params = {k: _plain(best[k]) for k in keys}
     best_job = trial_job(base, best_params, sweep_cfg.lr_scaling)
