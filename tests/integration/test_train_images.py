@@ -206,7 +206,8 @@ def test_a_sweep_refuses_to_start_without_rays_state_api(image_root, tmp_path):
     job = tmp_path / "job.yaml"
     job.write_text(yaml.safe_dump(job_dict(image_root, tmp_path / "runs")))
     with pytest.raises(ConfigError, match="Ray's state API is not reachable .* start Ray with the dashboard"):
-        sweep(job, {"train.lr": {"grid": [0.1, 0.01]}}, storage_path=str(tmp_path / "sweeps"))
+        sweep(job, {"train.lr": {"grid": [0.1, 0.01]}}, storage_path=str(tmp_path / "sweeps"),
+              scheduler={"kind": "fifo"})  # a 1-epoch job: ASHA would have no rung before its end
     assert not (tmp_path / "sweeps").exists()
 
 

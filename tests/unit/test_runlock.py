@@ -114,8 +114,8 @@ def test_train_and_sweep_are_refused_before_ray_starts(tmp_path, live_process):
     storage = tmp_path / "runs"
     (storage / "taken").mkdir(parents=True)
     (storage / "taken" / LOCK_NAME).write_text(json.dumps(lease_of(live_process)))
-    job = {"data": {"kind": "image_folder", "root": str(tmp_path / "no-data")},
-           "checkpoint": {"storage_path": str(storage), "run_name": "taken"}}
+    job = {"data": {"kind": "image_folder", "root": str(tmp_path / "no-data")}, "train": {"epochs": 2},
+           "checkpoint": {"storage_path": str(storage), "run_name": "taken"}}  # 2 epochs: ASHA has a rung
     with pytest.raises(RunLockedError, match="run 'taken'"):
         train(config_from_dict(job))
     assert not ray.is_initialized()
