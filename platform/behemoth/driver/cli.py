@@ -196,13 +196,16 @@ def _process_start() -> float | None:
     it. None without /proc (the account then starts at `train`)."""
     import os
 
+    import time
+
     try:
         with open("/proc/self/stat") as f:
             after_name = f.read().rsplit(")", 1)[1].split()  # the name may hold spaces; fields from the 3rd on
-        with open("/proc/stat") as f:
-            boot = next(int(line.split()[1]) for line in f if line.startswith("btime"))
-        started = boot + int(after_name[19]) / os.sysconf("SC_CLK_TCK")  # field 22: starttime
-    except (OSError, ValueError, StopIteration, IndexError):
+        since_boot = int(after_name[19]) / os.sysconf("SC_CLK_TCK")  # field 22: starttime, in ticks after boot
+        # Dated from now back, on the clock starttime counts on (CLOCK_BOOTTIME): /proc/stat's btime is whole
+        # seconds, which put the start up to 1 s early.
+        started = time.time() - (time.clock_gettime(time.CLOCK_BOOTTIME) - since_boot)
+    except (OSError, ValueError, IndexError, AttributeError):
         return None
     try:
         return max(started, float(os.environ.get(EXEC_TIME_ENV, "")))
