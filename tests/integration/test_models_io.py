@@ -176,7 +176,9 @@ def test_the_custom_model_and_loss_example_trains_resumes_exactly_and_exports(im
     assert example["model"]["name"] == "examples.custom_model:small_cnn"
 
     def job(name, failures):
-        j = {**example, "data": {**example["data"], "root": str(image_root), "image_size": 16, "crop_padding": 2},
+        # the decoded cache (the default's choice here, named so that this stays a test of it): resume is exact
+        j = {**example, "data": {**example["data"], "root": str(image_root), "image_size": 16, "crop_padding": 2,
+                                 "cache": "decoded"},
              "train": {**example["train"], "max_steps": 12, "global_batch_size": 16, "warmup_steps": 2,
                        "log_every": 2},
              "checkpoint": {**example["checkpoint"], "every_n_steps": 4, "storage_path": str(tmp_path),

@@ -1,5 +1,6 @@
 """Real Ray, real DDP over gloo, real Ray Data pipelines, a tiny ResNet. One Ray instance for the module."""
 
+import json
 import re
 import shutil
 import time
@@ -197,6 +198,29 @@ def test_corrupt_image_within_budget_is_dropped_and_counted(images_with_corrupt_
     assert "dropped images:    1 undecodable in train, 0 in val" in out and "final val_acc:" in out
 
 
+def test_the_decoded_cache_trains_to_the_same_weights_as_decoding_every_epoch(image_root, tmp_path, capsys):
+    """data.cache=decoded (decoded and fitted once, then crop, flip and normalise from the cache) and
+    data.cache=none (Ray Data decodes every epoch) hand the model the same pixels: two 2-worker runs end on
+    torch.equal weights and the same validation metrics. image_size 12 < the 16 px files: the fit resizes."""
+    from behemoth.driver.trainer import train
+    from behemoth.weights import read_state_dict
+
+    runs = {}
+    for cache in ("none", "decoded"):
+        job = job_dict(image_root, tmp_path / "runs", cache, data={"image_size": 12, "cache": cache,
+                                                                    "cache_dir": str(tmp_path / "cache")})
+        runs[cache] = train(config_from_dict(job))
+        said = capsys.readouterr().out
+        assert f"[behemoth] data cache: {'decoded (0.1 MB for 120 images at 12x12' if cache == 'decoded' else 'none (data.cache=none)'}" in said, said
+    folders = [p for p in (tmp_path / "cache" / "images").iterdir() if p.is_dir()]
+    assert sorted(json.loads((f / "manifest.json").read_text())["rows"] for f in folders) == [24, 96]
+    a, b = (read_state_dict(runs[c].latest_checkpoint) for c in ("none", "decoded"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), \
+        [k for k in a if not torch.equal(a[k], b[k])]
+    for key in ("val_accuracy", "val_loss", "loss"):
+        assert runs["none"].metrics[key] == runs["decoded"].metrics[key], key
+
+
 def test_a_sweep_refuses_to_start_without_rays_state_api(image_root, tmp_path):
     """This module's Ray runs without its dashboard: a stopped trial's resources would never be freed (Ray
     Train's PlacementGroupCleaner needs the state API), so the sweep refuses before any trial."""
@@ -257,9 +281,11 @@ def test_the_data_processes_the_driver_starts_are_the_ones_the_workers_tasks_run
 
     # a variable Ray Train propagates, with a value of this test only: no idle process of an earlier test fits
     monkeypatch.setenv("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", "61.5")
-    cfg = config_from_dict(job_dict(image_root, tmp_path, run_name="warm"))
-    trainer = build_trainer(cfg, prepare_data(cfg))
-    warm = {pid for pid in ray.get(warm_up_data_processes(cfg))}
+    # decoding every epoch (a built decoded cache runs no decode task: nothing to warm up; test_image_cache.py)
+    cfg = config_from_dict(job_dict(image_root, tmp_path, run_name="warm", data={"cache": "none"}))
+    data = prepare_data(cfg)
+    trainer = build_trainer(cfg, data)
+    warm = {pid for pid in ray.get(warm_up_data_processes(cfg, data))}
     assert len(warm) == 2  # one per worker
     trainer.train_loop_per_worker = where_tasks_run
     trainer.fit()

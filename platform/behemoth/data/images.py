@@ -35,11 +35,13 @@ INDEX_SCHEMA = pa.schema(
 
 @dataclass
 class ImageIndex:
-    """What the workers need to find every sample: one row per image (path, parquet row, label)."""
+    """What the workers need to find every sample: one row per image (path, parquet row, label), and where each
+    split's decoded cache is (image_cache.CachePlan by split; None: decoded every epoch)."""
 
     train: pa.Table
     val: pa.Table
     classes: list[str]
+    cache: dict | None = None
 
 
 def build_index(cfg: DataConfig) -> ImageIndex:
@@ -141,26 +143,70 @@ def transform_batch(batch: dict, *, cfg: DataConfig, seed: int, epoch: int, trai
     """
     size = cfg.image_size
     raw = _load_bytes(batch["path"], batch["row"], cfg.image_column)
-    images = np.zeros((len(raw), 3, size, size), dtype=np.float32)
+    pixels = np.zeros((len(raw), size, size, 3), dtype=np.uint8)
     valid = np.ones(len(raw), dtype=bool)
-    mean = np.asarray(cfg.mean, dtype=np.float32)[:, None, None]
-    std = np.asarray(cfg.std, dtype=np.float32)[:, None, None]
     for i, (data, sample_id) in enumerate(zip(raw, batch["sample_id"])):
         try:
             img = decode_rgb(data)
         except Exception as e:  # PIL raises many types for bad files
             if cfg.max_bad_samples == 0:
-                where = _describe(batch["path"][i], batch["row"][i])
-                raise BadSampleError(
-                    f"cannot decode image {where}: {e}. Fix or remove the file, or set "
-                    f"data.max_bad_samples to drop up to that many undecodable images"
-                ) from None
+                raise BadSampleError(decode_error(_describe(batch["path"][i], batch["row"][i]), e)) from None
             valid[i] = False
             continue
-        rng = np.random.default_rng([seed, epoch, int(sample_id)])
-        pixels = augment(img, size, cfg, rng) if train else center_fit(img, size)
-        images[i] = (pixels.transpose(2, 0, 1).astype(np.float32) / 255.0 - mean) / std
+        rng = sample_rng(seed, epoch, sample_id)
+        pixels[i] = augment(img, size, cfg, rng) if train else center_fit(img, size)
+    images = normalise(pixels, valid, cfg)
     return {"image": images, "label": batch["label"], "sample_id": batch["sample_id"], "valid": valid}
+
+
+def decode_fitted(batch: dict, *, size: int, image_column: str) -> dict:
+    """Index rows -> {"sample_id", "pixels": uint8 [n,S,S,3] centre-fitted, "valid", "error"}: the rows of the
+    decoded cache (data/image_cache.py), the deterministic part of transform_batch. An undecodable image is a
+    row of zeros, not valid, with its error (the run decides with data.max_bad_samples when it reads it)."""
+    raw = _load_bytes(batch["path"], batch["row"], image_column)
+    pixels = np.zeros((len(raw), size, size, 3), dtype=np.uint8)
+    valid = np.ones(len(raw), dtype=bool)
+    errors = [""] * len(raw)
+    for i, data in enumerate(raw):
+        try:
+            pixels[i] = center_fit(decode_rgb(data), size)
+        except Exception as e:  # PIL raises many types for bad files
+            valid[i] = False
+            errors[i] = decode_error(_describe(batch["path"][i], batch["row"][i]), e)
+    return {"sample_id": batch["sample_id"], "pixels": pixels, "valid": valid, "error": np.array(errors, dtype=object)}
+
+
+def cached_batches(images, labels: np.ndarray, indices: np.ndarray, cfg: DataConfig, *, seed: int, epoch: int,
+                   train: bool, batch_size: int):
+    """transform_batch's batches of `indices`, in order, from decoded rows (image_cache.DecodedImages): only the
+    random part (augment_fitted, from the same per-sample generator) and the normalisation run here."""
+    indices = np.asarray(indices, dtype=np.int64)
+    for start in range(0, len(indices), batch_size):
+        ids = indices[start:start + batch_size]
+        pixels, valid = images.rows(ids)
+        if train and cfg.augment != "none":
+            draws = np.array([crop_flip_draws(sample_rng(seed, epoch, s), cfg.crop_padding) for s in ids])
+            pixels = crop_flip_batch(pixels, draws, cfg.crop_padding)
+        yield {"image": normalise(pixels, valid, cfg), "label": labels[ids], "sample_id": ids, "valid": valid}
+
+
+def decode_error(where: str, e: Exception) -> str:
+    return (f"cannot decode image {where}: {e}. Fix or remove the file, or set data.max_bad_samples to drop up "
+            f"to that many undecodable images")
+
+
+def sample_rng(seed: int, epoch: int, sample_id) -> np.random.Generator:
+    """The generator a sample's augmentation draws from in an epoch, wherever it is decoded or read."""
+    return np.random.default_rng([seed, epoch, int(sample_id)])
+
+
+def normalise(pixels: np.ndarray, valid: np.ndarray, cfg: DataConfig) -> np.ndarray:
+    """uint8 [n,S,S,3] -> float32 [n,3,S,S]: /255, then mean/std per channel; samples not valid are all 0."""
+    mean = np.asarray(cfg.mean, dtype=np.float32)[:, None, None]
+    std = np.asarray(cfg.std, dtype=np.float32)[:, None, None]
+    images = (pixels.transpose(0, 3, 1, 2).astype(np.float32, order="C") / 255.0 - mean) / std
+    images[~valid] = 0.0
+    return images
 
 
 def decode_rgb(data: bytes) -> Image.Image:
@@ -195,20 +241,35 @@ def center_fit(img: Image.Image, size: int) -> np.ndarray:
 def augment(img: Image.Image, size: int, cfg: DataConfig, rng: np.random.Generator) -> np.ndarray:
     if cfg.augment == "random_resized_crop":
         pixels = _random_resized_crop(img, size, rng)
-    elif cfg.augment == "crop_flip":
-        pixels = _pad_random_crop(center_fit(img, size), cfg.crop_padding, rng)
-    else:
-        return center_fit(img, size)
-    return pixels[:, ::-1] if rng.random() < 0.5 else pixels
+        return pixels[:, ::-1] if rng.random() < 0.5 else pixels
+    return augment_fitted(center_fit(img, size), cfg, rng)
 
 
-def _pad_random_crop(pixels: np.ndarray, pad: int, rng: np.random.Generator) -> np.ndarray:
-    if pad == 0:
+def augment_fitted(pixels: np.ndarray, cfg: DataConfig, rng: np.random.Generator) -> np.ndarray:
+    """crop_flip's and none's random part, on the centre-fitted image (what the decoded cache stores)."""
+    if cfg.augment == "none":
         return pixels
-    size = pixels.shape[0]
-    padded = np.pad(pixels, ((pad, pad), (pad, pad), (0, 0)), mode="constant")
-    top, left = rng.integers(0, 2 * pad + 1, size=2)
-    return padded[top : top + size, left : left + size]
+    top, left, flip = crop_flip_draws(rng, cfg.crop_padding)
+    pad, size = cfg.crop_padding, pixels.shape[0]
+    if pad:
+        pixels = np.pad(pixels, ((pad, pad), (pad, pad), (0, 0)), mode="constant")[top:top + size, left:left + size]
+    return pixels[:, ::-1] if flip else pixels
+
+
+def crop_flip_draws(rng: np.random.Generator, pad: int) -> tuple[int, int, bool]:
+    """A sample's crop offsets in its padded image and whether it is flipped, in the order drawn."""
+    top, left = rng.integers(0, 2 * pad + 1, size=2) if pad else (0, 0)
+    return int(top), int(left), bool(rng.random() < 0.5)
+
+
+def crop_flip_batch(pixels: np.ndarray, draws: np.ndarray, pad: int) -> np.ndarray:
+    """augment_fitted over a batch [n,S,S,3] at once: `draws` [n,3] of crop_flip_draws; one gather."""
+    n, size = pixels.shape[:2]
+    padded = np.pad(pixels, ((0, 0), (pad, pad), (pad, pad), (0, 0)), mode="constant") if pad else pixels
+    rows = draws[:, 0, None] + np.arange(size)
+    cols = draws[:, 1, None] + np.arange(size)
+    cols = np.where(draws[:, 2, None].astype(bool), cols[:, ::-1], cols)
+    return padded[np.arange(n)[:, None, None], rows[:, :, None], cols[:, None, :]]
 
 
 def _random_resized_crop(img: Image.Image, size: int, rng: np.random.Generator) -> np.ndarray:

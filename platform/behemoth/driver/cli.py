@@ -103,7 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_data_commands(data) -> None:
-    """`behemoth data ...`: demo data and a local tokenizer."""
+    """`behemoth data ...`: demo data, a local tokenizer, an image job's decoded cache."""
     p = data.add_parser("synth-images", help="write a learnable demo image dataset (ImageFolder of PNGs)")
     p.add_argument("--out", required=True, help="output folder; train/ and val/ are created inside")
     p.add_argument("--classes", type=_int_between(1, 10), default=10, help="number of classes, 1 to 10")
@@ -126,6 +126,10 @@ def _add_data_commands(data) -> None:
     p.add_argument("--text-field", default="text", help="JSONL field / parquet column (data.text_field)")
     p.add_argument("--document", choices=["line", "file"], default="line", help=".txt: a document per line "
                    "or per file (data.document)")
+
+    p = data.add_parser("cache", help="decode an image job's images once into this node's cache (data.cache_dir) "
+                        "ahead of training, with Ray Data on a local Ray instance; its runs then read it")
+    _add_config_args(p)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -242,6 +246,12 @@ def _data_command(args) -> int:
 
         counts = write_synth_text(args.out, args.train_documents, args.val_documents, args.seed)
         print(f"wrote {counts['train']} train and {counts['val']} val documents to {args.out}/{{train,val}}.jsonl")
+    elif args.data_command == "cache":
+        from behemoth.driver.trainer import ensure_ray
+        from behemoth.tasks.image import build_decoded_cache
+
+        for line in build_decoded_cache(load_config(args.config, args.overrides), start_ray=ensure_ray):
+            print(line)
     else:
         from behemoth.data.tokenizer import train_tokenizer
 

@@ -195,10 +195,10 @@ def training_worker_runtime_env() -> dict:
     return {"env_vars": {**env, **worker_env_vars()}}
 
 
-def warm_up_data_processes(cfg: JobConfig) -> list:
+def warm_up_data_processes(cfg: JobConfig, data) -> list:
     """On a local instance, start the processes the task's data pipeline will run in (driver/warmup.py) while
     Ray Train starts; nothing on a cluster (RAY_ADDRESS, or more than one node), where they may land on any
-    node, or for a task that declares no `data_modules`. Returns the warm-up tasks' refs.
+    node, or for a task whose `data_modules` for this data are none. Returns the warm-up tasks' refs.
 
     Ray gives a task an idle process whose runtime environment has the same serialized form, not only the same
     content. A child's environment is merged with its parent's and written out anew, except where the parent's
@@ -209,7 +209,8 @@ def warm_up_data_processes(cfg: JobConfig) -> list:
     job's environment is empty (a caller's own ray.init) nothing is started."""
     import ray
 
-    modules = getattr(task_of(cfg), "data_modules", ())
+    modules_for = getattr(task_of(cfg), "data_modules", None)
+    modules = modules_for(cfg, data) if modules_for else ()
     if (os.environ.get("RAY_ADDRESS") or not modules or not ray.get_runtime_context().runtime_env
             or sum(node["Alive"] for node in ray.nodes()) > 1):
         return []
@@ -350,7 +351,7 @@ def _train(cfg: JobConfig, callbacks: list | None, tracking, end_ray: bool = Fal
 
     withdraw_killed_drivers_requests(tracking.run_dir, tracking.invocation)
     trainer = build_trainer(cfg, data, [*tracking.callbacks(), *(callbacks or [])], fence)
-    warm_up_data_processes(cfg)
+    warm_up_data_processes(cfg, data)
     try:
         result = trainer.fit()
     except TrainingFailedError as e:

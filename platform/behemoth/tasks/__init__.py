@@ -12,8 +12,9 @@ Driver side (class attributes and classmethods, used before and after a run):
   `describe(checked)`      one line for `behemoth check`
   `summary_lines(metrics)` the task's lines in the run summary; `progress_fields(metrics)`: its progress-line fields
   `data_cpus(cfg)`  CPUs its data pipeline needs beside the workers (a sweep bounds concurrency with it)
-  `data_modules`    (optional) modules its data pipeline's Ray tasks import: on a local Ray instance a process per
-                    worker is started with them while Ray Train starts (driver/warmup.py)
+  `data_modules(cfg, prepared)`  (optional) modules its data pipeline's Ray tasks will import for this data
+                    (none: no Ray task will run): on a local Ray instance a process per worker is started with
+                    them while Ray Train starts (driver/warmup.py)
   `model_from_checkpoint(cfg, ckpt)`, `save_for_transformers(cfg, out)`  (optional) for `behemoth export`:
                     the model a checkpoint holds, and the files beside it (image processor, tokenizer)
 Worker side (an instance per worker, made from the prepared data): see the Task protocol below.

@@ -7,7 +7,9 @@ user's builder by import path (behemoth.models.registry). Registered and transfo
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar, Literal
@@ -16,10 +18,12 @@ import ray.train.torch
 import torch
 import torch.nn.functional as F
 
-from behemoth import weights
+from behemoth import paths, weights
 from behemoth.config import DataConfig, JobConfig, ModelConfig
 from behemoth.errors import ConfigError
-from behemoth.data.images import ImageIndex, build_index, describe_samples, rank_dataset
+from behemoth.data import image_cache
+from behemoth.data.images import ImageIndex, build_index, cached_batches, describe_samples, rank_dataset
+from behemoth.errors import BadSampleError
 from behemoth.models import registry
 
 
@@ -36,8 +40,15 @@ class ImageData(DataConfig):
     crop_padding: int = 4
     mean: list[float] = field(default_factory=lambda: [0.5, 0.5, 0.5])
     std: list[float] = field(default_factory=lambda: [0.25, 0.25, 0.25])
+    # decoded: every image is decoded and centre-fitted once per node into cache_dir (data/image_cache.py);
+    # epochs, restarts and sweep trials read those rows. auto: decoded where the decoded set takes at most
+    # cache_max_share of the node's RAM and of the free disk at cache_dir (or is built already), and the
+    # augmentation starts from the fitted image (not random_resized_crop). none: decode every epoch.
+    cache: Literal["auto", "decoded", "none"] = "auto"
+    cache_dir: str = "data_cache"
+    cache_max_share: float = 0.5
 
-    path_keys: ClassVar[tuple[str, ...]] = (*DataConfig.path_keys, "root")
+    path_keys: ClassVar[tuple[str, ...]] = (*DataConfig.path_keys, "root", "cache_dir")
 
     def validate(self) -> None:
         super().validate()
@@ -51,6 +62,14 @@ class ImageData(DataConfig):
             raise ConfigError("data.mean and data.std need 3 values each (RGB), std > 0")
         if self.crop_padding < 0:
             raise ConfigError("data.crop_padding must be >= 0")
+        if not 0 < self.cache_max_share <= 1:
+            raise ConfigError(f"data.cache_max_share must be in (0, 1], got {self.cache_max_share!r}")
+        if self.cache == "decoded" and self.augment == "random_resized_crop":
+            raise ConfigError("data.cache=decoded keeps the centre-fitted image, and random_resized_crop crops the "
+                              "original: use data.cache=none (or auto, which decodes every epoch for it)")
+        if self.cache == "decoded" and paths.is_uri(self.cache_dir):
+            raise ConfigError(f"data.cache_dir {self.cache_dir} is a URI: the decoded cache is a folder on each "
+                              f"node's own disk (a local path), read by memory-mapping it")
 
     def check_model(self, model: ModelConfig) -> None:
         if model.name == "causal_lm":
@@ -80,8 +99,14 @@ def build_image_model(cfg: JobConfig, classes: list[str]) -> torch.nn.Module:
 class ImageClassification:
     # --- driver side ------------------------------------------------------------------------------------
     data_config = ImageData
-    # what its decode tasks import: on a local instance their processes start while Ray Train starts
-    data_modules = ("ray.data", "behemoth.data.images")
+
+    @classmethod
+    def data_modules(cls, cfg: JobConfig, index: ImageIndex) -> tuple[str, ...]:
+        """What its decode tasks import (on a local instance their processes start while Ray Train starts):
+        nothing where every image is read from a decoded cache that is built already (no task will run)."""
+        if index.cache and all(image_cache.check(Path(p.folder), p) is None for p in index.cache.values()):
+            return ()
+        return ("ray.data", "behemoth.data.images")
     best = ("val_accuracy", "max")
     reported = {"val_accuracy": "max", "val_loss": "min", "loss": "min"}
 
@@ -96,7 +121,11 @@ class ImageClassification:
 
     @classmethod
     def prepare(cls, cfg: JobConfig, index: ImageIndex) -> ImageIndex:
-        return index  # the workers decode their own samples, in Ray Data tasks
+        """The workers decode their own samples, in Ray Data tasks: every epoch, or once per node into the
+        decoded cache (the decision, made here, is the run's: one line says what and why)."""
+        index.cache, line = decide_cache(cfg.data, index)
+        print(f"[behemoth] data cache: {line}", flush=True)
+        return index
 
     @classmethod
     def describe(cls, cfg: JobConfig, index: ImageIndex) -> str:
@@ -163,6 +192,7 @@ class ImageClassification:
         self.transformers_model = not registry.is_import_path(cfg.model.name)
         # fine-tuning with another number of classes: the head's weight and bias start fresh (weights.load_weights)
         self.reinit_ok = weights.classification_head(len(index.classes))
+        self._decoded_splits, self._decoded_lock = {}, threading.Lock()
 
     def build_model(self):
         return build_image_model(self.cfg, self.index.classes)
@@ -174,11 +204,11 @@ class ImageClassification:
         return out.logits if hasattr(out, "logits") else out
 
     def train_batches(self, indices, epoch: int, batch_size: int):
-        return self._batches(self.index.train, indices, epoch, batch_size, train=True)
+        return self._batches("train", indices, epoch, batch_size, train=True)
 
     def eval_batches(self, indices, batch_size: int, split: str = "val"):
         """Validation-style batches (no augmentation) of the val split, or of the train split."""
-        return self._batches(getattr(self.index, split), indices, 0, batch_size, train=False)
+        return self._batches(split, indices, 0, batch_size, train=False)
 
 
     def example_batch(self, batch_size: int):
@@ -188,7 +218,13 @@ class ImageClassification:
                 "label": torch.zeros(batch_size, dtype=torch.long, device=device),
                 "valid": torch.ones(batch_size, dtype=torch.bool, device=device)}
 
-    def _batches(self, table, indices, epoch, batch_size, train):
+    def _batches(self, split, indices, epoch, batch_size, train):
+        table = getattr(self.index, split)
+        if self.index.cache:
+            decoded, labels = self._decoded(split)
+            batches = cached_batches(decoded, labels, indices, self.cfg.data, seed=self.cfg.train.seed,
+                                     epoch=epoch, train=train, batch_size=batch_size)
+            return _on_device(batches, ray.train.torch.get_device(), pin=self.cfg.scaling.use_gpu)
         ds = rank_dataset(table, indices, self.cfg.data, seed=self.cfg.train.seed, epoch=epoch, train=train,
                           batch_size=batch_size)
         # On GPU, batches are pinned and copied to the device in Ray Data's prefetch threads, overlapping
@@ -196,6 +232,21 @@ class ImageClassification:
         return ds.iter_torch_batches(batch_size=batch_size, prefetch_batches=self.cfg.data.prefetch_batches,
                                      device=ray.train.torch.get_device(),
                                      pin_memory=self.cfg.scaling.use_gpu)
+
+    def _decoded(self, split: str):
+        """The split's decoded cache on this node (built here if this worker is the node's first to ask) and
+        its labels; opened once per worker. With data.max_bad_samples 0 an undecodable image ends the run here,
+        before training, naming the file."""
+        with self._decoded_lock:
+            if split not in self._decoded_splits:
+                d = self.cfg.data
+                decoded = image_cache.open_or_build(self.index.cache[split], getattr(self.index, split),
+                                                    d.image_column, cpus_per_task=d.cpus_per_task)
+                if d.max_bad_samples == 0 and decoded.errors:
+                    raise BadSampleError(decoded.errors[min(decoded.errors)])
+                labels = getattr(self.index, split).column("label").to_numpy()
+                self._decoded_splits[split] = (decoded, labels)
+            return self._decoded_splits[split]
 
     def loss(self, model, batch):
         """Mean cross-entropy over the decodable samples (undecodable ones, valid=False, carry no loss)."""
@@ -227,3 +278,59 @@ class ImageClassification:
 
     def classes(self):
         return self.index.classes
+
+
+def build_decoded_cache(cfg: JobConfig, start_ray) -> list[str]:
+    """`behemoth data cache`: both splits' decoded caches built on this node (or found complete), whatever
+    data.cache says (the job's runs use it unless data.cache is none). `start_ray` is called once the config
+    and the data are checked."""
+    if not isinstance(cfg.data, ImageData):
+        raise ConfigError(f"data.kind {cfg.data.kind}: only image data (image_folder, image_parquet) has a decoded "
+                          f"cache")
+    decide = dataclasses.replace(cfg.data, cache="decoded")
+    decide.validate()
+    index = build_index(cfg.data)
+    plans, _ = decide_cache(decide, index)
+    start_ray()
+    lines = []
+    for split, plan in plans.items():
+        decoded = image_cache.open_or_build(plan, getattr(index, split), cfg.data.image_column,
+                                            cpus_per_task=cfg.data.cpus_per_task, log=lambda line: None)
+        lines.append(f"{split}: {plan.rows} images, {decoded.manifest['bytes'] / 1e6:.1f} MB in {plan.folder} "
+                     f"({len(decoded.errors)} undecodable)")
+    return lines
+
+
+def decide_cache(cfg: ImageData, index: ImageIndex) -> tuple[dict | None, str]:
+    """data.cache resolved for this run: the splits' cache plans (None: decode every epoch), and why."""
+    if cfg.cache == "none":
+        return None, "none (data.cache=none): images are decoded every epoch"
+    if cfg.augment == "random_resized_crop" or paths.is_uri(cfg.cache_dir):
+        why = "random_resized_crop crops the original" if cfg.augment == "random_resized_crop" else \
+            f"data.cache_dir {cfg.cache_dir} is a URI, not a folder on each node"
+        return None, f"none (auto: {why}): images are decoded every epoch"
+    plans = {split: image_cache.plan(getattr(index, split), cfg.image_size, cfg.cache_dir) for split in ("train", "val")}
+    need = sum(p.nbytes for p in plans.values())
+    built = all(image_cache.check(Path(p.folder), p) is None for p in plans.values())
+    where = Path(plans["train"].folder).parent
+    size = f"{need / 1e6:,.1f} MB for {sum(p.rows for p in plans.values()):,} images at {cfg.image_size}x{cfg.image_size}"
+    if cfg.cache == "auto" and not built:
+        room = cfg.cache_max_share * min(image_cache.node_memory(), image_cache.free_disk(where))
+        if need > room:
+            return None, (f"none (auto: the decoded images, {size}, would take more than data.cache_max_share="
+                          f"{cfg.cache_max_share} of this node's RAM or of the free disk at {where}): images are "
+                          f"decoded every epoch")
+    state = "built already" if built else "built on first use, once per node"
+    return plans, f"decoded ({size}, in {where}; {state})"
+
+
+def _on_device(batches, device, pin: bool):
+    """numpy batches as torch tensors on the training device (pinned first on GPU, so the copy is async)."""
+    for batch in batches:
+        out = {}
+        for key, value in batch.items():
+            tensor = torch.from_numpy(value)
+            if device.type != "cpu":
+                tensor = (tensor.pin_memory() if pin else tensor).to(device, non_blocking=pin)
+            out[key] = tensor
+        yield out

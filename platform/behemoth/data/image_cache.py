@@ -1,0 +1,251 @@
+"""Decoded images, once per node: every image of a split decoded and centre-fitted once, kept as uint8 rows in
+memory-mapped shard files that every epoch, restart, rerun and sweep trial on the node reads by global index.
+
+What is stored is the deterministic part of the image pipeline (images.decode_rgb, then images.center_fit to
+data.image_size): the base that crop_flip pads, crops and flips and that evaluation uses as it is. The random
+part (drawn from (seed, epoch, sample id), images.augment_fitted) and the normalisation still run every epoch,
+on the worker, from these rows: the same pixels reach the model as without the cache, so a run ends on the same
+weights (tests/integration/test_train_images.py). random_resized_crop crops the original image, not a fitted
+one, so it is not cached.
+
+A split's cache is a folder `<data.cache_dir>/images/<key>` whose key is a hash of the sample list (each
+sample's file, parquet row and order), each file's size and modification time, the stored size and the
+cache format: a changed, added or touched file makes another key, so a stale cache is never read. In it:
+`pixels-00000.npy`, ... (uint8 [rows, S, S, 3], up to SHARD_BYTES each), `valid.npy` (False: the image could
+not be decoded, its error in manifest.json) and `manifest.json`, written last: its presence means complete.
+Each shard's size, modification time and sha256 are in the manifest; a shard whose size differs, or whose time
+differs and whose hash no longer matches (damaged, partly overwritten), makes the cache be built again.
+
+The folder is local to each node (a path, not a URI): one process per node builds it, under an exclusive
+lock of `<key>.lock` that every other worker and trial on the node waits on, then finds it complete. The
+building process decodes with Ray Data tasks on the cluster's CPUs, in order, and writes the rows as they
+come (one shard in memory at a time); without Ray (unit tests, `workers=False`) it decodes in-process.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+
+from behemoth.errors import DataError
+from behemoth.progress import progress
+
+FORMAT = 1
+SHARD_BYTES = 64 << 20
+BUILD_BLOCK_ROWS = 256  # rows per Ray Data decode task
+
+
+@dataclass(frozen=True)
+class CachePlan:
+    """Where a split's decoded cache lives on every node, and what it holds (travels to the workers)."""
+
+    folder: str
+    size: int
+    rows: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.rows * self.size * self.size * 3
+
+
+def cache_key(table: pa.Table, size: int) -> str:
+    """A hash of what the cached rows depend on: the samples in order (file, parquet row), each file's size and
+    modification time, the stored size, the format."""
+    paths = table.column("path").to_pylist()
+    h = hashlib.sha256(f"behemoth decoded images v{FORMAT} center_fit {size}\n".encode())
+    h.update(np.asarray(table.column("row").to_numpy(), dtype="<i8").tobytes())
+    paths = [os.path.abspath(p) for p in paths]  # the same files however the data folder was named
+    for path in dict.fromkeys(paths):  # each file once, in first-seen order
+        try:
+            st = os.stat(path)
+        except OSError as e:
+            raise DataError(f"cannot read {path} ({e.strerror}): it is in the data set's index") from None
+        h.update(f"{path}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+    h.update("\n".join(paths).encode())
+    return h.hexdigest()[:24]
+
+
+def node_memory() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def free_disk(folder: Path) -> int:
+    """Free bytes on the filesystem that holds (or will hold) `folder`."""
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    return shutil.disk_usage(folder).free
+
+
+def plan(table: pa.Table, size: int, cache_dir: str) -> CachePlan:
+    folder = Path(cache_dir).absolute() / "images" / cache_key(table, size)
+    return CachePlan(str(folder), size, table.num_rows)
+
+
+class DecodedImages:
+    """A complete split cache, memory-mapped: `rows(ids)` gathers uint8 [n, S, S, 3] and the valid flags."""
+
+    def __init__(self, folder: Path, manifest: dict):
+        self.folder, self.manifest = folder, manifest
+        self.shard_rows = manifest["shard_rows"]
+        self.shards = [np.load(folder / s["file"], mmap_mode="r") for s in manifest["shards"]]
+        self.valid = np.load(folder / "valid.npy")
+        self.errors = {int(k): v for k, v in manifest["errors"].items()}
+
+    def rows(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        ids = np.asarray(ids, dtype=np.int64)
+        shard, offset = np.divmod(ids, self.shard_rows)
+        if len(self.shards) == 1:
+            pixels = self.shards[0][offset]
+        else:
+            pixels = np.empty((len(ids), *self.shards[0].shape[1:]), dtype=np.uint8)
+            for s in np.unique(shard):
+                at = shard == s
+                pixels[at] = self.shards[s][offset[at]]
+        return pixels, self.valid[ids]
+
+
+def open_or_build(cache: CachePlan, table: pa.Table, image_column: str, *, workers: bool = True,
+                  cpus_per_task: float = 1.0, log=print) -> DecodedImages:
+    """The split's cache on this node: opened if complete and intact, else built (by the first process to take
+    the node's lock; the others wait for it and open what it built)."""
+    folder = Path(cache.folder)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    with _exclusive(folder.with_name(folder.name + ".lock")):
+        problem = check(folder, cache)
+        if problem is None:
+            return DecodedImages(folder, _manifest(folder))
+        if problem != "absent":
+            log(f"[behemoth] decoded image cache {folder}: {problem}; building it again")
+        began = time.monotonic()
+        build(folder, cache, table, image_column, workers=workers, cpus_per_task=cpus_per_task)
+        manifest = _manifest(folder)
+        log(f"[behemoth] decoded {cache.rows} images once into {folder} ({manifest['bytes'] / 1e6:.1f} MB, "
+            f"{time.monotonic() - began:.1f} s)")
+        return DecodedImages(folder, manifest)
+
+
+@contextmanager
+def _exclusive(lock_path: Path):
+    fd = os.open(lock_path, os.O_CREAT | os.O_RDWR, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # released when the fd closes, also if this process dies
+        yield
+    finally:
+        os.close(fd)
+
+
+def _manifest(folder: Path) -> dict:
+    return json.loads((folder / "manifest.json").read_text())
+
+
+def check(folder: Path, cache: CachePlan) -> str | None:
+    """None if the cache in `folder` is complete and intact; else what is wrong with it."""
+    try:
+        manifest = _manifest(folder)
+    except FileNotFoundError:
+        return "absent" if not folder.exists() else "incomplete (no manifest.json)"
+    except (OSError, ValueError) as e:
+        return f"unreadable manifest.json ({e})"
+    if (manifest.get("format"), manifest.get("rows"), manifest.get("size")) != (FORMAT, cache.rows, cache.size):
+        return "made for other data"
+    for entry in [*manifest["shards"], manifest["valid"]]:
+        path = folder / entry["file"]
+        try:
+            st = path.stat()
+        except OSError:
+            return f"{entry['file']} is missing"
+        if st.st_size != entry["bytes"]:
+            return f"{entry['file']} holds {st.st_size} bytes, not {entry['bytes']}"
+        if st.st_mtime_ns != entry["mtime_ns"] and _sha256(path) != entry["sha256"]:
+            return f"{entry['file']} was changed after it was written (its sha256 differs)"
+    return None
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(8 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def build(folder: Path, cache: CachePlan, table: pa.Table, image_column: str, *, workers: bool,
+          cpus_per_task: float) -> None:
+    """Decode every row of `table` into a new cache, built beside `folder` and renamed to it when complete."""
+    # We hold the node's lock: an incomplete or damaged cache and a dead builder's temporary folder can go.
+    for stale in [folder, *folder.parent.glob(f"{folder.name}.tmp-*")]:
+        shutil.rmtree(stale, ignore_errors=True)
+    tmp = folder.with_name(f"{folder.name}.tmp-{os.getpid()}")
+    tmp.mkdir(parents=True)
+    row_bytes = cache.size * cache.size * 3
+    shard_rows = max(1, SHARD_BYTES // row_bytes)
+    valid = np.zeros(cache.rows, dtype=bool)
+    errors: dict[str, str] = {}
+    shards, current, written = [], None, 0
+    batches = _decoded_batches(table, cache.size, image_column, workers, cpus_per_task)
+    total = -(-table.num_rows // BUILD_BLOCK_ROWS)
+    for batch in progress(batches, f"decoding {cache.rows} images once", total=total, unit="block"):
+        for i in range(len(batch["sample_id"])):
+            sample = int(batch["sample_id"][i])
+            if sample != written:
+                raise DataError(f"decoding for {folder} returned sample {sample} where {written} was due")
+            if written % shard_rows == 0:
+                current = _new_shard(tmp, len(shards), min(shard_rows, cache.rows - written), cache.size)
+                shards.append(current)
+            current[written % shard_rows] = batch["pixels"][i]
+            valid[written] = batch["valid"][i]
+            if not batch["valid"][i]:
+                errors[str(written)] = str(batch["error"][i])
+            written += 1
+    if written != cache.rows:
+        raise DataError(f"decoding for {folder} returned {written} of {cache.rows} images")
+    for shard in shards:
+        shard.flush()
+    np.save(tmp / "valid.npy", valid)
+    entries = [_entry(tmp, f"pixels-{i:05d}.npy") for i in range(len(shards))]
+    manifest = {"format": FORMAT, "rows": cache.rows, "size": cache.size, "shard_rows": shard_rows,
+                "shards": entries, "valid": _entry(tmp, "valid.npy"), "errors": errors,
+                "bytes": sum(e["bytes"] for e in entries)}
+    (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1))
+    os.replace(tmp, folder)
+
+
+def _new_shard(folder: Path, number: int, rows: int, size: int) -> np.memmap:
+    return np.lib.format.open_memmap(folder / f"pixels-{number:05d}.npy", mode="w+", dtype=np.uint8,
+                                     shape=(rows, size, size, 3))
+
+
+def _entry(folder: Path, name: str) -> dict:
+    st = (folder / name).stat()
+    return {"file": name, "bytes": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": _sha256(folder / name)}
+
+
+def _decoded_batches(table: pa.Table, size: int, image_column: str, workers: bool, cpus_per_task: float):
+    """The rows of `table` decoded and fitted, in order: by Ray Data tasks, or here (`workers=False`)."""
+    from behemoth.data.images import decode_fitted
+
+    blocks = [table.slice(i, BUILD_BLOCK_ROWS) for i in range(0, table.num_rows, BUILD_BLOCK_ROWS)]
+    kwargs = dict(size=size, image_column=image_column)
+    if not workers:
+        for block in blocks:
+            yield decode_fitted({k: block.column(k).to_numpy(zero_copy_only=False) for k in block.column_names},
+                                **kwargs)
+        return
+    import ray.data
+
+    from behemoth.data import ordered_data_context
+
+    ordered_data_context()
+    ds = ray.data.from_blocks(blocks).map_batches(decode_fitted, batch_format="numpy", batch_size=None,
+                                                   num_cpus=cpus_per_task, fn_kwargs=kwargs)
+    yield from ds.iter_batches(batch_size=None, batch_format="numpy", prefetch_batches=2)

@@ -1,0 +1,229 @@
+"""The decoded image cache (behemoth/data/image_cache.py): the same batches as decoding every epoch, a damaged
+or stale cache never read, one build per node however many processes ask at once. No Ray: the cache is built
+in-process here (workers=False); the runs in tests/integration/test_train_images.py build it with Ray Data."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pytest
+from PIL import Image
+
+from behemoth.data import image_cache
+from behemoth.data.images import cached_batches, index_image_folder, transform_batch
+from behemoth.errors import ConfigError
+from behemoth.tasks.image import ImageData, decide_cache
+
+SIZE = 16
+
+
+def cfg(**kw) -> ImageData:
+    return ImageData(**{"root": "unused", "image_size": SIZE, "crop_padding": 2, **kw})
+
+
+@pytest.fixture
+def mixed_images(tmp_path) -> Path:
+    """An ImageFolder whose images need resizing: non-square, larger and smaller than 16, RGB/L/RGBA, PNG and
+    JPEG, and one file that is not an image."""
+    rng = np.random.default_rng(0)
+    root = tmp_path / "mixed"
+    shapes = [(16, 16), (40, 23), (9, 30), (64, 64), (17, 50), (31, 12)]
+    for split, per_class in (("train", 7), ("val", 3)):
+        for c in ("cat", "dog"):
+            folder = root / split / c
+            folder.mkdir(parents=True)
+            for i in range(per_class):
+                w, h = shapes[(i + len(c)) % len(shapes)]
+                mode, suffix = [("RGB", ".png"), ("L", ".jpg"), ("RGBA", ".png"), ("RGB", ".jpg")][i % 4]
+                pixels = rng.integers(0, 256, (h, w, len(mode)), dtype=np.uint8)
+                Image.fromarray(pixels[..., 0] if mode == "L" else pixels, mode).save(folder / f"{i}{suffix}")
+    (root / "train" / "dog" / "3.png").write_bytes(b"\x89PNG\r\n\x1a\nnot really a png")
+    return root
+
+
+def batch_of(table: pa.Table) -> dict:
+    return {c: table.column(c).to_numpy(zero_copy_only=False) for c in table.column_names}
+
+
+def build(table, root, **kw):
+    plan = image_cache.plan(table, SIZE, str(root))
+    return plan, image_cache.open_or_build(plan, table, "image", workers=False, log=lambda line: None, **kw)
+
+
+@pytest.mark.parametrize("augment", ["crop_flip", "none"])
+def test_cached_batches_are_the_decoded_batches_bit_for_bit(mixed_images, tmp_path, augment, monkeypatch):
+    """Every epoch's batches from the cache equal transform_batch's on the same samples in the same order:
+    images (float32, after the crop, flip and normalisation), labels, ids and the undecodable sample's flag.
+    Shards of 5 rows, so that batches gather across shards."""
+    monkeypatch.setattr(image_cache, "SHARD_BYTES", 5 * SIZE * SIZE * 3)
+    index = index_image_folder(mixed_images)
+    c = cfg(augment=augment, max_bad_samples=1)
+    for split, train in (("train", True), ("train", False), ("val", False)):
+        table = getattr(index, split)
+        _, decoded = build(table, tmp_path / "cache")
+        labels = table.column("label").to_numpy()
+        order = np.random.default_rng(5).permutation(table.num_rows)
+        for epoch in (0, 3):
+            cached = list(cached_batches(decoded, labels, order, c, seed=7, epoch=epoch, train=train, batch_size=4))
+            assert sum(len(b["sample_id"]) for b in cached) == table.num_rows
+            for start, got in zip(range(0, len(order), 4), cached):
+                want = transform_batch(batch_of(table.take(order[start:start + 4])), cfg=c, seed=7, epoch=epoch,
+                                       train=train)
+                for key in ("image", "label", "sample_id", "valid"):
+                    assert got[key].dtype == want[key].dtype, key
+                    np.testing.assert_array_equal(got[key], want[key], err_msg=key)
+        assert len(decoded.shards) == -(-table.num_rows // 5)
+
+
+def test_the_undecodable_image_is_recorded_with_the_message_a_run_shows(mixed_images, tmp_path):
+    index = index_image_folder(mixed_images)
+    _, decoded = build(index.train, tmp_path / "cache")
+    bad = str(mixed_images / "train" / "dog" / "3.png")
+    [(sample, message)] = decoded.errors.items()
+    assert index.train.column("path")[sample].as_py() == bad and not decoded.valid[sample]
+    assert message.startswith(f"cannot decode image {bad}: ") and "data.max_bad_samples" in message
+
+
+@pytest.mark.parametrize("damage", ["flip a byte", "truncate", "remove the manifest", "remove valid.npy"])
+def test_a_damaged_cache_is_detected_and_built_again(image_root, tmp_path, damage):
+    index = index_image_folder(image_root)
+    plan, decoded = build(index.train, tmp_path / "cache")
+    want = decoded.rows(np.arange(plan.rows))[0].copy()
+    folder = Path(plan.folder)
+    shard = folder / "pixels-00000.npy"
+    if damage == "flip a byte":
+        data = bytearray(shard.read_bytes())
+        data[-100] ^= 0xFF
+        shard.write_bytes(bytes(data))
+    elif damage == "truncate":
+        shard.write_bytes(shard.read_bytes()[:-10])
+    elif damage == "remove the manifest":
+        (folder / "manifest.json").unlink()
+    else:
+        (folder / "valid.npy").unlink()
+    assert image_cache.check(folder, plan) is not None
+    said = []
+    again = image_cache.open_or_build(plan, index.train, "image", workers=False, log=said.append)
+    assert image_cache.check(folder, plan) is None
+    np.testing.assert_array_equal(again.rows(np.arange(plan.rows))[0], want)
+    assert any("building it again" in line for line in said), said
+
+
+def test_an_untouched_cache_is_opened_not_built_and_a_copied_one_is_checked_by_hash(image_root, tmp_path):
+    index = index_image_folder(image_root)
+    plan, _ = build(index.train, tmp_path / "cache")
+    said = []
+    image_cache.open_or_build(plan, index.train, "image", workers=False, log=said.append)
+    assert said == []
+    shard = Path(plan.folder) / "pixels-00000.npy"
+    os.utime(shard, ns=(1, 1))  # same bytes, another time (a copy): the hash decides
+    assert image_cache.check(Path(plan.folder), plan) is None
+
+
+def test_a_changed_source_file_makes_another_cache(mixed_images):
+    index = index_image_folder(mixed_images)
+    before = image_cache.cache_key(index.train, SIZE)
+    assert image_cache.cache_key(index.train, SIZE) == before and image_cache.cache_key(index.train, 32) != before
+    first = Path(index.train.column("path")[0].as_py())
+    Image.new("RGB", (16, 16), (1, 2, 3)).save(first)
+    assert image_cache.cache_key(index_image_folder(mixed_images).train, SIZE) != before
+
+
+BUILDER = textwrap.dedent('''
+    import sys, time
+    from pathlib import Path
+    import pyarrow.parquet as pq
+    from behemoth.data import image_cache, images
+
+    slow = images.decode_fitted
+    def decode_fitted(batch, **kw):  # long enough for the other process to ask while this one builds
+        time.sleep(0.5)
+        return slow(batch, **kw)
+    images.decode_fitted = decode_fitted
+    table = pq.read_table(sys.argv[1])
+    plan = image_cache.plan(table, 16, sys.argv[2])
+    while not Path(sys.argv[3]).exists():
+        time.sleep(0.01)
+    decoded = image_cache.open_or_build(plan, table, "image", workers=False)
+    print("rows", int(decoded.rows(range(plan.rows))[0].sum()))
+''')
+
+
+def test_two_processes_asking_at_once_build_the_cache_once(image_root, tmp_path):
+    """Two trials (processes) on one node ask for the same cache at the same moment: one builds it, the other
+    waits for the node's lock and opens what was built."""
+    import pyarrow.parquet as pq
+
+    index = index_image_folder(image_root)
+    pq.write_table(index.train, tmp_path / "index.parquet")
+    go = tmp_path / "go"
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[2] / "platform")}
+    procs = [subprocess.Popen([sys.executable, "-c", BUILDER, str(tmp_path / "index.parquet"),
+                               str(tmp_path / "cache"), str(go)], stdout=subprocess.PIPE, text=True, env=env)
+             for _ in range(2)]
+    go.touch()
+    outs = [p.communicate(timeout=120)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), outs
+    assert sum(out.count("[behemoth] decoded 96 images once") for out in outs) == 1, outs
+    assert len({out.splitlines()[-1] for out in outs}) == 1  # the same pixels for both
+    assert not list((tmp_path / "cache" / "images").glob("*.tmp-*"))
+
+
+def test_auto_decides_by_room_and_augmentation_and_says_why(image_root, tmp_path, monkeypatch):
+    index = index_image_folder(image_root)
+    plans, line = decide_cache(cfg(cache_dir=str(tmp_path / "c")), index)
+    assert set(plans) == {"train", "val"} and line.startswith("decoded (0.1 MB for 120 images at 16x16")
+    assert "built on first use" in line
+    plans, line = decide_cache(cfg(augment="random_resized_crop", cache_dir=str(tmp_path / "c")), index)
+    assert plans is None and "random_resized_crop" in line
+    plans, line = decide_cache(cfg(cache="none"), index)
+    assert plans is None and "data.cache=none" in line
+    monkeypatch.setattr(image_cache, "node_memory", lambda: 100_000)  # 0.5 x 100 kB < 92 kB of pixels
+    plans, line = decide_cache(cfg(cache_dir=str(tmp_path / "c")), index)
+    assert plans is None and "would take more than data.cache_max_share=0.5 of this node's RAM" in line
+    plans, _ = decide_cache(cfg(cache="decoded", cache_dir=str(tmp_path / "c")), index)
+    assert plans is not None  # asked for: no room check
+    for plan in plans.values():  # built: auto uses it whatever the room
+        image_cache.open_or_build(plan, getattr(index, "train" if plan.rows == 96 else "val"), "image",
+                                  workers=False, log=lambda line: None)
+    plans, line = decide_cache(cfg(cache_dir=str(tmp_path / "c")), index)
+    assert plans is not None and "built already" in line
+
+
+def test_decoded_is_refused_where_it_cannot_hold(tmp_path):
+    with pytest.raises(ConfigError, match="random_resized_crop crops the original"):
+        cfg(cache="decoded", augment="random_resized_crop").validate()
+    with pytest.raises(ConfigError, match="is a URI: the decoded cache is a folder on each node"):
+        cfg(cache="decoded", cache_dir="s3://bucket/cache").validate()
+    with pytest.raises(ConfigError, match="data.cache_max_share must be in"):
+        cfg(cache_max_share=0).validate()
+
+
+def test_the_manifest_lists_every_file_it_checks(image_root, tmp_path):
+    index = index_image_folder(image_root)
+    plan, decoded = build(index.val, tmp_path / "cache")
+    manifest = json.loads((Path(plan.folder) / "manifest.json").read_text())
+    assert [s["file"] for s in manifest["shards"]] == ["pixels-00000.npy"] and manifest["rows"] == 24
+    assert manifest["bytes"] == os.path.getsize(Path(plan.folder) / "pixels-00000.npy")
+
+
+def test_no_decode_process_is_warmed_up_for_a_cache_that_is_built(image_root, tmp_path):
+    """The driver starts decode processes before `fit` only for tasks that will run (driver/warmup.py): with
+    every split's decoded cache built, nothing decodes."""
+    from behemoth.tasks.image import ImageClassification
+
+    index = index_image_folder(image_root)
+    c = cfg(cache_dir=str(tmp_path / "c"))
+    index.cache, _ = decide_cache(c, index)
+    assert ImageClassification.data_modules(c, index) == ("ray.data", "behemoth.data.images")
+    build(index.train, tmp_path / "c")
+    assert ImageClassification.data_modules(c, index) != ()  # val still to decode
+    build(index.val, tmp_path / "c")
+    assert ImageClassification.data_modules(c, index) == ()
+    index.cache = None  # data.cache none: decoded every epoch
+    assert ImageClassification.data_modules(c, index) == ("ray.data", "behemoth.data.images")
