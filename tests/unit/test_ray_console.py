@@ -294,8 +294,10 @@ def _handler():
 
 
 def _through(batches):
-    """What the console shows of a stream of `batches` of one process."""
+    """What the console shows of a stream of `batches` of one process (a console of its own: no traceback
+    shown in an earlier stream is "above")."""
     handler, printed, pids = _handler()
+    handler.shown.clear()
     pid = next(pids)
     for batch in batches:
         handler({"pid": pid, "is_err": True, "lines": batch})
@@ -335,12 +337,41 @@ def test_every_real_traceback_reaches_the_console_whole_whatever_noise_is_around
                 assert [x for x in out if x.strip()] == [x for x in expected if x.strip()], where
 
 
+def _over_and_traceback(lines):
+    """(the lines over its first traceback, that traceback on, without the blank lines after it)."""
+    k = lines.index("Traceback (most recent call last):")
+    rest = lines[k:]
+    while not rest[-1].strip():
+        rest = rest[:-1]
+    return lines[:k], rest
+
+
+def _as_repeat(one, other):
+    """What shows of `other` after `one` when it is the same traceback again (else None): its lines over it,
+    less a header line ("Error in training function:", ...) the same as over the first, then one line."""
+    (over_one, traceback_one), (over, traceback) = _over_and_traceback(one), _over_and_traceback(other)
+    if traceback != traceback_one:
+        return None
+    header = over and over_one and over[-1] == over_one[-1] and over[-1].startswith(
+        ("Error in training function:", "Exception in thread", "Exception ignored in: "))
+    return over[:-1] if header else over
+
+
 def test_two_real_tracebacks_in_a_row_both_show():
+    """Both whole; only the same traceback again may be one line instead (issue 34: see the tests at the end),
+    under its own lines (less a header the first had too), the first whole."""
     for first, one in REAL.items():
         for second, other in REAL.items():
+            again = _as_repeat(one, other)
             for batches in _cuts([*one, *other], every_cut=True):
                 out = _through(batches)
-                assert _contains(out, one) and _contains(out, other), (first, second, batches)
+                where = (first, second, batches)
+                assert _contains(out, one), where
+                if not _contains(out, other):
+                    printed = [line for line in out if line.strip()]
+                    assert again is not None, where
+                    assert printed[:-1] == [line for line in one + again if line.strip()], where
+                    assert printed[-1].startswith("[behemoth] the same traceback as pid="), where
 
 
 def test_a_real_error_followed_by_rays_stop_of_the_process_shows():
@@ -362,8 +393,171 @@ def test_held_lines_are_let_out_when_nothing_completes_them(monkeypatch):
     out = []
     handler = ray_console._filtered(lambda data: out.extend(data["lines"]))
     handler({"pid": 7, "is_err": True, "lines": REAL["thread"][:3]})
-    assert out == REAL["thread"][:1]  # the traceback is held: its end may still make it noise
+    assert out == []  # the traceback is held, with its header: its end may still make it noise, or a repeat
     deadline = time.monotonic() + 5
     while len(out) < 3 and time.monotonic() < deadline:
         time.sleep(0.05)
     assert out == REAL["thread"][:3]
+
+
+# Issue 34: a user's real error (a model whose layers do not fit) is printed by every rank of every attempt
+# (the run retries once): the console shows it whole once, then one line per copy.
+SHAPE_ERROR = REAL["plain"]
+SHAPE_LINE = "RuntimeError: mat1 and mat2 shapes cannot be multiplied (8x512 and 256x10)"
+
+
+def _repeat(first):
+    return f"[behemoth] the same traceback as {first} printed above ({SHAPE_LINE})"
+
+
+def _console(streams, cut=None):
+    """What a fresh console prints, as (pid, line) in order, of `streams` ({pid: lines} of RayTrainWorker
+    actors) when each stream comes cut in two at `cut` (None: each line alone), their batches interleaved."""
+    from behemoth.driver.ray_console import _filtered
+
+    printed = []
+    handler = _filtered(lambda data: printed.extend((data["pid"], line) for line in data["lines"]))
+    batches = {pid: [lines[:cut], lines[cut:]] if cut else [[line] for line in lines]
+               for pid, lines in streams.items()}
+    for turn in itertools.zip_longest(*batches.values()):
+        for pid, batch in zip(batches, turn):
+            if batch:
+                handler({"pid": pid, "actor_name": "RayTrainWorker", "is_err": True, "lines": batch})
+    handler.flush()
+    return printed
+
+
+def test_a_traceback_from_every_rank_and_the_retry_shows_whole_once_then_one_line_per_copy():
+    """Ranks 0 and 1 of the first attempt and rank 0 of the retry print the same traceback among noise; their
+    output comes interleaved, each cut anywhere. Whichever copy comes whole first shows whole; each other
+    copy is one line, after it, naming the process that showed it; the noise goes, the other lines stay."""
+    streams = {101: ["[behemoth] step 3/20", *SHAPE_ERROR, *NOISE["teardown"][0]],
+               102: [PREEMPTION, *SHAPE_ERROR, *NOISE["owner gone"][0], "[behemoth] rank 1 stopped"],
+               201: ["[behemoth] restored step 0", *NOISE["sigterm"][0], *SHAPE_ERROR]}
+    around = {101: (["[behemoth] step 3/20"], []), 102: ([], ["[behemoth] rank 1 stopped"]),
+              201: (["[behemoth] restored step 0"], [])}
+    shape = [line for line in SHAPE_ERROR if line.strip()]
+    for cut in [None, *range(1, max(map(len, streams.values())))]:
+        printed = _console(streams, cut)
+        out = {pid: [line for p, line in printed if p == pid and line.strip()] for pid in streams}
+        whole = [pid for pid in streams if out[pid] == around[pid][0] + shape + around[pid][1]]
+        assert len(whole) == 1, (cut, out)
+        first = f"RayTrainWorker pid={whole[0]}"
+        for pid in set(streams) - set(whole):
+            assert out[pid] == around[pid][0] + [_repeat(first)] + around[pid][1], (cut, pid, out)
+            assert printed.index((pid, _repeat(first))) > printed.index((whole[0], SHAPE_LINE)), cut
+
+
+def test_a_copy_under_another_line_keeps_that_line_over_its_one_line():
+    """The line over a copy goes with it only when it is the same header as over the first ("Error in training
+    function:"); another header, or a line quoting the traceback, stays over the one line."""
+    in_a_thread = ["Exception in thread Thread-2 (prefetch):", *SHAPE_ERROR[1:]]
+    quoted = ["Error: Training failed due to worker errors:", "[Rank 0,1 Error Snippet]:", *SHAPE_ERROR[1:]]
+    printed = _console({101: SHAPE_ERROR, 102: SHAPE_ERROR, 103: in_a_thread, 104: quoted})
+    out = {pid: [line for p, line in printed if p == pid and line.strip()] for pid in (101, 102, 103, 104)}
+    assert out[101] == [line for line in SHAPE_ERROR if line.strip()]
+    assert out[102] == [_repeat("RayTrainWorker pid=101")]
+    assert out[103] == [in_a_thread[0], _repeat("RayTrainWorker pid=101")]
+    assert out[104] == [*quoted[:2], _repeat("RayTrainWorker pid=101")]
+
+
+def test_only_a_copy_equal_but_for_pids_and_addresses_is_one_line_any_other_difference_shows_whole():
+    """Two tracebacks that differ only in their last line (another shape), or in one frame, are two errors:
+    both show whole. One that differs only in a pid or a memory address is the same error again."""
+    other_shape = [*SHAPE_ERROR[:-2], SHAPE_LINE.replace("256x10", "512x10"), ""]
+    other_frame = [line.replace("loss = task.loss(model, batch)", "loss = task.loss(model, batch, mask)")
+                   for line in SHAPE_ERROR]
+    ray_task = ["Exception ignored in: <function _finalize at 0x7f7268ae39c0>", *REAL["ray task"][1:]]
+    ray_task_again = [line.replace("pid=812", "pid=4410").replace("0x7f7268ae39c0", "0x7f11aa0e3f10")
+                      for line in ray_task]
+    streams = {101: SHAPE_ERROR, 102: other_shape, 103: other_frame, 104: ray_task, 105: ray_task_again}
+    for cut in (None, 3):
+        out = {pid: [line for p, line in _console(streams, cut) if p == pid] for pid in streams}
+        for pid in (101, 102, 103, 104):
+            assert out[pid] == streams[pid], (cut, pid)
+        assert out[105] == [("[behemoth] the same traceback as RayTrainWorker pid=104 printed above "
+                             "(ValueError: empty shard)")], cut
+
+
+def test_on_rays_own_printer_the_traceback_shows_whole_once_rays_deduplication_is_off(monkeypatch, capsys):
+    """Through Ray's real printer (its "(RayTrainWorker pid=N)" prefix, and its log deduplication, on by
+    default, which holds back lines equal to another process's, or merges them into "[repeated 2x across
+    cluster]" lines: a traceback with the same frames and another message would lose them). install() turns
+    Ray's deduplication off for this console, unless the user chose it (RAY_DEDUP_LOGS)."""
+    import functools
+
+    from behemoth.driver import ray_console
+    from ray._private import ray_logging, worker
+
+    monkeypatch.setenv("RAY_COLOR_PREFIX", "0")
+    monkeypatch.setenv("RAY_DEDUP_LOGS", "1")  # the user's own choice: left as it is
+    monkeypatch.setattr(ray_logging, "RAY_DEDUP_LOGS", True)
+    dispatcher = ray_logging.global_worker_stdstream_dispatcher
+    rays_printer = functools.partial(worker.print_to_stdstream, ignore_prefix=False)
+    dispatcher.add_handler("ray_print_logs", rays_printer)
+    try:
+        ray_console.install()
+        assert ray_logging.RAY_DEDUP_LOGS is True
+        monkeypatch.delenv("RAY_DEDUP_LOGS")  # Ray's default
+        ray_console.install()
+        assert ray_logging.RAY_DEDUP_LOGS is False
+        other_shape = [*SHAPE_ERROR[:-2], SHAPE_LINE.replace("256x10", "512x10"), ""]  # the same frames
+        for pid, lines in ((101, SHAPE_ERROR), (102, SHAPE_ERROR), (103, other_shape)):
+            dispatcher.emit({"pid": pid, "actor_name": "RayTrainWorker", "is_err": True, "ip": "192.0.2.2",
+                             "localhost": "192.0.2.2", "lines": lines})
+        dict(dispatcher.handlers)["ray_print_logs"].flush()
+    finally:
+        dispatcher.remove_handler("ray_print_logs")
+    printed = [line.rstrip() for line in capsys.readouterr().err.splitlines()]
+    assert printed == [*(f"(RayTrainWorker pid=101) {line}".rstrip() for line in SHAPE_ERROR),
+                       f"(RayTrainWorker pid=102) {_repeat('RayTrainWorker pid=101')}",
+                       *(f"(RayTrainWorker pid=103) {line}".rstrip() for line in other_shape)]
+
+
+def _logged_by_tune(error: BaseException) -> str:
+    """What Ray Tune's controller prints for a failed trial (its logger.error with exc_info), behemoth's console
+    filter installed on that logger."""
+    import io
+    import logging
+
+    from behemoth.driver.ray_console import TUNE_CONTROLLER_LOG, filter_tune_trial_errors
+
+    filter_tune_trial_errors()  # as install() does
+    log = logging.getLogger(TUNE_CONTROLLER_LOG)
+    out = io.StringIO()
+    handler = logging.StreamHandler(out)
+    log.addHandler(handler)
+    try:
+        try:
+            raise error
+        except BaseException as e:  # noqa: BLE001
+            log.error("Trial task failed for trial run_trial_9d756_00001", exc_info=e)
+    finally:
+        log.removeHandler(handler)
+    return out.getvalue()
+
+
+def test_tunes_copy_of_a_trial_that_ended_on_behemoths_error_is_one_line_and_any_other_keeps_its_traceback():
+    """A trial that ended on RunFailedError (its workers' tracebacks already on the console) is logged by Tune
+    as behemoth's line; a trial whose own driver failed on anything else keeps Tune's whole traceback."""
+    import ray.exceptions
+
+    from behemoth.errors import RunFailedError
+
+    failed = RunFailedError("run '9d756_00001' failed and failure.max_failures=1 restarts are used up: rank 0: "
+                            "mat1 and mat2 shapes cannot be multiplied (1x3 and 10x10)")
+    wrapped = ray.exceptions.RayTaskError("run_trial", "Traceback (most recent call last):\n  ...", failed)
+    printed = _logged_by_tune(wrapped.as_instanceof_cause())
+    assert printed.splitlines() == [f"Trial task failed for trial run_trial_9d756_00001: {failed} (its workers' "
+                                    f"traceback is shown above; the trial's whole error: the error file below)"]
+    for other in (ValueError("the trial's driver broke"),
+                  ray.exceptions.RayTaskError("run_trial", "Traceback ...", KeyError("x")).as_instanceof_cause()):
+        printed = _logged_by_tune(other)
+        assert "Traceback (most recent call last):" in printed and printed.count("\n") > 2, printed
+    try:  # behemoth's error while handling another is not behemoth's error: the whole shows
+        try:
+            raise failed
+        except RunFailedError:
+            raise OSError("disk full while writing results")
+    except OSError as e:
+        assert "Traceback (most recent call last):" in _logged_by_tune(e)

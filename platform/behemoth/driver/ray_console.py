@@ -6,19 +6,25 @@ its last, is read as one of those kinds, with no other error chained to it befor
 however it is cut across Ray's batches and whatever noise comes before or after it, is printed whole, in
 order. The dropped tracebacks stay in Ray's worker logs (worker-*.err in the node's Ray log folder).
 
+A real traceback shows whole once: a later copy of it, equal line for line once pids and memory addresses
+are taken out (another rank's, a retried attempt's), is printed as one line that names the process that
+showed it whole and its error. A copy that differs in any other way shows whole.
+
 Ray forwards every worker's and actor's stdout/stderr to the driver (log_to_driver). behemoth wraps the
-handler that prints them (Ray 2.60: `ray_print_logs` on the driver's stdstream dispatcher) with a filter.
+handler that prints them (Ray 2.60: `ray_print_logs` on the driver's stdstream dispatcher) with a filter,
+and turns Ray's own log deduplication off for it (see `install`).
 """
 
 from __future__ import annotations
 
 import atexit
 import logging
+import os
 import re
 import threading
 import time
 
-from behemoth.errors import NOT_RETRIED
+from behemoth.errors import NOT_RETRIED, RunFailedError
 
 # Whole lines that are noise in every behemoth run.
 NOISE_LINES = [
@@ -70,6 +76,21 @@ _RAY_TASK_HEADER = re.compile(r"^(\x1b\[\d+m)?ray::")  # "ray::MapBatches(transf
 _RAY_TASK_LINE = re.compile(r"^((\x1b\[\d+m)?ray::|ray\.exceptions\.RayTaskError(\(\w+\))?: )")
 _END = "\x00"  # what a read past the last line gives: a line that is no part of any block
 
+# A real traceback already shown whole is shown again as one line: each rank of each attempt prints the same
+# user error. A copy is the same error when its lines are equal once what differs between processes is taken
+# out: pids, Ray's actor ids and ips, memory addresses (in a repr: 8 hex digits or more, not a byte's 0xff).
+# Nothing else: another message (other shapes), another frame or line number is another error: it shows whole.
+_VOLATILE = re.compile(r"\b(pid[=:] ?\d+|ip=[\w.:]+|actor_id[=:] ?[0-9a-f]+|0x[0-9a-fA-F]{8,})")
+# The line a traceback is printed under, which goes with it (when it is the same for the copy).
+_HEADERS = (_TRAIN_FN_FAILED, "Exception in thread ", _IGNORED)
+_OWN = "[behemoth] "  # behemoth's own lines: never part of another error's message
+# Lines that start a new record, never go on an error's message: a log record's time stamp (Ray's core
+# "[2026-11-23 12:48:54,770 E ...]", Python logging's "2026-11-23 12:48:54,770 ..."), Ray Data's line on a
+# failed task (also when it goes on: "... Ignoring this exception with remaining max_errored_blocks=3.")
+_NEW_RECORD = re.compile(r'^(\[?\d{4}-\d\d-\d\d[ T]\d\d:\d\d'
+                         r'|An exception was raised from a task of operator ")')
+_SHOWN_MAX = 1000  # distinct tracebacks remembered (a long sweep's), the oldest forgotten first
+
 
 class _Lines:
     """The lines being read, noting a read past the last one (`ran_out`): a block read then may be decided
@@ -77,12 +98,18 @@ class _Lines:
 
     def __init__(self, lines: list[str]):
         self.lines, self.ran_out = lines, False
+        self.read: dict = {}  # j -> (_exception_line(self, j), whether reading it ran out)
 
     def __getitem__(self, j: int) -> str:
-        if j < len(self.lines):
+        try:
             return self.lines[j]
-        self.ran_out = True
-        return _END
+        except IndexError:
+            self.ran_out = True
+            return _END
+
+    def lines_after(self, j: int) -> bool:
+        """Whether a line comes after lines[j] (reading it: none yet may mean not yet)."""
+        return self[j + 1] != _END
 
     def text_from(self, j: int) -> int:
         """The index of the first line from j on that is not blank."""
@@ -97,7 +124,16 @@ def _exception_line(src: _Lines, j: int) -> int | None:
     lines over a remote task's frames; the exception line follows the last frame directly."""
     if src[j].rstrip() != _TRACEBACK:
         return None
-    k = j + 1
+    if j not in src.read:  # read once: a traceback is read for noise, then as a real one
+        ran_out, src.ran_out = src.ran_out, False
+        src.read[j] = _after_frames(src, j + 1), src.ran_out
+        src.ran_out = ran_out
+    src.ran_out |= src.read[j][1]  # (a read past the last line counts at every read)
+    return src.read[j][0]
+
+
+def _after_frames(src: _Lines, k: int) -> int | None:
+    """The index of the line after the frames from lines[k] on, or None when it is blank or past the last."""
     while src[k].startswith(" ") or (
             (not src[k].strip() or _RAY_TASK_LINE.match(src[k])) and src[src.text_from(k + 1)].startswith(" ")):
         k += 1
@@ -161,6 +197,43 @@ def _goes_on_message(line: str) -> bool:
             and not line.startswith((_IGNORED, _UPLOAD_FAILED, _DATA_USER_CODE)) and not _DATA_ABORT.match(line))
 
 
+def _message_goes_on(line: str) -> bool:
+    """Whether `line` can be one more line of a real error's message: as for `_goes_on_message`, or a field
+    Ray indents with a tab under its error (an ActorDiedError's class_name, pid); a noise line, behemoth's
+    own, another traceback's header or a new log record ends it (the noise must still go, and a copy of the
+    traceback followed by other lines is still the same)."""
+    return ((line.startswith("\t") or _goes_on_message(line)) and not line.startswith(_OWN)
+            and not line.startswith(_HEADERS) and not _NEW_RECORD.match(line)
+            and not any(p.search(line) for p in NOISE_LINES))
+
+
+def _traceback_chain(src: _Lines, i: int, before: str) -> tuple[int, int] | None:
+    """(the index of its last line, that of its error's line) for the real traceback lines[i] starts, with
+    its message, every link chained after it (a traceback, or Ray's wrapping: a `ray::` line over a
+    `ray.exceptions.` error) and the blank lines after it; None when lines[i] starts none, or only a later
+    link of a chain whose start came before, or a chain with a link not read as one (not whole). Its error:
+    the exception line of its last link that is a traceback (Ray's wrapping under it says less)."""
+    if before.startswith(_CHAINING):
+        return None
+    k = error = _exception_line(src, i)
+    while k is not None:
+        while _message_goes_on(src[k + 1]):
+            k += 1
+        link = src.text_from(k + 1)
+        if not src[link].startswith(_CHAINING):
+            return link - 1, error
+        j = src.text_from(link + 1)
+        if src[j].rstrip() == _TRACEBACK:
+            next_k = next_error = _exception_line(src, j)
+        else:
+            j += 1 if _RAY_TASK_HEADER.match(src[j]) else 0
+            next_k, next_error = (j, error) if src[j].startswith("ray.exceptions.") else (None, error)
+        if next_k is None:  # a link not read as one: not a whole traceback, printed as it is (never one line)
+            return None
+        k, error = next_k, next_error
+    return None
+
+
 def _noise_block(src: _Lines, i: int, before: str) -> tuple[int, int] | None:
     """(first, last): the lines to drop for the noise block that lines[i] starts, or None. `before`: the last
     line that is not blank before lines[i] (in this or an earlier batch of the same stream)."""
@@ -185,19 +258,38 @@ def _noise_block(src: _Lines, i: int, before: str) -> tuple[int, int] | None:
     return first, end
 
 
-def _scan(lines: list[str], before: str = "", final: bool = True) -> tuple[list[str], list[str], str]:
-    """(the lines to print, the lines to hold back, the last line not blank before those held). Unless `final`,
-    the lines from the first block that cannot be decided before more lines come (it reaches the last line)
-    are held back; `before`: the last line not blank that came before `lines` in the same stream."""
-    src, kept, i = _Lines(lines), [], 0
+def _scan(lines: list[str], before: str = "", final: bool = True) -> tuple[list[str], list, list[str], str]:
+    """(the lines to print, the real tracebacks whole among them, the lines to hold back, the last line not
+    blank before those held). Unless `final`, the lines from the first block that cannot be decided before
+    more lines come (it reaches the last line) are held back, with the header line over it; `before`: the last
+    line not blank that came before `lines` in the same stream. Each real traceback: (first, start, end,
+    error), indices in the lines to print of its header line (its start when it has none), its "Traceback"
+    line, the line after it, its error's line."""
+    src, kept, tracebacks, i = _Lines(lines), [], [], 0
+    header = None  # (index, `before` then) of the header line last kept: it goes with a traceback under it
     while i < len(lines):
         src.ran_out = False
         block = _noise_block(src, i, before)
+        real = block is None and lines[i].startswith(_TRACEBACK)
+        chain = _traceback_chain(src, i, before) if real else None
+        if block is None and lines[i].startswith(_HEADERS):
+            src.lines_after(i)  # a header waits for the line under it: the traceback it goes with
+        under = int(header is not None and header[0] == i - 1)
         if src.ran_out and not final:
-            return kept, lines[i:], before
-        if block is None:
+            if under:
+                kept.pop()
+                i, before = header
+            return kept, tracebacks, lines[i:], before
+        if chain is not None:
+            end, error = chain
+            tracebacks.append((len(kept) - under, len(kept), len(kept) + end + 1 - i, len(kept) + error - i))
+            kept += lines[i:end + 1]
+            before = next(line for line in reversed(lines[i:end + 1]) if line.strip())
+            i = end + 1
+        elif block is None:
             if not any(p.search(lines[i]) for p in NOISE_LINES):
                 kept.append(lines[i])
+                header = (i, before) if lines[i].startswith(_HEADERS) else header
             before = lines[i] if lines[i].strip() else before
             i += 1
         else:
@@ -205,41 +297,126 @@ def _scan(lines: list[str], before: str = "", final: bool = True) -> tuple[list[
             kept += lines[i:first]  # (the crashed-shutdown line)
             before = next(line for line in reversed(lines[i:end + 1]) if line.strip())
             i = end + 1
-    return kept, [], before
+    return kept, tracebacks, [], before
+
+
+def _one_line_per_repeat(kept: list[str], tracebacks: list, process: str, shown: dict) -> list[str]:
+    """`kept`, with each traceback in it (see `_scan`) that `shown` holds (normalised traceback -> (process,
+    header) that showed it) as one line naming that process and the error; the others whole, and remembered.
+    A header line that differs from the one the first copy had stays over the line."""
+    out, at = [], 0
+    for first, start, end, error in tracebacks:
+        body = kept[start:end]
+        while not body[-1].strip():
+            body.pop()  # its blank lines after: a copy cut before them is the same
+        key = _VOLATILE.sub("_", "\n".join(body))
+        header = _VOLATILE.sub("_", kept[first]) if first < start else None
+        out += kept[at:first]
+        if key in shown:
+            shown_by, shown_header = shown[key]
+            out += kept[first:start] if header != shown_header else []
+            message = kept[error].strip()
+            message = message if len(message) <= 160 else message[:157] + "..."
+            out.append(f"{_OWN}the same traceback as {shown_by} printed above ({message})")
+        else:
+            if len(shown) >= _SHOWN_MAX:
+                del shown[next(iter(shown))]
+            shown[key] = (process, header)
+            out += kept[first:end]
+        at = end
+    return out + kept[at:]
+
+
+def _process(data: dict) -> str:
+    """The process a batch of lines comes from, as Ray's prefix on them names it ("RayTrainWorker pid=12")."""
+    name = data.get("actor_name") or data.get("task_name")
+    ip = data.get("ip")
+    where = f", ip={ip}" if ip and ip != data.get("localhost") else ""
+    return f"{name + ' ' if name else ''}pid={data.get('pid')}{where}"
 
 
 def filter_lines(lines: list[str]) -> list[str]:
-    """`lines` without the noise lines and the noise tracebacks."""
+    """`lines` without the noise lines and the noise tracebacks (repeats not collapsed: they need a console's
+    memory, see `_filtered`)."""
     return _scan(lines)[0]
 
 
 def install() -> None:
     """Filter the worker output this driver prints (once per Ray session; a no-op without log_to_driver)."""
-    from ray._private.ray_logging import global_worker_stdstream_dispatcher as dispatcher
+    from ray._private import ray_logging
 
+    # Ray's log deduplication (RAY_DEDUP_LOGS, on by default) runs after this filter, on what it prints: lines
+    # equal to one another process printed in the last 5 s are held back and printed later, or merged into
+    # "... [repeated 2x across cluster]" lines, which cuts a second traceback that shares lines with a first
+    # one (another message, the same frames) into pieces. The filter collapses whole repeated tracebacks
+    # itself, so it is off here, unless the user set the variable. Ray reads it when ray is imported, before
+    # behemoth runs, so the flag its deduplicators read on every batch is set instead.
+    if "RAY_DEDUP_LOGS" not in os.environ:
+        ray_logging.RAY_DEDUP_LOGS = False
+    dispatcher = ray_logging.global_worker_stdstream_dispatcher
     with dispatcher._lock:
         for i, (name, handler) in enumerate(dispatcher.handlers):
             if name == "ray_print_logs" and not getattr(handler, "behemoth_filter", False):
                 dispatcher.handlers[i] = (name, _filtered(handler))
+    filter_tune_trial_errors()
+
+
+# Ray Tune logs every failed trial's error on the driver ("Trial task failed for trial ..."), with the whole
+# traceback of the trial's driver function. For a trial that ended on behemoth's RunFailedError that is a
+# third copy: its workers' tracebacks came through this console (whole, once), and the RunFailedError's one
+# line names each rank's error. There it becomes that one line; Tune keeps the whole in the trial's error.txt
+# (its path follows on the console). Any other error (the trial's driver itself failing) keeps its traceback.
+TUNE_CONTROLLER_LOG = "ray.tune.execution.tune_controller"
+
+
+def filter_tune_trial_errors() -> None:
+    tune_log = logging.getLogger(TUNE_CONTROLLER_LOG)
+    if not any(isinstance(f, TrialErrorOnce) for f in tune_log.filters):
+        tune_log.addFilter(TrialErrorOnce())
+
+
+class TrialErrorOnce(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        failed = _run_failure(record.exc_info[1] if record.exc_info else None)
+        if failed is not None:
+            record.msg = (f"{record.getMessage()}: {failed} (its workers' traceback is shown above; the trial's "
+                          f"whole error: the error file below)")
+            record.args, record.exc_info, record.exc_text = (), None, None
+        return True
+
+
+def _run_failure(error: BaseException | None) -> str | None:
+    """behemoth's one line when `error` is a RunFailedError, or Ray's wrapping of one (a task's error: only its
+    `cause` is followed, never an error raised while handling another), else None."""
+    for _ in range(8):  # Ray wraps a task's error once per task it crossed
+        cause = getattr(error, "cause", None)
+        if not isinstance(cause, BaseException):
+            break
+        error = cause
+    return str(error) if isinstance(error, RunFailedError) else None
 
 
 # Ray forwards a process's output in batches as it comes, so a traceback can arrive cut anywhere: a part alone
-# may read as noise or as real when the whole does not. A batch whose end leaves a block undecided keeps that
-# block back (per process and stream) until the same process's next batch decides it; held lines are let out,
-# filtered as they are, once HOLD_S passes without it, and at the driver's exit.
+# may read as noise or as real when the whole does not, and a real one is compared with those shown only whole
+# (its message or a chained traceback may follow). A batch whose end leaves a block undecided keeps that block
+# back, with the header line over it (per process and stream), until the same process's next batch decides it;
+# held lines are let out, filtered as they are, once HOLD_S passes without it, and at the driver's exit.
 HOLD_S = 2.0
 
 
 def _filtered(print_logs):
     held: dict = {}  # (pid, is_err) -> (data, lines, since)
+    shown: dict = {}  # the tracebacks shown whole on this console (see _one_line_per_repeat)
     before: dict = {}  # (pid, is_err) -> the last line not blank before what is held (chains cross batches)
     lock = threading.Lock()
     timer = [None]  # the one pending release of held lines, if any
 
     def scan(key, data: dict, lines: list[str], final: bool) -> None:
-        kept, rest, before[key] = _scan(lines, before.get(key, ""), final)
+        kept, tracebacks, rest, before[key] = _scan(lines, before.get(key, ""), final)
         if rest:
             held[key] = (data, rest, time.monotonic())
+        if tracebacks:
+            kept = _one_line_per_repeat(kept, tracebacks, _process(data), shown)
         if kept:
             print_logs({**data, "lines": kept})
 
@@ -275,6 +452,7 @@ def _filtered(print_logs):
 
     atexit.register(flush)
     print_filtered.flush = flush
+    print_filtered.shown = shown
     print_filtered.behemoth_filter = True
     return print_filtered
 
