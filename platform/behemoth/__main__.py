@@ -1,7 +1,5 @@
 """`python -m behemoth ...`: the same command line as `behemoth ...`."""
 
-import sys
+from behemoth.driver.cli import run
 
-from behemoth.driver.cli import main
-
-sys.exit(main())
+run()

@@ -220,3 +220,24 @@ def test_export_never_honours_trust_remote_code_from_a_checkpoint(tmp_path, caps
     assert f"model.trust_remote_code is true, which would run the code of repository {repo}" in err
     assert "does not honour it from a checkpoint. If you trust that repository, pass --trust-remote-code" in err
     assert _job_of(str(run), TrustedCode(trust_remote_code=True)).model.trust_remote_code is True
+
+
+def test_the_command_ends_at_once_with_its_status_its_output_and_exit_handlers_done(tmp_path):
+    """exit_at_once (the `behemoth` command's end) skips only the interpreter's teardown: the status is kept,
+    buffered output is out, atexit handlers ran."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = (f"import atexit, sys\n"
+              f"atexit.register(lambda: open({str(tmp_path / 'handler_ran')!r}, 'w').write('yes'))\n"
+              f"from behemoth.driver.cli import exit_at_once\n"
+              f"sys.stdout.write('buffered, no newline')\n"
+              f"exit_at_once(3)\n")
+    env = {**__import__("os").environ, "PYTHONPATH": str(Path(__file__).parents[2] / "platform")}
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env)
+    assert done.returncode == 3 and done.stdout == "buffered, no newline"
+    assert (tmp_path / "handler_ran").read_text() == "yes"
+    bad = subprocess.run([sys.executable, "-m", "behemoth", "check", str(tmp_path / "missing.yaml")],
+                         capture_output=True, text=True, env=env)
+    assert bad.returncode == 2 and "behemoth: config error:" in bad.stderr
