@@ -20,10 +20,9 @@ import torch.nn.functional as F
 
 from behemoth import paths, weights
 from behemoth.config import DataConfig, JobConfig, ModelConfig
-from behemoth.errors import ConfigError
+from behemoth.errors import BadSampleError, ConfigError
 from behemoth.data import image_cache
 from behemoth.data.images import ImageIndex, build_index, cached_batches, describe_samples, rank_dataset
-from behemoth.errors import BadSampleError
 from behemoth.models import registry
 
 
