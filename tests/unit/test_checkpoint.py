@@ -413,6 +413,41 @@ def _write_sharded(folder, legacy=False):
     return model, opt, sched, state
 
 
+@pytest.mark.parametrize("device,overlap", [("cpu", False), ("cpu", True),
+                                            pytest.param("cuda", False, marks=pytest.mark.gpu),
+                                            pytest.param("cuda", True, marks=pytest.mark.gpu)])
+def test_one_writer_writes_sharded_checkpoint_after_checkpoint(tmp_path, device, overlap):
+    """A worker's ShardedWriter keeps DCP's stager (its host buffers) from one checkpoint to the next: every
+    checkpoint is written and loads back exactly. (torch 2.11's async_save closed the stager it was given, and
+    the next checkpoint of an FSDP run on a GPU failed with KeyError: <class 'type'>.)"""
+    from behemoth.worker.sharded import ShardedWriter
+
+    model, opt, sched = make()
+    model.to(device)
+    writer = ShardedWriter(rank=0)
+    saved = []
+    for s in range(3):
+        g = torch.Generator().manual_seed(s)
+        x, y = torch.randn(4, 3, 16, 16, generator=g), torch.randint(0, 4, (4,), generator=g)
+        loss = torch.nn.functional.cross_entropy(model(pixel_values=x.to(device)).logits, y.to(device))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        sched.step()
+        folder = tmp_path / f"c{s}"
+        small = checkpoint.Snapshot(*checkpointing.extras(scheduler=sched, state=TrainState(step=s + 1),
+                                                          classes=None, job_yaml="x: 1\n"), step=s + 1)
+        written, staging = writer.start(model, opt, str(folder), overlap=overlap)
+        if staging is not None:
+            staging.wait_sources_free()
+        saved.append({k: v.detach().cpu().clone() for k, v in model.state_dict().items()})
+        writer.commit(written, str(folder), small)
+    for s, weights in enumerate(saved):
+        restored, opt2, sched2 = make(seed=7)
+        checkpointing.load(tmp_path / f"c{s}", model=restored, optimizer=opt2, scheduler=sched2)
+        assert_same_tensors(restored.state_dict(), weights)
+
+
 def _rehash(folder):
     """The manifest fixed up over the crafted files, as anyone who can write the folder can: its sha256 proves
     integrity, not who wrote the files."""
@@ -465,7 +500,7 @@ def test_a_crafted_shard_index_is_refused_and_never_run(tmp_path):
     (folder / "state" / ".metadata").write_bytes(pickle.dumps(_OpensFile(marker)))
     _rehash(folder)
     for use, read in _readers(folder).items():
-        with pytest.raises(CheckpointError, match=r"state/\.metadata is not DCP's index.* names io\.open"):
+        with pytest.raises(CheckpointError, match=r"state/\.metadata is not DCP's index.* names _?io\.open"):
             read()
         assert not marker.exists(), use
 

@@ -39,6 +39,22 @@ def _state_dicts(model, optimizer) -> dict:
     return {"model": model_sd, "optimizer": optim_sd}
 
 
+def _kept_stager(overlap: bool, pinned: bool):
+    """DCP's DefaultStager (device -> host copies, from pinned buffers on a GPU), kept from one checkpoint to
+    the next with its host buffers. torch 2.11's DefaultStager closes its inner StateDictStager after every
+    stage, which empties the copy table the next stage needs (it fails on the state dict itself: KeyError:
+    <class 'type'>): that inner close is made a no-op, so the buffers and the table stay until the process
+    ends, as newer torch keeps them."""
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+    stager = DefaultStager(StagingOptions(use_pinned_memory=pinned, use_shared_memory=False,
+                                          use_async_staging=overlap, use_non_blocking_copy=overlap and pinned))
+    inner = getattr(stager, "_state_dict_stager", None)
+    if inner is not None:
+        inner.close = lambda: None
+    return stager
+
+
 def own_files(folder: str | Path, rank: int) -> list[str]:
     """The files of a sharded checkpoint that `rank` wrote: its DCP data file(s), and for rank 0 the index
     and the non-tensor values (DCP's FileSystemWriter names a rank's files __RANK_N.distcp)."""
@@ -98,13 +114,8 @@ class ShardedWriter:
         return saved, None
 
     def _stager(self, overlap: bool):
-        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-
         if overlap not in self.stagers:
-            pinned = torch.cuda.is_available()  # device -> host copies from pinned buffers
-            self.stagers[overlap] = DefaultStager(StagingOptions(use_pinned_memory=pinned, use_shared_memory=False,
-                                                                 use_async_staging=overlap,
-                                                                 use_non_blocking_copy=overlap and pinned))
+            self.stagers[overlap] = _kept_stager(overlap, pinned=torch.cuda.is_available())
         return self.stagers[overlap]
 
     def commit(self, written, folder: str, small: Snapshot | None, upload=None) -> None:
