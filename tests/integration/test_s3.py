@@ -8,10 +8,6 @@ metrics.jsonl / timeline.jsonl; and models come out of the bucket: `behemoth eva
 
 import json
 import os
-import socket
-import subprocess
-import sys
-import time
 
 import numpy as np
 import pyarrow.fs
@@ -25,47 +21,18 @@ from behemoth.driver.trainer import train
 from behemoth.tracking.records import read_jsonl, read_text
 from behemoth.weights import resolve
 from conftest import job_dict
+from s3_server import moto_s3
 
 pytestmark = pytest.mark.integration
 BUCKET = "behemoth-test"
-ENV = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
 def s3_endpoint():
     """moto's S3 server in its own process, one bucket; the AWS_* variables set for this process and (Ray
     starts after this fixture, see ray_local below) every Ray worker."""
-    port = _free_port()
-    endpoint = f"http://127.0.0.1:{port}"
-    server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    saved = {k: os.environ.get(k) for k in [*ENV, "AWS_ENDPOINT_URL"]}
-    os.environ.update(ENV, AWS_ENDPOINT_URL=endpoint)
-    try:
-        deadline = time.time() + 30
-        while True:
-            try:
-                pyarrow.fs.S3FileSystem(endpoint_override=endpoint, allow_bucket_creation=True).create_dir(BUCKET)
-                break
-            except OSError:
-                if time.time() > deadline or server.poll() is not None:
-                    raise
-                time.sleep(0.2)
+    with moto_s3(BUCKET) as endpoint:
         yield endpoint
-    finally:
-        server.kill()
-        server.wait()
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 @pytest.fixture(scope="module")

@@ -15,6 +15,11 @@ from ray.train.v2._internal.execution.callback import ControllerCallback, Report
 from behemoth import paths
 from behemoth.tracking.records import METRICS, TIMELINE, JsonlLog
 
+# Under a URI, reports wait in memory at most this long before a part object is PUT (and at every checkpoint,
+# and at the end): a killed controller loses at most these seconds of metrics.jsonl. Timeline events are rare
+# and are PUT at once.
+METRICS_FLUSH_S = 10.0
+
 
 class RunRecorder(ControllerCallback, ReportCallback):
     def __init__(self, run_dir: str, invocation: str, tensorboard: bool = True,
@@ -29,6 +34,8 @@ class RunRecorder(ControllerCallback, ReportCallback):
     def after_report(self, training_report, metrics):
         report = metrics[0]  # rank 0's
         self.metrics_log.append({"time": time.time(), "invocation": self.invocation, **report})
+        if training_report.checkpoint is not None:
+            self.metrics_log.flush()  # the records up to a checkpoint are stored with it
         if report.get("step", 0) <= report.get("resumed_from_step", 0):
             return  # nothing trained (a rerun of a finished run re-evaluates it): its curves have these steps
         if self.use_tensorboard:
@@ -60,7 +67,7 @@ class RunRecorder(ControllerCallback, ReportCallback):
     @property
     def metrics_log(self) -> JsonlLog:
         if self._metrics is None:
-            self._metrics = JsonlLog(paths.join(self.run_dir, METRICS))
+            self._metrics = JsonlLog(paths.join(self.run_dir, METRICS), flush_s=METRICS_FLUSH_S)
         return self._metrics
 
     @property
@@ -85,6 +92,8 @@ class RunRecorder(ControllerCallback, ReportCallback):
         self._timeline.append({"time": time.time(), "event": name, "invocation": self.invocation, **fields})
 
     def close(self) -> None:
+        if self._metrics is not None:
+            self._metrics.close()
         if self._tb is not None:
             self._guarded("TensorBoard", self._tb.finish)
             self._tb = None  # a later report (none is expected) opens a new one

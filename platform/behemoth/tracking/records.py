@@ -7,24 +7,40 @@
   a resize) or failing, a killed driver's resource request withdrawn (driver/stale_requests.py). The goodput
   account and the report read both.
 
-Local files are appended to. Object stores have no append: a URI's file is read once and rewritten whole on
-every write (one writer at a time: the run lock's holder and the Ray Train controller it starts).
+Local files are appended to. Object stores have no append, and rewriting the whole file at every record
+costs O(n^2) bytes over a run: under a URI each log is a folder of part objects, `<log>.parts/<time>-<writer>-
+<n>.jsonl`, each holding the records one writer buffered since its last part. Readers concatenate the parts
+in name order (the time is the part's first record's), after a whole `<log>` file an older behemoth wrote.
+A writer PUTs a part when `flush_s` seconds have passed since its last one (a timer thread flushes a quiet
+writer), at flush() (every checkpoint) and at close(): the bytes uploaded over a run are the log's size, and a
+killed writer loses at most its last `flush_s` seconds of records.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import threading
+import time
+import uuid
 
 from behemoth import paths
 
 METRICS, TIMELINE = "metrics.jsonl", "timeline.jsonl"
+PARTS = ".parts"
 
 
 class JsonlLog:
-    def __init__(self, path: str):
-        self.path = path
-        self._lines: list[str] | None = None  # a URI's current content, read on first write
+    def __init__(self, path: str, flush_s: float = 0.0):
+        """`flush_s`: under a URI, how long records may wait in memory (0: every record is PUT at once)."""
+        self.path, self.flush_s = path, flush_s
+        self._buffer: list[str] = []
+        self._first_ns = 0  # the first buffered record's time: the next part's name
+        self._writer, self._parts = uuid.uuid4().hex[:8], 0
+        self._lock = threading.Lock()
+        self._last_put = time.monotonic()
+        self._stop: threading.Event | None = None  # the timer thread's, once started
+        self._failed = False
 
     def append(self, record: dict) -> None:
         line = json.dumps(record, default=_plain) + "\n"
@@ -33,10 +49,54 @@ class JsonlLog:
             with open(self.path, "a", encoding="utf-8") as f:
                 f.write(line)
             return
-        if self._lines is None:
-            self._lines = [f"{json.dumps(r)}\n" for r in read_jsonl(self.path)]
-        self._lines.append(line)
-        write_text(self.path, "".join(self._lines))
+        with self._lock:
+            if not self._buffer:
+                self._first_ns = time.time_ns()
+            self._buffer.append(line)
+            if time.monotonic() - self._last_put >= self.flush_s:
+                self._put_part(quiet=self.flush_s > 0)  # an unbuffered writer's caller hears of a failure
+            elif self._stop is None:
+                self._stop = threading.Event()
+                threading.Thread(target=self._flush_quiet, name="behemoth-records", daemon=True).start()
+
+    def flush(self) -> None:
+        """PUT what is buffered now (a checkpoint's records are durable with it)."""
+        with self._lock:
+            self._put_part()
+
+    def close(self) -> None:
+        if self._stop is not None:
+            self._stop.set()
+        self.flush()
+
+    def _flush_quiet(self) -> None:
+        while not self._stop.wait(self.flush_s):
+            with self._lock:
+                if time.monotonic() - self._last_put >= self.flush_s:
+                    self._put_part(quiet=True)
+
+    def _put_part(self, quiet: bool = False) -> None:
+        if not self._buffer:
+            return
+        name = f"{self._first_ns:020d}-{self._writer}-{self._parts:06d}.jsonl"
+        try:  # the folder is made once (on an object store, each making is a PUT of a marker object)
+            write_bytes(f"{self.path}{PARTS}/{name}", "".join(self._buffer).encode(), make_folder=self._parts == 0)
+        except Exception as e:  # noqa: BLE001 - kept and tried again at the next flush
+            if not quiet:
+                raise
+            if not self._failed:
+                print(f"[behemoth] WARNING: could not write {self.path} ({type(e).__name__}: {e}); its records are "
+                      f"kept in memory and written again at the next flush", flush=True)
+            self._failed = True
+            return
+        self._buffer.clear()
+        self._parts += 1
+        self._last_put = time.monotonic()
+
+
+def exists(path: str) -> bool:
+    """Whether a log has been written (as a file, or under a URI as parts)."""
+    return read_text(path) is not None or bool(_part_names(path))
 
 
 def read_text(path: str) -> str | None:
@@ -59,13 +119,14 @@ def write_text(path: str, text: str) -> None:
     write_bytes(path, text.encode())
 
 
-def write_bytes(path: str, data: bytes) -> None:
-    """Write (replace) a file, local or under a URI, creating its folder."""
+def write_bytes(path: str, data: bytes, make_folder: bool = True) -> None:
+    """Write (replace) a file, local or under a URI, creating its folder (unless known to be there)."""
     if paths.is_uri(path):
         import pyarrow.fs
 
         fs, where = pyarrow.fs.FileSystem.from_uri(path)
-        fs.create_dir(where.rpartition("/")[0], recursive=True)
+        if make_folder:
+            fs.create_dir(where.rpartition("/")[0], recursive=True)
         with fs.open_output_stream(where) as f:
             f.write(data)
         return
@@ -75,8 +136,11 @@ def write_bytes(path: str, data: bytes) -> None:
 
 
 def read_jsonl(path: str) -> list[dict]:
-    """The records of a JSON-lines file ([] if there is none); a line cut short by a kill is skipped."""
+    """The records of a log ([] if there is none): the file, then under a URI its parts in order; a line cut
+    short by a kill is skipped."""
     text = read_text(path) or ""
+    if paths.is_uri(path):
+        text += "\n" + "".join(read_text(f"{path}{PARTS}/{name}") or "" for name in _part_names(path))
     records = []
     for line in text.splitlines():
         try:
@@ -84,6 +148,16 @@ def read_jsonl(path: str) -> list[dict]:
         except json.JSONDecodeError:
             continue
     return records
+
+
+def _part_names(path: str) -> list[str]:
+    if not paths.is_uri(path):
+        return []
+    import pyarrow.fs
+
+    fs, where = pyarrow.fs.FileSystem.from_uri(f"{path}{PARTS}")
+    found = fs.get_file_info(pyarrow.fs.FileSelector(where, allow_not_found=True))
+    return sorted(f.base_name for f in found if f.type == pyarrow.fs.FileType.File and f.base_name.endswith(".jsonl"))
 
 
 def latest_per_step(reports: list[dict]) -> list[dict]:

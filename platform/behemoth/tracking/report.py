@@ -21,6 +21,7 @@ from behemoth.tracking import goodput
 from behemoth.tracking.records import (
     METRICS,
     TIMELINE,
+    exists,
     latest_per_step,
     read_jsonl,
     read_text,
@@ -39,7 +40,7 @@ def write_report(folder: str) -> str:
     folder = paths.storage_root(folder)
     if read_text(paths.join(folder, "results.csv")) is not None:
         return write_sweep_report(folder)
-    if read_text(paths.join(folder, METRICS)) is None:
+    if not exists(paths.join(folder, METRICS)):
         raise ConfigError(f"{folder} is neither a run folder (no {METRICS}) nor a sweep folder (no results.csv): "
                           f"give the folder `behemoth train` or `behemoth tune` printed")
     return write_run_report(folder)
