@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from behemoth.data.text import Packer
-from behemoth.data.token_store import ShardWriter, TokenShards, load_blocks
+from behemoth.data.token_store import ShardWriter, TokenShards, block_records, load_blocks
 from behemoth.errors import DataError
 
 SEQ = 8
@@ -119,28 +119,50 @@ def test_a_uri_folder_is_read_by_ranged_requests_and_uploaded_meta_last(tmp_path
     store.prefetch(ids)
     assert np.array_equal(store[ids], blocks[ids]) and np.array_equal(store[np.arange(300)], blocks)
     assert np.array_equal(load_blocks(uri, shards, SEQ, np.uint16), blocks)
-    reads = []
     reader = store._reader()
-    real_read = reader._read
-    monkeypatch.setattr(reader, "_read", lambda i: (reads.append(i), real_read(i))[1])
+    asked = reader.requests
     store[ids]  # kept: no request
-    assert reads == []
+    assert reader.requests == asked
 
     ahead = TokenShards(uri, shards, SEQ, np.uint16)  # a fresh reader: each block read once, by prefetch
-    requests = []
     fresh = ahead._reader()
-    real_fresh = fresh._read
-    monkeypatch.setattr(fresh, "_read", lambda i: (requests.append(i), real_fresh(i))[1])
     more = np.array([5, 250, 5, 77])
     ahead.prefetch(more)
-    assert len(fresh.pending) == 3  # started (one read per distinct block) before the gather asks
-    assert np.array_equal(ahead[more], blocks[more]) and sorted(requests) == [5, 77, 250]
+    assert len(fresh.pending) == 3 and fresh.requests == 3  # started (far apart: a request each) before the gather
+    assert np.array_equal(ahead[more], blocks[more]) and fresh.requests == 3
 
     path = tmp_path / "bucket" / "cache" / shards[1]["file"]
     path.write_bytes(path.read_bytes()[:-SEQ])
     fresh = TokenShards(uri, shards, SEQ, np.uint16)
     with pytest.raises(DataError, match=f"token shard {uri}/{shards[1]['file']} ends before block 127"):
         fresh[np.array([127])]
+
+
+def test_nearby_blocks_of_a_uri_are_read_by_one_request(tmp_path, monkeypatch):
+    """Blocks a prefetch asks for that lie close together in one shard are read by one ranged request (the gap
+    with them), never across shards nor past the size cap; each block still comes back as itself."""
+    from behemoth.data import token_store
+
+    rng = np.random.default_rng(4)
+    blocks = rng.integers(0, 60_000, size=(300, SEQ), dtype=np.uint16)
+    root = tmp_path / "bucket" / "cache"
+    root.mkdir(parents=True)
+    shards = write_store(root, blocks, shard_bytes=100 * SEQ * 2, chunks=[300])  # 3 shards of 100 blocks
+    uri = f"file://{root}"
+    row = block_records(SEQ, np.uint16).itemsize
+
+    def requests(ids) -> int:
+        store = TokenShards(uri, shards, SEQ, np.uint16)
+        assert np.array_equal(store[ids], blocks[ids])
+        return store._reader().requests
+
+    assert requests(np.arange(300)) == 3  # a sequential pass: one request per shard
+    assert requests(np.array([0, 1, 2, 99, 100, 101])) == 2  # a shard boundary splits a run
+    monkeypatch.setattr(token_store, "REMOTE_HOLE_BYTES", 5 * row)
+    assert requests(np.array([10, 16])) == 1 and requests(np.array([10, 17])) == 2  # a gap of 5 blocks, of 6
+    monkeypatch.setattr(token_store, "REMOTE_RANGE_BYTES", 10 * row)
+    assert requests(np.arange(100)) == 10  # capped at 10 blocks a request
+    assert requests(rng.permutation(300)) == 30  # any order: the same runs
 
 
 def test_a_batch_reports_the_blocks_it_read_so_a_wrong_gather_fails_the_ledger_audit(tmp_path):

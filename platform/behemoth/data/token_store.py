@@ -13,9 +13,9 @@ Two ways the workers read them (data.token_store):
 - `files`: the workers get only a TokenShards (the folder and the shard table, a few hundred bytes) and read
   the shards themselves, a batch being a gather by global block index. A local or shared-filesystem folder is
   memory-mapped, the next batch's pages asked of the kernel ahead (`prefetch`, madvise WILLNEED); the OS page
-  cache is the per-worker cache. A URI folder (s3://...) is read with one ranged request per block, the next
-  batch's fetched ahead by a few threads, the last REMOTE_CACHE_BLOCKS blocks kept. The corpus need not fit in
-  memory or the object store; the folder must be one every node reads (one machine, a shared filesystem, or
+  cache is the per-worker cache. A URI folder (s3://...) is read with ranged requests (a batch's nearby blocks
+  in one), the next batch's fetched ahead by a few threads, the last REMOTE_CACHE_BLOCKS blocks kept. The
+  corpus need not fit in memory or the object store; the folder must be one every node reads (one machine, a shared filesystem, or
   the object store the URI names).
 """
 
@@ -37,7 +37,9 @@ from behemoth.errors import DataError
 
 SHARD_BYTES = 64 << 20
 REMOTE_CACHE_BLOCKS = 4096  # per worker and split: blocks read from a URI kept for reuse
-REMOTE_READERS = 8  # threads fetching blocks from a URI ahead of the step
+REMOTE_READERS = 8  # requests in flight to a URI, ahead of the step
+REMOTE_HOLE_BYTES = 64 << 10  # blocks of a URI's shard closer than this are read by one request, gap included
+REMOTE_RANGE_BYTES = 8 << 20  # and one request reads at most this much
 
 
 def block_records(seq_len: int, dtype) -> np.dtype:
@@ -217,47 +219,72 @@ class TokenShards:
 
 
 class RemoteBlocks:
-    """Blocks of a URI folder's shards by ranged reads: one request per block, REMOTE_READERS at a time,
-    started ahead by prefetch; the last REMOTE_CACHE_BLOCKS blocks kept (a block re-read within an epoch, or
-    the evaluation's, costs no request)."""
+    """Blocks of a URI folder's shards by ranged reads, REMOTE_READERS at a time, started ahead by prefetch:
+    the blocks a prefetch asks for that lie within REMOTE_HOLE_BYTES of each other in one shard are read by one
+    request (the gap with them; at most REMOTE_RANGE_BYTES a request), so a sequential pass (evaluation, an
+    unshuffled epoch) costs a request per few MB instead of one per block. The last REMOTE_CACHE_BLOCKS blocks
+    are kept (a block re-read within an epoch, or the evaluation's, costs no request). `requests`: those started."""
 
     def __init__(self, store: TokenShards):
         self.store, self.row = store, store.record.itemsize
         self.fs, self.root = filesystem(store.folder)
         self.files: dict[str, object] = {}
         self.pool = ThreadPoolExecutor(REMOTE_READERS, thread_name_prefix="behemoth-blocks")
-        self.pending: OrderedDict[int, Future] = OrderedDict()
+        self.pending: OrderedDict[int, tuple[Future, int]] = OrderedDict()  # block -> (its range's read, row)
         self.lock = threading.Lock()
+        self.requests = 0
 
-    def prefetch(self, ids: np.ndarray) -> list[Future]:
+    def prefetch(self, ids: np.ndarray) -> list[tuple[Future, int]]:
         """The reads of these blocks, started (or found started or done)."""
-        futures = []
         with self.lock:
-            for i in map(int, ids):
-                if i in self.pending:
-                    self.pending.move_to_end(i)
-                else:
-                    self.pending[i] = self.pool.submit(self._read, i)
-                futures.append(self.pending[i])
+            wanted = [int(i) for i in ids]
+            for run in self._ranges(sorted({i for i in wanted if i not in self.pending})):
+                read = self.pool.submit(self._read, run)
+                self.requests += 1
+                for k, i in enumerate(run):
+                    self.pending[i] = (read, k)
+            found = []
+            for i in wanted:
+                self.pending.move_to_end(i)
+                found.append(self.pending[i])
             while len(self.pending) > REMOTE_CACHE_BLOCKS:
                 self.pending.popitem(last=False)
-        return futures
+        return found
 
     def gather(self, ids: np.ndarray) -> np.ndarray:
-        rows = [f.result() for f in self.prefetch(ids)]
+        rows = [read.result()[k] for read, k in self.prefetch(ids)]
         return np.concatenate(rows) if rows else np.empty(0, self.store.record)
 
-    def _read(self, i: int) -> np.ndarray:
-        s, offset = self.store.locate(i)
+    def _ranges(self, ids: list[int]) -> list[list[int]]:
+        """Sorted block ids grouped into the runs one request each reads."""
+        runs: list[list[int]] = []
+        last = None  # (shard, offset of the run's first block, of its last)
+        for i in ids:
+            s, offset = self.store.locate(i)
+            if (last is not None and s == last[0] and offset - last[2] - self.row <= REMOTE_HOLE_BYTES
+                    and offset + self.row - last[1] <= REMOTE_RANGE_BYTES):
+                runs[-1].append(i)
+                last = (s, last[1], offset)
+            else:
+                runs.append([i])
+                last = (s, offset, offset)
+        return runs
+
+    def _read(self, run: list[int]) -> list[np.ndarray]:
+        """The records of one run of blocks (one shard), by one ranged request."""
+        s, first = self.store.locate(run[0])
+        end = self.store.locate(run[-1])[1] + self.row
         shard = self.store.shards[s]
         path = f"{self.root}/{shard['file']}"
         try:
             with self.lock:
                 f = self.files.get(path) or self.files.setdefault(path, self.fs.open_input_file(path))
-            data = f.read_at(self.row, offset)
+            data = f.read_at(end - first, first)
         except (OSError, FileNotFoundError) as e:
-            raise DataError(f"token shard {self.store.folder}/{shard['file']}: cannot read block {i} ({e})") from None
-        if len(data) != self.row:
-            raise DataError(f"token shard {self.store.folder}/{shard['file']} ends before block {i}: the cache is "
-                            f"damaged; delete {self.store.folder} and rerun to rebuild it")
-        return np.frombuffer(data, dtype=self.store.record)
+            raise DataError(f"token shard {self.store.folder}/{shard['file']}: cannot read blocks {run[0]}-{run[-1]} "
+                            f"({e})") from None
+        if len(data) != end - first:
+            raise DataError(f"token shard {self.store.folder}/{shard['file']} ends before block {run[-1]}: the cache "
+                            f"is damaged; delete {self.store.folder} and rerun to rebuild it")
+        at = [self.store.locate(i)[1] - first for i in run]
+        return [np.frombuffer(data[a:a + self.row], dtype=self.store.record) for a in at]
