@@ -127,6 +127,15 @@ def test_a_run_on_s3_keeps_every_check_and_record(s3_endpoint, ray_local, image_
     best, _ = resolve(folder, "best", ("val_accuracy", "max"))
     assert written == f"{best}.eval_val.json" and json.loads(read_text(written))["metrics"] == metrics
     assert metrics["val_accuracy"] == max(r["val_accuracy"] for r in records if "val_accuracy" in r and r["step"] >= 9)
+    # `behemoth export` of the run folder in the bucket: the files the export of a local copy of it writes
+    from behemoth.driver.export import export
+
+    exported, how = export(folder, str(tmp_path / "from_s3"))
+    assert how.startswith(f"{best} ")
+    pyarrow.fs.copy_files(path, str(tmp_path / "copy"), source_filesystem=fs)
+    local, _ = export(str(tmp_path / "copy"), str(tmp_path / "from_copy"))
+    for name in ("model.safetensors", "config.json", "preprocessor_config.json"):
+        assert (exported / name).read_bytes() == (local / name).read_bytes(), name
     tuned = train(config_from_dict(job_dict(image_root, tmp_path / "local", "ft", train={
         "epochs": 1, "init_from": folder, "init_from_checkpoint": "latest"})))
     assert yaml.safe_load(read_text(f"{tuned.latest_checkpoint}/job.yaml"))["train"]["init_from"] == \

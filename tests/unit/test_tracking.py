@@ -350,25 +350,28 @@ def test_report_of_a_folder_that_is_neither_names_it(tmp_path):
         write_report(str(tmp_path))
 
 
-def test_the_end_of_a_run_shows_one_account_everywhere(tmp_path):
+@pytest.mark.parametrize("uri", [False, True])
+def test_the_end_of_a_run_shows_one_account_everywhere(tmp_path, uri):
     """The summary, goodput.json, the report's table and MLflow's goodput metrics are one account, made once
     after the invocation's end (an account made before the report was drawn differed from the final one by
-    the seconds the report and MLflow took: 134.31 s in the report, 136.0 s in the summary)."""
+    the seconds the report and MLflow took: 134.31 s in the report, 136.0 s in the summary). The report is an
+    MLflow artifact, also of a run folder under a URI (file://, through the same pyarrow calls as s3://)."""
     from behemoth.config import config_from_dict
     from behemoth.tracking import mlflow_run
     from behemoth.tracking.records import METRICS
     from behemoth.tracking.run import GOODPUT, RunTracking
     from conftest import job_dict
 
-    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    mlflow_uri = f"sqlite:///{tmp_path}/mlflow.db"
     cfg = config_from_dict(job_dict(tmp_path / "images", tmp_path, "one", tracking={
-        "report": True, "mlflow": {"uri": uri, "experiment": "tests"}}))
+        "report": True, "mlflow": {"uri": mlflow_uri, "experiment": "tests"}}))
     now = time.time()
-    tracking = RunTracking(cfg, str(tmp_path / "one"), process_start=now - 30)
+    run_dir = f"file://{tmp_path}/one" if uri else str(tmp_path / "one")
+    tracking = RunTracking(cfg, run_dir, process_start=now - 30)
     tracking.callbacks()  # the invocation's start (and its MLflow run), as just before fit
     reports = steady(tracking.invocation, "g1", 1, 10, loop=now - 20, start_time=now - 20)
     for r in reports:  # as the controller's recorder writes them
-        JsonlLog(str(tmp_path / "one" / METRICS)).append(r)
+        JsonlLog(f"{run_dir}/{METRICS}").append(r)
     tracking.finish("finished", {**reports[-1], "wall_time": now - 13})
     acc = tracking.account
     saved = json.loads((tmp_path / "one" / GOODPUT).read_text())
@@ -376,8 +379,10 @@ def test_the_end_of_a_run_shows_one_account_everywhere(tmp_path):
     html = (tmp_path / "one" / "report" / "report.html").read_text()
     assert f"<td>total (wall time)</td><td>{acc.total_s:.2f}</td>" in html
     assert f"<td>shutdown</td><td>{acc.terms['shutdown']:.2f}</td>" in html and acc.line() in html
-    logged = mlflow_run.client(uri).get_run(tracking.mlflow_run_id).data.metrics
+    logged = mlflow_run.client(mlflow_uri).get_run(tracking.mlflow_run_id).data.metrics
     assert logged["goodput/fraction"] == acc.goodput and logged["goodput/shutdown_s"] == acc.terms["shutdown"]
+    report = mlflow_run.client(mlflow_uri).list_artifacts(tracking.mlflow_run_id, "report")
+    assert "report/report.html" in [a.path for a in report]
 
 
 PROBE = '''

@@ -24,8 +24,8 @@ from typing import Optional
 
 import yaml
 
-from behemoth import weights
-from behemoth.checkpoint import complete_checkpoints, read_state
+from behemoth import paths, weights
+from behemoth.checkpoint import complete_checkpoints, read_file, read_state
 from behemoth.config import (DataConfig, JobConfig, ModelConfig, config_from_dict, dump_yaml, is_custom_kind,
                              warn_remote_code)
 from behemoth.errors import CheckpointError, ConfigError
@@ -81,14 +81,14 @@ def export(path: str, out: str, which: str = "best", trusted: TrustedCode = Trus
 def _job_of(path: str, trusted: TrustedCode) -> JobConfig:
     """The job config of a checkpoint folder, or of a run folder's latest complete checkpoint, with only the
     code the user trusts (its job.yaml is read as data first: building the config imports what it names)."""
-    p = Path(path)
-    candidates = [p] if weights.is_checkpoint(p) else [Path(c) for _, c in complete_checkpoints(p)]
+    p = path if paths.is_uri(path) else str(Path(path).expanduser())  # a URI as it is (Path would fold its //)
+    candidates = [p] if weights.is_checkpoint(p) else [c for _, c in complete_checkpoints(p)]
     if not candidates:
         weights.resolve(path)  # raises the message that says what the folder is not, or:
         raise ConfigError(f"{path} is already a Hugging Face folder, not a behemoth checkpoint")
-    job = candidates[0] / "job.yaml"
+    job = f"{candidates[0]}/job.yaml"
     try:
-        raw = yaml.safe_load(job.read_text()) or {}
+        raw = yaml.safe_load(read_file(job).decode()) or {}
     except OSError as e:
         raise CheckpointError(f"{candidates[0]}: cannot read its job.yaml ({e})") from None
     if not isinstance(raw, dict):
@@ -96,7 +96,7 @@ def _job_of(path: str, trusted: TrustedCode) -> JobConfig:
     return config_from_dict(_with_trusted_code(raw, trusted, job), where=str(job))
 
 
-def _with_trusted_code(raw: dict, trusted: TrustedCode, job: Path) -> dict:
+def _with_trusted_code(raw: dict, trusted: TrustedCode, job: str) -> dict:
     """`raw` with the code to import and run replaced by what the user named; code that only the checkpoint
     names is refused, naming the flag that would run it."""
     model, data = dict(raw.get("model") or {}), dict(raw.get("data") or {})

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from behemoth import paths, weights
+from behemoth.checkpoint import read_file
 from behemoth.config import DataConfig, JobConfig, ModelConfig
 from behemoth.errors import BadSampleError, ConfigError
 from behemoth.data import image_cache
@@ -152,7 +153,7 @@ class ImageClassification:
     @classmethod
     def model_from_checkpoint(cls, cfg: JobConfig, ckpt: str) -> torch.nn.Module:
         """Driver side (export): the model a checkpoint holds, built as the workers built it."""
-        classes = json.loads((Path(ckpt) / "classes.json").read_text())
+        classes = json.loads(read_file(f"{ckpt}/classes.json"))
         model = build_image_model(cfg, classes)
         weights.load_weights(model, weights.read_state_dict(ckpt), ckpt)
         # the registered RegNets train as plain torch modules with transformers' layout (models/regnet.py)

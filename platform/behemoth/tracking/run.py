@@ -7,7 +7,10 @@ after it: goodput.json, the goodput scalars to TensorBoard and MLflow, the repor
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import tempfile
 import time
 import uuid
 
@@ -78,28 +81,55 @@ class RunTracking:
         if self.mlflow_run_id:
             from behemoth.tracking import mlflow_run
 
-            _quietly("MLflow", lambda: mlflow_run.finish(
-                self.cfg.tracking.mlflow.uri, self.mlflow_run_id, "FINISHED" if status == "finished" else "FAILED",
-                _scalars(account), step, artifacts=self._artifacts(best_checkpoint)))
+            def log() -> None:
+                with _local_copies(self._artifacts(best_checkpoint)) as artifacts:
+                    mlflow_run.finish(self.cfg.tracking.mlflow.uri, self.mlflow_run_id,
+                                      "FINISHED" if status == "finished" else "FAILED", _scalars(account), step,
+                                      artifacts=artifacts)
+
+            _quietly("MLflow", log)
 
     def _artifacts(self, best_checkpoint: str | None) -> list[str]:
-        if paths.is_uri(self.run_dir):
-            return []  # MLflow's client reads local files; a URI run folder's report stays there
-        import os
-
-        from behemoth.checkpoint import complete_checkpoints
+        """The report's folder and the best (else the latest) checkpoint's manifest, local or under a URI."""
+        from behemoth.checkpoint import MANIFEST, complete_checkpoints
+        from behemoth.weights import is_checkpoint
 
         out = []
         if self.report_path:
-            out.append(os.path.dirname(self.report_path))
+            out.append(self.report_path.rpartition("/")[0] if paths.is_uri(self.report_path)
+                       else os.path.dirname(self.report_path))
         kept = complete_checkpoints(self.run_dir)
-        chosen = best_checkpoint or (kept[0][1] if kept else None)  # the best; else the latest
-        if chosen and os.path.isfile(os.path.join(chosen, "manifest.json")):
-            out.append(os.path.join(chosen, "manifest.json"))
+        chosen = best_checkpoint or (kept[0][1] if kept else None)
+        if chosen and is_checkpoint(chosen):
+            out.append(paths.join(chosen, MANIFEST))
         return out
 
     def _timeline(self) -> JsonlLog:
         return JsonlLog(paths.join(self.run_dir, TIMELINE))
+
+
+@contextlib.contextmanager
+def _local_copies(sources: list[str]):
+    """Local paths of `sources` while the block runs: MLflow's client logs local files, so a URI's file or
+    folder is downloaded into a temporary folder (same base name) first."""
+    with tempfile.TemporaryDirectory(prefix="behemoth-artifacts-") as tmp:
+        local = []
+        for source in sources:
+            if not paths.is_uri(source):
+                local.append(source)
+                continue
+            import pyarrow.fs
+
+            fs, where = pyarrow.fs.FileSystem.from_uri(source)
+            target = os.path.join(tmp, source.rstrip("/").rpartition("/")[2])
+            if fs.get_file_info(where).type == pyarrow.fs.FileType.Directory:
+                os.makedirs(target)
+                pyarrow.fs.copy_files(where, target, source_filesystem=fs)
+            else:
+                with fs.open_input_stream(where) as f, open(target, "wb") as out:
+                    out.write(f.read())
+            local.append(target)
+        yield local
 
 
 def _scalars(account: goodput.Account) -> dict[str, float]:
