@@ -30,6 +30,35 @@ def test_index_sorted_classes_and_counts(image_root):
     assert all(f"/{index.classes[label]}/" in p for p, label in zip(paths, labels))
 
 
+def test_an_image_folder_listing_is_kept_until_a_class_folder_changes(tmp_path, monkeypatch):
+    """With a cache folder, the index of an ImageFolder is kept: a second build (a rerun, a sweep's trial)
+    stats the class folders and lists no file; a file added to a class folder lists it again, with the file."""
+    import shutil
+
+    from behemoth.data import images
+    from behemoth.data.synth import write_synth_images
+
+    root = tmp_path / "images"
+    write_synth_images(root, classes=3, per_class=5, val_per_class=2, size=8, seed=0)
+    cfg = ImageData(kind="image_folder", root=str(root), image_size=8, cache_dir=str(tmp_path / "cache"))
+    first = build_index(cfg)
+    assert len(list((tmp_path / "cache" / "index").glob("*.arrow"))) == 1
+    listed = []
+    real_list = images._list_class_folders
+    monkeypatch.setattr(images, "_list_class_folders", lambda folder: (listed.append(folder), real_list(folder))[1])
+    again = build_index(cfg)
+    assert listed == [] and again.classes == first.classes
+    assert again.train.equals(first.train) and again.val.equals(first.val)
+
+    shutil.copy(root / "train" / first.classes[1] / sorted(p.name for p in (root / "train" / first.classes[1])
+                                                           .iterdir())[0], root / "train" / first.classes[1] / "new.png")
+    changed = build_index(cfg)
+    assert listed and changed.train.num_rows == first.train.num_rows + 1
+    assert str(root / "train" / first.classes[1] / "new.png") in changed.train["path"].to_pylist()
+    assert build_index(ImageData(kind="image_folder", root=str(root), image_size=8,
+                                 cache_dir=str(tmp_path / "cache"))).train.equals(changed.train)
+
+
 def test_transform_shapes_dtypes_normalisation(tmp_path):
     gray = tmp_path / "gray.png"
     Image.new("RGB", (16, 16), (128, 128, 128)).save(gray)

@@ -13,7 +13,9 @@ cluster's CPUs (`transform_batch`), fed in the order `behemoth.data.order` decid
 from __future__ import annotations
 
 import io
+import json
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -48,7 +50,8 @@ def build_index(cfg: DataConfig) -> ImageIndex:
     """image_folder: data.root; image_parquet: data.train_files / val_files. A task of one's own built on image
     classification (data.kind: module:Class) reads parquet when data.train_files is set, data.root otherwise."""
     if cfg.kind == "image_folder" or (cfg.kind != "image_parquet" and not cfg.train_files):
-        return index_image_folder(Path(cfg.root))
+        cache_dir = getattr(cfg, "cache_dir", None)  # the image tasks' data section has one
+        return index_image_folder(Path(cfg.root), None if cache_dir is None or "://" in cache_dir else Path(cache_dir))
     return index_parquet(cfg.train_files, cfg.val_files, cfg.image_column, cfg.label_column)
 
 
@@ -56,16 +59,25 @@ def build_index(cfg: DataConfig) -> ImageIndex:
 # Indexing (driver side)
 
 
-def index_image_folder(root: Path) -> ImageIndex:
+def index_image_folder(root: Path, cache_dir: Path | None = None) -> ImageIndex:
+    """The index of an ImageFolder. With `cache_dir`, the listing is kept in cache_dir/index/, keyed by the
+    class folders' modification times (a file added, removed or renamed in one changes its folder's): a rerun,
+    a restart of the driver and every trial of a sweep stat the class folders instead of listing every file."""
     if not root.is_dir():
         raise DataError(f"data folder {root} does not exist: create it, or point data.root at it "
                         f"(demo data: behemoth data synth-images --out {root})")
-    splits = {}
     for split in ("train", "val"):
-        folder = root / split
-        if not folder.is_dir():
-            raise DataError(f"{folder} is missing: data.root must hold train/ and val/ class folders")
-        splits[split] = _list_class_folders(folder)
+        if not (root / split).is_dir():
+            raise DataError(f"{root / split} is missing: data.root must hold train/ and val/ class folders")
+    kept = _listing_file(root, cache_dir) if cache_dir is not None else None
+    if kept is not None and kept.is_file():
+        try:
+            with pa.OSFile(str(kept), "rb") as f:
+                table = pa.ipc.open_file(f).read_all()
+            return _index_of_listing(root, table)
+        except (OSError, pa.ArrowInvalid, KeyError, ValueError):
+            pass  # damaged or of another version: listed again, and rewritten
+    splits = {split: _list_class_folders(root / split) for split in ("train", "val")}
     classes = sorted(splits["train"])
     unknown = sorted(set(splits["val"]) - set(classes))
     if unknown:
@@ -75,7 +87,44 @@ def index_image_folder(root: Path) -> ImageIndex:
         split: _index_table([(str(p), -1, to_index[c]) for c, files in found.items() for p in files])
         for split, found in splits.items()
     }
+    if kept is not None:
+        _keep_listing(kept, tables, classes)
     return ImageIndex(tables["train"], tables["val"], classes)
+
+
+def _listing_file(root: Path, cache_dir: Path) -> Path:
+    import hashlib
+
+    h = hashlib.sha256(str(root.resolve()).encode())
+    for split in ("train", "val"):
+        for entry in sorted(os.scandir(root / split), key=lambda e: e.name):
+            if entry.is_dir():
+                h.update(f"{split}/{entry.name}\0{entry.stat().st_mtime_ns}\0{entry.inode()}\n".encode())
+    return cache_dir / "index" / f"{h.hexdigest()[:24]}.arrow"
+
+
+def _keep_listing(file: Path, tables: dict, classes: list[str]) -> None:
+    """Both splits' index in one Arrow file (a `split` column, the class names in its metadata), written to a
+    temporary name and renamed: a reader sees the whole file or none."""
+    both = pa.concat_tables([t.append_column("split", pa.array([s] * t.num_rows, pa.string()))
+                             for s, t in tables.items()])
+    both = both.replace_schema_metadata({"classes": json.dumps(classes)})
+    try:
+        file.parent.mkdir(parents=True, exist_ok=True)
+        tmp = file.with_suffix(f".{os.getpid()}.tmp")
+        with pa.OSFile(str(tmp), "wb") as f, pa.ipc.new_file(f, both.schema) as w:
+            w.write_table(both)
+        os.replace(tmp, file)
+    except OSError:
+        pass  # a read-only cache folder: listed again next time
+
+
+def _index_of_listing(root: Path, table: pa.Table) -> ImageIndex:
+    import pyarrow.compute as pc
+
+    classes = json.loads(table.schema.metadata[b"classes"])
+    splits = {s: table.filter(pc.equal(table["split"], s)).drop_columns(["split"]) for s in ("train", "val")}
+    return ImageIndex(splits["train"].cast(INDEX_SCHEMA), splits["val"].cast(INDEX_SCHEMA), classes)
 
 
 def _list_class_folders(folder: Path) -> dict[str, list[Path]]:

@@ -1,0 +1,77 @@
+"""How the driver's index of an ImageFolder grows with the number of files (issue 35 item 6): the time to list
+and index it, the driver's memory for it, and the time when the listing is kept (data.cache_dir/index/: a
+rerun, a driver restart or a sweep's trial stats the class folders instead of listing every file).
+
+Synthetic data: N train files and N/10 val files in 100 class folders, each a copy of one tiny PNG (the index
+reads names, not pixels). Each figure is measured in a fresh process (peak RSS from getrusage, less the same
+process's RSS after its imports).
+
+    .venv/bin/python bench/image_index_scale.py                    # 10,000 and 100,000 files
+    .venv/bin/python bench/image_index_scale.py --sizes 1000000    # (writes ~1.1M files; minutes)
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from _common import REPO
+
+PROBE = """
+import json, resource, sys, time
+from pathlib import Path
+from behemoth.data.images import index_image_folder
+base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+t = time.perf_counter()
+index = index_image_folder(Path(sys.argv[1]), Path(sys.argv[2]) if sys.argv[2] else None)
+took = time.perf_counter() - t
+peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+print(json.dumps({"s": took, "mb": (peak - base) / 1024, "rows": index.train.num_rows + index.val.num_rows}))
+"""
+
+
+def write_folder(root: Path, n: int, classes: int = 100) -> None:
+    from PIL import Image
+
+    png = io.BytesIO()
+    Image.new("RGB", (8, 8), (10, 20, 30)).save(png, format="PNG")
+    data = png.getvalue()
+    for split, count in (("train", n), ("val", n // 10)):
+        for c in range(classes):
+            folder = root / split / f"class_{c:03d}"
+            folder.mkdir(parents=True)
+            for i in range(count // classes):
+                (folder / f"{i:07d}.png").write_bytes(data)
+
+
+def probe(root: Path, cache: Path | None) -> dict:
+    out = subprocess.run([sys.executable, "-c", PROBE, str(root), str(cache or "")], check=True,
+                         capture_output=True, text=True, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO / "platform")})
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--sizes", type=int, nargs="+", default=[10_000, 100_000])
+    args = p.parse_args()
+    print(f"{'train files':>12} {'indexed rows':>12} {'listing s':>10} {'driver MB':>10} {'kept listing s':>15} "
+          f"{'MB':>6}")
+    for n in args.sizes:
+        with tempfile.TemporaryDirectory(prefix="bench-index-") as tmp:
+            root, cache = Path(tmp) / "images", Path(tmp) / "cache"
+            write_folder(root, n)
+            cold = probe(root, None)
+            probe(root, cache)  # lists and keeps the listing
+            kept = probe(root, cache)
+            print(f"{n:>12,} {cold['rows']:>12,} {cold['s']:>10.2f} {cold['mb']:>10.0f} {kept['s']:>15.2f} "
+                  f"{kept['mb']:>6.0f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
