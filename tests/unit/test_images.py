@@ -58,6 +58,13 @@ def test_an_image_folder_listing_is_kept_until_a_class_folder_changes(tmp_path, 
     assert build_index(ImageData(kind="image_folder", root=str(root), image_size=8,
                                  cache_dir=str(tmp_path / "cache"))).train.equals(changed.train)
 
+    # a root given relative to the working folder keeps its own listing: its paths are relative, and are
+    # never handed to a process that names the same folder by its absolute path (a sweep's trial)
+    monkeypatch.chdir(tmp_path)
+    relative = build_index(ImageData(kind="image_folder", root="images", image_size=8, cache_dir="cache"))
+    assert relative.train["path"][0].as_py().startswith("images/")
+    assert build_index(cfg).train.equals(changed.train)
+
 
 def test_transform_shapes_dtypes_normalisation(tmp_path):
     gray = tmp_path / "gray.png"

@@ -95,7 +95,8 @@ def index_image_folder(root: Path, cache_dir: Path | None = None) -> ImageIndex:
 def _listing_file(root: Path, cache_dir: Path) -> Path:
     import hashlib
 
-    h = hashlib.sha256(str(root.resolve()).encode())
+    # the root as given, and the folder a relative one is read from: the kept paths are those a listing gives
+    h = hashlib.sha256(f"{root}\0{'' if root.is_absolute() else os.getcwd()}".encode())
     for split in ("train", "val"):
         for entry in sorted(os.scandir(root / split), key=lambda e: e.name):
             if entry.is_dir():
