@@ -24,6 +24,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from PIL import Image, ImageOps
 
+from behemoth import paths
 from behemoth.config import DataConfig
 from behemoth.errors import BadSampleError
 from behemoth.progress import progress
@@ -51,7 +52,8 @@ def build_index(cfg: DataConfig) -> ImageIndex:
     classification (data.kind: module:Class) reads parquet when data.train_files is set, data.root otherwise."""
     if cfg.kind == "image_folder" or (cfg.kind != "image_parquet" and not cfg.train_files):
         cache_dir = getattr(cfg, "cache_dir", None)  # the image tasks' data section has one
-        return index_image_folder(Path(cfg.root), None if cache_dir is None or "://" in cache_dir else Path(cache_dir))
+        return index_image_folder(Path(cfg.root), None if cache_dir is None or paths.is_uri(cache_dir)
+                                  else Path(cache_dir))
     return index_parquet(cfg.train_files, cfg.val_files, cfg.image_column, cfg.label_column)
 
 
@@ -74,7 +76,7 @@ def index_image_folder(root: Path, cache_dir: Path | None = None) -> ImageIndex:
         try:
             with pa.OSFile(str(kept), "rb") as f:
                 table = pa.ipc.open_file(f).read_all()
-            return _index_of_listing(root, table)
+            return _index_of_listing(table)
         except (OSError, pa.ArrowInvalid, KeyError, ValueError):
             pass  # damaged or of another version: listed again, and rewritten
     splits = {split: _list_class_folders(root / split) for split in ("train", "val")}
@@ -120,7 +122,7 @@ def _keep_listing(file: Path, tables: dict, classes: list[str]) -> None:
         pass  # a read-only cache folder: listed again next time
 
 
-def _index_of_listing(root: Path, table: pa.Table) -> ImageIndex:
+def _index_of_listing(table: pa.Table) -> ImageIndex:
     import pyarrow.compute as pc
 
     classes = json.loads(table.schema.metadata[b"classes"])

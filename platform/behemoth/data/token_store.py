@@ -15,8 +15,8 @@ Two ways the workers read them (data.token_store):
   memory-mapped, the next batch's pages asked of the kernel ahead (`prefetch`, madvise WILLNEED); the OS page
   cache is the per-worker cache. A URI folder (s3://...) is read with ranged requests (a batch's nearby blocks
   in one), the next batch's fetched ahead by a few threads, the last REMOTE_CACHE_BLOCKS blocks kept. The
-  corpus need not fit in memory or the object store; the folder must be one every node reads (one machine, a shared filesystem, or
-  the object store the URI names).
+  corpus need not fit in memory or the object store; the folder must be one every node reads (one machine, a
+  shared filesystem, or the object store the URI names).
 """
 
 from __future__ import annotations
@@ -223,7 +223,8 @@ class RemoteBlocks:
     the blocks a prefetch asks for that lie within REMOTE_HOLE_BYTES of each other in one shard are read by one
     request (the gap with them; at most REMOTE_RANGE_BYTES a request), so a sequential pass (evaluation, an
     unshuffled epoch) costs a request per few MB instead of one per block. The last REMOTE_CACHE_BLOCKS blocks
-    are kept (a block re-read within an epoch, or the evaluation's, costs no request). `requests`: those started."""
+    are kept (a block re-read within an epoch, or the evaluation's, costs no request). `requests`: those
+    started."""
 
     def __init__(self, store: TokenShards):
         self.store, self.row = store, store.record.itemsize

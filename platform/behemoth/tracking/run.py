@@ -13,6 +13,7 @@ import os
 import tempfile
 import time
 import uuid
+from pathlib import Path
 
 from behemoth import paths
 from behemoth.config import JobConfig
@@ -96,8 +97,7 @@ class RunTracking:
 
         out = []
         if self.report_path:
-            out.append(self.report_path.rpartition("/")[0] if paths.is_uri(self.report_path)
-                       else os.path.dirname(self.report_path))
+            out.append(os.path.dirname(self.report_path))  # a URI's too: '/' separates its parts
         kept = complete_checkpoints(self.run_dir)
         chosen = best_checkpoint or (kept[0][1] if kept else None)
         if chosen and is_checkpoint(chosen):
@@ -120,14 +120,15 @@ def _local_copies(sources: list[str]):
                 continue
             import pyarrow.fs
 
+            from behemoth.checkpoint import read_file
+
             fs, where = pyarrow.fs.FileSystem.from_uri(source)
             target = os.path.join(tmp, source.rstrip("/").rpartition("/")[2])
             if fs.get_file_info(where).type == pyarrow.fs.FileType.Directory:
                 os.makedirs(target)
                 pyarrow.fs.copy_files(where, target, source_filesystem=fs)
             else:
-                with fs.open_input_stream(where) as f, open(target, "wb") as out:
-                    out.write(f.read())
+                Path(target).write_bytes(read_file(source))
             local.append(target)
         yield local
 
