@@ -59,8 +59,8 @@ def lm_job(corpus: Path, storage: Path, run_name: str, *, hidden: int = 256, lay
 
 def run_behemoth(job: dict) -> list[dict]:
     """Train the job; return every report rank 0 made (metrics.jsonl of the run)."""
-    from behemoth.config import config_from_dict
     from behemoth.driver.trainer import train
+    from behemoth.job import config_from_dict
 
     summary = train(config_from_dict(job))
     return read_metrics(Path(summary.run_dir))

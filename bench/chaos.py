@@ -91,10 +91,10 @@ def main() -> None:
     args = p.parse_args()
 
     import ray
-    from behemoth.config import config_from_dict
     from behemoth.data.synth_text import write_synth_text
     from behemoth.data.tokenizer import train_tokenizer
     from behemoth.driver.trainer import train
+    from behemoth.job import config_from_dict
     from ray.cluster_utils import Cluster
 
     work = Path(tempfile.mkdtemp(prefix="behemoth-chaos-"))

@@ -56,7 +56,7 @@ def main() -> None:
 
     import ray
 
-    from behemoth.tasks.image import ImageData
+    from behemoth.data.images import ImageData
     from behemoth.data.images import build_index
     from behemoth.data.synth import write_synth_images
 

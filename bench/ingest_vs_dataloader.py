@@ -98,8 +98,8 @@ def main() -> None:
     p.add_argument("--data", default=str(REPO / "data" / "demo_images"), help="an ImageFolder (made if missing)")
     args = p.parse_args()
 
-    from behemoth.config import config_from_dict
-    from behemoth.tasks.image import ImageData
+    from behemoth.job import config_from_dict
+    from behemoth.data.images import ImageData
     from behemoth.data.images import build_index
     from behemoth.data.synth import write_synth_images
     from behemoth.driver.trainer import train

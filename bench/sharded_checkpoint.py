@@ -50,9 +50,9 @@ def main() -> None:
     p.add_argument("--checkpoints", type=int, default=4)
     args = p.parse_args()
 
-    from behemoth.config import config_from_dict
     from behemoth.data.text import prepare_text
     from behemoth.driver.trainer import ensure_ray
+    from behemoth.job import config_from_dict
 
     storage = Path(tempfile.mkdtemp(prefix="bench-p4-sharded-"))
     corpus = lm_corpus()

@@ -56,7 +56,7 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=16)
     args = p.parse_args()
 
-    from behemoth.config import config_from_dict
+    from behemoth.job import config_from_dict
     from behemoth.data.text import prepare_text
     from behemoth.driver.trainer import ensure_ray
 

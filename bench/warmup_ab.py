@@ -44,7 +44,7 @@ def first_step(pairs: int) -> None:
 
 
 def steady(runs: int) -> None:
-    from behemoth.config import config_from_dict
+    from behemoth.job import config_from_dict
     from behemoth.driver import trainer
 
     warm_up = trainer.warm_up_data_processes

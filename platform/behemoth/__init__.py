@@ -5,11 +5,13 @@ loop Ray Train runs on every worker and what it uses), `tasks/` (one file per wo
 (Ray Data pipelines), `models/`; on the shared floor `config`, `errors`, `paths`, `checkpoint`, `metrics`.
 
 Python API: `behemoth.train(cfg)`, `behemoth.sweep(job, space, ...)` (also `behemoth.tune.sweep`),
-`behemoth.load_config(path, overrides)`. Ray and torch are imported only when `train` or `sweep` is used.
+`behemoth.load_config(path, overrides)`. `import behemoth` imports neither Ray nor torch; loading a job
+imports its task's module (with torch), and `train` or `sweep` imports Ray.
 """
 
-from behemoth.config import JobConfig, load_config
+from behemoth.config import JobConfig
 from behemoth.errors import CheckpointError, ConfigError, DataError, RunFailedError
+from behemoth.job import load_config
 from behemoth.version import __version__
 
 __all__ = ["CheckpointError", "ConfigError", "DataError", "JobConfig", "RunFailedError", "load_config", "sweep",

@@ -7,7 +7,7 @@ A checkpoint directory holds:
   scaler.pt                              the fp16 gradient scaler's state (train.precision fp16 only)
   comm_hook.pt                           each rank's gradient-compression state (PowerSGD only)
   train_state.json                       step, epoch, step in epoch, samples consumed, world size
-  classes.json                           class index -> name (image jobs)
+  <the task's files>                    small texts a task keeps (Task.checkpoint_files; images: classes.json)
   metrics.json                           the metrics reported with it (evaluation when one was due)
   job.yaml                               the job config that produced it
   manifest.json                          format version, every other file's size and sha256 — written last

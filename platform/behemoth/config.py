@@ -7,7 +7,6 @@ an unknown key also names the closest valid key, a wrong type names the expected
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import sys
 import types
 import typing
@@ -21,36 +20,20 @@ from behemoth import paths
 from behemoth.errors import ConfigError, did_you_mean
 
 
-# data.kind -> the task that trains it ("module:Class", imported when a job of that kind is loaded:
-# behemoth.tasks). Adding a workload to behemoth: its file in tasks/ and its line here. A task outside behemoth
-# needs no line: `data.kind: my_package.my_module:MyTask`.
-TASKS: dict[str, str] = {
-    "image_folder": "behemoth.tasks.image:ImageClassification",
-    "image_parquet": "behemoth.tasks.image:ImageClassification",
-    "text": "behemoth.tasks.causal_lm:CausalLM",
-}
-
-
-def is_custom_kind(kind: str) -> bool:
-    """A task given by import path (module:Class) rather than one of TASKS."""
-    return kind not in TASKS and ":" in kind
-
-
 @dataclass
 class DataConfig:
     """The `data:` keys every task has. A task's own keys (image size, tokenizer, ...) are in its section, a
-    subclass of this one that the task names as `data_config` (tasks/image.py: ImageData, tasks/causal_lm.py:
-    TextData): the YAML's `data:` mapping is read into the section of its `kind` (data_section), so a key of
-    another task's section is an unknown key, and each task checks its own values."""
+    subclass of this one that the task names as `data_config` (data/images.py: ImageData, data/text.py:
+    TextData): a job's `data:` mapping is read into the section of its `kind` (behemoth.job), so a key of
+    another task's section is an unknown key, and each section checks its own values."""
 
-    # A key of TASKS (image_folder, image_parquet: image classification; text: causal language modelling), or
-    # a task class of one's own as module:Class.
+    # A key of behemoth.tasks.registry.TASKS (image_folder, image_parquet: image classification; text: causal
+    # language modelling), or a task class of one's own as module:Class. A job without one is image_folder.
     kind: str = "image_folder"
     # Files (or globs) holding the training and validation samples (image_parquet, text).
     train_files: list[str] = field(default_factory=list)
     val_files: list[str] = field(default_factory=list)
-    # Samples the task cannot read (an undecodable image): 0 fails the run naming the sample; N > 0 drops up
-    # to N and counts them.
+    # Samples the task cannot read: 0 fails the run naming the sample; N > 0 drops up to N and counts them.
     max_bad_samples: int = 0
     # Batches the Ray Data iterator prepares ahead of the training step.
     prefetch_batches: int = 2
@@ -60,50 +43,14 @@ class DataConfig:
     # Keys holding local paths (a string or a list of them): a sweep makes them absolute for its trials.
     path_keys: ClassVar[tuple[str, ...]] = ("train_files", "val_files")
 
-    @classmethod
-    def section_for(cls, raw: dict) -> type[DataConfig]:
-        """The class a `data:` mapping is read into: its kind's section."""
-        kind = raw.get("kind", cls.kind)
-        if not isinstance(kind, str):
-            raise ConfigError(f"data.kind expects str, got {type(kind).__name__} {kind!r}")
-        return data_section(kind)
-
     def validate(self) -> None:
-        if type(self) is not data_section(self.kind):
-            raise ConfigError(f"data.kind {self.kind} is read into {data_section(self.kind).__name__}, not "
-                              f"{type(self).__name__}: build the data section with config.data_section(kind)")
         if self.max_bad_samples < 0 or self.prefetch_batches < 0:
             raise ConfigError("data.max_bad_samples and data.prefetch_batches must be >= 0")
         _positive("data.cpus_per_task", self.cpus_per_task)
 
-    def check_model(self, model: ModelConfig) -> None:
-        """Refuse a model this data cannot train (a task's section says which)."""
-
     def source(self) -> str:
         """The data in a few words (a model card's line)."""
         return ", ".join(self.train_files)
-
-
-def import_task(kind: str) -> type:
-    """The task class of a data.kind (one of TASKS, or itself a "module:Class"), its module imported."""
-    if kind not in TASKS and not is_custom_kind(kind):
-        raise ConfigError(f"data.kind '{kind}' is not a known task{did_you_mean(kind, list(TASKS))} (known: "
-                          f"{', '.join(TASKS)}; or your own task class as module:Class)")
-    module, _, name = TASKS.get(kind, kind).partition(":")
-    try:
-        return getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError) as e:
-        raise ConfigError(f"data.kind '{kind}': cannot import task {module}:{name} ({e})") from None
-
-
-def data_section(kind: str) -> type[DataConfig]:
-    """The `data:` section class of a data.kind: its task's `data_config` (DataConfig where a task of one's own
-    has no keys of its own)."""
-    section = getattr(import_task(kind), "data_config", DataConfig)
-    if not (isinstance(section, type) and issubclass(section, DataConfig)):
-        raise ConfigError(f"data.kind '{kind}': the task's data_config must be a dataclass subclassing "
-                          f"behemoth.config.DataConfig, got {section!r}")
-    return section
 
 
 @dataclass
@@ -128,7 +75,9 @@ class ModelConfig:
     @property
     def from_hf_config(self) -> bool:
         """Built by transformers' Auto classes from hf_config / pretrained (not a registered builder)."""
-        return self.name in ("causal_lm", "image_classifier")
+        from behemoth.models.registry import HF_AUTO
+
+        return self.name in HF_AUTO
 
     def validate(self) -> None:
         from behemoth.models import hf_keys, registry  # light: no torch model is built here
@@ -136,14 +85,13 @@ class ModelConfig:
         registry.check_name(self.name)
         if self.from_hf_config and not (self.pretrained or self.hf_config.get("model_type")):
             raise ConfigError(f"model.name is {self.name}: set model.pretrained (a folder or hub name) or "
-                              f"model.hf_config.model_type (e.g. {'llama' if self.name == 'causal_lm' else 'vit'}) "
-                              f"with its sizes")
+                              f"model.hf_config.model_type (e.g. {registry.HF_AUTO[self.name]}) with its sizes")
         hf_keys.check_hf_config(self.hf_config)  # architecture keys only: no option of from_pretrained
         if self.trust_remote_code and not self.pretrained:
             raise ConfigError("model.trust_remote_code runs the code of model.pretrained's repository, and "
                               "model.pretrained is not set: set it, or remove trust_remote_code")
         if not self.from_hf_config and (self.pretrained or self.hf_config):
-            raise ConfigError(f"model.pretrained and model.hf_config are for causal_lm and image_classifier, "
+            raise ConfigError(f"model.pretrained and model.hf_config are for {' and '.join(registry.HF_AUTO)}, "
                               f"not {self.name}")
 
 
@@ -343,7 +291,7 @@ class TrackingConfig:
 
 @dataclass
 class JobConfig:
-    data: DataConfig = field(default_factory=lambda: data_section(DataConfig.kind)())
+    data: DataConfig = field(default_factory=DataConfig)  # a job's is its kind's section (behemoth.job)
     model: ModelConfig = field(default_factory=ModelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     scaling: ScalingConfig = field(default_factory=ScalingConfig)
@@ -352,13 +300,13 @@ class JobConfig:
     failure: FailureConfig = field(default_factory=FailureConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
 
-    def validate(self) -> None:
-        custom = is_custom_kind(self.data.kind)
+    def validate(self, model: bool = True) -> None:
+        """Each section's checks and those across sections; `model` False skips the model section (a task of
+        one's own, by import path, builds its own model). Which models the data can train is the task's check
+        (behemoth.job)."""
         for f in dataclasses.fields(self):
-            if not (custom and f.name == "model"):  # a task of one's own builds its own model
+            if model or f.name != "model":
                 getattr(self, f.name).validate()
-        if not custom and ":" not in self.model.name:
-            self.data.check_model(self.model)
         # Every world size the run may have must split the global batch evenly.
         micro = self.train.micro_batch_size
         for workers in range(self.scaling.min_workers, self.scaling.max_workers + 1):
@@ -410,21 +358,6 @@ def read_yaml_mapping(path: str | Path, what: str = "config file", holds: str = 
     return raw
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> JobConfig:
-    """Read a job YAML (or start from defaults), apply `a.b=c` overrides, check types and values."""
-    where = str(path) if path else "<defaults>"
-    raw = read_yaml_mapping(path) if path is not None else {}
-    for item in overrides or []:
-        apply_override(raw, item)
-    cfg = from_dict(JobConfig, raw, where=where)
-    try:
-        cfg.validate()
-    except ConfigError as e:
-        raise ConfigError(f"{where}: {e}") from None
-    warn_remote_code(cfg.model)
-    return cfg
-
-
 def warn_remote_code(model: ModelConfig) -> None:
     """The one line that says whose code will run when a job trusts a repository's code (printed where the
     job is loaded on the driver: once per run, not once per worker)."""
@@ -432,12 +365,6 @@ def warn_remote_code(model: ModelConfig) -> None:
         print(f"[behemoth] warning: model.trust_remote_code is true: the Python code of repository "
               f"{model.pretrained} will run wherever the model is built (every worker, behemoth export)",
               file=sys.stderr, flush=True)
-
-
-def config_from_dict(raw: dict, where: str = "<dict>") -> JobConfig:
-    cfg = from_dict(JobConfig, raw, where=where)
-    cfg.validate()
-    return cfg
 
 
 def apply_override(raw: dict, item: str) -> None:
@@ -454,17 +381,11 @@ def apply_override(raw: dict, item: str) -> None:
     node[keys[-1]] = yaml.safe_load(value) if value != "" else ""
 
 
-def from_dict(cls: type, raw: Any, where: str, prefix: str = "") -> Any:
-    """Build dataclass `cls` from a mapping, checking keys and types recursively."""
+def from_dict(cls: type, raw: Any, where: str, prefix: str = "", scope: str = "") -> Any:
+    """Build dataclass `cls` from a mapping, checking keys and types recursively; `scope` says which of several
+    classes a section was read into (an unknown key's message names it)."""
     if not isinstance(raw, dict):
         raise ConfigError(f"{where}: {prefix or 'the file'} must be a mapping, got {type(raw).__name__}")
-    scope = ""
-    if hasattr(cls, "section_for"):  # a section whose keys depend on another key (data: on its kind)
-        try:
-            cls = cls.section_for(raw)
-        except ConfigError as e:
-            raise ConfigError(f"{where}: {e}") from None
-        scope = f" for {prefix}kind {raw.get('kind', cls.kind)}"
     hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls)]
     for key in raw:

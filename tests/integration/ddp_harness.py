@@ -155,7 +155,7 @@ def powersgd_restore(rank, world, out):
     folder = os.path.join(out, "powersgd_ckpt")
     if rank == 0:
         checkpointing.save(folder, model=model, optimizer=opt, scheduler=sched, state=TrainState(step=4),
-                        classes=None, job_yaml="", hook_states=states)
+                        task_files={}, job_yaml="", hook_states=states)
     dist.barrier()
     train(model, cfg, rank, world, start=4, steps=4, optimizer=opt, scheduler=sched)
     straight = full_params(model)
@@ -180,7 +180,7 @@ def fsdp(strategy):
         losses, opt, sched = train(model, cfg, rank, world, steps=3, accum=2)
         folder = os.path.join(out, f"{strategy}_ckpt")
         snap = checkpointing.snapshot(model=model, optimizer=opt, scheduler=sched, state=TrainState(step=3),
-                                   classes=None, job_yaml="")  # collective: every rank gathers
+                                   task_files={}, job_yaml="")  # collective: every rank gathers
         if rank == 0:
             checkpoint.write(folder, snap)
         dist.barrier()
@@ -213,7 +213,7 @@ def layouts(rank, world, out):
 
     def save_sharded(model, opt, sched, folder):
         writer = ShardedWriter(rank)
-        small = checkpoint.Snapshot(*checkpointing.extras(scheduler=sched, state=TrainState(step=3), classes=None,
+        small = checkpoint.Snapshot(*checkpointing.extras(scheduler=sched, state=TrainState(step=3), task_files={},
                                                           job_yaml=""), 3) if rank == 0 else None
         writer.commit(writer.start(model, opt, folder)[0], folder, small)
 
@@ -222,7 +222,7 @@ def layouts(rank, world, out):
         model, opt, sched = fresh(strategy)
         accum = 2 if strategy == "fsdp" else 1
         train(model, cfg, rank, world, steps=3, accum=accum, optimizer=opt, scheduler=sched)
-        parts = dict(model=model, optimizer=opt, scheduler=sched, state=TrainState(step=3), classes=None, job_yaml="")
+        parts = dict(model=model, optimizer=opt, scheduler=sched, state=TrainState(step=3), task_files={}, job_yaml="")
         if strategy == "fsdp":
             save_sharded(model, opt, sched, folders["sharded"])
             snap = checkpointing.snapshot(**parts)  # collective: every rank gathers

@@ -26,7 +26,8 @@ import ray
 import torch
 import yaml
 from behemoth.checkpoint import read_state
-from behemoth.config import ConfigError, config_from_dict
+from behemoth.config import ConfigError
+from behemoth.job import config_from_dict
 from behemoth.driver.stale_requests import COORDINATOR, COORDINATOR_NAMESPACE
 from behemoth.driver.trainer import train
 from behemoth.faults import FAULT_ENV, SLOW_WORLD_ENV

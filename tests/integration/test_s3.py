@@ -14,7 +14,8 @@ import pyarrow.fs
 import pytest
 import yaml
 from behemoth.checkpoint import complete_checkpoints, read_state
-from behemoth.config import ConfigError, config_from_dict
+from behemoth.config import ConfigError
+from behemoth.job import config_from_dict
 from behemoth.driver.evaluate import evaluate_checkpoint
 from behemoth.driver.runlock import RunLock, RunLockedError, read_lease
 from behemoth.driver.trainer import train

@@ -189,7 +189,7 @@ def test_fp16_with_grad_scaler_on_gpu(tmp_path):
                    harness.ToyTask(), device)
     assert scaler.is_enabled() and scaler.get_scale() > 0
     checkpointing.save(tmp_path, model=model, optimizer=opt, scheduler=sched, scaler=scaler, state=TrainState(),
-                    classes=None, job_yaml="")
+                    task_files={}, job_yaml="")
     scaler2 = grad_scaler(device, "fp16")
     checkpointing.load(tmp_path, model=harness.make_model().to(device), scaler=scaler2)
     assert scaler2.get_scale() == scaler.get_scale()

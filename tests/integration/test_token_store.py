@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from behemoth.config import config_from_dict
+from behemoth.job import config_from_dict
 from behemoth.data import text
 from behemoth.data.token_store import ShardWriter, TokenShards
 from behemoth.driver.trainer import LOCAL_RAY_SYSTEM_CONFIG, train

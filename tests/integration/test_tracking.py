@@ -10,10 +10,10 @@ import os
 import time
 
 import pytest
-from behemoth.config import config_from_dict
 from behemoth.driver import trainer
 from behemoth.driver.trainer import train
 from behemoth.faults import KILL_AT_STEP_ENV
+from behemoth.job import config_from_dict
 from behemoth.tracking.records import latest_per_step, read_jsonl
 from behemoth.tracking.tensorboard import scalar_tags
 from conftest import job_dict

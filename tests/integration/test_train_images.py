@@ -11,7 +11,7 @@ import torch
 import yaml
 
 from behemoth.driver.cli import main
-from behemoth.config import config_from_dict
+from behemoth.job import config_from_dict
 from behemoth.data.images import build_index
 from conftest import job_dict
 

@@ -12,7 +12,7 @@ import yaml
 
 from behemoth.checkpoint import complete_checkpoints, read_state
 from behemoth.driver.cli import main
-from behemoth.config import config_from_dict
+from behemoth.job import config_from_dict
 from behemoth.data import text
 from behemoth.data.text import prepare_text
 from behemoth.driver.trainer import train

@@ -24,7 +24,7 @@ import torch
 import yaml
 
 from behemoth.checkpoint import read_state
-from behemoth.config import config_from_dict, load_config
+from behemoth.job import config_from_dict, load_config
 from behemoth.driver.trainer import train
 from behemoth.driver.tune import sweep
 from conftest import job_dict, stop_local_ray

@@ -1,6 +1,7 @@
 """A workload behemoth does not know: linear regression on generated data, as a user would write their own.
 
-Everything a task needs is in this file, its own `data:` keys (ToyData) included; the job names it by
+Everything a task needs is in this file, its own `data:` keys (ToyData) included: the members behemoth.tasks.Task
+requires, and of its optional ones only what this task wants differently. The job names it by
 import path (`data.kind: integration.toy_task:LinearRegression`). Ray Train workers import it by name (the tests' Ray instance puts
 tests/ on their PYTHONPATH).
 """
@@ -15,6 +16,7 @@ import torch
 
 from behemoth.config import DataConfig
 from behemoth.errors import ConfigError
+from behemoth.tasks import Task
 
 TRAIN, VAL = 512, 128
 
@@ -32,7 +34,7 @@ class ToyData(DataConfig):
             raise ConfigError(f"data.features must be >= 1, got {self.features}")
 
 
-class LinearRegression:
+class LinearRegression(Task):
     # --- driver side ------------------------------------------------------------------------------------
     data_config = ToyData
     best = ("val_mse", "min")
@@ -54,10 +56,6 @@ class LinearRegression:
     def describe(cls, cfg, data):
         return f"{TRAIN} train / {VAL} val rows of {cfg.data.features} features"
 
-    @classmethod
-    def data_cpus(cls, cfg):
-        return 0.0
-
     @staticmethod
     def summary_lines(m):
         return [f"final val_mse:     {m['val_mse']:.5f}"] if "val_mse" in m else []
@@ -67,11 +65,11 @@ class LinearRegression:
         return [f"val_mse {m['val_mse']:.5f}"] if "val_mse" in m else []
 
     # --- worker side ------------------------------------------------------------------------------------
-    tokens_per_sample = None
-    eval_size = 2  # squared error summed, rows
+    eval_sum_names = ("squared_error", "rows")
 
     def __init__(self, cfg, data):
-        self.cfg, self.data = cfg, data
+        super().__init__(cfg, data)
+        self.data = data
         self.num_train_samples, self.num_val_samples = TRAIN, VAL
 
     def build_model(self):
@@ -101,16 +99,10 @@ class LinearRegression:
 
     def eval_sums(self, model, batch):
         err = ((model(batch["x"]).squeeze(1) - batch["y"]) ** 2).sum()
-        return torch.stack([err, torch.tensor(float(len(batch["y"])))]).to(torch.float64)
+        return {"squared_error": err, "rows": len(batch["y"])}
 
     def eval_metrics(self, sums):
-        return {"val_mse": sums[0].item() / max(sums[1].item(), 1.0)}
-
-    def bad_sample_ids(self, batch):
-        return []
+        return {"val_mse": sums["squared_error"] / max(sums["rows"], 1.0)}
 
     def describe_samples(self, sample_ids):
         return [f"row {i}" for i in sample_ids]
-
-    def classes(self):
-        return None

@@ -1,6 +1,7 @@
 """Checkpoint round trip is exact; damage is detected and named."""
 
 import io
+import json
 import pickle
 import warnings
 
@@ -45,8 +46,8 @@ def test_round_trip_restores_everything_exactly(tmp_path):
     for s in range(3):
         step(model, opt, sched, s)
     state = TrainState(step=3, epoch=0, step_in_epoch=3, samples_seen=12, world_size=2)
-    checkpointing.save(tmp_path, model=model, optimizer=opt, scheduler=sched, state=state, classes=["a", "b"],
-                    job_yaml="x: 1\n")
+    checkpointing.save(tmp_path, model=model, optimizer=opt, scheduler=sched, state=state,
+                       task_files={"classes.json": json.dumps(["a", "b"])}, job_yaml="x: 1\n")
 
     model2, opt2, sched2 = make(seed=99)  # different weights before the restore
     assert checkpointing.load(tmp_path, model=model2, optimizer=opt2, scheduler=sched2) == state
@@ -60,7 +61,7 @@ def test_round_trip_restores_everything_exactly(tmp_path):
 
 def test_manifest_lists_every_file_and_is_written_last(tmp_path):
     model, opt, sched = make()
-    checkpointing.save(tmp_path, model=model, optimizer=opt, scheduler=sched, state=TrainState(), classes=None,
+    checkpointing.save(tmp_path, model=model, optimizer=opt, scheduler=sched, state=TrainState(), task_files={},
                     job_yaml="")
     manifest = checkpoint.verify(tmp_path)
     assert set(manifest["files"]) == {"model.pt", "optimizer.pt", "scheduler.pt", "train_state.json", "job.yaml"}
@@ -69,7 +70,7 @@ def test_manifest_lists_every_file_and_is_written_last(tmp_path):
 
 def test_damage_is_detected_and_named(tmp_path):
     model, opt, sched = make()
-    checkpointing.save(tmp_path, model=model, optimizer=opt, scheduler=sched, state=TrainState(), classes=None,
+    checkpointing.save(tmp_path, model=model, optimizer=opt, scheduler=sched, state=TrainState(), task_files={},
                     job_yaml="")
     weights = tmp_path / "model.pt"
     data = weights.read_bytes()
@@ -89,7 +90,7 @@ def test_complete_checkpoints_lists_only_manifested_ones_newest_first(tmp_path):
     sched = warmup_cosine(opt, CFG, 10)
     for step in (3, 9, 6):
         checkpointing.save(tmp_path / f"checkpoint_{step}", model=model, optimizer=opt, scheduler=sched,
-                        state=TrainState(step=step), classes=None, job_yaml="")
+                        state=TrainState(step=step), task_files={}, job_yaml="")
     (tmp_path / "checkpoint_9" / "manifest.json").unlink()  # written but never completed
     assert [step for step, _ in checkpoint.complete_checkpoints(tmp_path)] == [6, 3]
     assert checkpoint.complete_checkpoints(tmp_path / "missing") == []
@@ -102,7 +103,7 @@ def test_snapshot_is_a_copy_and_reuses_its_buffers(tmp_path):
     model, opt, sched = make()
     step(model, opt, sched, 0)
     buffers = {}
-    parts = dict(model=model, optimizer=opt, scheduler=sched, classes=None, job_yaml="")
+    parts = dict(model=model, optimizer=opt, scheduler=sched, task_files={}, job_yaml="")
     first = checkpointing.snapshot(state=TrainState(step=1), buffers=buffers, **parts)
     saved = {k: v.clone() for k, v in first.state_dicts["model.pt"].items()}
     held = {id(t) for t in buffers.values()}
@@ -133,7 +134,7 @@ def test_overlapped_snapshot_holds_the_state_of_its_step(tmp_path, monkeypatch):
     step(model, opt, sched, 0)
     expected_model = {k: v.clone() for k, v in model.state_dict().items()}
     expected_opt = {i: {k: v.clone() for k, v in s.items()} for i, s in opt.state_dict()["state"].items()}
-    parts = dict(model=model, optimizer=opt, scheduler=sched, classes=None, job_yaml="")
+    parts = dict(model=model, optimizer=opt, scheduler=sched, task_files={}, job_yaml="")
     snap = checkpointing.snapshot(state=TrainState(step=1), buffers={}, overlap=True, **parts)
     # The next step, as the loop runs it: forward + backward, then wait, then the update.
     g = torch.Generator().manual_seed(1)
@@ -273,7 +274,7 @@ def test_retention_reaches_checkpoints_ray_train_never_registered(tmp_path):
     Train keeps are removed; the kept ones, a newer unregistered one and an incomplete one are not touched."""
     from types import SimpleNamespace
 
-    from behemoth.config import config_from_dict
+    from behemoth.job import config_from_dict
     from behemoth.driver.trainer import retire_unregistered
 
     cfg = config_from_dict({"data": {"root": "x"}, "checkpoint": {"storage_path": str(tmp_path), "run_name": "r",
@@ -284,7 +285,7 @@ def test_retention_reaches_checkpoints_ray_train_never_registered(tmp_path):
     sched = warmup_cosine(opt, CFG, 10)
     for s in (3, 6, 9, 12, 15):
         checkpointing.save(run / f"checkpoint_{s:02d}", model=model, optimizer=opt, scheduler=sched,
-                           state=TrainState(step=s), classes=None, job_yaml="")
+                           state=TrainState(step=s), task_files={}, job_yaml="")
     (run / "checkpoint_15" / "manifest.json").unlink()  # an upload cut short: not this function's business
     kept = [(SimpleNamespace(path=str(run / f"checkpoint_{s:02d}")), {}) for s in (9, 12)]
     removed = retire_unregistered(cfg, kept)
@@ -311,7 +312,7 @@ def test_a_sharded_checkpoint_round_trips_and_names_a_damaged_shard(tmp_path):
         step(model, opt, sched, s)
     state = TrainState(step=3, step_in_epoch=3, samples_seen=12)
     writer = ShardedWriter(rank=0)
-    small = checkpoint.Snapshot(*checkpointing.extras(scheduler=sched, state=state, classes=None, job_yaml="x: 1\n"),
+    small = checkpoint.Snapshot(*checkpointing.extras(scheduler=sched, state=state, task_files={}, job_yaml="x: 1\n"),
                                 step=3)
     folder = tmp_path / "checkpoint_a"
     assert not sharded.overlappable(model)  # BatchNorm statistics are in its state dict: copied before return
@@ -398,7 +399,7 @@ def _write_sharded(folder, legacy=False):
     for s in range(2):
         step(model, opt, sched, s)
     state = TrainState(step=2, step_in_epoch=2, samples_seen=8)
-    small = checkpoint.Snapshot(*checkpointing.extras(scheduler=sched, state=state, classes=None, job_yaml="x: 1\n"),
+    small = checkpoint.Snapshot(*checkpointing.extras(scheduler=sched, state=state, task_files={}, job_yaml="x: 1\n"),
                                 step=2)
     if legacy:
         with warnings.catch_warnings():  # one process, on purpose
@@ -436,7 +437,7 @@ def test_one_writer_writes_sharded_checkpoint_after_checkpoint(tmp_path, device,
         sched.step()
         folder = tmp_path / f"c{s}"
         small = checkpoint.Snapshot(*checkpointing.extras(scheduler=sched, state=TrainState(step=s + 1),
-                                                          classes=None, job_yaml="x: 1\n"), step=s + 1)
+                                                          task_files={}, job_yaml="x: 1\n"), step=s + 1)
         written, staging = writer.start(model, opt, str(folder), overlap=overlap)
         if staging is not None:
             staging.wait_sources_free()

@@ -53,7 +53,8 @@ def test_resume_with_a_changed_model_or_data_config_is_refused(tmp_path):
     import pytest
 
     from behemoth import checkpoint
-    from behemoth.config import ConfigError, config_from_dict, dump_yaml
+    from behemoth.config import ConfigError, dump_yaml
+    from behemoth.job import config_from_dict
     from behemoth.driver.trainer import check_resume_compatible
 
     job = job_dict(tmp_path / "images", tmp_path / "runs", "r1")

@@ -4,7 +4,9 @@ from pathlib import Path
 
 import pytest
 
-from behemoth.config import ConfigError, config_from_dict, load_config
+from behemoth.config import ConfigError
+from behemoth.job import config_from_dict, load_config
+from behemoth.tasks import Task
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -158,7 +160,8 @@ def test_the_configuration_reference_names_every_key():
     import re
     from pathlib import Path
 
-    from behemoth.config import TASKS, JobConfig, data_section
+    from behemoth.config import JobConfig
+    from behemoth.tasks.registry import TASKS, data_section
 
     def leaves(cls, prefix):  # a nested section (tracking.mlflow) by its own keys
         for f in dataclasses.fields(cls):
@@ -289,8 +292,8 @@ def test_each_task_reads_and_checks_its_own_data_keys(tmp_path):
     """`data:` is read into the section of its kind (the task's data_config): a key of another task's section
     is an unknown key for this kind, each section checks its own values, and the job's objects are the task's
     section classes (what the workers unpickle)."""
-    from behemoth.tasks.causal_lm import TextData
-    from behemoth.tasks.image import ImageData
+    from behemoth.data.text import TextData
+    from behemoth.data.images import ImageData
 
     image = load_config(write(tmp_path, "data:\n  root: imgs\n  image_size: 16\n"))
     assert type(image.data) is ImageData and image.data.image_size == 16
@@ -330,9 +333,9 @@ def test_a_task_of_ones_own_brings_its_data_keys(tmp_path, monkeypatch):
                 raise ConfigError("data.vocab must be >= 2")
 
     module = types.ModuleType("my_tasks")
-    module.WithKeys = type("WithKeys", (), {"data_config": MyData})
-    module.WithoutKeys = type("WithoutKeys", (), {})
-    module.Broken = type("Broken", (), {"data_config": dict})
+    module.WithKeys = type("WithKeys", (CompleteTask,), {"data_config": MyData})
+    module.WithoutKeys = type("WithoutKeys", (CompleteTask,), {})
+    module.Broken = type("Broken", (CompleteTask,), {"data_config": dict})
     monkeypatch.setitem(sys.modules, "my_tasks", module)
     cfg = config_from_dict({"data": {"kind": "my_tasks:WithKeys", "vocab": 50, "prefetch_batches": 1}})
     assert type(cfg.data) is MyData and cfg.data.vocab == 50 and cfg.data.prefetch_batches == 1
@@ -345,3 +348,32 @@ def test_a_task_of_ones_own_brings_its_data_keys(tmp_path, monkeypatch):
         config_from_dict({"data": {"kind": "my_tasks:Broken"}})
     with pytest.raises(ConfigError, match="cannot import task no_such_module:Task"):
         config_from_dict({"data": {"kind": "no_such_module:Task"}})
+
+
+class CompleteTask(Task):
+    """Every member the contract requires, and nothing else."""
+
+    best, reported, eval_sum_names = ("val_x", "min"), {"val_x": "min"}, ("x",)
+    check = prepare = describe = classmethod(lambda cls, cfg, checked=None: None)
+    build_model = train_batches = eval_batches = example_batch = loss = eval_sums = eval_metrics = (
+        lambda self, *args, **kw: None)
+
+
+def test_a_task_is_checked_against_the_contract_and_told_what_it_lacks(monkeypatch):
+    """A data.kind by import path must name a Task subclass defining every required member; the error says
+    which members are missing (before Ray starts), not an AttributeError on a worker minutes later."""
+    import sys
+    import types
+
+    module = types.ModuleType("my_tasks")
+    module.NotATask = type("NotATask", (), {"best": ("val_x", "min")})
+    module.Partial = type("Partial", (Task,), {"best": ("val_x", "min"), "check": classmethod(lambda c, cfg: 0)})
+    module.Complete = CompleteTask
+    monkeypatch.setitem(sys.modules, "my_tasks", module)
+    with pytest.raises(ConfigError, match="is not a task: subclass behemoth.tasks.Task"):
+        config_from_dict({"data": {"kind": "my_tasks:NotATask"}})
+    with pytest.raises(ConfigError, match=r"task Partial does not define build_model, describe, eval_batches, "
+                                          r"eval_metrics, eval_sums, example_batch, loss, prepare, train_batches, "
+                                          r"reported, eval_sum_names"):
+        config_from_dict({"data": {"kind": "my_tasks:Partial"}})
+    assert config_from_dict({"data": {"kind": "my_tasks:Complete"}}).data.kind == "my_tasks:Complete"

@@ -10,8 +10,7 @@ from behemoth.worker import evaluate
 class Task:
     def __init__(self, repeat=True, fail_at=None):
         self.calls, self.fail_at = 0, fail_at
-        if repeat:
-            self.eval_batches_repeat = True
+        self.eval_batches_repeat = repeat
 
     def eval_batches(self, indices, batch_size, split="val"):
         self.calls += 1

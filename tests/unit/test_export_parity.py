@@ -10,7 +10,7 @@ import pytest
 import torch
 from PIL import Image
 
-from behemoth.config import config_from_dict
+from behemoth.job import config_from_dict
 from behemoth.data.images import fit_size, transform_batch
 from behemoth.tasks.image import ImageClassification, build_image_model
 from conftest import job_dict

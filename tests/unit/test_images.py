@@ -8,7 +8,7 @@ import pyarrow.parquet as pq
 import pytest
 from PIL import Image
 
-from behemoth.tasks.image import ImageData
+from behemoth.data.images import ImageData
 from behemoth.data.images import BadSampleError, DataError, build_index, index_image_folder, transform_batch
 
 

@@ -31,7 +31,7 @@ def test_the_python_api_entry_points():
     from behemoth.driver.trainer import train as driver_train
     from behemoth.driver.tune import sweep as driver_sweep
 
-    from behemoth.config import load_config as config_load_config
+    from behemoth.job import load_config as config_load_config
 
     assert train is driver_train and sweep is driver_sweep and behemoth.tune.sweep is driver_sweep
     assert load_config is config_load_config
@@ -78,3 +78,74 @@ def test_the_loop_file_and_every_function_stay_short():
             for node in ast.walk(ast.parse(path.read_text()))
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno + 1 > 62]
     assert long == [], "split these functions"
+
+
+def _module_graph() -> dict[str, set[str]]:
+    """behemoth's modules -> the behemoth modules each imports: import statements anywhere in the file, and
+    import paths in string literals ("behemoth.tasks.image:ImageClassification", imported by importlib)."""
+    import ast
+    import re
+
+    pkg = REPO / "platform" / "behemoth"
+    modules = {}
+    for path in pkg.rglob("*.py"):
+        parts = list(path.relative_to(pkg.parent).with_suffix("").parts)
+        modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    literal = re.compile(r"^behemoth(\.[a-z_]+)+(:[A-Za-z_]+)?$")
+
+    def imported_by(node) -> list[str]:
+        if isinstance(node, ast.ImportFrom) and node.module:  # from a import b: the module a.b where it is one
+            return [f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in modules else node.module
+                    for a in node.names]
+        if isinstance(node, ast.Import):
+            return [a.name for a in node.names]
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and literal.match(node.value):
+            return [node.value.split(":")[0]] if node.value.split(":")[0] in modules else []
+        return []
+
+    graph = {}
+    for name, path in modules.items():
+        found = (m for node in ast.walk(ast.parse(path.read_text())) for m in imported_by(node))
+        graph[name] = {m for m in found if m in modules and m != name}
+    return graph
+
+
+def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one node (Tarjan)."""
+    index, low, stack, found = {}, {}, [], []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = stack[stack.index(v):]
+            del stack[stack.index(v):]
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_import_circles_counting_importlib_edges():
+    """No two modules, and no two rooms, import each other, counting the modules a registry names by import
+    path (the task registry, the model registry, the warm-up's module lists): config knows no task, a task
+    knows config (issue 36)."""
+    graph = _module_graph()
+    assert "behemoth.tasks.image" in graph["behemoth.tasks.registry"]  # the importlib edges are seen
+    assert _circles(graph) == []
+    rooms: dict[str, set[str]] = {}
+    for module, imported in graph.items():
+        room = module.split(".")[1] if "." in module else module
+        rooms.setdefault(room, set()).update(m.split(".")[1] for m in imported if "." in m)
+    assert _circles({r: out - {r} for r, out in rooms.items()}) == []
+    assert not any(m.startswith(("behemoth.tasks", "behemoth.job")) for m in graph["behemoth.config"])
+

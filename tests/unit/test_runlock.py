@@ -107,7 +107,7 @@ def test_a_storage_path_that_is_a_file_is_one_config_error(tmp_path):
 
 def test_train_and_sweep_are_refused_before_ray_starts(tmp_path, live_process):
     import ray
-    from behemoth.config import config_from_dict
+    from behemoth.job import config_from_dict
     from behemoth.driver.trainer import train
     from behemoth.driver.tune import load_sweep, run_sweep
 
@@ -167,7 +167,7 @@ import json, sys, time
 from pathlib import Path
 from types import SimpleNamespace
 from behemoth import checkpoint
-from behemoth.config import config_from_dict
+from behemoth.job import config_from_dict
 from behemoth.driver import runlock
 from behemoth.driver.lease_fence import LeaseFenceCallback
 from behemoth.driver.trainer import retire_unregistered

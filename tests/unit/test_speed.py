@@ -5,7 +5,8 @@ import torch
 
 from behemoth import metrics
 from behemoth.worker import autobatch
-from behemoth.config import ConfigError, load_config
+from behemoth.config import ConfigError
+from behemoth.job import load_config
 
 from .test_config import write
 

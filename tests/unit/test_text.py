@@ -7,7 +7,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from behemoth.tasks.causal_lm import TextData
+from behemoth.data.text import TextData
 from behemoth.data import DataError
 from behemoth.data import text
 from behemoth.data.order import rank_train_indices, steps_per_epoch

@@ -356,7 +356,7 @@ def test_the_end_of_a_run_shows_one_account_everywhere(tmp_path, uri):
     after the invocation's end (an account made before the report was drawn differed from the final one by
     the seconds the report and MLflow took: 134.31 s in the report, 136.0 s in the summary). The report is an
     MLflow artifact, also of a run folder under a URI (file://, through the same pyarrow calls as s3://)."""
-    from behemoth.config import config_from_dict
+    from behemoth.job import config_from_dict
     from behemoth.tracking import mlflow_run
     from behemoth.tracking.records import METRICS
     from behemoth.tracking.run import GOODPUT, RunTracking

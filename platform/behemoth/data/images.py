@@ -16,8 +16,9 @@ import io
 import json
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import ClassVar, Literal
 
 import numpy as np
 import pyarrow as pa
@@ -26,7 +27,7 @@ from PIL import Image, ImageOps
 
 from behemoth import paths
 from behemoth.config import DataConfig
-from behemoth.errors import BadSampleError
+from behemoth.errors import BadSampleError, ConfigError
 from behemoth.progress import progress
 from behemoth.data import DataError, expand_files, ordered_data_context
 
@@ -34,6 +35,54 @@ IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg"}
 INDEX_SCHEMA = pa.schema(
     [("sample_id", pa.int64()), ("path", pa.string()), ("row", pa.int64()), ("label", pa.int64())]
 )
+
+
+@dataclass
+class ImageData(DataConfig):
+    """`data:` of an image job: image_folder (ROOT/{train,val}/<class>/*.{png,jpg,jpeg}) or image_parquet
+    (data.train_files / val_files with an image-bytes column and a label column)."""
+
+    root: str = ""
+    image_column: str = "image"
+    label_column: str = "label"
+    image_size: int = 32
+    augment: Literal["crop_flip", "random_resized_crop", "none"] = "crop_flip"
+    crop_padding: int = 4
+    mean: list[float] = field(default_factory=lambda: [0.5, 0.5, 0.5])
+    std: list[float] = field(default_factory=lambda: [0.25, 0.25, 0.25])
+    # decoded: every image is decoded and centre-fitted once per node into cache_dir (data/image_cache.py);
+    # epochs, restarts and sweep trials read those rows. auto: decoded where the decoded set takes at most
+    # cache_max_share of the node's RAM and of the free disk at cache_dir (or is built already), and the
+    # augmentation starts from the fitted image (not random_resized_crop). none: decode every epoch.
+    cache: Literal["auto", "decoded", "none"] = "auto"
+    cache_dir: str = "data_cache"
+    cache_max_share: float = 0.5
+
+    path_keys: ClassVar[tuple[str, ...]] = (*DataConfig.path_keys, "root", "cache_dir")
+
+    def validate(self) -> None:
+        super().validate()
+        if self.kind == "image_folder" and not self.root:
+            raise ConfigError("data.root is empty: set it to the folder holding train/ and val/")
+        if self.kind == "image_parquet" and not (self.train_files and self.val_files):
+            raise ConfigError("data.kind is image_parquet: set data.train_files and data.val_files")
+        if self.image_size <= 0:
+            raise ConfigError(f"data.image_size must be > 0, got {self.image_size!r}")
+        if len(self.mean) != 3 or len(self.std) != 3 or min(self.std) <= 0:
+            raise ConfigError("data.mean and data.std need 3 values each (RGB), std > 0")
+        if self.crop_padding < 0:
+            raise ConfigError("data.crop_padding must be >= 0")
+        if not 0 < self.cache_max_share <= 1:
+            raise ConfigError(f"data.cache_max_share must be in (0, 1], got {self.cache_max_share!r}")
+        if self.cache == "decoded" and self.augment == "random_resized_crop":
+            raise ConfigError("data.cache=decoded keeps the centre-fitted image, and random_resized_crop crops the "
+                              "original: use data.cache=none (or auto, which decodes every epoch for it)")
+        if self.cache == "decoded" and paths.is_uri(self.cache_dir):
+            raise ConfigError(f"data.cache_dir {self.cache_dir} is a URI: the decoded cache is a folder on each "
+                              f"node's own disk (a local path), read by memory-mapping it")
+
+    def source(self) -> str:
+        return self.root or super().source()
 
 
 @dataclass
@@ -47,13 +96,11 @@ class ImageIndex:
     cache: dict | None = None
 
 
-def build_index(cfg: DataConfig) -> ImageIndex:
+def build_index(cfg: ImageData) -> ImageIndex:
     """image_folder: data.root; image_parquet: data.train_files / val_files. A task of one's own built on image
     classification (data.kind: module:Class) reads parquet when data.train_files is set, data.root otherwise."""
     if cfg.kind == "image_folder" or (cfg.kind != "image_parquet" and not cfg.train_files):
-        cache_dir = getattr(cfg, "cache_dir", None)  # the image tasks' data section has one
-        return index_image_folder(Path(cfg.root), None if cache_dir is None or paths.is_uri(cache_dir)
-                                  else Path(cache_dir))
+        return index_image_folder(Path(cfg.root), None if paths.is_uri(cfg.cache_dir) else Path(cfg.cache_dir))
     return index_parquet(cfg.train_files, cfg.val_files, cfg.image_column, cfg.label_column)
 
 
@@ -187,7 +234,7 @@ def _index_table(entries: list[tuple[str, int, int]]) -> pa.Table:
 # Decode + augment + normalise (runs inside Ray Data map_batches tasks)
 
 
-def transform_batch(batch: dict, *, cfg: DataConfig, seed: int, epoch: int, train: bool) -> dict:
+def transform_batch(batch: dict, *, cfg: ImageData, seed: int, epoch: int, train: bool) -> dict:
     """Index rows -> {"image": float32 [n,3,S,S] normalised, "label", "sample_id", "valid"}.
 
     Augmentation draws from a generator seeded by (seed, epoch, sample_id): the same sample gets the same
@@ -228,7 +275,7 @@ def decode_fitted(batch: dict, *, size: int, image_column: str) -> dict:
     return {"sample_id": batch["sample_id"], "pixels": pixels, "valid": valid, "error": np.array(errors, dtype=object)}
 
 
-def cached_batches(images, labels: np.ndarray, indices: np.ndarray, cfg: DataConfig, *, seed: int, epoch: int,
+def cached_batches(images, labels: np.ndarray, indices: np.ndarray, cfg: ImageData, *, seed: int, epoch: int,
                    train: bool, batch_size: int):
     """transform_batch's batches of `indices`, in order, from decoded rows (image_cache.DecodedImages): only the
     random part (augment_fitted, from the same per-sample generator) and the normalisation run here."""
@@ -252,7 +299,7 @@ def sample_rng(seed: int, epoch: int, sample_id) -> np.random.Generator:
     return np.random.default_rng([seed, epoch, int(sample_id)])
 
 
-def normalise(pixels: np.ndarray, valid: np.ndarray, cfg: DataConfig) -> np.ndarray:
+def normalise(pixels: np.ndarray, valid: np.ndarray, cfg: ImageData) -> np.ndarray:
     """uint8 [n,S,S,3] -> float32 [n,3,S,S]: /255, then mean/std per channel; samples not valid are all 0."""
     mean = np.asarray(cfg.mean, dtype=np.float32)[:, None, None]
     std = np.asarray(cfg.std, dtype=np.float32)[:, None, None]
@@ -290,14 +337,14 @@ def center_fit(img: Image.Image, size: int) -> np.ndarray:
     return np.asarray(img, dtype=np.uint8)
 
 
-def augment(img: Image.Image, size: int, cfg: DataConfig, rng: np.random.Generator) -> np.ndarray:
+def augment(img: Image.Image, size: int, cfg: ImageData, rng: np.random.Generator) -> np.ndarray:
     if cfg.augment == "random_resized_crop":
         pixels = _random_resized_crop(img, size, rng)
         return pixels[:, ::-1] if rng.random() < 0.5 else pixels
     return augment_fitted(center_fit(img, size), cfg, rng)
 
 
-def augment_fitted(pixels: np.ndarray, cfg: DataConfig, rng: np.random.Generator) -> np.ndarray:
+def augment_fitted(pixels: np.ndarray, cfg: ImageData, rng: np.random.Generator) -> np.ndarray:
     """crop_flip's and none's random part, on the centre-fitted image (what the decoded cache stores)."""
     if cfg.augment == "none":
         return pixels
@@ -380,7 +427,7 @@ def describe_samples(table: pa.Table, sample_ids) -> list[str]:
 # Ray Data pipelines (built on the training workers, one per rank and epoch)
 
 
-def rank_dataset(index_table: pa.Table, indices: np.ndarray, cfg: DataConfig, *, seed: int, epoch: int,
+def rank_dataset(index_table: pa.Table, indices: np.ndarray, cfg: ImageData, *, seed: int, epoch: int,
                  train: bool, batch_size: int):
     """A Ray Dataset over index rows `indices`, in that order, decoded by CPU tasks.
 

@@ -39,6 +39,7 @@ import tempfile
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import ClassVar, Literal, Optional
 
 import numpy as np
 import pyarrow as pa
@@ -49,11 +50,65 @@ from behemoth.checkpoint import read_file
 from behemoth.config import DataConfig
 from behemoth.data import DataError, expand_files, ordered_data_context
 from behemoth.data.token_store import ShardWriter, TokenBlocks, TokenShards, load_blocks, upload
+from behemoth.errors import ConfigError
 from behemoth.progress import progress
 
 CACHE_VERSION = 3  # 3: each block stored with its index (token_store.py); 2: shards of tokens; 1: train.npy
 UNIT_BYTES = 1 << 20  # a line-oriented file is cut into work units of about this many bytes
 _FORMATS = {".txt": "txt", ".text": "txt", ".jsonl": "jsonl", ".json": "jsonl", ".parquet": "parquet"}
+
+
+@dataclass
+class TextData(DataConfig):
+    """`data:` of a language-model job (kind: text): text files (data.train_files / val_files) or a Hugging
+    Face dataset, a tokenizer, and the block length the tokens are packed into (docs/language-models.md)."""
+
+    # auto: from the file suffix (.txt, .jsonl/.json, .parquet), or hf_dataset when data.hf_dataset is set.
+    text_format: Literal["auto", "txt", "jsonl", "parquet", "hf_dataset"] = "auto"
+    # The JSONL field, parquet column or Hugging Face dataset column holding a document's text.
+    text_field: str = "text"
+    # .txt files: one document per line (empty lines skipped), or one document per file.
+    document: Literal["line", "file"] = "line"
+    # Without val_files: this fraction of documents (chosen by a hash of the text and train.seed) is validation.
+    val_fraction: float = 0.0
+    # A Hugging Face dataset: a folder written by Dataset(Dict).save_to_disk, or a hub name (needs network).
+    hf_dataset: str = ""
+    hf_config_name: Optional[str] = None
+    train_split: str = "train"
+    val_split: str = "validation"
+    # A fast tokenizer: a local from_pretrained folder (behemoth data train-tokenizer) or a hub name.
+    tokenizer: str = ""
+    # Tokens per training sample: documents joined with EOS and cut into blocks of seq_len.
+    seq_len: int = 512
+    # Tokenised, packed corpora are kept here (in shards; a folder or a URI such as s3://bucket/cache), keyed by a
+    # fingerprint of sources, tokenizer and seq_len.
+    cache_dir: str = "data_cache"
+    # How the workers get the packed blocks: memory (through Ray's object store; the corpus must fit in it) or
+    # files (each worker reads the cache's shards, memory-mapped or by ranged requests to a URI: a corpus larger
+    # than memory; cache_dir must then be one every node reads: one machine, a shared filesystem, a bucket).
+    token_store: Literal["memory", "files"] = "memory"
+
+    path_keys: ClassVar[tuple[str, ...]] = (*DataConfig.path_keys, "tokenizer", "hf_dataset", "cache_dir")
+
+    def validate(self) -> None:
+        super().validate()
+        if not (self.train_files or self.hf_dataset):
+            raise ConfigError("data.kind is text: set data.train_files (txt, jsonl or parquet files) "
+                              "or data.hf_dataset")
+        if self.train_files and self.hf_dataset:
+            raise ConfigError("data.train_files and data.hf_dataset are both set: keep one")
+        if not self.tokenizer:
+            raise ConfigError("data.tokenizer is empty: set a tokenizer folder or hub name "
+                              "(behemoth data train-tokenizer makes one from your corpus)")
+        if not 0 <= self.val_fraction < 1:
+            raise ConfigError(f"data.val_fraction must be in [0, 1), got {self.val_fraction}")
+        if self.train_files and not self.val_files and self.val_fraction == 0:
+            raise ConfigError("data: no validation text: set data.val_files or data.val_fraction (e.g. 0.05)")
+        if self.seq_len < 2:
+            raise ConfigError(f"data.seq_len must be >= 2, got {self.seq_len}")
+
+    def source(self) -> str:
+        return self.hf_dataset or super().source()
 
 
 @dataclass
@@ -83,7 +138,7 @@ class Unit:
     end: int = 0
 
 
-def text_format(cfg: DataConfig, path: str) -> str:
+def text_format(cfg: TextData, path: str) -> str:
     if cfg.text_format != "auto":
         return cfg.text_format
     suffix = Path(path).suffix.lower()
@@ -93,7 +148,7 @@ def text_format(cfg: DataConfig, path: str) -> str:
     return _FORMATS[suffix]
 
 
-def plan_units(cfg: DataConfig) -> list[Unit]:
+def plan_units(cfg: TextData) -> list[Unit]:
     """Check every file and cut it into units, train files first, in a fixed order."""
     splits = [("auto" if not cfg.val_files else "train", cfg.train_files), ("val", cfg.val_files)]
     units = []
@@ -104,7 +159,7 @@ def plan_units(cfg: DataConfig) -> list[Unit]:
     return units
 
 
-def _file_units(cfg: DataConfig, split: str, path: str) -> list[Unit]:
+def _file_units(cfg: TextData, split: str, path: str) -> list[Unit]:
     fmt = text_format(cfg, path)
     size = os.path.getsize(path)
     if size == 0:
@@ -317,7 +372,7 @@ class Packer:
 # The whole preparation, with its cache
 
 
-def check_text_sources(cfg: DataConfig) -> list[Unit]:
+def check_text_sources(cfg: TextData) -> list[Unit]:
     """Everything that can be checked without Ray: files, formats, columns, the tokenizer."""
     load_tokenizer(cfg.tokenizer)
     if cfg.hf_dataset:
@@ -326,7 +381,7 @@ def check_text_sources(cfg: DataConfig) -> list[Unit]:
     return plan_units(cfg)
 
 
-def prepare_text(cfg: DataConfig, seed: int, units: list[Unit] | None = None) -> TokenIndex:
+def prepare_text(cfg: TextData, seed: int, units: list[Unit] | None = None) -> TokenIndex:
     """Tokenise and pack the corpus (or reuse the cached result). Needs Ray (ray.init done).
     `units`: what check_text_sources returned, when the caller has already checked the sources."""
     units = check_text_sources(cfg) if units is None else units
@@ -357,7 +412,7 @@ def _cache_meta(cache: str) -> dict | None:
         return None
 
 
-def _build_cache(cfg: DataConfig, units: list[Unit], seed: int, dtype, cache: Path) -> None:
+def _build_cache(cfg: TextData, units: list[Unit], seed: int, dtype, cache: Path) -> None:
     """Tokenise and pack into shards in a temporary folder beside `cache`, renamed to it when complete."""
     tmp = cache.with_name(f"{cache.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -374,7 +429,7 @@ def _build_cache(cfg: DataConfig, units: list[Unit], seed: int, dtype, cache: Pa
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _pack_into(folder: Path, cfg: DataConfig, units: list[Unit], seed: int, dtype) -> dict:
+def _pack_into(folder: Path, cfg: TextData, units: list[Unit], seed: int, dtype) -> dict:
     """The token stream packed into each split's shards in `folder` (one shard in memory at a time); the meta."""
     writers = {split: ShardWriter(folder, split, cfg.seq_len, dtype) for split in ("train", "val")}
     packers = {split: Packer(cfg.seq_len, dtype, sink=writers[split].add) for split in ("train", "val")}
@@ -403,7 +458,7 @@ def _list_values(column: pa.ChunkedArray):
             yield values[offsets[i]:offsets[i + 1]]
 
 
-def _token_stream(cfg: DataConfig, units: list[Unit], seed: int):
+def _token_stream(cfg: TextData, units: list[Unit], seed: int):
     """Ray Data: tokenised units (or HF rows) in corpus order, as pyarrow tables with split/tokens/documents."""
     import ray.data
 
@@ -439,7 +494,7 @@ def _hf_blocks(ds, text_field: str) -> list:
     return [table.slice(i, HF_ROWS_PER_BLOCK) for i in range(0, max(table.num_rows, 1), HF_ROWS_PER_BLOCK)]
 
 
-def _hf_splits(cfg: DataConfig) -> list[tuple[str, object]]:
+def _hf_splits(cfg: TextData) -> list[tuple[str, object]]:
     """[(split, datasets.Dataset)]: the train and validation splits, or train with split 'auto'."""
     import datasets
 
@@ -468,7 +523,7 @@ def _hf_splits(cfg: DataConfig) -> list[tuple[str, object]]:
     return out
 
 
-def _fingerprint(cfg: DataConfig, units: list[Unit], seed: int) -> str:
+def _fingerprint(cfg: TextData, units: list[Unit], seed: int) -> str:
     """Changes when anything that changes the packed blocks changes."""
     h = hashlib.sha256()
     parts = {"version": CACHE_VERSION, "seq_len": cfg.seq_len, "text_field": cfg.text_field,

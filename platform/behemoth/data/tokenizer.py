@@ -9,8 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from behemoth.config import data_section
-from behemoth.data.text import plan_units, read_unit_documents
+from behemoth.data.text import TextData, plan_units, read_unit_documents
 from behemoth.progress import watching
 
 EOS = "<|endoftext|>"
@@ -18,7 +17,7 @@ EOS = "<|endoftext|>"
 
 def iter_documents(files: list[str], text_field: str = "text", document: str = "line"):
     """The documents of txt/jsonl/parquet files, as training reads them (same checks, same errors)."""
-    cfg = data_section("text")(kind="text", train_files=list(files), text_field=text_field, document=document)
+    cfg = TextData(kind="text", train_files=list(files), text_field=text_field, document=document)
     for unit in plan_units(cfg):
         yield from read_unit_documents(unit, text_field)
 

@@ -6,7 +6,8 @@ import argparse
 import sys
 
 from behemoth.version import __version__
-from behemoth.config import dump_yaml, load_config
+from behemoth.config import dump_yaml
+from behemoth.job import load_config
 from behemoth.errors import ConfigError, user_facing_error
 
 # Set by run.sh as it execs Python (after installing it): when this Python started (see _process_start).
@@ -269,9 +270,10 @@ def _data_command(args) -> int:
         print(f"wrote {counts['train']} train and {counts['val']} val documents to {args.out}/{{train,val}}.jsonl")
     elif args.data_command == "cache":
         from behemoth.driver.trainer import ensure_ray
-        from behemoth.tasks.image import build_decoded_cache
+        from behemoth.tasks import task_of
 
-        for line in build_decoded_cache(load_config(args.config, args.overrides), start_ray=ensure_ray):
+        cfg = load_config(args.config, args.overrides)
+        for line in task_of(cfg).build_cache(cfg, start_ray=ensure_ray):
             print(line)
     else:
         from behemoth.data.tokenizer import train_tokenizer

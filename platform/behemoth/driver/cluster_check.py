@@ -205,7 +205,7 @@ def _gpu_resources(raw: dict) -> list[Finding]:
 
 
 def _storage(raw: dict, job_configs: list[str]) -> list[Finding]:
-    from behemoth.config import load_config
+    from behemoth.job import load_config
 
     multi_node = raw.get("max_workers", 0) > 0 and any(
         t.get("max_workers", 0) > 0 for t in raw["available_node_types"].values())

@@ -1,10 +1,10 @@
 """Driver side: `behemoth export` — a checkpoint (or a run's best or latest) as a Hugging Face model folder.
 
 The folder holds what `from_pretrained` and `pipeline` read, so it loads with transformers alone:
-- a transformers model: `save_pretrained` (config.json with the class names as id2label/label2id for images,
+- a transformers model: `save_pretrained` (config.json, with a classifier's label names as id2label/label2id;
   model.safetensors);
-- the task's files beside it: an image processor config that repeats behemoth's validation preprocessing
-  (size, crop, mean, std), or the run's tokenizer;
+- the task's files beside it (Task.save_for_transformers: e.g. an image processor config that repeats
+  behemoth's validation preprocessing, or the run's tokenizer);
 - a model card (README.md): how to load it, the job config, the data, the steps and the final metrics.
 A model of one's own (model.name as an import path) is written as model.safetensors plus
 behemoth_model.json naming its builder: loading it needs that builder's code, which the card shows.
@@ -26,11 +26,12 @@ import yaml
 
 from behemoth import paths, weights
 from behemoth.checkpoint import complete_checkpoints, read_file, read_state
-from behemoth.config import (DataConfig, JobConfig, ModelConfig, config_from_dict, dump_yaml, is_custom_kind,
-                             warn_remote_code)
+from behemoth.config import DataConfig, JobConfig, ModelConfig, dump_yaml, warn_remote_code
 from behemoth.errors import CheckpointError, ConfigError
+from behemoth.job import config_from_dict
 from behemoth.models import registry
 from behemoth.tasks import task_of
+from behemoth.tasks.registry import is_custom_kind
 
 
 @dataclass(frozen=True)
@@ -51,8 +52,6 @@ def export(path: str, out: str, which: str = "best", trusted: TrustedCode = Trus
         raise ConfigError(f"--out {out} is not empty: export into a new folder (nothing is overwritten)")
     cfg = _job_of(path, trusted)
     task = task_of(cfg)
-    if not hasattr(task, "model_from_checkpoint"):
-        raise ConfigError(f"task {cfg.data.kind} has no model_from_checkpoint: it cannot be exported")
     ckpt, how = weights.resolve(path, which, task.best)
     if not weights.is_checkpoint(ckpt):
         raise ConfigError(f"{path} is already a Hugging Face folder, not a behemoth checkpoint")
@@ -67,8 +66,7 @@ def export(path: str, out: str, which: str = "best", trusted: TrustedCode = Trus
 
     if isinstance(model, PreTrainedModel):
         model.save_pretrained(out_dir)
-        if hasattr(task, "save_for_transformers"):
-            task.save_for_transformers(cfg, out_dir)
+        task.save_for_transformers(cfg, out_dir)
     else:
         from safetensors.torch import save_model
 
@@ -123,17 +121,12 @@ def model_card(cfg: JobConfig, ckpt: str, how: str, transformers_model: bool) ->
     state = read_state(ckpt)
     metrics = {k: v for k, v in weights.checkpoint_metrics(ckpt).items()
                if k.startswith("val_") or k in ("loss", "step", "epoch", "samples_seen")}
-    text = cfg.data.kind == "text"
+    task = task_of(cfg)
     if not transformers_model:
         load = (f"model = {cfg.model.name.split(':')[1]}(...)  # from {cfg.model.name.split(':')[0]}, with the "
-                f"run's {'vocab_size' if text else 'num_classes'}\nsafetensors.torch.load_model(model, "
-                f"'model.safetensors')")
-    elif text:
-        load = ("from transformers import AutoModelForCausalLM, AutoTokenizer\n"
-                "model = AutoModelForCausalLM.from_pretrained(FOLDER)\ntokenizer = AutoTokenizer.from_pretrained(FOLDER)")
+                f"run's {task.builder_keywords}\nsafetensors.torch.load_model(model, 'model.safetensors')")
     else:
-        load = ("from transformers import pipeline\nclassify = pipeline('image-classification', model=FOLDER)\n"
-                "classify('image.png')")
+        load = task.load_snippet(cfg)
     data = cfg.data.source()
     lines = [
         f"# {cfg.checkpoint.run_name}", "",

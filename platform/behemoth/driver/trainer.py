@@ -1,9 +1,9 @@
 """Driver side: a checked job config -> Ray Train TorchTrainer -> fit -> a summary. Never touches CUDA.
 
-The data is checked before Ray starts, so a missing folder, an empty class or a text file without its
-column fails in a second with a message naming it, not after a cluster has been brought up. Images: the
-index of samples is built on the driver. Text: once Ray is up, the corpus is tokenised and packed by Ray
-Data (or read from its cache) before the workers start.
+The data is checked by its task before Ray starts (Task.check), so a missing folder, an empty class or a
+file without its column fails in a second with a message naming it, not after a cluster has been brought up;
+once Ray is up the task prepares what the workers read (Task.prepare: e.g. text tokenised and packed by Ray
+Data) before the workers start.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ class RunSummary:
     run_dir: str
     metrics: dict  # the last reported metrics
     latest_checkpoint: str | None
-    best_checkpoint: str | None  # best val_accuracy (images) / lowest val_loss (text) among the kept ones
+    best_checkpoint: str | None  # best by the task's `best` metric among the kept ones
     best_value: float | None
     best_metric: str
     wall_s: float
@@ -210,8 +210,7 @@ def warm_up_data_processes(cfg: JobConfig, data) -> list:
     job's environment is empty (a caller's own ray.init) nothing is started."""
     import ray
 
-    modules_for = getattr(task_of(cfg), "data_modules", None)
-    modules = modules_for(cfg, data) if modules_for else ()
+    modules = task_of(cfg).data_modules(cfg, data)
     if (os.environ.get("RAY_ADDRESS") or not modules or not ray.get_runtime_context().runtime_env
             or sum(node["Alive"] for node in ray.nodes()) > 1):
         return []
@@ -229,7 +228,7 @@ def worker_resources(cfg: JobConfig) -> dict:
 
 
 def build_trainer(cfg: JobConfig, data, callbacks: list | None = None, fence=None):
-    """`data`: what prepare_data returned (an image index or packed token blocks). `callbacks`: Ray Train
+    """`data`: what prepare_data returned (the task's prepared data: e.g. an image index). `callbacks`: Ray Train
     callbacks (the run's recorder, tracking/callbacks.py; a sweep's trial adds the one that reports to Tune).
     `fence` (runlock.Fence): the workers check the lease around each checkpoint upload (driver/lease_fence.py)
     and before a restore deletes an unfinished upload (worker/restore.py)."""

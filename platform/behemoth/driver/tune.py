@@ -32,16 +32,8 @@ from ray.tune.integration.ray_train import TuneReportCallback
 
 from behemoth import paths
 from behemoth.driver import warmup
-from behemoth.config import (
-    ConfigError,
-    JobConfig,
-    apply_override,
-    config_from_dict,
-    dump_yaml,
-    from_dict,
-    load_config,
-    read_yaml_mapping,
-)
+from behemoth.config import ConfigError, JobConfig, apply_override, dump_yaml, from_dict, read_yaml_mapping
+from behemoth.job import config_from_dict, load_config
 from behemoth.errors import RunFailedError, did_you_mean
 from behemoth.tasks import task_of
 
@@ -71,8 +63,8 @@ class SweepConfig:
     space: dict[str, dict[str, list[Any]]] = field(default_factory=dict)
     # Samples of the space (each grid combination num_samples times).
     num_samples: int = 1
-    # What picks the best trial: val_accuracy/val_loss/loss (images), val_loss/val_perplexity/loss (text).
-    metric: str | None = None  # default: val_accuracy (images), val_loss (text)
+    # What picks the best trial: one of the metrics the job's task reports (Task.reported).
+    metric: str | None = None  # default: the task's `best` metric
     mode: Literal["min", "max"] | None = None  # default: from the metric
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     # random: Tune's grid/random variant generator. optuna: TPE (pip install optuna).
@@ -240,8 +232,8 @@ def _job_keys(base: dict) -> list[str]:
 
 
 def trial_resources(cfg: JobConfig) -> dict[str, float]:
-    """What one trial of `cfg` holds at its largest: its workers, plus one Ray Data task for image decoding
-    (text is tokenised before the workers start, by the sweep driver)."""
+    """What one trial of `cfg` holds at its largest: its workers, plus what its task's data pipeline takes
+    beside them while training (Task.data_cpus)."""
     s = cfg.scaling
     need = {"CPU": s.max_workers * s.cpus_per_worker + task_of(cfg).data_cpus(cfg)}
     if s.use_gpu:

@@ -25,6 +25,9 @@ MODELS: dict[str, str] = {
 }
 IMAGE_CLASSIFIER = "image_classifier"
 CAUSAL_LM = "causal_lm"
+# Names built by transformers' Auto classes from model.hf_config / model.pretrained, each with an example
+# model_type for the message of a config that names none.
+HF_AUTO: dict[str, str] = {IMAGE_CLASSIFIER: "vit", CAUSAL_LM: "llama"}
 # Names an earlier behemoth knew, and what replaced them.
 REMOVED = {
     "resnet_tiny_cifar": "regnet_tiny_cifar",
@@ -46,7 +49,7 @@ def check_name(name: str) -> None:
             f"model.name '{name}' was removed: its 3x3 CIFAR stem is not expressible by a transformers "
             f"ResNetConfig, so its exports could not load with transformers alone. Use '{REMOVED[name]}' (the "
             f"same role at CIFAR scale, a stock RegNetConfig; checkpoints of the old model do not load into it)")
-    known = [*MODELS, IMAGE_CLASSIFIER, CAUSAL_LM]
+    known = [*MODELS, *HF_AUTO]
     if name not in known:
         raise ConfigError(f"model.name '{name}' is not a known model{did_you_mean(name, known)} "
                           f"(known: {', '.join(known)}; or your own builder as my_package.my_module:function)")

@@ -9,9 +9,7 @@ for its own loss, or a user's builder by import path, called with vocab_size= an
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from pathlib import Path
-from typing import ClassVar, Literal, Optional
 
 import numpy as np
 import ray.train.torch
@@ -19,69 +17,11 @@ import torch
 import torch.nn.functional as F
 
 from behemoth import weights
-from behemoth.config import DataConfig, JobConfig, ModelConfig
-from behemoth.errors import ConfigError
-from behemoth.data.text import TokenIndex
+from behemoth.config import JobConfig
+from behemoth.data.text import TextData, TokenIndex
 from behemoth.models import registry
 from behemoth.models.causal_lm import build_causal_lm
-
-
-@dataclass
-class TextData(DataConfig):
-    """`data:` of a language-model job (kind: text): text files (data.train_files / val_files) or a Hugging
-    Face dataset, a tokenizer, and the block length the tokens are packed into (docs/language-models.md)."""
-
-    # auto: from the file suffix (.txt, .jsonl/.json, .parquet), or hf_dataset when data.hf_dataset is set.
-    text_format: Literal["auto", "txt", "jsonl", "parquet", "hf_dataset"] = "auto"
-    # The JSONL field, parquet column or Hugging Face dataset column holding a document's text.
-    text_field: str = "text"
-    # .txt files: one document per line (empty lines skipped), or one document per file.
-    document: Literal["line", "file"] = "line"
-    # Without val_files: this fraction of documents (chosen by a hash of the text and train.seed) is validation.
-    val_fraction: float = 0.0
-    # A Hugging Face dataset: a folder written by Dataset(Dict).save_to_disk, or a hub name (needs network).
-    hf_dataset: str = ""
-    hf_config_name: Optional[str] = None
-    train_split: str = "train"
-    val_split: str = "validation"
-    # A fast tokenizer: a local from_pretrained folder (behemoth data train-tokenizer) or a hub name.
-    tokenizer: str = ""
-    # Tokens per training sample: documents joined with EOS and cut into blocks of seq_len.
-    seq_len: int = 512
-    # Tokenised, packed corpora are kept here (in shards; a folder or a URI such as s3://bucket/cache), keyed by a
-    # fingerprint of sources, tokenizer and seq_len.
-    cache_dir: str = "data_cache"
-    # How the workers get the packed blocks: memory (through Ray's object store; the corpus must fit in it) or
-    # files (each worker reads the cache's shards, memory-mapped or by ranged requests to a URI: a corpus larger
-    # than memory; cache_dir must then be one every node reads: one machine, a shared filesystem, a bucket).
-    token_store: Literal["memory", "files"] = "memory"
-
-    path_keys: ClassVar[tuple[str, ...]] = (*DataConfig.path_keys, "tokenizer", "hf_dataset", "cache_dir")
-
-    def validate(self) -> None:
-        super().validate()
-        if not (self.train_files or self.hf_dataset):
-            raise ConfigError("data.kind is text: set data.train_files (txt, jsonl or parquet files) "
-                              "or data.hf_dataset")
-        if self.train_files and self.hf_dataset:
-            raise ConfigError("data.train_files and data.hf_dataset are both set: keep one")
-        if not self.tokenizer:
-            raise ConfigError("data.tokenizer is empty: set a tokenizer folder or hub name "
-                              "(behemoth data train-tokenizer makes one from your corpus)")
-        if not 0 <= self.val_fraction < 1:
-            raise ConfigError(f"data.val_fraction must be in [0, 1), got {self.val_fraction}")
-        if self.train_files and not self.val_files and self.val_fraction == 0:
-            raise ConfigError("data: no validation text: set data.val_files or data.val_fraction (e.g. 0.05)")
-        if self.seq_len < 2:
-            raise ConfigError(f"data.seq_len must be >= 2, got {self.seq_len}")
-
-    def check_model(self, model: ModelConfig) -> None:
-        if model.name != "causal_lm":
-            raise ConfigError(f"data.kind {self.kind} cannot train model.name {model.name}: text data trains "
-                              f"model.name causal_lm (or a builder of one's own, module:function)")
-
-    def source(self) -> str:
-        return self.hf_dataset or super().source()
+from behemoth.tasks.contract import Task
 
 
 def build_lm(cfg: JobConfig, vocab_size: int, eos_id: int, bos_id: int | None) -> torch.nn.Module:
@@ -90,11 +30,13 @@ def build_lm(cfg: JobConfig, vocab_size: int, eos_id: int, bos_id: int | None) -
     return build_causal_lm(cfg.model, vocab_size=vocab_size, eos_id=eos_id, bos_id=bos_id, seq_len=cfg.data.seq_len)
 
 
-class CausalLM:
+class CausalLM(Task):
     # --- driver side ------------------------------------------------------------------------------------
     data_config = TextData
     best = ("val_loss", "min")
     reported = {"val_loss": "min", "val_perplexity": "min", "loss": "min"}
+    model_names = (registry.CAUSAL_LM,)
+    builder_keywords = "vocab_size"
 
     @classmethod
     def check(cls, cfg: JobConfig):
@@ -130,10 +72,6 @@ class CausalLM:
         source = cfg.data.hf_dataset or f"{len({u.path for u in units})} files in {len(units)} work units"
         return f"text: {source}; tokenizer {len(load_tokenizer(cfg.data.tokenizer))} tokens (tokenised at train time)"
 
-    @classmethod
-    def data_cpus(cls, cfg: JobConfig) -> float:
-        return 0.0  # tokenised once, before the workers start
-
     @staticmethod
     def summary_lines(m: dict) -> list[str]:
         if "val_perplexity" not in m:
@@ -163,16 +101,20 @@ class CausalLM:
 
         load_tokenizer(cfg.data.tokenizer).save_pretrained(out)
 
+    @classmethod
+    def load_snippet(cls, cfg: JobConfig) -> str:
+        return ("from transformers import AutoModelForCausalLM, AutoTokenizer\n"
+                "model = AutoModelForCausalLM.from_pretrained(FOLDER)\ntokenizer = AutoTokenizer.from_pretrained(FOLDER)")
+
     # --- worker side ------------------------------------------------------------------------------------
-    eval_size = 2  # loss summed over predicted tokens, predicted tokens
+    eval_sum_names = ("loss", "tokens")  # loss summed over predicted tokens, predicted tokens
 
     def __init__(self, cfg: JobConfig, index: TokenIndex):
-        self.cfg, self.index = cfg, index
+        super().__init__(cfg, index)
+        self.index = index
         self.num_train_samples, self.num_val_samples = len(index.train), len(index.val)
         self.tokens_per_sample = cfg.data.seq_len
         self.transformers_model = not registry.is_import_path(cfg.model.name)
-
-    reinit_ok = None  # fine-tuning loads every tensor: the vocabulary is the tokenizer's
 
     def build_model(self):
         return build_lm(self.cfg, self.index.vocab_size, self.index.eos_id, self.index.bos_id)
@@ -226,22 +168,17 @@ class CausalLM:
         ids = batch["input_ids"]
         predicted = ids.shape[0] * (ids.shape[1] - 1)
         loss = self._mean_loss(model, ids).to(torch.float64)
-        return torch.stack([loss * predicted, torch.tensor(float(predicted), dtype=torch.float64,
-                                                           device=ids.device)])
+        return {"loss": loss * predicted, "tokens": torch.tensor(float(predicted), device=ids.device)}
 
     def eval_metrics(self, sums):
-        tokens = max(sums[1].item(), 1.0)
-        val_loss = sums[0].item() / tokens
+        tokens = max(sums["tokens"], 1.0)
+        val_loss = sums["loss"] / tokens
         return {"val_loss": val_loss, "val_perplexity": math.exp(min(val_loss, 50.0)), "val_tokens": int(tokens)}
 
-    def bad_sample_ids(self, batch):
-        return []  # text was checked and tokenised before training: a block cannot be undecodable
+    # bad_sample_ids: none (the base's): text was checked and tokenised before training
 
     def describe_samples(self, sample_ids):
         return [f"block {i}" for i in sample_ids]
-
-    def classes(self):
-        return None
 
 
 def gather_batch(blocks, block_ids) -> dict:

@@ -10,9 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import threading
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import ClassVar, Literal
 
 import ray.train.torch
 import torch
@@ -20,64 +18,23 @@ import torch.nn.functional as F
 
 from behemoth import paths, weights
 from behemoth.checkpoint import read_file
-from behemoth.config import DataConfig, JobConfig, ModelConfig
+from behemoth.config import JobConfig
 from behemoth.errors import BadSampleError, ConfigError
 from behemoth.data import image_cache
-from behemoth.data.images import ImageIndex, build_index, cached_batches, describe_samples, rank_dataset
+from behemoth.data.images import ImageData, ImageIndex, build_index, cached_batches, describe_samples, rank_dataset
 from behemoth.models import registry
+from behemoth.tasks.contract import ReinitPolicy, Task
 
 
-@dataclass
-class ImageData(DataConfig):
-    """`data:` of an image job: image_folder (ROOT/{train,val}/<class>/*.{png,jpg,jpeg}) or image_parquet
-    (data.train_files / val_files with an image-bytes column and a label column)."""
+def classification_head(num_classes: int) -> ReinitPolicy:
+    """The re-initialisation policy of classification: only the head for another number of classes, i.e. a
+    tensor whose first dimension is this model's class count where the source's is another, all else equal."""
 
-    root: str = ""
-    image_column: str = "image"
-    label_column: str = "label"
-    image_size: int = 32
-    augment: Literal["crop_flip", "random_resized_crop", "none"] = "crop_flip"
-    crop_padding: int = 4
-    mean: list[float] = field(default_factory=lambda: [0.5, 0.5, 0.5])
-    std: list[float] = field(default_factory=lambda: [0.25, 0.25, 0.25])
-    # decoded: every image is decoded and centre-fitted once per node into cache_dir (data/image_cache.py);
-    # epochs, restarts and sweep trials read those rows. auto: decoded where the decoded set takes at most
-    # cache_max_share of the node's RAM and of the free disk at cache_dir (or is built already), and the
-    # augmentation starts from the fitted image (not random_resized_crop). none: decode every epoch.
-    cache: Literal["auto", "decoded", "none"] = "auto"
-    cache_dir: str = "data_cache"
-    cache_max_share: float = 0.5
+    def head(key: str, own: torch.Tensor, source: torch.Tensor) -> bool:
+        return (own.dim() == source.dim() and own.shape[0] == num_classes != source.shape[0]
+                and own.shape[1:] == source.shape[1:])
 
-    path_keys: ClassVar[tuple[str, ...]] = (*DataConfig.path_keys, "root", "cache_dir")
-
-    def validate(self) -> None:
-        super().validate()
-        if self.kind == "image_folder" and not self.root:
-            raise ConfigError("data.root is empty: set it to the folder holding train/ and val/")
-        if self.kind == "image_parquet" and not (self.train_files and self.val_files):
-            raise ConfigError("data.kind is image_parquet: set data.train_files and data.val_files")
-        if self.image_size <= 0:
-            raise ConfigError(f"data.image_size must be > 0, got {self.image_size!r}")
-        if len(self.mean) != 3 or len(self.std) != 3 or min(self.std) <= 0:
-            raise ConfigError("data.mean and data.std need 3 values each (RGB), std > 0")
-        if self.crop_padding < 0:
-            raise ConfigError("data.crop_padding must be >= 0")
-        if not 0 < self.cache_max_share <= 1:
-            raise ConfigError(f"data.cache_max_share must be in (0, 1], got {self.cache_max_share!r}")
-        if self.cache == "decoded" and self.augment == "random_resized_crop":
-            raise ConfigError("data.cache=decoded keeps the centre-fitted image, and random_resized_crop crops the "
-                              "original: use data.cache=none (or auto, which decodes every epoch for it)")
-        if self.cache == "decoded" and paths.is_uri(self.cache_dir):
-            raise ConfigError(f"data.cache_dir {self.cache_dir} is a URI: the decoded cache is a folder on each "
-                              f"node's own disk (a local path), read by memory-mapping it")
-
-    def check_model(self, model: ModelConfig) -> None:
-        if model.name == "causal_lm":
-            raise ConfigError(f"data.kind {self.kind} cannot train model.name causal_lm: image data trains an "
-                              f"image model (text data: data.kind text)")
-
-    def source(self) -> str:
-        return self.root or super().source()
+    return head
 
 
 def build_image_model(cfg: JobConfig, classes: list[str]) -> torch.nn.Module:
@@ -96,9 +53,14 @@ def build_image_model(cfg: JobConfig, classes: list[str]) -> torch.nn.Module:
     return model
 
 
-class ImageClassification:
+class ImageClassification(Task):
     # --- driver side ------------------------------------------------------------------------------------
     data_config = ImageData
+    best = ("val_accuracy", "max")
+    reported = {"val_accuracy": "max", "val_loss": "min", "loss": "min"}
+    model_names = (*registry.MODELS, registry.IMAGE_CLASSIFIER)
+    bad_samples_are = "undecodable images"
+    builder_keywords = "num_classes"
 
     @classmethod
     def data_modules(cls, cfg: JobConfig, index: ImageIndex) -> tuple[str, ...]:
@@ -107,8 +69,6 @@ class ImageClassification:
         if index.cache and all(image_cache.check(Path(p.folder), p) is None for p in index.cache.values()):
             return ()
         return ("ray.data", "behemoth.data.images")
-    best = ("val_accuracy", "max")
-    reported = {"val_accuracy": "max", "val_loss": "min", "loss": "min"}
 
     @classmethod
     def check(cls, cfg: JobConfig) -> ImageIndex:
@@ -178,20 +138,31 @@ class ImageClassification:
             "do_normalize": True, "image_mean": list(cfg.data.mean), "image_std": list(cfg.data.std),
         }, indent=2))
 
+    @classmethod
+    def load_snippet(cls, cfg: JobConfig) -> str:
+        return ("from transformers import pipeline\nclassify = pipeline('image-classification', model=FOLDER)\n"
+                "classify('image.png')")
+
+    @classmethod
+    def build_cache(cls, cfg: JobConfig, start_ray) -> list[str]:
+        return build_decoded_cache(cfg, start_ray)
+
     # --- worker side ------------------------------------------------------------------------------------
-    tokens_per_sample = None
-    eval_size = 4  # see eval_sums
+    # loss summed over valid samples, correct predictions, valid samples, undecodable samples (dropped within
+    # data.max_bad_samples)
+    eval_sum_names = ("loss", "correct", "samples", "bad_samples")
     eval_batches_repeat = True  # centre-fitted, never augmented: the worker keeps them after the first evaluation
 
     def __init__(self, cfg: JobConfig, index: ImageIndex):
-        self.cfg, self.index = cfg, index
+        super().__init__(cfg, index)
+        self.index = index
         self.num_train_samples, self.num_val_samples = index.train.num_rows, index.val.num_rows
         # registered and image_classifier models are called as transformers models (the registered RegNets
         # are plain torch with the same interface); a user's builder gets the tensor (a transformers model it
         # returns takes pixel_values as its first argument too)
         self.transformers_model = not registry.is_import_path(cfg.model.name)
         # fine-tuning with another number of classes: the head's weight and bias start fresh (weights.load_weights)
-        self.reinit_ok = weights.classification_head(len(index.classes))
+        self.reinit_ok = classification_head(len(index.classes))
         self._decoded_splits, self._decoded_lock = {}, threading.Lock()
 
     def build_model(self):
@@ -257,18 +228,17 @@ class ImageClassification:
         return (per_sample * valid).sum() / n_valid.clamp(min=1), n_valid
 
     def eval_sums(self, model, batch):
-        # loss sum, correct, valid samples, undecodable samples (dropped within data.max_bad_samples)
         valid = batch["valid"]
         logits = self.logits(model, batch["image"])
         losses = F.cross_entropy(logits, batch["label"], reduction="none")
         correct = (logits.argmax(dim=1) == batch["label"]) & valid
-        sums = [losses[valid].sum(), correct.sum(), valid.sum(), (~valid).sum()]
-        return torch.stack(sums).to(torch.float64)
+        return {"loss": losses[valid].sum(), "correct": correct.sum(), "samples": valid.sum(),
+                "bad_samples": (~valid).sum()}
 
     def eval_metrics(self, sums):
-        n = max(sums[2].item(), 1.0)
-        return {"val_loss": sums[0].item() / n, "val_accuracy": sums[1].item() / n, "val_samples": int(n),
-                "val_bad_samples": int(sums[3].item())}
+        n = max(sums["samples"], 1.0)
+        return {"val_loss": sums["loss"] / n, "val_accuracy": sums["correct"] / n, "val_samples": int(n),
+                "val_bad_samples": int(sums["bad_samples"])}
 
     def bad_sample_ids(self, batch):
         return batch["sample_id"][~batch["valid"]].tolist()
@@ -276,8 +246,8 @@ class ImageClassification:
     def describe_samples(self, sample_ids):
         return describe_samples(self.index.train, sample_ids)
 
-    def classes(self):
-        return self.index.classes
+    def checkpoint_files(self):
+        return {"classes.json": json.dumps(self.index.classes)}  # class index -> name, read back by export
 
 
 def build_decoded_cache(cfg: JobConfig, start_ray) -> list[str]:

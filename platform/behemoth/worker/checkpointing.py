@@ -61,7 +61,7 @@ class Copies:
             self.event.synchronize()
 
 
-def snapshot(*, model, optimizer, scheduler, state: TrainState, classes: list[str] | None, job_yaml: str,
+def snapshot(*, model, optimizer, scheduler, state: TrainState, task_files: dict[str, str], job_yaml: str,
              scaler=None, hook_states: list | None = None, buffers: dict | None = None,
              overlap: bool = False, metrics: dict | None = None) -> Snapshot | None:
     """Copy the state to host memory. Under FSDP every rank must call it (the full state is gathered) and
@@ -93,24 +93,25 @@ def snapshot(*, model, optimizer, scheduler, state: TrainState, classes: list[st
         copies = Copies([p for p, d in zip(pairs, deferred) if not d], [p for p, d in zip(pairs, deferred) if d])
         if not overlap:
             copies.wait_done()
-    dicts, texts = extras(scheduler=scheduler, state=state, classes=classes, job_yaml=job_yaml, scaler=scaler,
+    dicts, texts = extras(scheduler=scheduler, state=state, task_files=task_files, job_yaml=job_yaml, scaler=scaler,
                           hook_states=hook_states, metrics=metrics)
     dicts = {MODEL_FILE: model_sd, "optimizer.pt": optim_sd, **dicts}
     return Snapshot(dicts, texts, state.step, copies)
 
 
-def extras(*, scheduler, state: TrainState, classes: list[str] | None, job_yaml: str, scaler=None,
+def extras(*, scheduler, state: TrainState, task_files: dict[str, str], job_yaml: str, scaler=None,
            hook_states: list | None = None, metrics: dict | None = None) -> tuple[dict, dict]:
     """(state dicts, texts) of a checkpoint's files besides the model and optimizer state: the schedule,
-    scaler, compression state, train state, classes, metrics and job, taken on rank 0."""
+    scaler, compression state, train state, the task's own files, metrics and job, taken on rank 0."""
     dicts = {"scheduler.pt": scheduler.state_dict()}
     if scaler is not None and scaler.is_enabled():
         dicts["scaler.pt"] = scaler.state_dict()
     if hook_states is not None:  # per-rank gradient-compression state (PowerSGD error feedback)
         dicts["comm_hook.pt"] = {"world_size": len(hook_states), "ranks": hook_states}
     texts = {"train_state.json": json.dumps(asdict(state), indent=1), "job.yaml": job_yaml}
-    if classes is not None:
-        texts["classes.json"] = json.dumps(classes)
+    if set(task_files) & (set(texts) | set(dicts) | {"metrics.json"}):
+        raise ValueError(f"the task's checkpoint files {sorted(task_files)} would replace behemoth's own")
+    texts.update(task_files)
     if metrics is not None:  # what the run reported with this checkpoint: picks a run's best, fills a model card
         texts["metrics.json"] = json.dumps(metrics, indent=1)
     return dicts, texts

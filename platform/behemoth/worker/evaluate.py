@@ -12,8 +12,8 @@ import ray.train.torch
 import torch
 
 from behemoth import weights
-from behemoth.config import config_from_dict
 from behemoth.data.order import rank_eval_indices
+from behemoth.job import config_from_dict
 from behemoth.tasks import Task, make_task
 from behemoth.worker import parallel
 from behemoth.worker.collectives import all_reduce_sum
@@ -30,14 +30,15 @@ def evaluate(model, task: Task, rank: int, world: int, batch_size: int, split: s
     # parameters in every forward, so all ranks must run the same number of forwards (see below).
     net = unwrap(model)
     net.eval()
-    totals = torch.zeros(task.eval_size, dtype=torch.float64, device=ray.train.torch.get_device())
+    names = task.eval_sum_names
+    totals = torch.zeros(len(names), dtype=torch.float64, device=ray.train.torch.get_device())
     n = task.num_val_samples if split == "val" else task.num_train_samples
     indices = rank_eval_indices(n, rank, world)
     forwards = 0
     if len(indices):
         for batch in _eval_batches(task, indices, batch_size, split, totals.device):
             with autocast(totals.device, task.cfg.train.precision):
-                totals += task.eval_sums(net, batch).to(totals)
+                totals += _stacked(task.eval_sums(net, batch), names, totals)
             forwards += 1
     if sharded:  # ranks with fewer batches join the others' all-gathers with forwards they discard
         most = max(-(-len(rank_eval_indices(n, r, world)) // batch_size) for r in range(world))
@@ -46,7 +47,14 @@ def evaluate(model, task: Task, rank: int, world: int, batch_size: int, split: s
                 task.eval_sums(net, task.example_batch(1))
     all_reduce_sum(totals)
     net.train()
-    return task.eval_metrics(totals)
+    return task.eval_metrics(dict(zip(names, totals.tolist())))
+
+
+def _stacked(sums: dict, names: tuple[str, ...], like: torch.Tensor) -> torch.Tensor:
+    """A batch's named sums as one float64 vector in the task's order (one all-reduce for all of them)."""
+    if set(sums) != set(names):
+        raise TypeError(f"eval_sums returned {sorted(sums)}; the task's eval_sum_names are {list(names)}")
+    return torch.stack([torch.as_tensor(sums[n]).to(like) for n in names])
 
 
 # Evaluation batches kept in this worker process, for tasks whose evaluation batches are the same every time
@@ -58,7 +66,7 @@ KEEP_BYTES = 256 * 2**20  # per worker: CIFAR-size validation sets fit many time
 
 
 def _eval_batches(task: Task, indices, batch_size: int, split: str, device):
-    if not getattr(task, "eval_batches_repeat", False):
+    if not task.eval_batches_repeat:
         yield from task.eval_batches(indices, batch_size, split)
         return
     key = (split, batch_size, hashlib.sha1(np.ascontiguousarray(indices).tobytes()).hexdigest())

@@ -25,7 +25,8 @@ import torch
 
 from behemoth import faults
 from behemoth.checkpoint import TrainState
-from behemoth.config import JobConfig, config_from_dict
+from behemoth.config import JobConfig
+from behemoth.job import config_from_dict
 from behemoth.errors import ConfigError
 from behemoth.data.order import steps_per_epoch
 from behemoth.metrics import PhaseClock, Window

@@ -98,7 +98,7 @@ class Reporter:
         bad = union_across_ranks(bad_ids)
         if len(bad) > cfg.data.max_bad_samples:
             names = self.task.describe_samples(list(bad)[:20])
-            raise BadSampleError(f"{len(bad)} undecodable samples exceed data.max_bad_samples="
+            raise BadSampleError(f"{len(bad)} {self.task.bad_samples_are} exceed data.max_bad_samples="
                                  f"{cfg.data.max_bad_samples}: {names}")
         elapsed = window.elapsed()
         samples_per_s = throughput(window.steps * cfg.train.global_batch_size, elapsed)

@@ -97,11 +97,11 @@ def load_init_from(model, cfg, task, rank: int, world: int) -> str | None:
         return None
     if not reads_init_from(cfg.scaling.strategy, rank, world):
         return None
-    reinit = weights.load_weights(model, weights.read_state_dict(source), source, getattr(task, "reinit_ok", None))
+    reinit = weights.load_weights(model, weights.read_state_dict(source), source, task.reinit_ok)
     line = f"init_from {source}: weights loaded; optimizer, LR schedule and step start fresh"
     if reinit:
         shapes = model.state_dict()
-        line += (f"; re-initialised for this data's classes: "
+        line += (f"; kept fresh where the source's shapes differ (the task's reinit_ok): "
                  f"{', '.join(f'{k} {list(shapes[k].shape)}' for k in reinit)}")
     return line
 

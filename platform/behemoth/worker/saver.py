@@ -70,10 +70,10 @@ class CheckpointSaver:
             return
         snap, reuse = None, self.buffers_free.is_set()
         if self.rank == 0 or parallel.is_sharded(run.model):
-            snap = checkpointing.snapshot(**run.parts(),
-                                       state=state, classes=self.task.classes(), job_yaml=dump_yaml(self.cfg),
-                                       hook_states=hook_states, buffers=self.buffers if reuse else None,
-                                       overlap=self.cfg.checkpoint.async_save, metrics=metrics)
+            snap = checkpointing.snapshot(**run.parts(), state=state, task_files=self.task.checkpoint_files(),
+                                          job_yaml=dump_yaml(self.cfg),
+                                          hook_states=hook_states, buffers=self.buffers if reuse else None,
+                                          overlap=self.cfg.checkpoint.async_save, metrics=metrics)
         if not self.cfg.checkpoint.async_save:
             with tempfile.TemporaryDirectory() as tmp:  # an empty folder: the files go where write_checkpoint says
                 ckpt = ray.train.Checkpoint.from_directory(tmp) if snap else None
@@ -106,7 +106,7 @@ class CheckpointSaver:
         small = None
         if self.rank == 0:
             dicts, texts = checkpointing.extras(scheduler=run.scheduler, scaler=run.scaler, state=state,
-                                                classes=self.task.classes(), job_yaml=dump_yaml(self.cfg),
+                                                task_files=self.task.checkpoint_files(), job_yaml=dump_yaml(self.cfg),
                                                 hook_states=hook_states, metrics=metrics)
             small = checkpoint.Snapshot(dicts, texts, state.step)
         commit = functools.partial(_commit_sharded, self.writer, written, folder, small, local, state.step,

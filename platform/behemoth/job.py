@@ -1,0 +1,65 @@
+"""A job: a YAML file (plus `--set a.b=c` overrides) or a mapping read into a JobConfig whose `data:` is its
+kind's section, checked by each section and by its task. The one place that joins the config floor with the
+task registry: config knows no task, a task knows config.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from behemoth.config import (
+    DataConfig,
+    JobConfig,
+    apply_override,
+    from_dict,
+    read_yaml_mapping,
+    warn_remote_code,
+)
+from behemoth.errors import ConfigError
+from behemoth.tasks.contract import Task
+from behemoth.tasks.registry import is_custom_kind, task_class
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> JobConfig:
+    """Read a job YAML (or start from defaults), apply `a.b=c` overrides, check types and values; every error
+    names the file."""
+    where = str(path) if path else "<defaults>"
+    raw = read_yaml_mapping(path) if path is not None else {}
+    for item in overrides or []:
+        apply_override(raw, item)
+    try:
+        cfg = config_from_dict(raw, where)
+    except ConfigError as e:
+        raise ConfigError(e if str(e).startswith(f"{where}: ") else f"{where}: {e}") from None
+    warn_remote_code(cfg.model)
+    return cfg
+
+
+def config_from_dict(raw: dict, where: str = "<dict>") -> JobConfig:
+    """A job from its mapping of sections (a job.yaml as read, or what a worker is handed). A key or type
+    error names `where`; a value check's error is the check's own message."""
+    task, cfg = _read(raw, where)
+    custom = is_custom_kind(cfg.data.kind)  # a task of one's own builds its own model: model.name is its own
+    cfg.validate(model=not custom)
+    if not custom:
+        task.check_model(cfg)
+    return cfg
+
+
+def _read(raw: dict, where: str) -> tuple[type[Task], JobConfig]:
+    """The job's task and its config, `data:` read into the task's section (not yet checked)."""
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{where}: the file must be a mapping of sections, got {type(raw).__name__}")
+    data = raw.get("data") or {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where}: data must be a mapping, got {type(data).__name__}")
+    kind = data.get("kind", DataConfig.kind)
+    if not isinstance(kind, str):
+        raise ConfigError(f"{where}: data.kind expects str, got {type(kind).__name__} {kind!r}")
+    try:
+        task = task_class(kind)
+    except ConfigError as e:
+        raise ConfigError(f"{where}: {e}") from None
+    cfg = from_dict(JobConfig, {k: v for k, v in raw.items() if k != "data"}, where)
+    cfg.data = from_dict(task.data_config, data, where, prefix="data.", scope=f" for data.kind {kind}")
+    return task, cfg

@@ -1,0 +1,187 @@
+"""The task contract: every member a workload gives the generic code, documented once, with the optional ones'
+defaults. A task subclasses `Task` and is found by `data.kind` (tasks/registry.py).
+
+The driver half is class attributes and classmethods: it runs before Ray starts (checks), with Ray up
+(preparing data), and after a run (summary, export). The worker half is an instance per training worker, built
+from what the driver prepared: `Task(cfg, prepared)`. Nothing outside a task names a workload: class names,
+bad-sample wording, model checks, the model card's load snippet all come from here.
+"""
+
+from __future__ import annotations
+
+import abc
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Iterable
+
+from behemoth.config import DataConfig, JobConfig
+from behemoth.errors import ConfigError
+
+if TYPE_CHECKING:
+    import torch
+
+# (key, the model's fresh tensor, the source's tensor) -> may the model keep its fresh tensor (train.init_from)
+ReinitPolicy = Callable[[str, "torch.Tensor", "torch.Tensor"], bool]
+
+
+class Task(abc.ABC):
+    # ==== driver half =========================================================================================
+
+    # Its `data:` section: a dataclass subclassing DataConfig with the task's own keys and checks (`validate`).
+    # A job's `data:` mapping is read into the section of its kind.
+    data_config: ClassVar[type[DataConfig]] = DataConfig
+    # The metric that picks the best checkpoint, and "max" or "min". Required.
+    best: ClassVar[tuple[str, str]]
+    # Metrics a sweep may optimise, with their modes. Required.
+    reported: ClassVar[dict[str, str]]
+    # model.name values this task builds (besides a builder by import path, module:function, always accepted).
+    model_names: ClassVar[tuple[str, ...]] = ()
+    # What a sample is, in the plural, for the message of a run that met too many it could not read.
+    bad_samples_are: ClassVar[str] = "unreadable samples"
+    # The keywords a user's model builder (model.name module:function) is called with, in the model card.
+    builder_keywords: ClassVar[str] = "the task's sizes"
+
+    @classmethod
+    @abc.abstractmethod
+    def check(cls, cfg: JobConfig) -> Any:
+        """Read and check the data without Ray (`behemoth check` runs only this); returns what `prepare` needs
+        (e.g. an index). Bad data is one DataError or ConfigError naming the file, row or key."""
+
+    @classmethod
+    @abc.abstractmethod
+    def prepare(cls, cfg: JobConfig, checked: Any) -> Any:
+        """With Ray up: what the workers read (it travels once through the object store to every worker)."""
+
+    @classmethod
+    @abc.abstractmethod
+    def describe(cls, cfg: JobConfig, checked: Any) -> str:
+        """One line for `behemoth check`."""
+
+    @classmethod
+    def check_model(cls, cfg: JobConfig) -> None:
+        """Refuse a model.name this task cannot train (run for in-tree tasks, before Ray starts)."""
+        name = cfg.model.name
+        if ":" not in name and name not in cls.model_names:
+            raise ConfigError(f"data.kind {cfg.data.kind} cannot train model.name {name}: it trains "
+                              f"{', '.join(cls.model_names) or 'models of its own'} (or a builder of one's own, "
+                              f"module:function)")
+
+    @classmethod
+    def data_cpus(cls, cfg: JobConfig) -> float:
+        """CPUs its data pipeline takes beside the workers while training (a sweep bounds concurrency by it)."""
+        return 0.0
+
+    @classmethod
+    def data_modules(cls, cfg: JobConfig, prepared: Any) -> tuple[str, ...]:
+        """Modules its data pipeline's Ray tasks import for this data (none: no Ray task will run). On a local
+        Ray instance one process per worker is started with them while Ray Train starts (driver/warmup.py)."""
+        return ()
+
+    @staticmethod
+    def summary_lines(metrics: dict) -> list[str]:
+        """The task's lines in the run's summary, from the final metrics."""
+        return []
+
+    @staticmethod
+    def progress_fields(metrics: dict) -> list[str]:
+        """Fields of the progress line for a report that carries an evaluation (rank 0's worker prints it)."""
+        return []
+
+    @classmethod
+    def model_from_checkpoint(cls, cfg: JobConfig, ckpt: str) -> torch.nn.Module:
+        """`behemoth export`: the model a checkpoint holds, built as the workers built it."""
+        raise ConfigError(f"data.kind {cfg.data.kind}: this task does not export its models")
+
+    @classmethod
+    def save_for_transformers(cls, cfg: JobConfig, out: Path) -> None:
+        """`behemoth export` of a transformers model: the files beside it (image processor, tokenizer)."""
+
+    @classmethod
+    def load_snippet(cls, cfg: JobConfig) -> str:
+        """The model card's Python lines that load an exported transformers model from FOLDER."""
+        return "from transformers import AutoModel\nmodel = AutoModel.from_pretrained(FOLDER)"
+
+    @classmethod
+    def build_cache(cls, cfg: JobConfig, start_ray: Callable[[], None]) -> list[str]:
+        """`behemoth data cache`: build the data's cache on this node ahead of a run; one line per part.
+        `start_ray` is called once the config and data are checked."""
+        raise ConfigError(f"data.kind {cfg.data.kind} has no cache to build ahead of a run")
+
+    # ==== worker half =========================================================================================
+
+    num_train_samples: int
+    num_val_samples: int
+    # For tokens/s; None where a sample is not a token sequence.
+    tokens_per_sample: int | None = None
+    # The names of the sums `eval_sums` returns, in a fixed order: every rank all-reduces the same vector.
+    eval_sum_names: ClassVar[tuple[str, ...]]
+    # Evaluation batches are the same at every call (no augmentation): the worker keeps them after the first
+    # evaluation (up to behemoth.worker.evaluate.KEEP_BYTES per worker).
+    eval_batches_repeat: ClassVar[bool] = False
+    # Fine-tuning (train.init_from) from weights of another shape: which fresh tensors the model may keep.
+    reinit_ok: ReinitPolicy | None = None
+
+    def __init__(self, cfg: JobConfig, prepared: Any):
+        self.cfg = cfg
+
+    @abc.abstractmethod
+    def build_model(self) -> torch.nn.Module:
+        """The job's model, on the CPU (the loop moves and wraps it)."""
+
+    @abc.abstractmethod
+    def train_batches(self, indices, epoch: int, batch_size: int) -> Iterable[dict]:
+        """Batches of the samples at `indices`, in that order. Each batch holds a "sample_id" tensor: the
+        indices it carries (the sample ledger records them). The next epoch's call comes from a background
+        thread a few steps before the current epoch's batches run out (behemoth.worker.feed), so two of its
+        iterators may be alive at once."""
+
+    @abc.abstractmethod
+    def eval_batches(self, indices, batch_size: int, split: str = "val") -> Iterable[dict]:
+        """Evaluation batches (no augmentation) of the samples at `indices` of a split: "val", or "train"
+        (only `behemoth eval --split train` asks for it)."""
+
+    @abc.abstractmethod
+    def example_batch(self, batch_size: int) -> dict:
+        """A batch of the right shapes on the training device (FLOP counting, micro-batch search)."""
+
+    @abc.abstractmethod
+    def loss(self, model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """(mean loss over the batch's valid samples, number of valid samples)."""
+
+    @abc.abstractmethod
+    def eval_sums(self, model, batch: dict) -> dict[str, torch.Tensor]:
+        """One batch's sums, by the names in `eval_sum_names` (scalars): evaluate() adds them up over batches
+        and ranks in float64 and hands the totals to `eval_metrics`."""
+
+    @abc.abstractmethod
+    def eval_metrics(self, sums: dict[str, float]) -> dict:
+        """Metrics from the summed evaluation: names starting with `val_` (another split's evaluation renames
+        them)."""
+
+    def bad_sample_ids(self, batch: dict) -> list[int]:
+        """The sample ids of this batch the task could not read (dropped within data.max_bad_samples)."""
+        return []
+
+    def describe_samples(self, sample_ids) -> list[str]:
+        """Samples by a name a user can find them by (a file, a row), for error messages."""
+        return [f"sample {i}" for i in sample_ids]
+
+    def checkpoint_files(self) -> dict[str, str]:
+        """Small text files the task keeps in every checkpoint beside the training state (file name -> text),
+        read back by its `model_from_checkpoint` (image classification: classes.json)."""
+        return {}
+
+
+def check_task_class(cls: Any, kind: str) -> type[Task]:
+    """`cls` as a complete task, or one ConfigError that names what it lacks."""
+    if not (isinstance(cls, type) and issubclass(cls, Task)):
+        raise ConfigError(f"data.kind '{kind}': {cls!r} is not a task: subclass behemoth.tasks.Task")
+    missing = sorted(cls.__abstractmethods__) + [
+        name for name in ("best", "reported", "eval_sum_names") if not hasattr(cls, name)]
+    if missing:
+        raise ConfigError(f"data.kind '{kind}': task {cls.__name__} does not define {', '.join(missing)} "
+                          f"(behemoth.tasks.Task documents each)")
+    if not (isinstance(cls.data_config, type) and issubclass(cls.data_config, DataConfig)):
+        raise ConfigError(f"data.kind '{kind}': the task's data_config must be a dataclass subclassing "
+                          f"behemoth.config.DataConfig, got {cls.data_config!r}")
+    return cls
+
