@@ -55,7 +55,10 @@ def _two_rank_loop(config):
     evaluated = evaluate(model, task, rank, world, batch_size=5)
     net = model.module.eval()
     with torch.no_grad():
-        sums = sum(task.eval_sums(net, b).double() for b in task.eval_batches(np.arange(index.val.num_rows), 7))
+        sums = dict.fromkeys(task.eval_sum_names, 0.0)
+        for b in task.eval_batches(np.arange(index.val.num_rows), 7):
+            for name, value in task.eval_sums(net, b).items():
+                sums[name] += float(value)
     torch.save({"weights": model.module.state_dict(), "seen": seen, "evaluated": evaluated,
                 "one_process": task.eval_metrics(sums)}, f"{config['out']}/rank{rank}.pt")
 

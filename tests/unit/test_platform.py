@@ -149,3 +149,14 @@ def test_no_import_circles_counting_importlib_edges():
     assert _circles({r: out - {r} for r, out in rooms.items()}) == []
     assert not any(m.startswith(("behemoth.tasks", "behemoth.job")) for m in graph["behemoth.config"])
 
+
+def test_one_place_reports_to_ray_train():
+    """Every report (metrics, and a checkpoint with its upload) goes through one call of ray.train.report
+    (worker/saver.py report_to_ray), so what a report carries and how is decided in one place (issue 36)."""
+    import ast
+
+    pkg = REPO / "platform" / "behemoth"
+    calls = [f"{path.relative_to(pkg)}:{node.lineno}" for path in sorted(pkg.rglob("*.py"))
+             for node in ast.walk(ast.parse(path.read_text()))
+             if isinstance(node, ast.Call) and ast.unparse(node.func) in ("ray.train.report", "train.report")]
+    assert len(calls) == 1 and calls[0].startswith("worker/saver.py:"), calls

@@ -18,7 +18,7 @@ from behemoth.worker.collectives import all_reduce_sum, sync_buffers, union_acro
 from behemoth.worker.console import console
 from behemoth.worker.evaluate import evaluate
 from behemoth.worker.run import Run
-from behemoth.worker.saver import CheckpointSaver
+from behemoth.worker.saver import CheckpointSaver, report_to_ray
 from behemoth.worker.speed import SpeedMeter
 
 
@@ -74,7 +74,7 @@ class Reporter:
             self.saver.save_and_report(report, state, self.run)
             checkpoint_s = time.perf_counter() - t0
         else:
-            ray.train.report(report)
+            report_to_ray(report)
         self.clock.add("eval", eval_s)
         self.clock.add("checkpoint", checkpoint_s)
         self.clock.add("report", time.perf_counter() - started - eval_s - checkpoint_s)
@@ -86,9 +86,9 @@ class Reporter:
         """A rerun of a finished run: evaluate its final weights, train nothing."""
         if self.rank == 0:
             console(f"run already complete at step {state.step}: nothing to train")
-        ray.train.report({"step": state.step, "epoch": state.step / self.epoch_steps,
-                          "samples_seen": state.samples_seen, **self.clock.snapshot(),
-                          "resumed_from_step": self.resumed_from_step, **self.evaluate()})
+        report_to_ray({"step": state.step, "epoch": state.step / self.epoch_steps,
+                       "samples_seen": state.samples_seen, **self.clock.snapshot(),
+                       "resumed_from_step": self.resumed_from_step, **self.evaluate()})
 
     def train_metrics(self, state: TrainState, window: Window, bad_ids: set) -> dict:
         cfg = self.cfg

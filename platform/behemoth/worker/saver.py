@@ -74,20 +74,15 @@ class CheckpointSaver:
                                           job_yaml=dump_yaml(self.cfg),
                                           hook_states=hook_states, buffers=self.buffers if reuse else None,
                                           overlap=self.cfg.checkpoint.async_save, metrics=metrics)
-        if not self.cfg.checkpoint.async_save:
-            with tempfile.TemporaryDirectory() as tmp:  # an empty folder: the files go where write_checkpoint says
-                ckpt = ray.train.Checkpoint.from_directory(tmp) if snap else None
-                ray.train.report(metrics, checkpoint=ckpt,
-                                 checkpoint_upload_fn=functools.partial(write_checkpoint, snap) if snap else None)
-        elif snap is None:
-            ray.train.report(metrics)
+        if snap is None:
+            report_to_ray(metrics)
+        elif not self.cfg.checkpoint.async_save:
+            report_to_ray(metrics, functools.partial(write_checkpoint, snap))
         else:
             if reuse:
                 self.buffers_free.clear()  # until the upload thread has written this snapshot
-            ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(tempfile.mkdtemp()),
-                             checkpoint_upload_mode=ray.train.CheckpointUploadMode.ASYNC,
-                             checkpoint_upload_fn=functools.partial(write_checkpoint, snap,
-                                                                    written=self.buffers_free if reuse else None))
+            written = self.buffers_free if reuse else None
+            report_to_ray(metrics, functools.partial(write_checkpoint, snap, written=written), async_upload=True)
         self.copying = snap
         self.last_block_s = time.perf_counter() - t0
 
@@ -111,10 +106,23 @@ class CheckpointSaver:
             small = checkpoint.Snapshot(dicts, texts, state.step)
         commit = functools.partial(_commit_sharded, self.writer, written, folder, small, local, state.step,
                                    self.writer.last_bytes)
-        mode = ray.train.CheckpointUploadMode.ASYNC if self.cfg.checkpoint.async_save else \
-            ray.train.CheckpointUploadMode.SYNC
-        ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(tempfile.mkdtemp()),
-                         checkpoint_dir_name=name, checkpoint_upload_mode=mode, checkpoint_upload_fn=commit)
+        report_to_ray(metrics, commit, async_upload=self.cfg.checkpoint.async_save, dir_name=name)
+
+
+def report_to_ray(metrics: dict, upload_fn=None, *, async_upload: bool = False, dir_name: str | None = None) -> None:
+    """The one call of ray.train.report: the metrics, and with `upload_fn` a checkpoint that it writes (Ray
+    Train hands it an empty folder and the checkpoint's place; the files go where upload_fn puts them), in Ray
+    Train's upload thread where `async_upload`. `dir_name`: the checkpoint's folder name, agreed by the ranks."""
+    # an empty folder Ray Train only names: removed here after a synchronous upload, left to the OS's temp
+    # cleaning after an asynchronous one (it outlives this call)
+    folder = tempfile.mkdtemp(prefix="behemoth-report-") if upload_fn is not None else None
+    mode = ray.train.CheckpointUploadMode.ASYNC if async_upload else ray.train.CheckpointUploadMode.SYNC
+    try:
+        ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(folder) if folder else None,
+                         checkpoint_dir_name=dir_name, checkpoint_upload_mode=mode, checkpoint_upload_fn=upload_fn)
+    finally:
+        if folder and not async_upload:
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 def _commit_sharded(writer: ShardedWriter, written, folder: str, small, local: bool, step: int, needed: int,
