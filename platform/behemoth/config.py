@@ -55,13 +55,14 @@ class DataConfig:
 
 @dataclass
 class ModelConfig:
-    # Image models: a registered name (resnet18, resnet50, regnet_cifar, regnet_tiny_cifar), or
-    # image_classifier: any transformers AutoModelForImageClassification (ViT, ConvNeXt, ...) from hf_config
-    # or pretrained. Text: causal_lm, any transformers AutoModelForCausalLM. Or your own builder as an import
-    # path, my_package.my_module:function, called with num_classes= (images) or vocab_size= (text) and
-    # returning a torch.nn.Module.
+    # A model the job's task builds (its model_names and hf_models, tasks/): image classification: a registered
+    # name (resnet18, resnet50, regnet_cifar, regnet_tiny_cifar) or image_classifier (any transformers
+    # AutoModelForImageClassification: ViT, ConvNeXt, ...); causal LM: causal_lm (AutoModelForCausalLM). Or
+    # your own builder as an import path, my_package.my_module:function, called with the task's sizes
+    # (num_classes= for images, vocab_size= for text) and returning a torch.nn.Module.
     name: str = "regnet_cifar"
-    # causal_lm / image_classifier: weights from a local folder or hub name (from_pretrained) ...
+    # A transformers model (the task's hf_models: causal_lm, image_classifier, ...): weights from a local folder
+    # or hub name (from_pretrained) ...
     pretrained: Optional[str] = None
     # ... or a fresh model from a config: model_type plus sizes, e.g. {model_type: llama, hidden_size: 256}.
     # With pretrained set, these keys override the pretrained config. vocab_size defaults to the tokenizer's,
@@ -72,27 +73,16 @@ class ModelConfig:
     # load_config prints a warning naming the repository. Never read from a checkpoint's job.yaml (export).
     trust_remote_code: bool = False
 
-    @property
-    def from_hf_config(self) -> bool:
-        """Built by transformers' Auto classes from hf_config / pretrained (not a registered builder)."""
-        from behemoth.models.registry import HF_AUTO
-
-        return self.name in HF_AUTO
-
     def validate(self) -> None:
+        """What holds for any model; which model.name values a job may use, and whether they take
+        pretrained/hf_config, is its task's check (Task.check_model)."""
         from behemoth.models import hf_keys, registry  # light: no torch model is built here
 
         registry.check_name(self.name)
-        if self.from_hf_config and not (self.pretrained or self.hf_config.get("model_type")):
-            raise ConfigError(f"model.name is {self.name}: set model.pretrained (a folder or hub name) or "
-                              f"model.hf_config.model_type (e.g. {registry.HF_AUTO[self.name]}) with its sizes")
         hf_keys.check_hf_config(self.hf_config)  # architecture keys only: no option of from_pretrained
         if self.trust_remote_code and not self.pretrained:
             raise ConfigError("model.trust_remote_code runs the code of model.pretrained's repository, and "
                               "model.pretrained is not set: set it, or remove trust_remote_code")
-        if not self.from_hf_config and (self.pretrained or self.hf_config):
-            raise ConfigError(f"model.pretrained and model.hf_config are for {' and '.join(registry.HF_AUTO)}, "
-                              f"not {self.name}")
 
 
 @dataclass

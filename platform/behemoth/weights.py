@@ -187,6 +187,17 @@ def load_weights(model: torch.nn.Module, source: dict, where: str,
     return reinit
 
 
+def classification_head(num_classes: int) -> ReinitPolicy:
+    """The re-initialisation policy of a classifier (image or text): only the head for another number of classes, i.e. a
+    tensor whose first dimension is this model's class count where the source's is another, all else equal."""
+
+    def head(key: str, own: torch.Tensor, source: torch.Tensor) -> bool:
+        return (own.dim() == source.dim() and own.shape[0] == num_classes != source.shape[0]
+                and own.shape[1:] == source.shape[1:])
+
+    return head
+
+
 def _tied_to_present(own: dict, source: dict) -> set[str]:
     """Keys of the model's state dict that share storage with another key the source has."""
     by_storage: dict = {}

@@ -21,7 +21,7 @@ from behemoth.job import config_from_dict
 from behemoth.data.images import build_index, transform_batch
 from behemoth.driver.cli import main
 from behemoth.driver.trainer import resolve_init_from, train
-from behemoth.tasks.image import ImageClassification, build_image_model, classification_head
+from behemoth.tasks.image import ImageClassification, build_image_model
 from conftest import REPO, job_dict
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("ray_local")]
@@ -129,13 +129,13 @@ def test_init_from_loads_exactly_those_weights_and_only_the_head_starts_fresh(im
     # What the worker does before the first step (worker/restore.load_init_from): every tensor is the source's.
     torch.manual_seed(0)
     same = build_image_model(cfg, classes)
-    assert weights.load_weights(same, saved, source, classification_head(len(classes))) == []
+    assert weights.load_weights(same, saved, source, weights.classification_head(len(classes))) == []
     assert all(torch.equal(t, saved[k]) for k, t in same.state_dict().items())
     # Three classes: the head's weight and bias keep their fresh initialisation, nothing else does.
     torch.manual_seed(0)
     three = build_image_model(cfg, classes[:3])
     fresh = {k: t.clone() for k, t in three.state_dict().items()}
-    reinit = weights.load_weights(three, saved, source, classification_head(3))
+    reinit = weights.load_weights(three, saved, source, weights.classification_head(3))
     assert reinit == ["classifier.1.weight", "classifier.1.bias"]
     for k, t in three.state_dict().items():
         assert torch.equal(t, fresh[k] if k in reinit else saved[k]), k

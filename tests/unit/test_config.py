@@ -68,7 +68,8 @@ def test_values_checked(tmp_path):
         load_config(write(tmp_path, "train:\n  global_batch_size: 64\nscaling:\n  num_workers: 3\n"))
     with pytest.raises(ConfigError, match="train.lr must be > 0"):
         load_config(write(tmp_path, "train:\n  lr: 0\n"))
-    with pytest.raises(ConfigError, match="model.name 'resnet19' is not a known model; did you mean 'resnet18'"):
+    with pytest.raises(ConfigError, match="data.kind image_folder cannot train model.name resnet19: it is not a known "
+                                          "model; did you mean 'resnet18'"):
         load_config(write(tmp_path, "model:\n  name: resnet19\n"))
 
 

@@ -9,7 +9,6 @@ import torch
 from behemoth import checkpoint, weights
 from behemoth.checkpoint import Snapshot, TrainState
 from behemoth.errors import CheckpointError
-from behemoth.tasks.image import classification_head
 
 
 def _checkpoint(folder, step, metrics=None, model=None):
@@ -65,11 +64,11 @@ def test_load_takes_every_tensor_but_an_allowed_head_and_names_what_does_not_fit
     fresh_head = three[1].weight.detach().clone()
     with pytest.raises(CheckpointError, match=r"other shape: 1.weight \(10, 8\) \(model: \(3, 8\)\)"):
         weights.load_weights(three, source, "src")  # no policy: another head is an error
-    assert weights.load_weights(three, source, "src", classification_head(3)) == ["1.weight", "1.bias"]
+    assert weights.load_weights(three, source, "src", weights.classification_head(3)) == ["1.weight", "1.bias"]
     assert torch.equal(three[0].weight, source["0.weight"]) and torch.equal(three[1].weight, fresh_head)
     wider = torch.nn.Sequential(torch.nn.Linear(4, 9), torch.nn.Linear(9, 10))
     with pytest.raises(CheckpointError, match=r"other shape: 0.weight \(8, 4\) \(model: \(9, 4\)\), 0.bias"):
-        weights.load_weights(wider, source, "src", classification_head(10))  # a hidden layer, not the head
+        weights.load_weights(wider, source, "src", weights.classification_head(10))  # a hidden layer, not the head
     with pytest.raises(CheckpointError, match=r"missing: 1.bias.*not in the model: extra"):
         weights.load_weights(torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 10)),
                              {**{k: v for k, v in source.items() if k != "1.bias"}, "extra": torch.zeros(1)}, "src")

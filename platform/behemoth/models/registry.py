@@ -25,9 +25,6 @@ MODELS: dict[str, str] = {
 }
 IMAGE_CLASSIFIER = "image_classifier"
 CAUSAL_LM = "causal_lm"
-# Names built by transformers' Auto classes from model.hf_config / model.pretrained, each with an example
-# model_type for the message of a config that names none.
-HF_AUTO: dict[str, str] = {IMAGE_CLASSIFIER: "vit", CAUSAL_LM: "llama"}
 # Names an earlier behemoth knew, and what replaced them.
 REMOVED = {
     "resnet_tiny_cifar": "regnet_tiny_cifar",
@@ -40,7 +37,8 @@ def is_import_path(name: str) -> bool:
 
 
 def check_name(name: str) -> None:
-    """A known name, or an import path that imports to something callable (checked without calling it)."""
+    """An import path that imports to something callable (checked without calling it); a name an earlier
+    behemoth knew names its replacement. Which names a job may use is its task's check (Task.check_model)."""
     if is_import_path(name):
         _import_builder(name)
         return
@@ -49,10 +47,6 @@ def check_name(name: str) -> None:
             f"model.name '{name}' was removed: its 3x3 CIFAR stem is not expressible by a transformers "
             f"ResNetConfig, so its exports could not load with transformers alone. Use '{REMOVED[name]}' (the "
             f"same role at CIFAR scale, a stock RegNetConfig; checkpoints of the old model do not load into it)")
-    known = [*MODELS, *HF_AUTO]
-    if name not in known:
-        raise ConfigError(f"model.name '{name}' is not a known model{did_you_mean(name, known)} "
-                          f"(known: {', '.join(known)}; or your own builder as my_package.my_module:function)")
 
 
 def build_model(name: str, num_classes: int):
@@ -60,6 +54,9 @@ def build_model(name: str, num_classes: int):
     if is_import_path(name):
         return build_user_model(name, num_classes=num_classes)
     check_name(name)
+    if name not in MODELS:
+        raise ConfigError(f"model.name '{name}' is not a registered model{did_you_mean(name, list(MODELS))} "
+                          f"(registered: {', '.join(MODELS)})")
     module, func = MODELS[name].split(":")
     return getattr(importlib.import_module(module), func)(num_classes)
 

@@ -35,7 +35,7 @@ class CausalLM(Task):
     data_config = TextData
     best = ("val_loss", "min")
     reported = {"val_loss": "min", "val_perplexity": "min", "loss": "min"}
-    model_names = (registry.CAUSAL_LM,)
+    hf_models = {registry.CAUSAL_LM: "llama"}  # any AutoModelForCausalLM
     builder_keywords = "vocab_size"
 
     @classmethod

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, ClassVar, Iterable
 
 from behemoth.config import DataConfig, JobConfig
-from behemoth.errors import ConfigError
+from behemoth.errors import ConfigError, did_you_mean
 
 if TYPE_CHECKING:
     import torch
@@ -33,8 +33,11 @@ class Task(abc.ABC):
     best: ClassVar[tuple[str, str]]
     # Metrics a sweep may optimise, with their modes. Required.
     reported: ClassVar[dict[str, str]]
-    # model.name values this task builds (besides a builder by import path, module:function, always accepted).
+    # model.name values this task builds from behemoth's own builders, and those built by a transformers Auto
+    # class from model.hf_config or model.pretrained (name -> an example model_type for the message of a
+    # config that names none). A builder by import path (module:function) is always accepted.
     model_names: ClassVar[tuple[str, ...]] = ()
+    hf_models: ClassVar[dict[str, str]] = {}
     # What a sample is, in the plural, for the message of a run that met too many it could not read.
     bad_samples_are: ClassVar[str] = "unreadable samples"
     # The keywords a user's model builder (model.name module:function) is called with, in the model card.
@@ -58,12 +61,19 @@ class Task(abc.ABC):
 
     @classmethod
     def check_model(cls, cfg: JobConfig) -> None:
-        """Refuse a model.name this task cannot train (run for in-tree tasks, before Ray starts)."""
-        name = cfg.model.name
-        if ":" not in name and name not in cls.model_names:
-            raise ConfigError(f"data.kind {cfg.data.kind} cannot train model.name {name}: it trains "
-                              f"{', '.join(cls.model_names) or 'models of its own'} (or a builder of one's own, "
-                              f"module:function)")
+        """Refuse a model.name this task cannot train, or keys its model does not take (before Ray starts)."""
+        model, known = cfg.model, [*cls.model_names, *cls.hf_models]
+        if ":" not in model.name and model.name not in known:
+            raise ConfigError(f"data.kind {cfg.data.kind} cannot train model.name {model.name}: it is not a known "
+                              f"model{did_you_mean(model.name, known)} for this task (known: {', '.join(known)}; "
+                              f"or your own builder as my_package.my_module:function)")
+        if model.name in cls.hf_models:
+            if not (model.pretrained or model.hf_config.get("model_type")):
+                raise ConfigError(f"model.name is {model.name}: set model.pretrained (a folder or hub name) or "
+                                  f"model.hf_config.model_type (e.g. {cls.hf_models[model.name]}) with its sizes")
+        elif model.pretrained or model.hf_config:
+            raise ConfigError(f"model.pretrained and model.hf_config are for {' and '.join(cls.hf_models) or 'none'} "
+                              f"of this task's models, not {model.name}")
 
     @classmethod
     def data_cpus(cls, cfg: JobConfig) -> float:

@@ -23,18 +23,7 @@ from behemoth.errors import BadSampleError, ConfigError
 from behemoth.data import image_cache
 from behemoth.data.images import ImageData, ImageIndex, build_index, cached_batches, describe_samples, rank_dataset
 from behemoth.models import registry
-from behemoth.tasks.contract import ReinitPolicy, Task
-
-
-def classification_head(num_classes: int) -> ReinitPolicy:
-    """The re-initialisation policy of classification: only the head for another number of classes, i.e. a
-    tensor whose first dimension is this model's class count where the source's is another, all else equal."""
-
-    def head(key: str, own: torch.Tensor, source: torch.Tensor) -> bool:
-        return (own.dim() == source.dim() and own.shape[0] == num_classes != source.shape[0]
-                and own.shape[1:] == source.shape[1:])
-
-    return head
+from behemoth.tasks.contract import Task
 
 
 def build_image_model(cfg: JobConfig, classes: list[str]) -> torch.nn.Module:
@@ -58,7 +47,8 @@ class ImageClassification(Task):
     data_config = ImageData
     best = ("val_accuracy", "max")
     reported = {"val_accuracy": "max", "val_loss": "min", "loss": "min"}
-    model_names = (*registry.MODELS, registry.IMAGE_CLASSIFIER)
+    model_names = tuple(registry.MODELS)
+    hf_models = {registry.IMAGE_CLASSIFIER: "vit"}  # any AutoModelForImageClassification
     bad_samples_are = "undecodable images"
     builder_keywords = "num_classes"
 
@@ -162,7 +152,7 @@ class ImageClassification(Task):
         # returns takes pixel_values as its first argument too)
         self.transformers_model = not registry.is_import_path(cfg.model.name)
         # fine-tuning with another number of classes: the head's weight and bias start fresh (weights.load_weights)
-        self.reinit_ok = classification_head(len(index.classes))
+        self.reinit_ok = weights.classification_head(len(index.classes))
         self._decoded_splits, self._decoded_lock = {}, threading.Lock()
 
     def build_model(self):
