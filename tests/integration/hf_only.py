@@ -3,6 +3,7 @@ made unimportable) and print what it computes as one JSON line.
 
     python hf_only.py images EXPORT_DIR IMAGE_FILES_JSON   -> {"labels": [...], "processor": ...}
     python hf_only.py lm EXPORT_DIR VAL_BLOCKS_NPY TEXT     -> {"val_loss", "ids", "generated"}
+    python hf_only.py text_classification EXPORT_DIR TEXTS_JSON -> {"labels": [...], "scores": [...]}
 """
 
 import json
@@ -37,5 +38,14 @@ def lm(folder: str, blocks_npy: str, text: str) -> dict:
             "generated": tokenizer.decode(out[0][prompt["input_ids"].shape[1]:], skip_special_tokens=True)}
 
 
+def text_classification(folder: str, texts_json: str) -> dict:
+    from transformers import pipeline
+
+    classify = pipeline("text-classification", model=folder)
+    got = [classify(text, truncation=True)[0] for text in json.loads(open(texts_json).read())]
+    return {"labels": [g["label"] for g in got], "scores": [g["score"] for g in got]}
+
+
 if __name__ == "__main__":
-    print(json.dumps({"images": images, "lm": lm}[sys.argv[1]](*sys.argv[2:])))
+    tasks = {"images": images, "lm": lm, "text_classification": text_classification}
+    print(json.dumps(tasks[sys.argv[1]](*sys.argv[2:])))

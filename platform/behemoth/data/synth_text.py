@@ -26,6 +26,10 @@ WEATHER = ["rain fell", "the sun was warm", "snow covered the roads", "a cold wi
 
 
 def story(rng: random.Random) -> str:
+    return " ".join(story_sentences(rng))
+
+
+def story_sentences(rng: random.Random) -> list[str]:
     a, b = rng.sample(NAMES, 2)
     place, other_place = rng.sample(PLACES, 2)
     obj, adj = rng.choice(OBJECTS), rng.choice(ADJECTIVES)
@@ -46,17 +50,54 @@ def story(rng: random.Random) -> str:
         f'"Thank you, {a}," said {b}. "I will keep the {obj} safe."',
         f"Then {b} went home and {a} went back to the {place}.",
     ]
-    return " ".join(sentences)
+    return sentences
 
 
 def write_synth_text(out: str | Path, train_documents: int = 4000, val_documents: int = 400,
                      seed: int = 0) -> dict[str, int]:
     """Write OUT/train.jsonl and OUT/val.jsonl, one {"text": story} per line. Returns documents per split."""
+    return _write_jsonl(out, {"train": train_documents, "val": val_documents},
+                        lambda split, i: {"text": story(random.Random(f"{seed}/{split}/{i}"))})
+
+
+def _write_jsonl(out: str | Path, counts: dict[str, int], row) -> dict[str, int]:
+    """OUT/<split>.jsonl with counts[split] rows, row i being row(split, i)."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    counts = {"train": train_documents, "val": val_documents}
     for split, n in counts.items():
         with open(out / f"{split}.jsonl", "w", encoding="utf-8") as f:
             for i in range(n):
-                f.write(json.dumps({"text": story(random.Random(f"{seed}/{split}/{i}"))}) + "\n")
+                f.write(json.dumps(row(split, i)) + "\n")
     return counts
+
+# The labelled corpus (text classification): each story carries its label's mood in one or two sentences among
+# the grammar's others, so a classifier must find them; the other moods' words never appear in it.
+MOODS = {
+    "joy": ["smiled", "laughed out loud", "sang a happy song", "danced in the street", "felt glad and warm"],
+    "sadness": ["cried quietly", "sighed and looked away", "felt lonely", "wiped a tear",
+                "walked slowly, head down"],
+    "anger": ["shouted at the wall", "stamped on the floor", "slammed the door", "frowned darkly", "felt furious"],
+    "fear": ["trembled", "hid behind a tree", "ran away in a panic", "felt afraid of the dark", "froze in terror"],
+}
+
+
+def labelled_story(rng: random.Random) -> tuple[str, str]:
+    """A story's opening with its main character's mood in one or two sentences among the others, and that
+    mood as its label."""
+    label = rng.choice(sorted(MOODS))
+    sentences = story_sentences(rng)[:3]  # its opening: short texts, so a mood is never cut off by truncation
+    name = sentences[0].split()[2]  # "One morning NAME went to the PLACE."
+    for _ in range(rng.randint(1, 2)):
+        sentences.insert(rng.randint(1, len(sentences)), f"{name} {rng.choice(MOODS[label])}.")
+    return " ".join(sentences), label
+
+
+def write_synth_labelled_text(out: str | Path, train_documents: int = 2000, val_documents: int = 400,
+                              seed: int = 0) -> dict[str, int]:
+    """Write OUT/train.jsonl and OUT/val.jsonl, one {"text": story, "label": mood} per line (4 moods, drawn
+    uniformly). Returns documents per split."""
+    def row(split: str, i: int) -> dict:
+        text, label = labelled_story(random.Random(f"{seed}/labelled/{split}/{i}"))
+        return {"text": text, "label": label}
+
+    return _write_jsonl(out, {"train": train_documents, "val": val_documents}, row)

@@ -115,6 +115,8 @@ def _add_data_commands(data) -> None:
 
     p = data.add_parser("synth-text", help="write a learnable demo text corpus (train.jsonl, val.jsonl)")
     p.add_argument("--out", required=True, help="output folder")
+    p.add_argument("--labelled", action="store_true", help="stories with a label each (their character's mood: 4 "
+                   "classes), for text classification: rows {text, label}")
     p.add_argument("--train-documents", type=int, default=4000, help="stories in train.jsonl")
     p.add_argument("--val-documents", type=int, default=400, help="stories in val.jsonl")
     p.add_argument("--seed", type=int, default=0, help="random seed (the same seed writes the same data)")
@@ -264,9 +266,10 @@ def _data_command(args) -> int:
                                     args.seed)
         print(f"wrote {counts['train']} train and {counts['val']} val images to {args.out}")
     elif args.data_command == "synth-text":
-        from behemoth.data.synth_text import write_synth_text
+        from behemoth.data.synth_text import write_synth_labelled_text, write_synth_text
 
-        counts = write_synth_text(args.out, args.train_documents, args.val_documents, args.seed)
+        write = write_synth_labelled_text if args.labelled else write_synth_text
+        counts = write(args.out, args.train_documents, args.val_documents, args.seed)
         print(f"wrote {counts['train']} train and {counts['val']} val documents to {args.out}/{{train,val}}.jsonl")
     elif args.data_command == "cache":
         from behemoth.driver.trainer import ensure_ray

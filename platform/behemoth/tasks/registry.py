@@ -17,6 +17,7 @@ TASKS: dict[str, str] = {
     "image_folder": "behemoth.tasks.image:ImageClassification",
     "image_parquet": "behemoth.tasks.image:ImageClassification",
     "text": "behemoth.tasks.causal_lm:CausalLM",
+    "text_classification": "behemoth.tasks.text_classification:TextClassification",
 }
 
 

@@ -1,0 +1,195 @@
+"""Text classification: labelled texts tokenised once by Ray Data; a transformers sequence classifier;
+cross-entropy; validation accuracy and loss. Exports to a folder that `pipeline("text-classification")` loads.
+
+The model: `sequence_classifier` (any transformers AutoModelForSequenceClassification, from `model.hf_config`
+for tests and demos, or `model.pretrained`: weights only, no repository code unless model.trust_remote_code),
+called as `model(input_ids=..., attention_mask=...).logits`; or a user's builder by import path, called with
+num_classes= and vocab_size= and returning a module called the same way (logits, or an output with .logits).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import ray.train.torch
+import torch
+import torch.nn.functional as F
+
+from behemoth import weights
+from behemoth.checkpoint import read_file
+from behemoth.config import JobConfig
+from behemoth.data.labelled_text import (
+    LabelledRows,
+    LabelledTextData,
+    TokenisedRows,
+    load_classification_tokenizer,
+    read_labelled,
+    tokenise,
+)
+from behemoth.errors import ConfigError
+from behemoth.models import registry
+from behemoth.tasks.contract import Task
+
+SEQUENCE_CLASSIFIER = "sequence_classifier"
+
+
+def build_classifier(cfg: JobConfig, classes: list[str], vocab_size: int, pad_id: int) -> torch.nn.Module:
+    """The job's model for these classes; a transformers model carries their names (id2label) and the pad id
+    (a decoder-only model classifies from the last token that is not padding)."""
+    if registry.is_import_path(cfg.model.name):
+        return registry.build_user_model(cfg.model.name, num_classes=len(classes), vocab_size=vocab_size)
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+
+    labels = {"num_labels": len(classes), "id2label": dict(enumerate(classes)),
+              "label2id": {name: i for i, name in enumerate(classes)}}
+    overrides = dict(cfg.model.hf_config)
+    if cfg.model.pretrained:
+        overrides.pop("model_type", None)
+        # a head for another number of labels starts fresh (transformers says which tensors it re-initialised)
+        model = AutoModelForSequenceClassification.from_pretrained(
+            cfg.model.pretrained, trust_remote_code=cfg.model.trust_remote_code, ignore_mismatched_sizes=True,
+            **labels, **overrides)
+    else:
+        model_type = overrides.pop("model_type")
+        overrides.setdefault("vocab_size", vocab_size)
+        overrides.setdefault("pad_token_id", pad_id)
+        try:
+            config = AutoConfig.for_model(model_type, **overrides, **labels)
+        except ValueError as e:  # unknown model_type
+            raise ConfigError(f"model.hf_config: {e}") from None
+        model = AutoModelForSequenceClassification.from_config(config)
+    if model.config.pad_token_id is None:
+        model.config.pad_token_id = pad_id
+    where = cfg.model.pretrained or f"model.hf_config ({model.config.model_type})"
+    if model.config.vocab_size < vocab_size:
+        raise ConfigError(f"{where}: vocab_size {model.config.vocab_size} is smaller than the tokenizer's "
+                          f"{vocab_size} tokens: use the model's own tokenizer, or a larger "
+                          f"model.hf_config.vocab_size")
+    positions = getattr(model.config, "max_position_embeddings", None)
+    if positions is not None and positions < cfg.data.max_length:
+        raise ConfigError(f"{where}: max_position_embeddings {positions} < data.max_length {cfg.data.max_length}: "
+                          f"lower data.max_length or raise model.hf_config.max_position_embeddings")
+    return model
+
+
+class TextClassification(Task):
+    # --- driver side ------------------------------------------------------------------------------------
+    data_config = LabelledTextData
+    best = ("val_accuracy", "max")
+    reported = {"val_accuracy": "max", "val_loss": "min", "loss": "min"}
+    hf_models = {SEQUENCE_CLASSIFIER: "bert"}  # any AutoModelForSequenceClassification
+    builder_keywords = "num_classes and vocab_size"
+
+    @classmethod
+    def check(cls, cfg: JobConfig) -> LabelledRows:
+        """Every row read and checked, the tokenizer loaded; a user's builder called once on the meta device."""
+        rows = read_labelled(cfg.data)
+        tok = load_classification_tokenizer(cfg.data.tokenizer)
+        if registry.is_import_path(cfg.model.name):
+            registry.check_user_model(cfg.model.name, num_classes=len(rows.classes), vocab_size=len(tok))
+        return rows
+
+    @classmethod
+    def prepare(cls, cfg: JobConfig, rows: LabelledRows) -> TokenisedRows:
+        return tokenise(cfg.data, rows)
+
+    @classmethod
+    def describe(cls, cfg: JobConfig, rows: LabelledRows) -> str:
+        return (f"{len(rows.texts['train'])} train / {len(rows.texts['val'])} val texts, {len(rows.classes)} "
+                f"classes ({', '.join(rows.classes[:8])}{', ...' if len(rows.classes) > 8 else ''})")
+
+    @staticmethod
+    def summary_lines(m: dict) -> list[str]:
+        if "val_accuracy" not in m:
+            return []
+        return [f"final val_acc:     {m['val_accuracy']:.4f} (val_loss {m['val_loss']:.4f}, "
+                f"{m['val_samples']} texts)"]
+
+    @staticmethod
+    def progress_fields(m: dict) -> list[str]:
+        return [f"val_loss {m['val_loss']:.4f}", f"val_acc {m['val_accuracy']:.4f}"] if "val_accuracy" in m else []
+
+    @classmethod
+    def model_from_checkpoint(cls, cfg: JobConfig, ckpt: str) -> torch.nn.Module:
+        """The model a checkpoint holds, built as the workers built it (classes from its labels.json)."""
+        classes = json.loads(read_file(f"{ckpt}/labels.json"))
+        tok = load_classification_tokenizer(cfg.data.tokenizer)
+        model = build_classifier(cfg, classes, len(tok), tok.pad_token_id)
+        weights.load_weights(model, weights.read_state_dict(ckpt), ckpt)
+        return model
+
+    @classmethod
+    def save_for_transformers(cls, cfg: JobConfig, out: Path) -> None:
+        """The run's tokenizer, with the pad token and the length the run truncated to."""
+        tok = load_classification_tokenizer(cfg.data.tokenizer)
+        tok.model_max_length = cfg.data.max_length
+        tok.save_pretrained(out)
+
+    @classmethod
+    def load_snippet(cls, cfg: JobConfig) -> str:
+        return ("from transformers import pipeline\nclassify = pipeline('text-classification', model=FOLDER)\n"
+                "classify('some text', truncation=True)")
+
+    # --- worker side ------------------------------------------------------------------------------------
+    eval_sum_names = ("loss", "correct", "samples")
+    eval_batches_repeat = True  # a gather from arrays every worker holds: kept on the device after the first
+
+    def __init__(self, cfg: JobConfig, rows: TokenisedRows):
+        super().__init__(cfg, rows)
+        self.rows = rows
+        self.num_train_samples, self.num_val_samples = len(rows.labels["train"]), len(rows.labels["val"])
+        self.transformers_model = not registry.is_import_path(cfg.model.name)
+        # fine-tuning for other classes: a head whose first dimension is this task's class count starts fresh
+        self.reinit_ok = weights.classification_head(len(rows.classes))
+
+    def build_model(self):
+        return build_classifier(self.cfg, self.rows.classes, self.rows.vocab_size, self.rows.pad_id)
+
+    def train_batches(self, indices, epoch: int, batch_size: int):
+        return self._batches("train", indices, batch_size)
+
+    def eval_batches(self, indices, batch_size: int, split: str = "val"):
+        return self._batches(split, indices, batch_size)
+
+    def _batches(self, split: str, indices, batch_size: int):
+        device = ray.train.torch.get_device()
+        rows = self.rows
+        for start in range(0, len(indices), batch_size):
+            ids = np.asarray(indices[start:start + batch_size], dtype=np.int64)
+            yield {"input_ids": torch.from_numpy(rows.ids[split][ids].astype(np.int64)).to(device),
+                   "attention_mask": torch.from_numpy(rows.mask[split][ids].astype(np.int64)).to(device),
+                   "label": torch.from_numpy(rows.labels[split][ids]).to(device),
+                   "sample_id": torch.from_numpy(ids)}
+
+    def example_batch(self, batch_size: int):
+        device, length = ray.train.torch.get_device(), self.cfg.data.max_length
+        return {"input_ids": torch.zeros(batch_size, length, dtype=torch.long, device=device),
+                "attention_mask": torch.ones(batch_size, length, dtype=torch.long, device=device),
+                "label": torch.zeros(batch_size, dtype=torch.long, device=device)}
+
+    def logits(self, model, batch: dict) -> torch.Tensor:
+        out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+        return out.logits if hasattr(out, "logits") else out
+
+    def loss(self, model, batch):
+        labels = batch["label"]
+        loss = F.cross_entropy(self.logits(model, batch).float(), labels)
+        return loss, torch.tensor(float(len(labels)), device=labels.device)
+
+    def eval_sums(self, model, batch):
+        logits, labels = self.logits(model, batch).float(), batch["label"]
+        return {"loss": F.cross_entropy(logits, labels, reduction="sum"),
+                "correct": (logits.argmax(dim=1) == labels).sum(), "samples": len(labels)}
+
+    def eval_metrics(self, sums):
+        n = max(sums["samples"], 1.0)
+        return {"val_loss": sums["loss"] / n, "val_accuracy": sums["correct"] / n, "val_samples": int(n)}
+
+    def describe_samples(self, sample_ids):
+        return [self.rows.describe("train", int(i)) for i in sample_ids]
+
+    def checkpoint_files(self):
+        return {"labels.json": json.dumps(self.rows.classes)}  # class index -> name, read back by export
+

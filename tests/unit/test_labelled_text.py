@@ -1,0 +1,105 @@
+"""Text classification's data, without Ray: the same rows and classes from JSONL, CSV, parquet and a saved
+Hugging Face dataset; every bad input one error naming the file, row or key; the job's checks."""
+
+import json
+
+import pyarrow as pa
+import pyarrow.csv
+import pyarrow.parquet
+import pytest
+from behemoth.data.labelled_text import LabelledTextData, load_classification_tokenizer, read_labelled
+from behemoth.errors import ConfigError, DataError
+from behemoth.job import config_from_dict
+
+ROWS = [{"text": "a happy day", "label": "joy"}, {"text": "a sad day", "label": "sadness"},
+        {"text": "so happy", "label": "joy"}]
+VAL = [{"text": "sad again", "label": "sadness"}]
+
+
+def write(folder, name, rows):
+    path = folder / name
+    table = pa.Table.from_pylist(rows)
+    if name.endswith(".jsonl"):
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    elif name.endswith(".csv"):
+        pyarrow.csv.write_csv(table, path)
+    else:
+        pyarrow.parquet.write_table(table, path)
+    return str(path)
+
+
+def data(train, val, **kw):
+    return LabelledTextData(kind="text_classification", train_files=[train], val_files=[val], tokenizer="t", **kw)
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".csv", ".parquet"])
+def test_every_format_gives_the_same_rows_and_classes(tmp_path, suffix):
+    rows = read_labelled(data(write(tmp_path, f"train{suffix}", ROWS), write(tmp_path, f"val{suffix}", VAL)))
+    assert rows.texts["train"] == [r["text"] for r in ROWS] and rows.labels["val"] == ["sadness"]
+    assert rows.classes == ["joy", "sadness"]
+    assert rows.origins["train"] == [(str(tmp_path / f"train{suffix}"), 3)]
+
+
+def test_a_saved_hugging_face_dataset_reads_like_the_files(tmp_path):
+    import datasets
+
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(ROWS),
+                          "validation": datasets.Dataset.from_list(VAL)}).save_to_disk(tmp_path / "ds")
+    cfg = LabelledTextData(kind="text_classification", hf_dataset=str(tmp_path / "ds"), tokenizer="t")
+    rows = read_labelled(cfg)
+    assert rows.texts["train"] == [r["text"] for r in ROWS] and rows.classes == ["joy", "sadness"]
+    with pytest.raises(DataError, match="has no split 'dev'"):
+        read_labelled(LabelledTextData(kind="text_classification", hf_dataset=str(tmp_path / "ds"), tokenizer="t",
+                                       val_split="dev"))
+
+
+def test_integer_labels_are_names_sorted_as_numbers(tmp_path):
+    train = [{"text": f"t{i}", "label": label} for i, label in enumerate([10, 2, 2, 1])]
+    val = write(tmp_path, "b.jsonl", [{"text": "x", "label": 1}])
+    rows = read_labelled(data(write(tmp_path, "a.jsonl", train), val))
+    assert rows.classes == ["1", "2", "10"] and rows.labels["val"] == ["1"]
+
+
+def test_bad_rows_are_named_by_file_and_row(tmp_path):
+    val = write(tmp_path, "val.jsonl", VAL)
+    with pytest.raises(DataError, match=r"train.jsonl has no column 'txt' \(data.text_column\)"):
+        read_labelled(data(write(tmp_path, "train.jsonl", ROWS), val, text_column="txt"))
+    empty = [*ROWS, {"text": "  ", "label": "joy"}]
+    with pytest.raises(DataError, match=r"empty.jsonl row 3: 'text' is empty"):
+        read_labelled(data(write(tmp_path, "empty.jsonl", empty), val))
+    unknown = write(tmp_path, "unknown.jsonl", [*VAL, {"text": "grr", "label": "anger"}])
+    with pytest.raises(DataError, match=r"unknown.jsonl row 1: label 'anger' is not among the training rows' labels"):
+        read_labelled(data(write(tmp_path, "train.jsonl", ROWS), unknown))
+    one = write(tmp_path, "one.jsonl", [r for r in ROWS if r["label"] == "joy"])
+    with pytest.raises(DataError, match=r"1 label\(s\) \(\['joy'\]\): a classifier needs 2 or more"):
+        read_labelled(data(one, write(tmp_path, "v.jsonl", [{"text": "x", "label": "joy"}])))
+    (tmp_path / "notes.txt").write_text("a happy day\n")
+    with pytest.raises(DataError, match=r"notes.txt: a text-classification file is .jsonl, .json, .csv or .parquet"):
+        read_labelled(data(str(tmp_path / "notes.txt"), val))
+
+
+def test_the_job_checks_its_keys_and_model(tmp_path):
+    base = {"data": {"kind": "text_classification", "train_files": ["a.jsonl"], "val_files": ["b.jsonl"],
+                     "tokenizer": "tok"},
+            "model": {"name": "sequence_classifier", "hf_config": {"model_type": "bert"}}}
+    cfg = config_from_dict(base)
+    assert type(cfg.data) is LabelledTextData and cfg.data.max_length == 128
+    with pytest.raises(ConfigError, match="unknown key 'data.seq_len' for data.kind text_classification"):
+        config_from_dict({**base, "data": {**base["data"], "seq_len": 8}})
+    with pytest.raises(ConfigError, match="data: no validation rows: set data.val_files"):
+        config_from_dict({**base, "data": {**base["data"], "val_files": []}})
+    with pytest.raises(ConfigError, match="data.kind text_classification cannot train model.name regnet_cifar"):
+        config_from_dict({**base, "model": {"name": "regnet_cifar"}})
+    with pytest.raises(ConfigError, match=r"model.hf_config.model_type \(e.g. bert\)"):
+        config_from_dict({**base, "model": {"name": "sequence_classifier"}})
+
+
+def test_a_tokenizer_without_a_pad_token_pads_with_its_eos(tmp_path):
+    from behemoth.data.tokenizer import train_tokenizer
+
+    (tmp_path / "c.jsonl").write_text("".join(json.dumps(r) + "\n" for r in ROWS * 20))
+    train_tokenizer([str(tmp_path / "c.jsonl")], tmp_path / "tok", vocab_size=300)
+    tok = load_classification_tokenizer(str(tmp_path / "tok"))
+    assert tok.pad_token == tok.eos_token == "<|endoftext|>" and tok.padding_side == "right"
+    enc = tok(["a happy day"], truncation=True, max_length=8, padding="max_length")
+    assert len(enc["input_ids"][0]) == 8 and enc["attention_mask"][0][-1] == 0
