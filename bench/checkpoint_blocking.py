@@ -67,7 +67,7 @@ def main() -> None:
 
     from behemoth.job import config_from_dict
     from behemoth.data.text import prepare_text
-    from behemoth.driver.trainer import ensure_ray
+    from behemoth.driver.ray_session import ensure_ray
 
     storage = Path(tempfile.mkdtemp(prefix="bench-p4-"))
     corpus = lm_corpus()

@@ -23,8 +23,8 @@ from ingest_vs_dataloader import behemoth_job
 from vs_ray_train import run_behemoth
 
 # `python -c` with behemoth's command line after it, the warm-up replaced by a no-op
-WITHOUT = ("-c", "import sys; from behemoth.driver import trainer, cli; "
-                 "trainer.warm_up_data_processes = lambda cfg: []; sys.exit(cli.main(sys.argv[1:]))")
+WITHOUT = ("-c", "import sys; from behemoth.driver import ray_session, cli; "
+                 "ray_session.warm_up_data_processes = lambda cfg, data: []; sys.exit(cli.main(sys.argv[1:]))")
 
 
 def first_step(pairs: int) -> None:
@@ -45,14 +45,14 @@ def first_step(pairs: int) -> None:
 
 def steady(runs: int) -> None:
     from behemoth.job import config_from_dict
-    from behemoth.driver import trainer
+    from behemoth.driver import ray_session, trainer
 
-    warm_up = trainer.warm_up_data_processes
+    warm_up = ray_session.warm_up_data_processes
     meter, seen = MachineCpu(), {"on": [], "off": []}
     storage = Path(tempfile.mkdtemp(prefix="bench-warmup-"))
     for i in range(runs):
         mode = "on" if i % 2 else "off"
-        trainer.warm_up_data_processes = warm_up if mode == "on" else (lambda cfg: [])
+        ray_session.warm_up_data_processes = warm_up if mode == "on" else (lambda cfg, data: [])
         summary = trainer.train(config_from_dict(behemoth_job(REPO / "data" / "demo_images", storage, f"r{i}",
                                                               64, 60, 10)))
         reports = [m for m in read_metrics(Path(summary.run_dir)) if "samples_per_s" in m]

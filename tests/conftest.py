@@ -74,7 +74,7 @@ def stop_local_ray() -> None:
 def ray_local():
     """The shared local Ray instance (see _LOCAL_RAY), started if this module needs a new one."""
     import ray
-    from behemoth.driver.trainer import LOCAL_RAY_SYSTEM_CONFIG
+    from behemoth.driver.ray_session import LOCAL_RAY_SYSTEM_CONFIG
 
     env = {k: os.environ.get(k) for k in _INHERITED}
     if _LOCAL_RAY["env"] != env or not ray.is_initialized():

@@ -128,12 +128,12 @@ def test_a_killed_worker_costs_only_the_steps_since_the_checkpoint_and_resumes_e
         straight, labelled, tmp_path, monkeypatch):
     """Rank 0 SIGKILLed after step 45: Ray Train restarts the group from checkpoint 40 and the run ends on the
     uninterrupted run's weights, bit for bit (the same samples in the same order from step 41 on)."""
-    from behemoth.driver import trainer
+    from behemoth.driver import ray_session
     from behemoth.faults import KILL_AT_STEP_ENV
 
     marker = tmp_path / "killed.json"
-    env = trainer.worker_env_vars
-    monkeypatch.setattr(trainer, "worker_env_vars", lambda: {**env(), KILL_AT_STEP_ENV: f"killed:{KILLED_AFTER}:{marker}"})
+    env = ray_session.worker_env_vars
+    monkeypatch.setattr(ray_session, "worker_env_vars", lambda: {**env(), KILL_AT_STEP_ENV: f"killed:{KILLED_AFTER}:{marker}"})
     resumed = train(config_from_dict(job(labelled, tmp_path, "killed")))
     assert marker.exists() and resumed.resumed_from_step == 40 and resumed.metrics["step"] == STEPS
     a, b = read_state_dict(resumed.latest_checkpoint), read_state_dict(straight[1].latest_checkpoint)

@@ -18,7 +18,8 @@ import torch
 from behemoth.job import config_from_dict
 from behemoth.data import text
 from behemoth.data.token_store import ShardWriter, TokenShards
-from behemoth.driver.trainer import LOCAL_RAY_SYSTEM_CONFIG, train
+from behemoth.driver.ray_session import LOCAL_RAY_SYSTEM_CONFIG
+from behemoth.driver.trainer import train
 from conftest import REPO, lm_job_dict, stop_local_ray
 
 pytestmark = pytest.mark.integration

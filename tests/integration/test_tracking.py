@@ -10,7 +10,7 @@ import os
 import time
 
 import pytest
-from behemoth.driver import trainer
+from behemoth.driver import ray_session
 from behemoth.driver.trainer import train
 from behemoth.faults import KILL_AT_STEP_ENV
 from behemoth.job import config_from_dict
@@ -30,8 +30,8 @@ def test_tracking_and_goodput_of_a_run_with_a_killed_worker(ray_local, image_roo
         checkpoint={"every_n_steps": 20}, eval={"per_epoch": False, "every_n_steps": 12},
         failure={"max_failures": 1}, tracking={"report": True, "mlflow": {"uri": mlflow_uri, "experiment": "tests"}}))
     run, marker = tmp_path / "watched", tmp_path / "killed.json"
-    env = trainer.worker_env_vars
-    monkeypatch.setattr(trainer, "worker_env_vars", lambda: {**env(), KILL_AT_STEP_ENV: f"watched:{KILLED_AFTER}:{marker}"})
+    env = ray_session.worker_env_vars
+    monkeypatch.setattr(ray_session, "worker_env_vars", lambda: {**env(), KILL_AT_STEP_ENV: f"watched:{KILLED_AFTER}:{marker}"})
     started = time.time()
     summary = train(cfg)
     wall = time.time() - started

@@ -130,12 +130,12 @@ def test_a_full_disk_fails_the_checkpoint_cleanly_and_a_rerun_resumes(image_root
     step 3 and ends."""
     from behemoth.faults import DISK_FULL_ENV
     from behemoth.checkpoint import checkpoint_folders, complete_checkpoints, verify
-    from behemoth.driver import trainer
+    from behemoth.driver import ray_session, trainer
 
     tmp = tmp_path / "worker-tmp"
     tmp.mkdir()
-    env = trainer.worker_env_vars
-    monkeypatch.setattr(trainer, "worker_env_vars", lambda: {**env(), DISK_FULL_ENV: "full:6", "TMPDIR": str(tmp)})
+    env = ray_session.worker_env_vars
+    monkeypatch.setattr(ray_session, "worker_env_vars", lambda: {**env(), DISK_FULL_ENV: "full:6", "TMPDIR": str(tmp)})
     cfg = tmp_path / "job.yaml"
     cfg.write_text(yaml.safe_dump(job_dict(image_root, tmp_path / "runs", "full", train={"epochs": 2},
                                            failure={"max_failures": 2})))
@@ -154,7 +154,7 @@ def test_a_full_disk_fails_the_checkpoint_cleanly_and_a_rerun_resumes(image_root
     verify(kept[0][1])
     assert not list(tmp.rglob("*.pt")), list(tmp.rglob("*"))
 
-    monkeypatch.setattr(trainer, "worker_env_vars", env)  # space again
+    monkeypatch.setattr(ray_session, "worker_env_vars", env)  # space again
     summary = trainer.train(config_from_dict(yaml.safe_load(cfg.read_text())))
     assert summary.resumed_from_step == 3 and summary.metrics["step"] == 12
 
@@ -278,8 +278,8 @@ def test_the_data_processes_the_driver_starts_are_the_ones_the_workers_tasks_run
     sets PYTHONPATH: measured on the demo instead, BENCHMARKS.md.)"""
     import json
 
-    from behemoth.driver.trainer import (build_trainer, prepare_data, training_worker_runtime_env,
-                                         warm_up_data_processes)
+    from behemoth.driver.ray_session import training_worker_runtime_env, warm_up_data_processes
+    from behemoth.driver.trainer import build_trainer, prepare_data
     from integration.warm_probe import where_tasks_run
 
     # a variable Ray Train propagates, with a value of this test only: no idle process of an earlier test fits

@@ -197,7 +197,7 @@ def test_sharded_checkpoints_survive_a_kill_and_resume_on_fewer_workers(text_cor
     2.2e-8 on AMD EPYC: one worker sums its 16 samples' gradients in one pass where two workers all-reduce two
     halves, so the float rounding differs; the sample order and the update do not), read whole from the shards;
     `behemoth export` of the sharded checkpoint loads with transformers with those weights."""
-    from behemoth.driver import trainer
+    from behemoth.driver import ray_session
     from behemoth.faults import FAULT_ENV
 
     def job(name, workers):
@@ -207,8 +207,8 @@ def test_sharded_checkpoints_survive_a_kill_and_resume_on_fewer_workers(text_cor
 
     straight = train(config_from_dict(job("straight", 2)))
     marker = tmp_path / "killed"
-    env = trainer.worker_env_vars
-    monkeypatch.setattr(trainer, "worker_env_vars", lambda: {**env(), FAULT_ENV: f"resharded:12:{marker}"})
+    env = ray_session.worker_env_vars
+    monkeypatch.setattr(ray_session, "worker_env_vars", lambda: {**env(), FAULT_ENV: f"resharded:12:{marker}"})
     with pytest.raises(RunFailedError):
         train(config_from_dict(job("resharded", 2)))
     assert marker.exists()
@@ -227,7 +227,7 @@ def test_sharded_checkpoints_survive_a_kill_and_resume_on_fewer_workers(text_cor
     data[len(data) // 2] ^= 0xFF
     shard.write_bytes(bytes(data))
 
-    monkeypatch.setattr(trainer, "worker_env_vars", env)
+    monkeypatch.setattr(ray_session, "worker_env_vars", env)
     capfd.readouterr()
     resumed = train(config_from_dict(job("resharded", 1)))
     out = capfd.readouterr()
@@ -256,13 +256,13 @@ def test_powersgd_through_ray_train_restores_exactly(text_corpus, tmp_path, monk
     Train restarts the group, which removes the partial upload, restores checkpoint 4 and redoes steps 5-8
     and beyond. Every redone step's loss on every rank equals, bit for bit, what the first group computed:
     from step 6 on that holds only if the PowerSGD state was restored exactly (step 5's update used it)."""
-    from behemoth.driver import trainer
+    from behemoth.driver import ray_session
     from behemoth.faults import FAULT_ENV
     from integration.ledger_audit import read_ledger
 
     marker = tmp_path / "killed"
-    env = trainer.worker_env_vars
-    monkeypatch.setattr(trainer, "worker_env_vars", lambda: {**env(), FAULT_ENV: f"powersgd:8:{marker}"})
+    env = ray_session.worker_env_vars
+    monkeypatch.setattr(ray_session, "worker_env_vars", lambda: {**env(), FAULT_ENV: f"powersgd:8:{marker}"})
     ledger = tmp_path / "ledger"
     cfg = config_from_dict(lm_job_dict(
         text_corpus, tmp_path, run_name="powersgd",
@@ -308,7 +308,7 @@ def test_a_local_ray_runs_its_workers_at_normal_priority():
 
     code = """if True:
         import os, time, ray
-        from behemoth.driver import trainer
+        from behemoth.driver import ray_session
 
         def processes():  # (pid, parent, title) of every process
             for pid in filter(str.isdigit, os.listdir("/proc")):
@@ -318,12 +318,12 @@ def test_a_local_ray_runs_its_workers_at_normal_priority():
                 except OSError:  # gone meanwhile
                     pass
 
-        trainer.ensure_ray()
+        ray_session.ensure_ray()
         time.sleep(3)  # Ray prestarts its workers once the driver has connected
         ours = {pid for pid, parent, _ in processes() if parent == os.getpid()}  # this instance's raylet, GCS...
         print("idle", sum("ray::IDLE" in title for _, parent, title in processes() if parent in ours))
         print("job env", sorted(ray.get_runtime_context().runtime_env["env_vars"]))
-        trainer.set_ray_train_env()
+        ray_session.set_ray_train_env()
         print("watcher", os.environ["RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"])
         print("niceness", ray.get(ray.remote(lambda: os.nice(0)).remote()))
     """

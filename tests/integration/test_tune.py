@@ -63,7 +63,7 @@ def ray_with_dashboard():
 
     from conftest import _SESSION_DIR
 
-    from behemoth.driver.trainer import LOCAL_RAY_SYSTEM_CONFIG
+    from behemoth.driver.ray_session import LOCAL_RAY_SYSTEM_CONFIG
 
     stop_local_ray()  # the other modules' shared instance (conftest.py)
     ray.init(num_cpus=2, include_dashboard=True, logging_level="warning", _system_config=LOCAL_RAY_SYSTEM_CONFIG,

@@ -38,7 +38,7 @@ def test_check_prints_config_and_data_summary(image_root, tmp_path, capsys):
 def test_auth_token_file_is_made_owner_only(tmp_path, monkeypatch):
     import stat
 
-    from behemoth.driver.trainer import tighten_token_file
+    from behemoth.driver.ray_session import tighten_token_file
 
     token = tmp_path / "auth_token"
     token.write_text("x" * 64)

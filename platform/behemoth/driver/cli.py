@@ -272,7 +272,7 @@ def _data_command(args) -> int:
         counts = write(args.out, args.train_documents, args.val_documents, args.seed)
         print(f"wrote {counts['train']} train and {counts['val']} val documents to {args.out}/{{train,val}}.jsonl")
     elif args.data_command == "cache":
-        from behemoth.driver.trainer import ensure_ray
+        from behemoth.driver.ray_session import ensure_ray
         from behemoth.tasks import task_of
 
         cfg = load_config(args.config, args.overrides)

@@ -31,7 +31,8 @@ def evaluate_checkpoint(cfg: JobConfig, checkpoint: str, split: str = "val", whi
     from ray.train.torch import TorchTrainer
     import ray
 
-    from behemoth.driver.trainer import ensure_ray, worker_env_vars, worker_resources
+    from behemoth.driver.ray_session import ensure_ray, worker_env_vars
+    from behemoth.driver.trainer import worker_resources
     from behemoth.worker.evaluate import evaluate_checkpoint_per_worker
 
     task = task_of(cfg)

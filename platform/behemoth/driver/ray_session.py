@@ -1,0 +1,167 @@
+"""Driver side: the Ray instance a run uses, and what behemoth sets on it. Connect to the cluster RAY_ADDRESS
+names (as under `ray job submit`), or start a local instance tuned for a machine whose workers are the workload;
+the environment every training worker starts with; Ray Train's settings behemoth chooses; the data processes
+started ahead on a local instance; and Ray's shutdown when behemoth started it.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from behemoth.config import JobConfig
+from behemoth.tasks import task_of
+
+_RAY_STARTED_HERE = False  # ensure_ray called ray.init in this process (not the caller)
+
+
+def ensure_ray() -> None:
+    """Connect to the cluster named by RAY_ADDRESS (as under `ray job submit`), or start a local one.
+
+    On an existing cluster the nodes may not have behemoth installed: the package travels with the job as a
+    runtime_env `py_modules` entry (uploaded once, cached per node). A local instance shares this process's
+    environment and needs nothing.
+    """
+    import ray
+
+    from behemoth.driver import ray_console
+
+    if ray.is_initialized():
+        ray_console.install()
+        return
+    if os.environ.get("RAY_ADDRESS"):
+        package = str(Path(__file__).resolve().parents[1])  # platform/behemoth
+        options = {"runtime_env": {"py_modules": [package]}}
+    else:
+        # behemoth's worker variables for the whole job, not only Ray Train's workers: see warm_up_data_processes
+        options = {"_system_config": LOCAL_RAY_SYSTEM_CONFIG, "runtime_env": {"env_vars": worker_env_vars()}}
+        ray_console.quiet_token_auth_notice()
+    ray.init(logging_level="warning", log_to_driver=True, **options)
+    global _RAY_STARTED_HERE
+    _RAY_STARTED_HERE = True
+    ray_console.install()
+    tighten_token_file()
+
+
+# Ray starts its worker processes at niceness 15, below its own daemons (raylet, GCS, dashboard agent) and the
+# driver, so that the control plane stays responsive on nodes that tasks saturate. On a local instance the
+# training workers (and their decode tasks) are the workload: at niceness 15 they yield the CPU to every
+# daemon wake-up, and on 2 cores the image pipeline trained ~25% slower (P2 in BENCHMARKS.md: 138-163
+# images/s at 15, 194-202 at 0). A cluster started with `ray start` keeps Ray's default.
+#
+# Ray also kills a task worker process after 1 s idle once the node has more worker processes than CPUs, which
+# a node running training workers always has. Each epoch's decode tasks finish early in the epoch (training is
+# the slow side), so their processes were killed mid-epoch and new ones started for the next epoch: two new
+# processes per epoch in the demo (seen in `ps`), each importing Ray, Ray Data and the decode code again,
+# seconds of CPU taken from training on every epoch. Kept idle for a minute, they serve the next epoch.
+#
+# Ray also starts one idle worker process per CPU when the driver connects, for tasks in the driver's runtime
+# environment. behemoth's processes all run in another (Ray Train's controller and workers, and every task a
+# worker submits, carry Ray Train's environment variables), so those processes were never used: each imported
+# Ray at the moment Ray Train's own processes start, on the same cores (2 x ~1 s of CPU here; seen in `ps`:
+# two `ray::IDLE` from the start to the end of the demo). The processes behemoth does use are started ahead
+# on purpose (driver/warmup.py).
+LOCAL_RAY_SYSTEM_CONFIG = {"worker_niceness": 0, "idle_worker_killing_time_threshold_ms": 60_000,
+                           "prestart_worker_first_driver": False}
+
+
+# Exact resume needs the same float results for the same values, wherever they sit in memory. Intel MKL (torch's
+# BLAS on x86 CPUs) does not promise that by default: it may take another code path for an operand at another
+# alignment. Seen on AMD EPYC (AVX2): a [64 x 48] @ [48 x 1] matmul gave different bits at 12 of 16 float offsets
+# (tests/unit/test_determinism.py). It matters where operands are views at arbitrary offsets, as PowerSGD's
+# matrices are views into DDP's flat gradient buckets, whose layout differs between a restored run (DDP's initial
+# buckets) and the run it continues (buckets rebuilt after step 1): the restored run differed by 1.5e-8.
+# MKL's conditional numerical reproducibility in STRICT mode removes the dependence on alignment and keeps the
+# best instruction set (no measurable cost on the demo models). A value the user sets wins.
+REPRODUCIBLE_BLAS_ENV = {"MKL_CBWR": "AUTO,STRICT"}
+
+
+# Ray Train replaces print() in its workers with a version that logs the line and, because Ray's worker wraps
+# sys.stdout, prints it as well: a user's print() in their own model, loss or task showed twice on the console.
+# Off, print() is Python's again (one line, forwarded by Ray like any worker output). A value the user sets wins.
+PRINT_PATCH_ENV = {"RAY_TRAIN_ENABLE_PRINT_PATCH": "0"}
+
+
+def worker_env_vars() -> dict:
+    """Environment variables every training worker starts with (read by libraries when they initialise)."""
+    return {key: os.environ.get(key, value) for key, value in {**REPRODUCIBLE_BLAS_ENV, **PRINT_PATCH_ENV}.items()}
+
+
+def tighten_token_file() -> str | None:
+    """Ray 2.60 writes the token it generates for a new local cluster as 0644; only its owner may read it."""
+    path = os.environ.get("RAY_AUTH_TOKEN_PATH") or os.path.expanduser("~/.ray/auth_token")
+    if os.path.isfile(path) and os.stat(path).st_mode & 0o077:
+        os.chmod(path, 0o600)
+        return path
+    return None
+
+
+# Ray Train's controller collects the workers' reports when it polls them, every RAY_TRAIN_HEALTH_CHECK_INTERVAL_S
+# (2 s by default), and a worker holds at most one uncollected report: a run that reports (or checkpoints) more
+# often than every 2 s waits up to 2 s at each report. Polling every 0.2 s costs the controller a few small
+# actor calls per second. The driver's value reaches the controller (Ray propagates RAY_TRAIN_* variables);
+# a value the user sets wins.
+REPORT_POLL_ENV, REPORT_POLL_S = "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.2"
+
+# Ray Train starts a preemption watcher per worker group (an actor process that polls Ray for nodes being
+# drained: a cloud's spot instances; Ray Train then waits out the drain and restarts the group, charging a
+# separate retry budget). The local instance behemoth starts is one machine whose loss ends the run anyway:
+# there the watcher was only one more process importing Ray while the first epoch's pipeline starts, and it is
+# off. Anywhere else (`ray job submit`, or a caller's own ray.init, which may reach a cluster that adds spot
+# nodes later) it stays on. A value the user sets wins.
+PREEMPTION_WATCHER_ENV = "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"
+
+
+def set_ray_train_env() -> None:
+    """The driver's RAY_TRAIN_* settings (Ray Train propagates them to its controller and workers)."""
+    os.environ.setdefault(REPORT_POLL_ENV, REPORT_POLL_S)
+    if _RAY_STARTED_HERE and not os.environ.get("RAY_ADDRESS"):
+        os.environ.setdefault(PREEMPTION_WATCHER_ENV, "0")
+
+
+def training_worker_runtime_env() -> dict:
+    """The runtime environment Ray Train gives the training workers, and so every task they submit (Ray Data's
+    decode tasks): the RAY_TRAIN_* variables it propagates from the driver, the one its controller adds (a
+    child inherits its parent's variables) and behemoth's (worker_env_vars). Mirrors Ray Train 2.60
+    (DataParallelTrainer._initialize_and_run_controller, WorkerGroup._get_worker_runtime_env), called after
+    build_trainer has set the driver's variables; a test compares it with a real worker's."""
+    from ray._common.constants import RAY_WARN_BLOCKING_GET_INSIDE_ASYNC_ENV_VAR
+    from ray.train.v2._internal.constants import (DEFAULT_RAY_WARN_BLOCKING_GET_INSIDE_ASYNC_VALUE,
+                                                  get_env_vars_to_propagate)
+
+    env = {RAY_WARN_BLOCKING_GET_INSIDE_ASYNC_ENV_VAR: DEFAULT_RAY_WARN_BLOCKING_GET_INSIDE_ASYNC_VALUE,
+           **get_env_vars_to_propagate()}
+    return {"env_vars": {**env, **worker_env_vars()}}
+
+
+def warm_up_data_processes(cfg: JobConfig, data) -> list:
+    """On a local instance, start the processes the task's data pipeline will run in (driver/warmup.py) while
+    Ray Train starts; nothing on a cluster (RAY_ADDRESS, or more than one node), where they may land on any
+    node, or for a task whose `data_modules` for this data are none. Returns the warm-up tasks' refs.
+
+    Ray gives a task an idle process whose runtime environment has the same serialized form, not only the same
+    content. A child's environment is merged with its parent's and written out anew, except where the parent's
+    is empty: a training worker's (merged through the controller's) and a task's from a driver with an empty
+    job environment have the same variables and different texts, and no process was shared (measured: the
+    warm processes stayed idle while the decode tasks started four new ones). behemoth's local instance
+    therefore gives the job its worker variables (ensure_ray), so that both go through the merge; where the
+    job's environment is empty (a caller's own ray.init) nothing is started."""
+    import ray
+
+    modules = task_of(cfg).data_modules(cfg, data)
+    if (os.environ.get("RAY_ADDRESS") or not modules or not ray.get_runtime_context().runtime_env
+            or sum(node["Alive"] for node in ray.nodes()) > 1):
+        return []
+    from behemoth.driver import warmup
+
+    return warmup.start(tuple(modules), cfg.scaling.max_workers, training_worker_runtime_env())
+
+
+def end_ray(end: bool) -> None:
+    """Shut Ray down, if asked and if behemoth started (or connected) it: never a caller's own instance."""
+    global _RAY_STARTED_HERE
+    if end and _RAY_STARTED_HERE:
+        import ray
+
+        ray.shutdown()
+        _RAY_STARTED_HERE = False
