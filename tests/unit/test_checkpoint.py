@@ -556,3 +556,10 @@ def test_a_format_2_sharded_checkpoint_still_restores_exactly(tmp_path):
     for m, o, s in ((model, opt, sched), (model2, opt2, sched2)):
         step(m, o, s, seed=10)
     assert_same_tensors(model.state_dict(), model2.state_dict())
+
+
+@pytest.mark.parametrize("name", ["model.pt", "manifest.json", "job.yaml", "state/__0_0.distcp"])
+def test_a_task_file_never_replaces_one_of_behemoths_own(name):
+    model, opt, sched = make()
+    with pytest.raises(ValueError, match="would replace behemoth's own"):
+        checkpointing.extras(scheduler=sched, state=TrainState(), task_files={name: "x"}, job_yaml="")

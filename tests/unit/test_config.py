@@ -378,3 +378,14 @@ def test_a_task_is_checked_against_the_contract_and_told_what_it_lacks(monkeypat
                                           r"reported, eval_sum_names"):
         config_from_dict({"data": {"kind": "my_tasks:Partial"}})
     assert config_from_dict({"data": {"kind": "my_tasks:Complete"}}).data.kind == "my_tasks:Complete"
+
+
+def test_a_job_built_by_hand_is_refused_with_one_error_naming_its_section():
+    """JobConfig() holds a plain DataConfig; its kind's task reads ImageData: one ConfigError saying how to build
+    the job, not an AttributeError inside the task."""
+    from behemoth.config import JobConfig
+    from behemoth.tasks import task_of
+
+    with pytest.raises(ConfigError, match="data.kind image_folder reads its data: section into ImageData, and this "
+                                          "job holds a DataConfig: build the job with behemoth.load_config"):
+        task_of(JobConfig())

@@ -103,3 +103,52 @@ def test_a_tokenizer_without_a_pad_token_pads_with_its_eos(tmp_path):
     assert tok.pad_token == tok.eos_token == "<|endoftext|>" and tok.padding_side == "right"
     enc = tok(["a happy day"], truncation=True, max_length=8, padding="max_length")
     assert len(enc["input_ids"][0]) == 8 and enc["attention_mask"][0][-1] == 0
+
+
+def test_csv_labels_and_texts_stay_text_and_numeric_labels_sort_one_way(tmp_path):
+    (tmp_path / "t.csv").write_text("text,label\n007,007\nhello,1\nworld,01\n")
+    (tmp_path / "v.csv").write_text("text,label\n123,007\n")
+    rows = read_labelled(data(str(tmp_path / "t.csv"), str(tmp_path / "v.csv")))
+    assert rows.texts["train"][0] == "007" and rows.labels["val"] == ["007"]
+    assert rows.classes == ["01", "1", "007"]  # by value, ties by name: the same in every process
+
+
+@pytest.fixture
+def tokenizer(tmp_path):
+    from behemoth.data.tokenizer import train_tokenizer
+
+    (tmp_path / "c.jsonl").write_text("".join(json.dumps(r) + "\n" for r in ROWS * 20))
+    train_tokenizer([str(tmp_path / "c.jsonl")], tmp_path / "tok", vocab_size=300)
+    return str(tmp_path / "tok")
+
+
+def classifier_job(tmp_path, tokenizer, **model) -> dict:
+    return {"data": {"kind": "text_classification", "train_files": [write(tmp_path, "train.jsonl", ROWS)],
+                     "val_files": [write(tmp_path, "val.jsonl", VAL)], "tokenizer": tokenizer, "max_length": 16},
+            "model": {"name": "sequence_classifier", **model}}
+
+
+def test_the_model_is_checked_before_ray_and_pads_as_its_data(tmp_path, tokenizer):
+    """A model_type without a sequence-classification head fails in check (before Ray starts), naming the config;
+    labels and the pad id in hf_config are refused; a pretrained model whose config names another pad id gets
+    the tokenizer's, the id its batches are padded with (else a decoder-only classifier pools padding)."""
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+
+    from behemoth.tasks.text_classification import TextClassification, build_classifier
+
+    small = {"model_type": "llama", "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1,
+             "num_attention_heads": 2, "max_position_embeddings": 16}
+    cfg = config_from_dict(classifier_job(tmp_path, tokenizer, hf_config=small))
+    assert TextClassification.check(cfg).classes == ["joy", "sadness"]
+    with pytest.raises(ConfigError, match=r"model.hf_config \(vit\): no sequence classifier from it"):
+        TextClassification.check(config_from_dict(classifier_job(tmp_path, tokenizer, hf_config={"model_type": "vit"})))
+    for key in ("num_labels", "pad_token_id"):
+        with pytest.raises(ConfigError, match=f"model.hf_config.{key}: the labels and the pad id come from the data"):
+            config_from_dict(classifier_job(tmp_path, tokenizer, hf_config={**small, key: 3}))
+
+    pad = load_classification_tokenizer(tokenizer).pad_token_id
+    folder = tmp_path / "pretrained"
+    other = AutoConfig.for_model(vocab_size=300, num_labels=2, pad_token_id=pad + 1, **small)
+    AutoModelForSequenceClassification.from_config(other).save_pretrained(folder)
+    cfg = config_from_dict(classifier_job(tmp_path, tokenizer, pretrained=str(folder)))
+    assert build_classifier(cfg, ["joy", "sadness"], 300, pad).config.pad_token_id == pad

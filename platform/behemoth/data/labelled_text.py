@@ -114,7 +114,7 @@ def read_labelled(cfg: LabelledTextData) -> LabelledRows:
             raise DataError(f"data: the {split} split has no rows ({', '.join(w for w, _ in origins[split])})")
     names = set(labels["train"])
     numeric = all(n.lstrip("-").isdigit() for n in names)
-    classes = sorted(names, key=int if numeric else str)
+    classes = sorted(names, key=(lambda n: (int(n), n)) if numeric else str)  # "1" and "01": one order
     if len(classes) < 2:
         raise DataError(f"data: the training rows hold {len(classes)} label(s) ({classes}): a classifier needs 2 "
                         f"or more")
@@ -143,10 +143,11 @@ def _read_file(path: str) -> pa.Table:
             import pyarrow.json
 
             return pyarrow.json.read_json(path)
-        if kind == "csv":
+        if kind == "csv":  # every column as text: a label "007" stays "007", a text of digits stays text
             import pyarrow.csv
 
-            return pyarrow.csv.read_csv(path)
+            types = {name: pa.string() for name in pyarrow.csv.open_csv(path).schema.names}  # the header only
+            return pyarrow.csv.read_csv(path, convert_options=pyarrow.csv.ConvertOptions(column_types=types))
         import pyarrow.parquet
 
         return pyarrow.parquet.read_table(path)

@@ -3,7 +3,8 @@
 
 - `contract.py`: the `Task` base class, every member the generic code uses, documented once, with defaults;
 - `registry.py`: data.kind -> task (`TASKS`, `register()`, `task_class()`);
-- one file per workload: `image.py` (image classification), `causal_lm.py` (causal language modelling).
+- one file per workload: `image.py` (image classification), `causal_lm.py` (causal language modelling),
+  `text_classification.py` (sequence classification).
 
 The loop (behemoth.worker.loop) owns everything that is the same for every workload: the global sample order,
 DDP/FSDP, optimizer and schedule, checkpoints, reports. Adding a workload is one file here plus one line in
@@ -15,6 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 from behemoth.config import JobConfig
+from behemoth.errors import ConfigError
 from behemoth.tasks.contract import Task
 from behemoth.tasks.registry import register, task_class
 
@@ -22,8 +24,14 @@ __all__ = ["Task", "make_task", "register", "task_of"]
 
 
 def task_of(cfg: JobConfig) -> type[Task]:
-    """Driver side: the task class of a job."""
-    return task_class(cfg.data.kind)
+    """Driver side: the task class of a job, whose `data:` must be read into that task's section (a JobConfig
+    built by hand holds a plain DataConfig: one error here, not an AttributeError inside the task)."""
+    task = task_class(cfg.data.kind)
+    if type(cfg.data) is not task.data_config:
+        raise ConfigError(f"data.kind {cfg.data.kind} reads its data: section into {task.data_config.__name__}, "
+                          f"and this job holds a {type(cfg.data).__name__}: build the job with "
+                          f"behemoth.load_config (or behemoth.job.config_from_dict)")
+    return task
 
 
 def make_task(cfg: JobConfig, prepared: Any) -> Task:

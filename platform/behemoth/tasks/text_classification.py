@@ -44,24 +44,25 @@ def build_classifier(cfg: JobConfig, classes: list[str], vocab_size: int, pad_id
 
     labels = {"num_labels": len(classes), "id2label": dict(enumerate(classes)),
               "label2id": {name: i for i, name in enumerate(classes)}}
-    overrides = dict(cfg.model.hf_config)
-    if cfg.model.pretrained:
-        overrides.pop("model_type", None)
-        # a head for another number of labels starts fresh (transformers says which tensors it re-initialised)
-        model = AutoModelForSequenceClassification.from_pretrained(
-            cfg.model.pretrained, trust_remote_code=cfg.model.trust_remote_code, ignore_mismatched_sizes=True,
-            **labels, **overrides)
-    else:
-        model_type = overrides.pop("model_type")
-        overrides.setdefault("vocab_size", vocab_size)
-        overrides.setdefault("pad_token_id", pad_id)
-        try:
-            config = AutoConfig.for_model(model_type, **overrides, **labels)
-        except ValueError as e:  # unknown model_type
-            raise ConfigError(f"model.hf_config: {e}") from None
-        model = AutoModelForSequenceClassification.from_config(config)
-    if model.config.pad_token_id is None:
-        model.config.pad_token_id = pad_id
+    overrides = {**cfg.model.hf_config, "pad_token_id": pad_id}  # hf_config's own was refused (check_model)
+    where = cfg.model.pretrained or f"model.hf_config ({overrides.get('model_type')})"
+    try:
+        if cfg.model.pretrained:
+            overrides.pop("model_type", None)
+            # a head for another number of labels starts fresh (transformers says which tensors it re-initialised)
+            model = AutoModelForSequenceClassification.from_pretrained(
+                cfg.model.pretrained, trust_remote_code=cfg.model.trust_remote_code, ignore_mismatched_sizes=True,
+                **labels, **overrides)
+        else:
+            model_type = overrides.pop("model_type")
+            overrides.setdefault("vocab_size", vocab_size)
+            model = AutoModelForSequenceClassification.from_config(AutoConfig.for_model(model_type, **overrides, **labels))
+    except (TypeError, ValueError) as e:  # an unknown model_type or key, a model_type without a classifier head
+        raise ConfigError(f"{where}: no sequence classifier from it: {e}") from None
+    # The batches are padded with the tokenizer's pad id, and a decoder-only classifier pools the last token that
+    # is not config.pad_token_id: the two must agree, or training pools padding where the exported pipeline
+    # (one text, unpadded) pools the last real token.
+    model.config.pad_token_id = pad_id
     where = cfg.model.pretrained or f"model.hf_config ({model.config.model_type})"
     if model.config.vocab_size < vocab_size:
         raise ConfigError(f"{where}: vocab_size {model.config.vocab_size} is smaller than the tokenizer's "
@@ -83,12 +84,24 @@ class TextClassification(Task):
     builder_keywords = "num_classes and vocab_size"
 
     @classmethod
+    def check_model(cls, cfg: JobConfig) -> None:
+        super().check_model(cfg)
+        taken = sorted({"num_labels", "id2label", "label2id", "pad_token_id"} & set(cfg.model.hf_config))
+        if taken:
+            raise ConfigError(f"model.hf_config.{taken[0]}: the labels and the pad id come from the data and its "
+                              f"tokenizer (data.label_column, data.tokenizer): remove it")
+
+    @classmethod
     def check(cls, cfg: JobConfig) -> LabelledRows:
-        """Every row read and checked, the tokenizer loaded; a user's builder called once on the meta device."""
+        """Every row read and checked, the tokenizer loaded; the model built once on torch's meta device (no
+        memory) from hf_config or a user's builder, so a wrong key fails here, before Ray starts."""
         rows = read_labelled(cfg.data)
         tok = load_classification_tokenizer(cfg.data.tokenizer)
         if registry.is_import_path(cfg.model.name):
             registry.check_user_model(cfg.model.name, num_classes=len(rows.classes), vocab_size=len(tok))
+        elif not cfg.model.pretrained:
+            with torch.device("meta"):
+                build_classifier(cfg, rows.classes, len(tok), tok.pad_token_id)
         return rows
 
     @classmethod

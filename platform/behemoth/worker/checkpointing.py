@@ -109,7 +109,8 @@ def extras(*, scheduler, state: TrainState, task_files: dict[str, str], job_yaml
     if hook_states is not None:  # per-rank gradient-compression state (PowerSGD error feedback)
         dicts["comm_hook.pt"] = {"world_size": len(hook_states), "ranks": hook_states}
     texts = {"train_state.json": json.dumps(asdict(state), indent=1), "job.yaml": job_yaml}
-    if set(task_files) & (set(texts) | set(dicts) | {"metrics.json"}):
+    ours = {*texts, *dicts, "metrics.json", "model.pt", "optimizer.pt", "manifest.json", "state_values.json"}
+    if any(name in ours or name.startswith("state/") for name in task_files):
         raise ValueError(f"the task's checkpoint files {sorted(task_files)} would replace behemoth's own")
     texts.update(task_files)
     if metrics is not None:  # what the run reported with this checkpoint: picks a run's best, fills a model card

@@ -113,8 +113,8 @@ def report_to_ray(metrics: dict, upload_fn=None, *, async_upload: bool = False, 
     """The one call of ray.train.report: the metrics, and with `upload_fn` a checkpoint that it writes (Ray
     Train hands it an empty folder and the checkpoint's place; the files go where upload_fn puts them), in Ray
     Train's upload thread where `async_upload`. `dir_name`: the checkpoint's folder name, agreed by the ranks."""
-    # an empty folder Ray Train only names: removed here after a synchronous upload, left to the OS's temp
-    # cleaning after an asynchronous one (it outlives this call)
+    # an empty folder Ray Train only names: removed here after a synchronous upload; after an asynchronous one
+    # Ray Train removes it (delete_local_checkpoint_after_upload defaults to true in ASYNC mode)
     folder = tempfile.mkdtemp(prefix="behemoth-report-") if upload_fn is not None else None
     mode = ray.train.CheckpointUploadMode.ASYNC if async_upload else ray.train.CheckpointUploadMode.SYNC
     try:
