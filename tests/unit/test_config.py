@@ -389,3 +389,25 @@ def test_a_job_built_by_hand_is_refused_with_one_error_naming_its_section():
     with pytest.raises(ConfigError, match="data.kind image_folder reads its data: section into ImageData, and this "
                                           "job holds a DataConfig: build the job with behemoth.load_config"):
         task_of(JobConfig())
+
+
+def test_register_names_a_task_by_a_plain_kind(monkeypatch):
+    """register(kind, "module:Class") makes a plain data.kind name that task in this process; a kind that is an
+    import path, or a task not named by one, is refused."""
+    import sys
+    import types
+
+    from behemoth.tasks import register, registry
+
+    monkeypatch.setattr(registry, "TASKS", dict(registry.TASKS))
+    module = types.ModuleType("my_tasks")
+    module.Complete = type("Complete", (CompleteTask,), {"model_names": ("regnet_cifar",)})  # the default model
+    monkeypatch.setitem(sys.modules, "my_tasks", module)
+    with pytest.raises(ConfigError, match="data.kind 'mine' is not a known task"):
+        config_from_dict({"data": {"kind": "mine"}})
+    register("mine", "my_tasks:Complete")
+    assert config_from_dict({"data": {"kind": "mine"}}).data.kind == "mine"
+    with pytest.raises(ConfigError, match="a registered kind is a plain name"):
+        register("my_tasks:Complete", "my_tasks:Complete")
+    with pytest.raises(ConfigError, match="the task is named by import path"):
+        register("other", "CompleteTask")

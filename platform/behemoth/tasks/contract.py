@@ -16,11 +16,10 @@ from typing import TYPE_CHECKING, Any, Callable, ClassVar, Iterable
 from behemoth.config import DataConfig, JobConfig
 from behemoth.errors import ConfigError, did_you_mean
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # annotations only: importing torch here would make `import behemoth` import it
     import torch
 
-# (key, the model's fresh tensor, the source's tensor) -> may the model keep its fresh tensor (train.init_from)
-ReinitPolicy = Callable[[str, "torch.Tensor", "torch.Tensor"], bool]
+    from behemoth.weights import ReinitPolicy
 
 
 class Task(abc.ABC):
@@ -65,7 +64,7 @@ class Task(abc.ABC):
         model, known = cfg.model, [*cls.model_names, *cls.hf_models]
         if ":" not in model.name and model.name not in known:
             raise ConfigError(f"data.kind {cfg.data.kind} cannot train model.name {model.name}: it is not a known "
-                              f"model{did_you_mean(model.name, known)} for this task (known: {', '.join(known)}; "
+                              f"model{did_you_mean(model.name, known)} for this task (known: {', '.join(known) or 'none'}; "
                               f"or your own builder as my_package.my_module:function)")
         if model.name in cls.hf_models:
             if not (model.pretrained or model.hf_config.get("model_type")):
