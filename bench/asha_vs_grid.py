@@ -26,7 +26,8 @@ sys.path.insert(0, str(REPO / "platform"))
 
 
 def run(kind: str, seed: int, epochs: int, storage: str, data: Path):
-    from behemoth.driver.tune import load_sweep, run_sweep
+    from behemoth.driver.sweep_config import load_sweep
+    from behemoth.driver.tune import run_sweep
 
     sweep_cfg = load_sweep(REPO / "jobs/configs/sweep_demo.yaml", [
         f"name={kind}-seed{seed}", f"storage_path={storage}", f"scheduler.kind={kind}",

@@ -109,7 +109,8 @@ def test_train_and_sweep_are_refused_before_ray_starts(tmp_path, live_process):
     import ray
     from behemoth.job import config_from_dict
     from behemoth.driver.trainer import train
-    from behemoth.driver.tune import load_sweep, run_sweep
+    from behemoth.driver.sweep_config import load_sweep
+    from behemoth.driver.tune import run_sweep
 
     storage = tmp_path / "runs"
     (storage / "taken").mkdir(parents=True)

@@ -9,8 +9,9 @@ import yaml
 
 from behemoth.driver.cli import main
 from behemoth.config import ConfigError
-from behemoth.driver.tune import (SweepConfig, base_job, check_sweep, concurrency_bound, load_sweep, sweep,
-                           trial_job)
+from behemoth.driver.sweep_config import (SweepConfig, base_job, check_sweep, concurrency_bound, load_sweep,
+                                          trial_job)
+from behemoth.driver.tune import sweep
 from conftest import job_dict
 
 REPO = Path(__file__).resolve().parents[2]
@@ -155,7 +156,7 @@ def test_the_reaper_keeps_watching_after_the_last_trial_controller_is_gone(monke
     end waits for quiet_s without controllers or new orphaned groups (GCS's tables stubbed: the loop is ours)."""
     import time
 
-    from behemoth.driver import tune
+    from behemoth.driver import pg_reaper
 
     start = time.monotonic()
     controller_until, orphan_at = start + 0.3, start + 0.6  # the group turns up 0.3 s after its controller died
@@ -167,9 +168,9 @@ def test_the_reaper_keeps_watching_after_the_last_trial_controller_is_gone(monke
             return ["pg"]
         return []
 
-    monkeypatch.setattr(tune, "reap_orphaned_placement_groups", reap)
-    monkeypatch.setattr(tune, "_live_train_controllers", lambda: int(time.monotonic() < controller_until))
-    reaper = tune.OrphanedPlacementGroupReaper(every_s=60, settle_s=10, quiet_s=1.0)
+    monkeypatch.setattr(pg_reaper, "reap_orphaned_placement_groups", reap)
+    monkeypatch.setattr(pg_reaper, "_live_train_controllers", lambda: int(time.monotonic() < controller_until))
+    reaper = pg_reaper.OrphanedPlacementGroupReaper(every_s=60, settle_s=10, quiet_s=1.0)
     reaper.thread.start()  # (what __enter__ does, without its first reap)
     reaper.__exit__(None, None, None)
     assert reaped == ["pg"] and time.monotonic() - start < 5
@@ -194,7 +195,7 @@ def test_a_sweep_whose_every_trial_failed_ends_on_one_line_naming_its_results(tm
     behemoth's one line (it was a bare RuntimeError, printed by the CLI as a traceback)."""
     from ray.tune import Result
 
-    from behemoth.driver import tune as tune_module
+    from behemoth.driver.sweep_results import write_results
     from behemoth.errors import user_facing_error
 
     s = load_sweep(write_sweep(tmp_path, image_root))
@@ -203,7 +204,7 @@ def test_a_sweep_whose_every_trial_failed_ends_on_one_line_naming_its_results(tm
             for i, lr in enumerate((0.01, 0.1))]
     (tmp_path / "sweeps" / "s").mkdir(parents=True)
     with pytest.raises(Exception) as raised:
-        tune_module._results(s, grid, "val_accuracy", "max", str(tmp_path / "sweeps" / "s"))
+        write_results(s, grid, "val_accuracy", "max", str(tmp_path / "sweeps" / "s"))
     assert user_facing_error(raised.value) == (f"no trial of sweep s reported val_accuracy: see the trials' errors "
                                                f"in {tmp_path}/sweeps/s/results.csv")
     assert (tmp_path / "sweeps/s/results.csv").read_text().count("error: mat1 and mat2 shapes") == 2

@@ -1,0 +1,256 @@
+"""A sweep's schema and the jobs it makes: the sweep YAML (SweepConfig), the job every trial starts from, a
+trial's full job config (sampled values, LR scaling, its run folder), the checks made on the driver before
+Ray starts (every space key a job key, every value a valid job, the metric one the task reports), and the
+resources one trial holds, which bound how many run at once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from behemoth import paths
+from behemoth.config import ConfigError, JobConfig, apply_override, from_dict, read_yaml_mapping
+from behemoth.errors import did_you_mean
+from behemoth.job import config_from_dict, load_config
+from behemoth.tasks import task_of
+
+DISTRIBUTIONS = ("grid", "choice", "uniform", "loguniform")
+
+
+@dataclass
+class SchedulerConfig:
+    # asha: stop trials whose metric at a rung (grace_period x reduction_factor^k) is in the bottom part.
+    kind: Literal["asha", "fifo"] = "asha"
+    # What a rung counts: epochs, or optimizer steps (runs that evaluate every N steps).
+    time_attr: Literal["epoch", "step"] = "epoch"
+    grace_period: float = 1
+    reduction_factor: float = 2
+    # The run length ASHA plans for (default: the job's epochs, or its steps).
+    max_t: float | None = None
+
+
+@dataclass
+class SweepConfig:
+    # The job YAML every trial starts from (relative to the sweep file).
+    job: str = ""
+    # Overrides applied to every trial before the space, like `behemoth train --set`.
+    set: list[str] = field(default_factory=list)
+    # KEY: {grid: [...]} | {choice: [...]} | {uniform: [low, high]} | {loguniform: [low, high]}
+    space: dict[str, dict[str, list[Any]]] = field(default_factory=dict)
+    # Samples of the space (each grid combination num_samples times).
+    num_samples: int = 1
+    # What picks the best trial: one of the metrics the job's task reports (Task.reported).
+    metric: str | None = None  # default: the task's `best` metric
+    mode: Literal["min", "max"] | None = None  # default: from the metric
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    # random: Tune's grid/random variant generator. optuna: TPE (pip install optuna).
+    searcher: Literal["random", "optuna"] = "random"
+    # Scale each trial's train.lr by its batch size against the job's: lr x (B / B_job) or x sqrt(B / B_job).
+    lr_scaling: Literal["none", "linear", "sqrt"] = "none"
+    # Trials running at once (default: as many as the cluster's CPUs/GPUs hold, from the largest trial).
+    max_concurrent_trials: int | None = None
+    # Tune restarts of a trial whose training failed past its failure.max_failures (it resumes from its
+    # own checkpoints).
+    trial_max_failures: int = 0
+    name: str = "sweep"
+    # A sweep lives in STORAGE_PATH/NAME; rerunning the same name resumes it.
+    storage_path: str = "runs/sweeps"
+
+    def validate(self) -> None:
+        if not self.job:
+            raise ConfigError("job is empty: set it to the job YAML the trials start from")
+        # its best trial becomes the job NAME_best, whose run name must pass too
+        paths.check_name("name", self.name, paths.NAME_MAX - len("_best"))
+        if not self.space:
+            raise ConfigError("space is empty: give at least one key to search, e.g. "
+                              "space: {train.lr: {loguniform: [0.01, 0.3]}}")
+        for key, dist in self.space.items():
+            _check_distribution(key, dist)
+        if self.num_samples < 1 or self.trial_max_failures < -1:
+            raise ConfigError("num_samples must be >= 1 and trial_max_failures >= -1")
+        if self.max_concurrent_trials is not None and self.max_concurrent_trials < 1:
+            raise ConfigError(f"max_concurrent_trials must be >= 1, got {self.max_concurrent_trials}")
+        if not self.name or "/" in self.name:
+            raise ConfigError(f"name {self.name!r} must be a non-empty name without '/'")
+        s = self.scheduler
+        if s.grace_period <= 0 or s.reduction_factor <= 1 or (s.max_t is not None and s.max_t < s.grace_period):
+            raise ConfigError("scheduler: grace_period must be > 0, reduction_factor > 1, max_t >= grace_period")
+
+
+def _check_distribution(key: str, dist: dict) -> None:
+    if len(dist) != 1 or next(iter(dist)) not in DISTRIBUTIONS:
+        raise ConfigError(f"space.{key}: expected one of {{{', '.join(f'{d}: [...]' for d in DISTRIBUTIONS)}}}, "
+                          f"got {dist}")
+    kind, values = next(iter(dist.items()))
+    if not values:
+        raise ConfigError(f"space.{key}.{kind} is empty")
+    if kind in ("uniform", "loguniform"):
+        ok = len(values) == 2 and all(isinstance(v, (int, float)) for v in values) and values[0] < values[1]
+        if not ok or (kind == "loguniform" and values[0] <= 0):
+            raise ConfigError(f"space.{key}.{kind} needs [low, high] with low < high"
+                              f"{' and low > 0' if kind == 'loguniform' else ''}, got {values}")
+
+
+def load_sweep(path: str | Path, overrides: list[str] | None = None) -> SweepConfig:
+    """Read a sweep YAML. `overrides` (`KEY=VALUE`): a sweep key (name=..., scheduler.grace_period=2), or a
+    job key (data.root=..., train.epochs=2), which is added to the sweep's `set` list for every trial."""
+    p = Path(path)
+    raw = read_yaml_mapping(p, "sweep file", "sweep keys (name, job, space, ...)")
+    job_sections = {f.name for f in dataclasses.fields(JobConfig)}
+    for item in overrides or []:
+        if item.split(".", 1)[0] in job_sections:
+            raw["set"] = list(raw.get("set") or []) + [item]
+        else:
+            apply_override(raw, item)
+    sweep_cfg = from_dict(SweepConfig, raw, where=str(p))
+    if sweep_cfg.job and not Path(sweep_cfg.job).is_absolute():
+        sweep_cfg.job = str(p.parent / sweep_cfg.job)
+    try:
+        sweep_cfg.validate()
+    except ConfigError as e:
+        raise ConfigError(f"{p}: {e}") from None
+    return sweep_cfg
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Trial configs: job YAML + sweep overrides (resolved once, on the driver) -> the trial's sampled values ->
+# LR scaling -> its own run folder
+
+
+def base_job(sweep_cfg: SweepConfig) -> dict:
+    """The job every trial starts from, as a dict, with relative local paths made absolute: trials run in
+    Tune's actors, whose working directory is not the driver's."""
+    cfg = load_config(sweep_cfg.job, sweep_cfg.set)
+    for key in cfg.data.path_keys:  # the task's section says which of its keys are paths
+        value = getattr(cfg.data, key)
+        setattr(cfg.data, key, [_absolute(v) for v in value] if isinstance(value, list) else _absolute(value))
+    cfg.checkpoint.storage_path = _absolute(cfg.checkpoint.storage_path)
+    return cfg.to_dict()
+
+
+def _absolute(path: str) -> str:
+    """A relative path that exists here (or a cache folder) made absolute; URIs and hub names unchanged."""
+    if not path or paths.is_uri(path) or os.path.isabs(path):
+        return path
+    return os.path.abspath(path) if os.path.exists(path) or path.endswith("cache") else path
+
+
+def trial_job(base: dict, params: dict, lr_scaling: str = "none", run_dir: str | None = None) -> JobConfig:
+    """The full job config of a trial with sampled values `params` ({"train.lr": 0.05, ...})."""
+    raw = {section: dict(values) for section, values in base.items()}
+    for key, value in params.items():
+        section, name = key.split(".", 1)
+        raw[section][name] = value
+    if run_dir is not None:
+        storage, name = paths.split_run_dir(run_dir)
+        raw["checkpoint"].update(storage_path=storage, run_name=name)
+        if raw["train"].get("sample_ledger"):
+            raw["train"]["sample_ledger"] = paths.join(run_dir, "ledger")
+    if lr_scaling != "none":
+        ratio = raw["train"]["global_batch_size"] / base["train"]["global_batch_size"]
+        raw["train"]["lr"] = float(raw["train"]["lr"]) * (ratio if lr_scaling == "linear" else math.sqrt(ratio))
+    return config_from_dict(raw, where="trial config")
+
+
+def metric_and_mode(sweep_cfg: SweepConfig, cfg: JobConfig) -> tuple[str, str]:
+    task = task_of(cfg)
+    default_metric, default_mode = task.best
+    metric = sweep_cfg.metric or default_metric
+    reported = task.reported
+    if metric not in reported:
+        raise ConfigError(f"metric {metric!r} is never reported by a {cfg.model.name} run; it reports "
+                          f"{', '.join(reported)} at each evaluation")
+    return metric, sweep_cfg.mode or reported.get(metric, default_mode)
+
+
+def check_sweep(sweep_cfg: SweepConfig) -> list[JobConfig]:
+    """Every job the space can produce must be valid: the grid's and choices' values all combined, and each
+    range's two ends. Returns those jobs (for the resource bound). Raises ConfigError naming the key."""
+    sweep_cfg.validate()
+    if paths.is_uri(sweep_cfg.storage_path):  # its own files (trial starts, results, best.yaml) are local files
+        raise ConfigError(f"sweep storage_path {sweep_cfg.storage_path}: a sweep keeps its folder on a local or "
+                          f"shared filesystem (an object store is not supported for sweeps yet; single runs "
+                          f"support it): give a path, e.g. a shared mount on a cluster")
+    base = base_job(sweep_cfg)  # the job file itself first: its errors name it
+    axes, valid = [], _job_keys(base)
+    for key, dist in sweep_cfg.space.items():
+        if key not in valid:
+            raise ConfigError(f"space key '{key}' is not a key of the sweep's job (data.kind {base['data']['kind']})"
+                              f"{did_you_mean(key, valid)}")
+        axes.append([(key, v) for v in next(iter(dist.values()))])
+    jobs = []
+    for combination in itertools.product(*axes):
+        try:
+            jobs.append(trial_job(base, dict(combination), sweep_cfg.lr_scaling))
+        except ConfigError as e:
+            values = ", ".join(f"{k}={v!r}" for k, v in combination)
+            raise ConfigError(f"space: the trial {values} is not a valid job: {e}") from None
+    metric_and_mode(sweep_cfg, jobs[0])
+    if sweep_cfg.scheduler.kind == "asha":
+        asha_max_t(sweep_cfg, jobs[0])
+    if sweep_cfg.searcher == "optuna":
+        optuna_searcher(sweep_cfg, "val_loss", "min")  # raises the install hint when optuna is missing
+    return jobs
+
+
+def _job_keys(base: dict) -> list[str]:
+    """Every key (section.field) of the sweep's job; its data section's are those of its kind."""
+    job = config_from_dict(base, where="the sweep's job")
+    return [f"{s.name}.{f.name}" for s in dataclasses.fields(job) for f in dataclasses.fields(getattr(job, s.name))]
+
+
+def asha_max_t(sweep_cfg: SweepConfig, job: JobConfig) -> float:
+    """The length of a trial in ASHA's time_attr; ConfigError where ASHA would have no rung before its end."""
+    s = sweep_cfg.scheduler
+    max_t = s.max_t or (job.train.epochs if s.time_attr == "epoch" else job.train.max_steps)
+    if max_t is None:
+        raise ConfigError("scheduler.time_attr is step and the job has no train.max_steps: set scheduler.max_t")
+    if max_t <= s.grace_period:  # Ray's ASHAScheduler would fail on an assertion (its max_t is a hair below)
+        raise ConfigError(f"scheduler asha: a trial lasts {max_t:g} {s.time_attr}(s), not more than "
+                          f"scheduler.grace_period {s.grace_period:g}, so ASHA has no point to stop a trial before "
+                          f"its end: lower scheduler.grace_period, train longer, or use scheduler.kind: fifo")
+    return max_t
+
+
+def optuna_searcher(sweep_cfg: SweepConfig, metric: str, mode: str):
+    grids = [key for key, dist in sweep_cfg.space.items() if "grid" in dist]
+    if grids:  # a mistake in the sweep itself: said whether optuna is installed or not
+        raise ConfigError(f"searcher optuna samples, it does not enumerate grids: use choice for {grids}")
+    try:
+        import optuna  # noqa: F401
+        from ray.tune.search.optuna import OptunaSearch
+    except ImportError:
+        raise ConfigError("searcher optuna needs the optuna package: pip install optuna (or use searcher: "
+                          "random)") from None
+    return OptunaSearch(metric=metric, mode=mode)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Resources: trials run at most as many at once as the cluster holds, so none waits on another's workers
+
+
+def trial_resources(cfg: JobConfig) -> dict[str, float]:
+    """What one trial of `cfg` holds at its largest: its workers, plus what its task's data pipeline takes
+    beside them while training (Task.data_cpus)."""
+    s = cfg.scaling
+    need = {"CPU": s.max_workers * s.cpus_per_worker + task_of(cfg).data_cpus(cfg)}
+    if s.use_gpu:
+        need["GPU"] = s.max_workers * s.gpus_per_worker
+    return need
+
+
+def concurrency_bound(jobs: list[JobConfig], cluster: dict[str, float]) -> int:
+    need = {k: max(trial_resources(j).get(k, 0) for j in jobs) for k in ("CPU", "GPU")}
+    fits = [int(cluster.get(k, 0) // v + 1e-9) for k, v in need.items() if v > 0]
+    n = min(fits)
+    if n < 1:
+        raise ConfigError(f"one trial needs {need['CPU']:g} CPUs and {need['GPU']:g} GPUs, the cluster has "
+                          f"{cluster.get('CPU', 0):g} and {cluster.get('GPU', 0):g}: lower scaling.num_workers / "
+                          f"cpus_per_worker, or set max_concurrent_trials on a cluster that autoscales")
+    return n

@@ -1,0 +1,91 @@
+"""A finished sweep's results: one row per trial, best first (results.csv), and the best trial's job
+(best.yaml, which `behemoth train` reproduces)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from behemoth import paths
+from behemoth.config import JobConfig, dump_yaml
+from behemoth.driver.sweep_config import SweepConfig, base_job, trial_job
+from behemoth.errors import RunFailedError
+
+@dataclass
+class SweepResult:
+    table: Any  # pandas.DataFrame: one row per trial, best first
+    best_params: dict
+    best_job: JobConfig  # the best trial's full job config (run name: NAME_best, in the job's storage path)
+    best_value: float
+    metric: str
+    best_checkpoint: str | None
+    best_yaml: str
+    results_csv: str
+    sweep_dir: str
+
+
+def write_results(sweep_cfg: SweepConfig, grid, metric: str, mode: str, sweep_dir: str) -> SweepResult:
+    """One row per trial (best first) -> results.csv; the best trial's job -> best.yaml."""
+    import pandas as pd
+
+    base, keys = base_job(sweep_cfg), list(sweep_cfg.space)
+    rows = [_trial_row(sweep_cfg, r, base, keys, metric, sweep_dir) for r in grid]
+    table = pd.DataFrame(rows).sort_values(metric, ascending=mode == "min", na_position="last", kind="stable")
+    table = table.reset_index(drop=True)
+    results_csv = paths.join(sweep_dir, "results.csv")
+    table.to_csv(results_csv, index=False)
+    scored = table[table[metric].notna()]
+    if scored.empty:
+        raise RunFailedError(f"no trial of sweep {sweep_cfg.name} reported {metric}: see the trials' errors in "
+                            f"{results_csv}")
+    best = scored.iloc[0]
+    best_params = {k: _plain(best[k]) for k in keys}
+    best_job = trial_job(base, best_params, sweep_cfg.lr_scaling)
+    best_job.checkpoint.storage_path = base["checkpoint"]["storage_path"]
+    best_job.checkpoint.run_name = f"{sweep_cfg.name}_best"
+    best_yaml = paths.join(sweep_dir, "best.yaml")
+    Path(best_yaml).write_text(
+        f"# The best trial of sweep {sweep_cfg.name}: {best['trial_id']}, {metric} {best[metric]:.6g} "
+        f"({best['status']}).\n# {', '.join(f'{k}={v!r}' for k, v in best_params.items())}; train.lr after "
+        f"lr_scaling {sweep_cfg.lr_scaling}: {best_job.train.lr:.6g}.\n# Reproduce it: behemoth train {best_yaml}\n"
+        + dump_yaml(best_job))
+    return SweepResult(table=table, best_params=best_params, best_job=best_job, best_value=float(best[metric]),
+                       metric=metric, best_checkpoint=best["best_checkpoint"] or None, best_yaml=best_yaml,
+                       results_csv=results_csv, sweep_dir=sweep_dir)
+
+
+def _trial_row(sweep_cfg: SweepConfig, result, base: dict, keys: list[str], metric: str, sweep_dir: str) -> dict:
+    from behemoth.checkpoint import complete_checkpoints
+
+    params = {k: result.config.get(k) for k in keys}
+    m = result.metrics or {}
+    trial_id = m.get("trial_id") or _trial_id_from_starts(sweep_dir, params)
+    run_dir = paths.join(sweep_dir, "runs", str(trial_id))
+    summary_file = Path(run_dir, "summary.json")
+    summary = json.loads(summary_file.read_text()) if summary_file.is_file() else {}
+    m = {**m, **summary.get("metrics", {})}
+    if m.get("step") is not None and m["step"] >= m.get("total_steps", float("inf")):
+        status = "finished"  # (ASHA may still "stop" a trial at its last report, as it ends)
+    elif result.error is not None:
+        status = f"error: {str(result.error).strip().splitlines()[0][:200]}"
+    else:
+        status = "stopped early"
+    kept = complete_checkpoints(run_dir)
+    return {"trial_id": trial_id, "status": status, **params,
+            "lr": trial_job(base, params, sweep_cfg.lr_scaling).train.lr,
+            metric: m.get(metric, float("nan")), "epoch": m.get("epoch"), "step": m.get("step"),
+            "best_checkpoint": summary.get("best_checkpoint") or (kept[0][1] if kept else None), "run_dir": run_dir}
+
+
+def _trial_id_from_starts(sweep_dir: str, params: dict) -> str | None:
+    """A trial that failed before its first report has no trial_id in its result: find it by its params."""
+    path = Path(sweep_dir, "trial_starts.jsonl")
+    starts = [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
+    return next((s["trial_id"] for s in reversed(starts) if s["params"] == params), None)
+
+
+def _plain(value):
+    """numpy scalars from the table -> plain Python (for YAML and the config's type checks)."""
+    return value.item() if hasattr(value, "item") else value

@@ -1,0 +1,94 @@
+"""One trial of a sweep, in the Tune actor that runs it: the trial's job trained by behemoth, its evaluations
+forwarded to Tune; and the driver's console line for each trial as it ends."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+from ray.tune import Callback
+from ray.tune.integration.ray_train import TuneReportCallback
+
+from behemoth import paths
+from behemoth.config import from_dict
+from behemoth.driver.sweep_config import SweepConfig, metric_and_mode, trial_job
+
+def run_trial(params: dict, sweep: dict, base: dict, sweep_dir: str, mlflow_parent: str | None = None,
+              fence=None) -> None:
+    """One trial (runs in a Tune actor): the trial's job, trained by behemoth, evaluations sent to Tune.
+
+    The run folder is SWEEP_DIR/runs/TRIAL_ID, so a trial that Tune restarts (a resumed sweep, a retried
+    error) resumes from its own latest checkpoint. Every start is appended to SWEEP_DIR/trial_starts.jsonl.
+    `mlflow_parent`: the sweep's MLflow run, under which the trial's run nests. A trial writes no report of its
+    own (the sweep's report shows every trial; `behemoth report SWEEP/runs/TRIAL` draws one on demand).
+    """
+    from ray import tune
+
+    from behemoth.driver.trainer import train
+
+    sweep_cfg = from_dict(SweepConfig, sweep, where="sweep")
+    trial_id = tune.get_context().get_trial_id()
+    run_dir = paths.join(sweep_dir, "runs", trial_id)
+    cfg = trial_job(base, params, sweep_cfg.lr_scaling, run_dir)
+    cfg.tracking.report = False
+    metric, _ = metric_and_mode(sweep_cfg, cfg)
+    summary_file = Path(run_dir, "summary.json")
+    # Tune saves its experiment state at most every ~10 s: a sweep killed just after a trial finished may
+    # restart that trial. Its summary says it is done: hand Tune the final result again, train nothing.
+    finished_before = summary_file.is_file()
+    _append_jsonl(paths.join(sweep_dir, "trial_starts.jsonl"), {
+        "trial_id": trial_id, "time": time.time(), "params": params, "lr": cfg.train.lr,
+        "finished_before": finished_before})
+    described = ", ".join(f"{k}={v}" for k, v in params.items())
+    if finished_before:
+        print(f"[behemoth] trial {trial_id} ({described}) had finished: its result is kept", flush=True)
+        tune.report(json.loads(summary_file.read_text())["metrics"])
+        return
+    print(f"[behemoth] trial {trial_id} ({described}, lr {cfg.train.lr:g}): run folder {run_dir}", flush=True)
+    summary = train(cfg, callbacks=[EvalReportCallback(metric)], lock=False,  # under the sweep's lease,
+                    parent_mlflow_run=mlflow_parent, fence=fence)  # fenced by it (driver/runlock.py)
+    # Written when the trial has trained to its end (a trial ASHA stops never gets here).
+    tmp = summary_file.with_suffix(".tmp")
+    tmp.write_text(json.dumps({
+        "metrics": summary.metrics, "best_checkpoint": summary.best_checkpoint,
+        "latest_checkpoint": summary.latest_checkpoint, "resumed_from_step": summary.resumed_from_step}))
+    os.replace(tmp, summary_file)  # all or nothing: a half-written summary would pass for a finished trial
+
+
+def _append_jsonl(path: str, record: dict) -> None:
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+class EvalReportCallback(TuneReportCallback):
+    """Ray's TuneReportCallback, forwarding only the reports that carry the metric (the evaluations): the
+    run's other reports (loss every log_every steps) would fail Tune's check that every result holds it."""
+
+    def __init__(self, metric: str):
+        super().__init__()
+        self.metric = metric
+
+    def after_report(self, run_context, metrics, checkpoint):
+        if self.metric in metrics[0]:
+            super().after_report(run_context, metrics, checkpoint)
+
+
+class TrialOutcomeLines(Callback):
+    """One console line per trial as it ends: finished, or stopped early by the scheduler (ASHA), with its
+    last evaluation. Tune calls on_trial_complete for both and marks both results `done`; a trial finished
+    when its last report is at its last step (as the results table decides, _trial_row)."""
+
+    def __init__(self, metric: str):
+        self.metric = metric
+
+    def on_trial_complete(self, iteration, trials, trial, **info):
+        result = trial.last_result or {}
+        value = result.get(self.metric)
+        shown = f"{self.metric} {value:.4f}" if isinstance(value, (int, float)) else "not evaluated yet"
+        if result.get("step", 0) >= result.get("total_steps", float("inf")):
+            print(f"[behemoth] trial {trial.trial_id} finished: {shown}", flush=True)
+        else:
+            print(f"[behemoth] trial {trial.trial_id} stopped early by the scheduler at epoch "
+                  f"{result.get('epoch', 0):.2f}: {shown}", flush=True)
