@@ -563,3 +563,31 @@ def test_a_task_file_never_replaces_one_of_behemoths_own(name):
     model, opt, sched = make()
     with pytest.raises(ValueError, match="would replace behemoth's own"):
         checkpointing.extras(scheduler=sched, state=TrainState(), task_files={name: "x"}, job_yaml="")
+
+
+def test_a_checkpoint_report_leaves_no_folder_behind_when_its_upload_fails(tmp_path, monkeypatch):
+    """Ray Train wants a local folder with each checkpoint report and deletes it only after a successful upload:
+    a folder made per report was left in the temp directory by every failed upload and killed worker (92 had
+    piled up in /tmp). Every report hands it the same empty folder, kept; an upload that fails leaves nothing
+    else. (ray.train.report is stubbed: it raises as Ray Train does when the upload function fails.)"""
+    import os
+    import tempfile
+
+    import ray.train
+
+    from behemoth.worker import saver
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    handed = []
+
+    def report(metrics, checkpoint=None, delete_local_checkpoint_after_upload=None, **kw):
+        handed.append((checkpoint.path, delete_local_checkpoint_after_upload))
+        raise RuntimeError("the upload failed")
+
+    monkeypatch.setattr(ray.train, "report", report)
+    for async_upload in (False, True, True):
+        with pytest.raises(RuntimeError):
+            saver.report_to_ray({"step": 1}, lambda ckpt, name: None, async_upload=async_upload, dir_name="c")
+    folder = tmp_path / f"behemoth-empty-checkpoint-{os.getuid()}"
+    assert handed == [(str(folder), False)] * 3
+    assert [p.name for p in tmp_path.iterdir()] == [folder.name] and not any(folder.iterdir())

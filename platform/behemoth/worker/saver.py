@@ -113,16 +113,20 @@ def report_to_ray(metrics: dict, upload_fn=None, *, async_upload: bool = False, 
     """The one call of ray.train.report: the metrics, and with `upload_fn` a checkpoint that it writes (Ray
     Train hands it an empty folder and the checkpoint's place; the files go where upload_fn puts them), in Ray
     Train's upload thread where `async_upload`. `dir_name`: the checkpoint's folder name, agreed by the ranks."""
-    # an empty folder Ray Train only names: removed here after a synchronous upload; after an asynchronous one
-    # Ray Train removes it (delete_local_checkpoint_after_upload defaults to true in ASYNC mode)
-    folder = tempfile.mkdtemp(prefix="behemoth-report-") if upload_fn is not None else None
     mode = ray.train.CheckpointUploadMode.ASYNC if async_upload else ray.train.CheckpointUploadMode.SYNC
-    try:
-        ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(folder) if folder else None,
-                         checkpoint_dir_name=dir_name, checkpoint_upload_mode=mode, checkpoint_upload_fn=upload_fn)
-    finally:
-        if folder and not async_upload:
-            shutil.rmtree(folder, ignore_errors=True)
+    checkpoint = ray.train.Checkpoint.from_directory(_empty_folder()) if upload_fn is not None else None
+    # Ray Train deletes the reported folder only after a successful upload: never ours, which stays empty
+    ray.train.report(metrics, checkpoint=checkpoint, checkpoint_dir_name=dir_name, checkpoint_upload_mode=mode,
+                     checkpoint_upload_fn=upload_fn, delete_local_checkpoint_after_upload=False)
+
+
+def _empty_folder() -> str:
+    """The folder every checkpoint report hands Ray Train, which requires one: the upload functions write the
+    files straight to the run's storage, so it stays empty. One per user, kept: a folder made per report would
+    be left behind by each upload that fails and each process killed before Ray Train removes it."""
+    path = os.path.join(tempfile.gettempdir(), f"behemoth-empty-checkpoint-{os.getuid()}")
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    return path
 
 
 def _commit_sharded(writer: ShardedWriter, written, folder: str, small, local: bool, step: int, needed: int,
