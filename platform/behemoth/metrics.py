@@ -125,8 +125,8 @@ def peak_flops(device, precision: str, override_tflops: float | None = None) -> 
     """(peak FLOP/s of one device, where the figure comes from), or (None, why not).
 
     Only a peak the device cannot beat makes MFU meaningful: the user's `train.peak_tflops`, or a known GPU's
-    data sheet. A CPU has no such figure here (a matmul timed on cores that other processes share was beaten
-    by the model itself: 101-102 % "MFU" in sweep trials), nor has a GPU missing from the table: for those the
+    data sheet. A CPU has no such figure here (a matmul timed on cores that other processes share is no
+    ceiling: the model itself can beat it), nor has a GPU missing from the table: for those the
     reports carry the achieved TFLOP/s instead, and MFU only once train.peak_tflops is set."""
     import torch
 

@@ -38,7 +38,7 @@ from behemoth.errors import CheckpointError
 
 INDEX_FILE = f"{STATE_DIR}/.metadata"
 
-# What DCP's index may name (seen in the pickles DCP 2.x writes): anything else would be a call into other code.
+# What DCP's index may name (the classes DCP 2.x pickles into it): anything else would be a call into other code.
 _INDEX_CLASSES = {
     **{("torch.distributed.checkpoint.metadata", c.__name__): c for c in (
         dcp_metadata.Metadata, dcp_metadata.StorageMeta, dcp_metadata.MetadataIndex,

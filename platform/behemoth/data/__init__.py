@@ -43,11 +43,10 @@ def ordered_data_context(ray_data_log_level: int = logging.WARNING):
 # Ray Data runs a dataset's scheduling loop in a thread of the process that iterates it: for behemoth's
 # pipelines, the training worker. Ray 2.60's loop blocks only in ray.wait on running tasks, which returns at
 # once when finished tasks' outputs are held back by backpressure (the consumer, training, is the slow side):
-# it then spins, updating resource budgets and Prometheus gauges hundreds of times a second. A py-spy profile of
-# a demo training worker counted the loop's thread as busy as the training thread itself (707 vs 682 samples
-# of 25 s), competing with it for the GIL and the core. While the consumer has batches waiting (it is not
-# idle), nothing the loop could do is urgent: behemoth paces it to one step per SCHEDULER_PAUSE_S. When the
-# consumer waits for data, the loop runs at full speed as before.
+# it then spins, updating resource budgets and Prometheus gauges without pause, and competes with the training
+# thread for the GIL and the core. While the consumer has batches waiting (it is not idle), nothing the loop
+# could do is urgent: behemoth paces it to one step per SCHEDULER_PAUSE_S. When the consumer waits for data,
+# the loop runs at full speed.
 SCHEDULER_PAUSE_S = 0.02
 
 

@@ -442,8 +442,8 @@ def rank_dataset(index_table: pa.Table, indices: np.ndarray, cfg: ImageData, *, 
     blocks = [rows.slice(i, block) for i in range(0, max(rows.num_rows, 1), block)]
     # from_blocks, not from_arrow: from_arrow reads each block's metadata in a remote task that asks for a
     # whole CPU, which never runs while the training workers hold all but a fraction of every node's CPUs
-    # (two 0.75-CPU trials of a sweep on 2 cores hung there). from_blocks computes it here, and keeps the
-    # blocks as given.
+    # (a sweep's fractional-CPU trials), so the pipeline would hang. from_blocks computes it here, and keeps
+    # the blocks as given.
     return ray.data.from_blocks(blocks).map_batches(
         transform_batch,
         batch_format="numpy",

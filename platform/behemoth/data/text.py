@@ -488,7 +488,7 @@ def _hf_blocks(ds, text_field: str) -> list:
     Not ray.data.from_huggingface: for a Dataset that is not a hub dataset as published (a local
     save_to_disk folder, a transformed one) it first tries to reload it by its builder name (`json`,
     `parquet`, ...) to compare fingerprints, and with no data files given that builder globs the working
-    directory recursively (171 s for the tests' 280 documents from the repository root). Then it falls back
+    directory recursively (slow from a large folder, such as a repository root). Then it falls back
     to this very read: the dataset's Arrow table, already on this node (memory-mapped)."""
     table = ds.select_columns([text_field]).with_format("arrow")[:]
     return [table.slice(i, HF_ROWS_PER_BLOCK) for i in range(0, max(table.num_rows, 1), HF_ROWS_PER_BLOCK)]

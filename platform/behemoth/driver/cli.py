@@ -158,8 +158,8 @@ def run(argv: list[str] | None = None) -> None:
 def exit_at_once(status: int) -> None:
     """End this process with `status` once everything written is out: streams flushed, the atexit handlers run
     (behemoth's console, logging's, Ray's shutdown). What it skips is the interpreter's own teardown, which
-    with Ray's, torch's and gloo's native libraries loaded took 2.0 s after the last handler on the demo
-    (no Python frame left to run, nothing written): seconds a user waited for nothing at every run's end."""
+    with Ray's, torch's and gloo's native libraries loaded takes seconds after the last handler, with no
+    Python frame left to run and nothing written: a wait for nothing at every run's end."""
     import atexit
     import os
 
@@ -231,7 +231,7 @@ def _process_start() -> float | None:
             after_name = f.read().rsplit(")", 1)[1].split()  # the name may hold spaces; fields from the 3rd on
         since_boot = int(after_name[19]) / os.sysconf("SC_CLK_TCK")  # field 22: starttime, in ticks after boot
         # Dated from now back, on the clock starttime counts on (CLOCK_BOOTTIME): /proc/stat's btime is whole
-        # seconds, which put the start up to 1 s early.
+        # seconds, which would put the start up to 1 s early.
         started = time.time() - (time.clock_gettime(time.CLOCK_BOOTTIME) - since_boot)
     except (OSError, ValueError, IndexError, AttributeError):
         return None

@@ -13,11 +13,11 @@ class OrphanedPlacementGroupReaper:
 
     A Ray Train race (Ray 2.60): when Tune stops a trial while its Ray Train controller is starting a worker
     group, the controller gets SIGTERM, stops its placement-group cleaner on the way out, and, still draining
-    its control loop (an async actor), creates the worker group's placement group ~0.15 s later. Nothing then
-    owns that group: GCS removes a dead actor's group only once its job has ended too. Each one held a
-    trial's CPUs for the rest of the sweep (seen in tests/integration/test_tune.py: 0.5 CPU still held after
-    the sweep). A group whose creator actor is dead can never be used again, so removing it is safe; GCS
-    says which (`creator_actor_dead`), no dashboard needed.
+    its control loop (an async actor), goes on to create the worker group's placement group, which GCS registers
+    after the controller is dead. Nothing then owns that group: GCS removes a dead actor's group only once its
+    job has ended too, so it holds a trial's CPUs for the rest of the sweep. A group whose creator actor is
+    dead can never be used again, so removing it is safe; GCS says which (`creator_actor_dead`), no dashboard
+    needed.
     """
 
     def __init__(self, every_s: float = 2.0, settle_s: float = 30.0, quiet_s: float = 3.0):
@@ -34,9 +34,8 @@ class OrphanedPlacementGroupReaper:
 
     def __exit__(self, *exc):
         """Reap until no trial controller of this job is alive and none of their groups has turned up for
-        `quiet_s`: a dying controller's last group request reaches GCS after the controller is already dead
-        (a fresh-clone sweep test once found such a group 60 s after the sweep, the reaper having stopped as
-        soon as the last controller was gone)."""
+        `quiet_s`: a dying controller's last group request reaches GCS after the controller is already dead,
+        so a reaper that stopped as soon as the last controller was gone could miss it."""
         self.done.set()
         self.thread.join()
         deadline, quiet_since = time.monotonic() + self.settle_s, None
@@ -66,8 +65,8 @@ def reap_orphaned_placement_groups() -> list[str]:
     job = ray.get_runtime_context().get_job_id()
     ended = {j["JobID"] for j in state.job_table() if j.get("IsDead")}
     # The actor table, not the group's creator_actor_dead flag: GCS sets that flag when the creator dies, so a
-    # group registered after its creator's death (the race above) never gets it. (Seen too: a dead job's group
-    # whose creator and job were both dead, left CREATED.)
+    # group registered after its creator's death (the race above) never gets it. An ended job's group can also
+    # stay CREATED with its creator dead.
     dead = {actor_id for actor_id, actor in state.actor_table(None).items() if actor.get("State") == "DEAD"}
     reaped = []
     for raw in state._connect_and_get_accessor().get_placement_group_table():

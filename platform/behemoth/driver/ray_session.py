@@ -46,38 +46,36 @@ def ensure_ray() -> None:
 # Ray starts its worker processes at niceness 15, below its own daemons (raylet, GCS, dashboard agent) and the
 # driver, so that the control plane stays responsive on nodes that tasks saturate. On a local instance the
 # training workers (and their decode tasks) are the workload: at niceness 15 they yield the CPU to every
-# daemon wake-up, and on 2 cores the image pipeline trained ~25% slower (P2 in BENCHMARKS.md: 138-163
-# images/s at 15, 194-202 at 0). A cluster started with `ray start` keeps Ray's default.
+# daemon wake-up, which slows training where they share a few cores with the daemons (BENCHMARKS.md, P2). A
+# cluster started with `ray start` keeps Ray's default.
 #
 # Ray also kills a task worker process after 1 s idle once the node has more worker processes than CPUs, which
 # a node running training workers always has. Each epoch's decode tasks finish early in the epoch (training is
-# the slow side), so their processes were killed mid-epoch and new ones started for the next epoch: two new
-# processes per epoch in the demo (seen in `ps`), each importing Ray, Ray Data and the decode code again,
-# seconds of CPU taken from training on every epoch. Kept idle for a minute, they serve the next epoch.
+# the slow side), so their processes would be killed mid-epoch and new ones started for the next epoch, each
+# importing Ray, Ray Data and the decode code again on the cores training uses. Kept idle for a minute, they
+# serve the next epoch.
 #
 # Ray also starts one idle worker process per CPU when the driver connects, for tasks in the driver's runtime
 # environment. behemoth's processes all run in another (Ray Train's controller and workers, and every task a
-# worker submits, carry Ray Train's environment variables), so those processes were never used: each imported
-# Ray at the moment Ray Train's own processes start, on the same cores (2 x ~1 s of CPU here; seen in `ps`:
-# two `ray::IDLE` from the start to the end of the demo). The processes behemoth does use are started ahead
-# on purpose (driver/warmup.py).
+# worker submits, carry Ray Train's environment variables), so those processes would never be used, and each
+# would import Ray at the moment Ray Train's own processes start, on the same cores. The processes behemoth
+# does use are started ahead on purpose (driver/warmup.py).
 LOCAL_RAY_SYSTEM_CONFIG = {"worker_niceness": 0, "idle_worker_killing_time_threshold_ms": 60_000,
                            "prestart_worker_first_driver": False}
 
 
 # Exact resume needs the same float results for the same values, wherever they sit in memory. Intel MKL (torch's
 # BLAS on x86 CPUs) does not promise that by default: it may take another code path for an operand at another
-# alignment. Seen on AMD EPYC (AVX2): a [64 x 48] @ [48 x 1] matmul gave different bits at 12 of 16 float offsets
-# (tests/unit/test_determinism.py). It matters where operands are views at arbitrary offsets, as PowerSGD's
-# matrices are views into DDP's flat gradient buckets, whose layout differs between a restored run (DDP's initial
-# buckets) and the run it continues (buckets rebuilt after step 1): the restored run differed by 1.5e-8.
+# alignment, and so give different bits (tests/unit/test_determinism.py). It matters where operands are views at
+# arbitrary offsets, as PowerSGD's matrices are views into DDP's flat gradient buckets, whose layout differs
+# between a restored run (DDP's initial buckets) and the run it continues (buckets rebuilt after step 1).
 # MKL's conditional numerical reproducibility in STRICT mode removes the dependence on alignment and keeps the
-# best instruction set (no measurable cost on the demo models). A value the user sets wins.
+# best instruction set. A value the user sets wins.
 REPRODUCIBLE_BLAS_ENV = {"MKL_CBWR": "AUTO,STRICT"}
 
 
 # Ray Train replaces print() in its workers with a version that logs the line and, because Ray's worker wraps
-# sys.stdout, prints it as well: a user's print() in their own model, loss or task showed twice on the console.
+# sys.stdout, prints it as well: a user's print() in their own model, loss or task would show twice.
 # Off, print() is Python's again (one line, forwarded by Ray like any worker output). A value the user sets wins.
 PRINT_PATCH_ENV = {"RAY_TRAIN_ENABLE_PRINT_PATCH": "0"}
 
@@ -106,8 +104,8 @@ REPORT_POLL_ENV, REPORT_POLL_S = "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.2"
 # Ray Train starts a preemption watcher per worker group (an actor process that polls Ray for nodes being
 # drained: a cloud's spot instances; Ray Train then waits out the drain and restarts the group, charging a
 # separate retry budget). The local instance behemoth starts is one machine whose loss ends the run anyway:
-# there the watcher was only one more process importing Ray while the first epoch's pipeline starts, and it is
-# off. Anywhere else (`ray job submit`, or a caller's own ray.init, which may reach a cluster that adds spot
+# there the watcher would only be one more process importing Ray while the first epoch's pipeline starts, so it
+# is off. Anywhere else (`ray job submit`, or a caller's own ray.init, which may reach a cluster that adds spot
 # nodes later) it stays on. A value the user sets wins.
 PREEMPTION_WATCHER_ENV = "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"
 
@@ -142,10 +140,9 @@ def warm_up_data_processes(cfg: JobConfig, data) -> list:
     Ray gives a task an idle process whose runtime environment has the same serialized form, not only the same
     content. A child's environment is merged with its parent's and written out anew, except where the parent's
     is empty: a training worker's (merged through the controller's) and a task's from a driver with an empty
-    job environment have the same variables and different texts, and no process was shared (measured: the
-    warm processes stayed idle while the decode tasks started four new ones). behemoth's local instance
-    therefore gives the job its worker variables (ensure_ray), so that both go through the merge; where the
-    job's environment is empty (a caller's own ray.init) nothing is started."""
+    job environment have the same variables and different texts, so they would share no process. behemoth's
+    local instance therefore gives the job its worker variables (ensure_ray), so that both go through the
+    merge; where the job's environment is empty (a caller's own ray.init) nothing is started."""
     import ray
 
     modules = task_of(cfg).data_modules(cfg, data)

@@ -5,8 +5,8 @@ detached actor per cluster) when it starts, and withdraws them when it ends. A c
 driver (SIGKILL, `ray job stop`, a lost machine) never withdraws them: the coordinator keeps them reserved
 for the request's lifetime, 180 s. A fixed-size run does not ask the coordinator before it starts, but an
 elastic one (`scaling.num_workers: [min, max]`) starts only the workers its reservation covers: after a
-killed driver, every elastic run on the cluster, the killed run's own rerun included, waited with the
-cluster idle until the dead request expired (seen: 145 s from fit to the first worker group).
+killed driver, every elastic run on the cluster, the killed run's own rerun included, would wait with the
+cluster idle until the dead request expires.
 
 The recorder writes each controller's Ray Train run id to the run's timeline (`controller_start`); an
 invocation with no `invocation_end` died with its driver, and the run lock (driver/runlock.py) makes sure

@@ -217,8 +217,8 @@ def _train(cfg: JobConfig, callbacks: list | None, tracking, end_ray: bool = Fal
     retire_unregistered(cfg, result.best_checkpoints or [], fence)
     summary = _summarise(cfg, result, time.time() - started)
     returned = result.return_value or {}
-    # Ray's local shutdown (1.5-1.8 s on the demo, mostly waiting for its processes to end) and the run's last
-    # records (the report's plots: 2-3 s of CPU) need nothing of each other: side by side, not one after the other.
+    # Ray's local shutdown (mostly waiting for its processes to end) and the run's last records (the report's
+    # plots: CPU-bound) need nothing of each other and each take seconds: side by side, not one after the other.
     ending = threading.Thread(target=ray_session.end_ray, args=(end_ray,), name="behemoth-end-ray")
     ending.start()
     try:

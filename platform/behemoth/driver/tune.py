@@ -203,8 +203,8 @@ def _scheduler(sweep_cfg: SweepConfig, job: JobConfig):
     max_t = asha_max_t(sweep_cfg, job)
     # No decision at the run's end: ASHA puts a rung at max_t itself, where "stopping" a trial that has
     # trained to its end kills its Ray Train controller while it shuts down, after it has released Ray
-    # Train's placement-group cleaner and before it has removed its placement group (seen: a leaked group
-    # holding a CPU after the sweep). A max_t a hair below the run's length keeps the rungs below it.
+    # Train's placement-group cleaner and before it has removed its placement group, which then holds its CPUs
+    # after the sweep. A max_t a hair below the run's length keeps the rungs below it.
     # stop_last_trials=False: a trial ends by itself (and writes its summary).
     return ASHAScheduler(time_attr=s.time_attr, max_t=max_t * (1 - 1e-6), grace_period=s.grace_period,
                          reduction_factor=s.reduction_factor, stop_last_trials=False)

@@ -1,9 +1,9 @@
 """Start the data pipeline's worker processes while Ray Train starts its own (a local Ray instance only).
 
-On a fresh local instance, the first training batch waited for processes that only start once the training
+On a fresh local instance, the first training batch would wait for processes that only start once the training
 workers open their first epoch: Ray Data's stats actor, then one decode process per rank's pipeline, each
-importing Ray Data and the task's decode code (~1 s of CPU each). Those seconds sat on the path to the first
-step, after Ray Train's own chain (controller, then the workers). Started from the driver just before `fit`, the
+importing Ray Data and the task's decode code. Those imports would sit on the path to the first step, after
+Ray Train's own chain (controller, then the workers). Started from the driver just before `fit`, the
 same processes come up while the controller starts and are idle, imports done, when the first decode tasks
 arrive: Ray hands a task an idle process of the same job and runtime environment, and a task submitted by a
 training worker carries the worker's runtime environment, which `start` is given
@@ -32,8 +32,8 @@ def start(modules: tuple[str, ...], processes: int, runtime_env: dict) -> list:
 
     task = ray.remote(_import).options(num_cpus=0, runtime_env=runtime_env, name="behemoth.warm_up")
     refs = [task.remote(modules) for _ in range(processes)]
-    # after the tasks: Ray starts as many processes at once as the node has CPUs, and a task that found none
-    # started for it ran after the first, in its process
+    # after the tasks: Ray starts as many processes at once as the node has CPUs, and a task that finds none
+    # started for it runs after the first, in its process
     start_data_stats_actor()
     return refs
 
@@ -43,10 +43,10 @@ def start_data_stats_actor() -> None:
 
     Ray Data keeps one named, detached `_StatsActor` per cluster, created by the first process that runs a
     dataset. In a sweep that is a trial: its processes run inside the trial's placement group, which captures
-    the actors they create, so the stats actor was placed in that group and killed when the trial ended. A
-    dataset another trial was iterating then sent its metrics to a new stats actor that had never registered
-    it: `KeyError: 'dataset_...'` tracebacks on the console of runs that were fine. Created from a driver, it
-    is in no placement group and lives as long as the cluster; a run's first batch no longer waits for it.
+    the actors they create, so the stats actor would be placed in that group and killed when the trial ends. A
+    dataset another trial is iterating then sends its metrics to a new stats actor that never registered it:
+    `KeyError: 'dataset_...'` tracebacks on the console of runs that are fine. Created from a driver, it is in
+    no placement group and lives as long as the cluster, and a run's first batch does not wait for it.
     Returns at once (the actor starts in the background); one that exists is kept.
     """
     from ray.data._internal.stats import get_or_create_stats_actor

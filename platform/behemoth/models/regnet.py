@@ -12,11 +12,10 @@ a ResNet-style residual block (1x1 -> 3x3 -> 1x1, no width reduction).
 The workers train `RegNetX`, written here in plain torch with transformers' module layout: the same
 parameter names, the same operations in the same order, and the same initial weights for the same seed
 (tests/unit/test_models.py checks all three against `RegNetForImageClassification`). Importing transformers'
-modelling code costs every training worker 4-7 s on 2 cores (it pulls in torch._dynamo and DTensor); only
+modelling code costs every training worker seconds (it pulls in torch._dynamo and DTensor); only
 `to_transformers()` (export) imports it.
 
-On the demo images (10 classes, 32x32) `regnet_tiny_cifar` reaches 0.99 validation accuracy in 10 epochs
-at a quarter of the step time of the CIFAR-stem ResNet it replaced (which needed 6 epochs).
+`regnet_tiny_cifar`'s accuracy and step time on the demo images: BENCHMARKS.md.
 """
 
 from __future__ import annotations
@@ -114,7 +113,7 @@ class _Backbone(nn.Module):
 class Output(NamedTuple):
     """What the model returns: `.logits`, like a transformers model's output. A named tuple, so that torch's
     pytree sees the tensor in it: FSDP hooks the output's tensors to gather the parameters again for backward
-    (an object it cannot look into left the first backward without them)."""
+    (an object it cannot look into would leave the first backward without them)."""
 
     logits: torch.Tensor
 

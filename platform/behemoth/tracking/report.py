@@ -330,7 +330,7 @@ def _save(figures: dict, out: str) -> dict[str, str]:
 
 
 def _margins(fig, right: float = 0.97) -> None:
-    """Fixed margins (tight_layout draws every figure once more to measure it: half the report's time)."""
+    """Fixed margins (tight_layout draws every figure an extra time to measure it)."""
     fig.subplots_adjust(left=0.11, right=right, bottom=0.15, top=0.9)
 
 

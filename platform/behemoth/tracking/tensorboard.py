@@ -75,8 +75,8 @@ class TensorBoardLog:
             self.mirror()
 
     def finish(self) -> None:
-        """Close, copy the event files to the run folder (under a URI) and remove the local copies. Before,
-        every run on a URI left a folder of event files in the temp directory (185 of them piled up here)."""
+        """Close, copy the event files to the run folder (under a URI) and remove the local copies, which would
+        otherwise stay in the temp directory after every run on a URI."""
         try:
             if self.writer is not None:
                 self.close()  # copies the files

@@ -59,8 +59,8 @@ def _stacked(sums: dict, names: tuple[str, ...], like: torch.Tensor) -> torch.Te
 
 # Evaluation batches kept in this worker process, for tasks whose evaluation batches are the same every time
 # (`eval_batches_repeat`, e.g. images: centre crop, no augmentation): (split, batch size, indices) -> batches
-# on the CPU, or None where they outgrew KEEP_BYTES. The demo's 8 evaluations each built a new Ray Data
-# pipeline (~1.5 s of start-up on 2 cores for 260 images per rank); kept, the 2nd to 8th are forwards only.
+# on the CPU, or None where they outgrew KEEP_BYTES. Otherwise every evaluation would build a new Ray Data
+# pipeline and pay its start-up; kept, every evaluation after the first is forwards only.
 _KEPT: dict = {}
 KEEP_BYTES = 256 * 2**20  # per worker: CIFAR-size validation sets fit many times; ImageNet's does not
 

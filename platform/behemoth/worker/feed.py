@@ -3,12 +3,12 @@ current epoch ends.
 
 Each epoch has its own pipeline (the image task's is a Ray Dataset over the rank's samples in the epoch's
 order): starting one costs seconds before its first batch (the execution plan, the first decode tasks, the
-processes that run them), which the training steps would wait through at every epoch start (the demo: ~3 s per
-epoch on 2 cores, most of its data-wait). So, `LOOKAHEAD_STEPS` before an epoch's end, a background thread
-builds the next epoch's pipeline and pulls its first micro-batches: its start-up overlaps the last steps
-and the end-of-epoch evaluation. The run's first epoch is opened the same way right after the restore, so
-that rank 0's FLOP count overlaps its start-up. The order is unchanged: the next epoch's samples depend only on (seed,
-epoch, rank, world size), as they do when it is started at the boundary; a resume starts mid-epoch as before.
+processes that run them), which the training steps would wait through at every epoch start. So,
+`LOOKAHEAD_STEPS` before an epoch's end, a background thread builds the next epoch's pipeline and pulls its
+first micro-batches: its start-up overlaps the last steps and the end-of-epoch evaluation. The run's first
+epoch is opened the same way right after the restore, so that rank 0's FLOP count overlaps its start-up. The
+order is unchanged: the next epoch's samples depend only on (seed, epoch, rank, world size), as they do when it
+is started at the boundary; a resume starts mid-epoch, as it would without the lookahead.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterable, Iterator
 from behemoth.checkpoint import TrainState
 from behemoth.data.order import rank_train_indices
 
-LOOKAHEAD_STEPS = 4  # ~1 s of steps here, plus the end-of-epoch evaluation: what a pipeline's start-up needs
+LOOKAHEAD_STEPS = 4  # these steps plus the end-of-epoch evaluation are what overlaps a pipeline's start-up
 
 
 class EpochFeed:

@@ -138,9 +138,9 @@ class PowerSGD:
     A restored run therefore continues with exactly the state it saved.
 
     On gloo each bucket's exchange completes before the next starts: PowerSGD all-reduces P, then Q from P's
-    completion callback, and with several buckets in flight gloo saw those second all-reduces issued in an
-    order that differed between ranks (seen: "op.preamble.length <= op.nbytes" aborts on 2 CPU workers). On
-    CPU there is little communication to overlap anyway; NCCL keeps torch's asynchronous exchange.
+    completion callback, and with several buckets in flight those second all-reduces can be issued in an
+    order that differs between ranks, which gloo aborts on ("op.preamble.length <= op.nbytes"). On CPU
+    there is little communication to overlap anyway; NCCL keeps torch's asynchronous exchange.
     """
 
     def __init__(self, state, module, in_order: bool):

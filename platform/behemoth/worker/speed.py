@@ -11,7 +11,7 @@ class SpeedMeter:
     """Achieved TFLOP/s, MFU and peak memory for the reports. The model's FLOPs per sample are counted once,
     before training, on a forward of one example batch, by rank 0 only: the run's metrics are rank 0's (Ray
     Train keeps rank 0's report), and torch's FLOP counter costs seconds the first time in a process (it
-    imports torch._dynamo: 1.9 s on an idle core, 3.5 s with both demo workers doing it at once on 2 cores).
+    imports torch._dynamo), more where several workers share the cores.
     MFU only where the device's peak is known (a GPU's data sheet, or train.peak_tflops): see
     metrics.peak_flops."""
 
