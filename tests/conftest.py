@@ -74,9 +74,14 @@ def stop_local_ray() -> None:
 def ray_local():
     """The shared local Ray instance (see _LOCAL_RAY), started if this module needs a new one."""
     import ray
-    from behemoth.driver.ray_session import LOCAL_RAY_SYSTEM_CONFIG
+    from behemoth.driver.ray_session import LOCAL_RAY_SYSTEM_CONFIG, PREEMPTION_WATCHER_ENV
 
     env = {k: os.environ.get(k) for k in _INHERITED}
+    # As on the local instance behemoth starts (ray_session.set_ray_train_env): no preemption watcher, one process
+    # fewer to start with every worker group; while this module runs only (the modules that start Ray another
+    # way, `ray start` or the dashboard, keep Ray's default).
+    ours = PREEMPTION_WATCHER_ENV not in os.environ
+    os.environ.setdefault(PREEMPTION_WATCHER_ENV, "0")
     if _LOCAL_RAY["env"] != env or not ray.is_initialized():
         stop_local_ray()
         # as behemoth starts a local instance (workers at niceness 0)
@@ -86,7 +91,11 @@ def ray_local():
                  # the examples by their import paths from the repository root (examples.custom_model:...)
                  runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), str(REPO)])}})
         _LOCAL_RAY["env"] = env
-    yield
+    try:
+        yield
+    finally:
+        if ours:
+            os.environ.pop(PREEMPTION_WATCHER_ENV, None)
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -329,7 +329,8 @@ def test_a_local_ray_runs_its_workers_at_normal_priority():
     """
     # As a user's shell has it: no RAY_ADDRESS, no RAY_AUTH_MODE (Ray turns token auth on by default); the
     # token stays the tests' (RAY_AUTH_TOKEN_PATH), not ~/.ray's.
-    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_AUTH_MODE")}
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RAY_ADDRESS", "RAY_AUTH_MODE", "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER")}  # (conftest's)
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert "niceness 0" in out.stdout, out.stdout + out.stderr[-3000:]
     assert "idle 0\n" in out.stdout and "watcher 0\n" in out.stdout, out.stdout
