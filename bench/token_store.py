@@ -13,7 +13,8 @@ worker is reading; a corpus read from a cold disk adds the disk's read time (not
 --uri: a token store in a bucket of the S3 test server (moto's server; 8,192 generated blocks of 1,024 tokens
 in 2 MB shards), read as the workers read it (TokenShards: prefetch of the next batch, then gather) for one
 pass in a shuffled order (training) and one in order (evaluation), with nearby blocks in one request (now)
-and with one request per block (before: REMOTE_HOLE_BYTES < 0). Prints requests per batch and ms per batch.
+and with one request per block (before: REMOTE_HOLE_BYTES < 0). Prints requests per batch and ms per batch,
+and the once-per-node check of every shard's sha256 (one full read of each) on its own line.
 """
 
 from __future__ import annotations
@@ -45,6 +46,15 @@ def uri_requests(batch: int = 32, blocks: int = 8192, seq_len: int = 1024) -> No
         shards = writer.finish()
         (Path(tmp) / "meta.json").write_text("{}")
         upload(Path(tmp), "s3://tokens/cache")
+        # Each shard's sha256 is checked once per node, on its first read (a full read of it): timed here, for
+        # all shards; the passes below then find them checked (the node's markers, in this run's temp folder).
+        tempfile.tempdir = tmp
+        fs, root = token_store.filesystem("s3://tokens/cache")
+        t = time.perf_counter()
+        for shard in shards:
+            token_store.verify_once(f"{root}/{shard['file']}", shard, "s3://tokens/cache", fs)
+        print(f"shard check, once per node: {len(shards)} shards of {shards[0]['bytes'] / 1e6:.1f} MB, one full read "
+              f"each, {(time.perf_counter() - t) * 1e3:.0f} ms in all", flush=True)
         orders = {"shuffled (training)": np.random.default_rng(1).permutation(blocks),
                   "in order (evaluation)": np.arange(blocks)}
         for hole, name in ((-1, "one request per block (before)"), (token_store.REMOTE_HOLE_BYTES, "nearby blocks "

@@ -272,8 +272,13 @@ def tensor_bytes(tree) -> int:
 
 
 def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
     with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
+        return stream_sha256(f)
+
+
+def stream_sha256(f) -> str:
+    """The sha256 of what an open binary file or pyarrow stream holds from its position to its end."""
+    h = hashlib.sha256()
+    for chunk in iter(lambda: f.read(1 << 20), b""):
+        h.update(chunk)
     return h.hexdigest()

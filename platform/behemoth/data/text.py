@@ -53,7 +53,7 @@ from behemoth.data.token_store import ShardWriter, TokenBlocks, TokenShards, loa
 from behemoth.errors import ConfigError
 from behemoth.progress import progress
 
-CACHE_VERSION = 3  # 3: each block stored with its index (token_store.py); 2: shards of tokens; 1: train.npy
+CACHE_VERSION = 4  # 4: shards with their sha256; 3: each block with its index; 2: shards of tokens; 1: train.npy
 UNIT_BYTES = 1 << 20  # a line-oriented file is cut into work units of about this many bytes
 _FORMATS = {".txt": "txt", ".text": "txt", ".jsonl": "jsonl", ".json": "jsonl", ".parquet": "parquet"}
 

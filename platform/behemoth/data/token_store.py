@@ -21,9 +21,13 @@ Two ways the workers read them (data.token_store):
 
 from __future__ import annotations
 
+import fcntl
+import hashlib
 import io
 import mmap
+import os
 import shutil
+import tempfile
 import threading
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -32,7 +36,7 @@ from pathlib import Path
 import numpy as np
 
 from behemoth import paths
-from behemoth.checkpoint import filesystem, read_file
+from behemoth.checkpoint import filesystem, read_file, stream_sha256
 from behemoth.errors import DataError
 
 SHARD_BYTES = 64 << 20
@@ -77,7 +81,7 @@ class ShardWriter:
             self.pending, self.pending_blocks = [rest], len(rest)
 
     def finish(self) -> list[dict]:
-        """The shard table: [{"file", "blocks", "bytes"}] in block order."""
+        """The shard table: [{"file", "blocks", "bytes", "sha256"}] in block order."""
         if self.pending_blocks:
             self._write(np.concatenate(self.pending))
         self.pending, self.pending_blocks = [], 0
@@ -85,9 +89,12 @@ class ShardWriter:
 
     def _write(self, blocks: np.ndarray) -> None:
         name = f"{self.split}-{len(self.shards):05d}.npy"
-        np.save(self.folder / name, as_records(blocks.astype(self.dtype, copy=False), self.written))
+        path = self.folder / name
+        np.save(path, as_records(blocks.astype(self.dtype, copy=False), self.written))
         self.written += len(blocks)
-        self.shards.append({"file": name, "blocks": len(blocks), "bytes": (self.folder / name).stat().st_size})
+        with open(path, "rb") as f:  # (just written: read from the page cache)
+            digest = stream_sha256(f)
+        self.shards.append({"file": name, "blocks": len(blocks), "bytes": path.stat().st_size, "sha256": digest})
 
 
 class TokenBlocks:
@@ -118,9 +125,54 @@ def load_blocks(folder: str | Path, shards: list[dict], seq_len: int, dtype) -> 
     """A split's blocks in memory (data.token_store: memory), from a local folder or a URI."""
     if not shards:
         return TokenBlocks(np.empty(0, block_records(seq_len, dtype)))
-    if paths.is_uri(str(folder)):
-        return TokenBlocks(np.concatenate([np.load(io.BytesIO(read_file(f"{folder}/{s['file']}"))) for s in shards]))
-    return TokenBlocks(np.concatenate([np.load(Path(folder) / s["file"]) for s in shards]))
+    arrays = []
+    for shard in shards:
+        where = f"{folder}/{shard['file']}"
+        data = read_file(where) if paths.is_uri(str(folder)) else Path(where).read_bytes()
+        if len(data) != shard["bytes"] or hashlib.sha256(data).hexdigest() != shard["sha256"]:
+            raise DataError(_damaged(where, folder, shard, len(data) if len(data) != shard["bytes"] else None))
+        arrays.append(np.load(io.BytesIO(data)))
+    return TokenBlocks(np.concatenate(arrays))
+
+
+def _damaged(where: str, folder, shard: dict, size: int | None = None) -> str:
+    """The message for a shard that is not what its cache's meta.json says (`size`: its bytes, if they differ)."""
+    what = (f"has {size} bytes, its cache's meta.json says {shard['bytes']}" if size is not None
+            else "does not hold what its cache's meta.json says (its sha256 differs)")
+    return f"token shard {where} {what}: the cache is damaged; delete {folder} and rerun to rebuild it"
+
+
+def verify_once(where: str, shard: dict, folder: str, fs=None) -> None:
+    """Check a shard file (a local path, or a path on the pyarrow filesystem `fs`) against its size and sha256
+    in the cache's meta.json, once per node: a marker in the node's temp folder, named by the file's place,
+    size, modification time and expected hash, records that it passed, so the other workers on the node, the
+    next epochs and later runs over the same unchanged file skip the read. One process hashes at a time (the
+    others wait, then find the marker). A file that fails is a DataError naming it."""
+    if fs is None:
+        st = os.stat(where)
+        size, stamp = st.st_size, f"{st.st_mtime_ns}:{st.st_ino}"
+    else:
+        info = fs.get_file_info(where)
+        size, stamp = info.size, str(info.mtime_ns)
+    if size != shard["bytes"]:
+        raise DataError(_damaged(f"{folder}/{shard['file']}", folder, shard, size))
+    key = hashlib.sha256(f"{fs.type_name if fs else 'local'}:{where}:{size}:{stamp}:{shard['sha256']}".encode())
+    marker = Path(tempfile.gettempdir(), f"behemoth-verified-shards-{os.getuid()}", key.hexdigest()[:32])
+    if marker.exists():
+        return
+    marker.parent.mkdir(mode=0o700, exist_ok=True)
+    fd = os.open(f"{marker}.lock", os.O_CREAT | os.O_RDWR, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # released when fd closes, also if this process dies
+        if marker.exists():
+            return
+        with (open(where, "rb") if fs is None else fs.open_input_stream(where)) as f:
+            digest = stream_sha256(f)
+        if digest != shard["sha256"]:
+            raise DataError(_damaged(f"{folder}/{shard['file']}", folder, shard))
+        marker.touch()
+    finally:
+        os.close(fd)
 
 
 def upload(local: Path, uri: str) -> None:
@@ -203,14 +255,11 @@ class TokenShards:
             shard = self.shards[s]
             path = Path(self.folder) / shard["file"]
             try:
-                size = path.stat().st_size
+                verify_once(str(path), shard, self.folder)
             except FileNotFoundError:
                 raise DataError(f"token shard {path} does not exist on this node: with data.token_store: files, "
                                 f"data.cache_dir must be a folder every node reads (one machine or a shared "
                                 f"filesystem), or use token_store: memory") from None
-            if size != shard["bytes"]:
-                raise DataError(f"token shard {path} has {size} bytes, its cache's meta.json says {shard['bytes']}: "
-                                f"the cache is damaged; delete {self.folder} and rerun to rebuild it")
             with open(path, "rb") as f:
                 m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
             rows = np.frombuffer(m, dtype=self.record, offset=self._header(s), count=shard["blocks"])
@@ -233,6 +282,8 @@ class RemoteBlocks:
         self.pool = ThreadPoolExecutor(REMOTE_READERS, thread_name_prefix="behemoth-blocks")
         self.pending: OrderedDict[int, tuple[Future, int]] = OrderedDict()  # block -> (its range's read, row)
         self.lock = threading.Lock()
+        self.gates: dict[int, threading.Lock] = {}  # shard -> held while it is checked (verify_once)
+        self.checked: set[int] = set()
         self.requests = 0
 
     def prefetch(self, ids: np.ndarray) -> list[tuple[Future, int]]:
@@ -278,6 +329,13 @@ class RemoteBlocks:
         shard = self.store.shards[s]
         path = f"{self.root}/{shard['file']}"
         try:
+            with self.lock:
+                gate = self.gates.setdefault(s, threading.Lock())
+            if s not in self.checked:
+                with gate:  # the reads of this shard wait for its check
+                    if s not in self.checked:
+                        verify_once(path, shard, self.store.folder, self.fs)
+                        self.checked.add(s)
             with self.lock:
                 f = self.files.get(path) or self.files.setdefault(path, self.fs.open_input_file(path))
             data = f.read_at(end - first, first)
