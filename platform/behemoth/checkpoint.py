@@ -222,7 +222,7 @@ def complete_checkpoints(folder: str | Path, fs=None) -> list[tuple[int, str]]:
     Unreadable train state counts as step -1 (verification names the problem when it is restored)."""
     from behemoth import paths
 
-    scheme = str(folder).split("://")[0] + "://" if fs is None and paths.is_uri(str(folder)) else ""
+    given_fs = fs
     fs, where = filesystem(folder, fs)
     found = []
     for path, complete in checkpoint_folders(where, fs):
@@ -231,7 +231,7 @@ def complete_checkpoints(folder: str | Path, fs=None) -> list[tuple[int, str]]:
                 step = read_state(path, fs).step
             except (OSError, ValueError, TypeError):
                 step = -1
-            found.append((step, scheme + path))
+            found.append((step, path if given_fs is not None else paths.as_uri_of(str(folder), path)))
     return sorted(found, reverse=True)
 
 

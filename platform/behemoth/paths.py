@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import re
+from dataclasses import dataclass
 
 from behemoth.errors import ConfigError
 
@@ -32,7 +33,7 @@ def as_uri_of(root: str, fs_path: str | None) -> str | None:
     filesystem's path is "bucket/..." and gets the root's scheme back; a local path is returned as it is."""
     if fs_path is None or not is_uri(root) or is_uri(fs_path):
         return fs_path
-    return f"{root.split('://')[0]}://{fs_path.lstrip('/')}"
+    return f"{root.split('://')[0]}://{fs_path}"  # (file://: the filesystem's path is absolute, /tmp/...)
 
 
 # A run or sweep name: letters, digits, '.', '_', '-'. Anything else means something else to some storage:
@@ -51,16 +52,36 @@ def check_name(key: str, name: str, max_len: int = NAME_MAX) -> None:
                           f"'.' '_' '-', not starting with '.' or '-'")
 
 
-def run_dir(storage_path: str, run_name: str) -> str:
-    """The folder of run `run_name` under `storage_path` (local: absolute)."""
-    check_name("checkpoint.run_name", run_name)  # also for a config the Python API never validated
-    return join(storage_root(storage_path), run_name)
+@dataclass(frozen=True)
+class RunPlace:
+    """Where one run or sweep lives: `storage` (a URI, or an absolute local path: what Ray takes as its
+    storage_path) and `name` (a checked plain folder name: Ray's run or experiment name). Built once from a
+    config (`of`) and handed along; every path of the run is joined here: `folder`, `join(...)`, a sweep trial's
+    place (`child`), a path on the storage's filesystem as the user names it (`as_uri`)."""
 
+    storage: str
+    name: str
 
-def split_run_dir(path: str) -> tuple[str, str]:
-    """(storage_path, run_name) of a run folder: run_dir's inverse."""
-    path = str(path).rstrip("/")
-    if is_uri(path):
-        head, _, name = path.rpartition("/")
-        return head, name
-    return os.path.dirname(path), os.path.basename(path)
+    @classmethod
+    def of(cls, storage_path: str, name: str, key: str = "checkpoint.run_name") -> RunPlace:
+        check_name(key, name)  # also for a config the Python API never validated
+        return cls(storage_root(storage_path), name)
+
+    @property
+    def folder(self) -> str:
+        """The run's folder (local: absolute; or a URI)."""
+        return join(self.storage, self.name)
+
+    def join(self, *parts: str) -> str:
+        """A path inside the run's folder."""
+        return join(self.folder, *parts)
+
+    def child(self, *parts: str) -> RunPlace:
+        """The place of a run inside this one's folder: parts[:-1] the folders on the way, parts[-1] its name
+        (a sweep's trial: child("runs", TRIAL_ID))."""
+        check_name("a run folder's name", parts[-1])
+        return RunPlace(self.join(*parts[:-1]), parts[-1])
+
+    def as_uri(self, fs_path: str | None) -> str | None:
+        """A path Ray gives on the storage's pyarrow filesystem, as the user names it (as_uri_of)."""
+        return as_uri_of(self.storage, fs_path)

@@ -94,6 +94,9 @@ def test_complete_checkpoints_lists_only_manifested_ones_newest_first(tmp_path):
     (tmp_path / "checkpoint_9" / "manifest.json").unlink()  # written but never completed
     assert [step for step, _ in checkpoint.complete_checkpoints(tmp_path)] == [6, 3]
     assert checkpoint.complete_checkpoints(tmp_path / "missing") == []
+    # under a URI (file://, through the same pyarrow calls as s3://) the paths come back as URIs
+    assert checkpoint.complete_checkpoints(f"file://{tmp_path}") == [(6, f"file://{tmp_path}/checkpoint_6"),
+                                                                    (3, f"file://{tmp_path}/checkpoint_3")]
 
 
 def test_snapshot_is_a_copy_and_reuses_its_buffers(tmp_path):

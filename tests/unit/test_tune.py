@@ -12,6 +12,7 @@ from behemoth.config import ConfigError
 from behemoth.driver.sweep_config import (SweepConfig, base_job, check_sweep, concurrency_bound, load_sweep,
                                           trial_job)
 from behemoth.driver.tune import sweep
+from behemoth.paths import RunPlace
 from conftest import job_dict
 
 REPO = Path(__file__).resolve().parents[2]
@@ -99,9 +100,10 @@ def test_trial_job_applies_params_lr_scaling_and_its_own_run_folder(tmp_path, im
     s = load_sweep(write_sweep(tmp_path, image_root, set=["train.global_batch_size=32"]))
     base = base_job(s)
     for scaling, factor in (("none", 1.0), ("linear", 2.0), ("sqrt", 2 ** 0.5)):
-        cfg = trial_job(base, {"train.lr": 0.1, "train.global_batch_size": 64}, scaling, str(tmp_path / "r/t1"))
+        trial = RunPlace.of(str(tmp_path), "sw", key="name").child("runs", "t1")
+        cfg = trial_job(base, {"train.lr": 0.1, "train.global_batch_size": 64}, scaling, trial)
         assert cfg.train.lr == pytest.approx(0.1 * factor) and cfg.train.global_batch_size == 64
-        assert (cfg.checkpoint.storage_path, cfg.checkpoint.run_name) == (str(tmp_path / "r"), "t1")
+        assert (cfg.checkpoint.storage_path, cfg.checkpoint.run_name) == (str(tmp_path / "sw" / "runs"), "t1")
     assert Path(base["data"]["root"]).is_absolute()
 
 
@@ -204,7 +206,7 @@ def test_a_sweep_whose_every_trial_failed_ends_on_one_line_naming_its_results(tm
             for i, lr in enumerate((0.01, 0.1))]
     (tmp_path / "sweeps" / "s").mkdir(parents=True)
     with pytest.raises(Exception) as raised:
-        write_results(s, grid, "val_accuracy", "max", str(tmp_path / "sweeps" / "s"))
+        write_results(s, grid, "val_accuracy", "max", RunPlace.of(str(tmp_path / "sweeps"), "s"))
     assert user_facing_error(raised.value) == (f"no trial of sweep s reported val_accuracy: see the trials' errors "
                                                f"in {tmp_path}/sweeps/s/results.csv")
     assert (tmp_path / "sweeps/s/results.csv").read_text().count("error: mat1 and mat2 shapes") == 2

@@ -141,17 +141,17 @@ def _absolute(path: str) -> str:
     return os.path.abspath(path) if os.path.exists(path) or path.endswith("cache") else path
 
 
-def trial_job(base: dict, params: dict, lr_scaling: str = "none", run_dir: str | None = None) -> JobConfig:
-    """The full job config of a trial with sampled values `params` ({"train.lr": 0.05, ...})."""
+def trial_job(base: dict, params: dict, lr_scaling: str = "none", place: paths.RunPlace | None = None) -> JobConfig:
+    """The full job config of a trial with sampled values `params` ({"train.lr": 0.05, ...}); `place`: where
+    the trial runs (its run folder, in the sweep's)."""
     raw = {section: dict(values) for section, values in base.items()}
     for key, value in params.items():
         section, name = key.split(".", 1)
         raw[section][name] = value
-    if run_dir is not None:
-        storage, name = paths.split_run_dir(run_dir)
-        raw["checkpoint"].update(storage_path=storage, run_name=name)
+    if place is not None:
+        raw["checkpoint"].update(storage_path=place.storage, run_name=place.name)
         if raw["train"].get("sample_ledger"):
-            raw["train"]["sample_ledger"] = paths.join(run_dir, "ledger")
+            raw["train"]["sample_ledger"] = place.join("ledger")
     if lr_scaling != "none":
         ratio = raw["train"]["global_batch_size"] / base["train"]["global_batch_size"]
         raw["train"]["lr"] = float(raw["train"]["lr"]) * (ratio if lr_scaling == "linear" else math.sqrt(ratio))

@@ -26,15 +26,15 @@ class SweepResult:
     sweep_dir: str
 
 
-def write_results(sweep_cfg: SweepConfig, grid, metric: str, mode: str, sweep_dir: str) -> SweepResult:
+def write_results(sweep_cfg: SweepConfig, grid, metric: str, mode: str, place: paths.RunPlace) -> SweepResult:
     """One row per trial (best first) -> results.csv; the best trial's job -> best.yaml."""
     import pandas as pd
 
     base, keys = base_job(sweep_cfg), list(sweep_cfg.space)
-    rows = [_trial_row(sweep_cfg, r, base, keys, metric, sweep_dir) for r in grid]
+    rows = [_trial_row(sweep_cfg, r, base, keys, metric, place) for r in grid]
     table = pd.DataFrame(rows).sort_values(metric, ascending=mode == "min", na_position="last", kind="stable")
     table = table.reset_index(drop=True)
-    results_csv = paths.join(sweep_dir, "results.csv")
+    results_csv = place.join("results.csv")
     table.to_csv(results_csv, index=False)
     scored = table[table[metric].notna()]
     if scored.empty:
@@ -45,7 +45,7 @@ def write_results(sweep_cfg: SweepConfig, grid, metric: str, mode: str, sweep_di
     best_job = trial_job(base, best_params, sweep_cfg.lr_scaling)
     best_job.checkpoint.storage_path = base["checkpoint"]["storage_path"]
     best_job.checkpoint.run_name = f"{sweep_cfg.name}_best"
-    best_yaml = paths.join(sweep_dir, "best.yaml")
+    best_yaml = place.join("best.yaml")
     Path(best_yaml).write_text(
         f"# The best trial of sweep {sweep_cfg.name}: {best['trial_id']}, {metric} {best[metric]:.6g} "
         f"({best['status']}).\n# {', '.join(f'{k}={v!r}' for k, v in best_params.items())}; train.lr after "
@@ -53,16 +53,17 @@ def write_results(sweep_cfg: SweepConfig, grid, metric: str, mode: str, sweep_di
         + dump_yaml(best_job))
     return SweepResult(table=table, best_params=best_params, best_job=best_job, best_value=float(best[metric]),
                        metric=metric, best_checkpoint=best["best_checkpoint"] or None, best_yaml=best_yaml,
-                       results_csv=results_csv, sweep_dir=sweep_dir)
+                       results_csv=results_csv, sweep_dir=place.folder)
 
 
-def _trial_row(sweep_cfg: SweepConfig, result, base: dict, keys: list[str], metric: str, sweep_dir: str) -> dict:
+def _trial_row(sweep_cfg: SweepConfig, result, base: dict, keys: list[str], metric: str,
+               place: paths.RunPlace) -> dict:
     from behemoth.checkpoint import complete_checkpoints
 
     params = {k: result.config.get(k) for k in keys}
     m = result.metrics or {}
-    trial_id = m.get("trial_id") or _trial_id_from_starts(sweep_dir, params)
-    run_dir = paths.join(sweep_dir, "runs", str(trial_id))
+    trial_id = m.get("trial_id") or _trial_id_from_starts(place, params)
+    run_dir = place.child("runs", str(trial_id)).folder
     summary_file = Path(run_dir, "summary.json")
     summary = json.loads(summary_file.read_text()) if summary_file.is_file() else {}
     m = {**m, **summary.get("metrics", {})}
@@ -79,9 +80,9 @@ def _trial_row(sweep_cfg: SweepConfig, result, base: dict, keys: list[str], metr
             "best_checkpoint": summary.get("best_checkpoint") or (kept[0][1] if kept else None), "run_dir": run_dir}
 
 
-def _trial_id_from_starts(sweep_dir: str, params: dict) -> str | None:
+def _trial_id_from_starts(place: paths.RunPlace, params: dict) -> str | None:
     """A trial that failed before its first report has no trial_id in its result: find it by its params."""
-    path = Path(sweep_dir, "trial_starts.jsonl")
+    path = Path(place.join("trial_starts.jsonl"))
     starts = [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
     return next((s["trial_id"] for s in reversed(starts) if s["params"] == params), None)
 

@@ -15,7 +15,7 @@ from behemoth import paths
 from behemoth.config import from_dict
 from behemoth.driver.sweep_config import SweepConfig, metric_and_mode, trial_job
 
-def run_trial(params: dict, sweep: dict, base: dict, sweep_dir: str, mlflow_parent: str | None = None,
+def run_trial(params: dict, sweep: dict, base: dict, place: paths.RunPlace, mlflow_parent: str | None = None,
               fence=None) -> None:
     """One trial (runs in a Tune actor): the trial's job, trained by behemoth, evaluations sent to Tune.
 
@@ -30,15 +30,16 @@ def run_trial(params: dict, sweep: dict, base: dict, sweep_dir: str, mlflow_pare
 
     sweep_cfg = from_dict(SweepConfig, sweep, where="sweep")
     trial_id = tune.get_context().get_trial_id()
-    run_dir = paths.join(sweep_dir, "runs", trial_id)
-    cfg = trial_job(base, params, sweep_cfg.lr_scaling, run_dir)
+    trial = place.child("runs", trial_id)
+    run_dir = trial.folder
+    cfg = trial_job(base, params, sweep_cfg.lr_scaling, trial)
     cfg.tracking.report = False
     metric, _ = metric_and_mode(sweep_cfg, cfg)
     summary_file = Path(run_dir, "summary.json")
     # Tune saves its experiment state at most every ~10 s: a sweep killed just after a trial finished may
     # restart that trial. Its summary says it is done: hand Tune the final result again, train nothing.
     finished_before = summary_file.is_file()
-    _append_jsonl(paths.join(sweep_dir, "trial_starts.jsonl"), {
+    _append_jsonl(place.join("trial_starts.jsonl"), {
         "trial_id": trial_id, "time": time.time(), "params": params, "lr": cfg.train.lr,
         "finished_before": finished_before})
     described = ", ".join(f"{k}={v}" for k, v in params.items())

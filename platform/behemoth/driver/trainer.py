@@ -62,15 +62,14 @@ class RunSummary:
         return out
 
 
+def run_place(cfg: JobConfig) -> paths.RunPlace:
+    """Where the job's run lives (its storage and checked name): every path of the run is joined through it."""
+    return paths.RunPlace.of(cfg.checkpoint.storage_path, cfg.checkpoint.run_name)
+
+
 def run_dir(cfg: JobConfig) -> str:
     """The job's run folder (local: absolute; or a URI)."""
-    return paths.run_dir(cfg.checkpoint.storage_path, cfg.checkpoint.run_name)
-
-
-def storage_path(cfg: JobConfig) -> str:
-    """Ray needs an absolute local path or a URI."""
-    path = cfg.checkpoint.storage_path
-    return paths.storage_root(path)
+    return run_place(cfg).folder
 
 
 def worker_resources(cfg: JobConfig) -> dict:
@@ -110,8 +109,8 @@ def build_trainer(cfg: JobConfig, data, callbacks: list | None = None, fence=Non
             elastic_resize_monitor_interval_s=cfg.scaling.elastic_resize_interval_s,
         ),
         run_config=RunConfig(
-            name=cfg.checkpoint.run_name,
-            storage_path=storage_path(cfg),
+            name=run_place(cfg).name,
+            storage_path=run_place(cfg).storage,
             failure_config=FailureConfig(max_failures=cfg.failure.max_failures),
             callbacks=list(callbacks or []),
             checkpoint_config=CheckpointConfig(num_to_keep=cfg.checkpoint.keep),
@@ -269,9 +268,9 @@ def retire_unregistered(cfg: JobConfig, kept: list, fence=None) -> list[str]:
     if fence is not None:
         fence.check("removing the checkpoints Ray Train never registered")
 
-    root = paths.storage_root(cfg.checkpoint.storage_path)
-    kept_paths = {paths.as_uri_of(root, c.path).rstrip("/") for c, _ in kept}
-    found = complete_checkpoints(run_dir(cfg))
+    place = run_place(cfg)
+    kept_paths = {place.as_uri(c.path).rstrip("/") for c, _ in kept}
+    found = complete_checkpoints(place.folder)
     kept_steps = [step for step, path in found if path.rstrip("/") in kept_paths]
     if not kept_steps:
         return []
@@ -291,12 +290,12 @@ def _summarise(cfg: JobConfig, result, wall_s: float) -> RunSummary:
     key, mode = task.best
     scored = [(m[key], c.path) for c, m in (result.best_checkpoints or []) if key in m]
     best_value, best_path = (max(scored) if mode == "max" else min(scored)) if scored else (None, None)
-    root = paths.storage_root(cfg.checkpoint.storage_path)  # Ray gives paths on the storage's filesystem
+    place = run_place(cfg)  # Ray gives paths on the storage's filesystem
     return RunSummary(
-        run_dir=run_dir(cfg),
+        run_dir=place.folder,
         metrics=dict(result.metrics or {}),
-        latest_checkpoint=paths.as_uri_of(root, result.checkpoint.path if result.checkpoint else None),
-        best_checkpoint=paths.as_uri_of(root, best_path),
+        latest_checkpoint=place.as_uri(result.checkpoint.path if result.checkpoint else None),
+        best_checkpoint=place.as_uri(best_path),
         best_value=best_value,
         best_metric=key,
         wall_s=wall_s,

@@ -56,12 +56,13 @@ def run_sweep(sweep_cfg: SweepConfig) -> SweepResult:
     from behemoth.driver.runlock import RunLock
 
     jobs = check_sweep(sweep_cfg)
-    sweep_dir = sweep_dir_of(sweep_cfg)
-    with RunLock(sweep_dir, f"sweep '{sweep_cfg.name}'") as held:
-        return _run_sweep(sweep_cfg, jobs, sweep_dir, held.fence())
+    place = sweep_place(sweep_cfg)
+    with RunLock(place.folder, f"sweep '{sweep_cfg.name}'") as held:
+        return _run_sweep(sweep_cfg, jobs, place, held.fence())
 
 
-def _run_sweep(sweep_cfg: SweepConfig, jobs: list, sweep_dir: str, fence) -> SweepResult:
+def _run_sweep(sweep_cfg: SweepConfig, jobs: list, place: paths.RunPlace, fence) -> SweepResult:
+    sweep_dir = place.folder
     metric, mode = metric_and_mode(sweep_cfg, jobs[0])
     from behemoth.driver.trainer import prepare_data
 
@@ -76,7 +77,7 @@ def _run_sweep(sweep_cfg: SweepConfig, jobs: list, sweep_dir: str, fence) -> Swe
     concurrent = sweep_cfg.max_concurrent_trials or concurrency_bound(jobs, ray.cluster_resources())
     mlflow_parent = _sweep_mlflow_run(sweep_cfg, jobs[0], sweep_dir)
     trainable = tune.with_resources(
-        tune.with_parameters(run_trial, sweep=_to_dict(sweep_cfg), base=base_job(sweep_cfg), sweep_dir=sweep_dir,
+        tune.with_parameters(run_trial, sweep=_to_dict(sweep_cfg), base=base_job(sweep_cfg), place=place,
                              mlflow_parent=mlflow_parent, fence=fence),
         # The trial's driver only waits on its run: it holds no CPU (its workers hold the run's CPUs and GPUs,
         # see trial_resources), only the memory its process takes. (Ray refuses an empty request.)
@@ -95,20 +96,21 @@ def _run_sweep(sweep_cfg: SweepConfig, jobs: list, sweep_dir: str, fence) -> Swe
                 metric=metric, mode=mode, num_samples=sweep_cfg.num_samples, max_concurrent_trials=concurrent,
                 scheduler=_scheduler(sweep_cfg, jobs[0]), search_alg=_searcher(sweep_cfg, metric, mode)),
             run_config=tune.RunConfig(
-                name=sweep_cfg.name, storage_path=paths.split_run_dir(sweep_dir)[0], verbose=0,
+                name=place.name, storage_path=place.storage, verbose=0,
                 failure_config=tune.FailureConfig(max_failures=sweep_cfg.trial_max_failures),
                 callbacks=[TrialOutcomeLines(metric)]),
         )
     with OrphanedPlacementGroupReaper():
         grid = tuner.fit()
     fence.check("writing the sweep's results.csv and best.yaml")
-    result = write_results(sweep_cfg, grid, metric, mode, sweep_dir)
+    result = write_results(sweep_cfg, grid, metric, mode, place)
     _finish_tracking(jobs[0], sweep_dir, mlflow_parent, result)
     return result
 
 
-def sweep_dir_of(sweep_cfg: SweepConfig) -> str:
-    return paths.run_dir(sweep_cfg.storage_path, sweep_cfg.name)
+def sweep_place(sweep_cfg: SweepConfig) -> paths.RunPlace:
+    """Where the sweep lives: STORAGE_PATH/NAME (its trials' runs in runs/ inside it)."""
+    return paths.RunPlace.of(sweep_cfg.storage_path, sweep_cfg.name, key="name")
 
 
 def _sweep_mlflow_run(sweep_cfg: SweepConfig, job: JobConfig, sweep_dir: str) -> str | None:
