@@ -568,29 +568,54 @@ def test_a_task_file_never_replaces_one_of_behemoths_own(name):
         checkpointing.extras(scheduler=sched, state=TrainState(), task_files={name: "x"}, job_yaml="")
 
 
-def test_a_checkpoint_report_leaves_no_folder_behind_when_its_upload_fails(tmp_path, monkeypatch):
-    """Ray Train wants a local folder with each checkpoint report and deletes it only after a successful upload:
-    a folder made per report was left in the temp directory by every failed upload and killed worker (92 had
-    piled up in /tmp). Every report hands it the same empty folder, kept; an upload that fails leaves nothing
-    else. (ray.train.report is stubbed: it raises as Ray Train does when the upload function fails.)"""
-    import os
+def test_a_checkpoint_report_leaves_no_folder_behind_whether_its_upload_succeeds_or_fails(tmp_path, monkeypatch):
+    """Ray Train wants a local folder with each checkpoint report and deletes it only after a successful upload,
+    and an object store's upload stages the checkpoint's files in it (saver.store): a failed upload left the
+    folder, staged files and all, in the temp directory. Each report's folder is its own and goes when its
+    upload ends, synchronous or not, failed or not. (ray.train.report is stubbed: it calls the upload function
+    with the folder, in a thread where asynchronous, and raises what it raises, as Ray Train 2.60 does.)"""
     import tempfile
+    import threading
+    from pathlib import Path
 
     import ray.train
 
     from behemoth.worker import saver
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
-    handed = []
+    handed, errors = [], []
 
-    def report(metrics, checkpoint=None, delete_local_checkpoint_after_upload=None, **kw):
+    def report(metrics, checkpoint=None, checkpoint_upload_fn=None, checkpoint_upload_mode=None,
+               delete_local_checkpoint_after_upload=None, checkpoint_dir_name=None):
         handed.append((checkpoint.path, delete_local_checkpoint_after_upload))
-        raise RuntimeError("the upload failed")
+        if checkpoint_upload_mode == ray.train.CheckpointUploadMode.SYNC:
+            checkpoint_upload_fn(checkpoint, checkpoint_dir_name)
+            return
+
+        def upload():
+            try:
+                checkpoint_upload_fn(checkpoint, checkpoint_dir_name)
+            except Exception as e:  # noqa: BLE001 - Ray Train's upload thread reports it at the next report
+                errors.append(e)
+        thread = threading.Thread(target=upload)
+        thread.start()
+        thread.join()
+
+    def staging_upload(fails):
+        def upload(ckpt, name):
+            (Path(ckpt.path) / "model.pt").write_bytes(b"x" * 1000)  # staged, as store() does for a URI
+            if fails:
+                raise OSError("the upload failed")
+            return "uploaded"
+        return upload
 
     monkeypatch.setattr(ray.train, "report", report)
-    for async_upload in (False, True, True):
-        with pytest.raises(RuntimeError):
-            saver.report_to_ray({"step": 1}, lambda ckpt, name: None, async_upload=async_upload, dir_name="c")
-    folder = tmp_path / f"behemoth-empty-checkpoint-{os.getuid()}"
-    assert handed == [(str(folder), False)] * 3
-    assert [p.name for p in tmp_path.iterdir()] == [folder.name] and not any(folder.iterdir())
+    for async_upload in (False, True):
+        for fails in (False, True):
+            try:
+                saver.report_to_ray({"step": 1}, staging_upload(fails), async_upload=async_upload, dir_name="c")
+            except OSError:
+                assert fails and not async_upload
+    assert len(errors) == 1 and len(handed) == 4 and all(delete is False for _, delete in handed)
+    assert len({path for path, _ in handed}) == 4  # a folder per report
+    assert list(tmp_path.iterdir()) == []

@@ -111,28 +111,35 @@ class CheckpointSaver:
 
 def report_to_ray(metrics: dict, upload_fn=None, *, async_upload: bool = False, dir_name: str | None = None) -> None:
     """The one call of ray.train.report: the metrics, and with `upload_fn` a checkpoint that it writes (Ray
-    Train hands it an empty folder and the checkpoint's place; the files go where upload_fn puts them), in Ray
-    Train's upload thread where `async_upload`. `dir_name`: the checkpoint's folder name, agreed by the ranks."""
+    Train hands it a new empty folder, which an object store's upload stages in, and the checkpoint's place),
+    in Ray Train's upload thread where `async_upload`. `dir_name`: the checkpoint's folder name, agreed by the
+    ranks."""
     mode = ray.train.CheckpointUploadMode.ASYNC if async_upload else ray.train.CheckpointUploadMode.SYNC
-    checkpoint = ray.train.Checkpoint.from_directory(_empty_folder()) if upload_fn is not None else None
-    # Ray Train deletes the reported folder only after a successful upload: never ours, which stays empty
-    ray.train.report(metrics, checkpoint=checkpoint, checkpoint_dir_name=dir_name, checkpoint_upload_mode=mode,
-                     checkpoint_upload_fn=upload_fn, delete_local_checkpoint_after_upload=False)
+    if upload_fn is None:
+        ray.train.report(metrics, checkpoint=None, checkpoint_upload_mode=mode)
+        return
+    folder = tempfile.mkdtemp(prefix="behemoth-report-")
 
+    def upload(ckpt, name):
+        # The folder goes when its upload ends, failed or not: Ray Train removes it only after a success
+        try:
+            return upload_fn(ckpt, name)
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
 
-def _empty_folder() -> str:
-    """The folder every checkpoint report hands Ray Train, which requires one: the upload functions write the
-    files straight to the run's storage, so it stays empty. One per user, kept: a folder made per report would
-    be left behind by each upload that fails and each process killed before Ray Train removes it."""
-    path = os.path.join(tempfile.gettempdir(), f"behemoth-empty-checkpoint-{os.getuid()}")
-    os.makedirs(path, mode=0o700, exist_ok=True)
-    return path
+    try:
+        ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(folder), checkpoint_dir_name=dir_name,
+                         checkpoint_upload_mode=mode, checkpoint_upload_fn=upload,
+                         delete_local_checkpoint_after_upload=False)
+    finally:
+        if not async_upload:  # (an asynchronous upload may still be running: it removes the folder itself)
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 def _commit_sharded(writer: ShardedWriter, written, folder: str, small, local: bool, step: int, needed: int,
                     ckpt, dir_name: str):
     """The upload function of a sharded checkpoint (Ray Train's upload thread with async_save): `commit_sharded`
-    into this run's storage. (Ray Train removes `ckpt`, its empty checkpoint folder.)"""
+    into this run's storage. (report_to_ray removes `ckpt`, its empty checkpoint folder.)"""
     storage = ray.train.get_context().get_storage()
     commit_sharded(writer, written, folder, small, step, needed, storage.storage_filesystem,
                    storage.experiment_fs_path, dir_name, local)
