@@ -78,8 +78,9 @@ def ray_local():
 
     env = {k: os.environ.get(k) for k in _INHERITED}
     # As on the local instance behemoth starts (ray_session.set_ray_train_env): no preemption watcher, one process
-    # fewer to start with every worker group; while this module runs only (the modules that start Ray another
-    # way, `ray start` or the dashboard, keep Ray's default).
+    # fewer to start with every worker group; set in the driver while this module runs only (the modules that
+    # start Ray another way, `ray start` or the dashboard, keep Ray's default; the shared instance's processes
+    # keep what they inherited when it started).
     ours = PREEMPTION_WATCHER_ENV not in os.environ
     os.environ.setdefault(PREEMPTION_WATCHER_ENV, "0")
     if _LOCAL_RAY["env"] != env or not ray.is_initialized():

@@ -207,35 +207,54 @@ def test_a_batch_reports_the_blocks_it_read_so_a_wrong_gather_fails_the_ledger_a
                                    f"its planned batch: {foreign[:8]}; step 2 ")
 
 
+@pytest.fixture(autouse=True)
+def node_temp(tmp_path, monkeypatch):
+    """The node's temp folder (where shards checked once leave their markers): this test's own."""
+    import tempfile
+
+    (tmp_path / "node-tmp").mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "node-tmp"))
+
+
 @pytest.mark.parametrize("where", ["local", "uri"])
 def test_a_shard_changed_in_place_is_named_and_each_is_hashed_once_per_node(tmp_path, monkeypatch, where):
     """Each shard's sha256 is in the cache's meta.json; a worker checks a shard the first time it reads it, and
     the node remembers (a marker in its temp folder) so other workers, epochs and runs over the unchanged file
     read it once. A byte changed in place (same size) is a DataError naming the shard; the shards that pass
-    still read. Local files and a URI (file://, through pyarrow's filesystem as s3://) alike."""
-    import tempfile
+    still read. A file modified in the last seconds is not remembered (a change within its timestamp's
+    resolution would keep the marker's name). Local files and a URI (file://, through pyarrow's filesystem as
+    s3://) alike."""
+    import os
+    import time
 
     from behemoth.data import token_store
 
-    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "node-tmp"))
-    (tmp_path / "node-tmp").mkdir()
     hashed = []
     real = token_store.stream_sha256
     monkeypatch.setattr(token_store, "stream_sha256", lambda f: hashed.append(1) or real(f))
     blocks = np.arange(40 * SEQ, dtype=np.uint16).reshape(40, SEQ)
     (tmp_path / "s").mkdir()
     shards = write_store(tmp_path / "s", blocks, shard_bytes=10 * SEQ * 2, chunks=[40])
-    hashed.clear()  # (the writer hashed each shard it wrote)
     folder = f"file://{tmp_path}/s" if where == "uri" else tmp_path / "s"
-    for _ in range(3):  # three workers of the node, one after the other
-        store = TokenShards(folder, shards, SEQ, np.uint16)
-        assert np.array_equal(store[np.arange(40)], blocks)
+
+    def workers(n: int) -> None:  # n workers of the node, one after the other, each reading every block
+        hashed.clear()
+        for _ in range(n):
+            assert np.array_equal(TokenShards(folder, shards, SEQ, np.uint16)[np.arange(40)], blocks)
+
+    workers(2)
+    assert len(hashed) == 8  # just written: checked by each worker, remembered by none
+    hour_ago = time.time() - 3600
+    for shard in shards:
+        os.utime(tmp_path / "s" / shard["file"], (hour_ago, hour_ago))
+    workers(3)
     assert len(hashed) == 4  # each shard once
 
     path = tmp_path / "s" / shards[2]["file"]
     data = bytearray(path.read_bytes())
     data[-3] ^= 0xFF  # one byte of block 29's tokens, in place
     path.write_bytes(bytes(data))
+    os.utime(path, (hour_ago + 1, hour_ago + 1))
     store = TokenShards(folder, shards, SEQ, np.uint16)
     assert np.array_equal(store[np.array([0, 19, 35])], blocks[[0, 19, 35]])  # the other shards still read
     with pytest.raises(DataError, match=f"token shard {folder}/{shards[2]['file']} does not hold what its cache's "
@@ -243,3 +262,8 @@ def test_a_shard_changed_in_place_is_named_and_each_is_hashed_once_per_node(tmp_
         store[np.array([25])]
     with pytest.raises(DataError, match="its sha256 differs"):
         load_blocks(folder, shards, SEQ, np.uint16)  # (token_store: memory, the driver reads every shard)
+    if where == "uri":
+        path.unlink()
+        with pytest.raises(DataError, match=f"token shard {folder}/{shards[2]['file']}: cannot read blocks 25-25 "
+                                            f".*does not exist"):
+            TokenShards(folder, shards, SEQ, np.uint16)[np.array([25])]

@@ -1,9 +1,9 @@
 """Packed token blocks on disk, in shards: written once as the packer fills them, read by global block index.
 
 A split's blocks ([n, seq_len] tokens) are `.npy` files of about SHARD_BYTES of tokens each (`train-00000.npy`,
-...), listed with their block counts and byte sizes in the cache's meta.json (written last: its presence means
-complete). The packer streams full blocks into a ShardWriter, so building a corpus holds one shard in memory,
-not the corpus. Each row is a record of the block's global index (`id`, written by the packer) and its tokens:
+...), listed with their block counts, byte sizes and sha256 in the cache's meta.json (written last: its presence
+means complete); a worker checks a shard against them the first time its node reads it (verify_once). The
+packer streams full blocks into a ShardWriter, so building a corpus holds one shard in memory, not the corpus. Each row is a record of the block's global index (`id`, written by the packer) and its tokens:
 a gather returns both from the same rows, so the ids a batch reports (the sample ledger's) are those of the
 tokens the model receives, read back with them; a gather that fetched the wrong rows reports the wrong ids.
 
@@ -21,14 +21,17 @@ Two ways the workers read them (data.token_store):
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import hashlib
 import io
 import mmap
 import os
 import shutil
+import stat
 import tempfile
 import threading
+import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -142,37 +145,77 @@ def _damaged(where: str, folder, shard: dict, size: int | None = None) -> str:
     return f"token shard {where} {what}: the cache is damaged; delete {folder} and rerun to rebuild it"
 
 
+RACY_S = 2.0  # a file modified this recently may change again within its timestamp's resolution (S3's: 1 s)
+
+
 def verify_once(where: str, shard: dict, folder: str, fs=None) -> None:
     """Check a shard file (a local path, or a path on the pyarrow filesystem `fs`) against its size and sha256
     in the cache's meta.json, once per node: a marker in the node's temp folder, named by the file's place,
-    size, modification time and expected hash, records that it passed, so the other workers on the node, the
-    next epochs and later runs over the same unchanged file skip the read. One process hashes at a time (the
-    others wait, then find the marker). A file that fails is a DataError naming it."""
+    size, times and expected hash, records that it passed, so the other workers on the node, the next epochs
+    and later runs over the same unchanged file skip the read. One process hashes at a time (the others wait,
+    then find the marker). No marker for a file modified in the last RACY_S seconds or without a modification
+    time (a change could keep its name), nor where the node's marker folder is not this user's own: those are
+    hashed at each first read. A file that fails is a DataError naming it; a missing one, FileNotFoundError."""
     if fs is None:
         st = os.stat(where)
-        size, stamp = st.st_size, f"{st.st_mtime_ns}:{st.st_ino}"
+        size, mtime = st.st_size, st.st_mtime_ns
+        stamp = f"{st.st_mtime_ns}:{st.st_ctime_ns}:{st.st_dev}:{st.st_ino}"
     else:
+        import pyarrow.fs
+
         info = fs.get_file_info(where)
-        size, stamp = info.size, str(info.mtime_ns)
+        if info.type == pyarrow.fs.FileType.NotFound:
+            raise FileNotFoundError(f"{folder}/{shard['file']} does not exist")
+        size, mtime = info.size, info.mtime_ns
+        stamp = str(mtime)
     if size != shard["bytes"]:
         raise DataError(_damaged(f"{folder}/{shard['file']}", folder, shard, size))
     key = hashlib.sha256(f"{fs.type_name if fs else 'local'}:{where}:{size}:{stamp}:{shard['sha256']}".encode())
-    marker = Path(tempfile.gettempdir(), f"behemoth-verified-shards-{os.getuid()}", key.hexdigest()[:32])
-    if marker.exists():
+    remember = mtime is not None and time.time() - mtime / 1e9 > RACY_S
+    marker = _marker(key.hexdigest()[:32]) if remember else None
+    if marker is not None and marker.exists():
         return
-    marker.parent.mkdir(mode=0o700, exist_ok=True)
-    fd = os.open(f"{marker}.lock", os.O_CREAT | os.O_RDWR, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)  # released when fd closes, also if this process dies
-        if marker.exists():
+    with _held(marker):
+        if marker is not None and marker.exists():
             return
         with (open(where, "rb") if fs is None else fs.open_input_stream(where)) as f:
             digest = stream_sha256(f)
         if digest != shard["sha256"]:
             raise DataError(_damaged(f"{folder}/{shard['file']}", folder, shard))
-        marker.touch()
+        if marker is not None:
+            with contextlib.suppress(OSError):  # not remembered: checked again at the next first read
+                marker.touch()
+
+
+def _marker(name: str) -> Path | None:
+    """The marker's path in this user's own folder of the node's temp folder; None where that folder cannot
+    be made or is not a folder of this user's alone (another user could plant markers in it)."""
+    folder = Path(tempfile.gettempdir(), f"behemoth-verified-shards-{os.getuid()}")
+    try:
+        folder.mkdir(mode=0o700, exist_ok=True)
+        st = os.lstat(folder)
+    except OSError:
+        return None
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
+        return None
+    return folder / name
+
+
+@contextlib.contextmanager
+def _held(marker: Path | None):
+    """The marker's lock (flock: released when the file closes, also if this process dies); nothing to hold
+    without a marker or where the lock file cannot be opened."""
+    try:
+        fd = os.open(f"{marker}.lock", os.O_CREAT | os.O_RDWR | os.O_NOFOLLOW, 0o600) if marker else None
+    except OSError:
+        fd = None
+    try:
+        if fd is not None:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
     finally:
-        os.close(fd)
+        if fd is not None:
+            os.close(fd)
 
 
 def upload(local: Path, uri: str) -> None:
@@ -254,12 +297,11 @@ class TokenShards:
         if s not in self._maps:
             shard = self.shards[s]
             path = Path(self.folder) / shard["file"]
-            try:
-                verify_once(str(path), shard, self.folder)
-            except FileNotFoundError:
+            if not path.exists():
                 raise DataError(f"token shard {path} does not exist on this node: with data.token_store: files, "
                                 f"data.cache_dir must be a folder every node reads (one machine or a shared "
-                                f"filesystem), or use token_store: memory") from None
+                                f"filesystem), or use token_store: memory")
+            verify_once(str(path), shard, self.folder)
             with open(path, "rb") as f:
                 m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
             rows = np.frombuffer(m, dtype=self.record, offset=self._header(s), count=shard["blocks"])
