@@ -115,24 +115,23 @@ def report_to_ray(metrics: dict, upload_fn=None, *, async_upload: bool = False, 
     in Ray Train's upload thread where `async_upload`. `dir_name`: the checkpoint's folder name, agreed by the
     ranks."""
     mode = ray.train.CheckpointUploadMode.ASYNC if async_upload else ray.train.CheckpointUploadMode.SYNC
-    if upload_fn is None:
-        ray.train.report(metrics, checkpoint=None, checkpoint_upload_mode=mode)
-        return
-    folder = tempfile.mkdtemp(prefix="behemoth-report-")
+    folder = upload = None
+    if upload_fn is not None:
+        folder = tempfile.mkdtemp(prefix="behemoth-report-")
 
-    def upload(ckpt, name):
-        # The folder goes when its upload ends, failed or not: Ray Train removes it only after a success
-        try:
-            return upload_fn(ckpt, name)
-        finally:
-            shutil.rmtree(folder, ignore_errors=True)
+        def upload(ckpt, name):
+            # The folder goes when its upload ends, failed or not: Ray Train removes it only after a success
+            try:
+                return upload_fn(ckpt, name)
+            finally:
+                shutil.rmtree(folder, ignore_errors=True)
 
     try:
-        ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(folder), checkpoint_dir_name=dir_name,
-                         checkpoint_upload_mode=mode, checkpoint_upload_fn=upload,
+        ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(folder) if folder else None,
+                         checkpoint_dir_name=dir_name, checkpoint_upload_mode=mode, checkpoint_upload_fn=upload,
                          delete_local_checkpoint_after_upload=False)
     finally:
-        if not async_upload:  # (an asynchronous upload may still be running: it removes the folder itself)
+        if folder and not async_upload:  # (an asynchronous upload may still be running: it removes the folder)
             shutil.rmtree(folder, ignore_errors=True)
 
 
