@@ -3,7 +3,8 @@
 A split's blocks ([n, seq_len] tokens) are `.npy` files of about SHARD_BYTES of tokens each (`train-00000.npy`,
 ...), listed with their block counts, byte sizes and sha256 in the cache's meta.json (written last: its presence
 means complete); a worker checks a shard against them the first time its node reads it (verify_once). The
-packer streams full blocks into a ShardWriter, so building a corpus holds one shard in memory, not the corpus. Each row is a record of the block's global index (`id`, written by the packer) and its tokens:
+packer streams full blocks into a ShardWriter, so building a corpus holds one shard in memory, not the corpus.
+Each row is a record of the block's global index (`id`, written by the packer) and its tokens:
 a gather returns both from the same rows, so the ids a batch reports (the sample ledger's) are those of the
 tokens the model receives, read back with them; a gather that fetched the wrong rows reports the wrong ids.
 
