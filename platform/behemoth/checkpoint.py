@@ -49,6 +49,11 @@ MODEL_FILE = "model.pt"  # a full checkpoint's weights; the rest of it (optimize
 STATE_DIR = "state"
 # What DCP warns when it runs without a process group: in a one-process use that is what is meant.
 SINGLE_PROCESS_WARNING = "torch.distributed is disabled"
+# A shard file's manifest entry also holds the sha256 of each CHUNK_BYTES piece ("chunks"): a reader that needs
+# only some of a file's bytes (a rank of a resharded restore, an export of the model's entries) fetches and
+# checks whole chunks around them, not the file. Small enough that a rank's slices cost little beyond their
+# own bytes, large enough that a ranged GET per chunk is cheap against its transfer.
+CHUNK_BYTES = 4 << 20
 
 
 @dataclass
@@ -111,10 +116,33 @@ def write_files(directory: str | Path, snap: Snapshot) -> Path:
     return d
 
 
-def hash_files(directory: str | Path, names: list[str]) -> dict:
-    """{name: {size, sha256}} of files in `directory` (names relative to it): a manifest's entries."""
+def hash_files(directory: str | Path, names: list[str], chunked: tuple[str, ...] = ()) -> dict:
+    """{name: {size, sha256}} of files in `directory` (names relative to it): a manifest's entries. The files
+    in `chunked` also get {chunk_bytes, chunks}: the sha256 of each CHUNK_BYTES piece, in the same pass."""
     d = Path(directory)
-    return {name: {"size": (d / name).stat().st_size, "sha256": _sha256(d / name)} for name in names}
+    entries = {}
+    for name in names:
+        with open(d / name, "rb") as f:
+            whole, chunks = hashlib.sha256(), []
+            for piece in iter(lambda: f.read(CHUNK_BYTES), b""):
+                whole.update(piece)
+                if name in chunked:
+                    chunks.append(hashlib.sha256(piece).hexdigest())
+        entries[name] = {"size": (d / name).stat().st_size, "sha256": whole.hexdigest()}
+        if name in chunked:
+            entries[name].update(chunk_bytes=CHUNK_BYTES, chunks=chunks)
+    return entries
+
+
+def is_shard_file(name: str) -> bool:
+    """A rank's DCP data file in a sharded checkpoint (state/__R_0.distcp), not the index or a small file."""
+    return name.startswith(f"{STATE_DIR}/") and name.endswith(".distcp")
+
+
+def has_chunk_hashes(manifest: dict, names) -> bool:
+    """Whether every file in `names` has its chunks' hashes in the manifest (checkpoints written before they
+    were recorded have none: such a file is fetched and checked whole)."""
+    return all(isinstance(manifest["files"].get(n, {}).get("chunks"), list) for n in names)
 
 
 def commit(directory: str | Path, files: dict, format_version: int) -> None:

@@ -133,7 +133,18 @@ def checkpoint_metrics(ckpt: str | Path) -> dict:
 def read_state_dict(path: str | Path) -> dict:
     """A model state dict, read without running code: a checkpoint's model.pt (verified against its manifest
     first), or a Hugging Face folder's safetensors (one file or shards) or pytorch_model.bin (weights_only).
-    A URI's folder is downloaded first, and removed once read (`fetched`)."""
+    A URI's folder is downloaded first, and removed once read (`fetched`); of a sharded checkpoint with its
+    chunk hashes, only its index, and of its shard files the model's bytes, by range (checked chunk by chunk)."""
+    if paths.is_uri(str(path)) and is_checkpoint(path):
+        from behemoth import shard_reader  # DCP's modules: only when one is read
+
+        fs, where = filesystem(str(path))
+        remote = shard_reader.remote_shards(fs, where, str(path))
+        if remote is not None:
+            with tempfile.TemporaryDirectory(prefix="behemoth-weights-") as target:
+                remote.download_rest(target, only=(shard_reader.INDEX_FILE,))
+                verify(target, only=(shard_reader.INDEX_FILE,))
+                return shard_reader.read_sharded_weights(target, remote)
     with fetched(str(path)) as p:
         return _read_state_dict(p, path)
 

@@ -3,8 +3,11 @@ snapshot -> a checkpoint directory (behemoth.checkpoint's format), and back into
 
 from __future__ import annotations
 
+import contextlib
 import json
+import tempfile
 import threading
+from collections.abc import Iterator
 from dataclasses import asdict
 from pathlib import Path
 
@@ -141,17 +144,42 @@ def _host_buffers(tree, pool: dict, path: str, pairs: list):
     return tree
 
 
+@contextlib.contextmanager
+def opened(ckpt) -> Iterator[tuple[Path, object]]:
+    """A Ray Train checkpoint as (a local folder, its shards read where they are or None), for `load`. On
+    local storage: the folder itself. In an object store, a sharded checkpoint whose manifest has its shard
+    files' chunk hashes: its small files in a temporary folder of this process, the shard files read by range
+    (shard_reader.RemoteShards: each rank fetches only its plan's bytes); any other checkpoint: downloaded
+    whole (Ray's as_directory), as checkpoints written before chunk hashes were."""
+    import pyarrow.fs
+
+    from behemoth import shard_reader
+
+    if isinstance(ckpt.filesystem, pyarrow.fs.LocalFileSystem):
+        yield Path(ckpt.path), None
+        return
+    remote = shard_reader.remote_shards(ckpt.filesystem, ckpt.path, ckpt.path)
+    if remote is None:
+        with ckpt.as_directory() as d:
+            yield Path(d), None
+        return
+    with tempfile.TemporaryDirectory(prefix="behemoth-restore-") as d:
+        remote.download_rest(d)
+        yield Path(d), remote
+
+
 def load(directory: str | Path, *, model, optimizer=None, scheduler=None, scaler=None,
-         hook_state=None) -> TrainState:
+         hook_state=None, remote=None) -> TrainState:
     """Verify, then restore the given objects in place. Returns the saved TrainState.
 
     Either format under either strategy: a sharded checkpoint through DCP (every rank calls this; it
     reshards to this world size), a full one read whole by each rank (under FSDP each keeps its shard). The
     optimizer state of a full checkpoint written under DDP is keyed by parameter index, under FSDP by name:
-    each is converted to what this run's optimizer takes."""
+    each is converted to what this run's optimizer takes. `remote` (`opened`'s): the shard files are read
+    there, by range."""
     d = Path(directory)
     if is_sharded_format(d):
-        sharded.load(d, model, optimizer)
+        sharded.load(d, model, optimizer, remote)
     else:
         verify(d)
         model_sd = torch.load(d / MODEL_FILE, map_location="cpu", weights_only=True)

@@ -37,8 +37,12 @@ def restore_latest(run: Run, fence=None) -> TrainState | None:
                 f"Ray Train when the run stopped")
     for ckpt in unregistered + candidates:
         try:
-            with ckpt.as_directory() as d:  # local storage: the folder itself; an object store: a download
-                return checkpointing.load(d, **run.parts(), hook_state=run.hook_state)
+            with checkpointing.opened(ckpt) as (d, remote):
+                state = checkpointing.load(d, **run.parts(), hook_state=run.hook_state, remote=remote)
+                if remote is not None and rank0:
+                    console(f"restored {ckpt.path} from its object store: rank 0 read "
+                            f"{remote.fetched / 2**20:.1f} MiB of its {remote.total / 2**20:.1f} MiB")
+                return state
         except CheckpointError as e:
             console(f"WARNING: skipping checkpoint {ckpt.path}: {e}")
     if candidates:  # Ray Train had registered checkpoints and none passes: never silently start over

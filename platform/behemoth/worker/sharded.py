@@ -130,7 +130,7 @@ class ShardedWriter:
             names = own_files(folder, self.rank)
             if small is not None:
                 names += list(small.state_dicts) + list(small.texts)
-            files = checkpoint.hash_files(folder, names)
+            files = checkpoint.hash_files(folder, names, chunked=tuple(filter(checkpoint.is_shard_file, names)))
             if upload is not None:
                 upload(names)
             gathered = [files]
@@ -167,11 +167,14 @@ def overlappable(model) -> bool:
     return not any(name in m.state_dict() for name, _ in m.named_buffers())
 
 
-def load(folder: str | Path, model, optimizer=None) -> None:
+def load(folder: str | Path, model, optimizer=None, remote: shard_reader.RemoteShards | None = None) -> None:
     """Load a sharded checkpoint's model and optimizer state into this rank's objects (every rank calls it).
-    The ranks share the hashing (rank r checks every world-th file) and all fail together, naming the file,
-    when one does not match: they go on to the same next checkpoint. Every rank reads the same verified index
-    and values, so a checkpoint shard_reader refuses fails on every rank alike."""
+    In a folder the ranks share, they share the hashing (rank r checks every world-th file) and all fail
+    together, naming the file, when one does not match: they go on to the same next checkpoint. With `remote`
+    (an object store), `folder` is this rank's own copy of the small files, all checked here, and the shard
+    files are read by range where they are, each chunk checked as it arrives: a damaged chunk fails DCP's read
+    step, which raises on every rank alike. Every rank reads the same verified index and values, so a
+    checkpoint shard_reader refuses fails on every rank alike."""
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
     d = Path(folder)
@@ -179,8 +182,10 @@ def load(folder: str | Path, model, optimizer=None) -> None:
     world = dist.get_world_size() if dist.is_initialized() else 1
     manifest = checkpoint.read_manifest((d / checkpoint.MANIFEST).read_bytes(), d)
     names = sorted(manifest["files"])
+    mine = (tuple(n for n in names if not checkpoint.is_shard_file(n)) if remote is not None
+            else tuple(names[rank::world]))
     try:
-        checkpoint.verify(d, only=tuple(names[rank::world]))
+        checkpoint.verify(d, only=mine)
         problem = None
     except CheckpointError as e:
         problem = str(e)
@@ -193,8 +198,8 @@ def load(folder: str | Path, model, optimizer=None) -> None:
     target = _state_dicts(model, optimizer if optimizer is not None else [])
     if optimizer is None:
         target.pop("optimizer")
-    with _as_checkpoint_error(f"checkpoint {d}: loading its shards"):
-        shard_reader.load_shards(d, manifest, target, no_dist=not dist.is_initialized())
+    with _as_checkpoint_error(f"checkpoint {remote.where if remote is not None else d}: loading its shards"):
+        shard_reader.load_shards(d, manifest, target, no_dist=not dist.is_initialized(), remote=remote)
     set_state_dict(unwrap(model), optimizer if optimizer is not None else [], model_state_dict=target["model"],
                    optim_state_dict=target.get("optimizer", {}))
 
