@@ -142,7 +142,9 @@ def is_shard_file(name: str) -> bool:
 def has_chunk_hashes(manifest: dict, names) -> bool:
     """Whether every file in `names` has its chunks' hashes in the manifest (checkpoints written before they
     were recorded have none: such a file is fetched and checked whole)."""
-    return all(isinstance(manifest["files"].get(n, {}).get("chunks"), list) for n in names)
+    entries = [manifest["files"].get(n, {}) for n in names]
+    return all(isinstance(e.get("chunks"), list) and isinstance(e.get("chunk_bytes"), int) and e["chunk_bytes"] > 0
+               for e in entries)
 
 
 def commit(directory: str | Path, files: dict, format_version: int) -> None:

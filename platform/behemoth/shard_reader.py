@@ -126,10 +126,10 @@ class RemoteShards:
             if is_shard_file(name) or (only is not None and name not in only):
                 continue
             Path(target, name).parent.mkdir(parents=True, exist_ok=True)
-            try:
+            try:  # another error (the store unreachable) is the worker's, as a download's was: Ray retries it
                 data = read_file(f"{self.path}/{name}", self.fs)
-            except OSError as e:
-                raise CheckpointError(f"checkpoint {self.where}: {name} cannot be read ({e})") from None
+            except FileNotFoundError:
+                raise CheckpointError(f"checkpoint {self.where}: {name} is missing") from None
             self.fetched += len(data)
             Path(target, name).write_bytes(data)
 
@@ -146,9 +146,9 @@ class RemoteShards:
 def remote_shards(fs, path: str, where: str) -> RemoteShards | None:
     """RemoteShards for the checkpoint at `path` on `fs`, or None where it is not sharded or its manifest has
     no chunk hashes for its shard files (written before they were recorded: read whole, as before)."""
-    try:
+    try:  # as in download_rest: only a missing file is the checkpoint's fault (and the same on every rank)
         text = read_file(f"{path}/{MANIFEST}", fs)
-    except OSError:
+    except FileNotFoundError:
         raise CheckpointError(f"checkpoint {where} has no {MANIFEST}: it was not completely written") from None
     shards = RemoteShards(fs, path, text, where)
     names = [name for name in shards.manifest["files"] if is_shard_file(name)]
@@ -175,11 +175,13 @@ class _CheckedRanges(io.RawIOBase):
         self.size, self.chunk, self.hashes = entry["size"], entry["chunk_bytes"], entry["chunks"]
         try:
             self.file = shards.fs.open_input_file(f"{shards.path}/{self.name}")
-            size = self.file.size()
-        except OSError as e:
-            raise CheckpointError(f"{self.name} cannot be read ({e})") from None
+        except FileNotFoundError:
+            raise CheckpointError(f"{self.name} is missing") from None
+        size = self.file.size()
         if size != self.size or len(self.hashes) != -(-size // self.chunk):
-            raise CheckpointError(f"{self.name} does not match its manifest (size {size}, manifest {self.size})")
+            self.close()
+            raise CheckpointError(f"{self.name} does not match its manifest (size {size}, manifest {self.size}, "
+                                  f"{len(self.hashes)} chunk hashes)")
 
     def readable(self) -> bool:
         return True
@@ -205,6 +207,8 @@ class _CheckedRanges(io.RawIOBase):
             others = [i for i in self.kept if i not in needed]
             for i in others[:max(0, len(others) - self.KEPT)]:
                 del self.kept[i]
+            for i in others[-self.KEPT:]:  # a copy: the slice kept the previous tensor's whole buffer alive
+                self.kept[i] = memoryview(bytes(self.kept[i]))
         missing = [i for i in needed if i not in self.kept]
         while missing:
             run = 1
@@ -212,7 +216,12 @@ class _CheckedRanges(io.RawIOBase):
                 run += 1
             first, missing = missing[0], missing[run:]
             offset = first * self.chunk
-            data = memoryview(self.file.read_at(min(self.size, offset + run * self.chunk) - offset, offset))
+            want = min(self.size, offset + run * self.chunk) - offset
+            data = memoryview(self.file.read_at(want, offset))
+            if len(data) != want:  # a response cut short (S3's read returns what came): once more, then an I/O error
+                data = memoryview(self.file.read_at(want, offset))
+                if len(data) != want:
+                    raise OSError(f"{self.name}: {len(data)} of {want} bytes came back from offset {offset}")
             self.shards.fetched += len(data)
             for k in range(run):
                 piece = data[k * self.chunk:(k + 1) * self.chunk]
@@ -223,9 +232,9 @@ class _CheckedRanges(io.RawIOBase):
                 self.kept[first + k] = piece
 
     def readinto(self, b) -> int:
-        n = max(0, min(len(b), self.size - self.pos))
-        self.fetch(self.pos, self.pos + n)
         out, done = memoryview(b).cast("B"), 0
+        n = max(0, min(len(out), self.size - self.pos))
+        self.fetch(self.pos, self.pos + n)
         while done < n:
             index, within = divmod(self.pos, self.chunk)
             piece = self.kept[index]
@@ -363,9 +372,13 @@ def load_shards(directory: str | Path, manifest: dict, target: dict, no_dist: bo
         except CheckpointException as e:  # every rank sees every rank's failures: all raise the same
             ours = [f[0] if isinstance(f, tuple) else f for f in e.failures.values()]
             refused = next((f for f in ours if isinstance(f, CheckpointError)), None)
-            if refused is None:
-                raise
-            raise CheckpointError(f"checkpoint {where}: {refused}") from None
+            if refused is not None:
+                raise CheckpointError(f"checkpoint {where}: {refused}") from None
+            failed_io = next((f for f in ours if isinstance(f, OSError)), None)
+            if failed_io is not None:  # the store, not the checkpoint: the worker fails and Ray retries it
+                raise OSError(f"checkpoint {where}: reading its shards failed: {failed_io}") from e
+            # DCP's CheckpointException is a BaseException, which `except Exception` would miss
+            raise CheckpointError(f"checkpoint {where}: reading its shards failed: {ours[0]!r}") from e
     saved = flat if legacy else _read_values(d, manifest) if values else {}
     for key, live in values.items():
         if key not in saved:

@@ -98,8 +98,8 @@ def check(folder: str) -> None:
     """Before Ray starts, without loading the weights: a checkpoint's weight files (model.pt, or a sharded
     checkpoint's state/ files) must match its manifest (a Hugging Face folder has none; its files are read
     when the model loads them). Local files are hashed; under a URI they are not downloaded for this (each
-    worker that reads them downloads them and checks their sha256 before loading): here the manifest must list
-    them and their sizes must be the manifest's."""
+    worker that reads them checks their sha256 before loading, or that of each chunk it reads of a sharded
+    checkpoint's shard files): here the manifest must list them and their sizes must be the manifest's."""
     if not is_checkpoint(folder):
         return
     manifest = read_manifest(read_file(f"{folder}/{MANIFEST}"), folder)

@@ -260,3 +260,43 @@ def test_a_restore_opens_a_bucket_checkpoint_by_range_and_an_older_one_whole(s3,
         model = _model(9)
         checkpointing.load(d, model=model)
     assert all(torch.equal(model.state_dict()[k], expected[k]) for k in expected)
+
+
+class _ShortReads(CountingFS):
+    """A store whose ranged reads come back cut short the first `short` times (S3's read returns what came)."""
+
+    def __init__(self, fs, short: int):
+        super().__init__(fs)
+        self.short = short
+
+    def open_input_file(self, path):
+        owner, f = self, self.fs.open_input_file(path)
+
+        class Cut(_Counted):
+            def read_at(self, n, offset):
+                data = f.read_at(n, offset)
+                if owner.short > 0:
+                    owner.short -= 1
+                    return data[: n // 2]
+                return data
+
+        return Cut(self, f)
+
+
+def test_a_read_cut_short_is_retried_once_then_an_io_error_not_damage(tmp_path, monkeypatch):
+    """A ranged read that comes back short is read again; short twice, it is an OSError (the store's failure:
+    the worker fails and Ray retries), never a CheckpointError that would skip a good checkpoint."""
+    monkeypatch.setattr(checkpoint, "CHUNK_BYTES", CHUNK)
+    expected = _one_process_checkpoint(tmp_path / "ckpt")
+    local = pyarrow.fs.LocalFileSystem()
+    for short, outcome in ((1, "loads"), (2, OSError)):
+        remote = shard_reader.remote_shards(_ShortReads(local, short), str(tmp_path / "ckpt"), "ckpt")
+        d = tmp_path / f"small-{short}"
+        d.mkdir()
+        remote.download_rest(d, only=(shard_reader.INDEX_FILE,))
+        if outcome == "loads":
+            got = shard_reader.read_sharded_weights(d, remote)
+            assert all(torch.equal(got[k], expected[k]) for k in expected)
+        else:
+            with pytest.raises(OSError, match="bytes came back"):
+                shard_reader.read_sharded_weights(d, remote)

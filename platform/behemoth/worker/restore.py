@@ -35,6 +35,7 @@ def restore_latest(run: Run, fence=None) -> TrainState | None:
     if unregistered and rank0:
         console(f"restoring from {unregistered[0].path}: complete in the run folder, but not registered with "
                 f"Ray Train when the run stopped")
+    touched = False  # a failed load left part of a checkpoint in the model (sharded.load)
     for ckpt in unregistered + candidates:
         try:
             with checkpointing.opened(ckpt) as (d, remote):
@@ -44,10 +45,13 @@ def restore_latest(run: Run, fence=None) -> TrainState | None:
                             f"{remote.fetched / 2**20:.1f} MiB of its {remote.total / 2**20:.1f} MiB")
                 return state
         except CheckpointError as e:
+            touched = touched or getattr(e, "touched_state", False)
             console(f"WARNING: skipping checkpoint {ckpt.path}: {e}")
-    if candidates:  # Ray Train had registered checkpoints and none passes: never silently start over
+    if candidates or touched:  # never silently start over (from registered checkpoints, or a part-loaded model)
         tried = [c.path for c in unregistered + candidates]
-        raise CheckpointError(f"no checkpoint of this run passes verification (tried {tried})")
+        hint = "" if candidates else (": one failed its check while being loaded, after part of it was; move the "
+                                      "damaged checkpoint folder out of the run folder to start from step 0")
+        raise CheckpointError(f"no checkpoint of this run passes verification (tried {tried}){hint}")
     # Nothing registered: what failed were unregistered folders (an upload cut short by the failure, whose
     # manifest was copied before the rest). Nothing was committed yet, so the run starts from step 0.
     return None

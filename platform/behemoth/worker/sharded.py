@@ -198,8 +198,15 @@ def load(folder: str | Path, model, optimizer=None, remote: shard_reader.RemoteS
     target = _state_dicts(model, optimizer if optimizer is not None else [])
     if optimizer is None:
         target.pop("optimizer")
-    with _as_checkpoint_error(f"checkpoint {remote.where if remote is not None else d}: loading its shards"):
-        shard_reader.load_shards(d, manifest, target, no_dist=not dist.is_initialized(), remote=remote)
+    try:
+        with _as_checkpoint_error(f"checkpoint {remote.where if remote is not None else d}: loading its shards"):
+            shard_reader.load_shards(d, manifest, target, no_dist=not dist.is_initialized(), remote=remote)
+    except CheckpointError as e:
+        # DCP copies each tensor into the live model and optimizer as it reads it: a chunk found damaged
+        # mid-read (remote) leaves them holding part of this checkpoint. Another checkpoint's load overwrites
+        # every tensor; a start from step 0 must not follow (restore_latest)
+        e.touched_state = remote is not None
+        raise
     set_state_dict(unwrap(model), optimizer if optimizer is not None else [], model_state_dict=target["model"],
                    optim_state_dict=target.get("optimizer", {}))
 
