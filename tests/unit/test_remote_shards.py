@@ -232,7 +232,7 @@ def test_an_export_from_a_bucket_fetches_the_models_bytes_only(s3, tmp_path, mon
 def test_a_restore_opens_a_bucket_checkpoint_by_range_and_an_older_one_whole(s3, tmp_path, monkeypatch):
     """checkpointing.opened (what restore_latest loads through) on a Ray Train checkpoint in S3: a sharded one
     with chunk hashes gives its small files in a local folder and its shards by range, and loads exactly; one
-    without chunk hashes is downloaded whole by Ray's as_directory, as before."""
+    without chunk hashes is downloaded whole (once per node: node_copy), as before."""
     import ray.train
 
     from behemoth.worker import checkpointing
@@ -242,7 +242,7 @@ def test_a_restore_opens_a_bucket_checkpoint_by_range_and_an_older_one_whole(s3,
     fs, where = pyarrow.fs.FileSystem.from_uri(f"s3://{BUCKET}/opened/checkpoint_1")
     pyarrow.fs.copy_files(str(tmp_path / "ckpt"), where, destination_filesystem=fs)
     ckpt = ray.train.Checkpoint(where, filesystem=fs)
-    with checkpointing.opened(ckpt) as (d, remote):
+    with checkpointing.opened(ckpt) as (d, remote, _):
         assert remote is not None and not any(d.glob("state/*.distcp"))
         assert {p.name for p in d.iterdir()} >= {"manifest.json", "train_state.json", "state"}
         model = _model(9)
@@ -255,8 +255,8 @@ def test_a_restore_opens_a_bucket_checkpoint_by_range_and_an_older_one_whole(s3,
         entry.pop("chunks", None)
     with fs.open_output_stream(f"{where}/manifest.json") as f:
         f.write(json.dumps(manifest).encode())
-    with checkpointing.opened(ckpt) as (d, remote):
-        assert remote is None and (d / "state" / "__0_0.distcp").is_file()
+    with checkpointing.opened(ckpt) as (d, remote, node_copy):
+        assert remote is None and node_copy and (d / "state" / "__0_0.distcp").is_file()
         model = _model(9)
         checkpointing.load(d, model=model)
     assert all(torch.equal(model.state_dict()[k], expected[k]) for k in expected)
@@ -300,3 +300,63 @@ def test_a_read_cut_short_is_retried_once_then_an_io_error_not_damage(tmp_path, 
         else:
             with pytest.raises(OSError, match="bytes came back"):
                 shard_reader.read_sharded_weights(d, remote)
+
+
+def _open_on_node(i: int, uri: str, endpoint: str, barrier, out: str, die: bool = False) -> None:
+    """A process of the node opening the checkpoint (node_copy) with its reads counted; both processes are
+    inside at once (barrier). `die`: ends inside, never closing (a killed rank)."""
+    import os
+
+    from behemoth.node_copy import node_copy
+
+    os.environ.update(AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing", AWS_DEFAULT_REGION="us-east-1",
+                      AWS_ENDPOINT_URL=endpoint)
+    fs, where = pyarrow.fs.FileSystem.from_uri(uri)
+    counting = CountingFS(fs)
+    with node_copy(counting, where, uri) as d:
+        if barrier is not None:
+            barrier.wait()
+        files = sorted(str(p.relative_to(d)) for p in d.rglob("*") if p.is_file() and not p.name.startswith(".user-"))
+        Path(out, f"p{i}.json").write_text(json.dumps({"folder": str(d), "bytes": counting.bytes, "files": files}))
+        if die:
+            os._exit(0)
+        if barrier is not None:
+            barrier.wait()
+
+
+def test_a_whole_checkpoint_is_downloaded_once_per_node_and_its_copy_goes_with_the_last_user(s3, tmp_path):
+    """Two processes of a node open the same checkpoint in S3 at once (node_copy, what a DDP restore of a full
+    checkpoint uses): one downloads it, both read the same folder, the bytes fetched in all are the checkpoint's
+    once (plus each process's read of the manifest), and the folder is gone after the last closes. A process
+    that dies inside leaves its copy to the next user, who reads it without downloading and removes it."""
+    import multiprocessing
+
+    _one_process_checkpoint(tmp_path / "ckpt")
+    uri = f"s3://{BUCKET}/node/checkpoint_1"
+    fs, where = pyarrow.fs.FileSystem.from_uri(uri)
+    pyarrow.fs.copy_files(str(tmp_path / "ckpt"), where, destination_filesystem=fs)
+    sizes = {name: e["size"] for name, e in json.loads((tmp_path / "ckpt" / "manifest.json").read_text())["files"].items()}
+    manifest = (tmp_path / "ckpt" / "manifest.json").stat().st_size
+
+    ctx = multiprocessing.get_context("spawn")
+    barrier = ctx.Barrier(2)
+    procs = [ctx.Process(target=_open_on_node, args=(i, uri, s3, barrier, str(tmp_path))) for i in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+        assert p.exitcode == 0
+    seen = [json.loads((tmp_path / f"p{i}.json").read_text()) for i in range(2)]
+    assert seen[0]["folder"] == seen[1]["folder"] and seen[0]["files"] == sorted([*sizes, "manifest.json"])
+    assert sum(s["bytes"] for s in seen) == sum(sizes.values()) + 2 * manifest
+    assert not Path(seen[0]["folder"]).exists()
+
+    dying = ctx.Process(target=_open_on_node, args=(2, uri, s3, None, str(tmp_path), True))
+    dying.start()
+    dying.join(120)
+    left = Path(json.loads((tmp_path / "p2.json").read_text())["folder"])
+    assert left.is_dir()  # its user died inside
+    _open_on_node(3, uri, s3, None, str(tmp_path))
+    after = json.loads((tmp_path / "p3.json").read_text())
+    assert after["folder"] == str(left) and after["bytes"] == manifest  # the dead process's copy, not downloaded
+    assert not left.exists()

@@ -29,8 +29,6 @@ import io
 import mmap
 import os
 import shutil
-import stat
-import tempfile
 import threading
 import time
 from collections import OrderedDict
@@ -42,6 +40,7 @@ import numpy as np
 from behemoth import paths
 from behemoth.checkpoint import filesystem, read_file, stream_sha256
 from behemoth.errors import DataError
+from behemoth.node_copy import own_temp_folder
 
 SHARD_BYTES = 64 << 20
 REMOTE_CACHE_BLOCKS = 4096  # per worker and split: blocks read from a URI kept for reuse
@@ -191,15 +190,8 @@ def verify_once(where: str, shard: dict, folder: str, fs=None) -> None:
 def _marker(name: str) -> Path | None:
     """The marker's path in this user's own folder of the node's temp folder; None where that folder cannot
     be made or is not a folder of this user's alone (another user could plant markers in it)."""
-    folder = Path(tempfile.gettempdir(), f"behemoth-verified-shards-{os.getuid()}")
-    try:
-        folder.mkdir(mode=0o700, exist_ok=True)
-        st = os.lstat(folder)
-    except OSError:
-        return None
-    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
-        return None
-    return folder / name
+    folder = own_temp_folder("behemoth-verified-shards")
+    return None if folder is None else folder / name
 
 
 @contextlib.contextmanager

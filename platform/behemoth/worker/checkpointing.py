@@ -145,41 +145,43 @@ def _host_buffers(tree, pool: dict, path: str, pairs: list):
 
 
 @contextlib.contextmanager
-def opened(ckpt) -> Iterator[tuple[Path, object]]:
-    """A Ray Train checkpoint as (a local folder, its shards read where they are or None), for `load`. On
-    local storage: the folder itself. In an object store, a sharded checkpoint whose manifest has its shard
-    files' chunk hashes: its small files in a temporary folder of this process, the shard files read by range
-    (shard_reader.RemoteShards: each rank fetches only its plan's bytes); any other checkpoint: downloaded
-    whole (Ray's as_directory), as checkpoints written before chunk hashes were."""
+def opened(ckpt) -> Iterator[tuple[Path, object, bool]]:
+    """A Ray Train checkpoint as (a local folder, its shards read where they are or None, whether the folder
+    is a copy on this node), for `load`. On local storage: the run folder's (shared by every rank of a
+    cluster). In an object store, a sharded checkpoint whose manifest has its shard files' chunk hashes: its
+    small files in a temporary folder of this process, the shard files read by range (shard_reader.RemoteShards:
+    each rank fetches only its plan's bytes); any other checkpoint (a full one, or sharded before chunk
+    hashes): downloaded whole once per node, the node's ranks sharing the copy (node_copy)."""
     import pyarrow.fs
 
     from behemoth import shard_reader
+    from behemoth.node_copy import node_copy
 
     if isinstance(ckpt.filesystem, pyarrow.fs.LocalFileSystem):
-        yield Path(ckpt.path), None
+        yield Path(ckpt.path), None, False
         return
     remote = shard_reader.remote_shards(ckpt.filesystem, ckpt.path, ckpt.path)
     if remote is None:
-        with ckpt.as_directory() as d:
-            yield Path(d), None
+        with node_copy(ckpt.filesystem, ckpt.path, ckpt.path) as d:
+            yield d, None, True
         return
     with tempfile.TemporaryDirectory(prefix="behemoth-restore-") as d:
         remote.download_rest(d)
-        yield Path(d), remote
+        yield Path(d), remote, True
 
 
 def load(directory: str | Path, *, model, optimizer=None, scheduler=None, scaler=None,
-         hook_state=None, remote=None) -> TrainState:
+         hook_state=None, remote=None, node_copy: bool = False) -> TrainState:
     """Verify, then restore the given objects in place. Returns the saved TrainState.
 
     Either format under either strategy: a sharded checkpoint through DCP (every rank calls this; it
     reshards to this world size), a full one read whole by each rank (under FSDP each keeps its shard). The
     optimizer state of a full checkpoint written under DDP is keyed by parameter index, under FSDP by name:
     each is converted to what this run's optimizer takes. `remote` (`opened`'s): the shard files are read
-    there, by range."""
+    there, by range. `node_copy`: the folder is this node's copy, which the other nodes' ranks do not check."""
     d = Path(directory)
     if is_sharded_format(d):
-        sharded.load(d, model, optimizer, remote)
+        sharded.load(d, model, optimizer, remote, shared=not node_copy)
     else:
         verify(d)
         model_sd = torch.load(d / MODEL_FILE, map_location="cpu", weights_only=True)

@@ -38,8 +38,9 @@ def restore_latest(run: Run, fence=None) -> TrainState | None:
     touched = False  # a failed load left part of a checkpoint in the model (sharded.load)
     for ckpt in unregistered + candidates:
         try:
-            with checkpointing.opened(ckpt) as (d, remote):
-                state = checkpointing.load(d, **run.parts(), hook_state=run.hook_state, remote=remote)
+            with checkpointing.opened(ckpt) as (d, remote, node_copy):
+                state = checkpointing.load(d, **run.parts(), hook_state=run.hook_state, remote=remote,
+                                           node_copy=node_copy)
                 if remote is not None and rank0:
                     console(f"restored {ckpt.path} from its object store: rank 0 read "
                             f"{remote.fetched / 2**20:.1f} MiB of its {remote.total / 2**20:.1f} MiB")

@@ -167,10 +167,12 @@ def overlappable(model) -> bool:
     return not any(name in m.state_dict() for name, _ in m.named_buffers())
 
 
-def load(folder: str | Path, model, optimizer=None, remote: shard_reader.RemoteShards | None = None) -> None:
+def load(folder: str | Path, model, optimizer=None, remote: shard_reader.RemoteShards | None = None,
+         shared: bool = True) -> None:
     """Load a sharded checkpoint's model and optimizer state into this rank's objects (every rank calls it).
-    In a folder the ranks share, they share the hashing (rank r checks every world-th file) and all fail
-    together, naming the file, when one does not match: they go on to the same next checkpoint. With `remote`
+    In a folder every rank reads (`shared`), they share the hashing (rank r checks every world-th file);
+    in a node's copy each rank checks every file. Either way all fail together, naming the file, when one
+    does not match: they go on to the same next checkpoint. With `remote`
     (an object store), `folder` is this rank's own copy of the small files, all checked here, and the shard
     files are read by range where they are, each chunk checked as it arrives: a damaged chunk fails DCP's read
     step, which raises on every rank alike. Every rank reads the same verified index and values, so a
@@ -183,7 +185,7 @@ def load(folder: str | Path, model, optimizer=None, remote: shard_reader.RemoteS
     manifest = checkpoint.read_manifest((d / checkpoint.MANIFEST).read_bytes(), d)
     names = sorted(manifest["files"])
     mine = (tuple(n for n in names if not checkpoint.is_shard_file(n)) if remote is not None
-            else tuple(names[rank::world]))
+            else tuple(names[rank::world]) if shared else tuple(names))
     try:
         checkpoint.verify(d, only=mine)
         problem = None
