@@ -200,6 +200,11 @@ def read_manifest(text: bytes | str, where, only: tuple[str, ...] | None = None)
     if manifest.get("format_version") not in (FORMAT_VERSION, *SHARDED_FORMATS):
         raise CheckpointError(f"checkpoint {where} has format {manifest.get('format_version')}, "
                               f"this behemoth reads {FORMAT_VERSION}, {LEGACY_SHARDED_FORMAT} and {SHARDED_FORMAT}")
+    # a copy of the checkpoint writes each listed file under its name (node_copy, RemoteShards): a name that
+    # leaves the folder would write wherever its reader may
+    if not isinstance(files, dict) or any(not isinstance(n, str) or not n or n.startswith("/") or "\\" in n
+                                          or any(part in ("", ".", "..") for part in n.split("/")) for n in files):
+        raise CheckpointError(f"checkpoint {where}: {MANIFEST} lists a file name outside the checkpoint's folder")
     unlisted = [name for name in only or () if name not in files]
     if unlisted:
         raise CheckpointError(f"checkpoint {where}: {', '.join(unlisted)} not in its {MANIFEST}")

@@ -1,12 +1,17 @@
 """A checkpoint in an object store as a local folder the processes of one node share (shared floor).
 
 The ranks of a node that restore the same checkpoint whole (a full checkpoint: under DDP every rank reads all
-of it) download it once: the first to open it downloads every file its manifest lists (the manifest last) into
-a folder named by the checkpoint and its manifest's bytes, the others wait for that under the same lock and
-read the same files, and the last one to close removes it. Each user of the folder leaves a mark named by its
-process id; a process that died holding the folder leaves a mark the next closer finds dead, so the folder
-still goes. The folders live in one folder of the node's temp folder that is this user's alone (0700, not a
-link); where it is not, each process downloads into a temporary folder of its own, as Ray's download did.
+of it) download it once: the first to open it downloads every file its manifest lists (the manifest last, by
+rename) into a folder named by the checkpoint and its manifest's bytes, the others wait for that and read the
+same files. Every user holds a shared flock on the copy while it reads; a copy nobody holds (its last user
+closed it, or died: the kernel drops a dead process's locks, whatever its pid namespace) is removed by its
+last closer, or by the next process that opens any checkpoint on the node. A removal takes the manifest
+first, so a removal cut short leaves a copy that is never taken for complete.
+
+The copies live in one folder of the node's temp folder that is this user's alone (0700, not a link); its own
+flock orders opening, downloading and removing (one download at a time per node: the node's ranks restore the
+same checkpoint). Where that folder is not this user's alone, each process downloads into a temporary folder of
+its own, as Ray's download did.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import shutil
 import stat
 import tempfile
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from behemoth.checkpoint import MANIFEST, read_file, read_manifest
@@ -41,34 +47,26 @@ def node_copy(fs, path: str, where: str) -> Iterator[Path]:
             yield Path(d)
         return
     folder = parent / hashlib.sha256(path.encode() + b"\n" + manifest_bytes).hexdigest()[:32]
-    mark = folder / f".user-{os.getpid()}"
     with _locked(parent):
-        if not (folder / MANIFEST).is_file():  # absent, or a download cut short
-            shutil.rmtree(folder, ignore_errors=True)
+        for other in parent.iterdir():
+            if other != folder:
+                _remove_if_unused(other)
+        if not (folder / MANIFEST).is_file():  # absent, a download cut short, or a removal cut short
+            _remove(folder)
             folder.mkdir(mode=0o700)
-            _download(fs, path, names, manifest_bytes, folder, where)
-        mark.touch()
+            try:
+                _download(fs, path, names, manifest_bytes, folder, where)
+            except BaseException:
+                _remove(folder)
+                raise
+        use = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        fcntl.flock(use, fcntl.LOCK_SH)  # never waits: exclusive locks are only tried, under the parent's
     try:
         yield folder
     finally:
         with _locked(parent):
-            mark.unlink(missing_ok=True)
-            if not any(_alive(m) for m in folder.glob(".user-*")):
-                shutil.rmtree(folder, ignore_errors=True)
-
-
-def _download(fs, path: str, names: list[str], manifest_bytes: bytes, folder: Path, where: str) -> None:
-    """Every file the manifest lists, then the manifest (its presence: the copy is complete). A file the store
-    does not have is the checkpoint's fault (CheckpointError); any other error is the store's (the worker fails
-    and Ray retries, as with a failed download before)."""
-    for name in names:
-        (folder / name).parent.mkdir(parents=True, exist_ok=True)
-        try:
-            with fs.open_input_stream(f"{path}/{name}") as src, open(folder / name, "wb") as dst:
-                shutil.copyfileobj(src, dst, 8 << 20)
-        except FileNotFoundError:
-            raise CheckpointError(f"checkpoint {where}: {name} is missing") from None
-    (folder / MANIFEST).write_bytes(manifest_bytes)
+            os.close(use)
+            _remove_if_unused(folder)
 
 
 def own_temp_folder(name: str) -> Path | None:
@@ -85,6 +83,47 @@ def own_temp_folder(name: str) -> Path | None:
     return folder
 
 
+def _download(fs, path: str, names: list[str], manifest_bytes: bytes, folder: Path, where: str) -> None:
+    """Every file the manifest lists, a few at once, then the manifest (by rename: its presence means the copy
+    is complete). A file the store does not have is the checkpoint's fault (CheckpointError); any other error
+    is the store's (the worker fails and Ray retries, as with a failed download before)."""
+    def fetch(name: str) -> None:
+        (folder / name).parent.mkdir(parents=True, exist_ok=True)
+        try:
+            with fs.open_input_stream(f"{path}/{name}") as src, open(folder / name, "wb") as dst:
+                shutil.copyfileobj(src, dst, 8 << 20)
+        except FileNotFoundError:
+            raise CheckpointError(f"checkpoint {where}: {name} is missing") from None
+
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        for done in [pool.submit(fetch, name) for name in names]:
+            done.result()
+    (folder / f"{MANIFEST}.tmp").write_bytes(manifest_bytes)
+    os.replace(folder / f"{MANIFEST}.tmp", folder / MANIFEST)
+
+
+def _remove_if_unused(folder: Path) -> None:
+    """Remove a copy no process holds (called under the parent folder's lock, so nobody is taking it)."""
+    try:
+        fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    except OSError:
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return  # in use
+    finally:
+        os.close(fd)
+    _remove(folder)
+
+
+def _remove(folder: Path) -> None:
+    """The manifest first: a removal cut short leaves no copy that looks complete."""
+    with contextlib.suppress(FileNotFoundError, NotADirectoryError):
+        (folder / MANIFEST).unlink()
+    shutil.rmtree(folder, ignore_errors=True)
+
+
 @contextlib.contextmanager
 def _locked(folder: Path):
     """flock on the folder itself (no lock file to leave behind); released when the descriptor closes, also if
@@ -95,14 +134,3 @@ def _locked(folder: Path):
         yield
     finally:
         os.close(fd)
-
-
-def _alive(mark: Path) -> bool:
-    """Whether the process a user mark names still runs."""
-    try:
-        os.kill(int(mark.name.rsplit("-", 1)[1]), 0)
-    except ProcessLookupError:
-        return False
-    except (ValueError, PermissionError):
-        return True  # not a process id of ours to judge: keep the folder
-    return True

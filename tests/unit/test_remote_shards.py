@@ -302,9 +302,10 @@ def test_a_read_cut_short_is_retried_once_then_an_io_error_not_damage(tmp_path, 
                 shard_reader.read_sharded_weights(d, remote)
 
 
-def _open_on_node(i: int, uri: str, endpoint: str, barrier, out: str, die: bool = False) -> None:
-    """A process of the node opening the checkpoint (node_copy) with its reads counted; both processes are
-    inside at once (barrier). `die`: ends inside, never closing (a killed rank)."""
+def _open_on_node(i: int, uri: str, endpoint: str, turns, out: str, die: bool = False) -> None:
+    """A process of the node opening the checkpoint (node_copy) with its reads counted. `turns`: (a barrier
+    both pass inside, an event set once the first closed): process 0 closes first, process 1 then checks every file of the copy is
+    still there and whole before it closes. `die`: ends inside, never closing (a killed rank)."""
     import os
 
     from behemoth.node_copy import node_copy
@@ -314,49 +315,92 @@ def _open_on_node(i: int, uri: str, endpoint: str, barrier, out: str, die: bool 
     fs, where = pyarrow.fs.FileSystem.from_uri(uri)
     counting = CountingFS(fs)
     with node_copy(counting, where, uri) as d:
-        if barrier is not None:
-            barrier.wait()
-        files = sorted(str(p.relative_to(d)) for p in d.rglob("*") if p.is_file() and not p.name.startswith(".user-"))
-        Path(out, f"p{i}.json").write_text(json.dumps({"folder": str(d), "bytes": counting.bytes, "files": files}))
+        files = sorted(str(p.relative_to(d)) for p in d.rglob("*") if p.is_file())
+        seen = {"folder": str(d), "bytes": counting.bytes, "files": files}
+        if turns is not None:
+            inside, first_closed = turns
+            inside.wait(timeout=60)
+            if i == 1:
+                assert first_closed.wait(timeout=60)
+                seen["intact_after_first_closed"] = checkpoint.verify(d) is not None
+        Path(out, f"p{i}.json").write_text(json.dumps(seen))
         if die:
             os._exit(0)
-        if barrier is not None:
-            barrier.wait()
+    if turns is not None and i == 0:
+        turns[1].set()
 
 
-def test_a_whole_checkpoint_is_downloaded_once_per_node_and_its_copy_goes_with_the_last_user(s3, tmp_path):
-    """Two processes of a node open the same checkpoint in S3 at once (node_copy, what a DDP restore of a full
-    checkpoint uses): one downloads it, both read the same folder, the bytes fetched in all are the checkpoint's
-    once (plus each process's read of the manifest), and the folder is gone after the last closes. A process
-    that dies inside leaves its copy to the next user, who reads it without downloading and removes it."""
+def _node_processes(ctx, args_of, n):
+    procs = [ctx.Process(target=_open_on_node, args=args_of(i), daemon=True) for i in range(n)]
+    try:
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(120)
+        return [p.exitcode for p in procs]
+    finally:
+        for p in procs:
+            if p.pid is not None:
+                p.kill()
+
+
+def test_a_whole_checkpoint_is_downloaded_once_per_node_and_its_copy_goes_with_the_last_user(s3, tmp_path,
+                                                                                          monkeypatch):
+    """Two processes of a node open the same checkpoint in S3 at once (node_copy: what a restore of a full
+    checkpoint, or of a sharded one without chunk hashes, uses; the format does not matter to it): one
+    downloads it, both read the same folder, the bytes fetched in all are the checkpoint's once (plus each
+    process's read of the manifest); the first to close leaves it whole for the other, and it goes with the
+    last. A process that dies inside leaves its copy to the next user, who reads it without downloading and
+    removes it; a dead user's copy of another checkpoint goes when any is opened. A download that fails (a
+    file the manifest lists is missing) leaves nothing."""
     import multiprocessing
 
+    monkeypatch.setenv("TMPDIR", str(tmp_path / "node-tmp"))  # the node's temp folder: this test's own
+    (tmp_path / "node-tmp").mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "node-tmp"))
     _one_process_checkpoint(tmp_path / "ckpt")
     uri = f"s3://{BUCKET}/node/checkpoint_1"
     fs, where = pyarrow.fs.FileSystem.from_uri(uri)
-    pyarrow.fs.copy_files(str(tmp_path / "ckpt"), where, destination_filesystem=fs)
+    for prefix in ("node/checkpoint_1", "other/checkpoint_1"):
+        pyarrow.fs.copy_files(str(tmp_path / "ckpt"), f"{BUCKET}/{prefix}", destination_filesystem=fs)
     sizes = {name: e["size"] for name, e in json.loads((tmp_path / "ckpt" / "manifest.json").read_text())["files"].items()}
     manifest = (tmp_path / "ckpt" / "manifest.json").stat().st_size
 
     ctx = multiprocessing.get_context("spawn")
-    barrier = ctx.Barrier(2)
-    procs = [ctx.Process(target=_open_on_node, args=(i, uri, s3, barrier, str(tmp_path))) for i in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(120)
-        assert p.exitcode == 0
+    turns = (ctx.Barrier(2), ctx.Event())
+    assert _node_processes(ctx, lambda i: (i, uri, s3, turns, str(tmp_path)), 2) == [0, 0]
     seen = [json.loads((tmp_path / f"p{i}.json").read_text()) for i in range(2)]
     assert seen[0]["folder"] == seen[1]["folder"] and seen[0]["files"] == sorted([*sizes, "manifest.json"])
     assert sum(s["bytes"] for s in seen) == sum(sizes.values()) + 2 * manifest
-    assert not Path(seen[0]["folder"]).exists()
+    assert seen[1]["intact_after_first_closed"] and not Path(seen[0]["folder"]).exists()
 
-    dying = ctx.Process(target=_open_on_node, args=(2, uri, s3, None, str(tmp_path), True))
-    dying.start()
-    dying.join(120)
+    assert _node_processes(ctx, lambda i: (2, uri, s3, None, str(tmp_path), True), 1) == [0]
     left = Path(json.loads((tmp_path / "p2.json").read_text())["folder"])
     assert left.is_dir()  # its user died inside
     _open_on_node(3, uri, s3, None, str(tmp_path))
     after = json.loads((tmp_path / "p3.json").read_text())
     assert after["folder"] == str(left) and after["bytes"] == manifest  # the dead process's copy, not downloaded
     assert not left.exists()
+
+    assert _node_processes(ctx, lambda i: (4, uri, s3, None, str(tmp_path), True), 1) == [0]
+    left = Path(json.loads((tmp_path / "p4.json").read_text())["folder"])
+    _open_on_node(5, f"s3://{BUCKET}/other/checkpoint_1", s3, None, str(tmp_path))
+    assert left.parent.is_dir() and not left.exists()  # swept when another checkpoint was opened
+
+    fs.delete_file(f"{BUCKET}/other/checkpoint_1/train_state.json")
+    from behemoth.node_copy import node_copy
+
+    with pytest.raises(CheckpointError, match="train_state.json is missing"):
+        with node_copy(fs, f"{BUCKET}/other/checkpoint_1", "other"):
+            pass
+    assert list(left.parent.iterdir()) == []
+
+
+@pytest.mark.parametrize("name", ["../x", "/etc/x", "state/../../x", "a//b", "./a", ""])
+def test_a_manifest_naming_a_file_outside_its_folder_is_refused(name):
+    """Copies of a checkpoint write each listed file under its name: one that leaves the folder is refused
+    before anything is written."""
+    text = json.dumps({"format_version": 1, "files": {name: {"size": 1, "sha256": "0" * 64}}})
+    with pytest.raises(CheckpointError, match="outside the checkpoint's folder"):
+        checkpoint.read_manifest(text, "c")
+    checkpoint.read_manifest(json.dumps({"format_version": 1, "files": {"state/a.distcp": {}}}), "c")
