@@ -24,9 +24,10 @@ def pytest_configure(config):
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 
 
-# The integration modules that use the shared local Ray instance run next to each other; then test_s3.py (its
-# workers need the S3 variables: an instance of its own) and test_tune.py (the dashboard); the unit tests last.
-_RUNS_LATE = {"test_s3.py": 1, "test_tune.py": 2}
+# The integration modules that use the shared local Ray instance run next to each other; then those with an
+# instance of their own: test_token_store.py (a small object store), test_s3.py (its workers need the S3
+# variables) and test_tune.py (the dashboard); the unit tests last.
+_RUNS_LATE = {"test_token_store.py": 1, "test_s3.py": 2, "test_tune.py": 3}
 
 
 def pytest_collection_modifyitems(config, items):

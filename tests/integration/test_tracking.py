@@ -10,6 +10,7 @@ import os
 import time
 
 import pytest
+from behemoth.checkpoint import complete_checkpoints
 from behemoth.driver import ray_session
 from behemoth.driver.trainer import train
 from behemoth.faults import KILL_AT_STEP_ENV
@@ -86,7 +87,13 @@ def test_tracking_and_goodput_of_a_run_with_a_killed_worker(ray_local, image_roo
 
     # The same command again: the finished run is re-evaluated, and continues the same MLflow run.
     run_id = json.loads((run / "mlflow.json").read_text())["run_id"]
+    kept, reported = complete_checkpoints(run), len(reports)
     again = train(cfg)
+    assert again.resumed_from_step == STEPS and again.metrics["step"] == STEPS
+    new = read_jsonl(str(run / "metrics.jsonl"))[reported:]
+    assert len(new) == 1 and new[0]["step"] == STEPS and "loss" not in new[0]  # one evaluation, no training step
+    assert new[0]["val_loss"] == summary.metrics["val_loss"]  # the same weights, evaluated again
+    assert complete_checkpoints(run) == kept  # no checkpoint written
     assert "nothing to train" in capfd.readouterr().out
     assert json.loads((run / "mlflow.json").read_text())["run_id"] == run_id
     assert len(again.goodput.invocations) == 2
