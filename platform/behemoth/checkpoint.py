@@ -123,12 +123,13 @@ def hash_files(directory: str | Path, names: list[str], chunked: tuple[str, ...]
     entries = {}
     for name in names:
         with open(d / name, "rb") as f:
-            whole, chunks = hashlib.sha256(), []
+            whole, chunks, size = hashlib.sha256(), [], 0
             for piece in iter(lambda: f.read(CHUNK_BYTES), b""):
                 whole.update(piece)
+                size += len(piece)
                 if name in chunked:
                     chunks.append(hashlib.sha256(piece).hexdigest())
-        entries[name] = {"size": (d / name).stat().st_size, "sha256": whole.hexdigest()}
+        entries[name] = {"size": size, "sha256": whole.hexdigest()}
         if name in chunked:
             entries[name].update(chunk_bytes=CHUNK_BYTES, chunks=chunks)
     return entries
@@ -202,13 +203,27 @@ def read_manifest(text: bytes | str, where, only: tuple[str, ...] | None = None)
                               f"this behemoth reads {FORMAT_VERSION}, {LEGACY_SHARDED_FORMAT} and {SHARDED_FORMAT}")
     # a copy of the checkpoint writes each listed file under its name (node_copy, RemoteShards): a name that
     # leaves the folder would write wherever its reader may
-    if not isinstance(files, dict) or any(not isinstance(n, str) or not n or n.startswith("/") or "\\" in n
-                                          or any(part in ("", ".", "..") for part in n.split("/")) for n in files):
+    if not isinstance(files, dict) or not all(_inside(name) for name in files):
         raise CheckpointError(f"checkpoint {where}: {MANIFEST} lists a file name outside the checkpoint's folder")
     unlisted = [name for name in only or () if name not in files]
     if unlisted:
         raise CheckpointError(f"checkpoint {where}: {', '.join(unlisted)} not in its {MANIFEST}")
     return manifest
+
+
+def _inside(name) -> bool:
+    """A relative POSIX path with no empty, '.' or '..' part: a file inside the checkpoint's folder."""
+    return (isinstance(name, str) and not name.startswith("/") and "\\" not in name
+            and all(part not in ("", ".", "..") for part in name.split("/")))
+
+
+def read_manifest_bytes(path: str, fs, where: str) -> bytes:
+    """The manifest of the checkpoint at `path` on the pyarrow filesystem `fs`, as stored. Missing, it is the
+    checkpoint's fault (CheckpointError, the same on every rank); any other error is the store's."""
+    try:
+        return read_file(f"{path}/{MANIFEST}", fs)
+    except FileNotFoundError:
+        raise CheckpointError(f"checkpoint {where} has no {MANIFEST}: it was not completely written") from None
 
 
 def read_state(directory: str | Path, fs=None) -> TrainState:

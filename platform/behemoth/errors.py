@@ -25,6 +25,11 @@ class CheckpointError(RuntimeError):
     """A checkpoint that is incomplete or damaged. The message names the directory and the file."""
 
 
+class PartlyLoadedError(CheckpointError):
+    """A checkpoint found damaged while it was being loaded (a chunk read by range), after some of its tensors
+    reached the model and optimizer: another checkpoint's load may follow, a fresh start may not."""
+
+
 class StorageFullError(RuntimeError):
     """A checkpoint that did not fit on its disk. The message names the folder, the space needed and free."""
 

@@ -27,18 +27,17 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from behemoth.checkpoint import MANIFEST, read_file, read_manifest
+from behemoth.checkpoint import MANIFEST, read_manifest, read_manifest_bytes
 from behemoth.errors import CheckpointError
 
 
 @contextlib.contextmanager
-def node_copy(fs, path: str, where: str) -> Iterator[Path]:
-    """The checkpoint at `path` on the pyarrow filesystem `fs` (`where` names it in messages) as a local
-    folder while the block runs; the caller verifies the files (a copy is only as good as the download)."""
-    try:
-        manifest_bytes = read_file(f"{path}/{MANIFEST}", fs)
-    except FileNotFoundError:
-        raise CheckpointError(f"checkpoint {where} has no {MANIFEST}: it was not completely written") from None
+def node_copy(fs, path: str, where: str, manifest_bytes: bytes | None = None) -> Iterator[Path]:
+    """The checkpoint at `path` on the pyarrow filesystem `fs` (`where` names it in messages; its manifest's
+    bytes read here unless given) as a local folder while the block runs; the caller verifies the files (a
+    copy is only as good as the download)."""
+    if manifest_bytes is None:
+        manifest_bytes = read_manifest_bytes(path, fs, where)
     names = list(read_manifest(manifest_bytes, where)["files"])
     parent = own_temp_folder("behemoth-checkpoints")
     if parent is None:

@@ -43,7 +43,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 from behemoth.checkpoint import (LEGACY_SHARDED_FORMAT, MANIFEST, SHARDED_FORMATS, SINGLE_PROCESS_WARNING,
-                                 STATE_DIR, VALUES_FILE, has_chunk_hashes, is_shard_file, read_file, read_manifest)
+                                 STATE_DIR, VALUES_FILE, has_chunk_hashes, is_shard_file, read_file, read_manifest,
+                                 read_manifest_bytes)
 from behemoth.errors import CheckpointError
 
 INDEX_FILE = f"{STATE_DIR}/.metadata"
@@ -143,13 +144,11 @@ class RemoteShards:
             f.close()
 
 
-def remote_shards(fs, path: str, where: str) -> RemoteShards | None:
-    """RemoteShards for the checkpoint at `path` on `fs`, or None where it is not sharded or its manifest has
-    no chunk hashes for its shard files (written before they were recorded: read whole, as before)."""
-    try:  # as in download_rest: only a missing file is the checkpoint's fault (and the same on every rank)
-        text = read_file(f"{path}/{MANIFEST}", fs)
-    except FileNotFoundError:
-        raise CheckpointError(f"checkpoint {where} has no {MANIFEST}: it was not completely written") from None
+def remote_shards(fs, path: str, where: str, manifest_bytes: bytes | None = None) -> RemoteShards | None:
+    """RemoteShards for the checkpoint at `path` on `fs` (its manifest's bytes read here unless given), or None
+    where it is not sharded or its manifest has no chunk hashes for its shard files (written before they were
+    recorded: read whole, as before)."""
+    text = manifest_bytes if manifest_bytes is not None else read_manifest_bytes(path, fs, where)
     shards = RemoteShards(fs, path, text, where)
     names = [name for name in shards.manifest["files"] if is_shard_file(name)]
     if shards.manifest["format_version"] not in SHARDED_FORMATS or not has_chunk_hashes(shards.manifest, names):
@@ -207,8 +206,9 @@ class _CheckedRanges(io.RawIOBase):
             others = [i for i in self.kept if i not in needed]
             for i in others[:max(0, len(others) - self.KEPT)]:
                 del self.kept[i]
-            for i in others[-self.KEPT:]:  # a copy: the slice kept the previous tensor's whole buffer alive
-                self.kept[i] = memoryview(bytes(self.kept[i]))
+            for i in others[-self.KEPT:]:  # a slice of a larger read keeps that whole buffer alive: copied once
+                if len(self.kept[i].obj) != len(self.kept[i]):
+                    self.kept[i] = memoryview(bytes(self.kept[i]))
         missing = [i for i in needed if i not in self.kept]
         while missing:
             run = 1
@@ -267,10 +267,10 @@ class _RemoteStreams(dcp_filesystem.FileSystemBase):
         return path
 
     def rename(self, path, new_path):
-        raise NotImplementedError("read only")
+        raise io.UnsupportedOperation("shard files read by range are read only")
 
     def mkdir(self, path):
-        raise NotImplementedError("read only")
+        raise io.UnsupportedOperation("shard files read by range are read only")
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id) -> bool:
@@ -280,7 +280,7 @@ class _RemoteStreams(dcp_filesystem.FileSystemBase):
         return f"{STATE_DIR}/{path}" in self.shards.manifest["files"]
 
     def rm_file(self, path):
-        raise NotImplementedError("read only")
+        raise io.UnsupportedOperation("shard files read by range are read only")
 
 
 class _IndexedReader(FileSystemReader):

@@ -133,7 +133,7 @@ def _rank(rank: int, port: int, folder: str, uri: str, endpoint: str, out: str) 
                                  "equal": sorted(got) == sorted(saved) and all(torch.equal(got[k], saved[k])
                                                                                for k in saved)}
             except CheckpointError as e:
-                seen[attempt] = {"error": str(e)}
+                seen[attempt] = {"error": str(e), "kind": type(e).__name__}
         dist.barrier()
         if attempt == "whole" and rank == 0:  # one byte of rank 1's shard file changed in the bucket (same size)
             name = f"{where}/state/__1_0.distcp"
@@ -159,7 +159,8 @@ def test_each_rank_of_a_restore_from_a_bucket_fetches_its_own_shards_and_a_damag
     """2 FSDP ranks restore a 2-rank checkpoint from S3: each fetches <= 0.6x the checkpoint's bytes (its own
     shard file, the index and the small files), restores exactly its shards, and the reader's own count agrees
     with the wrapper's. One byte changed in rank 1's shard file: both ranks fail, naming it (rank 0 never
-    reads that file: DCP's read step fails every rank together)."""
+    reads that file: DCP's read step fails every rank together), as a load that may have left part of the
+    checkpoint in the model."""
     import torch.multiprocessing as mp
 
     uri = f"s3://{BUCKET}/run/checkpoint_1"
@@ -179,6 +180,7 @@ def test_each_rank_of_a_restore_from_a_bucket_fetches_its_own_shards_and_a_damag
         assert whole["equal"] and whole["step"] == 1
         assert whole["bytes"] == whole["counted"] <= 0.6 * total
         assert "state/__1_0.distcp does not match its manifest" in seen["damaged"].get("error", ""), seen
+        assert seen["damaged"]["kind"] == "PartlyLoadedError"  # a fresh start may not follow it (restore_latest)
 
 
 def _one_process_checkpoint(folder: Path):

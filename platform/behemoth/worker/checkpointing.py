@@ -13,7 +13,8 @@ from pathlib import Path
 
 import torch
 
-from behemoth.checkpoint import MODEL_FILE, Snapshot, TrainState, is_sharded_format, verify, write
+from behemoth.checkpoint import (MODEL_FILE, Snapshot, TrainState, is_sharded_format, read_manifest_bytes, verify,
+                                 write)
 from behemoth.errors import CheckpointError
 from behemoth.worker import sharded
 from behemoth.worker.parallel import is_sharded, unwrap
@@ -160,9 +161,10 @@ def opened(ckpt) -> Iterator[tuple[Path, object, bool]]:
     if isinstance(ckpt.filesystem, pyarrow.fs.LocalFileSystem):
         yield Path(ckpt.path), None, False
         return
-    remote = shard_reader.remote_shards(ckpt.filesystem, ckpt.path, ckpt.path)
+    text = read_manifest_bytes(ckpt.path, ckpt.filesystem, ckpt.path)
+    remote = shard_reader.remote_shards(ckpt.filesystem, ckpt.path, ckpt.path, text)
     if remote is None:
-        with node_copy(ckpt.filesystem, ckpt.path, ckpt.path) as d:
+        with node_copy(ckpt.filesystem, ckpt.path, ckpt.path, text) as d:
             yield d, None, True
         return
     with tempfile.TemporaryDirectory(prefix="behemoth-restore-") as d:

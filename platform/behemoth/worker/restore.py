@@ -8,7 +8,7 @@ import ray.train
 from behemoth import checkpoint, weights
 from behemoth.worker import checkpointing
 from behemoth.checkpoint import TrainState
-from behemoth.errors import CheckpointError
+from behemoth.errors import CheckpointError, PartlyLoadedError
 from behemoth.worker.console import console
 from behemoth.worker.run import Run
 
@@ -35,7 +35,7 @@ def restore_latest(run: Run, fence=None) -> TrainState | None:
     if unregistered and rank0:
         console(f"restoring from {unregistered[0].path}: complete in the run folder, but not registered with "
                 f"Ray Train when the run stopped")
-    touched = False  # a failed load left part of a checkpoint in the model (sharded.load)
+    touched = False  # a failed load left part of a checkpoint in the model
     for ckpt in unregistered + candidates:
         try:
             with checkpointing.opened(ckpt) as (d, remote, node_copy):
@@ -46,7 +46,7 @@ def restore_latest(run: Run, fence=None) -> TrainState | None:
                             f"{remote.fetched / 2**20:.1f} MiB of its {remote.total / 2**20:.1f} MiB")
                 return state
         except CheckpointError as e:
-            touched = touched or getattr(e, "touched_state", False)
+            touched = touched or isinstance(e, PartlyLoadedError)
             console(f"WARNING: skipping checkpoint {ckpt.path}: {e}")
     if candidates or touched:  # never silently start over (from registered checkpoints, or a part-loaded model)
         tried = [c.path for c in unregistered + candidates]

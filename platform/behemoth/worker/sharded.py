@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from behemoth import checkpoint, faults, shard_reader
 from behemoth.checkpoint import SINGLE_PROCESS_WARNING, STATE_DIR, VALUES_FILE, Snapshot
-from behemoth.errors import CheckpointError
+from behemoth.errors import CheckpointError, PartlyLoadedError
 from behemoth.worker.parallel import unwrap
 
 
@@ -184,8 +184,10 @@ def load(folder: str | Path, model, optimizer=None, remote: shard_reader.RemoteS
     world = dist.get_world_size() if dist.is_initialized() else 1
     manifest = checkpoint.read_manifest((d / checkpoint.MANIFEST).read_bytes(), d)
     names = sorted(manifest["files"])
-    mine = (tuple(n for n in names if not checkpoint.is_shard_file(n)) if remote is not None
-            else tuple(names[rank::world]) if shared else tuple(names))
+    if remote is not None:  # the shard files are checked chunk by chunk as they are read
+        mine = tuple(n for n in names if not checkpoint.is_shard_file(n))
+    else:
+        mine = tuple(names[rank::world] if shared else names)
     try:
         checkpoint.verify(d, only=mine)
         problem = None
@@ -205,10 +207,10 @@ def load(folder: str | Path, model, optimizer=None, remote: shard_reader.RemoteS
             shard_reader.load_shards(d, manifest, target, no_dist=not dist.is_initialized(), remote=remote)
     except CheckpointError as e:
         # DCP copies each tensor into the live model and optimizer as it reads it: a chunk found damaged
-        # mid-read (remote) leaves them holding part of this checkpoint. Another checkpoint's load overwrites
-        # every tensor; a start from step 0 must not follow (restore_latest)
-        e.touched_state = remote is not None
-        raise
+        # mid-read (remote) leaves them holding part of this checkpoint (with the files checked first, never)
+        if remote is None:
+            raise
+        raise PartlyLoadedError(str(e)) from e
     set_state_dict(unwrap(model), optimizer if optimizer is not None else [], model_state_dict=target["model"],
                    optim_state_dict=target.get("optimizer", {}))
 
