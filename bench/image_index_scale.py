@@ -1,13 +1,16 @@
-"""How the driver's index of an ImageFolder grows with the number of files (issue 35 item 6): the time to list
+"""How the driver's index of an image set grows with the number of images (issue 35 item 6): the time to list
 and index it, the driver's memory for it, and the time when the listing is kept (data.cache_dir/index/: a
-rerun, a driver restart or a sweep's trial stats the class folders instead of listing every file).
+rerun, a driver restart or a sweep's trial stats the class folders, or the shards, instead of listing every
+file or reading every tar header).
 
-Synthetic data: N train files and N/10 val files in 100 class folders, each a copy of one tiny PNG (the index
-reads names, not pixels). Each figure is measured in a fresh process (peak RSS from getrusage, less the same
-process's RSS after its imports).
+Synthetic data: N train images and N/10 val images in 100 classes, each a copy of one tiny PNG (the index reads
+names, not pixels): an ImageFolder (100 class folders), or WebDataset tar shards of 10,000 images (`--layout
+shards`: an image and a .cls member per image). Each figure is measured in a fresh process (peak RSS from
+getrusage, less the same process's RSS after its imports).
 
     .venv/bin/python bench/image_index_scale.py                    # 10,000 and 100,000 files
     .venv/bin/python bench/image_index_scale.py --sizes 1000000    # (writes ~1.1M files; minutes)
+    .venv/bin/python bench/image_index_scale.py --layout shards --sizes 10000 100000 1000000
 """
 
 from __future__ import annotations
@@ -18,18 +21,24 @@ import json
 import os
 import subprocess
 import sys
+import tarfile
 import tempfile
 from pathlib import Path
 
 from _common import REPO
+from PIL import Image
 
 PROBE = """
 import json, resource, sys, time
 from pathlib import Path
-from behemoth.data.images import index_image_folder
+from behemoth.data.images import index_image_folder, index_webdataset
 base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 t = time.perf_counter()
-index = index_image_folder(Path(sys.argv[1]), Path(sys.argv[2]) if sys.argv[2] else None)
+root, cache = Path(sys.argv[1]), Path(sys.argv[2]) if sys.argv[2] else None
+if (root / "train").is_dir():
+    index = index_image_folder(root, cache)
+else:
+    index = index_webdataset([f"{root}/train-*.tar"], [f"{root}/val-*.tar"], cache)
 took = time.perf_counter() - t
 peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 print(json.dumps({"s": took, "mb": (peak - base) / 1024, "rows": index.train.num_rows + index.val.num_rows}))
@@ -37,8 +46,6 @@ print(json.dumps({"s": took, "mb": (peak - base) / 1024, "rows": index.train.num
 
 
 def write_folder(root: Path, n: int, classes: int = 100) -> None:
-    from PIL import Image
-
     png = io.BytesIO()
     Image.new("RGB", (8, 8), (10, 20, 30)).save(png, format="PNG")
     data = png.getvalue()
@@ -50,6 +57,21 @@ def write_folder(root: Path, n: int, classes: int = 100) -> None:
                 (folder / f"{i:07d}.png").write_bytes(data)
 
 
+def write_shards(root: Path, n: int, classes: int = 100, per_shard: int = 10_000) -> None:
+    png = io.BytesIO()
+    Image.new("RGB", (8, 8), (10, 20, 30)).save(png, format="PNG")
+    data = png.getvalue()
+    root.mkdir(parents=True)
+    for split, count in (("train", n), ("val", n // 10)):
+        for shard, start in enumerate(range(0, count, per_shard)):
+            with tarfile.open(root / f"{split}-{shard:06d}.tar", "w", format=tarfile.USTAR_FORMAT) as tar:
+                for i in range(start, min(start + per_shard, count)):
+                    for name, body in ((f"{i:08d}.png", data), (f"{i:08d}.cls", str(i % classes).encode())):
+                        info = tarfile.TarInfo(name)
+                        info.size = len(body)
+                        tar.addfile(info, io.BytesIO(body))
+
+
 def probe(root: Path, cache: Path | None) -> dict:
     out = subprocess.run([sys.executable, "-c", PROBE, str(root), str(cache or "")], check=True,
                          capture_output=True, text=True, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO / "platform")})
@@ -59,17 +81,18 @@ def probe(root: Path, cache: Path | None) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sizes", type=int, nargs="+", default=[10_000, 100_000])
+    p.add_argument("--layout", choices=["folder", "shards"], default="folder")
     args = p.parse_args()
-    print(f"{'train files':>12} {'indexed rows':>12} {'listing s':>10} {'driver MB':>10} {'kept listing s':>15} "
+    print(f"{args.layout}: {'train images':>12} {'indexed rows':>12} {'listing s':>10} {'driver MB':>10} {'kept listing s':>15} "
           f"{'MB':>6}")
     for n in args.sizes:
         with tempfile.TemporaryDirectory(prefix="bench-index-") as tmp:
             root, cache = Path(tmp) / "images", Path(tmp) / "cache"
-            write_folder(root, n)
+            (write_folder if args.layout == "folder" else write_shards)(root, n)
             cold = probe(root, None)
             probe(root, cache)  # lists and keeps the listing
             kept = probe(root, cache)
-            print(f"{n:>12,} {cold['rows']:>12,} {cold['s']:>10.2f} {cold['mb']:>10.0f} {kept['s']:>15.2f} "
+            print(f"{args.layout}: {n:>12,} {cold['rows']:>12,} {cold['s']:>10.2f} {cold['mb']:>10.0f} {kept['s']:>15.2f} "
                   f"{kept['mb']:>6.0f}", flush=True)
 
 

@@ -27,11 +27,11 @@ class DataConfig:
     TextData): a job's `data:` mapping is read into the section of its `kind` (behemoth.job), so a key of
     another task's section is an unknown key, and each section checks its own values."""
 
-    # A key of behemoth.tasks.registry.TASKS (image_folder, image_parquet: image classification; text: causal
-    # language modelling; text_classification), or a task class of one's own as module:Class. A job without one
-    # is image_folder.
+    # A key of behemoth.tasks.registry.TASKS (image_folder, image_parquet, image_webdataset: image
+    # classification; text: causal language modelling; text_classification), or a task class of one's own as
+    # module:Class. A job without one is image_folder.
     kind: str = "image_folder"
-    # Files (or globs) holding the training and validation samples (image_parquet, text).
+    # Files (or globs) holding the training and validation samples (image_parquet, image_webdataset, text).
     train_files: list[str] = field(default_factory=list)
     val_files: list[str] = field(default_factory=list)
     # Samples the task cannot read: 0 fails the run naming the sample; N > 0 drops up to N and counts them.

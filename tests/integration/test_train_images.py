@@ -201,27 +201,54 @@ def test_corrupt_image_within_budget_is_dropped_and_counted(images_with_corrupt_
     assert "dropped images:    1 undecodable in train, 0 in val" in out and "final val_acc:" in out
 
 
-def test_the_decoded_cache_trains_to_the_same_weights_as_decoding_every_epoch(image_root, tmp_path, capsys):
+def test_the_decoded_cache_and_tar_shards_train_to_the_same_weights_as_decoding_every_epoch(
+        image_root, tmp_path, capsys, monkeypatch):
     """data.cache=decoded (decoded and fitted once, then crop, flip and normalise from the cache) and
     data.cache=none (Ray Data decodes every epoch) hand the model the same pixels: two 2-worker runs end on
-    torch.equal weights and the same validation metrics. image_size 12 < the 16 px files: the fit resizes."""
+    torch.equal weights and the same validation metrics. image_size 12 < the 16 px files: the fit resizes.
+    The same folder written as WebDataset tar shards (`behemoth data shards`, 3 train shards) trains to the same
+    weights too, though its rank 0 is killed after step 7 (it resumes from step 6's checkpoint: exact resume),
+    and exports the same model folder as the folder's run."""
+    from behemoth.driver import ray_session
     from behemoth.driver.trainer import train
+    from behemoth.faults import KILL_AT_STEP_ENV
     from behemoth.weights import read_state_dict
 
+    shards = tmp_path / "shards"
+    assert main(["data", "shards", str(image_root), "--out", str(shards), "--samples-per-shard", "40"]) == 0
     runs = {}
-    for cache in ("none", "decoded"):
-        job = job_dict(image_root, tmp_path / "runs", cache, data={"image_size": 12, "cache": cache,
-                                                                    "cache_dir": str(tmp_path / "cache")})
-        runs[cache] = train(config_from_dict(job))
+    for cache in ("none", "decoded", "shards"):
+        data = {"image_size": 12, "cache": "none" if cache == "shards" else cache, "cache_dir": str(tmp_path / "cache")}
+        failure = {}
+        if cache == "shards":
+            data.update(kind="image_webdataset", train_files=[str(shards / "train-*.tar")],  # (root is left set)
+                        val_files=[str(shards / "val-*.tar")])
+            failure = {"max_failures": 1}
+            env = ray_session.worker_env_vars
+            monkeypatch.setattr(ray_session, "worker_env_vars",
+                                lambda: {**env(), KILL_AT_STEP_ENV: f"shards:7:{tmp_path / 'killed.json'}"})
+        runs[cache] = train(config_from_dict(job_dict(image_root, tmp_path / "runs", cache, data=data,
+                                                      failure=failure)))
         said = capsys.readouterr().out
         assert f"[behemoth] data cache: {'decoded (0.1 MB for 120 images at 12x12' if cache == 'decoded' else 'none (data.cache=none)'}" in said, said
+    assert (tmp_path / "killed.json").is_file() and runs["shards"].resumed_from_step == 6
     folders = [p for p in (tmp_path / "cache" / "images").iterdir() if p.is_dir()]
     assert sorted(json.loads((f / "manifest.json").read_text())["rows"] for f in folders) == [24, 96]
-    a, b = (read_state_dict(runs[c].latest_checkpoint) for c in ("none", "decoded"))
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), \
-        [k for k in a if not torch.equal(a[k], b[k])]
-    for key in ("val_accuracy", "val_loss", "loss"):
-        assert runs["none"].metrics[key] == runs["decoded"].metrics[key], key
+    a = read_state_dict(runs["none"].latest_checkpoint)
+    for other in ("decoded", "shards"):
+        b = read_state_dict(runs[other].latest_checkpoint)
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), \
+            (other, [k for k in a if not torch.equal(a[k], b[k])])
+        for key in ("val_accuracy", "val_loss", "loss"):
+            assert runs["none"].metrics[key] == runs[other].metrics[key], (other, key)
+    exported = {}
+    for run in ("none", "shards"):
+        assert main(["export", str(tmp_path / "runs" / run), "--out", str(tmp_path / f"export_{run}")]) == 0
+        exported[run] = {p.name: p.read_bytes() for p in (tmp_path / f"export_{run}").iterdir() if p.is_file()}
+    assert exported["none"].keys() == exported["shards"].keys()
+    differ = [name for name in exported["none"] if exported["none"][name] != exported["shards"][name]]
+    assert differ == ["README.md"], differ  # the model card names the run and its data, the rest is the same
+    assert f"regnet_tiny_cifar on image_webdataset data ({shards}/train-*.tar)" in exported["shards"]["README.md"].decode()
 
 
 def test_a_sweep_refuses_to_start_without_rays_state_api(image_root, tmp_path):

@@ -45,7 +45,7 @@ def behemoth_side(cfg, paths: list[str]) -> np.ndarray:
     """behemoth's validation pixels (normalised, [n, 3, S, S]) for these files, as its workers compute them."""
     n = len(paths)
     batch = {"sample_id": np.arange(n), "path": np.asarray(paths, dtype=object), "row": np.full(n, -1),
-             "label": np.zeros(n, dtype=np.int64)}
+             "label": np.zeros(n, dtype=np.int64), "size": np.full(n, -1)}
     out = transform_batch(batch, cfg=cfg.data, seed=0, epoch=0, train=False)
     assert out["valid"].all()
     return out["image"]

@@ -69,7 +69,7 @@ def test_an_image_folder_listing_is_kept_until_a_class_folder_changes(tmp_path, 
 def test_transform_shapes_dtypes_normalisation(tmp_path):
     gray = tmp_path / "gray.png"
     Image.new("RGB", (16, 16), (128, 128, 128)).save(gray)
-    table = pa.table({"sample_id": [0], "path": [str(gray)], "row": [-1], "label": [3]})
+    table = pa.table({"sample_id": [0], "path": [str(gray)], "row": [-1], "label": [3], "size": [-1]})
     out = transform_batch(batch_of(table), cfg=cfg(), seed=0, epoch=0, train=False)
     assert out["image"].shape == (1, 3, 16, 16) and out["image"].dtype == np.float32
     np.testing.assert_allclose(out["image"], (128 / 255 - 0.5) / 0.25, atol=1e-6)  # float32
@@ -96,7 +96,7 @@ def test_augmentation_is_a_function_of_seed_epoch_and_sample(image_root):
 def test_odd_images_are_converted_and_resized(tmp_path, augment, mode, size):
     path = tmp_path / f"odd_{mode}.png"
     Image.new(mode, size).save(path)
-    table = pa.table({"sample_id": [0], "path": [str(path)], "row": [-1], "label": [0]})
+    table = pa.table({"sample_id": [0], "path": [str(path)], "row": [-1], "label": [0], "size": [-1]})
     for train in (True, False):
         out = transform_batch(batch_of(table), cfg=cfg(augment=augment), seed=0, epoch=0, train=train)
         assert out["image"].shape == (1, 3, 16, 16)
@@ -156,7 +156,8 @@ def test_corrupt_image_named_or_dropped_within_budget(tmp_path):
     good, bad = tmp_path / "good.png", tmp_path / "bad.png"
     Image.new("RGB", (16, 16)).save(good)
     bad.write_bytes(b"\x89PNG\r\n\x1a\n this is not an image")
-    table = pa.table({"sample_id": [0, 1], "path": [str(good), str(bad)], "row": [-1, -1], "label": [0, 1]})
+    table = pa.table({"sample_id": [0, 1], "path": [str(good), str(bad)], "row": [-1, -1], "label": [0, 1],
+                      "size": [-1, -1]})
     with pytest.raises(BadSampleError, match=f"cannot decode image {bad}.*data.max_bad_samples"):
         transform_batch(batch_of(table), cfg=cfg(), seed=0, epoch=0, train=True)
     out = transform_batch(batch_of(table), cfg=cfg(max_bad_samples=1), seed=0, epoch=0, train=True)
@@ -168,6 +169,6 @@ def test_jpeg_is_read(tmp_path):
     Image.new("RGB", (20, 20), (255, 0, 0)).save(buf, format="JPEG")
     path = tmp_path / "red.JPG"
     path.write_bytes(buf.getvalue())
-    table = pa.table({"sample_id": [0], "path": [str(path)], "row": [-1], "label": [0]})
+    table = pa.table({"sample_id": [0], "path": [str(path)], "row": [-1], "label": [0], "size": [-1]})
     out = transform_batch(batch_of(table), cfg=cfg(mean=[0, 0, 0], std=[1, 1, 1]), seed=0, epoch=0, train=False)
     assert out["image"][0, 0].mean() > 0.9 and out["image"][0, 2].mean() < 0.1

@@ -9,7 +9,7 @@ weights (tests/integration/test_train_images.py). random_resized_crop crops the 
 one, so it is not cached.
 
 A split's cache is a folder `<data.cache_dir>/images/<key>` whose key is a hash of the sample list (each
-sample's file, parquet row and order), each file's size and modification time, the stored size and the
+sample's file, parquet row or tar member offset, and order), each file's size and modification time, the stored size and the
 cache format: a changed, added or touched file makes another key, so a stale cache is never read. In it:
 `pixels-00000.npy`, ... (uint8 [rows, S, S, 3], up to SHARD_BYTES each), `valid.npy` (False: the image could
 not be decoded, its error in manifest.json) and `manifest.json`, written last: its presence means complete.
@@ -59,7 +59,7 @@ class CachePlan:
 
 
 def cache_key(table: pa.Table, size: int) -> str:
-    """A hash of what the cached rows depend on: the samples in order (file, parquet row), each file's size and
+    """A hash of what the cached rows depend on: the samples in order (file, parquet row or tar member offset), each file's size and
     modification time, the stored size, the format."""
     paths = table.column("path").to_pylist()
     h = hashlib.sha256(f"behemoth decoded images v{FORMAT} center_fit {size}\n".encode())

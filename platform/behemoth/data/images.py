@@ -1,9 +1,10 @@
 """Image classification data: an index of samples built on the driver, decoded and augmented by Ray Data.
 
-Two layouts are read:
+Three layouts are read:
 - ImageFolder: ROOT/{train,val}/<class>/*.{png,jpg,jpeg} (the CIFAR/ImageNet layout);
 - parquet: files with an image-bytes column (raw bytes, or Hugging Face's {"bytes", "path"} struct) and a
-  label column (class names or integers).
+  label column (class names or integers);
+- WebDataset tar shards: an image member and a .cls member per sample key (data/image_shards.py).
 
 The driver only lists files and reads label columns (`build_index`), so a missing folder or an empty class
 fails before Ray starts. Decoding, augmentation and normalisation run in Ray Data `map_batches` tasks on the
@@ -29,18 +30,20 @@ from behemoth import paths
 from behemoth.config import DataConfig
 from behemoth.errors import BadSampleError, ConfigError
 from behemoth.progress import progress
-from behemoth.data import DataError, expand_files, ordered_data_context
+from behemoth.data import DataError, expand_files, image_shards, ordered_data_context
 
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg"}
-INDEX_SCHEMA = pa.schema(
-    [("sample_id", pa.int64()), ("path", pa.string()), ("row", pa.int64()), ("label", pa.int64())]
-)
+# One row per sample. `row`: -1 for an image file; the row in `path` for parquet; for a tar shard the byte
+# offset of the image member's data, `size` its length (-1 otherwise).
+INDEX_SCHEMA = pa.schema([("sample_id", pa.int64()), ("path", pa.string()), ("row", pa.int64()),
+                          ("label", pa.int64()), ("size", pa.int64())])
 
 
 @dataclass
 class ImageData(DataConfig):
-    """`data:` of an image job: image_folder (ROOT/{train,val}/<class>/*.{png,jpg,jpeg}) or image_parquet
-    (data.train_files / val_files with an image-bytes column and a label column)."""
+    """`data:` of an image job: image_folder (ROOT/{train,val}/<class>/*.{png,jpg,jpeg}), image_parquet
+    (data.train_files / val_files with an image-bytes column and a label column) or image_webdataset
+    (data.train_files / val_files: tar shards)."""
 
     root: str = ""
     image_column: str = "image"
@@ -64,8 +67,8 @@ class ImageData(DataConfig):
         super().validate()
         if self.kind == "image_folder" and not self.root:
             raise ConfigError("data.root is empty: set it to the folder holding train/ and val/")
-        if self.kind == "image_parquet" and not (self.train_files and self.val_files):
-            raise ConfigError("data.kind is image_parquet: set data.train_files and data.val_files")
+        if self.kind in ("image_parquet", "image_webdataset") and not (self.train_files and self.val_files):
+            raise ConfigError(f"data.kind is {self.kind}: set data.train_files and data.val_files")
         if self.image_size <= 0:
             raise ConfigError(f"data.image_size must be > 0, got {self.image_size!r}")
         if len(self.mean) != 3 or len(self.std) != 3 or min(self.std) <= 0:
@@ -82,7 +85,7 @@ class ImageData(DataConfig):
                               f"node's own disk (a local path), read by memory-mapping it")
 
     def source(self) -> str:
-        return self.root or super().source()
+        return self.root if _reads_folder(self) else super().source()
 
 
 @dataclass
@@ -97,11 +100,19 @@ class ImageIndex:
 
 
 def build_index(cfg: ImageData) -> ImageIndex:
-    """image_folder: data.root; image_parquet: data.train_files / val_files. A task of one's own built on image
-    classification (data.kind: module:Class) reads parquet when data.train_files is set, data.root otherwise."""
-    if cfg.kind == "image_folder" or (cfg.kind != "image_parquet" and not cfg.train_files):
-        return index_image_folder(Path(cfg.root), None if paths.is_uri(cfg.cache_dir) else Path(cfg.cache_dir))
+    """image_folder: data.root; image_parquet and image_webdataset: data.train_files / val_files. A task of
+    one's own built on image classification (data.kind: module:Class) reads parquet when data.train_files is
+    set, data.root otherwise."""
+    keep = None if paths.is_uri(cfg.cache_dir) else Path(cfg.cache_dir)
+    if cfg.kind == "image_webdataset":
+        return index_webdataset(cfg.train_files, cfg.val_files, keep)
+    if _reads_folder(cfg):
+        return index_image_folder(Path(cfg.root), keep)
     return index_parquet(cfg.train_files, cfg.val_files, cfg.image_column, cfg.label_column)
+
+
+def _reads_folder(cfg: ImageData) -> bool:
+    return cfg.kind == "image_folder" or (cfg.kind not in ("image_parquet", "image_webdataset") and not cfg.train_files)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -119,13 +130,9 @@ def index_image_folder(root: Path, cache_dir: Path | None = None) -> ImageIndex:
         if not (root / split).is_dir():
             raise DataError(f"{root / split} is missing: data.root must hold train/ and val/ class folders")
     kept = _listing_file(root, cache_dir) if cache_dir is not None else None
-    if kept is not None and kept.is_file():
-        try:
-            with pa.OSFile(str(kept), "rb") as f:
-                table = pa.ipc.open_file(f).read_all()
-            return _index_of_listing(table)
-        except (OSError, pa.ArrowInvalid, KeyError, ValueError):
-            pass  # damaged or of another version: listed again, and rewritten
+    index = _kept_index(kept)
+    if index is not None:
+        return index
     splits = {split: _list_class_folders(root / split) for split in ("train", "val")}
     classes = sorted(splits["train"])
     unknown = sorted(set(splits["val"]) - set(classes))
@@ -151,6 +158,18 @@ def _listing_file(root: Path, cache_dir: Path) -> Path:
             if entry.is_dir():
                 h.update(f"{split}/{entry.name}\0{entry.stat().st_mtime_ns}\0{entry.inode()}\n".encode())
     return cache_dir / "index" / f"{h.hexdigest()[:24]}.arrow"
+
+
+def _kept_index(kept: Path | None) -> ImageIndex | None:
+    """The index kept in `kept` (_keep_listing), or None where there is none or it cannot be read."""
+    if kept is None or not kept.is_file():
+        return None
+    try:
+        with pa.OSFile(str(kept), "rb") as f:
+            table = pa.ipc.open_file(f).read_all()
+        return _index_of_listing(table)
+    except (OSError, pa.ArrowInvalid, KeyError, ValueError):
+        return None  # damaged or of another version: listed again, and rewritten
 
 
 def _keep_listing(file: Path, tables: dict, classes: list[str]) -> None:
@@ -197,7 +216,8 @@ def index_parquet(train_files: list[str], val_files: list[str], image_col: str, 
         files = expand_files(patterns, f"data.{split}_files")
         rows[split], labels[split] = _read_label_columns(files, image_col, label_col)
     all_labels = pa.concat_arrays([labels["train"], labels["val"]])
-    # Sorted class names; integer labels sort numerically.
+    # Sorted class names, as text (integer labels too: "10" before "2"; changing it would renumber the classes
+    # of existing runs)
     classes = [str(v) for v in sorted(set(all_labels.to_pylist()))]
     to_index = {name: i for i, name in enumerate(classes)}
     tables = {
@@ -222,10 +242,45 @@ def _read_label_columns(files: list[str], image_col: str, label_col: str):
     return rows, pa.concat_arrays(labels)
 
 
-def _index_table(entries: list[tuple[str, int, int]]) -> pa.Table:
+def index_webdataset(train_files: list[str], val_files: list[str], cache_dir: Path | None = None) -> ImageIndex:
+    """The index of WebDataset tar shards (data/image_shards.py). With `cache_dir`, kept in cache_dir/index/,
+    keyed by every shard's (and classes.txt's) path, size and modification time: a rerun, a driver restart and
+    a sweep's trials stat the shards instead of reading every member's header."""
+    files = {split: expand_files(patterns, f"data.{split}_files")
+             for split, patterns in (("train", train_files), ("val", val_files))}
+    kept = _shards_listing_file(files, cache_dir) if cache_dir is not None else None
+    index = _kept_index(kept)
+    if index is not None:
+        return index
+    entries = {split: image_shards.index_shards(found) for split, found in files.items()}
+    classes, position = image_shards.class_names(files["train"], {e[3] for es in entries.values() for e in es})
+    tables = {split: _index_table([(p, offset, position[label]) for p, offset, _, label in es],
+                                  sizes=[size for _, _, size, _ in es])
+              for split, es in entries.items()}
+    if kept is not None:
+        _keep_listing(kept, tables, classes)
+    return ImageIndex(tables["train"], tables["val"], classes)
+
+
+def _shards_listing_file(files: dict[str, list[str]], cache_dir: Path) -> Path:
+    import hashlib
+
+    # the folder relative names are read from, where there are any (a sweep's trials run in folders of their own)
+    relative = any(not os.path.isabs(f) for found in files.values() for f in found)
+    h = hashlib.sha256(f"tar shards\0{os.getcwd() if relative else ''}".encode())
+    names = image_shards.classes_file(files["train"])
+    for split, found in files.items():
+        for path in [*found, *([str(names)] if names.is_file() and split == "train" else [])]:
+            st = os.stat(path)
+            h.update(f"{split}/{path}\0{st.st_size}\0{st.st_mtime_ns}\0{st.st_ino}\n".encode())
+    return cache_dir / "index" / f"{h.hexdigest()[:24]}.arrow"
+
+
+def _index_table(entries: list[tuple[str, int, int]], sizes: list[int] | None = None) -> pa.Table:
     paths, rows, labels = zip(*entries) if entries else ((), (), ())
     return pa.Table.from_pydict(
-        {"sample_id": np.arange(len(paths)), "path": list(paths), "row": list(rows), "label": list(labels)},
+        {"sample_id": np.arange(len(paths)), "path": list(paths), "row": list(rows), "label": list(labels),
+         "size": [-1] * len(paths) if sizes is None else sizes},
         schema=INDEX_SCHEMA,
     )
 
@@ -241,7 +296,7 @@ def transform_batch(batch: dict, *, cfg: ImageData, seed: int, epoch: int, train
     crop and flip in the same epoch whichever worker or task decodes it, so resumed runs are exact.
     """
     size = cfg.image_size
-    raw = _load_bytes(batch["path"], batch["row"], cfg.image_column)
+    raw = _load_bytes(batch, cfg.image_column)
     pixels = np.zeros((len(raw), size, size, 3), dtype=np.uint8)
     valid = np.ones(len(raw), dtype=bool)
     for i, (data, sample_id) in enumerate(zip(raw, batch["sample_id"])):
@@ -249,7 +304,7 @@ def transform_batch(batch: dict, *, cfg: ImageData, seed: int, epoch: int, train
             img = decode_rgb(data)
         except Exception as e:  # PIL raises many types for bad files
             if cfg.max_bad_samples == 0:
-                raise BadSampleError(decode_error(_describe(batch["path"][i], batch["row"][i]), e)) from None
+                raise BadSampleError(decode_error(_describe(batch["path"][i], batch["row"][i], batch["size"][i]), e)) from None
             valid[i] = False
             continue
         rng = sample_rng(seed, epoch, sample_id)
@@ -262,7 +317,7 @@ def decode_fitted(batch: dict, *, size: int, image_column: str) -> dict:
     """Index rows -> {"sample_id", "pixels": uint8 [n,S,S,3] centre-fitted, "valid", "error"}: the rows of the
     decoded cache (data/image_cache.py), the deterministic part of transform_batch. An undecodable image is a
     row of zeros, not valid, with its error (the run decides with data.max_bad_samples when it reads it)."""
-    raw = _load_bytes(batch["path"], batch["row"], image_column)
+    raw = _load_bytes(batch, image_column)
     pixels = np.zeros((len(raw), size, size, 3), dtype=np.uint8)
     valid = np.ones(len(raw), dtype=bool)
     errors = [""] * len(raw)
@@ -271,7 +326,7 @@ def decode_fitted(batch: dict, *, size: int, image_column: str) -> dict:
             pixels[i] = center_fit(decode_rgb(data), size)
         except Exception as e:  # PIL raises many types for bad files
             valid[i] = False
-            errors[i] = decode_error(_describe(batch["path"][i], batch["row"][i]), e)
+            errors[i] = decode_error(_describe(batch["path"][i], batch["row"][i], batch["size"][i]), e)
     return {"sample_id": batch["sample_id"], "pixels": pixels, "valid": valid, "error": np.array(errors, dtype=object)}
 
 
@@ -384,15 +439,23 @@ def _random_resized_crop(img: Image.Image, size: int, rng: np.random.Generator) 
     return center_fit(img, size)
 
 
-def _load_bytes(paths: np.ndarray, rows: np.ndarray, image_col: str) -> list[bytes]:
-    """Raw encoded bytes per sample: file contents, or the image cell of a parquet row."""
+def _load_bytes(batch: dict, image_col: str) -> list[bytes]:
+    """Raw encoded bytes per sample of a batch of index rows: file contents, a tar member's bytes, or the image
+    cell of a parquet row."""
+    paths, rows, sizes = batch["path"], batch["row"], batch["size"]
     out: list[bytes | None] = [None] * len(paths)
     parquet_rows: dict[str, list[int]] = {}
-    for i, (path, row) in enumerate(zip(paths, rows)):
-        if row < 0:
+    members: dict[str, list[int]] = {}
+    for i, (path, row, size) in enumerate(zip(paths, rows, sizes)):
+        if size >= 0:
+            members.setdefault(str(path), []).append(i)
+        elif row < 0:
             out[i] = Path(path).read_bytes()
         else:
             parquet_rows.setdefault(str(path), []).append(i)
+    for path, positions in members.items():
+        for i, data in zip(positions, image_shards.read_members(path, [(int(rows[i]), int(sizes[i])) for i in positions])):
+            out[i] = data
     for path, positions in parquet_rows.items():
         cells = read_parquet_rows(path, [int(rows[i]) for i in positions], image_col)
         for i, cell in zip(positions, cells):
@@ -414,13 +477,15 @@ def read_parquet_rows(path: str, rows: list[int], column: str) -> list[bytes]:
     return [c["bytes"] if isinstance(c, dict) else c for c in cells]
 
 
-def _describe(path: str, row: int) -> str:
+def _describe(path: str, row: int, size: int) -> str:
+    if size >= 0:
+        return image_shards.member_name(str(path), int(row))
     return str(path) if row < 0 else f"{path} (row {row})"
 
 
 def describe_samples(table: pa.Table, sample_ids) -> list[str]:
-    paths, rows = table.column("path").to_pylist(), table.column("row").to_pylist()
-    return [_describe(paths[i], rows[i]) for i in sorted(int(s) for s in sample_ids)]
+    paths, rows, sizes = (table.column(c).to_pylist() for c in ("path", "row", "size"))
+    return [_describe(paths[i], rows[i], sizes[i]) for i in sorted(int(s) for s in sample_ids)]
 
 
 # ---------------------------------------------------------------------------------------------------------

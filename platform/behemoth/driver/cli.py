@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from behemoth.version import __version__
 from behemoth.config import dump_yaml
@@ -129,6 +130,12 @@ def _add_data_commands(data) -> None:
     p.add_argument("--text-field", default="text", help="JSONL field / parquet column (data.text_field)")
     p.add_argument("--document", choices=["line", "file"], default="line", help=".txt: a document per line "
                    "or per file (data.document)")
+
+    p = data.add_parser("shards", help="write an ImageFolder as WebDataset tar shards (KEY.<png|jpg> + KEY.cls per "
+                        "image, classes.txt), for data.kind image_webdataset; samples keep the folder's order")
+    p.add_argument("root", help="the ImageFolder: ROOT/{train,val}/<class>/*.{png,jpg,jpeg}")
+    p.add_argument("--out", required=True, help="output folder: {train,val}-NNNNNN.tar and classes.txt")
+    p.add_argument("--samples-per-shard", type=_int_between(1, 10**9), default=10000, help="images per tar shard")
 
     p = data.add_parser("cache", help="decode an image job's images once into this node's cache (data.cache_dir) "
                         "ahead of training, with Ray Data on a local Ray instance; its runs then read it")
@@ -272,6 +279,14 @@ def _data_command(args) -> int:
         write = write_synth_labelled_text if args.labelled else write_synth_text
         counts = write(args.out, args.train_documents, args.val_documents, args.seed)
         print(f"wrote {counts['train']} train and {counts['val']} val documents to {args.out}/{{train,val}}.jsonl")
+    elif args.data_command == "shards":
+        from behemoth.data.image_shards import write_shards
+        from behemoth.data.images import index_image_folder
+
+        out = Path(args.out)
+        written = write_shards(index_image_folder(Path(args.root)), out, args.samples_per_shard)
+        print(f"wrote {written['train']} train and {written['val']} val shards to {out}; train on them with\n"
+              f"  data: {{kind: image_webdataset, train_files: [{out}/train-*.tar], val_files: [{out}/val-*.tar]}}")
     elif args.data_command == "cache":
         from behemoth.driver.ray_session import ensure_ray
         from behemoth.tasks import task_of

@@ -245,8 +245,8 @@ def build_decoded_cache(cfg: JobConfig, start_ray) -> list[str]:
     data.cache says (the job's runs use it unless data.cache is none). `start_ray` is called once the config
     and the data are checked."""
     if not isinstance(cfg.data, ImageData):
-        raise ConfigError(f"data.kind {cfg.data.kind}: only image data (image_folder, image_parquet) has a decoded "
-                          f"cache")
+        raise ConfigError(f"data.kind {cfg.data.kind}: only image data (image_folder, image_parquet, "
+                          f"image_webdataset) has a decoded cache")
     decide = dataclasses.replace(cfg.data, cache="decoded")
     decide.validate()
     index = build_index(cfg.data)

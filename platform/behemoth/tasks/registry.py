@@ -16,6 +16,7 @@ from behemoth.tasks.contract import Task, check_task_class
 TASKS: dict[str, str] = {
     "image_folder": "behemoth.tasks.image:ImageClassification",
     "image_parquet": "behemoth.tasks.image:ImageClassification",
+    "image_webdataset": "behemoth.tasks.image:ImageClassification",
     "text": "behemoth.tasks.causal_lm:CausalLM",
     "text_classification": "behemoth.tasks.text_classification:TextClassification",
 }

@@ -1,0 +1,251 @@
+"""WebDataset tar shards (data.kind image_webdataset): written from an ImageFolder by `behemoth data shards`,
+indexed by (shard, member data offset), read with one ranged read per image, the index kept in
+data.cache_dir/index until a shard changes."""
+
+import io
+import tarfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+from behemoth.data import image_shards, images
+from behemoth.data.images import (
+    BadSampleError,
+    DataError,
+    ImageData,
+    index_image_folder,
+    index_webdataset,
+    transform_batch,
+)
+from behemoth.driver.cli import main
+
+
+def batch_of(table) -> dict:
+    return {c: table.column(c).to_numpy(zero_copy_only=False) for c in table.column_names}
+
+
+@pytest.fixture
+def shards(image_root, tmp_path):
+    out = tmp_path / "shards"
+    assert main(["data", "shards", str(image_root), "--out", str(out), "--samples-per-shard", "40"]) == 0
+    return out
+
+
+def files(out, split):
+    return [str(p) for p in sorted(out.glob(f"{split}-*.tar"))]
+
+
+def test_shards_hold_the_folders_samples_in_its_order_and_decode_to_the_same_pixels(image_root, shards):
+    """96 train images in shards of 40 (3 shards), 24 val (1): the same sample ids, labels and class names as
+    the folder's index, each image's bytes read back from its member, and the same decoded, augmented batch."""
+    folder = index_image_folder(image_root)
+    assert [len(files(shards, s)) for s in ("train", "val")] == [3, 1]
+    index = index_webdataset([str(shards / "train-*.tar")], [str(shards / "val-*.tar")])
+    assert index.classes == folder.classes
+    for split in ("train", "val"):
+        ours, theirs = getattr(index, split), getattr(folder, split)
+        assert ours.column("sample_id").to_pylist() == theirs.column("sample_id").to_pylist()
+        assert ours.column("label").to_pylist() == theirs.column("label").to_pylist()
+        originals = [Path(p).read_bytes() for p in theirs.column("path").to_pylist()]
+        read = images._load_bytes(batch_of(ours), "image")
+        assert read == originals
+    cfg = ImageData(root="unused", image_size=16, crop_padding=2)
+    a = transform_batch(batch_of(index.train), cfg=cfg, seed=3, epoch=1, train=True)
+    b = transform_batch(batch_of(folder.train), cfg=cfg, seed=3, epoch=1, train=True)
+    assert np.array_equal(a["image"], b["image"]) and np.array_equal(a["label"], b["label"])
+    # the same folder writes the same bytes (no owner or time in the members)
+    again = shards.parent / "again"
+    assert main(["data", "shards", str(image_root), "--out", str(again), "--samples-per-shard", "40"]) == 0
+    assert [Path(p).read_bytes() for p in files(again, "train")] == [Path(p).read_bytes() for p in files(shards, "train")]
+    # a folder holding shards is not written over (shards of another size would stay and be read too)
+    assert main(["data", "shards", str(image_root), "--out", str(again), "--samples-per-shard", "90"]) == 1
+    assert len(files(again, "train")) == 3
+
+
+def test_the_decoded_cache_of_shards_holds_the_folders_pixels(image_root, shards, tmp_path):
+    from behemoth.data import image_cache
+
+    folder = index_image_folder(image_root)
+    index = index_webdataset(files(shards, "train"), files(shards, "val"))
+    decoded = []
+    for table in (folder.train, index.train):
+        plan = image_cache.plan(table, 12, str(tmp_path / "cache"))
+        decoded.append(image_cache.open_or_build(plan, table, "image", workers=False, log=lambda line: None))
+    assert decoded[0].folder != decoded[1].folder  # each source its own cache
+    ids = np.arange(folder.train.num_rows)
+    (a, valid_a), (b, valid_b) = decoded[0].rows(ids), decoded[1].rows(ids)
+    assert np.array_equal(a, b) and valid_a.all() and valid_b.all()
+
+
+def test_the_index_is_kept_until_a_shard_changes(shards, tmp_path, monkeypatch):
+    """With a cache folder the index is kept: a second build reads no shard; a rewritten shard is read again."""
+    train, val = files(shards, "train"), files(shards, "val")
+    first = index_webdataset(train, val, tmp_path / "cache")
+    assert len(list((tmp_path / "cache" / "index").glob("*.arrow"))) == 1
+    scanned = []
+    real = image_shards.scan_shard
+    monkeypatch.setattr(image_shards, "scan_shard", lambda path: scanned.append(path) or real(path))
+    kept = index_webdataset(train, val, tmp_path / "cache")
+    assert scanned == [] and kept.train.equals(first.train) and kept.val.equals(first.val)
+    assert kept.classes == first.classes
+    image = images._load_bytes(batch_of(first.train.slice(0, 1)), "image")[0]
+    _tar(train[2], {"00000096.png": image, "00000096.cls": b"2"}, mode="a")  # a sample more in the last shard
+    grown = index_webdataset(train, val, tmp_path / "cache")
+    assert scanned == train + val and grown.train.num_rows == first.train.num_rows + 1
+    assert grown.train.column("label").to_pylist()[-1] == 2
+
+
+def test_classes_without_classes_txt_are_the_indices_seen_in_numeric_order(shards, tmp_path):
+    png = images._load_bytes(batch_of(index_webdataset(files(shards, "train"), files(shards, "val")).train.slice(0, 1)),
+                             "image")[0]
+    path = _tar(tmp_path / "s.tar", {"a.png": png, "a.cls": b"10", "b.png": png, "b.cls": b"2"})
+    index = index_webdataset([path], [path])
+    assert index.classes == ["2", "10"] and index.train.column("label").to_pylist() == [1, 0]
+
+
+def test_the_kept_index_holds_across_working_folders_and_goes_with_classes_txt(shards, tmp_path, monkeypatch):
+    """A sweep's trials run in folders of their own: absolute shard paths keep one index; a new classes.txt
+    makes another (its names are in the index)."""
+    train, val = files(shards, "train"), files(shards, "val")
+    index_webdataset(train, val, tmp_path / "cache")
+    monkeypatch.chdir(tmp_path)
+    kept = index_webdataset(train, val, tmp_path / "cache")
+    assert len(list((tmp_path / "cache" / "index").glob("*.arrow"))) == 1
+    names = (shards / "classes.txt").read_text().splitlines()
+    (shards / "classes.txt").write_text("".join(f"renamed_{n}\n" for n in names))
+    renamed = index_webdataset(train, val, tmp_path / "cache")
+    assert renamed.classes == [f"renamed_{n}" for n in names] and kept.classes == names
+    (shards / "classes.txt").write_text("a\n\nb\n")
+    with pytest.raises(DataError, match="classes.txt line 2 is empty"):
+        index_webdataset(train, val, tmp_path / "cache")
+
+
+def _tar(path, members: dict[str, bytes], mode="w"):
+    with tarfile.open(path, mode) as tar:
+        for name, data in members.items():
+            _add_member(tar, name, data)
+    return str(path)
+
+
+def _add_member(tar, name: str, data: bytes) -> None:
+    info = tarfile.TarInfo(name)
+    info.size = len(data)
+    tar.addfile(info, io.BytesIO(data))
+
+
+def test_bad_shards_are_named(shards, tmp_path):
+    png = Path(files(shards, "train")[0]).read_bytes()  # any bytes: these fail before decoding
+    cases = {
+        "no_label.tar": ({"a.png": png}, "sample a has no .cls member"),
+        "no_image.tar": ({"a.cls": b"1"}, "sample a has no image member"),
+        "bad_label.tar": ({"a.png": png, "a.cls": b"dog"}, r"a.cls holds b'dog', not a class index"),
+        "two_images.tar": ({"a.png": png, "a.jpg": png, "a.cls": b"0"}, r"sample a has two image members \(a.png, a.jpg\)"),
+        "two_labels.tar": ({"a.png": png, "a.cls": b"0", "a.CLS": b"3"}, "sample a has two label members"),
+        "apart.tar": ({"a.png": png, "b.png": png, "b.cls": b"0", "a.cls": b"0"}, "sample key a appears again at a.cls"),
+        "empty.tar": ({"readme.txt": b"hi"}, "holds no samples"),
+    }
+    for name, (members, message) in cases.items():
+        with pytest.raises(DataError, match=message):
+            image_shards.scan_shard(_tar(tmp_path / name, members))
+    gz = _tar(tmp_path / "c.tar.gz", {"a.png": png, "a.cls": b"0"}, mode="w:gz")
+    with pytest.raises(DataError, match="c.tar.gz as an uncompressed tar shard .*decompress it"):
+        image_shards.scan_shard(gz)
+    for fmt in (tarfile.USTAR_FORMAT, tarfile.PAX_FORMAT):  # read directly, and by tarfile (a long name)
+        path = tmp_path / f"link{fmt}.tar"
+        target = "d" * 120 + "/b.png" if fmt == tarfile.PAX_FORMAT else "b.png"
+        with tarfile.open(path, "w", format=fmt) as tar:
+            _add_member(tar, target, png)
+            link = tarfile.TarInfo("a.png")
+            link.type, link.linkname = tarfile.LNKTYPE, target
+            tar.addfile(link)
+        with pytest.raises(DataError, match="a.png is a hard link, not the bytes themselves"):
+            image_shards.scan_shard(str(path))
+    # a damaged header after the first: refused, not the shard's rest silently dropped (both readers)
+    for fmt in (tarfile.USTAR_FORMAT, tarfile.PAX_FORMAT):
+        path = tmp_path / f"damaged{fmt}.tar"
+        first = "b" * 120 if fmt == tarfile.PAX_FORMAT else "b"  # a long name first: read by tarfile
+        names = [f"{first}.png", f"{first}.cls", "a.png", "a.cls"]
+        with tarfile.open(path, "w", format=fmt) as tar:
+            for name in names:
+                _add_member(tar, name, b"0" if name.endswith(".cls") else png)
+        data = bytearray(path.read_bytes())
+        with tarfile.open(path) as tar:
+            second = next(m.offset for m in tar.getmembers() if m.name == "a.cls")
+        data[second + 148:second + 156] = b"0000000\0"  # its checksum
+        path.write_bytes(bytes(data))
+        with pytest.raises(DataError, match="bad tar header|as an uncompressed tar shard"):
+            image_shards.scan_shard(str(path))
+    (shards / "classes.txt").write_text("only\n")
+    with pytest.raises(DataError, match="class index 1 is beyond .*classes.txt's 1 class names"):
+        index_webdataset(files(shards, "train"), files(shards, "val"))
+
+
+def test_an_undecodable_member_is_named_by_shard_and_member(tmp_path):
+    from PIL import Image
+
+    good = io.BytesIO()
+    Image.new("RGB", (8, 8), (1, 2, 3)).save(good, format="PNG")
+    path = _tar(tmp_path / "s.tar", {"k0.png": good.getvalue(), "k0.cls": b"0",
+                                     "k1.png": b"\x89PNG\r\n\x1a\nnot a png", "k1.cls": b"1"})
+    index = index_webdataset([path], [path])
+    with pytest.raises(BadSampleError, match=r"cannot decode image .*s.tar:k1.png"):
+        transform_batch(batch_of(index.train), cfg=ImageData(root="unused", image_size=8), seed=0, epoch=0, train=False)
+    assert images.describe_samples(index.train, [1]) == [f"{path}:k1.png"]
+    # a name longer than the header's 100 bytes (a pax record holds it) is named whole
+    long = "é" * 80 + "/k1.png"
+    path = _tar(tmp_path / "long.tar", {"k0.png": good.getvalue(), "k0.cls": b"0", long: b"broken",
+                                        long.replace(".png", ".cls"): b"1"})
+    assert image_shards.member_name(path, image_shards.scan_shard(path)[1][0]) == f"{path}:{long}"
+
+
+def test_config_needs_the_shard_files_and_names_them_as_its_source():
+    from behemoth.config import ConfigError
+
+    with pytest.raises(ConfigError, match="data.kind is image_webdataset: set data.train_files and data.val_files"):
+        ImageData(kind="image_webdataset", train_files=["x.tar"]).validate()
+    # data.root left from an ImageFolder job does not name the data a model card describes
+    data = ImageData(kind="image_webdataset", root="images", train_files=["s/train-*.tar"], val_files=["v.tar"])
+    assert data.source() == "s/train-*.tar"
+
+
+@pytest.mark.parametrize("fmt", [tarfile.USTAR_FORMAT, tarfile.GNU_FORMAT, tarfile.PAX_FORMAT])
+def test_the_header_reader_agrees_with_tarfile(tmp_path, fmt):
+    """Headers are read directly (tarfile's objects cost ~10x per sample); a shard with long names (GNU or pax
+    headers) is left to tarfile. Either way: tarfile's names, data offsets and sizes, folders and links skipped."""
+    long = "d" * 120
+    members = {"x/00000001.png": b"p" * 700, "x/00000001.cls": b"3", f"{long}/00000002.jpg": b"j" * 513,
+               f"{long}/00000002.cls": b" 1\n", "00000003.png": b"", "00000003.cls": b"0"}
+    path = tmp_path / "s.tar"
+    with tarfile.open(path, "w", format=fmt) as tar:
+        folder = tarfile.TarInfo("x")
+        folder.type = tarfile.DIRTYPE
+        tar.addfile(folder)
+        for name, data in members.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+        link = tarfile.TarInfo("x/link")  # not a sample's member: skipped (one named .png is refused)
+        link.type, link.linkname = tarfile.SYMTYPE, "00000001.png"
+        tar.addfile(link)
+    expected = list(image_shards._tarfile_members(str(path)))
+    assert [m[0] for m in expected] == list(members)
+    if fmt == tarfile.USTAR_FORMAT:  # the long folder fits ustar's 155-byte prefix
+        assert list(image_shards._plain_members(str(path))) == expected
+    else:
+        with pytest.raises(image_shards._NotPlain):
+            list(image_shards._plain_members(str(path)))
+    found = image_shards.scan_shard(str(path))
+    labels = {"x/00000001": 3, f"{long}/00000002": 1, "00000003": 0}
+    assert found == [(offset, size, labels[name.split(".")[0]]) for name, offset, size, _ in expected
+                     if not name.endswith(".cls")]
+    for (offset, size, _), name in zip(found, ["x/00000001.png", f"{long}/00000002.jpg", "00000003.png"]):
+        assert image_shards.read_members(str(path), [(offset, size)]) == [members[name]]
+
+
+def test_a_shard_cut_after_indexing_is_named(shards):
+    index = index_webdataset(files(shards, "train"), files(shards, "val"))
+    last = files(shards, "train")[-1]
+    with open(last, "r+b") as f:
+        f.truncate(1024)
+    with pytest.raises(DataError, match="train-000002.tar ends .* the shard changed after it was indexed"):
+        images._load_bytes(batch_of(index.train.slice(80, 8)), "image")
