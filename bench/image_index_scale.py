@@ -11,6 +11,11 @@ getrusage, less the same process's RSS after its imports).
     .venv/bin/python bench/image_index_scale.py                    # 10,000 and 100,000 files
     .venv/bin/python bench/image_index_scale.py --sizes 1000000    # (writes ~1.1M files; minutes)
     .venv/bin/python bench/image_index_scale.py --layout shards --sizes 10000 100000 1000000
+    .venv/bin/python bench/image_index_scale.py --layout shards --sizes 10000 1000000 --first-step
+
+--first-step also trains on each set (`behemoth train`, 2 workers, 2 steps of 64 images, data.cache none, the
+index kept by the probes before it) and prints the run's own account of its time to first step: what a rerun
+or a restart waits through at that size, index build excluded (it is the column before).
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import argparse
 import io
 import json
 import os
+import re
 import subprocess
 import sys
 import tarfile
@@ -78,10 +84,40 @@ def probe(root: Path, cache: Path | None) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+FIRST_STEP = re.compile(r"first step: +([\d.]+) s from process start[^(]*\((.*?) s; then the first batch")
+
+
+def first_step(root: Path, cache: Path, tmp: Path) -> dict:
+    """A 2-step run on the set; its account of the time to its first step (s)."""
+    import yaml
+
+    data = {"kind": "image_folder", "root": str(root)} if (root / "train").is_dir() else \
+        {"kind": "image_webdataset", "train_files": [f"{root}/train-*.tar"], "val_files": [f"{root}/val-*.tar"]}
+    job = {"data": {**data, "image_size": 8, "crop_padding": 1, "cache": "none", "cache_dir": str(cache),
+                    "cpus_per_task": 0.25},
+           "model": {"name": "regnet_tiny_cifar"},
+           "train": {"epochs": 1, "max_steps": 2, "global_batch_size": 64, "log_every": 1},
+           "scaling": {"num_workers": 2, "cpus_per_worker": 0.5, "torch_threads": 1},
+           "checkpoint": {"every_n_steps": 1000, "storage_path": str(tmp / "runs"), "run_name": "first_step"},
+           "eval": {"per_epoch": False}, "tracking": {"report": False}}
+    (tmp / "job.yaml").write_text(yaml.safe_dump(job))
+    out = subprocess.run([sys.executable, "-m", "behemoth", "train", str(tmp / "job.yaml")], capture_output=True,
+                         text=True, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO / "platform")})
+    found = FIRST_STEP.search(out.stdout)
+    if out.returncode or not found:
+        raise SystemExit(f"the run failed or printed no first-step line:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}")
+    total = float(found.group(1))
+    parts = {k: float(v) for k, v in (part.rsplit(" ", 1) for part in found.group(2).split(", "))}
+    workers = parts.pop("workers", 0.0) + parts.pop("model and restore", 0.0)
+    return {"total": total, "workers": workers, "before": sum(parts.values()),
+            "after": total - workers - sum(parts.values())}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sizes", type=int, nargs="+", default=[10_000, 100_000])
     p.add_argument("--layout", choices=["folder", "shards"], default="folder")
+    p.add_argument("--first-step", action="store_true", help="also train 2 steps on each set (see above)")
     args = p.parse_args()
     print(f"{args.layout}: {'train images':>12} {'indexed rows':>12} {'listing s':>10} {'driver MB':>10} {'kept listing s':>15} "
           f"{'MB':>6}")
@@ -94,6 +130,11 @@ def main() -> None:
             kept = probe(root, cache)
             print(f"{args.layout}: {n:>12,} {cold['rows']:>12,} {cold['s']:>10.2f} {cold['mb']:>10.0f} {kept['s']:>15.2f} "
                   f"{kept['mb']:>6.0f}", flush=True)
+            if args.first_step:
+                f = first_step(root, cache, Path(tmp))
+                print(f"{args.layout}: {n:>12,} first step {f['total']:.1f} s from process start (imports, ray and the "
+                      f"kept index {f['before']:.1f}, workers and model {f['workers']:.1f}, then the rank's dataset, first batch "
+                      f"and step {f['after']:.1f})", flush=True)
 
 
 if __name__ == "__main__":

@@ -148,7 +148,7 @@ def test_bad_shards_are_named(shards, tmp_path):
         with pytest.raises(DataError, match=message):
             image_shards.scan_shard(_tar(tmp_path / name, members))
     gz = _tar(tmp_path / "c.tar.gz", {"a.png": png, "a.cls": b"0"}, mode="w:gz")
-    with pytest.raises(DataError, match="c.tar.gz as an uncompressed tar shard .*decompress it"):
+    with pytest.raises(DataError, match="c.tar.gz as an uncompressed tar shard .*: decompress it"):
         image_shards.scan_shard(gz)
     for fmt in (tarfile.USTAR_FORMAT, tarfile.PAX_FORMAT):  # read directly, and by tarfile (a long name)
         path = tmp_path / f"link{fmt}.tar"
@@ -173,7 +173,7 @@ def test_bad_shards_are_named(shards, tmp_path):
             second = next(m.offset for m in tar.getmembers() if m.name == "a.cls")
         data[second + 148:second + 156] = b"0000000\0"  # its checksum
         path.write_bytes(bytes(data))
-        with pytest.raises(DataError, match="bad tar header|as an uncompressed tar shard"):
+        with pytest.raises(DataError, match="bad tar header at byte"):
             image_shards.scan_shard(str(path))
     (shards / "classes.txt").write_text("only\n")
     with pytest.raises(DataError, match="class index 1 is beyond .*classes.txt's 1 class names"):
@@ -249,3 +249,44 @@ def test_a_shard_cut_after_indexing_is_named(shards):
         f.truncate(1024)
     with pytest.raises(DataError, match="train-000002.tar ends .* the shard changed after it was indexed"):
         images._load_bytes(batch_of(index.train.slice(80, 8)), "image")
+
+
+def test_a_cut_or_holed_shard_is_refused_not_read_short(tmp_path):
+    """A shard cut inside a header, inside an image or inside a label, or with a zero block amid its members:
+    refused naming the shard (read short, it would lose samples or change a label without a word)."""
+    path = tmp_path / "s.tar"
+    _tar(path, {"a.png": b"p" * 600, "a.cls": b"1", "b.png": b"q" * 700, "b.cls": b"12"})
+    whole = path.read_bytes()
+    with tarfile.open(path) as tar:
+        at = {m.name: (m.offset, m.offset_data) for m in tar.getmembers()}
+    for cut in (at["b.png"][0] + 100, at["b.png"][1] + 300, at["b.cls"][1] + 1):
+        path.write_bytes(whole[:cut])
+        with pytest.raises(DataError, match="s.tar as an uncompressed tar shard .*the shard ends inside.*damaged"):
+            image_shards.scan_shard(str(path))
+    holed = whole[:at["b.png"][0]] + b"\0" * 512 + whole[at["b.png"][0]:]
+    path.write_bytes(holed)
+    with pytest.raises(DataError, match="bad tar header at byte .*zero block amid the members"):
+        image_shards.scan_shard(str(path))
+    path.write_bytes(whole[:at["b.cls"][1] + 512])  # ends after its last member, without the end blocks
+    assert [label for _, _, label in image_shards.scan_shard(str(path))] == [1, 12]
+
+
+def test_the_header_reader_agrees_with_tarfile_across_its_read_buffer(tmp_path):
+    """Members around the reader's 64 KiB read: headers and labels split by its end, members larger than it."""
+    for first in range(65_000, 66_600, 211):
+        members = {"a.png": b"p" * first, "a.cls": b"3", "b.png": b"q" * 200_000, "b.cls": b"4", "c.png": b"r",
+                   "c.cls": b"5"}
+        path = _tar(tmp_path / f"{first}.tar", members)
+        assert list(image_shards._plain_members(path)) == list(image_shards._tarfile_members(path))
+
+
+def test_links_and_sparse_members_in_place_of_an_image_are_refused(tmp_path):
+    for kind, what in ((tarfile.SYMTYPE, "symbolic link"), (tarfile.GNUTYPE_SPARSE, "sparse file")):
+        path = tmp_path / f"{what}.tar"
+        with tarfile.open(path, "w", format=tarfile.GNU_FORMAT) as tar:
+            info = tarfile.TarInfo("a.png")
+            info.type, info.linkname = kind, "elsewhere.png" if kind == tarfile.SYMTYPE else ""
+            tar.addfile(info)
+            _add_member(tar, "a.cls", b"0")
+        with pytest.raises(DataError, match=f"a.png is a {what}, not the bytes themselves"):
+            image_shards.scan_shard(str(path))

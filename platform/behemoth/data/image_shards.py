@@ -13,6 +13,7 @@ data shards` writes; without it the classes are the class indices seen, sorted n
 
 from __future__ import annotations
 
+import functools
 import io
 import os
 import tarfile
@@ -43,8 +44,9 @@ def scan_shard(path: str) -> list[tuple[int, int, int]]:
         except _NotPlain:
             members = list(_tarfile_members(path))
     except (tarfile.TarError, OSError) as e:
-        raise DataError(f"cannot read {path} as an uncompressed tar shard ({e}): decompress it (.tar.gz, "
-                        f".tar.zst shards), or write it with `behemoth data shards` or `tar cf`") from None
+        fix = "decompress it" if _compressed(path) else "it is damaged or not a tar: write it again"
+        raise DataError(f"cannot read {path} as an uncompressed tar shard ({e}): {fix} (`behemoth data shards` "
+                        f"or `tar cf`)") from None
     last = None
     for name, offset, size, data in members:
         key, ext = split_key(name)
@@ -71,44 +73,63 @@ def scan_shard(path: str) -> list[tuple[int, int, int]]:
     return out
 
 
+def _compressed(path: str) -> bool:
+    """Whether the file starts as gzip, bzip2, xz or zstd data."""
+    try:
+        with open(path, "rb") as f:
+            start = f.read(6)
+    except OSError:
+        return False
+    return start.startswith((b"\x1f\x8b", b"BZh", b"\xfd7zXZ\x00", b"\x28\xb5\x2f\xfd"))
+
+
 class _NotPlain(Exception):
     """A header _plain_members leaves to tarfile (long names, pax, huge sizes)."""
 
 
 _READ = 1 << 16  # bytes read at a header: the next headers of small members come with it
+_READ_AFTER_LARGE = 8 * tarfile.BLOCKSIZE  # after a larger member: the header, and a label member's data
 
 
 def _plain_members(path: str):
     """(name, data offset, size, data of a label member) of each regular file, from the 512-byte ustar/v7
     headers read directly: a shard is mostly headers and small members, and tarfile's per-member objects cost
-    ~10x this per sample (1.1M samples: minutes). Raises _NotPlain at a header it leaves to tarfile."""
+    ~10x this per sample (1.1M samples: minutes). Raises _NotPlain at a header it leaves to tarfile (long
+    names, pax, base-256 sizes, a checksum that does not add up: tarfile also accepts old signed sums, and
+    names a damaged header)."""
+    block = tarfile.BLOCKSIZE
     with open(path, "rb") as f:
         fd, end = f.fileno(), os.fstat(f.fileno()).st_size
-        offset, buf, at = 0, b"", 0
-        while offset + tarfile.BLOCKSIZE <= end:
-            if not at <= offset <= at + len(buf) - tarfile.BLOCKSIZE:
-                buf, at = os.pread(fd, _READ, offset), offset
-            header = buf[offset - at:offset - at + tarfile.BLOCKSIZE]
-            if header == tarfile.NUL * tarfile.BLOCKSIZE:
+        offset, buf, at, want = 0, b"", 0, _READ
+        while offset < end:  # (a shard may end after a member, without the end blocks: tarfile reads it too)
+            if offset + block > end:
+                raise tarfile.ReadError(f"the shard ends inside the header at byte {offset}")
+            if not at <= offset <= at + len(buf) - block:
+                buf, at = os.pread(fd, want, offset), offset
+            header = buf[offset - at:offset - at + block]
+            if header == tarfile.NUL * block:
+                if os.pread(fd, block, offset + block).strip(tarfile.NUL):
+                    raise tarfile.ReadError(f"bad tar header at byte {offset}: a zero block amid the members")
                 return  # the end-of-archive blocks
             kind, size = header[156:157], _size(header)
-            if kind in (b"L", b"K", b"x", b"g") or size is None:
+            if kind in (b"L", b"K", b"x", b"g", b"X") or size is None or _checksum(header) != _octal(header[148:156]):
                 raise _NotPlain
-            if _checksum(header) != _octal(header[148:156]):
-                raise tarfile.ReadError(f"bad tar header at byte {offset}")
             name = header[:100].split(b"\0", 1)[0]
-            if header[257:262] == b"ustar" and header[345] != 0:
-                name = header[345:500].split(b"\0", 1)[0] + b"/" + name
-            name, data = name.decode("utf-8", "surrogateescape"), offset + tarfile.BLOCKSIZE
+            if header[257:262] == b"ustar" and header[345] != 0:  # (GNU headers hold times there: tarfile joins
+                name = header[345:500].split(b"\0", 1)[0] + b"/" + name  # them too, so both readers agree)
+            name, data = name.decode("utf-8", "surrogateescape"), offset + block
             if kind in (b"1", b"2", b"S"):
                 _not_bytes(path, name, {b"1": "hard link", b"2": "symbolic link", b"S": "sparse file"}[kind])
+            if data + size > end:
+                raise tarfile.ReadError(f"the shard ends inside {name}, {data + size - end} bytes short")
             if kind in (b"0", b"\0", b"7"):  # regular files
                 label = None
                 if split_key(name)[1] == LABEL_EXTENSION:
                     inside = data - at + size <= len(buf)
                     label = buf[data - at:data - at + size] if inside else os.pread(fd, size, data)
                 yield name, data, size, label
-            offset = data + -(-size // tarfile.BLOCKSIZE) * tarfile.BLOCKSIZE
+            offset = data + -(-size // block) * block
+            want = _READ if size < _READ else _READ_AFTER_LARGE
 
 
 def _octal(field: bytes) -> int | None:
@@ -177,7 +198,10 @@ def class_names(train_files: list[str], labels: set[int]) -> tuple[list[str], di
     shard where there is one (class i is line i), else the indices seen, sorted."""
     named = classes_file(train_files)
     if named.is_file():
-        classes = named.read_text(encoding="utf-8").splitlines()
+        try:
+            classes = named.read_text(encoding="utf-8").splitlines()
+        except UnicodeDecodeError as e:
+            raise DataError(f"{named} is not UTF-8 text ({e}): one class name per line") from None
         if "" in classes:
             raise DataError(f"{named} line {classes.index('') + 1} is empty: line i names class i, every line a "
                             f"name")
@@ -206,9 +230,16 @@ def member_name(path: str, offset: int) -> str:
     """The member whose data starts at `offset`, for messages (the header before it may hold a shortened name:
     tarfile reads the long-name records)."""
     try:
-        return next(f"{path}:{name}" for name, at, _, _ in _tarfile_members(path) if at == offset)
-    except (OSError, tarfile.TarError, DataError, StopIteration):
+        st = os.stat(path)
+        return f"{path}:{_names(path, st.st_size, st.st_mtime_ns)[offset]}"
+    except (OSError, tarfile.TarError, DataError, KeyError):
         return f"{path} (the member at byte {offset})"
+
+
+@functools.lru_cache(maxsize=4)
+def _names(path: str, size: int, mtime_ns: int) -> dict[int, str]:
+    """Member names by data offset (once per shard version: a decode task may name many bad images of one)."""
+    return {at: name for name, at, _, _ in _tarfile_members(path)}
 
 
 def write_shards(index, out: Path, samples_per_shard: int) -> dict[str, int]:
