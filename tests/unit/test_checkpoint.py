@@ -619,3 +619,8 @@ def test_a_checkpoint_report_leaves_no_folder_behind_whether_its_upload_succeeds
     assert len(errors) == 1 and len(handed) == 4 and all(delete is False for _, delete in handed)
     assert len({path for path, _ in handed}) == 4  # a folder per report
     assert list(tmp_path.iterdir()) == []
+    # An asynchronous upload Ray Train drops (the run failed before it ran: a fenced run's queued checkpoints)
+    # leaves no folder either: it exists only while its upload runs.
+    monkeypatch.setattr(ray.train, "report", lambda metrics, checkpoint=None, **kw: handed.append((checkpoint.path, 0)))
+    saver.report_to_ray({"step": 2}, staging_upload(False), async_upload=True, dir_name="d")
+    assert len(handed) == 5 and list(tmp_path.iterdir()) == []

@@ -9,6 +9,7 @@ import shutil
 import tempfile
 import threading
 import time
+import uuid
 
 import pyarrow.fs
 import ray
@@ -117,10 +118,14 @@ def report_to_ray(metrics: dict, upload_fn=None, *, async_upload: bool = False, 
     mode = ray.train.CheckpointUploadMode.ASYNC if async_upload else ray.train.CheckpointUploadMode.SYNC
     folder = upload = None
     if upload_fn is not None:
-        folder = tempfile.mkdtemp(prefix="behemoth-report-")
+        # The folder exists only while its upload runs (Ray Train names it in the report, and makes nothing of
+        # it before the upload): an asynchronous upload Ray Train drops because the run failed first never
+        # runs, and a folder made here would stay in the temp directory.
+        folder = os.path.join(tempfile.gettempdir(), f"behemoth-report-{uuid.uuid4().hex}")
 
         def upload(ckpt, name):
-            # The folder goes when its upload ends, failed or not: Ray Train removes it only after a success
+            # It goes when its upload ends, failed or not: Ray Train removes it only after a success
+            os.makedirs(folder, mode=0o700, exist_ok=True)
             try:
                 return upload_fn(ckpt, name)
             finally:
