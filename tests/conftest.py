@@ -201,6 +201,10 @@ def pytest_sessionfinish(session, exitstatus):
 
 @pytest.hookimpl(trylast=True)
 def pytest_unconfigure(config):
+    # the session's folder (the auth token, the local Ray instances' logs: ~17 MB a session) goes with it
+    import shutil
+
+    shutil.rmtree(_SESSION_DIR, ignore_errors=True)
     if _EXIT_STATUS is not None:
         import sys
 

@@ -47,6 +47,7 @@ def cluster(tmp_path_factory):
     """A head node on 127.0.0.1 with token auth, on a Python without behemoth; yields (dashboard address,
     env for the ray CLI, whose `python` is that Python)."""
     import secrets
+    import shutil
     import tempfile
 
     home = tmp_path_factory.mktemp("cluster")
@@ -71,6 +72,7 @@ def cluster(tmp_path_factory):
         yield f"http://127.0.0.1:{dash_port}", env
     finally:
         subprocess.run([str(BIN / "ray"), "stop", "--force"], env=env, capture_output=True, timeout=120)
+        shutil.rmtree(temp_dir, ignore_errors=True)
 
 
 def _submit(address, env, cwd, config_path, *overrides):

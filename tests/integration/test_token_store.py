@@ -7,6 +7,7 @@ import contextlib
 import json
 import os
 import re
+import shutil
 import tempfile
 import threading
 from pathlib import Path
@@ -35,10 +36,11 @@ def small_object_store():
     stop_local_ray()  # the shared instance; the next module starts it again
     ray.init(num_cpus=2, object_store_memory=STORE_BYTES, include_dashboard=False, logging_level="warning",
              _system_config={**LOCAL_RAY_SYSTEM_CONFIG, "automatic_object_spilling_enabled": False},
-             _temp_dir=tempfile.mkdtemp(prefix="ray-small-store-"),
+             _temp_dir=(temp_dir := tempfile.mkdtemp(prefix="ray-small-store-")),
              runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1]), str(REPO)])}})
     yield
     ray.shutdown()
+    shutil.rmtree(temp_dir, ignore_errors=True)
 
 
 def write_packed_corpus(cfg, blocks: int, val_blocks: int) -> Path:
