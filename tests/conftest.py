@@ -10,11 +10,15 @@ from pathlib import Path
 
 import pytest
 
-_SESSION_DIR = Path(tempfile.mkdtemp(prefix="bh-test-"))
+# Made by pytest_configure, not at import: Ray's workers import this module too (a test module's function, run
+# in a worker, imports its module and so this one), and a folder made there would never be removed.
+_SESSION_DIR: Path = None  # type: ignore[assignment]
 REPO = Path(__file__).resolve().parents[1]
 
 
 def pytest_configure(config):
+    global _SESSION_DIR
+    _SESSION_DIR = Path(tempfile.mkdtemp(prefix="bh-test-"))
     # Before anything imports ray: token auth on (as in production), with a throwaway token.
     token = _SESSION_DIR / "auth_token"
     token.write_text(secrets.token_hex(32))
@@ -204,7 +208,8 @@ def pytest_unconfigure(config):
     # the session's folder (the auth token, the local Ray instances' logs: ~17 MB a session) goes with it
     import shutil
 
-    shutil.rmtree(_SESSION_DIR, ignore_errors=True)
+    if _SESSION_DIR is not None:
+        shutil.rmtree(_SESSION_DIR, ignore_errors=True)
     if _EXIT_STATUS is not None:
         import sys
 
