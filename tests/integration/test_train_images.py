@@ -208,7 +208,8 @@ def test_the_decoded_cache_and_tar_shards_train_to_the_same_weights_as_decoding_
     torch.equal weights and the same validation metrics. image_size 12 < the 16 px files: the fit resizes.
     The same folder written as WebDataset tar shards (`behemoth data shards`, 3 train shards) trains to the same
     weights too, though its rank 0 is killed after step 7 (it resumes from step 6's checkpoint: exact resume),
-    and exports the same model folder as the folder's run."""
+    and its export holds the same files as the folder run's, byte for byte, but the model card (which names
+    the data)."""
     from behemoth.driver import ray_session
     from behemoth.driver.trainer import train
     from behemoth.faults import KILL_AT_STEP_ENV
