@@ -36,7 +36,8 @@ class DataConfig:
     val_files: list[str] = field(default_factory=list)
     # Samples the task cannot read: 0 fails the run naming the sample; N > 0 drops up to N and counts them.
     max_bad_samples: int = 0
-    # Batches the Ray Data iterator prepares ahead of the training step.
+    # Batches prepared ahead of the training step: by Ray Data's iterator, or from a decoded image cache by a
+    # thread of the training process.
     prefetch_batches: int = 2
     # CPUs each Ray Data task (decode, augment, tokenise) reserves (fractions allowed on small machines).
     cpus_per_task: float = 1.0

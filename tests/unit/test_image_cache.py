@@ -227,3 +227,36 @@ def test_no_decode_process_is_warmed_up_for_a_cache_that_is_built(image_root, tm
     assert ImageClassification.data_modules(c, index) == ()
     index.cache = None  # data.cache none: decoded every epoch
     assert ImageClassification.data_modules(c, index) == ("ray.data", "behemoth.data.images")
+
+
+@pytest.mark.parametrize("depth", [2, 0])
+def test_the_task_makes_cached_batches_ahead_of_the_step_in_a_thread(image_root, tmp_path, monkeypatch, depth):
+    """data.prefetch_batches > 0: the image task's batches from the cache (rows gathered, cropped, flipped,
+    normalised) are made in the prefetch thread, not in the training thread; the same batches either way."""
+    import threading
+
+    import ray.train.torch
+    import torch
+
+    from behemoth.job import config_from_dict
+    from behemoth.tasks.image import ImageClassification
+
+    monkeypatch.setattr(ray.train.torch, "get_device", lambda: torch.device("cpu"))  # no Ray Train session here
+    job = config_from_dict({"data": {"root": str(image_root), "image_size": SIZE, "cache": "decoded",
+                                     "cache_dir": str(tmp_path / "c"), "prefetch_batches": depth},
+                            "checkpoint": {"storage_path": str(tmp_path), "run_name": "r"}})
+    index = ImageClassification.prepare(job, ImageClassification.check(job))
+    for split, plan in index.cache.items():  # built in-process (a run's first worker builds it with Ray Data)
+        image_cache.open_or_build(plan, getattr(index, split), "image", workers=False, log=lambda line: None)
+    task = ImageClassification(job, index)
+    decoded, labels = task._decoded("train")
+    made_in, rows = [], image_cache.DecodedImages.rows
+    monkeypatch.setattr(image_cache.DecodedImages, "rows",
+                        lambda self, ids: (made_in.append(threading.current_thread().name), rows(self, ids))[1])
+    order = np.random.default_rng(1).permutation(index.train.num_rows)
+    got = list(task.train_batches(order, 2, 8))
+    assert set(made_in) == ({"behemoth-prefetch"} if depth else {threading.current_thread().name})
+    want = cached_batches(decoded, labels, order, job.data, seed=job.train.seed, epoch=2, train=True, batch_size=8)
+    for g, w in zip(got, want, strict=True):
+        for key in ("image", "label", "sample_id", "valid"):
+            np.testing.assert_array_equal(g[key].numpy(), w[key], err_msg=key)

@@ -1,0 +1,66 @@
+"""Batches made ahead in a thread (behemoth/data/prefetch.py): the same batches in the same order, an error
+raised where its batch was due, a bounded lead, a thread that stops when the consumer stops."""
+
+import threading
+import time
+
+import pytest
+
+from behemoth.data.prefetch import prefetched
+
+
+class Source:
+    """Yields 0..n-1, recording each item made and the thread that made it; fails at `fail_at`."""
+
+    def __init__(self, n, fail_at=None):
+        self.n, self.fail_at, self.made, self.threads = n, fail_at, [], set()
+
+    def __iter__(self):
+        for i in range(self.n):
+            if i == self.fail_at:
+                raise OSError(f"cannot read batch {i}")
+            self.made.append(i)
+            self.threads.add(threading.current_thread().name)
+            yield i
+
+
+def wait_for(condition, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+@pytest.mark.parametrize("depth", [0, 1, 3])
+def test_the_same_items_in_the_same_order(depth):
+    source = Source(50)
+    assert list(prefetched(source, depth)) == list(range(50))
+    assert source.threads == ({threading.current_thread().name} if depth == 0 else {"behemoth-prefetch"})
+
+
+def test_the_lead_is_bounded_by_the_depth():
+    """After the first item is taken, the thread makes `depth` more (queued) and one it holds, then waits."""
+    source = Source(100)
+    it = prefetched(source, 2)
+    assert next(it) == 0
+    wait_for(lambda: len(source.made) == 4)
+    time.sleep(0.3)
+    assert len(source.made) == 4
+    assert next(it) == 1
+    wait_for(lambda: len(source.made) == 5)
+    it.close()
+
+
+def test_an_error_is_raised_where_its_batch_was_due():
+    it = prefetched(Source(10, fail_at=3), 2)
+    assert [next(it) for _ in range(3)] == [0, 1, 2]
+    with pytest.raises(OSError, match="cannot read batch 3"):
+        next(it)
+
+
+def test_closing_early_stops_the_thread():
+    before = {t.ident for t in threading.enumerate()}
+    it = prefetched(Source(1000), 2)
+    assert next(it) == 0
+    it.close()
+    assert not [t for t in threading.enumerate() if t.ident not in before and t.name == "behemoth-prefetch"]
