@@ -222,7 +222,8 @@ class CheckpointConfig:
     # on rank 0), "sharded" (every rank writes its own shards with torch.distributed.checkpoint, nothing is
     # gathered; loads at any world size), or "auto": sharded under FSDP, full under DDP.
     format: Literal["auto", "full", "sharded"] = "auto"
-    # A rerun whose data or model config differs from the run's checkpoints is refused unless this is true.
+    # A rerun whose data or model config differs from the run's checkpoints, or whose data gives other classes
+    # (Task.checkpoint_files), is refused unless this is true.
     resume_changed_config: bool = False
 
     def validate(self) -> None:

@@ -242,3 +242,52 @@ def test_the_command_ends_at_once_with_its_status_its_output_and_exit_handlers_d
     bad = subprocess.run([sys.executable, "-m", "behemoth", "check", str(tmp_path / "missing.yaml")],
                          capture_output=True, text=True, env=env)
     assert bad.returncode == 2 and "behemoth: config error:" in bad.stderr
+
+
+def test_resume_on_data_whose_classes_changed_is_refused(tmp_path, monkeypatch, capsys):
+    """The data config unchanged but a class folder added (it sorts first: every class index shifts): `train`
+    refuses to resume, naming the checkpoint's classes and the data's, before any worker starts; a checkpoint
+    without classes.json (written before it was kept), another run name, or resume_changed_config go on."""
+    import shutil
+
+    import pytest
+
+    from behemoth import checkpoint
+    from behemoth.config import ConfigError, dump_yaml
+    from behemoth.data.synth import write_synth_images
+    from behemoth.driver import ray_session, trainer
+    from behemoth.job import config_from_dict
+    from behemoth.tasks.image import ImageClassification
+
+    root = tmp_path / "images"
+    write_synth_images(root, classes=3, per_class=2, val_per_class=1, size=16, seed=0)
+    job = job_dict(root, tmp_path / "runs", "r1", data={"cache_dir": str(tmp_path / "cache")})
+    cfg = config_from_dict(job)
+    index = ImageClassification.check(cfg)
+    saved = tmp_path / "runs" / "r1" / "checkpoint_2026-01-01_00-00-00.000000"
+    checkpoint.write(saved, checkpoint.Snapshot(state_dicts={}, step=3, texts={
+        "job.yaml": dump_yaml(cfg), "train_state.json": '{"step": 3}',
+        **ImageClassification.checkpoint_files(cfg, index)}))
+    trainer.check_resume_data(cfg, index)  # the same classes: resumes
+
+    for split in ("train", "val"):
+        shutil.copytree(next((root / split).iterdir()), root / split / "aardvark")
+    grown = ImageClassification.check(cfg)
+    assert grown.classes[0] == "aardvark" and grown.classes[1:] == index.classes
+    with pytest.raises(ConfigError, match=r"trained on other data \(checkpoint_2026.*classes.json is "
+                                          r"\[\"disk_warm\".*this data's is \[\"aardvark\", \"disk_warm\""):
+        trainer.check_resume_data(cfg, grown)
+    trainer.check_resume_data(config_from_dict({**job, "checkpoint": {**job["checkpoint"], "run_name": "r2"}}),
+                              grown)
+    trainer.check_resume_data(config_from_dict({**job, "checkpoint": {**job["checkpoint"],
+                                                                      "resume_changed_config": True}}), grown)
+
+    # Wired into `train`: refused after the data is prepared, before Ray Train is asked for anything.
+    monkeypatch.setattr(ray_session, "ensure_ray", lambda *a, **k: None)
+    monkeypatch.setattr(trainer, "build_trainer", lambda *a, **k: pytest.fail("a trainer was built"))
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(job))
+    assert main(["train", str(tmp_path / "job.yaml")]) == 2  # a config error
+    assert "classes.json is" in capsys.readouterr().err
+
+    (saved / "classes.json").unlink()  # (its manifest no longer lists it: only this check reads the folder)
+    trainer.check_resume_data(cfg, grown)

@@ -126,21 +126,26 @@ def build_trainer(cfg: JobConfig, data, callbacks: list | None = None, fence=Non
 _RESUMABLE_CHANGES = {"data.prefetch_batches", "data.cpus_per_task", "data.max_bad_samples"}
 
 
+def _latest_checkpoint(cfg: JobConfig) -> tuple[str, str] | None:
+    """(the run's latest complete checkpoint, its folder name), or None for a new run."""
+    from behemoth.checkpoint import complete_checkpoints
+
+    kept = complete_checkpoints(run_dir(cfg))
+    return (kept[0][1], kept[0][1].rstrip("/").rpartition("/")[2]) if kept else None
+
+
 def check_resume_compatible(cfg: JobConfig) -> None:
     """Refuse to resume a run whose latest checkpoint (local or under a URI) was trained on another data or
     model config. (A change of scaling.strategy is fine: either checkpoint layout loads under DDP and FSDP.)"""
-    from behemoth.checkpoint import complete_checkpoints, read_file
+    from behemoth.checkpoint import read_file
 
-    folder = run_dir(cfg)
-    kept = complete_checkpoints(folder)
-    if not kept:
+    latest = None if cfg.checkpoint.resume_changed_config else _latest_checkpoint(cfg)
+    if latest is None:
         return
-    latest = kept[0][1]
-    name = latest.rstrip("/").rpartition("/")[2]
+    latest, name = latest
+    folder = run_dir(cfg)
     before = yaml.safe_load(read_file(f"{latest}/job.yaml")) or {}
     now = cfg.to_dict()
-    if cfg.checkpoint.resume_changed_config:
-        return
     changed = [f"{section}.{key}: {before.get(section, {}).get(key)!r} -> {value!r}"
                for section in ("data", "model") for key, value in now[section].items()
                if before.get(section, {}).get(key) != value and f"{section}.{key}" not in _RESUMABLE_CHANGES]
@@ -150,6 +155,34 @@ def check_resume_compatible(cfg: JobConfig) -> None:
             f"({name}): {'; '.join(changed)}. Start a new run with another "
             f"checkpoint.run_name, or resume anyway with --set checkpoint.resume_changed_config=true"
         )
+
+
+def check_resume_data(cfg: JobConfig, prepared) -> None:
+    """Refuse to resume a run whose data now says something else of what its weights mean: the task's files
+    in the latest checkpoint (classes.json: class index -> name) differ from those this data gives. The data
+    config can be unchanged while its content is not (a class folder added to data.root shifts every class
+    index after it): resumed, the run would go on training with its labels silently renamed."""
+    from behemoth.checkpoint import read_file
+
+    latest = None if cfg.checkpoint.resume_changed_config else _latest_checkpoint(cfg)
+    if latest is None:
+        return
+    latest, name = latest
+    for file, text in task_of(cfg).checkpoint_files(cfg, prepared).items():
+        try:
+            before = read_file(f"{latest}/{file}").decode()
+        except FileNotFoundError:
+            continue  # a checkpoint from before the task kept this file
+        if before != text:
+            raise ConfigError(
+                f"run '{cfg.checkpoint.run_name}' in {run_dir(cfg)} was trained on other data ({name}): its "
+                f"{file} is {_short(before)}, this data's is {_short(text)}. Start a new run with another "
+                f"checkpoint.run_name (train.init_from the old run's folder to start from its weights), or "
+                f"resume anyway with --set checkpoint.resume_changed_config=true")
+
+
+def _short(text: str, limit: int = 200) -> str:
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
 
 
 def resolve_init_from(cfg: JobConfig) -> JobConfig:
@@ -200,6 +233,7 @@ def _train(cfg: JobConfig, callbacks: list | None, tracking, end_ray: bool = Fal
     cfg = resolve_init_from(cfg)
     started = time.time()
     data = prepare_data(cfg, tracking.mark)
+    check_resume_data(cfg, data)
     from ray.train import TrainingFailedError
 
     withdraw_killed_drivers_requests(tracking.run_dir, tracking.invocation)

@@ -110,6 +110,14 @@ class Task(abc.ABC):
         return "from transformers import AutoModel\nmodel = AutoModel.from_pretrained(FOLDER)"
 
     @classmethod
+    def checkpoint_files(cls, cfg: JobConfig, prepared: Any) -> dict[str, str]:
+        """Small text files kept in every checkpoint beside the training state (file name -> text), read back by
+        `model_from_checkpoint` (image classification: classes.json). They describe what the weights mean, so a
+        run resumes only where its data gives the same files (a class added to an ImageFolder would shift every
+        class index): the driver compares them with the latest checkpoint's before training starts."""
+        return {}
+
+    @classmethod
     def build_cache(cls, cfg: JobConfig, start_ray: Callable[[], None]) -> list[str]:
         """`behemoth data cache`: build the data's cache on this node ahead of a run; one line per part.
         `start_ray` is called once the config and data are checked."""
@@ -130,7 +138,7 @@ class Task(abc.ABC):
     reinit_ok: ReinitPolicy | None = None
 
     def __init__(self, cfg: JobConfig, prepared: Any):
-        self.cfg = cfg
+        self.cfg, self.prepared = cfg, prepared
 
     @abc.abstractmethod
     def build_model(self) -> torch.nn.Module:
@@ -174,10 +182,6 @@ class Task(abc.ABC):
         """Samples by a name a user can find them by (a file, a row), for error messages."""
         return [f"sample {i}" for i in sample_ids]
 
-    def checkpoint_files(self) -> dict[str, str]:
-        """Small text files the task keeps in every checkpoint beside the training state (file name -> text),
-        read back by its `model_from_checkpoint` (image classification: classes.json)."""
-        return {}
 
 
 def check_task_class(cls: Any, kind: str) -> type[Task]:

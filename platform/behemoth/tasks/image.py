@@ -135,6 +135,10 @@ class ImageClassification(Task):
                 "classify('image.png')")
 
     @classmethod
+    def checkpoint_files(cls, cfg: JobConfig, index: ImageIndex) -> dict[str, str]:
+        return {"classes.json": json.dumps(index.classes)}  # class index -> name, read back by export
+
+    @classmethod
     def build_cache(cls, cfg: JobConfig, start_ray) -> list[str]:
         return build_decoded_cache(cfg, start_ray)
 
@@ -239,9 +243,6 @@ class ImageClassification(Task):
 
     def describe_samples(self, sample_ids):
         return describe_samples(self.index.train, sample_ids)
-
-    def checkpoint_files(self):
-        return {"classes.json": json.dumps(self.index.classes)}  # class index -> name, read back by export
 
 
 def build_decoded_cache(cfg: JobConfig, start_ray) -> list[str]:

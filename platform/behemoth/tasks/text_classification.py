@@ -134,6 +134,10 @@ class TextClassification(Task):
         return model
 
     @classmethod
+    def checkpoint_files(cls, cfg: JobConfig, rows: TokenisedRows) -> dict[str, str]:
+        return {"labels.json": json.dumps(rows.classes)}  # class index -> name, read back by export
+
+    @classmethod
     def save_for_transformers(cls, cfg: JobConfig, out: Path) -> None:
         """The run's tokenizer, with the pad token and the length the run truncated to."""
         tok = load_classification_tokenizer(cfg.data.tokenizer)
@@ -202,7 +206,4 @@ class TextClassification(Task):
 
     def describe_samples(self, sample_ids):
         return [self.rows.describe("train", int(i)) for i in sample_ids]
-
-    def checkpoint_files(self):
-        return {"labels.json": json.dumps(self.rows.classes)}  # class index -> name, read back by export
 

@@ -41,6 +41,7 @@ class CheckpointSaver:
 
     def __init__(self, cfg: JobConfig, task: Task, rank: int, clock: PhaseClock | None = None):
         self.cfg, self.task, self.rank, self.clock = cfg, task, rank, clock
+        self.task_files = task.checkpoint_files(cfg, task.prepared)  # the same for every checkpoint of the run
         # checkpoint.format sharded: every rank writes its own shards (worker/sharded.py), nothing gathered
         self.writer = ShardedWriter(rank) if cfg.checkpoint.sharded(cfg.scaling.strategy) else None
         self.overlap = None  # sharded: whether the state copy overlaps the next step (decided at the first save)
@@ -71,7 +72,7 @@ class CheckpointSaver:
             return
         snap, reuse = None, self.buffers_free.is_set()
         if self.rank == 0 or parallel.is_sharded(run.model):
-            snap = checkpointing.snapshot(**run.parts(), state=state, task_files=self.task.checkpoint_files(),
+            snap = checkpointing.snapshot(**run.parts(), state=state, task_files=self.task_files,
                                           job_yaml=dump_yaml(self.cfg),
                                           hook_states=hook_states, buffers=self.buffers if reuse else None,
                                           overlap=self.cfg.checkpoint.async_save, metrics=metrics)
@@ -102,7 +103,7 @@ class CheckpointSaver:
         small = None
         if self.rank == 0:
             dicts, texts = checkpointing.extras(scheduler=run.scheduler, scaler=run.scaler, state=state,
-                                                task_files=self.task.checkpoint_files(), job_yaml=dump_yaml(self.cfg),
+                                                task_files=self.task_files, job_yaml=dump_yaml(self.cfg),
                                                 hook_states=hook_states, metrics=metrics)
             small = checkpoint.Snapshot(dicts, texts, state.step)
         commit = functools.partial(_commit_sharded, self.writer, written, folder, small, local, state.step,
