@@ -59,8 +59,22 @@ def test_an_error_is_raised_where_its_batch_was_due():
 
 
 def test_closing_early_stops_the_thread():
-    before = {t.ident for t in threading.enumerate()}
+    before = set(threading.enumerate())
     it = prefetched(Source(1000), 2)
     assert next(it) == 0
     it.close()
-    assert not [t for t in threading.enumerate() if t.ident not in before and t.name == "behemoth-prefetch"]
+    assert not [t for t in threading.enumerate() if t not in before and t.name == "behemoth-prefetch"]
+
+
+def test_an_epoch_left_early_by_the_feed_stops_its_thread():
+    """The loop's feed groups micro-batches (worker/feed.py _grouped); leaving an epoch early closes the
+    prefetching iterator inside it, so its thread ends then, not when the garbage collector gets to it."""
+    from behemoth.worker.feed import _grouped
+
+    before = set(threading.enumerate())
+    inner = prefetched(Source(1000), 2)
+    steps = _grouped(inner, 2)
+    assert next(steps) == [0, 1]
+    steps.close()
+    assert not [t for t in threading.enumerate() if t not in before and t.name == "behemoth-prefetch"]
+    assert inner.gi_frame is None  # closed

@@ -16,9 +16,9 @@ _END = object()
 
 
 def prefetched(batches: Iterable, depth: int) -> Iterator:
-    """`batches` in order, up to `depth` made ahead by a daemon thread (depth 0: made on demand, here). An
-    error raised while making one is raised here, where that batch would have been yielded. Closing the
-    iterator early (a run that stops mid-epoch) stops the thread at its next batch."""
+    """`batches` in order, made ahead by a daemon thread: `depth` ready, and the next one being made (depth 0:
+    made on demand, here). An error raised while making one is raised here, where that batch would have been
+    yielded. Closing the iterator early (a run that stops mid-epoch) stops the thread at its next batch."""
     if depth <= 0:
         yield from batches
         return
@@ -46,7 +46,8 @@ def prefetched(batches: Iterable, depth: int) -> Iterator:
             yield batch
     finally:
         stop.set()
-        thread.join()
+        if thread is not threading.current_thread():  # the garbage collector may close it from the thread itself
+            thread.join()
 
 
 def _put(ready: queue.Queue, item, stop: threading.Event) -> bool:

@@ -88,5 +88,9 @@ class _Started:
 def _grouped(iterable: Iterable, n: int) -> Iterator[list]:
     """Lists of n consecutive items (the micro-batches of one optimizer step); a short tail is dropped."""
     it = iter(iterable)
-    while len(group := list(itertools.islice(it, n))) == n:
-        yield group
+    try:
+        while len(group := list(itertools.islice(it, n))) == n:
+            yield group
+    finally:
+        if hasattr(it, "close"):  # an epoch left early: its pipeline (a prefetch thread) stops now, not at GC
+            it.close()
