@@ -244,18 +244,21 @@ def test_the_command_ends_at_once_with_its_status_its_output_and_exit_handlers_d
     assert bad.returncode == 2 and "behemoth: config error:" in bad.stderr
 
 
-def test_resume_on_data_whose_classes_changed_is_refused(tmp_path, monkeypatch, capsys):
-    """The data config unchanged but a class folder added (it sorts first: every class index shifts): `train`
-    refuses to resume, naming the checkpoint's classes and the data's, before any worker starts; a checkpoint
-    without classes.json (written before it was kept), another run name, or resume_changed_config go on."""
+def test_resume_or_eval_on_data_whose_classes_changed_is_refused(tmp_path, monkeypatch, capsys):
+    """The data config unchanged but its class folders changed: `train` refuses to resume, saying what moved
+    (counts, the first index naming another class, names new and gone), before any worker starts; a class
+    added cannot be forced (the head has another shape), a folder replaced (same count) can; a checkpoint
+    without classes.json (written before it was kept) and another run name go on. `eval` of the checkpoint on
+    such data is refused too (its accuracy would score indices against other names)."""
     import shutil
 
     import pytest
+    import torch
 
     from behemoth import checkpoint
     from behemoth.config import ConfigError, dump_yaml
     from behemoth.data.synth import write_synth_images
-    from behemoth.driver import ray_session, trainer
+    from behemoth.driver import evaluate, ray_session, trainer
     from behemoth.job import config_from_dict
     from behemoth.tasks.image import ImageClassification
 
@@ -265,29 +268,42 @@ def test_resume_on_data_whose_classes_changed_is_refused(tmp_path, monkeypatch, 
     cfg = config_from_dict(job)
     index = ImageClassification.check(cfg)
     saved = tmp_path / "runs" / "r1" / "checkpoint_2026-01-01_00-00-00.000000"
-    checkpoint.write(saved, checkpoint.Snapshot(state_dicts={}, step=3, texts={
+    checkpoint.write(saved, checkpoint.Snapshot(state_dicts={"model.pt": {"w": torch.zeros(1)}}, step=3, texts={
         "job.yaml": dump_yaml(cfg), "train_state.json": '{"step": 3}',
         **ImageClassification.checkpoint_files(cfg, index)}))
+    assert index.classes == ["disk_warm", "ring_warm", "square_warm"]
     trainer.check_resume_data(cfg, index)  # the same classes: resumes
+    forced = config_from_dict({**job, "checkpoint": {**job["checkpoint"], "resume_changed_config": True}})
 
-    for split in ("train", "val"):
-        shutil.copytree(next((root / split).iterdir()), root / split / "aardvark")
+    for split in ("train", "val"):  # a class added, sorting first: every index shifts
+        shutil.copytree(root / split / "disk_warm", root / split / "aardvark")
     grown = ImageClassification.check(cfg)
-    assert grown.classes[0] == "aardvark" and grown.classes[1:] == index.classes
-    with pytest.raises(ConfigError, match=r"trained on other data \(checkpoint_2026.*classes.json is "
-                                          r"\[\"disk_warm\".*this data's is \[\"aardvark\", \"disk_warm\""):
+    with pytest.raises(ConfigError, match=r"trained on other data \(checkpoint_2026.*\): its classes.json lists 3, "
+                                          r"this data 4; index 0 was 'disk_warm', is 'aardvark'; new: 'aardvark'\. "
+                                          r"Start a new run .* \(its weights cannot resume with another number"):
         trainer.check_resume_data(cfg, grown)
     trainer.check_resume_data(config_from_dict({**job, "checkpoint": {**job["checkpoint"], "run_name": "r2"}}),
                               grown)
-    trainer.check_resume_data(config_from_dict({**job, "checkpoint": {**job["checkpoint"],
-                                                                      "resume_changed_config": True}}), grown)
 
-    # Wired into `train`: refused after the data is prepared, before Ray Train is asked for anything.
+    for split in ("train", "val"):  # ... and one removed: the same count, names on other indices
+        shutil.rmtree(root / split / "ring_warm")
+    replaced = ImageClassification.check(cfg)
+    with pytest.raises(ConfigError, match=r"lists 3, this data 3; index 0 was 'disk_warm', is 'aardvark'; new: "
+                                          r"'aardvark'; gone: 'ring_warm'\. .*resume anyway with --set "
+                                          r"checkpoint.resume_changed_config=true"):
+        trainer.check_resume_data(cfg, replaced)
+    trainer.check_resume_data(forced, replaced)
+
+    # Wired into `train` (refused after the data is prepared, before Ray Train is asked for anything) and `eval`.
     monkeypatch.setattr(ray_session, "ensure_ray", lambda *a, **k: None)
     monkeypatch.setattr(trainer, "build_trainer", lambda *a, **k: pytest.fail("a trainer was built"))
     (tmp_path / "job.yaml").write_text(yaml.safe_dump(job))
     assert main(["train", str(tmp_path / "job.yaml")]) == 2  # a config error
-    assert "classes.json is" in capsys.readouterr().err
+    assert "classes.json lists 3, this data 3" in capsys.readouterr().err
+    monkeypatch.setattr("ray.put", lambda *a: pytest.fail("an evaluation was started"))
+    with pytest.raises(ConfigError, match=r"checkpoint .*checkpoint_2026.* was trained on other data than this "
+                                          r"job's: its classes.json lists 3, this data 3; index 0"):
+        evaluate.evaluate_checkpoint(cfg, str(saved))
 
     (saved / "classes.json").unlink()  # (its manifest no longer lists it: only this check reads the folder)
-    trainer.check_resume_data(cfg, grown)
+    trainer.check_resume_data(cfg, replaced)

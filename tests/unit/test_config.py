@@ -378,6 +378,11 @@ def test_a_task_is_checked_against_the_contract_and_told_what_it_lacks(monkeypat
                                           r"reported, eval_sum_names"):
         config_from_dict({"data": {"kind": "my_tasks:Partial"}})
     assert config_from_dict({"data": {"kind": "my_tasks:Complete"}}).data.kind == "my_tasks:Complete"
+    # checkpoint_files was a worker-half method: a task written for that is told, not failed on every worker
+    module.OldFiles = type("OldFiles", (CompleteTask,), {"checkpoint_files": lambda self: {"a.json": "[]"}})
+    with pytest.raises(ConfigError, match=r"task OldFiles's checkpoint_files must be a classmethod "
+                                          r"\(cls, cfg, prepared\)"):
+        config_from_dict({"data": {"kind": "my_tasks:OldFiles"}})
 
 
 def test_a_job_built_by_hand_is_refused_with_one_error_naming_its_section():

@@ -13,6 +13,7 @@ import time
 
 from behemoth import weights
 from behemoth.config import JobConfig
+from behemoth.errors import ConfigError
 from behemoth.tasks import task_of
 from behemoth.tracking.records import write_text
 
@@ -32,7 +33,7 @@ def evaluate_checkpoint(cfg: JobConfig, checkpoint: str, split: str = "val", whi
     import ray
 
     from behemoth.driver.ray_session import ensure_ray, worker_env_vars
-    from behemoth.driver.trainer import worker_resources
+    from behemoth.driver.trainer import task_files_differ, worker_resources
     from behemoth.worker.evaluate import evaluate_checkpoint_per_worker
 
     task = task_of(cfg)
@@ -41,6 +42,10 @@ def evaluate_checkpoint(cfg: JobConfig, checkpoint: str, split: str = "val", whi
     checked = task.check(cfg)
     ensure_ray()
     data = task.prepare(cfg, checked)
+    differs = task_files_differ(cfg, data, ckpt)
+    if differs:  # its class indices would be scored against other names: a wrong accuracy, without a word
+        raise ConfigError(f"checkpoint {ckpt} was trained on other data than this job's: {differs[0]}. Evaluate "
+                          f"it with the data it was trained on (the job.yaml beside its weights)")
     world = cfg.scaling.max_workers
     print(f"[behemoth] evaluating {ckpt} ({how}) on the {split} split: {world} workers, batch "
           f"{eval_batch_size(cfg, world)} per worker", flush=True)

@@ -8,6 +8,7 @@ Data) before the workers start.
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from dataclasses import dataclass, field
@@ -160,29 +161,51 @@ def check_resume_compatible(cfg: JobConfig) -> None:
 def check_resume_data(cfg: JobConfig, prepared) -> None:
     """Refuse to resume a run whose data now says something else of what its weights mean: the task's files
     in the latest checkpoint (classes.json: class index -> name) differ from those this data gives. The data
-    config can be unchanged while its content is not (a class folder added to data.root shifts every class
-    index after it): resumed, the run would go on training with its labels silently renamed."""
+    config can be unchanged while its content is not: a class folder renamed or replaced keeps the count and
+    moves names to other indices, so the resumed run would train on with its labels silently renamed (a class
+    added or removed changes the head's shape: its weights cannot load)."""
+    latest = None if cfg.checkpoint.resume_changed_config else _latest_checkpoint(cfg)
+    differs = latest and task_files_differ(cfg, prepared, latest[0])
+    if differs:
+        what, same_shape = differs
+        force = (", or resume anyway with --set checkpoint.resume_changed_config=true" if same_shape else
+                 " (its weights cannot resume with another number of classes)")
+        raise ConfigError(
+            f"run '{cfg.checkpoint.run_name}' in {run_dir(cfg)} was trained on other data ({latest[1]}): {what}. "
+            f"Start a new run with another checkpoint.run_name (train.init_from the old run's folder to start "
+            f"from its weights){force}")
+
+
+def task_files_differ(cfg: JobConfig, prepared, ckpt: str) -> tuple[str, bool] | None:
+    """How checkpoint `ckpt`'s task files (Task.checkpoint_files) differ from those `prepared` gives, and
+    whether their lists keep their length; None where they agree or the checkpoint keeps none (written before
+    the task kept them, or a Hugging Face folder)."""
     from behemoth.checkpoint import read_file
 
-    latest = None if cfg.checkpoint.resume_changed_config else _latest_checkpoint(cfg)
-    if latest is None:
-        return
-    latest, name = latest
     for file, text in task_of(cfg).checkpoint_files(cfg, prepared).items():
         try:
-            before = read_file(f"{latest}/{file}").decode()
+            before = read_file(f"{ckpt.rstrip('/')}/{file}").decode()
         except FileNotFoundError:
-            continue  # a checkpoint from before the task kept this file
-        if before != text:
-            raise ConfigError(
-                f"run '{cfg.checkpoint.run_name}' in {run_dir(cfg)} was trained on other data ({name}): its "
-                f"{file} is {_short(before)}, this data's is {_short(text)}. Start a new run with another "
-                f"checkpoint.run_name (train.init_from the old run's folder to start from its weights), or "
-                f"resume anyway with --set checkpoint.resume_changed_config=true")
-
-
-def _short(text: str, limit: int = 200) -> str:
-    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+            continue
+        if before == text:
+            continue
+        try:
+            old, new = json.loads(before), json.loads(text)
+        except ValueError:
+            old = new = None
+        if not (isinstance(old, list) and isinstance(new, list)):
+            return f"its {file} differs from this data's", False
+        if old == new:
+            continue  # the same list, written another way
+        moved = next((i for i, (a, b) in enumerate(zip(old, new)) if a != b), min(len(old), len(new)))
+        detail = [f"its {file} lists {len(old)}, this data {len(new)}"]
+        if moved < min(len(old), len(new)):
+            detail.append(f"index {moved} was {old[moved]!r}, is {new[moved]!r}")
+        for label, names in (("new", [n for n in new if n not in old]), ("gone", [n for n in old if n not in new])):
+            if names:
+                detail.append(f"{label}: {', '.join(map(repr, names[:5]))}{' ...' if len(names) > 5 else ''}")
+        return "; ".join(detail), len(old) == len(new)
+    return None
 
 
 def resolve_init_from(cfg: JobConfig) -> JobConfig:

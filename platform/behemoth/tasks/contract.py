@@ -10,6 +10,7 @@ bad-sample wording, model checks, the model card's load snippet all come from he
 from __future__ import annotations
 
 import abc
+import inspect
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, ClassVar, Iterable
 
@@ -138,7 +139,7 @@ class Task(abc.ABC):
     reinit_ok: ReinitPolicy | None = None
 
     def __init__(self, cfg: JobConfig, prepared: Any):
-        self.cfg, self.prepared = cfg, prepared
+        self.cfg = cfg
 
     @abc.abstractmethod
     def build_model(self) -> torch.nn.Module:
@@ -193,6 +194,9 @@ def check_task_class(cls: Any, kind: str) -> type[Task]:
     if missing:
         raise ConfigError(f"data.kind '{kind}': task {cls.__name__} does not define {', '.join(missing)} "
                           f"(behemoth.tasks.Task documents each)")
+    if not isinstance(inspect.getattr_static(cls, "checkpoint_files"), classmethod):
+        raise ConfigError(f"data.kind '{kind}': task {cls.__name__}'s checkpoint_files must be a classmethod "
+                          f"(cls, cfg, prepared) -> {{file name: text}} (it was a method of the worker half before)")
     if not (isinstance(cls.data_config, type) and issubclass(cls.data_config, DataConfig)):
         raise ConfigError(f"data.kind '{kind}': the task's data_config must be a dataclass subclassing "
                           f"behemoth.config.DataConfig, got {cls.data_config!r}")

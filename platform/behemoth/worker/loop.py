@@ -49,13 +49,12 @@ def train_loop_per_worker(loop_config: dict) -> dict:
     clock = PhaseClock()  # where this worker group's time goes (the goodput account reads it from the reports)
     cfg = config_from_dict(loop_config["job"], where="job config")
     quiet_ray_train_reports()
-    task: Task = make_task(cfg, ray.get(loop_config["data_ref"]))
+    prepared = ray.get(loop_config["data_ref"])
+    task: Task = make_task(cfg, prepared)
     clock.mark("task_ready")
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     device = ray.train.torch.get_device()
-    if cfg.scaling.torch_threads:
-        torch.set_num_threads(cfg.scaling.torch_threads)
     epoch_steps, total_steps = _steps(cfg, task)
     run, speed, micro_batch, accum, init_line = _build_run(cfg, task, clock, rank, world, device, total_steps)
 
@@ -71,7 +70,7 @@ def train_loop_per_worker(loop_config: dict) -> dict:
         _announce_resume(cfg, state, world, micro_batch, accum, init_line)
     state.world_size = world
     ledger = SampleLedger(cfg.train.sample_ledger, rank, world)
-    saver = CheckpointSaver(cfg, task, rank, clock)
+    saver = CheckpointSaver(cfg, rank, task.checkpoint_files(cfg, prepared), clock)
     resumed_from_step = state.step
     reporter = Reporter(cfg, task, run, speed, saver, micro_batch, total_steps, epoch_steps, clock,
                         resumed_from_step)
@@ -110,10 +109,13 @@ def train_loop_per_worker(loop_config: dict) -> dict:
 
 
 def _build_run(cfg: JobConfig, task: Task, clock: PhaseClock, rank: int, world: int, device, total_steps: int):
-    """The model (same initial weights on every rank, or train.init_from's), the batch plan (the global batch,
-    fixed by the config, split evenly over the ranks and, on each rank, into `accum` micro-batches), DDP (gloo
-    on CPU, nccl on GPU) or FSDP with compression and torch.compile, the optimizer and schedule.
+    """torch's threads (scaling.torch_threads), the model (same initial weights on every rank, or
+    train.init_from's), the batch plan (the global batch, fixed by the config, split evenly over the ranks and,
+    on each rank, into `accum` micro-batches), DDP (gloo on CPU, nccl on GPU) or FSDP with compression and
+    torch.compile, the optimizer and schedule.
     Returns (run, speed meter, micro-batch, accum, the fine-tuning line or None)."""
+    if cfg.scaling.torch_threads:
+        torch.set_num_threads(cfg.scaling.torch_threads)
     torch.manual_seed(cfg.train.seed)
     model = task.build_model().to(device)
     # Fine-tuning: train.init_from's weights (unless the run resumes from its own checkpoints).

@@ -20,7 +20,6 @@ from behemoth.checkpoint import TrainState
 from behemoth.config import JobConfig, dump_yaml
 from behemoth.errors import StorageFullError
 from behemoth.metrics import PhaseClock
-from behemoth.tasks import Task
 from behemoth.worker import checkpointing, parallel, sharded
 from behemoth.worker.collectives import gather_to_rank0
 from behemoth.worker.run import Run
@@ -39,9 +38,9 @@ class CheckpointSaver:
     the training loop (at the report, and before the next update), reported with the next metrics.
     """
 
-    def __init__(self, cfg: JobConfig, task: Task, rank: int, clock: PhaseClock | None = None):
-        self.cfg, self.task, self.rank, self.clock = cfg, task, rank, clock
-        self.task_files = task.checkpoint_files(cfg, task.prepared)  # the same for every checkpoint of the run
+    def __init__(self, cfg: JobConfig, rank: int, task_files: dict[str, str], clock: PhaseClock | None = None):
+        self.cfg, self.rank, self.clock = cfg, rank, clock
+        self.task_files = task_files  # Task.checkpoint_files: the same in every checkpoint of the run
         # checkpoint.format sharded: every rank writes its own shards (worker/sharded.py), nothing gathered
         self.writer = ShardedWriter(rank) if cfg.checkpoint.sharded(cfg.scaling.strategy) else None
         self.overlap = None  # sharded: whether the state copy overlaps the next step (decided at the first save)
