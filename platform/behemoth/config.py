@@ -230,6 +230,7 @@ class CheckpointConfig:
         _positive("checkpoint.every_n_steps", self.every_n_steps)
         _positive("checkpoint.keep", self.keep)
         paths.check_name("checkpoint.run_name", self.run_name)
+        paths.storage_root(self.storage_path)  # a URI with options in it is refused here, before Ray starts
 
     def sharded(self, strategy: str) -> bool:
         """Whether this run writes sharded checkpoints under scaling.strategy `strategy`."""

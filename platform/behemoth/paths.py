@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import re
+import urllib.parse
 from dataclasses import dataclass
 
 from behemoth.errors import ConfigError
@@ -17,7 +18,12 @@ def is_uri(path: str) -> bool:
 
 
 def storage_root(path: str) -> str:
-    """A storage path as Ray needs it: a URI unchanged, a local path absolute (~ expanded)."""
+    """A storage path as Ray needs it: a URI unchanged, a local path absolute (~ expanded). A URI with a query
+    or fragment is refused: run and checkpoint paths are joined onto its end, where options would not follow."""
+    if is_uri(path) and ("?" in path or "#" in path):
+        raise ConfigError(f"storage path {path}: a query string or fragment cannot stay with the run and "
+                          f"checkpoint paths joined onto it. Give the filesystem's options as environment variables "
+                          f"on every node (S3: AWS_ENDPOINT_URL, AWS_REGION, ...), not in the URI")
     return path if is_uri(path) else os.path.abspath(os.path.expanduser(path))
 
 
@@ -29,11 +35,19 @@ def join(root: str, *parts: str) -> str:
 
 
 def as_uri_of(root: str, fs_path: str | None) -> str | None:
-    """A path on a storage's pyarrow filesystem as the user names it: under a URI root (s3://bucket/...) the
-    filesystem's path is "bucket/..." and gets the root's scheme back; a local path is returned as it is."""
+    """A path on a storage's pyarrow filesystem as the user names it: under a URI root, the part of `fs_path`
+    below the root's own path on that filesystem is appended to the root, so the root's authority stays (an
+    object store's filesystem path starts with its bucket or container, "bucket/runs/...", and knows no Azure
+    account; a file system's path starts with "/", and knows no HDFS namenode). A local path is returned as
+    it is."""
     if fs_path is None or not is_uri(root) or is_uri(fs_path):
         return fs_path
-    return f"{root.split('://')[0]}://{fs_path}"  # (file://: the filesystem's path is absolute, /tmp/...)
+    base = root.split("?")[0].split("#")[0].rstrip("/")
+    head = "" if fs_path.startswith("/") else fs_path.split("/", 1)[0]  # the bucket or container
+    root_fs_path = head + urllib.parse.urlsplit(base).path.rstrip("/")
+    if fs_path == root_fs_path or fs_path.startswith(root_fs_path + "/"):
+        return base + fs_path[len(root_fs_path):]
+    return f"{root.split('://')[0]}://{fs_path}"  # not under the root: the scheme is all it can take from it
 
 
 # A run or sweep name: letters, digits, '.', '_', '-'. Anything else means something else to some storage:

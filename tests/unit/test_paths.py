@@ -42,3 +42,30 @@ def test_a_local_place_is_absolute_and_its_name_is_checked(tmp_path, monkeypatch
         RunPlace.of("runs", "../x", key="name")
     with pytest.raises(ConfigError, match="must be a plain folder name"):
         place.child("runs", "t?1")
+
+
+@pytest.mark.parametrize("root, fs_path, uri", [
+    # Azure: the filesystem's path starts with the container; the account is only in the URI
+    ("abfs://data@acct.dfs.core.windows.net/runs", "data/runs/e/checkpoint_1",
+     "abfs://data@acct.dfs.core.windows.net/runs/e/checkpoint_1"),
+    ("abfs://data@acct.dfs.core.windows.net", "data/e/checkpoint_1", "abfs://data@acct.dfs.core.windows.net/e/checkpoint_1"),
+    # HDFS: the filesystem's path is absolute; the namenode is only in the URI
+    ("hdfs://namenode:8020/runs", "/runs/e/checkpoint_1", "hdfs://namenode:8020/runs/e/checkpoint_1"),
+    ("s3://bucket", "bucket/e/checkpoint_1", "s3://bucket/e/checkpoint_1"),
+    ("gs://b/r", "b/r", "gs://b/r"),
+    ("s3://bucket/runs", "other/x", "s3://other/x"),  # not under the root: only the scheme is known
+])
+def test_a_filesystem_path_gets_the_roots_authority_back(root, fs_path, uri):
+    """Ray and pyarrow give paths on the storage's filesystem; the URI built back keeps what only the root's
+    URI holds (an Azure account, an HDFS namenode: a checkpoint path without it names another store)."""
+    assert RunPlace.of(root, "e").as_uri(fs_path) == uri
+
+
+def test_a_storage_uri_with_options_is_refused_before_anything_is_joined_onto_it():
+    from behemoth.job import config_from_dict
+
+    for storage in ("s3://bucket/runs?endpoint_override=localhost:9000", "gs://b/r#x"):
+        with pytest.raises(ConfigError, match=r"query string or fragment .* environment variables"):
+            RunPlace.of(storage, "e")
+        with pytest.raises(ConfigError, match=r"storage path .*: a query string"):
+            config_from_dict({"data": {"root": "x"}, "checkpoint": {"storage_path": storage}})
