@@ -4,7 +4,8 @@ worker) vs torch.utils.data.DataLoader(num_workers=2) feeding a plain loop.
 Both use the same augmentation code (behemoth.data.images: pad + random crop + flip seeded per sample,
 normalise; the DataLoader's processes decode every PNG with transform_batch, as a user's script does), train
 the same model (regnet_tiny_cifar) with the same optimizer (behemoth's SGD recipe: momentum 0.9, Nesterov, weight
-decay 5e-4 on the weights) at the same batch size. Both are timed as one continuous span over the same steps
+decay 5e-4 on the weights; the plain loop's learning rate constant, behemoth's on its schedule) at the same
+batch size. Both are timed as one continuous span over the same steps
 after the same warm-up: behemoth from its first report to its last by rank 0's clock (every step, report and
 console line in between; before the first report: worker start, first tasks), the plain loop from its first
 measured step to its last. Also printed: behemoth's data-wait fraction (the share of step time spent waiting for

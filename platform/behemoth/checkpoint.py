@@ -281,7 +281,7 @@ def complete_checkpoints(folder: str | Path, fs=None) -> list[tuple[int, str]]:
                 step = read_state(path, fs).step
             except (OSError, ValueError, TypeError):
                 step = -1
-            found.append((step, path if given_fs is not None else paths.as_uri_of(str(folder), path)))
+            found.append((step, path if given_fs is not None else paths.entry_uri(str(folder), path)))
     return sorted(found, reverse=True)
 
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import re
-import urllib.parse
 from dataclasses import dataclass
 
 from behemoth.errors import ConfigError
@@ -34,20 +33,15 @@ def join(root: str, *parts: str) -> str:
     return os.path.join(root, *parts)
 
 
-def as_uri_of(root: str, fs_path: str | None) -> str | None:
-    """A path on a storage's pyarrow filesystem as the user names it: under a URI root, the part of `fs_path`
-    below the root's own path on that filesystem is appended to the root, so the root's authority stays (an
-    object store's filesystem path starts with its bucket or container, "bucket/runs/...", and knows no Azure
-    account; a file system's path starts with "/", and knows no HDFS namenode). A local path is returned as
-    it is."""
-    if fs_path is None or not is_uri(root) or is_uri(fs_path):
+def entry_uri(folder: str, fs_path: str | None) -> str | None:
+    """An entry directly inside `folder` (a checkpoint in a run folder), given as a path on the storage's
+    pyarrow filesystem (what Ray and pyarrow's listings give), named as the user names `folder`: under a URI,
+    the folder's URI and the entry's name. The filesystem's path cannot be turned back into a URI by itself: it
+    drops what only the URI holds (an Azure account, an HDFS namenode) and decodes or normalises what it keeps.
+    A local path is returned as it is."""
+    if fs_path is None or not is_uri(folder) or is_uri(fs_path):
         return fs_path
-    base = root.split("?")[0].split("#")[0].rstrip("/")
-    head = "" if fs_path.startswith("/") else fs_path.split("/", 1)[0]  # the bucket or container
-    root_fs_path = head + urllib.parse.urlsplit(base).path.rstrip("/")
-    if fs_path == root_fs_path or fs_path.startswith(root_fs_path + "/"):
-        return base + fs_path[len(root_fs_path):]
-    return f"{root.split('://')[0]}://{fs_path}"  # not under the root: the scheme is all it can take from it
+    return join(folder, fs_path.rstrip("/").rpartition("/")[2])
 
 
 # A run or sweep name: letters, digits, '.', '_', '-'. Anything else means something else to some storage:
@@ -97,5 +91,6 @@ class RunPlace:
         return RunPlace(self.join(*parts[:-1]), parts[-1])
 
     def as_uri(self, fs_path: str | None) -> str | None:
-        """A path Ray gives on the storage's pyarrow filesystem, as the user names it (as_uri_of)."""
-        return as_uri_of(self.storage, fs_path)
+        """A checkpoint's path as Ray gives it (on the storage's pyarrow filesystem, directly in the run's
+        folder), as the user names it (entry_uri)."""
+        return entry_uri(self.folder, fs_path)

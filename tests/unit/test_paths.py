@@ -48,16 +48,18 @@ def test_a_local_place_is_absolute_and_its_name_is_checked(tmp_path, monkeypatch
     # Azure: the filesystem's path starts with the container; the account is only in the URI
     ("abfs://data@acct.dfs.core.windows.net/runs", "data/runs/e/checkpoint_1",
      "abfs://data@acct.dfs.core.windows.net/runs/e/checkpoint_1"),
-    ("abfs://data@acct.dfs.core.windows.net", "data/e/checkpoint_1", "abfs://data@acct.dfs.core.windows.net/e/checkpoint_1"),
+    ("abfs://acct.blob.core.windows.net/data/runs", "data/runs/e/checkpoint_1",
+     "abfs://acct.blob.core.windows.net/data/runs/e/checkpoint_1"),
     # HDFS: the filesystem's path is absolute; the namenode is only in the URI
     ("hdfs://namenode:8020/runs", "/runs/e/checkpoint_1", "hdfs://namenode:8020/runs/e/checkpoint_1"),
-    ("s3://bucket", "bucket/e/checkpoint_1", "s3://bucket/e/checkpoint_1"),
-    ("gs://b/r", "b/r", "gs://b/r"),
-    ("s3://bucket/runs", "other/x", "s3://other/x"),  # not under the root: only the scheme is known
+    # what the filesystem decodes or normalises stays as the user wrote it
+    ("gs://b/my%20runs", "b/my runs/e/checkpoint_1", "gs://b/my%20runs/e/checkpoint_1"),
+    ("s3://bucket", "bucket/e/checkpoint_1/", "s3://bucket/e/checkpoint_1"),
 ])
 def test_a_filesystem_path_gets_the_roots_authority_back(root, fs_path, uri):
-    """Ray and pyarrow give paths on the storage's filesystem; the URI built back keeps what only the root's
-    URI holds (an Azure account, an HDFS namenode: a checkpoint path without it names another store)."""
+    """Ray and pyarrow give a checkpoint's path on the storage's filesystem; the URI built back keeps what only
+    the root's URI holds (an Azure account, an HDFS namenode: a checkpoint path without it names another store)
+    and what the filesystem decodes."""
     assert RunPlace.of(root, "e").as_uri(fs_path) == uri
 
 
