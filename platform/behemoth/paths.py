@@ -29,7 +29,8 @@ def storage_root(path: str) -> str:
 def join(root: str, *parts: str) -> str:
     """`root`/`parts`, with '/' for a URI (never the OS separator)."""
     if is_uri(root):
-        return "/".join([root.rstrip("/"), *parts])
+        scheme, sep, rest = root.partition("://")
+        return "/".join([scheme + sep + rest.rstrip("/"), *parts])  # (file:/// + e: file:///e, not file:/e)
     return os.path.join(root, *parts)
 
 

@@ -55,6 +55,7 @@ def test_a_local_place_is_absolute_and_its_name_is_checked(tmp_path, monkeypatch
     # what the filesystem decodes or normalises stays as the user wrote it
     ("gs://b/my%20runs", "b/my runs/e/checkpoint_1", "gs://b/my%20runs/e/checkpoint_1"),
     ("s3://bucket", "bucket/e/checkpoint_1/", "s3://bucket/e/checkpoint_1"),
+    ("file:///", "/e/checkpoint_1", "file:///e/checkpoint_1"),  # the slashes of :// are not a trailing slash
 ])
 def test_a_filesystem_path_gets_the_roots_authority_back(root, fs_path, uri):
     """Ray and pyarrow give a checkpoint's path on the storage's filesystem; the URI built back keeps what only
