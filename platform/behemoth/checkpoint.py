@@ -268,7 +268,7 @@ def checkpoint_folders(run_dir: str | Path, fs=None) -> list[tuple[str, bool]]:
 
 def complete_checkpoints(folder: str | Path, fs=None) -> list[tuple[int, str]]:
     """(step, path) of the checkpoints in a run folder whose manifest was written, newest step first: local,
-    a URI (the paths come back as URIs of the same scheme), or a path on the pyarrow filesystem `fs`.
+    a URI (the paths come back as URIs under `folder`: paths.entry_uri), or a path on the pyarrow filesystem `fs`.
     Unreadable train state counts as step -1 (verification names the problem when it is restored)."""
     from behemoth import paths
 

@@ -66,7 +66,7 @@ class RunPlace:
     """Where one run or sweep lives: `storage` (a URI, or an absolute local path: what Ray takes as its
     storage_path) and `name` (a checked plain folder name: Ray's run or experiment name). Built once from a
     config (`of`) and handed along; every path of the run is joined here: `folder`, `join(...)`, a sweep trial's
-    place (`child`), a path on the storage's filesystem as the user names it (`as_uri`)."""
+    place (`child`), a checkpoint Ray names on the storage's filesystem as the user names it (`as_uri`)."""
 
     storage: str
     name: str
