@@ -260,3 +260,8 @@ def test_the_task_makes_cached_batches_ahead_of_the_step_in_a_thread(image_root,
     for g, w in zip(got, want, strict=True):
         for key in ("image", "label", "sample_id", "valid"):
             np.testing.assert_array_equal(g[key].numpy(), w[key], err_msg=key)
+    before = set(threading.enumerate())  # an epoch left after one batch: its thread stops when it is closed
+    batches = task.train_batches(order, 3, 8)
+    next(batches)
+    batches.close()
+    assert not [t for t in threading.enumerate() if t not in before and t.name == "behemoth-prefetch"]

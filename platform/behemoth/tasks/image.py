@@ -190,10 +190,12 @@ class ImageClassification(Task):
             decoded, labels = self._decoded(split)
             batches = cached_batches(decoded, labels, indices, self.cfg.data, seed=self.cfg.train.seed,
                                      epoch=epoch, train=train, batch_size=batch_size)
-            # Made (and on GPU pinned and copied) data.prefetch_batches ahead in a thread: the crop, flip and
-            # normalisation overlap the step instead of adding to it.
-            return prefetched(_on_device(batches, ray.train.torch.get_device(), pin=self.cfg.scaling.use_gpu),
-                              self.cfg.data.prefetch_batches)
+            # Made (and on GPU pinned) data.prefetch_batches ahead in a thread: the crop, flip and normalisation
+            # overlap the step instead of adding to it. The copy to the device is queued by the training thread
+            # when it takes a batch, so the batches waiting in a queue hold no device memory.
+            device = ray.train.torch.get_device()
+            pin = self.cfg.scaling.use_gpu and device.type != "cpu"
+            return _to_device(prefetched(_as_tensors(batches, pin), self.cfg.data.prefetch_batches), device)
         ds = rank_dataset(table, indices, self.cfg.data, seed=self.cfg.train.seed, epoch=epoch, train=train,
                           batch_size=batch_size)
         # On GPU, batches are pinned and copied to the device in Ray Data's prefetch threads, overlapping
@@ -289,13 +291,18 @@ def decide_cache(cfg: ImageData, index: ImageIndex) -> tuple[dict | None, str]:
     return plans, f"decoded ({size}, in {where}; {state})"
 
 
-def _on_device(batches, device, pin: bool):
-    """numpy batches as torch tensors on the training device (pinned first on GPU, so the copy is async)."""
+def _as_tensors(batches, pin: bool):
+    """numpy batches as torch tensors, pinned where they go to a GPU (so that the copy there is asynchronous)."""
     for batch in batches:
-        out = {}
-        for key, value in batch.items():
-            tensor = torch.from_numpy(value)
-            if device.type != "cpu":
-                tensor = (tensor.pin_memory() if pin else tensor).to(device, non_blocking=pin)
-            out[key] = tensor
-        yield out
+        yield {key: torch.from_numpy(value).pin_memory() if pin else torch.from_numpy(value)
+               for key, value in batch.items()}
+
+
+def _to_device(batches, device):
+    """Each batch's tensors on the training device (copied non-blocking from pinned memory)."""
+    try:
+        for batch in batches:
+            yield batch if device.type == "cpu" else {
+                key: tensor.to(device, non_blocking=tensor.is_pinned()) for key, tensor in batch.items()}
+    finally:
+        batches.close()  # an epoch left early: the prefetch thread stops now
