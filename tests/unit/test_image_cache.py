@@ -232,7 +232,8 @@ def test_no_decode_process_is_warmed_up_for_a_cache_that_is_built(image_root, tm
 @pytest.mark.parametrize("depth", [2, 0])
 def test_the_task_makes_cached_batches_ahead_of_the_step_in_a_thread(image_root, tmp_path, monkeypatch, depth):
     """data.prefetch_batches > 0: the image task's batches from the cache (rows gathered, cropped, flipped,
-    normalised) are made in the prefetch thread, not in the training thread; the same batches either way."""
+    normalised) are made in the prefetch thread, not in the training thread; the same batches either way; an
+    epoch left after one batch stops its thread when closed."""
     import threading
 
     import ray.train.torch
