@@ -1,4 +1,14 @@
-"""Shared fixtures. Ray's auth token and temp files live in a per-session temp folder, never in ~/.ray."""
+"""Shared fixtures, the tiers, and the suite's own folder.
+
+Everything the suite makes lives in one folder, bh-test-*, in the system's temp directory: Ray's auth token,
+every Ray instance's session (TMPDIR points there before anything starts Ray, and Ray's default temp dir
+follows TMPDIR), pytest's tmp_path folders and what behemoth's workers put in TMPDIR. It is removed when the
+run passes and kept, named on the last line, when a test failed (the Ray logs of a failure are there).
+
+Tiers: a test under tests/integration/ is marked `integration` (here, whatever its module says) and belongs to
+the full tier only, unless it is also marked `quick`: `./run.sh test` runs `-m "quick or not integration"`
+(every unit test and one end-to-end check per capability), `./run.sh test-full` everything (docs/testing.md).
+"""
 
 from __future__ import annotations
 
@@ -16,16 +26,33 @@ _SESSION_DIR: Path = None  # type: ignore[assignment]
 REPO = Path(__file__).resolve().parents[1]
 
 
+def pytest_addoption(parser):
+    parser.addoption("--bystander-ray", action="store_true",
+                     help="start a Ray instance of its own beside the suite and fail the run if the suite ended it "
+                          "(the full tier: tests touch only what they started)")
+
+
 def pytest_configure(config):
     global _SESSION_DIR
     _SESSION_DIR = Path(tempfile.mkdtemp(prefix="bh-test-"))
-    # Before anything imports ray: token auth on (as in production), with a throwaway token.
+    # Before anything imports ray: every temp folder of this process and of the processes it starts (Ray's
+    # sessions, `ray start`, Ray workers, behemoth's staging folders) goes into the session's folder. Ray's
+    # default temp dir is $TMPDIR/ray: a local instance the tests start can then neither find nor join a
+    # cluster a user started with `ray start` (Ray looks for one in its default temp dir).
+    os.environ["TMPDIR"] = str(_SESSION_DIR)
+    tempfile.tempdir = str(_SESSION_DIR)
+    # Token auth on (as in production), with a throwaway token.
     token = _SESSION_DIR / "auth_token"
     token.write_text(secrets.token_hex(32))
     token.chmod(0o600)
     os.environ["RAY_AUTH_MODE"] = "token"
     os.environ["RAY_AUTH_TOKEN_PATH"] = str(token)
+    os.environ.pop("RAY_ADDRESS", None)  # never a cluster of the user's
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+    if config.getoption("--bystander-ray"):
+        from bystander import Bystander
+
+        config._bystander = Bystander.start(_SESSION_DIR / "bystander")
 
 
 # The integration modules that use the shared local Ray instance run next to each other; then those with an
@@ -34,7 +61,11 @@ def pytest_configure(config):
 _RUNS_LATE = {"test_token_store.py": 1, "test_s3.py": 2, "test_tune.py": 3}
 
 
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects: the tier's markers must be on the items by then
 def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.path.parent.name == "integration":
+            item.add_marker(pytest.mark.integration)
     items.sort(key=lambda item: _RUNS_LATE.get(item.path.name, 0) if item.path.parent.name == "integration" else 3)
     # (a stable sort: otherwise pytest's order)
     try:
@@ -73,6 +104,18 @@ def stop_local_ray() -> None:
 
         ray.shutdown()
         _LOCAL_RAY["env"] = None
+
+
+@pytest.fixture
+def no_ray():
+    """No Ray in this process when the test starts (the suite's shared instance stopped if a module before this
+    one left it running), so that a test can check that the code it calls did not start one."""
+    import ray
+
+    stop_local_ray()
+    if ray.is_initialized():  # a connection of this process's own (a module that started Ray its own way)
+        ray.shutdown()
+    yield
 
 
 @pytest.fixture(scope="module")
@@ -178,16 +221,30 @@ def in_thread(fn) -> tuple[threading.Thread, dict]:
 
 
 def train_worker_pids() -> list[int]:
-    """Processes Ray titles `ray::RayTrainWorker...` (every node of a test cluster is on this machine)."""
-    pids = []
+    """Ray Train's worker processes (`ray::RayTrainWorker...`) of the Ray instances this test process started:
+    its descendants only (a local instance's raylet and a test cluster's nodes are children of this process),
+    never a worker of a user's cluster or of another suite on the machine."""
+    return [pid for pid, cmdline in descendants(os.getpid()).items() if cmdline.startswith(b"ray::RayTrainWorker")]
+
+
+def descendants(root: int) -> dict[int, bytes]:
+    """{pid: command line} of every living descendant of process `root`, from /proc."""
+    children: dict[int, list[int]] = {}
+    cmdlines: dict[int, bytes] = {}
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
             try:
-                if (entry / "cmdline").read_bytes().startswith(b"ray::RayTrainWorker"):
-                    pids.append(int(entry.name))
-            except OSError:
-                continue
-    return pids
+                ppid = int((entry / "stat").read_text().rpartition(")")[2].split()[1])
+                cmdlines[int(entry.name)] = (entry / "cmdline").read_bytes()
+            except (OSError, ValueError, IndexError):
+                continue  # ended meanwhile
+            children.setdefault(ppid, []).append(int(entry.name))
+    found, todo = {}, [root]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found[child] = cmdlines[child]
+            todo.append(child)
+    return found
 
 
 # Once in a fresh-clone run of the whole suite (98 passed, results reported) the interpreter then died with a
@@ -200,19 +257,31 @@ _EXIT_STATUS = None
 
 def pytest_sessionfinish(session, exitstatus):
     global _EXIT_STATUS
+    bystander = getattr(session.config, "_bystander", None)
+    if bystander is not None:
+        problem = bystander.check_and_stop()
+        if problem:
+            session.config.get_terminal_writer().line(f"FAILED bystander Ray instance: {problem}", red=True)
+            exitstatus = int(pytest.ExitCode.TESTS_FAILED) if int(exitstatus) == 0 else exitstatus
+        else:
+            session.config.get_terminal_writer().line(
+                "bystander Ray instance (started beside the suite, its own temp dir): alive at the end", green=True)
     _EXIT_STATUS = int(exitstatus)
 
 
 @pytest.hookimpl(trylast=True)
 def pytest_unconfigure(config):
-    # the session's folder (the auth token, the local Ray instances' logs: ~17 MB a session) goes with it
+    # The session's folder goes with a passing run; a failed run's is kept for its logs and tmp_path folders.
     import shutil
+    import sys
 
     if _SESSION_DIR is not None:
-        shutil.rmtree(_SESSION_DIR, ignore_errors=True)
+        if _EXIT_STATUS in (None, 0, int(pytest.ExitCode.NO_TESTS_COLLECTED)):
+            shutil.rmtree(_SESSION_DIR, ignore_errors=True)
+        else:
+            sys.stdout.write(f"\nthe suite's folder is kept for inspection (Ray logs, tmp_path folders): "
+                             f"{_SESSION_DIR}\n")
     if _EXIT_STATUS is not None:
-        import sys
-
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(_EXIT_STATUS)

@@ -210,10 +210,12 @@ def test_r2_r4_worker_killed_while_uploading_a_checkpoint_then_at_step_37(cluste
     ledger = tmp_path / f"ledger-{name}"
     groups = {r["group"] for r in read_ledger(ledger)}
     deadline = time.time() + 300
-    while not any(r["step"] >= FAIL_AT and r["group"] not in groups for r in read_ledger(ledger)):
+    while not (reached := [r for r in read_ledger(ledger) if r["step"] >= FAIL_AT and r["group"] not in groups]):
         assert time.time() < deadline, "the rerun did not reach step 37"
         time.sleep(0.05)
-    os.kill(max(train_worker_pids()), signal.SIGKILL)
+    # a training worker of this run: the pid its ledger record names (and a worker of a Ray this test started)
+    assert reached[0]["pid"] in train_worker_pids()
+    os.kill(reached[0]["pid"], signal.SIGKILL)
     t.join(timeout=400)
     assert not t.is_alive() and "error" not in out, out.get("error")
     summary = out["value"]

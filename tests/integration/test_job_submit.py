@@ -1,6 +1,7 @@
 """`ray job submit` end to end against a real `ray start --head` on loopback with token auth on.
 
-The cluster has its own temp dir, ports and token file, and is stopped afterwards even when a test fails.
+The cluster has its own temp dir, ports and token file, and is stopped afterwards, even when a test fails, by
+ending the `ray start --block` process that owns it (never `ray stop`, which ends every Ray on the machine).
 """
 
 import os
@@ -63,16 +64,38 @@ def cluster(tmp_path_factory):
     env["PATH"] = f"{python.parent}{os.pathsep}{env.get('PATH', '')}"
     gcs_port, dash_port = _free_port(), _free_port()
     temp_dir = tempfile.mkdtemp(prefix="rayh-")  # short: Ray's socket paths have a length limit
-    # Ray runs its daemons and workers with the interpreter that ran `ray start`.
+    # Ray runs its daemons and workers with the interpreter that ran `ray start`. With --block the command
+    # stays in the foreground, owns every process it started and ends them all when it is terminated: the
+    # fixture stops this cluster and nothing else (`ray stop` would end every Ray process on the machine).
     start = [str(python), str(BIN / "ray"), "start", "--head", "--node-ip-address=127.0.0.1", f"--port={gcs_port}",
              "--dashboard-host=127.0.0.1", f"--dashboard-port={dash_port}", "--num-cpus=2",
-             f"--temp-dir={temp_dir}", "--disable-usage-stats", "--include-dashboard=true"]
-    subprocess.run(start, env=env, check=True, capture_output=True, timeout=120)
+             f"--temp-dir={temp_dir}", "--disable-usage-stats", "--include-dashboard=true", "--block"]
+    head = subprocess.Popen(start, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    address = f"http://127.0.0.1:{dash_port}"
     try:
-        yield f"http://127.0.0.1:{dash_port}", env
+        _wait_for_job_api(address, head)
+        yield address, env
     finally:
-        subprocess.run([str(BIN / "ray"), "stop", "--force"], env=env, capture_output=True, timeout=120)
+        head.terminate()
+        head.wait(timeout=120)
         shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def _wait_for_job_api(address: str, head: subprocess.Popen, limit_s: float = 180) -> None:
+    """Until the dashboard's job API answers (401 without a token: it is up)."""
+    import time
+
+    deadline = time.time() + limit_s
+    while True:
+        assert head.poll() is None, f"`ray start --head` ended with {head.returncode}"
+        try:
+            urllib.request.urlopen(f"{address}/api/jobs/", timeout=5)
+            return
+        except urllib.error.HTTPError:
+            return
+        except OSError:
+            assert time.time() < deadline, f"the job API at {address} did not answer within {limit_s} s"
+            time.sleep(0.5)
 
 
 def _submit(address, env, cwd, config_path, *overrides):

@@ -8,7 +8,7 @@ from behemoth.driver.cli import main
 from conftest import job_dict
 
 
-def test_missing_data_folder_fails_before_ray(tmp_path, capsys):
+def test_missing_data_folder_fails_before_ray(tmp_path, capsys, no_ray):
     import ray
 
     cfg = tmp_path / "job.yaml"

@@ -105,7 +105,7 @@ def test_a_storage_path_that_is_a_file_is_one_config_error(tmp_path):
         RunLock(str(tmp_path / "runs" / "r1"), "train").acquire()
 
 
-def test_train_and_sweep_are_refused_before_ray_starts(tmp_path, live_process):
+def test_train_and_sweep_are_refused_before_ray_starts(tmp_path, live_process, no_ray):
     import ray
     from behemoth.job import config_from_dict
     from behemoth.driver.trainer import train

@@ -116,7 +116,7 @@ def test_relative_data_paths_become_absolute_for_the_trials(tmp_path, image_root
     assert base_job(load_sweep(path))["data"]["root"] == str(image_root)
 
 
-def test_cli_tune_bad_sweep_exits_2_before_ray(tmp_path, image_root, capsys):
+def test_cli_tune_bad_sweep_exits_2_before_ray(tmp_path, image_root, capsys, no_ray):
     import ray
 
     path = write_sweep(tmp_path, image_root, space={"train.momentun": {"grid": [0.9]}})
@@ -125,7 +125,7 @@ def test_cli_tune_bad_sweep_exits_2_before_ray(tmp_path, image_root, capsys):
     assert not ray.is_initialized() and not (tmp_path / "sweeps").exists()
 
 
-def test_missing_data_is_refused_before_any_trial(tmp_path, capsys):
+def test_missing_data_is_refused_before_any_trial(tmp_path, capsys, no_ray):
     import ray
 
     path = write_sweep(tmp_path, tmp_path / "no_images")
@@ -178,7 +178,7 @@ def test_the_reaper_keeps_watching_after_the_last_trial_controller_is_gone(monke
     assert reaped == ["pg"] and time.monotonic() - start < 5
 
 
-def test_asha_with_no_rung_before_a_trials_end_is_refused_before_ray(tmp_path, image_root, capsys):
+def test_asha_with_no_rung_before_a_trials_end_is_refused_before_ray(tmp_path, image_root, capsys, no_ray):
     """A 1-epoch job under ASHA's default grace period of 1 epoch: Ray's ASHAScheduler failed on an assertion
     (a traceback) after the sweep's lock was taken; now one line says what to change, before Ray starts."""
     import ray
