@@ -114,8 +114,9 @@ def test_eval_and_export_match_the_run_and_the_export_loads_with_transformers_al
     assert differ == [] and len(got["labels"]) == len(labels)
     truth = [classes[y] for y in rows["label"]]
     accuracy = sum(a == t for a, t in zip(got["labels"], truth)) / len(truth)
-    if min(margins) > 1e-4:
-        assert accuracy == final["val_accuracy"]
+    # The run's accuracy, to within the near-ties the pipeline may have decided the other way (none: exactly).
+    ties = sum(m <= 1e-4 for m in margins)
+    assert abs(accuracy - final["val_accuracy"]) <= ties / len(truth), (accuracy, final["val_accuracy"], ties)
 
 
 def test_init_from_loads_exactly_those_weights_and_only_the_head_starts_fresh(image_run, image_root, tmp_path,

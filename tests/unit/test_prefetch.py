@@ -39,16 +39,30 @@ def test_the_same_items_in_the_same_order(depth):
 
 
 def test_the_lead_is_bounded_by_the_depth():
-    """After the first item is taken, the thread makes `depth` more (queued) and one it holds, then waits."""
+    """After the first item is taken, the thread makes `depth` more (queued) and one it holds, then waits:
+    seen in its stack (waiting for room in the queue, where it makes nothing), not by sleeping and hoping it
+    ran meanwhile."""
     source = Source(100)
     it = prefetched(source, 2)
     assert next(it) == 0
-    wait_for(lambda: len(source.made) == 4)
-    time.sleep(0.3)
-    assert len(source.made) == 4
+    wait_for(lambda: waiting_for_room() and len(source.made) == 4)
     assert next(it) == 1
-    wait_for(lambda: len(source.made) == 5)
+    wait_for(lambda: waiting_for_room() and len(source.made) == 5)
     it.close()
+
+
+def waiting_for_room() -> bool:
+    """The prefetch thread is blocked putting a made item into its full queue (a Condition's wait inside
+    Queue.put, inside prefetch's _put): while it is there, it cannot make another."""
+    import sys
+
+    thread = next((t for t in threading.enumerate() if t.name == "behemoth-prefetch"), None)
+    frame = sys._current_frames().get(thread.ident) if thread is not None else None
+    names = []
+    while frame is not None:
+        names.append(frame.f_code.co_name)
+        frame = frame.f_back
+    return names[:1] == ["wait"] and "put" in names and "_put" in names
 
 
 def test_an_error_is_raised_where_its_batch_was_due():

@@ -182,18 +182,22 @@ def test_records_on_s3_upload_each_record_once(tmp_path):
 
 def test_a_quiet_uri_writer_is_stored_by_its_timer(tmp_path):
     """A buffered writer that stops writing (a killed controller loses what is buffered) has its records
-    stored by its timer (interval 0.3 s; waited for up to 3 s), without another record or a flush; a second
-    writer's records read back after the first's."""
+    stored by its timer once they are due, without another record or a flush; a second writer's records read
+    back after the first's. The writer's clock is the test's: the records are due when the test moves it past
+    the interval (its timer thread looks every 0.1 s of real time), whatever the machine's speed."""
+    now = [0.0]
     uri = f"file://{tmp_path}/run/metrics.jsonl"
-    log = JsonlLog(uri, flush_s=0.3)
+    log = JsonlLog(uri, flush_s=0.1, clock=lambda: now[0])
     for step in (1, 2, 3):
         log.append({"step": step})
+    time.sleep(0.3)  # the timer has looked (at least twice, but on a stalled machine): nothing is due yet
     assert read_jsonl(uri) == []  # buffered
-    deadline = time.monotonic() + 3
-    while read_jsonl(uri) == [] and time.monotonic() < deadline:
+    now[0] += 0.1
+    deadline = time.monotonic() + 60  # a bound on a hang, not on speed: the timer looks every 0.1 s
+    while read_jsonl(uri) == []:
+        assert time.monotonic() < deadline, "the timer did not store the due records"
         time.sleep(0.05)
     assert [r["step"] for r in read_jsonl(uri)] == [1, 2, 3]
-    assert time.monotonic() < deadline
     JsonlLog(uri).append({"step": 4})  # unbuffered: stored at once
     log.append({"step": 5})
     log.close()

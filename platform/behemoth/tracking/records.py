@@ -31,14 +31,16 @@ PARTS = ".parts"
 
 
 class JsonlLog:
-    def __init__(self, path: str, flush_s: float = 0.0):
-        """`flush_s`: under a URI, how long records may wait in memory (0: every record is PUT at once)."""
-        self.path, self.flush_s = path, flush_s
+    def __init__(self, path: str, flush_s: float = 0.0, clock=time.monotonic):
+        """`flush_s`: under a URI, how long records may wait in memory (0: every record is PUT at once).
+        `clock`: seconds, monotonic (a test's own clock decides when the records are due, not the machine's
+        speed)."""
+        self.path, self.flush_s, self.clock = path, flush_s, clock
         self._buffer: list[str] = []
         self._first_ns = 0  # the first buffered record's time: the next part's name
         self._writer, self._parts = uuid.uuid4().hex[:8], 0
         self._lock = threading.Lock()
-        self._last_put = time.monotonic()
+        self._last_put = self.clock()
         self._stop: threading.Event | None = None  # the timer thread's, once started
         self._failed = False
 
@@ -53,7 +55,7 @@ class JsonlLog:
             if not self._buffer:
                 self._first_ns = time.time_ns()
             self._buffer.append(line)
-            if time.monotonic() - self._last_put >= self.flush_s:
+            if self.clock() - self._last_put >= self.flush_s:
                 self._put_part(quiet=self.flush_s > 0)  # an unbuffered writer's caller hears of a failure
             elif self._stop is None:
                 self._stop = threading.Event()
@@ -72,7 +74,7 @@ class JsonlLog:
     def _flush_quiet(self) -> None:
         while not self._stop.wait(self.flush_s):
             with self._lock:
-                if time.monotonic() - self._last_put >= self.flush_s:
+                if self.clock() - self._last_put >= self.flush_s:
                     self._put_part(quiet=True)
 
     def _put_part(self, quiet: bool = False) -> None:
@@ -91,7 +93,7 @@ class JsonlLog:
             return
         self._buffer.clear()
         self._parts += 1
-        self._last_put = time.monotonic()
+        self._last_put = self.clock()
 
 
 def exists(path: str) -> bool:

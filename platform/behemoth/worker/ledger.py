@@ -15,8 +15,10 @@ from behemoth.worker.collectives import distributed
 
 
 class SampleLedger:
-    """Appends {"step", "epoch", "rank", "world", "group", "node", "pid", "ids", "loss_sum", "samples"} per
-    trained step to FOLDER/rank<r>.jsonl (loss_sum: this rank's loss summed over its samples of the step).
+    """Appends {"step", "epoch", "rank", "world", "group", "node", "pid", "time", "ids", "loss_sum", "samples"}
+    per trained step to FOLDER/rank<r>.jsonl (loss_sum: this rank's loss summed over its samples of the step;
+    time: the wall clock when the step's update was done, a clock of the audit's own, apart from the run's
+    phase counters).
 
     An audit trail of the data order (train.sample_ledger). `ids` are the `sample_id`s of the batches the
     step actually trained on, as the data pipeline delivered them (not the slice of the planned order it
@@ -49,7 +51,7 @@ class SampleLedger:
         if self.file is not None:
             ids = torch.cat([batch["sample_id"].reshape(-1).cpu() for batch in micro_batches]).tolist()
             line = {"step": state.step + 1, "epoch": state.epoch, "rank": self.rank, "world": self.world,
-                    "group": self.group, "node": self.node, "pid": os.getpid(), "ids": ids,
+                    "group": self.group, "node": self.node, "pid": os.getpid(), "time": time.time(), "ids": ids,
                     "loss_sum": float(loss_sum), "samples": float(samples)}
             self.file.write(json.dumps(line) + "\n")
             self.file.flush()
