@@ -1,6 +1,7 @@
 """Fault injection for the failure tests, never set in real runs: each hook reads one environment variable
 that a test puts into the training workers' environment, and does nothing when it is unset. All of them act
-on one run only (its name is the first field), so the other runs of a test cluster are untouched.
+on one run only (its name, or a pattern of names, is the first field), so the other runs of a test cluster are
+untouched.
 
 - BEHEMOTH_FAULT_KILL_IN_UPLOAD=RUN:STEP:MARKER SIGKILLs the process uploading the checkpoint of STEP after its
   files reached the run folder and before its manifest did, once: the marker file records it
@@ -29,14 +30,17 @@ KILL_AT_STEP_ENV = "BEHEMOTH_FAULT_KILL_AT_STEP"
 
 
 def _spec_for_this_run(env: str) -> list[str] | None:
-    """The fields after the run name, when `env` is set for the run this worker trains."""
+    """The fields after the run name, when `env` is set for the run this worker trains (the name may be a
+    pattern: a sweep's trials are named by ids a test does not know beforehand, `*_00001` is the second)."""
     spec = os.environ.get(env)
     if not spec:
         return None
-    import ray.train
+    from fnmatch import fnmatchcase
+
+    from behemoth.worker import context
 
     run, rest = spec.split(":", 1)
-    return rest.split(":") if run == ray.train.get_context().get_experiment_name() else None
+    return rest.split(":") if fnmatchcase(context.current().run_name, run) else None
 
 
 def kill_in_upload(step: int) -> None:

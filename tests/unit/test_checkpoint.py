@@ -613,7 +613,7 @@ def test_a_checkpoint_report_leaves_no_folder_behind_whether_its_upload_succeeds
     for async_upload in (False, True):
         for fails in (False, True):
             try:
-                saver.report_to_ray({"step": 1}, staging_upload(fails), async_upload=async_upload, dir_name="c")
+                saver.send_report({"step": 1}, staging_upload(fails), async_upload=async_upload, dir_name="c")
             except OSError:
                 assert fails and not async_upload
     assert len(errors) == 1 and len(handed) == 4 and all(delete is False for _, delete in handed)
@@ -622,5 +622,5 @@ def test_a_checkpoint_report_leaves_no_folder_behind_whether_its_upload_succeeds
     # An asynchronous upload Ray Train drops (the run failed before it ran: a fenced run's queued checkpoints)
     # leaves no folder either: it exists only while its upload runs.
     monkeypatch.setattr(ray.train, "report", lambda metrics, checkpoint=None, **kw: handed.append((checkpoint.path, 0)))
-    saver.report_to_ray({"step": 2}, staging_upload(False), async_upload=True, dir_name="d")
+    saver.send_report({"step": 2}, staging_upload(False), async_upload=True, dir_name="d")
     assert len(handed) == 5 and list(tmp_path.iterdir()) == []

@@ -12,7 +12,6 @@ import math
 from pathlib import Path
 
 import numpy as np
-import ray.train.torch
 import torch
 import torch.nn.functional as F
 
@@ -21,6 +20,7 @@ from behemoth.config import JobConfig
 from behemoth.data.text import TextData, TokenIndex
 from behemoth.models import registry
 from behemoth.models.causal_lm import build_causal_lm
+from behemoth.worker import context
 from behemoth.tasks.contract import Task
 
 
@@ -128,7 +128,7 @@ class CausalLM(Task):
 
     def example_batch(self, batch_size: int):
         return {"input_ids": torch.zeros(batch_size, self.cfg.data.seq_len, dtype=torch.long,
-                                         device=ray.train.torch.get_device())}
+                                         device=context.device())}
 
     @staticmethod
     def _batches(blocks, indices, batch_size: int):
@@ -136,7 +136,7 @@ class CausalLM(Task):
         shared through the object store, or from the memory-mapped shard files (data.token_store: files; the
         batch after next is then prefetched into the page cache). On GPU the gather lands in pinned memory and
         the copy is issued one batch ahead, so it overlaps the step."""
-        device = ray.train.torch.get_device()
+        device = context.device()
         pin = device.type == "cuda"
         prefetch = getattr(blocks, "prefetch", None)
         pending = None

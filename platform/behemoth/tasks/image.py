@@ -12,7 +12,6 @@ import json
 import threading
 from pathlib import Path
 
-import ray.train.torch
 import torch
 import torch.nn.functional as F
 
@@ -24,6 +23,7 @@ from behemoth.data import image_cache
 from behemoth.data.images import ImageData, ImageIndex, build_index, cached_batches, describe_samples, rank_dataset
 from behemoth.data.prefetch import prefetched
 from behemoth.models import registry
+from behemoth.worker import context
 from behemoth.tasks.contract import Task
 
 
@@ -178,7 +178,7 @@ class ImageClassification(Task):
 
 
     def example_batch(self, batch_size: int):
-        device = ray.train.torch.get_device()
+        device = context.device()
         size = self.cfg.data.image_size
         return {"image": torch.randn(batch_size, 3, size, size, device=device),
                 "label": torch.zeros(batch_size, dtype=torch.long, device=device),
@@ -193,7 +193,7 @@ class ImageClassification(Task):
             # Made (and on GPU pinned) data.prefetch_batches ahead in a thread: the crop, flip and normalisation
             # overlap the step instead of adding to it. The copy to the device is queued by the training thread
             # when it takes a batch, so the batches waiting in a queue hold no device memory.
-            device = ray.train.torch.get_device()
+            device = context.device()
             pin = self.cfg.scaling.use_gpu and device.type != "cpu"
             return _to_device(prefetched(_as_tensors(batches, pin), self.cfg.data.prefetch_batches), device)
         ds = rank_dataset(table, indices, self.cfg.data, seed=self.cfg.train.seed, epoch=epoch, train=train,
@@ -201,7 +201,7 @@ class ImageClassification(Task):
         # On GPU, batches are pinned and copied to the device in Ray Data's prefetch threads, overlapping
         # the copy with the step before.
         return ds.iter_torch_batches(batch_size=batch_size, prefetch_batches=self.cfg.data.prefetch_batches,
-                                     device=ray.train.torch.get_device(),
+                                     device=context.device(),
                                      pin_memory=self.cfg.scaling.use_gpu)
 
     def _decoded(self, split: str):

@@ -13,7 +13,6 @@ import json
 from pathlib import Path
 
 import numpy as np
-import ray.train.torch
 import torch
 import torch.nn.functional as F
 
@@ -30,6 +29,7 @@ from behemoth.data.labelled_text import (
 )
 from behemoth.errors import ConfigError
 from behemoth.models import registry
+from behemoth.worker import context
 from behemoth.tasks.contract import Task
 
 SEQUENCE_CLASSIFIER = "sequence_classifier"
@@ -171,7 +171,7 @@ class TextClassification(Task):
         return self._batches(split, indices, batch_size)
 
     def _batches(self, split: str, indices, batch_size: int):
-        device = ray.train.torch.get_device()
+        device = context.device()
         rows = self.rows
         for start in range(0, len(indices), batch_size):
             ids = np.asarray(indices[start:start + batch_size], dtype=np.int64)
@@ -181,7 +181,7 @@ class TextClassification(Task):
                    "sample_id": torch.from_numpy(ids)}
 
     def example_batch(self, batch_size: int):
-        device, length = ray.train.torch.get_device(), self.cfg.data.max_length
+        device, length = context.device(), self.cfg.data.max_length
         return {"input_ids": torch.zeros(batch_size, length, dtype=torch.long, device=device),
                 "attention_mask": torch.ones(batch_size, length, dtype=torch.long, device=device),
                 "label": torch.zeros(batch_size, dtype=torch.long, device=device)}

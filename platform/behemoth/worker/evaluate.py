@@ -7,15 +7,13 @@ import hashlib
 
 import numpy as np
 import ray
-import ray.train
-import ray.train.torch
 import torch
 
 from behemoth import weights
 from behemoth.data.order import rank_eval_indices
 from behemoth.job import config_from_dict
 from behemoth.tasks import Task, make_task
-from behemoth.worker import parallel
+from behemoth.worker import context, parallel
 from behemoth.worker.collectives import all_reduce_sum
 from behemoth.worker.parallel import unwrap
 from behemoth.worker.precision import autocast
@@ -31,7 +29,7 @@ def evaluate(model, task: Task, rank: int, world: int, batch_size: int, split: s
     net = unwrap(model)
     net.eval()
     names = task.eval_sum_names
-    totals = torch.zeros(len(names), dtype=torch.float64, device=ray.train.torch.get_device())
+    totals = torch.zeros(len(names), dtype=torch.float64, device=context.device())
     n = task.num_val_samples if split == "val" else task.num_train_samples
     indices = rank_eval_indices(n, rank, world)
     forwards = 0
@@ -91,12 +89,11 @@ def evaluate_checkpoint_per_worker(loop_config: dict) -> dict:
     evaluation of a split with the run's batch size. Rank 0's return value is the metrics."""
     cfg = config_from_dict(loop_config["job"], where="job config")
     task = make_task(cfg, ray.get(loop_config["data_ref"]))
-    ctx = ray.train.get_context()
+    ctx = context.current()
     if cfg.scaling.torch_threads:
         torch.set_num_threads(cfg.scaling.torch_threads)
     model = task.build_model()
     source = loop_config["checkpoint"]
     weights.load_weights(model, weights.read_state_dict(source), source)
-    model.to(ray.train.torch.get_device())
-    return evaluate(model, task, ctx.get_world_rank(), ctx.get_world_size(), loop_config["batch_size"],
-                    loop_config["split"])
+    model.to(ctx.device)
+    return evaluate(model, task, ctx.rank, ctx.world, loop_config["batch_size"], loop_config["split"])

@@ -10,7 +10,8 @@ compression, compile), precision, optim.
 
 It never imports ray.tune. Everything that decides *when* something happens (report, evaluate, checkpoint)
 depends only on the step counter, which is identical on every rank: all ranks call the collective
-operations (all-reduce, ray.train.report) the same number of times.
+operations (all-reduce, the report) the same number of times. Its host (Ray Train's worker, or a sweep's warm
+lane) is reached only through worker/context.py.
 """
 
 from __future__ import annotations
@@ -19,8 +20,6 @@ import contextlib
 import time
 
 import ray
-import ray.train
-import ray.train.torch
 import torch
 
 from behemoth import faults
@@ -31,7 +30,7 @@ from behemoth.errors import ConfigError
 from behemoth.data.order import steps_per_epoch
 from behemoth.metrics import PhaseClock, Window
 from behemoth.tasks import Task, make_task
-from behemoth.worker import parallel
+from behemoth.worker import context, parallel
 from behemoth.worker.console import console, quiet_ray_train_reports
 from behemoth.worker.feed import EpochFeed
 from behemoth.worker.ledger import SampleLedger
@@ -49,12 +48,12 @@ def train_loop_per_worker(loop_config: dict) -> dict:
     clock = PhaseClock()  # where this worker group's time goes (the goodput account reads it from the reports)
     cfg = config_from_dict(loop_config["job"], where="job config")
     quiet_ray_train_reports()
-    prepared = ray.get(loop_config["data_ref"])
+    # a lane hands its process's prepared data itself; Ray Train's workers get it from the object store
+    prepared = loop_config["data"] if "data" in loop_config else ray.get(loop_config["data_ref"])
     task: Task = make_task(cfg, prepared)
     clock.mark("task_ready")
-    ctx = ray.train.get_context()
-    rank, world = ctx.get_world_rank(), ctx.get_world_size()
-    device = ray.train.torch.get_device()
+    ctx = context.current()
+    rank, world, device = ctx.rank, ctx.world, ctx.device
     epoch_steps, total_steps = _steps(cfg, task)
     run, speed, micro_batch, accum, init_line = _build_run(cfg, task, clock, rank, world, device, total_steps)
 

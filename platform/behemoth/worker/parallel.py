@@ -1,6 +1,6 @@
 """Worker side: how the model is spread over the workers, and what travels between them.
 
-- `wrap(model, cfg)`: DDP (Ray Train's prepare_model: gloo on CPU, nccl on GPU) or FSDP2 (`fully_shard`:
+- `wrap(model, cfg)`: DDP (the host's prepare_model: gloo on CPU, nccl on GPU) or FSDP2 (`fully_shard`:
   gradients and optimizer state sharded with parameters kept whole between forward and backward, the
   ZeRO-2 analogue, or parameters sharded too, ZeRO-3), then an optional gradient-compression hook (DDP) and
   torch.compile.
@@ -9,8 +9,8 @@
   rank keeps for itself (its state is saved per rank in the checkpoint: see PowerSGD.to_bytes / load_bytes).
 - `no_grad_sync(model)`: the context for the micro-batches of an accumulation that must not all-reduce.
 
-Nothing here knows about Ray except `wrap`, which asks Ray Train for the device: the tests drive the rest
-with plain torch.distributed over gloo.
+Nothing here knows about Ray: `wrap` asks the worker's host (worker/context.py) for the device; the tests
+drive the rest with plain torch.distributed over gloo.
 """
 
 from __future__ import annotations
@@ -31,12 +31,11 @@ log = logging.getLogger(__name__)
 
 def wrap(model: torch.nn.Module, cfg, console=print) -> tuple[torch.nn.Module, object]:
     """The model ready for training: (model, compression hook state or None)."""
-    import ray.train.torch
+    from behemoth.worker import context
 
-    if cfg.scaling.strategy == "ddp":
-        model = ray.train.torch.prepare_model(model)
-    else:
-        model = ray.train.torch.prepare_model(model, parallel_strategy=None)  # to the device, not wrapped
+    # on the device; DDP-wrapped where several workers train it (FSDP shards it below instead)
+    model = context.current().prepare_model(model, wrap_ddp=cfg.scaling.strategy == "ddp")
+    if cfg.scaling.strategy != "ddp":
         shard(model, reshard_after_forward=cfg.scaling.strategy == "fsdp_full")
     hook_state = register_compression(model, cfg.train)
     if cfg.train.compile:

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import time
 
-import ray.train
-import ray.train.torch
 import torch
 
 from behemoth.checkpoint import TrainState
@@ -14,11 +12,12 @@ from behemoth.config import JobConfig
 from behemoth.errors import BadSampleError
 from behemoth.metrics import PhaseClock, Window, data_wait_fraction, progress_line, throughput
 from behemoth.tasks import Task
+from behemoth.worker import context
 from behemoth.worker.collectives import all_reduce_sum, sync_buffers, union_across_ranks
 from behemoth.worker.console import console
 from behemoth.worker.evaluate import evaluate
 from behemoth.worker.run import Run
-from behemoth.worker.saver import CheckpointSaver, report_to_ray
+from behemoth.worker.saver import CheckpointSaver, send_report
 from behemoth.worker.speed import SpeedMeter
 
 
@@ -44,9 +43,9 @@ class Reporter:
     def __init__(self, cfg: JobConfig, task: Task, run: Run, speed: SpeedMeter, saver: CheckpointSaver,
                  micro_batch: int, total_steps: int, epoch_steps: int, clock: PhaseClock,
                  resumed_from_step: int = 0):
-        ctx = ray.train.get_context()
+        ctx = context.current()
         self.cfg, self.task, self.run, self.speed, self.saver = cfg, task, run, speed, saver
-        self.rank, self.world = ctx.get_world_rank(), ctx.get_world_size()
+        self.rank, self.world = ctx.rank, ctx.world
         self.micro_batch, self.total_steps, self.epoch_steps = micro_batch, total_steps, epoch_steps
         self.clock, self.resumed_from_step = clock, resumed_from_step
 
@@ -74,7 +73,7 @@ class Reporter:
             self.saver.save_and_report(report, state, self.run)
             checkpoint_s = time.perf_counter() - t0
         else:
-            report_to_ray(report)
+            send_report(report)
         self.clock.add("eval", eval_s)
         self.clock.add("checkpoint", checkpoint_s)
         self.clock.add("report", time.perf_counter() - started - eval_s - checkpoint_s)
@@ -86,14 +85,14 @@ class Reporter:
         """A rerun of a finished run: evaluate its final weights, train nothing."""
         if self.rank == 0:
             console(f"run already complete at step {state.step}: nothing to train")
-        report_to_ray({"step": state.step, "epoch": state.step / self.epoch_steps,
+        send_report({"step": state.step, "epoch": state.step / self.epoch_steps,
                        "samples_seen": state.samples_seen, **self.clock.snapshot(),
                        "resumed_from_step": self.resumed_from_step, **self.evaluate()})
 
     def train_metrics(self, state: TrainState, window: Window, bad_ids: set) -> dict:
         cfg = self.cfg
         stats = torch.tensor([float(window.loss_sum), float(window.loss_count)], dtype=torch.float64,
-                             device=ray.train.torch.get_device())
+                             device=context.device())
         all_reduce_sum(stats)
         bad = union_across_ranks(bad_ids)
         if len(bad) > cfg.data.max_bad_samples:

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import ray
 import ray.train
 
 from behemoth import checkpoint, weights
-from behemoth.worker import checkpointing
+from behemoth.worker import checkpointing, context
 from behemoth.checkpoint import TrainState
 from behemoth.errors import CheckpointError, PartlyLoadedError
 from behemoth.worker.console import console
@@ -21,16 +20,15 @@ def restore_latest(run: Run, fence=None) -> TrainState | None:
     and uploaded, but the worker or driver died before Ray Train registered them), Ray Train's latest, then
     its earlier ones. A candidate that fails verification is skipped with a warning naming it.
     """
-    latest = ray.train.get_checkpoint()
+    ctx = context.current()
+    latest = ctx.latest_checkpoint()
     candidates = [latest] if latest else []
-    candidates += [r.checkpoint for r in reversed(ray.train.get_all_reported_checkpoints())
-                   if latest is None or r.checkpoint.path != latest.path]
+    candidates += [c for c in reversed(ctx.reported_checkpoints()) if latest is None or c.path != latest.path]
     registered = _step_of(latest)
-    rank0 = ray.train.get_context().get_world_rank() == 0
+    rank0 = ctx.rank == 0
     if rank0:
-        storage = ray.train.get_context().get_storage()
-        remove_partial_uploads(storage.experiment_fs_path, storage.storage_filesystem,
-                               {c.path for c in candidates}, fence)
+        fs, run_path = ctx.storage()
+        remove_partial_uploads(run_path, fs, {c.path for c in candidates}, fence)
     unregistered = [ckpt for step, ckpt in _run_folder_checkpoints() if step > registered]
     if unregistered and rank0:
         console(f"restoring from {unregistered[0].path}: complete in the run folder, but not registered with "
@@ -88,10 +86,9 @@ def remove_partial_uploads(run_folder: str, fs, registered: set[str], fence=None
 def _run_folder_checkpoints() -> list[tuple[int, ray.train.Checkpoint]]:
     """(step, checkpoint) of the complete checkpoints in this run's folder, newest first, on the run's storage
     (a local folder or an object store)."""
-    storage = ray.train.get_context().get_storage()
-    fs = storage.storage_filesystem
+    fs, run_path = context.current().storage()
     return [(step, ray.train.Checkpoint(path, filesystem=fs))
-            for step, path in checkpoint.complete_checkpoints(storage.experiment_fs_path, fs)]
+            for step, path in checkpoint.complete_checkpoints(run_path, fs)]
 
 
 def load_init_from(model, cfg, task, rank: int, world: int) -> str | None:
@@ -102,7 +99,7 @@ def load_init_from(model, cfg, task, rank: int, world: int) -> str | None:
     Under DDP only rank 0 reads them: wrapping the model in DDP broadcasts rank 0's parameters and buffers to
     every rank. FSDP shards each rank's own full copy, so there every rank reads them."""
     source = cfg.train.init_from
-    if not source or ray.train.get_checkpoint() is not None or _run_folder_checkpoints():
+    if not source or context.current().latest_checkpoint() is not None or _run_folder_checkpoints():
         return None
     if not reads_init_from(cfg.scaling.strategy, rank, world):
         return None

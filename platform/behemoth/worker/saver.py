@@ -1,5 +1,6 @@
-"""Worker side: saving checkpoints through ray.train.report (synchronously, or with only a snapshot in the
-step's way), and uploading them to the run's storage with the manifest last."""
+"""Worker side: saving checkpoints through the run's report (synchronously, or with only a snapshot in the
+step's way), and uploading them to the run's storage with the manifest last. The host (Ray Train, or a
+sweep's lane) is reached through worker/context.py."""
 
 from __future__ import annotations
 
@@ -12,7 +13,6 @@ import time
 import uuid
 
 import pyarrow.fs
-import ray
 import ray.train
 
 from behemoth import checkpoint, faults
@@ -20,21 +20,21 @@ from behemoth.checkpoint import TrainState
 from behemoth.config import JobConfig, dump_yaml
 from behemoth.errors import StorageFullError
 from behemoth.metrics import PhaseClock
-from behemoth.worker import checkpointing, parallel, sharded
+from behemoth.worker import checkpointing, context, parallel, sharded
 from behemoth.worker.collectives import gather_to_rank0
 from behemoth.worker.run import Run
 from behemoth.worker.sharded import ShardedWriter
 
 
 class CheckpointSaver:
-    """Checkpoints through ray.train.report, from rank 0 (DDP keeps the ranks identical: one copy of the state
+    """Checkpoints through the run's report, from rank 0 (DDP keeps the ranks identical: one copy of the state
     is the whole state; FSDP gathers the full state on rank 0).
 
     With checkpoint.async_save the step waits only for a host-memory snapshot of the state, and under DDP
     only for part of it: the parameters and optimizer state are copied while the next step's forward and
     backward run, and that step waits for the copy before its optimizer update (`before_update`). Writing
-    the files, the manifest and the upload run in Ray Train's upload thread (CheckpointUploadMode.ASYNC,
-    which still registers checkpoints in report order). `last_block_s` is how long the last checkpoint held
+    the files, the manifest and the upload run in the host's upload thread (Ray Train's CheckpointUploadMode.ASYNC,
+    which still registers checkpoints in report order; a lane's own). `last_block_s` is how long the last checkpoint held
     the training loop (at the report, and before the next update), reported with the next metrics.
     """
 
@@ -76,26 +76,27 @@ class CheckpointSaver:
                                           hook_states=hook_states, buffers=self.buffers if reuse else None,
                                           overlap=self.cfg.checkpoint.async_save, metrics=metrics)
         if snap is None:
-            report_to_ray(metrics)
+            send_report(metrics)
         elif not self.cfg.checkpoint.async_save:
-            report_to_ray(metrics, functools.partial(write_checkpoint, snap))
+            send_report(metrics, functools.partial(write_checkpoint, snap))
         else:
             if reuse:
                 self.buffers_free.clear()  # until the upload thread has written this snapshot
             written = self.buffers_free if reuse else None
-            report_to_ray(metrics, functools.partial(write_checkpoint, snap, written=written), async_upload=True)
+            send_report(metrics, functools.partial(write_checkpoint, snap, written=written), async_upload=True)
         self.copying = snap
         self.last_block_s = time.perf_counter() - t0
 
     def _save_sharded(self, metrics: dict, state: TrainState, run: Run, hook_states) -> None:
         """Every rank starts writing its shards (the step waits for their copy to host memory), straight into
         the run folder on local storage or into a local staging folder uploaded by each rank for a URI; the
-        commit (hashes, manifest by rank 0) runs in Ray Train's upload thread, or here without async_save."""
+        commit (hashes, manifest by rank 0) runs in the host's upload thread, or here without async_save."""
         self.writer.wait()  # the previous checkpoint is committed: its collectives are over
-        storage = ray.train.get_context().get_storage()
-        name = self.writer.agree(storage.make_default_checkpoint_dir_name())
-        local = isinstance(storage.storage_filesystem, pyarrow.fs.LocalFileSystem)
-        folder = f"{storage.experiment_fs_path}/{name}" if local else tempfile.mkdtemp(prefix="behemoth-shards-")
+        ctx = context.current()
+        fs, run_path = ctx.storage()
+        name = self.writer.agree(ctx.new_checkpoint_name())
+        local = isinstance(fs, pyarrow.fs.LocalFileSystem)
+        folder = f"{run_path}/{name}" if local else tempfile.mkdtemp(prefix="behemoth-shards-")
         if self.overlap is None:
             self.overlap = self.cfg.checkpoint.async_save and sharded.overlappable(run.model)
         written, self.copying = self.writer.start(run.model, run.optimizer, folder, overlap=self.overlap)
@@ -107,24 +108,23 @@ class CheckpointSaver:
             small = checkpoint.Snapshot(dicts, texts, state.step)
         commit = functools.partial(_commit_sharded, self.writer, written, folder, small, local, state.step,
                                    self.writer.last_bytes)
-        report_to_ray(metrics, commit, async_upload=self.cfg.checkpoint.async_save, dir_name=name)
+        send_report(metrics, commit, async_upload=self.cfg.checkpoint.async_save, dir_name=name)
 
 
-def report_to_ray(metrics: dict, upload_fn=None, *, async_upload: bool = False, dir_name: str | None = None) -> None:
-    """The one call of ray.train.report: the metrics, and with `upload_fn` a checkpoint that it writes (Ray
-    Train hands it a new empty folder, which an object store's upload stages in, and the checkpoint's place),
-    in Ray Train's upload thread where `async_upload`. `dir_name`: the checkpoint's folder name, agreed by the
-    ranks."""
-    mode = ray.train.CheckpointUploadMode.ASYNC if async_upload else ray.train.CheckpointUploadMode.SYNC
+def send_report(metrics: dict, upload_fn=None, *, async_upload: bool = False, dir_name: str | None = None) -> None:
+    """The one report of the worker room (context.current().report): the metrics, and with `upload_fn` a
+    checkpoint that it writes (the host hands it a new empty folder, which an object store's upload stages in,
+    and the checkpoint's place), in the host's upload thread where `async_upload`. `dir_name`: the checkpoint's
+    folder name, agreed by the ranks."""
     folder = upload = None
     if upload_fn is not None:
-        # The folder exists only while its upload runs (Ray Train names it in the report, and makes nothing of
-        # it before the upload): an asynchronous upload Ray Train drops because the run failed first never
-        # runs, and a folder made here would stay in the temp directory.
+        # The folder exists only while its upload runs (the report names it, and nothing is made of it before
+        # the upload): an asynchronous upload the host drops because the run failed first never runs, and a
+        # folder made here would stay in the temp directory.
         folder = os.path.join(tempfile.gettempdir(), f"behemoth-report-{uuid.uuid4().hex}")
 
         def upload(ckpt, name):
-            # It goes when its upload ends, failed or not: Ray Train removes it only after a success
+            # It goes when its upload ends, failed or not: Ray Train would remove it only after a success
             os.makedirs(folder, mode=0o700, exist_ok=True)
             try:
                 return upload_fn(ckpt, name)
@@ -132,9 +132,7 @@ def report_to_ray(metrics: dict, upload_fn=None, *, async_upload: bool = False, 
                 shutil.rmtree(folder, ignore_errors=True)
 
     try:
-        ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(folder) if folder else None,
-                         checkpoint_dir_name=dir_name, checkpoint_upload_mode=mode, checkpoint_upload_fn=upload,
-                         delete_local_checkpoint_after_upload=False)
+        context.current().report(metrics, upload, folder=folder, dir_name=dir_name, async_upload=async_upload)
     finally:
         if folder and not async_upload:  # (an asynchronous upload may still be running: it removes the folder)
             shutil.rmtree(folder, ignore_errors=True)
@@ -142,12 +140,11 @@ def report_to_ray(metrics: dict, upload_fn=None, *, async_upload: bool = False, 
 
 def _commit_sharded(writer: ShardedWriter, written, folder: str, small, local: bool, step: int, needed: int,
                     ckpt, dir_name: str):
-    """The upload function of a sharded checkpoint (Ray Train's upload thread with async_save): `commit_sharded`
-    into this run's storage. (report_to_ray removes `ckpt`, its empty checkpoint folder.)"""
-    storage = ray.train.get_context().get_storage()
-    commit_sharded(writer, written, folder, small, step, needed, storage.storage_filesystem,
-                   storage.experiment_fs_path, dir_name, local)
-    return ray.train.Checkpoint(f"{storage.experiment_fs_path}/{dir_name}", filesystem=storage.storage_filesystem)
+    """The upload function of a sharded checkpoint (the host's upload thread with async_save): `commit_sharded`
+    into this run's storage. (send_report removes `ckpt`, its empty checkpoint folder.)"""
+    fs, run_path = context.current().storage()
+    commit_sharded(writer, written, folder, small, step, needed, fs, run_path, dir_name, local)
+    return ray.train.Checkpoint(f"{run_path}/{dir_name}", filesystem=fs)
 
 
 def commit_sharded(writer: ShardedWriter, written, folder: str, small, step: int, needed: int, fs, run_path: str,
@@ -176,10 +173,10 @@ def commit_sharded(writer: ShardedWriter, written, folder: str, small, step: int
 
 
 def write_checkpoint(snap, ckpt, dir_name: str, written: threading.Event | None = None):
-    """The upload function Ray Train calls (in its upload thread when saving asynchronously): `store` into
+    """The upload function the host calls (in its upload thread when saving asynchronously): `store` into
     this run's storage."""
-    storage = ray.train.get_context().get_storage()
-    return store(snap, ckpt, dir_name, storage.storage_filesystem, storage.experiment_fs_path, written)
+    fs, run_path = context.current().storage()
+    return store(snap, ckpt, dir_name, fs, run_path, written)
 
 
 def store(snap, ckpt, dir_name: str, fs, run_path: str, written: threading.Event | None = None):
@@ -238,11 +235,10 @@ def upload_manifest_last(ckpt, dir_name: str, step: int):
     copy moves the files in parallel, so a copy cut short (the worker or node dies) could leave a manifest
     beside incomplete files. Uploaded this way, a folder in the run folder without a manifest is an upload
     that did not finish (restore_latest removes it), and one with a manifest has all its files."""
-    storage = ray.train.get_context().get_storage()
     held = tempfile.mkdtemp(prefix="manifest-")
     try:
         shutil.move(os.path.join(ckpt.path, checkpoint.MANIFEST), held)
-        persisted = storage.persist_current_checkpoint(ckpt, dir_name)
+        persisted = context.current().persist(ckpt.path, dir_name)
         faults.kill_in_upload(step)
         pyarrow.fs.copy_files(os.path.join(held, checkpoint.MANIFEST), f"{persisted.path}/{checkpoint.MANIFEST}",
                               source_filesystem=pyarrow.fs.LocalFileSystem(),
