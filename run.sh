@@ -2,7 +2,12 @@
 # behemoth's two set-up-and-run commands (see README):
 #   ./run.sh demo   set up, make the demo images, train the demo job on a local Ray instance (2 workers)
 #   ./run.sh demo-lm  the same for the language-model demo (generated stories, local BPE tokenizer)
-#   ./run.sh test   set up, run the test suite (arguments go to pytest: paths narrow it, e.g. tests/unit)
+#   ./run.sh test   set up, run the quick tier: every unit test and one end-to-end check per capability
+#                   (arguments go to pytest: paths narrow it, e.g. tests/unit)
+#   ./run.sh test-full  the full tier (CI: .ci/run): every test, with a Ray instance of its own started beside
+#                   the suite that must still be alive at its end
+#   ./run.sh test-gpu   the GPU tier (one GPU): GPU-marked tests, the demos on the GPU, the GPU benches; figures
+#                   to gpu-tier.json. Refuses, after its CPU-side checks, where no GPU is present
 # Set-up is idempotent: a virtual environment in .venv (BEHEMOTH_VENV to move it), reinstalled only when
 # pyproject.toml changes.
 set -euo pipefail
@@ -54,10 +59,19 @@ case "$cmd" in
     ;;
   test)
     setup
-    exec_python "$VENV/bin/python" -m pytest "$@"  # no arguments: pyproject testpaths = tests
+    # the quick tier: an end-to-end test (tests/integration) runs here only when it is marked quick
+    exec_python "$VENV/bin/python" -m pytest -m "quick or not integration" "$@"  # pyproject testpaths = tests
+    ;;
+  test-full)
+    setup
+    exec_python "$VENV/bin/python" -m pytest --bystander-ray "$@"
+    ;;
+  test-gpu)
+    setup
+    exec_python "$VENV/bin/python" tests/gpu_tier.py "$@"
     ;;
   *)
-    echo "usage: ./run.sh demo|demo-lm [--set KEY=VALUE ...] | ./run.sh test [pytest args]" >&2
+    echo "usage: ./run.sh demo|demo-lm [--set KEY=VALUE ...] | ./run.sh test|test-full [pytest args] | ./run.sh test-gpu" >&2
     exit 2
     ;;
 esac

@@ -33,8 +33,9 @@ def lm_corpus(root: Path = REPO / "data" / "bench_text") -> Path:
 
 def lm_job(corpus: Path, storage: Path, run_name: str, *, hidden: int = 256, layers: int = 4, seq_len: int = 128,
            batch: int = 16, steps: int = 60, workers: int = 1, threads: int = 2, log_every: int = 10,
-           checkpoint_every: int = 10_000, **sections) -> dict:
-    """A Llama-style LM job on the corpus. `sections` update a section's keys, e.g. train={...}."""
+           checkpoint_every: int = 10_000, gpu: bool = False, **sections) -> dict:
+    """A Llama-style LM job on the corpus. `sections` update a section's keys, e.g. train={...}. `gpu`: one
+    GPU per worker (nccl), in bf16."""
     job = {
         "data": {"kind": "text", "train_files": [str(corpus / "train.jsonl")],
                  "val_files": [str(corpus / "val.jsonl")], "tokenizer": str(corpus / "tokenizer"),
@@ -46,15 +47,24 @@ def lm_job(corpus: Path, storage: Path, run_name: str, *, hidden: int = 256, lay
         "train": {"epochs": 100, "max_steps": steps, "global_batch_size": batch, "optimizer": "adamw",
                   "lr": 3e-4, "weight_decay": 0.0, "warmup_steps": 5, "log_every": log_every},
         "scaling": {"num_workers": workers, "cpus_per_worker": 1.0 if workers == 1 else 0.75,
-                    "torch_threads": threads},
+                    "torch_threads": threads, "use_gpu": gpu},
         "checkpoint": {"every_n_steps": checkpoint_every, "keep": 2, "storage_path": str(storage),
                        "run_name": run_name},
         "eval": {"every_n_steps": None, "per_epoch": False},
         "failure": {"max_failures": 0},
     }
+    if gpu:
+        job["train"]["precision"] = "bf16"
     for section, values in sections.items():
         job[section].update(values)
     return job
+
+
+def device_of(cfg):
+    """The device a plain loop of the job trains on (one GPU where the job uses them)."""
+    import torch
+
+    return torch.device("cuda", 0) if cfg.scaling.use_gpu else torch.device("cpu")
 
 
 def run_behemoth(job: dict) -> list[dict]:

@@ -9,7 +9,10 @@ model, AdamW state after real steps) into the same folder, timed in this process
 synchronous behemoth path (checkpoint.async_save=false: write + sha256 + manifest + upload before going
 on) is run too. Runs alternate with the baseline saves, --repeats of each.
 
-    .venv/bin/python bench/checkpoint_blocking.py [--repeats 3] [--hidden 512] [--layers 6]
+    .venv/bin/python bench/checkpoint_blocking.py [--repeats 3] [--hidden 512] [--layers 6] [--gpu]
+
+--gpu: the state on one GPU (behemoth's snapshot copies it to host memory; torch.save does the same inside),
+the GPU tier's checkpoint-stall figure.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _common import lm_corpus, lm_job, run_behemoth, spread
+from _common import device_of, lm_corpus, lm_job, run_behemoth, spread
 
 
 def torch_save_seconds(cfg, tokens, folder: Path, saves: int) -> list[float]:
@@ -32,14 +35,17 @@ def torch_save_seconds(cfg, tokens, folder: Path, saves: int) -> list[float]:
     from behemoth.tasks.causal_lm import CausalLM
 
     torch.manual_seed(0)
-    model = CausalLM(cfg, tokens).build_model()
+    device = device_of(cfg)
+    model = CausalLM(cfg, tokens).build_model().to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    ids = torch.from_numpy(tokens.train[:4].astype(np.int64))
+    ids = torch.from_numpy(tokens.train[:4].astype(np.int64)).to(device)
     for _ in range(2):
         model(input_ids=ids, labels=ids).loss.backward()
         opt.step()
     times = []
     for i in range(saves):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)  # the steps' kernels are not the save's time
         t0 = time.perf_counter()
         torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, folder / f"plain_{i}.pt")
         times.append(time.perf_counter() - t0)
@@ -63,6 +69,7 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=6)
     p.add_argument("--every", type=int, default=5)
     p.add_argument("--checkpoints", type=int, default=6)
+    p.add_argument("--gpu", action="store_true", help="the model and its optimizer state on one GPU")
     args = p.parse_args()
 
     from behemoth.job import config_from_dict
@@ -75,7 +82,7 @@ def main() -> None:
     def job(run, async_save=True):
         return lm_job(corpus, storage, run, hidden=args.hidden, layers=args.layers, batch=8, seq_len=64,
                       steps=args.every * args.checkpoints, log_every=args.every, checkpoint_every=args.every,
-                      checkpoint={"async_save": async_save, "keep": 2})
+                      checkpoint={"async_save": async_save, "keep": 2}, gpu=args.gpu)
 
     cfg = config_from_dict(job("plain"))
     ensure_ray()

@@ -9,7 +9,10 @@ behemoth does: the sample order, the metrics all-reduce, every report to Ray Tra
 data-wait timing. Checkpoints and evaluation happen only after the last measured step. Runs alternate,
 --repeats of each.
 
-    .venv/bin/python bench/step_overhead.py [--repeats 5] [--steps 60] [--threads 2] [--hidden 256]
+    .venv/bin/python bench/step_overhead.py [--repeats 5] [--steps 60] [--threads 2] [--hidden 256] [--gpu]
+
+--gpu: both on one GPU in bf16 (behemoth's worker with nccl; the plain loop under torch.autocast), the GPU tier's
+step-rate figure.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _common import lm_corpus, lm_job, run_behemoth, spread, steady_steps_per_s
+from _common import device_of, lm_corpus, lm_job, run_behemoth, spread, steady_steps_per_s
 
 
 def plain_steps_per_s(cfg, tokens, steps: int, warmup: int, threads: int) -> float:
@@ -32,18 +35,31 @@ def plain_steps_per_s(cfg, tokens, steps: int, warmup: int, threads: int) -> flo
 
     torch.set_num_threads(threads)
     torch.manual_seed(cfg.train.seed)
-    model = CausalLM(cfg, tokens).build_model()
+    device = device_of(cfg)
+    model = CausalLM(cfg, tokens).build_model().to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr, weight_decay=0.0)
     batch = cfg.train.global_batch_size
     order = rank_train_indices(len(tokens.train), batch, cfg.train.seed, 0, 0, 1)
+    half = torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.train.precision == "bf16")
     for step in range(warmup + steps):
         if step == warmup:
+            _sync(device)
             started = time.perf_counter()
-        ids = torch.from_numpy(tokens.train[order[step * batch:(step + 1) * batch]].astype(np.int64))
+        ids = torch.from_numpy(tokens.train[order[step * batch:(step + 1) * batch]].astype(np.int64)).to(device)
         opt.zero_grad(set_to_none=True)
-        model(input_ids=ids, labels=ids).loss.backward()
+        with half:
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
         opt.step()
+    _sync(device)
     return steps / (time.perf_counter() - started)
+
+
+def _sync(device) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def main() -> None:
@@ -54,6 +70,7 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--gpu", action="store_true", help="both on one GPU, in bf16")
     args = p.parse_args()
 
     from behemoth.job import config_from_dict
@@ -65,7 +82,7 @@ def main() -> None:
 
     def job(run):
         return lm_job(corpus, storage, run, hidden=args.hidden, batch=args.batch, steps=args.steps,
-                      threads=args.threads, log_every=args.log_every)
+                      threads=args.threads, log_every=args.log_every, gpu=args.gpu)
 
     cfg = config_from_dict(job("plain"))
     ensure_ray()
@@ -77,6 +94,7 @@ def main() -> None:
         print(f"repeat {r}: behemoth {ours[-1]:.3f} steps/s, plain loop {plain[-1]:.3f} steps/s", flush=True)
     ratios = [o / b for o, b in zip(ours, plain)]
     print(f"LM hidden {args.hidden}, 4 layers, seq 128, batch {args.batch}, {args.threads} torch threads, "
+          f"{'one GPU, bf16, ' if args.gpu else ''}"
           f"{args.steps - args.log_every} measured steps, {args.repeats} repeats alternating")
     print(f"  behemoth (1 Ray Train worker): {spread(ours)} steps/s")
     print(f"  plain PyTorch loop:            {spread(plain)} steps/s")
