@@ -11,11 +11,12 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 from PIL import Image
 
 from behemoth.data import image_cache
-from behemoth.data.images import cached_batches, index_image_folder, transform_batch
+from behemoth.data.images import cached_batches, decode_fitted, index_image_folder, index_parquet, transform_batch
 from behemoth.errors import ConfigError
 from behemoth.tasks.image import ImageData, decide_cache
 
@@ -51,8 +52,8 @@ def batch_of(table: pa.Table) -> dict:
 
 
 def build(table, root, **kw):
-    plan = image_cache.plan(table, SIZE, str(root))
-    return plan, image_cache.open_or_build(plan, table, "image", workers=False, log=lambda line: None, **kw)
+    plan = image_cache.plan(table, SIZE, str(root), "image")
+    return plan, image_cache.open_or_build(plan, table, workers=False, log=lambda line: None, **kw)
 
 
 @pytest.mark.parametrize("augment", ["crop_flip", "none"])
@@ -108,7 +109,7 @@ def test_a_damaged_cache_is_detected_and_built_again(image_root, tmp_path, damag
         (folder / "valid.npy").unlink()
     assert image_cache.check(folder, plan) is not None
     said = []
-    again = image_cache.open_or_build(plan, index.train, "image", workers=False, log=said.append)
+    again = image_cache.open_or_build(plan, index.train, workers=False, log=said.append)
     assert image_cache.check(folder, plan) is None
     np.testing.assert_array_equal(again.rows(np.arange(plan.rows))[0], want)
     assert any("building it again" in line for line in said), said
@@ -118,20 +119,27 @@ def test_an_untouched_cache_is_opened_not_built_and_a_copied_one_is_checked_by_h
     index = index_image_folder(image_root)
     plan, _ = build(index.train, tmp_path / "cache")
     said = []
-    image_cache.open_or_build(plan, index.train, "image", workers=False, log=said.append)
+    image_cache.open_or_build(plan, index.train, workers=False, log=said.append)
     assert said == []
     shard = Path(plan.folder) / "pixels-00000.npy"
     os.utime(shard, ns=(1, 1))  # same bytes, another time (a copy): the hash decides
     assert image_cache.check(Path(plan.folder), plan) is None
 
 
-def test_a_changed_source_file_makes_another_cache(mixed_images):
+def test_a_changed_source_file_makes_another_cache(mixed_images, monkeypatch):
+    import PIL
+
     index = index_image_folder(mixed_images)
-    before = image_cache.cache_key(index.train, SIZE)
-    assert image_cache.cache_key(index.train, SIZE) == before and image_cache.cache_key(index.train, 32) != before
+    before = image_cache.cache_key(index.train, SIZE, "image")
+    assert image_cache.cache_key(index.train, SIZE, "image") == before
+    assert image_cache.cache_key(index.train, 32, "image") != before
+    assert image_cache.cache_key(index.train, SIZE, "other") != before
+    with monkeypatch.context() as m:
+        m.setattr(PIL, "__version__", "0.0.1")  # another Pillow may decode or resample differently
+        assert image_cache.cache_key(index.train, SIZE, "image") != before
     first = Path(index.train.column("path")[0].as_py())
     Image.new("RGB", (16, 16), (1, 2, 3)).save(first)
-    assert image_cache.cache_key(index_image_folder(mixed_images).train, SIZE) != before
+    assert image_cache.cache_key(index_image_folder(mixed_images).train, SIZE, "image") != before
 
 
 BUILDER = textwrap.dedent('''
@@ -146,10 +154,10 @@ BUILDER = textwrap.dedent('''
         return slow(batch, **kw)
     images.decode_fitted = decode_fitted
     table = pq.read_table(sys.argv[1])
-    plan = image_cache.plan(table, 16, sys.argv[2])
+    plan = image_cache.plan(table, 16, sys.argv[2], "image")
     while not Path(sys.argv[3]).exists():
         time.sleep(0.01)
-    decoded = image_cache.open_or_build(plan, table, "image", workers=False)
+    decoded = image_cache.open_or_build(plan, table, workers=False)
     print("rows", int(decoded.rows(range(plan.rows))[0].sum()))
 ''')
 
@@ -189,7 +197,7 @@ def test_auto_decides_by_room_and_augmentation_and_says_why(image_root, tmp_path
     plans, _ = decide_cache(cfg(cache="decoded", cache_dir=str(tmp_path / "c")), index)
     assert plans is not None  # asked for: no room check
     for plan in plans.values():  # built: auto uses it whatever the room
-        image_cache.open_or_build(plan, getattr(index, "train" if plan.rows == 96 else "val"), "image",
+        image_cache.open_or_build(plan, getattr(index, "train" if plan.rows == 96 else "val"),
                                   workers=False, log=lambda line: None)
     plans, line = decide_cache(cfg(cache_dir=str(tmp_path / "c")), index)
     assert plans is not None and "built already" in line
@@ -248,7 +256,7 @@ def test_the_task_makes_cached_batches_ahead_of_the_step_in_a_thread(image_root,
                             "checkpoint": {"storage_path": str(tmp_path), "run_name": "r"}})
     index = ImageClassification.prepare(job, ImageClassification.check(job))
     for split, plan in index.cache.items():  # built in-process (a run's first worker builds it with Ray Data)
-        image_cache.open_or_build(plan, getattr(index, split), "image", workers=False, log=lambda line: None)
+        image_cache.open_or_build(plan, getattr(index, split), workers=False, log=lambda line: None)
     task = ImageClassification(job, index)
     decoded, labels = task._decoded("train")
     made_in, rows = [], image_cache.DecodedImages.rows
@@ -266,3 +274,31 @@ def test_the_task_makes_cached_batches_ahead_of_the_step_in_a_thread(image_root,
     next(batches)
     batches.close()
     assert not [t for t in threading.enumerate() if t not in before and t.name == "behemoth-prefetch"]
+
+
+def png(pixels: np.ndarray) -> bytes:
+    import io
+
+    out = io.BytesIO()
+    Image.fromarray(pixels).save(out, format="PNG")
+    return out.getvalue()
+
+
+def test_each_image_column_of_a_parquet_set_has_its_own_cache(tmp_path):
+    """A parquet set with two image columns, run with one data.image_column and then the other: each column's
+    cache is its own and serves that column's pixels (the key once left the column out: the second run opened
+    the first column's cache and trained on its pixels)."""
+    rng = np.random.default_rng(3)
+    photos = [rng.integers(0, 256, (SIZE, SIZE, 3), dtype=np.uint8) for _ in range(6)]
+    pq.write_table(pa.table({"photo": [png(p) for p in photos], "mask": [png(255 - p) for p in photos],
+                             "label": [i % 2 for i in range(6)]}), tmp_path / "set.parquet")
+    served = {}
+    for column in ("photo", "mask"):
+        table = index_parquet([str(tmp_path / "set.parquet")], [str(tmp_path / "set.parquet")], column, "label").train
+        plan = image_cache.plan(table, SIZE, str(tmp_path / "cache"), column)
+        decoded = image_cache.open_or_build(plan, table, workers=False, log=lambda line: None)
+        served[column] = (plan.folder, decoded.rows(np.arange(6))[0].copy())
+        want = decode_fitted(batch_of(table), size=SIZE, image_column=column)["pixels"]
+        np.testing.assert_array_equal(served[column][1], want, err_msg=column)
+    assert served["photo"][0] != served["mask"][0]
+    np.testing.assert_array_equal(served["mask"][1], 255 - served["photo"][1])

@@ -8,9 +8,10 @@ on the worker, from these rows: the same pixels reach the model as without the c
 weights (tests/integration/test_train_images.py). random_resized_crop crops the original image, not a fitted
 one, so it is not cached.
 
-A split's cache is a folder `<data.cache_dir>/images/<key>` whose key is a hash of the sample list (each
-sample's file, parquet row or tar member offset, and order), each file's size and modification time, the stored size and the
-cache format: a changed, added or touched file makes another key, so a stale cache is never read. In it:
+A split's cache is a folder `<data.cache_dir>/images/<key>` whose key hashes every input of the stored pixels
+(cache_key: the samples in order, each file's size and modification time, the image column, the stored size,
+the decoding code's and Pillow's versions, the cache format): a changed, added or touched file, another column
+or another Pillow makes another key, so a stale cache is never read. In it:
 `pixels-00000.npy`, ... (uint8 [rows, S, S, 3], up to SHARD_BYTES each), `valid.npy` (False: the image could
 not be decoded, its error in manifest.json) and `manifest.json`, written last: its presence means complete.
 Each shard's size, modification time and sha256 are in the manifest; a shard whose size differs, or whose time
@@ -40,7 +41,9 @@ import pyarrow as pa
 from behemoth.errors import DataError
 from behemoth.progress import progress
 
-FORMAT = 1
+FORMAT = 2  # 2: the manifest names the image column and Pillow's version
+# What decode_fitted stores: change it whenever decode_rgb or center_fit would give other pixels for the same bytes
+PIXELS = "decode_rgb (EXIF upright, RGB, alpha dropped) then center_fit (bilinear shorter side, centre crop) v1"
 SHARD_BYTES = 64 << 20
 BUILD_BLOCK_ROWS = 256  # rows per Ray Data decode task
 
@@ -52,19 +55,30 @@ class CachePlan:
     folder: str
     size: int
     rows: int
+    image_column: str  # the parquet column decoded (image files and tar members ignore it)
 
     @property
     def nbytes(self) -> int:
         return self.rows * self.size * self.size * 3
 
 
-def cache_key(table: pa.Table, size: int) -> str:
-    """A hash of what the cached rows depend on: the samples in order (file, parquet row or tar member offset), each file's size and
-    modification time, the stored size, the format."""
-    paths = table.column("path").to_pylist()
-    h = hashlib.sha256(f"behemoth decoded images v{FORMAT} center_fit {size}\n".encode())
-    h.update(np.asarray(table.column("row").to_numpy(), dtype="<i8").tobytes())
-    paths = [os.path.abspath(p) for p in paths]  # the same files however the data folder was named
+def cache_key(table: pa.Table, size: int, image_column: str) -> str:
+    """A hash of every input of the stored pixels:
+    - the samples in order: each one's file (absolute path), parquet row or tar member offset, and tar member
+      length (the index's `path`, `row` and `size` columns);
+    - each file's size and modification time (its content, without reading it);
+    - `image_column`: which cell of a parquet row is decoded (a set may hold several image columns);
+    - `size` (data.image_size), and how the pixels are made from the bytes: PIXELS (decode_rgb, center_fit)
+      and Pillow's version (its decoders and resampling), with the cache FORMAT.
+    Not inputs: the labels (read from the index every run, never stored) and the augmentation, normalisation
+    and seed (applied to the stored rows every epoch)."""
+    import PIL
+
+    h = hashlib.sha256(f"behemoth decoded images v{FORMAT}\0{PIXELS}\0Pillow {PIL.__version__}\0{size}\0"
+                       f"column {image_column}\n".encode())
+    for column in ("row", "size"):
+        h.update(np.asarray(table.column(column).to_numpy(), dtype="<i8").tobytes())
+    paths = [os.path.abspath(p) for p in table.column("path").to_pylist()]  # however the data folder was named
     for path in dict.fromkeys(paths):  # each file once, in first-seen order
         try:
             st = os.stat(path)
@@ -86,9 +100,9 @@ def free_disk(folder: Path) -> int:
     return shutil.disk_usage(folder).free
 
 
-def plan(table: pa.Table, size: int, cache_dir: str) -> CachePlan:
-    folder = Path(cache_dir).absolute() / "images" / cache_key(table, size)
-    return CachePlan(str(folder), size, table.num_rows)
+def plan(table: pa.Table, size: int, cache_dir: str, image_column: str) -> CachePlan:
+    folder = Path(cache_dir).absolute() / "images" / cache_key(table, size, image_column)
+    return CachePlan(str(folder), size, table.num_rows, image_column)
 
 
 class DecodedImages:
@@ -114,7 +128,7 @@ class DecodedImages:
         return pixels, self.valid[ids]
 
 
-def open_or_build(cache: CachePlan, table: pa.Table, image_column: str, *, workers: bool = True,
+def open_or_build(cache: CachePlan, table: pa.Table, *, workers: bool = True,
                   cpus_per_task: float = 1.0, log=print) -> DecodedImages:
     """The split's cache on this node: opened if complete and intact, else built (by the first process to take
     the node's lock; the others wait for it and open what it built)."""
@@ -127,7 +141,7 @@ def open_or_build(cache: CachePlan, table: pa.Table, image_column: str, *, worke
         if problem != "absent":
             log(f"[behemoth] decoded image cache {folder}: {problem}; building it again")
         began = time.monotonic()
-        build(folder, cache, table, image_column, workers=workers, cpus_per_task=cpus_per_task)
+        build(folder, cache, table, workers=workers, cpus_per_task=cpus_per_task)
         manifest = _manifest(folder)
         log(f"[behemoth] decoded {cache.rows} images once into {folder} ({manifest['bytes'] / 1e6:.1f} MB, "
             f"{time.monotonic() - began:.1f} s)")
@@ -156,7 +170,8 @@ def check(folder: Path, cache: CachePlan) -> str | None:
         return "absent" if not folder.exists() else "incomplete (no manifest.json)"
     except (OSError, ValueError) as e:
         return f"unreadable manifest.json ({e})"
-    if (manifest.get("format"), manifest.get("rows"), manifest.get("size")) != (FORMAT, cache.rows, cache.size):
+    made_for = (manifest.get("format"), manifest.get("rows"), manifest.get("size"), manifest.get("image_column"))
+    if made_for != (FORMAT, cache.rows, cache.size, cache.image_column):
         return "made for other data"
     for entry in [*manifest["shards"], manifest["valid"]]:
         path = folder / entry["file"]
@@ -179,8 +194,7 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def build(folder: Path, cache: CachePlan, table: pa.Table, image_column: str, *, workers: bool,
-          cpus_per_task: float) -> None:
+def build(folder: Path, cache: CachePlan, table: pa.Table, *, workers: bool, cpus_per_task: float) -> None:
     """Decode every row of `table` into a new cache, built beside `folder` and renamed to it when complete."""
     # We hold the node's lock: an incomplete or damaged cache and a dead builder's temporary folder can go.
     for stale in [folder, *folder.parent.glob(f"{folder.name}.tmp-*")]:
@@ -192,7 +206,7 @@ def build(folder: Path, cache: CachePlan, table: pa.Table, image_column: str, *,
     valid = np.zeros(cache.rows, dtype=bool)
     errors: dict[str, str] = {}
     shards, current, written = [], None, 0
-    batches = _decoded_batches(table, cache.size, image_column, workers, cpus_per_task)
+    batches = _decoded_batches(table, cache.size, cache.image_column, workers, cpus_per_task)
     total = -(-table.num_rows // BUILD_BLOCK_ROWS)
     for batch in progress(batches, f"decoding {cache.rows} images once", total=total, unit="block"):
         for i in range(len(batch["sample_id"])):
@@ -213,7 +227,10 @@ def build(folder: Path, cache: CachePlan, table: pa.Table, image_column: str, *,
         shard.flush()
     np.save(tmp / "valid.npy", valid)
     entries = [_entry(tmp, f"pixels-{i:05d}.npy") for i in range(len(shards))]
-    manifest = {"format": FORMAT, "rows": cache.rows, "size": cache.size, "shard_rows": shard_rows,
+    import PIL
+
+    manifest = {"format": FORMAT, "rows": cache.rows, "size": cache.size, "image_column": cache.image_column,
+                "pillow": PIL.__version__, "shard_rows": shard_rows,
                 "shards": entries, "valid": _entry(tmp, "valid.npy"), "errors": errors,
                 "bytes": sum(e["bytes"] for e in entries)}
     (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1))
