@@ -4,6 +4,8 @@ in-process here (workers=False); the runs in tests/integration/test_train_images
 
 import json
 import os
+import re
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -302,3 +304,85 @@ def test_each_image_column_of_a_parquet_set_has_its_own_cache(tmp_path):
         np.testing.assert_array_equal(served[column][1], want, err_msg=column)
     assert served["photo"][0] != served["mask"][0]
     np.testing.assert_array_equal(served["mask"][1], 255 - served["photo"][1])
+
+
+FULL_DISK_BUILDER = textwrap.dedent('''
+    import sys
+    import pyarrow.parquet as pq
+    from behemoth.data import image_cache
+    from behemoth.errors import user_facing_error
+
+    table = pq.read_table(sys.argv[1])
+    plan = image_cache.plan(table, int(sys.argv[3]), sys.argv[2], "image")
+    try:
+        image_cache.open_or_build(plan, table, workers=False, log=lambda line: None)
+    except Exception as e:
+        print(type(e).__name__, user_facing_error(e))
+        sys.exit(1)
+''')
+
+
+def full_disk_line(cache_dir: Path, needs: str) -> str:
+    return (rf"the decoded image cache did not fit: no space left on the device of "
+            rf"{re.escape(str(cache_dir / 'images'))}; it needs about {needs}, \d+\.\d MB is free\. What it had "
+            rf"written is removed\. Free space there, or point data\.cache_dir at a larger disk \(or set "
+            rf"data\.cache: none\), then rerun the same command")
+
+
+def nothing_left_but_locks(cache_dir: Path) -> list[str]:
+    return [p.name for p in (cache_dir / "images").iterdir() if p.suffix != ".lock"]
+
+
+@pytest.mark.parametrize("room", ["less than the rows", "the rows, not the header"])
+def test_a_full_disk_ends_the_build_in_one_line_on_a_real_filesystem(image_root, small_disk, tmp_path, room):
+    """A split built on a real 1 MB filesystem, in a process of its own: one StorageFullError (not retried)
+    naming the folder and the space, and nothing left that a later run would open. Its rows take more than the
+    free space (refused before anything is written), or just fit it and the shard's .npy header does not (the
+    kernel's posix_fallocate says ENOSPC). Before, the rows were written through a memory map of a sparse file
+    and the first page without room killed the builder with SIGBUS (and a run's retries, each the same way)."""
+    train = index_image_folder(image_root).train
+    free = shutil.disk_usage(small_disk).free
+    if room == "less than the rows":
+        size, rows = 64, train.num_rows  # 1.2 MB
+    else:  # rows * 3 * size^2 <= free < that + the 128-byte header
+        size = next(s for s in range(4, 64) if free % (3 * s * s) < 128)
+        rows = free // (3 * size * size)
+    table = train.take(np.arange(rows) % train.num_rows).set_column(0, "sample_id", pa.array(np.arange(rows)))
+    pq.write_table(table, tmp_path / "index.parquet")
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[2] / "platform")}
+    done = subprocess.run([sys.executable, "-c", FULL_DISK_BUILDER, str(tmp_path / "index.parquet"),
+                           str(small_disk), str(size)], capture_output=True, text=True, env=env, timeout=120,
+                          check=False)
+    assert done.returncode == 1, (done.returncode, done.stderr[-3000:])
+    [line] = done.stdout.splitlines()
+    needs = f"{rows * 3 * size * size / 1e6:.1f} MB"
+    assert re.fullmatch("StorageFullError " + full_disk_line(small_disk, needs), line), line
+    assert nothing_left_but_locks(small_disk) == []
+
+
+@pytest.mark.parametrize("where", ["the reservation", "the free space"])
+def test_a_full_disk_at_the_build_is_one_error_and_leaves_nothing(image_root, tmp_path, monkeypatch, where):
+    """ENOSPC where the build reserves its shards' space (posix_fallocate), or too little free space before it:
+    one StorageFullError naming the folder, before any row is decoded; no cache or temporary folder is left; the
+    next build (with room) is complete and right."""
+    import errno
+
+    from behemoth.errors import StorageFullError
+
+    index = index_image_folder(image_root)
+    decoding, decode = [], image_cache._decoded_batches
+    monkeypatch.setattr(image_cache, "_decoded_batches", lambda *a: decoding.append(a) or decode(*a))
+    with monkeypatch.context() as m:
+        if where == "the reservation":
+            def no_room(fd, offset, length):
+                raise OSError(errno.ENOSPC, "No space left on device")
+            m.setattr(os, "posix_fallocate", no_room)
+        else:
+            m.setattr(image_cache, "free_disk", lambda folder: 1000)
+        with pytest.raises(StorageFullError) as raised:
+            build(index.train, tmp_path / "cache")
+    assert re.fullmatch(full_disk_line(tmp_path / "cache", "0.1 MB"), str(raised.value)), str(raised.value)
+    assert decoding == [] and nothing_left_but_locks(tmp_path / "cache") == []
+    monkeypatch.undo()
+    plan, decoded = build(index.train, tmp_path / "cache")
+    assert image_cache.check(Path(plan.folder), plan) is None and decoded.valid.all()

@@ -19,12 +19,15 @@ differs and whose hash no longer matches (damaged, partly overwritten), makes th
 
 The folder is local to each node (a path, not a URI): one process per node builds it, under an exclusive
 lock of `<key>.lock` that every other worker and trial on the node waits on, then finds it complete. The
-building process decodes with Ray Data tasks on the cluster's CPUs, in order, and writes the rows as they
-come (one shard in memory at a time); without Ray (unit tests, `workers=False`) it decodes in-process.
+building process first reserves the cache's space on its disk (a full disk is one StorageFullError, not a
+SIGBUS through the memory map), then decodes with Ray Data tasks on the cluster's CPUs, in order, and writes the
+rows as they come (one shard in memory at a time); without Ray (unit tests, `workers=False`) it decodes
+in-process.
 """
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import hashlib
 import json
@@ -38,7 +41,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
-from behemoth.errors import DataError
+from behemoth.errors import DataError, StorageFullError
 from behemoth.progress import progress
 
 FORMAT = 2  # 2: the manifest names the image column and Pillow's version
@@ -195,17 +198,55 @@ def _sha256(path: Path) -> str:
 
 
 def build(folder: Path, cache: CachePlan, table: pa.Table, *, workers: bool, cpus_per_task: float) -> None:
-    """Decode every row of `table` into a new cache, built beside `folder` and renamed to it when complete."""
+    """Decode every row of `table` into a new cache, built beside `folder` and renamed to it when complete. Its
+    space is reserved before anything is decoded: a full disk ends the build with one StorageFullError (not
+    retried). Whatever ends a build, what it wrote is removed."""
     # We hold the node's lock: an incomplete or damaged cache and a dead builder's temporary folder can go.
     for stale in [folder, *folder.parent.glob(f"{folder.name}.tmp-*")]:
         shutil.rmtree(stale, ignore_errors=True)
     tmp = folder.with_name(f"{folder.name}.tmp-{os.getpid()}")
     tmp.mkdir(parents=True)
-    row_bytes = cache.size * cache.size * 3
-    shard_rows = max(1, SHARD_BYTES // row_bytes)
+    try:
+        shard_rows = max(1, SHARD_BYTES // (cache.size * cache.size * 3))
+        shards = _reserved_shards(tmp, cache, shard_rows)
+        valid, errors = _decode_into(shards, shard_rows, folder, cache, table, workers, cpus_per_task)
+        _write_manifest(tmp, cache, shard_rows, valid, errors)
+    except BaseException as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, OSError):
+            from behemoth.checkpoint import is_disk_full
+
+            if is_disk_full(e):
+                raise StorageFullError(_disk_full_message(folder, cache)) from None
+        raise
+    os.replace(tmp, folder)
+
+
+def _reserved_shards(folder: Path, cache: CachePlan, shard_rows: int) -> list[Path]:
+    """Every shard file of the cache, created at its full size with its disk blocks allocated. The rows are
+    written through a memory map, where a page without room is a SIGBUS that kills the process (and a retry, the
+    same way); reserved first, a full disk or quota is an OSError (ENOSPC, EDQUOT) here, before any decoding."""
+    if free_disk(folder) < cache.nbytes:  # not even tried: filling the disk up would fail its other writers
+        raise OSError(errno.ENOSPC, "No space left on device", str(folder))
+    shards = []
+    for number, first in enumerate(range(0, cache.rows, shard_rows)):
+        path = folder / f"pixels-{number:05d}.npy"
+        rows = min(shard_rows, cache.rows - first)
+        with open(path, "wb") as f:  # a .npy header, then the rows' blocks (np.load maps them)
+            shape = (rows, cache.size, cache.size, 3)
+            np.lib.format.write_array_header_1_0(f, {"descr": "|u1", "fortran_order": False, "shape": shape})
+            f.flush()
+            os.posix_fallocate(f.fileno(), 0, f.tell() + rows * cache.size * cache.size * 3)
+        shards.append(path)
+    return shards
+
+
+def _decode_into(shards: list[Path], shard_rows: int, folder: Path, cache: CachePlan, table: pa.Table,
+                 workers: bool, cpus_per_task: float) -> tuple[np.ndarray, dict[str, str]]:
+    """Decode every row into the reserved shards, in order; the valid flags and the errors of those that are not."""
     valid = np.zeros(cache.rows, dtype=bool)
     errors: dict[str, str] = {}
-    shards, current, written = [], None, 0
+    current, written = None, 0
     batches = _decoded_batches(table, cache.size, cache.image_column, workers, cpus_per_task)
     total = -(-table.num_rows // BUILD_BLOCK_ROWS)
     for batch in progress(batches, f"decoding {cache.rows} images once", total=total, unit="block"):
@@ -214,8 +255,9 @@ def build(folder: Path, cache: CachePlan, table: pa.Table, *, workers: bool, cpu
             if sample != written:
                 raise DataError(f"decoding for {folder} returned sample {sample} where {written} was due")
             if written % shard_rows == 0:
-                current = _new_shard(tmp, len(shards), min(shard_rows, cache.rows - written), cache.size)
-                shards.append(current)
+                if current is not None:
+                    current.flush()
+                current = np.load(shards[written // shard_rows], mmap_mode="r+")
             current[written % shard_rows] = batch["pixels"][i]
             valid[written] = batch["valid"][i]
             if not batch["valid"][i]:
@@ -223,23 +265,30 @@ def build(folder: Path, cache: CachePlan, table: pa.Table, *, workers: bool, cpu
             written += 1
     if written != cache.rows:
         raise DataError(f"decoding for {folder} returned {written} of {cache.rows} images")
-    for shard in shards:
-        shard.flush()
-    np.save(tmp / "valid.npy", valid)
-    entries = [_entry(tmp, f"pixels-{i:05d}.npy") for i in range(len(shards))]
+    if current is not None:
+        current.flush()
+    return valid, errors
+
+
+def _write_manifest(folder: Path, cache: CachePlan, shard_rows: int, valid: np.ndarray, errors: dict) -> None:
     import PIL
 
+    np.save(folder / "valid.npy", valid)
+    entries = [_entry(folder, path.name) for path in sorted(folder.glob("pixels-*.npy"))]
     manifest = {"format": FORMAT, "rows": cache.rows, "size": cache.size, "image_column": cache.image_column,
                 "pillow": PIL.__version__, "shard_rows": shard_rows,
-                "shards": entries, "valid": _entry(tmp, "valid.npy"), "errors": errors,
+                "shards": entries, "valid": _entry(folder, "valid.npy"), "errors": errors,
                 "bytes": sum(e["bytes"] for e in entries)}
-    (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1))
-    os.replace(tmp, folder)
+    (folder / "manifest.json").write_text(json.dumps(manifest, indent=1))
 
 
-def _new_shard(folder: Path, number: int, rows: int, size: int) -> np.memmap:
-    return np.lib.format.open_memmap(folder / f"pixels-{number:05d}.npy", mode="w+", dtype=np.uint8,
-                                     shape=(rows, size, size, 3))
+def _disk_full_message(folder: Path, cache: CachePlan) -> str:
+    """The line a full disk ends the build with, in the words of a checkpoint's (worker/saver.py)."""
+    where = folder.parent
+    return (f"the decoded image cache did not fit: no space left on the device of {where}; it needs about "
+            f"{cache.nbytes / 1e6:.1f} MB, {free_disk(where) / 1e6:.1f} MB is free. What it had written is removed. "
+            f"Free space there, or point data.cache_dir at a larger disk (or set data.cache: none), then rerun "
+            f"the same command")
 
 
 def _entry(folder: Path, name: str) -> dict:
