@@ -6,9 +6,11 @@ import json
 import os
 import re
 import shutil
+import socket
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import numpy as np
@@ -386,3 +388,126 @@ def test_a_full_disk_at_the_build_is_one_error_and_leaves_nothing(image_root, tm
     monkeypatch.undo()
     plan, decoded = build(index.train, tmp_path / "cache")
     assert image_cache.check(Path(plan.folder), plan) is None and decoded.valid.all()
+
+
+# A builder on `host` (argv[4]) whose pid reads 4242, paused mid-build (its temporary folder made and its
+# decoding begun) until the file argv[3] exists: what another node's builder finds beside it.
+PAUSED_BUILDER = textwrap.dedent('''
+    import os, socket, sys, time
+    from pathlib import Path
+    import pyarrow.parquet as pq
+    from behemoth.data import image_cache, images
+
+    socket.gethostname = lambda: sys.argv[4]
+    os.getpid = lambda: 4242
+    decode = images.decode_fitted
+    def decode_fitted(batch, **kw):
+        Path(sys.argv[3] + ".building").touch()
+        while not Path(sys.argv[3]).exists():
+            time.sleep(0.01)
+        return decode(batch, **kw)
+    images.decode_fitted = decode_fitted
+    table = pq.read_table(sys.argv[1])
+    plan = image_cache.plan(table, 16, sys.argv[2], "image")
+    decoded = image_cache.open_or_build(plan, table, workers=False)
+    print("rows", int(decoded.rows(range(plan.rows))[0].sum()))
+''')
+
+
+def start_paused_builder(table: pa.Table, tmp_path: Path, host: str):
+    pq.write_table(table, tmp_path / "index.parquet")
+    go = tmp_path / "go"
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[2] / "platform")}
+    proc = subprocess.Popen([sys.executable, "-c", PAUSED_BUILDER, str(tmp_path / "index.parquet"),
+                             str(tmp_path / "cache"), str(go), host], stdout=subprocess.PIPE, text=True, env=env)
+    deadline = time.monotonic() + 120  # a bound on a start-up that takes ~2 s, not a synchronisation
+    while not Path(f"{go}.building").exists():
+        assert proc.poll() is None and time.monotonic() < deadline, "the paused builder did not start building"
+        time.sleep(0.01)
+    return proc, go
+
+
+@pytest.mark.parametrize("hosts", [("node-a", "node-b"), ("node-a", "node-a")])
+def test_builders_with_one_pid_on_two_hosts_keep_their_own_temporary_folders(image_root, tmp_path, monkeypatch,
+                                                                              hosts):
+    """A cache folder on a shared filesystem, whose lock does not reach across nodes: a builder on host A (pid
+    4242) is half-way when one on host B, also pid 4242 (containers), builds the same cache. B neither reuses nor
+    removes A's temporary folder (before, both were `<key>.tmp-4242` and B's clean-up deleted A's build); A then
+    finds B's complete cache and keeps it. On one host, the live builder's folder is left alone too."""
+    from contextlib import nullcontext
+
+    index = index_image_folder(image_root)
+    a, go = start_paused_builder(index.train, tmp_path, hosts[0])
+    try:
+        [a_temp] = (tmp_path / "cache" / "images").glob("*.tmp-*")
+        a_files = sorted(p.name for p in a_temp.iterdir())
+        said = []
+        with monkeypatch.context() as m:  # builder B
+            m.setattr(image_cache, "_exclusive", lambda path: nullcontext())  # the other node's lock
+            m.setattr(socket, "gethostname", lambda: hosts[1])
+            m.setattr(os, "getpid", lambda: 4242)
+            plan = image_cache.plan(index.train, SIZE, str(tmp_path / "cache"), "image")
+            b = image_cache.open_or_build(plan, index.train, workers=False, log=said.append)
+        assert a_temp.is_dir() and sorted(p.name for p in a_temp.iterdir()) == a_files
+        if hosts[0] != hosts[1]:
+            assert any(f"{a_temp.name}: another host's build" in line for line in said), said
+    finally:
+        go.touch()
+        out = a.communicate(timeout=120)[0]
+    assert a.returncode == 0, out
+    assert out.splitlines()[-1] == f"rows {int(b.rows(range(plan.rows))[0].sum())}"
+    assert image_cache.check(Path(plan.folder), plan) is None
+    assert not list((tmp_path / "cache" / "images").glob("*.tmp-*"))
+
+
+def test_a_dead_builders_temporary_folder_is_removed_by_the_next_build(image_root, tmp_path):
+    """A builder killed half-way (SIGKILL: no clean-up of its own) leaves its temporary folder; the next build
+    on that host proves it dead (its lock is free) and removes it."""
+    index = index_image_folder(image_root)
+    a, _ = start_paused_builder(index.train, tmp_path, socket.gethostname())
+    a.kill()
+    a.communicate(timeout=120)
+    assert len(list((tmp_path / "cache" / "images").glob("*.tmp-*"))) == 1
+    plan, _ = build(index.train, tmp_path / "cache")
+    assert image_cache.check(Path(plan.folder), plan) is None
+    assert not list((tmp_path / "cache" / "images").glob("*.tmp-*"))
+
+
+MOUNTS = """\
+overlay / overlay rw,relatime,lowerdir=/l,upperdir=/u,workdir=/w 0 0
+proc /proc proc rw,nosuid,nodev,noexec,relatime 0 0
+fs1:/export/home /home nfs4 rw,relatime,vers=4.2,rsize=1048576 0 0
+/dev/nvme0n1p1 /home/alice/scratch ext4 rw,relatime 0 0
+//filer/share /mnt/team\\040data cifs rw,relatime 0 0
+alice@box:/data /home/alice/remote fuse.sshfs rw,nosuid,nodev 0 0
+10.0.0.1@tcp:/lfs /lustre lustre rw 0 0
+portal /run/user/1000/doc fuse.portal rw,nosuid,nodev 0 0
+"""
+
+
+@pytest.mark.parametrize("folder, kind", [
+    ("/home/alice/proj/data_cache", "nfs4"), ("/home", "nfs4"), ("/homework/data_cache", None),
+    ("/home/alice/scratch/data_cache", None), ("/mnt/team data/cache", "cifs"),
+    ("/home/alice/remote/c", "fuse.sshfs"), ("/lustre/alice/c", "lustre"), ("/run/user/1000/doc/c", None),
+    ("/tmp/data_cache", None),
+])
+def test_a_cache_folder_on_a_network_filesystem_is_recognised(folder, kind):
+    """By the mount that holds it (the longest mount point above it, /proc/mounts' escapes read)."""
+    assert image_cache.network_filesystem(folder, MOUNTS) == kind
+
+
+def test_the_run_says_once_that_its_cache_folder_is_on_a_network_filesystem(image_root, tmp_path, monkeypatch,
+                                                                             capsys):
+    from behemoth.job import config_from_dict
+    from behemoth.tasks.image import ImageClassification
+
+    monkeypatch.setattr(image_cache, "mount_table", lambda: f"fs1:/export {tmp_path} nfs rw 0 0\n")
+    job = config_from_dict({"data": {"root": str(image_root), "image_size": SIZE, "cache": "decoded",
+                                     "cache_dir": str(tmp_path / "c")},
+                            "checkpoint": {"storage_path": str(tmp_path), "run_name": "r"}})
+    ImageClassification.prepare(job, ImageClassification.check(job))
+    said = [line for line in capsys.readouterr().out.splitlines() if "network filesystem" in line]
+    assert said == [(f"[behemoth] warning: the decoded image cache's folder {tmp_path / 'c' / 'images'} is on a "
+                     f"network filesystem (nfs): its rows are read over the network, and the nodes share it (one "
+                     f"node's lock may not keep another's builder out); set data.cache_dir to a folder on each "
+                     f"node's own disk (a local SSD, /tmp)")]

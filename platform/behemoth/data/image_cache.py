@@ -17,9 +17,12 @@ not be decoded, its error in manifest.json) and `manifest.json`, written last: i
 Each shard's size, modification time and sha256 are in the manifest; a shard whose size differs, or whose time
 differs and whose hash no longer matches (damaged, partly overwritten), makes the cache be built again.
 
-The folder is local to each node (a path, not a URI): one process per node builds it, under an exclusive
-lock of `<key>.lock` that every other worker and trial on the node waits on, then finds it complete. The
-building process first reserves the cache's space on its disk (a full disk is one StorageFullError, not a
+The folder is meant to be on each node's own disk (a path, not a URI; on a network filesystem it works, and
+the run says so: network_warning): one process per node builds it, under an exclusive lock of `<key>.lock`
+that every other worker and trial on the node waits on, then finds it complete. Each builder writes in a
+temporary folder of its own (`<key>.tmp-<host>-<pid>-<random>`, its lock held while it runs) and removes only
+its own, or one it proves dead (this host's, its lock free): a folder shared by several nodes, whose lock may
+not reach across them, never has one builder delete another's build. The building process first reserves the cache's space on its disk (a full disk is one StorageFullError, not a
 SIGBUS through the memory map), then decodes with Ray Data tasks on the cluster's CPUs, in order, and writes the
 rows as they come (one shard in memory at a time); without Ray (unit tests, `workers=False`) it decodes
 in-process.
@@ -32,8 +35,11 @@ import fcntl
 import hashlib
 import json
 import os
+import re
 import shutil
+import socket
 import time
+import uuid
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -103,6 +109,49 @@ def free_disk(folder: Path) -> int:
     return shutil.disk_usage(folder).free
 
 
+# Filesystems whose files live on other machines (/proc/mounts' type): a cache there is read over the network
+# and shared by every node's builders. Not fuse.* at large: rootless containers' fuse-overlayfs is a local disk.
+NETWORK_FILESYSTEMS = {
+    "nfs", "nfs4", "cifs", "smb3", "smbfs", "lustre", "gpfs", "beegfs", "ceph", "glusterfs", "afs", "wekafs",
+    "panfs", "ocfs2", "gfs2", "fuse.sshfs", "fuse.s3fs", "fuse.gcsfuse", "fuse.rclone", "fuse.juicefs",
+    "fuse.glusterfs", "fuse.ceph-fuse", "fuse.cephfs", "fuse.blobfuse", "fuse.blobfuse2", "fuse.goofys",
+    "fuse.mountpoint-s3",
+}
+
+
+def mount_table() -> str:
+    """This machine's mounts, as /proc/mounts lists them ("" where it cannot be read)."""
+    try:
+        return Path("/proc/mounts").read_text()
+    except OSError:
+        return ""
+
+
+def network_filesystem(folder: str | Path, mounts: str) -> str | None:
+    """The type of the network filesystem that holds the absolute path `folder` (per `mounts`, the text of
+    /proc/mounts: the mount with the longest mount point above it, the last one where points repeat), or None
+    where it is on a local one."""
+    path, best, kind = str(folder), "", None
+    for line in mounts.splitlines():
+        fields = line.split()
+        if len(fields) < 3:
+            continue
+        point = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), fields[1])  # \040: a space
+        if (path == point or path.startswith(point.rstrip("/") + "/")) and len(point) >= len(best):
+            best, kind = point, fields[2]
+    return kind if kind in NETWORK_FILESYSTEMS else None
+
+
+def network_warning(folder: str | Path) -> str | None:
+    """What to tell a run whose cache folder is on a network filesystem (None where it is not)."""
+    kind = network_filesystem(os.path.realpath(folder), mount_table())
+    if kind is None:
+        return None
+    return (f"the decoded image cache's folder {folder} is on a network filesystem ({kind}): its rows are read "
+            f"over the network, and the nodes share it (one node's lock may not keep another's builder out); set "
+            f"data.cache_dir to a folder on each node's own disk (a local SSD, /tmp)")
+
+
 def plan(table: pa.Table, size: int, cache_dir: str, image_column: str) -> CachePlan:
     folder = Path(cache_dir).absolute() / "images" / cache_key(table, size, image_column)
     return CachePlan(str(folder), size, table.num_rows, image_column)
@@ -144,7 +193,7 @@ def open_or_build(cache: CachePlan, table: pa.Table, *, workers: bool = True,
         if problem != "absent":
             log(f"[behemoth] decoded image cache {folder}: {problem}; building it again")
         began = time.monotonic()
-        build(folder, cache, table, workers=workers, cpus_per_task=cpus_per_task)
+        build(folder, cache, table, workers=workers, cpus_per_task=cpus_per_task, log=log)
         manifest = _manifest(folder)
         log(f"[behemoth] decoded {cache.rows} images once into {folder} ({manifest['bytes'] / 1e6:.1f} MB, "
             f"{time.monotonic() - began:.1f} s)")
@@ -197,29 +246,92 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def build(folder: Path, cache: CachePlan, table: pa.Table, *, workers: bool, cpus_per_task: float) -> None:
-    """Decode every row of `table` into a new cache, built beside `folder` and renamed to it when complete. Its
-    space is reserved before anything is decoded: a full disk ends the build with one StorageFullError (not
-    retried). Whatever ends a build, what it wrote is removed."""
-    # We hold the node's lock: an incomplete or damaged cache and a dead builder's temporary folder can go.
-    for stale in [folder, *folder.parent.glob(f"{folder.name}.tmp-*")]:
-        shutil.rmtree(stale, ignore_errors=True)
-    tmp = folder.with_name(f"{folder.name}.tmp-{os.getpid()}")
-    tmp.mkdir(parents=True)
-    try:
+def build(folder: Path, cache: CachePlan, table: pa.Table, *, workers: bool, cpus_per_task: float,
+          log=print) -> None:
+    """Decode every row of `table` into a new cache, built in a temporary folder of this builder's own beside
+    `folder` and renamed to it when complete. Its space is reserved before anything is decoded: a full disk
+    ends the build with one StorageFullError (not retried). Whatever ends a build, what it wrote is removed."""
+    _remove_dead_builds(folder, log)
+    if folder.exists() and check(folder, cache) is not None:  # incomplete or damaged; not one another node's
+        shutil.rmtree(folder, ignore_errors=True)                # builder has just completed
+    with _build_folder(folder, cache) as tmp:
         shard_rows = max(1, SHARD_BYTES // (cache.size * cache.size * 3))
         shards = _reserved_shards(tmp, cache, shard_rows)
         valid, errors = _decode_into(shards, shard_rows, folder, cache, table, workers, cpus_per_task)
         _write_manifest(tmp, cache, shard_rows, valid, errors)
-    except BaseException as e:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if isinstance(e, OSError):
-            from behemoth.checkpoint import is_disk_full
+        _commit(tmp, folder, cache)
 
-            if is_disk_full(e):
-                raise StorageFullError(_disk_full_message(folder, cache)) from None
+
+# A builder's temporary folder is `<key>.tmp-<host>-<pid>-<random>`: a cache folder on a shared filesystem is
+# built beside other nodes' (and containers') builders, whose pids can be the same. In it, BUILDER_LOCK is held
+# (flock) for as long as the build runs: the kernel releases it when the builder dies, however it dies.
+BUILDER_LOCK = "builder.lock"
+
+
+def _host() -> str:
+    return re.sub(r"[^A-Za-z0-9.-]", "_", socket.gethostname())
+
+
+@contextmanager
+def _build_folder(folder: Path, cache: CachePlan):
+    """This builder's temporary folder, its lock held while the build runs; removed whatever ends the build
+    (after _commit it is gone already). A full disk or quota ends it with one StorageFullError."""
+    tmp = folder.with_name(f"{folder.name}.tmp-{_host()}-{os.getpid()}-{uuid.uuid4().hex[:12]}")
+    tmp.mkdir(parents=True)
+    lock = os.open(tmp / BUILDER_LOCK, os.O_CREAT | os.O_RDWR, 0o644)
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        yield tmp
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        from behemoth.checkpoint import is_disk_full
+
+        if is_disk_full(e):
+            raise StorageFullError(_disk_full_message(folder, cache)) from None
         raise
-    os.replace(tmp, folder)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.close(lock)
+
+
+def _remove_dead_builds(folder: Path, log) -> None:
+    """Remove the temporary folders of this cache's builders that are proven dead: on this host, with their
+    lock free. Never a live builder's: another host's is left (a lock on a network filesystem may not reach
+    across nodes, so its builder may be alive), and said."""
+    prefix = f"{folder.name}.tmp-"
+    for temp in folder.parent.glob(f"{prefix}*"):
+        host = temp.name[len(prefix):].rsplit("-", 2)[0]
+        if host != _host():
+            log(f"[behemoth] decoded image cache: {temp.name}: another host's build ({host}), left alone; remove "
+                f"it if no build runs there")
+        elif _lock_is_free(temp / BUILDER_LOCK):
+            shutil.rmtree(temp, ignore_errors=True)
+
+
+def _lock_is_free(path: Path) -> bool:
+    """Whether no process holds the flock of `path`. No lock file: its builder is starting or committing."""
+    try:
+        fd = os.open(path, os.O_RDWR)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except OSError:
+        return False  # held: alive (or a filesystem without locks: not proven dead)
+    finally:
+        os.close(fd)
+
+
+def _commit(tmp: Path, folder: Path, cache: CachePlan) -> None:
+    """The complete cache in `tmp` renamed to `folder`. Where another node's builder has put one there first
+    (the node's lock did not keep it out), that one is kept: made from the same key, it holds the same rows."""
+    (tmp / BUILDER_LOCK).unlink()
+    try:
+        os.replace(tmp, folder)
+    except OSError as e:
+        if e.errno not in (errno.ENOTEMPTY, errno.EEXIST) or check(folder, cache) is not None:
+            raise
 
 
 def _reserved_shards(folder: Path, cache: CachePlan, shard_rows: int) -> list[Path]:

@@ -76,6 +76,9 @@ class ImageClassification(Task):
         decoded cache (the decision, made here, is the run's: one line says what and why)."""
         index.cache, line = decide_cache(cfg.data, index)
         print(f"[behemoth] data cache: {line}", flush=True)
+        warning = index.cache and image_cache.network_warning(Path(index.cache["train"].folder).parent)
+        if warning:
+            print(f"[behemoth] warning: {warning}", flush=True)
         return index
 
     @classmethod
@@ -259,7 +262,8 @@ def build_decoded_cache(cfg: JobConfig, start_ray) -> list[str]:
     index = build_index(cfg.data)
     plans, _ = decide_cache(decide, index)
     start_ray()
-    lines = []
+    warning = image_cache.network_warning(Path(plans["train"].folder).parent)
+    lines = [f"warning: {warning}"] if warning else []
     for split, plan in plans.items():
         decoded = image_cache.open_or_build(plan, getattr(index, split), cpus_per_task=cfg.data.cpus_per_task,
                                             log=lambda line: None)
