@@ -511,3 +511,76 @@ def test_the_run_says_once_that_its_cache_folder_is_on_a_network_filesystem(imag
                      f"network filesystem (nfs): its rows are read over the network, and the nodes share it (one "
                      f"node's lock may not keep another's builder out); set data.cache_dir to a folder on each "
                      f"node's own disk (a local SSD, /tmp)")]
+
+
+def corrupt_images() -> dict[str, bytes]:
+    """Bytes that are the image's fault, each failing in PIL its own way."""
+    import struct
+    import zlib
+
+    good = png(np.random.default_rng(0).integers(0, 256, (32, 32, 3), dtype=np.uint8))  # ~3 kB of IDAT
+    ihdr = struct.pack(">II", 30_000, 30_000) + good[24:29]  # 900 M pixels: over PIL's bomb limit
+    bomb = good[:16] + ihdr + struct.pack(">I", zlib.crc32(b"IHDR" + ihdr)) + good[33:]
+    return {"not an image": b"GIF89a but not really", "truncated": good[:len(good) // 2],
+            "a decompression bomb": bomb}
+
+
+def test_a_failure_that_is_not_the_images_fault_fails_the_build_and_is_not_stored(image_root, tmp_path,
+                                                                                    monkeypatch):
+    """A MemoryError while one image is decoded (a transient fault of the machine, not of the image) ends the
+    build, naming the image, and nothing is committed: before, it was stored as an undecodable image, for every
+    later run. The next build decodes it. Bytes that are really not an image are still stored as bad."""
+    from behemoth.data import images
+
+    index = index_image_folder(image_root)
+    victim = Path(index.train.column("path")[5].as_py()).read_bytes()
+    decode = images.decode_rgb
+    with monkeypatch.context() as m:
+        m.setattr(images, "decode_rgb", lambda data: (_ for _ in ()).throw(MemoryError()) if data == victim
+                  else decode(data))
+        with pytest.raises(MemoryError) as raised:
+            build(index.train, tmp_path / "cache")
+    assert any(index.train.column("path")[5].as_py() in note for note in raised.value.__notes__)
+    plan = image_cache.plan(index.train, SIZE, str(tmp_path / "cache"), "image")
+    assert image_cache.check(Path(plan.folder), plan) == "absent"
+    assert nothing_left_but_locks(tmp_path / "cache") == []
+    _, decoded = build(index.train, tmp_path / "cache")
+    assert decoded.valid.all() and decoded.errors == {}
+
+    for kind, data in corrupt_images().items():
+        (tmp_path / "bad.png").write_bytes(data)
+        table = index.train.slice(0, 3).set_column(1, "path", pa.array([str(tmp_path / "bad.png")] * 3))
+        _, decoded = build(table, tmp_path / kind)
+        assert not decoded.valid.any() and set(decoded.errors) == {0, 1, 2}, kind
+
+
+@pytest.mark.parametrize("fault", ["MemoryError", "an OSError of a system call"])
+def test_decoding_every_epoch_raises_a_failure_that_is_not_the_images_fault(image_root, tmp_path, monkeypatch,
+                                                                            fault):
+    """The same rule without the cache (transform_batch, one place: images.decode_sample): a MemoryError, or an
+    OSError with an errno (a failed system call), is raised, naming the image; it is neither dropped as a bad
+    sample nor a BadSampleError (which ends a run without a retry). Corrupt bytes are bad samples."""
+    import errno
+
+    from behemoth.data import images
+    from behemoth.errors import BadSampleError
+
+    index = index_image_folder(image_root)
+    batch = batch_of(index.train.slice(0, 8))
+    victim = Path(batch["path"][5]).read_bytes()
+    error = MemoryError() if fault == "MemoryError" else OSError(errno.EIO, "Input/output error")
+    decode = images.decode_rgb
+    monkeypatch.setattr(images, "decode_rgb", lambda data: (_ for _ in ()).throw(error) if data == victim
+                        else decode(data))
+    for budget in (0, 5):
+        with pytest.raises(type(error)) as raised:
+            transform_batch(batch, cfg=cfg(max_bad_samples=budget), seed=0, epoch=0, train=True)
+        assert any(batch["path"][5] in note for note in raised.value.__notes__)
+    monkeypatch.undo()
+    batch["path"][5] = str(tmp_path / "bad.png")
+    for kind, data in corrupt_images().items():
+        (tmp_path / "bad.png").write_bytes(data)
+        got = transform_batch(batch, cfg=cfg(max_bad_samples=5), seed=0, epoch=0, train=True)
+        assert list(np.flatnonzero(~got["valid"])) == [5], kind
+        with pytest.raises(BadSampleError, match=f"cannot decode image {batch['path'][5]}"):
+            transform_batch(batch, cfg=cfg(max_bad_samples=0), seed=0, epoch=0, train=True)
