@@ -159,7 +159,7 @@ def main() -> None:
 
         plans, why = decide_cache(dataclasses.replace(cfg, cache="decoded"), index)
         for split, plan in plans.items():
-            image_cache.open_or_build(plan, getattr(index, split), cfg.image_column, workers=False, log=print)
+            image_cache.open_or_build(plan, getattr(index, split), workers=False, log=print)
         print(f"data cache: {why}")
 
     def account(path: str, images: int, t0: float, t1: float) -> str:

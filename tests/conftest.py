@@ -90,6 +90,24 @@ def image_root(tmp_path_factory) -> Path:
     return root
 
 
+@pytest.fixture
+def small_disk(tmp_path):
+    """A real 1 MB filesystem (tmpfs), where this machine lets the test mount one (it needs root): a full disk
+    as the kernel reports it (test_checkpoint.py, test_image_cache.py). Where it cannot, the test skips; each
+    has a twin with ENOSPC injected that runs everywhere."""
+    import subprocess
+
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], capture_output=True, text=True,
+                          check=False)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a 1 MB tmpfs here ({done.stderr.strip()}); the tests with ENOSPC injected "
+                    f"still cover a full disk")
+    yield mnt
+    subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
 # The tests' local Ray instance, kept from one module to the next (starting Ray, and the one-time work of a first
 # fit on a new instance — Ray Data's and Ray Train's helper actors, the decode workers — cost ~12 s on 2 cores).
 # It is started again when the environment its workers inherit has changed (test_s3.py's AWS variables), and

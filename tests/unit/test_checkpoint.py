@@ -196,21 +196,6 @@ def test_compression_state_loads_without_unpickling_code(tmp_path):
     assert not (tmp_path / "ran").exists()
 
 
-@pytest.fixture
-def small_disk(tmp_path):
-    """A real 1 MB filesystem (tmpfs), where this machine lets the test mount one (it needs root)."""
-    import subprocess
-
-    mnt = tmp_path / "small"
-    mnt.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], capture_output=True, text=True)
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a 1 MB tmpfs here ({done.stderr.strip()}); the injected-ENOSPC run in "
-                    f"tests/integration/test_train_images.py still covers a full disk")
-    yield mnt
-    subprocess.run(["umount", "-l", str(mnt)], check=False)
-
-
 def test_a_full_disk_fails_the_checkpoint_cleanly_on_a_real_filesystem(small_disk, tmp_path):
     """The saver's write (what Ray Train's upload function calls, with the run's storage) on a real, full
     filesystem: torch.save's error is recognised as a full disk; what the checkpoint wrote and its staging

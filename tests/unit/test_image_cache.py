@@ -4,18 +4,23 @@ in-process here (workers=False); the runs in tests/integration/test_train_images
 
 import json
 import os
+import re
+import shutil
+import socket
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 from PIL import Image
 
 from behemoth.data import image_cache
-from behemoth.data.images import cached_batches, index_image_folder, transform_batch
+from behemoth.data.images import cached_batches, decode_fitted, index_image_folder, index_parquet, transform_batch
 from behemoth.errors import ConfigError
 from behemoth.tasks.image import ImageData, decide_cache
 
@@ -51,8 +56,8 @@ def batch_of(table: pa.Table) -> dict:
 
 
 def build(table, root, **kw):
-    plan = image_cache.plan(table, SIZE, str(root))
-    return plan, image_cache.open_or_build(plan, table, "image", workers=False, log=lambda line: None, **kw)
+    plan = image_cache.plan(table, SIZE, str(root), "image")
+    return plan, image_cache.open_or_build(plan, table, workers=False, log=lambda line: None, **kw)
 
 
 @pytest.mark.parametrize("augment", ["crop_flip", "none"])
@@ -108,7 +113,7 @@ def test_a_damaged_cache_is_detected_and_built_again(image_root, tmp_path, damag
         (folder / "valid.npy").unlink()
     assert image_cache.check(folder, plan) is not None
     said = []
-    again = image_cache.open_or_build(plan, index.train, "image", workers=False, log=said.append)
+    again = image_cache.open_or_build(plan, index.train, workers=False, log=said.append)
     assert image_cache.check(folder, plan) is None
     np.testing.assert_array_equal(again.rows(np.arange(plan.rows))[0], want)
     assert any("building it again" in line for line in said), said
@@ -118,20 +123,27 @@ def test_an_untouched_cache_is_opened_not_built_and_a_copied_one_is_checked_by_h
     index = index_image_folder(image_root)
     plan, _ = build(index.train, tmp_path / "cache")
     said = []
-    image_cache.open_or_build(plan, index.train, "image", workers=False, log=said.append)
+    image_cache.open_or_build(plan, index.train, workers=False, log=said.append)
     assert said == []
     shard = Path(plan.folder) / "pixels-00000.npy"
     os.utime(shard, ns=(1, 1))  # same bytes, another time (a copy): the hash decides
     assert image_cache.check(Path(plan.folder), plan) is None
 
 
-def test_a_changed_source_file_makes_another_cache(mixed_images):
+def test_a_changed_source_file_makes_another_cache(mixed_images, monkeypatch):
+    import PIL
+
     index = index_image_folder(mixed_images)
-    before = image_cache.cache_key(index.train, SIZE)
-    assert image_cache.cache_key(index.train, SIZE) == before and image_cache.cache_key(index.train, 32) != before
+    before = image_cache.cache_key(index.train, SIZE, "image")
+    assert image_cache.cache_key(index.train, SIZE, "image") == before
+    assert image_cache.cache_key(index.train, 32, "image") != before
+    assert image_cache.cache_key(index.train, SIZE, "other") != before
+    with monkeypatch.context() as m:
+        m.setattr(PIL, "__version__", "0.0.1")  # another Pillow may decode or resample differently
+        assert image_cache.cache_key(index.train, SIZE, "image") != before
     first = Path(index.train.column("path")[0].as_py())
     Image.new("RGB", (16, 16), (1, 2, 3)).save(first)
-    assert image_cache.cache_key(index_image_folder(mixed_images).train, SIZE) != before
+    assert image_cache.cache_key(index_image_folder(mixed_images).train, SIZE, "image") != before
 
 
 BUILDER = textwrap.dedent('''
@@ -146,10 +158,10 @@ BUILDER = textwrap.dedent('''
         return slow(batch, **kw)
     images.decode_fitted = decode_fitted
     table = pq.read_table(sys.argv[1])
-    plan = image_cache.plan(table, 16, sys.argv[2])
+    plan = image_cache.plan(table, 16, sys.argv[2], "image")
     while not Path(sys.argv[3]).exists():
         time.sleep(0.01)
-    decoded = image_cache.open_or_build(plan, table, "image", workers=False)
+    decoded = image_cache.open_or_build(plan, table, workers=False)
     print("rows", int(decoded.rows(range(plan.rows))[0].sum()))
 ''')
 
@@ -189,7 +201,7 @@ def test_auto_decides_by_room_and_augmentation_and_says_why(image_root, tmp_path
     plans, _ = decide_cache(cfg(cache="decoded", cache_dir=str(tmp_path / "c")), index)
     assert plans is not None  # asked for: no room check
     for plan in plans.values():  # built: auto uses it whatever the room
-        image_cache.open_or_build(plan, getattr(index, "train" if plan.rows == 96 else "val"), "image",
+        image_cache.open_or_build(plan, getattr(index, "train" if plan.rows == 96 else "val"),
                                   workers=False, log=lambda line: None)
     plans, line = decide_cache(cfg(cache_dir=str(tmp_path / "c")), index)
     assert plans is not None and "built already" in line
@@ -248,7 +260,7 @@ def test_the_task_makes_cached_batches_ahead_of_the_step_in_a_thread(image_root,
                             "checkpoint": {"storage_path": str(tmp_path), "run_name": "r"}})
     index = ImageClassification.prepare(job, ImageClassification.check(job))
     for split, plan in index.cache.items():  # built in-process (a run's first worker builds it with Ray Data)
-        image_cache.open_or_build(plan, getattr(index, split), "image", workers=False, log=lambda line: None)
+        image_cache.open_or_build(plan, getattr(index, split), workers=False, log=lambda line: None)
     task = ImageClassification(job, index)
     decoded, labels = task._decoded("train")
     made_in, rows = [], image_cache.DecodedImages.rows
@@ -266,3 +278,309 @@ def test_the_task_makes_cached_batches_ahead_of_the_step_in_a_thread(image_root,
     next(batches)
     batches.close()
     assert not [t for t in threading.enumerate() if t not in before and t.name == "behemoth-prefetch"]
+
+
+def png(pixels: np.ndarray) -> bytes:
+    import io
+
+    out = io.BytesIO()
+    Image.fromarray(pixels).save(out, format="PNG")
+    return out.getvalue()
+
+
+def test_each_image_column_of_a_parquet_set_has_its_own_cache(tmp_path):
+    """A parquet set with two image columns, run with one data.image_column and then the other: each column's
+    cache is its own and serves that column's pixels (the key once left the column out: the second run opened
+    the first column's cache and trained on its pixels)."""
+    rng = np.random.default_rng(3)
+    photos = [rng.integers(0, 256, (SIZE, SIZE, 3), dtype=np.uint8) for _ in range(6)]
+    pq.write_table(pa.table({"photo": [png(p) for p in photos], "mask": [png(255 - p) for p in photos],
+                             "label": [i % 2 for i in range(6)]}), tmp_path / "set.parquet")
+    served = {}
+    for column in ("photo", "mask"):
+        table = index_parquet([str(tmp_path / "set.parquet")], [str(tmp_path / "set.parquet")], column, "label").train
+        plan = image_cache.plan(table, SIZE, str(tmp_path / "cache"), column)
+        decoded = image_cache.open_or_build(plan, table, workers=False, log=lambda line: None)
+        served[column] = (plan.folder, decoded.rows(np.arange(6))[0].copy())
+        want = decode_fitted(batch_of(table), size=SIZE, image_column=column)["pixels"]
+        np.testing.assert_array_equal(served[column][1], want, err_msg=column)
+    assert served["photo"][0] != served["mask"][0]
+    np.testing.assert_array_equal(served["mask"][1], 255 - served["photo"][1])
+
+
+FULL_DISK_BUILDER = textwrap.dedent('''
+    import sys
+    import pyarrow.parquet as pq
+    from behemoth.data import image_cache
+    from behemoth.errors import user_facing_error
+
+    table = pq.read_table(sys.argv[1])
+    plan = image_cache.plan(table, int(sys.argv[3]), sys.argv[2], "image")
+    try:
+        image_cache.open_or_build(plan, table, workers=False, log=lambda line: None)
+    except Exception as e:
+        print(type(e).__name__, user_facing_error(e))
+        sys.exit(1)
+''')
+
+
+def full_disk_line(cache_dir: Path, needs: str) -> str:
+    return (rf"the decoded image cache did not fit: no space left on the device of "
+            rf"{re.escape(str(cache_dir / 'images'))}; it needs about {needs}, \d+\.\d MB is free\. What it had "
+            rf"written is removed\. Free space there, or point data\.cache_dir at a larger disk \(or set "
+            rf"data\.cache: none\), then rerun the same command")
+
+
+def nothing_left_but_locks(cache_dir: Path) -> list[str]:
+    return [p.name for p in (cache_dir / "images").iterdir() if p.suffix != ".lock"]
+
+
+@pytest.mark.parametrize("room", ["less than the rows", "the rows, not the header"])
+def test_a_full_disk_ends_the_build_in_one_line_on_a_real_filesystem(image_root, small_disk, tmp_path, room):
+    """A split built on a real 1 MB filesystem, in a process of its own: one StorageFullError (not retried)
+    naming the folder and the space, and nothing left that a later run would open. Its rows take more than the
+    free space (refused before anything is written), or just fit it and the shard's .npy header does not (the
+    kernel's posix_fallocate says ENOSPC). Before, the rows were written through a memory map of a sparse file
+    and the first page without room killed the builder with SIGBUS (and a run's retries, each the same way)."""
+    train = index_image_folder(image_root).train
+    free = shutil.disk_usage(small_disk).free
+    if room == "less than the rows":
+        size, rows = 64, train.num_rows  # 1.2 MB
+    else:  # rows * 3 * size^2 <= free < that + the 128-byte header
+        size = next(s for s in range(4, 64) if free % (3 * s * s) < 128)
+        rows = free // (3 * size * size)
+    table = train.take(np.arange(rows) % train.num_rows).set_column(0, "sample_id", pa.array(np.arange(rows)))
+    pq.write_table(table, tmp_path / "index.parquet")
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[2] / "platform")}
+    done = subprocess.run([sys.executable, "-c", FULL_DISK_BUILDER, str(tmp_path / "index.parquet"),
+                           str(small_disk), str(size)], capture_output=True, text=True, env=env, timeout=120,
+                          check=False)
+    assert done.returncode == 1, (done.returncode, done.stderr[-3000:])
+    [line] = done.stdout.splitlines()
+    needs = f"{rows * 3 * size * size / 1e6:.1f} MB"
+    assert re.fullmatch("StorageFullError " + full_disk_line(small_disk, needs), line), line
+    assert nothing_left_but_locks(small_disk) == []
+
+
+@pytest.mark.parametrize("where", ["the reservation", "the free space"])
+def test_a_full_disk_at_the_build_is_one_error_and_leaves_nothing(image_root, tmp_path, monkeypatch, where):
+    """ENOSPC where the build reserves its shards' space (posix_fallocate), or too little free space before it:
+    one StorageFullError naming the folder, before any row is decoded; no cache or temporary folder is left; the
+    next build (with room) is complete and right."""
+    import errno
+
+    from behemoth.errors import StorageFullError
+
+    index = index_image_folder(image_root)
+    decoding, decode = [], image_cache._decoded_batches
+    monkeypatch.setattr(image_cache, "_decoded_batches", lambda *a: decoding.append(a) or decode(*a))
+    with monkeypatch.context() as m:
+        if where == "the reservation":
+            def no_room(fd, offset, length):
+                raise OSError(errno.ENOSPC, "No space left on device")
+            m.setattr(os, "posix_fallocate", no_room)
+        else:
+            m.setattr(image_cache, "free_disk", lambda folder: 1000)
+        with pytest.raises(StorageFullError) as raised:
+            build(index.train, tmp_path / "cache")
+    assert re.fullmatch(full_disk_line(tmp_path / "cache", "0.1 MB"), str(raised.value)), str(raised.value)
+    assert decoding == [] and nothing_left_but_locks(tmp_path / "cache") == []
+    monkeypatch.undo()
+    plan, decoded = build(index.train, tmp_path / "cache")
+    assert image_cache.check(Path(plan.folder), plan) is None and decoded.valid.all()
+
+
+# A builder on `host` (argv[4]) whose pid reads 4242, paused mid-build (its temporary folder made and its
+# decoding begun) until the file argv[3] exists: what another node's builder finds beside it.
+PAUSED_BUILDER = textwrap.dedent('''
+    import os, socket, sys, time
+    from pathlib import Path
+    import pyarrow.parquet as pq
+    from behemoth.data import image_cache, images
+
+    socket.gethostname = lambda: sys.argv[4]
+    os.getpid = lambda: 4242
+    decode = images.decode_fitted
+    def decode_fitted(batch, **kw):
+        Path(sys.argv[3] + ".building").touch()
+        while not Path(sys.argv[3]).exists():
+            time.sleep(0.01)
+        return decode(batch, **kw)
+    images.decode_fitted = decode_fitted
+    table = pq.read_table(sys.argv[1])
+    plan = image_cache.plan(table, 16, sys.argv[2], "image")
+    decoded = image_cache.open_or_build(plan, table, workers=False)
+    print("rows", int(decoded.rows(range(plan.rows))[0].sum()))
+''')
+
+
+def start_paused_builder(table: pa.Table, tmp_path: Path, host: str):
+    pq.write_table(table, tmp_path / "index.parquet")
+    go = tmp_path / "go"
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[2] / "platform")}
+    proc = subprocess.Popen([sys.executable, "-c", PAUSED_BUILDER, str(tmp_path / "index.parquet"),
+                             str(tmp_path / "cache"), str(go), host], stdout=subprocess.PIPE, text=True, env=env)
+    deadline = time.monotonic() + 120  # a bound on a start-up that takes ~2 s, not a synchronisation
+    while not Path(f"{go}.building").exists():
+        assert proc.poll() is None and time.monotonic() < deadline, "the paused builder did not start building"
+        time.sleep(0.01)
+    return proc, go
+
+
+@pytest.mark.parametrize("hosts", [("node-a", "node-b"), ("node-a", "node-a")])
+def test_builders_with_one_pid_on_two_hosts_keep_their_own_temporary_folders(image_root, tmp_path, monkeypatch,
+                                                                              hosts):
+    """A cache folder on a shared filesystem, whose lock does not reach across nodes: a builder on host A (pid
+    4242) is half-way when one on host B, also pid 4242 (containers), builds the same cache. B neither reuses nor
+    removes A's temporary folder (before, both were `<key>.tmp-4242` and B's clean-up deleted A's build); A then
+    finds B's complete cache and keeps it. On one host, the live builder's folder is left alone too."""
+    from contextlib import nullcontext
+
+    index = index_image_folder(image_root)
+    a, go = start_paused_builder(index.train, tmp_path, hosts[0])
+    try:
+        [a_temp] = (tmp_path / "cache" / "images").glob("*.tmp-*")
+        a_files = sorted(p.name for p in a_temp.iterdir())
+        said = []
+        with monkeypatch.context() as m:  # builder B
+            m.setattr(image_cache, "_exclusive", lambda path: nullcontext())  # the other node's lock
+            m.setattr(socket, "gethostname", lambda: hosts[1])
+            m.setattr(os, "getpid", lambda: 4242)
+            plan = image_cache.plan(index.train, SIZE, str(tmp_path / "cache"), "image")
+            b = image_cache.open_or_build(plan, index.train, workers=False, log=said.append)
+        assert a_temp.is_dir() and sorted(p.name for p in a_temp.iterdir()) == a_files
+        if hosts[0] != hosts[1]:
+            assert any(f"{a_temp.name}: another host's build" in line for line in said), said
+    finally:
+        go.touch()
+        out = a.communicate(timeout=120)[0]
+    assert a.returncode == 0, out
+    assert out.splitlines()[-1] == f"rows {int(b.rows(range(plan.rows))[0].sum())}"
+    assert image_cache.check(Path(plan.folder), plan) is None
+    assert not list((tmp_path / "cache" / "images").glob("*.tmp-*"))
+
+
+def test_a_dead_builders_temporary_folder_is_removed_by_the_next_build(image_root, tmp_path):
+    """A builder killed half-way (SIGKILL: no clean-up of its own) leaves its temporary folder; the next build
+    on that host proves it dead (its lock is free) and removes it."""
+    index = index_image_folder(image_root)
+    a, _ = start_paused_builder(index.train, tmp_path, socket.gethostname())
+    a.kill()
+    a.communicate(timeout=120)
+    assert len(list((tmp_path / "cache" / "images").glob("*.tmp-*"))) == 1
+    plan, _ = build(index.train, tmp_path / "cache")
+    assert image_cache.check(Path(plan.folder), plan) is None
+    assert not list((tmp_path / "cache" / "images").glob("*.tmp-*"))
+
+
+MOUNTS = """\
+overlay / overlay rw,relatime,lowerdir=/l,upperdir=/u,workdir=/w 0 0
+proc /proc proc rw,nosuid,nodev,noexec,relatime 0 0
+fs1:/export/home /home nfs4 rw,relatime,vers=4.2,rsize=1048576 0 0
+/dev/nvme0n1p1 /home/alice/scratch ext4 rw,relatime 0 0
+//filer/share /mnt/team\\040data cifs rw,relatime 0 0
+alice@box:/data /home/alice/remote fuse.sshfs rw,nosuid,nodev 0 0
+10.0.0.1@tcp:/lfs /lustre lustre rw 0 0
+portal /run/user/1000/doc fuse.portal rw,nosuid,nodev 0 0
+"""
+
+
+@pytest.mark.parametrize("folder, kind", [
+    ("/home/alice/proj/data_cache", "nfs4"), ("/home", "nfs4"), ("/homework/data_cache", None),
+    ("/home/alice/scratch/data_cache", None), ("/mnt/team data/cache", "cifs"),
+    ("/home/alice/remote/c", "fuse.sshfs"), ("/lustre/alice/c", "lustre"), ("/run/user/1000/doc/c", None),
+    ("/tmp/data_cache", None),
+])
+def test_a_cache_folder_on_a_network_filesystem_is_recognised(folder, kind):
+    """By the mount that holds it (the longest mount point above it, /proc/mounts' escapes read)."""
+    assert image_cache.network_filesystem(folder, MOUNTS) == kind
+
+
+def test_the_run_says_once_that_its_cache_folder_is_on_a_network_filesystem(image_root, tmp_path, monkeypatch,
+                                                                             capsys):
+    from behemoth.job import config_from_dict
+    from behemoth.tasks.image import ImageClassification
+
+    monkeypatch.setattr(image_cache, "mount_table", lambda: f"fs1:/export {tmp_path} nfs rw 0 0\n")
+    job = config_from_dict({"data": {"root": str(image_root), "image_size": SIZE, "cache": "decoded",
+                                     "cache_dir": str(tmp_path / "c")},
+                            "checkpoint": {"storage_path": str(tmp_path), "run_name": "r"}})
+    ImageClassification.prepare(job, ImageClassification.check(job))
+    said = [line for line in capsys.readouterr().out.splitlines() if "network filesystem" in line]
+    assert said == [(f"[behemoth] warning: the decoded image cache's folder {tmp_path / 'c' / 'images'} is on a "
+                     f"network filesystem (nfs): its rows are read over the network, and the nodes share it (one "
+                     f"node's lock may not keep another's builder out); set data.cache_dir to a folder on each "
+                     f"node's own disk (a local SSD, /tmp)")]
+
+
+def corrupt_images() -> dict[str, bytes]:
+    """Bytes that are the image's fault, each failing in PIL its own way."""
+    import struct
+    import zlib
+
+    good = png(np.random.default_rng(0).integers(0, 256, (32, 32, 3), dtype=np.uint8))  # ~3 kB of IDAT
+    ihdr = struct.pack(">II", 30_000, 30_000) + good[24:29]  # 900 M pixels: over PIL's bomb limit
+    bomb = good[:16] + ihdr + struct.pack(">I", zlib.crc32(b"IHDR" + ihdr)) + good[33:]
+    return {"not an image": b"GIF89a but not really", "truncated": good[:len(good) // 2],
+            "a decompression bomb": bomb}
+
+
+def test_a_failure_that_is_not_the_images_fault_fails_the_build_and_is_not_stored(image_root, tmp_path,
+                                                                                    monkeypatch):
+    """A MemoryError while one image is decoded (a transient fault of the machine, not of the image) ends the
+    build, naming the image, and nothing is committed: before, it was stored as an undecodable image, for every
+    later run. The next build decodes it. Bytes that are really not an image are still stored as bad."""
+    from behemoth.data import images
+
+    index = index_image_folder(image_root)
+    victim = Path(index.train.column("path")[5].as_py()).read_bytes()
+    decode = images.decode_rgb
+    with monkeypatch.context() as m:
+        m.setattr(images, "decode_rgb", lambda data: (_ for _ in ()).throw(MemoryError()) if data == victim
+                  else decode(data))
+        with pytest.raises(MemoryError) as raised:
+            build(index.train, tmp_path / "cache")
+    assert any(index.train.column("path")[5].as_py() in note for note in raised.value.__notes__)
+    plan = image_cache.plan(index.train, SIZE, str(tmp_path / "cache"), "image")
+    assert image_cache.check(Path(plan.folder), plan) == "absent"
+    assert nothing_left_but_locks(tmp_path / "cache") == []
+    _, decoded = build(index.train, tmp_path / "cache")
+    assert decoded.valid.all() and decoded.errors == {}
+
+    for kind, data in corrupt_images().items():
+        (tmp_path / "bad.png").write_bytes(data)
+        table = index.train.slice(0, 3).set_column(1, "path", pa.array([str(tmp_path / "bad.png")] * 3))
+        _, decoded = build(table, tmp_path / kind)
+        assert not decoded.valid.any() and set(decoded.errors) == {0, 1, 2}, kind
+
+
+@pytest.mark.parametrize("fault", ["MemoryError", "an OSError of a system call"])
+def test_decoding_every_epoch_raises_a_failure_that_is_not_the_images_fault(image_root, tmp_path, monkeypatch,
+                                                                            fault):
+    """The same rule without the cache (transform_batch, one place: images.decode_sample): a MemoryError, or an
+    OSError with an errno (a failed system call), is raised, naming the image; it is neither dropped as a bad
+    sample nor a BadSampleError (which ends a run without a retry). Corrupt bytes are bad samples."""
+    import errno
+
+    from behemoth.data import images
+    from behemoth.errors import BadSampleError
+
+    index = index_image_folder(image_root)
+    batch = batch_of(index.train.slice(0, 8))
+    victim = Path(batch["path"][5]).read_bytes()
+    error = MemoryError() if fault == "MemoryError" else OSError(errno.EIO, "Input/output error")
+    decode = images.decode_rgb
+    monkeypatch.setattr(images, "decode_rgb", lambda data: (_ for _ in ()).throw(error) if data == victim
+                        else decode(data))
+    for budget in (0, 5):
+        with pytest.raises(type(error)) as raised:
+            transform_batch(batch, cfg=cfg(max_bad_samples=budget), seed=0, epoch=0, train=True)
+        assert any(batch["path"][5] in note for note in raised.value.__notes__)
+    monkeypatch.undo()
+    batch["path"][5] = str(tmp_path / "bad.png")
+    for kind, data in corrupt_images().items():
+        (tmp_path / "bad.png").write_bytes(data)
+        got = transform_batch(batch, cfg=cfg(max_bad_samples=5), seed=0, epoch=0, train=True)
+        assert list(np.flatnonzero(~got["valid"])) == [5], kind
+        with pytest.raises(BadSampleError, match=f"cannot decode image {batch['path'][5]}"):
+            transform_batch(batch, cfg=cfg(max_bad_samples=0), seed=0, epoch=0, train=True)

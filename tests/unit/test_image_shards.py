@@ -69,8 +69,8 @@ def test_the_decoded_cache_of_shards_holds_the_folders_pixels(image_root, shards
     index = index_webdataset(files(shards, "train"), files(shards, "val"))
     decoded = []
     for table in (folder.train, index.train):
-        plan = image_cache.plan(table, 12, str(tmp_path / "cache"))
-        decoded.append(image_cache.open_or_build(plan, table, "image", workers=False, log=lambda line: None))
+        plan = image_cache.plan(table, 12, str(tmp_path / "cache"), "image")
+        decoded.append(image_cache.open_or_build(plan, table, workers=False, log=lambda line: None))
     assert decoded[0].folder != decoded[1].folder  # each source its own cache
     ids = np.arange(folder.train.num_rows)
     (a, valid_a), (b, valid_b) = decoded[0].rows(ids), decoded[1].rows(ids)

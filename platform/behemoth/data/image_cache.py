@@ -8,28 +8,38 @@ on the worker, from these rows: the same pixels reach the model as without the c
 weights (tests/integration/test_train_images.py). random_resized_crop crops the original image, not a fitted
 one, so it is not cached.
 
-A split's cache is a folder `<data.cache_dir>/images/<key>` whose key is a hash of the sample list (each
-sample's file, parquet row or tar member offset, and order), each file's size and modification time, the stored size and the
-cache format: a changed, added or touched file makes another key, so a stale cache is never read. In it:
+A split's cache is a folder `<data.cache_dir>/images/<key>` whose key hashes every input of the stored pixels
+(cache_key: the samples in order, each file's size and modification time, the image column, the stored size,
+the decoding code's and Pillow's versions, the cache format): a changed, added or touched file, another column
+or another Pillow makes another key, so a stale cache is never read. In it:
 `pixels-00000.npy`, ... (uint8 [rows, S, S, 3], up to SHARD_BYTES each), `valid.npy` (False: the image could
 not be decoded, its error in manifest.json) and `manifest.json`, written last: its presence means complete.
 Each shard's size, modification time and sha256 are in the manifest; a shard whose size differs, or whose time
 differs and whose hash no longer matches (damaged, partly overwritten), makes the cache be built again.
 
-The folder is local to each node (a path, not a URI): one process per node builds it, under an exclusive
-lock of `<key>.lock` that every other worker and trial on the node waits on, then finds it complete. The
-building process decodes with Ray Data tasks on the cluster's CPUs, in order, and writes the rows as they
-come (one shard in memory at a time); without Ray (unit tests, `workers=False`) it decodes in-process.
+The folder is meant to be on each node's own disk (a path, not a URI; on a network filesystem it works, and
+the run says so: network_warning): one process per node builds it, under an exclusive lock of `<key>.lock`
+that every other worker and trial on the node waits on, then finds it complete. Each builder writes in a
+temporary folder of its own (`<key>.tmp-<host>-<pid>-<random>`, its lock held while it runs) and removes only
+its own, or one it proves dead (this host's, its lock free): a folder shared by several nodes, whose lock may
+not reach across them, never has one builder delete another's build. The building process first reserves the cache's space on its disk (a full disk is one StorageFullError, not a
+SIGBUS through the memory map), then decodes with Ray Data tasks on the cluster's CPUs, in order, and writes the
+rows as they come (one shard in memory at a time); without Ray (unit tests, `workers=False`) it decodes
+in-process.
 """
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import hashlib
 import json
 import os
+import re
 import shutil
+import socket
 import time
+import uuid
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,10 +47,12 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
-from behemoth.errors import DataError
+from behemoth.errors import DataError, StorageFullError
 from behemoth.progress import progress
 
-FORMAT = 1
+FORMAT = 2  # 2: the manifest names the image column and Pillow's version
+# What decode_fitted stores: change it whenever decode_rgb or center_fit would give other pixels for the same bytes
+PIXELS = "decode_rgb (EXIF upright, RGB, alpha dropped) then center_fit (bilinear shorter side, centre crop) v1"
 SHARD_BYTES = 64 << 20
 BUILD_BLOCK_ROWS = 256  # rows per Ray Data decode task
 
@@ -52,19 +64,30 @@ class CachePlan:
     folder: str
     size: int
     rows: int
+    image_column: str  # the parquet column decoded (image files and tar members ignore it)
 
     @property
     def nbytes(self) -> int:
         return self.rows * self.size * self.size * 3
 
 
-def cache_key(table: pa.Table, size: int) -> str:
-    """A hash of what the cached rows depend on: the samples in order (file, parquet row or tar member offset), each file's size and
-    modification time, the stored size, the format."""
-    paths = table.column("path").to_pylist()
-    h = hashlib.sha256(f"behemoth decoded images v{FORMAT} center_fit {size}\n".encode())
-    h.update(np.asarray(table.column("row").to_numpy(), dtype="<i8").tobytes())
-    paths = [os.path.abspath(p) for p in paths]  # the same files however the data folder was named
+def cache_key(table: pa.Table, size: int, image_column: str) -> str:
+    """A hash of every input of the stored pixels:
+    - the samples in order: each one's file (absolute path), parquet row or tar member offset, and tar member
+      length (the index's `path`, `row` and `size` columns);
+    - each file's size and modification time (its content, without reading it);
+    - `image_column`: which cell of a parquet row is decoded (a set may hold several image columns);
+    - `size` (data.image_size), and how the pixels are made from the bytes: PIXELS (decode_rgb, center_fit)
+      and Pillow's version (its decoders and resampling), with the cache FORMAT.
+    Not inputs: the labels (read from the index every run, never stored) and the augmentation, normalisation
+    and seed (applied to the stored rows every epoch)."""
+    import PIL
+
+    h = hashlib.sha256(f"behemoth decoded images v{FORMAT}\0{PIXELS}\0Pillow {PIL.__version__}\0{size}\0"
+                       f"column {image_column}\n".encode())
+    for column in ("row", "size"):
+        h.update(np.asarray(table.column(column).to_numpy(), dtype="<i8").tobytes())
+    paths = [os.path.abspath(p) for p in table.column("path").to_pylist()]  # however the data folder was named
     for path in dict.fromkeys(paths):  # each file once, in first-seen order
         try:
             st = os.stat(path)
@@ -86,9 +109,52 @@ def free_disk(folder: Path) -> int:
     return shutil.disk_usage(folder).free
 
 
-def plan(table: pa.Table, size: int, cache_dir: str) -> CachePlan:
-    folder = Path(cache_dir).absolute() / "images" / cache_key(table, size)
-    return CachePlan(str(folder), size, table.num_rows)
+# Filesystems whose files live on other machines (/proc/mounts' type): a cache there is read over the network
+# and shared by every node's builders. Not fuse.* at large: rootless containers' fuse-overlayfs is a local disk.
+NETWORK_FILESYSTEMS = {
+    "nfs", "nfs4", "cifs", "smb3", "smbfs", "lustre", "gpfs", "beegfs", "ceph", "glusterfs", "afs", "wekafs",
+    "panfs", "ocfs2", "gfs2", "fuse.sshfs", "fuse.s3fs", "fuse.gcsfuse", "fuse.rclone", "fuse.juicefs",
+    "fuse.glusterfs", "fuse.ceph-fuse", "fuse.cephfs", "fuse.blobfuse", "fuse.blobfuse2", "fuse.goofys",
+    "fuse.mountpoint-s3",
+}
+
+
+def mount_table() -> str:
+    """This machine's mounts, as /proc/mounts lists them ("" where it cannot be read)."""
+    try:
+        return Path("/proc/mounts").read_text()
+    except OSError:
+        return ""
+
+
+def network_filesystem(folder: str | Path, mounts: str) -> str | None:
+    """The type of the network filesystem that holds the absolute path `folder` (per `mounts`, the text of
+    /proc/mounts: the mount with the longest mount point above it, the last one where points repeat), or None
+    where it is on a local one."""
+    path, best, kind = str(folder), "", None
+    for line in mounts.splitlines():
+        fields = line.split()
+        if len(fields) < 3:
+            continue
+        point = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), fields[1])  # \040: a space
+        if (path == point or path.startswith(point.rstrip("/") + "/")) and len(point) >= len(best):
+            best, kind = point, fields[2]
+    return kind if kind in NETWORK_FILESYSTEMS else None
+
+
+def network_warning(folder: str | Path) -> str | None:
+    """What to tell a run whose cache folder is on a network filesystem (None where it is not)."""
+    kind = network_filesystem(os.path.realpath(folder), mount_table())
+    if kind is None:
+        return None
+    return (f"the decoded image cache's folder {folder} is on a network filesystem ({kind}): its rows are read "
+            f"over the network, and the nodes share it (one node's lock may not keep another's builder out); set "
+            f"data.cache_dir to a folder on each node's own disk (a local SSD, /tmp)")
+
+
+def plan(table: pa.Table, size: int, cache_dir: str, image_column: str) -> CachePlan:
+    folder = Path(cache_dir).absolute() / "images" / cache_key(table, size, image_column)
+    return CachePlan(str(folder), size, table.num_rows, image_column)
 
 
 class DecodedImages:
@@ -114,7 +180,7 @@ class DecodedImages:
         return pixels, self.valid[ids]
 
 
-def open_or_build(cache: CachePlan, table: pa.Table, image_column: str, *, workers: bool = True,
+def open_or_build(cache: CachePlan, table: pa.Table, *, workers: bool = True,
                   cpus_per_task: float = 1.0, log=print) -> DecodedImages:
     """The split's cache on this node: opened if complete and intact, else built (by the first process to take
     the node's lock; the others wait for it and open what it built)."""
@@ -127,7 +193,7 @@ def open_or_build(cache: CachePlan, table: pa.Table, image_column: str, *, worke
         if problem != "absent":
             log(f"[behemoth] decoded image cache {folder}: {problem}; building it again")
         began = time.monotonic()
-        build(folder, cache, table, image_column, workers=workers, cpus_per_task=cpus_per_task)
+        build(folder, cache, table, workers=workers, cpus_per_task=cpus_per_task, log=log)
         manifest = _manifest(folder)
         log(f"[behemoth] decoded {cache.rows} images once into {folder} ({manifest['bytes'] / 1e6:.1f} MB, "
             f"{time.monotonic() - began:.1f} s)")
@@ -156,7 +222,8 @@ def check(folder: Path, cache: CachePlan) -> str | None:
         return "absent" if not folder.exists() else "incomplete (no manifest.json)"
     except (OSError, ValueError) as e:
         return f"unreadable manifest.json ({e})"
-    if (manifest.get("format"), manifest.get("rows"), manifest.get("size")) != (FORMAT, cache.rows, cache.size):
+    made_for = (manifest.get("format"), manifest.get("rows"), manifest.get("size"), manifest.get("image_column"))
+    if made_for != (FORMAT, cache.rows, cache.size, cache.image_column):
         return "made for other data"
     for entry in [*manifest["shards"], manifest["valid"]]:
         path = folder / entry["file"]
@@ -179,20 +246,120 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def build(folder: Path, cache: CachePlan, table: pa.Table, image_column: str, *, workers: bool,
-          cpus_per_task: float) -> None:
-    """Decode every row of `table` into a new cache, built beside `folder` and renamed to it when complete."""
-    # We hold the node's lock: an incomplete or damaged cache and a dead builder's temporary folder can go.
-    for stale in [folder, *folder.parent.glob(f"{folder.name}.tmp-*")]:
-        shutil.rmtree(stale, ignore_errors=True)
-    tmp = folder.with_name(f"{folder.name}.tmp-{os.getpid()}")
+def build(folder: Path, cache: CachePlan, table: pa.Table, *, workers: bool, cpus_per_task: float,
+          log=print) -> None:
+    """Decode every row of `table` into a new cache, built in a temporary folder of this builder's own beside
+    `folder` and renamed to it when complete. Its space is reserved before anything is decoded: a full disk
+    ends the build with one StorageFullError (not retried). Whatever ends a build, what it wrote is removed."""
+    _remove_dead_builds(folder, log)
+    if folder.exists() and check(folder, cache) is not None:  # incomplete or damaged; not one another node's
+        shutil.rmtree(folder, ignore_errors=True)                # builder has just completed
+    with _build_folder(folder, cache) as tmp:
+        shard_rows = max(1, SHARD_BYTES // (cache.size * cache.size * 3))
+        shards = _reserved_shards(tmp, cache, shard_rows)
+        valid, errors = _decode_into(shards, shard_rows, folder, cache, table, workers, cpus_per_task)
+        _write_manifest(tmp, cache, shard_rows, valid, errors)
+        _commit(tmp, folder, cache)
+
+
+# A builder's temporary folder is `<key>.tmp-<host>-<pid>-<random>`: a cache folder on a shared filesystem is
+# built beside other nodes' (and containers') builders, whose pids can be the same. In it, BUILDER_LOCK is held
+# (flock) for as long as the build runs: the kernel releases it when the builder dies, however it dies.
+BUILDER_LOCK = "builder.lock"
+
+
+def _host() -> str:
+    return re.sub(r"[^A-Za-z0-9.-]", "_", socket.gethostname())
+
+
+@contextmanager
+def _build_folder(folder: Path, cache: CachePlan):
+    """This builder's temporary folder, its lock held while the build runs; removed whatever ends the build
+    (after _commit it is gone already). A full disk or quota ends it with one StorageFullError."""
+    tmp = folder.with_name(f"{folder.name}.tmp-{_host()}-{os.getpid()}-{uuid.uuid4().hex[:12]}")
     tmp.mkdir(parents=True)
-    row_bytes = cache.size * cache.size * 3
-    shard_rows = max(1, SHARD_BYTES // row_bytes)
+    lock = os.open(tmp / BUILDER_LOCK, os.O_CREAT | os.O_RDWR, 0o644)
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        yield tmp
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        from behemoth.checkpoint import is_disk_full
+
+        if is_disk_full(e):
+            raise StorageFullError(_disk_full_message(folder, cache)) from None
+        raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.close(lock)
+
+
+def _remove_dead_builds(folder: Path, log) -> None:
+    """Remove the temporary folders of this cache's builders that are proven dead: on this host, with their
+    lock free. Never a live builder's: another host's is left (a lock on a network filesystem may not reach
+    across nodes, so its builder may be alive), and said."""
+    prefix = f"{folder.name}.tmp-"
+    for temp in folder.parent.glob(f"{prefix}*"):
+        host = temp.name[len(prefix):].rsplit("-", 2)[0]
+        if host != _host():
+            log(f"[behemoth] decoded image cache: {temp.name}: another host's build ({host}), left alone; remove "
+                f"it if no build runs there")
+        elif _lock_is_free(temp / BUILDER_LOCK):
+            shutil.rmtree(temp, ignore_errors=True)
+
+
+def _lock_is_free(path: Path) -> bool:
+    """Whether no process holds the flock of `path`. No lock file: its builder is starting or committing."""
+    try:
+        fd = os.open(path, os.O_RDWR)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except OSError:
+        return False  # held: alive (or a filesystem without locks: not proven dead)
+    finally:
+        os.close(fd)
+
+
+def _commit(tmp: Path, folder: Path, cache: CachePlan) -> None:
+    """The complete cache in `tmp` renamed to `folder`. Where another node's builder has put one there first
+    (the node's lock did not keep it out), that one is kept: made from the same key, it holds the same rows."""
+    (tmp / BUILDER_LOCK).unlink()
+    try:
+        os.replace(tmp, folder)
+    except OSError as e:
+        if e.errno not in (errno.ENOTEMPTY, errno.EEXIST) or check(folder, cache) is not None:
+            raise
+
+
+def _reserved_shards(folder: Path, cache: CachePlan, shard_rows: int) -> list[Path]:
+    """Every shard file of the cache, created at its full size with its disk blocks allocated. The rows are
+    written through a memory map, where a page without room is a SIGBUS that kills the process (and a retry, the
+    same way); reserved first, a full disk or quota is an OSError (ENOSPC, EDQUOT) here, before any decoding."""
+    if free_disk(folder) < cache.nbytes:  # not even tried: filling the disk up would fail its other writers
+        raise OSError(errno.ENOSPC, "No space left on device", str(folder))
+    shards = []
+    for number, first in enumerate(range(0, cache.rows, shard_rows)):
+        path = folder / f"pixels-{number:05d}.npy"
+        rows = min(shard_rows, cache.rows - first)
+        with open(path, "wb") as f:  # a .npy header, then the rows' blocks (np.load maps them)
+            shape = (rows, cache.size, cache.size, 3)
+            np.lib.format.write_array_header_1_0(f, {"descr": "|u1", "fortran_order": False, "shape": shape})
+            f.flush()
+            os.posix_fallocate(f.fileno(), 0, f.tell() + rows * cache.size * cache.size * 3)
+        shards.append(path)
+    return shards
+
+
+def _decode_into(shards: list[Path], shard_rows: int, folder: Path, cache: CachePlan, table: pa.Table,
+                 workers: bool, cpus_per_task: float) -> tuple[np.ndarray, dict[str, str]]:
+    """Decode every row into the reserved shards, in order; the valid flags and the errors of those that are not."""
     valid = np.zeros(cache.rows, dtype=bool)
     errors: dict[str, str] = {}
-    shards, current, written = [], None, 0
-    batches = _decoded_batches(table, cache.size, image_column, workers, cpus_per_task)
+    current, written = None, 0
+    batches = _decoded_batches(table, cache.size, cache.image_column, workers, cpus_per_task)
     total = -(-table.num_rows // BUILD_BLOCK_ROWS)
     for batch in progress(batches, f"decoding {cache.rows} images once", total=total, unit="block"):
         for i in range(len(batch["sample_id"])):
@@ -200,8 +367,9 @@ def build(folder: Path, cache: CachePlan, table: pa.Table, image_column: str, *,
             if sample != written:
                 raise DataError(f"decoding for {folder} returned sample {sample} where {written} was due")
             if written % shard_rows == 0:
-                current = _new_shard(tmp, len(shards), min(shard_rows, cache.rows - written), cache.size)
-                shards.append(current)
+                if current is not None:
+                    current.flush()
+                current = np.load(shards[written // shard_rows], mmap_mode="r+")
             current[written % shard_rows] = batch["pixels"][i]
             valid[written] = batch["valid"][i]
             if not batch["valid"][i]:
@@ -209,20 +377,30 @@ def build(folder: Path, cache: CachePlan, table: pa.Table, image_column: str, *,
             written += 1
     if written != cache.rows:
         raise DataError(f"decoding for {folder} returned {written} of {cache.rows} images")
-    for shard in shards:
-        shard.flush()
-    np.save(tmp / "valid.npy", valid)
-    entries = [_entry(tmp, f"pixels-{i:05d}.npy") for i in range(len(shards))]
-    manifest = {"format": FORMAT, "rows": cache.rows, "size": cache.size, "shard_rows": shard_rows,
-                "shards": entries, "valid": _entry(tmp, "valid.npy"), "errors": errors,
+    if current is not None:
+        current.flush()
+    return valid, errors
+
+
+def _write_manifest(folder: Path, cache: CachePlan, shard_rows: int, valid: np.ndarray, errors: dict) -> None:
+    import PIL
+
+    np.save(folder / "valid.npy", valid)
+    entries = [_entry(folder, path.name) for path in sorted(folder.glob("pixels-*.npy"))]
+    manifest = {"format": FORMAT, "rows": cache.rows, "size": cache.size, "image_column": cache.image_column,
+                "pillow": PIL.__version__, "shard_rows": shard_rows,
+                "shards": entries, "valid": _entry(folder, "valid.npy"), "errors": errors,
                 "bytes": sum(e["bytes"] for e in entries)}
-    (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1))
-    os.replace(tmp, folder)
+    (folder / "manifest.json").write_text(json.dumps(manifest, indent=1))
 
 
-def _new_shard(folder: Path, number: int, rows: int, size: int) -> np.memmap:
-    return np.lib.format.open_memmap(folder / f"pixels-{number:05d}.npy", mode="w+", dtype=np.uint8,
-                                     shape=(rows, size, size, 3))
+def _disk_full_message(folder: Path, cache: CachePlan) -> str:
+    """The line a full disk ends the build with, in the words of a checkpoint's (worker/saver.py)."""
+    where = folder.parent
+    return (f"the decoded image cache did not fit: no space left on the device of {where}; it needs about "
+            f"{cache.nbytes / 1e6:.1f} MB, {free_disk(where) / 1e6:.1f} MB is free. What it had written is removed. "
+            f"Free space there, or point data.cache_dir at a larger disk (or set data.cache: none), then rerun "
+            f"the same command")
 
 
 def _entry(folder: Path, name: str) -> dict:

@@ -300,11 +300,10 @@ def transform_batch(batch: dict, *, cfg: ImageData, seed: int, epoch: int, train
     pixels = np.zeros((len(raw), size, size, 3), dtype=np.uint8)
     valid = np.ones(len(raw), dtype=bool)
     for i, (data, sample_id) in enumerate(zip(raw, batch["sample_id"])):
-        try:
-            img = decode_rgb(data)
-        except Exception as e:  # PIL raises many types for bad files
+        img, error = decode_sample(data, batch, i)
+        if img is None:
             if cfg.max_bad_samples == 0:
-                raise BadSampleError(decode_error(_describe(batch["path"][i], batch["row"][i], batch["size"][i]), e)) from None
+                raise BadSampleError(error)
             valid[i] = False
             continue
         rng = sample_rng(seed, epoch, sample_id)
@@ -322,11 +321,11 @@ def decode_fitted(batch: dict, *, size: int, image_column: str) -> dict:
     valid = np.ones(len(raw), dtype=bool)
     errors = [""] * len(raw)
     for i, data in enumerate(raw):
-        try:
-            pixels[i] = center_fit(decode_rgb(data), size)
-        except Exception as e:  # PIL raises many types for bad files
+        img, errors[i] = decode_sample(data, batch, i)
+        if img is None:
             valid[i] = False
-            errors[i] = decode_error(_describe(batch["path"][i], batch["row"][i], batch["size"][i]), e)
+        else:
+            pixels[i] = center_fit(img, size)
     return {"sample_id": batch["sample_id"], "pixels": pixels, "valid": valid, "error": np.array(errors, dtype=object)}
 
 
@@ -342,6 +341,36 @@ def cached_batches(images, labels: np.ndarray, indices: np.ndarray, cfg: ImageDa
             draws = np.array([crop_flip_draws(sample_rng(seed, epoch, s), cfg.crop_padding) for s in ids])
             pixels = crop_flip_batch(pixels, draws, cfg.crop_padding)
         yield {"image": normalise(pixels, valid, cfg), "label": labels[ids], "sample_id": ids, "valid": valid}
+
+
+def decode_sample(data: bytes, batch: dict, i: int) -> tuple[Image.Image | None, str]:
+    """Row `i` of a batch of index rows decoded (decode_rgb), or (None, the message naming it) where its bytes
+    are not a decodable image: the one place that decides what a bad sample is, for decoding every epoch and
+    for the decoded cache (which stores it as bad for every later run)."""
+    try:
+        return decode_rgb(data), ""
+    except Exception as e:
+        where = _describe(batch["path"][i], batch["row"][i], batch["size"][i])
+        if not is_the_images_fault(e):
+            e.add_note(f"(while decoding image {where}: not counted as an undecodable image)")
+            raise
+        return None, decode_error(where, e)
+
+
+def is_the_images_fault(e: Exception) -> bool:
+    """Whether a failure to decode bytes held in memory says the bytes are not an image PIL can decode (the
+    same bytes fail the same way every time) rather than something of the machine's (out of memory, a failed
+    system call: errno set), which a retry may not meet. PIL raises OSError without an errno for undecodable
+    data (UnidentifiedImageError, truncated files, its decoders' errors but "out of memory"), SyntaxError and
+    ValueError for broken structures, DecompressionBombError, and, from some plugins, EOFError, struct.error
+    and IndexError."""
+    import struct
+    import zlib
+
+    if isinstance(e, OSError):
+        return e.errno is None and "out of memory" not in str(e)
+    return isinstance(e, (ValueError, SyntaxError, EOFError, struct.error, IndexError, zlib.error,
+                          Image.DecompressionBombError))
 
 
 def decode_error(where: str, e: Exception) -> str:

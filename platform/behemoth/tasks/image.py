@@ -76,6 +76,9 @@ class ImageClassification(Task):
         decoded cache (the decision, made here, is the run's: one line says what and why)."""
         index.cache, line = decide_cache(cfg.data, index)
         print(f"[behemoth] data cache: {line}", flush=True)
+        warning = index.cache and image_cache.network_warning(Path(index.cache["train"].folder).parent)
+        if warning:
+            print(f"[behemoth] warning: {warning}", flush=True)
         return index
 
     @classmethod
@@ -212,7 +215,7 @@ class ImageClassification(Task):
             if split not in self._decoded_splits:
                 d = self.cfg.data
                 decoded = image_cache.open_or_build(self.index.cache[split], getattr(self.index, split),
-                                                    d.image_column, cpus_per_task=d.cpus_per_task)
+                                                    cpus_per_task=d.cpus_per_task)
                 if d.max_bad_samples == 0 and decoded.errors:
                     raise BadSampleError(decoded.errors[min(decoded.errors)])
                 labels = getattr(self.index, split).column("label").to_numpy()
@@ -259,10 +262,11 @@ def build_decoded_cache(cfg: JobConfig, start_ray) -> list[str]:
     index = build_index(cfg.data)
     plans, _ = decide_cache(decide, index)
     start_ray()
-    lines = []
+    warning = image_cache.network_warning(Path(plans["train"].folder).parent)
+    lines = [f"warning: {warning}"] if warning else []
     for split, plan in plans.items():
-        decoded = image_cache.open_or_build(plan, getattr(index, split), cfg.data.image_column,
-                                            cpus_per_task=cfg.data.cpus_per_task, log=lambda line: None)
+        decoded = image_cache.open_or_build(plan, getattr(index, split), cpus_per_task=cfg.data.cpus_per_task,
+                                            log=lambda line: None)
         lines.append(f"{split}: {plan.rows} images, {decoded.manifest['bytes'] / 1e6:.1f} MB in {plan.folder} "
                      f"({len(decoded.errors)} undecodable)")
     return lines
@@ -276,7 +280,8 @@ def decide_cache(cfg: ImageData, index: ImageIndex) -> tuple[dict | None, str]:
         why = "random_resized_crop crops the original" if cfg.augment == "random_resized_crop" else \
             f"data.cache_dir {cfg.cache_dir} is a URI, not a folder on each node"
         return None, f"none (auto: {why}): images are decoded every epoch"
-    plans = {split: image_cache.plan(getattr(index, split), cfg.image_size, cfg.cache_dir) for split in ("train", "val")}
+    plans = {split: image_cache.plan(getattr(index, split), cfg.image_size, cfg.cache_dir, cfg.image_column)
+             for split in ("train", "val")}
     need = sum(p.nbytes for p in plans.values())
     built = all(image_cache.check(Path(p.folder), p) is None for p in plans.values())
     where = Path(plans["train"].folder).parent
