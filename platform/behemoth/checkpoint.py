@@ -226,6 +226,33 @@ def read_manifest_bytes(path: str, fs, where: str) -> bytes:
         raise CheckpointError(f"checkpoint {where} has no {MANIFEST}: it was not completely written") from None
 
 
+def read_verified(ckpt: str, name: str, fs=None, manifest: dict | None = None) -> bytes:
+    """One small file of a checkpoint (a local folder, a URI, or a path on the pyarrow `fs`), checked against
+    its manifest (`manifest`: read already) as `verify` checks every file: a CheckpointError naming the file
+    where it is not listed, missing, or not what was written (a damaged or edited file counts as damage)."""
+    if manifest is None:
+        manifest = read_manifest(read_manifest_bytes(ckpt, fs, ckpt), ckpt, only=(name,))
+    expected = manifest["files"].get(name)
+    if expected is None:
+        raise CheckpointError(f"checkpoint {ckpt}: {name} not in its {MANIFEST}")
+    try:
+        data = read_file(f"{ckpt}/{name}", fs)
+    except FileNotFoundError:
+        raise CheckpointError(f"checkpoint {ckpt}: {name} is missing") from None
+    if len(data) != expected["size"] or hashlib.sha256(data).hexdigest() != expected["sha256"]:
+        raise CheckpointError(f"checkpoint {ckpt}: {name} does not match its manifest (size or sha256)")
+    return data
+
+
+def read_json(ckpt: str, name: str, fs=None) -> Any:
+    """A checkpoint's JSON file, checked against its manifest (read_verified)."""
+    data = read_verified(ckpt, name, fs)
+    try:
+        return json.loads(data)
+    except ValueError as e:  # (written so: its manifest was made over it)
+        raise CheckpointError(f"checkpoint {ckpt}: {name} is not JSON ({e})") from None
+
+
 def read_state(directory: str | Path, fs=None) -> TrainState:
     """A checkpoint's train_state.json: a local folder, a URI (s3://...), or a path on the pyarrow `fs`."""
     return TrainState(**json.loads(read_file(f"{directory}/train_state.json", fs)))

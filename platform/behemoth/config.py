@@ -75,13 +75,17 @@ class ModelConfig:
     # load_config prints a warning naming the repository. Never read from a checkpoint's job.yaml (export).
     trust_remote_code: bool = False
 
-    def validate(self) -> None:
-        """What holds for any model; which model.name values a job may use, and whether they take
+    def validate(self, name: bool = True) -> None:
+        """What holds for any model, whichever task builds it: hf_config holds architecture keys only (no
+        option of from_pretrained: a received checkpoint's job.yaml is data), trust_remote_code needs
+        pretrained. `name`: model.name is a model behemoth builds (False: a task by import path builds its own,
+        and names it as it likes). Which model.name values a job may use, and whether they take
         pretrained/hf_config, is its task's check (Task.check_model)."""
         from behemoth.models import hf_keys, registry  # light: no torch model is built here
 
-        registry.check_name(self.name)
-        hf_keys.check_hf_config(self.hf_config)  # architecture keys only: no option of from_pretrained
+        if name:
+            registry.check_name(self.name)
+        hf_keys.check_hf_config(self.hf_config)
         if self.trust_remote_code and not self.pretrained:
             raise ConfigError("model.trust_remote_code runs the code of model.pretrained's repository, and "
                               "model.pretrained is not set: set it, or remove trust_remote_code")
@@ -295,11 +299,13 @@ class JobConfig:
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
 
     def validate(self, model: bool = True) -> None:
-        """Each section's checks and those across sections; `model` False skips the model section (a task of
-        one's own, by import path, builds its own model). Which models the data can train is the task's check
-        (behemoth.job)."""
+        """Each section's checks and those across sections; `model` False skips the check of model.name (a
+        task of one's own, by import path, builds its own model), not the model's other checks. Which models
+        the data can train is the task's check (behemoth.job)."""
         for f in dataclasses.fields(self):
-            if model or f.name != "model":
+            if f.name == "model":
+                self.model.validate(name=model)
+            else:
                 getattr(self, f.name).validate()
         # Every world size the run may have must split the global batch evenly.
         micro = self.train.micro_batch_size

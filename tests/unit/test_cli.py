@@ -305,5 +305,23 @@ def test_resume_or_eval_on_data_whose_classes_changed_is_refused(tmp_path, monke
                                           r"job's: its classes.json lists 3, this data 3; index 0"):
         evaluate.evaluate_checkpoint(cfg, str(saved))
 
-    (saved / "classes.json").unlink()  # (its manifest no longer lists it: only this check reads the folder)
+    # written before classes.json was kept: neither the folder nor its manifest has it
+    (saved / "classes.json").unlink()
+    kept = [p.name for p in sorted(saved.iterdir()) if p.name != checkpoint.MANIFEST]
+    checkpoint.commit(saved, checkpoint.hash_files(saved, kept), checkpoint.FORMAT_VERSION)
     trainer.check_resume_data(cfg, replaced)
+
+
+def test_export_refuses_a_checkpoint_whose_classes_json_was_edited(tmp_path, capsys):
+    """classes.json names the classes of an image export (id2label): checked against the manifest as
+    labels.json is (tests/unit/test_labelled_text.py), an edited one is one error naming it."""
+    import pytest
+    from behemoth.errors import CheckpointError
+    from behemoth.job import config_from_dict
+    from behemoth.tasks.image import ImageClassification
+
+    job = job_dict(tmp_path / "images", tmp_path / "runs")
+    saved = next(_run_of(tmp_path, job).iterdir())
+    (saved / "classes.json").write_text('["d", "c", "b", "a"]')
+    with pytest.raises(CheckpointError, match=rf"checkpoint {saved}: classes.json does not match its manifest"):
+        ImageClassification.model_from_checkpoint(config_from_dict(job), str(saved))

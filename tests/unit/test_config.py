@@ -385,6 +385,34 @@ def test_a_task_is_checked_against_the_contract_and_told_what_it_lacks(monkeypat
         config_from_dict({"data": {"kind": "my_tasks:OldFiles"}})
 
 
+def test_a_task_by_import_path_gets_the_same_model_checks_as_a_built_in_one(monkeypatch):
+    """A task of one's own builds its own model, so its model.name is its own; but model.hf_config may still
+    reach from_pretrained (a received checkpoint's job.yaml, exported with --task-code): a loading option there,
+    or trust_remote_code without model.pretrained, is refused with the built-in task's own error."""
+    import sys
+    import types
+
+    module = types.ModuleType("my_tasks")
+    module.Complete = CompleteTask
+    monkeypatch.setitem(sys.modules, "my_tasks", module)
+    built_in = {"data": {"kind": "text", "train_files": ["a.jsonl"], "val_files": ["b.jsonl"], "tokenizer": "tok"}}
+    own = {"data": {"kind": "my_tasks:Complete"}}
+    for model in ({"hf_config": {"revision": "abc"}}, {"hf_config": {"weights_only": False}},
+                  {"hf_config": {"trust_remote_code": True}, "pretrained": "some/model"},
+                  {"hf_config": {"attn_implementation": "kernels-community/flash-attn3"}},
+                  {"trust_remote_code": True}):
+        errors = []
+        for job in (built_in, own):
+            with pytest.raises(ConfigError) as refused:
+                config_from_dict({**job, "model": {"name": "causal_lm", **model}})
+            errors.append(str(refused.value))
+        assert errors[1] == errors[0], model
+        assert errors[0].startswith(("model.hf_config.", "model.trust_remote_code runs")), errors[0]
+    # its model.name is still its own, and architecture keys pass
+    cfg = config_from_dict({**own, "model": {"name": "my_linear", "hf_config": {"hidden_size": 8}}})
+    assert cfg.model.name == "my_linear" and cfg.model.hf_config == {"hidden_size": 8}
+
+
 def test_a_job_built_by_hand_is_refused_with_one_error_naming_its_section():
     """JobConfig() holds a plain DataConfig; its kind's task reads ImageData: one ConfigError saying how to build
     the job, not an AttributeError inside the task."""

@@ -290,3 +290,104 @@ def test_links_and_sparse_members_in_place_of_an_image_are_refused(tmp_path):
             _add_member(tar, "a.cls", b"0")
         with pytest.raises(DataError, match=f"a.png is a {what}, not the bytes themselves"):
             image_shards.scan_shard(str(path))
+
+
+def _header(name: str, size_field: bytes, kind: bytes = b"0") -> bytes:
+    """A ustar header with any size field and a checksum that adds up, as a crafted shard would carry."""
+    header = bytearray(tarfile.BLOCKSIZE)
+    header[:len(name)] = name.encode()
+    header[100:124] = b"0000644\0" + b"0000000\0" * 2  # mode, uid, gid
+    header[124:136] = size_field.ljust(12, b"\0")
+    header[136:148] = b"00000000000\0"  # mtime
+    header[156:157], header[257:265] = kind, b"ustar\x0000"
+    header[148:156] = b" " * 8  # the checksum counts its own field as spaces
+    header[148:156] = b"%06o\0 " % sum(header)
+    return bytes(header)
+
+
+def _member(name: str, data: bytes) -> bytes:
+    return _header(name, b"%011o" % len(data)) + data + b"\0" * (-len(data) % tarfile.BLOCKSIZE)
+
+
+_END = b"\0" * (2 * tarfile.BLOCKSIZE)
+_NOT_A_SIZE = r"bad tar header at byte 2560 \('b.png'\): its size field b'{}.*' is not a size\)"
+_BAD_SIZES = {  # a size field -> what the refusal says
+    b"-0001000": _NOT_A_SIZE.format("-0001000"),
+    b"+0001000": _NOT_A_SIZE.format(r"\+0001000"),
+    b"0o1000": _NOT_A_SIZE.format("0o1000"),
+    b"00000009zz": _NOT_A_SIZE.format("00000009zz"),
+    b"\xff" * 12: _NOT_A_SIZE.format(r"\\xff"),  # base-256, negative
+    b"77777777777": r"the shard ends inside b.png, \d+ bytes short",  # larger than the bytes left
+    b"\x80" + b"\0" * 6 + b"\x10" + b"\0" * 4: r"the shard ends inside b.png, \d+ bytes short",  # base-256, 64 GiB
+}
+
+
+@pytest.mark.timeout(20)  # each case takes milliseconds; a reader stepping back over a size never ended
+@pytest.mark.parametrize("size_field", list(_BAD_SIZES), ids=repr)
+@pytest.mark.parametrize("first", ["plain", "long_name"])
+def test_a_crafted_size_field_is_one_error_naming_the_shard_never_a_hang(tmp_path, size_field, first):
+    """A header with a negative, non-octal or too large size and a checksum that adds up, after a sample read
+    by the direct reader, or after a long (pax) name that leaves the shard to tarfile: one DataError naming
+    the shard and the header. (A negative size stepped both readers back to the same header forever.)"""
+    name = "d" * 120 + "/a" if first == "long_name" else "a"
+    path = tmp_path / "s.tar"
+    with tarfile.open(path, "w", format=tarfile.PAX_FORMAT) as tar:
+        _add_member(tar, f"{name}.png", b"p" * 600)
+        _add_member(tar, f"{name}.cls", b"1")
+    head = path.read_bytes().rstrip(b"\0")
+    head += b"\0" * (-len(head) % tarfile.BLOCKSIZE)
+    path.write_bytes(head + _header("b.png", size_field) + b"q" * 2048 + _END)
+    message = _BAD_SIZES[size_field]
+    if first == "long_name":  # tarfile reads it: a size it takes is checked, one it cannot read ends its reading
+        message = r"bad tar header at byte \d+"
+    with pytest.raises(DataError, match=rf"cannot read {path} as an uncompressed tar shard \(({message})"):
+        image_shards.scan_shard(str(path))
+
+
+@pytest.mark.timeout(20)
+def test_a_negative_size_in_a_pax_record_or_the_first_header_is_refused(tmp_path):
+    """tarfile takes a size from a pax record too: its reader is checked as well as the direct one; so is the
+    name lookup a decode error uses."""
+    path = tmp_path / "pax.tar"
+    record = b"15 size=-1000\n"
+    pax = _header("././@PaxHeader", b"%011o" % len(record), kind=b"x") + record.ljust(tarfile.BLOCKSIZE, b"\0")
+    path.write_bytes(_member("a.png", b"p" * 600) + _member("a.cls", b"1") + pax + _header("b.png", b"0") + _END)
+    with pytest.raises(DataError, match=rf"{path} as an uncompressed tar shard \(bad tar header at byte \d+ "
+                                        r"\('b.png'\): its size -1000 is not a size"):
+        image_shards.scan_shard(str(path))
+    assert image_shards.member_name(str(path), 512) == f"{path} (the member at byte 512)"
+    path.write_bytes(_header("b.png", b"-1000") + _END)
+    with pytest.raises(DataError, match=rf"{path} as an uncompressed tar shard \(bad tar header at byte 0 "):
+        image_shards.scan_shard(str(path))
+
+
+def test_zero_length_members_are_stepped_over_an_empty_label_is_named(tmp_path):
+    path = tmp_path / "s.tar"
+    path.write_bytes(_member("a.png", b"") + _member("a.cls", b"2") + _member("b.png", b"p") + _member("b.cls", b"")
+                     + _END)
+    with pytest.raises(DataError, match=rf"{path}: b.cls holds b'', not a class index"):
+        image_shards.scan_shard(str(path))
+    path.write_bytes(_member("a.png", b"") + _member("a.cls", b"2") + _END)  # (an empty image: a bad image)
+    assert image_shards.scan_shard(str(path)) == [(512, 0, 2)]
+
+
+@pytest.mark.timeout(60)
+def test_check_of_a_set_with_a_negative_size_shard_answers_in_one_line(tmp_path, capsys):
+    """`behemoth check` indexes the shards before Ray starts: a crafted shard hung it; now one line, at once."""
+    import time
+
+    import yaml
+    from conftest import job_dict
+
+    shard = tmp_path / "train-000000.tar"
+    shard.write_bytes(_member("a.png", b"p" * 600) + _member("a.cls", b"1") + _header("b.png", b"-0001000") + _END)
+    job = job_dict(tmp_path, tmp_path / "runs")
+    job["data"].update(kind="image_webdataset", train_files=[str(shard)], val_files=[str(shard)])
+    cfg = tmp_path / "job.yaml"
+    cfg.write_text(yaml.safe_dump(job))
+    started = time.monotonic()
+    assert main(["check", str(cfg)]) == 1
+    took = time.monotonic() - started
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"cannot read {shard} as an uncompressed tar shard (bad tar header at byte" in err
+    assert took < 10, took  # it answers in well under a second; 10 s leaves room for a loaded machine

@@ -152,3 +152,54 @@ def test_the_model_is_checked_before_ray_and_pads_as_its_data(tmp_path, tokenize
     AutoModelForSequenceClassification.from_config(other).save_pretrained(folder)
     cfg = config_from_dict(classifier_job(tmp_path, tokenizer, pretrained=str(folder)))
     assert build_classifier(cfg, ["joy", "sadness"], 300, pad).config.pad_token_id == pad
+
+
+def test_an_edited_or_damaged_labels_json_counts_as_a_damaged_checkpoint(tmp_path, tokenizer, capsys):
+    """labels.json names the classes an export writes as id2label: read unchecked, an edited one exported the
+    wrong names without a word, garbage was a raw JSONDecodeError, and the driver refused to resume ("trained
+    on other data"). Now it is checked against the manifest like every other file: export and eval refuse
+    with one CheckpointError naming it; resume compares the data with the previous good checkpoint, the one
+    restore falls back to."""
+    from pathlib import Path
+
+    from behemoth import checkpoint
+    from behemoth.config import dump_yaml
+    from behemoth.driver import trainer
+    from behemoth.driver.cli import main
+    from behemoth.errors import CheckpointError
+    from behemoth.tasks.text_classification import TextClassification, build_classifier
+
+    small = {"model_type": "llama", "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1,
+             "num_attention_heads": 2, "max_position_embeddings": 16}
+    job = {**classifier_job(tmp_path, tokenizer, hf_config=small),
+           "checkpoint": {"storage_path": str(tmp_path / "runs"), "run_name": "r"}}
+    cfg = config_from_dict(job)
+    rows = TextClassification.check(cfg)
+    tok = load_classification_tokenizer(tokenizer)
+    model = build_classifier(cfg, rows.classes, len(tok), tok.pad_token_id)
+    saved = []
+    for step in (3, 6):
+        folder = tmp_path / "runs" / "r" / f"checkpoint_2026-01-01_00-00-0{step}.000000"
+        checkpoint.write(folder, checkpoint.Snapshot(state_dicts={"model.pt": model.state_dict()}, step=step, texts={
+            "job.yaml": dump_yaml(cfg), "train_state.json": json.dumps({"step": step}),
+            **TextClassification.checkpoint_files(cfg, rows)}))
+        saved.append(str(folder))
+    older, newest = saved
+    assert TextClassification.model_from_checkpoint(cfg, newest).config.id2label == {0: "joy", 1: "sadness"}
+
+    labels = Path(newest, "labels.json")
+    for damage in ('["sadness", "joy"]', '\x00{"not json'):  # edited (the names swapped), then garbage
+        labels.write_text(damage)
+        refused = rf"checkpoint {newest}: labels.json does not match its manifest \(size or sha256\)"
+        with pytest.raises(CheckpointError, match=refused):
+            TextClassification.model_from_checkpoint(cfg, newest)  # export's
+        with pytest.raises(CheckpointError, match=refused):
+            trainer.task_files_differ(cfg, rows, newest)  # eval's check of the data against it
+        with pytest.raises(CheckpointError, match=refused):
+            checkpoint.verify(newest)  # restore's: it skips the checkpoint
+        trainer.check_resume_data(cfg, rows)  # the older one, which restore uses, has this data's labels
+        assert main(["export", newest, "--out", str(tmp_path / "export")]) == 1
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "labels.json does not match its manifest" in err, err
+    Path(older, "labels.json").write_text('["sadness", "joy"]')  # no good checkpoint: nothing to compare with
+    trainer.check_resume_data(cfg, rows)

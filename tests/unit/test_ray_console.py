@@ -382,22 +382,97 @@ def test_a_real_error_followed_by_rays_stop_of_the_process_shows():
         assert [x for x in filter_lines(lines) if x.strip()] == [x for x in REAL["plain"] if x.strip()], noise
 
 
-def test_held_lines_are_let_out_when_nothing_completes_them(monkeypatch):
+class _Time:
+    """A console's clock and its scheduled wake-ups, driven by the test (no waits on a real clock)."""
+
+    def __init__(self):
+        self.now, self.wake_ups = 100.0, []  # (delay, callback) as the console asked for them
+
+    def console(self, out: list):
+        from behemoth.driver.ray_console import _filtered
+
+        return _filtered(lambda data: out.extend(data["lines"]), clock=lambda: self.now,
+                         wake_up_after=lambda delay, callback: self.wake_ups.append((delay, callback)))
+
+    def wake_up(self) -> None:
+        """The pending wake-up comes now, as its timer would."""
+        _, callback = self.wake_ups.pop()
+        callback()
+
+
+def test_held_lines_are_let_out_when_nothing_completes_them():
     """A traceback cut off by the end of a batch is held for its rest; if that never comes (a process that hangs
     or died mid-write) it is printed after HOLD_S, without waiting for another batch or the driver's exit."""
-    import time
+    from behemoth.driver.ray_console import HOLD_S
 
-    from behemoth.driver import ray_console
-
-    monkeypatch.setattr(ray_console, "HOLD_S", 0.2)
-    out = []
-    handler = ray_console._filtered(lambda data: out.extend(data["lines"]))
+    out, time = [], _Time()
+    handler = time.console(out)
     handler({"pid": 7, "is_err": True, "lines": REAL["thread"][:3]})
     assert out == []  # the traceback is held, with its header: its end may still make it noise, or a repeat
-    deadline = time.monotonic() + 5
-    while len(out) < 3 and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert out == REAL["thread"][:3]
+    assert [delay for delay, _ in time.wake_ups] == [HOLD_S]
+    time.now += HOLD_S
+    time.wake_up()
+    assert out == REAL["thread"][:3] and time.wake_ups == []  # nothing held: no wake-up left pending
+
+
+def test_the_wake_up_of_held_lines_runs_on_its_own():
+    """The console's default wake-up is a timer thread of its own (a daemon: the exit's flush lets all out)."""
+    import threading
+
+    from behemoth.driver.ray_console import _wake_up_after
+
+    woke = threading.Event()
+    _wake_up_after(0.0, woke.set)
+    assert woke.wait(timeout=60)  # at once; 60 s only so that a stalled machine cannot fail it
+
+
+def test_a_real_traceback_is_printed_hold_s_after_its_first_line_whatever_follows():
+    """A traceback, then plain lines every half second: each goes on its message, so it stays undecided; it was
+    held until 2 s passed without a batch (never, while the process printed: lost when the driver was then
+    killed). Now it shows HOLD_S after its first line came, at the next batch or the wake-up, whichever first."""
+    from behemoth.driver.ray_console import HOLD_S
+
+    traceback = REAL["thread"]
+    for by_wake_up in (False, True):
+        out, time = [], _Time()
+        handler = time.console(out)
+        handler({"pid": 7, "is_err": True, "lines": traceback})
+        sent, started = list(traceback), time.now
+        while time.now + 0.5 < started + HOLD_S:
+            time.now += 0.5
+            handler({"pid": 7, "is_err": True, "lines": [f"progress {time.now}"]})
+            sent.append(f"progress {time.now}")
+            assert out == [], time.now - started  # held for HOLD_S: a chained traceback may still come
+        assert time.wake_ups[0][0] == HOLD_S  # the wake-up is due HOLD_S after the traceback's first line
+        time.now = started + HOLD_S
+        if by_wake_up:
+            time.wake_up()
+        else:
+            handler({"pid": 7, "is_err": True, "lines": ["progress last"]})
+            sent.append("progress last")
+        assert out == sent, by_wake_up  # the traceback whole, and the lines after it, in order
+        handler({"pid": 7, "is_err": True, "lines": ["progress after"]})
+        assert out[-1] == "progress after"
+
+
+def test_a_stream_of_batches_rereads_a_bounded_number_of_held_lines(monkeypatch):
+    """Each batch reads the lines held with it again: 1,500 one-line batches after a traceback, all at once
+    (within HOLD_S), read 1.1M lines and printed nothing. Now a batch reads at most HOLD_LINES held lines,
+    and the traceback shows once that many are held."""
+    from behemoth.driver import ray_console
+
+    read = []
+    scan = ray_console._scan
+    monkeypatch.setattr(ray_console, "_scan", lambda lines, *args: read.append(len(lines)) or scan(lines, *args))
+    out, time = [], _Time()
+    handler = time.console(out)
+    handler({"pid": 7, "is_err": True, "lines": REAL["thread"]})
+    for k in range(1500):
+        handler({"pid": 7, "is_err": True, "lines": [f"progress {k}"]})
+    assert out[:len(REAL["thread"])] == REAL["thread"]  # (shown before the exit's flush)
+    assert max(read) <= ray_console.HOLD_LINES + 1, max(read)
+    handler.flush()
+    assert out == [*REAL["thread"], *(f"progress {k}" for k in range(1500))]
 
 
 # Issue 34: a user's real error (a model whose layers do not fit) is printed by every rank of every attempt

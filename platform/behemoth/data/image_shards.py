@@ -84,7 +84,7 @@ def _compressed(path: str) -> bool:
 
 
 class _NotPlain(Exception):
-    """A header _plain_members leaves to tarfile (long names, pax, huge sizes)."""
+    """A header _plain_members leaves to tarfile (long names, pax, a checksum it does not add up)."""
 
 
 _READ = 1 << 16  # bytes read at a header: the next headers of small members come with it
@@ -95,8 +95,9 @@ def _plain_members(path: str):
     """(name, data offset, size, data of a label member) of each regular file, from the 512-byte ustar/v7
     headers read directly: a shard is mostly headers and small members, and tarfile's per-member objects cost
     ~10x this per sample (1.1M samples: minutes). Raises _NotPlain at a header it leaves to tarfile (long
-    names, pax, base-256 sizes, a checksum that does not add up: tarfile also accepts old signed sums, and
-    names a damaged header)."""
+    names, pax, a checksum that does not add up: tarfile also accepts old signed sums, and names a damaged
+    header) - but only once the header's size is known to be good: tarfile steps back over a negative size
+    forever."""
     block = tarfile.BLOCKSIZE
     with open(path, "rb") as f:
         fd, end = f.fileno(), os.fstat(f.fileno()).st_size
@@ -111,17 +112,20 @@ def _plain_members(path: str):
                 if os.pread(fd, block, offset + block).strip(tarfile.NUL):
                     raise tarfile.ReadError(f"bad tar header at byte {offset}: a zero block amid the members")
                 return  # the end-of-archive blocks
-            kind, size = header[156:157], _size(header)
-            if kind in (b"L", b"K", b"x", b"g", b"X") or size is None or _checksum(header) != _octal(header[148:156]):
-                raise _NotPlain
             name = header[:100].split(b"\0", 1)[0]
             if header[257:262] == b"ustar" and header[345] != 0:  # (GNU headers hold times there: tarfile joins
                 name = header[345:500].split(b"\0", 1)[0] + b"/" + name  # them too, so both readers agree)
             name, data = name.decode("utf-8", "surrogateescape"), offset + block
-            if kind in (b"1", b"2", b"S"):
-                _not_bytes(path, name, {b"1": "hard link", b"2": "symbolic link", b"S": "sparse file"}[kind])
+            kind, size = header[156:157], _size(header)
+            if size is None:
+                raise tarfile.ReadError(f"bad tar header at byte {offset} ({name!r}): its size field "
+                                        f"{header[124:136]!r} is not a size")
             if data + size > end:
                 raise tarfile.ReadError(f"the shard ends inside {name}, {data + size - end} bytes short")
+            if kind in (b"L", b"K", b"x", b"g", b"X") or _checksum(header) != _octal(header[148:156]):
+                raise _NotPlain
+            if kind in (b"1", b"2", b"S"):
+                _not_bytes(path, name, {b"1": "hard link", b"2": "symbolic link", b"S": "sparse file"}[kind])
             if kind in (b"0", b"\0", b"7"):  # regular files
                 label = None
                 if split_key(name)[1] == LABEL_EXTENSION:
@@ -133,15 +137,19 @@ def _plain_members(path: str):
 
 
 def _octal(field: bytes) -> int | None:
+    """A numeric field's octal digits; None where it holds anything else (int() would take a sign, '0o' or
+    '_': a size of -1000 would step back forever)."""
     digits = field.split(b"\0", 1)[0].strip()
-    try:
-        return int(digits, 8) if digits else 0
-    except ValueError:
+    if digits.translate(None, b"01234567"):
         return None
+    return int(digits, 8) if digits else 0
 
 
 def _size(header: bytes) -> int | None:
-    return None if header[124] & 0x80 else _octal(header[124:136])  # (base-256 sizes: tarfile reads them)
+    """The size field: octal digits, or base-256 after a 0x80 byte (GNU's form for 8 GiB and more); None where
+    it is neither, or negative (base-256 after 0xff)."""
+    field = header[124:136]
+    return int.from_bytes(field[1:], "big") if field[0] == 0x80 else None if field[0] & 0x80 else _octal(field)
 
 
 def _checksum(header: bytes) -> int:
@@ -150,7 +158,14 @@ def _checksum(header: bytes) -> int:
 
 def _tarfile_members(path: str):
     with tarfile.open(path, mode="r:") as tar:  # "r:": uncompressed, so the data offsets are file offsets
+        end = os.fstat(tar.fileobj.fileno()).st_size
         for member in tar:
+            # Checked before tarfile reads on: it takes a negative size (a sign in the field, base-256 after
+            # 0xff, a pax record) and steps back to the same header forever. (A sparse member's size is the
+            # size it expands to.)
+            if member.size < 0 or (member.size > end - member.offset_data and not member.issparse()):
+                raise tarfile.ReadError(f"bad tar header at byte {member.offset} ({member.name!r}): its size "
+                                        f"{member.size} is not a size within the shard's {end} bytes")
             if member.islnk() or member.issym() or member.issparse():
                 _not_bytes(path, member.name, "hard link" if member.islnk() else
                            "symbolic link" if member.issym() else "sparse file")

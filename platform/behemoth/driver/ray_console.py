@@ -399,56 +399,74 @@ def _run_failure(error: BaseException | None) -> str | None:
 # Ray forwards a process's output in batches as it comes, so a traceback can arrive cut anywhere: a part alone
 # may read as noise or as real when the whole does not, and a real one is compared with those shown only whole
 # (its message or a chained traceback may follow). A batch whose end leaves a block undecided keeps that block
-# back, with the header line over it (per process and stream), until the same process's next batch decides it;
-# held lines are let out, filtered as they are, once HOLD_S passes without it, and at the driver's exit.
+# back, with the header line over it (per process and stream), until the same process's next batch decides it.
+# Held lines are let out, filtered as they are, HOLD_S after the first of them came (whatever came after it:
+# lines that go on an error's message keep it undecided, so a bound from the last batch would hold a real
+# traceback for as long as a process keeps printing), when more than HOLD_LINES are held (each batch reads the
+# held lines again: this bounds its cost), and at the driver's exit.
 HOLD_S = 2.0
+HOLD_LINES = 500  # a traceback chained through Ray's wrappers is ~100-200 lines
 
 
-def _filtered(print_logs):
-    held: dict = {}  # (pid, is_err) -> (data, lines, since)
+def _wake_up_after(delay_s: float, callback) -> None:
+    timer = threading.Timer(delay_s, callback)
+    timer.daemon = True  # nothing waits for it at exit: the atexit flush lets all out
+    timer.start()
+
+
+def _filtered(print_logs, clock=time.monotonic, wake_up_after=_wake_up_after):
+    """`print_logs` behind the filter, for Ray's batches of one process's lines. `clock` and `wake_up_after`
+    (delay, callback): the time held lines are measured by, and how a release of them is scheduled."""
+    held: dict = {}  # (pid, is_err) -> (data, lines, when each of them came)
     shown: dict = {}  # the tracebacks shown whole on this console (see _one_line_per_repeat)
     before: dict = {}  # (pid, is_err) -> the last line not blank before what is held (chains cross batches)
     lock = threading.Lock()
-    timer = [None]  # the one pending release of held lines, if any
+    wake_up_pending = [False]  # one pending release of held lines at most
 
-    def scan(key, data: dict, lines: list[str], final: bool) -> None:
+    def scan(key, data: dict, lines: list[str], came: list[float], final: bool) -> None:
         kept, tracebacks, rest, before[key] = _scan(lines, before.get(key, ""), final)
         if rest:
-            held[key] = (data, rest, time.monotonic())
+            held[key] = (data, rest, came[len(lines) - len(rest):])
         if tracebacks:
             kept = _one_line_per_repeat(kept, tracebacks, _process(data), shown)
         if kept:
             print_logs({**data, "lines": kept})
 
-    def release(now: float, stale_only: bool) -> None:
-        for key in [k for k, (_, _, since) in held.items() if not stale_only or now - since >= HOLD_S]:
-            data, lines, _ = held.pop(key)
-            scan(key, data, lines, final=True)
+    def release(keys) -> None:
+        for key in list(keys):
+            data, lines, came = held.pop(key)
+            scan(key, data, lines, came, final=True)
+
+    def release_due(now: float) -> None:
+        release(key for key, (_, _, came) in held.items() if now - came[0] >= HOLD_S)
 
     def schedule(now: float) -> None:
         """Wake up when the oldest held lines are due, unless a wake-up is pending."""
-        if held and timer[0] is None:
-            due = min(since for _, _, since in held.values()) + HOLD_S
-            timer[0] = threading.Timer(max(0.0, due - now), wake_up)
-            timer[0].daemon = True  # nothing waits for it at exit: the atexit flush lets all out
-            timer[0].start()
+        if held and not wake_up_pending[0]:
+            due = min(came[0] for _, _, came in held.values()) + HOLD_S
+            wake_up_pending[0] = True
+            wake_up_after(max(0.0, due - now), wake_up)
 
     def wake_up() -> None:
         with lock:
-            timer[0], now = None, time.monotonic()
-            release(now, stale_only=True)
+            wake_up_pending[0], now = False, clock()
+            release_due(now)
             schedule(now)
 
     def print_filtered(data: dict) -> None:
-        key = (data.get("pid"), data.get("is_err"))
+        key, lines = (data.get("pid"), data.get("is_err")), list(data.get("lines") or [])
         with lock:
-            lines = (held.pop(key)[1] if key in held else []) + list(data.get("lines") or [])
-            scan(key, data, lines, final=False)
-            schedule(time.monotonic())
+            now = clock()
+            release_due(now)  # (as the wake-up would, had it come first)
+            if key in held and len(held[key][1]) + len(lines) > HOLD_LINES:
+                release([key])
+            _, held_lines, came = held.pop(key, (None, [], []))
+            scan(key, data, held_lines + lines, came + [now] * len(lines), final=False)
+            schedule(now)
 
     def flush() -> None:
         with lock:
-            release(time.monotonic(), stale_only=False)
+            release(held)
 
     atexit.register(flush)
     print_filtered.flush = flush

@@ -19,7 +19,7 @@ from behemoth import paths
 from behemoth.config import JobConfig
 from behemoth.driver import ray_session
 from behemoth.driver.stale_requests import withdraw_killed_drivers_requests
-from behemoth.errors import ConfigError, RunFailedError, user_facing_error
+from behemoth.errors import CheckpointError, ConfigError, RunFailedError, user_facing_error
 from behemoth.tasks import task_of
 
 
@@ -164,14 +164,24 @@ def check_resume_data(cfg: JobConfig, prepared) -> None:
     config can be unchanged while its content is not: a class folder renamed or replaced keeps the count and
     moves names to other indices, so the resumed run would train on with its labels silently renamed (a class
     added or removed changes the head's shape: its weights cannot load)."""
-    latest = None if cfg.checkpoint.resume_changed_config else _latest_checkpoint(cfg)
-    differs = latest and task_files_differ(cfg, prepared, latest[0])
+    from behemoth.checkpoint import complete_checkpoints
+
+    kept = [] if cfg.checkpoint.resume_changed_config else complete_checkpoints(run_dir(cfg))
+    for _, ckpt in kept:  # newest first; one whose task files fail their manifest is damaged: restore skips it
+        try:
+            differs = task_files_differ(cfg, prepared, ckpt)
+            break
+        except CheckpointError:
+            continue
+    else:
+        return
     if differs:
         what, same_shape = differs
         force = (", or resume anyway with --set checkpoint.resume_changed_config=true" if same_shape else
                  " (its weights cannot resume with another number of classes)")
+        name = ckpt.rstrip("/").rpartition("/")[2]
         raise ConfigError(
-            f"run '{cfg.checkpoint.run_name}' in {run_dir(cfg)} was trained on other data ({latest[1]}): {what}. "
+            f"run '{cfg.checkpoint.run_name}' in {run_dir(cfg)} was trained on other data ({name}): {what}. "
             f"Start a new run with another checkpoint.run_name (train.init_from the old run's folder to start "
             f"from its weights){force}")
 
@@ -179,14 +189,19 @@ def check_resume_data(cfg: JobConfig, prepared) -> None:
 def task_files_differ(cfg: JobConfig, prepared, ckpt: str) -> tuple[str, bool] | None:
     """How checkpoint `ckpt`'s task files (Task.checkpoint_files) differ from those `prepared` gives, and
     whether their lists keep their length; None where they agree or the checkpoint keeps none (written before
-    the task kept them, or a Hugging Face folder)."""
-    from behemoth.checkpoint import read_file
+    the task kept them, or a Hugging Face folder). Each is checked against the manifest first: a damaged or
+    edited one raises CheckpointError naming it (compared as it is, it would read as other data)."""
+    from behemoth import weights
+    from behemoth.checkpoint import read_manifest, read_manifest_bytes, read_verified
 
+    ckpt = ckpt.rstrip("/")
+    if not weights.is_checkpoint(ckpt):
+        return None
+    manifest = read_manifest(read_manifest_bytes(ckpt, None, ckpt), ckpt)
     for file, text in task_of(cfg).checkpoint_files(cfg, prepared).items():
-        try:
-            before = read_file(f"{ckpt.rstrip('/')}/{file}").decode()
-        except FileNotFoundError:
+        if file not in manifest["files"]:
             continue
+        before = read_verified(ckpt, file, manifest=manifest).decode()
         if before == text:
             continue
         try:

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from behemoth import paths, weights
-from behemoth.checkpoint import read_file
+from behemoth.checkpoint import read_json
 from behemoth.config import JobConfig
 from behemoth.errors import BadSampleError, ConfigError
 from behemoth.data import image_cache
@@ -107,7 +107,7 @@ class ImageClassification(Task):
     @classmethod
     def model_from_checkpoint(cls, cfg: JobConfig, ckpt: str) -> torch.nn.Module:
         """Driver side (export): the model a checkpoint holds, built as the workers built it."""
-        classes = json.loads(read_file(f"{ckpt}/classes.json"))
+        classes = read_json(ckpt, "classes.json")  # (checked against its manifest, as the weights are)
         model = build_image_model(cfg, classes)
         weights.load_weights(model, weights.read_state_dict(ckpt), ckpt)
         # the registered RegNets train as plain torch modules with transformers' layout (models/regnet.py)

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from behemoth import weights
-from behemoth.checkpoint import read_file
+from behemoth.checkpoint import read_json
 from behemoth.config import JobConfig
 from behemoth.data.labelled_text import (
     LabelledRows,
@@ -126,8 +126,9 @@ class TextClassification(Task):
 
     @classmethod
     def model_from_checkpoint(cls, cfg: JobConfig, ckpt: str) -> torch.nn.Module:
-        """The model a checkpoint holds, built as the workers built it (classes from its labels.json)."""
-        classes = json.loads(read_file(f"{ckpt}/labels.json"))
+        """The model a checkpoint holds, built as the workers built it (classes from its labels.json, checked
+        against its manifest: an edited one would name the classes wrongly in the export)."""
+        classes = read_json(ckpt, "labels.json")
         tok = load_classification_tokenizer(cfg.data.tokenizer)
         model = build_classifier(cfg, classes, len(tok), tok.pad_token_id)
         weights.load_weights(model, weights.read_state_dict(ckpt), ckpt)
