@@ -152,11 +152,34 @@ def test_no_import_circles_counting_importlib_edges():
 
 def test_one_place_reports_to_ray_train():
     """Every report (metrics, and a checkpoint with its upload) goes through one call of ray.train.report
-    (worker/saver.py report_to_ray), so what a report carries and how is decided in one place (issue 36)."""
+    (worker/context.py, Ray Train's host of the worker room; saver.send_report is the room's one report), so what
+    a report carries and how is decided in one place (issue 36)."""
     import ast
 
     pkg = REPO / "platform" / "behemoth"
     calls = [f"{path.relative_to(pkg)}:{node.lineno}" for path in sorted(pkg.rglob("*.py"))
-             for node in ast.walk(ast.parse(path.read_text()))
-             if isinstance(node, ast.Call) and ast.unparse(node.func) in ("ray.train.report", "train.report")]
-    assert len(calls) == 1 and calls[0].startswith("worker/saver.py:"), calls
+             for node in ast.walk(ast.parse(path.read_text())) if _reports_to_ray_train(node)]
+    assert len(calls) == 1 and calls[0].startswith("worker/context.py:"), calls
+
+
+def _reports_to_ray_train(node) -> bool:
+    """A call of ray.train.report however it is spelt (`ray.train.report(...)`, `train.report(...)` after `from
+    ray import train`), or an import of the function itself (`from ray.train import report [as r]`: every call
+    of that name reports)."""
+    import ast
+
+    if isinstance(node, ast.Call):
+        return ast.unparse(node.func) in ("ray.train.report", "train.report")
+    return (isinstance(node, ast.ImportFrom) and node.module in ("ray.train", "ray.train.v2.api.train_fn_utils")
+            and any(alias.name == "report" for alias in node.names))
+
+
+def test_the_report_check_sees_every_spelling():
+    """The check above, on code that reports to Ray Train in each way it can be written."""
+    import ast
+
+    for source in ("ray.train.report(m)", "train.report(m)", "from ray.train import report",
+                   "from ray.train import report as send", "from ray.train import Checkpoint, report"):
+        assert any(_reports_to_ray_train(n) for n in ast.walk(ast.parse(source))), source
+    for source in ("tune.report(m)", "from ray.tune import report", "from ray.train import Checkpoint"):
+        assert not any(_reports_to_ray_train(n) for n in ast.walk(ast.parse(source))), source
