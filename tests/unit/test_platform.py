@@ -44,7 +44,7 @@ def test_the_import_graph_points_down():
     import ast
 
     pkg = REPO / "platform" / "behemoth"
-    floor = {"config", "errors", "paths", "checkpoint", "metrics", "progress", "version", "faults"}
+    floor = {"config", "errors", "paths", "checkpoint", "metrics", "progress", "version", "faults", "worker_context"}
     for path in pkg.rglob("*.py"):
         rel = path.relative_to(pkg)
         room = rel.parts[0] if len(rel.parts) > 1 else rel.stem
@@ -152,14 +152,14 @@ def test_no_import_circles_counting_importlib_edges():
 
 def test_one_place_reports_to_ray_train():
     """Every report (metrics, and a checkpoint with its upload) goes through one call of ray.train.report
-    (worker/context.py, Ray Train's host of the worker room; saver.send_report is the room's one report), so what
+    (worker_context.py, Ray Train's host of the worker room; saver.send_report is the room's one report), so what
     a report carries and how is decided in one place (issue 36)."""
     import ast
 
     pkg = REPO / "platform" / "behemoth"
     calls = [f"{path.relative_to(pkg)}:{node.lineno}" for path in sorted(pkg.rglob("*.py"))
              for node in ast.walk(ast.parse(path.read_text())) if _reports_to_ray_train(node)]
-    assert len(calls) == 1 and calls[0].startswith("worker/context.py:"), calls
+    assert len(calls) == 1 and calls[0].startswith("worker_context.py:"), calls
 
 
 def _reports_to_ray_train(node) -> bool:

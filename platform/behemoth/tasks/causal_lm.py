@@ -20,7 +20,7 @@ from behemoth.config import JobConfig
 from behemoth.data.text import TextData, TokenIndex
 from behemoth.models import registry
 from behemoth.models.causal_lm import build_causal_lm
-from behemoth.worker import context
+from behemoth import worker_context as context
 from behemoth.tasks.contract import Task
 
 

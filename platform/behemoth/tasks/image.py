@@ -23,7 +23,7 @@ from behemoth.data import image_cache
 from behemoth.data.images import ImageData, ImageIndex, build_index, cached_batches, describe_samples, rank_dataset
 from behemoth.data.prefetch import prefetched
 from behemoth.models import registry
-from behemoth.worker import context
+from behemoth import worker_context as context
 from behemoth.tasks.contract import Task
 
 

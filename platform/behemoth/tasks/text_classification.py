@@ -29,7 +29,7 @@ from behemoth.data.labelled_text import (
 )
 from behemoth.errors import ConfigError
 from behemoth.models import registry
-from behemoth.worker import context
+from behemoth import worker_context as context
 from behemoth.tasks.contract import Task
 
 SEQUENCE_CLASSIFIER = "sequence_classifier"

@@ -13,7 +13,8 @@ from behemoth import weights
 from behemoth.data.order import rank_eval_indices
 from behemoth.job import config_from_dict
 from behemoth.tasks import Task, make_task
-from behemoth.worker import context, parallel
+from behemoth import worker_context as context
+from behemoth.worker import parallel
 from behemoth.worker.collectives import all_reduce_sum
 from behemoth.worker.parallel import unwrap
 from behemoth.worker.precision import autocast

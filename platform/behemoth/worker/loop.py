@@ -11,7 +11,7 @@ compression, compile), precision, optim.
 It never imports ray.tune. Everything that decides *when* something happens (report, evaluate, checkpoint)
 depends only on the step counter, which is identical on every rank: all ranks call the collective
 operations (all-reduce, the report) the same number of times. Its host (Ray Train's worker, or a sweep's warm
-lane) is reached only through worker/context.py.
+lane) is reached only through worker_context.py.
 """
 
 from __future__ import annotations
@@ -30,7 +30,8 @@ from behemoth.errors import ConfigError
 from behemoth.data.order import steps_per_epoch
 from behemoth.metrics import PhaseClock, Window
 from behemoth.tasks import Task, make_task
-from behemoth.worker import context, parallel
+from behemoth import worker_context as context
+from behemoth.worker import parallel
 from behemoth.worker.console import console, quiet_ray_train_reports
 from behemoth.worker.feed import EpochFeed
 from behemoth.worker.ledger import SampleLedger

@@ -9,7 +9,7 @@
   rank keeps for itself (its state is saved per rank in the checkpoint: see PowerSGD.to_bytes / load_bytes).
 - `no_grad_sync(model)`: the context for the micro-batches of an accumulation that must not all-reduce.
 
-Nothing here knows about Ray: `wrap` asks the worker's host (worker/context.py) for the device; the tests
+Nothing here knows about Ray: `wrap` asks the worker's host (worker_context.py) for the device; the tests
 drive the rest with plain torch.distributed over gloo.
 """
 
@@ -31,7 +31,7 @@ log = logging.getLogger(__name__)
 
 def wrap(model: torch.nn.Module, cfg, console=print) -> tuple[torch.nn.Module, object]:
     """The model ready for training: (model, compression hook state or None)."""
-    from behemoth.worker import context
+    from behemoth import worker_context as context
 
     # on the device; DDP-wrapped where several workers train it (FSDP shards it below instead)
     model = context.current().prepare_model(model, wrap_ddp=cfg.scaling.strategy == "ddp")

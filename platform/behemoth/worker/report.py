@@ -12,7 +12,7 @@ from behemoth.config import JobConfig
 from behemoth.errors import BadSampleError
 from behemoth.metrics import PhaseClock, Window, data_wait_fraction, progress_line, throughput
 from behemoth.tasks import Task
-from behemoth.worker import context
+from behemoth import worker_context as context
 from behemoth.worker.collectives import all_reduce_sum, sync_buffers, union_across_ranks
 from behemoth.worker.console import console
 from behemoth.worker.evaluate import evaluate

@@ -5,7 +5,8 @@ from __future__ import annotations
 import ray.train
 
 from behemoth import checkpoint, weights
-from behemoth.worker import checkpointing, context
+from behemoth import worker_context as context
+from behemoth.worker import checkpointing
 from behemoth.checkpoint import TrainState
 from behemoth.errors import CheckpointError, PartlyLoadedError
 from behemoth.worker.console import console

@@ -1,6 +1,6 @@
 """Worker side: saving checkpoints through the run's report (synchronously, or with only a snapshot in the
 step's way), and uploading them to the run's storage with the manifest last. The host (Ray Train, or a
-sweep's lane) is reached through worker/context.py."""
+sweep's lane) is reached through worker_context.py."""
 
 from __future__ import annotations
 
@@ -20,7 +20,8 @@ from behemoth.checkpoint import TrainState
 from behemoth.config import JobConfig, dump_yaml
 from behemoth.errors import StorageFullError
 from behemoth.metrics import PhaseClock
-from behemoth.worker import checkpointing, context, parallel, sharded
+from behemoth import worker_context as context
+from behemoth.worker import checkpointing, parallel, sharded
 from behemoth.worker.collectives import gather_to_rank0
 from behemoth.worker.run import Run
 from behemoth.worker.sharded import ShardedWriter

@@ -1,4 +1,4 @@
-"""Worker side: the one seam between the training loop and what hosts it.
+"""The one seam between the worker side (the training loop, the tasks' worker halves) and what hosts it.
 
 The loop and the worker room (reports, checkpoints, restore, evaluation) and the tasks' worker halves read
 rank, world size, device, the run's storage and its checkpoints, and report, through `current()`:
