@@ -10,6 +10,7 @@ import sys
 import threading
 import time
 import uuid
+from pathlib import Path
 
 import pytest
 from behemoth.driver import runlock
@@ -17,10 +18,17 @@ from behemoth.driver.runlock import LOCK_NAME, RunLock, RunLockedError, read_lea
 from behemoth.errors import LeaseLostError
 
 
-def lease_of(pid: int, host: str | None = None, heartbeat_age: float = 0.0) -> dict:
+def pid_space_here() -> dict:
+    """This process's boot and pid namespace, read as a test's own oracle (what a lease written here records)."""
+    return {"boot": Path("/proc/sys/kernel/random/boot_id").read_text().strip(),
+            "pidns": os.readlink("/proc/self/ns/pid")}
+
+
+def lease_of(pid: int, host: str | None = None, heartbeat_age: float = 0.0, **fields) -> dict:
+    """A lease written by another driver; by default one of this host's pid namespace (`fields` replace any)."""
     now = time.time()
     return {"host": host or socket.gethostname(), "pid": pid, "token": "theirs", "command": "behemoth train x",
-            "started": now - 100, "heartbeat": now - heartbeat_age}
+            "started": now - 100, "heartbeat": now - heartbeat_age, **pid_space_here(), **fields}
 
 
 @pytest.fixture
@@ -70,6 +78,41 @@ def test_a_dead_holder_on_this_host_is_taken_over_at_once(tmp_path, capsys):
         assert read_lease(str(tmp_path))["token"] == lock.lease["token"]
     out = capsys.readouterr().out
     assert f"taking over run 'a' in {tmp_path} from pid {pid}" in out and "no longer exists" in out
+
+
+def test_a_lease_records_the_boot_and_pid_namespace_of_its_holder(tmp_path):
+    with RunLock(str(tmp_path), "run 'a'"):
+        lease = read_lease(str(tmp_path))
+        assert {k: lease[k] for k in ("boot", "pidns")} == pid_space_here()
+
+
+@pytest.mark.parametrize("elsewhere", [{"pidns": "pid:[1]"}, {"boot": "another-boot"}],
+                         ids=["another pid namespace", "another boot"])
+def test_a_holder_on_this_host_name_whose_pids_this_process_cannot_see_waits_for_the_expiry(tmp_path, elsewhere,
+                                                                                            capsys):
+    """A driver in a container sharing the host's name (--network host, hostNetwork) but not its pids, or one
+    on another machine of the same name (another boot): its pid is not found here, yet it may be running. Its
+    lease is taken over only after the expiry, as another host's."""
+    pid = dead_pid()
+    (tmp_path / LOCK_NAME).write_text(json.dumps(lease_of(pid, heartbeat_age=1, **elsewhere)))
+    with pytest.raises(RunLockedError, match=rf"held by another driver: pid {pid} on {socket.gethostname()}"):
+        RunLock(str(tmp_path), "run 'a'").acquire()
+    assert read_lease(str(tmp_path))["token"] == "theirs"
+    (tmp_path / LOCK_NAME).write_text(json.dumps(lease_of(pid, heartbeat_age=runlock.EXPIRY_S + 5, **elsewhere)))
+    with RunLock(str(tmp_path), "run 'a'") as lock:
+        assert read_lease(str(tmp_path))["token"] == lock.lease["token"]
+    assert "no heartbeat for" in capsys.readouterr().out
+
+
+def test_a_lease_of_an_older_behemoth_without_its_pid_namespace_waits_for_the_expiry(tmp_path):
+    """Written before leases recorded their boot and pid namespace: nothing says its pid is one this process
+    can see, so its holder is judged by its heartbeat alone (the safe way: at worst a rerun waits out one
+    expiry, instead of two drivers on one folder)."""
+    pid = dead_pid()
+    old = {k: v for k, v in lease_of(pid, heartbeat_age=1).items() if k not in ("boot", "pidns")}
+    (tmp_path / LOCK_NAME).write_text(json.dumps(old))
+    with pytest.raises(RunLockedError, match=rf"held by another driver: pid {pid}"):
+        RunLock(str(tmp_path), "run 'a'").acquire()
 
 
 def test_a_holder_on_another_host_is_taken_over_only_after_the_expiry(tmp_path, capsys):
@@ -266,7 +309,9 @@ PATIENT = {"heartbeat_s": 0.25, "expiry_s": 30.0}
 def renewed_after(folder: str, since: float, deadline_s: float = 30.0) -> dict:
     """The lease once a heartbeat later than `since` is written (or the test fails after `deadline_s`)."""
     deadline = time.time() + deadline_s
-    while (lease := read_lease(folder))["heartbeat"] <= since:
+    # (None: read while moto's server replaced the object - it disposes of the old one before the new one is
+    # there; S3 itself serves the old or the new)
+    while (lease := read_lease(folder)) is None or lease["heartbeat"] <= since:
         assert time.time() < deadline, f"no heartbeat since the faults: {lease}"
         time.sleep(0.05)
     return lease

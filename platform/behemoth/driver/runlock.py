@@ -5,7 +5,11 @@ the other's unregistered checkpoints. So `behemoth train` and `behemoth tune` ta
 Ray starts, refresh it every HEARTBEAT_S while they run, and remove it when they end. A second driver is
 refused with a message naming the holder. A lease whose holder is gone is taken over, and the takeover is
 logged: at once when the holder was a process on this host that no longer exists (a driver killed with
-SIGKILL), after EXPIRY_S without a heartbeat otherwise (a holder on another machine cannot be asked).
+SIGKILL), after EXPIRY_S without a heartbeat otherwise (a holder on another machine cannot be asked). "This
+host" is the host name, this boot and this pid namespace, all three recorded in the lease: a container that
+shares the host's name (--network host, hostNetwork) sees neither the host's pids nor another container's, so
+a pid not found there says nothing of a holder in another namespace (nor of one on another machine of the
+same name). A lease written before it recorded them is judged by its heartbeat alone.
 A sweep's trials run inside the sweep's folder, under the sweep's lease.
 
 The lease fences: each acquire writes a new generation (one more than the lease it replaces) and a token, and
@@ -34,6 +38,7 @@ from __future__ import annotations
 import _thread
 import concurrent.futures
 import contextlib
+import functools
 import json
 import os
 import signal
@@ -102,10 +107,32 @@ def _alive(pid: int) -> bool:
     return True
 
 
+@functools.cache
+def pid_space() -> dict:
+    """Where this process's pids mean something: its boot (a process of an earlier boot is gone) and its pid
+    namespace (a container's pids are not the host's). None where unknown (no /proc: not Linux)."""
+    def read(how):
+        try:
+            return how()
+        except OSError:
+            return None
+
+    return {"boot": read(lambda: Path("/proc/sys/kernel/random/boot_id").read_text().strip()),
+            "pidns": read(lambda: os.readlink("/proc/self/ns/pid"))}
+
+
+def _pids_visible(lease: dict) -> bool:
+    """Whether the lease's holder is a process this one can look up by pid: same host name, boot and pid
+    namespace. A lease without the latter two (an older behemoth's) is not: its holder might be in a
+    container of this host name, and a pid not found would take a live driver's lease."""
+    return lease.get("host") == socket.gethostname() and all(
+        key in lease and lease[key] == value for key, value in pid_space().items())
+
+
 def gone(lease: dict, now: float | None = None, expiry_s: float = EXPIRY_S) -> str | None:
     """Why the lease's holder is gone, or None while it may still be running."""
     now = time.time() if now is None else now
-    if lease.get("host") == socket.gethostname() and not _alive(int(lease.get("pid", -1))):
+    if _pids_visible(lease) and not _alive(int(lease.get("pid", -1))):
         return f"its process {lease.get('pid')} on this host no longer exists"
     silent = now - float(lease.get("heartbeat", 0))
     if silent > expiry_s:
@@ -347,7 +374,7 @@ class RunLock:
         self.lease = {"host": socket.gethostname(), "pid": os.getpid(), "token": uuid.uuid4().hex,
                       "generation": 0,
                       "command": " ".join([os.path.basename(sys.argv[0] or "python"), *sys.argv[1:]])[:200],
-                      "started": time.time(), "heartbeat": time.time()}
+                      "started": time.time(), "heartbeat": time.time(), **pid_space()}
         self.version = None  # the lease as this driver last wrote it (bytes, or an S3 ETag)
         self.renewed = self.lease["heartbeat"]  # the heartbeat in it: it is valid until this + expiry_s
         self.lost: str | None = None  # why the lease was given up (LeaseLostError's message)
@@ -396,8 +423,9 @@ class RunLock:
             if why is None:
                 raise RunLockedError(
                     f"{self.what} in {self.folder} is held by another driver: {describe(held)}. Wait for it to "
-                    f"end, stop it, or use another name. (A holder that died is taken over: at once on this "
-                    f"host, after {self.expiry_s:.0f} s without a heartbeat from another one.)")
+                    f"end, stop it, or use another name. (A holder that died is taken over: at once when it ran "
+                    f"on this host in this pid namespace, after {self.expiry_s:.0f} s without a heartbeat "
+                    f"otherwise.)")
             print(f"[behemoth] taking over {self.what} in {self.folder} from "
                   f"{describe(held) if held is not None else 'a driver'}: {why}", flush=True)
             self.lease["generation"] = int((held or {}).get("generation", 0)) + 1
