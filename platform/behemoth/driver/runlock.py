@@ -86,9 +86,20 @@ def _parse(raw: bytes) -> dict | None:
 def read_lease(folder: str) -> dict | None:
     """The lease in `folder`, or None (none, or one cut short by a crash mid-write: not a holder's)."""
     fs, path = _fs(folder)
+    # An object store's reader (pyarrow's) asks for the object's size, then reads that many bytes: a lease its
+    # holder replaced in between (a heartbeat) reads short. An object is never written in part: read it again.
+    for _ in range(5 if paths.is_uri(folder) else 1):
+        raw = _read_bytes(fs, f"{path}/{LOCK_NAME}")
+        lease = None if raw is None else _parse(raw)
+        if raw is None or lease is not None:
+            return lease
+    return None
+
+
+def _read_bytes(fs, path: str) -> bytes | None:
     try:
-        with fs.open_input_stream(f"{path}/{LOCK_NAME}") as f:
-            return _parse(f.read())
+        with fs.open_input_stream(path) as f:
+            return f.read()
     except FileNotFoundError:
         return None
     except OSError as e:  # pyarrow's "not found" on object stores
