@@ -5,7 +5,11 @@ the other's unregistered checkpoints. So `behemoth train` and `behemoth tune` ta
 Ray starts, refresh it every HEARTBEAT_S while they run, and remove it when they end. A second driver is
 refused with a message naming the holder. A lease whose holder is gone is taken over, and the takeover is
 logged: at once when the holder was a process on this host that no longer exists (a driver killed with
-SIGKILL), after EXPIRY_S without a heartbeat otherwise (a holder on another machine cannot be asked).
+SIGKILL), after EXPIRY_S without a heartbeat otherwise (a holder on another machine cannot be asked). "This
+host" is the host name, this boot and this pid namespace, all three recorded in the lease: a container that
+shares the host's name (--network host, hostNetwork) sees neither the host's pids nor another container's, so
+a pid not found there says nothing of a holder in another namespace (nor of one on another machine of the
+same name). A lease written before it recorded them is judged by its heartbeat alone.
 A sweep's trials run inside the sweep's folder, under the sweep's lease.
 
 The lease fences: each acquire writes a new generation (one more than the lease it replaces) and a token, and
@@ -21,13 +25,23 @@ both win: on a local folder the lease is created with link() (fails if it exists
 under flock() of the folder after comparing its bytes; on s3:// through boto3 with S3's conditional writes
 (PutObject If-None-Match: * to create, If-Match: ETag to replace and delete; pyarrow's S3 filesystem offers
 none). Other URIs (gs://, ...) have no conditional write here: the lease is written, read back and checked.
+
+A renewal that fails (S3's 503 SlowDown or ExpiredToken, a dropped connection, a storage call that never answers:
+any exception) is retried with backoff while the lease is still valid by a margin (RunLock.margin_s, a quarter of
+the expiry). A lease that cannot be renewed by then is given up by its holder before anyone else may take it:
+the block holding it is ended as Ctrl-C would end it (Ray Train aborts its run) and leaves with one
+LeaseLostError, and the driver's own fence refuses from then on. The timings are the lock's parameters.
 """
 
 from __future__ import annotations
 
+import _thread
+import concurrent.futures
 import contextlib
+import functools
 import json
 import os
+import signal
 import socket
 import sys
 import threading
@@ -42,6 +56,11 @@ from behemoth.errors import ConfigError, LeaseLostError
 LOCK_NAME = ".behemoth.lock"
 HEARTBEAT_S = 10.0
 EXPIRY_S = 60.0
+
+
+# Leases this process's drivers gave up (token: the LeaseLostError's message): their own fenced steps refuse
+# even where the storage still shows the lease as theirs.
+_GIVEN_UP: dict[str, str] = {}
 
 
 class RunLockedError(ConfigError):
@@ -67,9 +86,20 @@ def _parse(raw: bytes) -> dict | None:
 def read_lease(folder: str) -> dict | None:
     """The lease in `folder`, or None (none, or one cut short by a crash mid-write: not a holder's)."""
     fs, path = _fs(folder)
+    # An object store's reader (pyarrow's) asks for the object's size, then reads that many bytes: a lease its
+    # holder replaced in between (a heartbeat) reads short. An object is never written in part: read it again.
+    for _ in range(5 if paths.is_uri(folder) else 1):
+        raw = _read_bytes(fs, f"{path}/{LOCK_NAME}")
+        lease = None if raw is None else _parse(raw)
+        if raw is None or lease is not None:
+            return lease
+    return None
+
+
+def _read_bytes(fs, path: str) -> bytes | None:
     try:
-        with fs.open_input_stream(f"{path}/{LOCK_NAME}") as f:
-            return _parse(f.read())
+        with fs.open_input_stream(path) as f:
+            return f.read()
     except FileNotFoundError:
         return None
     except OSError as e:  # pyarrow's "not found" on object stores
@@ -88,14 +118,36 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def gone(lease: dict, now: float | None = None) -> str | None:
+@functools.cache
+def pid_space() -> dict:
+    """Where this process's pids mean something: its boot (a process of an earlier boot is gone) and its pid
+    namespace (a container's pids are not the host's). None where unknown (no /proc: not Linux)."""
+    def read(how):
+        try:
+            return how()
+        except OSError:
+            return None
+
+    return {"boot": read(lambda: Path("/proc/sys/kernel/random/boot_id").read_text().strip()),
+            "pidns": read(lambda: os.readlink("/proc/self/ns/pid"))}
+
+
+def _pids_visible(lease: dict) -> bool:
+    """Whether the lease's holder is a process this one can look up by pid: same host name, boot and pid
+    namespace. A lease without the latter two (an older behemoth's) is not: its holder might be in a
+    container of this host name, and a pid not found would take a live driver's lease."""
+    return lease.get("host") == socket.gethostname() and all(
+        key in lease and lease[key] == value for key, value in pid_space().items())
+
+
+def gone(lease: dict, now: float | None = None, expiry_s: float = EXPIRY_S) -> str | None:
     """Why the lease's holder is gone, or None while it may still be running."""
     now = time.time() if now is None else now
-    if lease.get("host") == socket.gethostname() and not _alive(int(lease.get("pid", -1))):
+    if _pids_visible(lease) and not _alive(int(lease.get("pid", -1))):
         return f"its process {lease.get('pid')} on this host no longer exists"
     silent = now - float(lease.get("heartbeat", 0))
-    if silent > EXPIRY_S:
-        return f"no heartbeat for {silent:.0f} s (more than {EXPIRY_S:.0f})"
+    if silent > expiry_s:
+        return f"no heartbeat for {silent:.0f} s (more than {expiry_s:.0f})"
     return None
 
 
@@ -116,10 +168,16 @@ class Fence:
     token: str
     generation: int
 
+    def holds(self, lease: dict | None) -> bool:
+        """Whether `lease` (as read from the folder) is the one this fence's driver holds."""
+        return lease is not None and lease.get("token") == self.token and lease.get("generation") == self.generation
+
     def check(self, before: str) -> None:
         """Raise LeaseLostError unless the folder's lease is still this driver's. `before`: the step not taken."""
+        if self.token in _GIVEN_UP:
+            raise LeaseLostError(_GIVEN_UP[self.token])
         held = read_lease(self.folder)
-        if held is not None and held.get("token") == self.token and held.get("generation") == self.generation:
+        if self.holds(held):
             return
         now = f"it is now held by {describe(held)}" if held is not None else "no driver holds it now"
         raise LeaseLostError(
@@ -129,7 +187,13 @@ class Fence:
             f"checkpoints there are the new holder's. Nothing to do for the run: its holder goes on with it")
 
 
-class _LocalLease:
+class _Store:
+    def renew(self, data: bytes, expected):
+        """A heartbeat's replace (the lock retries it itself, knowing when the lease expires)."""
+        return self.replace(data, expected)
+
+
+class _LocalLease(_Store):
     """The lease file of a local folder (or a shared mount): created with link(), which fails when the lease
     exists and never shows a half-written one; replaced and removed under flock() of the folder, after
     comparing the bytes there with what the caller read (a compare-and-swap among this host's drivers)."""
@@ -193,15 +257,21 @@ class _S3Lease:
     """The lease object under s3://, changed only by S3's conditional writes (through boto3, which reads the
     same AWS_* variables, AWS_ENDPOINT_URL included, as pyarrow's filesystem)."""
 
-    def __init__(self, folder: str, path: str):
+    def __init__(self, folder: str, path: str, renewal_timeout_s: float = HEARTBEAT_S):
         try:
             import boto3
+            from botocore.config import Config
         except ImportError:
             raise ConfigError(f"{folder}: the run lock on s3:// needs boto3 for S3's conditional writes (two "
                               f"drivers starting at once must not both win): pip install 'behemoth[s3]'") from None
         self.bucket, _, prefix = path.partition("/")
         self.key = f"{prefix.rstrip('/')}/{LOCK_NAME}" if prefix else LOCK_NAME
         self.client = boto3.client("s3")
+        # A renewal gets one try per call: the lock retries it knowing when the lease expires; botocore's own
+        # retries (seconds of backoff) and its 60 s timeouts would spend that time inside one call.
+        self.renewer = boto3.client("s3", config=Config(retries={"total_max_attempts": 1},
+                                                        connect_timeout=renewal_timeout_s,
+                                                        read_timeout=renewal_timeout_s))
 
     def read(self) -> tuple[dict | None, str | None]:
         try:
@@ -216,13 +286,16 @@ class _S3Lease:
     def replace(self, data: bytes, expected: str) -> str | None:
         return self._put(data, IfMatch=expected)
 
+    def renew(self, data: bytes, expected: str) -> str | None:
+        return self._put(data, client=self.renewer, IfMatch=expected)
+
     def delete(self, expected: str) -> bool:
         return self._conditional(lambda: self.client.delete_object(Bucket=self.bucket, Key=self.key,
                                                                    IfMatch=expected)) is not None
 
-    def _put(self, data: bytes, **condition) -> str | None:
-        put = self._conditional(lambda: self.client.put_object(Bucket=self.bucket, Key=self.key, Body=data,
-                                                               **condition))
+    def _put(self, data: bytes, client=None, **condition) -> str | None:
+        client = client or self.client
+        put = self._conditional(lambda: client.put_object(Bucket=self.bucket, Key=self.key, Body=data, **condition))
         return put and put["ETag"]
 
     @staticmethod
@@ -238,7 +311,7 @@ class _S3Lease:
             raise
 
 
-class _UnconditionalLease:
+class _UnconditionalLease(_Store):
     """Another URI scheme: its pyarrow filesystem offers no conditional write, so each change is a read, a
     compare and a write (the read-back after acquire catches most races, not all)."""
 
@@ -267,60 +340,103 @@ class _UnconditionalLease:
         return json.dumps(json.loads(data), sort_keys=True).encode()
 
 
-def _lease_store(folder: str, fs, path: str):
+def _within(seconds: float, call):
+    """call()'s answer, or TimeoutError once `seconds` pass without one. A storage call that hangs (a hung mount)
+    cannot be cancelled, only left: it runs in a daemon thread of its own."""
+    done = concurrent.futures.Future()
+
+    def run():
+        try:
+            done.set_result(call())
+        except BaseException as e:  # noqa: BLE001 - handed to the caller
+            done.set_exception(e)
+
+    threading.Thread(target=run, name="behemoth-lease-renewal", daemon=True).start()
+    try:
+        return done.result(timeout=seconds)
+    except TimeoutError:
+        if done.done():  # the call's own
+            raise
+        raise TimeoutError(f"the storage did not answer in {seconds:.1f} s") from None
+
+
+def _lease_store(folder: str, fs, path: str, renewal_timeout_s: float):
     import pyarrow.fs
 
     if isinstance(fs, pyarrow.fs.LocalFileSystem):  # a local path, or file://
         return _LocalLease(path)
     if isinstance(fs, pyarrow.fs.S3FileSystem):
-        return _S3Lease(folder, path)
+        return _S3Lease(folder, path, renewal_timeout_s)
     return _UnconditionalLease(folder, fs, path)
 
 
 class RunLock:
     """`with RunLock(folder, "run 'x'") as lock:` holds the folder's lease for the block; `lock.fence()` is
-    what the block's registering and deleting steps check (see the module doc)."""
+    what the block's registering and deleting steps check (see the module doc). `heartbeat_s`: between renewals;
+    `expiry_s`: the silence after which another driver takes a lease over; `margin_s` (default a quarter of
+    the expiry): how long before that this one gives up a lease it cannot renew."""
 
-    def __init__(self, folder: str, what: str):
+    def __init__(self, folder: str, what: str, heartbeat_s: float = HEARTBEAT_S, expiry_s: float = EXPIRY_S,
+                 margin_s: float | None = None):
         self.folder, self.what = folder, what
+        self.heartbeat_s, self.expiry_s = heartbeat_s, expiry_s
+        self.margin_s = expiry_s / 4 if margin_s is None else margin_s
         self.fs, self.path = _fs(folder)
         self.lease = {"host": socket.gethostname(), "pid": os.getpid(), "token": uuid.uuid4().hex,
                       "generation": 0,
                       "command": " ".join([os.path.basename(sys.argv[0] or "python"), *sys.argv[1:]])[:200],
-                      "started": time.time(), "heartbeat": time.time()}
+                      "started": time.time(), "heartbeat": time.time(), **pid_space()}
         self.version = None  # the lease as this driver last wrote it (bytes, or an S3 ETag)
+        self.renewed = self.lease["heartbeat"]  # the heartbeat in it: it is valid until this + expiry_s
+        self.lost: str | None = None  # why the lease was given up (LeaseLostError's message)
         self.store = None
+        self._mutex = threading.Lock()  # the block's end against the lock's thread ending it
+        self._owner: threading.Thread | None = None  # the thread running the block, while it runs
+        self._interrupted = False
         self._created: list[str] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._beat, name="behemoth-run-lock", daemon=True)
 
     def __enter__(self):
         self.acquire()
+        self._owner = threading.current_thread()
         self._thread.start()
         return self
 
-    def __exit__(self, *exc):
-        self._stop.set()
-        self._thread.join()
-        self.release()
+    def __exit__(self, exc_type, exc, tb):
+        try:
+            with self._mutex:
+                self._owner = None  # the lock's thread interrupts nothing from here on
+            self._stop.set()
+            self._thread.join()
+            if self.lost is None:
+                self.release()  # (a lease given up is left to expire: the storage did not answer)
+        except KeyboardInterrupt:  # the give-up's interrupt, sent as the block was ending
+            if self.lost is None:
+                raise
+        if self._interrupted and not isinstance(exc, LeaseLostError):
+            raise LeaseLostError(self.lost) from exc
 
     def fence(self) -> Fence:
         return Fence(self.folder, self.what, self.lease["token"], self.lease["generation"])
 
     def acquire(self) -> None:
         self._make_folder()
-        self.store = _lease_store(self.folder, self.fs, self.path)
+        # a call that hangs is left after a heartbeat (at least a second: a loaded machine's connection)
+        self.store = _lease_store(self.folder, self.fs, self.path, max(self.heartbeat_s, 1.0))
         held, version = self.store.read()
         if version is None:
             self.lease["generation"] = 1
             self.version = self.store.create(self._data())
         else:
-            why = gone(held) if held is not None else "its lease file is unreadable (cut short by a crash)"
+            why = (gone(held, expiry_s=self.expiry_s) if held is not None
+                   else "its lease file is unreadable (cut short by a crash)")
             if why is None:
                 raise RunLockedError(
                     f"{self.what} in {self.folder} is held by another driver: {describe(held)}. Wait for it to "
-                    f"end, stop it, or use another name. (A holder that died is taken over: at once on this "
-                    f"host, after {EXPIRY_S:.0f} s without a heartbeat from another one.)")
+                    f"end, stop it, or use another name. (A holder that died is taken over: at once when it ran "
+                    f"on this host in this pid namespace, after {self.expiry_s:.0f} s without a heartbeat "
+                    f"otherwise.)")
             print(f"[behemoth] taking over {self.what} in {self.folder} from "
                   f"{describe(held) if held is not None else 'a driver'}: {why}", flush=True)
             self.lease["generation"] = int((held or {}).get("generation", 0)) + 1
@@ -329,6 +445,7 @@ class RunLock:
         if self.version is None or (read_lease(self.folder) or {}).get("token") != self.lease["token"]:
             raise RunLockedError(f"{self.what} in {self.folder}: another driver took it at the same moment; "
                                  f"now held by {describe(read_lease(self.folder) or {})}")
+        self.renewed = self.lease["heartbeat"]
 
     def release(self) -> None:
         try:
@@ -359,20 +476,65 @@ class RunLock:
     def heartbeat(self) -> bool:
         """Refresh the lease, only if it is still the one this driver wrote; False once it is not."""
         self.lease["heartbeat"] = time.time()
-        version = self.store.replace(self._data(), self.version)
-        if version is None:
-            return False
-        self.version = version
+        version = self.store.renew(self._data(), self.version)
+        if version is None:  # not as last written: another driver's, or renewed by this driver's own earlier try
+            held, current = self.store.read()  # whose answer was lost (it timed out after the write landed)
+            if not self.fence().holds(held):
+                return False
+            version = self.store.renew(self._data(), current)
+            if version is None:
+                return False
+        self.version, self.renewed = version, self.lease["heartbeat"]
         return True
 
     def _beat(self) -> None:
-        while not self._stop.wait(HEARTBEAT_S):
-            try:
-                if not self.heartbeat():
-                    print(f"[behemoth] WARNING: {self.what} in {self.folder} was taken over by another driver "
-                          f"({describe(read_lease(self.folder) or {})}); this one stops before its next "
-                          f"checkpoint registration or deletion", flush=True)
-                    self.version = None  # not this driver's to remove at the end
-                    return
-            except OSError as e:  # storage briefly unreachable: the next beat tries again
-                print(f"[behemoth] WARNING: could not refresh the lease of {self.what}: {e}", flush=True)
+        while not self._stop.wait(self.heartbeat_s) and self._renew():
+            pass
+
+    def _renew(self) -> bool:
+        """One heartbeat; one that fails is retried, with backoff, while the lease is still valid by margin_s.
+        False: no more heartbeats (the lease was taken over, or is given up, or the block ended)."""
+        deadline = self.renewed + self.expiry_s - self.margin_s
+        pause, error = self.heartbeat_s / 8, None
+        while True:
+            left = deadline - time.time()
+            if left <= 0 and error is not None:
+                self._give_up(error)
+                return False
+            try:  # (a driver resumed past its deadline, SIGSTOP, still tries once: nobody may have taken it)
+                mine = _within(left if left > 0 else self.heartbeat_s, self.heartbeat)
+            except Exception as e:  # noqa: BLE001 - any failure may pass: S3's 503 SlowDown or ExpiredToken
+                error = e  # (botocore's ClientError), an unreachable endpoint, a hung mount
+            else:
+                if not mine:
+                    self._taken_over()
+                return mine
+            pause = min(pause * 2, self.heartbeat_s, max(deadline - time.time(), 0))
+            if self._stop.wait(pause):
+                return False
+
+    def _taken_over(self) -> None:
+        print(f"[behemoth] WARNING: {self.what} in {self.folder} was taken over by another driver "
+              f"({describe(read_lease(self.folder) or {})}); this one stops before its next checkpoint "
+              f"registration or deletion", flush=True)
+        self.version = None  # not this driver's to remove at the end
+
+    def _give_up(self, error: Exception) -> None:
+        """Stop holding a lease that could not be renewed, before another driver may take it over."""
+        now, reason = time.time(), " ".join(f"{type(error).__name__}: {error}".split())
+        self.lost = (f"{self.what} in {self.folder}: this driver could not renew the folder's lease for "
+                     f"{now - self.renewed:.0f} s ({reason}); it gives the folder up "
+                     f"{max(self.renewed + self.expiry_s - now, 0):.0f} s before another driver may take it over "
+                     f"and the run stops here. Its checkpoints are kept: rerun the same command to resume once the "
+                     f"storage answers again")
+        _GIVEN_UP[self.lease["token"]] = self.lost
+        with self._mutex:
+            if self._owner is None:  # the block has ended
+                return
+            # Ctrl-C's way into the block (Ray Train's handler aborts its run; elsewhere KeyboardInterrupt),
+            # which __exit__ turns into the LeaseLostError
+            if self._owner is threading.main_thread() and callable(signal.getsignal(signal.SIGINT)):
+                self._interrupted = True
+                _thread.interrupt_main()
+                return
+        print(f"[behemoth] WARNING: {self.lost}", flush=True)  # a block it cannot interrupt: the fence stops it
