@@ -25,11 +25,11 @@ def __getattr__(name: str):
 
         return train
     if name == "sweep":
-        from behemoth.driver.tune import sweep
+        from behemoth.driver.sweep import sweep
 
         return sweep
     if name == "tune":
-        from behemoth.driver import tune
+        from behemoth.driver import sweep as tune
 
         return tune
     raise AttributeError(f"module 'behemoth' has no attribute {name!r}")

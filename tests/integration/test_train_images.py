@@ -256,7 +256,7 @@ def test_a_sweep_refuses_to_start_without_rays_state_api(image_root, tmp_path):
     """This module's Ray runs without its dashboard: a stopped trial's resources would never be freed (Ray
     Train's PlacementGroupCleaner needs the state API), so the sweep refuses before any trial."""
     from behemoth.config import ConfigError
-    from behemoth.driver.tune import sweep
+    from behemoth.driver.sweep.run import sweep
 
     job = tmp_path / "job.yaml"
     job.write_text(yaml.safe_dump(job_dict(image_root, tmp_path / "runs")))

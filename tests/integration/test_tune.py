@@ -26,7 +26,7 @@ import yaml
 from behemoth.checkpoint import read_state
 from behemoth.job import config_from_dict, load_config
 from behemoth.driver.trainer import train
-from behemoth.driver.tune import sweep
+from behemoth.driver.sweep.run import sweep
 from conftest import job_dict, stop_local_ray
 
 pytestmark = pytest.mark.integration
@@ -191,7 +191,7 @@ def test_sweep_survives_worker_and_driver_kills_asha_stops_trials_and_resources_
     # worker group's placement group that a trial's Ray Train controller created on its way out (the race in
     # pg_reaper.OrphanedPlacementGroupReaper): the resuming sweep frees such a group first thing, as done here (a
     # fresh-clone run once timed out on this wait without it).
-    from behemoth.driver.pg_reaper import reap_orphaned_placement_groups
+    from behemoth.driver.sweep.reaper import reap_orphaned_placement_groups
 
     def freed() -> bool:
         reap_orphaned_placement_groups()
@@ -296,7 +296,7 @@ def test_a_placement_group_whose_creator_died_is_freed(ray_with_dashboard):
     group on its way out (a Ray Train race): an actor creates a group, dies, and the group's CPU comes back."""
     from ray.util.placement_group import placement_group
 
-    from behemoth.driver.pg_reaper import reap_orphaned_placement_groups
+    from behemoth.driver.sweep.reaper import reap_orphaned_placement_groups
 
     @ray.remote(num_cpus=0)
     class Creator:

@@ -249,7 +249,7 @@ def test_trusting_a_repositorys_code_prints_one_warning_naming_it(tmp_path, caps
 
 @pytest.mark.parametrize("name", ["..", ".", "", "a/b", "../x", " x", "a\\b"])
 def test_run_and_sweep_names_stay_inside_their_storage_path(name):
-    from behemoth.driver.sweep_config import SweepConfig
+    from behemoth.driver.sweep.config import SweepConfig
 
     with pytest.raises(ConfigError, match="must be a plain folder name"):
         config_from_dict({"data": {"root": "x"}, "checkpoint": {"run_name": name}})
@@ -265,7 +265,7 @@ def test_run_and_sweep_names_are_plain_on_every_storage(tmp_path, storage, name)
     every storage, naming the key and the rule, before any path is built from it."""
     from behemoth.config import CheckpointConfig, JobConfig
     from behemoth.driver.trainer import run_dir
-    from behemoth.driver.sweep_config import load_sweep
+    from behemoth.driver.sweep.config import load_sweep
 
     rule = r"must be a plain folder name: 1-\d+ characters of A-Z a-z 0-9 '.' '_' '-', not starting with"
     with pytest.raises(ConfigError, match=rf"checkpoint.run_name '.*' {rule}"):
@@ -279,7 +279,7 @@ def test_run_and_sweep_names_are_plain_on_every_storage(tmp_path, storage, name)
 
 
 def test_names_that_pass_and_the_length_limits(tmp_path):
-    from behemoth.driver.sweep_config import SweepConfig
+    from behemoth.driver.sweep.config import SweepConfig
 
     for name in ["r", "exp_1.v2-b", "A" * 128]:
         assert config_from_dict({"data": {"root": "x"}, "checkpoint": {"run_name": name}}).checkpoint.run_name == name

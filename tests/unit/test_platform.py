@@ -29,7 +29,7 @@ def test_the_python_api_entry_points():
     import behemoth
     from behemoth import load_config, sweep, train
     from behemoth.driver.trainer import train as driver_train
-    from behemoth.driver.tune import sweep as driver_sweep
+    from behemoth.driver.sweep.run import sweep as driver_sweep
 
     from behemoth.job import load_config as config_load_config
 

@@ -112,8 +112,8 @@ def test_val_fraction_split_is_stable():
 
 @pytest.mark.parametrize("change", ["job", "space", "num_samples", "lr_scaling"])
 def test_a_sweep_rerun_with_another_definition_is_refused(tmp_path, image_root, change):
-    from behemoth.driver.sweep_config import load_sweep
-    from behemoth.driver.tune import _check_same_sweep
+    from behemoth.driver.sweep.config import load_sweep
+    from behemoth.driver.sweep.run import _check_same_sweep
     from unit.test_tune import write_sweep
 
     first = load_sweep(write_sweep(tmp_path, image_root))

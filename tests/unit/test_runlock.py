@@ -152,9 +152,9 @@ def test_a_storage_path_that_is_a_file_is_one_config_error(tmp_path):
 
 def test_train_and_sweep_are_refused_before_ray_starts(tmp_path, live_process, no_ray):
     import ray
-    from behemoth.driver.sweep_config import load_sweep
+    from behemoth.driver.sweep.config import load_sweep
     from behemoth.driver.trainer import train
-    from behemoth.driver.tune import run_sweep
+    from behemoth.driver.sweep.run import run_sweep
     from behemoth.job import config_from_dict
 
     storage = tmp_path / "runs"

@@ -9,9 +9,9 @@ import yaml
 
 from behemoth.driver.cli import main
 from behemoth.config import ConfigError
-from behemoth.driver.sweep_config import (SweepConfig, base_job, check_sweep, concurrency_bound, load_sweep,
+from behemoth.driver.sweep.config import (SweepConfig, base_job, check_sweep, concurrency_bound, load_sweep,
                                           trial_job)
-from behemoth.driver.tune import sweep
+from behemoth.driver.sweep.run import sweep
 from behemoth.paths import RunPlace
 from conftest import job_dict
 
@@ -158,7 +158,7 @@ def test_the_reaper_keeps_watching_after_the_last_trial_controller_is_gone(monke
     end waits for quiet_s without controllers or new orphaned groups (GCS's tables stubbed: the loop is ours)."""
     import time
 
-    from behemoth.driver import pg_reaper
+    from behemoth.driver.sweep import reaper as pg_reaper
 
     start = time.monotonic()
     controller_until, orphan_at = start + 0.3, start + 0.6  # the group turns up 0.3 s after its controller died
@@ -197,7 +197,7 @@ def test_a_sweep_whose_every_trial_failed_ends_on_one_line_naming_its_results(tm
     behemoth's one line (it was a bare RuntimeError, printed by the CLI as a traceback)."""
     from ray.tune import Result
 
-    from behemoth.driver.sweep_results import write_results
+    from behemoth.driver.sweep.results import write_results
     from behemoth.errors import user_facing_error
 
     s = load_sweep(write_sweep(tmp_path, image_root))

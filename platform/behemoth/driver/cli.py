@@ -251,8 +251,8 @@ def _process_start() -> float | None:
 def _tune_command(args) -> int:
     import pandas as pd
 
-    from behemoth.driver.sweep_config import load_sweep
-    from behemoth.driver.tune import run_sweep
+    from behemoth.driver.sweep.config import load_sweep
+    from behemoth.driver.sweep.run import run_sweep
 
     result = run_sweep(load_sweep(args.sweep, args.overrides))
     with pd.option_context("display.width", 200, "display.max_columns", 20, "display.max_colwidth", 60):

@@ -14,8 +14,8 @@ Outputs, in STORAGE_PATH/NAME: results.csv (one row per trial, best first), best
 full job config: `behemoth train best.yaml` reproduces it), the trials' run folders under runs/, and Tune's
 own experiment state (which `sweep` uses to resume a killed sweep of the same name).
 
-The parts: driver/sweep_config.py (the schema and the trials' jobs), driver/sweep_trial.py (a trial),
-driver/pg_reaper.py (placement groups a stopped trial leaves), driver/sweep_results.py (results.csv, best.yaml).
+The parts: driver/sweep/config.py (the schema and the trials' jobs), driver/sweep/trial.py (a trial),
+driver/sweep/reaper.py (placement groups a stopped trial leaves), driver/sweep/results.py (results.csv, best.yaml).
 """
 
 from __future__ import annotations
@@ -31,11 +31,11 @@ import yaml
 from behemoth import paths
 from behemoth.config import ConfigError, JobConfig, from_dict
 from behemoth.driver import warmup
-from behemoth.driver.pg_reaper import OrphanedPlacementGroupReaper, check_state_api
-from behemoth.driver.sweep_config import (SweepConfig, asha_max_t, base_job, check_sweep, concurrency_bound,
+from behemoth.driver.sweep.reaper import OrphanedPlacementGroupReaper, check_state_api
+from behemoth.driver.sweep.config import (SweepConfig, asha_max_t, base_job, check_sweep, concurrency_bound,
                                           load_sweep, metric_and_mode, optuna_searcher)
-from behemoth.driver.sweep_results import SweepResult, write_results
-from behemoth.driver.sweep_trial import TrialOutcomeLines, run_trial
+from behemoth.driver.sweep.results import SweepResult, write_results
+from behemoth.driver.sweep.trial import TrialOutcomeLines, run_trial
 
 __all__ = ["SweepConfig", "SweepResult", "load_sweep", "run_sweep", "sweep"]
 

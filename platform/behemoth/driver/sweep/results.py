@@ -10,7 +10,7 @@ from typing import Any
 
 from behemoth import paths
 from behemoth.config import JobConfig, dump_yaml
-from behemoth.driver.sweep_config import SweepConfig, base_job, trial_job
+from behemoth.driver.sweep.config import SweepConfig, base_job, trial_job
 from behemoth.errors import RunFailedError
 
 @dataclass

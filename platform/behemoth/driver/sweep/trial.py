@@ -13,7 +13,7 @@ from ray.tune.integration.ray_train import TuneReportCallback
 
 from behemoth import paths
 from behemoth.config import from_dict
-from behemoth.driver.sweep_config import SweepConfig, metric_and_mode, trial_job
+from behemoth.driver.sweep.config import SweepConfig, metric_and_mode, trial_job
 
 def run_trial(params: dict, sweep: dict, base: dict, place: paths.RunPlace, mlflow_parent: str | None = None,
               fence=None) -> None:
