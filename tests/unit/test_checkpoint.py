@@ -502,6 +502,113 @@ def test_a_crafted_shard_index_is_refused_and_never_run(tmp_path):
             read()
 
 
+class _Calls:
+    """What a crafted index holds: unpickling it calls `func(*args)` (pickling it calls nothing)."""
+
+    def __init__(self, func, *args):
+        self.func, self.args = func, args
+
+    def __reduce__(self):
+        return self.func, self.args
+
+
+def _dag(depth: int):
+    """A tuple holding its inner tuple twice, `depth` deep: 2**depth paths through 2 * depth pickled bytes (hashing
+    it, as a dict key, walks every path)."""
+    t = ()
+    for _ in range(depth):
+        t = (t, t)
+    return t
+
+
+def _index_refused(folder, data: bytes, match: str):
+    """Every reader refuses a checkpoint whose index is `data`, with a message matching `match`."""
+    (folder / "state" / ".metadata").write_bytes(data)
+    _rehash(folder)
+    for read in _readers(folder).values():
+        with pytest.raises(CheckpointError, match=match):
+            read()
+
+
+def test_a_shard_index_that_would_allocate_from_a_small_file_is_refused(tmp_path):
+    """The index's unpickler builds nothing that a small file can make large: bytearray (bytearray(n) fills n
+    bytes: a 40-byte index could have the process OOM-killed) is refused like any other call; a pickle's memo
+    index does not size an array (CPython's C unpickler: 9 bytes of LONG_BINPUT 2**24 took 256 MiB, 2**31 would
+    take 32 GiB); no list, tuple or dict is used twice (one list of 1000 made into 1000 torch.Sizes: quadratic;
+    a tuple holding its inner one twice, 20 deep, hashed as a key: 2**20 steps from 40 bytes). Safe to run
+    against a reader without these checks: bytearray's first size fails at once (CPython refuses sys.maxsize),
+    and the 10**12 one runs only once that one was refused."""
+    import struct
+    import sys
+    import tracemalloc
+
+    from behemoth import shard_reader
+
+    folder = tmp_path / "c"
+    _write_sharded(folder)
+    for size in (sys.maxsize, 10**12):
+        _index_refused(folder, pickle.dumps(_Calls(bytearray, size)),
+                       r"state/\.metadata is not DCP's index.* names builtins\.bytearray, which DCP's index never holds")
+
+    (folder / "state" / ".metadata").write_bytes(b"\x80\x04N" + b"r" + struct.pack("<I", 2**24) + b".")
+    _rehash(folder)
+    manifest = checkpoint.verify(folder)
+    tracemalloc.start()
+    try:
+        with pytest.raises(CheckpointError, match="is not DCP's index of the shards"):
+            shard_reader.read_index(folder, manifest)
+        assert tracemalloc.get_traced_memory()[1] < 1 << 20
+    finally:
+        tracemalloc.stop()
+
+    shared = list(range(1000))
+    _index_refused(folder, pickle.dumps([_Calls(torch.Size, shared) for _ in range(1000)]),
+                   r"state/\.metadata is not DCP's index.* uses one list in two places")
+    _index_refused(folder, pickle.dumps({_dag(20): 1}),
+                   r"state/\.metadata is not DCP's index.* uses one tuple in two places")
+
+
+def test_a_shard_index_never_changes_a_class_it_may_name(tmp_path):
+    """BUILD sets attributes of the object before it: on one of the allowed classes (DCP's, shared by the whole
+    process) they would outlast the load; only objects the index itself made are built."""
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+
+    folder = tmp_path / "c"
+    _write_sharded(folder)
+    state = pickle.dumps((None, {"behemoth_crafted": 1}), protocol=0)[:-1]  # without its STOP
+    _index_refused(folder, b"ctorch.distributed.checkpoint.metadata\nChunkStorageMetadata\n" + state + b"b.",
+                   r"state/\.metadata is not DCP's index.* sets attributes of type")
+    assert not hasattr(ChunkStorageMetadata, "behemoth_crafted")
+
+
+def test_a_shard_index_larger_than_its_shards_or_claiming_more_than_they_hold_is_refused(tmp_path):
+    """An index is refused before it is read where it is larger than the shard files it indexes (DCP's holds
+    about a hundred bytes for each stored piece of a tensor, which takes a kilobyte or more in its shard file),
+    and after it is read where it places a piece beyond its shard file's size, or declares tensors of more
+    bytes than the shard files hold (an export allocates each model tensor from its declared size)."""
+    folder = tmp_path / "c"
+    _write_sharded(folder)
+    index = (folder / "state" / ".metadata").read_bytes()
+    shards = (folder / "state" / "__0_0.distcp").stat().st_size
+    _index_refused(folder, index + b"\0" * shards,  # unpickling stops at the end of the index: never read
+                   rf"state/\.metadata is {len(index) + shards} bytes, more than the shard files it indexes")
+
+    (folder / "state" / ".metadata").write_bytes(index)
+    _craft_index(folder, lambda index: setattr(next(iter(index.storage_data.values())), "length", shards + 1))
+    for read in _readers(folder).values():
+        with pytest.raises(CheckpointError, match=rf"state/\.metadata places .* of __0_0\.distcp beyond its "
+                                                  rf"{shards} bytes"):
+            read()
+
+    (folder / "state" / ".metadata").write_bytes(index)
+    key = "model.classifier.1.weight"
+    _craft_index(folder, lambda index: setattr(index.state_dict_metadata[key], "size", torch.Size([2**20] * 2)))
+    for read in _readers(folder).values():
+        with pytest.raises(CheckpointError, match=r"state/\.metadata declares tensors of \d+ bytes in all, more "
+                                                  rf"than its shard files hold \({shards} bytes\)"):
+            read()
+
+
 def test_a_crafted_non_tensor_entry_is_refused_and_never_run(tmp_path):
     """No non-tensor entry of a sharded checkpoint is unpickled freely. The current format keeps none in DCP
     (the optimizer's settings are in state_values.json): an index declaring one is refused by every reader. A

@@ -406,3 +406,54 @@ def test_a_manifest_naming_a_file_outside_its_folder_is_refused(name):
     with pytest.raises(CheckpointError, match="outside the checkpoint's folder"):
         checkpoint.read_manifest(text, "c")
     checkpoint.read_manifest(json.dumps({"format_version": 1, "files": {"state/a.distcp": {}}}), "c")
+
+
+class _CutStreams:
+    """A local store whose whole-file reads of `name` end after half its bytes the first `cuts` times, without
+    an error (a download cut short: what shutil.copyfileobj took for the whole file)."""
+
+    def __init__(self, name: str, cuts: int):
+        self.fs, self.name, self.cuts = pyarrow.fs.LocalFileSystem(), name, cuts
+
+    def open_input_stream(self, path):
+        stream = self.fs.open_input_stream(path)
+        if not path.endswith(f"/{self.name}") or self.cuts == 0:
+            return stream
+        self.cuts -= 1
+        return pyarrow.BufferReader(stream.read()[: self.fs.get_file_info(path).size // 2])
+
+    def __getattr__(self, name):
+        return getattr(self.fs, name)
+
+
+def test_a_node_copy_is_committed_only_when_every_file_matches_its_manifest(tmp_path, monkeypatch):
+    """node_copy checks each file's size and sha256 as it downloads it. A download cut short once is fetched
+    again and the copy is whole; cut short twice it is the store's failure (OSError: the worker fails and Ray
+    retries), not taken for damage; a file that is shorter in the store than its manifest says (truncated after
+    the manifest was written) or has other bytes is the checkpoint's damage (CheckpointError naming it). No
+    failed copy is committed: the node's copies folder is left empty."""
+    from behemoth.node_copy import node_copy, own_temp_folder
+    from behemoth.worker import checkpointing
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "node-tmp"))
+    (tmp_path / "node-tmp").mkdir()
+    model = torch.nn.Linear(64, 64)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ckpt = checkpointing.save(tmp_path / "ckpt", model=model, optimizer=opt, state=TrainState(step=1),
+                              scheduler=torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0), task_files={},
+                              job_yaml="x: 1\n")
+    copies = own_temp_folder("behemoth-checkpoints")  # this node's copies, under the test's temp folder
+
+    with node_copy(_CutStreams("model.pt", cuts=1), str(ckpt), "ckpt") as d:
+        assert checkpoint.verify(d)  # fetched again: whole
+    with pytest.raises(OSError, match="model.pt"), node_copy(_CutStreams("model.pt", cuts=2), str(ckpt), "ckpt"):
+        pass
+    assert list(copies.iterdir()) == []
+
+    data = (ckpt / "model.pt").read_bytes()
+    for damaged in (data[: len(data) // 2], data[:-1] + bytes([data[-1] ^ 1])):
+        (ckpt / "model.pt").write_bytes(damaged)
+        with (pytest.raises(CheckpointError, match="checkpoint ckpt: model.pt does not match its manifest"),
+              node_copy(pyarrow.fs.LocalFileSystem(), str(ckpt), "ckpt")):
+            pass
+        assert list(copies.iterdir()) == []

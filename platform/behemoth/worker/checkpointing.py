@@ -16,7 +16,7 @@ import torch
 from behemoth.checkpoint import (MODEL_FILE, Snapshot, TrainState, is_sharded_format, read_manifest_bytes, verify,
                                  write)
 from behemoth.errors import CheckpointError
-from behemoth.worker import sharded
+from behemoth.worker import collectives, sharded
 from behemoth.worker.parallel import is_sharded, unwrap
 
 
@@ -172,6 +172,14 @@ def opened(ckpt) -> Iterator[tuple[Path, object, bool]]:
         yield Path(d), remote, True
 
 
+@contextlib.contextmanager
+def opened_on_every_rank(ckpt) -> Iterator[tuple[Path, object, bool]]:
+    """`opened(ckpt)` where it opened on every rank; else CheckpointError on every rank (a node's download
+    that does not match the manifest fails on that node only: collectives.on_every_rank)."""
+    with contextlib.ExitStack() as stack:
+        yield collectives.on_every_rank(lambda: stack.enter_context(opened(ckpt)))
+
+
 def load(directory: str | Path, *, model, optimizer=None, scheduler=None, scaler=None,
          hook_state=None, remote=None, node_copy: bool = False) -> TrainState:
     """Verify, then restore the given objects in place. Returns the saved TrainState.
@@ -180,12 +188,14 @@ def load(directory: str | Path, *, model, optimizer=None, scheduler=None, scaler
     reshards to this world size), a full one read whole by each rank (under FSDP each keeps its shard). The
     optimizer state of a full checkpoint written under DDP is keyed by parameter index, under FSDP by name:
     each is converted to what this run's optimizer takes. `remote` (`opened`'s): the shard files are read
-    there, by range. `node_copy`: the folder is this node's copy, which the other nodes' ranks do not check."""
+    there, by range. `node_copy`: the folder is this node's copy, which the other nodes' ranks do not check.
+    In a process group every rank calls it: a file that fails its check on any rank fails it on every rank
+    (collectives.on_every_rank), so that all go on to the same next checkpoint."""
     d = Path(directory)
     if is_sharded_format(d):
         sharded.load(d, model, optimizer, remote, shared=not node_copy)
     else:
-        verify(d)
+        collectives.on_every_rank(lambda: verify(d))  # all ranks skip a copy damaged on one node together
         model_sd = torch.load(d / MODEL_FILE, map_location="cpu", weights_only=True)
         optim_sd = torch.load(d / "optimizer.pt", map_location="cpu", weights_only=True) if optimizer else None
         by_name = bool(optim_sd) and _keyed_by_name(optim_sd)

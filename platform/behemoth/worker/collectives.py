@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from behemoth.errors import CheckpointError
 from behemoth.worker.parallel import unwrap
 
 
@@ -49,3 +50,30 @@ def union_across_ranks(ids: set) -> set:
     return set().union(*map(set, gathered))
 
 
+
+
+def from_rank0(obj):
+    """Rank 0's obj on every rank."""
+    if not distributed():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def on_every_rank(attempt):
+    """attempt()'s result, where it succeeded on every rank; where it raised CheckpointError on any rank, every
+    rank raises that error (the first such rank's, naming it). A checkpoint one rank alone skips (its node's
+    copy damaged) would leave it on another step than the rest: the replicas diverge silently and a later
+    collective hangs. So every rank calls this at the same point, and all skip or keep a checkpoint together."""
+    try:
+        result, problem = attempt(), None
+    except CheckpointError as e:
+        result, problem = None, str(e)
+    if distributed():
+        problems = [None] * dist.get_world_size()
+        dist.all_gather_object(problems, problem)
+        problem = next((f"on rank {rank}: {p}" for rank, p in enumerate(problems) if p is not None), None)
+    if problem is not None:
+        raise CheckpointError(problem)
+    return result

@@ -6,7 +6,7 @@ import ray.train
 
 from behemoth import checkpoint, weights
 from behemoth import worker_context as context
-from behemoth.worker import checkpointing
+from behemoth.worker import checkpointing, collectives
 from behemoth.checkpoint import TrainState
 from behemoth.errors import CheckpointError, PartlyLoadedError
 from behemoth.worker.console import console
@@ -19,7 +19,8 @@ def restore_latest(run: Run, fence=None) -> TrainState | None:
 
     Candidates, newest first: complete checkpoints in the run folder newer than Ray Train's latest (written
     and uploaded, but the worker or driver died before Ray Train registered them), Ray Train's latest, then
-    its earlier ones. A candidate that fails verification is skipped with a warning naming it.
+    its earlier ones. A candidate that fails verification on any rank is skipped by every rank, with a
+    warning naming it: all ranks restore the same checkpoint (restore_first_verified).
     """
     ctx = context.current()
     latest = ctx.latest_checkpoint()
@@ -34,19 +35,9 @@ def restore_latest(run: Run, fence=None) -> TrainState | None:
     if unregistered and rank0:
         console(f"restoring from {unregistered[0].path}: complete in the run folder, but not registered with "
                 f"Ray Train when the run stopped")
-    touched = False  # a failed load left part of a checkpoint in the model
-    for ckpt in unregistered + candidates:
-        try:
-            with checkpointing.opened(ckpt) as (d, remote, node_copy):
-                state = checkpointing.load(d, **run.parts(), hook_state=run.hook_state, remote=remote,
-                                           node_copy=node_copy)
-                if remote is not None and rank0:
-                    console(f"restored {ckpt.path} from its object store: rank 0 read "
-                            f"{remote.fetched / 2**20:.1f} MiB of its {remote.total / 2**20:.1f} MiB")
-                return state
-        except CheckpointError as e:
-            touched = touched or isinstance(e, PartlyLoadedError)
-            console(f"WARNING: skipping checkpoint {ckpt.path}: {e}")
+    state, touched = restore_first_verified(unregistered + candidates, run, ctx.storage()[0], rank0)
+    if state is not None:
+        return state
     if candidates or touched:  # never silently start over (from registered checkpoints, or a part-loaded model)
         tried = [c.path for c in unregistered + candidates]
         hint = "" if candidates else (": one failed its check while being loaded, after part of it was; move the "
@@ -55,6 +46,33 @@ def restore_latest(run: Run, fence=None) -> TrainState | None:
     # Nothing registered: what failed were unregistered folders (an upload cut short by the failure, whose
     # manifest was copied before the rest). Nothing was committed yet, so the run starts from step 0.
     return None
+
+
+def restore_first_verified(ckpts: list, run: Run, fs, rank0: bool) -> tuple[TrainState | None, bool]:
+    """Restore the first of `ckpts` (Ray Train checkpoints on the pyarrow filesystem `fs`, newest first) that
+    passes verification on every rank into `run`. Returns (its TrainState, or None where none did; whether a
+    failed load left part of a checkpoint in the model). A candidate that fails is skipped with a warning
+    naming it.
+
+    Every rank restores the same checkpoint: the ranks try rank 0's list of candidates (a shared mount's
+    listing of the run folder can lag on another node) one by one, in step, and skip one together where it
+    fails on any rank (one node's copy can be damaged where the others' are whole)."""
+    mine = {c.path: c for c in ckpts}
+    touched = False
+    for path in collectives.from_rank0(list(mine)):
+        ckpt = mine.get(path) or ray.train.Checkpoint(path, filesystem=fs)
+        try:
+            with checkpointing.opened_on_every_rank(ckpt) as (d, remote, node_copy):
+                state = checkpointing.load(d, **run.parts(), hook_state=run.hook_state, remote=remote,
+                                           node_copy=node_copy)
+                if remote is not None and rank0:
+                    console(f"restored {ckpt.path} from its object store: rank 0 read "
+                            f"{remote.fetched / 2**20:.1f} MiB of its {remote.total / 2**20:.1f} MiB")
+                return state, touched
+        except CheckpointError as e:
+            touched = touched or isinstance(e, PartlyLoadedError)
+            console(f"WARNING: skipping checkpoint {ckpt.path}: {e}")
+    return None, touched
 
 
 def _step_of(latest) -> int:

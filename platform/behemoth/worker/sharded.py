@@ -27,6 +27,7 @@ import torch.distributed as dist
 from behemoth import checkpoint, faults, shard_reader
 from behemoth.checkpoint import SINGLE_PROCESS_WARNING, STATE_DIR, VALUES_FILE, Snapshot
 from behemoth.errors import CheckpointError, PartlyLoadedError
+from behemoth.worker import collectives
 from behemoth.worker.parallel import unwrap
 
 
@@ -188,17 +189,7 @@ def load(folder: str | Path, model, optimizer=None, remote: shard_reader.RemoteS
         mine = tuple(n for n in names if not checkpoint.is_shard_file(n))
     else:
         mine = tuple(names[rank::world] if shared else names)
-    try:
-        checkpoint.verify(d, only=mine)
-        problem = None
-    except CheckpointError as e:
-        problem = str(e)
-    problems = [problem]
-    if world > 1:
-        problems = [None] * world
-        dist.all_gather_object(problems, problem)
-    if any(problems):
-        raise CheckpointError(next(p for p in problems if p))
+    collectives.on_every_rank(lambda: checkpoint.verify(d, only=mine))
     target = _state_dicts(model, optimizer if optimizer is not None else [])
     if optimizer is None:
         target.pop("optimizer")
