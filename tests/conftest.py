@@ -24,6 +24,10 @@ import pytest
 # in a worker, imports its module and so this one), and a folder made there would never be removed.
 _SESSION_DIR: Path = None  # type: ignore[assignment]
 REPO = Path(__file__).resolve().parents[1]
+# What Ray's workers of the tests' instances import from: the test modules (a test's own train loop, by name),
+# this checkout's behemoth (even where the virtual environment's editable install points at another checkout)
+# and the examples by their import paths from the repository root (examples.custom_model:...).
+WORKER_PYTHONPATH = os.pathsep.join([str(REPO / "tests"), str(REPO / "platform"), str(REPO)])
 
 
 def pytest_addoption(parser):
@@ -154,9 +158,7 @@ def ray_local():
         # as behemoth starts a local instance (workers at niceness 0)
         ray.init(num_cpus=2, include_dashboard=False, logging_level="warning", _system_config=LOCAL_RAY_SYSTEM_CONFIG,
                  _temp_dir=tempfile.mkdtemp(prefix="ray-", dir=_SESSION_DIR),
-                 # workers import test-module functions (e.g. a custom train loop) by name, as pytest does, and
-                 # the examples by their import paths from the repository root (examples.custom_model:...)
-                 runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), str(REPO)])}})
+                 runtime_env={"env_vars": {"PYTHONPATH": WORKER_PYTHONPATH}})
         _LOCAL_RAY["env"] = env
     try:
         yield

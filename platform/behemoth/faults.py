@@ -12,6 +12,8 @@ untouched.
   controller collects a report when it next polls, every 0.2 s: a kill right after it takes the last report or
   two with it), and writes to the marker the seconds its worker group had trained and waited for data by then
   (tests/integration/test_tracking.py: the goodput account's lost work against a kill at a known step).
+- BEHEMOTH_FAULT_RAISE_AT_STEP=RUN:STEP makes rank 0 raise a RuntimeError after STEP, every time (a sweep's
+  trial that fails while the others go on: tests/integration/test_lanes.py).
 - BEHEMOTH_FAULT_SLOW_WORLD=RUN:WORLD:SECONDS makes every step trained by a worker group of WORLD workers take
   SECONDS longer: the elastic test's shrunk group cannot finish the run before Ray Train grows it back, however
   fast the machine trains (test_fault_tolerance.py, R6).
@@ -27,6 +29,7 @@ FAULT_ENV = "BEHEMOTH_FAULT_KILL_IN_UPLOAD"
 DISK_FULL_ENV = "BEHEMOTH_FAULT_DISK_FULL"
 SLOW_WORLD_ENV = "BEHEMOTH_FAULT_SLOW_WORLD"
 KILL_AT_STEP_ENV = "BEHEMOTH_FAULT_KILL_AT_STEP"
+RAISE_AT_STEP_ENV = "BEHEMOTH_FAULT_RAISE_AT_STEP"
 
 
 def _spec_for_this_run(env: str) -> list[str] | None:
@@ -52,8 +55,16 @@ def kill_in_upload(step: int) -> None:
             os.kill(os.getpid(), 9)
 
 
+def at_step(step: int, rank: int, totals: dict) -> None:
+    """The hooks that act after a step: KILL_AT_STEP's kill and RAISE_AT_STEP's error. `totals`: rank 0's
+    PhaseClock totals (seconds per phase since its loop started)."""
+    kill_at_step(step, rank, totals)
+    fields = _spec_for_this_run(RAISE_AT_STEP_ENV)
+    if fields is not None and rank == 0 and int(fields[0]) == step:
+        raise RuntimeError(f"injected by {RAISE_AT_STEP_ENV} after step {step}")
+
+
 def kill_at_step(step: int, rank: int, totals: dict) -> None:
-    """`totals`: rank 0's PhaseClock totals (seconds per phase since its loop started)."""
     fields = _spec_for_this_run(KILL_AT_STEP_ENV)
     if fields is not None and rank == 0:
         at, marker = fields[0], ":".join(fields[1:])

@@ -33,7 +33,7 @@ from behemoth.driver.trainer import train
 from behemoth.faults import FAULT_ENV, SLOW_WORLD_ENV
 from behemoth.errors import RunFailedError
 from behemoth.tracking.records import read_jsonl
-from conftest import in_thread, lm_job_dict, stop_local_ray, train_worker_pids
+from conftest import WORKER_PYTHONPATH, in_thread, lm_job_dict, stop_local_ray, train_worker_pids
 
 from integration import ledger_audit
 from integration.ledger_audit import read_ledger
@@ -42,7 +42,6 @@ pytestmark = pytest.mark.integration
 # ~0.1 s per step: 150 steps leave time for a failure (and, elastic, a regrowth) to land mid-run
 STEPS, EVERY, FAIL_AT, BATCH = 150, 10, 37, 16
 SLOW_STEP_S = 0.5  # R6: the pace of the 1-worker group
-TESTS = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +54,7 @@ def cluster(tmp_path_factory):
     nodes = [c.add_node(num_cpus=1) for _ in range(2)]
     c.wait_for_nodes()
     ray.init(address=c.address, logging_level="warning", runtime_env={"env_vars": {
-        "PYTHONPATH": str(TESTS), FAULT_ENV: f"killed_in_save:30:{marker}",
+        "PYTHONPATH": WORKER_PYTHONPATH, FAULT_ENV: f"killed_in_save:30:{marker}",
         # R6's shrunk group trains each step 0.5 s slower, so that it cannot finish before the run regrows.
         SLOW_WORLD_ENV: f"elastic:1:{SLOW_STEP_S}",
         # Ray Train waits 60 s for a worker group that cannot be placed (an elastic restart that counted a
@@ -145,7 +144,7 @@ def test_r1_r3_node_removed_then_driver_killed(cluster, straight, text_corpus, t
     ledger = tmp_path / f"ledger-{name}"
     config = tmp_path / "job.yaml"
     config.write_text(yaml.safe_dump(job(text_corpus, tmp_path, name)))
-    env = {**os.environ, "RAY_ADDRESS": c.address, "PYTHONPATH": str(TESTS)}
+    env = {**os.environ, "RAY_ADDRESS": c.address, "PYTHONPATH": WORKER_PYTHONPATH}
     driver = subprocess.Popen([sys.executable, "-m", "behemoth.driver.cli", "train", str(config)], env=env,
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:

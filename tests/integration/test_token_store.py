@@ -21,7 +21,7 @@ from behemoth.data import text
 from behemoth.data.token_store import ShardWriter, TokenShards
 from behemoth.driver.ray_session import LOCAL_RAY_SYSTEM_CONFIG
 from behemoth.driver.trainer import train
-from conftest import REPO, lm_job_dict, stop_local_ray
+from conftest import WORKER_PYTHONPATH, lm_job_dict, stop_local_ray
 
 pytestmark = pytest.mark.integration
 
@@ -37,7 +37,7 @@ def small_object_store():
     ray.init(num_cpus=2, object_store_memory=STORE_BYTES, include_dashboard=False, logging_level="warning",
              _system_config={**LOCAL_RAY_SYSTEM_CONFIG, "automatic_object_spilling_enabled": False},
              _temp_dir=(temp_dir := tempfile.mkdtemp(prefix="ray-small-store-")),
-             runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1]), str(REPO)])}})
+             runtime_env={"env_vars": {"PYTHONPATH": WORKER_PYTHONPATH}})
     yield
     ray.shutdown()
     shutil.rmtree(temp_dir, ignore_errors=True)

@@ -1,5 +1,6 @@
-"""A real Ray Tune sweep on a local Ray instance: three trials, each a behemoth training run (1 worker, the
-tiny RegNet, 2 epochs), one at a time, ASHA deciding at epoch 1 over the learning rates 0.05, 0.005, 0.0005.
+"""A real Ray Tune sweep on a local Ray instance: three trials, each a behemoth training run through Ray Train (2
+workers: a trial of one trains in a warm lane instead, tests/integration/test_lanes.py; the tiny RegNet, 2
+epochs), one at a time, ASHA deciding at epoch 1 over the learning rates 0.05, 0.005, 0.0005.
 
 One sweep, driven through its life, checks: a trial whose training worker is SIGKILLed finishes (Ray Train
 restores it from its checkpoint) on exactly the weights of an uninterrupted run of its job; a sweep whose
@@ -76,7 +77,7 @@ def write_sweep(tmp_path: Path, image_root: Path) -> Path:
     job = job_dict(image_root, tmp_path / "runs", "unused",
                    train={"epochs": 2, "global_batch_size": 8, "log_every": 4,  # 96 images: 12 steps per epoch
                           "sample_ledger": str(tmp_path / "ledger")},
-                   scaling={"num_workers": 1, "cpus_per_worker": 0.5},
+                   scaling={"num_workers": 2, "cpus_per_worker": 0.5},
                    checkpoint={"every_n_steps": 2, "keep": 2}, failure={"max_failures": 1},
                    # the sweep's report (trials write none); MLflow: a parent run, the trials nested
                    tracking={"report": True, "mlflow": {"uri": f"sqlite:///{tmp_path}/mlflow.db"}})
@@ -174,7 +175,7 @@ def test_sweep_survives_worker_and_driver_kills_asha_stops_trials_and_resources_
         # Trial 1: once it has a checkpoint, SIGKILL its training worker; it must still finish.
         first = wait_until(lambda: nth_trial(sweep_dir, 0), "the first trial")
         wait_until(lambda: trained_step(runs / first) >= 4, "the first trial past its first checkpoint")
-        os.kill(ledger(runs / first)[-1]["pid"], signal.SIGKILL)  # its (only) training worker
+        os.kill(ledger(runs / first)[-1]["pid"], signal.SIGKILL)  # its rank 0 training worker
         wait_until(lambda: (runs / first / "summary.json").is_file(), "the first trial to finish")
         # Trial 2: once it has a checkpoint, SIGKILL the sweep's driver.
         second = wait_until(lambda: nth_trial(sweep_dir, 1), "the second trial")

@@ -210,3 +210,29 @@ def test_a_sweep_whose_every_trial_failed_ends_on_one_line_naming_its_results(tm
     assert user_facing_error(raised.value) == (f"no trial of sweep s reported val_accuracy: see the trials' errors "
                                                f"in {tmp_path}/sweeps/s/results.csv")
     assert (tmp_path / "sweeps/s/results.csv").read_text().count("error: mat1 and mat2 shapes") == 2
+
+
+def test_which_trials_train_in_a_warm_lane_and_why_the_others_do_not(image_root, tmp_path):
+    """One worker: a lane. Several workers, an elastic range, FSDP, sharded checkpoints or torch.compile: Ray
+    Train (each reason said); the sweep's line counts them."""
+    from behemoth.driver.sweep.lane import lane_reason
+    from behemoth.driver.sweep.run import _lanes_line
+    from behemoth.job import config_from_dict
+
+    def job(**sections):
+        return config_from_dict(job_dict(image_root, tmp_path, **sections))
+
+    one = job(scaling={"num_workers": 1})
+    assert lane_reason(one) is None
+    others = {"2 workers (a lane trains one)": job(),
+              "[1, 2] workers (a lane trains one)": job(scaling={"num_workers": [1, 2]}),
+              "scaling.strategy fsdp_full (FSDP shards over a process group)":
+                  job(scaling={"num_workers": 1, "strategy": "fsdp_full"}),
+              "sharded checkpoints (written through a process group)":
+                  job(scaling={"num_workers": 1}, checkpoint={"format": "sharded"}),
+              "train.compile (a compiled graph would stay in the lane's process)":
+                  job(scaling={"num_workers": 1}, train={"compile": True})}
+    for why, cfg in others.items():
+        assert lane_reason(cfg) == why
+    line = _lanes_line([one, one, others["2 workers (a lane trains one)"]])
+    assert line.startswith("2 of 3 trial configs in warm lanes") and "through Ray Train: 2 workers" in line

@@ -100,7 +100,7 @@ def train_loop_per_worker(loop_config: dict) -> dict:
             if report_due(cfg, state, total_steps):
                 reporter.report(state, window, bad_ids)
                 window = Window()
-            faults.kill_at_step(state.step, rank, clock.totals)  # the goodput test's kill (behemoth/faults.py)
+            faults.at_step(state.step, rank, clock.totals)  # the failure tests' kill or error (behemoth/faults.py)
             if state.step >= total_steps:
                 break
     # Rank 0's return value reaches the driver as Result.return_value.

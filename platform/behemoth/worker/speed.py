@@ -7,6 +7,10 @@ from behemoth.config import JobConfig
 from behemoth.tasks import Task
 
 
+# FLOPs per sample counted in this process, by (task, model class, parameter shapes, example batch shapes)
+_COUNTED: dict[tuple, float] = {}
+
+
 class SpeedMeter:
     """Achieved TFLOP/s, MFU and peak memory for the reports. The model's FLOPs per sample are counted once,
     before training, on a forward of one example batch, by rank 0 only: the run's metrics are rank 0's (Ray
@@ -28,13 +32,20 @@ class SpeedMeter:
         return cfg.scaling.strategy != "ddp" or cfg.train.compile
 
     def count(self, task: Task, model) -> None:
-        """Count the FLOPs per sample on `model`, a plain module (no wrapper, no collectives in its forward)."""
-        buffers = {k: v.clone() for k, v in model.named_buffers()}
-        model.eval()
+        """Count the FLOPs per sample on `model`, a plain module (no wrapper, no collectives in its forward).
+        Once per process for a model and an example batch of the same shapes (a sweep's warm lane trains many
+        trials of one model: the count is the same)."""
         batch = task.example_batch(1)  # FLOPs per sample do not depend on the batch; one sample is cheapest
-        self.flops_per_sample = metrics.training_flops_per_sample(lambda: task.loss(model, batch), 1)
-        model.train()
-        model.load_state_dict(buffers, strict=False)
+        key = (type(task).__qualname__, type(model).__qualname__,
+               tuple((name, tuple(p.shape)) for name, p in model.named_parameters()),
+               tuple((k, tuple(v.shape), str(v.dtype)) for k, v in batch.items() if hasattr(v, "shape")))
+        if key not in _COUNTED:
+            buffers = {k: v.clone() for k, v in model.named_buffers()}
+            model.eval()
+            _COUNTED[key] = metrics.training_flops_per_sample(lambda: task.loss(model, batch), 1)
+            model.train()
+            model.load_state_dict(buffers, strict=False)
+        self.flops_per_sample = _COUNTED[key]
 
     def metrics(self, samples_per_s: float) -> dict:
         out = {"peak_mem_gb": metrics.peak_memory_bytes(self.device) / 1e9,

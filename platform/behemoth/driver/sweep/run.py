@@ -1,10 +1,12 @@
 """Driver side: sweeps of a job config with Ray Tune, each trial a full behemoth training run.
 
 A sweep is a job YAML plus a search space over any of its keys (`train.lr`, `train.global_batch_size`, ...).
-Ray 2.60 (Train V2) has no `Tuner(trainer)`: each trial runs `run_trial`, a driver function that builds the
-trial's job config and calls `behemoth.driver.trainer.train` — its own workers, run folder, checkpoints and
-`failure.max_failures` — with a callback that forwards the run's evaluation reports to Tune, where the
-scheduler (ASHA by default) stops weak trials early.
+Ray 2.60 (Train V2) has no `Tuner(trainer)`: each trial runs `run_trial` (driver/sweep/trial.py) in a Tune
+actor, which Tune reuses from trial to trial. A trial of one worker trains right there, in a warm lane
+(driver/sweep/lane.py: no Ray Train processes, what the last trial loaded still loaded); a trial of several
+workers calls `behemoth.driver.trainer.train` — its own TorchTrainer. Either way the trial has its own run
+folder, checkpoints and `failure.max_failures`, and its evaluations go to Tune, where the scheduler (ASHA by
+default) stops weak trials early.
 
 Everything is checked on the driver before a trial starts: every space key is a job key, every value in
 the space makes a valid job, the metric is one the task reports, the data is readable. Concurrency is
@@ -20,6 +22,7 @@ driver/sweep/reaper.py (placement groups a stopped trial leaves), driver/sweep/r
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -30,16 +33,15 @@ import yaml
 
 from behemoth import paths
 from behemoth.config import ConfigError, JobConfig, from_dict
-from behemoth.driver import warmup
+from behemoth.driver import ray_session, warmup
 from behemoth.driver.sweep.reaper import OrphanedPlacementGroupReaper, check_state_api
 from behemoth.driver.sweep.config import (SweepConfig, asha_max_t, base_job, check_sweep, concurrency_bound,
                                           load_sweep, metric_and_mode, optuna_searcher)
+from behemoth.driver.sweep.lane import lane_reason
 from behemoth.driver.sweep.results import SweepResult, write_results
-from behemoth.driver.sweep.trial import TrialOutcomeLines, run_trial
+from behemoth.driver.sweep.trial import TrialOutcomeLines, run_trial, trial_process_resources
 
 __all__ = ["SweepConfig", "SweepResult", "load_sweep", "run_sweep", "sweep"]
-
-TRIAL_DRIVER_MEMORY = 512 * 1024**2  # bytes: a trial driver process (Ray, torch imported) holds ~0.4 GiB
 
 
 def sweep(job: str | Path, space: dict, **options) -> SweepResult:
@@ -68,7 +70,9 @@ def _run_sweep(sweep_cfg: SweepConfig, jobs: list, place: paths.RunPlace, fence)
 
     for job in _distinct_data(jobs):  # checks the data, starts Ray; text: tokenised once, here, into the cache
         prepare_data(job)
-    check_state_api()
+    through_ray_train = sorted({why for why in map(lane_reason, jobs) if why is not None})
+    if through_ray_train:  # (a lane's trial has no Ray Train controller, nor placement group, to free)
+        check_state_api()
     _check_same_sweep(sweep_cfg, sweep_dir)
     warmup.start_data_stats_actor()
     import ray
@@ -78,12 +82,11 @@ def _run_sweep(sweep_cfg: SweepConfig, jobs: list, place: paths.RunPlace, fence)
     mlflow_parent = _sweep_mlflow_run(sweep_cfg, jobs[0], sweep_dir)
     trainable = tune.with_resources(
         tune.with_parameters(run_trial, sweep=_to_dict(sweep_cfg), base=base_job(sweep_cfg), place=place,
-                             mlflow_parent=mlflow_parent, fence=fence),
-        # The trial's driver only waits on its run: it holds no CPU (its workers hold the run's CPUs and GPUs,
-        # see trial_resources), only the memory its process takes. (Ray refuses an empty request.)
-        {"CPU": 0, "memory": TRIAL_DRIVER_MEMORY})
+                             mlflow_parent=mlflow_parent, fence=fence, worker_env=ray_session.worker_env_vars()),
+        trial_process_resources(base_job(sweep_cfg), sweep_cfg.lr_scaling))
     print(f"[behemoth] sweep {sweep_cfg.name}: {metric} ({mode}), {_count(sweep_cfg)} trials, at most "
           f"{concurrent} at once, scheduler {sweep_cfg.scheduler.kind}; folder {sweep_dir}", flush=True)
+    print(f"[behemoth] {_lanes_line(jobs)}", flush=True)
     if tune.Tuner.can_restore(sweep_dir):
         print(f"[behemoth] resuming sweep {sweep_cfg.name}: finished trials are kept, unfinished ones continue "
               f"from their checkpoints, errored ones are retried", flush=True)
@@ -94,18 +97,30 @@ def _run_sweep(sweep_cfg: SweepConfig, jobs: list, place: paths.RunPlace, fence)
             param_space={key: _domain(dist) for key, dist in sweep_cfg.space.items()},
             tune_config=tune.TuneConfig(
                 metric=metric, mode=mode, num_samples=sweep_cfg.num_samples, max_concurrent_trials=concurrent,
-                scheduler=_scheduler(sweep_cfg, jobs[0]), search_alg=_searcher(sweep_cfg, metric, mode)),
+                scheduler=_scheduler(sweep_cfg, jobs[0]), search_alg=_searcher(sweep_cfg, metric, mode),
+                # a trial's actor serves the next trial of the same resources: a lane stays warm
+                reuse_actors=True),
             run_config=tune.RunConfig(
                 name=place.name, storage_path=place.storage, verbose=0,
                 failure_config=tune.FailureConfig(max_failures=sweep_cfg.trial_max_failures),
                 callbacks=[TrialOutcomeLines(metric)]),
         )
-    with OrphanedPlacementGroupReaper():
+    with OrphanedPlacementGroupReaper() if through_ray_train else contextlib.nullcontext():
         grid = tuner.fit()
     fence.check("writing the sweep's results.csv and best.yaml")
     result = write_results(sweep_cfg, grid, metric, mode, place)
     _finish_tracking(jobs[0], sweep_dir, mlflow_parent, result)
     return result
+
+
+def _lanes_line(jobs: list[JobConfig]) -> str:
+    """Which of the sweep's trials train in warm lanes, and why the others go through Ray Train."""
+    why = [lane_reason(job) for job in jobs]
+    lanes = sum(w is None for w in why)
+    line = (f"{lanes} of {len(jobs)} trial configs in warm lanes (one worker: trained in the trial's Tune actor, "
+            f"which the next trial reuses)" if lanes else "no trial in a warm lane")
+    others = sorted({w for w in why if w is not None})
+    return line + (f"; through Ray Train: {'; '.join(others)}" if others else "")
 
 
 def sweep_place(sweep_cfg: SweepConfig) -> paths.RunPlace:

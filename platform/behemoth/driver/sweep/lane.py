@@ -1,0 +1,347 @@
+"""The warm lane: a sweep trial of one worker, trained in the Tune actor that runs the trial, which Tune reuses
+from trial to trial (TuneConfig(reuse_actors=True)).
+
+A trial through Ray Train starts a controller, a synchronisation actor, a placement-group cleaner and its
+worker: new processes that each import Ray Train and torch, ~20 s on 2 cores, for a few seconds of training.
+A lane starts none of them. It runs the same worker loop (worker/loop.py) in the trial's own process under the
+lane's worker context (worker_context.hosted), which writes what Ray Train's would: the run folder, its
+checkpoints (the manifest last; the sweep's lease checked around each), retention (checkpoint.keep: the
+newest K, as Ray's CheckpointConfig(num_to_keep=K) keeps), the run's records through the same RunRecorder
+(metrics.jsonl, timeline.jsonl, TensorBoard, MLflow, the goodput account) and the run's summary.
+
+What a lane keeps from one trial to the next, all of it read-only and keyed by everything it depends on:
+torch, transformers and the task's code imported; the prepared data (an image index and its decoded cache
+mapped, a corpus's token index), per data config and seed; a model's FLOP count, per model and batch shape
+(worker/speed.py). What it puts back after every trial: torch's thread count; no thread, open file or CUDA
+memory of the trial outlives it (tests/integration/test_tune.py checks, trial after trial in one lane).
+
+Failures, as under Ray Train: an error in the loop restarts it from the run's latest checkpoint, in the same
+process, up to failure.max_failures times (a data or config error ends the trial at once); a lane whose
+process dies (SIGKILL, out of memory) is Tune's to restart: the trial is retried in a new actor
+(sweep trial_max_failures) and resumes from its run folder. A trial that ASHA stops ends at its next report
+(Tune raises SystemExit there): its records are closed, and its pending checkpoint upload finishes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import json
+import os
+import queue
+import sys
+import threading
+import time
+import traceback
+from datetime import datetime
+from types import SimpleNamespace
+
+import pyarrow.fs
+import torch
+
+from behemoth import paths, worker_context
+from behemoth.checkpoint import complete_checkpoints
+from behemoth.config import JobConfig
+from behemoth.errors import RunFailedError, user_facing_error
+
+# A lane's process: its prepared data per (data config, model config, seed). Read-only for the trials.
+_PREPARED: dict[str, object] = {}
+_TRIALS_HERE = [0]  # trials this process has hosted (the trial's console line says which one it is)
+
+
+def lane_reason(cfg: JobConfig) -> str | None:
+    """None where a trial of `cfg` trains in a warm lane; else why it goes through Ray Train."""
+    s = cfg.scaling
+    if s.elastic or s.num_workers != 1:
+        return f"{s.num_workers} workers (a lane trains one)"
+    if s.strategy != "ddp":
+        return f"scaling.strategy {s.strategy} (FSDP shards over a process group)"
+    if cfg.checkpoint.sharded(s.strategy):
+        return "sharded checkpoints (written through a process group)"
+    if cfg.train.compile:
+        return "train.compile (a compiled graph would stay in the lane's process)"
+    return None
+
+
+def lane_resources(cfg: JobConfig) -> dict:
+    """What a lane holds while its trial trains: the one worker's CPUs and GPU (the trial's process is it)."""
+    from behemoth.driver.trainer import worker_resources
+
+    return worker_resources(cfg)
+
+
+class LaneContext(worker_context.WorkerContext):
+    """The worker context of a run trained in a lane: rank 0 of 1, the run folder on its storage, checkpoints
+    registered as they are written (an upload thread keeps report order with checkpoint.async_save), each
+    report recorded by the run's RunRecorder, and evaluations forwarded to Tune from the training thread."""
+
+    def __init__(self, cfg: JobConfig, recorder, fence, forward):
+        from behemoth.driver.trainer import run_place
+
+        place = run_place(cfg)
+        self.run_name, self.keep = place.name, cfg.checkpoint.keep
+        self.folder = place.folder
+        self.fs, self.run_path = _filesystem(place.folder)
+        self.recorder, self.fence, self.forward = recorder, fence, forward
+        self._device = _lane_device()
+        # the run's complete checkpoints with their metrics, oldest first (a resumed trial's are registered)
+        self.kept = [(_checkpoint(path, self.fs), _metrics_of(path, self.fs))
+                     for _, path in reversed(complete_checkpoints(self.run_path, self.fs))][-self.keep:]
+        self.last_metrics: dict = {}
+        self._jobs: queue.Queue = queue.Queue()
+        self._uploader: threading.Thread | None = None
+        self._failed: BaseException | None = None
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    def storage(self):
+        return self.fs, self.run_path
+
+    def new_checkpoint_name(self) -> str:
+        return f"checkpoint_{datetime.now():%Y-%m-%d_%H-%M-%S.%f}"  # as Ray Train names them
+
+    def latest_checkpoint(self):
+        return self.kept[-1][0] if self.kept else None
+
+    def reported_checkpoints(self) -> list:
+        return [ckpt for ckpt, _ in self.kept]
+
+    def report(self, metrics, upload=None, *, folder=None, dir_name=None, async_upload=False) -> None:
+        self._raise_failed()
+        job = (dict(metrics), upload, folder, dir_name or (upload and self.new_checkpoint_name()))
+        if async_upload or self._uploader is not None:  # behind the uploads still queued: report order
+            self._start_uploader()
+            self._jobs.put(job)
+            if not async_upload:
+                self.drain()
+        else:
+            self._register(*job)
+        if self.forward is not None:
+            self.forward(metrics)  # Tune may stop the trial here (SystemExit in this, the training thread)
+
+    def persist(self, folder: str, dir_name: str):
+        dest = f"{self.run_path}/{dir_name}"
+        pyarrow.fs.copy_files(folder, dest, source_filesystem=pyarrow.fs.LocalFileSystem(),
+                              destination_filesystem=self.fs)
+        return _checkpoint(dest, self.fs)
+
+    def prepare_model(self, model, wrap_ddp: bool):
+        if self._device.type == "cuda":
+            torch.cuda.set_device(self._device)
+        return model.to(self._device)  # one worker: nothing to wrap (as Ray Train's prepare_model at world 1)
+
+    # ------------------------------------------------------------------------------------------------------
+    def _register(self, metrics: dict, upload, folder, dir_name) -> None:
+        """Write the report's checkpoint (if any), register it, apply retention, record the report."""
+        ckpt = None
+        if upload is not None:
+            self.fence_check("writing a checkpoint into it")
+            ckpt = upload(_checkpoint(folder, pyarrow.fs.LocalFileSystem()), dir_name)
+            self.fence_check("registering the checkpoint it just wrote and applying checkpoint.keep")
+            self.kept.append((ckpt, metrics))
+            for old, _ in self.kept[:-self.keep]:
+                self.fs.delete_dir(old.path)
+            self.kept = self.kept[-self.keep:]
+        self.last_metrics = metrics
+        self.recorder.after_report(SimpleNamespace(checkpoint=ckpt), [metrics])
+
+    def fence_check(self, before: str) -> None:
+        if self.fence is not None:
+            self.fence.check(before)
+
+    def _start_uploader(self) -> None:
+        if self._uploader is None:
+            self._uploader = threading.Thread(target=self._upload_jobs, name="behemoth-lane-upload", daemon=True)
+            self._uploader.start()
+
+    def _upload_jobs(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            try:
+                if self._failed is None:  # after a failure the rest is dropped, as Ray Train drops it
+                    self._register(*job)
+            except BaseException as e:  # noqa: BLE001 - raised in the training thread at its next report
+                self._failed = e
+            finally:
+                self._jobs.task_done()
+        self._jobs.task_done()
+
+    def drain(self) -> None:
+        """Wait for every queued report; raise the first failure among them."""
+        self._jobs.join()
+        self._raise_failed()
+
+    def _raise_failed(self) -> None:
+        if self._failed is not None:
+            failed, self._failed = self._failed, None
+            raise failed
+
+    def close(self) -> None:
+        """End the upload thread once what is queued is done (its failure, if any, is kept for drain)."""
+        if self._uploader is not None:
+            self._jobs.put(None)
+            self._uploader.join()
+            self._uploader = None
+
+    def result(self, returned: dict):
+        """The run as trainer._summarise reads a Ray Train Result."""
+        latest = self.latest_checkpoint()
+        return SimpleNamespace(metrics=self.last_metrics, checkpoint=latest, best_checkpoints=list(self.kept),
+                               return_value=returned)
+
+
+def train_in_lane(cfg: JobConfig, forward=None, parent_mlflow_run: str | None = None, fence=None,
+                  worker_env: dict | None = None):
+    """Train (or resume) the one-worker run of `cfg` in this process, as trainer.train would through Ray Train;
+    its RunSummary. `forward`: called with every report (a sweep's trial sends the evaluations to Tune).
+    Runs under the sweep's lease (`fence`), never a lock of its own. `worker_env`: the variables Ray Train's
+    workers start with (ray_session.worker_env_vars, the driver's), set for the trial and put back after it."""
+    with _environment(worker_env or {}):
+        return _train_in_lane(cfg, forward, parent_mlflow_run, fence)
+
+
+def _train_in_lane(cfg: JobConfig, forward, parent_mlflow_run: str | None, fence):
+    from behemoth.driver import trainer
+    from behemoth.tracking.run import RunTracking
+
+    tracking = RunTracking(cfg, trainer.run_dir(cfg), parent_mlflow_run=parent_mlflow_run)
+    trainer.check_resume_compatible(cfg)
+    cfg = trainer.resolve_init_from(cfg)
+    started = time.time()
+    data = _prepared(cfg, tracking.mark)
+    trainer.check_resume_data(cfg, data)
+    recorder = tracking.callbacks()[0]
+    ctx = LaneContext(cfg, recorder, fence, forward)
+    threads = torch.get_num_threads()
+    _TRIALS_HERE[0] += 1
+    try:
+        returned = _loop_with_restarts(cfg, data, ctx, recorder)
+    except SystemExit:  # Tune stopped the trial (ASHA): as through Ray Train, its invocation has no end record
+        ctx.close()
+        recorder.close()
+        raise
+    except BaseException:
+        ctx.close()
+        recorder.close()
+        tracking.finish("failed")
+        raise
+    finally:
+        _tidy(threads)
+    ctx.close()
+    trainer.retire_unregistered(cfg, ctx.kept, fence)  # older complete checkpoints it never registered
+    summary = trainer._summarise(cfg, ctx.result(returned), time.time() - started)
+    recorder.close()
+    tracking.finish("finished", returned.get("clock"), returned.get("final_step"), summary.best_checkpoint)
+    summary.goodput, summary.report, summary.tensorboard = tracking.account, tracking.report_path, \
+        cfg.tracking.tensorboard
+    return summary
+
+
+def _loop_with_restarts(cfg: JobConfig, data, ctx: LaneContext, recorder) -> dict:
+    """The worker loop under the lane's context; after an error it starts again from the latest checkpoint,
+    failure.max_failures times (not after a data or config error: it would fail the same way)."""
+    from behemoth.worker.loop import train_loop_per_worker
+
+    failures = 0
+    while True:
+        recorder.event("group_start", workers=1, lane_pid=os.getpid())
+        try:
+            with worker_context.hosted(ctx):
+                returned = train_loop_per_worker({"job": cfg.to_dict(), "data": data, "fence": ctx.fence})
+                ctx.drain()
+            return returned
+        except Exception as e:  # noqa: BLE001 - decided below: restarted, or the run's failure
+            ctx.close()
+            ctx._failed = None
+            gc.collect()  # the failed attempt's iterators and threads end now, not at some later collection
+            if user_facing_error(e) is not None:
+                raise  # (Tune shows it, once, with the trial's traceback)
+            # shown whole here, as Ray Train's worker shows its own (Tune's copy then is one line: ray_console)
+            sys.stderr.write(f"[behemoth] error in the training of run '{cfg.checkpoint.run_name}' (a lane):\n"
+                             f"{traceback.format_exc()}")
+            sys.stderr.flush()
+            if failures >= cfg.failure.max_failures:
+                raise RunFailedError(_failure_message(cfg, e, failures)) from e
+            failures += 1
+            recorder.event("failure", decision="RETRY")
+            print(f"[behemoth] run '{cfg.checkpoint.run_name}' failed in its lane ({type(e).__name__}: "
+                  f"{str(e).strip().splitlines()[0] if str(e).strip() else ''}); restarting from its latest "
+                  f"checkpoint ({failures} of failure.max_failures={cfg.failure.max_failures})", flush=True)
+
+
+def _failure_message(cfg: JobConfig, e: Exception, failures: int) -> str:
+    kept = complete_checkpoints(paths.RunPlace.of(cfg.checkpoint.storage_path, cfg.checkpoint.run_name).folder)
+    latest = f" (latest at step {kept[0][0]})" if kept else ""
+    first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    return (f"run '{cfg.checkpoint.run_name}' failed and failure.max_failures={cfg.failure.max_failures} restarts "
+            f"are used up ({failures} used): {type(e).__name__}: {first}. Its checkpoints are kept{latest}: "
+            f"rerun the sweep to resume it")
+
+
+def _prepared(cfg: JobConfig, mark):
+    """The task's prepared data, made once per lane process for each data config (the sweep's driver made it
+    first: here it is only checked and opened)."""
+    from behemoth.driver.trainer import prepare_data
+
+    key = json.dumps({"data": cfg.to_dict()["data"], "model": cfg.to_dict()["model"], "seed": cfg.train.seed},
+                     sort_keys=True, default=str)
+    if key not in _PREPARED:
+        _PREPARED[key] = prepare_data(cfg, mark)
+    else:
+        for milestone in ("data_checked", "ray_ready", "data_ready"):
+            mark(milestone)
+    return _PREPARED[key]
+
+
+@contextlib.contextmanager
+def _environment(variables: dict):
+    """`variables` set in this process while the block runs; the values before put back after it. (Those read
+    once, when a library starts, keep the first trial's: MKL_CBWR, which every trial sets alike.)"""
+    before = {key: os.environ.get(key) for key in variables}
+    os.environ.update(variables)
+    try:
+        yield
+    finally:
+        for key, value in before.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def _tidy(threads: int) -> None:
+    """Put back what a trial changed in the lane's process."""
+    torch.set_num_threads(threads)
+    gc.collect()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+
+
+def _lane_device() -> torch.device:
+    """The lane's GPU where Tune gave its trial one (Ray sets CUDA_VISIBLE_DEVICES to it), else the CPU."""
+    import ray
+
+    return torch.device("cuda", 0) if ray.get_gpu_ids() and torch.cuda.is_available() else torch.device("cpu")
+
+
+def _filesystem(folder: str):
+    from behemoth.checkpoint import filesystem
+
+    return filesystem(folder)
+
+
+def _checkpoint(path: str, fs):
+    import ray.train
+
+    return ray.train.Checkpoint(path, filesystem=fs)
+
+
+def _metrics_of(path: str, fs) -> dict:
+    """The metrics a checkpoint was reported with (its metrics.json), {} where unreadable."""
+    try:
+        with fs.open_input_stream(f"{path.rstrip('/')}/metrics.json") as f:
+            return json.loads(f.read())
+    except (OSError, ValueError):
+        return {}
+
