@@ -68,6 +68,7 @@ def _val_rows(root: Path) -> tuple[list[str], list[str]]:
     return [r["text"] for r in rows], [r["label"] for r in rows]
 
 
+@pytest.mark.quick  # quick tier: text classification
 def test_the_classifier_learns_and_eval_and_export_predict_what_it_evaluated(straight, labelled, tmp_path):
     """Accuracy well above the majority class; `behemoth eval` gives the run's final metrics; the export loads
     in a fresh interpreter without behemoth as pipeline("text-classification"), with the run's label names, and
@@ -104,8 +105,10 @@ def test_the_classifier_learns_and_eval_and_export_predict_what_it_evaluated(str
     # runs each text unpadded, behemoth in right-padded batches).
     differ = [i for i, (a, b) in enumerate(zip(got["labels"], labels)) if a != b and margins[i] > 1e-4]
     assert differ == [] and len(got["labels"]) == len(texts)
-    if min(margins) > 1e-4:
-        assert sum(a == t for a, t in zip(got["labels"], truth)) / len(truth) == m["val_accuracy"]
+    # The run's accuracy, to within the near-ties the pipeline may have decided the other way (none: exactly).
+    ties = sum(margin <= 1e-4 for margin in margins)
+    accuracy = sum(a == t for a, t in zip(got["labels"], truth)) / len(truth)
+    assert abs(accuracy - m["val_accuracy"]) <= ties / len(truth), (accuracy, m["val_accuracy"], ties)
 
 
 def _behemoth_predictions(cfg, ckpt: str, texts: list[str]) -> tuple[list[str], list[float]]:
@@ -124,6 +127,7 @@ def _behemoth_predictions(cfg, ckpt: str, texts: list[str]) -> tuple[list[str], 
             (top[:, 0] - top[:, 1]).tolist())
 
 
+@pytest.mark.quick  # quick tier: exact resume after a kill
 def test_a_killed_worker_costs_only_the_steps_since_the_checkpoint_and_resumes_exactly(
         straight, labelled, tmp_path, monkeypatch):
     """Rank 0 SIGKILLed after step 45: Ray Train restarts the group from checkpoint 40 and the run ends on the
@@ -141,14 +145,26 @@ def test_a_killed_worker_costs_only_the_steps_since_the_checkpoint_and_resumes_e
     assert resumed.metrics["val_accuracy"] == straight[1].metrics["val_accuracy"]
 
 
-def test_fsdp_trains_it_with_sharded_checkpoints_that_export(labelled, tmp_path):
+def test_fsdp_trains_it_with_sharded_checkpoints_that_export(straight, labelled, tmp_path):
     """FSDP (fsdp_full) on 2 workers: sharded checkpoints (each rank its DCP file, the manifest over them), the
-    classifier learns as under DDP, and the sharded checkpoint exports to the weights it holds."""
+    classifier learns as under DDP (the module's DDP run of the same job: its loss curve and final metrics), and
+    the sharded checkpoint exports to the weights it holds."""
     from behemoth.driver.export import export
+    from behemoth.tracking.records import read_jsonl
     from transformers import AutoModelForSequenceClassification
 
     summary = train(config_from_dict(job(labelled, tmp_path, "fsdp", scaling={"strategy": "fsdp_full"})))
-    assert summary.metrics["step"] == STEPS and summary.metrics["val_accuracy"] >= 0.6
+    fsdp, ddp = summary.metrics, straight[1].metrics
+    curves = [{r["step"]: r["loss"] for r in read_jsonl(f"{run}/metrics.jsonl") if "loss" in r}
+              for run in (summary.run_dir, straight[1].run_dir)]
+    assert fsdp["step"] == STEPS and curves[0].keys() == curves[1].keys()
+    # The same data in the same order from the same initial weights: only the gradients' reduction differs
+    # (reduce-scatter of shards against DDP's all-reduce of buckets), so the runs part only by rounding (measured:
+    # equal to 4 decimals at every logged step, val_loss 0.0211 both). Held: each logged loss within 1%, the
+    # final accuracy within 2 of the 80 texts, val_loss within 5%.
+    assert all(abs(curves[0][s] - curves[1][s]) <= 0.01 * curves[1][s] for s in curves[1]), curves
+    assert abs(fsdp["val_accuracy"] - ddp["val_accuracy"]) <= 2 / 80 and \
+        abs(fsdp["val_loss"] - ddp["val_loss"]) <= 0.05 * ddp["val_loss"], (fsdp, ddp)
     latest = Path(summary.latest_checkpoint)
     assert {"state/.metadata", "state/__0_0.distcp", "state/__1_0.distcp", "labels.json"} <= \
         set(json.loads((latest / "manifest.json").read_text())["files"])
