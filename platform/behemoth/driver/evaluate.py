@@ -29,9 +29,9 @@ def evaluate_checkpoint(cfg: JobConfig, checkpoint: str, split: str = "val", whi
     """(metrics, the JSON file written). `checkpoint`: a checkpoint folder, a run folder (its best or latest
     checkpoint, `which`) or a Hugging Face folder whose weights fit the job's model."""
     from ray.train import LoggingConfig, RunConfig, ScalingConfig
-    from ray.train.torch import TorchTrainer
     import ray
 
+    from behemoth.driver import ray_session
     from behemoth.driver.ray_session import ensure_ray, worker_env_vars
     from behemoth.driver.trainer import task_files_differ, worker_resources
     from behemoth.worker.evaluate import evaluate_checkpoint_per_worker
@@ -51,7 +51,7 @@ def evaluate_checkpoint(cfg: JobConfig, checkpoint: str, split: str = "val", whi
           f"{eval_batch_size(cfg, world)} per worker", flush=True)
     storage = tempfile.mkdtemp(prefix="behemoth-eval-")  # Ray Train's bookkeeping only: nothing to keep
     try:
-        result = TorchTrainer(
+        result = ray_session.torch_trainer(
             evaluate_checkpoint_per_worker,
             train_loop_config={"job": cfg.to_dict(), "data_ref": ray.put(data), "checkpoint": ckpt, "split": split,
                                "batch_size": eval_batch_size(cfg, world)},

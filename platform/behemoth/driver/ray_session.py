@@ -162,3 +162,23 @@ def end_ray(end: bool) -> None:
 
         ray.shutdown()
         _RAY_STARTED_HERE = False
+
+
+def torch_trainer(*args, **kwargs):
+    """Ray Train's TorchTrainer, less the processes behemoth's runs do not use (see LeanTorchTrainer)."""
+    from ray.train.torch import TorchTrainer
+    from ray.train.v2._internal.callbacks import DatasetsCallback
+
+    class LeanTorchTrainer(TorchTrainer):
+        """Ray Train 2.60 starts a DatasetManager actor for every run (its DatasetsCallback, whatever the
+        trainer's `datasets`): a process importing Ray and Ray Data, kept until the run's controller ends, that
+        serves `ray.train.get_dataset_shard`. behemoth passes the trainer no dataset (each rank builds its own
+        epoch's dataset, worker/feed.py) and never asks for a shard, so the callback is left out; the rest of
+        Ray Train's (placement-group cleaner, synchronisation actor, metrics) is kept. BENCHMARKS.md, "Ray
+        Train's processes per run", says what each costs."""
+
+        def _create_default_callbacks(self):
+            callbacks = super()._create_default_callbacks()
+            return callbacks if self.datasets else [c for c in callbacks if not isinstance(c, DatasetsCallback)]
+
+    return LeanTorchTrainer(*args, **kwargs)

@@ -88,7 +88,6 @@ def build_trainer(cfg: JobConfig, data, callbacks: list | None = None, fence=Non
     and before a restore deletes an unfinished upload (worker/restore.py)."""
     import ray
     from ray.train import CheckpointConfig, FailureConfig, LoggingConfig, RunConfig, ScalingConfig
-    from ray.train.torch import TorchTrainer
 
     from behemoth.driver import failure_policy
     from behemoth.worker.loop import train_loop_per_worker
@@ -100,7 +99,7 @@ def build_trainer(cfg: JobConfig, data, callbacks: list | None = None, fence=Non
         from behemoth.driver.lease_fence import LeaseFenceCallback
 
         callbacks = [*(callbacks or []), LeaseFenceCallback(fence)]
-    return TorchTrainer(
+    return ray_session.torch_trainer(
         train_loop_per_worker,
         # The data travels once through the object store, not pickled into every worker's config.
         train_loop_config={"job": cfg.to_dict(), "data_ref": ray.put(data), "fence": fence},
