@@ -60,7 +60,7 @@ def lane_sweep(image_root, tmp_path_factory):
     return path, run_sweep(load_sweep(path))
 
 
-@pytest.mark.quick
+@pytest.mark.quick  # quick tier: a sweep
 def test_trials_in_one_warm_lane_train_as_ray_train_would_and_leave_nothing_behind(lane_sweep, tmp_path):
     path, result = lane_sweep
     sweep_dir = Path(result.sweep_dir)

@@ -71,6 +71,7 @@ def _received(run_dir: str, tmp_path: Path, monkeypatch) -> tuple[Path, Path]:
     return copy, marker
 
 
+@pytest.mark.quick  # quick tier: image training, `behemoth eval`, an export that transformers loads alone
 def test_eval_and_export_match_the_run_and_the_export_loads_with_transformers_alone(image_run, tmp_path,
                                                                                     monkeypatch):
     cfg, summary = image_run

@@ -79,6 +79,7 @@ def _initial_val_loss(cfg, tokens) -> float:
         return model(input_ids=ids, labels=ids).loss.item()
 
 
+@pytest.mark.quick  # quick tier: language-model training
 def test_two_worker_lm_run_lowers_loss_then_reruns(text_corpus, tmp_path):
     """A 2-worker run lowers the loss. When none of its registered checkpoints verifies, a rerun refuses to
     start over and keeps them. (Restoring LM runs from checkpoints, exactly, after failures:

@@ -183,3 +183,30 @@ def test_the_report_check_sees_every_spelling():
         assert any(_reports_to_ray_train(n) for n in ast.walk(ast.parse(source))), source
     for source in ("tune.report(m)", "from ray.tune import report", "from ray.train import Checkpoint"):
         assert not any(_reports_to_ray_train(n) for n in ast.walk(ast.parse(source))), source
+
+
+def test_the_quick_tier_runs_every_unit_test_and_only_the_end_to_end_tests_marked_quick():
+    """`./run.sh test`'s selection (-m "quick or not integration"): of tests/integration/ it takes exactly the
+    tests marked quick (conftest marks every test there integration, whatever its module says: a new end-to-end
+    test lands in the full tier), and of tests/unit/ every test; the capabilities the quick tier checks end to
+    end (each quick test's marker comment names its own) are all there."""
+    import re
+    import subprocess
+    import sys
+
+    def collected(*args: str) -> set[str]:
+        out = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", *args],
+                             cwd=REPO, capture_output=True, text=True, timeout=300).stdout
+        return {line for line in out.splitlines() if "::" in line}
+
+    tier = '"quick or not integration"'
+    quick = collected("-m", tier.strip('"'), "tests/integration", "tests/unit")
+    marked = collected("-m", "quick", "tests/integration")
+    assert marked and {t for t in quick if t.startswith("tests/integration/")} == marked
+    assert {t for t in quick if t.startswith("tests/unit/")} == collected("tests/unit")
+    assert tier in (REPO / "run.sh").read_text()
+    said = " ".join(re.findall(r"@pytest\.mark\.quick  # quick tier: (.*)",
+                               "".join((REPO / t.split("::")[0]).read_text() for t in sorted(marked))))
+    for capability in ("image training", "`behemoth eval`", "an export that transformers loads alone",
+                       "language-model training", "text classification", "exact resume after a kill", "a sweep"):
+        assert capability in said, capability
