@@ -147,38 +147,46 @@ def test_a_changed_source_file_makes_another_cache(mixed_images, monkeypatch):
 
 
 BUILDER = textwrap.dedent('''
-    import sys, time
+    import os, sys, time
     from pathlib import Path
     import pyarrow.parquet as pq
     from behemoth.data import image_cache, images
 
+    folder = Path(sys.argv[3])
     slow = images.decode_fitted
-    def decode_fitted(batch, **kw):  # long enough for the other process to ask while this one builds
-        time.sleep(0.5)
+    def decode_fitted(batch, **kw):  # the builder decodes only once both processes have asked for the cache
+        deadline = time.monotonic() + 60
+        while len(list(folder.glob("asked-*"))) < 2:
+            assert time.monotonic() < deadline, "the other process never asked"
+            time.sleep(0.01)
         return slow(batch, **kw)
     images.decode_fitted = decode_fitted
     table = pq.read_table(sys.argv[1])
     plan = image_cache.plan(table, 16, sys.argv[2], "image")
-    while not Path(sys.argv[3]).exists():
+    print("ready", flush=True)
+    while not (folder / "go").exists():
         time.sleep(0.01)
+    (folder / f"asked-{os.getpid()}").touch()
     decoded = image_cache.open_or_build(plan, table, workers=False)
     print("rows", int(decoded.rows(range(plan.rows))[0].sum()))
 ''')
 
 
 def test_two_processes_asking_at_once_build_the_cache_once(image_root, tmp_path):
-    """Two trials (processes) on one node ask for the same cache at the same moment: one builds it, the other
-    waits for the node's lock and opens what was built."""
+    """Two trials (processes) on one node ask for the same cache at once: one builds it, the other waits for
+    the node's lock and opens what was built. The overlap is made sure of, not hoped for: both start asking
+    once both have imported, and the builder decodes only after the other has asked (so the other asks while
+    the build holds the lock)."""
     import pyarrow.parquet as pq
 
     index = index_image_folder(image_root)
     pq.write_table(index.train, tmp_path / "index.parquet")
-    go = tmp_path / "go"
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[2] / "platform")}
     procs = [subprocess.Popen([sys.executable, "-c", BUILDER, str(tmp_path / "index.parquet"),
-                               str(tmp_path / "cache"), str(go)], stdout=subprocess.PIPE, text=True, env=env)
+                               str(tmp_path / "cache"), str(tmp_path)], stdout=subprocess.PIPE, text=True, env=env)
              for _ in range(2)]
-    go.touch()
+    assert [p.stdout.readline() for p in procs] == ["ready\n"] * 2
+    (tmp_path / "go").touch()
     outs = [p.communicate(timeout=120)[0] for p in procs]
     assert all(p.returncode == 0 for p in procs), outs
     assert sum(out.count("[behemoth] decoded 96 images once") for out in outs) == 1, outs
