@@ -10,6 +10,7 @@ trial's training raising an error (that trial ends, alone, in error; the third f
 """
 
 import json
+import signal
 from pathlib import Path
 
 import pandas as pd
@@ -57,7 +58,11 @@ def final_weights(run_dir: Path) -> dict:
 def lane_sweep(image_root, tmp_path_factory):
     tmp_path = tmp_path_factory.mktemp("lanes")
     path = write_sweep(tmp_path, image_root, "lanes")
-    return path, run_sweep(load_sweep(path))
+    handler = signal.getsignal(signal.SIGINT)
+    result = run_sweep(load_sweep(path))
+    # Ray Tune's Ctrl-C handler is gone with the sweep (left, a later Ctrl-C went to a sweep that is over)
+    assert signal.getsignal(signal.SIGINT) is handler
+    return path, result
 
 
 @pytest.mark.quick  # quick tier: a sweep
@@ -81,7 +86,9 @@ def test_trials_in_one_warm_lane_train_as_ray_train_would_and_leave_nothing_behi
     last = table[table["train.lr"] == LRS[2]].iloc[0]
     cfg = trial_job(base_job(load_sweep(path)), {"train.lr": LRS[2]})
     cfg.checkpoint.storage_path, cfg.checkpoint.run_name = str(tmp_path / "runs"), "through_ray_train"
+    handler = signal.getsignal(signal.SIGINT)
     straight = train(cfg)
+    assert signal.getsignal(signal.SIGINT) is handler  # and Ray Train's with its run
     lane = final_weights(sweep_dir / "runs" / last["trial_id"])
     ray_train = read_state_dict(straight.latest_checkpoint)
     assert lane.keys() == ray_train.keys() and all(torch.equal(lane[k], ray_train[k]) for k in lane)

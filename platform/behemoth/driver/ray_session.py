@@ -6,7 +6,10 @@ started ahead on a local instance; and Ray's shutdown when behemoth started it.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
+import threading
 from pathlib import Path
 
 from behemoth.config import JobConfig
@@ -165,7 +168,8 @@ def end_ray(end: bool) -> None:
 
 
 def torch_trainer(*args, **kwargs):
-    """Ray Train's TorchTrainer, less the processes behemoth's runs do not use (see LeanTorchTrainer)."""
+    """Ray Train's TorchTrainer, less the processes behemoth's runs do not use and with the process's signal
+    handlers put back after its fit (see LeanTorchTrainer)."""
     from ray.train.torch import TorchTrainer
     from ray.train.v2._internal.callbacks import DatasetsCallback
 
@@ -181,4 +185,27 @@ def torch_trainer(*args, **kwargs):
             callbacks = super()._create_default_callbacks()
             return callbacks if self.datasets else [c for c in callbacks if not isinstance(c, DatasetsCallback)]
 
+        def fit(self):
+            with signal_handlers_kept():  # Ray Train's Ctrl-C handler ends with the run, not after the next one
+                return super().fit()
+
     return LeanTorchTrainer(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def signal_handlers_kept():
+    """Ray Train's fit and Ray Tune's install their own SIGINT handlers for their run (and Tune a SIGUSR1 one)
+    and leave them installed when it ends: a Ctrl-C later in the same process (a script that trains twice, the
+    run lock giving up a lease it cannot renew, driver/runlock.py) would go to a run that is over and interrupt
+    nothing. The process's handlers are put back when the block ends (in the main thread: elsewhere neither
+    library installs any)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    kinds = [signal.SIGINT, *([signal.SIGUSR1] if hasattr(signal, "SIGUSR1") else [])]
+    before = {kind: signal.getsignal(kind) for kind in kinds}
+    try:
+        yield
+    finally:
+        for kind, handler in before.items():
+            signal.signal(kind, handler)

@@ -105,7 +105,8 @@ def _run_sweep(sweep_cfg: SweepConfig, jobs: list, place: paths.RunPlace, fence)
                 failure_config=tune.FailureConfig(max_failures=sweep_cfg.trial_max_failures),
                 callbacks=[TrialOutcomeLines(metric)]),
         )
-    with OrphanedPlacementGroupReaper() if through_ray_train else contextlib.nullcontext():
+    with OrphanedPlacementGroupReaper() if through_ray_train else contextlib.nullcontext(), \
+            ray_session.signal_handlers_kept():
         grid = tuner.fit()
     fence.check("writing the sweep's results.csv and best.yaml")
     result = write_results(sweep_cfg, grid, metric, mode, place)
