@@ -131,3 +131,19 @@ def test_a_killed_lane_resumes_its_trial_exactly_and_a_failing_trial_ends_alone(
     b = final_weights(Path(lane_sweep[1].sweep_dir) / "runs" / unbroken["trial_id"])
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert len(pd.read_csv(result.results_csv)) == len(LRS)
+
+
+@pytest.mark.gpu
+def test_a_lane_on_a_gpu_leaves_no_gpu_memory_to_the_next_trial(image_root, tmp_path):
+    """The same three trials on one GPU (one lane): each finds CUDA's allocator as the one before left it, and
+    holds nothing of the last trial (its model, optimizer and batches freed, the cache emptied)."""
+    path = write_sweep(tmp_path, image_root, "gpu")
+    sweep = yaml.safe_load(path.read_text())
+    sweep["set"] = ["scaling.use_gpu=true", "scaling.gpus_per_worker=1"]
+    path.write_text(yaml.safe_dump(sweep))
+    result = run_sweep(load_sweep(path))
+    assert (result.table["status"] == "finished").all()
+    begun = starts(Path(result.sweep_dir))
+    assert len({s["pid"] for s in begun}) == 1 and all(s["lane"] for s in begun)
+    assert begun[1]["cuda_allocated_mb"] == begun[2]["cuda_allocated_mb"] == 0, begun
+    assert begun[2]["cuda_reserved_mb"] == begun[1]["cuda_reserved_mb"], begun

@@ -114,7 +114,7 @@ class LaneContext(worker_context.WorkerContext):
         if async_upload or self._uploader is not None:  # behind the uploads still queued: report order
             self._start_uploader()
             self._jobs.put(job)
-            if not async_upload:
+            if upload is not None and not async_upload:  # a synchronous checkpoint is written when this returns
                 self.drain()
         else:
             self._register(*job)

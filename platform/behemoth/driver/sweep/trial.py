@@ -75,8 +75,9 @@ def run_trial(params: dict, sweep: dict, base: dict, place: paths.RunPlace, mlfl
 
 
 def process_state() -> dict:
-    """The trial's process as the trial finds it: its pid, threads, open files, torch's threads, resident memory.
-    In a reused lane, what the trials before left: the same from one trial to the next, or they leak."""
+    """The trial's process as the trial finds it: its pid, threads, open files, torch's threads, resident memory
+    and, once CUDA is in use, the GPU memory torch holds. In a reused lane, what the trials before left: the same
+    from one trial to the next, or they leak."""
     import threading
 
     import torch
@@ -90,6 +91,9 @@ def process_state() -> dict:
         state["open_files"] = len(os.listdir("/proc/self/fd"))
     except OSError:
         pass
+    if torch.cuda.is_available() and torch.cuda.is_initialized():  # what CUDA's caching allocator holds
+        state["cuda_allocated_mb"] = round(torch.cuda.memory_allocated() / 2**20, 1)
+        state["cuda_reserved_mb"] = round(torch.cuda.memory_reserved() / 2**20, 1)
     return state
 
 
