@@ -31,6 +31,18 @@ def lm_corpus(root: Path = REPO / "data" / "bench_text") -> Path:
     return root
 
 
+def demo_images_cached() -> None:
+    """The demo's images (made once) and their decoded cache (built once), as every run after the data set's
+    first use finds them."""
+    import subprocess
+
+    if not (REPO / "data" / "demo_images" / "train").is_dir():
+        subprocess.run([sys.executable, "-m", "behemoth", "data", "synth-images", "--out", "data/demo_images"],
+                       cwd=REPO, check=True)
+    subprocess.run([sys.executable, "-m", "behemoth", "data", "cache", "jobs/configs/demo_images.yaml"], cwd=REPO,
+                   check=True, capture_output=True)
+
+
 def lm_job(corpus: Path, storage: Path, run_name: str, *, hidden: int = 256, layers: int = 4, seq_len: int = 128,
            batch: int = 16, steps: int = 60, workers: int = 1, threads: int = 2, log_every: int = 10,
            checkpoint_every: int = 10_000, gpu: bool = False, **sections) -> dict:

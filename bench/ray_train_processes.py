@@ -25,10 +25,8 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def run(cfg, lean: bool) -> tuple[float, float, dict]:
-    import ray
-    from ray.util.state import list_actors
-
     from behemoth.driver import ray_session, trainer
+    from ray.util.state import list_actors
 
     plain = ray_session.torch_trainer
     if not lean:  # Ray Train's own TorchTrainer, every default callback

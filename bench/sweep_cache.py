@@ -20,6 +20,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from _common import demo_images_cached
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -42,11 +44,7 @@ def main() -> None:
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="a job key for every trial, both sides (e.g. train.epochs=2)")
     args = p.parse_args()
-    if not (REPO / "data" / "demo_images" / "train").is_dir():
-        subprocess.run([sys.executable, "-m", "behemoth", "data", "synth-images", "--out", "data/demo_images"],
-                       cwd=REPO, check=True)
-    subprocess.run([sys.executable, "-m", "behemoth", "data", "cache", "jobs/configs/demo_images.yaml"], cwd=REPO,
-                   check=True, capture_output=True)
+    demo_images_cached()
     runs = {"decoded": [], "none": []}
     with tempfile.TemporaryDirectory(prefix="bench-sweep-cache-") as storage:
         for i in range(args.repeats):

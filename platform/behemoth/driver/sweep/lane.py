@@ -251,7 +251,7 @@ def _loop_with_restarts(cfg: JobConfig, data, ctx: LaneContext, recorder) -> dic
                 returned = train_loop_per_worker({"job": cfg.to_dict(), "data": data, "fence": ctx.fence})
                 ctx.drain()
             return returned
-        except Exception as e:  # noqa: BLE001 - decided below: restarted, or the run's failure
+        except Exception as e:  # decided below: restarted, or the run's failure
             ctx.close()
             ctx._failed = None
             gc.collect()  # the failed attempt's iterators and threads end now, not at some later collection
