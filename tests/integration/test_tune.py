@@ -157,6 +157,11 @@ def _placement_group_creators() -> list[str]:
     return lines
 
 
+def complete(run_dir: Path) -> bool:
+    """Whether the run folder holds a complete checkpoint (its manifest written)."""
+    return any((c / "manifest.json").is_file() for c in run_dir.glob("checkpoint_*"))
+
+
 def nth_trial(sweep_dir: Path, n: int) -> str | None:
     ids = list(dict.fromkeys(s["trial_id"] for s in starts(sweep_dir)))
     return ids[n] if len(ids) > n else None
@@ -174,12 +179,16 @@ def test_sweep_survives_worker_and_driver_kills_asha_stops_trials_and_resources_
     try:
         # Trial 1: once it has a checkpoint, SIGKILL its training worker; it must still finish.
         first = wait_until(lambda: nth_trial(sweep_dir, 0), "the first trial")
-        wait_until(lambda: trained_step(runs / first) >= 4, "the first trial past its first checkpoint")
+        # past its first checkpoint, and that checkpoint complete (written asynchronously: its upload can trail
+        # the steps, most with two workers on a loaded machine; killed before it, the trial would restart at 0)
+        wait_until(lambda: trained_step(runs / first) >= 4 and complete(runs / first),
+                   "the first trial past its first complete checkpoint")
         os.kill(ledger(runs / first)[-1]["pid"], signal.SIGKILL)  # its rank 0 training worker
         wait_until(lambda: (runs / first / "summary.json").is_file(), "the first trial to finish")
         # Trial 2: once it has a checkpoint, SIGKILL the sweep's driver.
         second = wait_until(lambda: nth_trial(sweep_dir, 1), "the second trial")
-        wait_until(lambda: trained_step(runs / second) >= 3, "the second trial past its first checkpoint")
+        wait_until(lambda: trained_step(runs / second) >= 3 and complete(runs / second),
+                   "the second trial past its first complete checkpoint")
     except AssertionError:
         print((tmp_path / "driver.log").read_text()[-5000:])
         raise

@@ -98,8 +98,11 @@ def _run_sweep(sweep_cfg: SweepConfig, jobs: list, place: paths.RunPlace, fence)
             tune_config=tune.TuneConfig(
                 metric=metric, mode=mode, num_samples=sweep_cfg.num_samples, max_concurrent_trials=concurrent,
                 scheduler=_scheduler(sweep_cfg, jobs[0]), search_alg=_searcher(sweep_cfg, metric, mode),
-                # a trial's actor serves the next trial of the same resources: a lane stays warm
-                reuse_actors=True),
+                # A trial's actor serves the next trial of the same resources: a lane stays warm. Not where trials
+                # go through Ray Train: there a reused actor whose trial ASHA had stopped was seen to leave the next
+                # trial's reports unread (its Ray Train controller blocked in TuneReportCallback's queue, Tune
+                # never asking the actor for a result: the sweep hung; 2-worker trials, 2 at once, Ray 2.60).
+                reuse_actors=not through_ray_train),
             run_config=tune.RunConfig(
                 name=place.name, storage_path=place.storage, verbose=0,
                 failure_config=tune.FailureConfig(max_failures=sweep_cfg.trial_max_failures),
