@@ -128,6 +128,18 @@ def stop_local_ray() -> None:
         _LOCAL_RAY["env"] = None
 
 
+@pytest.fixture(autouse=True)
+def _signal_handlers_as_found():
+    """Each test leaves the process's Ctrl-C handling as it found it: a test that runs Ray Train's or Tune's fit
+    itself (not through behemoth, which puts them back) leaves their SIGINT handler installed, and a later test
+    whose Ctrl-C must interrupt (the run lock giving up a lease) then interrupted nothing."""
+    import signal
+
+    before = signal.getsignal(signal.SIGINT)
+    yield
+    signal.signal(signal.SIGINT, before)
+
+
 @pytest.fixture
 def no_ray():
     """No Ray in this process when the test starts (the suite's shared instance stopped if a module before this

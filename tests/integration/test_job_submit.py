@@ -74,6 +74,7 @@ def cluster(tmp_path_factory):
     address = f"http://127.0.0.1:{dash_port}"
     try:
         _wait_for_job_api(address, head)
+        _wait_for_job_agent(address, env)
         yield address, env
     finally:
         head.terminate()
@@ -96,6 +97,22 @@ def _wait_for_job_api(address: str, head: subprocess.Popen, limit_s: float = 180
         except OSError:
             assert time.time() < deadline, f"the job API at {address} did not answer within {limit_s} s"
             time.sleep(0.5)
+
+
+def _wait_for_job_agent(address: str, env: dict, limit_s: float = 180) -> None:
+    """Until the head node's job agent takes a job (a no-op one): the job API answers before the agent has
+    registered, and a job submitted then is refused ("No available agent to submit job, please try again later")."""
+    import time
+
+    deadline = time.time() + limit_s
+    while True:
+        probe = subprocess.run([str(BIN / "ray"), "job", "submit", "--address", address, "--no-wait", "--",
+                                "python", "-c", "pass"], env=env, capture_output=True, text=True, timeout=120)
+        if probe.returncode == 0:
+            return
+        said = probe.stdout + probe.stderr
+        assert "No available agent" in said and time.time() < deadline, said[-3000:]
+        time.sleep(1)
 
 
 def _submit(address, env, cwd, config_path, *overrides):

@@ -36,7 +36,7 @@ def small_object_store():
     stop_local_ray()  # the shared instance; the next module starts it again
     ray.init(num_cpus=2, object_store_memory=STORE_BYTES, include_dashboard=False, logging_level="warning",
              _system_config={**LOCAL_RAY_SYSTEM_CONFIG, "automatic_object_spilling_enabled": False},
-             _temp_dir=(temp_dir := tempfile.mkdtemp(prefix="ray-small-store-")),
+             _temp_dir=(temp_dir := tempfile.mkdtemp(prefix="rays-")),  # short: Ray's socket paths have a length limit
              runtime_env={"env_vars": {"PYTHONPATH": WORKER_PYTHONPATH}})
     yield
     ray.shutdown()

@@ -98,11 +98,15 @@ def check_state_api() -> None:
     PlacementGroupCleaner frees the trial's workers' resources once Ray's state API reports the controller
     dead. Without the state API (Ray started without its dashboard) those resources stay held and later
     trials wait for them forever, so a sweep refuses to start."""
+    import ray
     from ray.util.state import list_actors
     from ray.util.state.exception import RayStateApiException
 
     try:
-        list_actors(limit=1, timeout=10, raise_on_missing_output=False)
+        # This driver's cluster, named: without an address Ray's state API looks for the machine's running GCS
+        # processes and refuses where there are two (a user's own Ray beside behemoth's: the suite's bystander)
+        list_actors(address=ray.get_runtime_context().gcs_address, limit=1, timeout=10,
+                    raise_on_missing_output=False)
     except (RayStateApiException, ConnectionError) as e:
         raise ConfigError(
             f"Ray's state API is not reachable ({type(e).__name__}): Ray was started without its dashboard. A "
