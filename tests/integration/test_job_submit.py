@@ -62,13 +62,16 @@ def cluster(tmp_path_factory):
     env.pop("RAY_ADDRESS", None)
     # As a user who started Ray from their activated environment: the job's `python` is that environment's.
     env["PATH"] = f"{python.parent}{os.pathsep}{env.get('PATH', '')}"
-    gcs_port, dash_port = _free_port(), _free_port()
+    gcs_port, dash_port, agent_port = _free_port(), _free_port(), _free_port()
     temp_dir = tempfile.mkdtemp(prefix="rayh-")  # short: Ray's socket paths have a length limit
     # Ray runs its daemons and workers with the interpreter that ran `ray start`. With --block the command
     # stays in the foreground, owns every process it started and ends them all when it is terminated: the
     # fixture stops this cluster and nothing else (`ray stop` would end every Ray process on the machine).
     start = [str(python), str(BIN / "ray"), "start", "--head", "--node-ip-address=127.0.0.1", f"--port={gcs_port}",
              "--dashboard-host=127.0.0.1", f"--dashboard-port={dash_port}", "--num-cpus=2",
+             # its job agent's own port: the default one is taken where another Ray runs on the machine (the suite's
+             # bystander, a user's), and an agent without its port takes no job ("No available agent")
+             f"--dashboard-agent-listen-port={agent_port}",
              f"--temp-dir={temp_dir}", "--disable-usage-stats", "--include-dashboard=true", "--block"]
     head = subprocess.Popen(start, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     address = f"http://127.0.0.1:{dash_port}"

@@ -67,13 +67,16 @@ def write_packed_corpus(cfg, blocks: int, val_blocks: int) -> Path:
 def object_store_peak():
     """{"mib": the most the object store held (Ray's "Plasma memory usage", file-backed allocations
     included), sampled every 0.2 s while the block runs}."""
+    import ray
     from ray._private.internal_api import memory_summary
+
+    address = ray.get_runtime_context().gcs_address  # this instance's (unnamed, Ray looks for one on the machine)
 
     peak, done = {"mib": 0, "samples": 0}, threading.Event()
 
     def sample():
         while not done.is_set():
-            used = re.search(r"Plasma memory usage (\d+) MiB", memory_summary(stats_only=True))
+            used = re.search(r"Plasma memory usage (\d+) MiB", memory_summary(address, stats_only=True))
             peak["mib"], peak["samples"] = max(peak["mib"], int(used.group(1)) if used else 0), peak["samples"] + 1
             done.wait(0.2)
 

@@ -172,6 +172,7 @@ def torch_trainer(*args, **kwargs):
     handlers put back after its fit (see LeanTorchTrainer)."""
     from ray.train.torch import TorchTrainer
     from ray.train.v2._internal.callbacks import DatasetsCallback
+    from ray.train.v2._internal.callbacks.placement_group_callback import PlacementGroupCleanerCallback
 
     class LeanTorchTrainer(TorchTrainer):
         """Ray Train 2.60 starts a DatasetManager actor for every run (its DatasetsCallback, whatever the
@@ -182,12 +183,15 @@ def torch_trainer(*args, **kwargs):
         Train's processes per run", says what each costs."""
 
         def _create_default_callbacks(self):
-            callbacks = super()._create_default_callbacks()
+            callbacks = [ThisClusterCleanerCallback() if type(c) is PlacementGroupCleanerCallback else c
+                         for c in super()._create_default_callbacks()]
             return callbacks if self.datasets else [c for c in callbacks if not isinstance(c, DatasetsCallback)]
 
         def fit(self):
             with signal_handlers_kept():  # Ray Train's Ctrl-C handler ends with the run, not after the next one
                 return super().fit()
+
+    from behemoth.driver.cleaner import ThisClusterCleanerCallback
 
     return LeanTorchTrainer(*args, **kwargs)
 
