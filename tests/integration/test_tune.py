@@ -127,7 +127,8 @@ def resource_holders() -> str:
         from ray.util.state import list_actors
 
         lines += [f"actor {a.class_name} pid {a.pid} {a.state}" for a in list_actors(
-            filters=[("state", "=", "ALIVE")], limit=200, raise_on_missing_output=False)]
+            address=ray.get_runtime_context().gcs_address, filters=[("state", "=", "ALIVE")], limit=200,
+            raise_on_missing_output=False)]
     except Exception as e:  # noqa: BLE001 - diagnostics only
         lines.append(f"(state API: {e})")
     logs = Path(ray._private.worker._global_node.get_session_dir_path()) / "logs"
@@ -265,7 +266,9 @@ def test_sweep_survives_worker_and_driver_kills_asha_stops_trials_and_resources_
     # ending did not kill it (that made later trials' datasets report to a new one: KeyError tracebacks).
     from ray.util.state import list_actors
 
-    stats = list_actors(filters=[("class_name", "=", "_StatsActor")], raise_on_missing_output=False)
+    # (this instance named: Ray would look for one on the machine, and there are two: the suite's bystander)
+    stats = list_actors(address=ray.get_runtime_context().gcs_address, filters=[("class_name", "=", "_StatsActor")],
+                        raise_on_missing_output=False)
     assert len(stats) == 1 and stats[0].state == "ALIVE" and not stats[0].placement_group_id, stats
 
     # No leaked placement groups: every CPU free again, no placement group left alive.
