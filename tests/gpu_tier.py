@@ -10,7 +10,8 @@ Steps, each under its own time limit, one after the other:
   4. the step-rate bench (`bench/step_overhead.py --gpu`) and the checkpoint-stall bench
      (`bench/checkpoint_blocking.py --gpu`), two repeats each.
 Each step's figures and the tail of its output go to the JSON file (default gpu-tier.json; `$OUT/gpu-tier.json`
-when $OUT is set), written after every step, so a step that runs out of time keeps what came before it.
+when $OUT is set), written after every step, so a step that runs out of time keeps what came before it; each
+step's whole output to a log beside it (gpu-tier-STEP.log).
 
 Without a GPU it runs its CPU-side checks (every step's command line is valid: the demo configs with the GPU
 overrides pass `behemoth check`, the benches parse their options), then refuses with one line and exit status 3.
@@ -39,13 +40,13 @@ def steps(storage: str) -> list[tuple[str, list[str], int]]:
     """(name, command, time limit in seconds); together within the tier's 8 minutes."""
     where = ["--set", f"checkpoint.storage_path={storage}"]
     return [
-        ("gpu_tests", [PY, "-m", "pytest", "-m", "gpu", "-q", "-rs", "tests"], 120),
+        ("gpu_tests", [PY, "-m", "pytest", "-m", "gpu", "-q", "-rs", "tests"], 75),
         ("demo_images", [PY, "-m", "behemoth", "train", "jobs/configs/demo_images.yaml", *GPU_SET, *where,
-                         "--set", "checkpoint.run_name=gpu_demo_images"], 90),
+                         "--set", "checkpoint.run_name=gpu_demo_images"], 70),
         ("demo_lm", [PY, "-m", "behemoth", "train", "jobs/configs/demo_lm.yaml", *GPU_SET, *where,
-                     "--set", "checkpoint.run_name=gpu_demo_lm"], 90),
-        ("step_rate", [PY, "bench/step_overhead.py", "--gpu", "--repeats", "2"], 90),
-        ("checkpoint_stall", [PY, "bench/checkpoint_blocking.py", "--gpu", "--repeats", "2"], 90),
+                     "--set", "checkpoint.run_name=gpu_demo_lm"], 80),
+        ("step_rate", [PY, "bench/step_overhead.py", "--gpu", "--repeats", "2"], 110),
+        ("checkpoint_stall", [PY, "bench/checkpoint_blocking.py", "--gpu", "--repeats", "2"], 145),
     ]
 
 
@@ -64,16 +65,21 @@ def figures(name: str, out: str) -> dict:
     return found
 
 
-def run_step(name: str, command: list[str], limit_s: int) -> dict:
+def _text(stream) -> str:
+    return stream.decode(errors="replace") if isinstance(stream, bytes) else (stream or "")
+
+
+def run_step(name: str, command: list[str], limit_s: int, log: Path) -> dict:
+    """Run one step; its whole output goes to `log`, its figures and the output's tail to the result."""
     started = time.time()
     try:
         done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=limit_s)
         out, status = done.stdout + done.stderr, done.returncode
     except subprocess.TimeoutExpired as e:
-        out, status = f"{e.stdout or ''}{e.stderr or ''}\n[gpu tier] {name}: over its {limit_s} s", "timeout"
-        out = out if isinstance(out, str) else out.decode(errors="replace")
+        out, status = f"{_text(e.stdout)}{_text(e.stderr)}\n[gpu tier] {name}: over its {limit_s} s", "timeout"
+    log.write_text(out)
     result = {"command": " ".join(command), "status": status, "seconds": round(time.time() - started, 1),
-              **figures(name, out), "tail": out[-3000:]}
+              **figures(name, out), "log": str(log), "tail": out[-3000:]}
     if name == "gpu_tests" and result.get("skipped", "0") != "0":
         result["status"] = f"{status} (tests skipped on a GPU machine: the tier expects none)"
     return result
@@ -128,7 +134,7 @@ def main() -> int:
     results = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "started": time.time(), "steps": {}}
     for name, command, limit_s in steps(storage):
         print(f"[gpu tier] {name}: {' '.join(command)}", flush=True)
-        results["steps"][name] = run_step(name, command, limit_s)
+        results["steps"][name] = run_step(name, command, limit_s, args.out.with_name(f"{args.out.stem}-{name}.log"))
         args.out.write_text(json.dumps(results, indent=1))
         shown = {k: v for k, v in results["steps"][name].items() if k not in ("tail", "command")}
         print(f"[gpu tier] {name}: {shown}", flush=True)

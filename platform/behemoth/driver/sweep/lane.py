@@ -315,6 +315,11 @@ def _tidy(threads: int) -> None:
     torch.set_num_threads(threads)
     gc.collect()
     if torch.cuda.is_available() and torch.cuda.is_initialized():
+        # cuBLAS's workspaces are tensors of the caching allocator, kept per stream after the first matrix
+        # product (memory_allocated stays above 0 once a trial has run): freed too, so that the next trial
+        # finds the GPU as the lane's first did
+        if hasattr(torch._C, "_cuda_clearCublasWorkspaces"):
+            torch._C._cuda_clearCublasWorkspaces()
         torch.cuda.empty_cache()
 
 
