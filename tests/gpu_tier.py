@@ -40,13 +40,13 @@ def steps(storage: str) -> list[tuple[str, list[str], int]]:
     """(name, command, time limit in seconds); together within the tier's 8 minutes."""
     where = ["--set", f"checkpoint.storage_path={storage}"]
     return [
-        ("gpu_tests", [PY, "-m", "pytest", "-m", "gpu", "-q", "-rs", "tests"], 75),
+        ("gpu_tests", [PY, "-m", "pytest", "-m", "gpu", "-q", "-rs", "tests"], 55),
         ("demo_images", [PY, "-m", "behemoth", "train", "jobs/configs/demo_images.yaml", *GPU_SET, *where,
-                         "--set", "checkpoint.run_name=gpu_demo_images"], 70),
+                         "--set", "checkpoint.run_name=gpu_demo_images"], 65),
         ("demo_lm", [PY, "-m", "behemoth", "train", "jobs/configs/demo_lm.yaml", *GPU_SET, *where,
-                     "--set", "checkpoint.run_name=gpu_demo_lm"], 80),
+                     "--set", "checkpoint.run_name=gpu_demo_lm"], 75),
         ("step_rate", [PY, "bench/step_overhead.py", "--gpu", "--repeats", "2"], 110),
-        ("checkpoint_stall", [PY, "bench/checkpoint_blocking.py", "--gpu", "--repeats", "2"], 145),
+        ("checkpoint_stall", [PY, "bench/checkpoint_blocking.py", "--gpu", "--repeats", "2"], 175),
     ]
 
 
@@ -128,7 +128,9 @@ def main() -> int:
     for problem in problems:
         print(f"[gpu tier] CPU-side check failed: {problem}", flush=True)
     if not torch.cuda.is_available():
-        print(f"[gpu tier] CPU-side checks {'failed' if problems else 'passed'}; no CUDA GPU on this machine: "
+        why = (f"torch {torch.__version__} is a CPU build (./run.sh installs BEHEMOTH_TORCH_SPEC: name a CUDA build)"
+               if torch.version.cuda is None and Path("/dev/nvidiactl").exists() else "no CUDA GPU on this machine")
+        print(f"[gpu tier] CPU-side checks {'failed' if problems else 'passed'}; {why}: "
               f"the GPU tier runs on a machine with one (./run.sh test-gpu there)", flush=True)
         return NO_GPU
     results = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "started": time.time(), "steps": {}}
