@@ -73,7 +73,7 @@ def run_step(name: str, command: list[str], limit_s: int, log: Path) -> dict:
     """Run one step; its whole output goes to `log`, its figures and the output's tail to the result."""
     started = time.time()
     try:
-        done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=limit_s)
+        done = subprocess.run(command, check=False, cwd=REPO, capture_output=True, text=True, timeout=limit_s)
         out, status = done.stdout + done.stderr, done.returncode
     except subprocess.TimeoutExpired as e:
         out, status = f"{_text(e.stdout)}{_text(e.stderr)}\n[gpu tier] {name}: over its {limit_s} s", "timeout"
@@ -109,7 +109,7 @@ def cpu_side_checks(storage: str) -> list[str]:
             check = [PY, command[1], "--help"]
         else:
             continue
-        done = subprocess.run(check, cwd=REPO, capture_output=True, text=True, timeout=300)
+        done = subprocess.run(check, check=False, cwd=REPO, capture_output=True, text=True, timeout=300)
         if done.returncode != 0:
             problems.append(f"{name}: `{' '.join(check)}` failed: {(done.stdout + done.stderr).strip()[-500:]}")
     return problems

@@ -153,8 +153,8 @@ def test_a_storage_path_that_is_a_file_is_one_config_error(tmp_path):
 def test_train_and_sweep_are_refused_before_ray_starts(tmp_path, live_process, no_ray):
     import ray
     from behemoth.driver.sweep.config import load_sweep
-    from behemoth.driver.trainer import train
     from behemoth.driver.sweep.run import run_sweep
+    from behemoth.driver.trainer import train
     from behemoth.job import config_from_dict
 
     storage = tmp_path / "runs"
@@ -364,6 +364,29 @@ def test_a_renewal_that_never_answers_ends_the_run_before_the_lease_expires(tmp_
     assert "\n" not in str(lost.value) and capsys.readouterr().out == ""  # the error's one line, nothing else
     with pytest.raises(LeaseLostError, match="could not renew"):
         lock.fence().check("registering a checkpoint")  # the driver's own fenced steps refuse too
+
+
+@pytest.mark.parametrize("ignored", [True, False], ids=["ctrl-c-ignored", "ctrl-c-default"])
+def test_a_driver_whose_ctrl_c_is_ignored_is_still_ended_by_the_give_up(tmp_path, monkeypatch, ignored):
+    """A driver started in the background by a script (`behemoth train ... &`, nohup, a CI runner) has SIGINT
+    ignored, or set to the default action, from its start: the give-up's interrupt, sent as a SIGINT, would
+    reach nothing. The lock handles SIGINT for its block; a SIGINT from outside keeps its meaning (ignored,
+    or the default) and the process's setting is put back when the block ends."""
+    import signal
+
+    setting = signal.SIG_IGN if ignored else signal.SIG_DFL
+    signal.signal(signal.SIGINT, setting)  # (conftest puts the suite's handler back after the test)
+    hung = threading.Event()
+    with pytest.raises(LeaseLostError, match="could not renew"), RunLock(str(tmp_path), "run 'a'", **FAST):
+        if ignored:  # a Ctrl-C from outside, before the give-up, is still ignored
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.2)
+        monkeypatch.setattr(runlock._LocalLease, "replace", lambda self, data, expected: hung.wait(30))
+        deadline = time.time() + 30  # the driver's work, ended from the lock's thread (in ~3 s)
+        while time.time() < deadline:
+            time.sleep(0.05)
+    hung.set()
+    assert signal.getsignal(signal.SIGINT) == setting
 
 
 # ---- on S3: moto's server, its answers replaced by S3's fault answers for some calls (botocore's before-send)

@@ -393,6 +393,7 @@ class RunLock:
         self._mutex = threading.Lock()  # the block's end against the lock's thread ending it
         self._owner: threading.Thread | None = None  # the thread running the block, while it runs
         self._interrupted = False
+        self._sigint_setting = None  # SIGINT before the block, where the lock handles it (ignored, default)
         self._created: list[str] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._beat, name="behemoth-run-lock", daemon=True)
@@ -400,8 +401,36 @@ class RunLock:
     def __enter__(self):
         self.acquire()
         self._owner = threading.current_thread()
+        self._handle_sigint()
         self._thread.start()
         return self
+
+    def _handle_sigint(self) -> None:
+        """The give-up reaches the block as a SIGINT (_give_up). A driver started in the background by a script
+        (`behemoth train ... &`, nohup, a CI runner) has SIGINT ignored from its start, or set to the default
+        action: then nothing would handle it. For the block, this lock handles it: the give-up's interrupt
+        raises; a SIGINT from outside keeps its meaning (ignored, or the default action)."""
+        self._sigint_setting = None
+        if self._owner is not threading.main_thread():
+            return  # (only the main thread sets handlers; the block ends at its next fenced step)
+        setting = signal.getsignal(signal.SIGINT)
+        if callable(setting):
+            return
+
+        def while_held(signum, frame):
+            if self._interrupted:
+                raise KeyboardInterrupt
+            if setting == signal.SIG_DFL:  # the default action, as without the lock
+                signal.signal(signal.SIGINT, signal.SIG_DFL)
+                os.kill(os.getpid(), signal.SIGINT)
+
+        self._sigint_setting = setting
+        signal.signal(signal.SIGINT, while_held)
+
+    def _sigint_put_back(self) -> None:
+        if self._sigint_setting is not None:
+            signal.signal(signal.SIGINT, self._sigint_setting)
+            self._sigint_setting = None
 
     def __exit__(self, exc_type, exc, tb):
         try:
@@ -414,6 +443,8 @@ class RunLock:
         except KeyboardInterrupt:  # the give-up's interrupt, sent as the block was ending
             if self.lost is None:
                 raise
+        finally:
+            self._sigint_put_back()
         if self._interrupted and not isinstance(exc, LeaseLostError):
             raise LeaseLostError(self.lost) from exc
 
