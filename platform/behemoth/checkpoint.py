@@ -34,8 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
+# (torch is imported where tensors are written or measured: the config and data checks load this module)
 from behemoth import faults
 from behemoth.errors import CheckpointError
 
@@ -103,6 +102,8 @@ def write_files(directory: str | Path, snap: Snapshot) -> Path:
     """A snapshot's files (not the manifest) into `directory`, created if needed."""
     if snap.copies is not None:
         snap.copies.wait_done()
+    import torch
+
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
     for name, sd in snap.state_dicts.items():
@@ -338,6 +339,8 @@ def snapshot_bytes(snap: Snapshot) -> int:
 
 def tensor_bytes(tree) -> int:
     """The bytes of the tensors in a state dict (nested dicts and lists); of a DTensor, this rank's shard."""
+    import torch
+
     if isinstance(tree, torch.Tensor):
         local = tree.to_local() if hasattr(tree, "to_local") else tree
         return local.numel() * local.element_size()

@@ -11,14 +11,15 @@ import contextlib
 import json
 import tempfile
 from pathlib import Path
-from typing import Callable, Iterator, Optional
-
-import torch
+from typing import TYPE_CHECKING, Callable, Iterator, Optional
 
 from behemoth import paths
 from behemoth.checkpoint import (MANIFEST, MODEL_FILE, SHARDED_FORMATS, complete_checkpoints, filesystem, read_file,
                                  read_manifest, verify, weight_files)
 from behemoth.errors import CheckpointError
+
+if TYPE_CHECKING:  # imported where used: reading a job config imports this module, and needs no torch
+    import torch
 
 HF_WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
 
@@ -150,6 +151,8 @@ def read_state_dict(path: str | Path) -> dict:
 
 
 def _read_state_dict(p: Path, path: str | Path) -> dict:
+    import torch
+
     if is_checkpoint(p):
         manifest = read_manifest((p / MANIFEST).read_bytes(), p)
         verify(p, only=weight_files(manifest))
@@ -172,7 +175,7 @@ def _read_state_dict(p: Path, path: str | Path) -> dict:
 
 
 # (key, tensor of the model, tensor of the source) -> may this key keep its fresh initialisation
-ReinitPolicy = Callable[[str, torch.Tensor, torch.Tensor], bool]
+ReinitPolicy = Callable[[str, "torch.Tensor", "torch.Tensor"], bool]
 
 
 def load_weights(model: torch.nn.Module, source: dict, where: str,

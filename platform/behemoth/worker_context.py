@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
-import torch
+if TYPE_CHECKING:  # annotations only: reading a job config imports this module, and needs no torch
+    import torch
 
 # A checkpoint's writer: (the checkpoint's empty local folder, its name in the run folder) -> the checkpoint
 # where it now lies (a ray.train.Checkpoint: a path on the run's pyarrow filesystem).
