@@ -100,10 +100,10 @@ def write(directory: str | Path, snap: Snapshot, before_manifest=None) -> Path:
 
 def write_files(directory: str | Path, snap: Snapshot) -> Path:
     """A snapshot's files (not the manifest) into `directory`, created if needed."""
-    if snap.copies is not None:
-        snap.copies.wait_done()
     import torch
 
+    if snap.copies is not None:
+        snap.copies.wait_done()
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
     for name, sd in snap.state_dicts.items():

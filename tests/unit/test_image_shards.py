@@ -371,7 +371,6 @@ def test_zero_length_members_are_stepped_over_an_empty_label_is_named(tmp_path):
     assert image_shards.scan_shard(str(path)) == [(512, 0, 2)]
 
 
-@pytest.mark.timeout(60)
 def _job_with_a_negative_size_shard(tmp_path) -> tuple[Path, Path]:
     """(the job's config, its shard): a shard whose third member's size field is -1000 (valid checksum)."""
     import yaml
@@ -386,6 +385,7 @@ def _job_with_a_negative_size_shard(tmp_path) -> tuple[Path, Path]:
     return cfg, shard
 
 
+@pytest.mark.timeout(60)
 def test_check_of_a_set_with_a_negative_size_shard_answers_in_one_line(tmp_path, capsys):
     """`behemoth check` indexes the shards before Ray starts: a crafted shard hung it; now one line, at once."""
     import time
@@ -400,9 +400,9 @@ def test_check_of_a_set_with_a_negative_size_shard_answers_in_one_line(tmp_path,
 
 
 def test_check_of_an_image_job_answers_before_importing_torch(tmp_path):
-    """The check's answer about a crafted shard comes in a fraction of a second from the shell because reading
-    an image job's config and indexing its shards import no torch (~1.5 s of the 2-core machine's 1.35 s
-    answer before; 0.3 s after). A fresh process: this one has torch imported by other tests."""
+    """Reading an image job's config and indexing its shards import neither torch, transformers nor Ray, so the
+    check's one line about a crafted shard does not wait for them (torch alone took ~1.5 s here). A fresh
+    process: this one has torch imported by other tests."""
     import os
     import subprocess
     import sys

@@ -367,11 +367,12 @@ def test_a_renewal_that_never_answers_ends_the_run_before_the_lease_expires(tmp_
 
 
 @pytest.mark.parametrize("ignored", [True, False], ids=["ctrl-c-ignored", "ctrl-c-default"])
-def test_a_driver_whose_ctrl_c_is_ignored_is_still_ended_by_the_give_up(tmp_path, monkeypatch, ignored):
+def test_a_driver_whose_ctrl_c_is_ignored_or_default_is_ended_by_the_give_up(tmp_path, monkeypatch, ignored):
     """A driver started in the background by a script (`behemoth train ... &`, nohup, a CI runner) has SIGINT
     ignored, or set to the default action, from its start: the give-up's interrupt, sent as a SIGINT, would
-    reach nothing. The lock handles SIGINT for its block; a SIGINT from outside keeps its meaning (ignored,
-    or the default) and the process's setting is put back when the block ends."""
+    reach nothing. The lock handles SIGINT for its block: the give-up ends it; a SIGINT from outside is still
+    ignored where it was (the default action is kept too, not sent here: it would end the test's process); the
+    process's setting is put back when the block ends."""
     import signal
 
     setting = signal.SIG_IGN if ignored else signal.SIG_DFL

@@ -410,11 +410,10 @@ class RunLock:
         (`behemoth train ... &`, nohup, a CI runner) has SIGINT ignored from its start, or set to the default
         action: then nothing would handle it. For the block, this lock handles it: the give-up's interrupt
         raises; a SIGINT from outside keeps its meaning (ignored, or the default action)."""
-        self._sigint_setting = None
         if self._owner is not threading.main_thread():
             return  # (only the main thread sets handlers; the block ends at its next fenced step)
         setting = signal.getsignal(signal.SIGINT)
-        if callable(setting):
+        if callable(setting) or setting is None:  # (None: a handler set outside Python, which it cannot restore)
             return
 
         def while_held(signum, frame):
