@@ -7,17 +7,15 @@ reads what the run reported from RUN_DIR/metrics.jsonl, the log every run writes
 from __future__ import annotations
 
 import json
-import os
 import statistics
 import sys
-import threading
-import time
 from pathlib import Path
 
-import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "platform"))
+
+from behemoth.driver.data_bench import MachineCpu  # noqa: E402,F401  (the benches import it from here)
 
 
 def lm_corpus(root: Path = REPO / "data" / "bench_text") -> Path:
@@ -106,31 +104,3 @@ def spread(xs: list[float], fmt: str = "{:.3f}") -> str:
     return f"median {fmt.format(statistics.median(xs))} (min {fmt.format(min(xs))}, max {fmt.format(max(xs))})"
 
 
-class MachineCpu:
-    """The whole machine's busy CPU time (every process: Ray's daemons, workers, tasks, this one), sampled from
-    /proc/stat every `every_s` in a thread; `seconds(t0, t1)` is the CPU-seconds spent between two wall-clock
-    times (time.time(), e.g. rank 0's report times), interpolated between samples. Linux only."""
-
-    def __init__(self, every_s: float = 0.05):
-        self.tick, self.samples, self._stop = os.sysconf("SC_CLK_TCK"), [], threading.Event()
-        self._thread = threading.Thread(target=self._run, args=(every_s,), daemon=True)
-        self._thread.start()
-
-    def _busy(self) -> float:
-        with open("/proc/stat") as f:
-            fields = [int(x) for x in f.readline().split()[1:]]
-        idle = fields[3] + fields[4]  # idle + iowait
-        return (sum(fields[:8]) - idle) / self.tick  # user nice system idle iowait irq softirq steal
-
-    def _run(self, every_s: float) -> None:
-        while not self._stop.is_set():
-            self.samples.append((time.time(), self._busy()))
-            self._stop.wait(every_s)
-
-    def seconds(self, t0: float, t1: float) -> float:
-        times, busy = np.array(self.samples).T
-        return float(np.interp(t1, times, busy) - np.interp(t0, times, busy))
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join()

@@ -51,7 +51,7 @@ class FocalLossImages(ImageClassification):
     def loss(self, model, batch):
         """(mean loss over the batch's decodable samples, their number): the contract of Task.loss."""
         valid = batch["valid"].float()
-        logits = self.logits(model, batch["image"]).float()
+        logits = self.logits(model, self.pixel_values(batch)).float()  # uint8 images, normalised on the device
         log_p = F.log_softmax(logits, dim=1).gather(1, batch["label"][:, None]).squeeze(1)
         per_sample = -((1.0 - log_p.exp()) ** self.gamma) * log_p
         n_valid = valid.sum()

@@ -18,7 +18,7 @@ from behemoth import weights
 from behemoth.checkpoint import complete_checkpoints
 from behemoth.config import dump_yaml
 from behemoth.job import config_from_dict
-from behemoth.data.images import build_index, transform_batch
+from behemoth.data.images import build_index, normalise, transform_batch
 from behemoth.driver.cli import main
 from behemoth.driver.trainer import resolve_init_from, train
 from behemoth.tasks.image import ImageClassification, build_image_model
@@ -44,7 +44,9 @@ def _behemoth_predictions(cfg, ckpt):
     batch = transform_batch({k: np.asarray(v) for k, v in rows.items()}, cfg=cfg.data, seed=0, epoch=0, train=False)
     model = ImageClassification.model_from_checkpoint(cfg, ckpt).eval()
     with torch.no_grad():
-        logits = model(pixel_values=torch.from_numpy(batch["image"])).logits
+        pixels = normalise(torch.from_numpy(batch["image"]), torch.from_numpy(batch["valid"]),
+                           *(torch.tensor(v).view(1, 3, 1, 1) for v in (cfg.data.mean, cfg.data.std)))
+        logits = model(pixel_values=pixels).logits
     top2 = logits.topk(2, dim=1).values
     return [index.classes[i] for i in logits.argmax(1).tolist()], (top2[:, 0] - top2[:, 1]).tolist(), rows
 

@@ -20,7 +20,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("ray_local")]
 
 def _two_rank_loop(config):
     """A few real training steps with behemoth's pieces; each rank saves what it ends with."""
-    from behemoth.data.images import rank_dataset
+    from behemoth.data.images import rank_batches
     from behemoth.data.order import rank_train_indices
     import numpy as np
 
@@ -43,8 +43,8 @@ def _two_rank_loop(config):
     micro = cfg.train.global_batch_size // world
     indices = rank_train_indices(index.train.num_rows, cfg.train.global_batch_size, 0, 0, rank, world)
     seen = []
-    ds = rank_dataset(index.train, indices, cfg.data, seed=0, epoch=0, train=True, batch_size=micro)
-    for i, batch in enumerate(ds.iter_torch_batches(batch_size=micro)):
+    batches = rank_batches(index.train, indices, cfg.data, seed=0, epoch=0, train=True, batch_size=micro)
+    for i, batch in enumerate(batches):
         train_step(model, opt, sched, scaler, [batch], cfg, task, torch.device("cpu"))
         seen += batch["sample_id"].tolist()
         if i == 3:

@@ -11,7 +11,7 @@ import torch
 from PIL import Image
 
 from behemoth.job import config_from_dict
-from behemoth.data.images import fit_size, transform_batch
+from behemoth.data.images import fit_size, normalise, transform_batch
 from behemoth.tasks.image import ImageClassification, build_image_model
 from conftest import job_dict
 
@@ -48,7 +48,8 @@ def behemoth_side(cfg, paths: list[str]) -> np.ndarray:
              "label": np.zeros(n, dtype=np.int64), "size": np.full(n, -1)}
     out = transform_batch(batch, cfg=cfg.data, seed=0, epoch=0, train=False)
     assert out["valid"].all()
-    return out["image"]
+    mean, std = (torch.tensor(v, dtype=torch.float32).view(1, 3, 1, 1) for v in (cfg.data.mean, cfg.data.std))
+    return normalise(torch.from_numpy(out["image"]), torch.from_numpy(out["valid"]), mean, std).numpy()
 
 
 @pytest.fixture(scope="module")

@@ -64,11 +64,12 @@ def test_same_steps_as_opening_each_epoch_at_its_boundary(rank):
     task = Task()
     task.steps_done = 0
     assert run(task, 3 * EPOCH_STEPS, rank) == expected(3 * EPOCH_STEPS, rank)
-    # epochs 1 and 2 were opened in the background, from LOOKAHEAD_STEPS before their start (when the thread
-    # got going) to their start at the latest (the training thread waits for it there)
+    # epochs 1 and 2 were opened in the background, from half an epoch before their start (the lead's bound:
+    # here an opening takes far longer than a step) to their start at the latest (the training thread waits for
+    # it there)
     assert [(e, name.startswith("behemoth-epoch")) for e, name, _ in task.opened] == [(0, False), (1, True), (2, True)]
     for epoch, _, at in task.opened[1:]:
-        assert epoch * EPOCH_STEPS - LOOKAHEAD_STEPS <= at <= epoch * EPOCH_STEPS
+        assert epoch * EPOCH_STEPS - max(LOOKAHEAD_STEPS, EPOCH_STEPS // 2) <= at <= epoch * EPOCH_STEPS
 
 
 def test_a_resume_mid_epoch_and_a_run_ending_mid_epoch():
@@ -116,3 +117,37 @@ def run_steps(task, total_steps, seen):
             feed.ahead(state, total_steps)
             yield step
 
+
+
+# an opening takes open_s + Task's 0.05 s: (0.05 s at 0.05 s a step: 2 steps -> LOOKAHEAD_STEPS; 0.17 s at 0.02 s
+# a step: 17 steps -> half an epoch)
+@pytest.mark.parametrize("open_s,step_s,lead", [(0.0, 0.05, LOOKAHEAD_STEPS), (0.12, 0.02, EPOCH_STEPS // 2)])
+def test_a_slow_opening_is_started_as_many_steps_ahead_as_it_takes(open_s, step_s, lead):
+    """The lead is LOOKAHEAD_STEPS, or twice the measured opening at the measured step rate where that is more,
+    at most half an epoch: a data-bound run whose epochs take long to open starts them early enough (the steps
+    delivered stay exactly those of opening every epoch at its boundary)."""
+
+    class SlowTask(Task):
+        def train_batches(self, indices, epoch, batch_size):
+            batches = super().train_batches(indices, epoch, batch_size)  # records the opening's start
+            time.sleep(open_s)
+            return batches
+
+    task = SlowTask()
+    task.steps_done = 0
+    feed, state, out = EpochFeed(task, cfg(), 0, WORLD, 2, 2, EPOCH_STEPS), TrainState(), []
+    feed.start(state)
+    while state.step < 3 * EPOCH_STEPS:
+        for step in feed.steps(state):
+            out.append(step)
+            time.sleep(step_s)
+            task.steps_done = state.step + 1
+            state.advance(EPOCH_STEPS, BATCH)
+            feed.ahead(state, 3 * EPOCH_STEPS)
+            if state.step >= 3 * EPOCH_STEPS:
+                break
+    assert out == expected(3 * EPOCH_STEPS)
+    # epoch 2 opens once epoch 1's opening was measured: `lead` steps before its start (the thread may start a
+    # step after the one that asked for it)
+    at = {e: at for e, _, at in task.opened}[2]
+    assert 2 * EPOCH_STEPS - lead <= at <= 2 * EPOCH_STEPS - lead + 1, (at, lead)

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import textwrap
 import time
+import types
 from pathlib import Path
 
 import numpy as np
@@ -240,13 +241,17 @@ def test_no_decode_process_is_warmed_up_for_a_cache_that_is_built(image_root, tm
     index = index_image_folder(image_root)
     c = cfg(cache_dir=str(tmp_path / "c"))
     index.cache, _ = decide_cache(c, index)
-    assert ImageClassification.data_modules(c, index) == ("ray.data", "behemoth.data.images")
+    job = types.SimpleNamespace(data=c)  # the job config: only its data section is read
+    assert ImageClassification.data_modules(job, index) == ("ray.data", "behemoth.data.images")
     build(index.train, tmp_path / "c")
-    assert ImageClassification.data_modules(c, index) != ()  # val still to decode
+    assert ImageClassification.data_modules(job, index) != ()  # val still to decode
     build(index.val, tmp_path / "c")
-    assert ImageClassification.data_modules(c, index) == ()
+    assert ImageClassification.data_modules(job, index) == ()
     index.cache = None  # data.cache none: decoded every epoch
-    assert ImageClassification.data_modules(c, index) == ("ray.data", "behemoth.data.images")
+    assert ImageClassification.data_modules(job, index) == ("ray.data", "behemoth.data.images")
+    # random_resized_crop's decode tasks resize with torch: their processes import it ahead too
+    rrc = types.SimpleNamespace(data=cfg(cache="none", augment="random_resized_crop"))
+    assert ImageClassification.data_modules(rrc, index) == ("ray.data", "behemoth.data.images", "torch")
 
 
 @pytest.mark.parametrize("depth", [2, 0])

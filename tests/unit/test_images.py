@@ -6,10 +6,12 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import torch
 from PIL import Image
 
 from behemoth.data.images import ImageData
-from behemoth.data.images import BadSampleError, DataError, build_index, index_image_folder, transform_batch
+from behemoth.data.images import (BadSampleError, DataError, build_index, index_image_folder, normalise,
+                                  transform_batch)
 
 
 def batch_of(table: pa.Table) -> dict:
@@ -67,13 +69,22 @@ def test_an_image_folder_listing_is_kept_until_a_class_folder_changes(tmp_path, 
 
 
 def test_transform_shapes_dtypes_normalisation(tmp_path):
+    """The decode tasks hand on uint8 NHWC (3 x S x S bytes a sample); the worker's normalise makes the float32
+    NCHW input, with not-valid samples all 0."""
     gray = tmp_path / "gray.png"
     Image.new("RGB", (16, 16), (128, 128, 128)).save(gray)
     table = pa.table({"sample_id": [0], "path": [str(gray)], "row": [-1], "label": [3], "size": [-1]})
     out = transform_batch(batch_of(table), cfg=cfg(), seed=0, epoch=0, train=False)
-    assert out["image"].shape == (1, 3, 16, 16) and out["image"].dtype == np.float32
-    np.testing.assert_allclose(out["image"], (128 / 255 - 0.5) / 0.25, atol=1e-6)  # float32
+    assert out["image"].shape == (1, 16, 16, 3) and out["image"].dtype == np.uint8
+    assert (out["image"] == 128).all()
     assert out["label"].tolist() == [3] and out["valid"].tolist() == [True]
+    mean, std = (torch.tensor(v, dtype=torch.float32).view(1, 3, 1, 1) for v in ([0.5, 0.4, 0.3], [0.25, 0.2, 0.1]))
+    two = torch.from_numpy(np.concatenate([out["image"]] * 2))
+    images = normalise(two, torch.tensor([True, False]), mean, std)
+    assert images.shape == (2, 3, 16, 16) and images.dtype == torch.float32 and images.is_contiguous()
+    want = (128 / 255 - np.array([0.5, 0.4, 0.3])) / np.array([0.25, 0.2, 0.1])
+    np.testing.assert_allclose(images[0].mean(dim=(1, 2)).numpy(), want, atol=1e-6)  # float32
+    assert (images[1] == 0).all()
 
 
 def test_augmentation_is_a_function_of_seed_epoch_and_sample(image_root):
@@ -99,7 +110,7 @@ def test_odd_images_are_converted_and_resized(tmp_path, augment, mode, size):
     table = pa.table({"sample_id": [0], "path": [str(path)], "row": [-1], "label": [0], "size": [-1]})
     for train in (True, False):
         out = transform_batch(batch_of(table), cfg=cfg(augment=augment), seed=0, epoch=0, train=train)
-        assert out["image"].shape == (1, 3, 16, 16)
+        assert out["image"].shape == (1, 16, 16, 3) and out["image"].dtype == np.uint8
 
 
 def write_parquet_copy(image_root, out_dir, rows_per_group=10):
@@ -170,5 +181,7 @@ def test_jpeg_is_read(tmp_path):
     path = tmp_path / "red.JPG"
     path.write_bytes(buf.getvalue())
     table = pa.table({"sample_id": [0], "path": [str(path)], "row": [-1], "label": [0], "size": [-1]})
-    out = transform_batch(batch_of(table), cfg=cfg(mean=[0, 0, 0], std=[1, 1, 1]), seed=0, epoch=0, train=False)
-    assert out["image"][0, 0].mean() > 0.9 and out["image"][0, 2].mean() < 0.1
+    for augment, train in (("crop_flip", False), ("random_resized_crop", True)):  # PIL's path; libjpeg-turbo's
+        out = transform_batch(batch_of(table), cfg=cfg(augment=augment), seed=0, epoch=0, train=train)
+        red = out["image"][0]
+        assert red[..., 0].mean() > 230 and red[..., 2].mean() < 25

@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from behemoth.data.prefetch import prefetched
+from behemoth.data.prefetch import chained, prefetched
 
 
 class Source:
@@ -92,3 +92,54 @@ def test_an_epoch_left_early_by_the_feed_stops_its_thread():
     steps.close()
     assert not [t for t in threading.enumerate() if t not in before and t.name == "behemoth-prefetch"]
     assert inner.gi_frame is None  # closed
+
+
+def test_chained_iterators_give_every_item_in_order_and_open_the_next_one_ahead():
+    """A rank's windows (data/images.py): the next iterator is opened, and its first item pulled, while the
+    current one is consumed; the items are those of the iterators one after another."""
+    opened, events = [], threading.Event()
+
+    def opener(i):
+        def open_():
+            opened.append(i)
+            if i == 1:
+                events.set()
+            return iter(range(10 * i, 10 * i + 3))
+        return open_
+
+    it = chained([opener(i) for i in range(3)])
+    assert next(it) == 0
+    assert events.wait(5)  # window 1 opened while window 0 is still being consumed
+    assert opened == [0, 1]
+    assert list(it) == [1, 2, 10, 11, 12, 20, 21, 22]
+    assert opened == [0, 1, 2]
+    assert list(chained([])) == []
+
+
+def test_chained_raises_an_opening_error_where_its_first_item_was_due_and_closes_what_it_opened():
+    closed = []
+
+    class Closable:
+        def __init__(self, items):
+            self.items = iter(items)
+
+        def __iter__(self):
+            return self
+
+        def __next__(self):
+            return next(self.items)
+
+        def close(self):
+            closed.append(True)
+
+    def broken():
+        raise OSError("cannot open window 1")
+
+    it = chained([lambda: iter([1, 2]), broken])
+    assert [next(it), next(it)] == [1, 2]
+    with pytest.raises(OSError, match="cannot open window 1"):
+        next(it)
+    it = chained([lambda: iter([1, 2]), lambda: Closable([3, 4])])
+    assert next(it) == 1
+    it.close()  # left early: the window opened ahead is closed, not left running
+    assert closed == [True]

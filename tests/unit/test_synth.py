@@ -50,3 +50,39 @@ def test_a_progress_bar_shows_only_to_a_person_watching(tmp_path):
     watched = _synth_images_stderr(tmp_path / "a", stderr_is_terminal=True)
     assert "[behemoth] writing demo images" in watched and "/70" in watched and "img" in watched
     assert "[behemoth] writing demo images" not in _synth_images_stderr(tmp_path / "b", stderr_is_terminal=False)
+
+
+def test_imagenet_shaped_jpegs_have_imagenets_shapes_and_file_sizes(tmp_path):
+    """`behemoth data synth-images --format jpeg`: JPEGs in the ImageFolder layout, landscape, portrait and
+    twice-as-large ones, photograph-like enough to weigh what ImageNet's weigh (~110 KB at 500x375; a flat
+    picture would be a few KB), the same files for the same seed."""
+    import io
+
+    from PIL import Image
+
+    from behemoth.driver.cli import main
+
+    assert main(["data", "synth-images", "--out", str(tmp_path / "a"), "--format", "jpeg", "--classes", "2",
+                 "--per-class", "15", "--val-per-class", "1", "--size", "200x150"]) == 0
+    files = sorted((tmp_path / "a").rglob("*.jpg"))
+    assert len(files) == 32 and not list((tmp_path / "a").rglob("*.png"))
+    sizes = {Image.open(f).size for f in files}
+    assert sizes <= {(200, 150), (150, 200), (400, 300)} and (200, 150) in sizes and (150, 200) in sizes
+    assert all(Image.open(f).format == "JPEG" and Image.open(f).mode == "RGB" for f in files)
+    landscape = [f.stat().st_size for f in files if Image.open(f).size == (200, 150)]
+    # bytes per pixel of ImageNet's JPEGs: ~110 KB / (500 x 375) = 0.59; a flat picture's is ~0.05
+    assert 0.3 < sum(landscape) / len(landscape) / (200 * 150) < 1.2
+    main(["data", "synth-images", "--out", str(tmp_path / "b"), "--format", "jpeg", "--classes", "2",
+          "--per-class", "15", "--val-per-class", "1", "--size", "200x150"])
+    assert all(f.read_bytes() == (tmp_path / "b" / f.relative_to(tmp_path / "a")).read_bytes() for f in files)
+    Image.open(io.BytesIO(files[0].read_bytes())).load()
+
+
+def test_synth_size_arguments_are_checked():
+    import pytest
+
+    from behemoth.driver.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["data", "synth-images", "--out", "x", "--size", "500by375"])
+    assert main(["data", "synth-images", "--out", "x", "--size", "500x375"]) == 2  # PNGs are square: a config error

@@ -13,9 +13,11 @@ cluster's CPUs (`transform_batch`), fed in the order `behemoth.data.order` decid
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import logging
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,6 +33,7 @@ from behemoth.config import DataConfig
 from behemoth.errors import BadSampleError, ConfigError
 from behemoth.progress import progress
 from behemoth.data import DataError, expand_files, image_shards, ordered_data_context
+from behemoth.data.decode import one_torch_thread, random_resized_crop
 
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg"}
 # One row per sample. `row`: -1 for an image file; the row in `path` for parquet; for a tar shard the byte
@@ -286,30 +289,45 @@ def _index_table(entries: list[tuple[str, int, int]], sizes: list[int] | None = 
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Decode + augment + normalise (runs inside Ray Data map_batches tasks)
+# Decode + augment (runs inside Ray Data map_batches tasks); normalise (on the training device)
 
 
 def transform_batch(batch: dict, *, cfg: ImageData, seed: int, epoch: int, train: bool) -> dict:
-    """Index rows -> {"image": float32 [n,3,S,S] normalised, "label", "sample_id", "valid"}.
+    """Index rows -> {"image": uint8 [n,S,S,3], "label", "sample_id", "valid"}.
 
-    Augmentation draws from a generator seeded by (seed, epoch, sample_id): the same sample gets the same
-    crop and flip in the same epoch whichever worker or task decodes it, so resumed runs are exact.
+    Images leave the decode tasks as uint8 (a quarter of float32's bytes through the object store, the pinned
+    copy and the copy to the device); the worker normalises them on its device (`normalise`). Augmentation
+    draws from a generator seeded by (seed, epoch, sample_id): the same sample gets the same crop and flip in
+    the same epoch whichever worker or task decodes it, so resumed runs are exact.
     """
     size = cfg.image_size
     raw = _load_bytes(batch, cfg.image_column)
     pixels = np.zeros((len(raw), size, size, 3), dtype=np.uint8)
     valid = np.ones(len(raw), dtype=bool)
-    for i, (data, sample_id) in enumerate(zip(raw, batch["sample_id"])):
-        img, error = decode_sample(data, batch, i)
-        if img is None:
-            if cfg.max_bad_samples == 0:
+    with one_torch_thread() if train and cfg.augment == "random_resized_crop" else contextlib.nullcontext():
+        for i, (data, sample_id) in enumerate(zip(raw, batch["sample_id"])):
+            rng = sample_rng(seed, epoch, sample_id)
+            out, error = decode_sample(data, batch, i, lambda d: _transformed(d, size, cfg, rng, train))
+            if out is not None:
+                pixels[i] = out
+            elif cfg.max_bad_samples == 0:
                 raise BadSampleError(error)
-            valid[i] = False
-            continue
-        rng = sample_rng(seed, epoch, sample_id)
-        pixels[i] = augment(img, size, cfg, rng) if train else center_fit(img, size)
-    images = normalise(pixels, valid, cfg)
-    return {"image": images, "label": batch["label"], "sample_id": batch["sample_id"], "valid": valid}
+            else:
+                valid[i] = False
+    return {"image": pixels, "label": batch["label"], "sample_id": batch["sample_id"], "valid": valid}
+
+
+def _transformed(data: bytes, size: int, cfg: ImageData, rng: np.random.Generator, train: bool) -> np.ndarray:
+    """One sample's uint8 [S,S,3]: centre-fitted (evaluation), or augmented from its generator."""
+    if not train:
+        return center_fit(decode_rgb(data), size)
+    if cfg.augment == "random_resized_crop":
+        pixels = random_resized_crop(data, size, rng, decode_rgb)
+        if pixels is not None:
+            return pixels
+        pixels = center_fit(decode_rgb(data), size)  # no crop fitted in 10 tries
+        return pixels[:, ::-1] if rng.random() < 0.5 else pixels
+    return augment_fitted(center_fit(decode_rgb(data), size), cfg, rng)
 
 
 def decode_fitted(batch: dict, *, size: int, image_column: str) -> dict:
@@ -332,7 +350,7 @@ def decode_fitted(batch: dict, *, size: int, image_column: str) -> dict:
 def cached_batches(images, labels: np.ndarray, indices: np.ndarray, cfg: ImageData, *, seed: int, epoch: int,
                    train: bool, batch_size: int):
     """transform_batch's batches of `indices`, in order, from decoded rows (image_cache.DecodedImages): only the
-    random part (augment_fitted, from the same per-sample generator) and the normalisation run here."""
+    random part (augment_fitted, from the same per-sample generator) runs here."""
     indices = np.asarray(indices, dtype=np.int64)
     for start in range(0, len(indices), batch_size):
         ids = indices[start:start + batch_size]
@@ -340,15 +358,15 @@ def cached_batches(images, labels: np.ndarray, indices: np.ndarray, cfg: ImageDa
         if train and cfg.augment != "none":
             draws = np.array([crop_flip_draws(sample_rng(seed, epoch, s), cfg.crop_padding) for s in ids])
             pixels = crop_flip_batch(pixels, draws, cfg.crop_padding)
-        yield {"image": normalise(pixels, valid, cfg), "label": labels[ids], "sample_id": ids, "valid": valid}
+        yield {"image": pixels, "label": labels[ids], "sample_id": ids, "valid": valid}
 
 
-def decode_sample(data: bytes, batch: dict, i: int) -> tuple[Image.Image | None, str]:
-    """Row `i` of a batch of index rows decoded (decode_rgb), or (None, the message naming it) where its bytes
-    are not a decodable image: the one place that decides what a bad sample is, for decoding every epoch and
-    for the decoded cache (which stores it as bad for every later run)."""
+def decode_sample(data: bytes, batch: dict, i: int, decode=None):
+    """`decode(data)` of row `i` of a batch of index rows (default: decode_rgb), or (None, the message naming
+    it) where its bytes are not a decodable image: the one place that decides what a bad sample is, for
+    decoding every epoch and for the decoded cache (which stores it as bad for every later run)."""
     try:
-        return decode_rgb(data), ""
+        return (decode or decode_rgb)(data), ""
     except Exception as e:
         where = _describe(batch["path"][i], batch["row"][i], batch["size"][i])
         if not is_the_images_fault(e):
@@ -383,13 +401,13 @@ def sample_rng(seed: int, epoch: int, sample_id) -> np.random.Generator:
     return np.random.default_rng([seed, epoch, int(sample_id)])
 
 
-def normalise(pixels: np.ndarray, valid: np.ndarray, cfg: ImageData) -> np.ndarray:
-    """uint8 [n,S,S,3] -> float32 [n,3,S,S]: /255, then mean/std per channel; samples not valid are all 0."""
-    mean = np.asarray(cfg.mean, dtype=np.float32)[:, None, None]
-    std = np.asarray(cfg.std, dtype=np.float32)[:, None, None]
-    images = (pixels.transpose(0, 3, 1, 2).astype(np.float32, order="C") / 255.0 - mean) / std
-    images[~valid] = 0.0
-    return images
+def normalise(images, valid, mean, std):
+    """uint8 [n,S,S,3] -> float32 [n,3,S,S] (contiguous): /255, then mean/std per channel; samples not valid
+    are all 0. torch tensors on the training device, `mean` and `std` float32 [1,3,1,1] there: run by the
+    worker on its device, inside the step (no copy from the host, no synchronisation)."""
+    images = images.permute(0, 3, 1, 2).contiguous().float()  # the layout change on uint8: a quarter the bytes
+    images = (images / 255.0 - mean) / std
+    return images * valid.view(-1, 1, 1, 1)
 
 
 def decode_rgb(data: bytes) -> Image.Image:
@@ -421,13 +439,6 @@ def center_fit(img: Image.Image, size: int) -> np.ndarray:
     return np.asarray(img, dtype=np.uint8)
 
 
-def augment(img: Image.Image, size: int, cfg: ImageData, rng: np.random.Generator) -> np.ndarray:
-    if cfg.augment == "random_resized_crop":
-        pixels = _random_resized_crop(img, size, rng)
-        return pixels[:, ::-1] if rng.random() < 0.5 else pixels
-    return augment_fitted(center_fit(img, size), cfg, rng)
-
-
 def augment_fitted(pixels: np.ndarray, cfg: ImageData, rng: np.random.Generator) -> np.ndarray:
     """crop_flip's and none's random part, on the centre-fitted image (what the decoded cache stores)."""
     if cfg.augment == "none":
@@ -453,19 +464,6 @@ def crop_flip_batch(pixels: np.ndarray, draws: np.ndarray, pad: int) -> np.ndarr
     cols = draws[:, 1, None] + np.arange(size)
     cols = np.where(draws[:, 2, None].astype(bool), cols[:, ::-1], cols)
     return padded[np.arange(n)[:, None, None], rows[:, :, None], cols[:, None, :]]
-
-
-def _random_resized_crop(img: Image.Image, size: int, rng: np.random.Generator) -> np.ndarray:
-    """Inception-style crop: area in [8%, 100%], aspect ratio in [3/4, 4/3] (log-uniform), then resize."""
-    w, h = img.size
-    for _ in range(10):
-        area = w * h * rng.uniform(0.08, 1.0)
-        ratio = np.exp(rng.uniform(np.log(3 / 4), np.log(4 / 3)))
-        cw, ch = int(round(np.sqrt(area * ratio))), int(round(np.sqrt(area / ratio)))
-        if 0 < cw <= w and 0 < ch <= h:
-            left, top = rng.integers(0, w - cw + 1), rng.integers(0, h - ch + 1)
-            return np.asarray(img.resize((size, size), Image.BILINEAR, box=(left, top, left + cw, top + ch)))
-    return center_fit(img, size)
 
 
 def _load_bytes(batch: dict, image_col: str) -> list[bytes]:
@@ -520,28 +518,68 @@ def describe_samples(table: pa.Table, sample_ids) -> list[str]:
 # ---------------------------------------------------------------------------------------------------------
 # Ray Data pipelines (built on the training workers, one per rank and epoch)
 
+# A task costs Ray ~0.2 s beyond its decoding (its output stored and its end noticed): a task of at least
+# BLOCK_ROWS images keeps that to ~20 % of a 224-px task. A rank's epoch runs as windows of WINDOW_BLOCKS blocks
+# (BENCHMARKS.md, the image pipeline).
+BLOCK_ROWS = 512
+WINDOW_BLOCKS = 4  # at least; more where the cluster has more CPUs per rank than a window of tasks would use
 
-def rank_dataset(index_table: pa.Table, indices: np.ndarray, cfg: ImageData, *, seed: int, epoch: int,
-                 train: bool, batch_size: int):
-    """A Ray Dataset over index rows `indices`, in that order, decoded by CPU tasks.
 
-    Blocks of a few batches each let several tasks decode in parallel; `preserve_order` keeps their output
-    in the order given, which exact resume depends on.
+def rank_batches(index_table: pa.Table, indices: np.ndarray, cfg: ImageData, *, seed: int, epoch: int,
+                 train: bool, batch_size: int, prefetch_batches: int = 2, device="cpu", pin_memory: bool = False,
+                 world: int = 1):
+    """Torch batches of index rows `indices`, in that order, decoded and augmented by Ray Data CPU tasks: one
+    Ray Dataset per window of the rows (rank_windows), the next window's tasks running while this one's batches
+    are taken. On GPU, batches are pinned and copied to the device in Ray Data's prefetch threads."""
+    from behemoth.data.prefetch import chained
+
+    def opener(ds):
+        return lambda: iter(ds.iter_torch_batches(batch_size=batch_size, prefetch_batches=prefetch_batches,
+                                                  device=device, pin_memory=pin_memory))
+
+    windows = rank_windows(index_table, indices, cfg, seed=seed, epoch=epoch, train=train, batch_size=batch_size,
+                           window_blocks=window_blocks(cfg, world))
+    return chained([opener(ds) for ds in windows])
+
+
+def window_blocks(cfg: ImageData, world: int) -> int:
+    """Blocks per window: enough that each rank's share of the cluster's CPUs has a task to run (ranks x
+    window blocks x cpus_per_task >= the cluster's CPUs), at least WINDOW_BLOCKS."""
+    import ray
+
+    cpus = ray.cluster_resources().get("CPU", 0) if ray.is_initialized() else 0
+    return max(WINDOW_BLOCKS, math.ceil(cpus / max(world, 1) / cfg.cpus_per_task))
+
+
+def rank_windows(index_table: pa.Table, indices: np.ndarray, cfg: ImageData, *, seed: int, epoch: int,
+                 train: bool, batch_size: int, window_blocks: int = WINDOW_BLOCKS) -> list:
+    """Ray Datasets over consecutive windows of index rows `indices`, in that order, decoded by CPU tasks.
+
+    Each window is `window_blocks` blocks of BLOCK_ROWS rows or more (a whole number of batches), whose tasks are
+    submitted at once and run as the CPUs allow; `preserve_order` keeps their output in the order given, which
+    exact resume depends on. Ray Data's per-operator CPU reservation is off for them: it held a pipeline of
+    one operator to about one running task on 2 CPUs (one decode task every 0.8 s at an epoch's start), and
+    what bounds the memory is the window instead (at most two windows of decoded images per rank). The first
+    block is one batch, so that the epoch's first step waits for as little as it can.
     """
     import ray.data
 
     ordered_data_context(logging.WARNING)
     rows = index_table.take(pa.array(indices, type=pa.int64()))
-    block = max(batch_size * 4, 1)
-    blocks = [rows.slice(i, block) for i in range(0, max(rows.num_rows, 1), block)]
-    # from_blocks, not from_arrow: from_arrow reads each block's metadata in a remote task that asks for a
-    # whole CPU, which never runs while the training workers hold all but a fraction of every node's CPUs
-    # (a sweep's fractional-CPU trials), so the pipeline would hang. from_blocks computes it here, and keeps
-    # the blocks as given.
-    return ray.data.from_blocks(blocks).map_batches(
-        transform_batch,
-        batch_format="numpy",
-        batch_size=None,
-        num_cpus=cfg.cpus_per_task,
-        fn_kwargs=dict(cfg=cfg, seed=seed, epoch=epoch, train=train),
-    )
+    first = max(batch_size, 1)
+    block = first * max(4, -(-BLOCK_ROWS // first))
+    # block boundaries: one batch, then whole blocks; windows of WINDOW_BLOCKS blocks
+    edges = [0, *range(first, rows.num_rows, block), rows.num_rows]
+    blocks = [rows.slice(a, b - a) for a, b in zip(edges, edges[1:])] or [rows]
+    windows = []
+    for w in range(0, len(blocks), window_blocks):
+        # from_blocks, not from_arrow: from_arrow reads each block's metadata in a remote task that asks for a
+        # whole CPU, which never runs while the training workers hold all but a fraction of every node's CPUs
+        # (a sweep's fractional-CPU trials), so the pipeline would hang. from_blocks computes it here, and
+        # keeps the blocks as given.
+        ds = ray.data.from_blocks(blocks[w:w + window_blocks]).map_batches(
+            transform_batch, batch_format="numpy", batch_size=None, num_cpus=cfg.cpus_per_task,
+            fn_kwargs=dict(cfg=cfg, seed=seed, epoch=epoch, train=train))
+        ds.context.op_resource_reservation_enabled = False  # the dataset's own copy of the context
+        windows.append(ds)
+    return windows

@@ -1,4 +1,4 @@
-"""Batches made ahead of the training step, in a background thread.
+"""Batches made ahead of the training step, in a background thread; iterators opened ahead, one after another.
 
 A batch read from a decoded cache is prepared in the training process (gather rows, crop, flip, normalise: a
 few milliseconds for 64 small images). Made in the training thread it adds to every step; made here it
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import queue
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 _END = object()
 
@@ -59,3 +59,47 @@ def _put(ready: queue.Queue, item, stop: threading.Event) -> bool:
         except queue.Full:
             continue
     return False
+
+
+def chained(openers: list[Callable[[], Iterator]]) -> Iterator:
+    """The items of `openers[0]()`, then of `openers[1]()`, ...: while one iterator is consumed, the next is
+    opened and its first item pulled in a daemon thread (a Ray Dataset starts executing at its first item). An
+    error opening one is raised here, where its first item was due. Closing early closes the one opened ahead."""
+    ahead = _OpenedAhead(openers[0]) if openers else None
+    try:
+        for i in range(len(openers)):
+            current, ahead = ahead.iterator(), _OpenedAhead(openers[i + 1]) if i + 1 < len(openers) else None
+            yield from current
+    finally:
+        if ahead is not None:
+            ahead.close()
+
+
+class _OpenedAhead:
+    _END = object()
+
+    def __init__(self, open_fn: Callable[[], Iterator]):
+        self._box: dict = {}
+        self._thread = threading.Thread(target=self._open, args=(open_fn,), daemon=True, name="behemoth-open-ahead")
+        self._thread.start()
+
+    def _open(self, open_fn) -> None:
+        try:
+            it = open_fn()
+            self._box["first"], self._box["it"] = next(it, self._END), it
+        except BaseException as e:  # noqa: BLE001 - raised in the consumer's thread where the item was due
+            self._box["error"] = e
+
+    def iterator(self) -> Iterator:
+        self._thread.join()
+        if "error" in self._box:
+            raise self._box["error"]
+        if self._box["first"] is not self._END:
+            yield self._box["first"]
+            yield from self._box["it"]
+
+    def close(self) -> None:
+        self._thread.join()
+        close = getattr(self._box.get("it"), "close", None)
+        if close is not None:
+            close()

@@ -21,6 +21,18 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
                    help="override a config key, e.g. --set train.lr=0.05 (repeatable)")
 
 
+def _image_size(text: str):
+    """`32` (a side) or `500x375` (width x height)."""
+    parts = text.lower().split("x")
+    try:
+        sizes = [int(p) for p in parts]
+    except ValueError:
+        sizes = []
+    if len(sizes) not in (1, 2) or min(sizes) < 8:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a side (32) or WIDTHxHEIGHT (500x375), each >= 8")
+    return sizes[0] if len(sizes) == 1 else tuple(sizes)
+
+
 def _int_between(low: int, high: int):
     def parse(text: str) -> int:
         value = int(text)
@@ -106,12 +118,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _add_data_commands(data) -> None:
     """`behemoth data ...`: demo data, a local tokenizer, an image job's decoded cache."""
-    p = data.add_parser("synth-images", help="write a learnable demo image dataset (ImageFolder of PNGs)")
+    p = data.add_parser("synth-images", help="write a learnable demo image dataset (ImageFolder of PNGs, or of "
+                        "ImageNet-shaped, photograph-like JPEGs with --format jpeg)")
     p.add_argument("--out", required=True, help="output folder; train/ and val/ are created inside")
     p.add_argument("--classes", type=_int_between(1, 10), default=10, help="number of classes, 1 to 10")
     p.add_argument("--per-class", type=int, default=200, help="training images per class")
     p.add_argument("--val-per-class", type=int, default=50, help="validation images per class")
-    p.add_argument("--size", type=int, default=32, help="image side in pixels")
+    p.add_argument("--format", choices=["png", "jpeg"], default="png", help="png: the demo's small squares; "
+                   "jpeg: photograph-like textures at ImageNet's shapes and file sizes (70 %% landscape, 20 %% "
+                   "portrait, 10 %% twice as large)")
+    p.add_argument("--size", type=_image_size, default=None, help="png: the side in pixels (default 32); jpeg: "
+                   "WIDTHxHEIGHT of the landscape images (default 500x375)")
     p.add_argument("--seed", type=int, default=0, help="random seed (the same seed writes the same data)")
 
     p = data.add_parser("synth-text", help="write a learnable demo text corpus (train.jsonl, val.jsonl)")
@@ -140,6 +157,17 @@ def _add_data_commands(data) -> None:
     p = data.add_parser("cache", help="decode an image job's images once into this node's cache (data.cache_dir) "
                         "ahead of training, with Ray Data on a local Ray instance; its runs then read it")
     _add_config_args(p)
+
+    p = data.add_parser("bench", help="run a job's training input pipeline alone (one consumer per worker, as its "
+                        "workers receive it, no model) and print samples/s, per CPU, bytes per sample and how "
+                        "many workers it keeps fed (docs/speed.md)")
+    _add_config_args(p)
+    p.add_argument("--seconds", type=float, default=20.0, help="how long to measure after every consumer's first "
+                   "batch (default 20)")
+    rate = p.add_mutually_exclusive_group()
+    rate.add_argument("--step-rate", type=float, help="optimizer steps per second one worker takes when fed (for "
+                      "'feeds N workers')")
+    rate.add_argument("--run", help="a run folder of this job: its measured step rate is used")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -213,8 +241,14 @@ def _dispatch(args) -> int:
                          f"  written to {written}"]))
         return 0
     if args.command == "check":
+        from behemoth.driver.data_bench import feed_check
+
         print(dump_yaml(cfg), end="")
         print(f"# data: {_check_data(cfg)}")
+        line, warning = feed_check(cfg)
+        print(f"# feed: {line}")
+        if warning:
+            print(f"behemoth: warning: {warning}", file=sys.stderr)
         return 0
     from behemoth.driver.trainer import train
 
@@ -270,8 +304,11 @@ def _data_command(args) -> int:
     if args.data_command == "synth-images":
         from behemoth.data.synth import write_synth_images
 
-        counts = write_synth_images(args.out, args.classes, args.per_class, args.val_per_class, args.size,
-                                    args.seed)
+        size = args.size or ((500, 375) if args.format == "jpeg" else 32)
+        if args.format == "png" and not isinstance(size, int):
+            raise ConfigError(f"--size {args.size[0]}x{args.size[1]}: PNG demo images are square: give one side")
+        counts = write_synth_images(args.out, args.classes, args.per_class, args.val_per_class, size, args.seed,
+                                    args.format)
         print(f"wrote {counts['train']} train and {counts['val']} val images to {args.out}")
     elif args.data_command == "synth-text":
         from behemoth.data.synth_text import write_synth_labelled_text, write_synth_text
@@ -287,6 +324,14 @@ def _data_command(args) -> int:
         written = write_shards(index_image_folder(Path(args.root)), out, args.samples_per_shard)
         print(f"wrote {written['train']} train and {written['val']} val shards to {out}; train on them with\n"
               f"  data: {{kind: image_webdataset, train_files: [{out}/train-*.tar], val_files: [{out}/val-*.tar]}}")
+    elif args.data_command == "bench":
+        from behemoth.driver.data_bench import bench_data, record
+
+        cfg = load_config(args.config, args.overrides)
+        result = bench_data(cfg, args.seconds, args.step_rate, args.run)
+        kept = record(cfg, result)
+        print("\n".join([*([f"kept for `behemoth check` on this machine: {kept}"] if kept else []),
+                         *result.lines()]))
     elif args.data_command == "cache":
         from behemoth.driver.ray_session import ensure_ray
         from behemoth.tasks import task_of

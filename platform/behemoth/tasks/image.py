@@ -23,7 +23,8 @@ from behemoth.checkpoint import read_json
 from behemoth.config import JobConfig
 from behemoth.errors import BadSampleError, ConfigError
 from behemoth.data import image_cache
-from behemoth.data.images import ImageData, ImageIndex, build_index, cached_batches, describe_samples, rank_dataset
+from behemoth.data.images import (ImageData, ImageIndex, build_index, cached_batches, describe_samples, normalise,
+                                  rank_batches)
 from behemoth.data.prefetch import prefetched
 from behemoth.models import registry
 from behemoth import worker_context as context
@@ -62,7 +63,8 @@ class ImageClassification(Task):
         nothing where every image is read from a decoded cache that is built already (no task will run)."""
         if index.cache and all(image_cache.check(Path(p.folder), p) is None for p in index.cache.values()):
             return ()
-        return ("ray.data", "behemoth.data.images")
+        # random_resized_crop resizes with torch (data/decode.py)
+        return ("ray.data", "behemoth.data.images", *(("torch",) if cfg.data.augment == "random_resized_crop" else ()))
 
     @classmethod
     def check(cls, cfg: JobConfig) -> ImageIndex:
@@ -165,9 +167,22 @@ class ImageClassification(Task):
         # fine-tuning with another number of classes: the head's weight and bias start fresh (weights.load_weights)
         self.reinit_ok = weights.classification_head(len(index.classes))
         self._decoded_splits, self._decoded_lock = {}, threading.Lock()
+        self._mean_std = {}  # device -> (mean, std) tensors, made once: no copy to the device per step
+
 
     def build_model(self):
         return build_image_model(self.cfg, self.index.classes)
+
+    def pixel_values(self, batch: dict) -> torch.Tensor:
+        """The batch's uint8 NHWC images as the model's float32 NCHW input, normalised on their device."""
+        images = batch["image"]
+        if images.device not in self._mean_std:
+            import torch
+
+            self._mean_std[images.device] = tuple(
+                torch.tensor(v, dtype=torch.float32, device=images.device).view(1, 3, 1, 1)
+                for v in (self.cfg.data.mean, self.cfg.data.std))
+        return normalise(images, batch["valid"], *self._mean_std[images.device])
 
     def logits(self, model, images: torch.Tensor) -> torch.Tensor:
         if self.transformers_model:
@@ -188,7 +203,7 @@ class ImageClassification(Task):
 
         device = context.device()
         size = self.cfg.data.image_size
-        return {"image": torch.randn(batch_size, 3, size, size, device=device),
+        return {"image": torch.randint(0, 256, (batch_size, size, size, 3), dtype=torch.uint8, device=device),
                 "label": torch.zeros(batch_size, dtype=torch.long, device=device),
                 "valid": torch.ones(batch_size, dtype=torch.bool, device=device)}
 
@@ -204,13 +219,12 @@ class ImageClassification(Task):
             device = context.device()
             pin = self.cfg.scaling.use_gpu and device.type != "cpu"
             return _to_device(prefetched(_as_tensors(batches, pin), self.cfg.data.prefetch_batches), device)
-        ds = rank_dataset(table, indices, self.cfg.data, seed=self.cfg.train.seed, epoch=epoch, train=train,
-                          batch_size=batch_size)
         # On GPU, batches are pinned and copied to the device in Ray Data's prefetch threads, overlapping
         # the copy with the step before.
-        return ds.iter_torch_batches(batch_size=batch_size, prefetch_batches=self.cfg.data.prefetch_batches,
-                                     device=context.device(),
-                                     pin_memory=self.cfg.scaling.use_gpu)
+        return rank_batches(table, indices, self.cfg.data, seed=self.cfg.train.seed, epoch=epoch, train=train,
+                            batch_size=batch_size, prefetch_batches=self.cfg.data.prefetch_batches,
+                            device=context.device(), pin_memory=self.cfg.scaling.use_gpu,
+                            world=context.current().world)
 
     def _decoded(self, split: str):
         """The split's decoded cache on this node (built here if this worker is the node's first to ask) and
@@ -232,7 +246,7 @@ class ImageClassification(Task):
         from torch.nn.functional import cross_entropy
 
         valid = batch["valid"].float()
-        logits = self.logits(model, batch["image"])
+        logits = self.logits(model, self.pixel_values(batch))
         per_sample = cross_entropy(logits, batch["label"], reduction="none")
         n_valid = valid.sum()
         return (per_sample * valid).sum() / n_valid.clamp(min=1), n_valid
@@ -241,7 +255,7 @@ class ImageClassification(Task):
         from torch.nn.functional import cross_entropy
 
         valid = batch["valid"]
-        logits = self.logits(model, batch["image"])
+        logits = self.logits(model, self.pixel_values(batch))
         losses = cross_entropy(logits, batch["label"], reduction="none")
         correct = (logits.argmax(dim=1) == batch["label"]) & valid
         return {"loss": losses[valid].sum(), "correct": correct.sum(), "samples": valid.sum(),

@@ -1,0 +1,297 @@
+"""`behemoth data bench`: a job's training input pipeline alone, measured as its workers would receive it.
+
+One consumer per training worker, each an actor reserving the worker's CPUs (scaling.cpus_per_worker; no GPU:
+what is measured ends in the worker's host memory), runs the worker's own feed (worker/feed.py): the task's
+`train_batches` for the rank's samples in the epoch's order, the next epoch opened ahead, the same Ray Data plan
+and CPUs per task, the same micro-batch and accumulation. It touches every batch and drops it; no model runs.
+
+What is printed: samples/s over the window in which every consumer was past its first batch (start-up is
+reported apart), samples/s per CPU busy on this node over that window (/proc/stat: every process, Ray's own
+included, so run it on a machine with nothing else to do), bytes per sample as delivered, and how many
+workers at the job's batch it keeps fed at a step rate: `--step-rate` (per worker), or the steady rate a run of
+the job measured (its run folder's metrics.jsonl).
+
+The figures are kept for this machine and this data (data.cache_dir/data_bench.json): `behemoth check` then
+says whether the job's CPUs can feed its workers by the per-CPU rate measured here (`feed_check`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+from behemoth.config import JobConfig
+from behemoth.errors import ConfigError
+
+
+@dataclasses.dataclass
+class DataBench:
+    samples_per_s: float
+    cpus_busy: float
+    bytes_per_sample: float
+    bytes_by_key: dict
+    per_worker_batch: int
+    workers: int
+    startup_s: float
+    window_s: float
+    step_rate: float | None = None
+    step_rate_from: str = ""
+
+    @property
+    def per_cpu(self) -> float:
+        return self.samples_per_s / max(self.cpus_busy, 1e-9)
+
+    @property
+    def feeds(self) -> float | None:
+        """Workers kept fed at the step rate: samples/s over what one worker takes per second."""
+        return None if not self.step_rate else self.samples_per_s / (self.step_rate * self.per_worker_batch)
+
+    def lines(self) -> list[str]:
+        keys = ", ".join(f"{k} {v:,.0f}" for k, v in self.bytes_by_key.items())
+        out = [f"measured {self.window_s:.1f} s with {self.workers} consumer(s) at {self.per_worker_batch} samples "
+               f"per worker step, after {self.startup_s:.1f} s to their first batches; bytes per sample: {keys}"]
+        feeds = ("feeds ? workers (give --step-rate, or --run RUN_DIR of a run of this job)" if self.feeds is None
+                 else f"feeds {self.feeds:.1f} workers at {self.step_rate:.3g} steps/s{self.step_rate_from}")
+        out.append(f"data bench: {self.samples_per_s:,.0f} samples/s ({self.per_cpu:,.0f} per CPU, "
+                   f"{self.cpus_busy:.1f} CPUs), {self.bytes_per_sample:,.0f} bytes per sample, {feeds}")
+        return out
+
+
+def bench_data(cfg: JobConfig, seconds: float = 20.0, step_rate: float | None = None,
+               run_dir: str | None = None) -> DataBench:
+    """Measure the job's training input pipeline for `seconds` after every consumer's first batch."""
+    import ray
+
+    from behemoth.driver import trainer
+
+    rate_from = ""
+    if step_rate is None and run_dir:
+        step_rate = measured_step_rate(run_dir)
+        rate_from = f" (measured by the run in {run_dir})"
+    if step_rate is not None and step_rate <= 0:
+        raise ConfigError(f"--step-rate must be > 0, got {step_rate}")
+    world = cfg.scaling.max_workers
+    share = cfg.train.global_batch_size // world
+    if share == 0:
+        raise ConfigError(f"train.global_batch_size {cfg.train.global_batch_size} is smaller than the "
+                          f"{world} workers")
+    data = trainer.prepare_data(cfg)
+    ref = ray.put(data)
+    consumer = ray.remote(_Consumer)
+    consumers = [consumer.options(num_cpus=cfg.scaling.cpus_per_worker, name=None).remote()
+                 for _ in range(world)]
+    meter = MachineCpu()
+    t0 = time.time()
+    try:
+        results = ray.get([c.run.remote(cfg.to_dict(), ref, rank, world, seconds)
+                           for rank, c in enumerate(consumers)])
+    finally:
+        meter.stop()
+        for c in consumers:
+            ray.kill(c)
+    start = max(r["times"][0] for r in results)  # every consumer past its first batch
+    end = min(r["times"][-1] for r in results)
+    if end <= start:
+        raise RuntimeError("the consumers' measured windows do not overlap: raise --seconds")
+    samples = sum(int(np.sum(np.asarray(r["samples"])[(np.asarray(r["times"]) > start)
+                                                      & (np.asarray(r["times"]) <= end)])) for r in results)
+    total = sum(sum(r["samples"]) for r in results)
+    by_key = {k: sum(r["bytes"].get(k, 0) for r in results) / total for k in results[0]["bytes"]}
+    return DataBench(samples_per_s=samples / (end - start), cpus_busy=meter.seconds(start, end) / (end - start),
+                     bytes_per_sample=sum(by_key.values()), bytes_by_key=by_key, per_worker_batch=share,
+                     workers=world, startup_s=start - t0, window_s=end - start, step_rate=step_rate,
+                     step_rate_from=rate_from)
+
+
+_UNMEASURED_KEYS = ("cpus_per_task", "prefetch_batches", "max_bad_samples")  # the same work per sample
+
+
+def _record_place(cfg: JobConfig) -> tuple[Path, str] | None:
+    """(the records file, this data's key on this machine), or None where the data has no local cache_dir."""
+    import hashlib
+    import socket
+
+    from behemoth import paths
+
+    folder = getattr(cfg.data, "cache_dir", "")
+    if not folder or paths.is_uri(folder):
+        return None
+    section = {k: v for k, v in dataclasses.asdict(cfg.data).items() if k not in _UNMEASURED_KEYS}
+    digest = hashlib.sha256(json.dumps(section, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    return Path(folder) / "data_bench.json", f"{socket.gethostname()}/{digest}"
+
+
+def record(cfg: JobConfig, result: DataBench) -> Path | None:
+    """Keep the bench's figures for `behemoth check` on this machine (None where there is nowhere to)."""
+    place = _record_place(cfg)
+    if place is None:
+        return None
+    file, key = place
+    try:
+        records = json.loads(file.read_text()) if file.is_file() else {}
+    except (OSError, ValueError):
+        records = {}
+    records[key] = {"per_cpu": result.per_cpu, "samples_per_s": result.samples_per_s,
+                    "cpus_busy": result.cpus_busy, "step_rate": result.step_rate, "when": time.time()}
+    file.parent.mkdir(parents=True, exist_ok=True)
+    tmp = file.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(records, indent=1))
+    os.replace(tmp, file)
+    return file
+
+
+def feed_check(cfg: JobConfig) -> tuple[str, str | None]:
+    """(a line saying what was checked, a warning or None): whether this machine's CPUs left to the data
+    pipeline (its CPUs less the workers' scaling.cpus_per_worker) times the per-CPU rate `behemoth data bench`
+    measured here for this data reach the job's need (global batch x the step rate the bench was given). A
+    figure not measured here is not guessed: the line says how to measure it."""
+    place = _record_place(cfg)
+    try:
+        found = json.loads(place[0].read_text()).get(place[1]) if place and place[0].is_file() else None
+    except (OSError, ValueError):
+        found = None
+    how = "behemoth data bench JOB.yaml --step-rate S (S: steps/s one worker takes when fed)"
+    if not found:
+        return f"not checked: no per-CPU rate measured on this machine for this data ({how})", None
+    if not found.get("step_rate"):
+        return (f"not checked: {found['per_cpu']:,.0f} samples/s per CPU measured here, but no step rate was "
+                f"given ({how})"), None
+    workers = cfg.scaling.max_workers
+    cpus = (os.cpu_count() or 1) - workers * cfg.scaling.cpus_per_worker
+    need = cfg.train.global_batch_size * found["step_rate"]
+    can = max(cpus, 0) * found["per_cpu"]
+    line = (f"{max(cpus, 0):g} CPUs left to the data ({os.cpu_count()} - {workers} workers x "
+            f"{cfg.scaling.cpus_per_worker:g}) x {found['per_cpu']:,.0f} samples/s per CPU (measured here) = "
+            f"{can:,.0f} samples/s; the workers need {cfg.train.global_batch_size} x {found['step_rate']:.3g} "
+            f"steps/s = {need:,.0f}")
+    if can >= need:
+        return f"ok: {line}", None
+    return line, (f"the CPUs cannot feed the workers: {line}. Give the data more CPUs (fewer "
+                  f"scaling.cpus_per_worker, a bigger machine), or expect the steps to wait for data")
+
+
+def measured_step_rate(run_dir: str) -> float:
+    """Optimizer steps per second per worker of a run of the job, from its first training report to its last
+    (metrics.jsonl, rank 0's clock): the rate its model steps at when fed."""
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.is_file():
+        raise ConfigError(f"--run {run_dir}: no metrics.jsonl there (a run folder of this job holds one)")
+    reports = [r for r in map(json.loads, path.read_text().splitlines()) if "samples_per_s" in r]
+    if len(reports) < 2:
+        raise ConfigError(f"--run {run_dir}: fewer than two training reports in metrics.jsonl to time steps by")
+    first, last = reports[0], reports[-1]
+    return (last["step"] - first["step"]) / (last["wall_time"] - first["wall_time"])
+
+
+class _Consumer:
+    """One training worker's side of the feed (a Ray actor): the worker's batches, touched and dropped."""
+
+    def run(self, job: dict, data, rank: int, world: int, seconds: float) -> dict:
+        import torch
+
+        from behemoth import worker_context as context
+        from behemoth.checkpoint import TrainState
+        from behemoth.data.order import steps_per_epoch
+        from behemoth.job import config_from_dict
+        from behemoth.tasks import make_task
+        from behemoth.worker.feed import EpochFeed
+
+        cfg = config_from_dict(job, where="job config")
+        # what reaches the worker's host memory: no GPU here (so no pinning), whatever the job trains on
+        cfg = dataclasses.replace(cfg, scaling=dataclasses.replace(cfg.scaling, use_gpu=False))
+        if cfg.scaling.torch_threads:
+            torch.set_num_threads(cfg.scaling.torch_threads)
+        with context.hosted(_BenchContext(rank, world)):
+            task = make_task(cfg, data)
+            share = cfg.train.global_batch_size // world
+            micro = cfg.train.micro_batch_size
+            # "auto" searches with the model on the device: the bench has neither, and takes the whole share
+            micro = share // cfg.train.grad_accum_steps if micro in (None, "auto") else micro
+            epoch_steps = steps_per_epoch(task.num_train_samples, cfg.train.global_batch_size)
+            if epoch_steps == 0:
+                raise ConfigError(f"train.global_batch_size {cfg.train.global_batch_size} exceeds the "
+                                  f"{task.num_train_samples} training samples: lower it")
+            feed = EpochFeed(task, cfg, rank, world, micro, share // micro, epoch_steps)
+            return _consume(feed, TrainState(world_size=world), seconds)
+
+
+def _consume(feed, state, seconds: float) -> dict:
+    """Pull the feed's steps for `seconds` after the first; per step: its time, samples and bytes by key."""
+    times, samples, nbytes = [], [], {}
+    feed.start(state)
+    deadline = None
+    while deadline is None or time.time() < deadline:
+        steps = feed.steps(state)
+        try:
+            for micro_batches in steps:
+                n = 0
+                for batch in micro_batches:
+                    n += _touch(batch, nbytes)
+                times.append(time.time())
+                samples.append(n)
+                deadline = deadline or times[0] + seconds
+                state.advance(feed.epoch_steps, feed.cfg.train.global_batch_size)
+                feed.ahead(state, total_steps=2**62)
+                if time.time() >= deadline:
+                    break
+        finally:
+            steps.close()
+    return {"times": times, "samples": samples, "bytes": nbytes}
+
+
+def _touch(batch: dict, nbytes: dict) -> int:
+    """Read one value per 4 KiB page of every tensor (its pages reach this process); count bytes by key."""
+    import torch
+
+    for key, value in batch.items():
+        if isinstance(value, torch.Tensor):
+            flat = value.reshape(-1)
+            if flat.numel():
+                flat[:: max(4096 // value.element_size(), 1)].sum()
+            nbytes[key] = nbytes.get(key, 0) + value.numel() * value.element_size()
+    return len(batch["sample_id"])  # every task's batches carry their samples' ids (tasks/contract.py)
+
+
+class _BenchContext:
+    """The worker context a consumer hosts: rank, world and the CPU; nothing of a run (no storage, reports)."""
+
+    def __init__(self, rank: int, world: int):
+        import torch
+
+        self.rank, self.world, self.run_name, self.device = rank, world, "data-bench", torch.device("cpu")
+
+
+class MachineCpu:
+    """The whole machine's busy CPU time (every process: Ray's daemons, workers, tasks, this one), sampled from
+    /proc/stat every `every_s` in a thread; `seconds(t0, t1)` is the CPU-seconds spent between two wall-clock
+    times (time.time()), interpolated between samples. Linux only."""
+
+    def __init__(self, every_s: float = 0.05):
+        self.tick, self.samples, self._stop = os.sysconf("SC_CLK_TCK"), [], threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(every_s,), daemon=True)
+        self._thread.start()
+
+    def _busy(self) -> float:
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+        idle = fields[3] + fields[4]  # idle + iowait
+        return (sum(fields[:8]) - idle) / self.tick  # user nice system idle iowait irq softirq steal
+
+    def _run(self, every_s: float) -> None:
+        while not self._stop.is_set():
+            self.samples.append((time.time(), self._busy()))
+            self._stop.wait(every_s)
+
+    def seconds(self, t0: float, t1: float) -> float:
+        times, busy = np.array(self.samples).T
+        return float(np.interp(t1, times, busy) - np.interp(t0, times, busy))
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()

@@ -1,0 +1,116 @@
+"""The random-resized-crop at the per-core limit (data/decode.py): libjpeg-turbo's decode, scaled decoding for
+large crops, EXIF orientation, and PIL's verdict for everything else, against PIL's own reading of the file."""
+
+import io
+
+import numpy as np
+import pyarrow as pa
+import pytest
+from PIL import Image, ImageOps
+
+from behemoth.data import decode
+from behemoth.data.images import BadSampleError, ImageData, decode_rgb, transform_batch
+
+
+def photo(w: int, h: int, seed: int = 0) -> np.ndarray:
+    """Smooth colour gradients plus noise: content whose resized crops differ where the crop is wrong."""
+    rng = np.random.default_rng(seed)
+    y, x = np.mgrid[0:h, 0:w].astype(np.float32)
+    img = np.stack([x / w * 255, y / h * 255, (x + y) / (w + h) * 255], axis=-1)
+    img += 40 * np.sin(x[..., None] / 40 + np.arange(3)) + rng.normal(0, 6, (h, w, 3))
+    return np.clip(img, 0, 255).astype(np.uint8)
+
+
+def jpeg(pixels: np.ndarray, orientation: int = 1, mode: str = "RGB") -> bytes:
+    img = Image.fromarray(pixels).convert(mode)
+    out = io.BytesIO()
+    exif = Image.Exif()
+    if orientation != 1:
+        exif[0x0112] = orientation
+    img.save(out, "JPEG", quality=95, exif=exif.tobytes() if orientation != 1 else b"")
+    return out.getvalue()
+
+
+def reference(data: bytes, size: int, seed: int) -> np.ndarray:
+    """The same draws applied to PIL's full-size upright RGB decode (no DCT scaling)."""
+    upright = np.asarray(decode_rgb(data))
+    rng = np.random.default_rng(seed)
+    box = decode._crop_box(upright.shape[1], upright.shape[0], rng)
+    return decode._resize_flip(upright, box, 1, size, rng)
+
+
+@pytest.mark.parametrize("orientation", range(1, 9))
+def test_exif_orientation_turns_the_image_as_pil_does(orientation):
+    pixels = photo(48, 32)
+    data = jpeg(pixels, orientation)
+    assert decode._orientation(data) == orientation
+    stored = decode._decode_jpeg(data, 48, 32, 1)
+    want = np.asarray(ImageOps.exif_transpose(Image.open(io.BytesIO(data))).convert("RGB"))
+    np.testing.assert_array_equal(decode._upright(stored, orientation), want)
+    # the whole crop: equal to PIL's upright decode with the same draws
+    for seed in range(5):
+        got = decode.random_resized_crop(data, 16, np.random.default_rng(seed), decode_rgb)
+        np.testing.assert_array_equal(got, reference(data, 16, seed))
+
+
+@pytest.mark.parametrize("mode", ["RGB", "L"])
+def test_full_scale_crops_equal_pils_decode_with_the_same_draws(mode):
+    """A crop under twice the output is decoded at full scale: libjpeg-turbo's pixels are PIL's, bit for bit."""
+    data = jpeg(photo(120, 90), mode=mode)
+    for seed in range(20):
+        got = decode.random_resized_crop(data, 64, np.random.default_rng(seed), decode_rgb)
+        assert got.shape == (64, 64, 3) and got.dtype == np.uint8
+        np.testing.assert_array_equal(got, reference(data, 64, seed))
+
+
+def test_large_crops_decode_at_reduced_scale_and_stay_close():
+    """A crop at least twice the output on both sides is decoded at 1/2, 1/4 or 1/8 scale: the same view,
+    resampled from fewer pixels (close to the full-scale crop, not equal)."""
+    data = jpeg(photo(640, 480))
+    scales, diffs = [], []
+    for seed in range(30):
+        size = (40, 64, 100)[seed % 3]
+        scales.append(decode._dct_scale(decode._crop_box(640, 480, np.random.default_rng(seed)), size))
+        got = decode.random_resized_crop(data, size, np.random.default_rng(seed), decode_rgb)
+        diffs.append(np.abs(got.astype(int) - reference(data, size, seed).astype(int)).mean())
+    assert {2, 4, 8} <= set(scales)
+    assert max(diffs) < 3.0, diffs  # mean absolute difference in levels of 255 (measured: at most ~2)
+
+
+def test_what_libjpeg_turbo_leaves_goes_to_pil():
+    """PNG and CMYK JPEGs are PIL's to decode; a damaged JPEG is PIL's to refuse (a bad sample), a JPEG that
+    PIL reads is never dropped because libjpeg-turbo was strict."""
+    pixels = photo(40, 30)
+    png = io.BytesIO()
+    Image.fromarray(pixels).save(png, "PNG")
+    cmyk = jpeg(pixels, mode="CMYK")
+    for data in (png.getvalue(), cmyk):
+        for seed in range(5):
+            got = decode.random_resized_crop(data, 16, np.random.default_rng(seed), decode_rgb)
+            np.testing.assert_array_equal(got, reference(data, 16, seed))
+    good = jpeg(pixels)
+    table = pa.table({"sample_id": [0, 1], "path": ["a.jpg", "b.jpg"], "row": [-1, -1], "label": [0, 0],
+                      "size": [-1, -1]})
+    batch = {k: np.asarray(v) for k, v in table.to_pydict().items()}
+    cfg = ImageData(root="unused", image_size=16, augment="random_resized_crop")
+    from behemoth.data import images
+
+    raw = {"a.jpg": good, "b.jpg": good[: len(good) // 2]}  # b: cut in half
+    original = images._load_bytes
+    images._load_bytes = lambda b, col: [raw[p] for p in b["path"]]
+    try:
+        with pytest.raises(BadSampleError, match="cannot decode image b.jpg"):
+            transform_batch(batch, cfg=cfg, seed=0, epoch=0, train=True)
+    finally:
+        images._load_bytes = original
+
+
+def test_a_plain_jpeg_never_reaches_pil():
+    """The fast path is the one taken for an ordinary JPEG (no Exif): PIL's decoder is never asked."""
+    data = jpeg(photo(200, 150))
+
+    def no_pil(_):
+        raise AssertionError("PIL decoded a plain JPEG")
+
+    for seed in range(10):
+        assert decode.random_resized_crop(data, 32, np.random.default_rng(seed), no_pil).shape == (32, 32, 3)

@@ -1,0 +1,49 @@
+"""`behemoth check`'s feed line: whether the job's CPUs can feed its workers, by the per-CPU rate `behemoth data
+bench` measured on this machine for this data (kept in data.cache_dir/data_bench.json); nothing guessed."""
+
+import os
+
+import yaml
+
+from behemoth.driver.cli import main
+from behemoth.driver.data_bench import DataBench, feed_check, record
+from behemoth.job import config_from_dict
+from conftest import job_dict
+
+
+def bench(per_cpu: float, step_rate: float | None) -> DataBench:
+    return DataBench(samples_per_s=2 * per_cpu, cpus_busy=2.0, bytes_per_sample=3072.0, bytes_by_key={},
+                     per_worker_batch=8, workers=2, startup_s=1.0, window_s=10.0, step_rate=step_rate)
+
+
+def test_feed_check_says_what_it_knows_and_warns_when_the_cpus_fall_short(image_root, tmp_path, capsys):
+    job = job_dict(image_root, tmp_path / "runs", data={"cache_dir": str(tmp_path / "cache")})
+    cfg = config_from_dict(job)
+    line, warning = feed_check(cfg)
+    assert line.startswith("not checked: no per-CPU rate measured on this machine") and warning is None
+    record(cfg, bench(per_cpu=500.0, step_rate=None))
+    line, warning = feed_check(cfg)
+    assert line.startswith("not checked: 500 samples/s per CPU measured here, but no step rate") and not warning
+
+    left = os.cpu_count() - 2 * 0.5  # two workers reserving 0.5 CPU each
+    record(cfg, bench(per_cpu=500.0, step_rate=2.0))  # the job needs 16 x 2 = 32 samples/s
+    line, warning = feed_check(cfg)
+    assert line == (f"ok: {left:g} CPUs left to the data ({os.cpu_count()} - 2 workers x 0.5) x 500 samples/s per "
+                    f"CPU (measured here) = {left * 500:,.0f} samples/s; the workers need 16 x 2 steps/s = 32")
+    assert warning is None
+    record(cfg, bench(per_cpu=1.0, step_rate=100.0))  # 1,600 samples/s needed, a few fed
+    line, warning = feed_check(cfg)
+    assert warning.startswith("the CPUs cannot feed the workers") and "need 16 x 100 steps/s = 1,600" in warning
+
+    # what the bench measured with other CPUs per task or prefetch is the same work per sample: it counts;
+    # another image size is other work: not measured
+    assert feed_check(config_from_dict({**job, "data": {**job["data"], "cpus_per_task": 1.0}}))[1] == warning
+    assert feed_check(config_from_dict({**job, "data": {**job["data"], "image_size": 8}}))[0].startswith("not checked")
+
+    # `behemoth check`: the line on stdout, the warning on stderr, exit 0
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(job))
+    capsys.readouterr()
+    assert main(["check", str(path)]) == 0
+    out, err = capsys.readouterr()
+    assert f"# feed: {line}" in out and f"behemoth: warning: {warning}" in err
