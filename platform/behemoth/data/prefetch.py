@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections.abc import Callable, Iterable, Iterator
 
 _END = object()
@@ -65,30 +66,40 @@ def chained(openers: list[Callable[[], Iterator]]) -> Iterator:
     """The items of `openers[0]()`, then of `openers[1]()`, ...: while one iterator is consumed, the next is
     opened and its first item pulled in a daemon thread (a Ray Dataset starts executing at its first item). An
     error opening one is raised here, where its first item was due. Closing early closes the one opened ahead."""
-    ahead = _OpenedAhead(openers[0]) if openers else None
+    ahead = OpenedAhead(openers[0]) if openers else None
     try:
         for i in range(len(openers)):
-            current, ahead = ahead.iterator(), _OpenedAhead(openers[i + 1]) if i + 1 < len(openers) else None
+            current, ahead = ahead.iterator(), OpenedAhead(openers[i + 1]) if i + 1 < len(openers) else None
             yield from current
     finally:
         if ahead is not None:
             ahead.close()
 
 
-class _OpenedAhead:
+class OpenedAhead:
+    """An iterator opened by `open_fn` in a daemon thread that also pulls its first item (`seconds`: how long
+    that took). `iterator()` waits for it and yields every item; an error is raised there."""
+
     _END = object()
 
-    def __init__(self, open_fn: Callable[[], Iterator]):
+    def __init__(self, open_fn: Callable[[], Iterator], name: str = "behemoth-open-ahead"):
         self._box: dict = {}
-        self._thread = threading.Thread(target=self._open, args=(open_fn,), daemon=True, name="behemoth-open-ahead")
+        self._began = time.monotonic()
+        self._thread = threading.Thread(target=self._open, args=(open_fn,), daemon=True, name=name)
         self._thread.start()
 
     def _open(self, open_fn) -> None:
         try:
             it = open_fn()
             self._box["first"], self._box["it"] = next(it, self._END), it
+            self._box["seconds"] = time.monotonic() - self._began
         except BaseException as e:  # noqa: BLE001 - raised in the consumer's thread where the item was due
             self._box["error"] = e
+
+    @property
+    def seconds(self) -> float:
+        """From the start of the opening to its first item (after `iterator()` has returned one)."""
+        return self._box.get("seconds", 0.0)
 
     def iterator(self) -> Iterator:
         self._thread.join()

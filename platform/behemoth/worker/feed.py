@@ -17,11 +17,11 @@ from __future__ import annotations
 
 import itertools
 import math
-import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 
 from behemoth.checkpoint import TrainState
+from behemoth.data.prefetch import OpenedAhead
 from behemoth.data.order import rank_train_indices
 
 LOOKAHEAD_STEPS = 4  # these steps plus the end-of-epoch evaluation are what overlaps a pipeline's start-up
@@ -87,32 +87,18 @@ class EpochFeed:
 class _Started:
     """An epoch's step iterator opened in a daemon thread that also pulls its first step's batches."""
 
-    _END = object()
-
     def __init__(self, epoch: int, start_step: int, open_fn: Callable[[], Iterator]):
-        self.epoch, self.start_step, self._box = epoch, start_step, {}
-        self._began = time.monotonic()
-        self._thread = threading.Thread(target=self._pull, args=(open_fn,), daemon=True,
-                                        name=f"behemoth-epoch-{epoch}")
-        self._thread.start()
-
-    def _pull(self, open_fn) -> None:
-        try:
-            it = open_fn()
-            self._box["first"], self._box["it"] = next(it, self._END), it
-            self._box["seconds"] = time.monotonic() - self._began
-        except BaseException as e:  # noqa: BLE001 - raised in the training thread when the epoch begins
-            self._box["error"] = e
+        self.epoch, self.start_step = epoch, start_step
+        self._ahead = OpenedAhead(open_fn, name=f"behemoth-epoch-{epoch}")
 
     def iterator(self, opened: Callable[[float], None] = lambda seconds: None) -> Iterator[list]:
         """The epoch's steps; `opened` is told how long the opening took (the time to its first step)."""
-        self._thread.join()
-        if "error" in self._box:
-            raise self._box["error"]
-        opened(self._box["seconds"])
-        if self._box["first"] is not self._END:
-            yield self._box["first"]
-            yield from self._box["it"]
+        steps = self._ahead.iterator()
+        first = next(steps, None)  # waits for the thread; raises its error here
+        opened(self._ahead.seconds)
+        if first is not None:
+            yield first
+            yield from steps
 
 
 def _grouped(iterable: Iterable, n: int) -> Iterator[list]:
