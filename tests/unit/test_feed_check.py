@@ -47,3 +47,16 @@ def test_feed_check_says_what_it_knows_and_warns_when_the_cpus_fall_short(image_
     assert main(["check", str(path)]) == 0
     out, err = capsys.readouterr()
     assert f"# feed: {line}" in out and f"behemoth: warning: {warning}" in err
+
+
+def test_cpus_sizes_only_a_local_instance(monkeypatch):
+    """`behemoth data bench --cpus N` starts a local Ray of N CPUs; against a running cluster (RAY_ADDRESS) it
+    is refused with one line before anything connects."""
+    import pytest
+
+    from behemoth.driver.ray_session import ensure_ray
+    from behemoth.errors import ConfigError
+
+    monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:1")
+    with pytest.raises(ConfigError, match="--cpus 4 sizes a local Ray instance; RAY_ADDRESS names a running"):
+        ensure_ray(num_cpus=4)

@@ -597,3 +597,55 @@ def test_decoding_every_epoch_raises_a_failure_that_is_not_the_images_fault(imag
         assert list(np.flatnonzero(~got["valid"])) == [5], kind
         with pytest.raises(BadSampleError, match=f"cannot decode image {batch['path'][5]}"):
             transform_batch(batch, cfg=cfg(max_bad_samples=0), seed=0, epoch=0, train=True)
+
+
+@pytest.fixture
+def photo_jpegs(tmp_path) -> Path:
+    """A few photograph-like JPEGs, landscape, portrait and larger (behemoth data synth-images --format jpeg)."""
+    from behemoth.data.synth import write_synth_images
+
+    root = tmp_path / "jpegs"
+    write_synth_images(root, classes=2, per_class=6, val_per_class=2, size=(96, 72), seed=1, image_format="jpeg")
+    return root
+
+
+def test_random_resized_crop_from_kept_views_draws_the_crops_decoding_every_epoch_draws(photo_jpegs, tmp_path):
+    """data.cache_side: the training split is kept as whole-image views at cache_side x cache_side with each
+    image's upright size; every epoch's crops come from them with the same draws as decoding every epoch (the
+    same window of each image, resampled from the view: close, not equal), the same batches on every read;
+    evaluation rows stay centre-fitted at image_size."""
+    c = cfg(augment="random_resized_crop", cache_side=48, image_size=24, cache_dir=str(tmp_path / "c"))
+    index = index_image_folder(photo_jpegs)
+    plans, line = decide_cache(c, index)
+    assert plans["train"].views and plans["train"].size == 48 and not plans["val"].views and plans["val"].size == 24
+    assert "views at 48x48" in line
+    assert image_cache.plan(index.train, 48, str(tmp_path / "c"), "image").folder != plans["train"].folder
+    decoded = image_cache.open_or_build(plans["train"], index.train, workers=False, log=lambda line: None)
+    assert decoded.shards[0].shape[1:] == (48, 48, 3)
+    paths = index.train.column("path").to_pylist()
+    assert [tuple(s) for s in decoded.sizes] == [Image.open(p).size for p in paths]
+    assert {tuple(s) for s in decoded.sizes} >= {(96, 72), (72, 96)}
+    assert image_cache.check(Path(plans["train"].folder), plans["train"]) is None  # complete, reopened as is
+
+    labels = index.train.column("label").to_numpy()
+    order = np.random.default_rng(0).permutation(index.train.num_rows)
+    got = [b["image"] for b in cached_batches(decoded, labels, order, c, seed=3, epoch=1, train=True, batch_size=4)]
+    again = [b["image"] for b in cached_batches(decoded, labels, order, c, seed=3, epoch=1, train=True, batch_size=4)]
+    assert all(np.array_equal(a, b) for a, b in zip(got, again))
+    every_epoch = [transform_batch(batch_of(index.train.take(order[i:i + 4])), cfg=c, seed=3, epoch=1,
+                                   train=True)["image"] for i in range(0, len(order), 4)]
+    diff = np.mean([np.abs(a.astype(int) - b.astype(int)).mean() for a, b in zip(got, every_epoch)])
+    other = [transform_batch(batch_of(index.train.take(order[i:i + 4])), cfg=c, seed=4, epoch=1,
+                             train=True)["image"] for i in range(0, len(order), 4)]
+    unrelated = np.mean([np.abs(a.astype(int) - b.astype(int)).mean() for a, b in zip(got, other)])
+    assert diff < 0.25 * unrelated, (diff, unrelated)  # the same windows: far closer than other crops
+
+
+def test_cache_side_is_checked():
+    with pytest.raises(ConfigError, match="data.cache_side 48 is for augment random_resized_crop"):
+        cfg(augment="crop_flip", cache_side=48).validate()
+    with pytest.raises(ConfigError, match="smaller than data.image_size"):
+        cfg(augment="random_resized_crop", cache_side=8).validate()
+    with pytest.raises(ConfigError, match="or set data.cache_side"):
+        cfg(augment="random_resized_crop", cache="decoded").validate()
+    cfg(augment="random_resized_crop", cache="decoded", cache_side=32).validate()

@@ -69,6 +69,21 @@ def one_torch_thread():
             torch.set_num_threads(threads)
 
 
+def crop_from_view(view: np.ndarray, width: int, height: int, size: int, rng: np.random.Generator) -> np.ndarray:
+    """random_resized_crop's uint8 [size, size, 3] from a stored view of the whole image (uint8 [S, S, 3], the
+    upright image of `width` x `height` resized to S x S): the crop is drawn on the original size with the same
+    draws, mapped onto the view, resized, flipped as drawn. Where no crop fits in 10 tries, the centre square
+    (what centre-fitting keeps)."""
+    box = _crop_box(width, height, rng)
+    if box is None:
+        side = min(width, height)
+        box = ((width - side) // 2, (height - side) // 2, side, side)
+    s = view.shape[0]
+    left, top, cw, ch = box
+    scaled = (round(left * s / width), round(top * s / height), round(cw * s / width), round(ch * s / height))
+    return _resize_flip(view, scaled, 1, size, rng)
+
+
 def _crop_box(w: int, h: int, rng: np.random.Generator) -> tuple[int, int, int, int] | None:
     """(left, top, width, height) of the crop in the upright image, or None after 10 misses."""
     for _ in range(10):

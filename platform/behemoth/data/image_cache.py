@@ -6,7 +6,9 @@ data.image_size): the base that crop_flip pads, crops and flips and that evaluat
 part (drawn from (seed, epoch, sample id), images.augment_fitted) and the normalisation still run every epoch,
 on the worker, from these rows: the same pixels reach the model as without the cache, so a run ends on the same
 weights (tests/integration/test_train_images.py). random_resized_crop crops the original image, not a fitted
-one, so it is not cached.
+one: it is cached only where the job asks (data.cache_side), as views of the whole image (images.decode_views,
+`views`: each image resized to S x S, its upright size in sizes.npy) that every epoch's crop is taken from
+(decode.crop_from_view): the same windows, not the same pixels.
 
 A split's cache is a folder `<data.cache_dir>/images/<key>` whose key hashes every input of the stored pixels
 (cache_key: the samples in order, each file's size and modification time, the image column, the stored size,
@@ -53,6 +55,8 @@ from behemoth.progress import progress
 FORMAT = 2  # 2: the manifest names the image column and Pillow's version
 # What decode_fitted stores: change it whenever decode_rgb or center_fit would give other pixels for the same bytes
 PIXELS = "decode_rgb (EXIF upright, RGB, alpha dropped) then center_fit (bilinear shorter side, centre crop) v1"
+# What decode_views stores instead (data.cache_side): change it whenever decode_views would give other pixels
+VIEWS = "views: decode_rgb then the whole image resized to S x S (bilinear), its upright size in sizes.npy v1"
 SHARD_BYTES = 64 << 20
 BUILD_BLOCK_ROWS = 256  # rows per Ray Data decode task
 
@@ -65,13 +69,16 @@ class CachePlan:
     size: int
     rows: int
     image_column: str  # the parquet column decoded (image files and tar members ignore it)
+    # False: centre-fitted rows (images.decode_fitted); True: views of the whole image and their sizes, for
+    # random_resized_crop (images.decode_views, data.cache_side)
+    views: bool = False
 
     @property
     def nbytes(self) -> int:
         return self.rows * self.size * self.size * 3
 
 
-def cache_key(table: pa.Table, size: int, image_column: str) -> str:
+def cache_key(table: pa.Table, size: int, image_column: str, views: bool = False) -> str:
     """A hash of every input of the stored pixels:
     - the samples in order: each one's file (absolute path), parquet row or tar member offset, and tar member
       length (the index's `path`, `row` and `size` columns);
@@ -85,6 +92,8 @@ def cache_key(table: pa.Table, size: int, image_column: str) -> str:
 
     h = hashlib.sha256(f"behemoth decoded images v{FORMAT}\0{PIXELS}\0Pillow {PIL.__version__}\0{size}\0"
                        f"column {image_column}\n".encode())
+    if views:  # (centre-fitted caches keep the keys they had)
+        h.update(f"{VIEWS}\n".encode())
     for column in ("row", "size"):
         h.update(np.asarray(table.column(column).to_numpy(), dtype="<i8").tobytes())
     paths = [os.path.abspath(p) for p in table.column("path").to_pylist()]  # however the data folder was named
@@ -152,9 +161,9 @@ def network_warning(folder: str | Path) -> str | None:
             f"data.cache_dir to a folder on each node's own disk (a local SSD, /tmp)")
 
 
-def plan(table: pa.Table, size: int, cache_dir: str, image_column: str) -> CachePlan:
-    folder = Path(cache_dir).absolute() / "images" / cache_key(table, size, image_column)
-    return CachePlan(str(folder), size, table.num_rows, image_column)
+def plan(table: pa.Table, size: int, cache_dir: str, image_column: str, views: bool = False) -> CachePlan:
+    folder = Path(cache_dir).absolute() / "images" / cache_key(table, size, image_column, views)
+    return CachePlan(str(folder), size, table.num_rows, image_column, views)
 
 
 class DecodedImages:
@@ -166,6 +175,8 @@ class DecodedImages:
         self.shards = [np.load(folder / s["file"], mmap_mode="r") for s in manifest["shards"]]
         self.valid = np.load(folder / "valid.npy")
         self.errors = {int(k): v for k, v in manifest["errors"].items()}
+        # views (data.cache_side): each row's original upright (width, height)
+        self.sizes = np.load(folder / manifest["sizes"]["file"]) if "sizes" in manifest else None
 
     def rows(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         ids = np.asarray(ids, dtype=np.int64)
@@ -222,10 +233,11 @@ def check(folder: Path, cache: CachePlan) -> str | None:
         return "absent" if not folder.exists() else "incomplete (no manifest.json)"
     except (OSError, ValueError) as e:
         return f"unreadable manifest.json ({e})"
-    made_for = (manifest.get("format"), manifest.get("rows"), manifest.get("size"), manifest.get("image_column"))
-    if made_for != (FORMAT, cache.rows, cache.size, cache.image_column):
+    made_for = (manifest.get("format"), manifest.get("rows"), manifest.get("size"), manifest.get("image_column"),
+                "sizes" in manifest)
+    if made_for != (FORMAT, cache.rows, cache.size, cache.image_column, cache.views):
         return "made for other data"
-    for entry in [*manifest["shards"], manifest["valid"]]:
+    for entry in [*manifest["shards"], manifest["valid"], *([manifest["sizes"]] if cache.views else [])]:
         path = folder / entry["file"]
         try:
             st = path.stat()
@@ -257,8 +269,8 @@ def build(folder: Path, cache: CachePlan, table: pa.Table, *, workers: bool, cpu
     with _build_folder(folder, cache) as tmp:
         shard_rows = max(1, SHARD_BYTES // (cache.size * cache.size * 3))
         shards = _reserved_shards(tmp, cache, shard_rows)
-        valid, errors = _decode_into(shards, shard_rows, folder, cache, table, workers, cpus_per_task)
-        _write_manifest(tmp, cache, shard_rows, valid, errors)
+        valid, errors, sizes = _decode_into(shards, shard_rows, folder, cache, table, workers, cpus_per_task)
+        _write_manifest(tmp, cache, shard_rows, valid, errors, sizes)
         _commit(tmp, folder, cache)
 
 
@@ -354,12 +366,14 @@ def _reserved_shards(folder: Path, cache: CachePlan, shard_rows: int) -> list[Pa
 
 
 def _decode_into(shards: list[Path], shard_rows: int, folder: Path, cache: CachePlan, table: pa.Table,
-                 workers: bool, cpus_per_task: float) -> tuple[np.ndarray, dict[str, str]]:
-    """Decode every row into the reserved shards, in order; the valid flags and the errors of those that are not."""
+                 workers: bool, cpus_per_task: float) -> tuple[np.ndarray, dict[str, str], np.ndarray | None]:
+    """Decode every row into the reserved shards, in order; the valid flags, the errors of those that are not,
+    and for views each image's upright (width, height)."""
     valid = np.zeros(cache.rows, dtype=bool)
+    sizes = np.zeros((cache.rows, 2), dtype=np.int32) if cache.views else None
     errors: dict[str, str] = {}
     current, written = None, 0
-    batches = _decoded_batches(table, cache.size, cache.image_column, workers, cpus_per_task)
+    batches = _decoded_batches(table, cache.size, cache.image_column, workers, cpus_per_task, cache.views)
     total = -(-table.num_rows // BUILD_BLOCK_ROWS)
     for batch in progress(batches, f"decoding {cache.rows} images once", total=total, unit="block"):
         for i in range(len(batch["sample_id"])):
@@ -372,6 +386,8 @@ def _decode_into(shards: list[Path], shard_rows: int, folder: Path, cache: Cache
                 current = np.load(shards[written // shard_rows], mmap_mode="r+")
             current[written % shard_rows] = batch["pixels"][i]
             valid[written] = batch["valid"][i]
+            if sizes is not None:
+                sizes[written] = batch["sizes"][i]
             if not batch["valid"][i]:
                 errors[str(written)] = str(batch["error"][i])
             written += 1
@@ -379,10 +395,11 @@ def _decode_into(shards: list[Path], shard_rows: int, folder: Path, cache: Cache
         raise DataError(f"decoding for {folder} returned {written} of {cache.rows} images")
     if current is not None:
         current.flush()
-    return valid, errors
+    return valid, errors, sizes
 
 
-def _write_manifest(folder: Path, cache: CachePlan, shard_rows: int, valid: np.ndarray, errors: dict) -> None:
+def _write_manifest(folder: Path, cache: CachePlan, shard_rows: int, valid: np.ndarray, errors: dict,
+                    sizes: np.ndarray | None = None) -> None:
     import PIL
 
     np.save(folder / "valid.npy", valid)
@@ -391,6 +408,9 @@ def _write_manifest(folder: Path, cache: CachePlan, shard_rows: int, valid: np.n
                 "pillow": PIL.__version__, "shard_rows": shard_rows,
                 "shards": entries, "valid": _entry(folder, "valid.npy"), "errors": errors,
                 "bytes": sum(e["bytes"] for e in entries)}
+    if sizes is not None:
+        np.save(folder / "sizes.npy", sizes)
+        manifest["sizes"] = _entry(folder, "sizes.npy")
     (folder / "manifest.json").write_text(json.dumps(manifest, indent=1))
 
 
@@ -408,22 +428,25 @@ def _entry(folder: Path, name: str) -> dict:
     return {"file": name, "bytes": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": _sha256(folder / name)}
 
 
-def _decoded_batches(table: pa.Table, size: int, image_column: str, workers: bool, cpus_per_task: float):
-    """The rows of `table` decoded and fitted, in order: by Ray Data tasks, or here (`workers=False`)."""
-    from behemoth.data.images import decode_fitted
+def _decoded_batches(table: pa.Table, size: int, image_column: str, workers: bool, cpus_per_task: float,
+                     views: bool = False):
+    """The rows of `table` decoded and fitted (or as views), in order: by Ray Data tasks, or here
+    (`workers=False`)."""
+    from behemoth.data.images import decode_fitted, decode_views
+
+    decode = decode_views if views else decode_fitted
 
     blocks = [table.slice(i, BUILD_BLOCK_ROWS) for i in range(0, table.num_rows, BUILD_BLOCK_ROWS)]
     kwargs = dict(size=size, image_column=image_column)
     if not workers:
         for block in blocks:
-            yield decode_fitted({k: block.column(k).to_numpy(zero_copy_only=False) for k in block.column_names},
-                                **kwargs)
+            yield decode({k: block.column(k).to_numpy(zero_copy_only=False) for k in block.column_names}, **kwargs)
         return
     import ray.data
 
     from behemoth.data import ordered_data_context
 
     ordered_data_context()
-    ds = ray.data.from_blocks(blocks).map_batches(decode_fitted, batch_format="numpy", batch_size=None,
+    ds = ray.data.from_blocks(blocks).map_batches(decode, batch_format="numpy", batch_size=None,
                                                    num_cpus=cpus_per_task, fn_kwargs=kwargs)
     yield from ds.iter_batches(batch_size=None, batch_format="numpy", prefetch_batches=2)

@@ -33,7 +33,7 @@ from behemoth.config import DataConfig
 from behemoth.errors import BadSampleError, ConfigError
 from behemoth.progress import progress
 from behemoth.data import DataError, expand_files, image_shards, ordered_data_context
-from behemoth.data.decode import one_torch_thread, random_resized_crop
+from behemoth.data.decode import crop_from_view, one_torch_thread, random_resized_crop
 
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg"}
 # One row per sample. `row`: -1 for an image file; the row in `path` for parquet; for a tar shard the byte
@@ -63,6 +63,11 @@ class ImageData(DataConfig):
     cache: Literal["auto", "decoded", "none"] = "auto"
     cache_dir: str = "data_cache"
     cache_max_share: float = 0.5
+    # random_resized_crop decoded once too (opt-in, FFCV's way): > 0 keeps each training image in the decoded
+    # cache as a cache_side x cache_side view of the whole image (its aspect ratio kept aside); every epoch's
+    # crop is drawn on the original size as before and taken from that view. Not the same pixels as decoding
+    # every epoch: the crop resamples a downscaled image (docs/speed.md). 0: decoded every epoch.
+    cache_side: int = 0
 
     path_keys: ClassVar[tuple[str, ...]] = (*DataConfig.path_keys, "root", "cache_dir")
 
@@ -80,9 +85,18 @@ class ImageData(DataConfig):
             raise ConfigError("data.crop_padding must be >= 0")
         if not 0 < self.cache_max_share <= 1:
             raise ConfigError(f"data.cache_max_share must be in (0, 1], got {self.cache_max_share!r}")
-        if self.cache == "decoded" and self.augment == "random_resized_crop":
+        if self.cache == "decoded" and self.augment == "random_resized_crop" and not self.cache_side:
             raise ConfigError("data.cache=decoded keeps the centre-fitted image, and random_resized_crop crops the "
-                              "original: use data.cache=none (or auto, which decodes every epoch for it)")
+                              "original: use data.cache=none (or auto, which decodes every epoch for it), or set "
+                              "data.cache_side (e.g. 320) to keep a bounded view of every image to crop from")
+        if self.cache_side and (self.augment != "random_resized_crop" or self.cache == "none"):
+            raise ConfigError(f"data.cache_side {self.cache_side} is for augment random_resized_crop with data.cache "
+                              f"auto or decoded (got augment {self.augment}, cache {self.cache}): remove it")
+        if self.cache_side < 0:
+            raise ConfigError(f"data.cache_side must be >= 0 (0: off), got {self.cache_side}")
+        if self.cache_side and self.cache_side < self.image_size:
+            raise ConfigError(f"data.cache_side {self.cache_side} is smaller than data.image_size "
+                              f"{self.image_size}: every crop would be upsampled; use at least {self.image_size}")
         if self.cache == "decoded" and paths.is_uri(self.cache_dir):
             raise ConfigError(f"data.cache_dir {self.cache_dir} is a URI: the decoded cache is a folder on each "
                               f"node's own disk (a local path), read by memory-mapping it")
@@ -347,6 +361,26 @@ def decode_fitted(batch: dict, *, size: int, image_column: str) -> dict:
     return {"sample_id": batch["sample_id"], "pixels": pixels, "valid": valid, "error": np.array(errors, dtype=object)}
 
 
+def decode_views(batch: dict, *, size: int, image_column: str) -> dict:
+    """Index rows -> decode_fitted's rows, but each image whole, resized to size x size (bilinear, its aspect
+    ratio given up), and "sizes" [n, 2]: its upright (width, height), on which crops are drawn (crop_from_view):
+    the decoded cache's rows for random_resized_crop (data.cache_side)."""
+    raw = _load_bytes(batch, image_column)
+    pixels = np.zeros((len(raw), size, size, 3), dtype=np.uint8)
+    sizes = np.zeros((len(raw), 2), dtype=np.int32)
+    valid = np.ones(len(raw), dtype=bool)
+    errors = [""] * len(raw)
+    for i, data in enumerate(raw):
+        img, errors[i] = decode_sample(data, batch, i)
+        if img is None:
+            valid[i] = False
+        else:
+            sizes[i] = img.size
+            pixels[i] = np.asarray(img.resize((size, size), Image.BILINEAR), dtype=np.uint8)
+    return {"sample_id": batch["sample_id"], "pixels": pixels, "sizes": sizes, "valid": valid,
+            "error": np.array(errors, dtype=object)}
+
+
 def cached_batches(images, labels: np.ndarray, indices: np.ndarray, cfg: ImageData, *, seed: int, epoch: int,
                    train: bool, batch_size: int):
     """transform_batch's batches of `indices`, in order, from decoded rows (image_cache.DecodedImages): only the
@@ -355,7 +389,11 @@ def cached_batches(images, labels: np.ndarray, indices: np.ndarray, cfg: ImageDa
     for start in range(0, len(indices), batch_size):
         ids = indices[start:start + batch_size]
         pixels, valid = images.rows(ids)
-        if train and cfg.augment != "none":
+        if train and cfg.augment == "random_resized_crop":  # rows are views of the whole image (decode_views)
+            with one_torch_thread():
+                pixels = np.stack([crop_from_view(p, w, h, cfg.image_size, sample_rng(seed, epoch, s))
+                                   for p, (w, h), s in zip(pixels, images.sizes[ids], ids)])
+        elif train and cfg.augment != "none":
             draws = np.array([crop_flip_draws(sample_rng(seed, epoch, s), cfg.crop_padding) for s in ids])
             pixels = crop_flip_batch(pixels, draws, cfg.crop_padding)
         yield {"image": pixels, "label": labels[ids], "sample_id": ids, "valid": valid}

@@ -164,6 +164,8 @@ def _add_data_commands(data) -> None:
     _add_config_args(p)
     p.add_argument("--seconds", type=float, default=20.0, help="how long to measure after every consumer's first "
                    "batch (default 20)")
+    p.add_argument("--cpus", type=int, help="start the local Ray instance with this many CPUs (how the pipeline "
+                   "scales with the CPUs it is given); default: all of the machine's")
     rate = p.add_mutually_exclusive_group()
     rate.add_argument("--step-rate", type=float, help="optimizer steps per second one worker takes when fed (for "
                       "'feeds N workers')")
@@ -328,7 +330,7 @@ def _data_command(args) -> int:
         from behemoth.driver.data_bench import bench_data, record
 
         cfg = load_config(args.config, args.overrides)
-        result = bench_data(cfg, args.seconds, args.step_rate, args.run)
+        result = bench_data(cfg, args.seconds, args.step_rate, args.run, args.cpus)
         kept = record(cfg, result)
         print("\n".join([*([f"kept for `behemoth check` on this machine: {kept}"] if kept else []),
                          *result.lines()]))

@@ -64,11 +64,12 @@ class DataBench:
 
 
 def bench_data(cfg: JobConfig, seconds: float = 20.0, step_rate: float | None = None,
-               run_dir: str | None = None) -> DataBench:
-    """Measure the job's training input pipeline for `seconds` after every consumer's first batch."""
+               run_dir: str | None = None, cpus: int | None = None) -> DataBench:
+    """Measure the job's training input pipeline for `seconds` after every consumer's first batch (on a local
+    Ray instance of `cpus` CPUs where given)."""
     import ray
 
-    from behemoth.driver import trainer
+    from behemoth.driver import ray_session, trainer
 
     rate_from = ""
     if step_rate is None and run_dir:
@@ -81,6 +82,10 @@ def bench_data(cfg: JobConfig, seconds: float = 20.0, step_rate: float | None = 
     if share == 0:
         raise ConfigError(f"train.global_batch_size {cfg.train.global_batch_size} is smaller than the "
                           f"{world} workers")
+    if cpus is not None:
+        if cpus < 1:
+            raise ConfigError(f"--cpus must be >= 1, got {cpus}")
+        ray_session.ensure_ray(num_cpus=cpus)
     data = trainer.prepare_data(cfg)
     ref = ray.put(data)
     consumer = ray.remote(_Consumer)

@@ -18,8 +18,9 @@ from behemoth.tasks import task_of
 _RAY_STARTED_HERE = False  # ensure_ray called ray.init in this process (not the caller)
 
 
-def ensure_ray() -> None:
-    """Connect to the cluster named by RAY_ADDRESS (as under `ray job submit`), or start a local one.
+def ensure_ray(num_cpus: int | None = None) -> None:
+    """Connect to the cluster named by RAY_ADDRESS (as under `ray job submit`), or start a local one (with
+    `num_cpus` CPUs where given: `behemoth data bench --cpus`; all of the machine's otherwise).
 
     On an existing cluster the nodes may not have behemoth installed: the package travels with the job as a
     runtime_env `py_modules` entry (uploaded once, cached per node). A local instance shares this process's
@@ -33,11 +34,17 @@ def ensure_ray() -> None:
         ray_console.install()
         return
     if os.environ.get("RAY_ADDRESS"):
+        if num_cpus is not None:
+            from behemoth.errors import ConfigError
+
+            raise ConfigError(f"--cpus {num_cpus} sizes a local Ray instance; RAY_ADDRESS names a running cluster, "
+                              f"whose CPUs are its own: unset one of them")
         package = str(Path(__file__).resolve().parents[1])  # platform/behemoth
         options = {"runtime_env": {"py_modules": [package]}}
     else:
         # behemoth's worker variables for the whole job, not only Ray Train's workers: see warm_up_data_processes
-        options = {"_system_config": LOCAL_RAY_SYSTEM_CONFIG, "runtime_env": {"env_vars": worker_env_vars()}}
+        options = {"_system_config": LOCAL_RAY_SYSTEM_CONFIG, "runtime_env": {"env_vars": worker_env_vars()},
+                   **({"num_cpus": num_cpus} if num_cpus is not None else {})}
         ray_console.quiet_token_auth_notice()
     ray.init(logging_level="warning", log_to_driver=True, **options)
     global _RAY_STARTED_HERE

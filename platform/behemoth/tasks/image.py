@@ -209,12 +209,13 @@ class ImageClassification(Task):
 
     def _batches(self, split, indices, epoch, batch_size, train):
         table = getattr(self.index, split)
-        if self.index.cache:
+        # a split kept as views (random_resized_crop's training rows) is decoded again for evaluation's centre fit
+        if self.index.cache and (train or not self.index.cache[split].views):
             decoded, labels = self._decoded(split)
             batches = cached_batches(decoded, labels, indices, self.cfg.data, seed=self.cfg.train.seed,
                                      epoch=epoch, train=train, batch_size=batch_size)
-            # Made (and on GPU pinned) data.prefetch_batches ahead in a thread: the crop, flip and normalisation
-            # overlap the step instead of adding to it. The copy to the device is queued by the training thread
+            # Made (and on GPU pinned) data.prefetch_batches ahead in a thread: the crop and flip overlap the
+            # step instead of adding to it. The copy to the device is queued by the training thread
             # when it takes a batch, so the batches waiting in a queue hold no device memory.
             device = context.device()
             pin = self.cfg.scaling.use_gpu and device.type != "cpu"
@@ -299,16 +300,22 @@ def decide_cache(cfg: ImageData, index: ImageIndex) -> tuple[dict | None, str]:
     """data.cache resolved for this run: the splits' cache plans (None: decode every epoch), and why."""
     if cfg.cache == "none":
         return None, "none (data.cache=none): images are decoded every epoch"
-    if cfg.augment == "random_resized_crop" or paths.is_uri(cfg.cache_dir):
-        why = "random_resized_crop crops the original" if cfg.augment == "random_resized_crop" else \
-            f"data.cache_dir {cfg.cache_dir} is a URI, not a folder on each node"
+    views = cfg.augment == "random_resized_crop" and cfg.cache_side > 0  # crops taken from stored views
+    if (cfg.augment == "random_resized_crop" and not views) or paths.is_uri(cfg.cache_dir):
+        why = "random_resized_crop crops the original (data.cache_side keeps views to crop from)" \
+            if cfg.augment == "random_resized_crop" else f"data.cache_dir {cfg.cache_dir} is a URI, not a folder on each node"
         return None, f"none (auto: {why}): images are decoded every epoch"
-    plans = {split: image_cache.plan(getattr(index, split), cfg.image_size, cfg.cache_dir, cfg.image_column)
-             for split in ("train", "val")}
+    # training rows: views of the whole image at cache_side (random_resized_crop), else centre-fitted; evaluation
+    # rows always centre-fitted at image_size
+    plans = {"train": image_cache.plan(index.train, cfg.cache_side if views else cfg.image_size, cfg.cache_dir,
+                                       cfg.image_column, views=views),
+             "val": image_cache.plan(index.val, cfg.image_size, cfg.cache_dir, cfg.image_column)}
     need = sum(p.nbytes for p in plans.values())
     built = all(image_cache.check(Path(p.folder), p) is None for p in plans.values())
     where = Path(plans["train"].folder).parent
     size = f"{need / 1e6:,.1f} MB for {sum(p.rows for p in plans.values()):,} images at {cfg.image_size}x{cfg.image_size}"
+    if views:
+        size += f" (train: whole-image views at {cfg.cache_side}x{cfg.cache_side} to crop from)"
     if cfg.cache == "auto" and not built:
         room = cfg.cache_max_share * min(image_cache.node_memory(), image_cache.free_disk(where))
         if need > room:
