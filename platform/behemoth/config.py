@@ -74,6 +74,11 @@ class ModelConfig:
     # model that needs it is refused by transformers with its own message. Never set through hf_config; on,
     # load_config prints a warning naming the repository. Never read from a checkpoint's job.yaml (export).
     trust_remote_code: bool = False
+    # The dtype of the parameters, gradients and optimizer state. float32 (the default): every model trains
+    # with fp32 master weights, a pretrained one stored in bf16 or fp16 included (train.precision's autocast does
+    # the low-precision compute). bfloat16: pure bf16 training, on purpose (half the memory for weights and
+    # optimizer state; updates smaller than bf16's resolution are lost); not with train.precision fp16.
+    dtype: Literal["float32", "bfloat16"] = "float32"
 
     def validate(self, name: bool = True) -> None:
         """What holds for any model, whichever task builds it: hf_config holds architecture keys only (no
@@ -102,6 +107,10 @@ class TrainConfig:
     lr: float = 0.1
     momentum: float = 0.9
     weight_decay: float = 5e-4
+    # AdamW's (beta1, beta2) and epsilon (language models commonly use betas 0.9, 0.95). On a GPU AdamW runs
+    # torch's fused kernel (the same update within float rounding); on a CPU its default (foreach) one.
+    adam_betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    adam_eps: float = 1e-8
     # Linear warmup from 0 over this many steps, then cosine decay to lr * min_lr_ratio.
     warmup_steps: int = 0
     min_lr_ratio: float = 0.0
@@ -167,6 +176,9 @@ class TrainConfig:
             _positive("train.max_steps", self.max_steps)
         if self.warmup_steps < 0 or self.weight_decay < 0 or not 0 <= self.min_lr_ratio <= 1:
             raise ConfigError("train.warmup_steps and train.weight_decay must be >= 0, min_lr_ratio in [0, 1]")
+        if len(self.adam_betas) != 2 or not all(0 <= b < 1 for b in self.adam_betas):
+            raise ConfigError(f"train.adam_betas needs two values in [0, 1) (beta1, beta2), got {self.adam_betas!r}")
+        _positive("train.adam_eps", self.adam_eps)
 
 
 @dataclass
@@ -319,6 +331,9 @@ class JobConfig:
                     f"train.global_batch_size {self.train.global_batch_size} is not divisible by "
                     f"scaling.num_workers {workers}{which} x {by}: pick a multiple of {split}"
                 )
+        if self.model.dtype == "bfloat16" and self.train.precision == "fp16":
+            raise ConfigError("model.dtype bfloat16 with train.precision fp16: the fp16 gradient scaler unscales "
+                              "fp32 master gradients; use train.precision bf16 (or fp32) for pure bf16 training")
         if self.train.precision == "fp16" and not self.scaling.use_gpu:
             raise ConfigError("train.precision fp16 needs a GPU (its gradient scaler is CUDA-only): use bf16 "
                               "on CPU, or set scaling.use_gpu: true")

@@ -363,3 +363,25 @@ def test_the_ledger_audit_names_a_repeated_and_a_skipped_batch(text_corpus, tmp_
         ledger_audit.audit(tmp_path / "ledger", len(data.train), steps=broken_at + 2, batch=16)
     assert str(e.value) == f"the ledger differs from the planned order: {BROKEN_PIPELINES[loop]}"
     ledger_audit.audit(tmp_path / "ledger", len(data.train), steps=broken_at, batch=16)  # the steps before
+
+
+def test_a_bf16_pretrained_model_trains_with_fp32_master_weights(text_corpus, tmp_path):
+    """A pretrained model stored in bf16 (transformers loads it as bf16) fine-tuned under precision bf16: the
+    checkpoint's weights and AdamW state are fp32 (model.dtype float32, the default): the workers train fp32
+    master weights, autocast doing the bf16 compute."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    folder = tmp_path / "bf16_llama"
+    config = AutoConfig.for_model("llama", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                  num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32,
+                                  vocab_size=400)
+    AutoModelForCausalLM.from_config(config).to(torch.bfloat16).save_pretrained(folder)
+    cfg = config_from_dict(lm_job_dict(text_corpus, tmp_path, run_name="bf16", scaling={"num_workers": 1},
+                                       model={"pretrained": str(folder), "hf_config": {}},
+                                       train={"max_steps": 2, "precision": "bf16"},
+                                       checkpoint={"every_n_steps": 2}, eval={"every_n_steps": None}))
+    summary = train(cfg)
+    assert {v.dtype for v in read_state_dict(summary.latest_checkpoint).values() if v.is_floating_point()} == {
+        torch.float32}
+    optim = torch.load(f"{summary.latest_checkpoint}/optimizer.pt", map_location="cpu", weights_only=True)
+    assert {s.dtype for state in optim["state"].values() for k, s in state.items() if k != "step"} == {torch.float32}

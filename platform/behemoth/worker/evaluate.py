@@ -17,7 +17,7 @@ from behemoth import worker_context as context
 from behemoth.worker import parallel
 from behemoth.worker.collectives import all_reduce_sum
 from behemoth.worker.parallel import unwrap
-from behemoth.worker.precision import autocast
+from behemoth.worker.precision import autocast, master_weights
 
 
 @torch.no_grad()
@@ -93,7 +93,7 @@ def evaluate_checkpoint_per_worker(loop_config: dict) -> dict:
     ctx = context.current()
     if cfg.scaling.torch_threads:
         torch.set_num_threads(cfg.scaling.torch_threads)
-    model = task.build_model()
+    model = master_weights(task.build_model(), cfg.model.dtype)  # as the run trained it
     source = loop_config["checkpoint"]
     weights.load_weights(model, weights.read_state_dict(source), source)
     model.to(ctx.device)

@@ -16,7 +16,9 @@ def build_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Opt
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     if cfg.optimizer == "sgd":
         return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.momentum > 0)
-    return torch.optim.AdamW(groups, lr=cfg.lr)
+    # the fused kernel where the parameters are on a GPU: one kernel for the whole update, not a few per tensor
+    fused = bool(decay + no_decay) and (decay + no_decay)[0].device.type == "cuda"
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.adam_betas), eps=cfg.adam_eps, fused=fused or None)
 
 
 def warmup_cosine(optimizer: torch.optim.Optimizer, cfg: TrainConfig, total_steps: int):

@@ -4,7 +4,9 @@
 - bf16: autocast to bfloat16 on CPU or GPU. bf16 keeps fp32's exponent range, so no loss scaling is needed.
 - fp16: autocast to float16 on GPU with a GradScaler (dynamic loss scaling against fp16 underflow); its
   state travels in the checkpoint. The config refuses fp16 without a GPU.
-Weights and optimizer state stay fp32 in every mode.
+Weights and optimizer state stay fp32 in every mode (`master_weights`: a model built or loaded in another
+dtype, e.g. a pretrained checkpoint stored in bf16, is made fp32 before training), unless the job asks for pure
+bf16 training (model.dtype: bfloat16).
 """
 
 from __future__ import annotations
@@ -24,3 +26,10 @@ def autocast(device: torch.device, precision: str):
 
 def grad_scaler(device: torch.device, precision: str) -> torch.amp.GradScaler:
     return torch.amp.GradScaler(device.type, enabled=precision == "fp16" and device.type == "cuda")
+
+
+def master_weights(model: torch.nn.Module, dtype: str) -> torch.nn.Module:
+    """The model with every floating-point parameter and buffer in `dtype` (model.dtype: float32 or bfloat16),
+    whatever dtype it was built or loaded in: transformers' from_pretrained keeps a checkpoint's stored dtype,
+    and AdamW's state takes its parameters' dtype."""
+    return model.to(torch.float32 if dtype == "float32" else torch.bfloat16)
