@@ -348,23 +348,17 @@ def decode_fitted(batch: dict, *, size: int, image_column: str) -> dict:
     """Index rows -> {"sample_id", "pixels": uint8 [n,S,S,3] centre-fitted, "valid", "error"}: the rows of the
     decoded cache (data/image_cache.py), the deterministic part of transform_batch. An undecodable image is a
     row of zeros, not valid, with its error (the run decides with data.max_bad_samples when it reads it)."""
-    raw = _load_bytes(batch, image_column)
-    pixels = np.zeros((len(raw), size, size, 3), dtype=np.uint8)
-    valid = np.ones(len(raw), dtype=bool)
-    errors = [""] * len(raw)
-    for i, data in enumerate(raw):
-        img, errors[i] = decode_sample(data, batch, i)
-        if img is None:
-            valid[i] = False
-        else:
-            pixels[i] = center_fit(img, size)
-    return {"sample_id": batch["sample_id"], "pixels": pixels, "valid": valid, "error": np.array(errors, dtype=object)}
+    return _decoded_rows(batch, size, image_column, views=False)
 
 
 def decode_views(batch: dict, *, size: int, image_column: str) -> dict:
     """Index rows -> decode_fitted's rows, but each image whole, resized to size x size (bilinear, its aspect
     ratio given up), and "sizes" [n, 2]: its upright (width, height), on which crops are drawn (crop_from_view):
     the decoded cache's rows for random_resized_crop (data.cache_side)."""
+    return _decoded_rows(batch, size, image_column, views=True)
+
+
+def _decoded_rows(batch: dict, size: int, image_column: str, views: bool) -> dict:
     raw = _load_bytes(batch, image_column)
     pixels = np.zeros((len(raw), size, size, 3), dtype=np.uint8)
     sizes = np.zeros((len(raw), 2), dtype=np.int32)
@@ -374,11 +368,11 @@ def decode_views(batch: dict, *, size: int, image_column: str) -> dict:
         img, errors[i] = decode_sample(data, batch, i)
         if img is None:
             valid[i] = False
-        else:
-            sizes[i] = img.size
-            pixels[i] = np.asarray(img.resize((size, size), Image.BILINEAR), dtype=np.uint8)
-    return {"sample_id": batch["sample_id"], "pixels": pixels, "sizes": sizes, "valid": valid,
-            "error": np.array(errors, dtype=object)}
+            continue
+        sizes[i] = img.size
+        pixels[i] = np.asarray(img.resize((size, size), Image.BILINEAR)) if views else center_fit(img, size)
+    rows = {"sample_id": batch["sample_id"], "pixels": pixels, "valid": valid, "error": np.array(errors, dtype=object)}
+    return {**rows, "sizes": sizes} if views else rows
 
 
 def cached_batches(images, labels: np.ndarray, indices: np.ndarray, cfg: ImageData, *, seed: int, epoch: int,
