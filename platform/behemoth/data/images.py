@@ -384,9 +384,9 @@ def cached_batches(images, labels: np.ndarray, indices: np.ndarray, cfg: ImageDa
         ids = indices[start:start + batch_size]
         pixels, valid = images.rows(ids)
         if train and cfg.augment == "random_resized_crop":  # rows are views of the whole image (decode_views)
-            with one_torch_thread():
-                pixels = np.stack([crop_from_view(p, w, h, cfg.image_size, sample_rng(seed, epoch, s))
-                                   for p, (w, h), s in zip(pixels, images.sizes[ids], ids)])
+            # (torch's thread count is left as it is: this runs beside the training step, in its process)
+            pixels = np.stack([crop_from_view(p, w, h, cfg.image_size, sample_rng(seed, epoch, s))
+                               for p, (w, h), s in zip(pixels, images.sizes[ids], ids)])
         elif train and cfg.augment != "none":
             draws = np.array([crop_flip_draws(sample_rng(seed, epoch, s), cfg.crop_padding) for s in ids])
             pixels = crop_flip_batch(pixels, draws, cfg.crop_padding)
