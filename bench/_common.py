@@ -91,13 +91,12 @@ def read_metrics(run_dir: Path) -> list[dict]:
 
 
 def steady_steps_per_s(reports: list[dict], batch: int) -> float:
-    """Optimizer steps per second from the first training report to the last, by rank 0's clock at each
-    (`wall_time`): one continuous span holding every step, every report to Ray Train and every console line
-    in between, as a baseline timed from its first measured step to its last. The steps up to the first
-    report are warm-up. (`batch` is unused: kept so callers read the same.)"""
-    train = [r for r in reports if "samples_per_s" in r]
-    first, last = train[0], train[-1]
-    return (last["step"] - first["step"]) / (last["wall_time"] - first["wall_time"])
+    """behemoth.driver.data_bench.steady_step_rate: first training report to last, by rank 0's clock (the
+    baselines are timed from their first measured step to their last). (`batch` is unused: kept so callers
+    read the same.)"""
+    from behemoth.driver.data_bench import steady_step_rate
+
+    return steady_step_rate(reports)
 
 
 def spread(xs: list[float], fmt: str = "{:.3f}") -> str:

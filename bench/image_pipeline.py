@@ -6,6 +6,8 @@ Sides, in rotating order, --rounds of each, every one measured for --seconds aft
 
 - plain: the one-core loop a user writes: PIL open, EXIF transpose, RGB, random-resized-crop (torchvision's
   draws: area 8-100 %, ratio 3/4-4/3) + bilinear resize to 224, flip; uint8 HWC; in this process, one thread.
+- fast (not in the default sides): the same one-core loop with behemoth's per-image transform (data/decode.py):
+  the per-core figure of the work alone.
 - dataloader: torch's DataLoader over the same files with the plain loop's transform per sample:
   num_workers = the machine's CPUs, persistent_workers, uint8 batches, pin_memory where CUDA is (never here),
   default prefetch; the consumer is this process.
@@ -36,6 +38,7 @@ import time
 from pathlib import Path
 
 from _common import REPO, spread  # noqa: F401  (puts platform/ on sys.path)
+from ingest_vs_dataloader import EpochShuffle  # (epoch, index) keys, a new shuffle per epoch
 from photos import write_photo_folder
 
 import numpy as np
@@ -97,20 +100,6 @@ class Files:
         return torch.from_numpy(np.require(pixels, requirements=["C", "W"])), self.labels[i]
 
 
-class EpochKeys:
-    """A new shuffle every epoch, yielding (epoch, index) keys: one persistent DataLoader serves every epoch."""
-
-    def __init__(self, n: int):
-        self.n, self.epoch = n, 0
-
-    def __len__(self):
-        return self.n
-
-    def __iter__(self):
-        order = np.random.default_rng(self.epoch).permutation(self.n)
-        return iter([(self.epoch, int(i)) for i in order])
-
-
 def touch(t) -> None:
     flat = t.reshape(-1)
     flat[:: max(4096 // t.element_size(), 1)].sum()
@@ -131,7 +120,8 @@ def timed(batches, seconds: float, meter: MachineCpu) -> tuple[float, float]:
     return n / (t1 - t0), meter.seconds(t0, t1) / (t1 - t0)
 
 
-def plain_side(paths, labels, seconds, batch, meter):
+def one_core_side(paths, labels, seconds, batch, meter, transform):
+    """The one-core loop: `transform` per image, in this process, one torch thread."""
     import torch
 
     torch.set_num_threads(1)
@@ -139,9 +129,10 @@ def plain_side(paths, labels, seconds, batch, meter):
     def batches():
         rnd, epoch = random.Random(0), 0
         while True:
+            perm = np.random.default_rng(epoch).permutation(len(paths))
             for start in range(0, len(paths) - batch + 1, batch):
-                order = np.random.default_rng(epoch).permutation(len(paths))[start:start + batch]
-                images = np.stack([plain_transform(paths[i], rnd) for i in order])
+                order = perm[start:start + batch]
+                images = np.stack([transform(paths[i], rnd) for i in order])
                 yield torch.from_numpy(images), torch.as_tensor([labels[i] for i in order])
             epoch += 1
 
@@ -152,7 +143,7 @@ def dataloader_side(paths, labels, seconds, batch, meter, transform):
     import torch
     from torch.utils.data import DataLoader
 
-    keys = EpochKeys(len(paths))
+    keys = EpochShuffle(len(paths))
     loader = DataLoader(Files(paths, labels, transform), batch_size=batch, sampler=keys, drop_last=True,
                         num_workers=os.cpu_count(), persistent_workers=True, pin_memory=torch.cuda.is_available())
 
@@ -228,8 +219,9 @@ def main() -> None:
     meter = MachineCpu()
     for r in range(a.rounds):
         for side in sides[r % len(sides):] + sides[:r % len(sides)]:  # rotating order
-            if side == "plain":
-                rate, cpus = plain_side(paths, labels, a.seconds, a.batch, meter)
+            if side in ("plain", "fast"):
+                transform = fast_transform if side == "fast" else plain_transform
+                rate, cpus = one_core_side(paths, labels, a.seconds, a.batch, meter, transform)
             elif side.startswith("dataloader"):
                 transform = fast_transform if side.endswith("fast") else plain_transform
                 rate, cpus = dataloader_side(paths, labels, a.seconds, a.batch, meter, transform)

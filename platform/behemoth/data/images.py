@@ -591,7 +591,8 @@ def rank_windows(index_table: pa.Table, indices: np.ndarray, cfg: ImageData, *, 
     submitted at once and run as the CPUs allow; `preserve_order` keeps their output in the order given, which
     exact resume depends on. Ray Data's per-operator CPU reservation is off for them: it held a pipeline of
     one operator to about one running task on 2 CPUs (one decode task every 0.8 s at an epoch's start), and
-    what bounds the memory is the window instead (at most two windows of decoded images per rank). The first
+    what bounds the memory is the window instead (per open epoch pipeline at most two windows of decoded
+    images: the one read and the one opened ahead). The first
     block is one batch, so that the epoch's first step waits for as little as it can.
     """
     import ray.data

@@ -89,7 +89,7 @@ def bench_data(cfg: JobConfig, seconds: float = 20.0, step_rate: float | None = 
     data = trainer.prepare_data(cfg)
     ref = ray.put(data)
     consumer = ray.remote(_Consumer)
-    consumers = [consumer.options(num_cpus=cfg.scaling.cpus_per_worker, name=None).remote()
+    consumers = [consumer.options(num_cpus=cfg.scaling.cpus_per_worker).remote()
                  for _ in range(world)]
     meter = MachineCpu()
     t0 = time.time()
@@ -187,10 +187,18 @@ def measured_step_rate(run_dir: str) -> float:
     path = Path(run_dir) / "metrics.jsonl"
     if not path.is_file():
         raise ConfigError(f"--run {run_dir}: no metrics.jsonl there (a run folder of this job holds one)")
-    reports = [r for r in map(json.loads, path.read_text().splitlines()) if "samples_per_s" in r]
-    if len(reports) < 2:
+    reports = [json.loads(line) for line in path.read_text().splitlines()]
+    if sum("samples_per_s" in r for r in reports) < 2:
         raise ConfigError(f"--run {run_dir}: fewer than two training reports in metrics.jsonl to time steps by")
-    first, last = reports[0], reports[-1]
+    return steady_step_rate(reports)
+
+
+def steady_step_rate(reports: list[dict]) -> float:
+    """Optimizer steps per second from the first training report to the last, by rank 0's clock at each
+    (`wall_time`): one span holding every step, report and console line in between; the steps up to the
+    first report are warm-up. (The benches time behemoth's runs the same way.)"""
+    train = [r for r in reports if "samples_per_s" in r]
+    first, last = train[0], train[-1]
     return (last["step"] - first["step"]) / (last["wall_time"] - first["wall_time"])
 
 
