@@ -9,22 +9,42 @@ from dataclasses import dataclass, field
 
 @dataclass
 class Window:
-    """Accumulates loss and timing between two reports."""
+    """Accumulates loss and timing between two reports. The loss, the sample count and the unreadable samples
+    stay what the step made them (tensors on the device, in a training run) until the report reads them: a step
+    never waits for the device to hand a number to the host."""
 
     loss_sum: float = 0.0
     loss_count: int = 0
     steps: int = 0
     data_wait_s: float = 0.0
     started: float = field(default_factory=time.perf_counter)
+    bad_samples: list = field(default_factory=list)  # the tasks' bad_samples tensors (ids, -1 for readable)
 
-    def add(self, loss_sum: float, count: int, data_wait_s: float) -> None:
+    def add(self, loss_sum: float, count: int, data_wait_s: float, bad_samples=()) -> None:
         self.loss_sum += loss_sum
         self.loss_count += count
         self.steps += 1
         self.data_wait_s += data_wait_s
+        self.bad_samples.extend(b for b in bad_samples if b is not None)
+
+    def bad_sample_ids(self) -> set[int]:
+        """The ids of the window's unreadable samples (a copy to the host: report steps only)."""
+        return {i for b in self.bad_samples for i in b.reshape(-1).tolist() if i >= 0}
 
     def elapsed(self) -> float:
         return max(time.perf_counter() - self.started, 1e-9)
+
+
+# A sent report carries the logged steps held back since the previous one under this key (the worker's
+# worker/report.py ReportSender); the run's records expand them (tracking/callbacks.py).
+LOGGED = "logged_before"
+
+
+def logged_reports(report: dict) -> list[dict]:
+    """A report as it reached Ray Train -> the logged steps it stands for, oldest first, itself last."""
+    if LOGGED not in report:
+        return [report]
+    return [*report[LOGGED], {k: v for k, v in report.items() if k != LOGGED}]
 
 
 PHASES = ("step", "data_wait", "eval", "checkpoint", "report")

@@ -114,3 +114,22 @@ class OpenedAhead:
         close = getattr(self._box.get("it"), "close", None)
         if close is not None:
             close()
+
+
+def to_device_ahead(batches: Iterable[dict], device, host_keys: tuple[str, ...] = ()) -> Iterator[dict]:
+    """Each batch's tensors on `device`, the copy of the next batch issued before this one is yielded. On a
+    GPU the host tensors are pinned first, so the copies are asynchronous (a pageable copy makes the host wait
+    for the device) and the next batch's overlaps this one's step; on the CPU nothing is copied. `host_keys`
+    stay on the host (sample ids, which only the ledger reads there)."""
+    if device.type == "cpu":
+        yield from batches
+        return
+    pending = None
+    for batch in batches:
+        ready = {key: value if key in host_keys else value.pin_memory().to(device, non_blocking=True)
+                 for key, value in batch.items()}
+        if pending is not None:
+            yield pending
+        pending = ready
+    if pending is not None:
+        yield pending

@@ -47,3 +47,35 @@ def _check_fits(model_cfg: ModelConfig, config, vocab_size: int, seq_len: int) -
     if max_positions is not None and max_positions < seq_len:
         raise ConfigError(f"{where}: max_position_embeddings {max_positions} < data.seq_len {seq_len}: lower "
                           f"data.seq_len or raise model.hf_config.max_position_embeddings")
+
+
+# Model types whose every layer is plain causal self-attention through transformers' attention interface, and
+# whose masks come from create_causal_mask (read in transformers 5's modeling files); where a config opens a
+# sliding window or chunked attention, its own mask stays.
+_FULL_CAUSAL = frozenset({"llama", "mistral", "qwen2", "qwen3"})
+_MASK_FREE = "behemoth_causal_sdpa"
+
+
+def train_on_causal_attention(model):
+    """Training on packed blocks (no padding, no cache): SDPA told `is_causal=True`, with no mask built.
+
+    transformers builds the same kernel call itself, but decides so per forward by reading a tensor on the
+    device (whether the position ids hold several packed sequences: `.all()` in find_packed_sequence_indices),
+    which makes the host wait for the device once per micro-batch. An attention implementation registered
+    under another name than those with a mask function makes transformers skip the mask entirely
+    (masking_utils._preprocess_mask_arguments), and transformers' own sdpa_attention_forward then passes
+    `is_causal=True`: the same kernel, the same numbers (tests/unit/test_host_sync.py), no wait. Only for the
+    model types above with plain SDPA; anything else is left as it is. The worker's model only: an export
+    builds its own."""
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    config = model.config
+    windowed = any(getattr(config, key, None) for key in ("sliding_window", "attention_chunk_size"))
+    layers = set(getattr(config, "layer_types", None) or ["full_attention"])
+    if (config.model_type not in _FULL_CAUSAL or config._attn_implementation != "sdpa" or windowed
+            or layers != {"full_attention"}):
+        return model
+    AttentionInterface.register(_MASK_FREE, sdpa_attention_forward)
+    model.set_attn_implementation(_MASK_FREE)
+    return model

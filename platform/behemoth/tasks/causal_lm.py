@@ -17,9 +17,10 @@ import torch.nn.functional as F
 
 from behemoth import weights
 from behemoth.config import JobConfig
+from behemoth.data.prefetch import to_device_ahead
 from behemoth.data.text import TextData, TokenIndex
 from behemoth.models import registry
-from behemoth.models.causal_lm import build_causal_lm
+from behemoth.models.causal_lm import build_causal_lm, train_on_causal_attention
 from behemoth import worker_context as context
 from behemoth.tasks.contract import Task
 
@@ -117,7 +118,8 @@ class CausalLM(Task):
         self.transformers_model = not registry.is_import_path(cfg.model.name)
 
     def build_model(self):
-        return build_lm(self.cfg, self.index.vocab_size, self.index.eos_id, self.index.bos_id)
+        model = build_lm(self.cfg, self.index.vocab_size, self.index.eos_id, self.index.bos_id)
+        return train_on_causal_attention(model) if self.transformers_model else model
 
     def train_batches(self, indices, epoch: int, batch_size: int):
         return self._batches(self.index.train, indices, batch_size)
@@ -136,30 +138,27 @@ class CausalLM(Task):
         shared through the object store, or from the memory-mapped shard files (data.token_store: files; the
         batch after next is then prefetched into the page cache). On GPU the gather lands in pinned memory and
         the copy is issued one batch ahead, so it overlaps the step."""
-        device = context.device()
-        pin = device.type == "cuda"
         prefetch = getattr(blocks, "prefetch", None)
-        pending = None
-        for start in range(0, len(indices), batch_size):
-            if prefetch is not None:
-                prefetch(indices[start + batch_size:start + 2 * batch_size])
-            ready = gather_batch(blocks, indices[start:start + batch_size])
-            ids = ready["input_ids"]
-            ready["input_ids"] = (ids.pin_memory() if pin else ids).to(device, non_blocking=True)
-            if pending is not None:
-                yield pending
-            pending = ready
-        if pending is not None:
-            yield pending
+
+        def gathered():
+            for start in range(0, len(indices), batch_size):
+                if prefetch is not None:
+                    prefetch(indices[start + batch_size:start + 2 * batch_size])
+                yield gather_batch(blocks, indices[start:start + batch_size])
+
+        return to_device_ahead(gathered(), context.device(), host_keys=("sample_id",))
 
     def loss(self, model, batch):
         """Labels are the inputs, shifted by one: each row predicts seq_len - 1 tokens."""
         ids = batch["input_ids"]
-        return self._mean_loss(model, ids), torch.tensor(float(len(ids)), device=ids.device)
+        # the count filled on the device: torch.tensor(n, device=...) would be a blocking host-to-device copy
+        return self._mean_loss(model, ids), torch.full((), float(len(ids)), device=ids.device)
 
     def _mean_loss(self, model, ids: torch.Tensor) -> torch.Tensor:
         if self.transformers_model:
-            return model(input_ids=ids, labels=ids).loss  # the model shifts the labels itself
+            # the model shifts the labels itself; no key/value cache (generation's: training would build one
+            # per layer and step, and throw it away)
+            return model(input_ids=ids, labels=ids, use_cache=False).loss
         out = model(ids)
         logits = out.logits if hasattr(out, "logits") else out
         return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(), ids[:, 1:].reshape(-1))
@@ -175,7 +174,7 @@ class CausalLM(Task):
         val_loss = sums["loss"] / tokens
         return {"val_loss": val_loss, "val_perplexity": math.exp(min(val_loss, 50.0)), "val_tokens": int(tokens)}
 
-    # bad_sample_ids: none (the base's): text was checked and tokenised before training
+    # bad_samples: none (the base's): text was checked and tokenised before training
 
     def describe_samples(self, sample_ids):
         return [f"block {i}" for i in sample_ids]

@@ -175,9 +175,12 @@ class Task(abc.ABC):
         """Metrics from the summed evaluation: names starting with `val_` (another split's evaluation renames
         them)."""
 
-    def bad_sample_ids(self, batch: dict) -> list[int]:
-        """The sample ids of this batch the task could not read (dropped within data.max_bad_samples)."""
-        return []
+    def bad_samples(self, batch: dict) -> torch.Tensor | None:
+        """The batch's samples the task could not read (dropped within data.max_bad_samples): a tensor of the
+        batch's `sample_id`s where the sample is unreadable and -1 elsewhere, left on the batch's device (the
+        loop reads it at the next report step: a step waits for no device-to-host copy). None where the task
+        reads every sample."""
+        return None
 
     def describe_samples(self, sample_ids) -> list[str]:
         """Samples by a name a user can find them by (a file, a row), for error messages."""
@@ -194,6 +197,10 @@ def check_task_class(cls: Any, kind: str) -> type[Task]:
     if missing:
         raise ConfigError(f"data.kind '{kind}': task {cls.__name__} does not define {', '.join(missing)} "
                           f"(behemoth.tasks.Task documents each)")
+    if hasattr(cls, "bad_sample_ids"):
+        raise ConfigError(f"data.kind '{kind}': task {cls.__name__} defines bad_sample_ids, which is now "
+                          f"bad_samples(batch): a device tensor of the sample ids, -1 for readable samples "
+                          f"(a list would make every step wait for the device)")
     if not isinstance(inspect.getattr_static(cls, "checkpoint_files"), classmethod):
         raise ConfigError(f"data.kind '{kind}': task {cls.__name__}'s checkpoint_files must be a classmethod "
                           f"(cls, cfg, prepared) -> {{file name: text}} (it was a method of the worker half before)")

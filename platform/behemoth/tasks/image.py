@@ -267,8 +267,10 @@ class ImageClassification(Task):
         return {"val_loss": sums["loss"] / n, "val_accuracy": sums["correct"] / n, "val_samples": int(n),
                 "val_bad_samples": int(sums["bad_samples"])}
 
-    def bad_sample_ids(self, batch):
-        return batch["sample_id"][~batch["valid"]].tolist()
+    def bad_samples(self, batch):
+        import torch
+
+        return torch.where(batch["valid"], -1, batch["sample_id"])
 
     def describe_samples(self, sample_ids):
         return describe_samples(self.index.train, sample_ids)

@@ -27,6 +27,7 @@ from behemoth.data.labelled_text import (
     read_labelled,
     tokenise,
 )
+from behemoth.data.prefetch import to_device_ahead
 from behemoth.errors import ConfigError
 from behemoth.models import registry
 from behemoth import worker_context as context
@@ -163,7 +164,10 @@ class TextClassification(Task):
         self.reinit_ok = weights.classification_head(len(rows.classes))
 
     def build_model(self):
-        return build_classifier(self.cfg, self.rows.classes, self.rows.vocab_size, self.rows.pad_id)
+        model = build_classifier(self.cfg, self.rows.classes, self.rows.vocab_size, self.rows.pad_id)
+        if getattr(getattr(model, "config", None), "use_cache", None):
+            model.config.use_cache = False  # a decoder's key/value cache is for generation: training drops it
+        return model
 
     def train_batches(self, indices, epoch: int, batch_size: int):
         return self._batches("train", indices, batch_size)
@@ -172,14 +176,18 @@ class TextClassification(Task):
         return self._batches(split, indices, batch_size)
 
     def _batches(self, split: str, indices, batch_size: int):
-        device = context.device()
+        """A gather from the tokenised arrays; on GPU pinned and copied one batch ahead (overlapping the step)."""
         rows = self.rows
-        for start in range(0, len(indices), batch_size):
-            ids = np.asarray(indices[start:start + batch_size], dtype=np.int64)
-            yield {"input_ids": torch.from_numpy(rows.ids[split][ids].astype(np.int64)).to(device),
-                   "attention_mask": torch.from_numpy(rows.mask[split][ids].astype(np.int64)).to(device),
-                   "label": torch.from_numpy(rows.labels[split][ids]).to(device),
-                   "sample_id": torch.from_numpy(ids)}
+
+        def gathered():
+            for start in range(0, len(indices), batch_size):
+                ids = np.asarray(indices[start:start + batch_size], dtype=np.int64)
+                yield {"input_ids": torch.from_numpy(rows.ids[split][ids].astype(np.int64)),
+                       "attention_mask": torch.from_numpy(rows.mask[split][ids].astype(np.int64)),
+                       "label": torch.from_numpy(rows.labels[split][ids]),
+                       "sample_id": torch.from_numpy(ids)}
+
+        return to_device_ahead(gathered(), context.device(), host_keys=("sample_id",))
 
     def example_batch(self, batch_size: int):
         device, length = context.device(), self.cfg.data.max_length
@@ -194,7 +202,7 @@ class TextClassification(Task):
     def loss(self, model, batch):
         labels = batch["label"]
         loss = F.cross_entropy(self.logits(model, batch).float(), labels)
-        return loss, torch.tensor(float(len(labels)), device=labels.device)
+        return loss, torch.full((), float(len(labels)), device=labels.device)  # no host-to-device copy
 
     def eval_sums(self, model, batch):
         logits, labels = self.logits(model, batch).float(), batch["label"]

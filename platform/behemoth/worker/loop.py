@@ -83,14 +83,9 @@ def train_loop_per_worker(loop_config: dict) -> dict:
         for micro_batches, wait_s in _timed(feed.steps(state)):
             clock.add("data_wait", wait_s)
             step_started, blocked_before = time.perf_counter(), clock.totals["checkpoint"]
-            # Reseed per step: dropout and the like draw from (seed, rank, step), so a resume is exact.
-            torch.manual_seed(hash((cfg.train.seed, rank, state.step)) % 2**63)
-            loss_sum, n_valid = train_step(run.model, run.optimizer, run.scheduler, run.scaler, micro_batches,
-                                           cfg, task, device, before_update=saver.before_update)
-            for batch in micro_batches:
-                bad_ids.update(task.bad_sample_ids(batch))
-            window.add(loss_sum, n_valid, wait_s)
-            ledger.record(state, micro_batches, loss_sum, n_valid)
+            loss_sum, n_valid = step(run, micro_batches, cfg, task, device, state, rank, window, wait_s,
+                                     saver.before_update)
+            ledger.record(state, micro_batches, loss_sum, n_valid)  # (an audit: it reads them on the host)
             faults.slow_step(world)  # the failure tests' pacing (behemoth/faults.py); nothing in a real run
             state.advance(epoch_steps, cfg.train.global_batch_size)
             feed.ahead(state, total_steps)
@@ -130,6 +125,19 @@ def _build_run(cfg: JobConfig, task: Task, clock: PhaseClock, rank: int, world: 
     run = Run(model, optimizer, warmup_cosine(optimizer, cfg.train, total_steps),
               grad_scaler(device, cfg.train.precision), hook_state)
     return run, speed, micro_batch, accum, init_line
+
+
+def step(run: Run, micro_batches: list[dict], cfg: JobConfig, task: Task, device: torch.device, state: TrainState,
+         rank: int, window: Window, wait_s: float, before_update=None):
+    """A training step as the loop runs it between two report steps: the update, and the window's account of
+    it, none of which waits for the device (the loss, the sample count and the unreadable samples stay device
+    tensors until the report reads them; tests/unit/test_host_sync.py counts). Returns (loss_sum, n_valid)."""
+    # Reseed per step: dropout and the like draw from (seed, rank, step), so a resume is exact.
+    torch.manual_seed(hash((cfg.train.seed, rank, state.step)) % 2**63)
+    loss_sum, n_valid = train_step(run.model, run.optimizer, run.scheduler, run.scaler, micro_batches, cfg, task,
+                                   device, before_update=before_update)
+    window.add(loss_sum, n_valid, wait_s, [task.bad_samples(batch) for batch in micro_batches])
+    return loss_sum, n_valid
 
 
 def train_step(model, optimizer, scheduler, scaler, micro_batches: list[dict], cfg: JobConfig, task: Task,

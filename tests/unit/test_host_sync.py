@@ -1,0 +1,260 @@
+"""No host-device synchronisation between report steps: a step of every built-in task, as the loop runs it
+(behemoth.worker.loop.step: the update, the loss and sample count, the unreadable samples), asks the device for
+nothing. A GPU step that waits for the device to hand the host a number (`.item()`, `.tolist()`, a boolean
+mask, a blocking copy) drains the queue of kernels the host had run ahead with: at a 20 ms step, a few of
+those cost the percent that separates a platform from a plain script.
+
+This machine has no GPU, so the syncs are caught where they are asked for, not where they would wait: a
+TorchDispatchMode sees the aten operations whose result the host must read (`_local_scalar_dense` behind
+`.item()`, `float()`, `bool()`; `nonzero` behind boolean indexing and masks; `unique`, `equal`, ...), and a
+TorchFunctionMode the Python-level copies to the host (`.tolist()`, `.cpu()`, `.numpy()`) and tensors built from
+Python values straight onto the device (`torch.tensor(x, device=...)`: a blocking copy on a GPU). On the CPU
+every tensor lives on the host, so two things cannot be told apart here and are settled by rule: AdamW's step
+counters are host tensors by torch's design (their `.item()` waits for nothing: exempt), and any
+`torch.tensor(..., device=...)` counts. The GPU tier runs the same steps under
+`torch.cuda.set_sync_debug_mode("error")`, which sees the real ones.
+"""
+
+from __future__ import annotations
+
+import traceback
+
+import numpy as np
+import pytest
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from behemoth import worker_context as context
+from behemoth.checkpoint import TrainState
+from behemoth.job import config_from_dict
+from behemoth.metrics import PhaseClock, Window
+from conftest import job_dict, lm_job_dict
+
+aten = torch.ops.aten
+# aten operations whose result the host reads (a device-to-host copy and a wait on a GPU)
+_READS_DEVICE = {aten._local_scalar_dense.default, aten.nonzero.default, aten.masked_select.default,
+                 aten.equal.default, aten.is_nonzero.default, aten._unique2.default, aten.unique_dim.default,
+                 aten.unique_consecutive.default, aten.repeat_interleave.Tensor, aten.bincount.default}
+_BOOL_INDEXED = {aten.index.Tensor, aten.index_put.default, aten.index_put_.default, aten._index_put_impl_.default}
+_TO_HOST = {torch.Tensor.tolist, torch.Tensor.cpu, torch.Tensor.numpy}
+
+
+def _where() -> str:
+    """The innermost caller outside torch and the watch's modes: who asked."""
+    for frame in reversed(traceback.extract_stack()[:-1]):
+        if "/torch/" not in frame.filename and frame.name not in ("__torch_function__", "__torch_dispatch__"):
+            return f"{frame.filename.split('site-packages/')[-1]}:{frame.lineno} {frame.line}"
+    return "?"
+
+
+class HostSyncs:
+    """Records every operation that would make the host wait for the device while the block runs."""
+
+    def __init__(self, host_counters=()):
+        self.found: list[str] = []
+        self._exempt = {t.untyped_storage().data_ptr() for t in host_counters}
+        outer = self
+
+        class Dispatch(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                kwargs = kwargs or {}
+                if func in _READS_DEVICE:
+                    first = args[0] if args else None
+                    if not (isinstance(first, torch.Tensor) and first.untyped_storage().data_ptr() in outer._exempt):
+                        outer.found.append(f"{func} at {_where()}")
+                elif func in _BOOL_INDEXED:
+                    indices = args[1] if len(args) > 1 else kwargs.get("indices", ())
+                    if any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in indices or ()):
+                        outer.found.append(f"{func} with a boolean index at {_where()}")
+                return func(*args, **kwargs)
+
+        class Function(TorchFunctionMode):
+            def __torch_function__(self, func, types, args=(), kwargs=None):
+                kwargs = kwargs or {}
+                if func in _TO_HOST:
+                    outer.found.append(f"Tensor.{func.__name__}() at {_where()}")
+                elif func in (torch.tensor, torch.as_tensor) and kwargs.get("device") is not None:
+                    outer.found.append(f"torch.{func.__name__}(..., device=...) at {_where()}")
+                return func(*args, **kwargs)
+
+        self._modes = [Function(), Dispatch()]
+
+    def __enter__(self):
+        for mode in self._modes:
+            mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        for mode in reversed(self._modes):
+            mode.__exit__(*exc)
+
+
+class _Host(context.WorkerContext):
+    """One worker on the CPU, no Ray: what the loop's model building asks of its host."""
+
+    @property
+    def device(self):
+        return torch.device("cpu")
+
+    def prepare_model(self, model, wrap_ddp):
+        return model
+
+
+def _image_task(tmp_path, image_root):
+    from behemoth.data.images import build_index
+    from behemoth.tasks.image import ImageClassification
+
+    cfg = config_from_dict(job_dict(image_root, tmp_path, train={"grad_clip": 1.0},
+                                    scaling={"num_workers": 1, "torch_threads": 1}, data={"cache": "none"}))
+    task = ImageClassification(cfg, build_index(cfg.data))
+    size, gen = cfg.data.image_size, torch.Generator().manual_seed(0)
+
+    def batches(step):  # what the pipeline hands a step: uint8 NHWC, labels, one undecodable image
+        return [{"image": torch.randint(0, 256, (8, size, size, 3), dtype=torch.uint8, generator=gen),
+                 "label": torch.randint(0, len(task.index.classes), (8,), generator=gen),
+                 "valid": torch.arange(8) != (step + i) % 8,
+                 "sample_id": torch.arange(8) + 16 * step + 8 * i} for i in range(2)]
+    return cfg, task, batches
+
+
+def _lm_task(tmp_path, text_corpus):
+    from behemoth.data.text import TokenIndex
+    from behemoth.data.token_store import TokenBlocks, block_records
+    from behemoth.tasks.causal_lm import CausalLM
+
+    cfg = config_from_dict(lm_job_dict(text_corpus, tmp_path, train={"grad_clip": 1.0, "precision": "bf16"},
+                                       scaling={"num_workers": 1}))
+    rng = np.random.default_rng(0)
+    records = np.zeros(64, dtype=block_records(cfg.data.seq_len, np.uint16))
+    records["id"], records["tokens"] = np.arange(64), rng.integers(0, 400, (64, cfg.data.seq_len))
+    task = CausalLM(cfg, TokenIndex(TokenBlocks(records), TokenBlocks(records[:8]), vocab_size=400, eos_id=0,
+                                    bos_id=None))
+    return cfg, task, lambda step: list(task.train_batches(list(range(16 * step, 16 * step + 16)), 0, 8))
+
+
+def _classifier_task(tmp_path, text_corpus):
+    from behemoth.data.labelled_text import TokenisedRows, _tokenise_batch, load_classification_tokenizer
+    from behemoth.tasks.text_classification import TextClassification
+
+    texts = [f"story {i} about a {'happy' if i % 2 else 'sad'} dog" for i in range(64)]
+    (tmp_path / "t.jsonl").write_text("")
+    job = {"data": {"kind": "text_classification", "train_files": [str(tmp_path / "t.jsonl")],
+                    "val_files": [str(tmp_path / "t.jsonl")], "tokenizer": str(text_corpus / "tokenizer"),
+                    "max_length": 16},
+           "model": {"name": "sequence_classifier", "hf_config": {
+               "model_type": "llama", "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1,
+               "num_attention_heads": 2, "max_position_embeddings": 16}},
+           "train": {"global_batch_size": 16, "grad_clip": 1.0}, "scaling": {"num_workers": 1},
+           "checkpoint": {"storage_path": str(tmp_path)}}
+    cfg = config_from_dict(job)
+    tok = load_classification_tokenizer(cfg.data.tokenizer)
+    arrays = _tokenise_batch({"text": np.asarray(texts)}, cfg.data.tokenizer, 16)
+    ids, mask = arrays["input_ids"], arrays["attention_mask"]
+    labels = np.arange(64, dtype=np.int64) % 2
+    rows = TokenisedRows({"train": ids, "val": ids}, {"train": mask, "val": mask}, {"train": labels, "val": labels},
+                         ["sad", "happy"], {"train": [("t", 64)], "val": [("t", 64)]}, tok.pad_token_id, len(tok))
+    task = TextClassification(cfg, rows)
+    return cfg, task, lambda step: list(task.train_batches(list(range(16 * step, 16 * step + 16)), 0, 8))
+
+
+@pytest.fixture(params=["image", "causal_lm", "text_classification"])
+def built_task(request, tmp_path):
+    if request.param == "image":
+        return _image_task(tmp_path, request.getfixturevalue("image_root"))
+    maker = _lm_task if request.param == "causal_lm" else _classifier_task
+    return maker(tmp_path, request.getfixturevalue("text_corpus"))
+
+
+def _steps_under_watch(cfg, task, batches, steps: int = 3) -> tuple[list[str], Window]:
+    """The loop's model building, then `steps` steps of two micro-batches each (the first unwatched: AdamW
+    makes its state there), as the loop runs them; what the watched steps asked the device."""
+    from behemoth.worker.loop import _build_run, step
+
+    device = torch.device("cpu")
+    with context.hosted(_Host()):
+        run, *_ = _build_run(cfg, task, PhaseClock(), 0, 1, device, total_steps=100)
+        state, window = TrainState(world_size=1), Window()
+        step(run, batches(0), cfg, task, device, state, 0, window, 0.0)
+        counters = [s["step"] for s in run.optimizer.state.values() if isinstance(s.get("step"), torch.Tensor)]
+        with HostSyncs(host_counters=counters) as watch:
+            for i in range(1, steps):
+                state.step = i
+                step(run, batches(i), cfg, task, device, state, 0, window, 0.0)
+    return watch.found, window
+
+
+# The one sync left, by name: a padded batch's attention mask goes through transformers' create_causal_mask,
+# which reads whether the batch has padding at all (to drop the mask where it has none): once per forward.
+# Building the 4D mask here instead would change the kernels' input for every model family.
+_KNOWN = {"text_classification": "transformers/masking_utils.py:292 "}
+
+
+def test_a_step_asks_the_device_nothing(built_task):
+    cfg, task, batches = built_task
+    found, window = _steps_under_watch(cfg, task, batches)
+    known = _KNOWN.get(cfg.data.kind)
+    if known:  # exactly once per micro-batch's forward (2 watched steps x 2 micro-batches), nothing else
+        assert sum(known in line for line in found) == 4, found
+        found = [line for line in found if known not in line]
+    assert not found, "host syncs in a training step:\n  " + "\n  ".join(found)
+    assert window.steps == 3
+    # ... and the report reads what the steps kept on the device
+    images = cfg.data.kind == "image_folder"
+    assert float(window.loss_count) == 3 * (16 - 2 if images else 16)  # an undecodable image per micro-batch
+    if images:
+        assert window.bad_sample_ids() == {16 * s + 8 * i + (s + i) % 8 for s in range(3) for i in range(2)}
+
+
+def test_the_watch_sees_the_syncs_it_is_for(tmp_path, image_root):
+    """The detector itself: a task that reads its sample count with .item() and its bad samples with a boolean
+    mask and .tolist() is caught, every one, each naming its line."""
+    cfg, task, batches = _image_task(tmp_path, image_root)
+
+    class Syncing(type(task)):
+        def loss(self, model, batch):
+            loss, n = super().loss(model, batch)
+            return loss, torch.tensor(float(n.item()), device=n.device)
+
+        def bad_samples(self, batch):
+            bad = batch["sample_id"][~batch["valid"]].tolist()
+            return torch.as_tensor(bad, device=batch["valid"].device) if bad else None
+
+    task.__class__ = Syncing
+    found, _ = _steps_under_watch(cfg, task, batches)
+    text = "\n".join(found)
+    for what in ("_local_scalar_dense", "torch.tensor(..., device=...)", "boolean index", "Tensor.tolist()",
+                 "torch.as_tensor(..., device=...)"):
+        assert what in text, text
+    assert all("test_host_sync.py" in line for line in found), text  # each names the task's line
+
+
+def test_mask_free_causal_attention_computes_what_transformers_does():
+    """The causal LM trains with SDPA told is_causal=True and no mask built (models/causal_lm.py): the loss and
+    every gradient are those of transformers' own path, bit for bit; a sliding-window config keeps its mask."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from behemoth.models.causal_lm import train_on_causal_attention
+
+    def config():  # one each: a model holds its config, and the attention implementation is set there
+        return AutoConfig.for_model("llama", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                    num_attention_heads=4, num_key_value_heads=2, vocab_size=100)
+
+    ours, theirs = AutoModelForCausalLM.from_config(config()), AutoModelForCausalLM.from_config(config())
+    theirs.load_state_dict(ours.state_dict())
+    train_on_causal_attention(ours)
+    assert ours.config._attn_implementation == "behemoth_causal_sdpa"
+    assert theirs.config._attn_implementation == "sdpa"
+    ids = torch.randint(0, 100, (3, 24))
+    losses = []
+    for model in (ours, theirs):
+        loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+        loss.backward()
+        losses.append(loss)
+    assert torch.equal(losses[0], losses[1])
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(ours.parameters(), theirs.parameters()))
+
+    windowed = AutoModelForCausalLM.from_config(AutoConfig.for_model(
+        "mistral", hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=100, sliding_window=8))
+    assert train_on_causal_attention(windowed).config._attn_implementation == "sdpa"
