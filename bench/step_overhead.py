@@ -10,6 +10,11 @@ data-wait timing. Checkpoints and evaluation happen only after the last measured
 --repeats of each.
 
     .venv/bin/python bench/step_overhead.py [--repeats 5] [--steps 60] [--threads 2] [--hidden 256] [--gpu]
+    .venv/bin/python bench/step_overhead.py --fast [--repeats 3]
+
+--fast: the fast shape (hidden 64, batch 4, one torch thread, 300 steps: a CPU step of ~20 ms, a GPU's step
+time for a small model), where what a platform does around the step shows most: reports to Ray Train, the
+all-reduce of the metrics, console lines. Floor: behemoth >= 0.97 of the plain loop (issue 55).
 
 --gpu: both on one GPU in bf16 (behemoth's worker with nccl; the plain loop under torch.autocast), the GPU tier's
 step-rate figure.
@@ -71,7 +76,10 @@ def main() -> None:
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--gpu", action="store_true", help="both on one GPU, in bf16")
+    p.add_argument("--fast", action="store_true", help="the fast shape: --hidden 64 --batch 4 --threads 1 --steps 300")
     args = p.parse_args()
+    if args.fast:
+        args.hidden, args.batch, args.threads, args.steps = 64, 4, 1, 300
 
     from behemoth.job import config_from_dict
     from behemoth.data.text import prepare_text

@@ -33,6 +33,9 @@ class WorkerContext:
     rank: int = 0
     world: int = 1
     run_name: str = ""  # the run folder's name (a sweep trial's: its trial id)
+    # How often the host takes a report without making the reporter wait (worker/report.py ReportSender);
+    # 0: every report at once, in the training thread.
+    report_interval_s: float = 0.0
 
     @property
     def device(self) -> torch.device:
@@ -70,6 +73,14 @@ class WorkerContext:
 
 class RayTrainContext(WorkerContext):
     """Ray Train's worker context (ray.train.get_context and friends), read when asked."""
+
+    @property
+    def report_interval_s(self) -> float:  # type: ignore[override]
+        # its controller's poll interval (Ray Train propagates the driver's RAY_TRAIN_* variables; 2 s is
+        # Ray's default, behemoth's driver sets 0.2 s: driver/ray_session.py)
+        import os
+
+        return float(os.environ.get("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "2.0"))
 
     @property
     def rank(self) -> int:  # type: ignore[override]

@@ -20,6 +20,7 @@ from behemoth.config import JobConfig
 from behemoth.driver import ray_session
 from behemoth.driver.stale_requests import withdraw_killed_drivers_requests
 from behemoth.errors import CheckpointError, ConfigError, RunFailedError, user_facing_error
+from behemoth.metrics import logged_reports
 from behemoth.tasks import task_of
 
 
@@ -362,9 +363,10 @@ def _summarise(cfg: JobConfig, result, wall_s: float) -> RunSummary:
     scored = [(m[key], c.path) for c, m in (result.best_checkpoints or []) if key in m]
     best_value, best_path = (max(scored) if mode == "max" else min(scored)) if scored else (None, None)
     place = run_place(cfg)  # Ray gives paths on the storage's filesystem
+    final = logged_reports(dict(result.metrics or {}))[-1]  # (not the logged steps it carries)
     return RunSummary(
         run_dir=place.folder,
-        metrics=dict(result.metrics or {}),
+        metrics=final,
         latest_checkpoint=place.as_uri(result.checkpoint.path if result.checkpoint else None),
         best_checkpoint=place.as_uri(best_path),
         best_value=best_value,
@@ -372,5 +374,5 @@ def _summarise(cfg: JobConfig, result, wall_s: float) -> RunSummary:
         wall_s=wall_s,
         resumed_from_step=(result.return_value or {}).get("resumed_from_step", 0),
         peak_source=(result.return_value or {}).get("peak_source"),
-        task_lines=task.summary_lines(dict(result.metrics or {})),
+        task_lines=task.summary_lines(final),
     )

@@ -13,6 +13,7 @@ import time
 from ray.train.v2._internal.execution.callback import ControllerCallback, ReportCallback
 
 from behemoth import paths
+from behemoth.metrics import logged_reports
 from behemoth.tracking.records import METRICS, TIMELINE, JsonlLog
 
 # Under a URI, reports wait in memory at most this long before a part object is PUT (and at every checkpoint,
@@ -32,14 +33,21 @@ class RunRecorder(ControllerCallback, ReportCallback):
 
     # Ray Train's hooks -----------------------------------------------------------------------------------
     def after_report(self, training_report, metrics):
-        report = metrics[0]  # rank 0's
+        # rank 0's report, after the logged steps it carries (the worker holds those between two reports it
+        # sends: worker/report.py ReportSender), each recorded as its own report
+        *logged, report = logged_reports(metrics[0])
+        for earlier in logged:
+            self._record(earlier, checkpoint=False)
+        self._record(report, checkpoint=training_report.checkpoint is not None)
+
+    def _record(self, report: dict, checkpoint: bool) -> None:
         self.metrics_log.append({"time": time.time(), "invocation": self.invocation, **report})
-        if training_report.checkpoint is not None:
+        if checkpoint:
             self.metrics_log.flush()  # the records up to a checkpoint are stored with it
         if report.get("step", 0) <= report.get("resumed_from_step", 0):
             return  # nothing trained (a rerun of a finished run re-evaluates it): its curves have these steps
         if self.use_tensorboard:
-            self._guarded("TensorBoard", lambda: self.tensorboard.log(report, training_report.checkpoint is not None))
+            self._guarded("TensorBoard", lambda: self.tensorboard.log(report, checkpoint))
         if self.mlflow_target:
             from behemoth.tracking.tensorboard import scalar_tags
 
@@ -110,3 +118,4 @@ class RunRecorder(ControllerCallback, ReportCallback):
             self._warned.add(what)
             print(f"[behemoth] WARNING: {what} tracking failed and is off for the rest of this run (training goes "
                   f"on): {type(e).__name__}: {e}", flush=True)
+

@@ -1,8 +1,11 @@
 """Worker side: what happens at a report step, and when: metrics every train.log_every steps, evaluation and
-checkpoints when due (small policies below, functions of the step counter alone, so every rank decides alike)."""
+checkpoints when due (small policies below, functions of the step counter alone, so every rank decides alike),
+and how a report reaches the host without holding the step (ReportSender)."""
 
 from __future__ import annotations
 
+import queue
+import threading
 import time
 
 import torch
@@ -10,7 +13,7 @@ import torch
 from behemoth.checkpoint import TrainState
 from behemoth.config import JobConfig
 from behemoth.errors import BadSampleError
-from behemoth.metrics import PhaseClock, Window, data_wait_fraction, progress_line, throughput
+from behemoth.metrics import LOGGED, PhaseClock, Window, data_wait_fraction, progress_line, throughput
 from behemoth.tasks import Task
 from behemoth import worker_context as context
 from behemoth.worker.collectives import all_reduce_sum, sync_buffers, union_across_ranks
@@ -36,6 +39,77 @@ def report_due(cfg: JobConfig, state: TrainState, total_steps: int) -> bool:
             or checkpoint_due(cfg, state, total_steps))
 
 
+class ReportSender:
+    """Reports to the host without holding the training step.
+
+    Ray Train's worker keeps one uncollected report and its controller collects every poll interval
+    (RAY_TRAIN_HEALTH_CHECK_INTERVAL_S: 0.2 s where behemoth starts the driver), and each report is also a
+    barrier of all ranks through an actor: a run that reports every 10 steps of 17 ms waits at nearly every
+    report. So (with the host's `report_interval_s` > 0) a logged step's metrics are sent only when rank 0
+    has not sent for an interval: the ones in between wait here and go with the next sent report, under
+    LOGGED (the run's records expand them: every logged step is kept, and the console prints each at once).
+    Rank 0's clock decides, and every rank learns it in the metrics' all-reduce, so all ranks send the same
+    reports (the barrier counts calls). The sending itself runs in a thread of its own, in order; a
+    checkpoint's report, sent by the training thread, waits for it first. An error in the thread is raised in
+    the training thread at the next report. A host with interval 0 (a sweep's lane, in-process) gets every
+    report at once, in the training thread."""
+
+    def __init__(self, interval_s: float):
+        self.interval_s = interval_s
+        self.pending: list[dict] = []
+        self.last_sent = time.monotonic()
+        self._queue: queue.Queue = queue.Queue(maxsize=4)
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    def due(self) -> bool:
+        """Rank 0's vote: an interval has passed since its last report (the ranks' all-reduce shares it)."""
+        return time.monotonic() - self.last_sent >= self.interval_s
+
+    def send(self, report: dict, now: bool) -> None:
+        """A metrics-only report: held until a report step where `now` (the same on every rank)."""
+        self.raise_failed()
+        if not now:
+            self.pending.append(report)
+            return
+        self.attach_pending(report)
+        if self.interval_s <= 0:
+            send_report(report)
+            return
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="behemoth-reports", daemon=True)
+            self._thread.start()
+        self._queue.put(report)
+
+    def attach_pending(self, report: dict) -> None:
+        """The held logged steps go with `report` (the next one sent, a checkpoint's included)."""
+        if self.pending:
+            report[LOGGED] = self.pending
+            self.pending = []
+        self.last_sent = time.monotonic()
+
+    def flush(self) -> None:
+        """Wait until every report handed to the thread has reached the host."""
+        if self._thread is not None:
+            self._queue.join()
+        self.raise_failed()
+
+    def raise_failed(self) -> None:
+        if self._error is not None:
+            raise self._error
+
+    def _run(self) -> None:
+        while True:
+            report = self._queue.get()
+            try:
+                if self._error is None:
+                    send_report(report)
+            except BaseException as e:  # noqa: BLE001 - handed to the training thread
+                self._error = e
+            finally:
+                self._queue.task_done()
+
+
 class Reporter:
     """Builds and sends a step's report: training metrics over the window since the last report (summed over
     the ranks), speed, evaluation and a checkpoint when due; rank 0 prints the progress line."""
@@ -48,16 +122,17 @@ class Reporter:
         self.rank, self.world = ctx.rank, ctx.world
         self.micro_batch, self.total_steps, self.epoch_steps = micro_batch, total_steps, epoch_steps
         self.clock, self.resumed_from_step = clock, resumed_from_step
+        self.sender = ReportSender(ctx.report_interval_s)
 
     def report(self, state: TrainState, window: Window, bad_ids: set) -> None:
         started, clock = time.perf_counter(), self.clock.snapshot()  # the phases up to this report
-        report = {**self.train_metrics(state, window, bad_ids), **clock,
-                  "resumed_from_step": self.resumed_from_step}
+        evaluate_now = evaluate_due(self.cfg, state, self.total_steps)
+        checkpoint_now = checkpoint_due(self.cfg, state, self.total_steps)
+        metrics, send_now = self.train_metrics(state, window, bad_ids)
+        report = {**metrics, **clock, "resumed_from_step": self.resumed_from_step}
         report.update(self.speed.metrics(report["samples_per_s"]))
         if self.saver.last_block_s is not None:
             report["checkpoint_block_s"] = self.saver.last_block_s
-        evaluate_now = evaluate_due(self.cfg, state, self.total_steps)
-        checkpoint_now = checkpoint_due(self.cfg, state, self.total_steps)
         if evaluate_now or checkpoint_now:
             sync_buffers(self.run.model)
         eval_s = checkpoint_s = 0.0
@@ -70,10 +145,13 @@ class Reporter:
             console(progress_line(report, self.total_steps, self.cfg.train.epochs, self.task.progress_fields(report)))
         if checkpoint_now:
             t0 = time.perf_counter()
+            self.sender.attach_pending(report)
+            self.sender.flush()  # the reports before it reach the host first
             self.saver.save_and_report(report, state, self.run)
             checkpoint_s = time.perf_counter() - t0
         else:
-            send_report(report)
+            # an evaluation's report goes at once (a sweep's scheduler decides on it)
+            self.sender.send(report, now=send_now or evaluate_now)
         self.clock.add("eval", eval_s)
         self.clock.add("checkpoint", checkpoint_s)
         self.clock.add("report", time.perf_counter() - started - eval_s - checkpoint_s)
@@ -85,16 +163,22 @@ class Reporter:
         """A rerun of a finished run: evaluate its final weights, train nothing."""
         if self.rank == 0:
             console(f"run already complete at step {state.step}: nothing to train")
+        self.sender.flush()
         send_report({"step": state.step, "epoch": state.step / self.epoch_steps,
                        "samples_seen": state.samples_seen, **self.clock.snapshot(),
                        "resumed_from_step": self.resumed_from_step, **self.evaluate()})
 
-    def train_metrics(self, state: TrainState, window: Window, bad_ids: set) -> dict:
+    def train_metrics(self, state: TrainState, window: Window, bad_ids: set) -> tuple[dict, bool]:
+        """(the window's metrics, summed over the ranks; whether this report is sent now: rank 0's vote)."""
         cfg = self.cfg
-        stats = torch.tensor([float(window.loss_sum), float(window.loss_count)], dtype=torch.float64,
-                             device=context.device())
+        bad_ids.update(window.bad_sample_ids())
+        # one all-reduce: the loss, the samples, whether any rank dropped samples, rank 0's vote to send
+        stats = torch.tensor([float(window.loss_sum), float(window.loss_count), float(len(bad_ids)),
+                              float(self.rank == 0 and self.sender.due())], dtype=torch.float64)
+        stats = stats.to(context.device())
         all_reduce_sum(stats)
-        bad = union_across_ranks(bad_ids)
+        stats = stats.tolist()
+        bad = union_across_ranks(bad_ids) if stats[2] else set()  # (a gather of Python objects: only if any)
         if len(bad) > cfg.data.max_bad_samples:
             names = self.task.describe_samples(list(bad)[:20])
             raise BadSampleError(f"{len(bad)} {self.task.bad_samples_are} exceed data.max_bad_samples="
@@ -105,7 +189,7 @@ class Reporter:
             "step": state.step,
             "total_steps": self.total_steps,
             "epoch": state.step / self.epoch_steps,
-            "loss": stats[0].item() / max(stats[1].item(), 1.0),
+            "loss": stats[0] / max(stats[1], 1.0),
             "lr": self.run.scheduler.get_last_lr()[0],
             "samples_per_s": samples_per_s,
             "data_wait_frac": data_wait_fraction(window.data_wait_s, elapsed),
@@ -116,4 +200,4 @@ class Reporter:
         }
         if self.task.tokens_per_sample:
             metrics["tokens_per_s"] = samples_per_s * self.task.tokens_per_sample
-        return metrics
+        return metrics, bool(stats[3])

@@ -15,6 +15,7 @@ from ray.tune.integration.ray_train import TuneReportCallback
 
 from behemoth import paths
 from behemoth.config import from_dict
+from behemoth.metrics import logged_reports
 from behemoth.driver.sweep.config import SweepConfig, metric_and_mode, trial_job
 from behemoth.driver.sweep.lane import lane_reason, lane_resources, train_in_lane
 
@@ -134,8 +135,8 @@ class EvalReportCallback(TuneReportCallback):
         self.metric = metric
 
     def after_report(self, run_context, metrics, checkpoint):
-        if self.metric in metrics[0]:
-            super().after_report(run_context, metrics, checkpoint)
+        if self.metric in metrics[0]:  # (without the logged steps it carries: the run's records have them)
+            super().after_report(run_context, [logged_reports(m)[-1] for m in metrics], checkpoint)
 
 
 class TrialOutcomeLines(Callback):
