@@ -43,35 +43,41 @@ class ReportSender:
     """Reports to the host without holding the training step.
 
     Ray Train's worker keeps one uncollected report and its controller collects every poll interval
-    (RAY_TRAIN_HEALTH_CHECK_INTERVAL_S: 0.2 s where behemoth starts the driver), and each report is also a
-    barrier of all ranks through an actor: a run that reports every 10 steps of 17 ms waits at nearly every
-    report. So (with the host's `report_interval_s` > 0) a logged step's metrics are sent only when rank 0
-    has not sent for an interval: the ones in between wait here and go with the next sent report, under
-    LOGGED (the run's records expand them: every logged step is kept, and the console prints each at once).
-    Rank 0's clock decides, and every rank learns it in the metrics' all-reduce, so all ranks send the same
-    reports (the barrier counts calls). The sending itself runs in a thread of its own, in order; a
-    checkpoint's report, sent by the training thread, waits for it first. An error in the thread is raised in
-    the training thread at the next report. A host with interval 0 (a sweep's lane, in-process) gets every
-    report at once, in the training thread."""
+    (RAY_TRAIN_HEALTH_CHECK_INTERVAL_S: 0.2 s where behemoth starts the driver); each report is also a barrier
+    of all ranks through an actor, and waits for the asynchronous upload of the checkpoint reported before it:
+    a run that reports every 10 steps of 17 ms waits at nearly every report, and at the first one after a
+    checkpoint for its whole upload. So (with the host's `report_interval_s` > 0) the sending runs in a thread
+    of its own, in order, and a logged step's metrics are handed to it only when rank 0 votes so: an interval
+    has passed since its last report and its thread is idle. The ones in between wait here and go with the
+    next report handed over, under LOGGED (the run's records expand them: every logged step is kept, and the
+    console prints each at once). Every rank learns rank 0's vote in the metrics' all-reduce, so all ranks send
+    the same reports (the barrier counts calls). The report after a checkpoint goes at once (a failed upload
+    then ends the run at the next checkpoint, whose flush waits for it, before that checkpoint is written). A
+    checkpoint's report, sent by the training thread, waits for the thread first. An error in the thread is
+    raised in the training thread at the next report. A crash loses the logged steps not handed over yet: at
+    most about an interval's. A host with interval 0 (a sweep's lane, in-process) gets every report at once, in
+    the training thread."""
 
     def __init__(self, interval_s: float):
         self.interval_s = interval_s
         self.pending: list[dict] = []
         self.last_sent = time.monotonic()
-        self._queue: queue.Queue = queue.Queue(maxsize=4)
+        self.after_checkpoint = False  # the next report goes at once
+        self._queue: queue.Queue = queue.Queue()
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
 
     def due(self) -> bool:
-        """Rank 0's vote: an interval has passed since its last report (the ranks' all-reduce shares it)."""
-        return time.monotonic() - self.last_sent >= self.interval_s
+        """Rank 0's vote (the ranks' all-reduce shares it): an interval since its last report, its thread idle."""
+        return time.monotonic() - self.last_sent >= self.interval_s and self._queue.unfinished_tasks == 0
 
     def send(self, report: dict, now: bool) -> None:
         """A metrics-only report: held until a report step where `now` (the same on every rank)."""
         self.raise_failed()
-        if not now:
+        if not (now or self.after_checkpoint):
             self.pending.append(report)
             return
+        self.after_checkpoint = False
         self.attach_pending(report)
         if self.interval_s <= 0:
             send_report(report)
@@ -131,8 +137,7 @@ class Reporter:
         metrics, send_now = self.train_metrics(state, window, bad_ids)
         report = {**metrics, **clock, "resumed_from_step": self.resumed_from_step}
         report.update(self.speed.metrics(report["samples_per_s"]))
-        if self.saver.last_block_s is not None:
-            report["checkpoint_block_s"] = self.saver.last_block_s
+        report.update(self.saver.block_metrics())
         if evaluate_now or checkpoint_now:
             sync_buffers(self.run.model)
         eval_s = checkpoint_s = 0.0
@@ -148,6 +153,7 @@ class Reporter:
             self.sender.attach_pending(report)
             self.sender.flush()  # the reports before it reach the host first
             self.saver.save_and_report(report, state, self.run)
+            self.sender.after_checkpoint = True
             checkpoint_s = time.perf_counter() - t0
         else:
             # an evaluation's report goes at once (a sweep's scheduler decides on it)
