@@ -128,13 +128,21 @@ class TrainConfig:
     # The memory a worker's training step may use when micro_batch_size is auto: required on CPU (no
     # allocator limit to hit); on GPU it defaults to 90% of the device's memory.
     auto_batch_memory_mb: Optional[float] = None
-    # torch.compile the model (mode: default, reduce-overhead, max-autotune, max-autotune-no-cudagraphs).
-    # A compilation failure at the first step falls back to eager training, with a console line.
+    # torch.compile (mode: default, reduce-overhead, max-autotune, max-autotune-no-cudagraphs): each of the
+    # model's blocks (transformer layers, residual units: worker/blocks.py), or the whole model where it has
+    # none. A compilation failure at the first step falls back to eager training, with a console line.
     compile: bool = False
     compile_mode: Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"] = "default"
     # DDP gradient compression: fp16/bf16 halve the bytes of each all-reduce; powersgd sends rank-r factors
     # (after powersgd_warmup_steps of plain all-reduce) with per-rank error feedback kept in the checkpoint.
     grad_compression: Literal["none", "fp16", "bf16", "powersgd"] = "none"
+    # Activation checkpointing of the model's blocks: none, full (every block) or N (every N-th block). The
+    # same gradients; a block's inner activations are recomputed in the backward instead of kept (about one
+    # more forward's compute for the activation memory of about one block). Applied before compile and FSDP.
+    activation_checkpointing: Union[Literal["none", "full"], int] = "none"
+    # fp32 matmuls and convolutions on TF32 tensor cores (Ampere and newer GPUs; precision fp32), MFU then
+    # against TF32's peak; false: true fp32 and its peak. No effect on a CPU.
+    tf32: bool = True
     powersgd_rank: int = 1
     powersgd_warmup_steps: int = 10
     # Peak TFLOP/s of one worker's device, for the MFU metric (None: the data sheet of a known GPU; on a CPU
@@ -179,6 +187,8 @@ class TrainConfig:
         if len(self.adam_betas) != 2 or not all(0 <= b < 1 for b in self.adam_betas):
             raise ConfigError(f"train.adam_betas needs two values in [0, 1) (beta1, beta2), got {self.adam_betas!r}")
         _positive("train.adam_eps", self.adam_eps)
+        if isinstance(self.activation_checkpointing, int):
+            _positive("train.activation_checkpointing", self.activation_checkpointing)
 
 
 @dataclass
@@ -447,8 +457,17 @@ def _coerce(tp: Any, value: Any, where: str, key: str) -> Any:
 
 
 def _type_error(where: str, key: str, tp: Any, value: Any) -> ConfigError:
-    name = getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
-    return ConfigError(f"{where}: {key} expects {name}, got {type(value).__name__} {value!r}")
+    return ConfigError(f"{where}: {key} expects {_type_name(tp)}, got {type(value).__name__} {value!r}")
+
+
+def _type_name(tp: Any) -> str:
+    """A type as a config's reader says it: `one of ['none', 'full'] or int`, not `Union`."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_type_name(a) if a is not type(None) else "null" for a in args)
+    if origin is Literal:
+        return f"one of {list(args)}"
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
 
 
 def dump_yaml(cfg: JobConfig) -> str:

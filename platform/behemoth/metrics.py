@@ -116,16 +116,17 @@ def progress_line(m: dict, total_steps: int, epochs: int, task_fields: list[str]
 # Model FLOPs utilisation and memory. torch only (imported lazily: the pure functions above stay light).
 
 # Dense peak TFLOP/s per GPU from the vendors' data sheets (no sparsity), by precision. fp32 means TF32
-# tensor cores where the card has them (what PyTorch uses for matmuls with allow_tf32), else plain fp32.
+# tensor cores where the card has them (what fp32 matmuls run on with train.tf32, the default), else plain
+# fp32; fp32_no_tf32: the plain fp32 units (train.tf32: false).
 GPU_PEAK_TFLOPS = {
-    "H200": {"bf16": 989.0, "fp16": 989.0, "fp32": 494.0},
-    "H100": {"bf16": 989.0, "fp16": 989.0, "fp32": 494.0},  # SXM; PCIe is ~756/378: override if so
-    "A100": {"bf16": 312.0, "fp16": 312.0, "fp32": 156.0},
-    "L40S": {"bf16": 362.0, "fp16": 362.0, "fp32": 183.0},
-    "A10G": {"bf16": 70.0, "fp16": 70.0, "fp32": 35.0},
-    "L4": {"bf16": 121.0, "fp16": 121.0, "fp32": 60.0},
-    "V100": {"bf16": 15.7, "fp16": 125.0, "fp32": 15.7},  # no bf16 tensor cores
-    "T4": {"bf16": 8.1, "fp16": 65.0, "fp32": 8.1},
+    "H200": {"bf16": 989.0, "fp16": 989.0, "fp32": 494.0, "fp32_no_tf32": 67.0},
+    "H100": {"bf16": 989.0, "fp16": 989.0, "fp32": 494.0, "fp32_no_tf32": 67.0},  # SXM; PCIe ~756/378/51
+    "A100": {"bf16": 312.0, "fp16": 312.0, "fp32": 156.0, "fp32_no_tf32": 19.5},
+    "L40S": {"bf16": 362.0, "fp16": 362.0, "fp32": 183.0, "fp32_no_tf32": 91.6},
+    "A10G": {"bf16": 70.0, "fp16": 70.0, "fp32": 35.0, "fp32_no_tf32": 31.2},
+    "L4": {"bf16": 121.0, "fp16": 121.0, "fp32": 60.0, "fp32_no_tf32": 30.3},
+    "V100": {"bf16": 15.7, "fp16": 125.0, "fp32": 15.7, "fp32_no_tf32": 15.7},  # no bf16 or TF32 tensor cores
+    "T4": {"bf16": 8.1, "fp16": 65.0, "fp32": 8.1, "fp32_no_tf32": 8.1},
 }
 
 
@@ -141,7 +142,8 @@ def training_flops_per_sample(forward_fn, batch_size: int) -> float:
     return 3.0 * counter.get_total_flops() / batch_size
 
 
-def peak_flops(device, precision: str, override_tflops: float | None = None) -> tuple[float | None, str]:
+def peak_flops(device, precision: str, override_tflops: float | None = None,
+               tf32: bool = True) -> tuple[float | None, str]:
     """(peak FLOP/s of one device, where the figure comes from), or (None, why not).
 
     Only a peak the device cannot beat makes MFU meaningful: the user's `train.peak_tflops`, or a known GPU's
@@ -154,9 +156,10 @@ def peak_flops(device, precision: str, override_tflops: float | None = None) -> 
         return override_tflops * 1e12, f"train.peak_tflops {override_tflops:g}"
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
+        column = "fp32_no_tf32" if precision == "fp32" and not tf32 else precision
         for key, table in GPU_PEAK_TFLOPS.items():
             if key in name.upper().replace("NVIDIA ", ""):
-                return table[precision] * 1e12, f"data sheet for {name}, {precision}"
+                return table[column] * 1e12, f"data sheet for {name}, {column.replace('fp32_no_tf32', 'fp32 without TF32')}"
         return None, f"{name} is not in behemoth's data-sheet table: set train.peak_tflops for MFU"
     return None, "no data-sheet peak for a CPU: set train.peak_tflops for MFU"
 

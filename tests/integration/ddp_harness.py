@@ -257,7 +257,25 @@ SCENARIOS = {
     "fsdp_grad_op": fsdp("fsdp_grad_op"),
     "fsdp_full": fsdp("fsdp_full"),
     "layouts": layouts,
+    "fsdp_bf16": fsdp_bf16,
 }
+
+
+def fsdp_bf16(rank, world, out):
+    """FSDP under precision bf16: what a layer computes with (the gathered parameters), and what is kept (the
+    shards, their gradients, the optimizer state)."""
+    cfg = config(precision="bf16", optimizer="adamw")
+    model = make_model()
+    computed_with = []
+    model[2].register_forward_pre_hook(lambda module, args: computed_with.append(module.weight.dtype))
+    model = parallel.shard(model, reshard_after_forward=True, precision="bf16")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    losses, _, _ = train(model, cfg, rank, world, steps=2, optimizer=optimizer)
+    return {"losses": losses, "computed_with": sorted({str(d) for d in computed_with}),
+            "kept": sorted({str(p.dtype) for p in model.parameters()}),
+            "grads": sorted({str(p.grad.dtype) for p in model.parameters()}),
+            "optimizer_state": sorted({str(v.dtype) for st in optimizer.state.values() for k, v in st.items()
+                                       if k != "step"})}
 
 
 def run(rank: int, world: int, port: int, out: str) -> None:

@@ -111,6 +111,17 @@ def test_fsdp_trains_like_ddp_and_restores(results, strategy):
         assert all(torch.equal(res["restored"][k], res["params"][k]) for k in res["params"])
 
 
+def test_fsdp_gathers_bf16_and_keeps_fp32_master_weights(results):
+    """precision bf16 under FSDP: the layers compute with bf16 parameters gathered by FSDP's mixed-precision
+    policy (half the all-gather's bytes), while the shards, their gradients (reduced in fp32) and AdamW's state
+    stay fp32."""
+    for rank in (0, 1):
+        res = scenario(results, "fsdp_bf16", rank)
+        assert res["computed_with"] == ["torch.bfloat16"]
+        assert res["kept"] == res["grads"] == res["optimizer_state"] == ["torch.float32"]
+        assert all(loss == loss and loss < 5 for loss in res["losses"])
+
+
 def test_checkpoint_layouts_restore_under_either_strategy(results):
     """A sharded checkpoint (DCP: one file per rank, nothing gathered) restores under FSDP to exactly the
     weights of the uninterrupted run, and under DDP; a full checkpoint written under DDP (optimizer state by

@@ -175,7 +175,7 @@ def test_the_configuration_reference_names_every_key():
     keys = set(leaves(JobConfig, "")).union(*(leaves(data_section(kind), "data.") for kind in TASKS))
     doc = (Path(__file__).parents[2] / "docs" / "configuration.md").read_text()
     table = [line for line in doc.splitlines() if line.startswith("| `")]
-    named = {m for line in table for m in re.findall(r"`([a-z]+(?:\.[a-z_]+)+)`", line.split("|")[1])}
+    named = {m for line in table for m in re.findall(r"`([a-z]+(?:\.[a-z_0-9]+)+)`", line.split("|")[1])}
     assert sorted(keys - named) == [], "keys missing from docs/configuration.md"
     assert sorted(named - keys) == [], "docs/configuration.md names keys that do not exist"
 

@@ -135,6 +135,8 @@ class Task(abc.ABC):
     # Evaluation batches are the same at every call (no augmentation): the worker keeps them after the first
     # evaluation (up to behemoth.worker.evaluate.KEEP_BYTES per worker).
     eval_batches_repeat: ClassVar[bool] = False
+    # On a GPU, the model's weights in channels_last (convolutional models: the layout of the tensor cores).
+    channels_last: ClassVar[bool] = False
     # Fine-tuning (train.init_from) from weights of another shape: which fresh tensors the model may keep.
     reinit_ok: ReinitPolicy | None = None
 

@@ -155,6 +155,7 @@ class ImageClassification(Task):
     # data.max_bad_samples)
     eval_sum_names = ("loss", "correct", "samples", "bad_samples")
     eval_batches_repeat = True  # centre-fitted, never augmented: the worker keeps them after the first evaluation
+    channels_last = True  # convolutions: on a GPU, weights and input in the tensor cores' layout
 
     def __init__(self, cfg: JobConfig, index: ImageIndex):
         super().__init__(cfg, index)
@@ -182,7 +183,8 @@ class ImageClassification(Task):
             self._mean_std[images.device] = tuple(
                 torch.tensor(v, dtype=torch.float32, device=images.device).view(1, 3, 1, 1)
                 for v in (self.cfg.data.mean, self.cfg.data.std))
-        return normalise(images, batch["valid"], *self._mean_std[images.device])
+        return normalise(images, batch["valid"], *self._mean_std[images.device],
+                         channels_last=images.device.type == "cuda")
 
     def logits(self, model, images: torch.Tensor) -> torch.Tensor:
         if self.transformers_model:

@@ -37,7 +37,7 @@ from behemoth.worker.feed import EpochFeed
 from behemoth.worker.ledger import SampleLedger
 from behemoth.worker.optim import build_optimizer, warmup_cosine
 from behemoth.worker.plan import batch_plan
-from behemoth.worker.precision import autocast, grad_scaler, master_weights
+from behemoth.worker.precision import autocast, device_settings, grad_scaler, master_weights
 from behemoth.worker.report import Reporter, report_due
 from behemoth.worker.restore import load_init_from, restore_latest
 from behemoth.worker.run import Run
@@ -112,7 +112,8 @@ def _build_run(cfg: JobConfig, task: Task, clock: PhaseClock, rank: int, world: 
     if cfg.scaling.torch_threads:
         torch.set_num_threads(cfg.scaling.torch_threads)
     torch.manual_seed(cfg.train.seed)
-    model = master_weights(task.build_model(), cfg.model.dtype).to(device)
+    model = device_settings(master_weights(task.build_model(), cfg.model.dtype).to(device), device,
+                            cfg.train.tf32, task.channels_last)
     # Fine-tuning: train.init_from's weights (unless the run resumes from its own checkpoints).
     init_line = load_init_from(model, cfg, task, rank, world)
     clock.mark("model_built")

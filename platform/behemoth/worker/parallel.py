@@ -25,20 +25,29 @@ import torch
 import torch.distributed as dist
 
 from behemoth.config import TrainConfig
+from behemoth.worker import blocks
 
 log = logging.getLogger(__name__)
 
 
 def wrap(model: torch.nn.Module, cfg, console=print) -> tuple[torch.nn.Module, object]:
-    """The model ready for training: (model, compression hook state or None)."""
+    """The model ready for training: (model, compression hook state or None). In torchtitan's order:
+    activation checkpointing and compile per block (worker/blocks.py), then DDP or FSDP around them."""
     from behemoth import worker_context as context
 
+    checkpointed = blocks.checkpoint_activations(model, cfg.train.activation_checkpointing)
+    if checkpointed:
+        console(f"activation checkpointing: {checkpointed} of {len(blocks.blocks(model))} blocks")
+    compiled = blocks.compile_blocks(model, cfg.train.compile_mode) if cfg.train.compile else []
     # on the device; DDP-wrapped where several workers train it (FSDP shards it below instead)
     model = context.current().prepare_model(model, wrap_ddp=cfg.scaling.strategy == "ddp")
     if cfg.scaling.strategy != "ddp":
-        shard(model, reshard_after_forward=cfg.scaling.strategy == "fsdp_full")
+        shard(model, reshard_after_forward=cfg.scaling.strategy == "fsdp_full", precision=cfg.train.precision)
     hook_state = register_compression(model, cfg.train)
-    if cfg.train.compile:
+    if compiled:  # compiled in place: the first step checks that compilation works
+        model = _CompileOrEager(model, model, cfg.train.compile_mode, console, f"{len(compiled)} blocks",
+                                undo=lambda: blocks.uncompile_blocks(compiled))
+    elif cfg.train.compile:  # no blocks: the whole model
         model = compile_model(model, cfg.train.compile_mode, console)
     return model, hook_state
 
@@ -47,20 +56,26 @@ def wrap(model: torch.nn.Module, cfg, console=print) -> tuple[torch.nn.Module, o
 # FSDP2
 
 
-def shard(model: torch.nn.Module, reshard_after_forward: bool) -> torch.nn.Module:
+def shard(model: torch.nn.Module, reshard_after_forward: bool, precision: str = "fp32") -> torch.nn.Module:
     """fully_shard each transformer block / residual unit (the classes transformers marks as
     _no_split_modules), then the root. Without such classes only the root is sharded (one all-gather for
-    the whole model: correct, less memory saved)."""
+    the whole model: correct, less memory saved).
+
+    Under precision bf16/fp16 the sharded parameters stay what they are (fp32 master weights, and so the
+    optimizer state), and FSDP's mixed-precision policy gathers them in the low precision for the forward and
+    backward (half the bytes on the wire, and the compute's dtype) while gradients are reduced in fp32."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     device = next(model.parameters()).device
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-    blocks = set(getattr(model, "_no_split_modules", None) or [])
+    low = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
+    policy = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32 if low else None)
+    names = set(getattr(model, "_no_split_modules", None) or [])
     for module in list(model.modules())[1:]:
-        if type(module).__name__ in blocks:
-            fully_shard(module, mesh=mesh, reshard_after_forward=reshard_after_forward)
-    fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward)
+        if type(module).__name__ in names:
+            fully_shard(module, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
     return model
 
 
@@ -264,16 +279,20 @@ def _quiet_powersgd():
 
 
 def compile_model(model, mode: str, console=print):
-    """torch.compile with a first-call check: compilation happens lazily at the first forward, so the
-    returned wrapper falls back to the eager model (and says so) if that first compilation fails."""
-    return _CompileOrEager(torch.compile(model, mode=mode), model, mode, console)
+    """torch.compile of the whole model with a first-call check: compilation happens lazily at the first
+    forward, so the returned wrapper falls back to the eager model (and says so) if that first compilation
+    fails."""
+    return _CompileOrEager(torch.compile(model, mode=mode), model, mode, console, "the whole model")
 
 
 class _CompileOrEager(torch.nn.Module):
-    def __init__(self, compiled, eager, mode, console):
+    """`compiled` until its first call fails, then `eager` (after `undo`: blocks compiled in place)."""
+
+    def __init__(self, compiled, eager, mode, console, what: str, undo=None):
         super().__init__()
         self._orig_mod = eager  # the same attribute name torch's OptimizedModule uses
         self._compiled, self._mode, self._console, self._checked = compiled, mode, console, False
+        self._what, self._undo = what, undo
 
     def forward(self, *args, **kwargs):
         if self._checked:
@@ -282,12 +301,15 @@ class _CompileOrEager(torch.nn.Module):
         try:
             out = self._compiled(*args, **kwargs)
         except Exception as e:  # noqa: BLE001 - any compiler failure: train eagerly rather than not at all
-            self._console(f"torch.compile (mode {self._mode}) failed, training eagerly: "
+            self._console(f"torch.compile (mode {self._mode}, {self._what}) failed, training eagerly: "
                           f"{type(e).__name__}: {str(e).splitlines()[0][:300]}")
+            if self._undo is not None:
+                self._undo()
             self._compiled = self._orig_mod
             out = self._orig_mod(*args, **kwargs)
         else:
-            self._console(f"torch.compile (mode {self._mode}): first step compiled in {time.perf_counter() - t0:.1f} s")
+            self._console(f"torch.compile (mode {self._mode}, {self._what}): first step compiled in "
+                          f"{time.perf_counter() - t0:.1f} s")
         self._checked = True
         return out
 

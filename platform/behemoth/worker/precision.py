@@ -33,3 +33,19 @@ def master_weights(model: torch.nn.Module, dtype: str) -> torch.nn.Module:
     whatever dtype it was built or loaded in: transformers' from_pretrained keeps a checkpoint's stored dtype,
     and AdamW's state takes its parameters' dtype."""
     return model.to(torch.float32 if dtype == "float32" else torch.bfloat16)
+
+
+def device_settings(model: torch.nn.Module, device: torch.device, tf32: bool, channels_last: bool) -> torch.nn.Module:
+    """What a GPU run sets before training (nothing on a CPU), every run alike (a sweep's lane trains trial
+    after trial in one process: each sets them again from its own job):
+    - TF32 for fp32 matmuls and convolutions (train.tf32; Ampere and newer);
+    - cuDNN's benchmark mode: the built-in tasks' batches have one shape, so the fastest convolution algorithm
+      is searched once, at the first step;
+    - channels_last weights for convolutional models (`channels_last`: the task's say): the tensor cores'
+      layout; the image task's input arrives NHWC already (pixel_values permutes a uint8 NHWC batch)."""
+    if device.type != "cuda":
+        return model
+    torch.backends.cuda.matmul.allow_tf32 = tf32
+    torch.backends.cudnn.allow_tf32 = tf32
+    torch.backends.cudnn.benchmark = True
+    return model.to(memory_format=torch.channels_last) if channels_last else model

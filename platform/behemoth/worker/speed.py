@@ -21,7 +21,8 @@ class SpeedMeter:
 
     def __init__(self, cfg: JobConfig, device, world: int, micro_batch: int, accum: int):
         self.device, self.world, self.micro_batch, self.accum = device, world, micro_batch, accum
-        self.peak, self.peak_source = metrics.peak_flops(device, cfg.train.precision, cfg.train.peak_tflops)
+        self.peak, self.peak_source = metrics.peak_flops(device, cfg.train.precision, cfg.train.peak_tflops,
+                                                         tf32=cfg.train.tf32)
         self.flops_per_sample = None  # set by count(), on rank 0
 
     @staticmethod
