@@ -158,6 +158,52 @@ def test_overlapped_snapshot_holds_the_state_of_its_step(tmp_path, monkeypatch):
     assert_same_tensors(model2.state_dict(), expected_model)
 
 
+@pytest.mark.gpu
+def test_an_overlapped_snapshot_on_a_gpu_copies_on_a_side_stream_and_holds_its_step(tmp_path):
+    """On a GPU the copies run on a side stream into pinned buffers: the compute stream waits for them on the
+    device (the BatchNorm statistics before the next forward, the rest before the next update), the host never;
+    the snapshot still holds exactly its step's state."""
+    model, opt, sched = make()
+    model.cuda()
+    opt = build_optimizer(model, CFG)
+    x, y = torch.randn(4, 3, 16, 16, device="cuda"), torch.randint(0, 4, (4,), device="cuda")
+    for _ in range(2):
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(pixel_values=x).logits, y).backward()
+        opt.step()
+    torch.cuda.synchronize()
+    expected = {k: v.cpu() for k, v in model.state_dict().items()}
+    parts = dict(model=model, optimizer=opt, scheduler=sched, task_files={}, job_yaml="")
+    snap = checkpointing.snapshot(state=TrainState(step=2), buffers={}, overlap=True, **parts)
+    assert snap.copies.event is not None and all(t.is_pinned() for t in snap.state_dicts["model.pt"].values())
+    opt.zero_grad()
+    torch.nn.functional.cross_entropy(model(pixel_values=x).logits, y).backward()  # changes the BN statistics
+    snap.wait_sources_free()
+    opt.step()
+    checkpoint.write(tmp_path / "a", snap)
+    assert_same_tensors(snap.state_dicts["model.pt"], expected)
+
+
+def test_two_sets_of_host_buffers_one_write_waited_for_only_when_both_are_being_written():
+    """The snapshots' host buffers (saver.HostBuffers): a checkpoint whose predecessor is still being written
+    takes the other set; the third waits for the older write, then reuses its set."""
+    import threading
+    import time
+
+    from behemoth.worker.saver import HostBuffers
+
+    sets = HostBuffers()
+    first, first_written = sets.take()
+    second, second_written = sets.take()
+    assert first is not second
+    threading.Timer(0.3, first_written.set).start()
+    t0 = time.perf_counter()
+    third, _ = sets.take()
+    assert third is first and time.perf_counter() - t0 >= 0.25
+    second_written.set()
+    assert sets.take()[0] is second  # free: no wait
+
+
 def test_a_failed_background_copy_fails_the_checkpoint():
     """A copy that fails in the snapshot thread must surface (before the update, and before any file is
     written), never leave a half-copied snapshot to be written under a valid manifest."""
@@ -303,8 +349,7 @@ def test_a_sharded_checkpoint_round_trips_and_names_a_damaged_shard(tmp_path):
     small = checkpoint.Snapshot(*checkpointing.extras(scheduler=sched, state=state, task_files={}, job_yaml="x: 1\n"),
                                 step=3)
     folder = tmp_path / "checkpoint_a"
-    assert not sharded.overlappable(model)  # BatchNorm statistics are in its state dict: copied before return
-    written, staging = writer.start(model, opt, str(folder))
+    written, staging = writer.start(model, opt, str(folder))  # (not overlapped: copied before it returns)
     assert staging is None
     step(model, opt, sched, 7)  # the copy was taken when start returned: training on does not reach the files
     writer.commit(written, str(folder), small)
@@ -334,12 +379,43 @@ def test_a_sharded_checkpoint_round_trips_and_names_a_damaged_shard(tmp_path):
             attempt()
 
 
-def test_a_sharded_checkpoint_copied_in_the_background_holds_its_step(tmp_path):
-    """A model without buffers in its state dict (a language model's) lets the copy to host memory run in
-    DCP's staging thread while the next forward and backward run; the optimizer update waits for it
-    (`wait_sources_free`, the saver's before_update). The files hold the state of the checkpoint's step."""
+def test_a_sharded_checkpoint_of_a_batchnorm_model_copied_in_the_background_holds_its_step(tmp_path, monkeypatch):
+    """The copy to host memory runs in DCP's staging thread while the next forward and backward run, for a
+    model with BatchNorm statistics too (that forward changes them: they are copied on the device first); the
+    files hold the checkpoint's step, statistics included. The staging thread is held until the forward and
+    backward are done, so a statistic wrongly left to it shows."""
+    import threading
+
+    from torch.distributed.checkpoint.staging import DefaultStager
+
     from behemoth.shard_reader import read_sharded_weights
-    from behemoth.worker import sharded
+    from behemoth.worker.sharded import ShardedWriter
+
+    backward_done, stage = threading.Event(), DefaultStager._stage
+    monkeypatch.setattr(DefaultStager, "_stage", lambda self, sd, **kw: (backward_done.wait(), stage(self, sd, **kw))[1])
+    model, opt, sched = make()
+    step(model, opt, sched, 0)
+    expected = {k: v.clone() for k, v in model.state_dict().items()}
+    writer = ShardedWriter(rank=0)
+    written, staging = writer.start(model, opt, str(tmp_path / "c"), overlap=True)
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(4, 3, 16, 16, generator=g), torch.randint(0, 4, (4,), generator=g)
+    opt.zero_grad()
+    torch.nn.functional.cross_entropy(model(pixel_values=x).logits, y).backward()  # changes the BN statistics
+    backward_done.set()
+    staging.wait_sources_free()
+    opt.step()
+    writer.commit(written, str(tmp_path / "c"), checkpoint.Snapshot({}, {"train_state.json": '{"step": 1}'}, 1))
+    assert_same_tensors(read_sharded_weights(tmp_path / "c"), expected)
+    running = "regnet.embedder.embedder.normalization.running_mean"
+    assert not torch.equal(model.state_dict()[running], expected[running])  # training did go on
+
+
+def test_a_sharded_checkpoint_copied_in_the_background_holds_its_step(tmp_path):
+    """A language model's copy to host memory runs in DCP's staging thread while the next forward and backward
+    run; the optimizer update waits for it (`wait_sources_free`, the saver's before_update). The files hold the
+    state of the checkpoint's step."""
+    from behemoth.shard_reader import read_sharded_weights
     from behemoth.worker.sharded import ShardedWriter
 
     torch.manual_seed(0)
@@ -355,7 +431,6 @@ def test_a_sharded_checkpoint_copied_in_the_background_holds_its_step(tmp_path):
 
     train_step()
     expected = {k: v.clone() for k, v in model.state_dict().items()}
-    assert sharded.overlappable(model)
     writer = ShardedWriter(rank=0)
     written, staging = writer.start(model, opt, str(tmp_path / "c"), overlap=True)
     train_step(update=False)  # the next step's forward and backward, while the copy may still run

@@ -23,26 +23,45 @@ from behemoth.worker.parallel import is_sharded, unwrap
 class Copies:
     """Host copies of device or host tensors, some of them possibly still in flight.
 
-    On CPU the copies deferred by snapshot(overlap=True) run in a thread (torch's copy releases the GIL);
-    on GPU every copy is queued non-blocking on the current stream and an event follows them: later kernels
-    on that stream (the next step's optimizer update) run after them by stream order.
+    On CPU the copies deferred by snapshot(overlap=True) run in a thread (torch's copy releases the GIL).
+    On GPU every copy is queued non-blocking on a side stream (one per device, after what the compute stream
+    has queued so far: the step's update), into pinned buffers, so the next step's kernels do not queue behind
+    them (DCP's DefaultStager does the same for sharded checkpoints). The compute stream waits, on the GPU and
+    not the host, for the immediate copies (buffers such as BatchNorm statistics, which the next forward
+    changes) at once and for the deferred ones before the next optimizer update (`wait_sources_free`); the
+    writer waits on the host for all of them (`wait_done`).
     """
 
     def __init__(self, now: list, later: list):
         self.thread = self.event = None
         self.errors: list[BaseException] = []  # a failed background copy must fail the checkpoint, not vanish
+        cuda = [src for _, src in now + later if src.is_cuda]
+        if cuda:
+            self._on_side_stream(now, later, cuda[0].device)
+            return
         for dst, src in now:
-            dst.copy_(src, non_blocking=src.is_cuda)
-        if later and not any(src.is_cuda for _, src in later):
+            dst.copy_(src)
+        if later:
             self.thread = threading.Thread(target=self._copy_all, args=(later,), name="behemoth-snapshot",
                                            daemon=True)
             self.thread.start()
-            return
-        for dst, src in later:
-            dst.copy_(src, non_blocking=src.is_cuda)
-        if any(src.is_cuda for _, src in now + later):
+
+    def _on_side_stream(self, now: list, later: list, device) -> None:
+        compute, side = torch.cuda.current_stream(device), _side_stream(device)
+        side.wait_stream(compute)  # the copies read the state as the step left it
+        with torch.cuda.stream(side):
+            for dst, src in now:
+                dst.copy_(src, non_blocking=True)
+            now_done = torch.cuda.Event()
+            now_done.record(side)
+            for dst, src in later:
+                dst.copy_(src, non_blocking=True)
             self.event = torch.cuda.Event()
-            self.event.record()
+            self.event.record(side)
+        for _, src in now + later:
+            if src.is_cuda:
+                src.record_stream(side)  # the allocator keeps a source alive until the side stream is past it
+        compute.wait_event(now_done)
 
     def _copy_all(self, pairs: list) -> None:
         try:
@@ -52,17 +71,33 @@ class Copies:
             self.errors.append(e)
 
     def wait_sources_free(self) -> None:
-        """Return once the live tensors may change again (before the next optimizer update)."""
+        """Before the next optimizer update: once it returns, the live tensors may change again (on a GPU the
+        compute stream is told to wait for the copies: the host goes on at once)."""
         if self.thread is not None:
             self.thread.join()
+        if self.event is not None:
+            torch.cuda.current_stream(self.event.device).wait_event(self.event)
         if self.errors:
             raise CheckpointError(f"copying the training state for a checkpoint failed: {self.errors[0]!r}")
 
     def wait_done(self) -> None:
         """Return once every copy has landed in host memory (before writing the files)."""
-        self.wait_sources_free()
+        if self.thread is not None:
+            self.thread.join()
+        if self.errors:
+            raise CheckpointError(f"copying the training state for a checkpoint failed: {self.errors[0]!r}")
         if self.event is not None:
             self.event.synchronize()
+
+
+_SIDE_STREAMS: dict = {}
+
+
+def _side_stream(device) -> "torch.cuda.Stream":
+    """One copy stream per device for the process's snapshots (streams are few: never one per checkpoint)."""
+    if device not in _SIDE_STREAMS:
+        _SIDE_STREAMS[device] = torch.cuda.Stream(device)
+    return _SIDE_STREAMS[device]
 
 
 def snapshot(*, model, optimizer, scheduler, state: TrainState, task_files: dict[str, str], job_yaml: str,

@@ -35,8 +35,9 @@ class CheckpointSaver:
     only for part of it: the parameters and optimizer state are copied while the next step's forward and
     backward run, and that step waits for the copy before its optimizer update (`before_update`). Writing
     the files, the manifest and the upload run in the host's upload thread (Ray Train's CheckpointUploadMode.ASYNC,
-    which still registers checkpoints in report order; a lane's own). `last_block_s` is how long the last checkpoint held
-    the training loop (at the report, and before the next update), reported with the next metrics.
+    which still registers checkpoints in report order; a lane's own). `block_metrics()`: how long the last
+    checkpoint held the training loop (at the report, and before the next update), reported with the next
+    metrics.
     """
 
     def __init__(self, cfg: JobConfig, rank: int, task_files: dict[str, str], clock: PhaseClock | None = None):
@@ -44,12 +45,10 @@ class CheckpointSaver:
         self.task_files = task_files  # Task.checkpoint_files: the same in every checkpoint of the run
         # checkpoint.format sharded: every rank writes its own shards (worker/sharded.py), nothing gathered
         self.writer = ShardedWriter(rank) if cfg.checkpoint.sharded(cfg.scaling.strategy) else None
-        self.overlap = None  # sharded: whether the state copy overlaps the next step (decided at the first save)
-        self.last_block_s = None
-        # Host buffers the snapshots copy into, reused while no write of an earlier snapshot still reads them.
-        self.buffers: dict = {}
-        self.buffers_free = threading.Event()
-        self.buffers_free.set()
+        # How long the last checkpoint held the loop (None before the first): in all, and split into the
+        # snapshot (the copy to host memory, with the wait before the next update) and the report's own wait.
+        self.last_block_s = self.last_snapshot_s = self.last_report_s = None
+        self.buffers = HostBuffers()  # where the snapshots are copied to, two sets reused in turn
         self.copying = None  # the last snapshot while its copy may still read the live state
 
     def before_update(self) -> None:
@@ -60,35 +59,46 @@ class CheckpointSaver:
             self.copying = None
             waited = time.perf_counter() - t0
             self.last_block_s += waited
+            self.last_snapshot_s += waited
             if self.clock is not None:
                 self.clock.add("checkpoint", waited)
+
+    def block_metrics(self) -> dict:
+        """The last checkpoint's hold on the loop, for the next report."""
+        if self.last_block_s is None:
+            return {}
+        return {"checkpoint_block_s": self.last_block_s, "checkpoint_snapshot_s": self.last_snapshot_s,
+                "checkpoint_report_s": self.last_report_s}
 
     def save_and_report(self, metrics: dict, state: TrainState, run: Run) -> None:
         t0 = time.perf_counter()
         hook_states = gather_to_rank0(run.hook_state.to_bytes()) if run.hook_state is not None else None
         if self.writer is not None:
-            self._save_sharded(metrics, state, run, hook_states)
-            self.last_block_s = time.perf_counter() - t0
+            reported = self._save_sharded(metrics, state, run, hook_states)
+            self._held(t0, reported)
             return
-        snap, reuse = None, self.buffers_free.is_set()
+        snap = pool = written = None
         if self.rank == 0 or parallel.is_sharded(run.model):
+            if self.cfg.checkpoint.async_save:
+                pool, written = self.buffers.take()
             snap = checkpointing.snapshot(**run.parts(), state=state, task_files=self.task_files,
-                                          job_yaml=dump_yaml(self.cfg),
-                                          hook_states=hook_states, buffers=self.buffers if reuse else None,
+                                          job_yaml=dump_yaml(self.cfg), hook_states=hook_states, buffers=pool,
                                           overlap=self.cfg.checkpoint.async_save, metrics=metrics)
+        reported = time.perf_counter()
         if snap is None:
             send_report(metrics)
         elif not self.cfg.checkpoint.async_save:
             send_report(metrics, functools.partial(write_checkpoint, snap))
         else:
-            if reuse:
-                self.buffers_free.clear()  # until the upload thread has written this snapshot
-            written = self.buffers_free if reuse else None
             send_report(metrics, functools.partial(write_checkpoint, snap, written=written), async_upload=True)
         self.copying = snap
-        self.last_block_s = time.perf_counter() - t0
+        self._held(t0, reported)
 
-    def _save_sharded(self, metrics: dict, state: TrainState, run: Run, hook_states) -> None:
+    def _held(self, started: float, reported: float) -> None:
+        now = time.perf_counter()
+        self.last_block_s, self.last_snapshot_s, self.last_report_s = now - started, reported - started, now - reported
+
+    def _save_sharded(self, metrics: dict, state: TrainState, run: Run, hook_states) -> float:
         """Every rank starts writing its shards (the step waits for their copy to host memory), straight into
         the run folder on local storage or into a local staging folder uploaded by each rank for a URI; the
         commit (hashes, manifest by rank 0) runs in the host's upload thread, or here without async_save."""
@@ -98,9 +108,8 @@ class CheckpointSaver:
         name = self.writer.agree(ctx.new_checkpoint_name())
         local = isinstance(fs, pyarrow.fs.LocalFileSystem)
         folder = f"{run_path}/{name}" if local else tempfile.mkdtemp(prefix="behemoth-shards-")
-        if self.overlap is None:
-            self.overlap = self.cfg.checkpoint.async_save and sharded.overlappable(run.model)
-        written, self.copying = self.writer.start(run.model, run.optimizer, folder, overlap=self.overlap)
+        written, self.copying = self.writer.start(run.model, run.optimizer, folder,
+                                                  overlap=self.cfg.checkpoint.async_save)
         small = None
         if self.rank == 0:
             dicts, texts = checkpointing.extras(scheduler=run.scheduler, scaler=run.scaler, state=state,
@@ -109,7 +118,36 @@ class CheckpointSaver:
             small = checkpoint.Snapshot(dicts, texts, state.step)
         commit = functools.partial(_commit_sharded, self.writer, written, folder, small, local, state.step,
                                    self.writer.last_bytes)
+        reported = time.perf_counter()
         send_report(metrics, commit, async_upload=self.cfg.checkpoint.async_save, dir_name=name)
+        return reported
+
+
+class HostBuffers:
+    """Two sets of host buffers (pinned for a GPU's tensors) that snapshots copy into, each reused once the
+    write of the snapshot in it is done: allocating and page-faulting the whole state again costs as much as
+    the copy itself (pinned memory more). A checkpoint whose predecessor is still being written takes the
+    other set; with both being written, it waits for the older write (bounded host memory: twice the state)."""
+
+    def __init__(self):
+        self.sets = [({}, threading.Event()), ({}, threading.Event())]
+        for _, free in self.sets:
+            free.set()
+        self.turn = 0  # the set taken longest ago: the one to wait for when both are in use
+
+    def take(self) -> tuple[dict, threading.Event]:
+        """(a set of buffers, the event the write sets once it has read them)."""
+        for i in (self.turn, 1 - self.turn):
+            buffers, free = self.sets[i]
+            if free.is_set():
+                break
+        else:
+            buffers, free = self.sets[self.turn]
+            free.wait()
+            i = self.turn
+        free.clear()
+        self.turn = 1 - i
+        return buffers, free
 
 
 def send_report(metrics: dict, upload_fn=None, *, async_upload: bool = False, dir_name: str | None = None) -> None:

@@ -31,12 +31,17 @@ from behemoth.worker import collectives
 from behemoth.worker.parallel import unwrap
 
 
-def _state_dicts(model, optimizer) -> dict:
+def _state_dicts(model, optimizer, freeze_buffers: bool = False) -> dict:
     """{"model": ..., "optimizer": ...} keyed by parameter name: each rank's shards (DTensors) under FSDP,
-    whole tensors under DDP. A fresh optimizer's state is created (zeros) so that a load has a target."""
+    whole tensors under DDP. A fresh optimizer's state is created (zeros) so that a load has a target.
+    `freeze_buffers`: the model's buffers (BatchNorm statistics, which the next forward changes in place) as
+    copies taken now, so that the rest may be copied while that forward runs (they are small)."""
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     model_sd, optim_sd = get_state_dict(unwrap(model), optimizer)
+    if freeze_buffers:
+        buffers = {name for name, _ in unwrap(model).named_buffers()}
+        model_sd = {k: v.detach().clone() if k in buffers else v for k, v in model_sd.items()}
     return {"model": model_sd, "optimizer": optim_sd}
 
 
@@ -91,8 +96,8 @@ class ShardedWriter:
         (written, staging): `written` completes when every rank's files are written. The state is copied
         to host buffers (kept from one checkpoint to the next) before this returns, or with `overlap` in
         DCP's staging thread while training goes on: then `staging.wait_sources_free()` must return before
-        the weights change (the next optimizer update). Overlap only for a model without buffers in its
-        state dict: a forward changes those (BatchNorm statistics)."""
+        the weights change (the next optimizer update). The model's buffers, which a forward changes
+        (BatchNorm statistics), are then copied on the device before this returns."""
         import torch.distributed.checkpoint as dcp
 
         self.committed.wait()
@@ -100,7 +105,7 @@ class ShardedWriter:
         try:
             Path(folder, STATE_DIR).mkdir(parents=True, exist_ok=True)
             # only tensors go through DCP; the rest (the same on every rank: the optimizer's settings) is JSON
-            tensors, values, _ = shard_reader.split_state(_state_dicts(model, optimizer))
+            tensors, values, _ = shard_reader.split_state(_state_dicts(model, optimizer, freeze_buffers=overlap))
             if self.rank == 0:
                 Path(folder, VALUES_FILE).write_text(shard_reader.values_text(values))
             self.last_bytes = checkpoint.tensor_bytes(tensors)
@@ -160,12 +165,6 @@ class Staging:
 
     def wait_sources_free(self) -> None:
         self.future.result()
-
-
-def overlappable(model) -> bool:
-    """Whether the state copy may overlap the next forward: no buffer of the model is in its state dict."""
-    m = unwrap(model)
-    return not any(name in m.state_dict() for name, _ in m.named_buffers())
 
 
 def load(folder: str | Path, model, optimizer=None, remote: shard_reader.RemoteShards | None = None,
