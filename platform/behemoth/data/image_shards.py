@@ -39,11 +39,9 @@ def scan_shard(path: str) -> list[tuple[int, int, int]]:
     exactly one image member and a .cls member; anything else in the shard is ignored."""
     samples: dict[str, dict] = {}
     try:
-        try:
-            members = list(_plain_members(path))
-        except _NotPlain:
-            members = list(_tarfile_members(path))
-    except (tarfile.TarError, OSError) as e:
+        members = _members(path)
+    except (tarfile.TarError, OSError, ValueError, IndexError, KeyError, OverflowError) as e:
+        # (tarfile raises more than TarError on a crafted header: ValueError, IndexError on sparse maps)
         fix = "decompress it" if _compressed(path) else "it is damaged or not a tar: write it again"
         raise DataError(f"cannot read {path} as an uncompressed tar shard ({e}): {fix} (`behemoth data shards` "
                         f"or `tar cf`)") from None
@@ -73,6 +71,15 @@ def scan_shard(path: str) -> list[tuple[int, int, int]]:
     return out
 
 
+def _members(path: str) -> list:
+    """Every member's (name, data offset, size, label data): read directly, or by tarfile where the shard needs
+    it (after the direct reader has checked every header, extended ones included)."""
+    try:
+        return list(_plain_members(path))
+    except _NotPlain:
+        return list(_tarfile_members(path))
+
+
 def _compressed(path: str) -> bool:
     """Whether the file starts as gzip, bzip2, xz or zstd data."""
     try:
@@ -91,14 +98,21 @@ _READ = 1 << 16  # bytes read at a header: the next headers of small members com
 _READ_AFTER_LARGE = 8 * tarfile.BLOCKSIZE  # after a larger member: the header, and a label member's data
 
 
+# The largest extended header (a pax record set, a GNU long name) read: a long path's is a few hundred bytes.
+# CPython's tarfile before 3.11.10 parses a crafted pax header in quadratic time (CVE-2024-6232: seconds at
+# 80 KB, minutes at 1 MB, on every rank): behemoth checks every extended header itself before tarfile sees one.
+MAX_EXTENDED = 8192
+
+
 def _plain_members(path: str):
     """(name, data offset, size, data of a label member) of each regular file, from the 512-byte ustar/v7
     headers read directly: a shard is mostly headers and small members, and tarfile's per-member objects cost
-    ~10x this per sample (1.1M samples: minutes). Raises _NotPlain at a header it leaves to tarfile (long
-    names, pax, a checksum that does not add up: tarfile also accepts old signed sums, and names a damaged
-    header) - but only once the header's size is known to be good: tarfile steps back over a negative size
-    forever."""
+    ~10x this per sample (1.1M samples: minutes). Raises _NotPlain, after the whole shard's headers are read
+    and each extended one checked (_extended), where the shard needs tarfile (long names, pax, a checksum
+    that does not add up: tarfile also accepts old signed sums, and names a damaged header) - but only once
+    each header's size is known to be good: tarfile steps back over a negative size forever."""
     block = tarfile.BLOCKSIZE
+    needs_tarfile, next_size = False, None  # (a pax record's size for the next member)
     with open(path, "rb") as f:
         fd, end = f.fileno(), os.fstat(f.fileno()).st_size
         offset, buf, at, want = 0, b"", 0, _READ
@@ -111,7 +125,7 @@ def _plain_members(path: str):
             if header == tarfile.NUL * block:
                 if os.pread(fd, block, offset + block).strip(tarfile.NUL):
                     raise tarfile.ReadError(f"bad tar header at byte {offset}: a zero block amid the members")
-                return  # the end-of-archive blocks
+                break  # the end-of-archive blocks
             name = header[:100].split(b"\0", 1)[0]
             if header[257:262] == b"ustar" and header[345] != 0:  # (GNU headers hold times there: tarfile joins
                 name = header[345:500].split(b"\0", 1)[0] + b"/" + name  # them too, so both readers agree)
@@ -120,13 +134,22 @@ def _plain_members(path: str):
             if size is None:
                 raise tarfile.ReadError(f"bad tar header at byte {offset} ({name!r}): its size field "
                                         f"{header[124:136]!r} is not a size")
+            if kind in (b"x", b"g", b"X", b"L", b"K"):
+                if size > MAX_EXTENDED:
+                    raise tarfile.ReadError(f"bad tar header at byte {offset}: an extended header of {size} bytes "
+                                            f"(behemoth reads up to {MAX_EXTENDED})")
+                pax_size = _extended(path, kind, os.pread(fd, size, data), offset)
+                if pax_size == "unreadable":
+                    raise _NotPlain  # tarfile takes it from here, and its size check names the member
+                next_size, needs_tarfile = pax_size, True
+            elif next_size is not None:
+                size, next_size = next_size, None
             if data + size > end:
                 raise tarfile.ReadError(f"the shard ends inside {name}, {data + size - end} bytes short")
-            if kind in (b"L", b"K", b"x", b"g", b"X") or _checksum(header) != _octal(header[148:156]):
-                raise _NotPlain
+            needs_tarfile = needs_tarfile or _checksum(header) != _octal(header[148:156])
             if kind in (b"1", b"2", b"S"):
                 _not_bytes(path, name, {b"1": "hard link", b"2": "symbolic link", b"S": "sparse file"}[kind])
-            if kind in (b"0", b"\0", b"7"):  # regular files
+            if kind in (b"0", b"\0", b"7") and not needs_tarfile:  # regular files
                 label = None
                 if split_key(name)[1] == LABEL_EXTENSION:
                     inside = data - at + size <= len(buf)
@@ -134,6 +157,37 @@ def _plain_members(path: str):
                 yield name, data, size, label
             offset = data + -(-size // block) * block
             want = _READ if size < _READ else _READ_AFTER_LARGE
+    if needs_tarfile:
+        raise _NotPlain
+
+
+def _extended(path: str, kind: bytes, data: bytes, offset: int):
+    """Check an extended header before tarfile parses it: a pax record set must be well formed ("LENGTH
+    key=value\n" records that add up to the header) and name no sparse file; a GNU long name is a name.
+    Returns the size a pax record gives the next member (None: none; "unreadable": one that is not a size,
+    which tarfile's own reading refuses, naming the member)."""
+    if kind in (b"L", b"K"):
+        return None
+    at, size = 0, None
+    body = data.rstrip(b"\0")  # (records end in a newline: what follows the last is padding)
+    while at < len(body):
+        space = body.find(b" ", at, at + 21)
+        length = body[at:space] if space > at else b""
+        if not length.isdigit() or not 0 < int(length) <= len(body) - at:
+            raise tarfile.ReadError(f"bad tar header at byte {offset}: a pax record at byte {at} of it does not "
+                                    f"start with its length")
+        record = body[at:at + int(length)]
+        key, eq, value = record[space - at + 1:-1].partition(b"=")
+        if not record.endswith(b"\n") or not eq or not key:
+            raise tarfile.ReadError(f"bad tar header at byte {offset}: a pax record at byte {at} of it is not "
+                                    f"'LENGTH key=value'")
+        if key.startswith(b"GNU.sparse"):
+            raise DataError(f"{path}: the member after byte {offset} is a sparse file, not the bytes themselves: "
+                            f"write the shard with `behemoth data shards`, or `tar cf` of the files")
+        if key == b"size":
+            size = int(value) if value.isdigit() else "unreadable"
+        at += int(length)
+    return size
 
 
 def _octal(field: bytes) -> int | None:
@@ -247,14 +301,14 @@ def member_name(path: str, offset: int) -> str:
     try:
         st = os.stat(path)
         return f"{path}:{_names(path, st.st_size, st.st_mtime_ns)[offset]}"
-    except (OSError, tarfile.TarError, DataError, KeyError):
+    except (OSError, tarfile.TarError, DataError, KeyError, ValueError, IndexError, OverflowError):
         return f"{path} (the member at byte {offset})"
 
 
 @functools.lru_cache(maxsize=4)
 def _names(path: str, size: int, mtime_ns: int) -> dict[int, str]:
     """Member names by data offset (once per shard version: a decode task may name many bad images of one)."""
-    return {at: name for name, at, _, _ in _tarfile_members(path)}
+    return {at: name for name, at, _, _ in _members(path)}
 
 
 def write_shards(index, out: Path, samples_per_shard: int) -> dict[str, int]:
