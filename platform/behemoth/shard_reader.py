@@ -29,7 +29,6 @@ import dataclasses
 import hashlib
 import io
 import json
-import math
 import pathlib
 import pickle
 import warnings
@@ -114,6 +113,16 @@ class _IndexUnpickler(pickle._Unpickler):
                                          f"{self.stack[-2]!r}, which DCP's index never does (refused)")
         self.charge(self.stack[-1])
 
+    @staticmethod
+    def keys(keys: list) -> None:
+        """Before SETITEM(S): DCP's index keys its dicts by name (a string, whose hash Python salts per process)
+        or by MetadataIndex (a name with offsets). Other keys are refused: ints, say, can all be made to hash
+        alike, and a dict of n of them takes n**2 steps to build (an hour from a 13 MB file)."""
+        for key in keys:
+            if not (type(key) is str or (type(key) is dcp_metadata.MetadataIndex and type(key.fqn) is str)):
+                raise pickle.UnpicklingError(f"it keys a dict by {type(key).__name__}, which DCP's index never "
+                                             f"does (refused: keys that hash alike take quadratic time)")
+
     def charge(self, *arguments) -> None:
         """Before a call or BUILD: the items or characters it may copy from its `arguments` (and their items)."""
         for x in arguments:
@@ -158,10 +167,46 @@ for _opcode, _check in ((pickle.GET, _IndexUnpickler.shared), (pickle.BINGET, _I
                         (pickle.NEWOBJ_EX, lambda u: u.charge(u.stack[-1], u.stack[-2])),
                         (pickle.BUILD, _IndexUnpickler.build)):
     _IndexUnpickler.dispatch[_opcode[0]] = _checked(_opcode, _check)
+_SETITEM, _SETITEMS = pickle._Unpickler.dispatch[pickle.SETITEM[0]], pickle._Unpickler.dispatch[pickle.SETITEMS[0]]
+
+
+def _checked_setitem(self):
+    self.keys(self.stack[-2:-1])  # (the stack: ..., dict, key, value)
+    _SETITEM(self)
+
+
+def _checked_setitems(self):
+    self.keys(self.stack[::2])  # (the items since the MARK, key, value, ...: the dict is under the mark)
+    _SETITEMS(self)
+
+
+def _small_long(self):
+    """LONG1: an int of at most 8 bytes (DCP's sizes and offsets); larger ones make every use costly."""
+    n = self.read(1)[0]
+    if n > 8:
+        raise pickle.UnpicklingError(f"it holds an int of {n} bytes, which DCP's index never does (refused)")
+    self.append(pickle.decode_long(self.read(n)))
+
+
+def _short_text_int(self):
+    """Protocol 0's INT and LONG: decimal text, at most 20 digits (longer ones parse in quadratic time)."""
+    data = self.readline()
+    if len(data) > 22:
+        raise pickle.UnpicklingError(f"it holds an int of {len(data) - 1} digits, which DCP's index never does "
+                                     f"(refused)")
+    text = data[:-1].rstrip(b"L")
+    self.append({b"00": False, b"01": True}.get(text) if text in (b"00", b"01") else int(text, 0))
+
+
+_IndexUnpickler.dispatch[pickle.SETITEM[0]] = _checked_setitem
+_IndexUnpickler.dispatch[pickle.SETITEMS[0]] = _checked_setitems
+_IndexUnpickler.dispatch[pickle.LONG1[0]] = _small_long
+_IndexUnpickler.dispatch[pickle.INT[0]] = _IndexUnpickler.dispatch[pickle.LONG[0]] = _short_text_int
 # DCP writes none of these: bytearray(n) fills n bytes from a length in the file; INST and OBJ (protocols 0 and
-# 1) call a class with arguments uncharged; EXT1/2/4 take objects from copyreg's cache, past find_class
+# 1) call a class with arguments uncharged; EXT1/2/4 take objects from copyreg's cache, past find_class; LONG4
+# is an int of any length
 _IndexUnpickler.dispatch[pickle.BYTEARRAY8[0]] = _refused("a bytearray")
-for _name in ("INST", "OBJ", "EXT1", "EXT2", "EXT4"):
+for _name in ("INST", "OBJ", "EXT1", "EXT2", "EXT4", "LONG4"):
     _IndexUnpickler.dispatch[getattr(pickle, _name)[0]] = _refused(f"an {_name} opcode")
 
 
@@ -213,6 +258,9 @@ def _check_storage(index: dcp_metadata.Metadata, shard_sizes: dict, where: str) 
         # DCP opens state/<name>: only a shard file of this folder that the manifest vouches for
         if not isinstance(info, dcp_filesystem._StorageInfo) or not isinstance(name, str) or name not in placed:
             raise CheckpointError(f"{where} names {name}, which is not a shard file its manifest lists")
+        if getattr(info, "transform_descriptors", None):  # behemoth writes none: DCP would decompress into memory
+            raise CheckpointError(f"{where} asks for transforms of its stored bytes "
+                                  f"({info.transform_descriptors!r}), which behemoth never writes: refused")
         offset, length, size = info.offset, info.length, shard_sizes[name]
         if not (type(offset) is int and type(length) is int and offset >= 0 and 0 < length <= size - offset):
             raise CheckpointError(f"{where} places {length!r} bytes at {offset!r} of {name} beyond its {size} bytes")
@@ -235,13 +283,28 @@ def _check_tensors(index: dcp_metadata.Metadata, shard_bytes: int, where: str) -
                 and all(type(n) is int and n >= 0 for n in size) and isinstance(dtype, torch.dtype)
                 and isinstance(meta.chunks, list)):
             raise CheckpointError(f"{where} gives {key} no valid shape, dtype and chunks")
-        claimed += math.prod(size) * dtype.itemsize
+        claimed += _elements(size, shard_bytes) * dtype.itemsize
         chunks += len(meta.chunks)
+        if claimed > shard_bytes:
+            break
     if claimed > shard_bytes:
         raise CheckpointError(f"{where} declares tensors of {claimed} bytes in all, more than its shard files hold "
                               f"({shard_bytes} bytes)")
     if max(chunks, len(index.state_dict_metadata)) > len(index.storage_data):
         raise CheckpointError(f"{where} declares more entries or chunks than it stores pieces")
+
+
+def _elements(size: tuple, bound: int) -> int:
+    """The element count of a shape, multiplied up only while it stays within `bound` (else bound + 1): a shape
+    of huge dimensions costs no huge products."""
+    if 0 in size:
+        return 0
+    count = 1
+    for n in size:
+        count *= n
+        if count > bound:
+            return bound + 1
+    return count
 
 
 class RemoteShards:

@@ -643,6 +643,45 @@ def test_a_shard_index_that_would_allocate_from_a_small_file_is_refused(tmp_path
                    r"state/\.metadata is not DCP's index.* uses one tuple in two places")
 
 
+@pytest.mark.timeout(60)
+def test_a_shard_index_is_bounded_in_time_too(tmp_path):
+    """Bounded in memory is not enough: a dict of ints that all hash alike takes n**2 steps to build (0.28 s at
+    8,000 keys, an hour at 13 MB), multiplying huge ints in the size check took seconds (80 ints of 8 KiB: 3 s).
+    DCP keys its dicts by name only and needs no int over 8 bytes: both are refused, in well under a second."""
+    import time
+
+    folder = tmp_path / "c"
+    _write_sharded(folder)
+    index = (folder / "state" / ".metadata").read_bytes()
+    colliding = {k * (2**61 - 1): 0 for k in range(1, 1000)}  # every key hashes to 0
+    t0 = time.perf_counter()
+    # (ints over 8 bytes are refused first: within 8 bytes Python's int hash has almost no collisions)
+    _index_refused(folder, pickle.dumps(colliding), r"state/\.metadata is not DCP's index.* an int of 9 bytes")
+    _index_refused(folder, pickle.dumps({(1, 2): 0}), r"is not DCP's index.* keys a dict by tuple")
+    _index_refused(folder, pickle.dumps({1.5: 0}), r"is not DCP's index.* keys a dict by float")
+    key = "model.classifier.1.weight"
+    (folder / "state" / ".metadata").write_bytes(index)
+    _craft_index(folder, lambda index: setattr(index.state_dict_metadata[key], "size", (2**65536,) * 80))
+    for read in _readers(folder).values():
+        with pytest.raises(CheckpointError, match=r"is not DCP's index.* an LONG4 opcode|bytes, more than the shard"):
+            read()
+    _index_refused(folder, b"I" + b"9" * 4000 + b"\n.", r"is not DCP's index.* an int of 4000 digits")
+    assert time.perf_counter() - t0 < 5  # (two readers each, hashing the files included)
+
+
+def test_a_shard_index_asking_for_transforms_is_refused(tmp_path):
+    """DCP applies an entry's transform descriptors (stream.zstd: the whole piece decompressed into memory,
+    where zstandard is installed) before any tensor check: behemoth writes none, and refuses any."""
+    folder = tmp_path / "c"
+    _write_sharded(folder)
+    _craft_index(folder, lambda index: setattr(next(iter(index.storage_data.values())), "transform_descriptors",
+                                               ["stream.zstd/1"]))
+    for read in _readers(folder).values():
+        with pytest.raises(CheckpointError, match=r"state/\.metadata asks for transforms of its stored bytes "
+                                                  r"\(\['stream\.zstd/1'\]\), which behemoth never writes"):
+            read()
+
+
 def test_a_shard_index_never_changes_a_class_it_may_name(tmp_path):
     """BUILD sets attributes of the object before it: on one of the allowed classes (DCP's, shared by the whole
     process) they would outlast the load; only objects the index itself made are built."""
