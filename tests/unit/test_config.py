@@ -208,6 +208,30 @@ def test_hf_config_takes_architecture_keys_only(option, why):
     assert cfg.model.hf_config["attn_implementation"] == "sdpa"
 
 
+@pytest.mark.parametrize("hf_config, refused", [
+    ({"_attn_implementation": "kernels-community/flash-attn"}, r"model.hf_config._attn_implementation is a private"),
+    ({"_experts_implementation": "org/kernel"}, r"model.hf_config._experts_implementation is a private"),
+    ({"experts_implementation": "org/kernel"}, r"names a Hugging Face Hub repository"),
+    ({"attn_implementation": "my_own"}, r"'my_own' is not one of transformers' built-in implementations"),
+    ({"text_config": {"attn_implementation": "kernels-community/flash-attn"}},
+     r"model.hf_config.text_config.attn_implementation 'kernels-community/flash-attn' names a Hugging Face Hub"),
+    ({"vision_config": {"_attn_implementation": "x/y"}}, r"model.hf_config.vision_config._attn_implementation is"),
+    ({"text_config": {"weights_only": False}}, r"model.hf_config.text_config.weights_only is a loading option"),
+])
+def test_hf_config_is_an_allow_list_private_keys_and_nested_configs_included(hf_config, refused):
+    """The deny-list let `_attn_implementation: kernels-community/flash-attn` through (transformers 5 honours it:
+    a Hub kernel downloaded and run), and never looked inside a composite model's sub-configs. Now a key must be
+    public, not a loading option, its value plain data and any implementation a built-in one, at every depth.
+    It is the config's own check, so a received checkpoint's job.yaml meets it too (export reads it)."""
+    job = {"data": {"kind": "text", "train_files": ["a.jsonl"], "val_fraction": 0.1, "tokenizer": "t"},
+           "model": {"name": "causal_lm", "hf_config": {"model_type": "llama", **hf_config}}}
+    with pytest.raises(ConfigError, match=refused):
+        config_from_dict(job)
+    job["model"]["hf_config"] = {"model_type": "llama", "rope_scaling": {"rope_type": "linear", "factor": 2.0},
+                                 "layer_types": ["full_attention"], "attn_implementation": "sdpa"}
+    assert config_from_dict(job).model.hf_config["rope_scaling"]["factor"] == 2.0
+
+
 def test_the_loading_options_are_every_option_transformers_takes_out_of_from_pretrained():
     """hf_keys.LOADING_OPTIONS names every parameter of from_pretrained and every kwarg that it, the Auto
     classes and the config loading pop: a transformers upgrade that adds one fails here, not in a user's run."""

@@ -52,18 +52,53 @@ LOADING_OPTIONS: dict[str, str] = {
     "_configuration_file": _INTERNAL, "return_unused_kwargs": _INTERNAL,
 }
 
-# Config attributes that from_pretrained also reads as options: a built-in name is an architecture choice, a
-# Hub repository ("org/name", transformers' is_kernel pattern) fetches a kernel and runs it.
-KERNEL_NAMING_KEYS = ("attn_implementation", "experts_implementation")
+# Config attributes that choose which code runs: only transformers' built-in implementations (a Hub repository,
+# "org/name", would be downloaded and run; transformers takes the private spellings, _attn_implementation, too).
+BUILT_IN_IMPLEMENTATIONS = {
+    "attn_implementation": ("eager", "sdpa", "flash_attention_2", "flash_attention_3", "flash_attention_4",
+                            "flex_attention"),
+    "experts_implementation": ("eager", "batched_mm", "grouped_mm", "deepgemm", "sonicmoe"),
+}
+KERNEL_NAMING_KEYS = tuple(BUILT_IN_IMPLEMENTATIONS)
+# A sub-model's config inside a composite one (text_config, vision_config, ...) is checked key by key too.
+_MAX_DEPTH = 4
 
 
-def check_hf_config(hf_config: dict) -> None:
-    """Refuse a loading option in model.hf_config, naming it and why."""
+def check_hf_config(hf_config: dict, where: str = "model.hf_config", depth: int = 0) -> None:
+    """Refuse anything in model.hf_config but architecture keys, naming it and why: an allow-list of what a
+    key may be. Its name: public (a `_private` key is transformers' own state, e.g. `_attn_implementation`,
+    which it honours as an option too), not a loading option; its value: plain data (numbers, strings, lists,
+    nested configs checked the same way); an implementation choice only among transformers' built-in ones."""
+    if depth > _MAX_DEPTH:
+        raise ConfigError(f"{where} nests configs {depth} deep: more than any transformers model has")
     for key, value in hf_config.items():
+        name = f"{where}.{key}"
+        if not isinstance(key, str) or not key.isidentifier():
+            raise ConfigError(f"{where}: {key!r} is not an architecture key (a config attribute's name)")
+        if key.startswith("_"):
+            raise ConfigError(f"{name} is a private attribute of transformers' config, not an architecture key: "
+                              f"transformers reads some as loading options (_attn_implementation picks a kernel). "
+                              f"Remove it from hf_config")
         if key in LOADING_OPTIONS:
-            raise ConfigError(f"model.hf_config.{key} is a loading option of from_pretrained, not an architecture "
+            raise ConfigError(f"{name} is a loading option of from_pretrained, not an architecture "
                               f"key: it {LOADING_OPTIONS[key]}. Remove it from hf_config")
-        if key in KERNEL_NAMING_KEYS and isinstance(value, str) and "/" in value:
-            raise ConfigError(f"model.hf_config.{key} {value!r} names a Hugging Face Hub repository whose kernel "
-                              f"transformers would download and run ({_RUNS_CODE}): use a built-in "
-                              f"implementation (eager, sdpa, flash_attention_2, ...)")
+        if key in BUILT_IN_IMPLEMENTATIONS and value is not None:
+            allowed = BUILT_IN_IMPLEMENTATIONS[key]
+            if isinstance(value, str) and "/" in value:
+                raise ConfigError(f"{name} {value!r} names a Hugging Face Hub repository whose kernel "
+                                  f"transformers would download and run ({_RUNS_CODE}): use a built-in "
+                                  f"implementation ({', '.join(allowed)})")
+            if value not in allowed:
+                raise ConfigError(f"{name} {value!r} is not one of transformers' built-in implementations "
+                                  f"({', '.join(allowed)})")
+        _check_value(value, name, depth)
+
+
+def _check_value(value, name: str, depth: int) -> None:
+    if isinstance(value, dict):
+        check_hf_config(value, name, depth + 1)
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            _check_value(item, f"{name}[{i}]", depth + 1)
+    elif not (value is None or isinstance(value, (bool, int, float, str))):
+        raise ConfigError(f"{name} is a {type(value).__name__}: an architecture key holds plain data")
