@@ -144,7 +144,15 @@ def test_a_changed_source_file_makes_another_cache(mixed_images, monkeypatch):
         assert image_cache.cache_key(index.train, SIZE, "image") != before
     first = Path(index.train.column("path")[0].as_py())
     Image.new("RGB", (16, 16), (1, 2, 3)).save(first)
-    assert image_cache.cache_key(index_image_folder(mixed_images).train, SIZE, "image") != before
+    changed = image_cache.cache_key(index_image_folder(mixed_images).train, SIZE, "image")
+    assert changed != before
+    # rewritten in place with the same size and its modification time put back (rsync -a, cp -p, tar x)
+    data, st = bytearray(first.read_bytes()), first.stat()
+    data[-20] ^= 0xFF
+    first.write_bytes(bytes(data))
+    os.utime(first, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert first.stat().st_size == st.st_size and first.stat().st_mtime_ns == st.st_mtime_ns
+    assert image_cache.cache_key(index_image_folder(mixed_images).train, SIZE, "image") != changed
 
 
 BUILDER = textwrap.dedent('''

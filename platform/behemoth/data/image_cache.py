@@ -82,7 +82,7 @@ def cache_key(table: pa.Table, size: int, image_column: str, views: bool = False
     """A hash of every input of the stored pixels:
     - the samples in order: each one's file (absolute path), parquet row or tar member offset, and tar member
       length (the index's `path`, `row` and `size` columns);
-    - each file's size and modification time (its content, without reading it);
+    - each file's size, modification time, inode and change time (its content, without reading it);
     - `image_column`: which cell of a parquet row is decoded (a set may hold several image columns);
     - `size` (data.image_size), and how the pixels are made from the bytes: PIXELS (decode_rgb, center_fit)
       and Pillow's version (its decoders and resampling), with the cache FORMAT.
@@ -102,7 +102,9 @@ def cache_key(table: pa.Table, size: int, image_column: str, views: bool = False
             st = os.stat(path)
         except OSError as e:
             raise DataError(f"cannot read {path} ({e.strerror}): it is in the data set's index") from None
-        h.update(f"{path}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+        # the inode and the change time too: a file rewritten in place with its size and modification time
+        # put back (rsync -a, cp -p, tar x do that) keeps both of those, never its change time
+        h.update(f"{path}\0{st.st_size}\0{st.st_mtime_ns}\0{st.st_ino}\0{st.st_ctime_ns}\n".encode())
     h.update("\n".join(paths).encode())
     return h.hexdigest()[:24]
 
