@@ -11,14 +11,18 @@ newest K, as Ray's CheckpointConfig(num_to_keep=K) keeps), the run's records thr
 
 What a lane keeps from one trial to the next, all of it read-only and keyed by everything it depends on:
 torch, transformers and the task's code imported; the prepared data (an image index and its decoded cache
-mapped, a corpus's token index), per data config and seed; a model's FLOP count, per model and batch shape
-(worker/speed.py). What it puts back after every trial: torch's thread count; no thread, open file or CUDA
-memory of the trial outlives it (tests/integration/test_tune.py checks, trial after trial in one lane).
+mapped, a corpus's token index), per data config and seed, the least recently used dropped beyond
+LANE_DATA_SHARE of the node's memory; a model's FLOP count, per model and batch shape (worker/speed.py). What
+it puts back before and after every trial: the global state a fresh worker process has (default dtype,
+deterministic and anomaly modes, cuDNN and TF32 switches, the global random states, torch's thread count:
+sweep/fresh.py); no thread, open file or CUDA memory of the trial outlives it (tests/integration/test_tune.py
+checks, trial after trial in one lane).
 
 Failures, as under Ray Train: an error in the loop restarts it from the run's latest checkpoint, in the same
 process, up to failure.max_failures times (a data or config error ends the trial at once); a lane whose
 process dies (SIGKILL, out of memory) is Tune's to restart: the trial is retried in a new actor
-(sweep trial_max_failures) and resumes from its run folder. A trial that ASHA stops ends at its next report
+(sweep trial_max_failures) and resumes from its run folder. So is a lane whose CUDA context an error left
+unusable (an illegal memory access, a device-side assert): it shows the error and ends its own process. A trial that ASHA stops ends at its next report
 (Tune raises SystemExit there): its records are closed, and its pending checkpoint upload finishes.
 """
 
@@ -42,10 +46,14 @@ import torch
 from behemoth import paths, worker_context
 from behemoth.checkpoint import complete_checkpoints
 from behemoth.config import JobConfig
+from behemoth.driver.sweep.fresh import fresh_state
 from behemoth.errors import RunFailedError, user_facing_error
 
-# A lane's process: its prepared data per (data config, model config, seed). Read-only for the trials.
+# A lane's process: its prepared data per (data config, model config, seed), most recently used last.
+# Read-only for the trials. A sweep over a model key tokenises a corpus once per value (the vocabulary may
+# differ): the entries beyond this share of the node's memory go, the least recently used first.
 _PREPARED: dict[str, object] = {}
+LANE_DATA_SHARE = 0.25
 _TRIALS_HERE = [0]  # trials this process has hosted (the trial's console line says which one it is)
 
 
@@ -213,7 +221,7 @@ def _train_in_lane(cfg: JobConfig, forward, parent_mlflow_run: str | None, fence
     trainer.check_resume_data(cfg, data)
     recorder = tracking.callbacks()[0]
     ctx = LaneContext(cfg, recorder, fence, forward)
-    threads = torch.get_num_threads()
+    fresh_state().restore()  # as a fresh worker process starts (sweep/fresh.py)
     _TRIALS_HERE[0] += 1
     try:
         returned = _loop_with_restarts(cfg, data, ctx, recorder)
@@ -227,7 +235,7 @@ def _train_in_lane(cfg: JobConfig, forward, parent_mlflow_run: str | None, fence
         tracking.finish("failed")
         raise
     finally:
-        _tidy(threads)
+        _tidy()
     ctx.close()
     trainer.retire_unregistered(cfg, ctx.kept, fence)  # older complete checkpoints it never registered
     summary = trainer._summarise(cfg, ctx.result(returned), time.time() - started)
@@ -261,10 +269,13 @@ def _loop_with_restarts(cfg: JobConfig, data, ctx: LaneContext, recorder) -> dic
             sys.stderr.write(f"[behemoth] error in the training of run '{cfg.checkpoint.run_name}' (a lane):\n"
                              f"{traceback.format_exc()}")
             sys.stderr.flush()
+            if cuda_context_lost(e):
+                _end_lane(cfg, recorder)
             if failures >= cfg.failure.max_failures:
                 raise RunFailedError(_failure_message(cfg, e, failures)) from e
             failures += 1
             recorder.event("failure", decision="RETRY")
+            fresh_state().restore()
             print(f"[behemoth] run '{cfg.checkpoint.run_name}' failed in its lane ({type(e).__name__}: "
                   f"{str(e).strip().splitlines()[0] if str(e).strip() else ''}); restarting from its latest "
                   f"checkpoint ({failures} of failure.max_failures={cfg.failure.max_failures})", flush=True)
@@ -291,7 +302,38 @@ def _prepared(cfg: JobConfig, mark):
     else:
         for milestone in ("data_checked", "ray_ready", "data_ready"):
             mark(milestone)
+        _PREPARED[key] = _PREPARED.pop(key)  # the most recently used, last
+    keep_within(_PREPARED, LANE_DATA_SHARE * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
     return _PREPARED[key]
+
+
+def keep_within(prepared: dict, budget: float) -> None:
+    """Drop the least recently used entries (the first) while the entries' memory exceeds `budget`; the last,
+    the one in use, stays whatever its size."""
+    while len(prepared) > 1 and sum(map(held_bytes, prepared.values())) > budget:
+        prepared.pop(next(iter(prepared)))
+
+
+def held_bytes(obj, depth: int = 0) -> int:
+    """The memory a prepared object holds in arrays (numpy arrays not mapped from files, Arrow tables), found
+    through its attributes, dicts and lists."""
+    import numpy as np
+    import pyarrow as pa
+
+    if isinstance(obj, np.memmap):
+        return 0  # pages of a file: the OS drops them under pressure
+    if isinstance(obj, np.ndarray):
+        return obj.nbytes if obj.base is None or not isinstance(obj.base, np.memmap) else 0
+    if isinstance(obj, (pa.Table, pa.Array, pa.ChunkedArray)):
+        return obj.nbytes
+    if depth > 4 or isinstance(obj, (str, bytes, int, float, type(None))):
+        return 0
+    if isinstance(obj, dict):
+        return sum(held_bytes(v, depth + 1) for v in obj.values())
+    if isinstance(obj, (list, tuple)):  # (a long list: its first 1,000 items, scaled)
+        return sum(held_bytes(v, depth + 1) for v in obj[:1000]) * max(len(obj), 1000) // 1000
+    fields = getattr(obj, "__dict__", None)
+    return sum(held_bytes(v, depth + 1) for v in fields.values()) if fields else 0
 
 
 @contextlib.contextmanager
@@ -310,17 +352,50 @@ def _environment(variables: dict):
                 os.environ[key] = value
 
 
-def _tidy(threads: int) -> None:
-    """Put back what a trial changed in the lane's process."""
-    torch.set_num_threads(threads)
+def _tidy() -> None:
+    """Put back what a trial changed in the lane's process: the global state (sweep/fresh.py), its memory."""
+    fresh_state().restore()
     gc.collect()
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         # cuBLAS's workspaces are tensors of the caching allocator, kept per stream after the first matrix
         # product (memory_allocated stays above 0 once a trial has run): freed too, so that the next trial
         # finds the GPU as the lane's first did
-        if hasattr(torch._C, "_cuda_clearCublasWorkspaces"):
-            torch._C._cuda_clearCublasWorkspaces()
-        torch.cuda.empty_cache()
+        try:
+            if hasattr(torch._C, "_cuda_clearCublasWorkspaces"):
+                torch._C._cuda_clearCublasWorkspaces()
+            torch.cuda.empty_cache()
+        except Exception as e:  # noqa: BLE001 - a CUDA context the trial broke: the trial's own error is the one to show
+            print(f"[behemoth] freeing the trial's GPU memory failed too ({type(e).__name__}: "
+                  f"{str(e).strip().splitlines()[0] if str(e).strip() else ''})", file=sys.stderr, flush=True)
+
+
+# Errors after which a process's CUDA context is unusable (CUDA's "sticky" errors): every later call fails too.
+_STICKY_CUDA = ("illegal memory access", "device-side assert", "unspecified launch failure", "misaligned address",
+                "illegal instruction", "uncorrectable ecc", "hardware stack error", "cuda error: unknown error")
+
+
+def cuda_context_lost(e: BaseException) -> bool:
+    """Whether `e` (or an error it came from) is a CUDA error that leaves this process's CUDA context unusable:
+    an in-lane restart would reuse it and fail at once; only a new process trains again."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        text = str(e).lower()
+        if "cuda" in text and any(sticky in text for sticky in _STICKY_CUDA):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
+def _end_lane(cfg: JobConfig, recorder) -> None:
+    """End this lane's process (its trial's error is shown above): Tune retries the trial in a new actor, with
+    a CUDA context of its own, resuming from the run folder (sweep trial_max_failures)."""
+    print(f"[behemoth] run '{cfg.checkpoint.run_name}': the GPU's CUDA context in this lane is lost (the error "
+          f"above); ending the lane's process so that the trial restarts in a new one, from its latest "
+          f"checkpoint", file=sys.stderr, flush=True)
+    recorder.event("failure", decision="NEW_PROCESS")
+    recorder.close()
+    os._exit(70)
 
 
 def _lane_device() -> torch.device:
