@@ -18,15 +18,26 @@ sys.path.insert(0, str(REPO / "platform"))
 from behemoth.driver.data_bench import MachineCpu  # noqa: E402,F401  (the benches import it from here)
 
 
-def lm_corpus(root: Path = REPO / "data" / "bench_text") -> Path:
-    """Generated stories (2,000 train / 100 val documents) and a 1,024-token BPE tokenizer, made once."""
+def lm_corpus(root: Path = REPO / "data" / "bench_text", train_documents: int = 2000) -> Path:
+    """Generated stories (`train_documents` train / 100 val documents) and a 1,024-token BPE tokenizer, made
+    once per folder."""
     from behemoth.data.synth_text import write_synth_text
     from behemoth.data.tokenizer import train_tokenizer
 
     if not (root / "tokenizer" / "tokenizer.json").is_file():
-        write_synth_text(root, train_documents=2000, val_documents=100, seed=0)
+        write_synth_text(root, train_documents=train_documents, val_documents=100, seed=0)
         train_tokenizer([str(root / "train.jsonl")], root / "tokenizer", vocab_size=1024)
     return root
+
+
+# TinyLlama 1.1B's shape (22 layers, hidden 2048, grouped-query attention 32/4 heads, vocabulary 32000), built
+# from the config (no download): the ~1B causal LM the GPU tier measures. The tokenizer's 1,024 tokens fill
+# the low ids; the embedding and head have all 32000 rows, so the compute is the real model's.
+TINYLLAMA = {"hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 22, "num_attention_heads": 32,
+             "num_key_value_heads": 4, "vocab_size": 32000}
+# The same code paths at a size a CPU trains in seconds (the benches' --tiny dry runs)
+TINYLLAMA_TINY = {"hidden_size": 64, "intermediate_size": 176, "num_hidden_layers": 2, "num_attention_heads": 4,
+                  "num_key_value_heads": 2, "vocab_size": 2048}
 
 
 def demo_images_cached() -> None:
@@ -43,9 +54,9 @@ def demo_images_cached() -> None:
 
 def lm_job(corpus: Path, storage: Path, run_name: str, *, hidden: int = 256, layers: int = 4, seq_len: int = 128,
            batch: int = 16, steps: int = 60, workers: int = 1, threads: int = 2, log_every: int = 10,
-           checkpoint_every: int = 10_000, gpu: bool = False, **sections) -> dict:
+           checkpoint_every: int = 10_000, gpu: bool = False, hf_config: dict | None = None, **sections) -> dict:
     """A Llama-style LM job on the corpus. `sections` update a section's keys, e.g. train={...}. `gpu`: one
-    GPU per worker (nccl), in bf16."""
+    GPU per worker (nccl), in bf16. `hf_config`: the model's shape instead of hidden/layers (TINYLLAMA)."""
     job = {
         "data": {"kind": "text", "train_files": [str(corpus / "train.jsonl")],
                  "val_files": [str(corpus / "val.jsonl")], "tokenizer": str(corpus / "tokenizer"),
@@ -53,7 +64,7 @@ def lm_job(corpus: Path, storage: Path, run_name: str, *, hidden: int = 256, lay
         "model": {"name": "causal_lm", "hf_config": {
             "model_type": "llama", "hidden_size": hidden, "intermediate_size": 4 * hidden,
             "num_hidden_layers": layers, "num_attention_heads": max(hidden // 64, 1),
-            "max_position_embeddings": seq_len}},
+            "max_position_embeddings": seq_len, **(hf_config or {})}},
         "train": {"epochs": 100, "max_steps": steps, "global_batch_size": batch, "optimizer": "adamw",
                   "lr": 3e-4, "weight_decay": 0.0, "warmup_steps": 5, "log_every": log_every},
         "scaling": {"num_workers": workers, "cpus_per_worker": 1.0 if workers == 1 else 0.75,

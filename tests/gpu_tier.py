@@ -1,22 +1,31 @@
-"""The GPU tier: one prepared command for a machine with one CUDA GPU (`./run.sh test-gpu`, <= 11 minutes).
+"""The GPU tier: one prepared command for a machine with one CUDA GPU (`./run.sh test-gpu`).
 
-    ./run.sh test-gpu [--out gpu-tier.json]
+    ./run.sh test-gpu [--part loop|data|all] [--out gpu-tier.json]
+    ./run.sh test-gpu --dry-run      # no GPU needed: the real-shape benches at toy sizes on the CPU
 
-Steps, each under its own time limit, one after the other:
-  1. the GPU-marked tests (`pytest -m gpu`): none may be skipped;
-  2. the image demo on the GPU: 1 worker, nccl, bf16 (`behemoth train jobs/configs/demo_images.yaml` with the
-     GPU overrides): its accuracy, samples/s and wall time;
-  3. the language-model demo on the GPU in bf16: its MFU against the GPU's data-sheet peak;
-  4. the step-rate bench (`bench/step_overhead.py --gpu`) and the checkpoint-stall bench
-     (`bench/checkpoint_blocking.py --gpu`), two repeats each;
-  5. the image input pipeline's scaling with CPUs (`bench/data_scaling.py`: `behemoth data bench --cpus N` at
-     2, 4, 8 and 16 CPUs; fails under 85 % per CPU at 16 of the rate at 2).
-Each step's figures and the tail of its output go to the JSON file (default gpu-tier.json; `$OUT/gpu-tier.json`
-when $OUT is set), written after every step, so a step that runs out of time keeps what came before it; each
-step's whole output to a log beside it (gpu-tier-STEP.log).
+Steps, each under its own time limit, one after the other, in two parts of under 10 minutes each (a lent GPU
+machine runs one command for at most 10 minutes; `all`, the default, runs both):
+  loop: 1. the GPU-marked tests (`pytest -m gpu`), none may be skipped (among them: a step of every built-in
+           task under torch.cuda.set_sync_debug_mode);
+        2. the step-rate bench at the demo LM's step (`bench/step_overhead.py --gpu`), floor 0.97 of a plain loop;
+        3. a TinyLlama-1.1B-shaped Llama, bf16, each layer compiled, fused AdamW (`bench/step_overhead.py
+           --tinyllama`): floors MFU >= 40 % and tokens/s >= 0.97 of the plain script;
+        4. its asynchronous checkpoint (`bench/checkpoint_blocking.py --tinyllama`, ~13 GB of weights and AdamW
+           state): floor blocked <= 1/10 of torch.save's;
+  data: 5. the image demo on the GPU (1 worker, nccl, bf16): its accuracy, samples/s and wall time;
+        6. the language-model demo on the GPU in bf16: its MFU against the GPU's data-sheet peak;
+        7. ResNet-50 at 224 from ImageNet-shaped JPEGs through behemoth's pipeline (`bench/resnet50_feed.py`):
+           floors >= 0.9 of GPU-resident synthetic batches and >= a plain DataLoader script;
+        8. the image input pipeline's scaling with CPUs (`bench/data_scaling.py`: `behemoth data bench --cpus N`
+           at 2, 4, 8 and 16 CPUs; fails under 85 % per CPU at 16 of the rate at 2).
+A bench under its floor exits 1 and the tier fails, with the figure. Each step's figures and the tail of its
+output go to the JSON file (default gpu-tier.json; `$OUT/gpu-tier.json` when $OUT is set), written after every
+step, so a step that runs out of time keeps what came before it; each step's whole output to a log beside it
+(gpu-tier-STEP.log).
 
 Without a GPU it runs its CPU-side checks (every step's command line is valid: the demo configs with the GPU
-overrides pass `behemoth check`, the benches parse their options), then refuses with one line and exit status 3.
+overrides pass `behemoth check`, the benches parse their options), then refuses with one line and exit status 3;
+with --dry-run it runs the three real-shape benches with --tiny on the CPU (their code paths, no floors).
 """
 
 from __future__ import annotations
@@ -38,20 +47,29 @@ GPU_SET = ["--set", "scaling.use_gpu=true", "--set", "scaling.num_workers=1", "-
 NO_GPU = 3  # exit status: the tier needs a GPU
 
 
-def steps(storage: str) -> list[tuple[str, list[str], int]]:
-    """(name, command, time limit in seconds); together within the tier's 11 minutes."""
+def steps(storage: str, part: str = "all", dry_run: bool = False) -> list[tuple[str, list[str], int]]:
+    """(name, command, time limit in seconds) of a part; each part within 10 minutes."""
     where = ["--set", f"checkpoint.storage_path={storage}"]
-    return [
-        ("gpu_tests", [PY, "-m", "pytest", "-m", "gpu", "-q", "-rs", "tests"], 55),
+    tiny = ["--tiny"] if dry_run else []
+    loop = [
+        ("gpu_tests", [PY, "-m", "pytest", "-m", "gpu", "-q", "-rs", "tests"], 60),
+        ("step_rate", [PY, "bench/step_overhead.py", "--gpu", "--repeats", "2", "--floor", "0.97"], 100),
+        ("llama_1b", [PY, "bench/step_overhead.py", "--tinyllama", "--repeats", "1", *tiny], 230),
+        ("checkpoint_1b", [PY, "bench/checkpoint_blocking.py", "--tinyllama", *tiny], 170),
+    ]
+    data = [
         ("demo_images", [PY, "-m", "behemoth", "train", "jobs/configs/demo_images.yaml", *GPU_SET, *where,
                          "--set", "checkpoint.run_name=gpu_demo_images"], 65),
         ("demo_lm", [PY, "-m", "behemoth", "train", "jobs/configs/demo_lm.yaml", *GPU_SET, *where,
                      "--set", "checkpoint.run_name=gpu_demo_lm"], 75),
-        ("step_rate", [PY, "bench/step_overhead.py", "--gpu", "--repeats", "2"], 110),
-        ("checkpoint_stall", [PY, "bench/checkpoint_blocking.py", "--gpu", "--repeats", "2"], 175),
+        ("resnet50", [PY, "bench/resnet50_feed.py", *tiny], 220),
         # the 224-px JPEG pipeline alone at 2-16 of the machine's CPUs (no GPU used; its floor: 85 % per CPU)
         ("data_scaling", [PY, "bench/data_scaling.py"], 170),
     ]
+    chosen = {"loop": loop, "data": data, "all": loop + data}[part]
+    if dry_run:  # the real-shape benches at toy sizes, on the CPU
+        return [step for step in chosen if step[0] in ("llama_1b", "checkpoint_1b", "resnet50")]
+    return chosen
 
 
 def figures(name: str, out: str) -> dict:
@@ -61,7 +79,9 @@ def figures(name: str, out: str) -> dict:
         "val_accuracy": r"val_acc(?:uracy)?[ =:]+([0-9.]+)", "samples_per_s": r"([0-9.]+) samples/s",
         "mfu": r"MFU ([0-9.]+)%", "peak": r"peak: ([^)]*)\)", "wall_s": r"wall time: +([0-9.]+) s",
         "ratio": r"ratio [^:]*: (?:median )?([0-9.]+)", "skipped": r"(\d+) skipped", "passed": r"(\d+) passed",
-        "failed": r"(\d+) failed", "scaling_efficiency": r"scaling efficiency at \d+ CPUs: ([0-9.]+)"}
+        "failed": r"(\d+) failed", "scaling_efficiency": r"scaling efficiency at \d+ CPUs: ([0-9.]+)",
+        "vs_synthetic": r"behemoth / synthetic: ([0-9.]+)", "vs_dataloader": r"behemoth / dataloader: ([0-9.]+)",
+        "save_over_blocked": r"torch.save / behemoth async ([0-9.]+)x", "floors": r"floors?: ([^\n]+)"}
     for key, pattern in patterns.items():
         hits = re.findall(pattern, out)
         if hits:
@@ -123,6 +143,10 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     default_out = Path(os.environ["OUT"], "gpu-tier.json") if os.environ.get("OUT") else REPO / "gpu-tier.json"
     p.add_argument("--out", type=Path, default=default_out, help="the results file (JSON)")
+    p.add_argument("--part", choices=["loop", "data", "all"], default="all",
+                   help="loop: tests, step rate, the 1B model and its checkpoint; data: demos, ResNet-50 fed from "
+                        "JPEGs, the pipeline's scaling (each under 10 minutes)")
+    p.add_argument("--dry-run", action="store_true", help="the real-shape benches at toy sizes on the CPU")
     args = p.parse_args()
     import torch
 
@@ -131,21 +155,29 @@ def main() -> int:
     problems = cpu_side_checks(storage)
     for problem in problems:
         print(f"[gpu tier] CPU-side check failed: {problem}", flush=True)
+    if args.dry_run:
+        return run_steps(steps(storage, args.part, dry_run=True), args.out, "cpu (dry run)", problems)
     if not torch.cuda.is_available():
         why = (f"torch {torch.__version__} is a CPU build (./run.sh installs BEHEMOTH_TORCH_SPEC: name a CUDA build)"
                if torch.version.cuda is None and Path("/dev/nvidiactl").exists() else "no CUDA GPU on this machine")
         print(f"[gpu tier] CPU-side checks {'failed' if problems else 'passed'}; {why}: "
               f"the GPU tier runs on a machine with one (./run.sh test-gpu there)", flush=True)
         return NO_GPU
-    results = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "started": time.time(), "steps": {}}
-    for name, command, limit_s in steps(storage):
+    return run_steps(steps(storage, args.part), args.out, torch.cuda.get_device_name(0), problems)
+
+
+def run_steps(chosen: list, out: Path, device: str, problems: list[str]) -> int:
+    import torch
+
+    results = {"gpu": device, "torch": torch.__version__, "started": time.time(), "steps": {}}
+    for name, command, limit_s in chosen:
         print(f"[gpu tier] {name}: {' '.join(command)}", flush=True)
-        results["steps"][name] = run_step(name, command, limit_s, args.out.with_name(f"{args.out.stem}-{name}.log"))
-        args.out.write_text(json.dumps(results, indent=1))
+        results["steps"][name] = run_step(name, command, limit_s, out.with_name(f"{out.stem}-{name}.log"))
+        out.write_text(json.dumps(results, indent=1))
         shown = {k: v for k, v in results["steps"][name].items() if k not in ("tail", "command")}
         print(f"[gpu tier] {name}: {shown}", flush=True)
     failed = [name for name, r in results["steps"].items() if r["status"] != 0]
-    print(f"[gpu tier] figures in {args.out}; {'failed: ' + ', '.join(failed) if failed else 'every step passed'}")
+    print(f"[gpu tier] figures in {out}; {'failed: ' + ', '.join(failed) if failed else 'every step passed'}")
     return 1 if failed or problems else 0
 
 

@@ -91,14 +91,17 @@ class HostSyncs:
 
 
 class _Host(context.WorkerContext):
-    """One worker on the CPU, no Ray: what the loop's model building asks of its host."""
+    """One worker, no Ray: what the loop's model building asks of its host."""
+
+    def __init__(self, device=torch.device("cpu")):
+        self._device = device
 
     @property
     def device(self):
-        return torch.device("cpu")
+        return self._device
 
     def prepare_model(self, model, wrap_ddp):
-        return model
+        return model.to(self._device)
 
 
 def _image_task(tmp_path, image_root):
@@ -166,22 +169,32 @@ def built_task(request, tmp_path):
     return maker(tmp_path, request.getfixturevalue("text_corpus"))
 
 
-def _steps_under_watch(cfg, task, batches, steps: int = 3) -> tuple[list[str], Window]:
+def _steps_under_watch(cfg, task, batches, steps: int = 3, device=torch.device("cpu"),
+                       watch=None) -> tuple[list[str], Window]:
     """The loop's model building, then `steps` steps of two micro-batches each (the first unwatched: AdamW
-    makes its state there), as the loop runs them; what the watched steps asked the device."""
+    makes its state there), as the loop runs them; what the watched steps asked the device (`watch`: a
+    context manager with `found`, HostSyncs by default)."""
     from behemoth.worker.loop import _build_run, step
 
-    device = torch.device("cpu")
-    with context.hosted(_Host()):
+    with context.hosted(_Host(device)):
         run, *_ = _build_run(cfg, task, PhaseClock(), 0, 1, device, total_steps=100)
         state, window = TrainState(world_size=1), Window()
-        step(run, batches(0), cfg, task, device, state, 0, window, 0.0)
+        step(run, _on(batches(0), device), cfg, task, device, state, 0, window, 0.0)
         counters = [s["step"] for s in run.optimizer.state.values() if isinstance(s.get("step"), torch.Tensor)]
-        with HostSyncs(host_counters=counters) as watch:
+        ready = [_on(batches(i), device) for i in range(1, steps)]  # (copies outside the watch: the feed's)
+        with watch or HostSyncs(host_counters=counters) as watching:
             for i in range(1, steps):
                 state.step = i
-                step(run, batches(i), cfg, task, device, state, 0, window, 0.0)
-    return watch.found, window
+                step(run, ready[i - 1], cfg, task, device, state, 0, window, 0.0)
+    return watching.found, window
+
+
+def _on(micro_batches: list[dict], device) -> list[dict]:
+    """A step's batches on the device, as the feed hands them over (pinned, non-blocking)."""
+    if device.type == "cpu":
+        return micro_batches
+    return [{k: v.pin_memory().to(device, non_blocking=True) if v.device.type == "cpu" and k != "sample_id" else v
+             for k, v in b.items()} for b in micro_batches]
 
 
 # The one sync left, by name: a padded batch's attention mask goes through transformers' create_causal_mask,
@@ -204,6 +217,39 @@ def test_a_step_asks_the_device_nothing(built_task):
     assert float(window.loss_count) == 3 * (16 - 2 if images else 16)  # an undecodable image per micro-batch
     if images:
         assert window.bad_sample_ids() == {16 * s + 8 * i + (s + i) % 8 for s in range(3) for i in range(2)}
+
+
+class _CudaSyncWarnings:
+    """torch.cuda.set_sync_debug_mode("warn") while the block runs: every call that synchronises the host with
+    the GPU warns; `found` lists them."""
+
+    def __enter__(self):
+        import warnings
+
+        self._catch = warnings.catch_warnings(record=True)
+        self._seen = self._catch.__enter__()
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        return self
+
+    def __exit__(self, *exc):
+        torch.cuda.set_sync_debug_mode("default")
+        self._catch.__exit__(*exc)
+        self.found = [f"{w.message} at {w.filename}:{w.lineno}" for w in self._seen
+                      if "synchroniz" in str(w.message)]
+
+
+@pytest.mark.gpu
+def test_a_gpu_step_never_waits_for_the_gpu(built_task):
+    """The same steps on a GPU, under CUDA's own sync detection (set_sync_debug_mode): none, but the
+    classifier's padded-mask check inside transformers, once per forward."""
+    cfg, task, batches = built_task
+    device = torch.device("cuda", 0)
+    found, _ = _steps_under_watch(cfg, task, batches, device=device, watch=_CudaSyncWarnings())
+    if cfg.data.kind == "text_classification":
+        assert len(found) <= 4, found
+        found = []
+    assert not found, "GPU syncs in a training step:\n  " + "\n  ".join(found)
 
 
 def test_the_watch_sees_the_syncs_it_is_for(tmp_path, image_root):
