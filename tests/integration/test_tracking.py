@@ -47,7 +47,7 @@ def test_tracking_and_goodput_of_a_run_with_a_killed_worker(ray_local, image_roo
     # end, so those steps and the reports between them span from record 20 to the last report's record; the
     # reports' own time (evaluation, checkpoint, report phases) is taken off. (The account's lost work is made
     # of other counters: the step and data-wait phases.) The worker hands its reports to Ray Train in a thread,
-    # at most one per controller poll (worker/report.py): the logged steps it had not handed over yet die with
+    # at most one a second (worker/report.py): the logged steps it had not handed over yet die with
     # it, and the records hold every logged step up to the last one handed over.
     acc = summary.goodput
     first, second = acc.groups

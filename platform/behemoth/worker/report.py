@@ -39,6 +39,13 @@ def report_due(cfg: JobConfig, state: TrainState, total_steps: int) -> bool:
             or checkpoint_due(cfg, state, total_steps))
 
 
+# The fewest seconds between two reports handed to Ray Train (where its host takes them by polling): each costs
+# the reporting thread a few milliseconds of Python (an actor call for the ranks' barrier, the queue), which the
+# training thread's own Python then waits for (one GIL). At the controller's 0.2 s poll that was ~3 % of a
+# 23 ms CPU step; at 1 s, ~1 % (BENCHMARKS.md, "P1 at the fast shape"). Evaluations go at once.
+REPORT_EVERY_S = 1.0
+
+
 class ReportSender:
     """Reports to the host without holding the training step.
 
@@ -48,7 +55,8 @@ class ReportSender:
     a run that reports every 10 steps of 17 ms waits at nearly every report, and at the first one after a
     checkpoint for its whole upload. So (with the host's `report_interval_s` > 0) the sending runs in a thread
     of its own, in order, and a logged step's metrics are handed to it only when rank 0 votes so: an interval
-    has passed since its last report and its thread is idle. The ones in between wait here and go with the
+    (REPORT_EVERY_S, or the host's poll interval if longer) has passed since its last report and its thread
+    is idle. The ones in between wait here and go with the
     next report handed over, under LOGGED (the run's records expand them: every logged step is kept, and the
     console prints each at once). Every rank learns rank 0's vote in the metrics' all-reduce, so all ranks send
     the same reports (the barrier counts calls). The report after a checkpoint goes at once (a failed upload
@@ -128,7 +136,8 @@ class Reporter:
         self.rank, self.world = ctx.rank, ctx.world
         self.micro_batch, self.total_steps, self.epoch_steps = micro_batch, total_steps, epoch_steps
         self.clock, self.resumed_from_step = clock, resumed_from_step
-        self.sender = ReportSender(ctx.report_interval_s)
+        interval = ctx.report_interval_s
+        self.sender = ReportSender(max(interval, REPORT_EVERY_S) if interval > 0 else 0.0)
 
     def report(self, state: TrainState, window: Window, bad_ids: set) -> None:
         started, clock = time.perf_counter(), self.clock.snapshot()  # the phases up to this report
