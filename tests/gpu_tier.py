@@ -93,11 +93,18 @@ def _text(stream) -> str:
     return stream.decode(errors="replace") if isinstance(stream, bytes) else (stream or "")
 
 
-def run_step(name: str, command: list[str], limit_s: int, log: Path) -> dict:
-    """Run one step; its whole output goes to `log`, its figures and the output's tail to the result."""
+def run_step(name: str, command: list[str], limit_s: int, log: Path, tmp: str | None = None) -> dict:
+    """Run one step; its whole output goes to `log`, its figures and the output's tail to the result. `tmp`:
+    its TMPDIR (Ray's sessions follow it: a local instance of the tier's own, never a user's cluster found in
+    Ray's default temp dir; removed with the tier's folder)."""
     started = time.time()
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    if tmp is not None:
+        os.makedirs(tmp, exist_ok=True)
+        env["TMPDIR"] = tmp
     try:
-        done = subprocess.run(command, check=False, cwd=REPO, capture_output=True, text=True, timeout=limit_s)
+        done = subprocess.run(command, check=False, cwd=REPO, capture_output=True, text=True, timeout=limit_s,
+                              env=env)
         out, status = done.stdout + done.stderr, done.returncode
     except subprocess.TimeoutExpired as e:
         out, status = f"{_text(e.stdout)}{_text(e.stderr)}\n[gpu tier] {name}: over its {limit_s} s", "timeout"
@@ -156,23 +163,37 @@ def main() -> int:
     for problem in problems:
         print(f"[gpu tier] CPU-side check failed: {problem}", flush=True)
     if args.dry_run:
-        return run_steps(steps(storage, args.part, dry_run=True), args.out, "cpu (dry run)", problems)
+        return _cleaned(storage, run_steps(steps(storage, args.part, dry_run=True), args.out, "cpu (dry run)",
+                                           problems, storage))
     if not torch.cuda.is_available():
         why = (f"torch {torch.__version__} is a CPU build (./run.sh installs BEHEMOTH_TORCH_SPEC: name a CUDA build)"
                if torch.version.cuda is None and Path("/dev/nvidiactl").exists() else "no CUDA GPU on this machine")
         print(f"[gpu tier] CPU-side checks {'failed' if problems else 'passed'}; {why}: "
               f"the GPU tier runs on a machine with one (./run.sh test-gpu there)", flush=True)
         return NO_GPU
-    return run_steps(steps(storage, args.part), args.out, torch.cuda.get_device_name(0), problems)
+    return _cleaned(storage, run_steps(steps(storage, args.part), args.out, torch.cuda.get_device_name(0), problems,
+                                       storage))
 
 
-def run_steps(chosen: list, out: Path, device: str, problems: list[str]) -> int:
+def _cleaned(storage: str, status: int) -> int:
+    """The tier's folder (run folders, Ray's sessions) removed when every step passed; kept, and named, when not."""
+    import shutil
+
+    if status == 0:
+        shutil.rmtree(storage, ignore_errors=True)
+    else:
+        print(f"[gpu tier] its folder is kept for inspection (run folders, Ray's logs): {storage}", flush=True)
+    return status
+
+
+def run_steps(chosen: list, out: Path, device: str, problems: list[str], storage: str | None = None) -> int:
     import torch
 
     results = {"gpu": device, "torch": torch.__version__, "started": time.time(), "steps": {}}
     for name, command, limit_s in chosen:
         print(f"[gpu tier] {name}: {' '.join(command)}", flush=True)
-        results["steps"][name] = run_step(name, command, limit_s, out.with_name(f"{out.stem}-{name}.log"))
+        results["steps"][name] = run_step(name, command, limit_s, out.with_name(f"{out.stem}-{name}.log"),
+                                          tmp=os.path.join(storage, "tmp") if storage else None)
         out.write_text(json.dumps(results, indent=1))
         shown = {k: v for k, v in results["steps"][name].items() if k not in ("tail", "command")}
         print(f"[gpu tier] {name}: {shown}", flush=True)

@@ -4,6 +4,7 @@ and loss (examples/custom_model.py) end to end, and a transformers ViT from mode
 (The language-model export: test_train_lm.py, on that module's run.) One Ray instance for the module."""
 
 import json
+import math
 import shutil
 import subprocess
 import sys
@@ -78,6 +79,8 @@ def test_eval_and_export_match_the_run_and_the_export_loads_with_transformers_al
                                                                                     monkeypatch):
     cfg, summary = image_run
     final = summary.metrics
+    # it learned: below the loss of a uniform guess over the 4 classes (ln 4), better than chance (1/4)
+    assert final["val_loss"] < math.log(4) and final["val_accuracy"] > 0.25, final
     job_yaml = tmp_path / "job.yaml"
     job_yaml.write_text(dump_yaml(cfg))
     received, marker = _received(summary.run_dir, tmp_path, monkeypatch)

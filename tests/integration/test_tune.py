@@ -297,7 +297,7 @@ def test_sweep_survives_worker_and_driver_kills_asha_stops_trials_and_resources_
     job["train"]["sample_ledger"] = None
     straight = train(config_from_dict(job))
     a, b = (torch.load(Path(p) / "model.pt") for p in (summary["latest_checkpoint"], straight.latest_checkpoint))
-    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert straight.metrics["val_loss"] == json.loads((runs / first / "summary.json").read_text())["metrics"]["val_loss"]
     # Retention is Ray's: every 2 steps, keep 2.
     kept = [read_state(p).step for p in (tmp_path / "runs" / "straight").glob("checkpoint_*") if p.is_dir()]

@@ -35,6 +35,15 @@ def test_check_prints_config_and_data_summary(image_root, tmp_path, capsys):
     assert "lr: 0.2" in out and "96 train / 24 val samples, 4 classes" in out
 
 
+def test_check_of_bad_data_answers_in_one_line_without_the_config(tmp_path, capsys):
+    """A data error is the one line `behemoth check` prints: not after the whole resolved config on stdout."""
+    cfg = tmp_path / "job.yaml"
+    cfg.write_text(yaml.safe_dump(job_dict(tmp_path / "no_such_folder", tmp_path / "runs")))
+    assert main(["check", str(cfg)]) != 0
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1 and "no_such_folder" in err
+
+
 def test_auth_token_file_is_made_owner_only(tmp_path, monkeypatch):
     import stat
 

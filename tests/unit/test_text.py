@@ -150,3 +150,26 @@ def test_tokenizer_round_trip_and_eos(text_corpus):
 def test_missing_tokenizer_is_a_data_error(tmp_path, text_corpus):
     with pytest.raises(DataError, match="data.tokenizer .*cannot be loaded.*train-tokenizer"):
         load_tokenizer(str(tmp_path / "no_tokenizer"))
+
+
+@pytest.mark.parametrize("loader", ["load_tokenizer", "load_classification_tokenizer"])
+def test_a_tokenizer_asking_to_run_its_own_code_is_refused_without_asking(tmp_path, capfd, loader):
+    """A tokenizer folder whose config names its own class (auto_map, as a received checkpoint's tokenizer may):
+    one DataError naming it, never transformers' terminal prompt to run the code (which waits for an answer)."""
+    import json
+
+    from behemoth.data import labelled_text, text
+    from behemoth.data.tokenizer import train_tokenizer
+    from behemoth.errors import DataError
+
+    (tmp_path / "c.txt").write_text("hello world\n" * 100)
+    train_tokenizer([str(tmp_path / "c.txt")], tmp_path / "tok", vocab_size=300)
+    config = json.loads((tmp_path / "tok" / "tokenizer_config.json").read_text())
+    config.update(tokenizer_class="MyTok", auto_map={"AutoTokenizer": ["my_tok.MyTok", "my_tok.MyTok"]})
+    (tmp_path / "tok" / "tokenizer_config.json").write_text(json.dumps(config))
+    (tmp_path / "tok" / "my_tok.py").write_text(f"open({str(tmp_path / 'ran')!r}, 'w')\n")
+    load = getattr(text if loader == "load_tokenizer" else labelled_text, loader)
+    with pytest.raises(DataError, match="contains custom code"):
+        load(str(tmp_path / "tok"))
+    out, err = capfd.readouterr()
+    assert "Do you wish to run the custom code" not in out + err and not (tmp_path / "ran").exists()

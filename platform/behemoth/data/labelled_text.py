@@ -214,7 +214,9 @@ def load_classification_tokenizer(name: str):
     from transformers import AutoTokenizer
 
     try:
-        tok = AutoTokenizer.from_pretrained(name)
+        # never a tokenizer's own code (a tokenizer_config with auto_map): left unset, transformers asks on the
+        # terminal; a checkpoint received from someone else names its tokenizer
+        tok = AutoTokenizer.from_pretrained(name, trust_remote_code=False)
     except (OSError, ValueError) as e:
         raise DataError(f"data.tokenizer {name!r} cannot be loaded: {e}. Point it at a folder holding "
                         f"tokenizer.json (behemoth data train-tokenizer makes one) or a hub name") from None

@@ -245,8 +245,9 @@ def _dispatch(args) -> int:
     if args.command == "check":
         from behemoth.driver.data_bench import feed_check
 
+        checked = _check_data(cfg)  # (before the config is shown: a data error is then the one line printed)
         print(dump_yaml(cfg), end="")
-        print(f"# data: {_check_data(cfg)}")
+        print(f"# data: {checked}")
         line, warning = feed_check(cfg)
         print(f"# feed: {line}")
         if warning:
