@@ -246,21 +246,6 @@ def layouts(rank, world, out):
     return results
 
 
-SCENARIOS = {
-    "baseline": baseline,
-    "accumulation": accumulation,
-    "fp16": compression("fp16"),
-    "bf16": compression("bf16"),
-    "powersgd": compression("powersgd"),
-    "bf16_autocast": bf16_autocast,
-    "powersgd_restore": powersgd_restore,
-    "fsdp_grad_op": fsdp("fsdp_grad_op"),
-    "fsdp_full": fsdp("fsdp_full"),
-    "layouts": layouts,
-    "fsdp_bf16": fsdp_bf16,
-}
-
-
 def fsdp_bf16(rank, world, out):
     """FSDP under precision bf16: what a layer computes with (the gathered parameters), and what is kept (the
     shards, their gradients, the optimizer state)."""
@@ -276,6 +261,21 @@ def fsdp_bf16(rank, world, out):
             "grads": sorted({str(p.grad.dtype) for p in model.parameters()}),
             "optimizer_state": sorted({str(v.dtype) for st in optimizer.state.values() for k, v in st.items()
                                        if k != "step"})}
+
+
+SCENARIOS = {
+    "baseline": baseline,
+    "accumulation": accumulation,
+    "fp16": compression("fp16"),
+    "bf16": compression("bf16"),
+    "powersgd": compression("powersgd"),
+    "bf16_autocast": bf16_autocast,
+    "powersgd_restore": powersgd_restore,
+    "fsdp_grad_op": fsdp("fsdp_grad_op"),
+    "fsdp_full": fsdp("fsdp_full"),
+    "layouts": layouts,
+    "fsdp_bf16": fsdp_bf16,
+}
 
 
 def run(rank: int, world: int, port: int, out: str) -> None:

@@ -830,3 +830,18 @@ def test_a_checkpoint_report_leaves_no_folder_behind_whether_its_upload_succeeds
     monkeypatch.setattr(ray.train, "report", lambda metrics, checkpoint=None, **kw: handed.append((checkpoint.path, 0)))
     saver.send_report({"step": 2}, staging_upload(False), async_upload=True, dir_name="d")
     assert len(handed) == 5 and list(tmp_path.iterdir()) == []
+
+
+def test_a_received_checkpoints_job_yaml_is_checked_against_its_manifest_before_it_is_read(tmp_path):
+    """export builds the config from the checkpoint's job.yaml: an edited one (its manifest not rewritten) is a
+    damaged checkpoint, refused before it is parsed, never a config to build."""
+    from behemoth.driver.export import TrustedCode, _job_of
+
+    model, opt, sched = make()
+    parts = dict(model=model, optimizer=opt, scheduler=sched, task_files={},
+                 job_yaml="data: {kind: image_folder, root: .}\nmodel: {name: regnet_tiny_cifar}\n")
+    folder = checkpoint.write(tmp_path / "c", checkpointing.snapshot(state=TrainState(step=1), **parts))
+    assert _job_of(str(folder), TrustedCode()).model.name == "regnet_tiny_cifar"
+    (folder / "job.yaml").write_text("data: {kind: image_folder, root: .}\nmodel: {name: regnet_cifar}\n")
+    with pytest.raises(CheckpointError, match=r"job.yaml does not match its manifest"):
+        _job_of(str(folder), TrustedCode())

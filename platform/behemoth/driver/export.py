@@ -25,7 +25,7 @@ from typing import Optional
 import yaml
 
 from behemoth import paths, weights
-from behemoth.checkpoint import complete_checkpoints, read_file, read_state
+from behemoth.checkpoint import complete_checkpoints, read_state, read_verified
 from behemoth.config import DataConfig, JobConfig, ModelConfig, dump_yaml, warn_remote_code
 from behemoth.errors import CheckpointError, ConfigError
 from behemoth.job import config_from_dict
@@ -85,8 +85,8 @@ def _job_of(path: str, trusted: TrustedCode) -> JobConfig:
         weights.resolve(path)  # raises the message that says what the folder is not, or:
         raise ConfigError(f"{path} is already a Hugging Face folder, not a behemoth checkpoint")
     job = f"{candidates[0]}/job.yaml"
-    try:
-        raw = yaml.safe_load(read_file(job).decode()) or {}
+    try:  # checked against the manifest before it is read: an edited job.yaml is damage, never a config to build
+        raw = yaml.safe_load(read_verified(candidates[0], "job.yaml").decode()) or {}
     except OSError as e:
         raise CheckpointError(f"{candidates[0]}: cannot read its job.yaml ({e})") from None
     if not isinstance(raw, dict):
