@@ -31,9 +31,10 @@ HF_ONLY = Path(__file__).with_name("hf_only.py")
 
 @pytest.fixture(scope="module")
 def image_run(image_root, tmp_path_factory):
-    """A finished 2-worker run of the tiny RegNet: 12 steps, checkpoints every 3 (2 kept), evaluated per epoch."""
+    """A finished 2-worker run of the tiny RegNet: 36 steps (6 epochs: enough to learn the shapes, which 12 steps
+    were not), checkpoints every 3 (2 kept), evaluated per epoch."""
     storage = tmp_path_factory.mktemp("io")
-    cfg = config_from_dict(job_dict(image_root, storage, run_name="src"))
+    cfg = config_from_dict(job_dict(image_root, storage, run_name="src", train={"epochs": 6}))
     return cfg, train(cfg)
 
 
@@ -104,7 +105,7 @@ def test_eval_and_export_match_the_run_and_the_export_loads_with_transformers_al
     processor = json.loads((out / "preprocessor_config.json").read_text())
     assert processor["crop_size"] == {"height": 16, "width": 16} and processor["image_std"] == cfg.data.std
     card = (out / "README.md").read_text()
-    assert "steps: 12" in card and f"val_accuracy: {final['val_accuracy']}" in card and "regnet_tiny_cifar" in card
+    assert "steps: 36" in card and f"val_accuracy: {final['val_accuracy']}" in card and "regnet_tiny_cifar" in card
     assert main(["export", summary.run_dir, "--out", str(out)]) == 2  # never into a folder that holds files
 
     # a fresh interpreter without behemoth: transformers' pipeline predicts what behemoth predicts
