@@ -22,7 +22,7 @@ from PIL import Image
 
 from behemoth.data import image_cache
 from behemoth.data.images import cached_batches, decode_fitted, index_image_folder, index_parquet, transform_batch
-from behemoth.errors import ConfigError
+from behemoth.errors import ConfigError, DataError
 from behemoth.tasks.image import ImageData, decide_cache
 
 SIZE = 16
@@ -153,6 +153,21 @@ def test_a_changed_source_file_makes_another_cache(mixed_images, monkeypatch):
     os.utime(first, ns=(st.st_atime_ns, st.st_mtime_ns))
     assert first.stat().st_size == st.st_size and first.stat().st_mtime_ns == st.st_mtime_ns
     assert image_cache.cache_key(index_image_folder(mixed_images).train, SIZE, "image") != changed
+
+
+def test_a_node_with_another_pillow_refuses_the_drivers_cache_plan(image_root, tmp_path, monkeypatch):
+    """Pillow's version is part of the cache key (it decodes and resamples), computed on the driver: a node whose
+    Pillow differs would store other pixels under the same key. Its worker refuses, naming both versions."""
+    import PIL
+
+    index = index_image_folder(image_root)
+    plan = image_cache.plan(index.train, SIZE, str(tmp_path / "cache"), "image")
+    assert plan.pillow == PIL.__version__
+    monkeypatch.setattr(PIL, "__version__", "0.0.1")  # the worker's node
+    with pytest.raises(DataError, match=rf"planned with Pillow {re.escape(plan.pillow)} \(the driver's\), this node "
+                                        r"\(.*\) has Pillow 0\.0\.1"):
+        image_cache.open_or_build(plan, index.train, workers=False)
+    assert not (tmp_path / "cache" / "images").exists() or not list((tmp_path / "cache" / "images").iterdir())
 
 
 BUILDER = textwrap.dedent('''

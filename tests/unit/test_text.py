@@ -173,3 +173,22 @@ def test_a_tokenizer_asking_to_run_its_own_code_is_refused_without_asking(tmp_pa
         load(str(tmp_path / "tok"))
     out, err = capfd.readouterr()
     assert "Do you wish to run the custom code" not in out + err and not (tmp_path / "ran").exists()
+
+
+def test_text_cache_builders_with_one_pid_on_two_hosts_keep_their_own_temporary_folders(tmp_path, monkeypatch):
+    """A token cache on a shared filesystem: a builder on another node with the same pid (containers) is half-way;
+    this one builds beside it and leaves its folder alone (before, both were `<key>.tmp-<pid>` and the second
+    began by removing it)."""
+    import os
+
+    from behemoth.data import text
+
+    cache = tmp_path / "cache" / "abc123"
+    monkeypatch.setattr(os, "getpid", lambda: 4242)
+    theirs = cache.with_name(f"{cache.name}.tmp-4242")  # the other node's, as the old name had it
+    theirs.mkdir(parents=True)
+    (theirs / "train-00000.bin").write_bytes(b"half-written")
+    monkeypatch.setattr(text, "_pack_into", lambda folder, *args: {"version": text.CACHE_VERSION})
+    text._build_cache(None, [], 0, "uint16", cache)
+    assert (cache / "meta.json").is_file()
+    assert (theirs / "train-00000.bin").read_bytes() == b"half-written"

@@ -72,6 +72,8 @@ class CachePlan:
     # False: centre-fitted rows (images.decode_fitted); True: views of the whole image and their sizes, for
     # random_resized_crop (images.decode_views, data.cache_side)
     views: bool = False
+    # the driver's Pillow (part of the cache key: it decodes and resamples): a worker with another refuses
+    pillow: str = ""
 
     @property
     def nbytes(self) -> int:
@@ -165,7 +167,9 @@ def network_warning(folder: str | Path) -> str | None:
 
 def plan(table: pa.Table, size: int, cache_dir: str, image_column: str, views: bool = False) -> CachePlan:
     folder = Path(cache_dir).absolute() / "images" / cache_key(table, size, image_column, views)
-    return CachePlan(str(folder), size, table.num_rows, image_column, views)
+    import PIL
+
+    return CachePlan(str(folder), size, table.num_rows, image_column, views, PIL.__version__)
 
 
 class DecodedImages:
@@ -197,6 +201,12 @@ def open_or_build(cache: CachePlan, table: pa.Table, *, workers: bool = True,
                   cpus_per_task: float = 1.0, log=print) -> DecodedImages:
     """The split's cache on this node: opened if complete and intact, else built (by the first process to take
     the node's lock; the others wait for it and open what it built)."""
+    import PIL
+
+    if cache.pillow and cache.pillow != PIL.__version__:  # this node would store other pixels under the same key
+        raise DataError(f"the decoded image cache was planned with Pillow {cache.pillow} (the driver's), this node "
+                        f"({_host()}) has Pillow {PIL.__version__}: its pixels could differ. Install the same "
+                        f"Pillow on every node (or set data.cache: none)")
     folder = Path(cache.folder)
     folder.parent.mkdir(parents=True, exist_ok=True)
     with _exclusive(folder.with_name(folder.name + ".lock")):

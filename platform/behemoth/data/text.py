@@ -35,7 +35,9 @@ import json
 import logging
 import os
 import shutil
+import socket
 import tempfile
+import uuid
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -416,8 +418,9 @@ def _cache_meta(cache: str) -> dict | None:
 
 def _build_cache(cfg: TextData, units: list[Unit], seed: int, dtype, cache: Path) -> None:
     """Tokenise and pack into shards in a temporary folder beside `cache`, renamed to it when complete."""
-    tmp = cache.with_name(f"{cache.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
+    # a name of its own: on a shared filesystem another node's builder may have this pid (containers), and its
+    # half-built folder is not ours to remove
+    tmp = cache.with_name(f"{cache.name}.tmp-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:12]}")
     tmp.mkdir(parents=True)
     try:
         meta = _pack_into(tmp, cfg, units, seed, dtype)
