@@ -163,7 +163,7 @@ def test_torch_compile_trains_like_eager():
     assert losses == pytest.approx(_train_single(harness.make_model()), rel=1e-4)
 
 
-def test_torch_compile_failure_falls_back_to_eager(monkeypatch):
+def test_torch_compile_failure_falls_back_to_eager():
     """A real compiler failure (inductor pointed at a C++ compiler that does not exist): one console line,
     then eager training with eager's numbers."""
     import torch._inductor.config as inductor_config
@@ -171,10 +171,12 @@ def test_torch_compile_failure_falls_back_to_eager(monkeypatch):
     from behemoth.worker import parallel
 
     torch._dynamo.reset()
-    monkeypatch.setattr(inductor_config.cpp, "cxx", ("/nonexistent/c++",))
     lines = []
-    compiled = parallel.compile_model(harness.make_model(), "default", lines.append)
-    losses = _train_single(compiled)
+    # (the config's own patch: monkeypatch's undo of a config attribute deletes it, breaking every later compile
+    # in the process)
+    with inductor_config.patch({"cpp.cxx": ("/nonexistent/c++",)}):
+        compiled = parallel.compile_model(harness.make_model(), "default", lines.append)
+        losses = _train_single(compiled)
     torch._dynamo.reset()
     assert len(lines) == 1 and "failed, training eagerly" in lines[0]
     assert losses == _train_single(harness.make_model())

@@ -125,18 +125,19 @@ def test_compile_goes_block_by_block_and_trains_as_eager():
                               rtol=1e-4, atol=1e-5) for n in expected)
 
 
-def test_a_block_compilation_that_fails_trains_eagerly(monkeypatch):
+def test_a_block_compilation_that_fails_trains_eagerly():
     """A real compiler failure (inductor pointed at a C++ compiler that does not exist): one line, the blocks
     back to eager, and eager's numbers exactly."""
     import torch._inductor.config as inductor_config
 
     torch._dynamo.reset()
-    monkeypatch.setattr(inductor_config.cpp, "cxx", ("/nonexistent/c++",))
     plain = _llama(dropout=0.0)
     lines = []
-    ours = _wrapped(copy.deepcopy(plain), lines, compile=True)
     ids = torch.randint(0, 100, (2, 16))
-    got = _step(ours, ids, _lm_loss)
+    # (the config's own patch: monkeypatch's undo of a config attribute deletes it, breaking later compiles)
+    with inductor_config.patch({"cpp.cxx": ("/nonexistent/c++",)}):
+        ours = _wrapped(copy.deepcopy(plain), lines, compile=True)
+        got = _step(ours, ids, _lm_loss)
     torch._dynamo.reset()
     assert len(lines) == 1 and "torch.compile (mode default, 4 blocks) failed, training eagerly" in lines[0]
     assert all(b._compiled_call_impl is None for b in blocks(ours._orig_mod))
