@@ -37,6 +37,7 @@ import sys
 import threading
 import time
 import traceback
+import weakref
 from datetime import datetime
 from types import SimpleNamespace
 
@@ -55,6 +56,15 @@ from behemoth.errors import RunFailedError, user_facing_error
 _PREPARED: dict[str, object] = {}
 LANE_DATA_SHARE = 0.25
 _TRIALS_HERE = [0]  # trials this process has hosted (the trial's console line says which one it is)
+_MODELS: list = []  # a weak reference to each trial's model: none may outlive its trial (models_alive)
+
+
+def models_alive() -> int:
+    """How many models of the trials this lane hosted are still reachable (after a collection): a trial whose
+    state outlives it (its model, with the optimizer and pipelines that hold on to it) counts here."""
+    gc.collect()
+    _MODELS[:] = [ref for ref in _MODELS if ref() is not None]
+    return len(_MODELS)
 
 
 def lane_reason(cfg: JobConfig) -> str | None:
@@ -138,7 +148,9 @@ class LaneContext(worker_context.WorkerContext):
     def prepare_model(self, model, wrap_ddp: bool):
         if self._device.type == "cuda":
             torch.cuda.set_device(self._device)
-        return model.to(self._device)  # one worker: nothing to wrap (as Ray Train's prepare_model at world 1)
+        model = model.to(self._device)  # one worker: nothing to wrap (as Ray Train's prepare_model at world 1)
+        _MODELS.append(weakref.ref(model))
+        return model
 
     # ------------------------------------------------------------------------------------------------------
     def _register(self, metrics: dict, upload, folder, dir_name) -> None:

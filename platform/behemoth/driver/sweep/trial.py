@@ -76,8 +76,8 @@ def run_trial(params: dict, sweep: dict, base: dict, place: paths.RunPlace, mlfl
 
 
 def process_state() -> dict:
-    """The trial's process as the trial finds it: its pid, threads, open files, torch's threads, resident memory
-    and, once CUDA is in use, the GPU memory torch holds. In a reused lane, what the trials before left: the same
+    """The trial's process as the trial finds it: its pid, threads, open files, torch's threads, resident memory,
+    how many earlier trials' models are still reachable and, once CUDA is in use, the GPU memory torch holds. In a reused lane, what the trials before left: the same
     from one trial to the next, or they leak."""
     import threading
 
@@ -92,6 +92,9 @@ def process_state() -> dict:
         state["open_files"] = len(os.listdir("/proc/self/fd"))
     except OSError:
         pass
+    from behemoth.driver.sweep.lane import models_alive
+
+    state["models_alive"] = models_alive()  # earlier trials' models still reachable in this process: none
     if torch.cuda.is_available() and torch.cuda.is_initialized():  # what CUDA's caching allocator holds
         state["cuda_allocated_mb"] = round(torch.cuda.memory_allocated() / 2**20, 1)
         state["cuda_reserved_mb"] = round(torch.cuda.memory_reserved() / 2**20, 1)
