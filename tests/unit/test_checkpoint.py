@@ -202,6 +202,12 @@ def test_two_sets_of_host_buffers_one_write_waited_for_only_when_both_are_being_
     assert third is first and time.perf_counter() - t0 >= 0.25
     second_written.set()
     assert sets.take()[0] is second  # free: no wait
+    # a write the host dropped never hands its set back: after wait_s, fresh buffers rather than a hang
+    dropped = HostBuffers(wait_s=0.1)
+    held = [dropped.take()[0], dropped.take()[0]]
+    t0 = time.perf_counter()
+    fresh, _ = dropped.take()
+    assert all(fresh is not h for h in held) and 0.09 <= time.perf_counter() - t0 < 5
 
 
 def test_a_failed_background_copy_fails_the_checkpoint():

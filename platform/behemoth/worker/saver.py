@@ -79,7 +79,9 @@ class CheckpointSaver:
             return
         snap = pool = written = None
         if self.rank == 0 or parallel.is_sharded(run.model):
-            if self.cfg.checkpoint.async_save:
+            # (FSDP's full state is gathered into buffers of its own; only a rank that writes takes a set: one
+            # whose snapshot is None would never hand it back)
+            if self.cfg.checkpoint.async_save and not parallel.is_sharded(run.model):
                 pool, written = self.buffers.take()
             snap = checkpointing.snapshot(**run.parts(), state=state, task_files=self.task_files,
                                           job_yaml=dump_yaml(self.cfg), hook_states=hook_states, buffers=pool,
@@ -127,13 +129,16 @@ class HostBuffers:
     """Two sets of host buffers (pinned for a GPU's tensors) that snapshots copy into, each reused once the
     write of the snapshot in it is done: allocating and page-faulting the whole state again costs as much as
     the copy itself (pinned memory more). A checkpoint whose predecessor is still being written takes the
-    other set; with both being written, it waits for the older write (bounded host memory: twice the state)."""
+    other set; with both being written, it waits for the older write (bounded host memory: twice the state).
+    A write the host dropped (its run failing) never hands its set back: after `wait_s` the checkpoint takes
+    fresh buffers of its own instead of waiting for ever."""
 
-    def __init__(self):
+    def __init__(self, wait_s: float = 120.0):
         self.sets = [({}, threading.Event()), ({}, threading.Event())]
         for _, free in self.sets:
             free.set()
         self.turn = 0  # the set taken longest ago: the one to wait for when both are in use
+        self.wait_s = wait_s
 
     def take(self) -> tuple[dict, threading.Event]:
         """(a set of buffers, the event the write sets once it has read them)."""
@@ -143,7 +148,8 @@ class HostBuffers:
                 break
         else:
             buffers, free = self.sets[self.turn]
-            free.wait()
+            if not free.wait(self.wait_s):
+                return {}, threading.Event()  # kept by no one: freed with the snapshot
             i = self.turn
         free.clear()
         self.turn = 1 - i
