@@ -16,7 +16,7 @@ from typing import Any, ClassVar, Literal, Optional, Union
 
 import yaml
 
-from behemoth import paths
+from behemoth.storage import paths
 from behemoth.errors import ConfigError, did_you_mean
 
 

@@ -16,10 +16,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from behemoth import checkpoint
+from behemoth.storage import checkpoint
 from behemoth.worker import checkpointing
 from behemoth.worker import parallel
-from behemoth.checkpoint import TrainState
+from behemoth.storage.checkpoint import TrainState
 from behemoth.config import JobConfig
 from behemoth.worker.loop import train_step
 from behemoth.worker.precision import grad_scaler

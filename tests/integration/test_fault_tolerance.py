@@ -25,12 +25,12 @@ import pytest
 import ray
 import torch
 import yaml
-from behemoth.checkpoint import read_state
+from behemoth.storage.checkpoint import read_state
 from behemoth.config import ConfigError
 from behemoth.job import config_from_dict
 from behemoth.driver.stale_requests import COORDINATOR, COORDINATOR_NAMESPACE
 from behemoth.driver.trainer import train
-from behemoth.faults import FAULT_ENV, SLOW_WORLD_ENV
+from behemoth.worker.faults import FAULT_ENV, SLOW_WORLD_ENV
 from behemoth.errors import RunFailedError
 from behemoth.tracking.records import read_jsonl
 from conftest import WORKER_PYTHONPATH, in_thread, lm_job_dict, stop_local_ray, train_worker_pids
@@ -237,7 +237,7 @@ def test_r6_elastic_two_one_two(cluster, straight, text_corpus, tmp_path):
     """num_workers [1, 2]: rank 1's node is removed at step 15 (the run continues on 1 worker), a node is
     added back (the run grows to 2 again). Ray's autoscaling coordinator refreshes its view of the cluster
     every 20 s, so growing back takes ~25 s or more (a regrow attempt whose placement misses the start
-    timeout falls back to 1 worker and is retried). The 1-worker group is paced (behemoth/faults.py: each of
+    timeout falls back to 1 worker and is retried). The 1-worker group is paced (behemoth/worker/faults.py: each of
     its steps SLOW_STEP_S longer), so the regrow lands before the run ends on any machine: the run's 50 steps
     beyond the others' took their time from the step rate, and a fast CPU once finished them on 1 worker.
     Its first STEPS steps are compared with the fixed-size run (constant learning rate: the same curve).
@@ -292,14 +292,14 @@ def test_r6_elastic_two_one_two(cluster, straight, text_corpus, tmp_path):
 
 
 def checkpoint_at(run_folder: Path, step: int) -> str:
-    from behemoth.checkpoint import complete_checkpoints
+    from behemoth.storage.checkpoint import complete_checkpoints
 
     return next(path for s, path in complete_checkpoints(run_folder) if s == step)
 
 
 def relative_distance(a: str, b: str) -> float:
     """||A - B|| / ||B|| over every weight of two checkpoints (L2, all tensors as one vector)."""
-    from behemoth.weights import read_state_dict
+    from behemoth.storage.weights import read_state_dict
 
     wa, wb = read_state_dict(a), read_state_dict(b)
     diff = sum(float((wa[k].double() - wb[k].double()).pow(2).sum()) for k in wb)

@@ -15,13 +15,13 @@ import pytest
 import torch
 import yaml
 
-from behemoth import weights
-from behemoth.checkpoint import complete_checkpoints
+from behemoth.storage import weights
+from behemoth.storage.checkpoint import complete_checkpoints
 from behemoth.config import dump_yaml
 from behemoth.job import config_from_dict
 from behemoth.data.images import build_index, normalise, transform_batch
 from behemoth.driver.cli import main
-from behemoth.driver.trainer import resolve_init_from, train
+from behemoth.driver.resume import resolve_init_from, train
 from behemoth.tasks.image import ImageClassification, build_image_model
 from conftest import REPO, job_dict
 
@@ -58,7 +58,7 @@ def _received(run_dir: str, tmp_path: Path, monkeypatch) -> tuple[Path, Path]:
     importable) whose import writes a marker file, as its model builder and its task; manifests rewritten to
     match. eval and init_from build the model from the user's config: they never import it. (The copy, the
     folder, the marker.)"""
-    from behemoth import checkpoint
+    from behemoth.storage import checkpoint
 
     module, marker = f"hostile_{tmp_path.name}", tmp_path / "imported.txt"
     (tmp_path / "code").mkdir()

@@ -13,14 +13,14 @@ import numpy as np
 import pyarrow.fs
 import pytest
 import yaml
-from behemoth.checkpoint import complete_checkpoints, read_state
+from behemoth.storage.checkpoint import complete_checkpoints, read_state
 from behemoth.config import ConfigError
 from behemoth.job import config_from_dict
 from behemoth.driver.evaluate import evaluate_checkpoint
-from behemoth.driver.runlock import RunLock, RunLockedError, read_lease
+from behemoth.storage.runlock import RunLock, RunLockedError, read_lease
 from behemoth.driver.trainer import train
 from behemoth.tracking.records import read_jsonl, read_text
-from behemoth.weights import resolve
+from behemoth.storage.weights import resolve
 from conftest import job_dict
 from s3_server import moto_s3
 
@@ -62,7 +62,7 @@ def test_two_drivers_starting_at_once_on_s3_cannot_both_win(s3_endpoint, monkeyp
     """Both read the lease before either wrote it (none; then an expired one): S3's conditional writes
     (If-None-Match: * to create, If-Match: ETag to take over, through boto3) let only the first win. The
     winner's lease has the next generation, and its release removes only its own lease."""
-    from behemoth.driver import runlock
+    from behemoth.storage import runlock
 
     folder = f"s3://{BUCKET}/locks/race"
     fs, path = pyarrow.fs.FileSystem.from_uri(folder)

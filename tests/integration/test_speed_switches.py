@@ -186,7 +186,7 @@ def test_torch_compile_failure_falls_back_to_eager():
 def test_fp16_with_grad_scaler_on_gpu(tmp_path):
     """The GPU-only path: fp16 autocast with a GradScaler, its state saved and restored."""
     from behemoth.worker import checkpointing
-    from behemoth.checkpoint import TrainState
+    from behemoth.storage.checkpoint import TrainState
     from behemoth.worker.loop import train_step
     from behemoth.worker.precision import grad_scaler
 

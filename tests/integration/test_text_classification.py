@@ -11,12 +11,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from behemoth.checkpoint import complete_checkpoints
+from behemoth.storage.checkpoint import complete_checkpoints
 from behemoth.config import dump_yaml
 from behemoth.driver.cli import main
 from behemoth.driver.trainer import train
 from behemoth.job import config_from_dict
-from behemoth.weights import read_state_dict
+from behemoth.storage.weights import read_state_dict
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("ray_local")]
 HF_ONLY = Path(__file__).with_name("hf_only.py")
@@ -133,7 +133,7 @@ def test_a_killed_worker_costs_only_the_steps_since_the_checkpoint_and_resumes_e
     """Rank 0 SIGKILLed after step 45: Ray Train restarts the group from checkpoint 40 and the run ends on the
     uninterrupted run's weights, bit for bit (the same samples in the same order from step 41 on)."""
     from behemoth.driver import ray_session
-    from behemoth.faults import KILL_AT_STEP_ENV
+    from behemoth.worker.faults import KILL_AT_STEP_ENV
 
     marker = tmp_path / "killed.json"
     env = ray_session.worker_env_vars

@@ -128,8 +128,8 @@ def test_a_full_disk_fails_the_checkpoint_cleanly_and_a_rerun_resumes(image_root
     the space needed (restarts allowed, none used: a full disk stays full); step 3's checkpoint is intact and
     verifies; nothing of step 6's is left in the run folder or in the workers' TMPDIR; the rerun resumes from
     step 3 and ends."""
-    from behemoth.faults import DISK_FULL_ENV
-    from behemoth.checkpoint import checkpoint_folders, complete_checkpoints, verify
+    from behemoth.worker.faults import DISK_FULL_ENV
+    from behemoth.storage.checkpoint import checkpoint_folders, complete_checkpoints, verify
     from behemoth.driver import ray_session, trainer
 
     tmp = tmp_path / "worker-tmp"
@@ -166,7 +166,7 @@ def test_a_run_whose_folder_was_taken_over_stops_before_its_first_checkpoint(tmp
     nothing is written into the folder as a checkpoint, and Ray Train registers (and deletes) nothing."""
     import json
 
-    from behemoth.driver.runlock import LOCK_NAME, Fence
+    from behemoth.storage.runlock import LOCK_NAME, Fence
     from behemoth.driver.trainer import train
     from behemoth.errors import user_facing_error
     from behemoth.tracking.records import read_jsonl
@@ -212,8 +212,8 @@ def test_the_decoded_cache_and_tar_shards_train_to_the_same_weights_as_decoding_
     the data)."""
     from behemoth.driver import ray_session
     from behemoth.driver.trainer import train
-    from behemoth.faults import KILL_AT_STEP_ENV
-    from behemoth.weights import read_state_dict
+    from behemoth.worker.faults import KILL_AT_STEP_ENV
+    from behemoth.storage.weights import read_state_dict
 
     shards = tmp_path / "shards"
     assert main(["data", "shards", str(image_root), "--out", str(shards), "--samples-per-shard", "40"]) == 0

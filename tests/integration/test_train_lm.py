@@ -10,14 +10,14 @@ import pytest
 import torch
 import yaml
 
-from behemoth.checkpoint import complete_checkpoints, read_state
+from behemoth.storage.checkpoint import complete_checkpoints, read_state
 from behemoth.driver.cli import main
 from behemoth.job import config_from_dict
 from behemoth.data import text
 from behemoth.data.text import prepare_text
 from behemoth.driver.trainer import train
 from behemoth.errors import RunFailedError
-from behemoth.weights import read_state_dict
+from behemoth.storage.weights import read_state_dict
 from conftest import lm_job_dict
 from unit.test_text import reference_stream
 
@@ -85,7 +85,7 @@ def test_two_worker_lm_run_lowers_loss_then_reruns(text_corpus, tmp_path):
     start over and keeps them. (Restoring LM runs from checkpoints, exactly, after failures:
     test_fault_tolerance.py; a rerun of a finished run re-evaluating its final weights, whatever the task:
     test_tracking.py.)"""
-    from behemoth.checkpoint import complete_checkpoints
+    from behemoth.storage.checkpoint import complete_checkpoints
 
     cfg = config_from_dict(lm_job_dict(text_corpus, tmp_path, run_name="lm"))
     summary = train(cfg)
@@ -194,7 +194,7 @@ def test_sharded_checkpoints_survive_a_kill_and_resume_on_fewer_workers(text_cor
     halves, so the float rounding differs; the sample order and the update do not), read whole from the shards;
     `behemoth export` of the sharded checkpoint loads with transformers with those weights."""
     from behemoth.driver import ray_session
-    from behemoth.faults import FAULT_ENV
+    from behemoth.worker.faults import FAULT_ENV
 
     def job(name, workers):
         return lm_job_dict(text_corpus, tmp_path, run_name=name, scaling={"strategy": "fsdp_full",
@@ -253,7 +253,7 @@ def test_powersgd_through_ray_train_restores_exactly(text_corpus, tmp_path, monk
     and beyond. Every redone step's loss on every rank equals, bit for bit, what the first group computed:
     from step 6 on that holds only if the PowerSGD state was restored exactly (step 5's update used it)."""
     from behemoth.driver import ray_session
-    from behemoth.faults import FAULT_ENV
+    from behemoth.worker.faults import FAULT_ENV
     from integration.ledger_audit import read_ledger
 
     marker = tmp_path / "killed"

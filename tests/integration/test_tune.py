@@ -24,7 +24,7 @@ import ray
 import torch
 import yaml
 
-from behemoth.checkpoint import read_state
+from behemoth.storage.checkpoint import read_state
 from behemoth.job import config_from_dict, load_config
 from behemoth.driver.trainer import train
 from behemoth.driver.sweep.run import sweep

@@ -9,7 +9,7 @@ import copy
 import pytest
 import torch
 
-from behemoth import worker_context as context
+from behemoth import hosts
 
 from behemoth.worker.blocks import blocks, checkpoint_activations, compile_blocks
 
@@ -83,7 +83,7 @@ def test_checkpointing_a_resnet_keeps_gradients_and_batch_norm_statistics():
     assert checkpoint_activations(_resnet(), "none") == 0
 
 
-class _Host(context.WorkerContext):
+class _Host(hosts.WorkerHost):
     """One worker on the CPU, no Ray: what parallel.wrap asks of its host."""
 
     @property
@@ -100,7 +100,7 @@ def _wrapped(model, lines, **train):
 
     cfg = config_from_dict({"data": {"kind": "image_folder", "root": "."}, "model": {"name": "resnet18"},
                             "train": train, "scaling": {"num_workers": 1}})
-    with context.hosted(_Host()):
+    with hosts.hosted(_Host()):
         return parallel.wrap(model, cfg, console=lines.append)[0]
 
 

@@ -8,9 +8,9 @@ import warnings
 import pytest
 import torch
 
-from behemoth import checkpoint
+from behemoth.storage import checkpoint
 from behemoth.worker import checkpointing
-from behemoth.checkpoint import CheckpointError, TrainState
+from behemoth.storage.checkpoint import CheckpointError, TrainState
 from behemoth.config import TrainConfig
 from behemoth.models.registry import build_model
 from behemoth.worker.optim import build_optimizer, warmup_cosine
@@ -315,7 +315,7 @@ def test_retention_reaches_checkpoints_ray_train_never_registered(tmp_path):
     from types import SimpleNamespace
 
     from behemoth.job import config_from_dict
-    from behemoth.driver.trainer import retire_unregistered
+    from behemoth.driver.resume import retire_unregistered
 
     cfg = config_from_dict({"data": {"root": "x"}, "checkpoint": {"storage_path": str(tmp_path), "run_name": "r",
                                                                    "keep": 2}})
@@ -343,7 +343,7 @@ def test_a_sharded_checkpoint_round_trips_and_names_a_damaged_shard(tmp_path):
     the integration test's kill); a restore gives back weights, BatchNorm statistics, optimizer state and schedule exactly (continuing both
     ends equal); export's reader gets the weights whole; a flipped byte in the shard file is named by the
     pre-flight check, by the reader and by the restore."""
-    from behemoth import weights
+    from behemoth.storage import weights
     from behemoth.worker import sharded
     from behemoth.worker.sharded import ShardedWriter
 
@@ -394,7 +394,7 @@ def test_a_sharded_checkpoint_of_a_batchnorm_model_copied_in_the_background_hold
 
     from torch.distributed.checkpoint.staging import DefaultStager
 
-    from behemoth.shard_reader import read_sharded_weights
+    from behemoth.storage.shard_reader import read_sharded_weights
     from behemoth.worker.sharded import ShardedWriter
 
     backward_done, stage = threading.Event(), DefaultStager._stage
@@ -421,7 +421,7 @@ def test_a_sharded_checkpoint_copied_in_the_background_holds_its_step(tmp_path):
     """A language model's copy to host memory runs in DCP's staging thread while the next forward and backward
     run; the optimizer update waits for it (`wait_sources_free`, the saver's before_update). The files hold the
     state of the checkpoint's step."""
-    from behemoth.shard_reader import read_sharded_weights
+    from behemoth.storage.shard_reader import read_sharded_weights
     from behemoth.worker.sharded import ShardedWriter
 
     torch.manual_seed(0)
@@ -551,7 +551,7 @@ def _append_payload(folder, marker):
 def _readers(folder):
     """Every way a sharded checkpoint is read: export, eval and init_from read its weights with
     weights.read_state_dict; a resume restores everything with checkpointing.load."""
-    from behemoth import weights
+    from behemoth.storage import weights
 
     model, opt, sched = make(seed=5)
     return {"export/eval/init_from": lambda: weights.read_state_dict(folder),
@@ -623,7 +623,7 @@ def test_a_shard_index_that_would_allocate_from_a_small_file_is_refused(tmp_path
     import sys
     import tracemalloc
 
-    from behemoth import shard_reader
+    from behemoth.storage import shard_reader
 
     folder = tmp_path / "c"
     _write_sharded(folder)
@@ -762,7 +762,7 @@ def test_a_crafted_non_tensor_entry_is_refused_and_never_run(tmp_path):
 def test_a_format_2_sharded_checkpoint_still_restores_exactly(tmp_path):
     """A sharded checkpoint the previous behemoth wrote (format 2: param_groups pickled inside DCP) restores
     everything (its plain entries through weights_only) and reads whole for export; continuing both ends equal."""
-    from behemoth import weights
+    from behemoth.storage import weights
 
     model, opt, sched, state = _write_sharded(tmp_path / "c", legacy=True)
     model2, opt2, sched2 = make(seed=99)

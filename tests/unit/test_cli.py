@@ -61,10 +61,10 @@ def test_auth_token_file_is_made_owner_only(tmp_path, monkeypatch):
 def test_resume_with_a_changed_model_or_data_config_is_refused(tmp_path):
     import pytest
 
-    from behemoth import checkpoint
+    from behemoth.storage import checkpoint
     from behemoth.config import ConfigError, dump_yaml
     from behemoth.job import config_from_dict
-    from behemoth.driver.trainer import check_resume_compatible
+    from behemoth.driver.resume import check_resume_compatible
 
     job = job_dict(tmp_path / "images", tmp_path / "runs", "r1")
     saved = tmp_path / "runs" / "r1" / "checkpoint_2026-01-01_00-00-00.000000"
@@ -174,7 +174,7 @@ def _run_of(tmp_path, job: dict) -> Path:
 
     import torch
 
-    from behemoth import checkpoint
+    from behemoth.storage import checkpoint
 
     weights = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(3 * 16 * 16, 4)).state_dict()
     saved = tmp_path / "runs" / "given" / "checkpoint_2026-01-01_00-00-00.000000"
@@ -264,10 +264,10 @@ def test_resume_or_eval_on_data_whose_classes_changed_is_refused(tmp_path, monke
     import pytest
     import torch
 
-    from behemoth import checkpoint
+    from behemoth.storage import checkpoint
     from behemoth.config import ConfigError, dump_yaml
     from behemoth.data.synth import write_synth_images
-    from behemoth.driver import evaluate, ray_session, trainer
+    from behemoth.driver import evaluate, ray_session, resume, trainer
     from behemoth.job import config_from_dict
     from behemoth.tasks.image import ImageClassification
 
@@ -281,7 +281,7 @@ def test_resume_or_eval_on_data_whose_classes_changed_is_refused(tmp_path, monke
         "job.yaml": dump_yaml(cfg), "train_state.json": '{"step": 3}',
         **ImageClassification.checkpoint_files(cfg, index)}))
     assert index.classes == ["disk_warm", "ring_warm", "square_warm"]
-    trainer.check_resume_data(cfg, index)  # the same classes: resumes
+    resume.check_resume_data(cfg, index)  # the same classes: resumes
     forced = config_from_dict({**job, "checkpoint": {**job["checkpoint"], "resume_changed_config": True}})
 
     for split in ("train", "val"):  # a class added, sorting first: every index shifts
@@ -290,8 +290,8 @@ def test_resume_or_eval_on_data_whose_classes_changed_is_refused(tmp_path, monke
     with pytest.raises(ConfigError, match=r"trained on other data \(checkpoint_2026.*\): its classes.json lists 3, "
                                           r"this data 4; index 0 was 'disk_warm', is 'aardvark'; new: 'aardvark'\. "
                                           r"Start a new run .* \(its weights cannot resume with another number"):
-        trainer.check_resume_data(cfg, grown)
-    trainer.check_resume_data(config_from_dict({**job, "checkpoint": {**job["checkpoint"], "run_name": "r2"}}),
+        resume.check_resume_data(cfg, grown)
+    resume.check_resume_data(config_from_dict({**job, "checkpoint": {**job["checkpoint"], "run_name": "r2"}}),
                               grown)
 
     for split in ("train", "val"):  # ... and one removed: the same count, names on other indices
@@ -300,8 +300,8 @@ def test_resume_or_eval_on_data_whose_classes_changed_is_refused(tmp_path, monke
     with pytest.raises(ConfigError, match=r"lists 3, this data 3; index 0 was 'disk_warm', is 'aardvark'; new: "
                                           r"'aardvark'; gone: 'ring_warm'\. .*resume anyway with --set "
                                           r"checkpoint.resume_changed_config=true"):
-        trainer.check_resume_data(cfg, replaced)
-    trainer.check_resume_data(forced, replaced)
+        resume.check_resume_data(cfg, replaced)
+    resume.check_resume_data(forced, replaced)
 
     # Wired into `train` (refused after the data is prepared, before Ray Train is asked for anything) and `eval`.
     monkeypatch.setattr(ray_session, "ensure_ray", lambda *a, **k: None)
@@ -318,7 +318,7 @@ def test_resume_or_eval_on_data_whose_classes_changed_is_refused(tmp_path, monke
     (saved / "classes.json").unlink()
     kept = [p.name for p in sorted(saved.iterdir()) if p.name != checkpoint.MANIFEST]
     checkpoint.commit(saved, checkpoint.hash_files(saved, kept), checkpoint.FORMAT_VERSION)
-    trainer.check_resume_data(cfg, replaced)
+    resume.check_resume_data(cfg, replaced)
 
 
 def test_export_refuses_a_checkpoint_whose_classes_json_was_edited(tmp_path, capsys):

@@ -6,7 +6,7 @@ import time
 from types import SimpleNamespace
 
 import pytest
-from behemoth.checkpoint import TrainState
+from behemoth.storage.checkpoint import TrainState
 from behemoth.data.order import rank_train_indices
 from behemoth.worker.feed import LOOKAHEAD_STEPS, EpochFeed
 

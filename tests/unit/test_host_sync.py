@@ -25,8 +25,8 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from behemoth import worker_context as context
-from behemoth.checkpoint import TrainState
+from behemoth import hosts
+from behemoth.storage.checkpoint import TrainState
 from behemoth.job import config_from_dict
 from behemoth.metrics import PhaseClock, Window
 from conftest import job_dict, lm_job_dict
@@ -90,7 +90,7 @@ class HostSyncs:
             mode.__exit__(*exc)
 
 
-class _Host(context.WorkerContext):
+class _Host(hosts.WorkerHost):
     """One worker, no Ray: what the loop's model building asks of its host."""
 
     def __init__(self, device=torch.device("cpu")):
@@ -176,7 +176,7 @@ def _steps_under_watch(cfg, task, batches, steps: int = 3, device=torch.device("
     context manager with `found`, HostSyncs by default)."""
     from behemoth.worker.loop import _build_run, step
 
-    with context.hosted(_Host(device)):
+    with hosts.hosted(_Host(device)):
         run, *_ = _build_run(cfg, task, PhaseClock(), 0, 1, device, total_steps=100)
         state, window = TrainState(world_size=1), Window()
         step(run, _on(batches(0), device), cfg, task, device, state, 0, window, 0.0)

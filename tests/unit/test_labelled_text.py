@@ -162,9 +162,9 @@ def test_an_edited_or_damaged_labels_json_counts_as_a_damaged_checkpoint(tmp_pat
     restore falls back to."""
     from pathlib import Path
 
-    from behemoth import checkpoint
+    from behemoth.storage import checkpoint
     from behemoth.config import dump_yaml
-    from behemoth.driver import trainer
+    from behemoth.driver import resume
     from behemoth.driver.cli import main
     from behemoth.errors import CheckpointError
     from behemoth.tasks.text_classification import TextClassification, build_classifier
@@ -194,12 +194,12 @@ def test_an_edited_or_damaged_labels_json_counts_as_a_damaged_checkpoint(tmp_pat
         with pytest.raises(CheckpointError, match=refused):
             TextClassification.model_from_checkpoint(cfg, newest)  # export's
         with pytest.raises(CheckpointError, match=refused):
-            trainer.task_files_differ(cfg, rows, newest)  # eval's check of the data against it
+            resume.task_files_differ(cfg, rows, newest)  # eval's check of the data against it
         with pytest.raises(CheckpointError, match=refused):
             checkpoint.verify(newest)  # restore's: it skips the checkpoint
-        trainer.check_resume_data(cfg, rows)  # the older one, which restore uses, has this data's labels
+        resume.check_resume_data(cfg, rows)  # the older one, which restore uses, has this data's labels
         assert main(["export", newest, "--out", str(tmp_path / "export")]) == 1
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and "labels.json does not match its manifest" in err, err
     Path(older, "labels.json").write_text('["sadness", "joy"]')  # no good checkpoint: nothing to compare with
-    trainer.check_resume_data(cfg, rows)
+    resume.check_resume_data(cfg, rows)

@@ -94,7 +94,7 @@ def test_a_cuda_error_that_breaks_the_context_ends_the_lane_with_the_error_shown
     ctx = SimpleNamespace(close=lambda: None, fence=None, drain=lambda: None, _failed=None)
     cfg = SimpleNamespace(checkpoint=SimpleNamespace(run_name="r", storage_path="."),
                           failure=SimpleNamespace(max_failures=3), to_dict=lambda: {})
-    monkeypatch.setattr(lane.worker_context, "hosted", lambda ctx: __import__("contextlib").nullcontext())
+    monkeypatch.setattr(lane.hosts, "hosted", lambda ctx: __import__("contextlib").nullcontext())
     if lost:
         with pytest.raises(SystemExit) as ended:
             lane._loop_with_restarts(cfg, None, ctx, recorder)

@@ -5,7 +5,7 @@ import os
 import pytest
 
 from behemoth.errors import ConfigError
-from behemoth.paths import RunPlace
+from behemoth.storage.paths import RunPlace
 
 
 @pytest.mark.parametrize("storage", ["s3://bucket/runs", "s3://bucket/runs/", "gs://b/r"])

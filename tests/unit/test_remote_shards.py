@@ -14,8 +14,8 @@ import pyarrow.fs
 import pytest
 import torch
 
-from behemoth import checkpoint, shard_reader, weights
-from behemoth.checkpoint import Snapshot, TrainState
+from behemoth.storage import checkpoint, shard_reader, weights
+from behemoth.storage.checkpoint import Snapshot, TrainState
 from behemoth.errors import CheckpointError
 
 BUCKET = "shards"
@@ -310,7 +310,7 @@ def _open_on_node(i: int, uri: str, endpoint: str, turns, out: str, die: bool = 
     still there and whole before it closes. `die`: ends inside, never closing (a killed rank)."""
     import os
 
-    from behemoth.node_copy import node_copy
+    from behemoth.storage.node_copy import node_copy
 
     os.environ.update(AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing", AWS_DEFAULT_REGION="us-east-1",
                       AWS_ENDPOINT_URL=endpoint)
@@ -390,7 +390,7 @@ def test_a_whole_checkpoint_is_downloaded_once_per_node_and_its_copy_goes_with_t
     assert left.parent.is_dir() and not left.exists()  # swept when another checkpoint was opened
 
     fs.delete_file(f"{BUCKET}/other/checkpoint_1/train_state.json")
-    from behemoth.node_copy import node_copy
+    from behemoth.storage.node_copy import node_copy
 
     with pytest.raises(CheckpointError, match="train_state.json is missing"):
         with node_copy(fs, f"{BUCKET}/other/checkpoint_1", "other"):
@@ -432,7 +432,7 @@ def test_a_node_copy_is_committed_only_when_every_file_matches_its_manifest(tmp_
     retries), not taken for damage; a file that is shorter in the store than its manifest says (truncated after
     the manifest was written) or has other bytes is the checkpoint's damage (CheckpointError naming it). No
     failed copy is committed: the node's copies folder is left empty."""
-    from behemoth.node_copy import node_copy, own_temp_folder
+    from behemoth.storage.node_copy import node_copy, own_temp_folder
     from behemoth.worker import checkpointing
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "node-tmp"))

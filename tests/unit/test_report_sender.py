@@ -9,12 +9,12 @@ import time
 
 import pytest
 
-from behemoth import worker_context as context
+from behemoth import hosts
 from behemoth.metrics import LOGGED, logged_reports
 from behemoth.worker.report import ReportSender
 
 
-class _SlowHost(context.WorkerContext):
+class _SlowHost(hosts.WorkerHost):
     """A host like Ray Train's worker: a report returns only when the controller has collected the previous one
     (every `poll_s`), and may fail."""
 
@@ -42,7 +42,7 @@ def _logged(host: _SlowHost) -> list[int]:
 def test_a_step_never_waits_for_the_host_and_every_logged_step_arrives_in_order():
     host, sender = _SlowHost(poll_s=0.2), ReportSender(interval_s=0.2)
     held = []
-    with context.hosted(host):
+    with hosts.hosted(host):
         for step in range(1, 61):  # a logged step every 10 ms, 20 per poll interval
             t0 = time.perf_counter()
             sender.send({"step": step}, now=sender.due())  # (rank 0's vote alone: one rank here)
@@ -51,7 +51,7 @@ def test_a_step_never_waits_for_the_host_and_every_logged_step_arrives_in_order(
         final = {"step": 61}
         sender.attach_pending(final)  # a checkpoint's report: the held steps go with it, after the sent ones
         sender.flush()
-        context.current().report(final)
+        hosts.current().report(final)
     assert max(held) < 0.05, f"a send held the step {max(held):.3f} s"
     assert _logged(host) == list(range(1, 62))
     assert 2 <= len(host.received) <= 8  # ~one report per interval, not 61
@@ -61,7 +61,7 @@ def test_a_step_never_waits_for_the_host_and_every_logged_step_arrives_in_order(
 
 def test_without_an_interval_every_report_goes_at_once_in_the_training_thread():
     host, sender = _SlowHost(poll_s=0.0), ReportSender(interval_s=0.0)
-    with context.hosted(host):
+    with hosts.hosted(host):
         for step in range(1, 6):
             sender.send({"step": step}, now=sender.due())
     assert [m["step"] for m in host.received] == [1, 2, 3, 4, 5] and all(LOGGED not in m for m in host.received)
@@ -70,7 +70,7 @@ def test_without_an_interval_every_report_goes_at_once_in_the_training_thread():
 
 def test_a_failed_report_is_raised_in_the_training_thread_at_the_next_report():
     host, sender = _SlowHost(poll_s=0.0, fail_at=2), ReportSender(interval_s=1e-9)
-    with context.hosted(host):
+    with hosts.hosted(host):
         sender.send({"step": 1}, now=True)
         sender.send({"step": 2}, now=True)
         with pytest.raises(RuntimeError, match=r"the controller is gone \(step 2\)"):

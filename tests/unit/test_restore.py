@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from behemoth.checkpoint import TrainState
+from behemoth.storage.checkpoint import TrainState
 from behemoth.worker import checkpointing
 
 

@@ -1,4 +1,4 @@
-"""One driver per run folder: the lease file (behemoth.driver.runlock), its refusal, takeover and heartbeat, and
+"""One driver per run folder: the lease file (behemoth.storage.runlock), its refusal, takeover and heartbeat, and
 train() / sweep refusing before Ray starts."""
 
 import json
@@ -13,8 +13,8 @@ import uuid
 from pathlib import Path
 
 import pytest
-from behemoth.driver import runlock
-from behemoth.driver.runlock import LOCK_NAME, RunLock, RunLockedError, read_lease
+from behemoth.storage import runlock
+from behemoth.storage.runlock import LOCK_NAME, RunLock, RunLockedError, read_lease
 from behemoth.errors import LeaseLostError
 
 
@@ -212,11 +212,11 @@ DRIVER_A = """
 import json, sys, time
 from pathlib import Path
 from types import SimpleNamespace
-from behemoth import checkpoint
+from behemoth.storage import checkpoint
 from behemoth.job import config_from_dict
-from behemoth.driver import runlock
+from behemoth.storage import runlock
 from behemoth.driver.lease_fence import LeaseFenceCallback
-from behemoth.driver.trainer import retire_unregistered
+from behemoth.driver.resume import retire_unregistered
 
 storage, go = sys.argv[1], Path(sys.argv[2])
 folder = f"{storage}/r"
@@ -243,7 +243,7 @@ def test_a_driver_stopped_past_the_expiry_stops_before_touching_the_new_holders_
     before either, and B's checkpoints are all there."""
     import signal
 
-    from behemoth import checkpoint
+    from behemoth.storage import checkpoint
 
     expiry_s = 1.0  # B's: how long A's silence lasts before B takes the folder over
     folder, go = tmp_path / "r", tmp_path / "go"

@@ -117,12 +117,12 @@ def test_progress_line_shows_mfu_and_memory():
 
 
 def test_ray_data_scheduling_loop_is_paced_only_while_the_consumer_has_batches(monkeypatch):
-    """behemoth.data.pace_scheduling_loop: Ray Data's loop spun while training (the consumer) was busy."""
+    """ray_internals.data.pace_scheduling_loop: Ray Data's loop spun while training (the consumer) was busy."""
     import time
 
     from ray.data._internal.execution.streaming_executor import StreamingExecutor
 
-    from behemoth import data
+    from behemoth.ray_internals import data
 
     steps, sleeps = [], []
     monkeypatch.setattr(StreamingExecutor, "_scheduling_loop_step", lambda self, topology: steps.append(1) or True)

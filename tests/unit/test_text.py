@@ -8,7 +8,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from behemoth.data.text import TextData
-from behemoth.data import DataError
+from behemoth.errors import DataError
 from behemoth.data import text
 from behemoth.data.order import rank_train_indices, steps_per_epoch
 from behemoth.data.text import (

@@ -170,7 +170,7 @@ def test_a_batch_reports_the_blocks_it_read_so_a_wrong_gather_fails_the_ledger_a
     """A text batch's sample ids are the ids stored with the blocks, read by the same gather as the tokens:
     the ledger of a real gather passes the audit; a gather that reads the wrong rows (here: each shard's
     neighbour) reports the blocks it read, and the audit names the step."""
-    from behemoth.checkpoint import TrainState
+    from behemoth.storage.checkpoint import TrainState
     from behemoth.tasks.causal_lm import gather_batch
     from behemoth.worker.ledger import SampleLedger
     from integration.ledger_audit import audit, planned_batches

@@ -12,7 +12,7 @@ from behemoth.config import ConfigError
 from behemoth.driver.sweep.config import (SweepConfig, base_job, check_sweep, concurrency_bound, load_sweep,
                                           trial_job)
 from behemoth.driver.sweep.run import sweep
-from behemoth.paths import RunPlace
+from behemoth.storage.paths import RunPlace
 from conftest import job_dict
 
 REPO = Path(__file__).resolve().parents[2]

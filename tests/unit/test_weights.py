@@ -1,4 +1,4 @@
-"""behemoth.weights: which folder the weights come from, and loading them into a freshly built model."""
+"""behemoth.storage.weights: which folder the weights come from, and loading them into a freshly built model."""
 
 import json
 
@@ -6,8 +6,8 @@ import pyarrow.fs
 import pytest
 import torch
 
-from behemoth import checkpoint, weights
-from behemoth.checkpoint import Snapshot, TrainState
+from behemoth.storage import checkpoint, weights
+from behemoth.storage.checkpoint import Snapshot, TrainState
 from behemoth.errors import CheckpointError
 
 

@@ -308,7 +308,7 @@ def _build_folder(folder: Path, cache: CachePlan):
         yield tmp
     except OSError as e:
         shutil.rmtree(tmp, ignore_errors=True)
-        from behemoth.checkpoint import is_disk_full
+        from behemoth.storage.checkpoint import is_disk_full
 
         if is_disk_full(e):
             raise StorageFullError(_disk_full_message(folder, cache)) from None
@@ -456,7 +456,7 @@ def _decoded_batches(table: pa.Table, size: int, image_column: str, workers: boo
         return
     import ray.data
 
-    from behemoth.data import ordered_data_context
+    from behemoth.data.pipeline import ordered_data_context
 
     ordered_data_context()
     ds = ray.data.from_blocks(blocks).map_batches(decode, batch_format="numpy", batch_size=None,

@@ -28,12 +28,13 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from PIL import Image, ImageOps
 
-from behemoth import paths
 from behemoth.config import DataConfig
-from behemoth.errors import BadSampleError, ConfigError
+from behemoth.errors import BadSampleError, ConfigError, DataError
 from behemoth.progress import progress
-from behemoth.data import DataError, expand_files, image_shards, ordered_data_context
+from behemoth.data import image_shards
+from behemoth.data.pipeline import expand_files, ordered_data_context
 from behemoth.data.decode import crop_from_view, one_torch_thread, random_resized_crop
+from behemoth.storage import filesystem
 
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg"}
 # One row per sample. `row`: -1 for an image file; the row in `path` for parquet; for a tar shard the byte
@@ -97,7 +98,7 @@ class ImageData(DataConfig):
         if self.cache_side and self.cache_side < self.image_size:
             raise ConfigError(f"data.cache_side {self.cache_side} is smaller than data.image_size "
                               f"{self.image_size}: every crop would be upsampled; use at least {self.image_size}")
-        if self.cache == "decoded" and paths.is_uri(self.cache_dir):
+        if self.cache == "decoded" and filesystem.is_uri(self.cache_dir):
             raise ConfigError(f"data.cache_dir {self.cache_dir} is a URI: the decoded cache is a folder on each "
                               f"node's own disk (a local path), read by memory-mapping it")
 
@@ -120,7 +121,7 @@ def build_index(cfg: ImageData) -> ImageIndex:
     """image_folder: data.root; image_parquet and image_webdataset: data.train_files / val_files. A task of
     one's own built on image classification (data.kind: module:Class) reads parquet when data.train_files is
     set, data.root otherwise."""
-    keep = None if paths.is_uri(cfg.cache_dir) else Path(cfg.cache_dir)
+    keep = None if filesystem.is_uri(cfg.cache_dir) else Path(cfg.cache_dir)
     if cfg.kind == "image_webdataset":
         return index_webdataset(cfg.train_files, cfg.val_files, keep)
     if _reads_folder(cfg):

@@ -20,8 +20,8 @@ import numpy as np
 import pyarrow as pa
 
 from behemoth.config import DataConfig
-from behemoth.data import DataError, expand_files, ordered_data_context
-from behemoth.errors import ConfigError
+from behemoth.data.pipeline import expand_files, ordered_data_context
+from behemoth.errors import ConfigError, DataError
 
 _READERS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
 BLOCK_ROWS = 2048  # rows per tokenising task

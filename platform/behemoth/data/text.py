@@ -47,13 +47,14 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from behemoth import paths
-from behemoth.checkpoint import read_file
+from behemoth.storage import paths
+from behemoth.storage.filesystem import read_file
 from behemoth.config import DataConfig
-from behemoth.data import DataError, expand_files, ordered_data_context
+from behemoth.data.pipeline import expand_files, ordered_data_context
 from behemoth.data.token_store import ShardWriter, TokenBlocks, TokenShards, load_blocks, upload
-from behemoth.errors import ConfigError
+from behemoth.errors import ConfigError, DataError
 from behemoth.progress import progress
+from behemoth.storage import filesystem
 
 CACHE_VERSION = 4  # 4: shards with their sha256; 3: each block with its index; 2: shards of tokens; 1: train.npy
 UNIT_BYTES = 1 << 20  # a line-oriented file is cut into work units of about this many bytes
@@ -395,7 +396,7 @@ def prepare_text(cfg: TextData, seed: int, units: list[Unit] | None = None) -> T
     cache = paths.join(paths.storage_root(cfg.cache_dir), _fingerprint(cfg, units, seed))
     meta = _cache_meta(cache)
     if meta is None:
-        if paths.is_uri(cache):  # built here, then uploaded (meta.json last)
+        if filesystem.is_uri(cache):  # built here, then uploaded (meta.json last)
             with tempfile.TemporaryDirectory(prefix="behemoth-tokens-") as local:
                 _build_cache(cfg, units, seed, dtype, Path(local) / "cache")
                 upload(Path(local) / "cache", cache)

@@ -37,10 +37,10 @@ from pathlib import Path
 
 import numpy as np
 
-from behemoth import paths
-from behemoth.checkpoint import filesystem, read_file, stream_sha256
+from behemoth.storage.checkpoint import stream_sha256
+from behemoth.storage.filesystem import filesystem, is_uri, read_file
 from behemoth.errors import DataError
-from behemoth.node_copy import own_temp_folder
+from behemoth.storage.node_copy import own_temp_folder
 
 SHARD_BYTES = 64 << 20
 REMOTE_CACHE_BLOCKS = 4096  # per worker and split: blocks read from a URI kept for reuse
@@ -131,7 +131,7 @@ def load_blocks(folder: str | Path, shards: list[dict], seq_len: int, dtype) -> 
     arrays = []
     for shard in shards:
         where = f"{folder}/{shard['file']}"
-        data = read_file(where) if paths.is_uri(str(folder)) else Path(where).read_bytes()
+        data = read_file(where) if is_uri(str(folder)) else Path(where).read_bytes()
         if len(data) != shard["bytes"] or hashlib.sha256(data).hexdigest() != shard["sha256"]:
             raise DataError(_damaged(where, folder, shard, len(data) if len(data) != shard["bytes"] else None))
         arrays.append(np.load(io.BytesIO(data)))
@@ -246,7 +246,7 @@ class TokenShards:
         ids = np.asarray(ids, dtype=np.int64)
         if ids.size and (ids.min() < 0 or ids.max() >= len(self)):
             raise IndexError(f"block index out of range [0, {len(self)})")
-        if paths.is_uri(self.folder):
+        if is_uri(self.folder):
             return self._reader().gather(ids)
         out = np.empty(len(ids), self.record)
         shard = np.searchsorted(self.starts, ids, side="right") - 1
@@ -259,7 +259,7 @@ class TokenShards:
         """Start reading these blocks now, so the gather that follows finds them read: a URI's blocks are
         fetched by background threads, a local file's pages asked of the kernel (asynchronously)."""
         ids = np.asarray(ids, dtype=np.int64)
-        if paths.is_uri(self.folder):
+        if is_uri(self.folder):
             self._reader().prefetch(ids)
             return
         row, page = self.record.itemsize, mmap.PAGESIZE

@@ -13,9 +13,9 @@ from __future__ import annotations
 import os
 
 import ray
-from ray.train.v2._internal.callbacks import placement_group_callback
-from ray.train.v2._internal.callbacks.placement_group_callback import PlacementGroupCleanerCallback
-from ray.train.v2._internal.execution.controller.placement_group_cleaner import PlacementGroupCleaner
+
+from behemoth.ray_internals.train import (PlacementGroupCleaner, PlacementGroupCleanerCallback,
+                                          launch_placement_group_cleaner)
 
 
 class ThisClusterCleaner(PlacementGroupCleaner):
@@ -29,5 +29,5 @@ class ThisClusterCleanerCallback(PlacementGroupCleanerCallback):
     """Ray Train's callback, launching ThisClusterCleaner (in the run's controller, a process of its own)."""
 
     def after_controller_start(self, train_run_context):
-        placement_group_callback.PlacementGroupCleaner = ThisClusterCleaner
+        launch_placement_group_cleaner(ThisClusterCleaner)
         super().after_controller_start(train_run_context)

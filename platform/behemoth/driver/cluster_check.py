@@ -20,8 +20,8 @@ from pathlib import Path
 
 import yaml
 
-from behemoth import paths
 from behemoth.errors import ConfigError
+from behemoth.storage import filesystem
 
 # Every port a Ray node listens on (Ray 2.60's `ray start` defaults), and SSH. A port `ray start` is given
 # explicitly (`--object-manager-port=8076`, ...) is checked at that number instead.
@@ -78,12 +78,12 @@ def _ray_schema(raw) -> tuple[dict, list[Finding]]:
 
     import jsonschema
     import ray.autoscaler
-    from ray.autoscaler._private.util import prepare_config, validate_config
+    from behemoth.ray_internals.core import prepare_cluster_config, validate_cluster_config
 
     if not isinstance(raw, dict):
         return {}, [Finding("<file>", "must be a mapping", "start from cluster.yaml in the repository")]
     try:
-        prepared = prepare_config(copy.deepcopy(raw))
+        prepared = prepare_cluster_config(copy.deepcopy(raw))
         # Every schema violation at once (validate_config stops at the first), then Ray's other checks.
         schema = json.loads((Path(ray.autoscaler.__file__).parent / "ray-schema.json").read_text())
         errors = sorted(jsonschema.Draft7Validator(schema).iter_errors(prepared), key=lambda e: list(e.path))
@@ -91,7 +91,7 @@ def _ray_schema(raw) -> tuple[dict, list[Finding]]:
             return prepared, [Finding(".".join(str(p) for p in e.absolute_path) or "<top level>",
                                       f"Ray's cluster schema rejects it: {e.message}",
                                       "see Ray's cluster YAML reference") for e in errors]
-        validate_config(prepared)
+        validate_cluster_config(prepared)
     except (ValueError, KeyError, TypeError) as e:
         key = "head_node_type" if "head_node_type" in str(e) else "<config>"
         return {}, [Finding(key, f"Ray rejects it: {e}", "correct the value")]
@@ -212,7 +212,7 @@ def _storage(raw: dict, job_configs: list[str]) -> list[Finding]:
     out = []
     for job in job_configs:
         path = load_config(job).checkpoint.storage_path
-        if multi_node and not paths.is_uri(path):
+        if multi_node and not filesystem.is_uri(path):
             out.append(Finding(f"{job}: checkpoint.storage_path",
                                f"'{path}' is a local path on a multi-node cluster: workers on other nodes "
                                f"cannot reach it and a lost node loses its checkpoints",

@@ -28,6 +28,8 @@ import numpy as np
 
 from behemoth.config import JobConfig
 from behemoth.errors import ConfigError
+from behemoth.hosts import WorkerHost
+from behemoth.storage import filesystem
 
 
 @dataclasses.dataclass
@@ -122,10 +124,8 @@ def _record_place(cfg: JobConfig) -> tuple[Path, str] | None:
     import hashlib
     import socket
 
-    from behemoth import paths
-
     folder = getattr(cfg.data, "cache_dir", "")
-    if not folder or paths.is_uri(folder):
+    if not folder or filesystem.is_uri(folder):
         return None
     section = {k: v for k, v in dataclasses.asdict(cfg.data).items() if k not in _UNMEASURED_KEYS}
     digest = hashlib.sha256(json.dumps(section, sort_keys=True, default=str).encode()).hexdigest()[:16]
@@ -208,8 +208,8 @@ class _Consumer:
     def run(self, job: dict, data, rank: int, world: int, seconds: float) -> dict:
         import torch
 
-        from behemoth import worker_context as context
-        from behemoth.checkpoint import TrainState
+        from behemoth import hosts
+        from behemoth.storage.checkpoint import TrainState
         from behemoth.data.order import steps_per_epoch
         from behemoth.job import config_from_dict
         from behemoth.tasks import make_task
@@ -220,7 +220,7 @@ class _Consumer:
         cfg = dataclasses.replace(cfg, scaling=dataclasses.replace(cfg.scaling, use_gpu=False))
         if cfg.scaling.torch_threads:
             torch.set_num_threads(cfg.scaling.torch_threads)
-        with context.hosted(_BenchContext(rank, world)):
+        with hosts.hosted(_BenchContext(rank, world)):
             task = make_task(cfg, data)
             share = cfg.train.global_batch_size // world
             micro = cfg.train.micro_batch_size
@@ -271,8 +271,8 @@ def _touch(batch: dict, nbytes: dict) -> int:
     return len(batch["sample_id"])  # every task's batches carry their samples' ids (tasks/contract.py)
 
 
-class _BenchContext:
-    """The worker context a consumer hosts: rank, world and the CPU; nothing of a run (no storage, reports)."""
+class _BenchContext(WorkerHost):
+    """The worker host a consumer hosts: rank, world and the CPU; nothing of a run (no storage, reports)."""
 
     def __init__(self, rank: int, world: int):
         import torch

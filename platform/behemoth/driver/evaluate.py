@@ -11,7 +11,7 @@ import shutil
 import tempfile
 import time
 
-from behemoth import weights
+from behemoth.storage import weights
 from behemoth.config import JobConfig
 from behemoth.errors import ConfigError
 from behemoth.tasks import task_of
@@ -33,7 +33,8 @@ def evaluate_checkpoint(cfg: JobConfig, checkpoint: str, split: str = "val", whi
 
     from behemoth.driver import ray_session
     from behemoth.driver.ray_session import ensure_ray, worker_env_vars
-    from behemoth.driver.trainer import task_files_differ, worker_resources
+    from behemoth.driver.resume import task_files_differ
+    from behemoth.driver.trainer import worker_resources
     from behemoth.worker.evaluate import evaluate_checkpoint_per_worker
 
     task = task_of(cfg)

@@ -24,14 +24,15 @@ from typing import Optional
 
 import yaml
 
-from behemoth import paths, weights
-from behemoth.checkpoint import complete_checkpoints, read_state, read_verified
+from behemoth.storage import weights
+from behemoth.storage.checkpoint import complete_checkpoints, read_state, read_verified
 from behemoth.config import DataConfig, JobConfig, ModelConfig, dump_yaml, warn_remote_code
 from behemoth.errors import CheckpointError, ConfigError
 from behemoth.job import config_from_dict
 from behemoth.models import registry
 from behemoth.tasks import task_of
 from behemoth.tasks.registry import is_custom_kind
+from behemoth.storage import filesystem
 
 
 @dataclass(frozen=True)
@@ -79,7 +80,7 @@ def export(path: str, out: str, which: str = "best", trusted: TrustedCode = Trus
 def _job_of(path: str, trusted: TrustedCode) -> JobConfig:
     """The job config of a checkpoint folder, or of a run folder's latest complete checkpoint, with only the
     code the user trusts (its job.yaml is read as data first: building the config imports what it names)."""
-    p = path if paths.is_uri(path) else str(Path(path).expanduser())  # a URI as it is (Path would fold its //)
+    p = path if filesystem.is_uri(path) else str(Path(path).expanduser())  # a URI as it is (Path would fold its //)
     candidates = [p] if weights.is_checkpoint(p) else [c for _, c in complete_checkpoints(p)]
     if not candidates:
         weights.resolve(path)  # raises the message that says what the folder is not, or:

@@ -13,8 +13,8 @@ factory its trainer calls. The Ray version is pinned to that line (pyproject.tom
 
 from __future__ import annotations
 
-from ray.train.v2._internal.execution.failure_handling import DefaultFailurePolicy
-from ray.train.v2._internal.execution.failure_handling.failure_policy import FailureDecision
+from behemoth.ray_internals.core import node_logs_dir
+from behemoth.ray_internals.train import DefaultFailurePolicy, FailureDecision, set_failure_policy_factory
 
 from behemoth.errors import NOT_RETRIED, user_facing_error
 
@@ -33,10 +33,8 @@ def _where_tracebacks_are() -> str:
     """Where Ray keeps the failed worker's full traceback (its log folder on the worker's node), as a suffix
     for the policy's line; the console leaves that traceback out (driver/ray_console.py)."""
     try:
-        import ray._private.worker
-
-        node = ray._private.worker._global_node
-        return f" (the worker's traceback: worker-*.err in {node.get_logs_dir_path()} of its node)" if node else ""
+        logs = node_logs_dir()
+        return f" (the worker's traceback: worker-*.err in {logs} of its node)" if logs else ""
     except Exception:  # noqa: BLE001 - a private Ray API: without it the line only lacks the pointer
         return ""
 
@@ -47,6 +45,4 @@ def create(failure_config) -> FailFastPolicy:
 
 def install() -> None:
     """Make Ray Train's trainers (created after this, in this process) use FailFastPolicy."""
-    from ray.train.v2.api import data_parallel_trainer
-
-    data_parallel_trainer.create_failure_policy = create
+    set_failure_policy_factory(create)

@@ -18,9 +18,8 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 
-from ray.train.v2._internal.execution.callback import TrainContextCallback
-
-from behemoth.driver.runlock import Fence
+from behemoth.ray_internals.train import TrainContextCallback
+from behemoth.storage.runlock import Fence
 
 
 class LeaseFenceCallback(TrainContextCallback):

@@ -343,7 +343,9 @@ def filter_lines(lines: list[str]) -> list[str]:
 
 def install() -> None:
     """Filter the worker output this driver prints (once per Ray session; a no-op without log_to_driver)."""
-    from ray._private import ray_logging
+    from behemoth.ray_internals import core
+
+    ray_logging = core.ray_logging()
 
     # Ray's log deduplication (RAY_DEDUP_LOGS, on by default) runs after this filter, on what it prints: lines
     # equal to one another process printed in the last 5 s are held back and printed later, or merged into
@@ -487,6 +489,8 @@ class _TokenAuthNotice(logging.Filter):
 
 
 def quiet_token_auth_notice() -> None:
-    logger = logging.getLogger("ray._private.authentication.authentication_token_setup")
+    from behemoth.ray_internals.core import token_auth_logger
+
+    logger = token_auth_logger()
     if not any(isinstance(f, _TokenAuthNotice) for f in logger.filters):
         logger.addFilter(_TokenAuthNotice())

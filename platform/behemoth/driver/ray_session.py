@@ -133,13 +133,9 @@ def training_worker_runtime_env() -> dict:
     child inherits its parent's variables) and behemoth's (worker_env_vars). Mirrors Ray Train 2.60
     (DataParallelTrainer._initialize_and_run_controller, WorkerGroup._get_worker_runtime_env), called after
     build_trainer has set the driver's variables; a test compares it with a real worker's."""
-    from ray._common.constants import RAY_WARN_BLOCKING_GET_INSIDE_ASYNC_ENV_VAR
-    from ray.train.v2._internal.constants import (DEFAULT_RAY_WARN_BLOCKING_GET_INSIDE_ASYNC_VALUE,
-                                                  get_env_vars_to_propagate)
+    from behemoth.ray_internals.train import worker_environment
 
-    env = {RAY_WARN_BLOCKING_GET_INSIDE_ASYNC_ENV_VAR: DEFAULT_RAY_WARN_BLOCKING_GET_INSIDE_ASYNC_VALUE,
-           **get_env_vars_to_propagate()}
-    return {"env_vars": {**env, **worker_env_vars()}}
+    return {"env_vars": {**worker_environment(), **worker_env_vars()}}
 
 
 def warm_up_data_processes(cfg: JobConfig, data) -> list:
@@ -178,8 +174,8 @@ def torch_trainer(*args, **kwargs):
     """Ray Train's TorchTrainer, less the processes behemoth's runs do not use and with the process's signal
     handlers put back after its fit (see LeanTorchTrainer)."""
     from ray.train.torch import TorchTrainer
-    from ray.train.v2._internal.callbacks import DatasetsCallback
-    from ray.train.v2._internal.callbacks.placement_group_callback import PlacementGroupCleanerCallback
+
+    from behemoth.ray_internals.train import DatasetsCallback, PlacementGroupCleanerCallback
 
     class LeanTorchTrainer(TorchTrainer):
         """Ray Train 2.60 starts a DatasetManager actor for every run (its DatasetsCallback, whatever the

@@ -18,12 +18,11 @@ from __future__ import annotations
 
 import time
 
-from behemoth import paths
+from behemoth.storage import paths
+from behemoth.ray_internals.data import AUTOSCALING_COORDINATOR
 from behemoth.tracking.records import TIMELINE, JsonlLog, read_jsonl
 
-# Ray 2.60's names (ray.data._internal.cluster_autoscaler.default_autoscaling_coordinator and
-# ray.train.v2._internal.execution.scaling_policy.scaling_policy); Ray is pinned.
-COORDINATOR, COORDINATOR_NAMESPACE = "AutoscalingCoordinator", "AutoscalingCoordinator"
+COORDINATOR, COORDINATOR_NAMESPACE = AUTOSCALING_COORDINATOR
 
 
 def requester_ids_of_killed_invocations(timeline: list[dict]) -> list[str]:

@@ -1,4 +1,5 @@
-"""Driver side: a checked job config -> Ray Train TorchTrainer -> fit -> a summary. Never touches CUDA.
+"""Driver side: a checked job config -> Ray Train TorchTrainer -> fit -> a summary. The driver's process never
+touches CUDA (the workers do; a sweep's lane is a worker host: hosts/lane.py).
 
 The data is checked by its task before Ray starts (Task.check), so a missing folder, an empty class or a
 file without its column fails in a second with a message naming it, not after a cluster has been brought up;
@@ -8,70 +9,17 @@ Data) before the workers start.
 
 from __future__ import annotations
 
-import json
 import threading
 import time
-from dataclasses import dataclass, field
 
-import yaml
-
-from behemoth import paths
 from behemoth.config import JobConfig
 from behemoth.driver import ray_session
+from behemoth.driver.resume import (check_resume_compatible, check_resume_data, resolve_init_from,
+                                    retire_unregistered, run_dir, run_place)
 from behemoth.driver.stale_requests import withdraw_killed_drivers_requests
-from behemoth.errors import CheckpointError, ConfigError, RunFailedError, user_facing_error
-from behemoth.metrics import logged_reports
+from behemoth.driver.summary import RunSummary, summarise
+from behemoth.errors import RunFailedError, user_facing_error
 from behemoth.tasks import task_of
-
-
-@dataclass
-class RunSummary:
-    run_dir: str
-    metrics: dict  # the last reported metrics
-    latest_checkpoint: str | None
-    best_checkpoint: str | None  # best by the task's `best` metric among the kept ones
-    best_value: float | None
-    best_metric: str
-    wall_s: float
-    resumed_from_step: int = 0  # 0: this invocation started from scratch
-    peak_source: str | None = None  # where the MFU's peak came from (or why there is no MFU)
-    task_lines: list[str] = field(default_factory=list)  # the task's own lines (its final metrics)
-    goodput: object = None  # tracking.goodput.Account over every invocation of the run, or None
-    report: str | None = None  # report.html, if written
-    tensorboard: bool = False
-
-    def lines(self) -> list[str]:
-        m = self.metrics
-        out = [f"run folder:        {self.run_dir}", *self.task_lines]
-        resumed = f", resumed from step {self.resumed_from_step}" if self.resumed_from_step else ""
-        out.append(f"steps:             {m.get('step')} ({m.get('samples_seen')} samples{resumed})")
-        if "tflops_per_worker" in m:
-            mfu = f"MFU {m['mfu']:.1%}; " if "mfu" in m else ""
-            out.append(f"model speed:       {m['tflops_per_worker']:.3g} TFLOP/s per worker ({mfu}"
-                       f"peak: {self.peak_source})")
-        out.append(f"latest checkpoint: {self.latest_checkpoint}")
-        if self.best_checkpoint:
-            out.append(f"best checkpoint:   {self.best_checkpoint} ({self.best_metric} {self.best_value:.4f})")
-        out.append(f"wall time:         {self.wall_s:.1f} s")
-        if self.goodput is not None:
-            out.append(f"goodput:           {self.goodput.line()}")
-            if self.goodput.startup_line():
-                out.append(f"first step:        {self.goodput.startup_line()}")
-        if self.tensorboard:
-            out.append(f"tensorboard:       tensorboard --logdir {self.run_dir}")
-        if self.report:
-            out.append(f"report:            {self.report}")
-        return out
-
-
-def run_place(cfg: JobConfig) -> paths.RunPlace:
-    """Where the job's run lives (its storage and checked name): every path of the run is joined through it."""
-    return paths.RunPlace.of(cfg.checkpoint.storage_path, cfg.checkpoint.run_name)
-
-
-def run_dir(cfg: JobConfig) -> str:
-    """The job's run folder (local: absolute; or a URI)."""
-    return run_place(cfg).folder
 
 
 def worker_resources(cfg: JobConfig) -> dict:
@@ -123,133 +71,10 @@ def build_trainer(cfg: JobConfig, data, callbacks: list | None = None, fence=Non
     )
 
 
-# Keys that may change between a run and its resumption: they change speed or bookkeeping, not what is learnt.
-_RESUMABLE_CHANGES = {"data.prefetch_batches", "data.cpus_per_task", "data.max_bad_samples"}
-
-
-def _latest_checkpoint(cfg: JobConfig) -> tuple[str, str] | None:
-    """(the run's latest complete checkpoint, its folder name), or None for a new run."""
-    from behemoth.checkpoint import complete_checkpoints
-
-    kept = complete_checkpoints(run_dir(cfg))
-    return (kept[0][1], kept[0][1].rstrip("/").rpartition("/")[2]) if kept else None
-
-
-def check_resume_compatible(cfg: JobConfig) -> None:
-    """Refuse to resume a run whose latest checkpoint (local or under a URI) was trained on another data or
-    model config. (A change of scaling.strategy is fine: either checkpoint layout loads under DDP and FSDP.)"""
-    from behemoth.checkpoint import read_file
-
-    latest = None if cfg.checkpoint.resume_changed_config else _latest_checkpoint(cfg)
-    if latest is None:
-        return
-    latest, name = latest
-    folder = run_dir(cfg)
-    before = yaml.safe_load(read_file(f"{latest}/job.yaml")) or {}
-    now = cfg.to_dict()
-    changed = [f"{section}.{key}: {before.get(section, {}).get(key)!r} -> {value!r}"
-               for section in ("data", "model") for key, value in now[section].items()
-               if before.get(section, {}).get(key) != value and f"{section}.{key}" not in _RESUMABLE_CHANGES]
-    if changed:
-        raise ConfigError(
-            f"run '{cfg.checkpoint.run_name}' in {folder} was trained with a different config "
-            f"({name}): {'; '.join(changed)}. Start a new run with another "
-            f"checkpoint.run_name, or resume anyway with --set checkpoint.resume_changed_config=true"
-        )
-
-
-def check_resume_data(cfg: JobConfig, prepared) -> None:
-    """Refuse to resume a run whose data now says something else of what its weights mean: the task's files
-    in the latest checkpoint (classes.json: class index -> name) differ from those this data gives. The data
-    config can be unchanged while its content is not: a class folder renamed or replaced keeps the count and
-    moves names to other indices, so the resumed run would train on with its labels silently renamed (a class
-    added or removed changes the head's shape: its weights cannot load)."""
-    from behemoth.checkpoint import complete_checkpoints
-
-    kept = [] if cfg.checkpoint.resume_changed_config else complete_checkpoints(run_dir(cfg))
-    for _, ckpt in kept:  # newest first; one whose task files fail their manifest is damaged: restore skips it
-        try:
-            differs = task_files_differ(cfg, prepared, ckpt)
-            break
-        except CheckpointError:
-            continue
-    else:
-        return
-    if differs:
-        what, same_shape = differs
-        force = (", or resume anyway with --set checkpoint.resume_changed_config=true" if same_shape else
-                 " (its weights cannot resume with another number of classes)")
-        name = ckpt.rstrip("/").rpartition("/")[2]
-        raise ConfigError(
-            f"run '{cfg.checkpoint.run_name}' in {run_dir(cfg)} was trained on other data ({name}): {what}. "
-            f"Start a new run with another checkpoint.run_name (train.init_from the old run's folder to start "
-            f"from its weights){force}")
-
-
-def task_files_differ(cfg: JobConfig, prepared, ckpt: str) -> tuple[str, bool] | None:
-    """How checkpoint `ckpt`'s task files (Task.checkpoint_files) differ from those `prepared` gives, and
-    whether their lists keep their length; None where they agree or the checkpoint keeps none (written before
-    the task kept them, or a Hugging Face folder). Each is checked against the manifest first: a damaged or
-    edited one raises CheckpointError naming it (compared as it is, it would read as other data)."""
-    from behemoth import weights
-    from behemoth.checkpoint import read_manifest, read_manifest_bytes, read_verified
-
-    ckpt = ckpt.rstrip("/")
-    if not weights.is_checkpoint(ckpt):
-        return None
-    manifest = read_manifest(read_manifest_bytes(ckpt, None, ckpt), ckpt)
-    for file, text in task_of(cfg).checkpoint_files(cfg, prepared).items():
-        if file not in manifest["files"]:
-            continue
-        before = read_verified(ckpt, file, manifest=manifest).decode()
-        if before == text:
-            continue
-        try:
-            old, new = json.loads(before), json.loads(text)
-        except ValueError:
-            old = new = None
-        if not (isinstance(old, list) and isinstance(new, list)):
-            return f"its {file} differs from this data's", False
-        if old == new:
-            continue  # the same list, written another way
-        moved = next((i for i, (a, b) in enumerate(zip(old, new)) if a != b), min(len(old), len(new)))
-        detail = [f"its {file} lists {len(old)}, this data {len(new)}"]
-        if moved < min(len(old), len(new)):
-            detail.append(f"index {moved} was {old[moved]!r}, is {new[moved]!r}")
-        for label, names in (("new", [n for n in new if n not in old]), ("gone", [n for n in old if n not in new])):
-            if names:
-                detail.append(f"{label}: {', '.join(map(repr, names[:5]))}{' ...' if len(names) > 5 else ''}")
-        return "; ".join(detail), len(old) == len(new)
-    return None
-
-
-def resolve_init_from(cfg: JobConfig) -> JobConfig:
-    """train.init_from -> the one folder its weights come from (a run folder: its best or latest checkpoint),
-    chosen once here so that every worker, and every restart, starts from the same weights; the run's
-    checkpoints record the chosen folder in their job.yaml."""
-    import dataclasses
-
-    from behemoth import weights
-    from behemoth.checkpoint import complete_checkpoints
-
-    source = cfg.train.init_from
-    if not source:
-        return cfg
-    chosen, how = weights.resolve(source, cfg.train.init_from_checkpoint, task_of(cfg).best)
-    weights.check(chosen)  # damage it can see without the weights fails here, before Ray starts
-    folder = run_dir(cfg)
-    if complete_checkpoints(folder):
-        print(f"[behemoth] train.init_from is set, but run '{cfg.checkpoint.run_name}' has checkpoints of its own: "
-              f"it resumes from them (init_from decides only how a run starts)", flush=True)
-    else:
-        print(f"[behemoth] init_from {source}: {chosen} ({how})", flush=True)
-    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, init_from=chosen))
-
-
 def train(cfg: JobConfig, callbacks: list | None = None, lock: bool = True, process_start: float | None = None,
           parent_mlflow_run: str | None = None, end_ray: bool = False, fence=None) -> RunSummary:
     """Run (or resume, if the run name already has checkpoints) one training job. Blocks until it ends.
-    `lock`: hold the run folder's lease (driver/runlock.py); a sweep's trial runs under its sweep's, whose
+    `lock`: hold the run folder's lease (storage/runlock.py); a sweep's trial runs under its sweep's, whose
     `fence` (runlock.Fence) it checks before registering or deleting checkpoints, as a run checks its own.
     `process_start`: when this process started (the command line's), where the goodput account's start-up
     begins (default: this call). `parent_mlflow_run`: a sweep's MLflow run, under which this one nests.
@@ -260,7 +85,7 @@ def train(cfg: JobConfig, callbacks: list | None = None, lock: bool = True, proc
     tracking = RunTracking(cfg, run_dir(cfg), process_start, parent_mlflow_run)
     if not lock:
         return _train(cfg, callbacks, tracking, end_ray, fence)
-    from behemoth.driver.runlock import RunLock
+    from behemoth.storage.runlock import RunLock
 
     with RunLock(run_dir(cfg), f"run '{cfg.checkpoint.run_name}'") as held:
         return _train(cfg, callbacks, tracking, end_ray, held.fence())
@@ -286,7 +111,7 @@ def _train(cfg: JobConfig, callbacks: list | None, tracking, end_ray: bool = Fal
             raise
         raise RunFailedError(_failure_message(cfg, e)) from e
     retire_unregistered(cfg, result.best_checkpoints or [], fence)
-    summary = _summarise(cfg, result, time.time() - started)
+    summary = summarise(cfg, result, time.time() - started)
     returned = result.return_value or {}
     # Ray's local shutdown (mostly waiting for its processes to end) and the run's last records (the report's
     # plots: CPU-bound) need nothing of each other and each take seconds: side by side, not one after the other.
@@ -303,7 +128,7 @@ def _train(cfg: JobConfig, callbacks: list | None, tracking, end_ray: bool = Fal
 
 def _failure_message(cfg: JobConfig, e: Exception) -> str:
     """What failed, what is kept, what to do: for a run whose worker group kept failing."""
-    from behemoth.checkpoint import complete_checkpoints
+    from behemoth.storage.checkpoint import complete_checkpoints
 
     failures = getattr(e, "worker_failures", None) or {"controller": getattr(e, "controller_failure", e)}
     reasons = "; ".join(f"rank {rank}: {str(exc).strip().splitlines()[0]}" for rank, exc in failures.items())
@@ -328,51 +153,3 @@ def prepare_data(cfg: JobConfig, mark=lambda milestone: None):
     return data
 
 
-def retire_unregistered(cfg: JobConfig, kept: list, fence=None) -> list[str]:
-    """Apply checkpoint.keep to the checkpoints Ray Train does not know: complete ones in the run folder that it
-    never registered (a driver or worker died between their upload and their registration; a rerun resumed
-    from them) and that are older than every checkpoint it keeps (`kept`: the finished run's
-    (checkpoint, metrics)). Retention would have deleted them had Ray Train known them; without this they
-    stay forever. Returns the folders removed. `fence`: the run lock's (runlock.Fence), checked first: a driver
-    whose folder another driver took over removes nothing there."""
-    from behemoth.checkpoint import complete_checkpoints, filesystem
-
-    if fence is not None:
-        fence.check("removing the checkpoints Ray Train never registered")
-
-    place = run_place(cfg)
-    kept_paths = {place.as_uri(c.path).rstrip("/") for c, _ in kept}
-    found = complete_checkpoints(place.folder)
-    kept_steps = [step for step, path in found if path.rstrip("/") in kept_paths]
-    if not kept_steps:
-        return []
-    oldest_kept, removed = min(kept_steps), []
-    for step, path in found:
-        if step < oldest_kept and path.rstrip("/") not in kept_paths:
-            fs, where = filesystem(path)
-            fs.delete_dir(where)
-            removed.append(path)
-            print(f"[behemoth] removed {path} (step {step}): a checkpoint Ray Train never registered, older than "
-                  f"the {len(kept_steps)} it keeps (checkpoint.keep)", flush=True)
-    return removed
-
-
-def _summarise(cfg: JobConfig, result, wall_s: float) -> RunSummary:
-    task = task_of(cfg)
-    key, mode = task.best
-    scored = [(m[key], c.path) for c, m in (result.best_checkpoints or []) if key in m]
-    best_value, best_path = (max(scored) if mode == "max" else min(scored)) if scored else (None, None)
-    place = run_place(cfg)  # Ray gives paths on the storage's filesystem
-    final = logged_reports(dict(result.metrics or {}))[-1]  # (not the logged steps it carries)
-    return RunSummary(
-        run_dir=place.folder,
-        metrics=final,
-        latest_checkpoint=place.as_uri(result.checkpoint.path if result.checkpoint else None),
-        best_checkpoint=place.as_uri(best_path),
-        best_value=best_value,
-        best_metric=key,
-        wall_s=wall_s,
-        resumed_from_step=(result.return_value or {}).get("resumed_from_step", 0),
-        peak_source=(result.return_value or {}).get("peak_source"),
-        task_lines=task.summary_lines(final),
-    )

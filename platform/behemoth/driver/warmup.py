@@ -49,6 +49,6 @@ def start_data_stats_actor() -> None:
     no placement group and lives as long as the cluster, and a run's first batch does not wait for it.
     Returns at once (the actor starts in the background); one that exists is kept.
     """
-    from ray.data._internal.stats import get_or_create_stats_actor
+    from behemoth.ray_internals.data import start_stats_actor
 
-    get_or_create_stats_actor()
+    start_stats_actor()

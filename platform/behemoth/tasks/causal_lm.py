@@ -15,13 +15,13 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from behemoth import weights
+from behemoth.storage import weights
 from behemoth.config import JobConfig
 from behemoth.data.prefetch import to_device_ahead
 from behemoth.data.text import TextData, TokenIndex
 from behemoth.models import registry
 from behemoth.models.causal_lm import build_causal_lm, train_on_causal_attention
-from behemoth import worker_context as context
+from behemoth import hosts
 from behemoth.tasks.contract import Task
 
 
@@ -130,7 +130,7 @@ class CausalLM(Task):
 
     def example_batch(self, batch_size: int):
         return {"input_ids": torch.zeros(batch_size, self.cfg.data.seq_len, dtype=torch.long,
-                                         device=context.device())}
+                                         device=hosts.device())}
 
     @staticmethod
     def _batches(blocks, indices, batch_size: int):
@@ -146,7 +146,7 @@ class CausalLM(Task):
                     prefetch(indices[start + batch_size:start + 2 * batch_size])
                 yield gather_batch(blocks, indices[start:start + batch_size])
 
-        return to_device_ahead(gathered(), context.device(), host_keys=("sample_id",))
+        return to_device_ahead(gathered(), hosts.device(), host_keys=("sample_id",))
 
     def loss(self, model, batch):
         """Labels are the inputs, shifted by one: each row predicts seq_len - 1 tokens."""

@@ -20,7 +20,7 @@ from behemoth.errors import ConfigError, did_you_mean
 if TYPE_CHECKING:  # annotations only: importing torch here would make `import behemoth` import it
     import torch
 
-    from behemoth.weights import ReinitPolicy
+    from behemoth.storage.weights import ReinitPolicy
 
 
 class Task(abc.ABC):

@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
-from behemoth import paths, weights
-from behemoth.checkpoint import read_json
+from behemoth.storage import weights
+from behemoth.storage.checkpoint import read_json
 from behemoth.config import JobConfig
 from behemoth.errors import BadSampleError, ConfigError
 from behemoth.data import image_cache
@@ -27,8 +27,9 @@ from behemoth.data.images import (ImageData, ImageIndex, build_index, cached_bat
                                   rank_batches)
 from behemoth.data.prefetch import prefetched
 from behemoth.models import registry
-from behemoth import worker_context as context
+from behemoth import hosts
 from behemoth.tasks.contract import Task
+from behemoth.storage import filesystem
 
 
 def build_image_model(cfg: JobConfig, classes: list[str]) -> torch.nn.Module:
@@ -203,7 +204,7 @@ class ImageClassification(Task):
     def example_batch(self, batch_size: int):
         import torch
 
-        device = context.device()
+        device = hosts.device()
         size = self.cfg.data.image_size
         return {"image": torch.randint(0, 256, (batch_size, size, size, 3), dtype=torch.uint8, device=device),
                 "label": torch.zeros(batch_size, dtype=torch.long, device=device),
@@ -219,15 +220,15 @@ class ImageClassification(Task):
             # Made (and on GPU pinned) data.prefetch_batches ahead in a thread: the crop and flip overlap the
             # step instead of adding to it. The copy to the device is queued by the training thread
             # when it takes a batch, so the batches waiting in a queue hold no device memory.
-            device = context.device()
+            device = hosts.device()
             pin = self.cfg.scaling.use_gpu and device.type != "cpu"
             return _to_device(prefetched(_as_tensors(batches, pin), self.cfg.data.prefetch_batches), device)
         # On GPU, batches are pinned and copied to the device in Ray Data's prefetch threads, overlapping
         # the copy with the step before.
         return rank_batches(table, indices, self.cfg.data, seed=self.cfg.train.seed, epoch=epoch, train=train,
                             batch_size=batch_size, prefetch_batches=self.cfg.data.prefetch_batches,
-                            device=context.device(), pin_memory=self.cfg.scaling.use_gpu,
-                            world=context.current().world)
+                            device=hosts.device(), pin_memory=self.cfg.scaling.use_gpu,
+                            world=hosts.current().world)
 
     def _decoded(self, split: str):
         """The split's decoded cache on this node (built here if this worker is the node's first to ask) and
@@ -305,7 +306,7 @@ def decide_cache(cfg: ImageData, index: ImageIndex) -> tuple[dict | None, str]:
     if cfg.cache == "none":
         return None, "none (data.cache=none): images are decoded every epoch"
     views = cfg.augment == "random_resized_crop" and cfg.cache_side > 0  # crops taken from stored views
-    if (cfg.augment == "random_resized_crop" and not views) or paths.is_uri(cfg.cache_dir):
+    if (cfg.augment == "random_resized_crop" and not views) or filesystem.is_uri(cfg.cache_dir):
         why = "random_resized_crop crops the original (data.cache_side keeps views to crop from)" \
             if cfg.augment == "random_resized_crop" else f"data.cache_dir {cfg.cache_dir} is a URI, not a folder on each node"
         return None, f"none (auto: {why}): images are decoded every epoch"

@@ -16,8 +16,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from behemoth import weights
-from behemoth.checkpoint import read_json
+from behemoth.storage import weights
+from behemoth.storage.checkpoint import read_json
 from behemoth.config import JobConfig
 from behemoth.data.labelled_text import (
     LabelledRows,
@@ -30,7 +30,7 @@ from behemoth.data.labelled_text import (
 from behemoth.data.prefetch import to_device_ahead
 from behemoth.errors import ConfigError
 from behemoth.models import registry
-from behemoth import worker_context as context
+from behemoth import hosts
 from behemoth.tasks.contract import Task
 
 SEQUENCE_CLASSIFIER = "sequence_classifier"
@@ -187,10 +187,10 @@ class TextClassification(Task):
                        "label": torch.from_numpy(rows.labels[split][ids]),
                        "sample_id": torch.from_numpy(ids)}
 
-        return to_device_ahead(gathered(), context.device(), host_keys=("sample_id",))
+        return to_device_ahead(gathered(), hosts.device(), host_keys=("sample_id",))
 
     def example_batch(self, batch_size: int):
-        device, length = context.device(), self.cfg.data.max_length
+        device, length = hosts.device(), self.cfg.data.max_length
         return {"input_ids": torch.zeros(batch_size, length, dtype=torch.long, device=device),
                 "attention_mask": torch.ones(batch_size, length, dtype=torch.long, device=device),
                 "label": torch.zeros(batch_size, dtype=torch.long, device=device)}

@@ -3,17 +3,16 @@ metrics.jsonl, TensorBoard and MLflow; the controller's start, worker group star
 to timeline.jsonl.
 
 Ray Train's developer callback interfaces are used (a report callback and a controller callback in one
-object, so the trackers can be closed when the controller finishes); Ray is pinned to 2.60.
+object, so the trackers can be closed when the controller finishes): ray_internals/train.py.
 """
 
 from __future__ import annotations
 
 import time
 
-from ray.train.v2._internal.execution.callback import ControllerCallback, ReportCallback
-
-from behemoth import paths
+from behemoth.storage import paths
 from behemoth.metrics import logged_reports
+from behemoth.ray_internals.train import ControllerCallback, ReportCallback
 from behemoth.tracking.records import METRICS, TIMELINE, JsonlLog
 
 # Under a URI, reports wait in memory at most this long before a part object is PUT (and at every checkpoint,

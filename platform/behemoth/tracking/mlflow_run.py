@@ -15,7 +15,7 @@ import queue
 import re
 import threading
 
-from behemoth import paths
+from behemoth.storage import paths
 from behemoth.errors import ConfigError
 from behemoth.tracking.records import read_text, write_text
 

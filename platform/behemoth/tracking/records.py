@@ -24,7 +24,7 @@ import threading
 import time
 import uuid
 
-from behemoth import paths
+from behemoth.storage import filesystem
 
 METRICS, TIMELINE = "metrics.jsonl", "timeline.jsonl"
 PARTS = ".parts"
@@ -46,7 +46,7 @@ class JsonlLog:
 
     def append(self, record: dict) -> None:
         line = json.dumps(record, default=_plain) + "\n"
-        if not paths.is_uri(self.path):
+        if not filesystem.is_uri(self.path):
             os.makedirs(os.path.dirname(self.path), exist_ok=True)
             with open(self.path, "a", encoding="utf-8") as f:
                 f.write(line)
@@ -103,10 +103,10 @@ def exists(path: str) -> bool:
 
 def read_text(path: str) -> str | None:
     """A file's text, local or under a URI; None if there is none."""
-    if paths.is_uri(path):
+    if filesystem.is_uri(path):
         import pyarrow.fs
 
-        fs, where = pyarrow.fs.FileSystem.from_uri(path)
+        fs, where = filesystem.filesystem(path)
         if fs.get_file_info(where).type == pyarrow.fs.FileType.NotFound:
             return None
         with fs.open_input_stream(where) as f:
@@ -123,10 +123,8 @@ def write_text(path: str, text: str) -> None:
 
 def write_bytes(path: str, data: bytes, make_folder: bool = True) -> None:
     """Write (replace) a file, local or under a URI, creating its folder (unless known to be there)."""
-    if paths.is_uri(path):
-        import pyarrow.fs
-
-        fs, where = pyarrow.fs.FileSystem.from_uri(path)
+    if filesystem.is_uri(path):
+        fs, where = filesystem.filesystem(path)
         if make_folder:
             fs.create_dir(where.rpartition("/")[0], recursive=True)
         with fs.open_output_stream(where) as f:
@@ -141,7 +139,7 @@ def read_jsonl(path: str) -> list[dict]:
     """The records of a log ([] if there is none): the file, then under a URI its parts in order; a line cut
     short by a kill is skipped."""
     text = read_text(path) or ""
-    if paths.is_uri(path):
+    if filesystem.is_uri(path):
         text += "\n" + "".join(read_text(f"{path}{PARTS}/{name}") or "" for name in _part_names(path))
     records = []
     for line in text.splitlines():
@@ -153,11 +151,11 @@ def read_jsonl(path: str) -> list[dict]:
 
 
 def _part_names(path: str) -> list[str]:
-    if not paths.is_uri(path):
+    if not filesystem.is_uri(path):
         return []
     import pyarrow.fs
 
-    fs, where = pyarrow.fs.FileSystem.from_uri(f"{path}{PARTS}")
+    fs, where = filesystem.filesystem(f"{path}{PARTS}")
     found = fs.get_file_info(pyarrow.fs.FileSelector(where, allow_not_found=True))
     return sorted(f.base_name for f in found if f.type == pyarrow.fs.FileType.File and f.base_name.endswith(".jsonl"))
 

@@ -15,10 +15,11 @@ import time
 import uuid
 from pathlib import Path
 
-from behemoth import paths
+from behemoth.storage import paths
 from behemoth.config import JobConfig
 from behemoth.tracking import goodput
 from behemoth.tracking.records import METRICS, TIMELINE, JsonlLog, read_jsonl, write_text
+from behemoth.storage import filesystem
 
 GOODPUT = "goodput.json"
 
@@ -92,8 +93,8 @@ class RunTracking:
 
     def _artifacts(self, best_checkpoint: str | None) -> list[str]:
         """The report's folder and the best (else the latest) checkpoint's manifest, local or under a URI."""
-        from behemoth.checkpoint import MANIFEST, complete_checkpoints
-        from behemoth.weights import is_checkpoint
+        from behemoth.storage.checkpoint import MANIFEST, complete_checkpoints
+        from behemoth.storage.weights import is_checkpoint
 
         out = []
         if self.report_path:
@@ -115,14 +116,14 @@ def _local_copies(sources: list[str]):
     with tempfile.TemporaryDirectory(prefix="behemoth-artifacts-") as tmp:
         local = []
         for source in sources:
-            if not paths.is_uri(source):
+            if not filesystem.is_uri(source):
                 local.append(source)
                 continue
             import pyarrow.fs
 
-            from behemoth.checkpoint import read_file
+            from behemoth.storage.filesystem import read_file
 
-            fs, where = pyarrow.fs.FileSystem.from_uri(source)
+            fs, where = filesystem.filesystem(source)
             target = os.path.join(tmp, source.rstrip("/").rpartition("/")[2])
             if fs.get_file_info(where).type == pyarrow.fs.FileType.Directory:
                 os.makedirs(target)

@@ -13,7 +13,8 @@ import shutil
 import tempfile
 import time
 
-from behemoth import paths
+from behemoth.storage import paths
+from behemoth.storage import filesystem
 
 FOLDER = "tensorboard"
 # Report keys that are bookkeeping, not curves.
@@ -43,7 +44,7 @@ def scalar_tags(metrics: dict) -> dict[str, float]:
 class TensorBoardLog:
     def __init__(self, run_dir: str, mirror_every_s: float = 30.0):
         self.target = paths.join(run_dir, FOLDER)
-        self.local = tempfile.mkdtemp(prefix="behemoth-tb-") if paths.is_uri(run_dir) else self.target
+        self.local = tempfile.mkdtemp(prefix="behemoth-tb-") if filesystem.is_uri(run_dir) else self.target
         self.writer, self.group, self.mirror_every_s, self.mirrored = None, None, mirror_every_s, 0.0
 
     def log(self, metrics: dict, checkpoint: bool = False) -> None:
@@ -93,7 +94,7 @@ class TensorBoardLog:
             return
         import pyarrow.fs
 
-        fs, where = pyarrow.fs.FileSystem.from_uri(self.target)
+        fs, where = filesystem.filesystem(self.target)
         fs.create_dir(where, recursive=True)
         pyarrow.fs.copy_files(self.local, where, source_filesystem=pyarrow.fs.LocalFileSystem(),
                               destination_filesystem=fs)

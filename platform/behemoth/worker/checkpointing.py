@@ -1,5 +1,5 @@
 """Worker side: a run's live objects (model, optimizer, schedule, scaler, compression state) -> a host-memory
-snapshot -> a checkpoint directory (behemoth.checkpoint's format), and back into the objects on restore."""
+snapshot -> a checkpoint directory (behemoth.storage.checkpoint's format), and back into the objects on restore."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from behemoth.checkpoint import (MODEL_FILE, Snapshot, TrainState, is_sharded_format, read_manifest_bytes, verify,
+from behemoth.storage.checkpoint import (MODEL_FILE, Snapshot, TrainState, is_sharded_format, read_manifest_bytes, verify,
                                  write)
 from behemoth.errors import CheckpointError
 from behemoth.worker import collectives, sharded
@@ -190,8 +190,8 @@ def opened(ckpt) -> Iterator[tuple[Path, object, bool]]:
     hashes): downloaded whole once per node, the node's ranks sharing the copy (node_copy)."""
     import pyarrow.fs
 
-    from behemoth import shard_reader
-    from behemoth.node_copy import node_copy
+    from behemoth.storage import shard_reader
+    from behemoth.storage.node_copy import node_copy
 
     if isinstance(ckpt.filesystem, pyarrow.fs.LocalFileSystem):
         yield Path(ckpt.path), None, False

@@ -6,14 +6,13 @@ from __future__ import annotations
 import hashlib
 
 import numpy as np
-import ray
 import torch
 
-from behemoth import weights
+from behemoth.storage import weights
 from behemoth.data.order import rank_eval_indices
 from behemoth.job import config_from_dict
 from behemoth.tasks import Task, make_task
-from behemoth import worker_context as context
+from behemoth import hosts
 from behemoth.worker import parallel
 from behemoth.worker.collectives import all_reduce_sum
 from behemoth.worker.parallel import unwrap
@@ -30,7 +29,7 @@ def evaluate(model, task: Task, rank: int, world: int, batch_size: int, split: s
     net = unwrap(model)
     net.eval()
     names = task.eval_sum_names
-    totals = torch.zeros(len(names), dtype=torch.float64, device=context.device())
+    totals = torch.zeros(len(names), dtype=torch.float64, device=hosts.device())
     n = task.num_val_samples if split == "val" else task.num_train_samples
     indices = rank_eval_indices(n, rank, world)
     forwards = 0
@@ -89,8 +88,8 @@ def evaluate_checkpoint_per_worker(loop_config: dict) -> dict:
     """`behemoth eval` on one worker: build the job's model, load the checkpoint's weights, run the task's
     evaluation of a split with the run's batch size. Rank 0's return value is the metrics."""
     cfg = config_from_dict(loop_config["job"], where="job config")
-    task = make_task(cfg, ray.get(loop_config["data_ref"]))
-    ctx = context.current()
+    ctx = hosts.current()
+    task = make_task(cfg, ctx.prepared_data(loop_config))
     if cfg.scaling.torch_threads:
         torch.set_num_threads(cfg.scaling.torch_threads)
     model = master_weights(task.build_model(), cfg.model.dtype)  # as the run trained it

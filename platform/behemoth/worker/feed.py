@@ -20,7 +20,7 @@ import math
 import time
 from collections.abc import Callable, Iterable, Iterator
 
-from behemoth.checkpoint import TrainState
+from behemoth.storage.checkpoint import TrainState
 from behemoth.data.prefetch import OpenedAhead
 from behemoth.data.order import rank_train_indices
 

@@ -6,11 +6,11 @@ import json
 import os
 import time
 
-import ray
 import torch
 import torch.distributed as dist
 
-from behemoth.checkpoint import TrainState
+from behemoth import hosts
+from behemoth.storage.checkpoint import TrainState
 from behemoth.worker.collectives import distributed
 
 
@@ -40,8 +40,7 @@ class SampleLedger:
             if _ends_mid_line(path):  # the last writer was killed mid-record: start our records on a new line
                 self.file.write("\n")
         self.rank, self.world = rank, world
-        # Outside a Ray worker (a test writing a ledger from a real pipeline) there is no node to name.
-        self.node = ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
+        self.node = hosts.current().node_id()
         group = [f"{os.getpid()}-{time.time():.3f}"]
         if folder and distributed():
             dist.broadcast_object_list(group, src=0)

@@ -11,7 +11,7 @@ compression, compile), precision, optim.
 It never imports ray.tune. Everything that decides *when* something happens (report, evaluate, checkpoint)
 depends only on the step counter, which is identical on every rank: all ranks call the collective
 operations (all-reduce, the report) the same number of times. Its host (Ray Train's worker, or a sweep's warm
-lane) is reached only through worker_context.py.
+lane) is reached only through hosts/.
 """
 
 from __future__ import annotations
@@ -19,20 +19,18 @@ from __future__ import annotations
 import contextlib
 import time
 
-import ray
 import torch
 
-from behemoth import faults
-from behemoth.checkpoint import TrainState
+from behemoth.storage.checkpoint import TrainState
 from behemoth.config import JobConfig
 from behemoth.job import config_from_dict
 from behemoth.errors import ConfigError
 from behemoth.data.order import steps_per_epoch
 from behemoth.metrics import PhaseClock, Window
 from behemoth.tasks import Task, make_task
-from behemoth import worker_context as context
-from behemoth.worker import parallel
-from behemoth.worker.console import console, quiet_ray_train_reports
+from behemoth import hosts
+from behemoth.worker import faults, parallel
+from behemoth.worker.console import console
 from behemoth.worker.feed import EpochFeed
 from behemoth.worker.ledger import SampleLedger
 from behemoth.worker.optim import build_optimizer, warmup_cosine
@@ -48,12 +46,11 @@ from behemoth.worker.speed import SpeedMeter
 def train_loop_per_worker(loop_config: dict) -> dict:
     clock = PhaseClock()  # where this worker group's time goes (the goodput account reads it from the reports)
     cfg = config_from_dict(loop_config["job"], where="job config")
-    quiet_ray_train_reports()
-    # a lane hands its process's prepared data itself; Ray Train's workers get it from the object store
-    prepared = loop_config["data"] if "data" in loop_config else ray.get(loop_config["data_ref"])
+    ctx = hosts.current()
+    ctx.quiet_console()
+    prepared = ctx.prepared_data(loop_config)
     task: Task = make_task(cfg, prepared)
     clock.mark("task_ready")
-    ctx = context.current()
     rank, world, device = ctx.rank, ctx.world, ctx.device
     epoch_steps, total_steps = _steps(cfg, task)
     run, speed, micro_batch, accum, init_line = _build_run(cfg, task, clock, rank, world, device, total_steps)
@@ -86,7 +83,7 @@ def train_loop_per_worker(loop_config: dict) -> dict:
             loss_sum, n_valid = step(run, micro_batches, cfg, task, device, state, rank, window, wait_s,
                                      saver.before_update)
             ledger.record(state, micro_batches, loss_sum, n_valid)  # (an audit: it reads them on the host)
-            faults.slow_step(world)  # the failure tests' pacing (behemoth/faults.py); nothing in a real run
+            faults.slow_step(world)  # the failure tests' pacing (behemoth/worker/faults.py); nothing in a real run
             state.advance(epoch_steps, cfg.train.global_batch_size)
             feed.ahead(state, total_steps)
             # the step's time, less what it waited for a checkpoint snapshot (counted as checkpoint time)
@@ -95,7 +92,7 @@ def train_loop_per_worker(loop_config: dict) -> dict:
             if report_due(cfg, state, total_steps):
                 reporter.report(state, window, bad_ids)
                 window = Window()
-            faults.at_step(state.step, rank, clock.totals)  # the failure tests' kill or error (behemoth/faults.py)
+            faults.at_step(state.step, rank, clock.totals)  # the failure tests' kill or error (behemoth/worker/faults.py)
             if state.step >= total_steps:
                 break
     # Rank 0's return value reaches the driver as Result.return_value.

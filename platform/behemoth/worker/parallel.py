@@ -9,7 +9,7 @@
   rank keeps for itself (its state is saved per rank in the checkpoint: see PowerSGD.to_bytes / load_bytes).
 - `no_grad_sync(model)`: the context for the micro-batches of an accumulation that must not all-reduce.
 
-Nothing here knows about Ray: `wrap` asks the worker's host (worker_context.py) for the device; the tests
+Nothing here knows about Ray: `wrap` asks the worker's host (hosts/) for the device; the tests
 drive the rest with plain torch.distributed over gloo.
 """
 
@@ -33,14 +33,14 @@ log = logging.getLogger(__name__)
 def wrap(model: torch.nn.Module, cfg, console=print) -> tuple[torch.nn.Module, object]:
     """The model ready for training: (model, compression hook state or None). In torchtitan's order:
     activation checkpointing and compile per block (worker/blocks.py), then DDP or FSDP around them."""
-    from behemoth import worker_context as context
+    from behemoth import hosts
 
     checkpointed = blocks.checkpoint_activations(model, cfg.train.activation_checkpointing)
     if checkpointed:
         console(f"activation checkpointing: {checkpointed} of {len(blocks.blocks(model))} blocks")
     compiled = blocks.compile_blocks(model, cfg.train.compile_mode) if cfg.train.compile else []
     # on the device; DDP-wrapped where several workers train it (FSDP shards it below instead)
-    model = context.current().prepare_model(model, wrap_ddp=cfg.scaling.strategy == "ddp")
+    model = hosts.current().prepare_model(model, wrap_ddp=cfg.scaling.strategy == "ddp")
     if cfg.scaling.strategy != "ddp":
         shard(model, reshard_after_forward=cfg.scaling.strategy == "fsdp_full", precision=cfg.train.precision)
     hook_state = register_compression(model, cfg.train)

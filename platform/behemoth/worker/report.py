@@ -10,12 +10,12 @@ import time
 
 import torch
 
-from behemoth.checkpoint import TrainState
+from behemoth.storage.checkpoint import TrainState
 from behemoth.config import JobConfig
 from behemoth.errors import BadSampleError
 from behemoth.metrics import LOGGED, PhaseClock, Window, data_wait_fraction, progress_line, throughput
 from behemoth.tasks import Task
-from behemoth import worker_context as context
+from behemoth import hosts
 from behemoth.worker.collectives import all_reduce_sum, sync_buffers, union_across_ranks
 from behemoth.worker.console import console
 from behemoth.worker.evaluate import evaluate
@@ -131,7 +131,7 @@ class Reporter:
     def __init__(self, cfg: JobConfig, task: Task, run: Run, speed: SpeedMeter, saver: CheckpointSaver,
                  micro_batch: int, total_steps: int, epoch_steps: int, clock: PhaseClock,
                  resumed_from_step: int = 0):
-        ctx = context.current()
+        ctx = hosts.current()
         self.cfg, self.task, self.run, self.speed, self.saver = cfg, task, run, speed, saver
         self.rank, self.world = ctx.rank, ctx.world
         self.micro_batch, self.total_steps, self.epoch_steps = micro_batch, total_steps, epoch_steps
@@ -190,7 +190,7 @@ class Reporter:
         # one all-reduce: the loss, the samples, whether any rank dropped samples, rank 0's vote to send
         stats = torch.tensor([float(window.loss_sum), float(window.loss_count), float(len(bad_ids)),
                               float(self.rank == 0 and self.sender.due())], dtype=torch.float64)
-        stats = stats.to(context.device())
+        stats = stats.to(hosts.device())
         all_reduce_sum(stats)
         stats = stats.tolist()
         bad = union_across_ranks(bad_ids) if stats[2] else set()  # (a gather of Python objects: only if any)

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import ray.train
 
-from behemoth import checkpoint, weights
-from behemoth import worker_context as context
+from behemoth.storage import checkpoint, weights
+from behemoth import hosts
 from behemoth.worker import checkpointing, collectives
-from behemoth.checkpoint import TrainState
+from behemoth.storage.checkpoint import TrainState
 from behemoth.errors import CheckpointError, PartlyLoadedError
 from behemoth.worker.console import console
 from behemoth.worker.run import Run
@@ -22,7 +21,7 @@ def restore_latest(run: Run, fence=None) -> TrainState | None:
     its earlier ones. A candidate that fails verification on any rank is skipped by every rank, with a
     warning naming it: all ranks restore the same checkpoint (restore_first_verified).
     """
-    ctx = context.current()
+    ctx = hosts.current()
     latest = ctx.latest_checkpoint()
     candidates = [latest] if latest else []
     candidates += [c for c in reversed(ctx.reported_checkpoints()) if latest is None or c.path != latest.path]
@@ -60,7 +59,7 @@ def restore_first_verified(ckpts: list, run: Run, fs, rank0: bool) -> tuple[Trai
     mine = {c.path: c for c in ckpts}
     touched = False
     for path in collectives.from_rank0(list(mine)):
-        ckpt = mine.get(path) or ray.train.Checkpoint(path, filesystem=fs)
+        ckpt = mine.get(path) or hosts.current().checkpoint_at(path, fs)
         try:
             with checkpointing.opened_on_every_rank(ckpt) as (d, remote, node_copy):
                 state = checkpointing.load(d, **run.parts(), hook_state=run.hook_state, remote=remote,
@@ -102,11 +101,11 @@ def remove_partial_uploads(run_folder: str, fs, registered: set[str], fence=None
     return partial
 
 
-def _run_folder_checkpoints() -> list[tuple[int, ray.train.Checkpoint]]:
+def _run_folder_checkpoints() -> list[tuple[int, object]]:
     """(step, checkpoint) of the complete checkpoints in this run's folder, newest first, on the run's storage
     (a local folder or an object store)."""
-    fs, run_path = context.current().storage()
-    return [(step, ray.train.Checkpoint(path, filesystem=fs))
+    fs, run_path = hosts.current().storage()
+    return [(step, hosts.current().checkpoint_at(path, fs))
             for step, path in checkpoint.complete_checkpoints(run_path, fs)]
 
 
@@ -118,7 +117,7 @@ def load_init_from(model, cfg, task, rank: int, world: int) -> str | None:
     Under DDP only rank 0 reads them: wrapping the model in DDP broadcasts rank 0's parameters and buffers to
     every rank. FSDP shards each rank's own full copy, so there every rank reads them."""
     source = cfg.train.init_from
-    if not source or context.current().latest_checkpoint() is not None or _run_folder_checkpoints():
+    if not source or hosts.current().latest_checkpoint() is not None or _run_folder_checkpoints():
         return None
     if not reads_init_from(cfg.scaling.strategy, rank, world):
         return None

@@ -1,6 +1,6 @@
 """Worker side: saving checkpoints through the run's report (synchronously, or with only a snapshot in the
 step's way), and uploading them to the run's storage with the manifest last. The host (Ray Train, or a
-sweep's lane) is reached through worker_context.py."""
+sweep's lane) is reached through hosts/."""
 
 from __future__ import annotations
 
@@ -13,15 +13,14 @@ import time
 import uuid
 
 import pyarrow.fs
-import ray.train
 
-from behemoth import checkpoint, faults
-from behemoth.checkpoint import TrainState
+from behemoth.storage import checkpoint
+from behemoth.storage.checkpoint import TrainState
 from behemoth.config import JobConfig, dump_yaml
 from behemoth.errors import StorageFullError
 from behemoth.metrics import PhaseClock
-from behemoth import worker_context as context
-from behemoth.worker import checkpointing, parallel, sharded
+from behemoth import hosts
+from behemoth.worker import checkpointing, faults, parallel, sharded
 from behemoth.worker.collectives import gather_to_rank0
 from behemoth.worker.run import Run
 from behemoth.worker.sharded import ShardedWriter
@@ -105,7 +104,7 @@ class CheckpointSaver:
         the run folder on local storage or into a local staging folder uploaded by each rank for a URI; the
         commit (hashes, manifest by rank 0) runs in the host's upload thread, or here without async_save."""
         self.writer.wait()  # the previous checkpoint is committed: its collectives are over
-        ctx = context.current()
+        ctx = hosts.current()
         fs, run_path = ctx.storage()
         name = self.writer.agree(ctx.new_checkpoint_name())
         local = isinstance(fs, pyarrow.fs.LocalFileSystem)
@@ -157,7 +156,7 @@ class HostBuffers:
 
 
 def send_report(metrics: dict, upload_fn=None, *, async_upload: bool = False, dir_name: str | None = None) -> None:
-    """The one report of the worker room (context.current().report): the metrics, and with `upload_fn` a
+    """The one report of the worker room (hosts.current().report): the metrics, and with `upload_fn` a
     checkpoint that it writes (the host hands it a new empty folder, which an object store's upload stages in,
     and the checkpoint's place), in the host's upload thread where `async_upload`. `dir_name`: the checkpoint's
     folder name, agreed by the ranks."""
@@ -177,7 +176,7 @@ def send_report(metrics: dict, upload_fn=None, *, async_upload: bool = False, di
                 shutil.rmtree(folder, ignore_errors=True)
 
     try:
-        context.current().report(metrics, upload, folder=folder, dir_name=dir_name, async_upload=async_upload)
+        hosts.current().report(metrics, upload, folder=folder, dir_name=dir_name, async_upload=async_upload)
     finally:
         if folder and not async_upload:  # (an asynchronous upload may still be running: it removes the folder)
             shutil.rmtree(folder, ignore_errors=True)
@@ -187,9 +186,9 @@ def _commit_sharded(writer: ShardedWriter, written, folder: str, small, local: b
                     ckpt, dir_name: str):
     """The upload function of a sharded checkpoint (the host's upload thread with async_save): `commit_sharded`
     into this run's storage. (send_report removes `ckpt`, its empty checkpoint folder.)"""
-    fs, run_path = context.current().storage()
+    fs, run_path = hosts.current().storage()
     commit_sharded(writer, written, folder, small, step, needed, fs, run_path, dir_name, local)
-    return ray.train.Checkpoint(f"{run_path}/{dir_name}", filesystem=fs)
+    return hosts.current().checkpoint_at(f"{run_path}/{dir_name}", fs)
 
 
 def commit_sharded(writer: ShardedWriter, written, folder: str, small, step: int, needed: int, fs, run_path: str,
@@ -220,13 +219,13 @@ def commit_sharded(writer: ShardedWriter, written, folder: str, small, step: int
 def write_checkpoint(snap, ckpt, dir_name: str, written: threading.Event | None = None):
     """The upload function the host calls (in its upload thread when saving asynchronously): `store` into
     this run's storage."""
-    fs, run_path = context.current().storage()
+    fs, run_path = hosts.current().storage()
     return store(snap, ckpt, dir_name, fs, run_path, written)
 
 
 def store(snap, ckpt, dir_name: str, fs, run_path: str, written: threading.Event | None = None):
     """Write the snapshot as checkpoint `dir_name` of the run folder `run_path` on the pyarrow filesystem `fs`
-    and return it as a ray.train.Checkpoint; `written` is set once the snapshot's buffers have been read.
+    and return it as the host's checkpoint; `written` is set once the snapshot's buffers have been read.
 
     On local storage (a disk or a shared mount) the files are written straight into the run folder, manifest
     last: the checkpoint needs its own size on disk once, not twice. An object store needs local files to
@@ -238,14 +237,15 @@ def store(snap, ckpt, dir_name: str, fs, run_path: str, written: threading.Event
     try:
         try:
             if local:
-                checkpoint.write(dest, snap, before_manifest=lambda: faults.kill_in_upload(snap.step))
+                checkpoint.write(dest, snap, before_manifest=lambda: faults.kill_in_upload(snap.step),
+                                 after_file=functools.partial(faults.disk_full, snap.step))
             else:
-                checkpoint.write(ckpt.path, snap)
+                checkpoint.write(ckpt.path, snap, after_file=functools.partial(faults.disk_full, snap.step))
         finally:
             if written is not None:
                 written.set()
         if local:
-            return ray.train.Checkpoint(dest, filesystem=fs)
+            return hosts.current().checkpoint_at(dest, fs)
         return upload_manifest_last(ckpt, dir_name, snap.step)
     except Exception as e:  # a full disk can arrive as torch's RuntimeError
         if not checkpoint.is_disk_full(e):
@@ -283,7 +283,7 @@ def upload_manifest_last(ckpt, dir_name: str, step: int):
     held = tempfile.mkdtemp(prefix="manifest-")
     try:
         shutil.move(os.path.join(ckpt.path, checkpoint.MANIFEST), held)
-        persisted = context.current().persist(ckpt.path, dir_name)
+        persisted = hosts.current().persist(ckpt.path, dir_name)
         faults.kill_in_upload(step)
         pyarrow.fs.copy_files(os.path.join(held, checkpoint.MANIFEST), f"{persisted.path}/{checkpoint.MANIFEST}",
                               source_filesystem=pyarrow.fs.LocalFileSystem(),

@@ -4,7 +4,7 @@ folder, in the background; rank 0 writes the state's other entries as JSON (stat
 pickle them, and loading a pickle runs code), the small files (schedule, train state, job, ...) and, once
 every rank has written and hashed its own files, the manifest over all of them, last. Nothing is gathered on
 one rank. A sharded checkpoint loads at any world size (DCP reshards), under FSDP or DDP, through
-behemoth.shard_reader (nothing unpickled freely).
+behemoth.storage.shard_reader (nothing unpickled freely).
 
 The order, per checkpoint: the training thread takes each rank's local state dict (views of its shards) and
 starts dcp.async_save, which copies them into host buffers (before returning, or in DCP's staging thread while
@@ -17,6 +17,7 @@ checkpoint starts only once the previous one is committed: on every rank the gro
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 import warnings
 from pathlib import Path
@@ -24,10 +25,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from behemoth import checkpoint, faults, shard_reader
-from behemoth.checkpoint import SINGLE_PROCESS_WARNING, STATE_DIR, VALUES_FILE, Snapshot
+from behemoth.storage import checkpoint, shard_reader
+from behemoth.storage.checkpoint import SINGLE_PROCESS_WARNING, STATE_DIR, VALUES_FILE, Snapshot
 from behemoth.errors import CheckpointError, PartlyLoadedError
-from behemoth.worker import collectives
+from behemoth.worker import collectives, faults
 from behemoth.worker.parallel import unwrap
 
 
@@ -132,7 +133,7 @@ class ShardedWriter:
             with _as_checkpoint_error(f"writing the shards of {folder}"):
                 written.result()
             if small is not None:
-                checkpoint.write_files(folder, small)
+                checkpoint.write_files(folder, small, functools.partial(faults.disk_full, small.step))
             names = own_files(folder, self.rank)
             if small is not None:
                 names += list(small.state_dicts) + list(small.texts)

@@ -4,7 +4,7 @@ from trial to trial (TuneConfig(reuse_actors=True)).
 A trial through Ray Train starts a controller, a synchronisation actor, a placement-group cleaner and its
 worker: new processes that each import Ray Train and torch, ~20 s on 2 cores, for a few seconds of training.
 A lane starts none of them. It runs the same worker loop (worker/loop.py) in the trial's own process under the
-lane's worker context (worker_context.hosted), which writes what Ray Train's would: the run folder, its
+lane's worker host (hosts/lane.py, made current by hosts.hosted), which writes what Ray Train's would: the run folder, its
 checkpoints (the manifest last; the sweep's lease checked around each), retention (checkpoint.keep: the
 newest K, as Ray's CheckpointConfig(num_to_keep=K) keeps), the run's records through the same RunRecorder
 (metrics.jsonl, timeline.jsonl, TensorBoard, MLflow, the goodput account) and the run's summary.
@@ -32,23 +32,19 @@ import contextlib
 import gc
 import json
 import os
-import queue
 import sys
-import threading
 import time
 import traceback
-import weakref
-from datetime import datetime
-from types import SimpleNamespace
 
-import pyarrow.fs
 import torch
 
-from behemoth import paths, worker_context
-from behemoth.checkpoint import complete_checkpoints
+from behemoth import hosts
+from behemoth.storage import paths
+from behemoth.storage.checkpoint import complete_checkpoints
 from behemoth.config import JobConfig
 from behemoth.driver.sweep.fresh import fresh_state
 from behemoth.errors import RunFailedError, user_facing_error
+from behemoth.hosts.lane import LaneHost
 
 # A lane's process: its prepared data per (data config, model config, seed), most recently used last.
 # Read-only for the trials. A sweep over a model key tokenises a corpus once per value (the vocabulary may
@@ -56,17 +52,6 @@ from behemoth.errors import RunFailedError, user_facing_error
 _PREPARED: dict[str, object] = {}
 LANE_DATA_SHARE = 0.25
 _TRIALS_HERE = [0]  # trials this process has hosted (the trial's console line says which one it is)
-_MODELS: list = []  # a weak reference to each trial's model: none may outlive its trial (models_alive)
-
-
-def models_alive() -> int:
-    """How many models of the trials this lane hosted are still reachable (after a collection): a trial whose
-    state outlives it (its model, with the optimizer and pipelines that hold on to it) counts here."""
-    gc.collect()
-    _MODELS[:] = [ref for ref in _MODELS if ref() is not None]
-    return len(_MODELS)
-
-
 def lane_reason(cfg: JobConfig) -> str | None:
     """None where a trial of `cfg` trains in a warm lane; else why it goes through Ray Train."""
     s = cfg.scaling
@@ -88,129 +73,6 @@ def lane_resources(cfg: JobConfig) -> dict:
     return worker_resources(cfg)
 
 
-class LaneContext(worker_context.WorkerContext):
-    """The worker context of a run trained in a lane: rank 0 of 1, the run folder on its storage, checkpoints
-    registered as they are written (an upload thread keeps report order with checkpoint.async_save), each
-    report recorded by the run's RunRecorder, and evaluations forwarded to Tune from the training thread."""
-
-    def __init__(self, cfg: JobConfig, recorder, fence, forward):
-        from behemoth.driver.trainer import run_place
-
-        place = run_place(cfg)
-        self.run_name, self.keep = place.name, cfg.checkpoint.keep
-        self.folder = place.folder
-        self.fs, self.run_path = _filesystem(place.folder)
-        self.recorder, self.fence, self.forward = recorder, fence, forward
-        self._device = _lane_device()
-        # the run's complete checkpoints with their metrics, oldest first (a resumed trial's are registered)
-        self.kept = [(_checkpoint(path, self.fs), _metrics_of(path, self.fs))
-                     for _, path in reversed(complete_checkpoints(self.run_path, self.fs))][-self.keep:]
-        self.last_metrics: dict = {}
-        self._jobs: queue.Queue = queue.Queue()
-        self._uploader: threading.Thread | None = None
-        self._failed: BaseException | None = None
-
-    @property
-    def device(self) -> torch.device:
-        return self._device
-
-    def storage(self):
-        return self.fs, self.run_path
-
-    def new_checkpoint_name(self) -> str:
-        return f"checkpoint_{datetime.now():%Y-%m-%d_%H-%M-%S.%f}"  # as Ray Train names them
-
-    def latest_checkpoint(self):
-        return self.kept[-1][0] if self.kept else None
-
-    def reported_checkpoints(self) -> list:
-        return [ckpt for ckpt, _ in self.kept]
-
-    def report(self, metrics, upload=None, *, folder=None, dir_name=None, async_upload=False) -> None:
-        self._raise_failed()
-        job = (dict(metrics), upload, folder, dir_name or (upload and self.new_checkpoint_name()))
-        if async_upload or self._uploader is not None:  # behind the uploads still queued: report order
-            self._start_uploader()
-            self._jobs.put(job)
-            if upload is not None and not async_upload:  # a synchronous checkpoint is written when this returns
-                self.drain()
-        else:
-            self._register(*job)
-        if self.forward is not None:
-            self.forward(metrics)  # Tune may stop the trial here (SystemExit in this, the training thread)
-
-    def persist(self, folder: str, dir_name: str):
-        dest = f"{self.run_path}/{dir_name}"
-        pyarrow.fs.copy_files(folder, dest, source_filesystem=pyarrow.fs.LocalFileSystem(),
-                              destination_filesystem=self.fs)
-        return _checkpoint(dest, self.fs)
-
-    def prepare_model(self, model, wrap_ddp: bool):
-        if self._device.type == "cuda":
-            torch.cuda.set_device(self._device)
-        model = model.to(self._device)  # one worker: nothing to wrap (as Ray Train's prepare_model at world 1)
-        _MODELS.append(weakref.ref(model))
-        return model
-
-    # ------------------------------------------------------------------------------------------------------
-    def _register(self, metrics: dict, upload, folder, dir_name) -> None:
-        """Write the report's checkpoint (if any), register it, apply retention, record the report."""
-        ckpt = None
-        if upload is not None:
-            self.fence_check("writing a checkpoint into it")
-            ckpt = upload(_checkpoint(folder, pyarrow.fs.LocalFileSystem()), dir_name)
-            self.fence_check("registering the checkpoint it just wrote and applying checkpoint.keep")
-            self.kept.append((ckpt, metrics))
-            for old, _ in self.kept[:-self.keep]:
-                self.fs.delete_dir(old.path)
-            self.kept = self.kept[-self.keep:]
-        self.last_metrics = metrics
-        self.recorder.after_report(SimpleNamespace(checkpoint=ckpt), [metrics])
-
-    def fence_check(self, before: str) -> None:
-        if self.fence is not None:
-            self.fence.check(before)
-
-    def _start_uploader(self) -> None:
-        if self._uploader is None:
-            self._uploader = threading.Thread(target=self._upload_jobs, name="behemoth-lane-upload", daemon=True)
-            self._uploader.start()
-
-    def _upload_jobs(self) -> None:
-        while (job := self._jobs.get()) is not None:
-            try:
-                if self._failed is None:  # after a failure the rest is dropped, as Ray Train drops it
-                    self._register(*job)
-            except BaseException as e:  # noqa: BLE001 - raised in the training thread at its next report
-                self._failed = e
-            finally:
-                self._jobs.task_done()
-        self._jobs.task_done()
-
-    def drain(self) -> None:
-        """Wait for every queued report; raise the first failure among them."""
-        self._jobs.join()
-        self._raise_failed()
-
-    def _raise_failed(self) -> None:
-        if self._failed is not None:
-            failed, self._failed = self._failed, None
-            raise failed
-
-    def close(self) -> None:
-        """End the upload thread once what is queued is done (its failure, if any, is kept for drain)."""
-        if self._uploader is not None:
-            self._jobs.put(None)
-            self._uploader.join()
-            self._uploader = None
-
-    def result(self, returned: dict):
-        """The run as trainer._summarise reads a Ray Train Result."""
-        latest = self.latest_checkpoint()
-        return SimpleNamespace(metrics=self.last_metrics, checkpoint=latest, best_checkpoints=list(self.kept),
-                               return_value=returned)
-
-
 def train_in_lane(cfg: JobConfig, forward=None, parent_mlflow_run: str | None = None, fence=None,
                   worker_env: dict | None = None):
     """Train (or resume) the one-worker run of `cfg` in this process, as trainer.train would through Ray Train;
@@ -222,17 +84,18 @@ def train_in_lane(cfg: JobConfig, forward=None, parent_mlflow_run: str | None = 
 
 
 def _train_in_lane(cfg: JobConfig, forward, parent_mlflow_run: str | None, fence):
-    from behemoth.driver import trainer
+    from behemoth.driver import resume
+    from behemoth.driver.summary import summarise
     from behemoth.tracking.run import RunTracking
 
-    tracking = RunTracking(cfg, trainer.run_dir(cfg), parent_mlflow_run=parent_mlflow_run)
-    trainer.check_resume_compatible(cfg)
-    cfg = trainer.resolve_init_from(cfg)
+    tracking = RunTracking(cfg, resume.run_dir(cfg), parent_mlflow_run=parent_mlflow_run)
+    resume.check_resume_compatible(cfg)
+    cfg = resume.resolve_init_from(cfg)
     started = time.time()
     data = _prepared(cfg, tracking.mark)
-    trainer.check_resume_data(cfg, data)
+    resume.check_resume_data(cfg, data)
     recorder = tracking.callbacks()[0]
-    ctx = LaneContext(cfg, recorder, fence, forward)
+    ctx = LaneHost(resume.run_place(cfg), cfg.checkpoint.keep, recorder, fence, forward)
     fresh_state().restore()  # as a fresh worker process starts (sweep/fresh.py)
     _TRIALS_HERE[0] += 1
     try:
@@ -249,8 +112,8 @@ def _train_in_lane(cfg: JobConfig, forward, parent_mlflow_run: str | None, fence
     finally:
         _tidy()
     ctx.close()
-    trainer.retire_unregistered(cfg, ctx.kept, fence)  # older complete checkpoints it never registered
-    summary = trainer._summarise(cfg, ctx.result(returned), time.time() - started)
+    resume.retire_unregistered(cfg, ctx.kept, fence)  # older complete checkpoints it never registered
+    summary = summarise(cfg, ctx.result(returned), time.time() - started)
     recorder.close()
     tracking.finish("finished", returned.get("clock"), returned.get("final_step"), summary.best_checkpoint)
     summary.goodput, summary.report, summary.tensorboard = tracking.account, tracking.report_path, \
@@ -258,7 +121,7 @@ def _train_in_lane(cfg: JobConfig, forward, parent_mlflow_run: str | None, fence
     return summary
 
 
-def _loop_with_restarts(cfg: JobConfig, data, ctx: LaneContext, recorder) -> dict:
+def _loop_with_restarts(cfg: JobConfig, data, ctx: LaneHost, recorder) -> dict:
     """The worker loop under the lane's context; after an error it starts again from the latest checkpoint,
     failure.max_failures times (not after a data or config error: it would fail the same way)."""
     from behemoth.worker.loop import train_loop_per_worker
@@ -267,7 +130,7 @@ def _loop_with_restarts(cfg: JobConfig, data, ctx: LaneContext, recorder) -> dic
     while True:
         recorder.event("group_start", workers=1, lane_pid=os.getpid())
         try:
-            with worker_context.hosted(ctx):
+            with hosts.hosted(ctx):
                 returned = train_loop_per_worker({"job": cfg.to_dict(), "data": data, "fence": ctx.fence})
                 ctx.drain()
             return returned
@@ -408,32 +271,3 @@ def _end_lane(cfg: JobConfig, recorder) -> None:
     recorder.event("failure", decision="NEW_PROCESS")
     recorder.close()
     os._exit(70)
-
-
-def _lane_device() -> torch.device:
-    """The lane's GPU where Tune gave its trial one (Ray sets CUDA_VISIBLE_DEVICES to it), else the CPU."""
-    import ray
-
-    return torch.device("cuda", 0) if ray.get_gpu_ids() and torch.cuda.is_available() else torch.device("cpu")
-
-
-def _filesystem(folder: str):
-    from behemoth.checkpoint import filesystem
-
-    return filesystem(folder)
-
-
-def _checkpoint(path: str, fs):
-    import ray.train
-
-    return ray.train.Checkpoint(path, filesystem=fs)
-
-
-def _metrics_of(path: str, fs) -> dict:
-    """The metrics a checkpoint was reported with (its metrics.json), {} where unreadable."""
-    try:
-        with fs.open_input_stream(f"{path.rstrip('/')}/metrics.json") as f:
-            return json.loads(f.read())
-    except (OSError, ValueError):
-        return {}
-

@@ -58,9 +58,11 @@ def reap_orphaned_placement_groups() -> list[str]:
     """Remove the placement groups (not detached) whose creating actor is dead, of this job or of a job that
     has ended (a sweep driver killed before this one resumed it); their ids. Never another live job's."""
     import ray
-    from ray._private.state import state
-    from ray.core.generated import gcs_pb2
     from ray.util.placement_group import PlacementGroup, remove_placement_group
+
+    from behemoth.ray_internals.core import gcs_state, placement_group_removed, placement_group_table
+
+    state = gcs_state()
 
     job = ray.get_runtime_context().get_job_id()
     ended = {j["JobID"] for j in state.job_table() if j.get("IsDead")}
@@ -69,12 +71,11 @@ def reap_orphaned_placement_groups() -> list[str]:
     # stay CREATED with its creator dead.
     dead = {actor_id for actor_id, actor in state.actor_table(None).items() if actor.get("State") == "DEAD"}
     reaped = []
-    for raw in state._connect_and_get_accessor().get_placement_group_table():
-        pg = gcs_pb2.PlacementGroupTableData.FromString(raw)
+    for pg in placement_group_table():
         # A group the driver created (Tune's trial groups) has the nil creator actor, marked dead: never those.
         created_by_actor = pg.creator_actor_id and not ray.ActorID(pg.creator_actor_id).is_nil()
         ours_or_ended = pg.creator_job_id.hex() == job or pg.creator_job_id.hex() in ended
-        if (pg.state != gcs_pb2.PlacementGroupTableData.REMOVED and not pg.is_detached and created_by_actor
+        if (not placement_group_removed(pg) and not pg.is_detached and created_by_actor
                 and (pg.creator_actor_dead or pg.creator_actor_id.hex() in dead) and ours_or_ended):
             remove_placement_group(PlacementGroup(ray.PlacementGroupID(pg.placement_group_id)))
             reaped.append(pg.placement_group_id.hex())
@@ -86,10 +87,11 @@ def reap_orphaned_placement_groups() -> list[str]:
 def _live_train_controllers() -> int:
     """Ray Train controllers of this job still alive (by GCS's actor table)."""
     import ray
-    from ray._private.state import state
+
+    from behemoth.ray_internals.core import gcs_state
 
     job = ray.get_runtime_context().get_job_id()
-    return sum(1 for a in state.actor_table(None).values()
+    return sum(1 for a in gcs_state().actor_table(None).values()
                if a.get("State") == "ALIVE" and a.get("JobID") == job and a.get("ActorClassName", "").endswith("TrainController"))
 
 

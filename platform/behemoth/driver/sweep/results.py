@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from behemoth import paths
+from behemoth.storage import paths
 from behemoth.config import JobConfig, dump_yaml
 from behemoth.driver.sweep.config import SweepConfig, base_job, trial_job
 from behemoth.errors import RunFailedError
@@ -58,7 +58,7 @@ def write_results(sweep_cfg: SweepConfig, grid, metric: str, mode: str, place: p
 
 def _trial_row(sweep_cfg: SweepConfig, result, base: dict, keys: list[str], metric: str,
                place: paths.RunPlace) -> dict:
-    from behemoth.checkpoint import complete_checkpoints
+    from behemoth.storage.checkpoint import complete_checkpoints
 
     params = {k: result.config.get(k) for k in keys}
     m = result.metrics or {}

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import yaml
 
-from behemoth import paths
+from behemoth.storage import paths
 from behemoth.config import ConfigError, JobConfig, from_dict
 from behemoth.driver import ray_session, warmup
 from behemoth.driver.sweep.config import (SweepConfig, asha_max_t, base_job, check_sweep, concurrency_bound,
@@ -40,6 +40,7 @@ from behemoth.driver.sweep.lane import lane_reason
 from behemoth.driver.sweep.reaper import OrphanedPlacementGroupReaper, check_state_api
 from behemoth.driver.sweep.results import SweepResult, write_results
 from behemoth.driver.sweep.trial import TrialOutcomeLines, run_trial, trial_process_resources
+from behemoth.storage import filesystem
 
 __all__ = ["SweepConfig", "SweepResult", "load_sweep", "run_sweep", "sweep"]
 
@@ -55,7 +56,7 @@ def sweep(job: str | Path, space: dict, **options) -> SweepResult:
 def run_sweep(sweep_cfg: SweepConfig) -> SweepResult:
     """Check the sweep, start (or resume: same name) it, and return its results. Blocks until it ends. One
     driver per sweep folder (driver/runlock.py): its trials' run folders are inside it."""
-    from behemoth.driver.runlock import RunLock
+    from behemoth.storage.runlock import RunLock
 
     jobs = check_sweep(sweep_cfg)
     place = sweep_place(sweep_cfg)
@@ -193,7 +194,7 @@ def _check_same_sweep(sweep_cfg: SweepConfig, sweep_dir: str) -> None:
     path = Path(sweep_dir, "sweep.yaml")
     now = {"job": base_job(sweep_cfg), "space": sweep_cfg.space, "num_samples": sweep_cfg.num_samples,
            "lr_scaling": sweep_cfg.lr_scaling}
-    if paths.is_uri(sweep_dir):
+    if filesystem.is_uri(sweep_dir):
         return
     if path.is_file():
         before = yaml.safe_load(path.read_text())

@@ -13,7 +13,7 @@ from pathlib import Path
 from ray.tune import Callback
 from ray.tune.integration.ray_train import TuneReportCallback
 
-from behemoth import paths
+from behemoth.storage import paths
 from behemoth.config import from_dict
 from behemoth.metrics import logged_reports
 from behemoth.driver.sweep.config import SweepConfig, metric_and_mode, trial_job
@@ -92,7 +92,7 @@ def process_state() -> dict:
         state["open_files"] = len(os.listdir("/proc/self/fd"))
     except OSError:
         pass
-    from behemoth.driver.sweep.lane import models_alive
+    from behemoth.hosts.lane import models_alive
 
     state["models_alive"] = models_alive()  # earlier trials' models still reachable in this process: none
     if torch.cuda.is_available() and torch.cuda.is_initialized():  # what CUDA's caching allocator holds

@@ -28,7 +28,7 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from behemoth.checkpoint import MANIFEST, read_manifest, read_manifest_bytes
+from behemoth.storage.checkpoint import MANIFEST, read_manifest, read_manifest_bytes
 from behemoth.errors import CheckpointError
 
 

@@ -50,7 +50,7 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from behemoth import paths
+from behemoth.storage.filesystem import filesystem, is_local, is_uri
 from behemoth.errors import ConfigError, LeaseLostError
 
 LOCK_NAME = ".behemoth.lock"
@@ -67,14 +67,6 @@ class RunLockedError(ConfigError):
     """Another live driver holds the folder."""
 
 
-def _fs(folder: str):
-    import pyarrow.fs
-
-    if paths.is_uri(folder):
-        return pyarrow.fs.FileSystem.from_uri(folder)
-    return pyarrow.fs.LocalFileSystem(), os.path.abspath(folder)
-
-
 def _parse(raw: bytes) -> dict | None:
     try:
         lease = json.loads(raw.decode())
@@ -85,10 +77,10 @@ def _parse(raw: bytes) -> dict | None:
 
 def read_lease(folder: str) -> dict | None:
     """The lease in `folder`, or None (none, or one cut short by a crash mid-write: not a holder's)."""
-    fs, path = _fs(folder)
+    fs, path = filesystem(folder)
     # An object store's reader (pyarrow's) asks for the object's size, then reads that many bytes: a lease its
     # holder replaced in between (a heartbeat) reads short. An object is never written in part: read it again.
-    for _ in range(5 if paths.is_uri(folder) else 1):
+    for _ in range(5 if is_uri(folder) else 1):
         raw = _read_bytes(fs, f"{path}/{LOCK_NAME}")
         lease = None if raw is None else _parse(raw)
         if raw is None or lease is not None:
@@ -363,7 +355,7 @@ def _within(seconds: float, call):
 def _lease_store(folder: str, fs, path: str, renewal_timeout_s: float):
     import pyarrow.fs
 
-    if isinstance(fs, pyarrow.fs.LocalFileSystem):  # a local path, or file://
+    if is_local(fs):  # a local path, or file://
         return _LocalLease(path)
     if isinstance(fs, pyarrow.fs.S3FileSystem):
         return _S3Lease(folder, path, renewal_timeout_s)
@@ -381,7 +373,7 @@ class RunLock:
         self.folder, self.what = folder, what
         self.heartbeat_s, self.expiry_s = heartbeat_s, expiry_s
         self.margin_s = expiry_s / 4 if margin_s is None else margin_s
-        self.fs, self.path = _fs(folder)
+        self.fs, self.path = filesystem(folder)
         self.lease = {"host": socket.gethostname(), "pid": os.getpid(), "token": uuid.uuid4().hex,
                       "generation": 0,
                       "command": " ".join([os.path.basename(sys.argv[0] or "python"), *sys.argv[1:]])[:200],
@@ -491,7 +483,7 @@ class RunLock:
                 break
 
     def _make_folder(self) -> None:
-        if not paths.is_uri(self.folder):  # folders this lock creates, removed again if a refused run leaves them empty
+        if not is_uri(self.folder):  # folders this lock creates, removed again if a refused run leaves them empty
             missing = [self.path, *(str(p) for p in Path(self.path).parents)]
             self._created = [d for d in missing if not os.path.isdir(d)]
         try:

@@ -45,10 +45,11 @@ from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
-from behemoth.checkpoint import (LEGACY_SHARDED_FORMAT, MANIFEST, SHARDED_FORMATS, SINGLE_PROCESS_WARNING,
-                                 STATE_DIR, VALUES_FILE, has_chunk_hashes, is_shard_file, read_file, read_manifest,
-                                 read_manifest_bytes)
 from behemoth.errors import CheckpointError
+from behemoth.storage.checkpoint import (LEGACY_SHARDED_FORMAT, MANIFEST, SHARDED_FORMATS, SINGLE_PROCESS_WARNING,
+                                         STATE_DIR, VALUES_FILE, has_chunk_hashes, is_shard_file, read_manifest,
+                                         read_manifest_bytes)
+from behemoth.storage.filesystem import read_file
 
 INDEX_FILE = f"{STATE_DIR}/.metadata"
 

@@ -18,7 +18,7 @@ A sharded checkpoint (checkpoint.format sharded: FSDP's default) holds, instead 
   state_values.json                      the state's other entries (the optimizer's param_groups: lr, ...)
 and its manifest (format 3) lists every rank's files: rank 0 writes it last, once every rank has written and
 hashed its own (behemoth.worker.sharded). It loads at any world size, under FSDP or DDP, and nothing in it is
-unpickled freely (behemoth.shard_reader). Format 2, written before, held the param_groups as pickles inside
+unpickled freely (behemoth.storage.shard_reader). Format 2, written before, held the param_groups as pickles inside
 DCP: it still loads, those entries with weights_only.
 
 No RNG state is stored: the loop reseeds from (seed, rank, step) every step and augmentation draws from
@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 # (torch is imported where tensors are written or measured: the config and data checks load this module)
-from behemoth import faults
+from behemoth.storage.filesystem import filesystem, read_file  # noqa: F401 (read_file: the format's reader too)
 from behemoth.errors import CheckpointError
 
 FORMAT_VERSION = 1  # model.pt, optimizer.pt: the full state, written by one process
@@ -87,10 +87,11 @@ class Snapshot:
             self.copies.wait_sources_free()
 
 
-def write(directory: str | Path, snap: Snapshot, before_manifest=None) -> Path:
+def write(directory: str | Path, snap: Snapshot, before_manifest=None, after_file=None) -> Path:
     """Write a snapshot as a checkpoint directory; the manifest goes last, so its presence means complete.
-    `before_manifest`: called when every other file is written (the failure tests' kill point)."""
-    d = write_files(directory, snap)
+    `before_manifest`: called when every other file is written, `after_file(path)` after each state file (the
+    failure tests' kill and full-disk points: worker/faults.py)."""
+    d = write_files(directory, snap, after_file)
     files = hash_files(d, [p.name for p in sorted(d.iterdir()) if p.is_file() and p.name != MANIFEST])
     if before_manifest is not None:
         before_manifest()
@@ -98,8 +99,9 @@ def write(directory: str | Path, snap: Snapshot, before_manifest=None) -> Path:
     return d
 
 
-def write_files(directory: str | Path, snap: Snapshot) -> Path:
-    """A snapshot's files (not the manifest) into `directory`, created if needed."""
+def write_files(directory: str | Path, snap: Snapshot, after_file=None) -> Path:
+    """A snapshot's files (not the manifest) into `directory`, created if needed; `after_file(path)` after each
+    state file."""
     import torch
 
     if snap.copies is not None:
@@ -111,7 +113,8 @@ def write_files(directory: str | Path, snap: Snapshot) -> Path:
         # torch.save to a path reports only "unexpected pos ..." from its zip writer.
         with open(d / name, "wb") as f:
             torch.save(sd, f)
-        faults.disk_full(snap.step, d / name)
+        if after_file is not None:
+            after_file(d / name)
     for name, text in snap.texts.items():
         (d / name).write_text(text)
     return d
@@ -259,26 +262,6 @@ def read_state(directory: str | Path, fs=None) -> TrainState:
     return TrainState(**json.loads(read_file(f"{directory}/train_state.json", fs)))
 
 
-def read_file(path: str, fs=None) -> bytes:
-    """A file's bytes: a local path, a URI, or a path on the pyarrow filesystem `fs`."""
-    fs, where = filesystem(path, fs)
-    with fs.open_input_stream(where) as f:
-        return f.read()
-
-
-def filesystem(path: str | Path, fs=None):
-    """(pyarrow filesystem, path on it) for a local path (made absolute) or a URI; `fs` given: (fs, path)."""
-    import pyarrow.fs
-
-    from behemoth import paths
-
-    if fs is not None:
-        return fs, str(path)
-    if paths.is_uri(str(path)):
-        return pyarrow.fs.FileSystem.from_uri(str(path))
-    return pyarrow.fs.LocalFileSystem(), os.path.abspath(path)
-
-
 def checkpoint_folders(run_dir: str | Path, fs=None) -> list[tuple[str, bool]]:
     """(path, complete) of each checkpoint_* folder in a run folder, complete meaning its manifest is there.
     `fs`: the pyarrow filesystem `run_dir` is a path on; None: `run_dir` is a local path or a URI. The paths
@@ -298,7 +281,7 @@ def complete_checkpoints(folder: str | Path, fs=None) -> list[tuple[int, str]]:
     """(step, path) of the checkpoints in a run folder whose manifest was written, newest step first: local,
     a URI (the paths come back as URIs under `folder`: paths.entry_uri), or a path on the pyarrow filesystem `fs`.
     Unreadable train state counts as step -1 (verification names the problem when it is restored)."""
-    from behemoth import paths
+    from behemoth.storage import paths
 
     given_fs = fs
     fs, where = filesystem(folder, fs)

@@ -1,6 +1,6 @@
 """Where a run lives: the storage root and run folder of a job, locally or under a URI (s3://, gs://, ...).
 
-Every place that needs a run's paths asks here, so "is it a URI" is decided once.
+Every place that needs a run's paths asks here (and storage/filesystem.py whether a path is a URI).
 """
 
 from __future__ import annotations
@@ -10,10 +10,7 @@ import re
 from dataclasses import dataclass
 
 from behemoth.errors import ConfigError
-
-
-def is_uri(path: str) -> bool:
-    return "://" in str(path)
+from behemoth.storage.filesystem import is_uri  # noqa: F401 (the run paths' own question too)
 
 
 def storage_root(path: str) -> str:

@@ -13,9 +13,8 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterator, Optional
 
-from behemoth import paths
-from behemoth.checkpoint import (MANIFEST, MODEL_FILE, SHARDED_FORMATS, complete_checkpoints, filesystem, read_file,
-                                 read_manifest, verify, weight_files)
+from behemoth.storage.checkpoint import MANIFEST, MODEL_FILE, SHARDED_FORMATS, complete_checkpoints, read_manifest, verify, weight_files
+from behemoth.storage.filesystem import filesystem, is_uri, read_file
 from behemoth.errors import CheckpointError
 
 if TYPE_CHECKING:  # imported where used: reading a job config imports this module, and needs no torch
@@ -45,7 +44,7 @@ def fetched(path: str) -> Iterator[Path]:
     """A weights folder as a local path while the block runs. A URI's (s3://...) is downloaded into a temporary
     folder, removed afterwards: of a checkpoint only its manifest and the files holding the weights (model.pt;
     a sharded checkpoint's state/ folder), of a Hugging Face folder every file."""
-    if not paths.is_uri(path):
+    if not is_uri(path):
         yield Path(path)
         return
     import pyarrow.fs
@@ -69,7 +68,7 @@ def resolve(path: str, which: str = "best", best: tuple[str, str] = ("val_loss",
     (metric, "max"/"min") among those whose metrics.json records it, or the latest."""
     import pyarrow.fs
 
-    uri = paths.is_uri(path)
+    uri = is_uri(path)
     fs, where = filesystem(path if uri else Path(path).expanduser())
     if fs.get_file_info(where).type != pyarrow.fs.FileType.Directory:
         raise CheckpointError(f"{path} does not exist (or is not a folder): give a checkpoint folder, a run "
@@ -105,7 +104,7 @@ def check(folder: str) -> None:
         return
     manifest = read_manifest(read_file(f"{folder}/{MANIFEST}"), folder)
     names = weight_files(manifest)
-    if not paths.is_uri(folder):
+    if not is_uri(folder):
         verify(folder, only=names)
         return
     import pyarrow.fs
@@ -136,8 +135,8 @@ def read_state_dict(path: str | Path) -> dict:
     first), or a Hugging Face folder's safetensors (one file or shards) or pytorch_model.bin (weights_only).
     A URI's folder is downloaded first, and removed once read (`fetched`); of a sharded checkpoint with its
     chunk hashes, only its index, and of its shard files the model's bytes, by range (checked chunk by chunk)."""
-    if paths.is_uri(str(path)) and is_checkpoint(path):
-        from behemoth import shard_reader  # DCP's modules: only when one is read
+    if is_uri(str(path)) and is_checkpoint(path):
+        from behemoth.storage import shard_reader  # DCP's modules: only when one is read
 
         fs, where = filesystem(str(path))
         remote = shard_reader.remote_shards(fs, where, str(path))
@@ -157,7 +156,7 @@ def _read_state_dict(p: Path, path: str | Path) -> dict:
         manifest = read_manifest((p / MANIFEST).read_bytes(), p)
         verify(p, only=weight_files(manifest))
         if manifest["format_version"] in SHARDED_FORMATS:
-            from behemoth.shard_reader import read_sharded_weights  # DCP's modules: only when one is read
+            from behemoth.storage.shard_reader import read_sharded_weights  # DCP's modules: only when one is read
 
             return read_sharded_weights(p)
         return torch.load(p / MODEL_FILE, map_location="cpu", weights_only=True)

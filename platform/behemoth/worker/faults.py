@@ -40,10 +40,10 @@ def _spec_for_this_run(env: str) -> list[str] | None:
         return None
     from fnmatch import fnmatchcase
 
-    from behemoth import worker_context
+    from behemoth import hosts
 
     run, rest = spec.split(":", 1)
-    return rest.split(":") if fnmatchcase(worker_context.current().run_name, run) else None
+    return rest.split(":") if fnmatchcase(hosts.current().run_name, run) else None
 
 
 def kill_in_upload(step: int) -> None:

@@ -1,0 +1,182 @@
+"""Driver side: what a run's rerun resumes from, checked before Ray starts, and the bookkeeping of the run
+folder's checkpoints after a run (public: a run through Ray Train and a sweep's lane both call these).
+
+- `run_place` / `run_dir`: where a job's run lives (storage/paths.RunPlace).
+- `check_resume_compatible`: a rerun trained on another data or model config is refused (names each change).
+- `check_resume_data`: a rerun whose data now means something else (a class folder renamed) is refused.
+- `resolve_init_from`: train.init_from resolved once to the folder every worker and restart loads.
+- `retire_unregistered`: checkpoint.keep applied to complete checkpoints Ray Train never registered.
+"""
+
+from __future__ import annotations
+
+import json
+
+import yaml
+
+from behemoth.config import JobConfig
+from behemoth.errors import CheckpointError, ConfigError
+from behemoth.storage import paths
+from behemoth.tasks import task_of
+
+# Keys that may change between a run and its resumption: they change speed or bookkeeping, not what is learnt.
+_RESUMABLE_CHANGES = {"data.prefetch_batches", "data.cpus_per_task", "data.max_bad_samples"}
+
+
+def run_place(cfg: JobConfig) -> paths.RunPlace:
+    """Where the job's run lives (its storage and checked name): every path of the run is joined through it."""
+    return paths.RunPlace.of(cfg.checkpoint.storage_path, cfg.checkpoint.run_name)
+
+
+def run_dir(cfg: JobConfig) -> str:
+    """The job's run folder (local: absolute; or a URI)."""
+    return run_place(cfg).folder
+
+
+def latest_checkpoint(cfg: JobConfig) -> tuple[str, str] | None:
+    """(the run's latest complete checkpoint, its folder name), or None for a new run."""
+    from behemoth.storage.checkpoint import complete_checkpoints
+
+    kept = complete_checkpoints(run_dir(cfg))
+    return (kept[0][1], kept[0][1].rstrip("/").rpartition("/")[2]) if kept else None
+
+
+def check_resume_compatible(cfg: JobConfig) -> None:
+    """Refuse to resume a run whose latest checkpoint (local or under a URI) was trained on another data or
+    model config. (A change of scaling.strategy is fine: either checkpoint layout loads under DDP and FSDP.)"""
+    from behemoth.storage.filesystem import read_file
+
+    latest = None if cfg.checkpoint.resume_changed_config else latest_checkpoint(cfg)
+    if latest is None:
+        return
+    latest, name = latest
+    folder = run_dir(cfg)
+    before = yaml.safe_load(read_file(f"{latest}/job.yaml")) or {}
+    now = cfg.to_dict()
+    changed = [f"{section}.{key}: {before.get(section, {}).get(key)!r} -> {value!r}"
+               for section in ("data", "model") for key, value in now[section].items()
+               if before.get(section, {}).get(key) != value and f"{section}.{key}" not in _RESUMABLE_CHANGES]
+    if changed:
+        raise ConfigError(
+            f"run '{cfg.checkpoint.run_name}' in {folder} was trained with a different config "
+            f"({name}): {'; '.join(changed)}. Start a new run with another "
+            f"checkpoint.run_name, or resume anyway with --set checkpoint.resume_changed_config=true"
+        )
+
+
+def check_resume_data(cfg: JobConfig, prepared) -> None:
+    """Refuse to resume a run whose data now says something else of what its weights mean: the task's files
+    in the latest checkpoint (classes.json: class index -> name) differ from those this data gives. The data
+    config can be unchanged while its content is not: a class folder renamed or replaced keeps the count and
+    moves names to other indices, so the resumed run would train on with its labels silently renamed (a class
+    added or removed changes the head's shape: its weights cannot load)."""
+    from behemoth.storage.checkpoint import complete_checkpoints
+
+    kept = [] if cfg.checkpoint.resume_changed_config else complete_checkpoints(run_dir(cfg))
+    for _, ckpt in kept:  # newest first; one whose task files fail their manifest is damaged: restore skips it
+        try:
+            differs = task_files_differ(cfg, prepared, ckpt)
+            break
+        except CheckpointError:
+            continue
+    else:
+        return
+    if differs:
+        what, same_shape = differs
+        force = (", or resume anyway with --set checkpoint.resume_changed_config=true" if same_shape else
+                 " (its weights cannot resume with another number of classes)")
+        name = ckpt.rstrip("/").rpartition("/")[2]
+        raise ConfigError(
+            f"run '{cfg.checkpoint.run_name}' in {run_dir(cfg)} was trained on other data ({name}): {what}. "
+            f"Start a new run with another checkpoint.run_name (train.init_from the old run's folder to start "
+            f"from its weights){force}")
+
+
+def task_files_differ(cfg: JobConfig, prepared, ckpt: str) -> tuple[str, bool] | None:
+    """How checkpoint `ckpt`'s task files (Task.checkpoint_files) differ from those `prepared` gives, and
+    whether their lists keep their length; None where they agree or the checkpoint keeps none (written before
+    the task kept them, or a Hugging Face folder). Each is checked against the manifest first: a damaged or
+    edited one raises CheckpointError naming it (compared as it is, it would read as other data)."""
+    from behemoth.storage import weights
+    from behemoth.storage.checkpoint import read_manifest, read_manifest_bytes, read_verified
+
+    ckpt = ckpt.rstrip("/")
+    if not weights.is_checkpoint(ckpt):
+        return None
+    manifest = read_manifest(read_manifest_bytes(ckpt, None, ckpt), ckpt)
+    for file, text in task_of(cfg).checkpoint_files(cfg, prepared).items():
+        if file not in manifest["files"]:
+            continue
+        before = read_verified(ckpt, file, manifest=manifest).decode()
+        if before == text:
+            continue
+        try:
+            old, new = json.loads(before), json.loads(text)
+        except ValueError:
+            old = new = None
+        if not (isinstance(old, list) and isinstance(new, list)):
+            return f"its {file} differs from this data's", False
+        if old == new:
+            continue  # the same list, written another way
+        moved = next((i for i, (a, b) in enumerate(zip(old, new)) if a != b), min(len(old), len(new)))
+        detail = [f"its {file} lists {len(old)}, this data {len(new)}"]
+        if moved < min(len(old), len(new)):
+            detail.append(f"index {moved} was {old[moved]!r}, is {new[moved]!r}")
+        for label, names in (("new", [n for n in new if n not in old]), ("gone", [n for n in old if n not in new])):
+            if names:
+                detail.append(f"{label}: {', '.join(map(repr, names[:5]))}{' ...' if len(names) > 5 else ''}")
+        return "; ".join(detail), len(old) == len(new)
+    return None
+
+
+def resolve_init_from(cfg: JobConfig) -> JobConfig:
+    """train.init_from -> the one folder its weights come from (a run folder: its best or latest checkpoint),
+    chosen once here so that every worker, and every restart, starts from the same weights; the run's
+    checkpoints record the chosen folder in their job.yaml."""
+    import dataclasses
+
+    from behemoth.storage import weights
+    from behemoth.storage.checkpoint import complete_checkpoints
+
+    source = cfg.train.init_from
+    if not source:
+        return cfg
+    chosen, how = weights.resolve(source, cfg.train.init_from_checkpoint, task_of(cfg).best)
+    weights.check(chosen)  # damage it can see without the weights fails here, before Ray starts
+    folder = run_dir(cfg)
+    if complete_checkpoints(folder):
+        print(f"[behemoth] train.init_from is set, but run '{cfg.checkpoint.run_name}' has checkpoints of its own: "
+              f"it resumes from them (init_from decides only how a run starts)", flush=True)
+    else:
+        print(f"[behemoth] init_from {source}: {chosen} ({how})", flush=True)
+    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, init_from=chosen))
+
+
+def retire_unregistered(cfg: JobConfig, kept: list, fence=None) -> list[str]:
+    """Apply checkpoint.keep to the checkpoints Ray Train does not know: complete ones in the run folder that it
+    never registered (a driver or worker died between their upload and their registration; a rerun resumed
+    from them) and that are older than every checkpoint it keeps (`kept`: the finished run's
+    (checkpoint, metrics)). Retention would have deleted them had Ray Train known them; without this they
+    stay forever. Returns the folders removed. `fence`: the run lock's (runlock.Fence), checked first: a driver
+    whose folder another driver took over removes nothing there."""
+    from behemoth.storage.checkpoint import complete_checkpoints
+    from behemoth.storage.filesystem import filesystem
+
+    if fence is not None:
+        fence.check("removing the checkpoints Ray Train never registered")
+
+    place = run_place(cfg)
+    kept_paths = {place.as_uri(c.path).rstrip("/") for c, _ in kept}
+    found = complete_checkpoints(place.folder)
+    kept_steps = [step for step, path in found if path.rstrip("/") in kept_paths]
+    if not kept_steps:
+        return []
+    oldest_kept, removed = min(kept_steps), []
+    for step, path in found:
+        if step < oldest_kept and path.rstrip("/") not in kept_paths:
+            fs, where = filesystem(path)
+            fs.delete_dir(where)
+            removed.append(path)
+            print(f"[behemoth] removed {path} (step {step}): a checkpoint Ray Train never registered, older than "
+                  f"the {len(kept_steps)} it keeps (checkpoint.keep)", flush=True)
+    return removed

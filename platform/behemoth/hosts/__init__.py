@@ -1,0 +1,59 @@
+"""Who hosts the worker side, and the contract between them: the only worker-side code that touches Ray.
+
+- `contract`: `WorkerHost`, what the loop, the worker room and the tasks' worker halves need of their host
+  (rank, device, storage, checkpoints, prepared data, report).
+- `ray_train`: Ray Train's host (a TorchTrainer's workers).
+- `lane`: a sweep's warm lane's host (a one-worker trial in a reused Tune actor).
+
+Here: which host is current. `hosted(host)` makes one current while a block runs (a lane, a data bench's
+consumer); outside one, Ray Train's is.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import TYPE_CHECKING, Optional
+
+from behemoth.hosts.contract import UploadFn, WorkerHost
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["UploadFn", "WorkerHost", "current", "device", "hosted"]
+
+_lock = threading.Lock()
+_hosted: Optional[WorkerHost] = None  # a lane's, for every thread of its process (its upload thread too)
+_ray_train: Optional[WorkerHost] = None
+
+
+def current() -> WorkerHost:
+    """The host of the run this process trains now: a lane's while it hosts one, else Ray Train's."""
+    global _ray_train
+    if _hosted is not None:
+        return _hosted
+    if _ray_train is None:  # imported when first asked: reading a job config needs no Ray
+        from behemoth.hosts.ray_train import RayTrainHost
+
+        _ray_train = RayTrainHost()
+    return _ray_train
+
+
+@contextlib.contextmanager
+def hosted(host: WorkerHost):
+    """`host` is current while the block runs (a lane trains one run at a time in its process)."""
+    global _hosted
+    with _lock:
+        if _hosted is not None:
+            raise RuntimeError("a worker host is already hosted in this process")
+        _hosted = host
+    try:
+        yield host
+    finally:
+        with _lock:
+            _hosted = None
+
+
+def device() -> torch.device:
+    """This worker's device (a shorthand the tasks' worker halves use)."""
+    return current().device

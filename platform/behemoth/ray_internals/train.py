@@ -1,0 +1,56 @@
+"""Ray Train V2's internals behemoth builds on. Read against Ray 2.60.0
+(ray/train/v2/_internal/...; ray/train/v2/api/data_parallel_trainer.py).
+
+Ray Train 2.60 has no public interface for these: callbacks inside its controller and worker context (the run
+recorder, the lease fence), a failure policy (FailureConfig only counts), the default callbacks a trainer
+starts, and the environment its workers get. On a Ray upgrade, check each name below still means the same.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from ray.train.v2._internal.callbacks import DatasetsCallback, placement_group_callback
+from ray.train.v2._internal.callbacks.placement_group_callback import PlacementGroupCleanerCallback
+from ray.train.v2._internal.execution.callback import ControllerCallback, ReportCallback, TrainContextCallback
+from ray.train.v2._internal.execution.controller.placement_group_cleaner import PlacementGroupCleaner
+from ray.train.v2._internal.execution.failure_handling import DefaultFailurePolicy
+from ray.train.v2._internal.execution.failure_handling.failure_policy import FailureDecision
+
+__all__ = ["ControllerCallback", "DatasetsCallback", "DefaultFailurePolicy", "FailureDecision",
+           "PlacementGroupCleaner", "PlacementGroupCleanerCallback", "ReportCallback", "TrainContextCallback",
+           "launch_placement_group_cleaner", "quiet_report_log", "set_failure_policy_factory",
+           "worker_environment"]
+
+
+def set_failure_policy_factory(create) -> None:
+    """Make Ray Train's trainers (created after this, in this process) build their failure policy with
+    `create(failure_config)` (the factory DataParallelTrainer calls)."""
+    from ray.train.v2.api import data_parallel_trainer
+
+    data_parallel_trainer.create_failure_policy = create
+
+
+def launch_placement_group_cleaner(cleaner_class) -> None:
+    """The class PlacementGroupCleanerCallback launches as its cleaner actor (read when the controller starts)."""
+    placement_group_callback.PlacementGroupCleaner = cleaner_class
+
+
+def worker_environment() -> dict:
+    """The variables Ray Train gives its training workers (DataParallelTrainer._initialize_and_run_controller,
+    WorkerGroup._get_worker_runtime_env): the RAY_TRAIN_* variables it propagates from the driver and the
+    one its controller adds."""
+    from ray._common.constants import RAY_WARN_BLOCKING_GET_INSIDE_ASYNC_ENV_VAR
+    from ray.train.v2._internal.constants import (DEFAULT_RAY_WARN_BLOCKING_GET_INSIDE_ASYNC_VALUE,
+                                                  get_env_vars_to_propagate)
+
+    return {RAY_WARN_BLOCKING_GET_INSIDE_ASYNC_ENV_VAR: DEFAULT_RAY_WARN_BLOCKING_GET_INSIDE_ASYNC_VALUE,
+            **get_env_vars_to_propagate()}
+
+
+def quiet_report_log() -> None:
+    """Ray Train logs every report at INFO from a logger named by its worker context module's file path (not
+    under `ray.train`, so RunConfig's LoggingConfig cannot filter it): WARNING and up only."""
+    from ray.train.v2._internal.execution import context as train_context
+
+    logging.getLogger(train_context.__file__).setLevel(logging.WARNING)

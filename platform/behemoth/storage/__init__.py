@@ -1,0 +1,14 @@
+"""Where a run's bytes live, and in what form: the storage room.
+
+- `filesystem`: the one answer to "local path or URI, and which pyarrow filesystem reads it".
+- `paths`: a run's place (storage root, run folder, a sweep trial's folder) and the run-name rules.
+- `checkpoint`: the checkpoint format (state files, manifest of sizes and checksums written last, verify).
+- `shard_reader`: reading a sharded (DCP) checkpoint's byte ranges, its index through a restricted unpickler.
+- `node_copy`: a checkpoint copied once per node for the ranks that read it.
+- `weights`: model weights in and out (a checkpoint's or a Hugging Face folder's).
+- `runlock`: one driver per run folder, on local and object storage (the lease and its fence).
+
+The worker room decides *when* a checkpoint is taken and writes it (worker/checkpointing, saver, sharded,
+restore: they need the model, the process group and the step); everything here is what those bytes are and
+where they lie, and needs neither.
+"""
