@@ -15,7 +15,7 @@ import html
 import io
 import os
 
-from behemoth import paths
+from behemoth.storage import paths
 from behemoth.errors import ConfigError
 from behemoth.tracking import goodput
 from behemoth.tracking.records import (

@@ -15,7 +15,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 from behemoth.storage import paths
-from behemoth.config import ConfigError, JobConfig, apply_override, from_dict, read_yaml_mapping
+from behemoth.config import JobConfig, apply_override, from_dict, read_yaml_mapping
+from behemoth.errors import ConfigError
 from behemoth.errors import did_you_mean
 from behemoth.job import config_from_dict, load_config
 from behemoth.tasks import task_of

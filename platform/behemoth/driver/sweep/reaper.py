@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 
-from behemoth.config import ConfigError
+from behemoth.errors import ConfigError
 
 class OrphanedPlacementGroupReaper:
     """Frees the placement groups of this job whose creating actor is dead, while a sweep runs and once more

@@ -32,7 +32,8 @@ from pathlib import Path
 import yaml
 
 from behemoth.storage import paths
-from behemoth.config import ConfigError, JobConfig, from_dict
+from behemoth.config import JobConfig, from_dict
+from behemoth.errors import ConfigError
 from behemoth.driver import ray_session, warmup
 from behemoth.driver.sweep.config import (SweepConfig, asha_max_t, base_job, check_sweep, concurrency_bound,
                                           load_sweep, metric_and_mode, optuna_searcher)

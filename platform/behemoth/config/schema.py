@@ -1,23 +1,17 @@
-"""Typed job config: one small dataclass per concern, loaded from YAML plus `--set a.b=c` overrides.
+"""The job config's schema: one small dataclass per concern (data, model, train, scaling, checkpoint, eval,
+failure, tracking), each checking its own values (`validate`), and JobConfig checking those across sections.
 
-Everything here is checked on the driver before Ray starts. Errors name the file, the key and what to do:
-an unknown key also names the closest valid key, a wrong type names the expected type.
+Everything here is checked on the driver before Ray starts. Errors name the key and what to do.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import sys
-import types
-import typing
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, ClassVar, Literal, Optional, Union
 
-import yaml
-
+from behemoth.errors import ConfigError
 from behemoth.storage import paths
-from behemoth.errors import ConfigError, did_you_mean
 
 
 @dataclass
@@ -362,113 +356,3 @@ class JobConfig:
 def _positive(key: str, value: float) -> None:
     if value <= 0:
         raise ConfigError(f"{key} must be > 0, got {value!r}")
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Loading: YAML -> overrides -> typed objects -> validate
-
-
-def read_yaml_mapping(path: str | Path, what: str = "config file", holds: str = "sections (data, model, "
-                      "train, ...)") -> dict:
-    """The mapping a YAML file holds; a missing file, invalid YAML or another shape is a ConfigError."""
-    p = Path(path)
-    if not p.is_file():
-        raise ConfigError(f"{what} {p} does not exist")
-    try:
-        raw = yaml.safe_load(p.read_text()) or {}
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{p} is not valid YAML: {' '.join(str(e).split())}") from None
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{p} must hold a mapping of {holds}")
-    return raw
-
-
-def warn_remote_code(model: ModelConfig) -> None:
-    """The one line that says whose code will run when a job trusts a repository's code (printed where the
-    job is loaded on the driver: once per run, not once per worker)."""
-    if model.trust_remote_code:
-        print(f"[behemoth] warning: model.trust_remote_code is true: the Python code of repository "
-              f"{model.pretrained} will run wherever the model is built (every worker, behemoth export)",
-              file=sys.stderr, flush=True)
-
-
-def apply_override(raw: dict, item: str) -> None:
-    """Set `raw[a][b] = value` for a `--set a.b=value` item (the value read as YAML)."""
-    if "=" not in item:
-        raise ConfigError(f"--set {item!r}: expected KEY=VALUE, e.g. --set train.lr=0.05")
-    dotted, value = item.split("=", 1)
-    keys = dotted.strip().split(".")
-    node = raw
-    for k in keys[:-1]:
-        node = node.setdefault(k, {})
-        if not isinstance(node, dict):
-            raise ConfigError(f"--set {dotted}: {k} is not a section")
-    node[keys[-1]] = yaml.safe_load(value) if value != "" else ""
-
-
-def from_dict(cls: type, raw: Any, where: str, prefix: str = "", scope: str = "") -> Any:
-    """Build dataclass `cls` from a mapping, checking keys and types recursively; `scope` says which of several
-    classes a section was read into (an unknown key's message names it)."""
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{where}: {prefix or 'the file'} must be a mapping, got {type(raw).__name__}")
-    hints = typing.get_type_hints(cls)
-    names = [f.name for f in dataclasses.fields(cls)]
-    for key in raw:
-        if key not in names:
-            hint = did_you_mean(key, names, prefix) or f"; valid keys: {', '.join(names)}"
-            raise ConfigError(f"{where}: unknown key '{prefix}{key}'{scope}{hint}")
-    kwargs = {k: _coerce(hints[k], v, where, f"{prefix}{k}") for k, v in raw.items()}
-    return cls(**kwargs)
-
-
-def _coerce(tp: Any, value: Any, where: str, key: str) -> Any:
-    if dataclasses.is_dataclass(tp):
-        return from_dict(tp, value or {}, where, prefix=key + ".")
-    origin, args = typing.get_origin(tp), typing.get_args(tp)
-    if origin in (typing.Union, types.UnionType):
-        if value is None and type(None) in args:
-            return None
-        for option in (a for a in args if a is not type(None)):
-            try:
-                return _coerce(option, value, where, key)
-            except ConfigError:
-                continue
-        raise _type_error(where, key, tp, value)
-    if origin is Literal:
-        if value not in args:
-            raise ConfigError(f"{where}: {key} must be one of {list(args)}, got {value!r}"
-                              f"{did_you_mean(value, list(args))}")
-        return value
-    if origin is dict:
-        if not isinstance(value, dict):
-            raise _type_error(where, key, tp, value)
-        return {str(k): _coerce(args[1], v, where, f"{key}.{k}") for k, v in value.items()}
-    if origin is list:
-        if not isinstance(value, list):
-            raise _type_error(where, key, tp, value)
-        return [_coerce(args[0], v, where, f"{key}[{i}]") for i, v in enumerate(value)]
-    if tp is float and isinstance(value, (int, float)) and not isinstance(value, bool):
-        return float(value)
-    if tp in (int, str, bool) and type(value) is tp:
-        return value
-    if tp is Any:
-        return value
-    raise _type_error(where, key, tp, value)
-
-
-def _type_error(where: str, key: str, tp: Any, value: Any) -> ConfigError:
-    return ConfigError(f"{where}: {key} expects {_type_name(tp)}, got {type(value).__name__} {value!r}")
-
-
-def _type_name(tp: Any) -> str:
-    """A type as a config's reader says it: `one of ['none', 'full'] or int`, not `Union`."""
-    origin, args = typing.get_origin(tp), typing.get_args(tp)
-    if origin in (typing.Union, types.UnionType):
-        return " or ".join(_type_name(a) if a is not type(None) else "null" for a in args)
-    if origin is Literal:
-        return f"one of {list(args)}"
-    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
-
-
-def dump_yaml(cfg: JobConfig) -> str:
-    return yaml.safe_dump(cfg.to_dict(), sort_keys=False)
