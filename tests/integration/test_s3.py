@@ -17,7 +17,8 @@ from behemoth.storage.checkpoint import complete_checkpoints, read_state
 from behemoth.config import ConfigError
 from behemoth.job import config_from_dict
 from behemoth.driver.evaluate import evaluate_checkpoint
-from behemoth.storage.runlock import RunLock, RunLockedError, read_lease
+from behemoth.storage.lease_stores import read_lease
+from behemoth.storage.runlock import RunLock, RunLockedError
 from behemoth.driver.trainer import train
 from behemoth.tracking.records import read_jsonl, read_text
 from behemoth.storage.weights import resolve
@@ -62,7 +63,7 @@ def test_two_drivers_starting_at_once_on_s3_cannot_both_win(s3_endpoint, monkeyp
     """Both read the lease before either wrote it (none; then an expired one): S3's conditional writes
     (If-None-Match: * to create, If-Match: ETag to take over, through boto3) let only the first win. The
     winner's lease has the next generation, and its release removes only its own lease."""
-    from behemoth.storage import runlock
+    from behemoth.storage import lease_stores
 
     folder = f"s3://{BUCKET}/locks/race"
     fs, path = pyarrow.fs.FileSystem.from_uri(folder)
@@ -72,10 +73,10 @@ def test_two_drivers_starting_at_once_on_s3_cannot_both_win(s3_endpoint, monkeyp
             with fs.open_output_stream(f"{path}/.behemoth.lock") as f:
                 f.write(json.dumps(before).encode())
         first, second = RunLock(folder, "run 'race'"), RunLock(folder, "run 'race'")
-        seen = runlock._S3Lease(folder, path).read()
+        seen = lease_stores.S3Lease(folder, path, renewal_timeout_s=10.0).read()
         first.acquire()
         with monkeypatch.context() as m:
-            m.setattr(runlock._S3Lease, "read", lambda self, seen=seen: seen)  # the second driver's read came first
+            m.setattr(lease_stores.S3Lease, "read", lambda self, seen=seen: seen)  # the second driver's read came first
             with pytest.raises(RunLockedError, match="another driver took it at the same moment"):
                 second.acquire()
         assert read_lease(folder)["token"] == first.lease["token"] and read_lease(folder)["generation"] == generation

@@ -166,7 +166,8 @@ def test_a_run_whose_folder_was_taken_over_stops_before_its_first_checkpoint(tmp
     nothing is written into the folder as a checkpoint, and Ray Train registers (and deletes) nothing."""
     import json
 
-    from behemoth.storage.runlock import LOCK_NAME, Fence
+    from behemoth.storage.lease_stores import LOCK_NAME
+    from behemoth.storage.runlock import Fence
     from behemoth.driver.trainer import train
     from behemoth.errors import user_facing_error
     from behemoth.tracking.records import read_jsonl

@@ -623,7 +623,7 @@ def test_a_shard_index_that_would_allocate_from_a_small_file_is_refused(tmp_path
     import sys
     import tracemalloc
 
-    from behemoth.storage import shard_reader
+    from behemoth.storage import dcp_index
 
     folder = tmp_path / "c"
     _write_sharded(folder)
@@ -637,7 +637,7 @@ def test_a_shard_index_that_would_allocate_from_a_small_file_is_refused(tmp_path
     tracemalloc.start()
     try:
         with pytest.raises(CheckpointError, match="is not DCP's index of the shards"):
-            shard_reader.read_index(folder, manifest)
+            dcp_index.read_index(folder, manifest)
         assert tracemalloc.get_traced_memory()[1] < 1 << 20
     finally:
         tracemalloc.stop()

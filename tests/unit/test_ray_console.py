@@ -4,7 +4,7 @@ import functools
 import itertools
 
 import pytest
-from behemoth.driver.ray_console import filter_lines
+from behemoth.driver.ray_console_scan import filter_lines
 
 PREEMPTION = ("[2026-11-23 12:48:54,770 E 30855 30961] core_worker.cc:2465: Actor with class name: "
               "'PreemptionWatcher' and ID: '4de217be29b7c9db2091bd7c01000000' has constructor arguments in the "

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 from behemoth.storage import runlock
-from behemoth.storage.runlock import LOCK_NAME, RunLock, RunLockedError, read_lease
+from behemoth.storage.lease_stores import LOCK_NAME, LocalLease, read_lease
+from behemoth.storage.runlock import RunLock, RunLockedError
 from behemoth.errors import LeaseLostError
 
 
@@ -198,10 +199,10 @@ def test_two_drivers_starting_at_once_cannot_both_win(tmp_path, monkeypatch):
         if expired:
             (tmp_path / LOCK_NAME).write_text(json.dumps(expired))
         first, second = RunLock(str(tmp_path), "run 'a'"), RunLock(str(tmp_path), "run 'a'")
-        seen = runlock._LocalLease(str(tmp_path)).read()
+        seen = LocalLease(str(tmp_path)).read()
         first.acquire()
         with monkeypatch.context() as m:
-            m.setattr(runlock._LocalLease, "read", lambda self, seen=seen: seen)  # the second driver's read came first
+            m.setattr(LocalLease, "read", lambda self, seen=seen: seen)  # the second driver's read came first
             with pytest.raises(RunLockedError, match="another driver took it at the same moment"):
                 second.acquire()
         assert read_lease(str(tmp_path))["token"] == first.lease["token"]
@@ -319,7 +320,7 @@ def test_a_renewal_failing_with_any_error_on_local_storage_is_retried(tmp_path, 
     """Not only OSError: a renewal that raises anything (here ValueError, three times in a row) is retried, and
     the lease stays this driver's: another driver is still refused."""
     failures = []
-    real = runlock._LocalLease.replace
+    real = LocalLease.replace
 
     def flaky(self, data, expected):
         if len(failures) < 3:
@@ -328,7 +329,7 @@ def test_a_renewal_failing_with_any_error_on_local_storage_is_retried(tmp_path, 
         return real(self, data, expected)
 
     with RunLock(str(tmp_path), "run 'a'", **PATIENT) as lock:
-        monkeypatch.setattr(runlock._LocalLease, "replace", flaky)
+        monkeypatch.setattr(LocalLease, "replace", flaky)
         started = time.time()
         lease = renewed_after(str(tmp_path), started)
         assert len(failures) == 3 and lease["token"] == lock.lease["token"]
@@ -348,7 +349,7 @@ def test_a_renewal_that_never_answers_ends_the_run_before_the_lease_expires(tmp_
         hung.wait(30)
 
     with pytest.raises(LeaseLostError) as lost, RunLock(str(tmp_path), "run 'a'", **FAST) as lock:
-        monkeypatch.setattr(runlock._LocalLease, "replace", hang)
+        monkeypatch.setattr(LocalLease, "replace", hang)
         deadline = time.time() + 30  # the driver's work, ended from the lock's thread (in ~3 s)
         while time.time() < deadline:
             time.sleep(0.05)
@@ -382,7 +383,7 @@ def test_a_driver_whose_ctrl_c_is_ignored_or_default_is_ended_by_the_give_up(tmp
         if ignored:  # a Ctrl-C from outside, before the give-up, is still ignored
             os.kill(os.getpid(), signal.SIGINT)
             time.sleep(0.2)
-        monkeypatch.setattr(runlock._LocalLease, "replace", lambda self, data, expected: hung.wait(30))
+        monkeypatch.setattr(LocalLease, "replace", lambda self, data, expected: hung.wait(30))
         deadline = time.time() + 30  # the driver's work, ended from the lock's thread (in ~3 s)
         while time.time() < deadline:
             time.sleep(0.05)

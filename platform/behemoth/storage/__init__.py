@@ -3,10 +3,12 @@
 - `filesystem`: the one answer to "local path or URI, and which pyarrow filesystem reads it".
 - `paths`: a run's place (storage root, run folder, a sweep trial's folder) and the run-name rules.
 - `checkpoint`: the checkpoint format (state files, manifest of sizes and checksums written last, verify).
-- `shard_reader`: reading a sharded (DCP) checkpoint's byte ranges, its index through a restricted unpickler.
+- `shard_reader`: reading a sharded (DCP) checkpoint: only the byte ranges a load plan needs, checked.
+- `dcp_index`: a sharded checkpoint's index read by a restricted unpickler and checked against its shards.
 - `node_copy`: a checkpoint copied once per node for the ranks that read it.
 - `weights`: model weights in and out (a checkpoint's or a Hugging Face folder's).
-- `runlock`: one driver per run folder, on local and object storage (the lease and its fence).
+- `runlock`: one driver per run folder, on local and object storage (the lease, its heartbeat and fence).
+- `lease_stores`: where the lease lies and how it changes, conditionally (link/flock, S3 If-Match, read-back).
 
 The worker room decides *when* a checkpoint is taken and writes it (worker/checkpointing, saver, sharded,
 restore: they need the model, the process group and the step); everything here is what those bytes are and
