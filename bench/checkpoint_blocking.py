@@ -90,7 +90,7 @@ def main() -> int:
         args.repeats, args.checkpoints, args.every = 1, 4, 30
 
     from behemoth.job import config_from_dict
-    from behemoth.data.text import prepare_text
+    from behemoth.data.text_packing import prepare_text
     from behemoth.driver.ray_session import ensure_ray
 
     storage = Path(tempfile.mkdtemp(prefix="bench-p4-"))

@@ -74,7 +74,7 @@ def plain_transform(path: str, rnd: random.Random) -> np.ndarray:
 
 def fast_transform(path: str, rnd: random.Random) -> np.ndarray:
     from behemoth.data.decode import random_resized_crop
-    from behemoth.data.images import center_fit, decode_rgb
+    from behemoth.data.image_batches import center_fit, decode_rgb
 
     with open(path, "rb") as f:
         data = f.read()

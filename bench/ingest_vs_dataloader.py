@@ -1,7 +1,7 @@
 """Benchmark P2: end-to-end images/s — behemoth (decoded cache, or Ray Data decode + augment -> 1 Ray Train
 worker) vs torch.utils.data.DataLoader(num_workers=2, persistent_workers=True) feeding a plain loop.
 
-Both use the same augmentation code (behemoth.data.images: pad + random crop + flip seeded per sample,
+Both use the same augmentation code (behemoth.data.image_batches: pad + random crop + flip seeded per sample,
 normalise; the DataLoader's processes decode every PNG with transform_batch, as a user's script does), train
 the same model (regnet_tiny_cifar) with the same optimizer (behemoth's SGD recipe: momentum 0.9, Nesterov, weight
 decay 5e-4 on the weights; the plain loop's learning rate constant, behemoth's on its schedule) at the same
@@ -46,7 +46,7 @@ class ImageRows:
     def __getitem__(self, key):
         import numpy as np
 
-        from behemoth.data.images import transform_batch
+        from behemoth.data.image_batches import transform_batch
 
         epoch, i = key
         batch = {k: np.asarray([v[i]]) for k, v in self.rows.items()}
@@ -154,12 +154,12 @@ def main() -> None:
     if args.cache == "decoded":  # built once, outside every measured span (as a run after the first finds it)
         import dataclasses
 
-        from behemoth.data import image_cache
+        from behemoth.data import image_cache_build
         from behemoth.tasks.image import decide_cache
 
         plans, why = decide_cache(dataclasses.replace(cfg, cache="decoded"), index)
         for split, plan in plans.items():
-            image_cache.open_or_build(plan, getattr(index, split), workers=False, log=print)
+            image_cache_build.open_or_build(plan, getattr(index, split), workers=False, log=print)
         print(f"data cache: {why}")
 
     def account(path: str, images: int, t0: float, t1: float) -> str:

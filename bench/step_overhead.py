@@ -108,7 +108,7 @@ def main() -> int:
         args.hidden, args.batch, args.threads, args.steps = 64, 4, 1, 300
 
     from behemoth.job import config_from_dict
-    from behemoth.data.text import prepare_text
+    from behemoth.data.text_packing import prepare_text
     from behemoth.driver.ray_session import ensure_ray
 
     storage = Path(tempfile.mkdtemp(prefix="bench-p1-"))

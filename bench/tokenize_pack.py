@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "platform"))
 
 def run_behemoth(corpus: Path, tokenizer: str, seq_len: int, workdir: Path, cpus: int) -> int:
     from behemoth.data.text import TextData
-    from behemoth.data.text import prepare_text
+    from behemoth.data.text_packing import prepare_text
 
     cache = workdir / "cache"
     shutil.rmtree(cache, ignore_errors=True)

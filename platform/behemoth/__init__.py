@@ -1,8 +1,11 @@
 """behemoth: fault-tolerant distributed training on Ray.
 
-The house (each a folder): `driver/` (cli, trainer, tune, cluster check: one process, no CUDA), `worker/` (the
-loop Ray Train runs on every worker and what it uses), `tasks/` (one file per workload, both sides), `data/`
-(Ray Data pipelines), `models/`; on the shared floor `config`, `errors`, `paths`, `checkpoint`, `metrics`.
+The house (each room a folder; docs/architecture.md names every module): `driver/` (cli, trainer, sweep/, cluster
+check: the driver's process never touches CUDA), `worker/` (the loop every worker runs and what it uses),
+`hosts/` (the worker contract, and who hosts it: Ray Train, or a sweep's warm lane), `tasks/` (one file per
+workload, both sides), `data/` (Ray Data pipelines), `models/`, `storage/` (where a run's bytes live, and
+their format), `config/`, `tracking/`, `ray_internals/` (every private Ray API, for the next Ray); on the
+floor `errors`, `job`, `metrics`, `progress`, `version`.
 
 Python API: `behemoth.train(cfg)`, `behemoth.sweep(job, space, ...)` (also `behemoth.tune.sweep`),
 `behemoth.load_config(path, overrides)`. `import behemoth` imports neither Ray nor torch; loading a job

@@ -39,7 +39,7 @@ class RunFailedError(RuntimeError):
 
 
 class LeaseLostError(RuntimeError):
-    """A driver whose run folder another driver took over (driver/runlock.py): it stops before its next
+    """A driver whose run folder another driver took over (storage/runlock.py): it stops before its next
     registering or deleting step. The message names the folder and the new holder. Also a driver that could not
     renew its lease and gave it up before its expiry: the message names the storage's answer."""
 

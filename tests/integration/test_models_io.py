@@ -19,7 +19,8 @@ from behemoth.storage import weights
 from behemoth.storage.checkpoint import complete_checkpoints
 from behemoth.config import dump_yaml
 from behemoth.job import config_from_dict
-from behemoth.data.images import build_index, normalise, transform_batch
+from behemoth.data.image_batches import normalise, transform_batch
+from behemoth.data.images import build_index
 from behemoth.driver.cli import main
 from behemoth.driver.resume import resolve_init_from, train
 from behemoth.tasks.image import ImageClassification, build_image_model

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from behemoth.job import config_from_dict
-from behemoth.data import text
+from behemoth.data import text_packing
 from behemoth.data.token_store import ShardWriter, TokenShards
 from behemoth.driver.ray_session import LOCAL_RAY_SYSTEM_CONFIG
 from behemoth.driver.trainer import train
@@ -46,11 +46,11 @@ def small_object_store():
 def write_packed_corpus(cfg, blocks: int, val_blocks: int) -> Path:
     """The cache prepare_text would build for this job, filled with random tokens (tokenising 300 MB of text
     would take minutes here): the same shard files and meta.json, under the job's fingerprint."""
-    units = text.check_text_sources(cfg.data)
-    cache = Path(cfg.data.cache_dir).absolute() / text._fingerprint(cfg.data, units, cfg.train.seed)
+    units = text_packing.check_text_sources(cfg.data)
+    cache = Path(cfg.data.cache_dir).absolute() / text_packing._fingerprint(cfg.data, units, cfg.train.seed)
     cache.mkdir(parents=True)
     rng = np.random.default_rng(0)
-    meta = {"version": text.CACHE_VERSION, "seq_len": cfg.data.seq_len, "tokenizer": cfg.data.tokenizer,
+    meta = {"version": text_packing.CACHE_VERSION, "seq_len": cfg.data.seq_len, "tokenizer": cfg.data.tokenizer,
             "dtype": "uint16"}
     for split, n in (("train", blocks), ("val", val_blocks)):
         writer = ShardWriter(cache, split, cfg.data.seq_len, np.uint16)
@@ -104,7 +104,7 @@ def test_a_corpus_four_times_the_object_store_trains_from_files_and_resumes_exac
     on_disk = sum(f.stat().st_size for f in cache.glob("train-*.npy"))
     assert on_disk > 4 * STORE_BYTES and len(list(cache.glob("train-*.npy"))) == 5  # ~64 MB shards
 
-    index = text.prepare_text(cfg.data, seed=0)  # the cache is found: nothing is tokenised
+    index = text_packing.prepare_text(cfg.data, seed=0)  # the cache is found: nothing is tokenised
     assert isinstance(index.train, TokenShards) and len(index.train) == CORPUS_BYTES // seq_bytes
 
     with object_store_peak() as peak:

@@ -20,7 +20,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("ray_local")]
 
 def _two_rank_loop(config):
     """A few real training steps with behemoth's pieces; each rank saves what it ends with."""
-    from behemoth.data.images import rank_batches
+    from behemoth.data.image_batches import rank_batches
     from behemoth.data.order import rank_train_indices
     import numpy as np
 

@@ -14,7 +14,8 @@ from behemoth.storage.checkpoint import complete_checkpoints, read_state
 from behemoth.driver.cli import main
 from behemoth.job import config_from_dict
 from behemoth.data import text
-from behemoth.data.text import prepare_text
+from behemoth.data.text_packing import prepare_text
+from behemoth.data.token_store import TokenShards
 from behemoth.driver.trainer import train
 from behemoth.errors import RunFailedError
 from behemoth.storage.weights import read_state_dict
@@ -44,7 +45,7 @@ def test_ray_data_packs_exactly_and_caches(text_corpus, tmp_path, monkeypatch):
     assert [s["file"] for s in shards] == ["train-00000.npy"]  # a small corpus: one shard per split
     files = prepare_text(config_from_dict(lm_job_dict(text_corpus, tmp_path, data={"token_store": "files"})).data,
                          seed=0)  # the same cache, read by the workers from its files
-    assert files.stats["cache"] == tokens.stats["cache"] and isinstance(files.train, text.TokenShards)
+    assert files.stats["cache"] == tokens.stats["cache"] and isinstance(files.train, TokenShards)
     ids = np.random.default_rng(0).permutation(len(tokens.train))
     np.testing.assert_array_equal(files.train[ids], tokens.train[ids])
     monkeypatch.setattr(text, "UNIT_BYTES", unit_bytes)  # another key is all this needs, not ~20 tasks again

@@ -9,7 +9,9 @@ import pytest
 from PIL import Image, ImageOps
 
 from behemoth.data import decode
-from behemoth.data.images import BadSampleError, ImageData, decode_rgb, transform_batch
+from behemoth.data.image_batches import decode_rgb, transform_batch
+from behemoth.data.images import ImageData
+from behemoth.errors import BadSampleError
 
 
 def photo(w: int, h: int, seed: int = 0) -> np.ndarray:
@@ -93,16 +95,16 @@ def test_what_libjpeg_turbo_leaves_goes_to_pil():
                       "size": [-1, -1]})
     batch = {k: np.asarray(v) for k, v in table.to_pydict().items()}
     cfg = ImageData(root="unused", image_size=16, augment="random_resized_crop")
-    from behemoth.data import images
+    from behemoth.data import image_batches
 
     raw = {"a.jpg": good, "b.jpg": good[: len(good) // 2]}  # b: cut in half
-    original = images._load_bytes
-    images._load_bytes = lambda b, col: [raw[p] for p in b["path"]]
+    original = image_batches._load_bytes
+    image_batches._load_bytes = lambda b, col: [raw[p] for p in b["path"]]
     try:
         with pytest.raises(BadSampleError, match="cannot decode image b.jpg"):
             transform_batch(batch, cfg=cfg, seed=0, epoch=0, train=True)
     finally:
-        images._load_bytes = original
+        image_batches._load_bytes = original
 
 
 def test_a_plain_jpeg_never_reaches_pil():

@@ -122,7 +122,7 @@ def _image_task(tmp_path, image_root):
 
 
 def _lm_task(tmp_path, text_corpus):
-    from behemoth.data.text import TokenIndex
+    from behemoth.data.text_packing import TokenIndex
     from behemoth.data.token_store import TokenBlocks, block_records
     from behemoth.tasks.causal_lm import CausalLM
 

@@ -1,6 +1,7 @@
-"""The decoded image cache (behemoth/data/image_cache.py): the same batches as decoding every epoch, a damaged
-or stale cache never read, one build per node however many processes ask at once. No Ray: the cache is built
-in-process here (workers=False); the runs in tests/integration/test_train_images.py build it with Ray Data."""
+"""The decoded image cache (behemoth/data/image_cache.py, image_cache_build.py): the same batches as decoding
+every epoch, a damaged or stale cache never read, one build per node however many processes ask at once. No
+Ray: the cache is built in-process here (workers=False); the runs in tests/integration/test_train_images.py
+build it with Ray Data."""
 
 import json
 import os
@@ -20,8 +21,9 @@ import pyarrow.parquet as pq
 import pytest
 from PIL import Image
 
-from behemoth.data import image_cache
-from behemoth.data.images import cached_batches, decode_fitted, index_image_folder, index_parquet, transform_batch
+from behemoth.data import image_cache, image_cache_build
+from behemoth.data.image_batches import cached_batches, decode_fitted, transform_batch
+from behemoth.data.images import index_image_folder, index_parquet
 from behemoth.errors import ConfigError, DataError
 from behemoth.tasks.image import ImageData, decide_cache
 
@@ -58,7 +60,7 @@ def batch_of(table: pa.Table) -> dict:
 
 def build(table, root, **kw):
     plan = image_cache.plan(table, SIZE, str(root), "image")
-    return plan, image_cache.open_or_build(plan, table, workers=False, log=lambda line: None, **kw)
+    return plan, image_cache_build.open_or_build(plan, table, workers=False, log=lambda line: None, **kw)
 
 
 @pytest.mark.parametrize("augment", ["crop_flip", "none"])
@@ -66,7 +68,7 @@ def test_cached_batches_are_the_decoded_batches_bit_for_bit(mixed_images, tmp_pa
     """Every epoch's batches from the cache equal transform_batch's on the same samples in the same order:
     images (float32, after the crop, flip and normalisation), labels, ids and the undecodable sample's flag.
     Shards of 5 rows, so that batches gather across shards."""
-    monkeypatch.setattr(image_cache, "SHARD_BYTES", 5 * SIZE * SIZE * 3)
+    monkeypatch.setattr(image_cache_build, "SHARD_BYTES", 5 * SIZE * SIZE * 3)
     index = index_image_folder(mixed_images)
     c = cfg(augment=augment, max_bad_samples=1)
     for split, train in (("train", True), ("train", False), ("val", False)):
@@ -114,7 +116,7 @@ def test_a_damaged_cache_is_detected_and_built_again(image_root, tmp_path, damag
         (folder / "valid.npy").unlink()
     assert image_cache.check(folder, plan) is not None
     said = []
-    again = image_cache.open_or_build(plan, index.train, workers=False, log=said.append)
+    again = image_cache_build.open_or_build(plan, index.train, workers=False, log=said.append)
     assert image_cache.check(folder, plan) is None
     np.testing.assert_array_equal(again.rows(np.arange(plan.rows))[0], want)
     assert any("building it again" in line for line in said), said
@@ -124,7 +126,7 @@ def test_an_untouched_cache_is_opened_not_built_and_a_copied_one_is_checked_by_h
     index = index_image_folder(image_root)
     plan, _ = build(index.train, tmp_path / "cache")
     said = []
-    image_cache.open_or_build(plan, index.train, workers=False, log=said.append)
+    image_cache_build.open_or_build(plan, index.train, workers=False, log=said.append)
     assert said == []
     shard = Path(plan.folder) / "pixels-00000.npy"
     os.utime(shard, ns=(1, 1))  # same bytes, another time (a copy): the hash decides
@@ -166,7 +168,7 @@ def test_a_node_with_another_pillow_refuses_the_drivers_cache_plan(image_root, t
     monkeypatch.setattr(PIL, "__version__", "0.0.1")  # the worker's node
     with pytest.raises(DataError, match=rf"planned with Pillow {re.escape(plan.pillow)} \(the driver's\), this node "
                                         r"\(.*\) has Pillow 0\.0\.1"):
-        image_cache.open_or_build(plan, index.train, workers=False)
+        image_cache_build.open_or_build(plan, index.train, workers=False)
     assert not (tmp_path / "cache" / "images").exists() or not list((tmp_path / "cache" / "images").iterdir())
 
 
@@ -174,24 +176,24 @@ BUILDER = textwrap.dedent('''
     import os, sys, time
     from pathlib import Path
     import pyarrow.parquet as pq
-    from behemoth.data import image_cache, images
+    from behemoth.data import image_batches, image_cache, image_cache_build
 
     folder = Path(sys.argv[3])
-    slow = images.decode_fitted
+    slow = image_batches.decode_fitted
     def decode_fitted(batch, **kw):  # the builder decodes only once both processes have asked for the cache
         deadline = time.monotonic() + 60
         while len(list(folder.glob("asked-*"))) < 2:
             assert time.monotonic() < deadline, "the other process never asked"
             time.sleep(0.01)
         return slow(batch, **kw)
-    images.decode_fitted = decode_fitted
+    image_batches.decode_fitted = decode_fitted
     table = pq.read_table(sys.argv[1])
     plan = image_cache.plan(table, 16, sys.argv[2], "image")
     print("ready", flush=True)
     while not (folder / "go").exists():
         time.sleep(0.01)
     (folder / f"asked-{os.getpid()}").touch()
-    decoded = image_cache.open_or_build(plan, table, workers=False)
+    decoded = image_cache_build.open_or_build(plan, table, workers=False)
     print("rows", int(decoded.rows(range(plan.rows))[0].sum()))
 ''')
 
@@ -233,8 +235,8 @@ def test_auto_decides_by_room_and_augmentation_and_says_why(image_root, tmp_path
     plans, _ = decide_cache(cfg(cache="decoded", cache_dir=str(tmp_path / "c")), index)
     assert plans is not None  # asked for: no room check
     for plan in plans.values():  # built: auto uses it whatever the room
-        image_cache.open_or_build(plan, getattr(index, "train" if plan.rows == 96 else "val"),
-                                  workers=False, log=lambda line: None)
+        image_cache_build.open_or_build(plan, getattr(index, "train" if plan.rows == 96 else "val"),
+                                        workers=False, log=lambda line: None)
     plans, line = decide_cache(cfg(cache_dir=str(tmp_path / "c")), index)
     assert plans is not None and "built already" in line
 
@@ -265,16 +267,16 @@ def test_no_decode_process_is_warmed_up_for_a_cache_that_is_built(image_root, tm
     c = cfg(cache_dir=str(tmp_path / "c"))
     index.cache, _ = decide_cache(c, index)
     job = types.SimpleNamespace(data=c)  # the job config: only its data section is read
-    assert ImageClassification.data_modules(job, index) == ("ray.data", "behemoth.data.images")
+    assert ImageClassification.data_modules(job, index) == ("ray.data", "behemoth.data.image_batches")
     build(index.train, tmp_path / "c")
     assert ImageClassification.data_modules(job, index) != ()  # val still to decode
     build(index.val, tmp_path / "c")
     assert ImageClassification.data_modules(job, index) == ()
     index.cache = None  # data.cache none: decoded every epoch
-    assert ImageClassification.data_modules(job, index) == ("ray.data", "behemoth.data.images")
+    assert ImageClassification.data_modules(job, index) == ("ray.data", "behemoth.data.image_batches")
     # random_resized_crop's decode tasks resize with torch: their processes import it ahead too
     rrc = types.SimpleNamespace(data=cfg(cache="none", augment="random_resized_crop"))
-    assert ImageClassification.data_modules(rrc, index) == ("ray.data", "behemoth.data.images", "torch")
+    assert ImageClassification.data_modules(rrc, index) == ("ray.data", "behemoth.data.image_batches", "torch")
 
 
 @pytest.mark.parametrize("depth", [2, 0])
@@ -296,7 +298,7 @@ def test_the_task_makes_cached_batches_ahead_of_the_step_in_a_thread(image_root,
                             "checkpoint": {"storage_path": str(tmp_path), "run_name": "r"}})
     index = ImageClassification.prepare(job, ImageClassification.check(job))
     for split, plan in index.cache.items():  # built in-process (a run's first worker builds it with Ray Data)
-        image_cache.open_or_build(plan, getattr(index, split), workers=False, log=lambda line: None)
+        image_cache_build.open_or_build(plan, getattr(index, split), workers=False, log=lambda line: None)
     task = ImageClassification(job, index)
     decoded, labels = task._decoded("train")
     made_in, rows = [], image_cache.DecodedImages.rows
@@ -336,7 +338,7 @@ def test_each_image_column_of_a_parquet_set_has_its_own_cache(tmp_path):
     for column in ("photo", "mask"):
         table = index_parquet([str(tmp_path / "set.parquet")], [str(tmp_path / "set.parquet")], column, "label").train
         plan = image_cache.plan(table, SIZE, str(tmp_path / "cache"), column)
-        decoded = image_cache.open_or_build(plan, table, workers=False, log=lambda line: None)
+        decoded = image_cache_build.open_or_build(plan, table, workers=False, log=lambda line: None)
         served[column] = (plan.folder, decoded.rows(np.arange(6))[0].copy())
         want = decode_fitted(batch_of(table), size=SIZE, image_column=column)["pixels"]
         np.testing.assert_array_equal(served[column][1], want, err_msg=column)
@@ -347,13 +349,13 @@ def test_each_image_column_of_a_parquet_set_has_its_own_cache(tmp_path):
 FULL_DISK_BUILDER = textwrap.dedent('''
     import sys
     import pyarrow.parquet as pq
-    from behemoth.data import image_cache
+    from behemoth.data import image_cache, image_cache_build
     from behemoth.errors import user_facing_error
 
     table = pq.read_table(sys.argv[1])
     plan = image_cache.plan(table, int(sys.argv[3]), sys.argv[2], "image")
     try:
-        image_cache.open_or_build(plan, table, workers=False, log=lambda line: None)
+        image_cache_build.open_or_build(plan, table, workers=False, log=lambda line: None)
     except Exception as e:
         print(type(e).__name__, user_facing_error(e))
         sys.exit(1)
@@ -408,15 +410,15 @@ def test_a_full_disk_at_the_build_is_one_error_and_leaves_nothing(image_root, tm
     from behemoth.errors import StorageFullError
 
     index = index_image_folder(image_root)
-    decoding, decode = [], image_cache._decoded_batches
-    monkeypatch.setattr(image_cache, "_decoded_batches", lambda *a: decoding.append(a) or decode(*a))
+    decoding, decode = [], image_cache_build._decoded_batches
+    monkeypatch.setattr(image_cache_build, "_decoded_batches", lambda *a: decoding.append(a) or decode(*a))
     with monkeypatch.context() as m:
         if where == "the reservation":
             def no_room(fd, offset, length):
                 raise OSError(errno.ENOSPC, "No space left on device")
             m.setattr(os, "posix_fallocate", no_room)
         else:
-            m.setattr(image_cache, "free_disk", lambda folder: 1000)
+            m.setattr(image_cache_build, "free_disk", lambda folder: 1000)
         with pytest.raises(StorageFullError) as raised:
             build(index.train, tmp_path / "cache")
     assert re.fullmatch(full_disk_line(tmp_path / "cache", "0.1 MB"), str(raised.value)), str(raised.value)
@@ -432,20 +434,20 @@ PAUSED_BUILDER = textwrap.dedent('''
     import os, socket, sys, time
     from pathlib import Path
     import pyarrow.parquet as pq
-    from behemoth.data import image_cache, images
+    from behemoth.data import image_batches, image_cache, image_cache_build
 
     socket.gethostname = lambda: sys.argv[4]
     os.getpid = lambda: 4242
-    decode = images.decode_fitted
+    decode = image_batches.decode_fitted
     def decode_fitted(batch, **kw):
         Path(sys.argv[3] + ".building").touch()
         while not Path(sys.argv[3]).exists():
             time.sleep(0.01)
         return decode(batch, **kw)
-    images.decode_fitted = decode_fitted
+    image_batches.decode_fitted = decode_fitted
     table = pq.read_table(sys.argv[1])
     plan = image_cache.plan(table, 16, sys.argv[2], "image")
-    decoded = image_cache.open_or_build(plan, table, workers=False)
+    decoded = image_cache_build.open_or_build(plan, table, workers=False)
     print("rows", int(decoded.rows(range(plan.rows))[0].sum()))
 ''')
 
@@ -479,11 +481,11 @@ def test_builders_with_one_pid_on_two_hosts_keep_their_own_temporary_folders(ima
         a_files = sorted(p.name for p in a_temp.iterdir())
         said = []
         with monkeypatch.context() as m:  # builder B
-            m.setattr(image_cache, "_exclusive", lambda path: nullcontext())  # the other node's lock
+            m.setattr(image_cache_build, "_exclusive", lambda path: nullcontext())  # the other node's lock
             m.setattr(socket, "gethostname", lambda: hosts[1])
             m.setattr(os, "getpid", lambda: 4242)
             plan = image_cache.plan(index.train, SIZE, str(tmp_path / "cache"), "image")
-            b = image_cache.open_or_build(plan, index.train, workers=False, log=said.append)
+            b = image_cache_build.open_or_build(plan, index.train, workers=False, log=said.append)
         assert a_temp.is_dir() and sorted(p.name for p in a_temp.iterdir()) == a_files
         if hosts[0] != hosts[1]:
             assert any(f"{a_temp.name}: another host's build" in line for line in said), said
@@ -566,13 +568,13 @@ def test_a_failure_that_is_not_the_images_fault_fails_the_build_and_is_not_store
     """A MemoryError while one image is decoded (a transient fault of the machine, not of the image) ends the
     build, naming the image, and nothing is committed: before, it was stored as an undecodable image, for every
     later run. The next build decodes it. Bytes that are really not an image are still stored as bad."""
-    from behemoth.data import images
+    from behemoth.data import image_batches
 
     index = index_image_folder(image_root)
     victim = Path(index.train.column("path")[5].as_py()).read_bytes()
-    decode = images.decode_rgb
+    decode = image_batches.decode_rgb
     with monkeypatch.context() as m:
-        m.setattr(images, "decode_rgb", lambda data: (_ for _ in ()).throw(MemoryError()) if data == victim
+        m.setattr(image_batches, "decode_rgb", lambda data: (_ for _ in ()).throw(MemoryError()) if data == victim
                   else decode(data))
         with pytest.raises(MemoryError) as raised:
             build(index.train, tmp_path / "cache")
@@ -593,20 +595,20 @@ def test_a_failure_that_is_not_the_images_fault_fails_the_build_and_is_not_store
 @pytest.mark.parametrize("fault", ["MemoryError", "an OSError of a system call"])
 def test_decoding_every_epoch_raises_a_failure_that_is_not_the_images_fault(image_root, tmp_path, monkeypatch,
                                                                             fault):
-    """The same rule without the cache (transform_batch, one place: images.decode_sample): a MemoryError, or an
-    OSError with an errno (a failed system call), is raised, naming the image; it is neither dropped as a bad
-    sample nor a BadSampleError (which ends a run without a retry). Corrupt bytes are bad samples."""
+    """The same rule without the cache (transform_batch, one place: image_batches.decode_sample): a MemoryError,
+    or an OSError with an errno (a failed system call), is raised, naming the image; it is neither dropped as a
+    bad sample nor a BadSampleError (which ends a run without a retry). Corrupt bytes are bad samples."""
     import errno
 
-    from behemoth.data import images
+    from behemoth.data import image_batches
     from behemoth.errors import BadSampleError
 
     index = index_image_folder(image_root)
     batch = batch_of(index.train.slice(0, 8))
     victim = Path(batch["path"][5]).read_bytes()
     error = MemoryError() if fault == "MemoryError" else OSError(errno.EIO, "Input/output error")
-    decode = images.decode_rgb
-    monkeypatch.setattr(images, "decode_rgb", lambda data: (_ for _ in ()).throw(error) if data == victim
+    decode = image_batches.decode_rgb
+    monkeypatch.setattr(image_batches, "decode_rgb", lambda data: (_ for _ in ()).throw(error) if data == victim
                         else decode(data))
     for budget in (0, 5):
         with pytest.raises(type(error)) as raised:
@@ -643,7 +645,7 @@ def test_random_resized_crop_from_kept_views_draws_the_crops_decoding_every_epoc
     assert plans["train"].views and plans["train"].size == 48 and not plans["val"].views and plans["val"].size == 24
     assert "views at 48x48" in line
     assert image_cache.plan(index.train, 48, str(tmp_path / "c"), "image").folder != plans["train"].folder
-    decoded = image_cache.open_or_build(plans["train"], index.train, workers=False, log=lambda line: None)
+    decoded = image_cache_build.open_or_build(plans["train"], index.train, workers=False, log=lambda line: None)
     assert decoded.shards[0].shape[1:] == (48, 48, 3)
     paths = index.train.column("path").to_pylist()
     assert [tuple(s) for s in decoded.sizes] == [Image.open(p).size for p in paths]

@@ -10,16 +10,16 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from behemoth.data import image_shards, images
+from behemoth.data import image_batches, image_shards
+from behemoth.data.image_batches import transform_batch
 from behemoth.data.images import (
-    BadSampleError,
     DataError,
     ImageData,
     index_image_folder,
     index_webdataset,
-    transform_batch,
 )
 from behemoth.driver.cli import main
+from behemoth.errors import BadSampleError
 
 
 def batch_of(table) -> dict:
@@ -49,7 +49,7 @@ def test_shards_hold_the_folders_samples_in_its_order_and_decode_to_the_same_pix
         assert ours.column("sample_id").to_pylist() == theirs.column("sample_id").to_pylist()
         assert ours.column("label").to_pylist() == theirs.column("label").to_pylist()
         originals = [Path(p).read_bytes() for p in theirs.column("path").to_pylist()]
-        read = images._load_bytes(batch_of(ours), "image")
+        read = image_batches._load_bytes(batch_of(ours), "image")
         assert read == originals
     cfg = ImageData(root="unused", image_size=16, crop_padding=2)
     a = transform_batch(batch_of(index.train), cfg=cfg, seed=3, epoch=1, train=True)
@@ -65,14 +65,14 @@ def test_shards_hold_the_folders_samples_in_its_order_and_decode_to_the_same_pix
 
 
 def test_the_decoded_cache_of_shards_holds_the_folders_pixels(image_root, shards, tmp_path):
-    from behemoth.data import image_cache
+    from behemoth.data import image_cache, image_cache_build
 
     folder = index_image_folder(image_root)
     index = index_webdataset(files(shards, "train"), files(shards, "val"))
     decoded = []
     for table in (folder.train, index.train):
         plan = image_cache.plan(table, 12, str(tmp_path / "cache"), "image")
-        decoded.append(image_cache.open_or_build(plan, table, workers=False, log=lambda line: None))
+        decoded.append(image_cache_build.open_or_build(plan, table, workers=False, log=lambda line: None))
     assert decoded[0].folder != decoded[1].folder  # each source its own cache
     ids = np.arange(folder.train.num_rows)
     (a, valid_a), (b, valid_b) = decoded[0].rows(ids), decoded[1].rows(ids)
@@ -90,7 +90,7 @@ def test_the_index_is_kept_until_a_shard_changes(shards, tmp_path, monkeypatch):
     kept = index_webdataset(train, val, tmp_path / "cache")
     assert scanned == [] and kept.train.equals(first.train) and kept.val.equals(first.val)
     assert kept.classes == first.classes
-    image = images._load_bytes(batch_of(first.train.slice(0, 1)), "image")[0]
+    image = image_batches._load_bytes(batch_of(first.train.slice(0, 1)), "image")[0]
     _tar(train[2], {"00000096.png": image, "00000096.cls": b"2"}, mode="a")  # a sample more in the last shard
     grown = index_webdataset(train, val, tmp_path / "cache")
     assert scanned == train + val and grown.train.num_rows == first.train.num_rows + 1
@@ -98,8 +98,8 @@ def test_the_index_is_kept_until_a_shard_changes(shards, tmp_path, monkeypatch):
 
 
 def test_classes_without_classes_txt_are_the_indices_seen_in_numeric_order(shards, tmp_path):
-    png = images._load_bytes(batch_of(index_webdataset(files(shards, "train"), files(shards, "val")).train.slice(0, 1)),
-                             "image")[0]
+    png = image_batches._load_bytes(
+        batch_of(index_webdataset(files(shards, "train"), files(shards, "val")).train.slice(0, 1)), "image")[0]
     path = _tar(tmp_path / "s.tar", {"a.png": png, "a.cls": b"10", "b.png": png, "b.cls": b"2"})
     index = index_webdataset([path], [path])
     assert index.classes == ["2", "10"] and index.train.column("label").to_pylist() == [1, 0]
@@ -192,7 +192,7 @@ def test_an_undecodable_member_is_named_by_shard_and_member(tmp_path):
     index = index_webdataset([path], [path])
     with pytest.raises(BadSampleError, match=r"cannot decode image .*s.tar:k1.png"):
         transform_batch(batch_of(index.train), cfg=ImageData(root="unused", image_size=8), seed=0, epoch=0, train=False)
-    assert images.describe_samples(index.train, [1]) == [f"{path}:k1.png"]
+    assert image_batches.describe_samples(index.train, [1]) == [f"{path}:k1.png"]
     # a name longer than the header's 100 bytes (a pax record holds it) is named whole
     long = "é" * 80 + "/k1.png"
     path = _tar(tmp_path / "long.tar", {"k0.png": good.getvalue(), "k0.cls": b"0", long: b"broken",
@@ -250,7 +250,7 @@ def test_a_shard_cut_after_indexing_is_named(shards):
     with open(last, "r+b") as f:
         f.truncate(1024)
     with pytest.raises(DataError, match="train-000002.tar ends .* the shard changed after it was indexed"):
-        images._load_bytes(batch_of(index.train.slice(80, 8)), "image")
+        image_batches._load_bytes(batch_of(index.train.slice(80, 8)), "image")
 
 
 def test_a_cut_or_holed_shard_is_refused_not_read_short(tmp_path):

@@ -9,9 +9,10 @@ import pytest
 import torch
 from PIL import Image
 
+from behemoth.data.image_batches import normalise, transform_batch
 from behemoth.data.images import ImageData
-from behemoth.data.images import (BadSampleError, DataError, build_index, index_image_folder, normalise,
-                                  transform_batch)
+from behemoth.data.images import DataError, build_index, index_image_folder
+from behemoth.errors import BadSampleError
 
 
 def batch_of(table: pa.Table) -> dict:

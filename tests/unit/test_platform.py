@@ -285,3 +285,48 @@ def test_the_quick_tier_runs_every_unit_test_and_only_the_end_to_end_tests_marke
     assert len(capabilities) >= 7, capabilities
     for capability in capabilities:
         assert capability in said, capability
+
+
+def _documented_modules() -> set[str]:
+    """The package's modules a layout must name: every .py file under platform/behemoth, by its path there,
+    except a room's __init__.py that holds only a docstring (the room is named by its folder)."""
+    import ast
+
+    pkg = REPO / "platform" / "behemoth"
+    found = set()
+    for path in pkg.rglob("*.py"):
+        body = ast.parse(path.read_text()).body
+        docstring_only = all(isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant) for n in body)
+        if path.name == "__init__.py" and path.parent != pkg and docstring_only:
+            continue
+        found.add(str(path.relative_to(pkg)))
+    return found
+
+
+def _layout_lines(doc: str, heading: str) -> list[str]:
+    """The modules a doc's layout names: in the code blocks under `heading` (to the next heading of its level
+    or higher), each line that starts (after its indent) with a module path relative to platform/behemoth."""
+    import re
+
+    text = (REPO / doc).read_text()
+    level = heading.split(" ")[0]
+    start = text.index(f"\n{heading}\n")
+    ends = [m.start() for m in re.finditer(r"\n(#{1,%d}) " % len(level), text) if m.start() > start]
+    section = text[start:ends[0] if ends else len(text)]
+    blocks = re.findall(r"```\n(.*?)```", section, flags=re.S)
+    return [m.group(1) for block in blocks for line in block.splitlines()
+            if (m := re.match(r"\s*((?:[a-z_]+/)*[a-z_0-9]+\.py)\s", line + " "))]
+
+
+def test_the_layout_in_the_readme_and_the_architecture_doc_names_every_module_once():
+    """README's layout and docs/architecture.md's module list each name every module of the package, each on
+    a line of its own with what it holds, and nothing that is not there: adding, moving or removing a module
+    without them fails here (issue 57)."""
+    modules = _documented_modules()
+    assert "storage/checkpoint.py" in modules and "storage/__init__.py" not in modules  # the helper's own check
+    for doc, heading in (("README.md", "## Layout"), ("docs/architecture.md", "## Every module")):
+        named = _layout_lines(doc, heading)
+        twice = sorted({m for m in named if named.count(m) > 1})
+        assert twice == [], f"{doc}: named more than once: {twice}"
+        assert sorted(modules - set(named)) == [], f"{doc}: modules it does not name"
+        assert sorted(set(named) - modules) == [], f"{doc}: names modules that are not there"

@@ -11,8 +11,8 @@ from behemoth.data.text import TextData
 from behemoth.errors import DataError
 from behemoth.data import text
 from behemoth.data.order import rank_train_indices, steps_per_epoch
+from behemoth.data.text_packing import Packer
 from behemoth.data.text import (
-    Packer,
     TokenizerSpec,
     load_tokenizer,
     plan_units,
@@ -181,14 +181,14 @@ def test_text_cache_builders_with_one_pid_on_two_hosts_keep_their_own_temporary_
     began by removing it)."""
     import os
 
-    from behemoth.data import text
+    from behemoth.data import text_packing
 
     cache = tmp_path / "cache" / "abc123"
     monkeypatch.setattr(os, "getpid", lambda: 4242)
     theirs = cache.with_name(f"{cache.name}.tmp-4242")  # the other node's, as the old name had it
     theirs.mkdir(parents=True)
     (theirs / "train-00000.bin").write_bytes(b"half-written")
-    monkeypatch.setattr(text, "_pack_into", lambda folder, *args: {"version": text.CACHE_VERSION})
-    text._build_cache(None, [], 0, "uint16", cache)
+    monkeypatch.setattr(text_packing, "_pack_into", lambda folder, *args: {"version": text_packing.CACHE_VERSION})
+    text_packing._build_cache(None, [], 0, "uint16", cache)
     assert (cache / "meta.json").is_file()
     assert (theirs / "train-00000.bin").read_bytes() == b"half-written"

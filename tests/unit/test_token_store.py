@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from behemoth.data.text import Packer
+from behemoth.data.text_packing import Packer
 from behemoth.data.token_store import ShardWriter, TokenShards, block_records, load_blocks
 from behemoth.errors import DataError
 

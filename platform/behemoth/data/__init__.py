@@ -1,12 +1,15 @@
 """Ray Data pipelines: the CPU side of a run, from the user's files to batches on the workers.
 
 - `pipeline`: the settings every pipeline runs with; the input files a config's patterns name.
-- images: `images` (an image folder's or shards' index and per-rank epoch datasets), `image_shards` (tar
-  shards read safely), `decode` (decode and crop, the same pixels everywhere), `image_cache` (decode once per
-  node into memory-mapped uint8 shards), `synth` (demo image folders).
-- text: `text` (tokenise and pack a corpus into a token store), `token_store` (its shard files, memory-mapped
-  and gathered by block index), `labelled_text` (text classification rows), `tokenizer` (a local BPE
-  tokenizer), `synth_text` (a demo corpus).
+- images: `images` (the image data config, and an image folder's, parquet set's or shards' index),
+  `image_batches` (a rank's epoch of batches: samples read, decoded and augmented by Ray Data tasks),
+  `image_shards` (tar shards read safely), `decode` (decode and crop, the same pixels everywhere),
+  `image_cache` (the decoded cache's plan, key, check and memory-mapped uint8 rows), `image_cache_build` (that
+  cache built once per node, under its lock), `synth` (demo image folders).
+- text: `text` (the text data config; a corpus read, cut into work units and tokenised), `text_packing`
+  (tokens packed into blocks in a token store, cached per corpus), `token_store` (its shard files,
+  memory-mapped and gathered by block index), `labelled_text` (text classification rows), `tokenizer` (a local
+  BPE tokenizer), `synth_text` (a demo corpus).
 - both: `order` (the global sample order, a function of seed and epoch), `prefetch` (batches copied to the
   device ahead of the step).
 """

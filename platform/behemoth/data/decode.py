@@ -11,10 +11,11 @@ A plain loop pays, per 500x375 JPEG: PIL's decode (~1.2 ms here), a full-size co
   level or so of its values inside the crop; at the crop's edges PIL also reads pixels outside the box);
 - EXIF orientation is read only where the file carries an Exif segment.
 
-Anything simplejpeg does not decode (PNG, CMYK JPEGs, damaged files) goes through PIL (images.decode_rgb), whose
-verdict on a bad image is the one that counts. The crop's draws are those of the PIL path before this module
-(area, ratio, up to 10 tries, offsets; then the flip), from the sample's own generator: the same sample gets
-the same crop in the same epoch wherever it is decoded, so resumed runs are exact.
+Anything simplejpeg does not decode (PNG, CMYK JPEGs, damaged files) goes through PIL
+(image_batches.decode_rgb), whose verdict on a bad image is the one that counts. The crop's draws are those of
+the PIL path before this module (area, ratio, up to 10 tries, offsets; then the flip), from the sample's own
+generator: the same sample gets the same crop in the same epoch wherever it is decoded, so resumed runs are
+exact.
 """
 
 from __future__ import annotations
@@ -123,7 +124,7 @@ def _resize_flip(pixels: np.ndarray, box, scale: int, size: int, rng: np.random.
     h, w = pixels.shape[:2]
     left, top = min(left, w - 1), min(top, h - 1)
     crop = pixels[top:top + max(ch, 1), left:left + max(cw, 1)]
-    flip = rng.random() < 0.5  # drawn after the crop, as images.augment draws it
+    flip = rng.random() < 0.5  # drawn after the crop, as image_batches._transformed draws it
     x = torch.from_numpy(np.ascontiguousarray(crop)).permute(2, 0, 1)[None]
     out = interpolate(x, size=(size, size), mode="bilinear", antialias=True, align_corners=False)[0]
     out = out.permute(1, 2, 0).numpy()

@@ -1,5 +1,5 @@
 """The run lock's fence in Ray Train's workers: no checkpoint is uploaded into, or handed to Ray Train for
-registration in, a folder whose lease this run's driver no longer holds (driver/runlock.py).
+registration in, a folder whose lease this run's driver no longer holds (storage/runlock.py).
 
 Ray Train registers a checkpoint, writes its snapshot and applies retention (CheckpointConfig.num_to_keep,
 deleting older checkpoints) in its controller, in the first of its report callbacks, as soon as it has the

@@ -203,7 +203,7 @@ def torch_trainer(*args, **kwargs):
 def signal_handlers_kept():
     """Ray Train's fit and Ray Tune's install their own SIGINT handlers for their run (and Tune a SIGUSR1 one)
     and leave them installed when it ends: a Ctrl-C later in the same process (a script that trains twice, the
-    run lock giving up a lease it cannot renew, driver/runlock.py) would go to a run that is over and interrupt
+    run lock giving up a lease it cannot renew, storage/runlock.py) would go to a run that is over and interrupt
     nothing. The process's handlers are put back when the block ends (in the main thread: elsewhere neither
     library installs any)."""
     if threading.current_thread() is not threading.main_thread():

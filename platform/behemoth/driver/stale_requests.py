@@ -9,7 +9,7 @@ killed driver, every elastic run on the cluster, the killed run's own rerun incl
 cluster idle until the dead request expires.
 
 The recorder writes each controller's Ray Train run id to the run's timeline (`controller_start`); an
-invocation with no `invocation_end` died with its driver, and the run lock (driver/runlock.py) makes sure
+invocation with no `invocation_end` died with its driver, and the run lock (storage/runlock.py) makes sure
 no other driver is using the run folder. So the rerun withdraws those invocations' requests before it starts,
 and records that it did (`requests_withdrawn`), so that later reruns do not withdraw them again.
 """

@@ -1,4 +1,4 @@
-"""The checkpoint format (shared floor): a directory of files with a manifest written last, verified on load.
+"""The checkpoint format: a directory of files with a manifest written last, verified on load.
 Taking the state from live objects and loading it back into them: behemoth.worker.checkpointing.
 
 A checkpoint directory holds:

@@ -1,4 +1,4 @@
-"""A checkpoint in an object store as a local folder the processes of one node share (shared floor).
+"""A checkpoint in an object store as a local folder the processes of one node share.
 
 The ranks of a node that restore the same checkpoint whole (a full checkpoint: under DDP every rank reads all
 of it) download it once: the first to open it downloads every file its manifest lists, each checked against

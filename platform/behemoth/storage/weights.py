@@ -1,4 +1,4 @@
-"""Model weights in and out (shared floor): which folder to read them from (a behemoth checkpoint, a run
+"""Model weights in and out: which folder to read them from (a behemoth checkpoint, a run
 folder's best or latest checkpoint, a Hugging Face folder), reading them without running code, and loading
 them into a freshly built model where every tensor must fit but a classification head of another size.
 

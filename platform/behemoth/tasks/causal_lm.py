@@ -18,7 +18,8 @@ import torch.nn.functional as F
 from behemoth.storage import weights
 from behemoth.config import JobConfig
 from behemoth.data.prefetch import to_device_ahead
-from behemoth.data.text import TextData, TokenIndex
+from behemoth.data.text import TextData
+from behemoth.data.text_packing import TokenIndex
 from behemoth.models import registry
 from behemoth.models.causal_lm import build_causal_lm, train_on_causal_attention
 from behemoth import hosts
@@ -42,7 +43,8 @@ class CausalLM(Task):
     @classmethod
     def check(cls, cfg: JobConfig):
         """Files, formats, columns and the tokenizer, checked without Ray; the work units to tokenise."""
-        from behemoth.data.text import check_text_sources, load_tokenizer
+        from behemoth.data.text import load_tokenizer
+        from behemoth.data.text_packing import check_text_sources
 
         units = check_text_sources(cfg.data)
         if registry.is_import_path(cfg.model.name):
@@ -54,7 +56,7 @@ class CausalLM(Task):
         """Tokenise and pack the corpus with Ray Data (or read its cache): the blocks the workers gather from."""
         import time
 
-        from behemoth.data.text import prepare_text
+        from behemoth.data.text_packing import prepare_text
 
         started = time.time()
         tokens = prepare_text(cfg.data, seed=cfg.train.seed, units=units)

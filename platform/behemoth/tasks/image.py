@@ -22,9 +22,9 @@ from behemoth.storage import weights
 from behemoth.storage.checkpoint import read_json
 from behemoth.config import JobConfig
 from behemoth.errors import BadSampleError, ConfigError
-from behemoth.data import image_cache
-from behemoth.data.images import (ImageData, ImageIndex, build_index, cached_batches, describe_samples, normalise,
-                                  rank_batches)
+from behemoth.data import image_cache, image_cache_build
+from behemoth.data.image_batches import cached_batches, describe_samples, normalise, rank_batches
+from behemoth.data.images import ImageData, ImageIndex, build_index
 from behemoth.data.prefetch import prefetched
 from behemoth.models import registry
 from behemoth import hosts
@@ -65,7 +65,8 @@ class ImageClassification(Task):
         if index.cache and all(image_cache.check(Path(p.folder), p) is None for p in index.cache.values()):
             return ()
         # random_resized_crop resizes with torch (data/decode.py)
-        return ("ray.data", "behemoth.data.images", *(("torch",) if cfg.data.augment == "random_resized_crop" else ()))
+        return ("ray.data", "behemoth.data.image_batches",
+                *(("torch",) if cfg.data.augment == "random_resized_crop" else ()))
 
     @classmethod
     def check(cls, cfg: JobConfig) -> ImageIndex:
@@ -121,7 +122,7 @@ class ImageClassification(Task):
 
     @classmethod
     def save_for_transformers(cls, cfg: JobConfig, out: Path) -> None:
-        """An image processor config that repeats the validation preprocessing (behemoth.data.images:
+        """An image processor config that repeats the validation preprocessing (behemoth.data.image_batches:
         decode_rgb, center_fit, then /255 and mean/std): RGB, shorter side resized to data.image_size
         (bilinear, the longer side's size truncated as transformers does), centre crop. With transformers' PIL
         backend the pixels are behemoth's, bit for bit (tests/unit/test_export_parity.py). Its torchvision
@@ -237,8 +238,8 @@ class ImageClassification(Task):
         with self._decoded_lock:
             if split not in self._decoded_splits:
                 d = self.cfg.data
-                decoded = image_cache.open_or_build(self.index.cache[split], getattr(self.index, split),
-                                                    cpus_per_task=d.cpus_per_task)
+                decoded = image_cache_build.open_or_build(self.index.cache[split], getattr(self.index, split),
+                                                          cpus_per_task=d.cpus_per_task)
                 if d.max_bad_samples == 0 and decoded.errors:
                     raise BadSampleError(decoded.errors[min(decoded.errors)])
                 labels = getattr(self.index, split).column("label").to_numpy()
@@ -294,8 +295,8 @@ def build_decoded_cache(cfg: JobConfig, start_ray) -> list[str]:
     warning = image_cache.network_warning(Path(plans["train"].folder).parent)
     lines = [f"warning: {warning}"] if warning else []
     for split, plan in plans.items():
-        decoded = image_cache.open_or_build(plan, getattr(index, split), cpus_per_task=cfg.data.cpus_per_task,
-                                            log=lambda line: None)
+        decoded = image_cache_build.open_or_build(plan, getattr(index, split),
+                                                  cpus_per_task=cfg.data.cpus_per_task, log=lambda line: None)
         lines.append(f"{split}: {plan.rows} images, {decoded.manifest['bytes'] / 1e6:.1f} MB in {plan.folder} "
                      f"({len(decoded.errors)} undecodable)")
     return lines

@@ -56,7 +56,7 @@ def sweep(job: str | Path, space: dict, **options) -> SweepResult:
 
 def run_sweep(sweep_cfg: SweepConfig) -> SweepResult:
     """Check the sweep, start (or resume: same name) it, and return its results. Blocks until it ends. One
-    driver per sweep folder (driver/runlock.py): its trials' run folders are inside it."""
+    driver per sweep folder (storage/runlock.py): its trials' run folders are inside it."""
     from behemoth.storage.runlock import RunLock
 
     jobs = check_sweep(sweep_cfg)

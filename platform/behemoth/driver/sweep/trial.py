@@ -66,7 +66,7 @@ def run_trial(params: dict, sweep: dict, base: dict, place: paths.RunPlace, mlfl
                                 fence=fence, worker_env=worker_env)
     else:
         summary = train(cfg, callbacks=[EvalReportCallback(metric)], lock=False,  # under the sweep's lease,
-                        parent_mlflow_run=mlflow_parent, fence=fence)  # fenced by it (driver/runlock.py)
+                        parent_mlflow_run=mlflow_parent, fence=fence)  # fenced by it (storage/runlock.py)
     # Written when the trial has trained to its end (a trial ASHA stops never gets here).
     tmp = summary_file.with_suffix(".tmp")
     tmp.write_text(json.dumps({
