@@ -277,7 +277,11 @@ class _BenchContext(WorkerHost):
     def __init__(self, rank: int, world: int):
         import torch
 
-        self.rank, self.world, self.run_name, self.device = rank, world, "data-bench", torch.device("cpu")
+        self.rank, self.world, self.run_name, self._device = rank, world, "data-bench", torch.device("cpu")
+
+    @property
+    def device(self):
+        return self._device
 
 
 class MachineCpu:

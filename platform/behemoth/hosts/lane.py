@@ -64,7 +64,7 @@ class LaneHost(WorkerHost):
     def new_checkpoint_name(self) -> str:
         return f"checkpoint_{datetime.now():%Y-%m-%d_%H-%M-%S.%f}"  # as Ray Train names them
 
-    def latestray_checkpoint(self):
+    def latest_checkpoint(self):
         return self.kept[-1][0] if self.kept else None
 
     def reported_checkpoints(self) -> list:
@@ -150,7 +150,7 @@ class LaneHost(WorkerHost):
 
     def result(self, returned: dict):
         """The run as driver/resume.summarise reads a Ray Train Result."""
-        latest = self.latestray_checkpoint()
+        latest = self.latest_checkpoint()
         return SimpleNamespace(metrics=self.last_metrics, checkpoint=latest, best_checkpoints=list(self.kept),
                                return_value=returned)
 
