@@ -34,6 +34,11 @@ class StorageFullError(RuntimeError):
     """A checkpoint that did not fit on its disk. The message names the folder, the space needed and free."""
 
 
+class NonFiniteError(RuntimeError):
+    """A training step whose gradient norm or loss was NaN or Inf, under train.nonfinite: stop. The message
+    names the step; nothing after the last good checkpoint is saved. A restart would compute the same."""
+
+
 class RunFailedError(RuntimeError):
     """A run that Ray Train gave up on (workers kept dying past failure.max_failures). Checkpoints are kept."""
 
@@ -72,14 +77,15 @@ def did_you_mean(key: str, names: list[str], prefix: str = "") -> str:
 
 
 USER_ERRORS = (ConfigError, DataError, BadSampleError, CheckpointError, StorageFullError, RunFailedError,
-               LeaseLostError)
+               LeaseLostError, NonFiniteError)
 
 
 # What a retry cannot fix: the same config or the same data fails the same way on every restart of the worker
 # group, and a full disk stays full (a restart would redo the steps since the last checkpoint and fail on the
-# same write), and a folder another driver took over stays taken, so a run ends on them at once, without using
-# failure.max_failures (driver/failure_policy.py).
-NOT_RETRIED = (ConfigError, DataError, BadSampleError, StorageFullError, LeaseLostError)
+# same write), a folder another driver took over stays taken, and a step that went non-finite goes so again from
+# the same checkpoint (exact resume), so a run ends on them at once, without using failure.max_failures
+# (driver/failure_policy.py).
+NOT_RETRIED = (ConfigError, DataError, BadSampleError, StorageFullError, LeaseLostError, NonFiniteError)
 
 
 def user_facing_error(exc: BaseException, kinds: tuple = USER_ERRORS) -> str | None:

@@ -43,6 +43,10 @@ def config_from_dict(raw: dict, where: str = "<dict>") -> JobConfig:
     cfg.validate(model=not custom)
     if not custom:
         task.check_model(cfg)
+    stopping = cfg.train.early_stopping
+    if stopping is not None and stopping.metric is not None and stopping.metric not in task.reported:
+        raise ConfigError(f"train.early_stopping.metric {stopping.metric} is not a metric this task reports: one of "
+                          f"{', '.join(task.reported)} (or leave it out: the task's best, {task.best[0]})")
     return cfg
 
 

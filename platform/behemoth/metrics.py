@@ -19,13 +19,29 @@ class Window:
     data_wait_s: float = 0.0
     started: float = field(default_factory=time.perf_counter)
     bad_samples: list = field(default_factory=list)  # the tasks' bad_samples tensors (ids, -1 for readable)
+    grad_norms: list = field(default_factory=list)  # each step's gradient norm (a 0-d tensor)
 
-    def add(self, loss_sum: float, count: int, data_wait_s: float, bad_samples=()) -> None:
+    def add(self, loss_sum: float, count: int, data_wait_s: float, bad_samples=(), grad_norm=None) -> None:
         self.loss_sum += loss_sum
         self.loss_count += count
         self.steps += 1
         self.data_wait_s += data_wait_s
         self.bad_samples.extend(b for b in bad_samples if b is not None)
+        if grad_norm is not None:
+            self.grad_norms.append(grad_norm)
+
+    def grad_norm_stats(self) -> tuple[float | None, int, int | None]:
+        """(the mean of the window's finite gradient norms or None, how many were not finite, the 0-based index
+        in the window of the first that was not, or None); a copy to the host: report steps only."""
+        if not self.grad_norms:
+            return None, 0, None
+        import torch
+
+        norms = torch.stack([n.detach().float().reshape(()) for n in self.grad_norms])
+        finite = torch.isfinite(norms)
+        values, flags = norms[finite].tolist(), finite.tolist()
+        bad = flags.count(False)
+        return (sum(values) / len(values) if values else None), bad, (flags.index(False) if bad else None)
 
     def bad_sample_ids(self) -> set[int]:
         """The ids of the window's unreadable samples (a copy to the host: report steps only)."""
@@ -98,7 +114,12 @@ def progress_line(m: dict, total_steps: int, epochs: int, task_fields: list[str]
     """One concise console line per report; `task_fields`: the task's own (its validation metrics)."""
     parts = [f"epoch {m['epoch']:.2f}/{epochs}", f"step {m['step']}/{total_steps}"]
     if "loss" in m:
-        parts += [f"loss {m['loss']:.4f}", f"lr {m['lr']:.3g}", f"{m['samples_per_s']:.0f} samples/s"]
+        parts += [f"loss {m['loss']:.4f}", f"lr {m['lr']:.3g}"]
+        if "grad_norm" in m:
+            parts.append(f"grad-norm {m['grad_norm']:.3g}")
+        if m.get("skipped_steps"):
+            parts.append(f"skipped {m['skipped_steps']}")
+        parts.append(f"{m['samples_per_s']:.0f} samples/s")
         if "tokens_per_s" in m:
             parts.append(f"{m['tokens_per_s']:.0f} tokens/s")
         parts.append(f"data-wait {m['data_wait_frac']:.0%}")

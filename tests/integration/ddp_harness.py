@@ -72,7 +72,7 @@ def train(model, cfg: JobConfig, rank: int, world: int, accum: int = 1, steps: i
     for step in range(start, start + steps):
         xs, ys = x[step, rank * share:(rank + 1) * share], y[step, rank * share:(rank + 1) * share]
         batches = [{"x": xs[i:i + micro], "y": ys[i:i + micro]} for i in range(0, share, micro)]
-        loss_sum, n = train_step(model, optimizer, scheduler, scaler, batches, cfg, task, CPU)
+        loss_sum, n, _ = train_step(model, optimizer, scheduler, scaler, batches, cfg, task, CPU)
         total = torch.stack([loss_sum.detach(), torch.as_tensor(n, dtype=torch.float32)])
         dist.all_reduce(total)
         losses.append((total[0] / total[1]).item())

@@ -334,3 +334,49 @@ def _wait_for_world(ledger: Path, world: int, timeout_s: float = 300) -> None:
             return
         time.sleep(0.2)
     raise AssertionError(f"no step with {world} workers in {ledger} within {timeout_s} s")
+
+
+def test_r7_a_node_drained_for_preemption_gets_a_checkpoint_before_its_deadline(cluster, straight, text_corpus,
+                                                                               tmp_path, monkeypatch):
+    """Issue 58 item 8: at step 37 rank 1's node is drained as a spot reclaim is (Ray's DrainNode, reason
+    preemption, a 5 s deadline). Ray Train's watcher tells the workers; behemoth checkpoints at its next report
+    step (every 2 steps here), synchronously, a step that is no regular checkpoint's (those are every 30). At the
+    deadline Ray Train ends the group and starts it again on the nodes left and a new one: the run resumes from
+    that checkpoint, not from step 30, and ends on the uninterrupted run's weights."""
+    from ray._raylet import GcsClient
+    from ray.core.generated import autoscaler_pb2
+
+    from behemoth.driver import ray_session
+    from behemoth.storage.checkpoint import complete_checkpoints, read_json
+
+    c, nodes = cluster
+    name = "preempted"
+    ledger = tmp_path / f"ledger-{name}"
+    monkeypatch.setenv("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "1")  # (an earlier module's local instance set 0)
+    monkeypatch.setenv("RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S", "0.5")
+    env = ray_session.worker_env_vars  # 0.3 s more per step: the deadline lands before step 60's checkpoint
+    monkeypatch.setattr(ray_session, "worker_env_vars", lambda: {**env(), SLOW_WORLD_ENV: f"{name}:2:0.3"})
+    cfg = config_from_dict(job(text_corpus, tmp_path, name, train={"log_every": 2},
+                               checkpoint={"every_n_steps": 30, "keep": 10}, failure={"max_failures": 0}))
+    thread, out = in_thread(lambda: train(cfg))
+    try:
+        rank1_node = wait_for_step(ledger, 37) and next(r["node"] for r in read_ledger(ledger) if r["rank"] == 1)
+        accepted, why = GcsClient(address=c.address).drain_node(
+            rank1_node, autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION"), "spot reclaim (test)",
+            int((time.time() + 5) * 1000))
+        assert accepted, why
+        drained = next(n for n in nodes if n.node_id == rank1_node)
+        nodes.remove(drained)
+        nodes.append(c.add_node(num_cpus=1))  # the nodes the restarted group gets
+    finally:
+        thread.join(timeout=600)
+    assert "error" not in out, out.get("error")
+    summary = out["value"]
+    taken = [(step, path) for step, path in complete_checkpoints(tmp_path / name)
+             if read_json(path, "metrics.json").get("preemption_checkpoint")]
+    assert len(taken) <= 1
+    (at, _), = taken or [(None, None)]
+    assert at is not None and 37 <= at < 60 and at % 30, (at, complete_checkpoints(tmp_path / name))
+    assert summary.resumed_from_step == at  # the restarted group began at the preemption's checkpoint
+    check_recovered(summary, tmp_path, name, straight[0], max_redone=30)
+    c.remove_node(drained)  # (drained for good: the modules' later tests count the live nodes)

@@ -1,9 +1,12 @@
 """Real Ray, real DDP over gloo, real Ray Data pipelines, a tiny ResNet. One Ray instance for the module."""
 
 import json
+import math
 import re
 import shutil
 import time
+
+from pathlib import Path
 
 import pytest
 import ray
@@ -28,7 +31,7 @@ def _two_rank_loop(config):
     from behemoth.worker.evaluate import evaluate
     from behemoth.worker.loop import train_step
     from behemoth.models.registry import build_model
-    from behemoth.worker.optim import build_optimizer, warmup_cosine
+    from behemoth.worker.optim import build_optimizer, lr_schedule
     from behemoth.worker.precision import grad_scaler
     from behemoth.tasks.image import ImageClassification
 
@@ -38,7 +41,7 @@ def _two_rank_loop(config):
     torch.manual_seed(100 + rank)  # different initial weights per rank: DDP must make them agree
     model = ray.train.torch.prepare_model(build_model(cfg.model.name, len(index.classes)))
     opt = build_optimizer(model, cfg.train)
-    sched = warmup_cosine(opt, cfg.train, 10)
+    sched = lr_schedule(opt, cfg.train, 10)
     scaler, task = grad_scaler(torch.device("cpu"), "fp32"), ImageClassification(cfg, index)
     micro = cfg.train.global_batch_size // world
     indices = rank_train_indices(index.train.num_rows, cfg.train.global_batch_size, 0, 0, rank, world)
@@ -327,3 +330,86 @@ def test_the_data_processes_the_driver_starts_are_the_ones_the_workers_tasks_run
         assert seen["runtime_env"] == {"env_vars": {**job_env, **training_worker_runtime_env()["env_vars"]}}
         assert seen["task"][0] in warm and seen["task"][1], seen
         assert seen["map"][0] in warm and seen["map"][1], seen
+
+
+def train_run(cfg):
+    from behemoth.driver.trainer import train
+
+    return train(cfg)
+
+
+def _toy_job(tmp_path, name: str, **sections) -> dict:
+    """The cheapest run: the toy task (linear regression, 512 rows), one worker, batches of 64 (8 steps an epoch)."""
+    job = job_dict(tmp_path, tmp_path / "runs", name, scaling={"num_workers": 1},
+                   checkpoint={"every_n_steps": 4}, train={"global_batch_size": 64, "lr": 0.05, "log_every": 4})
+    job["data"] = {"kind": "integration.toy_task:LinearRegression", **sections.pop("data", {})}
+    for section, values in sections.items():
+        job[section].update(values)
+    return job
+
+
+def test_early_stopping_ends_a_run_at_its_patience_and_a_rerun_trains_nothing(tmp_path, capfd):
+    """train.early_stopping (issue 58) in a real run: val_mse cannot improve by more than min_delta 1e6, so
+    after the first evaluation (step 4) two more without improvement (steps 8, 12) stop the run at step 12 of
+    48, that step checkpointed with the decision; the rerun trains nothing and says why."""
+    from behemoth.driver.trainer import train
+    from behemoth.storage.checkpoint import complete_checkpoints, read_state
+
+    job = _toy_job(tmp_path, "early", train={"epochs": 6, "early_stopping": {"patience": 2, "min_delta": 1e6}},
+                   eval={"every_n_steps": 4})
+    summary = train(config_from_dict(job))
+    assert summary.metrics["step"] == 12, summary.metrics
+    (step, latest), *_ = complete_checkpoints(tmp_path / "runs" / "early")
+    state = read_state(latest)
+    assert step == 12 and state.stopped_early_at == 12 and state.evals_without_improvement == 2
+    assert "early stop at step 12: val_mse has not improved" in capfd.readouterr().out
+    again = train(config_from_dict(job))
+    assert again.resumed_from_step == 12 and again.metrics["step"] == 12
+    assert "run already complete at step 12 (stopped early: train.early_stopping): nothing to train" in \
+        capfd.readouterr().out
+
+
+def test_a_non_finite_step_stops_the_run_naming_it_or_is_skipped(tmp_path):
+    """train.nonfinite (issue 58) in a real run, the first training row's target NaN: under stop the run ends at
+    the first report after the step that trained on it, with one error naming that step, not retried (2
+    restarts allowed) and no checkpoint of that step or later; under skip every such step (one an epoch) is
+    left out and counted, and the run ends with finite weights."""
+    from behemoth.driver.trainer import train
+    from behemoth.errors import NonFiniteError, user_facing_error
+    from behemoth.storage.checkpoint import complete_checkpoints
+    from behemoth.tracking.records import read_jsonl
+
+    stop = _toy_job(tmp_path, "stop", data={"nan_rows": 1}, train={"epochs": 2}, failure={"max_failures": 2})
+    with pytest.raises(Exception) as failed:
+        train(config_from_dict(stop))
+    message = user_facing_error(failed.value, (NonFiniteError,)) or ""
+    found = re.match(r"step (\d+): the gradient norm is not finite \(NaN or Inf\): the run stops", message)
+    assert found, failed.value
+    bad = int(found.group(1))
+    assert 1 <= bad <= 8 and all(step < bad for step, _ in complete_checkpoints(tmp_path / "runs" / "stop"))
+    events = [r["event"] for r in read_jsonl(str(tmp_path / "runs" / "stop" / "timeline.jsonl"))]
+    assert events.count("group_start") == 1, events  # not retried
+
+    skip = _toy_job(tmp_path, "skip", data={"nan_rows": 1}, train={"epochs": 2, "nonfinite": "skip"})
+    summary = train(config_from_dict(skip))
+    assert summary.metrics["step"] == 16 and summary.metrics["skipped_steps"] == 2, summary.metrics
+    assert math.isfinite(summary.metrics["val_mse"])
+
+
+def test_a_run_with_a_weight_average_evaluates_and_keeps_it(tmp_path):
+    """train.ema_decay (issue 58) in a real run: the run's reported val_mse is its weight average's, the one its
+    checkpoint keeps as ema.pt and `behemoth eval` of that checkpoint computes again (eval and export read the
+    average, not model.pt, whose val_mse differs)."""
+    import torch
+
+    from behemoth.driver.evaluate import evaluate_checkpoint
+    from behemoth.storage.checkpoint import complete_checkpoints, read_manifest
+
+    job = _toy_job(tmp_path, "ema", train={"epochs": 1, "ema_decay": 0.8})
+    summary = train_run(config_from_dict(job))
+    (step, latest), *_ = complete_checkpoints(tmp_path / "runs" / "ema")
+    assert step == 8 and "ema.pt" in read_manifest((Path(latest) / "manifest.json").read_bytes(), latest)["files"]
+    metrics, _ = evaluate_checkpoint(config_from_dict(job), latest)
+    assert metrics["val_mse"] == pytest.approx(summary.metrics["val_mse"], rel=1e-5)
+    raw, average = (torch.load(Path(latest) / name, weights_only=True) for name in ("model.pt", "ema.pt"))
+    assert not torch.equal(raw["weight"], average["weight"])  # (the two differ: the check above could fail)

@@ -386,3 +386,24 @@ def test_a_bf16_pretrained_model_trains_with_fp32_master_weights(text_corpus, tm
         torch.float32}
     optim = torch.load(f"{summary.latest_checkpoint}/optimizer.pt", map_location="cpu", weights_only=True)
     assert {s.dtype for state in optim["state"].values() for k, s in state.items() if k != "step"} == {torch.float32}
+
+
+def test_lora_fine_tunes_on_two_ddp_workers_and_checkpoints_only_the_adapters(text_corpus, tmp_path):
+    """model.lora (issue 58) through Ray Train: 2 DDP workers train the adapters of a config-built Llama (the
+    same frozen base on both: the seed), each checkpoint holds only the adapters, and the export loads as a
+    plain transformers model."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from behemoth.driver.export import export
+    from behemoth.storage.checkpoint import complete_checkpoints
+
+    job = lm_job_dict(text_corpus, tmp_path, "lora", model={"lora": {"r": 4, "alpha": 8.0}})
+    summary = train(config_from_dict(job))
+    assert summary.metrics["step"] == 16 and summary.metrics["loss"] < 10
+    (step, latest), *_ = complete_checkpoints(tmp_path / "lora")
+    kept = torch.load(f"{latest}/model.pt", weights_only=True)
+    assert step == 16 and kept and all("lora_" in name for name in kept), list(kept)[:5]
+    out, _ = export(latest, str(tmp_path / "export"))
+    assert (out / "adapter" / "adapter_config.json").is_file()
+    AutoModelForCausalLM.from_pretrained(out)

@@ -27,6 +27,7 @@ class ToyData(DataConfig):
 
     features: int = 8
     noise: float = 0.01
+    nan_rows: int = 0  # training rows (the first ones) whose target is NaN: a step that trains on one goes NaN
 
     def validate(self) -> None:
         super().validate()
@@ -46,6 +47,7 @@ class LinearRegression(Task):
         w = rng.normal(size=cfg.data.features)
         x = rng.normal(size=(TRAIN + VAL, cfg.data.features)).astype(np.float32)
         y = (x @ w + cfg.data.noise * rng.normal(size=TRAIN + VAL)).astype(np.float32)
+        y[:cfg.data.nan_rows] = np.nan
         return {"x": x, "y": y}
 
     @classmethod

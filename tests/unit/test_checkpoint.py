@@ -13,7 +13,7 @@ from behemoth.worker import checkpointing
 from behemoth.storage.checkpoint import CheckpointError, TrainState
 from behemoth.config import TrainConfig
 from behemoth.models.registry import build_model
-from behemoth.worker.optim import build_optimizer, warmup_cosine
+from behemoth.worker.optim import build_optimizer, lr_schedule
 
 CFG = TrainConfig(lr=0.1, warmup_steps=2, optimizer="sgd")
 
@@ -22,7 +22,7 @@ def make(seed=0):
     torch.manual_seed(seed)
     model = build_model("regnet_tiny_cifar", 4)
     opt = build_optimizer(model, CFG)
-    return model, opt, warmup_cosine(opt, CFG, total_steps=20)
+    return model, opt, lr_schedule(opt, CFG, total_steps=20)
 
 
 def step(model, opt, sched, seed):
@@ -87,7 +87,7 @@ def test_damage_is_detected_and_named(tmp_path):
 def test_complete_checkpoints_lists_only_manifested_ones_newest_first(tmp_path):
     model = build_model("regnet_tiny_cifar", 4)
     opt = build_optimizer(model, CFG)
-    sched = warmup_cosine(opt, CFG, 10)
+    sched = lr_schedule(opt, CFG, 10)
     for step in (3, 9, 6):
         checkpointing.save(tmp_path / f"checkpoint_{step}", model=model, optimizer=opt, scheduler=sched,
                         state=TrainState(step=step), task_files={}, job_yaml="")
@@ -322,7 +322,7 @@ def test_retention_reaches_checkpoints_ray_train_never_registered(tmp_path):
     run = tmp_path / "r"
     model = build_model("regnet_tiny_cifar", 4)
     opt = build_optimizer(model, CFG)
-    sched = warmup_cosine(opt, CFG, 10)
+    sched = lr_schedule(opt, CFG, 10)
     for s in (3, 6, 9, 12, 15):
         checkpointing.save(run / f"checkpoint_{s:02d}", model=model, optimizer=opt, scheduler=sched,
                            state=TrainState(step=s), task_files={}, job_yaml="")
@@ -851,3 +851,61 @@ def test_a_received_checkpoints_job_yaml_is_checked_against_its_manifest_before_
     (folder / "job.yaml").write_text("data: {kind: image_folder, root: .}\nmodel: {name: regnet_cifar}\n")
     with pytest.raises(CheckpointError, match=r"job.yaml does not match its manifest"):
         _job_of(str(folder), TrustedCode())
+
+
+def test_the_weight_average_is_kept_restored_exactly_and_what_eval_and_export_read(tmp_path):
+    """train.ema_decay (issue 58, worker/ema.py): the average of the weights (and of BatchNorm's statistics)
+    after each step; in the checkpoint as ema.pt, restored exactly (a resumed run averages on to the same
+    values), read by eval/export/init_from (weights.read_state_dict) instead of model.pt; a checkpoint written
+    without one starts the average at the restored weights."""
+    from behemoth.storage import weights
+    from behemoth.worker.ema import WeightAverage
+
+    model, opt, sched = make()
+    ema = WeightAverage(model, decay=0.9)
+    first = {k: v.clone() for k, v in model.state_dict().items()}
+    step(model, opt, sched, 0)
+    ema.update()
+    after = model.state_dict()
+    for k, v in ema.state_dict().items():
+        expected = first[k] * 0.9 + after[k] * 0.1 if v.is_floating_point() else after[k]
+        assert torch.allclose(v, expected, atol=1e-6), k
+    for s in range(1, 3):
+        step(model, opt, sched, s)
+        ema.update()
+    state = TrainState(step=3, samples_seen=12)
+    checkpointing.save(tmp_path / "c", model=model, optimizer=opt, scheduler=sched, state=state, task_files={},
+                       job_yaml="x: 1\n", ema=ema)
+    assert "ema.pt" in json.loads((tmp_path / "c" / "manifest.json").read_text())["files"]
+    assert_same_tensors(weights.read_state_dict(tmp_path / "c"), ema.state_dict())  # what eval and export load
+
+    model2, opt2, sched2 = make(seed=99)
+    ema2 = WeightAverage(model2, decay=0.9)
+    checkpointing.load(tmp_path / "c", model=model2, optimizer=opt2, scheduler=sched2, ema=ema2)
+    assert_same_tensors(ema.state_dict(), ema2.state_dict())
+    for m, o, s, e in ((model, opt, sched, ema), (model2, opt2, sched2, ema2)):
+        step(m, o, s, seed=10)
+        e.update()
+    assert_same_tensors(ema.state_dict(), ema2.state_dict())  # resumed: the same average
+
+    checkpointing.save(tmp_path / "plain", model=model, optimizer=opt, scheduler=sched, state=state,
+                       task_files={}, job_yaml="x: 1\n")
+    model3, opt3, sched3 = make(seed=5)
+    ema3 = WeightAverage(model3, decay=0.9)
+    checkpointing.load(tmp_path / "plain", model=model3, optimizer=opt3, scheduler=sched3, ema=ema3)
+    assert_same_tensors(ema3.state_dict(), model.state_dict())
+    assert_same_tensors(weights.read_state_dict(tmp_path / "plain"), model.state_dict())
+
+
+def test_the_weight_average_needs_ddp_and_full_checkpoints(tmp_path):
+    from behemoth.errors import ConfigError
+    from behemoth.job import config_from_dict
+
+    job = {"data": {"kind": "image_folder", "root": str(tmp_path)}, "model": {"name": "regnet_tiny_cifar"}}
+    for sections, message in (({"train": {"ema_decay": 1.0}}, r"train.ema_decay must be in \(0, 1\)"),
+                              ({"train": {"ema_decay": 0.99}, "scaling": {"strategy": "fsdp_full"}},
+                               "train.ema_decay keeps a full copy of the model on every worker"),
+                              ({"train": {"ema_decay": 0.99}, "checkpoint": {"format": "sharded"}},
+                               "it needs scaling.strategy ddp and checkpoint.format full")):
+        with pytest.raises(ConfigError, match=message):
+            config_from_dict({**job, **sections})

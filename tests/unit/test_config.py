@@ -159,16 +159,19 @@ def test_the_configuration_reference_names_every_key():
     included, and no key that does not exist."""
     import dataclasses
     import re
+    import typing
     from pathlib import Path
 
     from behemoth.config import JobConfig
     from behemoth.tasks.registry import TASKS, data_section
 
-    def leaves(cls, prefix):  # a nested section (tracking.mlflow) by its own keys
+    def leaves(cls, prefix):  # a nested section (tracking.mlflow, an optional train.early_stopping) by its keys
+        hints = typing.get_type_hints(cls)
         for f in dataclasses.fields(cls):
-            value = f.default_factory() if f.default_factory is not dataclasses.MISSING else None
-            if dataclasses.is_dataclass(value):
-                yield from leaves(type(value), f"{prefix}{f.name}.")
+            section = next((t for t in (hints[f.name], *typing.get_args(hints[f.name])) if dataclasses.is_dataclass(t)),
+                           None)
+            if section is not None:
+                yield from leaves(section, f"{prefix}{f.name}.")
             else:
                 yield f"{prefix}{f.name}"
 

@@ -104,12 +104,16 @@ class _Host(hosts.WorkerHost):
         return model.to(self._device)
 
 
-def _image_task(tmp_path, image_root):
+def _image_task(tmp_path, image_root, recipe: bool = False):
+    """The image task's steps; `recipe`: with label smoothing, mixup and cutmix, non-finite steps skipped (the
+    fused optimizer reading its flag on the device) and a weight average, SGD as before."""
     from behemoth.data.images import build_index
     from behemoth.tasks.image import ImageClassification
 
-    cfg = config_from_dict(job_dict(image_root, tmp_path, train={"grad_clip": 1.0},
-                                    scaling={"num_workers": 1, "torch_threads": 1}, data={"cache": "none"}))
+    data = {"cache": "none", **({"label_smoothing": 0.1, "mixup_alpha": 0.2, "cutmix_alpha": 1.0} if recipe else {})}
+    train = {"grad_clip": 1.0, **({"nonfinite": "skip", "ema_decay": 0.99} if recipe else {})}
+    cfg = config_from_dict(job_dict(image_root, tmp_path, train=train,
+                                    scaling={"num_workers": 1, "torch_threads": 1}, data=data))
     task = ImageClassification(cfg, build_index(cfg.data))
     size, gen = cfg.data.image_size, torch.Generator().manual_seed(0)
 
@@ -121,13 +125,13 @@ def _image_task(tmp_path, image_root):
     return cfg, task, batches
 
 
-def _lm_task(tmp_path, text_corpus):
+def _lm_task(tmp_path, text_corpus, documents: bool = False):
     from behemoth.data.text_packing import TokenIndex
     from behemoth.data.token_store import TokenBlocks, block_records
     from behemoth.tasks.causal_lm import CausalLM
 
     cfg = config_from_dict(lm_job_dict(text_corpus, tmp_path, train={"grad_clip": 1.0, "precision": "bf16"},
-                                       scaling={"num_workers": 1}))
+                                       scaling={"num_workers": 1}, data={"document_mask": documents}))
     rng = np.random.default_rng(0)
     records = np.zeros(64, dtype=block_records(cfg.data.seq_len, np.uint16))
     records["id"], records["tokens"] = np.arange(64), rng.integers(0, 400, (64, cfg.data.seq_len))
@@ -161,10 +165,12 @@ def _classifier_task(tmp_path, text_corpus):
     return cfg, task, lambda step: list(task.train_batches(list(range(16 * step, 16 * step + 16)), 0, 8))
 
 
-@pytest.fixture(params=["image", "causal_lm", "text_classification"])
+@pytest.fixture(params=["image", "image_recipe", "causal_lm", "causal_lm_documents", "text_classification"])
 def built_task(request, tmp_path):
-    if request.param == "image":
-        return _image_task(tmp_path, request.getfixturevalue("image_root"))
+    if request.param.startswith("image"):
+        return _image_task(tmp_path, request.getfixturevalue("image_root"), recipe=request.param == "image_recipe")
+    if request.param == "causal_lm_documents":  # data.document_mask: a 4-D mask and position ids per batch
+        return _lm_task(tmp_path, request.getfixturevalue("text_corpus"), documents=True)
     maker = _lm_task if request.param == "causal_lm" else _classifier_task
     return maker(tmp_path, request.getfixturevalue("text_corpus"))
 
@@ -214,7 +220,9 @@ def test_a_step_asks_the_device_nothing(built_task):
     assert window.steps == 3
     # ... and the report reads what the steps kept on the device
     images = cfg.data.kind == "image_folder"
-    assert float(window.loss_count) == 3 * (16 - 2 if images else 16)  # an undecodable image per micro-batch
+    # an undecodable image per micro-batch (mixed: its partner, whose image it would share, too)
+    dropped = (4 if cfg.data.mixup_alpha else 2) if images else 0
+    assert float(window.loss_count) == 3 * (16 - dropped)
     if images:
         assert window.bad_sample_ids() == {16 * s + 8 * i + (s + i) % 8 for s in range(3) for i in range(2)}
 

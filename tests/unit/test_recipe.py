@@ -10,7 +10,7 @@ from behemoth.config import ConfigError, JobConfig, TrainConfig
 from behemoth.data.text import is_validation
 from behemoth.worker.loop import train_step
 from behemoth.models.registry import build_model
-from behemoth.worker.optim import build_optimizer, warmup_cosine
+from behemoth.worker.optim import build_optimizer, lr_schedule
 from behemoth.worker.precision import grad_scaler
 
 
@@ -35,7 +35,7 @@ def test_no_weight_decay_on_biases_and_norm_weights():
 def test_warmup_then_cosine_down_to_min_lr_ratio():
     cfg = TrainConfig(lr=0.4, warmup_steps=4, min_lr_ratio=0.1)
     opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=cfg.lr)
-    sched = warmup_cosine(opt, cfg, total_steps=20)
+    sched = lr_schedule(opt, cfg, total_steps=20)
     lrs = []
     for _ in range(20):
         lrs.append(sched.get_last_lr()[0])
@@ -47,6 +47,50 @@ def test_warmup_then_cosine_down_to_min_lr_ratio():
     assert all(a > b for a, b in zip(lrs[4:20], lrs[5:20]))
     assert lrs[12] == pytest.approx(0.04 + 0.36 * 0.5)  # halfway through the decay: the midpoint
     assert lrs[20] == pytest.approx(0.04)  # lr * min_lr_ratio at total_steps, and no lower
+
+
+def _lrs(cfg, total_steps):
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=cfg.lr)
+    sched = lr_schedule(opt, cfg, total_steps=total_steps)
+    lrs = []
+    for _ in range(total_steps):
+        lrs.append(sched.get_last_lr()[0])
+        opt.step()
+        sched.step()
+    return lrs + [sched.get_last_lr()[0]]
+
+
+def test_the_linear_constant_and_warmup_stable_decay_schedules():
+    """train.schedule (issue 58): each after the same linear warm-up; linear and wsd end at lr * min_lr_ratio,
+    wsd holding lr until its last wsd_decay_fraction of the steps after the warm-up."""
+    warm = [0.1, 0.2, 0.3, 0.4]
+    linear = _lrs(TrainConfig(lr=0.4, warmup_steps=4, min_lr_ratio=0.1, schedule="linear"), 20)
+    assert linear[:4] == pytest.approx(warm) and linear[4] == pytest.approx(0.4)
+    assert linear[12] == pytest.approx(0.04 + 0.36 * 0.5) and linear[20] == pytest.approx(0.04)
+    assert [round(a - b, 9) for a, b in zip(linear[4:20], linear[5:21])] == [round(0.36 / 16, 9)] * 16  # straight
+    constant = _lrs(TrainConfig(lr=0.4, warmup_steps=4, min_lr_ratio=0.1, schedule="constant"), 20)
+    assert constant[:4] == pytest.approx(warm) and constant[4:] == pytest.approx([0.4] * 17)
+    wsd = _lrs(TrainConfig(lr=0.4, warmup_steps=4, min_lr_ratio=0.1, schedule="wsd", wsd_decay_fraction=0.25), 20)
+    assert wsd[:4] == pytest.approx(warm)
+    assert wsd[4:17] == pytest.approx([0.4] * 13)  # stable through 75 % of the 16 steps after the warm-up
+    assert wsd[18] == pytest.approx(0.04 + 0.36 * 0.5) and wsd[20] == pytest.approx(0.04)  # decayed in the last 4
+
+
+def test_a_schedule_or_early_stopping_that_cannot_work_is_refused_before_ray(tmp_path):
+    from behemoth.errors import ConfigError
+    from behemoth.job import config_from_dict
+
+    job = {"data": {"kind": "image_folder", "root": str(tmp_path)}, "model": {"name": "regnet_tiny_cifar"}}
+    for train, message in (({"schedule": "step"}, r"train.schedule must be one of"),
+                           ({"wsd_decay_fraction": 0}, r"train.wsd_decay_fraction must be in \(0, 1\]"),
+                           ({"early_stopping": {"patience": 0}}, r"train.early_stopping.patience must be > 0"),
+                           ({"early_stopping": {"metric": "val_perplexity"}},
+                            r"train.early_stopping.metric val_perplexity is not a metric this task reports"),
+                           ({"early_stopping": {"metrc": "val_loss"}}, r"unknown key 'train.early_stopping.metrc'")):
+        with pytest.raises(ConfigError, match=message):
+            config_from_dict({**job, "train": train})
+    cfg = config_from_dict({**job, "train": {"early_stopping": {"patience": 2}}})
+    assert cfg.train.early_stopping.metric is None and cfg.train.early_stopping.patience == 2
 
 
 class _Regression:
@@ -73,6 +117,98 @@ def _grad_norm_at_update(grad_clip):
 def test_grad_clip_bounds_the_applied_gradient_norm():
     assert _grad_norm_at_update(None) > 10
     assert _grad_norm_at_update(1.0) == pytest.approx(1.0, rel=1e-5)
+
+
+def _steps_with_a_nan(nonfinite: str, optimizer: str):
+    """Three steps of behemoth's train_step on a small regression, the second with a NaN in its batch; the
+    model, the optimizer's state and the norms the steps returned, after each step."""
+    from behemoth.worker.optim import build_optimizer
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.Linear(4, 1))
+    cfg = JobConfig()
+    cfg.train.nonfinite, cfg.train.optimizer, cfg.train.lr = nonfinite, optimizer, 0.01
+    opt = build_optimizer(model, cfg.train)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    after = []
+    for i in range(3):
+        x = torch.randn(16, 8)
+        if i == 1:
+            x[3, 2] = float("nan")
+        _, _, norm = train_step(model, opt, sched, grad_scaler(torch.device("cpu"), "fp32"),
+                                [{"x": x, "y": torch.randn(16, 1)}], cfg, _Regression(), torch.device("cpu"))
+        moments = {i: {k: v.clone() if torch.is_tensor(v) else v for k, v in entry.items()}
+                   for i, entry in opt.state_dict()["state"].items()}  # (copies: the live state changes on)
+        after.append(({k: v.clone() for k, v in model.state_dict().items()}, moments, norm))
+    return after
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
+def test_a_step_with_a_non_finite_gradient_is_skipped_whole_with_nonfinite_skip(optimizer):
+    """train.nonfinite: skip (issue 58): the step whose gradient norm is NaN changes neither the weights nor the
+    optimizer's state (AdamW's moments and step count, SGD's momentum); the next step trains on. With stop,
+    the same step poisons the weights (the run then stops at its next report: Reporter.nonfinite_guard)."""
+    skipped = _steps_with_a_nan("skip", optimizer)
+    (w0, s0, n0), (w1, s1, n1), (w2, s2, n2) = skipped
+    assert torch.isfinite(n0) and not torch.isfinite(n1) and torch.isfinite(n2)
+    assert all(torch.equal(w0[k], w1[k]) for k in w0), "the skipped step changed a weight"
+    for pid in s0:
+        for key, value in s0[pid].items():
+            assert torch.equal(torch.as_tensor(value), torch.as_tensor(s1[pid][key])), (pid, key)
+    assert not all(torch.equal(w1[k], w2[k]) for k in w1) and all(torch.isfinite(v).all() for v in w2.values())
+    stopped = _steps_with_a_nan("stop", optimizer)
+    assert not all(torch.isfinite(v).all() for v in stopped[1][0].values())
+
+
+def test_the_gradient_norm_is_the_norm_of_every_gradient_before_clipping():
+    from behemoth.worker.parallel import grad_norm
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.Linear(4, 1))
+    F.mse_loss(model(torch.randn(16, 8) * 10), torch.randn(16, 1) * 100).backward()
+    expected = torch.norm(torch.stack([p.grad.norm() for p in model.parameters()]))
+    assert grad_norm(model).item() == pytest.approx(expected.item(), rel=1e-6)
+    assert grad_norm(model, clip=1.0).item() == pytest.approx(expected.item(), rel=1e-6)  # before clipping
+    clipped = torch.norm(torch.stack([p.grad.norm() for p in model.parameters()]))
+    assert clipped.item() == pytest.approx(1.0, rel=1e-5)
+
+
+def test_a_non_finite_window_stops_the_run_naming_its_step_or_counts_skipped_steps():
+    """The report's guard (Reporter.nonfinite_guard): under stop, one NonFiniteError naming the first step whose
+    norm was NaN (a failure not retried); under skip, the skipped steps counted in the train state; a
+    non-finite loss stops under either."""
+    from types import SimpleNamespace
+
+    from behemoth.errors import NOT_RETRIED, NonFiniteError, user_facing_error
+    from behemoth.metrics import Window
+    from behemoth.storage.checkpoint import TrainState
+    from behemoth.worker.report import Reporter
+
+    def window(norms):
+        w = Window()
+        for n in norms:
+            w.add(torch.tensor(1.0), torch.tensor(2.0), 0.0, (), torch.tensor(n))
+        return w
+
+    def guard(mode, norms, loss_sum=1.0, step=40):
+        cfg = JobConfig()
+        cfg.train.nonfinite = mode
+        reporter = SimpleNamespace(cfg=cfg, world=2, run=SimpleNamespace(scaler=grad_scaler(torch.device("cpu"), "fp32")))
+        state, w = TrainState(step=step), window(norms)
+        _, bad, first = w.grad_norm_stats()
+        Reporter.nonfinite_guard(reporter, state, w, loss_sum, bad * 2, first)  # (summed over 2 ranks)
+        return state
+
+    norm, bad, first = window([1.0, 3.0, float("nan"), float("inf")]).grad_norm_stats()
+    assert (norm, bad, first) == (2.0, 2, 2)
+    with pytest.raises(NonFiniteError, match=r"^step 39: the gradient norm is not finite .*checkpoints before step "
+                                             r"39 are kept") as e:
+        guard("stop", [1.0, 3.0, float("nan"), float("inf")])  # steps 37-40: the third is 39
+    assert user_facing_error(RuntimeError(f"...\nbehemoth.errors.NonFiniteError: {e.value}"), NOT_RETRIED)
+    assert guard("skip", [1.0, float("nan"), float("nan"), 2.0]).skipped_steps == 2
+    assert guard("stop", [1.0, 2.0]).skipped_steps == 0
+    with pytest.raises(NonFiniteError, match=r"^steps 39-40: the loss is not finite"):
+        guard("skip", [1.0, 2.0], loss_sum=float("nan"))
 
 
 def test_out_of_gpu_memory_in_a_step_is_a_config_error_that_is_not_retried():
@@ -125,3 +261,150 @@ def test_a_sweep_rerun_with_another_definition_is_refused(tmp_path, image_root, 
     again = load_sweep(write_sweep(tmp_path, image_root, **changed))
     with pytest.raises(ConfigError, match=rf"sweep 's' in .* was started with a different {change}: give"):
         _check_same_sweep(again, sweep_dir)
+
+
+def test_early_stopping_counts_evaluations_without_improvement_in_the_train_state():
+    """train.early_stopping (issue 58): the task's direction (val_loss: min), min_delta, patience; the counts
+    live in TrainState, so a state written to a checkpoint and read back counts on where it was."""
+    import dataclasses
+    import json
+
+    from behemoth.config.schema import EarlyStoppingConfig
+    from behemoth.storage.checkpoint import TrainState
+    from behemoth.worker.report import early_stop
+
+    class _Task:
+        best, reported = ("val_accuracy", "max"), {"val_accuracy": "max", "val_loss": "min", "loss": "min"}
+
+    cfg = JobConfig()
+    cfg.train.early_stopping = EarlyStoppingConfig(metric="val_loss", patience=2, min_delta=0.05)
+    state = TrainState()
+    decisions = []
+    for step, val_loss in ((10, 1.0), (20, 0.9), (30, 0.88), (40, 0.7)):
+        state.step = step
+        decisions.append(early_stop(cfg, _Task(), state, {"val_loss": val_loss}, total_steps=100))
+    assert decisions == [False, False, False, False] and state.best_metric == 0.7
+    state.step = 50
+    assert early_stop(cfg, _Task(), state, {"val_loss": 0.66}, 100) is False  # 0.04 is not more than 0.05
+    resumed = TrainState(**json.loads(json.dumps(dataclasses.asdict(state))))  # a checkpoint's train_state.json
+    assert resumed.evals_without_improvement == 1 and resumed.stopped_early_at is None
+    resumed.step = 60
+    assert early_stop(cfg, _Task(), resumed, {"val_loss": 0.69}, 100) is True
+    assert resumed.stopped_early_at == 60 and resumed.last_step(100) == 60 and TrainState().last_step(100) == 100
+    # default metric: the task's best, in its direction (accuracy: higher is better)
+    cfg.train.early_stopping = EarlyStoppingConfig(patience=1)
+    state = TrainState(step=10)
+    assert not early_stop(cfg, _Task(), state, {"val_accuracy": 0.5}, 100)
+    state.step = 20
+    assert not early_stop(cfg, _Task(), state, {"val_accuracy": 0.6}, 100)
+    state.step = 30
+    assert early_stop(cfg, _Task(), state, {"val_accuracy": 0.59}, 100) and state.stopped_early_at == 30
+
+
+def test_mixup_and_cutmix_mix_each_sample_with_its_partner_and_say_in_what_share():
+    """data.mixup_alpha / cutmix_alpha (issue 58, data/mixing.py): mixup blends each sample with the mirrored one
+    by its share, cutmix pastes a box of it (the share is what is left of the sample's own pixels); the draws
+    come from torch's reseeded generator, so the same seed mixes the same way (exact resume)."""
+    from behemoth.data.mixing import mix
+
+    images = torch.rand(6, 3, 8, 8)
+    labels, valid = torch.arange(6), torch.tensor([True, True, False, True, True, True])
+    torch.manual_seed(7)
+    m = mix(images, labels, valid, 0.4, 0.0)
+    share = m.share[:, None, None, None]
+    assert torch.allclose(m.images, images * share + images.flip(0) * (1 - share))
+    assert ((m.share > 0) & (m.share < 1)).all() and m.partner_labels.tolist() == [5, 4, 3, 2, 1, 0]
+    assert m.partner_valid.tolist() == [True, True, True, False, True, True]
+    torch.manual_seed(7)
+    assert torch.equal(mix(images, labels, valid, 0.4, 0.0).images, m.images)  # the same seed, the same mix
+
+    torch.manual_seed(3)
+    c = mix(images, labels, valid, 0.0, 1.0)
+    own, theirs = (c.images == images).all(dim=1), (c.images == images.flip(0)).all(dim=1)
+    assert (own | theirs).all()  # every pixel is the sample's or its partner's
+    assert torch.allclose(c.share, own.float().mean(dim=(1, 2)))
+    assert (c.share < 1).any()  # (a box was pasted somewhere)
+
+    torch.manual_seed(5)
+    both = mix(images, labels, valid, 0.4, 1.0)
+    blended = ~((both.images == images) | (both.images == images.flip(0))).all(dim=1).all(dim=(1, 2))
+    assert blended.any() and (~blended).any()  # some samples blended, some cut (seeded: both happen here)
+    assert mix(images, labels, valid, 0.0, 0.0) is None
+
+
+def test_the_image_loss_smooths_labels_and_weighs_a_mixed_samples_two_labels():
+    from types import SimpleNamespace
+
+    from behemoth.tasks.image import ImageClassification
+
+    task = object.__new__(ImageClassification)
+    data = SimpleNamespace(mean=[0.5] * 3, std=[0.25] * 3, label_smoothing=0.1, mixup_alpha=0.0, cutmix_alpha=0.0)
+    task.cfg, task.transformers_model, task._mean_std = SimpleNamespace(data=data), False, {}
+    task.index = SimpleNamespace(classes=[str(i) for i in range(7)])
+    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(3 * 4 * 4, 7))
+    batch = {"image": torch.randint(0, 256, (4, 4, 4, 3), dtype=torch.uint8), "label": torch.tensor([0, 1, 2, 6]),
+             "valid": torch.ones(4, dtype=torch.bool), "sample_id": torch.arange(4)}
+    logits = model(task.pixel_values(batch))
+    loss, n = task.loss(model, batch)
+    assert loss.item() == pytest.approx(F.cross_entropy(logits, batch["label"], label_smoothing=0.1).item(), rel=1e-6)
+    data.mixup_alpha = 0.4
+    torch.manual_seed(1)
+    loss, n = task.loss(model, batch)
+    torch.manual_seed(1)
+    from behemoth.data.mixing import mix
+
+    m = mix(task.pixel_values(batch), batch["label"], batch["valid"], 0.4, 0.0)
+    mixed_logits = model(m.images)
+    expected = (m.share * F.cross_entropy(mixed_logits, batch["label"], reduction="none", label_smoothing=0.1)
+                + (1 - m.share) * F.cross_entropy(mixed_logits, m.partner_labels, reduction="none",
+                                                  label_smoothing=0.1)).mean()
+    assert loss.item() == pytest.approx(expected.item(), rel=1e-6) and n.item() == 4
+    # top-5 accuracy in evaluation, where there are more than 5 classes
+    sums = task.eval_sums(model, batch)
+    top5 = (logits.topk(5, dim=1).indices == batch["label"][:, None]).any(dim=1).sum()
+    assert sums["correct_top5"].item() == top5.item() >= sums["correct"].item()
+    metrics = task.eval_metrics({k: float(v) for k, v in sums.items()})
+    assert metrics["val_top5_accuracy"] == top5.item() / 4
+    task.index = SimpleNamespace(classes=["a", "b", "c"])
+    assert "val_top5_accuracy" not in task.eval_metrics({k: float(v) for k, v in sums.items()})
+
+
+def test_a_profiled_window_of_steps_lands_in_the_run_folder_and_the_report_links_it(tmp_path):
+    """train.profile (issue 58): the steps of the window, recorded by torch.profiler on each rank, as a Chrome
+    trace in RUN/profile/ (through the host's storage: local or a bucket); nothing outside the window; the
+    run's report links every file there."""
+    import json
+    from types import SimpleNamespace
+
+    import pyarrow.fs
+
+    from behemoth import hosts
+    from behemoth.config.schema import ProfileConfig
+    from behemoth.storage.checkpoint import TrainState
+    from behemoth.worker.profiling import StepProfiler
+
+    run = tmp_path / "run"
+
+    class _Host(hosts.WorkerHost):
+        def storage(self):
+            return pyarrow.fs.LocalFileSystem(), str(run)
+
+    cfg = SimpleNamespace(train=SimpleNamespace(profile=ProfileConfig(start_step=2, steps=2)))
+    model = torch.nn.Linear(16, 16)
+    state, profiler = TrainState(), StepProfiler(cfg, rank=1, device=torch.device("cpu"))
+    with hosts.hosted(_Host()):
+        for _ in range(6):
+            profiler.before_step(state)
+            model(torch.randn(4, 16)).sum().backward()
+            state.step += 1
+            profiler.after_step(state)
+    files = sorted(p.name for p in (run / "profile").iterdir())
+    assert files == ["rank1.steps-3-4.pt.trace.json"]
+    events = json.loads((run / "profile" / files[0]).read_text())["traceEvents"]
+    assert any(e.get("name") == "aten::addmm" for e in events)  # the steps' matmuls, as the profiler saw them
+
+    from behemoth.tracking.report import _profile_links
+
+    (links,) = _profile_links(str(run))
+    assert '<a href="../profile/rank1.steps-3-4.pt.trace.json">' in links and "ui.perfetto.dev" in links
+    assert _profile_links(str(tmp_path / "other")) == []

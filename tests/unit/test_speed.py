@@ -116,6 +116,19 @@ def test_progress_line_shows_mfu_and_memory():
     assert "MFU 12.3%" in line and "mem 1.50 GB" in line and "data-wait 25%" in line
 
 
+def test_the_gradient_norm_and_skipped_steps_are_in_the_progress_line_and_the_trackers_curves():
+    """Issue 58: every report's grad_norm in the console line, in TensorBoard's and MLflow's curves (under
+    train/), and the count of skipped steps where there are any."""
+    from behemoth.tracking.tensorboard import scalar_tags
+
+    m = {"epoch": 0.5, "step": 10, "loss": 1.0, "lr": 0.1, "grad_norm": 2.345, "samples_per_s": 100.0,
+         "data_wait_frac": 0.25, "eta_s": 30}
+    assert "grad-norm 2.35" in metrics.progress_line(m, 20, 1) and "skipped" not in metrics.progress_line(m, 20, 1)
+    assert "skipped 3" in metrics.progress_line({**m, "skipped_steps": 3}, 20, 1)
+    tags = scalar_tags({**m, "skipped_steps": 3})
+    assert tags["train/grad_norm"] == 2.345 and tags["train/skipped_steps"] == 3.0
+
+
 def test_ray_data_scheduling_loop_is_paced_only_while_the_consumer_has_batches(monkeypatch):
     """ray_internals.data.pace_scheduling_loop: Ray Data's loop spun while training (the consumer) was busy."""
     import time

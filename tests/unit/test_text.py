@@ -6,9 +6,10 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import torch
 
 from behemoth.data.text import TextData
-from behemoth.errors import DataError
+from behemoth.errors import ConfigError, DataError
 from behemoth.data import text
 from behemoth.data.order import rank_train_indices, steps_per_epoch
 from behemoth.data.text_packing import Packer
@@ -192,3 +193,61 @@ def test_text_cache_builders_with_one_pid_on_two_hosts_keep_their_own_temporary_
     text_packing._build_cache(None, [], 0, "uint16", cache)
     assert (cache / "meta.json").is_file()
     assert (theirs / "train-00000.bin").read_bytes() == b"half-written"
+
+
+def _tiny_llama(implementation: str = "sdpa"):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64)
+    config._attn_implementation = implementation
+    return LlamaForCausalLM(config).eval()
+
+
+@pytest.mark.parametrize("implementation", ["sdpa", "eager"])
+def test_a_document_in_a_packed_block_sees_only_itself_with_document_mask(implementation):
+    """data.document_mask (issue 58): in a block packing document A (ending in EOS) then document B, B's logits
+    equal B's alone (positions restart, nothing of A attended), and the loss is the two documents' own losses
+    weighted by their predicted tokens (A's last token is not trained to predict B's first). Without the mask
+    B's logits depend on A."""
+    from types import SimpleNamespace
+
+    from behemoth.tasks.causal_lm import CausalLM
+
+    eos = 1
+    a, b = [5, 6, 7, 8, eos], [9, 10, 11, 12, 13, eos]
+    block = torch.tensor([a + b])
+    task = object.__new__(CausalLM)
+    task.cfg, task.index, task.transformers_model = SimpleNamespace(data=SimpleNamespace(document_mask=True)), \
+        SimpleNamespace(eos_id=eos), True
+    model = _tiny_llama(implementation)
+    with torch.no_grad():
+        inputs = task.document_inputs(model, block)
+        assert inputs["position_ids"].tolist() == [[0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 5]]
+        masked = model(input_ids=block, **{k: v for k, v in inputs.items() if k != "labels"}).logits
+        alone = model(input_ids=torch.tensor([b])).logits
+        assert torch.allclose(masked[0, len(a):], alone[0], atol=1e-5)
+        plain = model(input_ids=block).logits
+        assert not torch.allclose(plain[0, len(a):], alone[0], atol=1e-3)
+        loss = task._mean_loss(model, block)
+        loss_a = model(input_ids=torch.tensor([a]), labels=torch.tensor([a])).loss
+        loss_b = model(input_ids=torch.tensor([b]), labels=torch.tensor([b])).loss
+        assert loss.item() == pytest.approx(((4 * loss_a + 5 * loss_b) / 9).item(), rel=1e-5)
+        sums = task.eval_sums(model, {"input_ids": block})
+        assert sums["tokens"].item() == 9 and sums["loss"].item() == pytest.approx(9 * loss.item(), rel=1e-6)
+
+
+def tiny_lm(vocab_size: int) -> torch.nn.Module:
+    """A user's own language model by import path (unit.test_text:tiny_lm): called with the tokens alone."""
+    return torch.nn.Embedding(vocab_size, vocab_size)
+
+
+def test_document_mask_needs_a_transformers_model(tmp_path):
+    from behemoth.job import config_from_dict
+
+    job = {"data": {"kind": "text", "train_files": [str(tmp_path / "t.txt")], "val_fraction": 0.1,
+                    "tokenizer": str(tmp_path), "document_mask": True},
+           "model": {"name": "unit.test_text:tiny_lm"}}
+    with pytest.raises(ConfigError, match="data.document_mask needs a transformers model"):
+        config_from_dict(job)

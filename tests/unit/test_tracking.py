@@ -429,3 +429,76 @@ def test_run_sh_counts_from_when_python_starts_not_its_install(tmp_path):
     assert probe["start"] + 1.0 <= child_start <= child_now  # the child's own start, not the inherited time
     installed = [line for line in ran.stdout.splitlines() if line.startswith("[run.sh] installed in ")]
     assert len(installed) == 1 and "not in a run's start-up or goodput" in installed[0], ran.stdout
+
+
+def _wandb_records(folder: Path) -> list:
+    """The protobuf records of W&B's offline run files under `folder` (its .wandb transaction logs: a 7-byte
+    header, then LevelDB-style 32 KiB blocks of records, each with a 7-byte header of its own), oldest first."""
+    import struct
+
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    records = []
+    for path in sorted(folder.glob("wandb/offline-run-*/run-*.wandb")):
+        data = path.read_bytes()
+        assert data[:4] == b":W&B"
+        pos, payload = 7, b""
+        while pos + 7 <= len(data):
+            if 32768 - pos % 32768 < 7:  # a block's tail too short for a header is padding
+                pos += 32768 - pos % 32768
+                continue
+            _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+            payload, pos = payload + data[pos + 7:pos + 7 + length], pos + 7 + length
+            if kind in (1, 4):  # a whole record, or the last piece of one
+                record = pb.Record()
+                record.ParseFromString(payload)
+                records.append(record)
+                payload = b""
+    return records
+
+
+def test_wandb_gets_the_same_curves_as_mlflow_in_an_offline_run_resumed_by_id(tmp_path):
+    """tracking.wandb (issue 58), in W&B's offline mode (no network): the run's W&B id is kept in the run folder
+    (a rerun continues the same W&B run), every report's curves are logged with their step under the names
+    TensorBoard and MLflow use, a step trained again after a restart is not logged twice (W&B's steps only
+    increase), and the job config is the run's config."""
+    from behemoth.job import config_from_dict
+    from behemoth.tracking.callbacks import RunRecorder
+    from behemoth.tracking.run import RunTracking
+
+    job = {"data": {"kind": "image_folder", "root": str(tmp_path)}, "model": {"name": "regnet_tiny_cifar"},
+           "train": {"lr": 0.07}, "tracking": {"wandb": {"project": "behemoth-test", "mode": "offline"}}}
+    cfg = config_from_dict(job)
+    run = tmp_path / "run"
+    target = RunTracking(cfg, str(run))._wandb_target()
+    assert target["id"] == json.loads((run / "wandb.json").read_text())["id"]
+    assert RunTracking(cfg, str(run))._wandb_target()["id"] == target["id"]  # the rerun's: the same W&B run
+    recorder = RunRecorder(str(run), "inv", tensorboard=False, wandb=target)
+    for step in (1, 2, 3, 4, 3, 5):  # a restart from step 2's checkpoint trains 3 and 4 again
+        report = {"step": step, "loss": 1.0 / step, "lr": 0.07, "grad_norm": 2.0 + step, "samples_per_s": 100.0}
+        if step == 4:
+            report["val_accuracy"] = 0.5
+        recorder._record(report, checkpoint=False)
+    recorder.close()
+    records = _wandb_records(run)
+    history = [{(i.key or "/".join(i.nested_key)): json.loads(i.value_json) for i in r.history.item}
+               for r in records if r.WhichOneof("record_type") == "history"]
+    assert [h["_step"] for h in history] == [1, 2, 3, 4, 5]
+    assert history[2]["train/loss"] == pytest.approx(1 / 3) and history[2]["train/grad_norm"] == 5.0
+    assert history[3]["val/accuracy"] == 0.5 and history[4]["speed/samples_per_s"] == 100.0
+    (opened,) = [r.run for r in records if r.WhichOneof("record_type") == "run"]
+    assert opened.run_id == target["id"] and opened.project == "behemoth-test"
+    config = {u.key: json.loads(u.value_json) for u in opened.config.update}
+    assert config["train"]["lr"] == 0.07
+
+
+def test_wandb_keys_are_checked_before_ray(tmp_path):
+    from behemoth.errors import ConfigError
+    from behemoth.job import config_from_dict
+
+    job = {"data": {"kind": "image_folder", "root": str(tmp_path)}, "model": {"name": "regnet_tiny_cifar"}}
+    for wandb, message in (({"project": " "}, "tracking.wandb.project is empty"),
+                           ({"mode": "disabled"}, r"tracking.wandb.mode must be one of \['online', 'offline'\]"),
+                           ({"entity": "team"}, "tracking.wandb.entity is set without tracking.wandb.project")):
+        with pytest.raises(ConfigError, match=message):
+            config_from_dict({**job, "tracking": {"wandb": wandb}})

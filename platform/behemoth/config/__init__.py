@@ -7,10 +7,12 @@ Which data section a job reads (its task's) is behemoth/job.py's: config knows n
 """
 
 from behemoth.config.load import apply_override, dump_yaml, from_dict, read_yaml_mapping, warn_remote_code
-from behemoth.config.schema import (CheckpointConfig, DataConfig, EvalConfig, FailureConfig, JobConfig,
-                                    MlflowConfig, ModelConfig, ScalingConfig, TrackingConfig, TrainConfig)
+from behemoth.config.schema import (CheckpointConfig, DataConfig, EarlyStoppingConfig, EvalConfig, FailureConfig,
+                                    JobConfig, LoraConfig, MlflowConfig, ModelConfig, ProfileConfig, ScalingConfig,
+                                    TrackingConfig, TrainConfig, WandbConfig)
 from behemoth.errors import ConfigError
 
-__all__ = ["CheckpointConfig", "ConfigError", "DataConfig", "EvalConfig", "FailureConfig", "JobConfig",
-           "MlflowConfig", "ModelConfig", "ScalingConfig", "TrackingConfig", "TrainConfig", "apply_override",
-           "dump_yaml", "from_dict", "read_yaml_mapping", "warn_remote_code"]
+__all__ = ["CheckpointConfig", "ConfigError", "DataConfig", "EarlyStoppingConfig", "EvalConfig", "FailureConfig",
+           "JobConfig", "LoraConfig", "MlflowConfig", "ModelConfig", "ProfileConfig", "ScalingConfig",
+           "TrackingConfig", "TrainConfig", "WandbConfig", "apply_override", "dump_yaml", "from_dict",
+           "read_yaml_mapping", "warn_remote_code"]

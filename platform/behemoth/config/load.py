@@ -81,6 +81,9 @@ def _coerce(tp: Any, value: Any, where: str, key: str) -> Any:
     if origin in (typing.Union, types.UnionType):
         if value is None and type(None) in args:
             return None
+        section = next((a for a in args if dataclasses.is_dataclass(a)), None)
+        if section is not None and isinstance(value, dict):  # an optional section: its own errors, key by key
+            return _coerce(section, value, where, key)
         for option in (a for a in args if a is not type(None)):
             try:
                 return _coerce(option, value, where, key)

@@ -50,6 +50,27 @@ class DataConfig:
 
 
 @dataclass
+class LoraConfig:
+    # LoRA adapters (the peft library) on a transformers model: only they (and a classifier's head) train and
+    # are checkpointed; the base weights stay frozen as built (model.pretrained, or model.hf_config with
+    # train.seed). Rank, scaling (alpha / r) and dropout of the adapters:
+    r: int = 8
+    alpha: float = 16.0
+    dropout: float = 0.0
+    # The modules to adapt by name (e.g. [q_proj, v_proj]); None: peft's default for the model type.
+    target_modules: Optional[list[str]] = None
+
+    def validate(self) -> None:
+        _positive("model.lora.r", self.r)
+        _positive("model.lora.alpha", self.alpha)
+        if not 0 <= self.dropout < 1:
+            raise ConfigError(f"model.lora.dropout must be in [0, 1), got {self.dropout!r}")
+        if self.target_modules is not None and not self.target_modules:
+            raise ConfigError("model.lora.target_modules is empty: name modules (e.g. [q_proj, v_proj]), or leave it "
+                              "out for peft's default for the model type")
+
+
+@dataclass
 class ModelConfig:
     # A model the job's task builds (its model_names and hf_models, tasks/): image classification: a registered
     # name (resnet18, resnet50, regnet_cifar, regnet_tiny_cifar) or image_classifier (any transformers
@@ -73,6 +94,8 @@ class ModelConfig:
     # the low-precision compute). bfloat16: pure bf16 training, on purpose (half the memory for weights and
     # optimizer state; updates smaller than bf16's resolution are lost); not with train.precision fp16.
     dtype: Literal["float32", "bfloat16"] = "float32"
+    # Fine-tune LoRA adapters instead of every weight (causal_lm, sequence_classifier); None: every weight trains.
+    lora: Optional[LoraConfig] = None
 
     def validate(self, name: bool = True) -> None:
         """What holds for any model, whichever task builds it: hf_config holds architecture keys only (no
@@ -88,6 +111,34 @@ class ModelConfig:
         if self.trust_remote_code and not self.pretrained:
             raise ConfigError("model.trust_remote_code runs the code of model.pretrained's repository, and "
                               "model.pretrained is not set: set it, or remove trust_remote_code")
+        if self.lora is not None:
+            self.lora.validate()
+
+
+@dataclass
+class EarlyStoppingConfig:
+    # The metric (None: the task's best, e.g. val_accuracy); checked at each evaluation.
+    metric: Optional[str] = None
+    # Evaluations in a row without an improvement of more than min_delta before the run stops.
+    patience: int = 3
+    min_delta: float = 0.0
+
+    def validate(self) -> None:
+        _positive("train.early_stopping.patience", self.patience)
+        if self.min_delta < 0:
+            raise ConfigError(f"train.early_stopping.min_delta must be >= 0, got {self.min_delta!r}")
+
+
+@dataclass
+class ProfileConfig:
+    # Record steps start_step + 1 .. start_step + steps with torch.profiler (worker/profiling.py).
+    start_step: int = 10
+    steps: int = 3
+
+    def validate(self) -> None:
+        if self.start_step < 0:
+            raise ConfigError(f"train.profile.start_step must be >= 0, got {self.start_step!r}")
+        _positive("train.profile.steps", self.steps)
 
 
 @dataclass
@@ -105,10 +156,30 @@ class TrainConfig:
     # torch's fused kernel (the same update within float rounding); on a CPU its default (foreach) one.
     adam_betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
     adam_eps: float = 1e-8
-    # Linear warmup from 0 over this many steps, then cosine decay to lr * min_lr_ratio.
+    # The learning-rate schedule after a linear warm-up from 0 over warmup_steps: cosine or linear decay to
+    # lr * min_lr_ratio at the last step, constant at lr, or wsd (warmup-stable-decay: constant at lr, then a
+    # linear decay to lr * min_lr_ratio over the last wsd_decay_fraction of the steps after the warm-up).
+    schedule: Literal["cosine", "linear", "constant", "wsd"] = "cosine"
     warmup_steps: int = 0
     min_lr_ratio: float = 0.0
+    wsd_decay_fraction: float = 0.2
+    # Clip the gradient norm to this (the norm, clipped or not, is in every report as grad_norm).
     grad_clip: Optional[float] = None
+    # A step whose gradient norm is not finite (NaN/Inf): stop the run at the next report with one line naming
+    # the step (nothing after the last good checkpoint is saved), or skip it (no update: the optimizer runs
+    # fused and leaves the weights and its state as they were; the skipped steps are counted in the reports).
+    # With train.precision fp16 the gradient scaler skips overflowing steps itself; a non-finite loss stops.
+    nonfinite: Literal["stop", "skip"] = "stop"
+    # Stop a run whose evaluation metric has not improved by more than min_delta for `patience` evaluations
+    # in a row (the metric: one of the task's reported ones; its direction is the task's). Kept in the
+    # checkpoints: a resumed run counts on; a rerun of a run that stopped early trains nothing.
+    early_stopping: Optional[EarlyStoppingConfig] = None
+    # Profiler traces of a window of steps, per rank, into the run folder's profile/ (and a CUDA memory
+    # snapshot on a GPU); None: off.
+    profile: Optional[ProfileConfig] = None
+    # An exponential moving average of the weights (e.g. 0.9999), updated every step; evaluated, exported and
+    # kept in checkpoints instead of the raw weights for everything but training (worker/ema.py). None: off.
+    ema_decay: Optional[float] = None
     # fp32, or autocast to bf16 (CPU and GPU) / fp16 (GPU only, with a gradient scaler). Weights stay fp32.
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
     # Micro-batches per optimizer step on each worker: global_batch_size = micro-batch x grad_accum_steps x
@@ -178,6 +249,14 @@ class TrainConfig:
             _positive("train.max_steps", self.max_steps)
         if self.warmup_steps < 0 or self.weight_decay < 0 or not 0 <= self.min_lr_ratio <= 1:
             raise ConfigError("train.warmup_steps and train.weight_decay must be >= 0, min_lr_ratio in [0, 1]")
+        if not 0 < self.wsd_decay_fraction <= 1:
+            raise ConfigError(f"train.wsd_decay_fraction must be in (0, 1], got {self.wsd_decay_fraction!r}")
+        if self.early_stopping is not None:
+            self.early_stopping.validate()
+        if self.profile is not None:
+            self.profile.validate()
+        if self.ema_decay is not None and not 0 < self.ema_decay < 1:
+            raise ConfigError(f"train.ema_decay must be in (0, 1) (0.999 or 0.9999 are usual), got {self.ema_decay!r}")
         if len(self.adam_betas) != 2 or not all(0 <= b < 1 for b in self.adam_betas):
             raise ConfigError(f"train.adam_betas needs two values in [0, 1) (beta1, beta2), got {self.adam_betas!r}")
         _positive("train.adam_eps", self.adam_eps)
@@ -292,15 +371,33 @@ class MlflowConfig:
 
 
 @dataclass
+class WandbConfig:
+    # Off unless set: the W&B project the run goes into. Needs the wandb extra: pip install 'behemoth[wandb]'.
+    project: Optional[str] = None
+    entity: Optional[str] = None  # a W&B team or user (None: the logged-in user's default)
+    # online: to W&B's server (WANDB_API_KEY or `wandb login` on the driver's node); offline: files under the run
+    # folder's wandb/ for `wandb sync` later, no network
+    mode: Literal["online", "offline"] = "online"
+
+    def validate(self) -> None:
+        if self.project is not None and not self.project.strip():
+            raise ConfigError("tracking.wandb.project is empty: name a W&B project, or leave it unset (W&B off)")
+        if self.entity is not None and self.project is None:
+            raise ConfigError("tracking.wandb.entity is set without tracking.wandb.project: set the project too")
+
+
+@dataclass
 class TrackingConfig:
     # TensorBoard event files in RUN_FOLDER/tensorboard (`tensorboard --logdir RUN_FOLDER`).
     tensorboard: bool = True
     # `behemoth report` at the end of every run: RUN_FOLDER/report/report.html and its PNGs.
     report: bool = True
     mlflow: MlflowConfig = field(default_factory=MlflowConfig)
+    wandb: WandbConfig = field(default_factory=WandbConfig)
 
     def validate(self) -> None:
         self.mlflow.validate()
+        self.wandb.validate()
 
 
 @dataclass
@@ -344,6 +441,15 @@ class JobConfig:
         if micro == "auto" and not self.scaling.use_gpu and self.train.auto_batch_memory_mb is None:
             raise ConfigError("train.micro_batch_size auto on CPU needs train.auto_batch_memory_mb (the memory "
                               "one worker's training step may use, e.g. 4096)")
+        if self.model.lora is not None and (self.scaling.strategy != "ddp" or self.checkpoint.sharded(self.scaling.strategy)):
+            raise ConfigError(f"model.lora trains and checkpoints only the adapters of a model every worker holds "
+                              f"whole: it needs scaling.strategy ddp and checkpoint.format full (got "
+                              f"{self.scaling.strategy}, {self.checkpoint.format})")
+        if self.train.ema_decay is not None and (self.scaling.strategy != "ddp"
+                                                 or self.checkpoint.sharded(self.scaling.strategy)):
+            raise ConfigError(f"train.ema_decay keeps a full copy of the model on every worker and writes it whole: "
+                              f"it needs scaling.strategy ddp and checkpoint.format full (got "
+                              f"{self.scaling.strategy}, {self.checkpoint.format})")
         if self.scaling.strategy != "ddp" and self.train.grad_compression != "none":
             raise ConfigError(f"train.grad_compression {self.train.grad_compression} is a DDP communication hook; "
                               f"scaling.strategy {self.scaling.strategy} reduce-scatters its own gradients: "

@@ -63,6 +63,13 @@ class ImageData(DataConfig):
     # crop is drawn on the original size as before and taken from that view. Not the same pixels as decoding
     # every epoch: the crop resamples a downscaled image (docs/speed.md). 0: decoded every epoch.
     cache_side: int = 0
+    # The training loss's recipe (ImageNet's): cross-entropy against labels smoothed by label_smoothing; mixup
+    # (images and labels blended with a partner, weight ~ Beta(mixup_alpha, mixup_alpha)) and cutmix (a box of
+    # the partner pasted in, area ~ Beta(cutmix_alpha, cutmix_alpha)), each on when its alpha > 0 (both: one or
+    # the other per micro-batch, half and half). data/mixing.py. Evaluation is never mixed or smoothed.
+    label_smoothing: float = 0.0
+    mixup_alpha: float = 0.0
+    cutmix_alpha: float = 0.0
 
     path_keys: ClassVar[tuple[str, ...]] = (*DataConfig.path_keys, "root", "cache_dir")
 
@@ -92,6 +99,11 @@ class ImageData(DataConfig):
         if self.cache_side and self.cache_side < self.image_size:
             raise ConfigError(f"data.cache_side {self.cache_side} is smaller than data.image_size "
                               f"{self.image_size}: every crop would be upsampled; use at least {self.image_size}")
+        if not 0 <= self.label_smoothing < 1:
+            raise ConfigError(f"data.label_smoothing must be in [0, 1), got {self.label_smoothing!r} (0.1 is usual)")
+        if self.mixup_alpha < 0 or self.cutmix_alpha < 0:
+            raise ConfigError(f"data.mixup_alpha and data.cutmix_alpha must be >= 0 (0: off; 0.2 and 1.0 are "
+                              f"usual), got {self.mixup_alpha!r}, {self.cutmix_alpha!r}")
         if self.cache == "decoded" and filesystem.is_uri(self.cache_dir):
             raise ConfigError(f"data.cache_dir {self.cache_dir} is a URI: the decoded cache is a folder on each "
                               f"node's own disk (a local path), read by memory-mapping it")

@@ -71,6 +71,10 @@ class TextData(DataConfig):
     # files (each worker reads the cache's shards, memory-mapped or by ranged requests to a URI: a corpus larger
     # than memory; cache_dir must then be one every node reads: one machine, a shared filesystem, a bucket).
     token_store: Literal["memory", "files"] = "memory"
+    # Keep attention and positions inside each document of a packed block: a token attends only to the earlier
+    # tokens of its own document, positions restart at each document, and no token is trained to predict the
+    # first token of the next document (tasks/causal_lm.py). Off: the block is one sequence, as packed.
+    document_mask: bool = False
 
     path_keys: ClassVar[tuple[str, ...]] = (*DataConfig.path_keys, "tokenizer", "hf_dataset", "cache_dir")
 

@@ -30,6 +30,7 @@ from behemoth.config import DataConfig, JobConfig, ModelConfig, dump_yaml, warn_
 from behemoth.errors import CheckpointError, ConfigError
 from behemoth.job import config_from_dict
 from behemoth.models import registry
+from behemoth.models.lora import is_adapted
 from behemoth.tasks import task_of
 from behemoth.tasks.registry import is_custom_kind
 from behemoth.storage import filesystem
@@ -43,6 +44,9 @@ class TrustedCode:
     model_code: Optional[str] = None
     task_code: Optional[str] = None
     trust_remote_code: bool = False
+
+
+ADAPTER_FOLDER = "adapter"  # model.lora: PEFT's adapter folder, beside the merged model
 
 
 def export(path: str, out: str, which: str = "best", trusted: TrustedCode = TrustedCode()) -> tuple[Path, str]:
@@ -64,6 +68,10 @@ def export(path: str, out: str, which: str = "best", trusted: TrustedCode = Trus
     transformers_logging.disable_progress_bar()  # "Loading weights" / "Writing model shards" bars: one model
     model = task.model_from_checkpoint(cfg, ckpt).eval()
     out_dir.mkdir(parents=True, exist_ok=True)
+    if is_adapted(model):  # model.lora: the adapters as PEFT's folder, and merged into the plain model below
+        model.save_pretrained(out_dir / ADAPTER_FOLDER)
+        task.save_for_transformers(cfg, out_dir / ADAPTER_FOLDER)
+        model = model.merge_and_unload()
 
     if isinstance(model, PreTrainedModel):
         model.save_pretrained(out_dir)
@@ -128,6 +136,9 @@ def model_card(cfg: JobConfig, ckpt: str, how: str, transformers_model: bool) ->
                 f"run's {task.builder_keywords}\nsafetensors.torch.load_model(model, 'model.safetensors')")
     else:
         load = task.load_snippet(cfg)
+    if cfg.model.lora is not None:
+        load += (f"\n# the LoRA adapters alone (merged into the model above), on the base model they were trained on:"
+                 f"\n# peft.PeftModel.from_pretrained(base_model, FOLDER + '/{ADAPTER_FOLDER}')")
     data = cfg.data.source()
     lines = [
         f"# {cfg.checkpoint.run_name}", "",

@@ -80,5 +80,10 @@ class WorkerHost:
         """The id of the cluster node this worker runs on; None outside a cluster."""
         return None
 
+    def preemption_deadline(self) -> Optional[float]:
+        """Where the host says this worker's node is about to be reclaimed (a spot instance's notice): the
+        deadline (time.time() seconds; math.inf without one); None where no notice came."""
+        return None
+
     def quiet_console(self) -> None:
         """Keep the host's own per-report log lines off the console (behemoth prints progress lines)."""

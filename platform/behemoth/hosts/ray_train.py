@@ -4,6 +4,7 @@ calls ray.train.report (tests/unit/test_platform.py)."""
 
 from __future__ import annotations
 
+import math
 import os
 
 import ray
@@ -84,6 +85,14 @@ class RayTrainHost(WorkerHost):
 
     def node_id(self):
         return ray_node_id()
+
+    def preemption_deadline(self):
+        from behemoth.ray_internals.train import preemption_notice
+
+        notice = preemption_notice()
+        if notice is None:
+            return None
+        return math.inf if notice.deadline_ms is None else notice.deadline_ms / 1000
 
     def quiet_console(self) -> None:
         from behemoth.ray_internals.train import quiet_report_log

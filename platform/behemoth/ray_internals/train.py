@@ -19,7 +19,7 @@ from ray.train.v2._internal.execution.failure_handling.failure_policy import Fai
 
 __all__ = ["ControllerCallback", "DatasetsCallback", "DefaultFailurePolicy", "FailureDecision",
            "PlacementGroupCleaner", "PlacementGroupCleanerCallback", "ReportCallback", "TrainContextCallback",
-           "launch_placement_group_cleaner", "quiet_report_log", "set_failure_policy_factory",
+           "launch_placement_group_cleaner", "preemption_notice", "quiet_report_log", "set_failure_policy_factory",
            "worker_environment"]
 
 
@@ -46,6 +46,16 @@ def worker_environment() -> dict:
 
     return {RAY_WARN_BLOCKING_GET_INSIDE_ASYNC_ENV_VAR: DEFAULT_RAY_WARN_BLOCKING_GET_INSIDE_ASYNC_VALUE,
             **get_env_vars_to_propagate()}
+
+
+def preemption_notice():
+    """This Ray Train worker's own preemption notice: a PreemptionInfo (deadline_ms, preempted nodes and ranks)
+    once Ray Train's watcher saw a drain of a node of its worker group (it tells every worker), else None.
+    ray.train.get_preemption_info returns the same after broadcasting rank 0's through an actor barrier;
+    behemoth's ranks agree in the all-reduce their report step makes anyway (worker/report.py)."""
+    from ray.train.v2._internal.execution.context import get_train_context
+
+    return get_train_context().preemption_context.preemption_info
 
 
 def quiet_report_log() -> None:

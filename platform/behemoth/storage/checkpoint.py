@@ -45,6 +45,7 @@ SHARDED_FORMATS = (LEGACY_SHARDED_FORMAT, SHARDED_FORMAT)
 VALUES_FILE = "state_values.json"
 MANIFEST = "manifest.json"
 MODEL_FILE = "model.pt"  # a full checkpoint's weights; the rest of it (optimizer, schedule, ...) is the run's
+EMA_FILE = "ema.pt"  # the weight average (train.ema_decay): the weights evaluation, eval and export use
 STATE_DIR = "state"
 # What DCP warns when it runs without a process group: in a one-process use that is what is meant.
 SINGLE_PROCESS_WARNING = "torch.distributed is disabled"
@@ -62,6 +63,16 @@ class TrainState:
     step_in_epoch: int = 0  # optimizer steps done in that epoch
     samples_seen: int = 0  # global samples trained on in the whole run
     world_size: int = 1  # workers when the checkpoint was written (elastic runs log a change)
+    skipped_steps: int = 0  # steps whose update was skipped: a non-finite gradient norm (train.nonfinite: skip)
+    # train.early_stopping: the best value of its metric so far, evaluations since it improved, and the step the
+    # run stopped at (None: it has not stopped)
+    best_metric: float | None = None
+    evals_without_improvement: int = 0
+    stopped_early_at: int | None = None
+
+    def last_step(self, total_steps: int) -> int:
+        """The step the run ends at: its last, or the one early stopping stopped it at."""
+        return total_steps if self.stopped_early_at is None else min(self.stopped_early_at, total_steps)
 
     def advance(self, epoch_steps: int, global_batch: int) -> None:
         """One optimizer step done; an epoch's last step moves to the next epoch's step 0."""
@@ -161,10 +172,11 @@ def commit(directory: str | Path, files: dict, format_version: int) -> None:
 
 
 def weight_files(manifest: dict) -> tuple[str, ...]:
-    """The files holding a checkpoint's model weights: model.pt, or a sharded one's state/ folder."""
+    """The files holding a checkpoint's model weights: model.pt (ema.pt, the weight average, where the run kept
+    one: what it evaluated), or a sharded one's state/ folder."""
     if manifest.get("format_version") in SHARDED_FORMATS:
         return tuple(name for name in manifest["files"] if name.startswith(STATE_DIR + "/"))
-    return (MODEL_FILE,)
+    return (EMA_FILE,) if EMA_FILE in manifest["files"] else (MODEL_FILE,)
 
 
 def is_sharded_format(directory: str | Path) -> bool:

@@ -13,7 +13,7 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterator, Optional
 
-from behemoth.storage.checkpoint import MANIFEST, MODEL_FILE, SHARDED_FORMATS, complete_checkpoints, read_manifest, verify, weight_files
+from behemoth.storage.checkpoint import MANIFEST, SHARDED_FORMATS, complete_checkpoints, read_manifest, verify, weight_files
 from behemoth.storage.filesystem import filesystem, is_uri, read_file
 from behemoth.errors import CheckpointError
 
@@ -159,7 +159,8 @@ def _read_state_dict(p: Path, path: str | Path) -> dict:
             from behemoth.storage.shard_reader import read_sharded_weights  # DCP's modules: only when one is read
 
             return read_sharded_weights(p)
-        return torch.load(p / MODEL_FILE, map_location="cpu", weights_only=True)
+        (weights,) = weight_files(manifest)  # the weight average where the run kept one (train.ema_decay)
+        return torch.load(p / weights, map_location="cpu", weights_only=True)
     from safetensors.torch import load_file
 
     if (p / "model.safetensors").is_file():
@@ -188,7 +189,9 @@ def load_weights(model: torch.nn.Module, source: dict, where: str,
     wrong_shape = [f"{k} {tuple(source[k].shape)} (model: {tuple(own[k].shape)})" for k in own
                    if k in source and source[k].shape != own[k].shape and k not in reinit]
     tied = _tied_to_present(own, source)
-    missing = [k for k in own if k not in source and k not in tied]
+    # a LoRA model (model.lora): its checkpoints hold what trains; the frozen base is the model's, as built
+    frozen = {n for n, p in model.named_parameters() if not p.requires_grad} if hasattr(model, "peft_config") else set()
+    missing = [k for k in own if k not in source and k not in tied and k not in frozen]
     unexpected = [k for k in source if k not in own]
     problems = [f"{label}: {', '.join(keys[:5])}{' ...' if len(keys) > 5 else ''}"
                 for label, keys in (("other shape", wrong_shape), ("missing", missing),

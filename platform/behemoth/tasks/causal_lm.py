@@ -17,19 +17,26 @@ import torch.nn.functional as F
 
 from behemoth.storage import weights
 from behemoth.config import JobConfig
+from behemoth.errors import ConfigError
 from behemoth.data.prefetch import to_device_ahead
 from behemoth.data.text import TextData
 from behemoth.data.text_packing import TokenIndex
 from behemoth.models import registry
 from behemoth.models.causal_lm import build_causal_lm, train_on_causal_attention
+from behemoth.models.lora import add_adapters
 from behemoth import hosts
 from behemoth.tasks.contract import Task
 
 
-def build_lm(cfg: JobConfig, vocab_size: int, eos_id: int, bos_id: int | None) -> torch.nn.Module:
+def build_lm(cfg: JobConfig, vocab_size: int, eos_id: int, bos_id: int | None, train: bool = False) -> torch.nn.Module:
+    """The job's model (with model.lora's adapters); `train`: as the workers train it (plain causal attention
+    where the whole block is one sequence: models/causal_lm.train_on_causal_attention)."""
     if registry.is_import_path(cfg.model.name):
         return registry.build_user_model(cfg.model.name, vocab_size=vocab_size)
-    return build_causal_lm(cfg.model, vocab_size=vocab_size, eos_id=eos_id, bos_id=bos_id, seq_len=cfg.data.seq_len)
+    model = build_causal_lm(cfg.model, vocab_size=vocab_size, eos_id=eos_id, bos_id=bos_id, seq_len=cfg.data.seq_len)
+    if train and not cfg.data.document_mask:
+        model = train_on_causal_attention(model)
+    return model if cfg.model.lora is None else add_adapters(model, cfg.model.lora, "CAUSAL_LM")
 
 
 class CausalLM(Task):
@@ -93,6 +100,7 @@ class CausalLM(Task):
         from behemoth.data.text import load_tokenizer
 
         tok = load_tokenizer(cfg.data.tokenizer)
+        torch.manual_seed(cfg.train.seed)  # as the workers seed it: LoRA's base, built from a config, is theirs
         model = build_lm(cfg, len(tok), tok.eos_token_id, tok.bos_token_id)
         weights.load_weights(model, weights.read_state_dict(ckpt), ckpt)
         return model
@@ -119,9 +127,15 @@ class CausalLM(Task):
         self.tokens_per_sample = cfg.data.seq_len
         self.transformers_model = not registry.is_import_path(cfg.model.name)
 
+    @classmethod
+    def check_model(cls, cfg: JobConfig) -> None:
+        super().check_model(cfg)
+        if cfg.data.document_mask and registry.is_import_path(cfg.model.name):
+            raise ConfigError(f"data.document_mask needs a transformers model (causal_lm), which takes position ids "
+                              f"and an attention mask: model.name {cfg.model.name} is called with the tokens alone")
+
     def build_model(self):
-        model = build_lm(self.cfg, self.index.vocab_size, self.index.eos_id, self.index.bos_id)
-        return train_on_causal_attention(model) if self.transformers_model else model
+        return build_lm(self.cfg, self.index.vocab_size, self.index.eos_id, self.index.bos_id, train=True)
 
     def train_batches(self, indices, epoch: int, batch_size: int):
         return self._batches(self.index.train, indices, batch_size)
@@ -151,7 +165,8 @@ class CausalLM(Task):
         return to_device_ahead(gathered(), hosts.device(), host_keys=("sample_id",))
 
     def loss(self, model, batch):
-        """Labels are the inputs, shifted by one: each row predicts seq_len - 1 tokens."""
+        """Labels are the inputs, shifted by one: each row predicts seq_len - 1 tokens (with data.document_mask,
+        not the first token of a document from the one before)."""
         ids = batch["input_ids"]
         # the count filled on the device: torch.tensor(n, device=...) would be a blocking host-to-device copy
         return self._mean_loss(model, ids), torch.full((), float(len(ids)), device=ids.device)
@@ -160,15 +175,44 @@ class CausalLM(Task):
         if self.transformers_model:
             # the model shifts the labels itself; no key/value cache (generation's: training would build one
             # per layer and step, and throw it away)
+            if self.cfg.data.document_mask:
+                return model(input_ids=ids, use_cache=False, **self.document_inputs(model, ids)).loss
             return model(input_ids=ids, labels=ids, use_cache=False).loss
         out = model(ids)
         logits = out.logits if hasattr(out, "logits") else out
         return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(), ids[:, 1:].reshape(-1))
 
+    def document_inputs(self, model, ids: torch.Tensor) -> dict:
+        """data.document_mask: the documents of each packed block (a token after EOS starts one) as the model's
+        position ids (from 0 at each document's start), its attention (causal within a document: a 4-D
+        boolean mask for SDPA, additive for eager attention; flash attention builds its variable-length
+        calls from the position ids alone) and labels (-100 at a document's first token: never predicted
+        from the document before). All on the device, from the tokens; nothing read on the host."""
+        length = ids.shape[1]
+        steps = torch.arange(length, device=ids.device)
+        starts = torch.zeros_like(ids, dtype=torch.bool)
+        starts[:, 1:] = ids[:, :-1] == self.index.eos_id
+        document = starts.cumsum(dim=1)
+        positions = steps - torch.where(starts, steps, 0).cummax(dim=1).values
+        inputs = {"position_ids": positions, "labels": ids.masked_fill(starts, -100)}
+        inner = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
+        implementation = inner.config._attn_implementation
+        if "flash" in implementation:
+            return inputs
+        mask = (document[:, :, None] == document[:, None, :]) & (steps[:, None] >= steps[None, :])
+        if implementation != "sdpa":  # eager and the like add the mask to the scores
+            mask = torch.zeros(mask.shape, dtype=inner.dtype, device=ids.device).masked_fill(
+                ~mask, torch.finfo(inner.dtype).min)
+        return {**inputs, "attention_mask": mask[:, None]}
+
     def eval_sums(self, model, batch):
         ids = batch["input_ids"]
-        predicted = ids.shape[0] * (ids.shape[1] - 1)
         loss = self._mean_loss(model, ids).to(torch.float64)
+        if self.cfg.data.document_mask:  # the predicted tokens: not the documents' first ones
+            starts = ids[:, :-1] == self.index.eos_id
+            predicted = (ids.shape[0] * (ids.shape[1] - 1) - starts.sum()).to(torch.float64)
+            return {"loss": loss * predicted, "tokens": predicted}
+        predicted = ids.shape[0] * (ids.shape[1] - 1)
         return {"loss": loss * predicted, "tokens": torch.tensor(float(predicted), device=ids.device)}
 
     def eval_metrics(self, sums):

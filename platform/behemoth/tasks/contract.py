@@ -74,6 +74,9 @@ class Task(abc.ABC):
         elif model.pretrained or model.hf_config:
             raise ConfigError(f"model.pretrained and model.hf_config are for {' and '.join(cls.hf_models) or 'none'} "
                               f"of this task's models, not {model.name}")
+        if model.lora is not None and model.name not in ("causal_lm", "sequence_classifier"):
+            raise ConfigError(f"model.lora adds adapters to a transformers language model (model.name causal_lm or "
+                              f"sequence_classifier), not to {model.name}: remove model.lora, or train every weight")
 
     @classmethod
     def data_cpus(cls, cfg: JobConfig) -> float:

@@ -52,7 +52,7 @@ class ImageClassification(Task):
     # --- driver side ------------------------------------------------------------------------------------
     data_config = ImageData
     best = ("val_accuracy", "max")
-    reported = {"val_accuracy": "max", "val_loss": "min", "loss": "min"}
+    reported = {"val_accuracy": "max", "val_loss": "min", "loss": "min"}  # (val_top5_accuracy: > 5 classes only)
     model_names = tuple(registry.MODELS)
     hf_models = {registry.IMAGE_CLASSIFIER: "vit"}  # any AutoModelForImageClassification
     bad_samples_are = "undecodable images"
@@ -155,7 +155,7 @@ class ImageClassification(Task):
     # --- worker side ------------------------------------------------------------------------------------
     # loss summed over valid samples, correct predictions, valid samples, undecodable samples (dropped within
     # data.max_bad_samples)
-    eval_sum_names = ("loss", "correct", "samples", "bad_samples")
+    eval_sum_names = ("loss", "correct", "correct_top5", "samples", "bad_samples")
     eval_batches_repeat = True  # centre-fitted, never augmented: the worker keeps them after the first evaluation
     channels_last = True  # convolutions: on a GPU, weights and input in the tensor cores' layout
 
@@ -247,12 +247,23 @@ class ImageClassification(Task):
             return self._decoded_splits[split]
 
     def loss(self, model, batch):
-        """Mean cross-entropy over the decodable samples (undecodable ones, valid=False, carry no loss)."""
+        """Mean cross-entropy over the decodable samples (undecodable ones, valid=False, carry no loss), against
+        labels smoothed by data.label_smoothing; with mixup or cutmix (data/mixing.py) each sample's loss weighs
+        its own label and its partner's by their shares of the image."""
         from torch.nn.functional import cross_entropy
 
-        valid = batch["valid"].float()
-        logits = self.logits(model, self.pixel_values(batch))
-        per_sample = cross_entropy(logits, batch["label"], reduction="none")
+        from behemoth.data.mixing import mix  # (torch's: the task's driver half imports no torch)
+
+        d = self.cfg.data
+        images, labels, valid = self.pixel_values(batch), batch["label"], batch["valid"]
+        mixed = mix(images, labels, valid, d.mixup_alpha, d.cutmix_alpha)
+        logits = self.logits(model, images if mixed is None else mixed.images)
+        per_sample = cross_entropy(logits, labels, reduction="none", label_smoothing=d.label_smoothing)
+        if mixed is not None:
+            partner = cross_entropy(logits, mixed.partner_labels, reduction="none", label_smoothing=d.label_smoothing)
+            per_sample = mixed.share * per_sample + (1 - mixed.share) * partner
+            valid = valid & mixed.partner_valid
+        valid = valid.float()
         n_valid = valid.sum()
         return (per_sample * valid).sum() / n_valid.clamp(min=1), n_valid
 
@@ -263,13 +274,18 @@ class ImageClassification(Task):
         logits = self.logits(model, self.pixel_values(batch))
         losses = cross_entropy(logits, batch["label"], reduction="none")
         correct = (logits.argmax(dim=1) == batch["label"]) & valid
-        return {"loss": losses[valid].sum(), "correct": correct.sum(), "samples": valid.sum(),
-                "bad_samples": (~valid).sum()}
+        top5 = logits.topk(min(5, logits.shape[1]), dim=1).indices
+        correct_top5 = (top5 == batch["label"][:, None]).any(dim=1) & valid
+        return {"loss": losses[valid].sum(), "correct": correct.sum(), "correct_top5": correct_top5.sum(),
+                "samples": valid.sum(), "bad_samples": (~valid).sum()}
 
     def eval_metrics(self, sums):
         n = max(sums["samples"], 1.0)
-        return {"val_loss": sums["loss"] / n, "val_accuracy": sums["correct"] / n, "val_samples": int(n),
-                "val_bad_samples": int(sums["bad_samples"])}
+        metrics = {"val_loss": sums["loss"] / n, "val_accuracy": sums["correct"] / n, "val_samples": int(n),
+                   "val_bad_samples": int(sums["bad_samples"])}
+        if len(self.index.classes) > 5:  # (with 5 classes or fewer every sample is in the top 5)
+            metrics["val_top5_accuracy"] = sums["correct_top5"] / n
+        return metrics
 
     def bad_samples(self, batch):
         import torch

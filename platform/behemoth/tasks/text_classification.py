@@ -30,6 +30,7 @@ from behemoth.data.labelled_text import (
 from behemoth.data.prefetch import to_device_ahead
 from behemoth.errors import ConfigError
 from behemoth.models import registry
+from behemoth.models.lora import add_adapters
 from behemoth import hosts
 from behemoth.tasks.contract import Task
 
@@ -73,7 +74,7 @@ def build_classifier(cfg: JobConfig, classes: list[str], vocab_size: int, pad_id
     if positions is not None and positions < cfg.data.max_length:
         raise ConfigError(f"{where}: max_position_embeddings {positions} < data.max_length {cfg.data.max_length}: "
                           f"lower data.max_length or raise model.hf_config.max_position_embeddings")
-    return model
+    return model if cfg.model.lora is None else add_adapters(model, cfg.model.lora, "SEQ_CLS")
 
 
 class TextClassification(Task):
@@ -131,6 +132,7 @@ class TextClassification(Task):
         against its manifest: an edited one would name the classes wrongly in the export)."""
         classes = read_json(ckpt, "labels.json")
         tok = load_classification_tokenizer(cfg.data.tokenizer)
+        torch.manual_seed(cfg.train.seed)  # as the workers seed it: LoRA's base, built from a config, is theirs
         model = build_classifier(cfg, classes, len(tok), tok.pad_token_id)
         weights.load_weights(model, weights.read_state_dict(ckpt), ckpt)
         return model

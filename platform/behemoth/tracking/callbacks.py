@@ -23,11 +23,12 @@ METRICS_FLUSH_S = 10.0
 
 class RunRecorder(ControllerCallback, ReportCallback):
     def __init__(self, run_dir: str, invocation: str, tensorboard: bool = True,
-                 mlflow: tuple[str, str] | None = None):
-        """`mlflow`: (tracking URI, run id) of the run's MLflow run, or None."""
+                 mlflow: tuple[str, str] | None = None, wandb: dict | None = None):
+        """`mlflow`: (tracking URI, run id) of the run's MLflow run, or None; `wandb`: what opens its W&B run
+        (tracking/wandb_run.py), or None."""
         self.run_dir, self.invocation = run_dir, invocation
-        self.use_tensorboard, self.mlflow_target = tensorboard, mlflow
-        self._metrics = self._timeline = self._tb = self._mlflow = None
+        self.use_tensorboard, self.mlflow_target, self.wandb_target = tensorboard, mlflow, wandb
+        self._metrics = self._timeline = self._tb = self._mlflow = self._wandb = None
         self._warned: set[str] = set()
 
     # Ray Train's hooks -----------------------------------------------------------------------------------
@@ -47,11 +48,15 @@ class RunRecorder(ControllerCallback, ReportCallback):
             return  # nothing trained (a rerun of a finished run re-evaluates it): its curves have these steps
         if self.use_tensorboard:
             self._guarded("TensorBoard", lambda: self.tensorboard.log(report, checkpoint))
-        if self.mlflow_target:
+        if self.mlflow_target or self.wandb_target:
             from behemoth.tracking.tensorboard import scalar_tags
 
-            self._guarded("MLflow", lambda: self.mlflow.log(scalar_tags(report), report["step"],
-                                                            report.get("wall_time", time.time())))
+            curves = scalar_tags(report)
+            if self.mlflow_target:
+                self._guarded("MLflow", lambda: self.mlflow.log(curves, report["step"],
+                                                                report.get("wall_time", time.time())))
+            if self.wandb_target:
+                self._guarded("W&B", lambda: self.wandb.log(curves, report["step"]))
 
     def after_controller_start(self, train_run_context):
         # Ray's autoscaling coordinator knows this controller's resource request by this id: a rerun after
@@ -93,6 +98,14 @@ class RunRecorder(ControllerCallback, ReportCallback):
             self._mlflow = MlflowMetrics(*self.mlflow_target)
         return self._mlflow
 
+    @property
+    def wandb(self):
+        if self._wandb is None:
+            from behemoth.tracking.wandb_run import WandbMetrics
+
+            self._wandb = WandbMetrics(self.wandb_target)
+        return self._wandb
+
     def event(self, name: str, **fields) -> None:
         if self._timeline is None:
             self._timeline = JsonlLog(paths.join(self.run_dir, TIMELINE))
@@ -106,6 +119,9 @@ class RunRecorder(ControllerCallback, ReportCallback):
             self._tb = None  # a later report (none is expected) opens a new one
         if self._mlflow is not None:
             self._mlflow.close()
+        if self._wandb is not None:
+            self._guarded("W&B", self._wandb.close)
+            self._wandb = None
 
     def _guarded(self, what: str, fn) -> None:
         """A tracker's failure is reported once and never reaches the training."""

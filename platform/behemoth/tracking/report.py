@@ -15,7 +15,7 @@ import html
 import io
 import os
 
-from behemoth.storage import paths
+from behemoth.storage import filesystem, paths
 from behemoth.errors import ConfigError
 from behemoth.tracking import goodput
 from behemoth.tracking.records import (
@@ -70,10 +70,26 @@ def write_run_report(run_dir: str, account: goodput.Account | None = None) -> st
         sections.append(_goodput_tables(account))
     sections += [f'<h2>{html.escape(name.replace("_", " ").title())}</h2><img src="data:image/png;base64,{b64}">'
                  for name, b64 in pngs.items()]
+    sections += _profile_links(run_dir)
     page = _page(f"behemoth run {os.path.basename(run_dir.rstrip('/'))}", sections)
     target = paths.join(out, "report.html")
     write_text(target, page)
     return target
+
+
+def _profile_links(run_dir: str) -> list[str]:
+    """The run's profiler traces (train.profile: RUN/profile/), linked from the report (beside it: ../profile)."""
+    import pyarrow.fs
+
+    fs, where = filesystem.filesystem(paths.join(run_dir, "profile"))
+    found = sorted(f.base_name for f in fs.get_file_info(pyarrow.fs.FileSelector(where, allow_not_found=True))
+                   if f.type == pyarrow.fs.FileType.File)
+    if not found:
+        return []
+    items = "".join(f'<li><a href="../profile/{html.escape(n)}">{html.escape(n)}</a></li>' for n in found)
+    return [f"<h2>Profiler traces (train.profile)</h2><p>Open a .pt.trace.json in "
+            f"<a href=\"https://ui.perfetto.dev\">ui.perfetto.dev</a> (or chrome://tracing); a .memory.pickle in "
+            f"<a href=\"https://pytorch.org/memory_viz\">pytorch.org/memory_viz</a>.</p><ul>{items}</ul>"]
 
 
 def _step_figures(plt, kept: list[dict], restarts: list) -> dict:
@@ -89,7 +105,8 @@ def _step_figures(plt, kept: list[dict], restarts: list) -> dict:
                        and not k.endswith(("samples", "tokens"))})  # rates, not the counts evaluated
     if val_keys:
         by_step("validation", "Validation", "value", [(k[4:], k, "o-") for k in val_keys])
-    by_step("lr", "Learning rate", "lr", [("lr", "lr", "-")])
+    by_step("lr", "Learning rate and gradient norm", "lr", [("lr", "lr", "-")],
+            twin=("gradient norm (before clipping)", "grad_norm", "-"))
     throughput = [("samples/s", "samples_per_s", "-")]
     if any("tokens_per_s" in r for r in kept):
         throughput = [("tokens/s", "tokens_per_s", "-")]

@@ -55,7 +55,19 @@ class RunTracking:
         self._timeline().append({"time": time.time(), "event": "invocation_start", "invocation": self.invocation,
                                  "marks": self.marks})
         return [RunRecorder(self.run_dir, self.invocation, self.cfg.tracking.tensorboard,
-                            (mlflow.uri, self.mlflow_run_id) if self.mlflow_run_id else None)]
+                            (mlflow.uri, self.mlflow_run_id) if self.mlflow_run_id else None, self._wandb_target())]
+
+    def _wandb_target(self) -> dict | None:
+        """What the recorder opens the run's W&B run with (tracking/wandb_run.py), or None (W&B off)."""
+        w = self.cfg.tracking.wandb
+        if not w.project:
+            return None
+        from behemoth.tracking import wandb_run
+
+        wandb_run.check_installed()  # not installed: a config error, before the run starts
+        return {"project": w.project, "entity": w.entity, "mode": w.mode, "id": wandb_run.run_id(self.run_dir),
+                "name": self.cfg.checkpoint.run_name, "dir": wandb_run.local_dir(self.run_dir),
+                "config": self.cfg.to_dict()}
 
     def finish(self, status: str, clock: dict | None = None, final_step: int | None = None,
                best_checkpoint: str | None = None) -> None:

@@ -20,7 +20,8 @@ FOLDER = "tensorboard"
 # Report keys that are bookkeeping, not curves.
 _NOT_SCALARS = {"step", "total_steps", "wall_time", "time", "invocation", "eta_s", "samples_seen", "group_id",
                 "resumed_from_step", "micro_batch_size", "grad_accum_steps", "model_tflops_per_sample"}
-_SECTIONS = {"loss": "train", "lr": "train", "epoch": "train", "samples_per_s": "speed", "tokens_per_s": "speed",
+_SECTIONS = {"loss": "train", "lr": "train", "epoch": "train", "grad_norm": "train", "skipped_steps": "train",
+             "samples_per_s": "speed", "tokens_per_s": "speed",
              "data_wait_frac": "speed", "mfu": "speed", "tflops_per_worker": "speed", "peak_mem_gb": "memory",
              "checkpoint_block_s": "checkpoint", "checkpoint_snapshot_s": "checkpoint",
              "checkpoint_report_s": "checkpoint", "eval_s": "evaluation", "world_size": "cluster",

@@ -13,9 +13,10 @@ from pathlib import Path
 
 import torch
 
-from behemoth.storage.checkpoint import (MODEL_FILE, Snapshot, TrainState, is_sharded_format, read_manifest_bytes, verify,
-                                 write)
+from behemoth.storage.checkpoint import (EMA_FILE, MODEL_FILE, Snapshot, TrainState, is_sharded_format,
+                                         read_manifest_bytes, verify, write)
 from behemoth.errors import CheckpointError
+from behemoth.models.lora import is_adapted
 from behemoth.worker import collectives, sharded
 from behemoth.worker.parallel import is_sharded, unwrap
 
@@ -102,7 +103,7 @@ def _side_stream(device) -> "torch.cuda.Stream":
 
 def snapshot(*, model, optimizer, scheduler, state: TrainState, task_files: dict[str, str], job_yaml: str,
              scaler=None, hook_states: list | None = None, buffers: dict | None = None,
-             overlap: bool = False, metrics: dict | None = None) -> Snapshot | None:
+             overlap: bool = False, metrics: dict | None = None, ema=None) -> Snapshot | None:
     """Copy the state to host memory. Under FSDP every rank must call it (the full state is gathered) and
     only rank 0 gets the snapshot; under DDP call it on rank 0 only (the ranks are identical).
 
@@ -125,8 +126,10 @@ def snapshot(*, model, optimizer, scheduler, state: TrainState, task_files: dict
             return None
     else:
         pool, pairs = ({} if buffers is None else buffers), []
-        model_sd = _host_buffers(unwrap(model).state_dict(), pool, "model", pairs)
+        model_sd = _host_buffers(trained_state(unwrap(model)), pool, "model", pairs)
         optim_sd = _host_buffers(optimizer.state_dict(), pool, "optimizer", pairs)
+        # (the weight average changes only after the optimizer's update, as the parameters do)
+        ema_sd = None if ema is None else _host_buffers(ema.state_dict(), pool, "ema", pairs)
         volatile = {b.data_ptr() for b in unwrap(model).buffers()}
         deferred = [overlap and src.data_ptr() not in volatile for _, src in pairs]
         copies = Copies([p for p, d in zip(pairs, deferred) if not d], [p for p, d in zip(pairs, deferred) if d])
@@ -135,6 +138,8 @@ def snapshot(*, model, optimizer, scheduler, state: TrainState, task_files: dict
     dicts, texts = extras(scheduler=scheduler, state=state, task_files=task_files, job_yaml=job_yaml, scaler=scaler,
                           hook_states=hook_states, metrics=metrics)
     dicts = {MODEL_FILE: model_sd, "optimizer.pt": optim_sd, **dicts}
+    if ema is not None and not is_sharded(model):
+        dicts[EMA_FILE] = ema_sd
     return Snapshot(dicts, texts, state.step, copies)
 
 
@@ -148,7 +153,8 @@ def extras(*, scheduler, state: TrainState, task_files: dict[str, str], job_yaml
     if hook_states is not None:  # per-rank gradient-compression state (PowerSGD error feedback)
         dicts["comm_hook.pt"] = {"world_size": len(hook_states), "ranks": hook_states}
     texts = {"train_state.json": json.dumps(asdict(state), indent=1), "job.yaml": job_yaml}
-    ours = {*texts, *dicts, "metrics.json", "model.pt", "optimizer.pt", "manifest.json", "state_values.json"}
+    ours = {*texts, *dicts, "metrics.json", "model.pt", "optimizer.pt", EMA_FILE, "manifest.json",
+            "state_values.json"}
     if any(name in ours or name.startswith("state/") for name in task_files):
         raise ValueError(f"the task's checkpoint files {sorted(task_files)} would replace behemoth's own")
     texts.update(task_files)
@@ -216,7 +222,7 @@ def opened_on_every_rank(ckpt) -> Iterator[tuple[Path, object, bool]]:
 
 
 def load(directory: str | Path, *, model, optimizer=None, scheduler=None, scaler=None,
-         hook_state=None, remote=None, node_copy: bool = False) -> TrainState:
+         hook_state=None, remote=None, node_copy: bool = False, ema=None) -> TrainState:
     """Verify, then restore the given objects in place. Returns the saved TrainState.
 
     Either format under either strategy: a sharded checkpoint through DCP (every rank calls this; it
@@ -242,9 +248,14 @@ def load(directory: str | Path, *, model, optimizer=None, scheduler=None, scaler
             set_state_dict(unwrap(model), optimizer if optimizer else [], model_state_dict=model_sd,
                            optim_state_dict=optim_sd or {}, options=StateDictOptions(full_state_dict=True))
         else:
-            unwrap(model).load_state_dict(model_sd)
+            load_trained_state(unwrap(model), model_sd, d)
             if optimizer is not None:
                 optimizer.load_state_dict(optim_sd)
+    if ema is not None:  # a checkpoint from before train.ema_decay was on: the average starts at its weights
+        if (d / EMA_FILE).is_file():
+            ema.load_state_dict(torch.load(d / EMA_FILE, map_location="cpu", weights_only=True))
+        else:
+            ema.reset()
     if scheduler is not None:
         scheduler.load_state_dict(torch.load(d / "scheduler.pt", weights_only=True))
     if scaler is not None and scaler.is_enabled() and (d / "scaler.pt").is_file():
@@ -255,6 +266,29 @@ def load(directory: str | Path, *, model, optimizer=None, scheduler=None, scaler
         if saved["world_size"] == world:  # each rank's error feedback is its own; a resize starts it afresh
             hook_state.load_bytes(saved["ranks"][rank], device=next(unwrap(model).parameters()).device)
     return TrainState(**json.loads((d / "train_state.json").read_text()))
+
+
+def trained_state(module: torch.nn.Module) -> dict:
+    """What a checkpoint keeps of the model: its state dict; of a model with LoRA adapters (model.lora), only
+    the parameters that train (the adapters, a classifier's head): the frozen base is rebuilt as it was."""
+    state = module.state_dict()
+    if not is_adapted(module):
+        return state
+    frozen = {name for name, p in module.named_parameters() if not p.requires_grad}
+    return {k: v for k, v in state.items() if k not in frozen}
+
+
+def load_trained_state(module: torch.nn.Module, state: dict, where) -> None:
+    """`trained_state`'s inverse: every key of the model from `state`, but a LoRA model's frozen base."""
+    if not is_adapted(module):
+        module.load_state_dict(state)
+        return
+    frozen = {name for name, p in module.named_parameters() if not p.requires_grad}
+    missing, unexpected = module.load_state_dict(state, strict=False)
+    missing = [k for k in missing if k not in frozen]
+    if missing or unexpected:
+        raise CheckpointError(f"{where}: its adapters do not fit the model this job builds (missing: "
+                              f"{', '.join(missing[:5]) or 'none'}; not in the model: {', '.join(unexpected[:5]) or 'none'})")
 
 
 def _keyed_by_name(optim_sd: dict) -> bool:

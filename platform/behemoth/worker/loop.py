@@ -31,10 +31,12 @@ from behemoth.tasks import Task, make_task
 from behemoth import hosts
 from behemoth.worker import faults, parallel
 from behemoth.worker.console import console
+from behemoth.worker.ema import WeightAverage
 from behemoth.worker.feed import EpochFeed
 from behemoth.worker.ledger import SampleLedger
-from behemoth.worker.optim import build_optimizer, warmup_cosine
+from behemoth.worker.optim import build_optimizer, lr_schedule
 from behemoth.worker.plan import batch_plan
+from behemoth.worker.profiling import StepProfiler
 from behemoth.worker.precision import autocast, device_settings, grad_scaler, master_weights
 from behemoth.worker.report import Reporter, report_due
 from behemoth.worker.restore import load_init_from, restore_latest
@@ -58,7 +60,7 @@ def train_loop_per_worker(loop_config: dict) -> dict:
     # Resume: the latest good checkpoint restores weights, optimizer, schedule, scaler, compression, data position.
     state = restore_latest(run, loop_config.get("fence")) or TrainState(world_size=world)
     feed = EpochFeed(task, cfg, rank, world, micro_batch, accum, epoch_steps)
-    if state.step < total_steps:
+    if state.step < state.last_step(total_steps):
         feed.start(state)  # the first epoch's pipeline starts in the background (and the next ones early)
     if rank == 0 and speed.flops_per_sample is None:
         speed.count(task, parallel.unwrap(run.model))  # ... while rank 0 counts the model's FLOPs
@@ -71,14 +73,15 @@ def train_loop_per_worker(loop_config: dict) -> dict:
     resumed_from_step = state.step
     reporter = Reporter(cfg, task, run, speed, saver, micro_batch, total_steps, epoch_steps, clock,
                         resumed_from_step)
-    if state.step >= total_steps:  # a rerun of a finished run: evaluate its final weights, train nothing
+    if state.step >= state.last_step(total_steps):  # a rerun of a finished run: evaluate it, train nothing
         reporter.completed_run(state)
 
-    window, bad_ids = Window(), set()
+    window, bad_ids, profiler = Window(), set(), StepProfiler(cfg, rank, device)
     clock.mark("loop_started")
-    while state.step < total_steps:
+    while state.step < state.last_step(total_steps):  # (early stopping moves the last step: report.py)
         for micro_batches, wait_s in _timed(feed.steps(state)):
             clock.add("data_wait", wait_s)
+            profiler.before_step(state)  # train.profile: its window of steps recorded (worker/profiling.py)
             step_started, blocked_before = time.perf_counter(), clock.totals["checkpoint"]
             loss_sum, n_valid = step(run, micro_batches, cfg, task, device, state, rank, window, wait_s,
                                      saver.before_update)
@@ -89,11 +92,12 @@ def train_loop_per_worker(loop_config: dict) -> dict:
             # the step's time, less what it waited for a checkpoint snapshot (counted as checkpoint time)
             clock.add("step", time.perf_counter() - step_started - (clock.totals["checkpoint"] - blocked_before))
             clock.mark_once("first_step")  # time to first step: the start-up a user waits through
+            profiler.after_step(state)
             if report_due(cfg, state, total_steps):
                 reporter.report(state, window, bad_ids)
                 window = Window()
             faults.at_step(state.step, rank, clock.totals)  # the failure tests' kill or error (behemoth/worker/faults.py)
-            if state.step >= total_steps:
+            if state.step >= state.last_step(total_steps):
                 break
     # Rank 0's return value reaches the driver as Result.return_value.
     return {"resumed_from_step": resumed_from_step, "final_step": state.step, "peak_source": speed.peak_source,
@@ -118,10 +122,12 @@ def _build_run(cfg: JobConfig, task: Task, clock: PhaseClock, rank: int, world: 
     speed = SpeedMeter(cfg, device, world, micro_batch, accum)
     if rank == 0 and SpeedMeter.counts_before_wrapping(cfg):
         speed.count(task, model)
+    # the weight average (train.ema_decay): a plain copy, before the wrappers (worker/ema.py)
+    ema = WeightAverage(model, cfg.train.ema_decay) if cfg.train.ema_decay else None
     model, hook_state = parallel.wrap(model, cfg, console=console if rank == 0 else lambda m: None)
     optimizer = build_optimizer(model, cfg.train)
-    run = Run(model, optimizer, warmup_cosine(optimizer, cfg.train, total_steps),
-              grad_scaler(device, cfg.train.precision), hook_state)
+    run = Run(model, optimizer, lr_schedule(optimizer, cfg.train, total_steps),
+              grad_scaler(device, cfg.train.precision), hook_state, ema)
     return run, speed, micro_batch, accum, init_line
 
 
@@ -132,9 +138,14 @@ def step(run: Run, micro_batches: list[dict], cfg: JobConfig, task: Task, device
     tensors until the report reads them; tests/unit/test_host_sync.py counts). Returns (loss_sum, n_valid)."""
     # Reseed per step: dropout and the like draw from (seed, rank, step), so a resume is exact.
     torch.manual_seed(hash((cfg.train.seed, rank, state.step)) % 2**63)
-    loss_sum, n_valid = train_step(run.model, run.optimizer, run.scheduler, run.scaler, micro_batches, cfg, task,
-                                   device, before_update=before_update)
-    window.add(loss_sum, n_valid, wait_s, [task.bad_samples(batch) for batch in micro_batches])
+    loss_sum, n_valid, norm = train_step(run.model, run.optimizer, run.scheduler, run.scaler, micro_batches, cfg,
+                                         task, device, before_update=before_update)
+    if cfg.train.nonfinite == "skip" or run.scaler.is_enabled():  # a skipped step's loss is not the run's
+        ok = torch.isfinite(norm)
+        loss_sum, n_valid = torch.where(ok, loss_sum, 0.0), torch.where(ok, n_valid, 0)
+    if run.ema is not None:
+        run.ema.update()
+    window.add(loss_sum, n_valid, wait_s, [task.bad_samples(batch) for batch in micro_batches], norm)
     return loss_sum, n_valid
 
 
@@ -146,6 +157,9 @@ def train_step(model, optimizer, scheduler, scaler, micro_batches: list[dict], c
     over the rank's share of the global batch; DDP then averages over the ranks. Only the last micro-batch's
     backward all-reduces (no_sync on the others): one gradient exchange per optimizer step.
     `before_update` runs before the weights change (a checkpoint snapshot may still be copying them).
+    The gradient norm (before clipping) is returned too, as a device tensor: a non-finite one is the step
+    train.nonfinite is about; with skip, the fused optimizer leaves everything as it was (`found_inf`).
+    Returns (loss summed over samples, samples, gradient norm).
     """
     optimizer.zero_grad(set_to_none=True)
     loss_sum, n_sum = 0.0, 0.0
@@ -166,15 +180,16 @@ def train_step(model, optimizer, scheduler, scaler, micro_batches: list[dict], c
                     f"batch) or set it to auto, train in bf16, or shard the model (scaling.strategy fsdp_full)"
                 ) from None
         loss_sum, n_sum = loss_sum + loss.detach().float() * n_valid, n_sum + n_valid
-    if cfg.train.grad_clip:
-        scaler.unscale_(optimizer)  # clip the true gradients, not the fp16-scaled ones
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip)
+    scaler.unscale_(optimizer)  # the true gradients' norm (and clipping), not the fp16-scaled ones
+    norm = parallel.grad_norm(model, cfg.train.grad_clip)
+    if cfg.train.nonfinite == "skip" and not scaler.is_enabled():  # (fp16's scaler skips overflows itself)
+        optimizer.found_inf = (~torch.isfinite(norm)).float()  # read by the fused update, on the device
     if before_update is not None:
         before_update()
     scaler.step(optimizer)  # skips the step if fp16 gradients overflowed
     scaler.update()
     scheduler.step()
-    return loss_sum, n_sum
+    return loss_sum, n_sum, norm
 
 
 def _steps(cfg: JobConfig, task: Task) -> tuple[int, int]:

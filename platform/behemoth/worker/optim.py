@@ -14,20 +14,39 @@ def build_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Opt
     decay = [p for p in model.parameters() if p.requires_grad and p.ndim > 1]
     no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim <= 1]
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    # The fused kernels where the parameters are on a GPU (one kernel for the whole update, not a few per
+    # tensor), and wherever train.nonfinite is skip: only they take a found_inf flag on the device and skip
+    # the whole update by it (weights, moments and step count) without the host reading it (train_step).
+    fused = bool(decay + no_decay) and ((decay + no_decay)[0].device.type == "cuda" or cfg.nonfinite == "skip")
     if cfg.optimizer == "sgd":
-        return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.momentum > 0)
-    # the fused kernel where the parameters are on a GPU: one kernel for the whole update, not a few per tensor
-    fused = bool(decay + no_decay) and (decay + no_decay)[0].device.type == "cuda"
+        return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.momentum > 0,
+                               fused=fused or None)
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.adam_betas), eps=cfg.adam_eps, fused=fused or None)
 
 
-def warmup_cosine(optimizer: torch.optim.Optimizer, cfg: TrainConfig, total_steps: int):
-    """Linear warmup from 0 to lr over warmup_steps, then cosine decay to lr * min_lr_ratio at total_steps."""
+def lr_factor(cfg: TrainConfig, total_steps: int, step: int) -> float:
+    """The learning rate at `step` (0-based: the step about to be taken) as a multiple of train.lr: a linear
+    warm-up over warmup_steps, then train.schedule down to min_lr_ratio at the last step."""
+    if step < cfg.warmup_steps:
+        return (step + 1) / cfg.warmup_steps
+    after = max(total_steps - cfg.warmup_steps, 1)
+    progress = min((step - cfg.warmup_steps) / after, 1.0)
+    low = cfg.min_lr_ratio
+    if cfg.schedule == "constant":
+        return 1.0
+    if cfg.schedule == "linear":
+        return low + (1 - low) * (1 - progress)
+    if cfg.schedule == "wsd":  # stable, then a linear decay over the last wsd_decay_fraction
+        stable = 1 - cfg.wsd_decay_fraction
+        return 1.0 if progress <= stable else low + (1 - low) * (1 - progress) / cfg.wsd_decay_fraction
+    return low + (1 - low) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def lr_schedule(optimizer: torch.optim.Optimizer, cfg: TrainConfig, total_steps: int):
+    """train.schedule as a LambdaLR (its state, the step count, is in every checkpoint; a plain function, so
+    that state holds no entry for it)."""
 
     def factor(step: int) -> float:
-        if step < cfg.warmup_steps:
-            return (step + 1) / cfg.warmup_steps
-        progress = min((step - cfg.warmup_steps) / max(total_steps - cfg.warmup_steps, 1), 1.0)
-        return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+        return lr_factor(cfg, total_steps, step)
 
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)

@@ -318,3 +318,15 @@ class _CompileOrEager(torch.nn.Module):
             return super().__getattr__(name)
         except AttributeError:
             return getattr(self._orig_mod, name)
+
+
+def grad_norm(model: torch.nn.Module, clip: float | None = None) -> torch.Tensor:
+    """The L2 norm of all the model's gradients, a device tensor (no host sync); clipped to `clip` first where
+    given (the norm returned is the one before clipping). Under FSDP the gradients are shards (DTensors): their
+    norm is reduced over the ranks, so every rank holds the same value."""
+    params = [p for p in model.parameters() if p.grad is not None]
+    if clip:
+        norm = torch.nn.utils.clip_grad_norm_(params, clip)
+    else:
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm

@@ -4,6 +4,7 @@ and how a report reaches the host without holding the step (ReportSender)."""
 
 from __future__ import annotations
 
+import math
 import queue
 import threading
 import time
@@ -12,7 +13,7 @@ import torch
 
 from behemoth.storage.checkpoint import TrainState
 from behemoth.config import JobConfig
-from behemoth.errors import BadSampleError
+from behemoth.errors import BadSampleError, NonFiniteError
 from behemoth.metrics import LOGGED, PhaseClock, Window, data_wait_fraction, progress_line, throughput
 from behemoth.tasks import Task
 from behemoth import hosts
@@ -44,6 +45,27 @@ def report_due(cfg: JobConfig, state: TrainState, total_steps: int) -> bool:
 # training thread's own Python then waits for (one GIL). At the controller's 0.2 s poll that was ~3 % of a
 # 23 ms CPU step; at 1 s, ~1 % (BENCHMARKS.md, "P1 at the fast shape"). Evaluations go at once.
 REPORT_EVERY_S = 1.0
+
+
+def early_stop(cfg: JobConfig, task: Task, state: TrainState, report: dict, total_steps: int) -> bool:
+    """train.early_stopping at an evaluation: count the evaluations since its metric last improved by more than
+    min_delta (in the task's direction), in the train state (so a resumed run counts on); at `patience` the run
+    stops at this step (state.stopped_early_at). Every rank decides alike: the evaluation is all-reduced."""
+    rule = cfg.train.early_stopping
+    metric = rule.metric or task.best[0]
+    value, mode = report.get(metric), task.best[1] if metric == task.best[0] else task.reported[metric]
+    if value is None or state.step >= total_steps:
+        return False
+    best = state.best_metric
+    improved = best is None or (value > best + rule.min_delta if mode == "max" else value < best - rule.min_delta)
+    if improved:
+        state.best_metric, state.evals_without_improvement = value, 0
+        return False
+    state.evals_without_improvement += 1
+    if state.evals_without_improvement < rule.patience:
+        return False
+    state.stopped_early_at = state.step
+    return True
 
 
 class ReportSender:
@@ -138,6 +160,10 @@ class Reporter:
         self.clock, self.resumed_from_step = clock, resumed_from_step
         interval = ctx.report_interval_s
         self.sender = ReportSender(max(interval, REPORT_EVERY_S) if interval > 0 else 0.0)
+        # a preemption notice (the host's: a spot node about to be reclaimed): its deadline, and whether the
+        # checkpoint it calls for is written
+        self.notice: float | None = None
+        self.saved_for_notice = False
 
     def report(self, state: TrainState, window: Window, bad_ids: set) -> None:
         started, clock = time.perf_counter(), self.clock.snapshot()  # the phases up to this report
@@ -145,23 +171,39 @@ class Reporter:
         checkpoint_now = checkpoint_due(self.cfg, state, self.total_steps)
         metrics, send_now = self.train_metrics(state, window, bad_ids)
         report = {**metrics, **clock, "resumed_from_step": self.resumed_from_step}
+        preempted = self.notice is not None and not self.saved_for_notice
+        if preempted:  # a checkpoint now, written before the loop goes on: the node may go at the deadline
+            checkpoint_now, self.saved_for_notice, report["preemption_checkpoint"] = True, True, True
+            if self.rank == 0:
+                left = "no deadline given" if self.notice == math.inf else f"{self.notice - time.time():.0f} s left"
+                console(f"preemption notice (a node of this worker group is being reclaimed, {left}): checkpoint "
+                        f"at step {state.step} now; the run resumes from it on the nodes it gets next")
         report.update(self.speed.metrics(report["samples_per_s"]))
         report.update(self.saver.block_metrics())
         if evaluate_now or checkpoint_now:
             sync_buffers(self.run.model)
+            if self.run.ema is not None:  # (its BatchNorm statistics average each rank's own)
+                sync_buffers(self.run.ema.module)
         eval_s = checkpoint_s = 0.0
         if evaluate_now:
             t0 = time.perf_counter()
             report.update(self.evaluate())
             eval_s = time.perf_counter() - t0
             report["eval_s"] = eval_s
+            if self.cfg.train.early_stopping and early_stop(self.cfg, self.task, state, report, self.total_steps):
+                checkpoint_now = True  # the run ends here: its last checkpoint holds the decision
+                if self.rank == 0:
+                    rule = self.cfg.train.early_stopping
+                    console(f"early stop at step {state.step}: {rule.metric or self.task.best[0]} has not improved "
+                            f"on {state.best_metric:.4g} by more than {rule.min_delta:g} for {rule.patience} "
+                            f"evaluations (train.early_stopping)")
         if self.rank == 0:
             console(progress_line(report, self.total_steps, self.cfg.train.epochs, self.task.progress_fields(report)))
         if checkpoint_now:
             t0 = time.perf_counter()
             self.sender.attach_pending(report)
             self.sender.flush()  # the reports before it reach the host first
-            self.saver.save_and_report(report, state, self.run)
+            self.saver.save_and_report(report, state, self.run, sync=preempted)
             self.sender.after_checkpoint = True
             checkpoint_s = time.perf_counter() - t0
         else:
@@ -172,12 +214,13 @@ class Reporter:
         self.clock.add("report", time.perf_counter() - started - eval_s - checkpoint_s)
 
     def evaluate(self) -> dict:
-        return evaluate(self.run.model, self.task, self.rank, self.world, self.micro_batch)
+        return evaluate(self.run.evaluated(), self.task, self.rank, self.world, self.micro_batch)
 
     def completed_run(self, state: TrainState) -> None:
         """A rerun of a finished run: evaluate its final weights, train nothing."""
         if self.rank == 0:
-            console(f"run already complete at step {state.step}: nothing to train")
+            early = " (stopped early: train.early_stopping)" if state.stopped_early_at is not None else ""
+            console(f"run already complete at step {state.step}{early}: nothing to train")
         self.sender.flush()
         send_report({"step": state.step, "epoch": state.step / self.epoch_steps,
                        "samples_seen": state.samples_seen, **self.clock.snapshot(),
@@ -187,12 +230,19 @@ class Reporter:
         """(the window's metrics, summed over the ranks; whether this report is sent now: rank 0's vote)."""
         cfg = self.cfg
         bad_ids.update(window.bad_sample_ids())
-        # one all-reduce: the loss, the samples, whether any rank dropped samples, rank 0's vote to send
+        norm, nonfinite, first_bad = window.grad_norm_stats()
+        # one all-reduce: the loss, the samples, whether any rank dropped samples, rank 0's vote to send, and
+        # the non-finite steps (the same on every rank: the norm is of the reduced gradients)
+        deadline = hosts.current().preemption_deadline()
         stats = torch.tensor([float(window.loss_sum), float(window.loss_count), float(len(bad_ids)),
-                              float(self.rank == 0 and self.sender.due())], dtype=torch.float64)
+                              float(self.rank == 0 and self.sender.due()), float(nonfinite),
+                              float(deadline is not None)], dtype=torch.float64)
         stats = stats.to(hosts.device())
         all_reduce_sum(stats)
         stats = stats.tolist()
+        self.nonfinite_guard(state, window, stats[0], stats[4], first_bad)
+        if stats[5] > 0 and self.notice is None:  # any rank's notice (Ray Train tells every worker of the group)
+            self.notice = deadline if deadline is not None else math.inf
         bad = union_across_ranks(bad_ids) if stats[2] else set()  # (a gather of Python objects: only if any)
         if len(bad) > cfg.data.max_bad_samples:
             names = self.task.describe_samples(list(bad)[:20])
@@ -215,4 +265,28 @@ class Reporter:
         }
         if self.task.tokens_per_sample:
             metrics["tokens_per_s"] = samples_per_s * self.task.tokens_per_sample
+        if norm is not None:
+            metrics["grad_norm"] = norm
+        if state.skipped_steps:
+            metrics["skipped_steps"] = state.skipped_steps
         return metrics, bool(stats[3])
+
+    def nonfinite_guard(self, state: TrainState, window: Window, loss_sum: float, nonfinite: float,
+                        first_bad: int | None) -> None:
+        """train.nonfinite: a window with a non-finite gradient norm or loss stops the run here (before this
+        report's checkpoint, if any: the last good one stays the latest) under stop; under skip (and fp16's
+        overflows, which its scaler skipped) the skipped steps are counted in the train state."""
+        first_step = state.step - window.steps + 1
+        scaler_skips = self.run.scaler.is_enabled()
+        if nonfinite and (self.cfg.train.nonfinite == "skip" or scaler_skips):
+            state.skipped_steps += round(nonfinite / self.world)
+        elif nonfinite:
+            at = first_step + (first_bad or 0)
+            raise NonFiniteError(f"step {at}: the gradient norm is not finite (NaN or Inf): the run stops "
+                                 f"(train.nonfinite: stop); its checkpoints before step {at} are kept. Lower "
+                                 f"train.lr, set train.grad_clip, check the data, or skip such steps with "
+                                 f"train.nonfinite: skip")
+        if not math.isfinite(loss_sum):
+            raise NonFiniteError(f"steps {first_step}-{state.step}: the loss is not finite (NaN or Inf): the run "
+                                 f"stops; its checkpoints before step {first_step} are kept. Lower train.lr, check "
+                                 f"the data, or train in bf16 or fp32 rather than fp16")

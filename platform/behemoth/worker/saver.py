@@ -69,8 +69,11 @@ class CheckpointSaver:
         return {"checkpoint_block_s": self.last_block_s, "checkpoint_snapshot_s": self.last_snapshot_s,
                 "checkpoint_report_s": self.last_report_s}
 
-    def save_and_report(self, metrics: dict, state: TrainState, run: Run) -> None:
+    def save_and_report(self, metrics: dict, state: TrainState, run: Run, sync: bool = False) -> None:
+        """`sync`: written before this returns, whatever checkpoint.async_save says (a preemption's: the node
+        may be gone soon)."""
         t0 = time.perf_counter()
+        in_background = self.cfg.checkpoint.async_save and not sync
         hook_states = gather_to_rank0(run.hook_state.to_bytes()) if run.hook_state is not None else None
         if self.writer is not None:
             reported = self._save_sharded(metrics, state, run, hook_states)
@@ -80,15 +83,15 @@ class CheckpointSaver:
         if self.rank == 0 or parallel.is_sharded(run.model):
             # (FSDP's full state is gathered into buffers of its own; only a rank that writes takes a set: one
             # whose snapshot is None would never hand it back)
-            if self.cfg.checkpoint.async_save and not parallel.is_sharded(run.model):
+            if in_background and not parallel.is_sharded(run.model):
                 pool, written = self.buffers.take()
             snap = checkpointing.snapshot(**run.parts(), state=state, task_files=self.task_files,
                                           job_yaml=dump_yaml(self.cfg), hook_states=hook_states, buffers=pool,
-                                          overlap=self.cfg.checkpoint.async_save, metrics=metrics)
+                                          overlap=in_background, metrics=metrics)
         reported = time.perf_counter()
         if snap is None:
             send_report(metrics)
-        elif not self.cfg.checkpoint.async_save:
+        elif not in_background:
             send_report(metrics, functools.partial(write_checkpoint, snap))
         else:
             send_report(metrics, functools.partial(write_checkpoint, snap, written=written), async_upload=True)

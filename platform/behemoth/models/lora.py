@@ -1,0 +1,30 @@
+"""LoRA adapters (model.lora) on a transformers model, through the peft library: the base model's weights are
+frozen as built, low-rank adapters are added to the named modules (peft's default for the model type where
+none are named), and a sequence classifier's head trains too (peft's SEQ_CLS keeps it). The workers, `behemoth
+eval` and `export` build the adapted model the same way, from the same seed; a checkpoint holds only what
+trains (worker/checkpointing.py), an export both the adapter folder and the merged model (driver/export.py).
+"""
+
+from __future__ import annotations
+
+from behemoth.errors import ConfigError
+
+
+def add_adapters(model, lora_cfg, task_type: str):
+    """`model` with LoRA adapters (a peft PeftModel); `lora_cfg`: the job's model.lora; `task_type`: peft's
+    (CAUSAL_LM, SEQ_CLS)."""
+    try:
+        import peft
+    except ImportError:
+        raise ConfigError("model.lora needs the peft library: pip install 'behemoth[lora]'") from None
+    config = peft.LoraConfig(r=lora_cfg.r, lora_alpha=lora_cfg.alpha, lora_dropout=lora_cfg.dropout,
+                             target_modules=lora_cfg.target_modules, task_type=task_type)
+    try:
+        return peft.get_peft_model(model, config)
+    except ValueError as e:  # target modules that the model does not have, a model type peft has no default for
+        raise ConfigError(f"model.lora: {e}") from None
+
+
+def is_adapted(model) -> bool:
+    """Whether `model` (unwrapped) is a peft model: its checkpoints hold only what trains."""
+    return hasattr(model, "peft_config")

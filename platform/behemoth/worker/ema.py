@@ -1,0 +1,48 @@
+"""Worker side: train.ema_decay, an exponential moving average of the model's weights (and of its float
+buffers, BatchNorm's running statistics), updated after every optimizer step on the device with one foreach
+lerp per kind (no host sync). When on, evaluation, the best checkpoint's metric, `behemoth eval` and `export`
+use the averaged weights; training goes on with the raw ones. Kept in every checkpoint (ema.pt), so a resumed
+run averages on exactly where it was.
+
+The average is a plain copy of the model, taken before DDP, activation checkpointing or compile wrap it (so
+evaluated eagerly); it follows the model's own parameter and buffer tensors, which those wrappers keep.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+
+class WeightAverage:
+    def __init__(self, model: torch.nn.Module, decay: float):
+        self.decay = decay
+        self.module = copy.deepcopy(model).requires_grad_(False)
+        self._params = list(model.parameters())
+        self._buffers = list(model.buffers())
+        self._ema_params = list(self.module.parameters())
+        self._ema_buffers = list(self.module.buffers())
+
+    @torch.no_grad()
+    def update(self) -> None:
+        """One step: average <- decay * average + (1 - decay) * weights; integer buffers (counts) copied."""
+        torch._foreach_lerp_(self._ema_params, self._params, 1 - self.decay)
+        floats = [(e, b) for e, b in zip(self._ema_buffers, self._buffers) if e.is_floating_point()]
+        if floats:
+            torch._foreach_lerp_([e for e, _ in floats], [b for _, b in floats], 1 - self.decay)
+        for e, b in zip(self._ema_buffers, self._buffers):
+            if not e.is_floating_point():
+                e.copy_(b)
+
+    @torch.no_grad()
+    def reset(self) -> None:
+        """The average set to the model's weights (a run resumed from a checkpoint written without one)."""
+        for e, w in zip(self._ema_params + self._ema_buffers, self._params + self._buffers):
+            e.copy_(w)
+
+    def state_dict(self) -> dict:
+        return self.module.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.module.load_state_dict(state)

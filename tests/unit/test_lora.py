@@ -1,0 +1,127 @@
+"""model.lora (issue 58): LoRA adapters through peft on a transformers causal LM built from a config: only the
+adapters train and are checkpointed, a resume from that checkpoint continues exactly, and the export holds
+both PEFT's adapter folder and the merged model, each predicting what the training model predicts."""
+
+import json
+
+import pytest
+import torch
+
+from behemoth.config import dump_yaml
+from behemoth.job import config_from_dict
+from behemoth.storage.checkpoint import TrainState
+from behemoth.tasks.causal_lm import build_lm
+from behemoth.worker import checkpointing
+from behemoth.worker.loop import train_step
+from behemoth.worker.optim import build_optimizer, lr_schedule
+from behemoth.worker.precision import grad_scaler
+from conftest import lm_job_dict
+
+
+class _LanguageModelling:
+    def loss(self, model, batch):
+        return model(input_ids=batch["input_ids"], labels=batch["input_ids"], use_cache=False).loss, \
+            torch.tensor(float(len(batch["input_ids"])))
+
+
+def _built(cfg, tok):
+    torch.manual_seed(cfg.train.seed)  # as the worker's loop seeds it before building
+    model = build_lm(cfg, len(tok), tok.eos_token_id, tok.bos_token_id, train=True)
+    optimizer = build_optimizer(model, cfg.train)
+    return model, optimizer, lr_schedule(optimizer, cfg.train, total_steps=20)
+
+
+def _steps(model, optimizer, scheduler, cfg, seeds):
+    for seed in seeds:
+        ids = torch.randint(3, 200, (4, 16), generator=torch.Generator().manual_seed(seed))
+        train_step(model, optimizer, scheduler, grad_scaler(torch.device("cpu"), "fp32"), [{"input_ids": ids}], cfg,
+                   _LanguageModelling(), torch.device("cpu"))
+
+
+def test_lora_trains_and_keeps_only_adapters_resumes_exactly_and_exports_adapter_and_merged_model(text_corpus, tmp_path):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, pipeline
+
+    from behemoth.data.text import load_tokenizer
+    from behemoth.driver.export import export
+    from behemoth.models.causal_lm import build_causal_lm
+
+    cfg = config_from_dict(lm_job_dict(text_corpus, tmp_path, scaling={"num_workers": 1},
+                                       train={"optimizer": "adamw", "lr": 0.05},
+                                       model={"lora": {"r": 4, "alpha": 8.0, "target_modules": ["q_proj", "v_proj"]}}))
+    tok = load_tokenizer(cfg.data.tokenizer)
+    model, optimizer, scheduler = _built(cfg, tok)
+    trained = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trained and all("lora_" in n for n in trained)
+    base = {n: p.clone() for n, p in model.named_parameters() if not p.requires_grad}
+    _steps(model, optimizer, scheduler, cfg, range(3))
+    assert all(torch.equal(p, base[n]) for n, p in model.named_parameters() if n in base)  # the base is frozen
+
+    ckpt = tmp_path / "checkpoint"
+    checkpointing.save(ckpt, model=model, optimizer=optimizer, scheduler=scheduler, state=TrainState(step=3),
+                       task_files={}, job_yaml=dump_yaml(cfg))
+    kept = torch.load(ckpt / "model.pt", weights_only=True)
+    assert set(kept) == {n for n in model.state_dict() if n in trained} and kept  # the adapters, nothing else
+    full = sum(v.numel() for v in model.state_dict().values())
+    assert sum(v.numel() for v in kept.values()) < full / 10
+
+    resumed, optimizer2, scheduler2 = _built(cfg, tok)  # a restarted worker: same seed, fresh adapters
+    checkpointing.load(ckpt, model=resumed, optimizer=optimizer2, scheduler=scheduler2)
+    _steps(model, optimizer, scheduler, cfg, [7])
+    _steps(resumed, optimizer2, scheduler2, cfg, [7])
+    for (name, a), b in zip(model.state_dict().items(), resumed.state_dict().values()):
+        assert torch.equal(a, b), name
+
+    out = tmp_path / "export"
+    export(str(ckpt), str(out))
+    ids = torch.randint(3, 200, (2, 12), generator=torch.Generator().manual_seed(11))
+    kept_model = resumed  # (state at step 4; the exported checkpoint is step 3's: compare with that)
+    checkpointing.load(ckpt, model=kept_model)
+    kept_model.eval()
+    with torch.no_grad():
+        expected = kept_model(input_ids=ids).logits
+        merged = AutoModelForCausalLM.from_pretrained(out).eval()
+        assert torch.allclose(merged(input_ids=ids).logits, expected, atol=1e-5)
+        torch.manual_seed(cfg.train.seed)  # the base it was trained on: the same config and seed
+        base_model = build_causal_lm(cfg.model, vocab_size=len(tok), eos_id=tok.eos_token_id, bos_id=tok.bos_token_id,
+                                     seq_len=cfg.data.seq_len)
+        adapted = PeftModel.from_pretrained(base_model, out / "adapter").eval()
+        assert torch.allclose(adapted(input_ids=ids).logits, expected, atol=1e-5)
+    assert json.loads((out / "adapter" / "adapter_config.json").read_text())["r"] == 4
+    generated = pipeline("text-generation", model=str(out))("once upon", max_new_tokens=2, do_sample=False)
+    assert generated[0]["generated_text"].startswith("once upon")
+
+
+def test_lora_is_refused_where_it_cannot_work(text_corpus, tmp_path):
+    from behemoth.errors import ConfigError
+
+    for sections, message in (
+            ({"model": {"lora": {"r": 0}}}, "model.lora.r must be > 0"),
+            ({"model": {"lora": {}}, "scaling": {"strategy": "fsdp_full"}}, "model.lora trains and checkpoints only"),
+            ({"model": {"lora": {"target_modules": []}}}, "model.lora.target_modules is empty")):
+        with pytest.raises(ConfigError, match=message):
+            config_from_dict(lm_job_dict(text_corpus, tmp_path, **sections))
+    image = {"data": {"kind": "image_folder", "root": str(tmp_path)},
+             "model": {"name": "regnet_tiny_cifar", "lora": {}}}
+    with pytest.raises(ConfigError, match="model.lora adds adapters to a transformers language model"):
+        config_from_dict(image)
+
+
+def test_a_sequence_classifier_with_lora_trains_its_adapters_and_its_head():
+    """model.name sequence_classifier with model.lora: peft's SEQ_CLS keeps the new classification head
+    trainable beside the adapters, and a checkpoint keeps both (and nothing of the frozen base)."""
+    from types import SimpleNamespace
+
+    from behemoth.config import LoraConfig
+    from behemoth.tasks.text_classification import build_classifier
+
+    model_cfg = SimpleNamespace(name="sequence_classifier", pretrained=None, trust_remote_code=False, lora=LoraConfig(r=2),
+                                hf_config={"model_type": "bert", "hidden_size": 32, "num_hidden_layers": 1,
+                                           "num_attention_heads": 2, "intermediate_size": 64})
+    cfg = SimpleNamespace(model=model_cfg, data=SimpleNamespace(max_length=16))
+    model = build_classifier(cfg, ["neg", "pos"], vocab_size=100, pad_id=0)
+    trained = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert any("lora_" in n for n in trained) and any("classifier" in n and "lora_" not in n for n in trained)
+    kept = checkpointing.trained_state(model)
+    assert set(kept) <= {n for n in model.state_dict()} and {n for n in trained} <= set(kept)
+    assert not any("word_embeddings" in n for n in kept)
