@@ -462,8 +462,8 @@ def test_a_stream_of_batches_rereads_a_bounded_number_of_held_lines(monkeypatch)
     from behemoth.driver import ray_console
 
     read = []
-    scan = ray_console._scan
-    monkeypatch.setattr(ray_console, "_scan", lambda lines, *args: read.append(len(lines)) or scan(lines, *args))
+    scan = ray_console.scan_lines
+    monkeypatch.setattr(ray_console, "scan_lines", lambda lines, *args: read.append(len(lines)) or scan(lines, *args))
     out, time = [], _Time()
     handler = time.console(out)
     handler({"pid": 7, "is_err": True, "lines": REAL["thread"]})

@@ -269,7 +269,7 @@ def test_early_stopping_counts_evaluations_without_improvement_in_the_train_stat
     import dataclasses
     import json
 
-    from behemoth.config.schema import EarlyStoppingConfig
+    from behemoth.config import EarlyStoppingConfig
     from behemoth.storage.checkpoint import TrainState
     from behemoth.worker.report import early_stop
 
@@ -379,7 +379,7 @@ def test_a_profiled_window_of_steps_lands_in_the_run_folder_and_the_report_links
     import pyarrow.fs
 
     from behemoth import hosts
-    from behemoth.config.schema import ProfileConfig
+    from behemoth.config import ProfileConfig
     from behemoth.storage.checkpoint import TrainState
     from behemoth.worker.profiling import StepProfiler
 

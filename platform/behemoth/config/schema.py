@@ -10,6 +10,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal, Optional, Union
 
+from behemoth.config.train import TrainConfig, positive as _positive
 from behemoth.errors import ConfigError
 from behemoth.storage import paths
 
@@ -113,155 +114,6 @@ class ModelConfig:
                               "model.pretrained is not set: set it, or remove trust_remote_code")
         if self.lora is not None:
             self.lora.validate()
-
-
-@dataclass
-class EarlyStoppingConfig:
-    # The metric (None: the task's best, e.g. val_accuracy); checked at each evaluation.
-    metric: Optional[str] = None
-    # Evaluations in a row without an improvement of more than min_delta before the run stops.
-    patience: int = 3
-    min_delta: float = 0.0
-
-    def validate(self) -> None:
-        _positive("train.early_stopping.patience", self.patience)
-        if self.min_delta < 0:
-            raise ConfigError(f"train.early_stopping.min_delta must be >= 0, got {self.min_delta!r}")
-
-
-@dataclass
-class ProfileConfig:
-    # Record steps start_step + 1 .. start_step + steps with torch.profiler (worker/profiling.py).
-    start_step: int = 10
-    steps: int = 3
-
-    def validate(self) -> None:
-        if self.start_step < 0:
-            raise ConfigError(f"train.profile.start_step must be >= 0, got {self.start_step!r}")
-        _positive("train.profile.steps", self.steps)
-
-
-@dataclass
-class TrainConfig:
-    epochs: int = 1
-    # Stop after this many optimizer steps even if epochs remain (None: run all epochs).
-    max_steps: Optional[int] = None
-    # Samples per optimizer step summed over all workers; split evenly over them.
-    global_batch_size: int = 128
-    optimizer: Literal["sgd", "adamw"] = "sgd"
-    lr: float = 0.1
-    momentum: float = 0.9
-    weight_decay: float = 5e-4
-    # AdamW's (beta1, beta2) and epsilon (language models commonly use betas 0.9, 0.95). On a GPU AdamW runs
-    # torch's fused kernel (the same update within float rounding); on a CPU its default (foreach) one.
-    adam_betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
-    adam_eps: float = 1e-8
-    # The learning-rate schedule after a linear warm-up from 0 over warmup_steps: cosine or linear decay to
-    # lr * min_lr_ratio at the last step, constant at lr, or wsd (warmup-stable-decay: constant at lr, then a
-    # linear decay to lr * min_lr_ratio over the last wsd_decay_fraction of the steps after the warm-up).
-    schedule: Literal["cosine", "linear", "constant", "wsd"] = "cosine"
-    warmup_steps: int = 0
-    min_lr_ratio: float = 0.0
-    wsd_decay_fraction: float = 0.2
-    # Clip the gradient norm to this (the norm, clipped or not, is in every report as grad_norm).
-    grad_clip: Optional[float] = None
-    # A step whose gradient norm is not finite (NaN/Inf): stop the run at the next report with one line naming
-    # the step (nothing after the last good checkpoint is saved), or skip it (no update: the optimizer runs
-    # fused and leaves the weights and its state as they were; the skipped steps are counted in the reports).
-    # With train.precision fp16 the gradient scaler skips overflowing steps itself; a non-finite loss stops.
-    nonfinite: Literal["stop", "skip"] = "stop"
-    # Stop a run whose evaluation metric has not improved by more than min_delta for `patience` evaluations
-    # in a row (the metric: one of the task's reported ones; its direction is the task's). Kept in the
-    # checkpoints: a resumed run counts on; a rerun of a run that stopped early trains nothing.
-    early_stopping: Optional[EarlyStoppingConfig] = None
-    # Profiler traces of a window of steps, per rank, into the run folder's profile/ (and a CUDA memory
-    # snapshot on a GPU); None: off.
-    profile: Optional[ProfileConfig] = None
-    # An exponential moving average of the weights (e.g. 0.9999), updated every step; evaluated, exported and
-    # kept in checkpoints instead of the raw weights for everything but training (worker/ema.py). None: off.
-    ema_decay: Optional[float] = None
-    # fp32, or autocast to bf16 (CPU and GPU) / fp16 (GPU only, with a gradient scaler). Weights stay fp32.
-    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
-    # Micro-batches per optimizer step on each worker: global_batch_size = micro-batch x grad_accum_steps x
-    # workers. Gradients are all-reduced once per step (DDP no_sync on the other micro-batches).
-    grad_accum_steps: int = 1
-    # Per-worker micro-batch instead of grad_accum_steps: an int, or auto (the largest that fits the device's
-    # memory: a search before training, under auto_batch_memory_mb on CPU). Accumulation then keeps
-    # global_batch_size: grad_accum_steps = global_batch_size / (workers x micro-batch). None: use
-    # grad_accum_steps.
-    micro_batch_size: Union[int, Literal["auto"], None] = None
-    # The memory a worker's training step may use when micro_batch_size is auto: required on CPU (no
-    # allocator limit to hit); on GPU it defaults to 90% of the device's memory.
-    auto_batch_memory_mb: Optional[float] = None
-    # torch.compile (mode: default, reduce-overhead, max-autotune, max-autotune-no-cudagraphs): each of the
-    # model's blocks (transformer layers, residual units: worker/blocks.py), or the whole model where it has
-    # none. A compilation failure at the first step falls back to eager training, with a console line.
-    compile: bool = False
-    compile_mode: Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"] = "default"
-    # DDP gradient compression: fp16/bf16 halve the bytes of each all-reduce; powersgd sends rank-r factors
-    # (after powersgd_warmup_steps of plain all-reduce) with per-rank error feedback kept in the checkpoint.
-    grad_compression: Literal["none", "fp16", "bf16", "powersgd"] = "none"
-    # Activation checkpointing of the model's blocks: none, full (every block) or N (every N-th block). The
-    # same gradients; a block's inner activations are recomputed in the backward instead of kept (about one
-    # more forward's compute for the activation memory of about one block). Applied before compile and FSDP.
-    activation_checkpointing: Union[Literal["none", "full"], int] = "none"
-    # fp32 matmuls and convolutions on TF32 tensor cores (Ampere and newer GPUs; precision fp32), MFU then
-    # against TF32's peak; false: true fp32 and its peak. No effect on a CPU.
-    tf32: bool = True
-    powersgd_rank: int = 1
-    powersgd_warmup_steps: int = 10
-    # Peak TFLOP/s of one worker's device, for the MFU metric (None: the data sheet of a known GPU; on a CPU
-    # or an unknown GPU the reports show achieved TFLOP/s per worker and no MFU).
-    peak_tflops: Optional[float] = None
-    seed: int = 0
-    # A folder: every rank appends the global sample ids of every step it trains (JSONL, one file per rank),
-    # to audit the data order after failures or resizes. Off (null) by default.
-    sample_ledger: Optional[str] = None
-    # Report metrics (and print a progress line) every N steps.
-    log_every: int = 10
-    # Fine-tuning: start from these weights (only the weights: a fresh optimizer, schedule and step 0). A
-    # behemoth checkpoint folder, a run folder (its checkpoint chosen by init_from_checkpoint), or a Hugging
-    # Face folder (behemoth export, or any save_pretrained folder); local or a URI (s3://..., downloaded by the
-    # driver to verify it and by each worker to load it). An image model's classification head is
-    # re-initialised when the number of classes differs. A run that already has checkpoints of its own
-    # resumes from them instead: init_from only decides how a run starts.
-    init_from: Optional[str] = None
-    # Which checkpoint of a run folder: best (the task's best metric) or latest.
-    init_from_checkpoint: Literal["best", "latest"] = "best"
-
-    def validate(self) -> None:
-        _positive("train.epochs", self.epochs)
-        _positive("train.global_batch_size", self.global_batch_size)
-        _positive("train.lr", self.lr)
-        _positive("train.log_every", self.log_every)
-        _positive("train.grad_accum_steps", self.grad_accum_steps)
-        if isinstance(self.micro_batch_size, int):
-            _positive("train.micro_batch_size", self.micro_batch_size)
-        if self.micro_batch_size is not None and self.grad_accum_steps != 1:
-            raise ConfigError("train.micro_batch_size and train.grad_accum_steps are both set: the micro-batch "
-                              "decides the accumulation; keep one")
-        if self.auto_batch_memory_mb is not None:
-            _positive("train.auto_batch_memory_mb", self.auto_batch_memory_mb)
-        _positive("train.powersgd_rank", self.powersgd_rank)
-        if self.peak_tflops is not None:
-            _positive("train.peak_tflops", self.peak_tflops)
-        if self.max_steps is not None:
-            _positive("train.max_steps", self.max_steps)
-        if self.warmup_steps < 0 or self.weight_decay < 0 or not 0 <= self.min_lr_ratio <= 1:
-            raise ConfigError("train.warmup_steps and train.weight_decay must be >= 0, min_lr_ratio in [0, 1]")
-        if not 0 < self.wsd_decay_fraction <= 1:
-            raise ConfigError(f"train.wsd_decay_fraction must be in (0, 1], got {self.wsd_decay_fraction!r}")
-        if self.early_stopping is not None:
-            self.early_stopping.validate()
-        if self.profile is not None:
-            self.profile.validate()
-        if self.ema_decay is not None and not 0 < self.ema_decay < 1:
-            raise ConfigError(f"train.ema_decay must be in (0, 1) (0.999 or 0.9999 are usual), got {self.ema_decay!r}")
-        if len(self.adam_betas) != 2 or not all(0 <= b < 1 for b in self.adam_betas):
-            raise ConfigError(f"train.adam_betas needs two values in [0, 1) (beta1, beta2), got {self.adam_betas!r}")
-        _positive("train.adam_eps", self.adam_eps)
-        if isinstance(self.activation_checkpointing, int):
-            _positive("train.activation_checkpointing", self.activation_checkpointing)
 
 
 @dataclass
@@ -457,8 +309,3 @@ class JobConfig:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
-
-
-def _positive(key: str, value: float) -> None:
-    if value <= 0:
-        raise ConfigError(f"{key} must be > 0, got {value!r}")

@@ -180,14 +180,14 @@ class DecodedImages:
         return pixels, self.valid[ids]
 
 
-def _manifest(folder: Path) -> dict:
+def read_cache_manifest(folder: Path) -> dict:
     return json.loads((folder / "manifest.json").read_text())
 
 
 def check(folder: Path, cache: CachePlan) -> str | None:
     """None if the cache in `folder` is complete and intact; else what is wrong with it."""
     try:
-        manifest = _manifest(folder)
+        manifest = read_cache_manifest(folder)
     except FileNotFoundError:
         return "absent" if not folder.exists() else "incomplete (no manifest.json)"
     except (OSError, ValueError) as e:
@@ -204,12 +204,12 @@ def check(folder: Path, cache: CachePlan) -> str | None:
             return f"{entry['file']} is missing"
         if st.st_size != entry["bytes"]:
             return f"{entry['file']} holds {st.st_size} bytes, not {entry['bytes']}"
-        if st.st_mtime_ns != entry["mtime_ns"] and _sha256(path) != entry["sha256"]:
+        if st.st_mtime_ns != entry["mtime_ns"] and file_sha256(path) != entry["sha256"]:
             return f"{entry['file']} was changed after it was written (its sha256 differs)"
     return None
 
 
-def _sha256(path: Path) -> str:
+def file_sha256(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
         while chunk := f.read(8 << 20):

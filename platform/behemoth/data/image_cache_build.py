@@ -29,7 +29,8 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
-from behemoth.data.image_cache import FORMAT, CachePlan, DecodedImages, _manifest, _sha256, check, free_disk
+from behemoth.data.image_cache import (FORMAT, CachePlan, DecodedImages, check, file_sha256, free_disk,
+                                      read_cache_manifest)
 from behemoth.errors import DataError, StorageFullError
 from behemoth.progress import progress
 
@@ -52,12 +53,12 @@ def open_or_build(cache: CachePlan, table: pa.Table, *, workers: bool = True,
     with _exclusive(folder.with_name(folder.name + ".lock")):
         problem = check(folder, cache)
         if problem is None:
-            return DecodedImages(folder, _manifest(folder))
+            return DecodedImages(folder, read_cache_manifest(folder))
         if problem != "absent":
             log(f"[behemoth] decoded image cache {folder}: {problem}; building it again")
         began = time.monotonic()
         build(folder, cache, table, workers=workers, cpus_per_task=cpus_per_task, log=log)
-        manifest = _manifest(folder)
+        manifest = read_cache_manifest(folder)
         log(f"[behemoth] decoded {cache.rows} images once into {folder} ({manifest['bytes'] / 1e6:.1f} MB, "
             f"{time.monotonic() - began:.1f} s)")
         return DecodedImages(folder, manifest)
@@ -240,7 +241,7 @@ def _disk_full_message(folder: Path, cache: CachePlan) -> str:
 
 def _entry(folder: Path, name: str) -> dict:
     st = (folder / name).stat()
-    return {"file": name, "bytes": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": _sha256(folder / name)}
+    return {"file": name, "bytes": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": file_sha256(folder / name)}
 
 
 def _decoded_batches(table: pa.Table, size: int, image_column: str, workers: bool, cpus_per_task: float,

@@ -16,7 +16,7 @@ import os
 import threading
 import time
 
-from behemoth.driver.ray_console_scan import _one_line_per_repeat, _scan
+from behemoth.driver.ray_console_scan import one_line_per_repeat, scan_lines
 from behemoth.errors import RunFailedError
 
 
@@ -107,17 +107,17 @@ def _filtered(print_logs, clock=time.monotonic, wake_up_after=_wake_up_after):
     """`print_logs` behind the filter, for Ray's batches of one process's lines. `clock` and `wake_up_after`
     (delay, callback): the time held lines are measured by, and how a release of them is scheduled."""
     held: dict = {}  # (pid, is_err) -> (data, lines, when each of them came)
-    shown: dict = {}  # the tracebacks shown whole on this console (see ray_console_scan._one_line_per_repeat)
+    shown: dict = {}  # the tracebacks shown whole on this console (see ray_console_scan.one_line_per_repeat)
     before: dict = {}  # (pid, is_err) -> the last line not blank before what is held (chains cross batches)
     lock = threading.Lock()
     wake_up_pending = [False]  # one pending release of held lines at most
 
     def scan(key, data: dict, lines: list[str], came: list[float], final: bool) -> None:
-        kept, tracebacks, rest, before[key] = _scan(lines, before.get(key, ""), final)
+        kept, tracebacks, rest, before[key] = scan_lines(lines, before.get(key, ""), final)
         if rest:
             held[key] = (data, rest, came[len(lines) - len(rest):])
         if tracebacks:
-            kept = _one_line_per_repeat(kept, tracebacks, _process(data), shown)
+            kept = one_line_per_repeat(kept, tracebacks, _process(data), shown)
         if kept:
             print_logs({**data, "lines": kept})
 

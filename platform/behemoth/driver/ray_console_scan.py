@@ -254,7 +254,8 @@ def _noise_block(src: _Lines, i: int, before: str) -> tuple[int, int] | None:
     return first, end
 
 
-def _scan(lines: list[str], before: str = "", final: bool = True) -> tuple[list[str], list, list[str], str]:
+def scan_lines(lines: list[str], before: str = "",
+               final: bool = True) -> tuple[list[str], list, list[str], str]:
     """(the lines to print, the real tracebacks whole among them, the lines to hold back, the last line not
     blank before those held). Unless `final`, the lines from the first block that cannot be decided before
     more lines come (it reaches the last line) are held back, with the header line over it; `before`: the last
@@ -296,8 +297,8 @@ def _scan(lines: list[str], before: str = "", final: bool = True) -> tuple[list[
     return kept, tracebacks, [], before
 
 
-def _one_line_per_repeat(kept: list[str], tracebacks: list, process: str, shown: dict) -> list[str]:
-    """`kept`, with each traceback in it (see `_scan`) that `shown` holds (normalised traceback -> (process,
+def one_line_per_repeat(kept: list[str], tracebacks: list, process: str, shown: dict) -> list[str]:
+    """`kept`, with each traceback in it (see `scan_lines`) that `shown` holds (normalised traceback -> (process,
     header) that showed it) as one line naming that process and the error; the others whole, and remembered.
     A header line that differs from the one the first copy had stays over the line."""
     out, at = [], 0
@@ -326,4 +327,4 @@ def _one_line_per_repeat(kept: list[str], tracebacks: list, process: str, shown:
 def filter_lines(lines: list[str]) -> list[str]:
     """`lines` without the noise lines and the noise tracebacks (repeats not collapsed: they need a console's
     memory, see ray_console._filtered)."""
-    return _scan(lines)[0]
+    return scan_lines(lines)[0]
