@@ -15,6 +15,7 @@ import yaml
 
 from behemoth.driver.cli import main
 from behemoth.job import config_from_dict
+from behemoth.storage.checkpoint import complete_checkpoints
 from behemoth.data.images import build_index
 from conftest import job_dict
 
@@ -413,3 +414,22 @@ def test_a_run_with_a_weight_average_evaluates_and_keeps_it(tmp_path):
     assert metrics["val_mse"] == pytest.approx(summary.metrics["val_mse"], rel=1e-5)
     raw, average = (torch.load(Path(latest) / name, weights_only=True) for name in ("model.pt", "ema.pt"))
     assert not torch.equal(raw["weight"], average["weight"])  # (the two differ: the check above could fail)
+
+
+def test_a_rerun_of_a_complete_run_with_a_changed_lr_says_it_was_ignored_and_fails(tmp_path, capfd):
+    """Issue 59 item 4 end to end: the run completes; the same command with --set train.lr=... says before
+    anything starts that train.lr is ignored (and how to start a new run), trains nothing and exits 2; with
+    --set train.epochs=2 it trains the added epoch and exits 0."""
+    job = _toy_job(tmp_path, "rerun", train={"epochs": 1})
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(job))
+    assert main(["train", str(path)]) == 0
+    capfd.readouterr()
+    assert main(["train", str(path), "--set", "train.lr=0.01"]) == 2
+    out, err = capfd.readouterr()
+    assert ("rerun of run 'rerun' from step 8. ignored: train.lr 0.05 -> 0.01 (the optimizer's settings come back "
+            "with its state from the checkpoint). To start a new run with these settings instead") in out
+    assert "run 'rerun' was already complete at step 8: nothing was trained, and train.lr 0.05 -> 0.01" in err
+    assert main(["train", str(path), "--set", "train.epochs=2"]) == 0
+    assert "changed keys that apply from step 8: train.epochs 1 -> 2" in capfd.readouterr().out
+    assert max(step for step, _ in complete_checkpoints(tmp_path / "runs" / "rerun")) == 16

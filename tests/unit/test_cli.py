@@ -1,5 +1,6 @@
 """Bad input fails on the driver, before Ray starts, with one line that names the culprit."""
 
+import os
 from pathlib import Path
 
 import yaml
@@ -273,7 +274,9 @@ def test_resume_or_eval_on_data_whose_classes_changed_is_refused(tmp_path, monke
 
     root = tmp_path / "images"
     write_synth_images(root, classes=3, per_class=2, val_per_class=1, size=16, seed=0)
-    job = job_dict(root, tmp_path / "runs", "r1", data={"cache_dir": str(tmp_path / "cache")})
+    # (a global batch the 6 training images fill: an epoch of no step is refused before anything else)
+    job = job_dict(root, tmp_path / "runs", "r1", data={"cache_dir": str(tmp_path / "cache")},
+                   train={"global_batch_size": 4})
     cfg = config_from_dict(job)
     index = ImageClassification.check(cfg)
     saved = tmp_path / "runs" / "r1" / "checkpoint_2026-01-01_00-00-00.000000"
@@ -334,3 +337,124 @@ def test_export_refuses_a_checkpoint_whose_classes_json_was_edited(tmp_path, cap
     (saved / "classes.json").write_text('["d", "c", "b", "a"]')
     with pytest.raises(CheckpointError, match=rf"checkpoint {saved}: classes.json does not match its manifest"):
         ImageClassification.model_from_checkpoint(config_from_dict(job), str(saved))
+
+
+def _check(tmp_path, job: dict, capsys) -> tuple[int, str]:
+    cfg = tmp_path / "job.yaml"
+    cfg.write_text(yaml.safe_dump(job))
+    code = main(["check", str(cfg)])
+    return code, capsys.readouterr().err
+
+
+def test_check_refuses_what_cannot_work_before_ray(image_root, tmp_path, capsys, monkeypatch):
+    """Issue 59 item 3: a model.pretrained folder that does not exist, or is no model folder; a malformed Hub
+    name; train.init_from that does not exist; a global batch larger than the training split: each one line,
+    exit 2, before Ray (nothing of the rest of the check printed). Offline, a Hub name this machine's cache does
+    not hold is one line in seconds, not transformers' half minute of retries."""
+    import time
+
+    from behemoth.models import sources
+    from conftest import lm_job_dict
+    from pathlib import Path as _Path
+
+    corpus = _Path(__file__).parent  # (any folder: the checks below stop before the text is read)
+    lm = lm_job_dict(corpus, tmp_path)
+    lm["model"] = {"name": "causal_lm", "pretrained": "/models/llama-1b"}
+    assert _check(tmp_path, lm, capsys) == (2, "behemoth: config error: model.pretrained /models/llama-1b: no such "
+                                               "folder on this machine. A local model is a folder that from_pretrained "
+                                               "reads (config.json, weights, tokenizer files), on every node that "
+                                               "trains; or give a Hugging Face Hub name (org/name)\n")
+    (tmp_path / "not-a-model").mkdir()
+    lm["model"]["pretrained"] = str(tmp_path / "not-a-model")
+    assert "the folder has no config.json" in _check(tmp_path, lm, capsys)[1]
+    lm["model"]["pretrained"] = "meta llama/Llama 3"
+    assert "is neither a folder on this machine nor a Hugging Face Hub name" in _check(tmp_path, lm, capsys)[1]
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")  # (restored after the test: the probe sets it for the process)
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # a Hub that does not answer
+    sources.hub_reachable.cache_clear()
+    lm["model"]["pretrained"] = "behemoth-tests/no-such-model"
+    started = time.time()
+    code, err = _check(tmp_path, lm, capsys)
+    assert code == 2 and "not in this machine's Hugging Face cache and the Hub is unreachable" in err
+    assert "huggingface-cli download behemoth-tests/no-such-model --local-dir DIR" in err
+    assert time.time() - started < 10 and os.environ["HF_HUB_OFFLINE"] == "1"  # found once; nothing retries
+    sources.hub_reachable.cache_clear()
+
+    job = job_dict(image_root, tmp_path / "runs", train={"init_from": str(tmp_path / "no-run")})
+    assert "train.init_from: " in _check(tmp_path, job, capsys)[1]
+    job = job_dict(image_root, tmp_path / "runs", train={"global_batch_size": 4096})
+    assert _check(tmp_path, job, capsys) == (2, "behemoth: config error: train.global_batch_size 4096 exceeds the 96 "
+                                                "training samples: an epoch would have no step. Lower it to at most "
+                                                "96 (a divisor of the workers' split: scaling.num_workers x "
+                                                "micro-batch), or add data\n")
+
+
+def test_a_missing_data_folder_suggests_demo_data_somewhere_else(tmp_path, capsys):
+    """The suggestion for a missing image folder never writes into the user's data path (issue 59)."""
+    job = job_dict(tmp_path / "imagenet", tmp_path / "runs")
+    code, err = _check(tmp_path, job, capsys)
+    assert code != 0 and f"--out {tmp_path / 'imagenet'}" not in err and "synth-images --out /tmp/" in err
+
+
+def test_check_takes_a_sweep_yaml_and_checks_every_trials_job_offline(image_root, tmp_path, capsys):
+    """`behemoth check SWEEP.yaml` (issue 59): the sweep, every trial's job and the data, without Ray: a batch
+    size in the space that the data cannot fill is refused; a sweep on object storage is refused with the fix;
+    a good one prints the data and a summary."""
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(job_dict(image_root, tmp_path / "runs")))
+    sweep = {"job": "job.yaml", "space": {"train.lr": {"grid": [0.01, 0.1]}, "train.global_batch_size": {"grid": [16, 32]}},
+             "metric": "val_accuracy", "name": "s", "storage_path": str(tmp_path / "sweeps")}
+    path = tmp_path / "sweep.yaml"
+    path.write_text(yaml.safe_dump(sweep))
+    assert main(["check", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "# data: 96 train / 24 val samples, 4 classes" in out
+    assert "# sweep s: 4 trial jobs checked (" in out and "metric val_accuracy (max)" in out
+    path.write_text(yaml.safe_dump({**sweep, "space": {"train.global_batch_size": {"grid": [16, 4096]}}}))
+    assert main(["check", str(path)]) == 2
+    assert "train.global_batch_size 4096 exceeds the 96 training samples" in capsys.readouterr().err
+    path.write_text(yaml.safe_dump({**sweep, "storage_path": "s3://bucket/sweeps"}))
+    assert main(["check", str(path)]) == 2
+    assert "an object store is not supported for sweeps yet" in capsys.readouterr().err
+
+
+def test_a_rerun_says_which_changed_keys_apply_and_which_are_ignored(image_root, tmp_path):
+    """Issue 59 item 4, without Ray: against the latest checkpoint's job.yaml, a changed train.epochs applies,
+    a changed train.lr is ignored (the optimizer's comes back) and says why, a changed global batch is refused
+    unless resume_changed_config; a complete run rerun with an ignored change fails, one with none passes."""
+    from types import SimpleNamespace
+
+    import pytest
+    import torch
+
+    from behemoth.config import ConfigError, dump_yaml
+    from behemoth.driver.resume import check_something_trained, describe_rerun
+    from behemoth.job import config_from_dict
+    from behemoth.storage import checkpoint
+
+    job = job_dict(image_root, tmp_path / "runs", "r", train={"epochs": 2, "lr": 0.05})
+    checkpoint.write(tmp_path / "runs" / "r" / "checkpoint_2026-01-01_00-00-00.000000", checkpoint.Snapshot(
+        state_dicts={"model.pt": {"w": torch.zeros(1)}}, step=12,
+        texts={"job.yaml": dump_yaml(config_from_dict(job)), "train_state.json": '{"step": 12}'}))
+    assert describe_rerun(config_from_dict(job)) is None  # the same config: nothing to say
+    changed = config_from_dict({**job, "train": {**job["train"], "epochs": 4, "lr": 0.01}})
+    rerun = describe_rerun(changed)
+    assert rerun.step == 12 and rerun.applied == ["train.epochs 2 -> 4"]
+    assert rerun.ignored == ["train.lr 0.05 -> 0.01 (the optimizer's settings come back with its state from the "
+                             "checkpoint)"]
+    assert "To start a new run with these settings instead: --set checkpoint.run_name=NEW_NAME" in rerun.line(changed)
+    with pytest.raises(ConfigError, match=r"cannot resume with train.global_batch_size 16 -> 32 \(the position in "
+                                          r"the data is counted in steps of the global batch\)"):
+        describe_rerun(config_from_dict({**job, "train": {**job["train"], "global_batch_size": 32}}))
+    forced = config_from_dict({**job, "train": {**job["train"], "global_batch_size": 32},
+                               "checkpoint": {**job["checkpoint"], "resume_changed_config": True}})
+    assert describe_rerun(forced).applied == ["train.global_batch_size 16 -> 32 (the position in the data is counted "
+                                              "in steps of the global batch), applied anyway "
+                                              "(checkpoint.resume_changed_config)"]
+    complete = SimpleNamespace(metrics={"step": 12}, resumed_from_step=12)
+    with pytest.raises(ConfigError, match=r"was already complete at step 12: nothing was trained, and train.lr "
+                                          r"0.05 -> 0.01"):
+        check_something_trained(changed, rerun, complete)
+    check_something_trained(changed, rerun, SimpleNamespace(metrics={"step": 24}, resumed_from_step=12))
+    only_applied = config_from_dict({**job, "train": {**job["train"], "log_every": 5}})
+    check_something_trained(only_applied, describe_rerun(only_applied), complete)

@@ -148,8 +148,10 @@ def index_image_folder(root: Path, cache_dir: Path | None = None) -> ImageIndex:
     class folders' modification times (a file added, removed or renamed in one changes its folder's): a rerun,
     a restart of the driver and every trial of a sweep stat the class folders instead of listing every file."""
     if not root.is_dir():
-        raise DataError(f"data folder {root} does not exist: create it, or point data.root at it "
-                        f"(demo data: behemoth data synth-images --out {root})")
+        raise DataError(f"data folder {root} does not exist: point data.root at a folder holding train/ and val/ "
+                        f"class folders (ImageNet's flat val/ split into class folders: docs/quickstarts.md); to try "
+                        f"behemoth on demo data instead: behemoth data synth-images --out /tmp/behemoth-demo-images "
+                        f"and data.root=/tmp/behemoth-demo-images")
     for split in ("train", "val"):
         if not (root / split).is_dir():
             raise DataError(f"{root / split} is missing: data.root must hold train/ and val/ class folders")

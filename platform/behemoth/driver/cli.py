@@ -6,6 +6,8 @@ import argparse
 import sys
 from pathlib import Path
 
+import yaml
+
 from behemoth.version import __version__
 from behemoth.config import dump_yaml
 from behemoth.job import load_config
@@ -103,7 +105,8 @@ def build_parser() -> argparse.ArgumentParser:
                        "plots embedded, and the PNGs (`behemoth train` writes it at the end of every run)")
     p.add_argument("folder", help="a run folder (STORAGE_PATH/RUN_NAME) or a sweep folder (with results.csv)")
 
-    p = sub.add_parser("check", help="validate a job config and its data without starting Ray; print it")
+    p = sub.add_parser("check", help="validate a job config and its data without starting Ray; print it (a sweep "
+                       "YAML: the sweep, every trial's job and each data)")
     _add_config_args(p)
 
     p = sub.add_parser("check-cluster", help="validate a Ray cluster YAML offline (Ray's schema) and lint its security")
@@ -234,6 +237,8 @@ def _dispatch(args) -> int:
         print(f"[behemoth] exported {source}\n  to {out} (load with transformers' from_pretrained / pipeline; "
               f"see its README.md)")
         return 0
+    if args.command == "check" and _is_sweep(args.config):
+        return _check_sweep(args.config, args.overrides)
     cfg = load_config(args.config, args.overrides)
     if args.command == "eval":
         from behemoth.driver.evaluate import evaluate_checkpoint
@@ -350,12 +355,55 @@ def _data_command(args) -> int:
     return 0
 
 
+def _is_sweep(path: str) -> bool:
+    """A sweep YAML (job: and space: at its top) rather than a job's."""
+    try:
+        raw = yaml.safe_load(Path(path).read_text())
+    except (OSError, yaml.YAMLError):
+        return False  # (the job loader says what is wrong with it)
+    return isinstance(raw, dict) and "job" in raw and "space" in raw
+
+
+def _check_sweep(path: str, overrides: list[str]) -> int:
+    """`behemoth check SWEEP.yaml`: the sweep's keys and space, every trial's job (each grid combination and
+    each range's ends) and each distinct data, as `behemoth tune` checks them before Ray starts; then one line
+    per data and a summary. Nothing is started."""
+    import json
+
+    from behemoth.driver import preflight
+    from behemoth.driver.sweep.config import check_sweep, load_sweep, metric_and_mode
+    from behemoth.tasks import task_of
+
+    sweep_cfg = load_sweep(path, overrides)
+    jobs = check_sweep(sweep_cfg)
+    described = {}
+    for job in jobs:
+        key = json.dumps(job.to_dict()["data"], sort_keys=True)
+        task = task_of(job)
+        if key not in described:
+            preflight.check_sources(job)
+            described[key] = (task.check(job), task)
+        checked, _ = described[key]
+        preflight.check_epoch(job, task.train_samples(job, checked))  # every trial's batch size
+    metric, mode = metric_and_mode(sweep_cfg, jobs[0])
+    for checked, task in described.values():
+        print(f"# data: {task.describe(jobs[0], checked)}")
+    print(f"# sweep {sweep_cfg.name}: {len(jobs)} trial jobs checked ({', '.join(sweep_cfg.space)}); metric "
+          f"{metric} ({mode}); scheduler {sweep_cfg.scheduler.kind}; folder {sweep_cfg.storage_path}")
+    return 0
+
+
 def _check_data(cfg) -> str:
-    """What the task can check without Ray (images: indexed; text: files, columns and the tokenizer)."""
+    """What the task can check without Ray (images: indexed; text: files, columns and the tokenizer), and what
+    the preflight can (driver/preflight.py: model and tokenizer sources, init_from, an epoch's steps)."""
+    from behemoth.driver import preflight
     from behemoth.tasks import task_of
 
     task = task_of(cfg)
-    return task.describe(cfg, task.check(cfg))
+    preflight.check_sources(cfg)
+    checked = task.check(cfg)
+    preflight.check_epoch(cfg, task.train_samples(cfg, checked))
+    return task.describe(cfg, checked)
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ folder's checkpoints after a run (public: a run through Ray Train and a sweep's 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 
 import yaml
 
@@ -62,6 +63,84 @@ def check_resume_compatible(cfg: JobConfig) -> None:
             f"({name}): {'; '.join(changed)}. Start a new run with another "
             f"checkpoint.run_name, or resume anyway with --set checkpoint.resume_changed_config=true"
         )
+
+
+# What a rerun's changed train.* / scaling.* keys do from the step it resumes at (every other one applies):
+# the optimizer's settings come back with its state; the data position is counted in steps of the global batch
+# and the epoch's order drawn from the seed, so changing those would skip or repeat samples.
+_IGNORED_ON_RESUME = {
+    **dict.fromkeys(("train.lr", "train.momentum", "train.weight_decay", "train.adam_betas", "train.adam_eps"),
+                    "the optimizer's settings come back with its state from the checkpoint"),
+    **dict.fromkeys(("train.init_from", "train.init_from_checkpoint"), "init_from decides only how a run starts"),
+}
+_REFUSED_ON_RESUME = {
+    "train.global_batch_size": "the position in the data is counted in steps of the global batch",
+    "train.seed": "the order of the epoch in progress, and the augmentation, are drawn from the seed",
+    "train.optimizer": "the checkpoint holds another optimizer's state",
+}
+
+
+@dataclass
+class Rerun:
+    """How a rerun's config differs from its latest checkpoint's in train.* and scaling.* (`key: a -> b` each)."""
+
+    step: int
+    applied: list[str]
+    ignored: list[str]  # with why
+
+    def line(self, cfg: JobConfig) -> str:
+        parts = [f"rerun of run '{cfg.checkpoint.run_name}' from step {self.step}"]
+        if self.applied:
+            parts.append(f"changed keys that apply from step {self.step}: {'; '.join(self.applied)}")
+        if self.ignored:
+            parts.append(f"ignored: {'; '.join(self.ignored)}")
+        return ". ".join(parts) + f". {_new_run_hint(cfg)}"
+
+
+def check_something_trained(cfg: JobConfig, rerun: Rerun | None, summary) -> None:
+    """A rerun of a complete run trains nothing: where it was asked changes it ignored, it says so and fails
+    (exit 2), so that a changed train.lr is never taken for a run that used it (docs/running.md)."""
+    if rerun is None or not rerun.ignored or summary.metrics.get("step") != summary.resumed_from_step:
+        return
+    raise ConfigError(f"run '{cfg.checkpoint.run_name}' was already complete at step {summary.resumed_from_step}: "
+                      f"nothing was trained, and {'; '.join(rerun.ignored)}. {_new_run_hint(cfg)}")
+
+
+def _new_run_hint(cfg: JobConfig) -> str:
+    return (f"To start a new run with these settings instead: --set checkpoint.run_name=NEW_NAME (and "
+            f"--set train.init_from={run_dir(cfg)} to start from this run's weights)")
+
+
+def describe_rerun(cfg: JobConfig) -> Rerun | None:
+    """The changes a rerun makes to train.* and scaling.*, or None (a new run, or none changed). A change that
+    cannot apply to a run in progress (_REFUSED_ON_RESUME) is refused, unless checkpoint.resume_changed_config."""
+    from behemoth.storage.checkpoint import read_state
+    from behemoth.storage.filesystem import read_file
+
+    latest = latest_checkpoint(cfg)
+    if latest is None:
+        return None
+    before = yaml.safe_load(read_file(f"{latest[0]}/job.yaml")) or {}
+    now, applied, ignored, refused = cfg.to_dict(), [], [], []
+    for section in ("train", "scaling"):
+        for key, value in now[section].items():
+            old = before.get(section, {}).get(key, value)
+            if old == value:
+                continue
+            name, change = f"{section}.{key}", f"{section}.{key} {old!r} -> {value!r}"
+            if name in _REFUSED_ON_RESUME:
+                refused.append(f"{change} ({_REFUSED_ON_RESUME[name]})")
+            elif name in _IGNORED_ON_RESUME:
+                ignored.append(f"{change} ({_IGNORED_ON_RESUME[name]})")
+            else:
+                applied.append(change)
+    if refused and not cfg.checkpoint.resume_changed_config:
+        raise ConfigError(f"run '{cfg.checkpoint.run_name}' in {run_dir(cfg)} cannot resume with {'; '.join(refused)}. "
+                          f"{_new_run_hint(cfg)}; or resume anyway with --set checkpoint.resume_changed_config=true")
+    applied += [f"{r}, applied anyway (checkpoint.resume_changed_config)" for r in refused]
+    if not (applied or ignored):
+        return None
+    return Rerun(read_state(latest[0]).step, applied, ignored)
 
 
 def check_resume_data(cfg: JobConfig, prepared) -> None:

@@ -13,9 +13,9 @@ import threading
 import time
 
 from behemoth.config import JobConfig
-from behemoth.driver import ray_session
-from behemoth.driver.resume import (check_resume_compatible, check_resume_data, resolve_init_from,
-                                    retire_unregistered, run_dir, run_place)
+from behemoth.driver import preflight, ray_session
+from behemoth.driver.resume import (check_resume_compatible, check_resume_data, check_something_trained,
+                                    describe_rerun, resolve_init_from, retire_unregistered, run_dir, run_place)
 from behemoth.driver.stale_requests import withdraw_killed_drivers_requests
 from behemoth.driver.summary import RunSummary, summarise
 from behemoth.errors import RunFailedError, user_facing_error
@@ -93,6 +93,9 @@ def train(cfg: JobConfig, callbacks: list | None = None, lock: bool = True, proc
 
 def _train(cfg: JobConfig, callbacks: list | None, tracking, end_ray: bool = False, fence=None) -> RunSummary:
     check_resume_compatible(cfg)
+    rerun = describe_rerun(cfg)  # what changed keys do from the resume step, said before anything starts
+    if rerun is not None:
+        print(f"[behemoth] {rerun.line(cfg)}", flush=True)
     cfg = resolve_init_from(cfg)
     started = time.time()
     data = prepare_data(cfg, tracking.mark)
@@ -123,6 +126,7 @@ def _train(cfg: JobConfig, callbacks: list | None, tracking, end_ray: bool = Fal
         ending.join()
     summary.goodput, summary.report = tracking.account, tracking.report_path
     summary.tensorboard = cfg.tracking.tensorboard
+    check_something_trained(cfg, rerun, summary)
     return summary
 
 
@@ -144,11 +148,14 @@ def prepare_data(cfg: JobConfig, mark=lambda milestone: None):
     """The task checks its data (before Ray starts), Ray starts, the task prepares what the workers read.
     `mark`: called with each milestone's name (the goodput account's start-up detail)."""
     task = task_of(cfg)
+    preflight.check_sources(cfg)
     checked = task.check(cfg)
+    preflight.check_epoch(cfg, task.train_samples(cfg, checked))
     mark("data_checked")
     ray_session.ensure_ray()
     mark("ray_ready")
     data = task.prepare(cfg, checked)
+    preflight.check_epoch(cfg, task.train_samples(cfg, data))  # (text: the blocks are known once packed)
     mark("data_ready")
     return data
 

@@ -59,6 +59,11 @@ class CausalLM(Task):
         return units
 
     @classmethod
+    def train_samples(cls, cfg: JobConfig, data) -> int | None:
+        """The packed blocks, once prepared (before: only the text's work units are known)."""
+        return len(data.train) if isinstance(data, TokenIndex) else None
+
+    @classmethod
     def prepare(cls, cfg: JobConfig, units) -> TokenIndex:
         """Tokenise and pack the corpus with Ray Data (or read its cache): the blocks the workers gather from."""
         import time

@@ -60,6 +60,13 @@ class Task(abc.ABC):
         """One line for `behemoth check`."""
 
     @classmethod
+    def train_samples(cls, cfg: JobConfig, data: Any) -> int | None:
+        """How many training samples `data` (what `check` or `prepare` returned) holds, where it says without
+        preparing (None: not known yet). The driver refuses a global batch larger than that before Ray starts
+        (an epoch of no step)."""
+        return None
+
+    @classmethod
     def check_model(cls, cfg: JobConfig) -> None:
         """Refuse a model.name this task cannot train, or keys its model does not take (before Ray starts)."""
         model, known = cfg.model, [*cls.model_names, *cls.hf_models]

@@ -89,6 +89,10 @@ class ImageClassification(Task):
         return index
 
     @classmethod
+    def train_samples(cls, cfg: JobConfig, index: ImageIndex) -> int:
+        return index.train.num_rows
+
+    @classmethod
     def describe(cls, cfg: JobConfig, index: ImageIndex) -> str:
         return f"{index.train.num_rows} train / {index.val.num_rows} val samples, {len(index.classes)} classes"
 

@@ -111,6 +111,10 @@ class TextClassification(Task):
         return tokenise(cfg.data, rows)
 
     @classmethod
+    def train_samples(cls, cfg: JobConfig, rows) -> int:
+        return len(rows.texts["train"]) if isinstance(rows, LabelledRows) else len(rows.labels["train"])
+
+    @classmethod
     def describe(cls, cfg: JobConfig, rows: LabelledRows) -> str:
         return (f"{len(rows.texts['train'])} train / {len(rows.texts['val'])} val texts, {len(rows.classes)} "
                 f"classes ({', '.join(rows.classes[:8])}{', ...' if len(rows.classes) > 8 else ''})")
