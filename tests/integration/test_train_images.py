@@ -433,3 +433,19 @@ def test_a_rerun_of_a_complete_run_with_a_changed_lr_says_it_was_ignored_and_fai
     assert main(["train", str(path), "--set", "train.epochs=2"]) == 0
     assert "changed keys that apply from step 8: train.epochs 1 -> 2" in capfd.readouterr().out
     assert max(step for step, _ in complete_checkpoints(tmp_path / "runs" / "rerun")) == 16
+
+
+def test_check_nodes_asks_every_node_for_the_jobs_local_paths(image_root, tmp_path, capsys):
+    """`behemoth check-nodes` (issue 59 item 1): a task pinned to each alive node checks the job's local paths
+    (data, cache folder's parent, model.pretrained / init_from when local, checkpoint storage): all seen exits 0;
+    a data folder no node has is named, per node, and exits 1."""
+    (tmp_path / "runs").mkdir()
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(job_dict(image_root, tmp_path / "runs")))
+    assert main(["check-nodes", str(path)]) == 0
+    out = capsys.readouterr().out
+    nodes = len([n for n in ray.nodes() if n["Alive"]])
+    assert out.count("sees every path") == nodes and "paths checked: data.root, data.cache_dir" in out
+    path.write_text(yaml.safe_dump(job_dict(tmp_path / "nowhere", tmp_path / "runs")))
+    assert main(["check-nodes", str(path)]) == 1
+    assert capsys.readouterr().out.count(f"MISSING data.root {tmp_path / 'nowhere'}") == nodes

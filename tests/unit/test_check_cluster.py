@@ -94,7 +94,7 @@ CASES = [
     ("dashboard bound to 0.0.0.0", lambda c: c.pop("head_start_ray_commands"),
      r"dashboard binds to 0.0.0.0"),
     ("GPU node without GPUs", lambda c: c["available_node_types"]["gpu_a100x8"].update(resources={"CPU": 96}),
-     r"gpu_a100x8.resources.*p4d.24xlarge is a GPU instance but declares no GPU resources"),
+     r"gpu_a100x8.resources.*p4de.24xlarge is a GPU instance but declares no GPU resources"),
     ("launcher-made security group", lambda c: c["available_node_types"]["head_cpu"]["node_config"].pop("SecurityGroupIds"),
      r"head_cpu.node_config.*SSH open to 0.0.0.0/0"),
 ]

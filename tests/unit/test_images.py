@@ -186,3 +186,35 @@ def test_jpeg_is_read(tmp_path):
         out = transform_batch(batch_of(table), cfg=cfg(augment=augment), seed=0, epoch=0, train=train)
         red = out["image"][0]
         assert red[..., 0].mean() > 230 and red[..., 2].mean() < 25
+
+
+def test_imagenets_flat_val_folder_is_named_and_split_into_class_folders(tmp_path, capsys):
+    """Issue 59 item 2: a val/ of loose images is refused with the command that fixes it; `behemoth data
+    split-val` moves each image into its class's folder from Kaggle's CSV (or FILENAME CLASS lines), and refuses,
+    moving nothing, when labels and images disagree."""
+    import pytest
+
+    from behemoth.data.images import index_image_folder
+    from behemoth.driver.cli import main
+    from behemoth.errors import DataError
+
+    root = tmp_path / "imagenet"
+    for cls in ("n01440764", "n01443537"):
+        (root / "train" / cls).mkdir(parents=True)
+        (root / "train" / cls / f"{cls}_1.JPEG").write_bytes(b"x")
+    (root / "val").mkdir()
+    for i in (1, 2, 3):
+        (root / "val" / f"ILSVRC2012_val_0000000{i}.JPEG").write_bytes(b"x")
+    with pytest.raises(DataError, match=r"val holds images directly: .*behemoth data split-val .*val --labels"):
+        index_image_folder(root)
+    csv = tmp_path / "LOC_val_solution.csv"
+    csv.write_text("ImageId,PredictionString\nILSVRC2012_val_00000001,n01440764 1 2 3 4\n"
+                   "ILSVRC2012_val_00000002,n01443537 5 6 7 8 n01443537 1 1 2 2\n")
+    assert main(["data", "split-val", str(root / "val"), "--labels", str(csv)]) == 1  # one image has no label
+    assert "1 images without a label (ILSVRC2012_val_00000003.JPEG)" in capsys.readouterr().err
+    assert len(list((root / "val").glob("*.JPEG"))) == 3  # nothing moved
+    csv.write_text(csv.read_text() + "ILSVRC2012_val_00000003,n01440764 1 2 3 4\n")
+    assert main(["data", "split-val", str(root / "val"), "--labels", str(csv)]) == 0
+    assert sorted(p.relative_to(root / "val").as_posix() for p in (root / "val").rglob("*.JPEG")) == [
+        "n01440764/ILSVRC2012_val_00000001.JPEG", "n01440764/ILSVRC2012_val_00000003.JPEG",
+        "n01443537/ILSVRC2012_val_00000002.JPEG"]

@@ -408,3 +408,23 @@ def test_a_profiled_window_of_steps_lands_in_the_run_folder_and_the_report_links
     (links,) = _profile_links(str(run))
     assert '<a href="../profile/rank1.steps-3-4.pt.trace.json">' in links and "ui.perfetto.dev" in links
     assert _profile_links(str(tmp_path / "other")) == []
+
+
+def test_warmup_in_epochs_follows_the_global_batch():
+    """train.warmup_epochs (issue 59): the warm-up covers the same share of the data whatever the batch (a
+    batch-size sweep compares like with like): 2 epochs of 10 steps warm up over 20 steps, of 5 steps over 10."""
+    from behemoth.worker.optim import warmup_steps
+
+    cfg = TrainConfig(lr=0.4, warmup_epochs=2)
+    assert warmup_steps(cfg, epoch_steps=10) == 20 and warmup_steps(cfg, epoch_steps=5) == 10
+    assert warmup_steps(TrainConfig(warmup_epochs=0.5), epoch_steps=3) == 2  # rounded up
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=cfg.lr)
+    sched = lr_schedule(opt, cfg, total_steps=100, epoch_steps=10)
+    lrs = []
+    for _ in range(21):
+        lrs.append(sched.get_last_lr()[0])
+        opt.step()
+        sched.step()
+    assert lrs[0] == pytest.approx(0.02) and lrs[18] == pytest.approx(0.38) and lrs[19] == pytest.approx(0.4)
+    with pytest.raises(ConfigError, match="train.warmup_epochs must be >= 0 and replaces train.warmup_steps"):
+        TrainConfig(warmup_epochs=1, warmup_steps=5).validate()

@@ -61,6 +61,9 @@ class TrainConfig:
     # linear decay to lr * min_lr_ratio over the last wsd_decay_fraction of the steps after the warm-up).
     schedule: Literal["cosine", "linear", "constant", "wsd"] = "cosine"
     warmup_steps: int = 0
+    # The warm-up in epochs instead (e.g. 5: ImageNet's recipe): its steps follow the global batch, so a sweep
+    # over train.global_batch_size warms every trial up over the same share of the data.
+    warmup_epochs: Optional[float] = None
     min_lr_ratio: float = 0.0
     wsd_decay_fraction: float = 0.2
     # Clip the gradient norm to this (the norm, clipped or not, is in every report as grad_norm).
@@ -147,6 +150,9 @@ class TrainConfig:
             positive("train.peak_tflops", self.peak_tflops)
         if self.max_steps is not None:
             positive("train.max_steps", self.max_steps)
+        if self.warmup_epochs is not None and (self.warmup_epochs < 0 or self.warmup_steps):
+            raise ConfigError(f"train.warmup_epochs must be >= 0 and replaces train.warmup_steps (set one), got "
+                              f"warmup_epochs {self.warmup_epochs!r}, warmup_steps {self.warmup_steps!r}")
         if self.warmup_steps < 0 or self.weight_decay < 0 or not 0 <= self.min_lr_ratio <= 1:
             raise ConfigError("train.warmup_steps and train.weight_decay must be >= 0, min_lr_ratio in [0, 1]")
         if not 0 < self.wsd_decay_fraction <= 1:

@@ -155,6 +155,10 @@ def index_image_folder(root: Path, cache_dir: Path | None = None) -> ImageIndex:
     for split in ("train", "val"):
         if not (root / split).is_dir():
             raise DataError(f"{root / split} is missing: data.root must hold train/ and val/ class folders")
+    if any(p.suffix.lower() in IMAGE_SUFFIXES for p in (root / "val").iterdir() if p.is_file()):
+        raise DataError(f"{root / 'val'} holds images directly: validation images go in one folder per class, as in "
+                        f"train/ (ImageNet's come flat: behemoth data split-val {root / 'val'} --labels "
+                        f"LOC_val_solution.csv)")
     kept = _listing_file(root, cache_dir) if cache_dir is not None else None
     index = _kept_index(kept)
     if index is not None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -105,6 +106,14 @@ def build_parser() -> argparse.ArgumentParser:
                        "plots embedded, and the PNGs (`behemoth train` writes it at the end of every run)")
     p.add_argument("folder", help="a run folder (STORAGE_PATH/RUN_NAME) or a sweep folder (with results.csv)")
 
+    _add_check_commands(sub)
+    _add_data_commands(sub.add_parser("data", help="data utilities").add_subparsers(dest="data_command",
+                                                                                      required=True))
+    return parser
+
+
+def _add_check_commands(sub) -> None:
+    """`behemoth check | check-cluster | check-nodes`: what can be checked before a run."""
     p = sub.add_parser("check", help="validate a job config and its data without starting Ray; print it (a sweep "
                        "YAML: the sweep, every trial's job and each data)")
     _add_config_args(p)
@@ -114,9 +123,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--job", dest="jobs", action="append", default=[], metavar="JOB_YAML",
                    help="also check a job config meant for this cluster (e.g. its checkpoint storage path)")
 
-    _add_data_commands(sub.add_parser("data", help="data utilities").add_subparsers(dest="data_command",
-                                                                                      required=True))
-    return parser
+    p = sub.add_parser("check-nodes", help="on a running Ray cluster (RAY_ADDRESS, or this machine's `ray start`): "
+                       "does every node see the job's local paths (data, model, init_from, checkpoint storage)?")
+    _add_config_args(p)
 
 
 def _add_data_commands(data) -> None:
@@ -133,6 +142,11 @@ def _add_data_commands(data) -> None:
     p.add_argument("--size", type=_image_size, default=None, help="png: the side in pixels (default 32); jpeg: "
                    "WIDTHxHEIGHT of the landscape images (default 500x375)")
     p.add_argument("--seed", type=int, default=0, help="random seed (the same seed writes the same data)")
+
+    p = data.add_parser("split-val", help="move ImageNet's flat validation images into one folder per class "
+                        "(in place), from Kaggle's LOC_val_solution.csv or lines of 'FILENAME CLASS'")
+    p.add_argument("folder", help="the flat validation folder, e.g. /data/imagenet/val")
+    p.add_argument("--labels", required=True, help="LOC_val_solution.csv, or a text file of 'FILENAME CLASS' lines")
 
     p = data.add_parser("synth-text", help="write a learnable demo text corpus (train.jsonl, val.jsonl)")
     p.add_argument("--out", required=True, help="output folder")
@@ -220,6 +234,8 @@ def _dispatch(args) -> int:
             print(f"{args.cluster_yaml}: {finding}", file=sys.stderr)
         print(f"{args.cluster_yaml}: {len(findings)} problem(s)" if findings else f"{args.cluster_yaml}: OK")
         return 1 if findings else 0
+    if args.command == "check-nodes":
+        return _check_nodes(load_config(args.config, args.overrides))
     if args.command == "data":
         return _data_command(args)
     if args.command == "tune":
@@ -324,6 +340,11 @@ def _data_command(args) -> int:
         write = write_synth_labelled_text if args.labelled else write_synth_text
         counts = write(args.out, args.train_documents, args.val_documents, args.seed)
         print(f"wrote {counts['train']} train and {counts['val']} val documents to {args.out}/{{train,val}}.jsonl")
+    elif args.data_command == "split-val":
+        from behemoth.data.imagenet import split_val
+
+        counts = split_val(Path(args.folder), Path(args.labels))
+        print(f"moved {sum(counts.values())} images into {len(counts)} class folders of {args.folder}")
     elif args.data_command == "shards":
         from behemoth.data.image_shards import write_shards
         from behemoth.data.images import index_image_folder
@@ -353,6 +374,22 @@ def _data_command(args) -> int:
         tok = train_tokenizer(args.files, args.out, args.vocab_size, args.text_field, args.document)
         print(f"wrote a byte-level BPE tokenizer ({len(tok)} tokens, eos {tok.eos_token!r}) to {args.out}")
     return 0
+
+
+def _check_nodes(cfg) -> int:
+    """`behemoth check-nodes`: one line per node; exit 1 where any node misses a path."""
+    import ray
+
+    from behemoth.driver.node_check import check_nodes, job_paths
+
+    if not ray.is_initialized():
+        ray.init(address=os.environ.get("RAY_ADDRESS", "auto"), logging_level="warning", log_to_driver=False)
+    answers = check_nodes(cfg)
+    for a in answers:
+        lacks = "; ".join(f"{k} {v}" for k, v in a["missing"].items())
+        print(f"node {a['node'][:12]} ({a['host']}): " + (f"MISSING {lacks}" if lacks else "sees every path"))
+    print(f"# {len(answers)} node(s); paths checked: {', '.join(job_paths(cfg)) or 'none (all URIs or Hub names)'}")
+    return 1 if any(a["missing"] for a in answers) else 0
 
 
 def _is_sweep(path: str) -> bool:

@@ -55,7 +55,8 @@ def train_loop_per_worker(loop_config: dict) -> dict:
     clock.mark("task_ready")
     rank, world, device = ctx.rank, ctx.world, ctx.device
     epoch_steps, total_steps = _steps(cfg, task)
-    run, speed, micro_batch, accum, init_line = _build_run(cfg, task, clock, rank, world, device, total_steps)
+    run, speed, micro_batch, accum, init_line = _build_run(cfg, task, clock, rank, world, device, total_steps,
+                                                           epoch_steps)
 
     # Resume: the latest good checkpoint restores weights, optimizer, schedule, scaler, compression, data position.
     state = restore_latest(run, loop_config.get("fence")) or TrainState(world_size=world)
@@ -104,7 +105,8 @@ def train_loop_per_worker(loop_config: dict) -> dict:
             "clock": clock.snapshot()}
 
 
-def _build_run(cfg: JobConfig, task: Task, clock: PhaseClock, rank: int, world: int, device, total_steps: int):
+def _build_run(cfg: JobConfig, task: Task, clock: PhaseClock, rank: int, world: int, device, total_steps: int,
+               epoch_steps: int | None = None):
     """torch's threads (scaling.torch_threads), the model (same initial weights on every rank, or
     train.init_from's), the batch plan (the global batch, fixed by the config, split evenly over the ranks and,
     on each rank, into `accum` micro-batches), DDP (gloo on CPU, nccl on GPU) or FSDP with compression and
@@ -126,7 +128,7 @@ def _build_run(cfg: JobConfig, task: Task, clock: PhaseClock, rank: int, world: 
     ema = WeightAverage(model, cfg.train.ema_decay) if cfg.train.ema_decay else None
     model, hook_state = parallel.wrap(model, cfg, console=console if rank == 0 else lambda m: None)
     optimizer = build_optimizer(model, cfg.train)
-    run = Run(model, optimizer, lr_schedule(optimizer, cfg.train, total_steps),
+    run = Run(model, optimizer, lr_schedule(optimizer, cfg.train, total_steps, epoch_steps),
               grad_scaler(device, cfg.train.precision), hook_state, ema)
     return run, speed, micro_batch, accum, init_line
 

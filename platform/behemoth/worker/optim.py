@@ -24,13 +24,24 @@ def build_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Opt
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.adam_betas), eps=cfg.adam_eps, fused=fused or None)
 
 
-def lr_factor(cfg: TrainConfig, total_steps: int, step: int) -> float:
+def warmup_steps(cfg: TrainConfig, epoch_steps: int | None) -> int:
+    """train.warmup_steps, or train.warmup_epochs in steps of this run's global batch (rounded up)."""
+    if cfg.warmup_epochs is None:
+        return cfg.warmup_steps
+    if epoch_steps is None:
+        raise ValueError("train.warmup_epochs needs the steps per epoch")
+    return math.ceil(cfg.warmup_epochs * epoch_steps)
+
+
+def lr_factor(cfg: TrainConfig, total_steps: int, step: int, warmup: int | None = None) -> float:
     """The learning rate at `step` (0-based: the step about to be taken) as a multiple of train.lr: a linear
-    warm-up over warmup_steps, then train.schedule down to min_lr_ratio at the last step."""
-    if step < cfg.warmup_steps:
-        return (step + 1) / cfg.warmup_steps
-    after = max(total_steps - cfg.warmup_steps, 1)
-    progress = min((step - cfg.warmup_steps) / after, 1.0)
+    warm-up over `warmup` steps (default train.warmup_steps), then train.schedule down to min_lr_ratio at the
+    last step."""
+    warmup = cfg.warmup_steps if warmup is None else warmup
+    if step < warmup:
+        return (step + 1) / warmup
+    after = max(total_steps - warmup, 1)
+    progress = min((step - warmup) / after, 1.0)
     low = cfg.min_lr_ratio
     if cfg.schedule == "constant":
         return 1.0
@@ -42,11 +53,12 @@ def lr_factor(cfg: TrainConfig, total_steps: int, step: int) -> float:
     return low + (1 - low) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-def lr_schedule(optimizer: torch.optim.Optimizer, cfg: TrainConfig, total_steps: int):
+def lr_schedule(optimizer: torch.optim.Optimizer, cfg: TrainConfig, total_steps: int, epoch_steps: int | None = None):
     """train.schedule as a LambdaLR (its state, the step count, is in every checkpoint; a plain function, so
-    that state holds no entry for it)."""
+    that state holds no entry for it). `epoch_steps`: for train.warmup_epochs."""
+    warmup = warmup_steps(cfg, epoch_steps)
 
     def factor(step: int) -> float:
-        return lr_factor(cfg, total_steps, step)
+        return lr_factor(cfg, total_steps, step, warmup)
 
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
