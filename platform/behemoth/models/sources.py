@@ -43,10 +43,11 @@ def check_source(value: str, key: str, needs: str = "config.json") -> None:
     if not _HUB_NAME.match(value) or ".." in value or "--" in value:
         raise ConfigError(f"{key} {value!r} is neither a folder on this machine nor a Hugging Face Hub name "
                           f"(org/name): check its spelling")
+    told = _offline_by_env()  # (before the probe, which sets it for this process)
     if _in_cache(value, needs) or hub_reachable():
         return
     raise ConfigError(f"{key} {value}: not in this machine's Hugging Face cache and the Hub is unreachable "
-                      f"(offline{', HF_HUB_OFFLINE=1' if _offline_by_env() else ''}). Download it where there is "
+                      f"({'HF_HUB_OFFLINE=1' if told else 'no answer from it'}). Download it where there is "
                       f"network (huggingface-cli download {value} --local-dir DIR), copy DIR to every node, and "
                       f"set {key} to DIR")
 
