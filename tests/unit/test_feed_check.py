@@ -60,3 +60,43 @@ def test_cpus_sizes_only_a_local_instance(monkeypatch):
     monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:1")
     with pytest.raises(ConfigError, match="--cpus 4 sizes a local Ray instance; RAY_ADDRESS names a running"):
         ensure_ray(num_cpus=4)
+
+
+def test_the_bench_window_starts_once_every_consumer_has_its_first_batch():
+    """A consumer started first keeps pulling steps until `seconds` after the *last* consumer's first batch
+    (StartGate): on a loaded machine consumers start seconds apart, and a window counted from each one's own
+    first batch left the two too little overlap to measure (a full-tier failure: 0.97 s of a 3 s window)."""
+    import time
+
+    from behemoth.driver.data_bench import StartGate, _consume
+    from behemoth.storage.checkpoint import TrainState
+
+    class Feed:
+        epoch_steps, cfg = 10**6, type("C", (), {"train": type("T", (), {"global_batch_size": 1})})()
+
+        def start(self, state):
+            pass
+
+        def ahead(self, state, total_steps):
+            pass
+
+        def steps(self, state):
+            def gen():
+                while True:
+                    time.sleep(0.01)
+                    yield [{"sample_id": __import__("torch").zeros(2)}]
+            return gen()
+
+    gate = StartGate(world=2)
+    other_arrives = time.time() + 0.5  # the second consumer's first batch comes 0.5 s later
+    calls = []
+
+    def window_start(at):
+        calls.append(at)
+        if time.time() >= other_arrives:
+            gate.arrived(1, other_arrives)
+        return gate.arrived(0, at)
+
+    result = _consume(Feed(), TrainState(), 0.3, window_start)
+    assert result["times"][-1] - result["times"][0] >= 0.5 + 0.3 - 0.02  # measured past the late one's start + 0.3
+    assert StartGate(world=1).arrived(0, 5.0) == 5.0

@@ -93,15 +93,16 @@ def bench_data(cfg: JobConfig, seconds: float = 20.0, step_rate: float | None = 
     consumer = ray.remote(_Consumer)
     consumers = [consumer.options(num_cpus=cfg.scaling.cpus_per_worker).remote()
                  for _ in range(world)]
+    gate = ray.remote(num_cpus=0)(StartGate).remote(world)
     meter = MachineCpu()
     t0 = time.time()
     try:
-        results = ray.get([c.run.remote(cfg.to_dict(), ref, rank, world, seconds)
+        results = ray.get([c.run.remote(cfg.to_dict(), ref, rank, world, seconds, gate)
                            for rank, c in enumerate(consumers)])
     finally:
         meter.stop()
-        for c in consumers:
-            ray.kill(c)
+        for actor in (*consumers, gate):
+            ray.kill(actor)
     start = max(r["times"][0] for r in results)  # every consumer past its first batch
     end = min(r["times"][-1] for r in results)
     if end <= start:
@@ -202,10 +203,24 @@ def steady_step_rate(reports: list[dict]) -> float:
     return (last["step"] - first["step"]) / (last["wall_time"] - first["wall_time"])
 
 
+class StartGate:
+    """When the measured window starts: once every consumer has had its first batch (a loaded machine starts
+    them seconds apart; a window counted from each one's own first batch then left little overlap)."""
+
+    def __init__(self, world: int):
+        self.world, self.firsts = world, {}
+
+    def arrived(self, rank: int, at: float) -> float | None:
+        """Record `rank`'s first batch; the window's start once all have had theirs, else None."""
+        self.firsts.setdefault(rank, at)
+        return max(self.firsts.values()) if len(self.firsts) == self.world else None
+
+
 class _Consumer:
     """One training worker's side of the feed (a Ray actor): the worker's batches, touched and dropped."""
 
-    def run(self, job: dict, data, rank: int, world: int, seconds: float) -> dict:
+    def run(self, job: dict, data, rank: int, world: int, seconds: float, gate) -> dict:
+        import ray
         import torch
 
         from behemoth import hosts
@@ -231,11 +246,13 @@ class _Consumer:
                 raise ConfigError(f"train.global_batch_size {cfg.train.global_batch_size} exceeds the "
                                   f"{task.num_train_samples} training samples: lower it")
             feed = EpochFeed(task, cfg, rank, world, micro, share // micro, epoch_steps)
-            return _consume(feed, TrainState(world_size=world), seconds)
+            window_start = lambda at: ray.get(gate.arrived.remote(rank, at))  # noqa: E731
+            return _consume(feed, TrainState(world_size=world), seconds, window_start)
 
 
-def _consume(feed, state, seconds: float) -> dict:
-    """Pull the feed's steps for `seconds` after the first; per step: its time, samples and bytes by key."""
+def _consume(feed, state, seconds: float, window_start=lambda at: at) -> dict:
+    """Pull the feed's steps until `seconds` after the window's start (`window_start(first batch's time)`: the
+    gate's, None until every consumer has had a first batch); per step: its time, samples and bytes by key."""
     times, samples, nbytes = [], [], {}
     feed.start(state)
     deadline = None
@@ -248,10 +265,11 @@ def _consume(feed, state, seconds: float) -> dict:
                     n += _touch(batch, nbytes)
                 times.append(time.time())
                 samples.append(n)
-                deadline = deadline or times[0] + seconds
+                if deadline is None and (start := window_start(times[0])) is not None:
+                    deadline = start + seconds
                 state.advance(feed.epoch_steps, feed.cfg.train.global_batch_size)
                 feed.ahead(state, total_steps=2**62)
-                if time.time() >= deadline:
+                if deadline is not None and time.time() >= deadline:
                     break
         finally:
             steps.close()
