@@ -460,8 +460,9 @@ def _wandb_records(folder: Path) -> list:
 def test_wandb_gets_the_same_curves_as_mlflow_in_an_offline_run_resumed_by_id(tmp_path):
     """tracking.wandb (issue 58), in W&B's offline mode (no network): the run's W&B id is kept in the run folder
     (a rerun continues the same W&B run), every report's curves are logged with their step under the names
-    TensorBoard and MLflow use, a step trained again after a restart is not logged twice (W&B's steps only
-    increase), and the job config is the run's config."""
+    TensorBoard and MLflow use, a step trained again after a restart appears once in the run's history (W&B's
+    steps only increase: the next test checks behemoth does not send it), and the job config is the run's
+    config."""
     from behemoth.job import config_from_dict
     from behemoth.tracking.callbacks import RunRecorder
     from behemoth.tracking.run import RunTracking
@@ -502,3 +503,16 @@ def test_wandb_keys_are_checked_before_ray(tmp_path):
                            ({"entity": "team"}, "tracking.wandb.entity is set without tracking.wandb.project")):
         with pytest.raises(ConfigError, match=message):
             config_from_dict({**job, "tracking": {"wandb": wandb}})
+
+
+def test_wandb_metrics_hand_wandb_no_step_twice():
+    """WandbMetrics itself leaves out a step at or below the last one it logged (W&B would drop it anyway, with
+    a warning per retrained step): the offline test above sees the same history either way, this one the call."""
+    from behemoth.tracking.wandb_run import WandbMetrics
+
+    logged = []
+    metrics = WandbMetrics({})
+    metrics.run = type("Run", (), {"log": lambda self, values, step: logged.append(step)})()
+    for step in (1, 2, 3, 4, 3, 4, 5):
+        metrics.log({"train/loss": 1.0}, step)
+    assert logged == [1, 2, 3, 4, 5]
