@@ -6,8 +6,12 @@
 #                   (arguments go to pytest: paths narrow it, e.g. tests/unit)
 #   ./run.sh test-full  the full tier (CI: .ci/run): every test, with a Ray instance of its own started beside
 #                   the suite that must still be alive at its end
-#   ./run.sh test-gpu   the GPU tier (one GPU): GPU-marked tests, the demos on the GPU, the GPU benches; figures
-#                   to gpu-tier.json. Refuses, after its CPU-side checks, where no GPU is present
+#   ./run.sh test-gpu   the GPU tier (one GPU): the real-shape benches first, then the GPU-marked tests, the
+#                   pipeline's scaling and the demos; figures to gpu-figures.json. Refuses, after its CPU-side
+#                   checks, where no GPU is present
+#   ./run.sh gpu-kit [--rehearse]  build gpu-kit/ (wheels for what the lent GPU machine's image lacks; the one
+#                   device call that runs the tier there is in docs/testing.md); --rehearse: then install it into
+#                   a fresh Python 3.12 as that machine does, start Ray there, and dry-run the device script
 # Set-up is idempotent: a virtual environment in .venv (BEHEMOTH_VENV to move it), reinstalled only when
 # pyproject.toml changes.
 set -euo pipefail
@@ -70,8 +74,15 @@ case "$cmd" in
     setup
     exec_python "$VENV/bin/python" tests/gpu_tier.py "$@"
     ;;
+  gpu-kit)
+    setup
+    "$VENV/bin/python" tests/gpu_kit.py build
+    if [ "${1:-}" = "--rehearse" ]; then
+      exec "$VENV/bin/python" tests/gpu_kit.py rehearse
+    fi
+    ;;
   *)
-    echo "usage: ./run.sh demo|demo-lm [--set KEY=VALUE ...] | ./run.sh test|test-full [pytest args] | ./run.sh test-gpu" >&2
+    echo "usage: ./run.sh demo|demo-lm [--set KEY=VALUE ...] | ./run.sh test|test-full [pytest args] | ./run.sh test-gpu | ./run.sh gpu-kit [--rehearse]" >&2
     exit 2
     ;;
 esac

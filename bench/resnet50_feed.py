@@ -13,8 +13,9 @@ from step --warmup on:
   pin_memory, persistent workers) with PIL's random-resized-crop per image (bench/image_pipeline.py's plain
   transform), copied non-blocking, normalised on the GPU, the same model and optimizer.
 
-Floors (issue 55): behemoth >= 0.9 x synthetic (the pipeline keeps up) and behemoth >= dataloader; a figure
-under one exits 1, naming it.
+Floors: behemoth >= 0.9 x synthetic (the pipeline keeps up) and behemoth >= 0.95 x dataloader (when the GPU
+bounds both, the two are equal within run-to-run noise: a floor of 1.0 would be a coin toss; 5 % is the
+tolerance); a figure under one exits 1, naming it.
 
     .venv/bin/python bench/resnet50_feed.py [--steps 120] [--batch 256]
     .venv/bin/python bench/resnet50_feed.py --tiny     # a dry run on a CPU: 64 px, a few steps, no floors
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -36,6 +38,8 @@ from _common import REPO, run_behemoth, steady_steps_per_s  # noqa: F401  (puts 
 from data_scaling import photo_folder
 from image_pipeline import Files, plain_transform
 from ingest_vs_dataloader import EpochShuffle
+
+DATALOADER_FLOOR = 0.95  # behemoth / the plain DataLoader script, with 5 % for noise (see the docstring)
 
 
 def tiny_folder(root: Path) -> Path:
@@ -163,6 +167,7 @@ def main() -> int:
     print(f"synthetic (GPU-resident batches, the ceiling): {synthetic:,.0f} images/s", flush=True)
     storage = Path(tempfile.mkdtemp(prefix="bench-p6-"))
     reports = run_behemoth(behemoth_job(root, storage, size, args.batch, args.warmup + args.steps, gpu))
+    shutil.rmtree(storage, ignore_errors=True)
     ours = steady_steps_per_s([r for r in reports if r.get("step", 0) >= args.warmup], args.batch) * args.batch
     print(f"behemoth (1 GPU worker, Ray Data decode): {ours:,.0f} images/s", flush=True)
     plain = train_rate(device, classes, dataloader_batches(root, args.batch, workers), args.steps, args.warmup,
@@ -172,12 +177,12 @@ def main() -> int:
     print(f"ResNet-50 at {size} px, batch {args.batch}, bf16, {args.steps} timed steps, {os.cpu_count()} CPUs"
           f"{' (tiny: a dry run on a CPU)' if args.tiny else ''}")
     print(f"  behemoth / synthetic: {ours / synthetic:.3f} (floor 0.9); behemoth / dataloader: {ours / plain:.3f} "
-          f"(floor 1.0)")
+          f"(floor {DATALOADER_FLOOR})")
     if args.tiny:
         print("  floors not checked: a dry run on a CPU at a toy size")
         return 0
     failed = [f"behemoth / synthetic {ours / synthetic:.3f} < 0.9"] if ours < 0.9 * synthetic else []
-    failed += [f"behemoth / dataloader {ours / plain:.3f} < 1.0"] if ours < plain else []
+    failed += [f"behemoth / dataloader {ours / plain:.3f} < {DATALOADER_FLOOR}"] if ours < DATALOADER_FLOOR * plain else []
     print(f"  floors: {'FAILED: ' + '; '.join(failed) if failed else 'met'}")
     return 1 if failed else 0
 

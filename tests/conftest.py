@@ -26,8 +26,11 @@ _SESSION_DIR: Path = None  # type: ignore[assignment]
 REPO = Path(__file__).resolve().parents[1]
 # What Ray's workers of the tests' instances import from: the test modules (a test's own train loop, by name),
 # this checkout's behemoth (even where the virtual environment's editable install points at another checkout)
-# and the examples by their import paths from the repository root (examples.custom_model:...).
-WORKER_PYTHONPATH = os.pathsep.join([str(REPO / "tests"), str(REPO / "platform"), str(REPO)])
+# and the examples by their import paths from the repository root (examples.custom_model:...); then what the
+# suite's own PYTHONPATH holds (the GPU kit's packages on the lent GPU machine, Ray among them: the runtime
+# environment's PYTHONPATH replaces the workers' inherited one).
+WORKER_PYTHONPATH = os.pathsep.join([str(REPO / "tests"), str(REPO / "platform"), str(REPO),
+                                     *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))])
 
 
 def pytest_addoption(parser):

@@ -1,0 +1,37 @@
+"""The GPU kit stays buildable (full tier: it downloads ~80 MB from the package index and takes minutes): built
+from this checkout, installed into a fresh Python 3.12 exactly as the lent GPU machine installs it (`--no-index
+--no-deps --target`) beside the image's packages that Ray imports, Ray started there with a Ray Data pipeline;
+then the device script's dry run (its three real-shape benches at tiny sizes on this CPU), whose figures file
+holds every step passed."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_the_gpu_kit_builds_installs_into_python_312_and_its_device_script_dry_runs(tmp_path):
+    kit = tmp_path / "kit"
+    built = subprocess.run([sys.executable, "tests/gpu_kit.py", "build", "--out", str(kit)], cwd=REPO,
+                           capture_output=True, text=True, timeout=900)
+    assert built.returncode == 0, built.stdout[-3000:] + built.stderr[-3000:]
+    made = json.loads((kit / "kit.json").read_text())
+    assert {"ray", "simplejpeg", "pydantic", "jsonschema", "datasets"} <= set(made["wheels"])
+    assert made["kit_bytes"] + made["tree_bytes"] <= 64 * 2**20
+    assert made["ray_trimmed"]["bytes_after"] < 0.6 * made["ray_trimmed"]["bytes_before"]
+    rehearsed = subprocess.run([sys.executable, "tests/gpu_kit.py", "rehearse", "--kit", str(kit), "--no-dry-run"],
+                               cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert rehearsed.returncode == 0, rehearsed.stdout[-3000:] + rehearsed.stderr[-3000:]
+    assert "rehearsal: Ray 2.60" in rehearsed.stdout and "summed 999000" in rehearsed.stdout
+    out = tmp_path / "figures" / "gpu-figures.json"
+    dry = subprocess.run(["bash", "tests/gpu_kit.sh", "--dry-run", "--out", str(out)], cwd=REPO,
+                         capture_output=True, text=True, timeout=1800)
+    assert dry.returncode == 0, dry.stdout[-3000:] + dry.stderr[-3000:]
+    steps = json.loads(out.read_text())["steps"]
+    assert list(steps) == ["llama_1b", "resnet50", "checkpoint_1b"]
+    assert all(step["status"] == 0 for step in steps.values()), steps
+    assert "ratio_so_far" in steps["llama_1b"] and "gpu_lost_per_checkpoint_s" in steps["checkpoint_1b"]
