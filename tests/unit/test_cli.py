@@ -458,3 +458,25 @@ def test_a_rerun_says_which_changed_keys_apply_and_which_are_ignored(image_root,
     check_something_trained(changed, rerun, SimpleNamespace(metrics={"step": 24}, resumed_from_step=12))
     only_applied = config_from_dict({**job, "train": {**job["train"], "log_every": 5}})
     check_something_trained(only_applied, describe_rerun(only_applied), complete)
+
+
+def test_check_refuses_a_number_that_is_not_one_and_a_section_turned_on_by_false_in_one_line(image_root, tmp_path,
+                                                                                              capsys, no_ray):
+    """Issue 65 items 2 and 3: `behemoth check` passed train.lr=.nan, grad_clip -1 (gradient ascent) and
+    grad_clip .nan (NaN updates that the guard, reading the pre-clip norm, let through), and printed
+    train.early_stopping=false as early stopping with patience 3. Each is one line naming the key, before Ray."""
+    import ray
+
+    cfg = tmp_path / "job.yaml"
+    cfg.write_text(yaml.safe_dump(job_dict(image_root, tmp_path / "runs")))
+    for override, line in (("train.lr=.nan", "train.lr must be a finite number, got nan"),
+                           ("train.grad_clip=.nan", "train.grad_clip must be a finite number, got nan"),
+                           ("train.grad_clip=-1", "train.grad_clip must be > 0, got -1.0"),
+                           ("train.early_stopping=0", "train.early_stopping is a section: give a mapping")):
+        assert main(["check", str(cfg), "--set", override]) == 2
+        out, err = capsys.readouterr()
+        assert out == "" and err.count("\n") == 1 and line in err and str(cfg) in err, (override, err)
+    assert main(["check", str(cfg), "--set", "train.early_stopping=false"]) == 0
+    assert "early_stopping: null" in capsys.readouterr().out
+    assert not ray.is_initialized()
+
