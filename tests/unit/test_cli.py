@@ -257,7 +257,8 @@ def test_the_command_ends_at_once_with_its_status_its_output_and_exit_handlers_d
 def test_resume_or_eval_on_data_whose_classes_changed_is_refused(tmp_path, monkeypatch, capsys):
     """The data config unchanged but its class folders changed: `train` refuses to resume, saying what moved
     (counts, the first index naming another class, names new and gone), before any worker starts; a class
-    added cannot be forced (the head has another shape), a folder replaced (same count) can; a checkpoint
+    added cannot be forced (the head has another shape), nor a folder replaced (same count: issue 65 item 7,
+    checkpoint.resume_changed_config let the labels be renamed; it is about changed config keys); a checkpoint
     without classes.json (written before it was kept) and another run name go on. `eval` of the checkpoint on
     such data is refused too (its accuracy would score indices against other names)."""
     import shutil
@@ -301,10 +302,13 @@ def test_resume_or_eval_on_data_whose_classes_changed_is_refused(tmp_path, monke
         shutil.rmtree(root / split / "ring_warm")
     replaced = ImageClassification.check(cfg)
     with pytest.raises(ConfigError, match=r"lists 3, this data 3; index 0 was 'disk_warm', is 'aardvark'; new: "
-                                          r"'aardvark'; gone: 'ring_warm'\. .*resume anyway with --set "
-                                          r"checkpoint.resume_changed_config=true"):
+                                          r"'aardvark'; gone: 'ring_warm'\. Start a new run .* \(its weights "
+                                          r"would train on with their labels renamed\)$"):
         resume.check_resume_data(cfg, replaced)
-    resume.check_resume_data(forced, replaced)
+    with pytest.raises(ConfigError, match=r"lists 3, this data 3; index 0 was 'disk_warm', is 'aardvark'"):
+        resume.check_resume_data(forced, replaced)
+    with pytest.raises(ConfigError, match=r"this data 4; index 0 was 'disk_warm', is 'aardvark'"):
+        resume.check_resume_data(forced, grown)
 
     # Wired into `train` (refused after the data is prepared, before Ray Train is asked for anything) and `eval`.
     monkeypatch.setattr(ray_session, "ensure_ray", lambda *a, **k: None)
@@ -458,3 +462,81 @@ def test_a_rerun_says_which_changed_keys_apply_and_which_are_ignored(image_root,
     check_something_trained(changed, rerun, SimpleNamespace(metrics={"step": 24}, resumed_from_step=12))
     only_applied = config_from_dict({**job, "train": {**job["train"], "log_every": 5}})
     check_something_trained(only_applied, describe_rerun(only_applied), complete)
+
+
+def test_check_refuses_a_number_that_is_not_one_and_a_section_turned_on_by_false_in_one_line(image_root, tmp_path,
+                                                                                              capsys, no_ray):
+    """Issue 65 items 2 and 3: `behemoth check` passed train.lr=.nan, grad_clip -1 (gradient ascent) and
+    grad_clip .nan (NaN updates that the guard, reading the pre-clip norm, let through), and printed
+    train.early_stopping=false as early stopping with patience 3. Each is one line naming the key, before Ray."""
+    import ray
+
+    cfg = tmp_path / "job.yaml"
+    cfg.write_text(yaml.safe_dump(job_dict(image_root, tmp_path / "runs")))
+    for override, line in (("train.lr=.nan", "train.lr must be a finite number, got nan"),
+                           ("train.grad_clip=.nan", "train.grad_clip must be a finite number, got nan"),
+                           ("train.grad_clip=-1", "train.grad_clip must be > 0, got -1.0"),
+                           ("train.early_stopping=0", "train.early_stopping is a section: give a mapping")):
+        assert main(["check", str(cfg), "--set", override]) == 2
+        out, err = capsys.readouterr()
+        assert out == "" and err.count("\n") == 1 and line in err and str(cfg) in err, (override, err)
+    assert main(["check", str(cfg), "--set", "train.early_stopping=false"]) == 0
+    assert "early_stopping: null" in capsys.readouterr().out
+    assert not ray.is_initialized()
+
+
+def test_resume_changed_config_lets_through_only_changed_keys_and_the_checkpoints_job_yaml_is_verified(
+        image_root, tmp_path, capsys, monkeypatch, no_ray):
+    """Issue 65 item 7: checkpoint.resume_changed_config said "applied anyway" to sgd -> adamw (AdamW then failed
+    to load SGD's state with KeyError 'step' in every worker, retried as a run failure): another optimizer is
+    refused whatever the config, in one line from `train` before Ray. describe_rerun read the checkpoint's
+    job.yaml without its manifest (`train: [1]`: an AttributeError): it is read as export reads one; a verified
+    one that is not a job config is one line, an edited one is damage (skipped for the older checkpoint, as
+    restore skips it)."""
+    import json
+
+    import pytest
+    import torch
+
+    from behemoth.config import ConfigError, dump_yaml
+    from behemoth.driver import trainer
+    from behemoth.driver.resume import check_resume_compatible, describe_rerun
+    from behemoth.errors import CheckpointError
+    from behemoth.job import config_from_dict
+    from behemoth.storage import checkpoint
+
+    job = job_dict(image_root, tmp_path / "runs", "r", train={"epochs": 2, "lr": 0.05})
+    run = tmp_path / "runs" / "r"
+
+    def saved(name, step, job_yaml):
+        return checkpoint.write(run / f"checkpoint_2026-01-01_00-00-{name}.000000", checkpoint.Snapshot(
+            state_dicts={"model.pt": {"w": torch.zeros(1)}}, step=step,
+            texts={"job.yaml": job_yaml, "train_state.json": json.dumps({"step": step})}))
+
+    saved("00", 6, dump_yaml(config_from_dict(job)))
+    adamw = {**job, "train": {**job["train"], "optimizer": "adamw"}}
+    for forced in (False, True):
+        other = config_from_dict({**adamw, "checkpoint": {**job["checkpoint"], "resume_changed_config": forced}})
+        with pytest.raises(ConfigError, match=r"cannot resume with train.optimizer 'sgd' -> 'adamw' \(the checkpoint "
+                                              r"holds the other optimizer's state, which this one cannot load; "
+                                              r"checkpoint.resume_changed_config does not change that\)\. To start a "
+                                              r"new run .*train.init_from="):
+            describe_rerun(other)
+    monkeypatch.setattr(trainer, "prepare_data", lambda *a, **k: pytest.fail("the data was prepared"))
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(adamw))
+    assert main(["train", str(tmp_path / "job.yaml"), "--set", "checkpoint.resume_changed_config=true"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "cannot resume with train.optimizer 'sgd' -> 'adamw'" in err
+
+    # a newer checkpoint whose job.yaml was written so (its manifest made over it): one line naming it
+    newer = saved("01", 12, "data: {kind: image_folder}\ntrain: [1]\n")
+    for check in (describe_rerun, check_resume_compatible):
+        with pytest.raises(CheckpointError, match=rf"checkpoint {newer}: its job.yaml's train is a list, not a "
+                                                  rf"section \(a mapping of keys\)$"):
+            check(config_from_dict(job))
+    # ... edited after its manifest: damage; restore resumes from the older one, and so does the comparison
+    (newer / "job.yaml").write_text(dump_yaml(config_from_dict({**job, "train": {**job["train"], "epochs": 9}})))
+    changed = config_from_dict({**job, "train": {**job["train"], "epochs": 4}})
+    rerun = describe_rerun(changed)
+    assert rerun.step == 6 and rerun.applied == ["train.epochs 2 -> 4"]
+    check_resume_compatible(changed)

@@ -471,3 +471,138 @@ def test_register_names_a_task_by_a_plain_kind(monkeypatch):
         register("my_tasks:Complete", "my_tasks:Complete")
     with pytest.raises(ConfigError, match="the task is named by import path"):
         register("other", "CompleteTask")
+
+
+def _section_keys(cls, prefix=""):
+    """(dotted key, type) of every field of a config class, nested sections walked into (not optional ones)."""
+    import dataclasses
+    import typing
+
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        tp = hints[f.name]
+        if dataclasses.is_dataclass(tp):
+            yield from _section_keys(tp, f"{prefix}{f.name}.")
+        else:
+            yield f"{prefix}{f.name}", tp
+
+
+def _optional_sections():
+    import dataclasses
+    import typing
+
+    from behemoth.config import JobConfig
+
+    for key, tp in _section_keys(JobConfig):
+        section = next((a for a in typing.get_args(tp) if dataclasses.is_dataclass(a)), None)
+        if section is not None:
+            yield key, section
+
+
+def test_an_optional_section_is_off_for_null_or_false_on_for_a_mapping_and_nothing_else(tmp_path):
+    """Issue 65 item 2: `false` (or 0) for an optional section turned it on with its defaults (`value or {}`):
+    model.lora=false froze the base model, train.early_stopping=false stopped at patience 3, train.profile=0
+    profiled. Every optional section: null and false are off, a mapping on ({}: its defaults), anything else
+    (true included: which settings would it turn on?) one error naming the key."""
+    p = write(tmp_path, "train:\n  lr: 0.1\n")
+    sections = dict(_optional_sections())
+    assert {"model.lora", "train.early_stopping", "train.profile"} <= set(sections)
+    for key in sections:
+        for off in ("null", "false", "~"):
+            cfg = load_config(p, [f"{key}={off}"])
+            assert _get(cfg, key) is None, (key, off)
+        for bad in ("true", "0", "1", "yes_please", "[1]", "0.5"):
+            with pytest.raises(ConfigError, match=rf"{p}: {key} is a section: give a mapping to turn it on \(\{{\}} "
+                                                  rf"for its defaults\) or null/false for off, got "):
+                load_config(p, [f"{key}={bad}"])
+    for key in ("train.early_stopping", "train.profile"):  # (model.lora on: its task's check refuses a ResNet)
+        assert _get(load_config(p, [f"{key}={{}}"]), key) == sections[key]()
+    assert load_config(p, ["train.early_stopping={patience: 5}"]).train.early_stopping.patience == 5
+    with pytest.raises(ConfigError, match=rf"{p}: train must be a mapping, got bool"):  # a section always there
+        load_config(p, ["train=false"])
+    assert load_config(write(tmp_path, "train:\n")).train.lr == 0.1  # an empty one: its defaults
+
+
+def _get(cfg, dotted):
+    for part in dotted.split("."):
+        cfg = getattr(cfg, part)
+    return cfg
+
+
+def _float_keys():
+    """Every float-typed key of a job (optional sections and each built-in task's data section included)."""
+    import typing
+
+    from behemoth.config import JobConfig
+    from behemoth.tasks.registry import TASKS, task_class
+
+    def floats(cls, prefix):
+        for key, tp in _section_keys(cls, prefix):
+            args = typing.get_args(tp)
+            if tp is float or float in args or list[float] in args or tp == list[float]:
+                yield key, "[.nan]" if "list" in str(tp) else ".nan"
+    keys = {("image_folder", k, v) for k, v in floats(JobConfig, "") if not k.startswith("data.")}
+    keys |= {("image_folder", k, v) for key, section in _optional_sections() for k, v in floats(section, key + ".")}
+    keys |= {(kind, k, v) for kind in TASKS for k, v in floats(task_class(kind).data_config, "data.")}
+    return sorted(keys)
+
+
+def test_every_float_key_is_a_finite_number(tmp_path):
+    """Issue 65 item 3: `check` passed train.lr=.nan and .inf, warmup_epochs, min_delta and data.mixup_alpha NaN
+    (a NaN passes a `< 0` check): one rule over every float of every section refuses NaN and infinity, naming
+    the key, before any range or Ray."""
+    keys = _float_keys()
+    assert {k for _, k, _ in keys} >= {"train.lr", "train.grad_clip", "train.warmup_epochs", "data.mixup_alpha",
+                                       "train.early_stopping.min_delta", "train.adam_betas", "model.lora.alpha",
+                                       "data.val_fraction", "scaling.cpus_per_worker"}
+    for kind, key, value in keys:
+        # a section of several values (adam_betas, data.mean) names the element
+        named = rf"{key}\[0\]" if value.startswith("[") else key
+        p = write(tmp_path, f"data:\n  kind: {kind}\n  root: /x\n" if kind.startswith("image") else
+                  f"data:\n  kind: {kind}\n")
+        for bad, shown in ((value, "nan"), (value.replace(".nan", ".inf"), "inf"),
+                           (value.replace(".nan", "-.inf"), "-inf")):
+            with pytest.raises(ConfigError, match=rf"{p}: {named} must be a finite number, got {shown}$"):
+                load_config(p, [f"{key}={bad}"])
+    with pytest.raises(ConfigError, match=r"model.hf_config.rope_theta must be a finite number, got nan"):
+        load_config(write(tmp_path, "train:\n  lr: 0.1\n"), ["model.hf_config={rope_theta: .nan}"])
+
+
+@pytest.mark.parametrize("override, message", [
+    ("train.grad_clip=-1", r"train.grad_clip must be > 0, got -1.0"),  # clipping by -1 flips the gradient
+    ("train.grad_clip=0", r"train.grad_clip must be > 0, got 0.0"),
+    ("train.momentum=-5", r"train.momentum must be in \[0, 1\), got -5.0"),
+    ("train.momentum=1", r"train.momentum must be in \[0, 1\), got 1.0"),
+    ("train.weight_decay=-0.1", r"train.weight_decay must be >= 0, got -0.1"),
+    ("train.adam_eps=0", r"train.adam_eps must be > 0"),
+    ("train.adam_betas=[0.9, 1.0]", r"train.adam_betas needs two values in \[0, 1\)"),
+    ("train.min_lr_ratio=1.5", r"train.min_lr_ratio must be in \[0, 1\], got 1.5"),
+    ("train.warmup_steps=-1", r"train.warmup_steps must be >= 0, got -1"),
+    ("train.warmup_epochs=-1", r"train.warmup_epochs must be >= 0"),
+    ("train.ema_decay=1", r"train.ema_decay must be in \(0, 1\) \(0.999 or 0.9999 are usual\), got 1.0"),
+    ("train.powersgd_warmup_steps=-1", r"train.powersgd_warmup_steps must be >= 0"),
+    ("train.seed=-1", r"train.seed must be in \[0, 4294967296\), got -1"),
+    ("train.peak_tflops=0", r"train.peak_tflops must be > 0"),
+    ("train.early_stopping.min_delta=-0.1", r"train.early_stopping.min_delta must be >= 0, got -0.1"),
+    ("train.profile.start_step=-1", r"train.profile.start_step must be >= 0, got -1"),
+    ("model.lora.dropout=1", r"model.lora.dropout must be in \[0, 1\), got 1.0"),
+    ("scaling.torch_threads=0", r"scaling.torch_threads must be > 0, got 0"),
+    ("scaling.gpus_per_worker=-1", r"scaling.gpus_per_worker must be >= 0, got -1.0"),
+    ("scaling.cpus_per_worker=0", r"scaling.cpus_per_worker must be > 0"),
+    ("data.mixup_alpha=-1", r"data.mixup_alpha and data.cutmix_alpha must be >= 0"),
+    ("data.label_smoothing=1", r"data.label_smoothing must be in \[0, 1\)"),
+])
+def test_every_number_is_in_its_range(tmp_path, override, message):
+    """Issue 65 item 3: each number's range, one line naming the key, the range and the value."""
+    with pytest.raises(ConfigError, match=message):
+        load_config(write(tmp_path, "train:\n  lr: 0.1\n"), [override])
+
+
+def test_a_sweeps_numbers_are_finite_too(tmp_path):
+    """A sweep's scheduler read grace_period .nan past `grace_period <= 0` (NaN compares false)."""
+    from behemoth.driver.sweep.config import SchedulerConfig, SweepConfig
+
+    sweep = SweepConfig(job="job.yaml", space={"train.lr": {"choice": [0.1]}},
+                        scheduler=SchedulerConfig(grace_period=float("nan")))
+    with pytest.raises(ConfigError, match=r"scheduler.grace_period must be a finite number, got nan"):
+        sweep.validate()

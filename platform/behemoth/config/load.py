@@ -63,7 +63,7 @@ def from_dict(cls: type, raw: Any, where: str, prefix: str = "", scope: str = ""
     """Build dataclass `cls` from a mapping, checking keys and types recursively; `scope` says which of several
     classes a section was read into (an unknown key's message names it)."""
     if not isinstance(raw, dict):
-        raise ConfigError(f"{where}: {prefix or 'the file'} must be a mapping, got {type(raw).__name__}")
+        raise ConfigError(f"{where}: {prefix.rstrip('.') or 'the file'} must be a mapping, got {type(raw).__name__}")
     hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls)]
     for key in raw:
@@ -75,15 +75,15 @@ def from_dict(cls: type, raw: Any, where: str, prefix: str = "", scope: str = ""
 
 
 def _coerce(tp: Any, value: Any, where: str, key: str) -> Any:
-    if dataclasses.is_dataclass(tp):
-        return from_dict(tp, value or {}, where, prefix=key + ".")
+    if dataclasses.is_dataclass(tp):  # a section that is always there: an empty one (`train:`) is its defaults
+        return from_dict(tp, {} if value is None else value, where, prefix=key + ".")
     origin, args = typing.get_origin(tp), typing.get_args(tp)
     if origin in (typing.Union, types.UnionType):
+        section = next((a for a in args if dataclasses.is_dataclass(a)), None)
+        if section is not None:
+            return _optional_section(section, value, where, key)
         if value is None and type(None) in args:
             return None
-        section = next((a for a in args if dataclasses.is_dataclass(a)), None)
-        if section is not None and isinstance(value, dict):  # an optional section: its own errors, key by key
-            return _coerce(section, value, where, key)
         for option in (a for a in args if a is not type(None)):
             try:
                 return _coerce(option, value, where, key)
@@ -110,6 +110,18 @@ def _coerce(tp: Any, value: Any, where: str, key: str) -> Any:
     if tp is Any:
         return value
     raise _type_error(where, key, tp, value)
+
+
+def _optional_section(section: type, value: Any, where: str, key: str) -> Any:
+    """An optional section (model.lora, train.early_stopping, train.profile, ...): off for null or false, on for
+    a mapping (`{}`: on with its defaults). Anything else is refused, `true` included: which settings it would
+    turn on is not said, and a section on by mistake (LoRA freezing the base model) trains something else."""
+    if value is None or value is False:
+        return None
+    if isinstance(value, dict):  # its own errors, key by key
+        return from_dict(section, value, where, prefix=key + ".")
+    raise ConfigError(f"{where}: {key} is a section: give a mapping to turn it on ({{}} for its defaults) or "
+                      f"null/false for off, got {type(value).__name__} {value!r}")
 
 
 def _type_error(where: str, key: str, tp: Any, value: Any) -> ConfigError:

@@ -10,7 +10,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal, Optional, Union
 
-from behemoth.config.train import TrainConfig, positive as _positive
+from behemoth.config.train import TrainConfig, check_finite, positive as _positive, within
 from behemoth.errors import ConfigError
 from behemoth.storage import paths
 
@@ -64,8 +64,7 @@ class LoraConfig:
     def validate(self) -> None:
         _positive("model.lora.r", self.r)
         _positive("model.lora.alpha", self.alpha)
-        if not 0 <= self.dropout < 1:
-            raise ConfigError(f"model.lora.dropout must be in [0, 1), got {self.dropout!r}")
+        within("model.lora.dropout", self.dropout, 0, 1)
         if self.target_modules is not None and not self.target_modules:
             raise ConfigError("model.lora.target_modules is empty: name modules (e.g. [q_proj, v_proj]), or leave it "
                               "out for peft's default for the model type")
@@ -155,6 +154,9 @@ class ScalingConfig:
         _positive("scaling.cpus_per_worker", self.cpus_per_worker)
         if self.use_gpu:
             _positive("scaling.gpus_per_worker", self.gpus_per_worker)
+        within("scaling.gpus_per_worker", self.gpus_per_worker, 0)
+        if self.torch_threads is not None:
+            _positive("scaling.torch_threads", self.torch_threads)
 
 
 @dataclass
@@ -267,6 +269,7 @@ class JobConfig:
         """Each section's checks and those across sections; `model` False skips the check of model.name (a
         task of one's own, by import path, builds its own model), not the model's other checks. Which models
         the data can train is the task's check (behemoth.job)."""
+        check_finite(self, "")  # every float of every section (a data section of a task's own included)
         for f in dataclasses.fields(self):
             if f.name == "model":
                 self.model.validate(name=model)

@@ -4,15 +4,44 @@ holds. config/schema.py holds the others and the job."""
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from dataclasses import dataclass, field
-from typing import Literal, Optional, Union
+from typing import Any, Literal, Optional, Union
 
 from behemoth.errors import ConfigError
 
 
 def positive(key: str, value: float) -> None:
-    if value <= 0:
-        raise ConfigError(f"{key} must be > 0, got {value!r}")
+    within(key, value, 0, bounds="()")
+
+
+def within(key: str, value: float, low: float, high: float = math.inf, bounds: str = "[)", hint: str = "") -> None:
+    """Refuse `value` outside the interval from `low` to `high`, each end closed ('[', ']') or open ('(', ')').
+    Written so that NaN, which compares false with everything, is outside every interval."""
+    above = value >= low if bounds[0] == "[" else value > low
+    below = value <= high if bounds[1] == "]" else value < high
+    if not (above and below):
+        where = (f"{'>=' if bounds[0] == '[' else '>'} {low}" if high == math.inf
+                 else f"in {bounds[0]}{low}, {high}{bounds[1]}")
+        raise ConfigError(f"{key} must be {where}{hint}, got {value!r}")
+
+
+def check_finite(value: Any, key: str) -> None:
+    """Every float of a config (a section's fields, nested sections, lists and mappings of them) is a finite
+    number: one rule for every key, checked before any range (NaN passes a `< 0` check, and a NaN learning
+    rate, clip or alpha trains without an error)."""
+    if dataclasses.is_dataclass(value):
+        for f in dataclasses.fields(value):
+            check_finite(getattr(value, f.name), f"{key}.{f.name}" if key else f.name)
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            check_finite(v, f"{key}.{k}")
+    elif isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            check_finite(v, f"{key}[{i}]")
+    elif isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f"{key} must be a finite number, got {value!r}")
 
 
 @dataclass
@@ -25,8 +54,7 @@ class EarlyStoppingConfig:
 
     def validate(self) -> None:
         positive("train.early_stopping.patience", self.patience)
-        if self.min_delta < 0:
-            raise ConfigError(f"train.early_stopping.min_delta must be >= 0, got {self.min_delta!r}")
+        within("train.early_stopping.min_delta", self.min_delta, 0)
 
 
 @dataclass
@@ -36,8 +64,7 @@ class ProfileConfig:
     steps: int = 3
 
     def validate(self) -> None:
-        if self.start_step < 0:
-            raise ConfigError(f"train.profile.start_step must be >= 0, got {self.start_step!r}")
+        within("train.profile.start_step", self.start_step, 0)
         positive("train.profile.steps", self.steps)
 
 
@@ -133,38 +160,38 @@ class TrainConfig:
     init_from_checkpoint: Literal["best", "latest"] = "best"
 
     def validate(self) -> None:
-        positive("train.epochs", self.epochs)
-        positive("train.global_batch_size", self.global_batch_size)
-        positive("train.lr", self.lr)
-        positive("train.log_every", self.log_every)
-        positive("train.grad_accum_steps", self.grad_accum_steps)
-        if isinstance(self.micro_batch_size, int):
-            positive("train.micro_batch_size", self.micro_batch_size)
+        self._check_ranges()
         if self.micro_batch_size is not None and self.grad_accum_steps != 1:
             raise ConfigError("train.micro_batch_size and train.grad_accum_steps are both set: the micro-batch "
                               "decides the accumulation; keep one")
-        if self.auto_batch_memory_mb is not None:
-            positive("train.auto_batch_memory_mb", self.auto_batch_memory_mb)
-        positive("train.powersgd_rank", self.powersgd_rank)
-        if self.peak_tflops is not None:
-            positive("train.peak_tflops", self.peak_tflops)
-        if self.max_steps is not None:
-            positive("train.max_steps", self.max_steps)
-        if self.warmup_epochs is not None and (self.warmup_epochs < 0 or self.warmup_steps):
+        if self.warmup_epochs is not None and (not self.warmup_epochs >= 0 or self.warmup_steps):
             raise ConfigError(f"train.warmup_epochs must be >= 0 and replaces train.warmup_steps (set one), got "
                               f"warmup_epochs {self.warmup_epochs!r}, warmup_steps {self.warmup_steps!r}")
-        if self.warmup_steps < 0 or self.weight_decay < 0 or not 0 <= self.min_lr_ratio <= 1:
-            raise ConfigError("train.warmup_steps and train.weight_decay must be >= 0, min_lr_ratio in [0, 1]")
-        if not 0 < self.wsd_decay_fraction <= 1:
-            raise ConfigError(f"train.wsd_decay_fraction must be in (0, 1], got {self.wsd_decay_fraction!r}")
         if self.early_stopping is not None:
             self.early_stopping.validate()
         if self.profile is not None:
             self.profile.validate()
-        if self.ema_decay is not None and not 0 < self.ema_decay < 1:
-            raise ConfigError(f"train.ema_decay must be in (0, 1) (0.999 or 0.9999 are usual), got {self.ema_decay!r}")
         if len(self.adam_betas) != 2 or not all(0 <= b < 1 for b in self.adam_betas):
             raise ConfigError(f"train.adam_betas needs two values in [0, 1) (beta1, beta2), got {self.adam_betas!r}")
-        positive("train.adam_eps", self.adam_eps)
+
+    def _check_ranges(self) -> None:
+        """Each number in its range (docs/configuration.md states them). A range refuses NaN; an infinity is
+        refused for every key by check_finite, before this."""
+        for key in ("epochs", "global_batch_size", "lr", "log_every", "grad_accum_steps", "powersgd_rank", "adam_eps"):
+            positive(f"train.{key}", getattr(self, key))
+        # (a grad_clip <= 0 scales the gradient by a negative or zero factor: ascent, or no step at all)
+        for key in ("max_steps", "grad_clip", "auto_batch_memory_mb", "peak_tflops"):
+            if getattr(self, key) is not None:
+                positive(f"train.{key}", getattr(self, key))
+        for key in ("weight_decay", "warmup_steps", "powersgd_warmup_steps"):
+            within(f"train.{key}", getattr(self, key), 0)
+        within("train.momentum", self.momentum, 0, 1)
+        within("train.min_lr_ratio", self.min_lr_ratio, 0, 1, "[]")
+        within("train.wsd_decay_fraction", self.wsd_decay_fraction, 0, 1, "(]")
+        if self.ema_decay is not None:
+            within("train.ema_decay", self.ema_decay, 0, 1, "()", hint=" (0.999 or 0.9999 are usual)")
+        within("train.seed", self.seed, 0, 2**32)  # numpy's generators (the data order, PowerSGD) take no other
+        if isinstance(self.micro_batch_size, int):
+            positive("train.micro_batch_size", self.micro_batch_size)
         if isinstance(self.activation_checkpointing, int):
             positive("train.activation_checkpointing", self.activation_checkpointing)

@@ -22,10 +22,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-import yaml
 
 from behemoth.storage import weights
-from behemoth.storage.checkpoint import complete_checkpoints, read_state, read_verified
+from behemoth.storage.checkpoint import complete_checkpoints, job_sections, read_state, read_verified
 from behemoth.config import DataConfig, JobConfig, ModelConfig, dump_yaml, warn_remote_code
 from behemoth.errors import CheckpointError, ConfigError
 from behemoth.job import config_from_dict
@@ -95,11 +94,9 @@ def _job_of(path: str, trusted: TrustedCode) -> JobConfig:
         raise ConfigError(f"{path} is already a Hugging Face folder, not a behemoth checkpoint")
     job = f"{candidates[0]}/job.yaml"
     try:  # checked against the manifest before it is read: an edited job.yaml is damage, never a config to build
-        raw = yaml.safe_load(read_verified(candidates[0], "job.yaml").decode()) or {}
+        raw = job_sections(read_verified(candidates[0], "job.yaml"), candidates[0])
     except OSError as e:
         raise CheckpointError(f"{candidates[0]}: cannot read its job.yaml ({e})") from None
-    if not isinstance(raw, dict):
-        raise CheckpointError(f"{job} does not hold a job config (a mapping of sections)")
     return config_from_dict(_with_trusted_code(raw, trusted, job), where=str(job))
 
 

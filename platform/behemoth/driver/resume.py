@@ -2,7 +2,9 @@
 folder's checkpoints after a run (public: a run through Ray Train and a sweep's lane both call these).
 
 - `run_place` / `run_dir`: where a job's run lives (storage/paths.RunPlace).
+- `resumed_job`: the checkpoint a rerun resumes from and its job.yaml, read as export reads one (manifest first).
 - `check_resume_compatible`: a rerun trained on another data or model config is refused (names each change).
+- `describe_rerun`: what a rerun's changed train.* / scaling.* keys do; another optimizer is refused.
 - `check_resume_data`: a rerun whose data now means something else (a class folder renamed) is refused.
 - `resolve_init_from`: train.init_from resolved once to the folder every worker and restart loads.
 - `retire_unregistered`: checkpoint.keep applied to complete checkpoints Ray Train never registered.
@@ -12,8 +14,6 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-
-import yaml
 
 from behemoth.config import JobConfig
 from behemoth.errors import CheckpointError, ConfigError
@@ -34,29 +34,38 @@ def run_dir(cfg: JobConfig) -> str:
     return run_place(cfg).folder
 
 
-def latest_checkpoint(cfg: JobConfig) -> tuple[str, str] | None:
-    """(the run's latest complete checkpoint, its folder name), or None for a new run."""
-    from behemoth.storage.checkpoint import complete_checkpoints
+def resumed_job(cfg: JobConfig) -> tuple[str, dict] | None:
+    """(the checkpoint a rerun resumes from, its job.yaml's sections), or None for a new run. Its job.yaml is read
+    as export reads a received one: checked against the manifest first (storage/checkpoint.job_sections). A
+    checkpoint whose job.yaml fails that check is damaged, and restore skips it for an older one: so does this.
+    One that passes it but is not a job config (`train: [1]`) was written so: one line naming it."""
+    from behemoth.storage.checkpoint import complete_checkpoints, job_sections, read_verified
 
-    kept = complete_checkpoints(run_dir(cfg))
-    return (kept[0][1], kept[0][1].rstrip("/").rpartition("/")[2]) if kept else None
+    for _, ckpt in complete_checkpoints(run_dir(cfg)):
+        try:
+            data = read_verified(ckpt, "job.yaml")
+        except CheckpointError:
+            continue
+        return ckpt, job_sections(data, ckpt)
+    return None
+
+
+def _section(before: dict, section: str) -> dict:
+    return before.get(section) or {}
 
 
 def check_resume_compatible(cfg: JobConfig) -> None:
     """Refuse to resume a run whose latest checkpoint (local or under a URI) was trained on another data or
     model config. (A change of scaling.strategy is fine: either checkpoint layout loads under DDP and FSDP.)"""
-    from behemoth.storage.filesystem import read_file
-
-    latest = None if cfg.checkpoint.resume_changed_config else latest_checkpoint(cfg)
+    latest = None if cfg.checkpoint.resume_changed_config else resumed_job(cfg)
     if latest is None:
         return
-    latest, name = latest
-    folder = run_dir(cfg)
-    before = yaml.safe_load(read_file(f"{latest}/job.yaml")) or {}
+    (latest, before), folder = latest, run_dir(cfg)
+    name = latest.rstrip("/").rpartition("/")[2]
     now = cfg.to_dict()
-    changed = [f"{section}.{key}: {before.get(section, {}).get(key)!r} -> {value!r}"
+    changed = [f"{section}.{key}: {_section(before, section).get(key)!r} -> {value!r}"
                for section in ("data", "model") for key, value in now[section].items()
-               if before.get(section, {}).get(key) != value and f"{section}.{key}" not in _RESUMABLE_CHANGES]
+               if _section(before, section).get(key) != value and f"{section}.{key}" not in _RESUMABLE_CHANGES]
     if changed:
         raise ConfigError(
             f"run '{cfg.checkpoint.run_name}' in {folder} was trained with a different config "
@@ -67,7 +76,9 @@ def check_resume_compatible(cfg: JobConfig) -> None:
 
 # What a rerun's changed train.* / scaling.* keys do from the step it resumes at (every other one applies):
 # the optimizer's settings come back with its state; the data position is counted in steps of the global batch
-# and the epoch's order drawn from the seed, so changing those would skip or repeat samples.
+# and the epoch's order drawn from the seed, so changing those would skip or repeat samples (refused unless
+# checkpoint.resume_changed_config, which lets through just that); another optimizer cannot load the
+# checkpoint's state at all (refused, whatever the config: a new run with train.init_from starts it fresh).
 _IGNORED_ON_RESUME = {
     **dict.fromkeys(("train.lr", "train.momentum", "train.weight_decay", "train.adam_betas", "train.adam_eps"),
                     "the optimizer's settings come back with its state from the checkpoint"),
@@ -76,7 +87,9 @@ _IGNORED_ON_RESUME = {
 _REFUSED_ON_RESUME = {
     "train.global_batch_size": "the position in the data is counted in steps of the global batch",
     "train.seed": "the order of the epoch in progress, and the augmentation, are drawn from the seed",
-    "train.optimizer": "the checkpoint holds another optimizer's state",
+}
+_NEVER_ON_RESUME = {
+    "train.optimizer": "the checkpoint holds the other optimizer's state, which this one cannot load",
 }
 
 
@@ -113,21 +126,25 @@ def _new_run_hint(cfg: JobConfig) -> str:
 
 def describe_rerun(cfg: JobConfig) -> Rerun | None:
     """The changes a rerun makes to train.* and scaling.*, or None (a new run, or none changed). A change that
-    cannot apply to a run in progress (_REFUSED_ON_RESUME) is refused, unless checkpoint.resume_changed_config."""
+    would skip or repeat samples (_REFUSED_ON_RESUME) is refused, unless checkpoint.resume_changed_config; another
+    optimizer (_NEVER_ON_RESUME) is refused whatever the config: its state cannot load (KeyError in every worker,
+    retried as a run failure)."""
     from behemoth.storage.checkpoint import read_state
-    from behemoth.storage.filesystem import read_file
 
-    latest = latest_checkpoint(cfg)
+    latest = resumed_job(cfg)
     if latest is None:
         return None
-    before = yaml.safe_load(read_file(f"{latest[0]}/job.yaml")) or {}
-    now, applied, ignored, refused = cfg.to_dict(), [], [], []
+    (ckpt, before), now, applied, ignored, refused = latest, cfg.to_dict(), [], [], []
     for section in ("train", "scaling"):
         for key, value in now[section].items():
-            old = before.get(section, {}).get(key, value)
+            old = _section(before, section).get(key, value)
             if old == value:
                 continue
             name, change = f"{section}.{key}", f"{section}.{key} {old!r} -> {value!r}"
+            if name in _NEVER_ON_RESUME:
+                raise ConfigError(f"run '{cfg.checkpoint.run_name}' in {run_dir(cfg)} cannot resume with {change} "
+                                  f"({_NEVER_ON_RESUME[name]}; checkpoint.resume_changed_config does not change "
+                                  f"that). {_new_run_hint(cfg)}")
             if name in _REFUSED_ON_RESUME:
                 refused.append(f"{change} ({_REFUSED_ON_RESUME[name]})")
             elif name in _IGNORED_ON_RESUME:
@@ -140,7 +157,7 @@ def describe_rerun(cfg: JobConfig) -> Rerun | None:
     applied += [f"{r}, applied anyway (checkpoint.resume_changed_config)" for r in refused]
     if not (applied or ignored):
         return None
-    return Rerun(read_state(latest[0]).step, applied, ignored)
+    return Rerun(read_state(ckpt).step, applied, ignored)
 
 
 def check_resume_data(cfg: JobConfig, prepared) -> None:
@@ -148,11 +165,12 @@ def check_resume_data(cfg: JobConfig, prepared) -> None:
     in the latest checkpoint (classes.json: class index -> name) differ from those this data gives. The data
     config can be unchanged while its content is not: a class folder renamed or replaced keeps the count and
     moves names to other indices, so the resumed run would train on with its labels silently renamed (a class
-    added or removed changes the head's shape: its weights cannot load)."""
+    added or removed changes the head's shape: its weights cannot load). checkpoint.resume_changed_config does
+    not let either through: it is about changed config keys, and no key changed here."""
     from behemoth.storage.checkpoint import complete_checkpoints
 
-    kept = [] if cfg.checkpoint.resume_changed_config else complete_checkpoints(run_dir(cfg))
-    for _, ckpt in kept:  # newest first; one whose task files fail their manifest is damaged: restore skips it
+    # newest first; one whose task files fail their manifest is damaged: restore skips it
+    for _, ckpt in complete_checkpoints(run_dir(cfg)):
         try:
             differs = task_files_differ(cfg, prepared, ckpt)
             break
@@ -162,13 +180,14 @@ def check_resume_data(cfg: JobConfig, prepared) -> None:
         return
     if differs:
         what, same_shape = differs
-        force = (", or resume anyway with --set checkpoint.resume_changed_config=true" if same_shape else
-                 " (its weights cannot resume with another number of classes)")
+        # the same count: its weights would load, every class's learnt output then named as another
+        why = (" (its weights would train on with their labels renamed)" if same_shape else
+               " (its weights cannot resume with another number of classes)")
         name = ckpt.rstrip("/").rpartition("/")[2]
         raise ConfigError(
             f"run '{cfg.checkpoint.run_name}' in {run_dir(cfg)} was trained on other data ({name}): {what}. "
             f"Start a new run with another checkpoint.run_name (train.init_from the old run's folder to start "
-            f"from its weights){force}")
+            f"from its weights){why}")
 
 
 def task_files_differ(cfg: JobConfig, prepared, ckpt: str) -> tuple[str, bool] | None:

@@ -269,6 +269,25 @@ def read_json(ckpt: str, name: str, fs=None) -> Any:
         raise CheckpointError(f"checkpoint {ckpt}: {name} is not JSON ({e})") from None
 
 
+def job_sections(data: bytes, ckpt: str) -> dict:
+    """A checkpoint's job.yaml (its bytes, read_verified first: an edited one is damage, never a config to read)
+    as a mapping of sections, each a mapping (or null): what export builds a config from and a rerun compares
+    with. Anything else is one CheckpointError naming the checkpoint (a list for `train:` is not a config)."""
+    import yaml
+
+    try:
+        raw = yaml.safe_load(data.decode()) or {}
+    except (UnicodeDecodeError, yaml.YAMLError) as e:
+        raise CheckpointError(f"checkpoint {ckpt}: its job.yaml is not YAML ({' '.join(str(e).split())})") from None
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"checkpoint {ckpt}: its job.yaml does not hold a job config (a mapping of sections)")
+    for section, value in raw.items():
+        if value is not None and not isinstance(value, dict):
+            raise CheckpointError(f"checkpoint {ckpt}: its job.yaml's {section} is a {type(value).__name__}, "
+                                  f"not a section (a mapping of keys)")
+    return raw
+
+
 def read_state(directory: str | Path, fs=None) -> TrainState:
     """A checkpoint's train_state.json: a local folder, a URI (s3://...), or a path on the pyarrow `fs`."""
     return TrainState(**json.loads(read_file(f"{directory}/train_state.json", fs)))

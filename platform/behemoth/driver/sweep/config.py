@@ -16,6 +16,7 @@ from typing import Any, Literal
 
 from behemoth.storage import paths
 from behemoth.config import JobConfig, apply_override, from_dict, read_yaml_mapping
+from behemoth.config.train import check_finite
 from behemoth.errors import ConfigError
 from behemoth.errors import did_you_mean
 from behemoth.job import config_from_dict, load_config
@@ -65,6 +66,7 @@ class SweepConfig:
     storage_path: str = "runs/sweeps"
 
     def validate(self) -> None:
+        check_finite(self, "")  # a NaN passes the range checks below (every comparison with it is false)
         if not self.job:
             raise ConfigError("job is empty: set it to the job YAML the trials start from")
         # its best trial becomes the job NAME_best, whose run name must pass too
