@@ -1,0 +1,99 @@
+"""`behemoth check` reads what it cheaply can before Ray (issue 65 items 5 and 9): the Hub probe through
+huggingface_hub's own client, the first records of every text file, the model's config against the data, LoRA's
+targets, the profiler's window, the tracking packages."""
+
+import http.server
+import os
+import socket
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+PLATFORM = Path(__file__).resolve().parents[2] / "platform"
+
+
+class _Recorder(http.server.BaseHTTPRequestHandler):
+    """A Hub (or a proxy in front of one) on a loopback port: answers 200 to anything and records the request
+    lines it received."""
+
+    seen: list
+
+    def _answer(self):
+        self.seen.append(f"{self.command} {self.path}")
+        self.send_response(200)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    do_HEAD = do_GET = do_CONNECT = _answer
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def loopback_server():
+    handler = type("Handler", (_Recorder,), {"seen": []})
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}", handler.seen
+    server.shutdown()
+    server.server_close()
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]  # closed once the socket is: nothing listens there
+
+
+def _probe(env: dict) -> subprocess.CompletedProcess:
+    """check_source of a Hub name the cache does not hold, in a fresh process: huggingface_hub reads HF_ENDPOINT,
+    HF_HUB_OFFLINE and the proxies when it is imported, as in `behemoth check`."""
+    code = ("from behemoth.models import sources\n"
+            "from huggingface_hub import constants\n"
+            "try:\n"
+            "    sources.check_source('behemoth-tests/no-such-model', 'model.pretrained')\n"
+            "    print('REACHABLE')\n"
+            "except Exception as e:\n"
+            "    print(type(e).__name__, e)\n"
+            "print('OFFLINE' if constants.is_offline_mode() else 'ONLINE')\n")
+    clean = {k: v for k, v in os.environ.items() if "proxy" not in k.lower() and not k.startswith("HF_")}
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env={**clean, "PYTHONPATH": str(PLATFORM), "HF_HOME": os.devnull + "-none", **env})
+
+
+def test_the_hub_probe_goes_through_huggingface_hubs_client_and_its_proxy(loopback_server):
+    """The probe used a raw TCP connection: a cluster whose only way out is HTTPS_PROXY/HTTP_PROXY was judged
+    offline. Now it is a request of huggingface_hub's own session: through the proxy of the environment (the
+    proxy sees the request for the Hub's address), and straight to an HF_ENDPOINT that answers."""
+    address, seen = loopback_server
+    through = _probe({"HF_ENDPOINT": "http://hub.behemoth.test", "HTTP_PROXY": address, "NO_PROXY": ""})
+    assert through.stdout.split() == ["REACHABLE", "ONLINE"], through.stdout + through.stderr
+    assert seen == ["HEAD http://hub.behemoth.test/"]
+    direct = _probe({"HF_ENDPOINT": address})
+    assert direct.stdout.split() == ["REACHABLE", "ONLINE"], direct.stdout + direct.stderr
+    assert seen[1:] == ["HEAD /"]
+
+
+def test_an_unreachable_hub_is_one_line_and_offline_mode_takes_effect():
+    """A Hub that does not answer: one line naming the key, the endpoint and `hf download` (the installed
+    huggingface_hub ships `hf`, not huggingface-cli), and offline mode on where huggingface_hub reads it (its
+    constant: the environment variable alone, set after the import, changed nothing). A malformed HF_ENDPOINT
+    is one line too, not ValueError's traceback."""
+    endpoint = f"http://127.0.0.1:{_closed_port()}"
+    out = _probe({"HF_ENDPOINT": endpoint}).stdout
+    assert out.splitlines() == [
+        f"ConfigError model.pretrained behemoth-tests/no-such-model: not in this machine's Hugging Face cache and "
+        f"the Hub is unreachable (no answer from {endpoint}). Download it where there is network (hf download "
+        f"behemoth-tests/no-such-model --local-dir DIR), copy DIR to every node, and set model.pretrained to DIR",
+        "OFFLINE"]
+    told = _probe({"HF_HUB_OFFLINE": "1"}).stdout
+    assert "the Hub is unreachable (HF_HUB_OFFLINE=1)" in told
+    bad = _probe({"HF_ENDPOINT": "https://hf.invalid:99999"})
+    assert bad.stdout.splitlines() == [
+        "ConfigError HF_ENDPOINT 'https://hf.invalid:99999' is not a valid Hub address (Port out of range 0-65535): "
+        "fix it (e.g. https://huggingface.co or a mirror's https://HOST) or unset it", "ONLINE"], bad.stderr
