@@ -97,3 +97,88 @@ def test_an_unreachable_hub_is_one_line_and_offline_mode_takes_effect():
     assert bad.stdout.splitlines() == [
         "ConfigError HF_ENDPOINT 'https://hf.invalid:99999' is not a valid Hub address (Port out of range 0-65535): "
         "fix it (e.g. https://huggingface.co or a mirror's https://HOST) or unset it", "ONLINE"], bad.stderr
+
+
+def _check(tmp_path, job: dict, capsys, *overrides: str) -> tuple[int, str, str]:
+    import yaml
+
+    from behemoth.driver.cli import main
+
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(job))
+    code = main(["check", str(path), *[arg for o in overrides for arg in ("--set", o)]])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_check_reads_the_first_records_of_every_text_file(text_corpus, tmp_path, capsys):
+    """`behemoth check` said "(tokenised at train time)" and exit 0 for a JSONL without the text field, one whose
+    text_field holds chat messages, or a file that is not JSON; each failed inside Ray later. Now the first records
+    of every file are read: one line naming the file and the line, before Ray. The good corpus still passes."""
+    import json
+
+    from conftest import lm_job_dict
+
+    job = lm_job_dict(text_corpus, tmp_path)
+    assert _check(tmp_path, job, capsys)[0] == 0
+    no_field, chat, not_json = (tmp_path / f"{n}.jsonl" for n in ("no_field", "chat", "not_json"))
+    no_field.write_text(json.dumps({"body": "a story"}) + "\n")
+    chat.write_text(json.dumps({"text": "a story", "messages": [{"role": "user", "content": "hi"}]}) + "\n")
+    not_json.write_text("Once upon a time\n")
+    for path, overrides, said in [
+            (no_field, [], "no field 'text' (data.text_field); the record has ['body']"),
+            (chat, ["data.text_field=messages"], "field 'messages' holds list, not text"),
+            (not_json, [], "not valid JSON")]:
+        code, out, err = _check(tmp_path, {**job, "data": {**job["data"], "train_files": [str(path)], "val_files": [str(path)]}}, capsys,
+                                *overrides)
+        assert (code, out) == (1, "") and err.startswith(f"behemoth: error: {path} line 1: ") and said in err
+        assert err.count("\n") == 1, err
+
+
+def _model_folder(folder: Path, tokenizer: Path | None = None, **sizes) -> Path:
+    """A Hugging Face model folder as save_pretrained leaves one (its config; the check reads no weights), with
+    the tokenizer's files where given."""
+    import shutil
+
+    from transformers import LlamaConfig
+
+    LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                num_key_value_heads=1, **{"vocab_size": 512, "max_position_embeddings": 64, **sizes}
+                ).save_pretrained(folder)
+    if tokenizer is not None:
+        for f in tokenizer.iterdir():
+            shutil.copy(f, folder / f.name)
+    return folder
+
+
+def test_the_tokenizer_defaults_to_the_pretrained_models_own(text_corpus, tmp_path, capsys):
+    """With model.pretrained and no data.tokenizer the error told the user to train a new tokenizer; a model folder
+    without a tokenizer gave transformers' multi-line sentencepiece message, exit 1. Now data.tokenizer defaults to
+    the model's folder where that holds one (the resolved config shows it); otherwise one line, exit 2. A model on
+    object storage is refused in one line (not skipped as "its own error")."""
+    from conftest import lm_job_dict
+
+    job = lm_job_dict(text_corpus, tmp_path)
+    del job["data"]["tokenizer"]
+    job["model"] = {"name": "causal_lm", "pretrained": str(_model_folder(tmp_path / "llama", text_corpus / "tokenizer"))}
+    code, out, _ = _check(tmp_path, job, capsys)
+    assert code == 0 and f"tokenizer: {tmp_path / 'llama'}\n" in out
+
+    bare = str(_model_folder(tmp_path / "bare"))
+    job["model"]["pretrained"] = bare
+    assert _check(tmp_path, job, capsys)[::2] == (
+        2, f"behemoth: config error: {tmp_path / 'job.yaml'}: data.tokenizer is empty and model.pretrained {bare} holds "
+           f"no tokenizer (tokenizer.json, tokenizer_config.json, tokenizer.model): set data.tokenizer to the model's "
+           f"tokenizer (a folder or a Hub name)\n")
+    job["data"]["tokenizer"] = bare
+    assert _check(tmp_path, job, capsys)[::2] == (
+        2, f"behemoth: config error: data.tokenizer {bare}: the folder holds no tokenizer (tokenizer.json, "
+           f"tokenizer_config.json, tokenizer.model): point data.tokenizer at a tokenizer's folder (the model's own, "
+           f"or `behemoth data train-tokenizer`'s)\n")
+
+    job["model"]["pretrained"] = "s3://bucket/models/llama"
+    job["data"]["tokenizer"] = str(text_corpus / "tokenizer")
+    assert _check(tmp_path, job, capsys)[::2] == (
+        2, "behemoth: config error: model.pretrained s3://bucket/models/llama: object storage is not supported for "
+           "model.pretrained yet: copy it to a local folder on every node that trains (e.g. `aws s3 sync "
+           "s3://bucket/models/llama DIR`) and set model.pretrained to DIR\n")
