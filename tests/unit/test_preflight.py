@@ -182,3 +182,34 @@ def test_the_tokenizer_defaults_to_the_pretrained_models_own(text_corpus, tmp_pa
         2, "behemoth: config error: model.pretrained s3://bucket/models/llama: object storage is not supported for "
            "model.pretrained yet: copy it to a local folder on every node that trains (e.g. `aws s3 sync "
            "s3://bucket/models/llama DIR`) and set model.pretrained to DIR\n")
+
+
+def test_check_reads_the_models_config_and_builds_loras_targets_on_the_meta_device(text_corpus, tmp_path, capsys):
+    """`behemoth check` passed data.seq_len beyond the model's positions, a tokenizer larger than its vocabulary,
+    LoRA targets the model does not have and a rank of a billion (all found inside Ray, the last after allocating).
+    Now the model's config is read (model.pretrained's config.json, or hf_config) and LoRA's adapters are added to
+    the model built on the meta device: each one line, exit 2, before Ray."""
+    from conftest import lm_job_dict
+
+    job = lm_job_dict(text_corpus, tmp_path)
+    config_error = "behemoth: config error: "
+    for overrides, said in [
+            (["data.seq_len=64"], "model.hf_config (llama): max_position_embeddings 32 < data.seq_len 64: lower "
+                                  "data.seq_len or raise model.hf_config.max_position_embeddings"),
+            (["model.hf_config.vocab_size=64"], "model.hf_config (llama): vocab_size 64 is smaller than the "
+                                                "tokenizer's "),
+            (["model.lora.target_modules=[no_such_module]"], "model.lora: Target modules {'no_such_module'} not "
+                                                             "found in the base model."),
+            (["model.lora.r=1000000000"], "model.lora.r 1000000000 exceeds the smallest side of an adapted layer (16, "
+                                          "model.layers.0.self_attn.v_proj): a rank above it adds nothing; use at "
+                                          "most 16")]:
+        code, out, err = _check(tmp_path, job, capsys, *overrides)
+        assert (code, out) == (2, "") and err.startswith(config_error + said) and err.count("\n") == 1, err
+    assert _check(tmp_path, job, capsys, "model.lora.r=16")[0] == 0  # the side itself: allowed
+
+    folder = _model_folder(tmp_path / "llama", text_corpus / "tokenizer", max_position_embeddings=64)
+    job["model"] = {"name": "causal_lm", "pretrained": str(folder)}
+    assert _check(tmp_path, job, capsys, "data.seq_len=64")[0] == 0
+    assert _check(tmp_path, job, capsys, "data.seq_len=128")[::2] == (
+        2, f"{config_error}{folder}: max_position_embeddings 64 < data.seq_len 128: lower data.seq_len or raise "
+           f"model.hf_config.max_position_embeddings\n")

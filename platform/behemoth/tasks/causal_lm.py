@@ -22,7 +22,7 @@ from behemoth.data.prefetch import to_device_ahead
 from behemoth.data.text import TextData
 from behemoth.data.text_packing import TokenIndex
 from behemoth.models import registry
-from behemoth.models.causal_lm import build_causal_lm, train_on_causal_attention
+from behemoth.models.causal_lm import build_causal_lm, check_causal_lm, train_on_causal_attention
 from behemoth.models.lora import add_adapters
 from behemoth import hosts
 from behemoth.tasks.contract import Task
@@ -54,8 +54,12 @@ class CausalLM(Task):
         from behemoth.data.text_packing import check_text_sources
 
         units = check_text_sources(cfg.data)
+        tok = load_tokenizer(cfg.data.tokenizer)
         if registry.is_import_path(cfg.model.name):
-            registry.check_user_model(cfg.model.name, vocab_size=len(load_tokenizer(cfg.data.tokenizer)))
+            registry.check_user_model(cfg.model.name, vocab_size=len(tok))
+        else:
+            check_causal_lm(cfg.model, vocab_size=len(tok), eos_id=tok.eos_token_id, bos_id=tok.bos_token_id,
+                            seq_len=cfg.data.seq_len)
         return units
 
     @classmethod
