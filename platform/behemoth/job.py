@@ -39,7 +39,7 @@ def config_from_dict(raw: dict, where: str = "<dict>") -> JobConfig:
     """A job from its mapping of sections (a job.yaml as read, or what a worker is handed). A key or type
     error names `where`; a value check's error is the check's own message."""
     task, cfg = _read(raw, where)
-    _default_tokenizer(cfg)
+    task.complete(cfg)
     custom = is_custom_kind(cfg.data.kind)  # a task of one's own builds its own model: model.name is its own
     cfg.validate(model=not custom)
     if not custom:
@@ -49,22 +49,6 @@ def config_from_dict(raw: dict, where: str = "<dict>") -> JobConfig:
         raise ConfigError(f"train.early_stopping.metric {stopping.metric} is not a metric this task reports: one of "
                           f"{', '.join(task.reported)} (or leave it out: the task's best, {task.best[0]})")
     return cfg
-
-
-def _default_tokenizer(cfg: JobConfig) -> None:
-    """data.tokenizer left empty with model.pretrained set: the model's own tokenizer (a Hub name's, or a local
-    folder's where it holds one), filled into the config so that the run's job.yaml names it. A local model folder
-    without one: say so, rather than data.tokenizer's advice to train a new tokenizer."""
-    from behemoth.models.sources import TOKENIZER_FILES, holds_tokenizer, looks_local
-
-    model = cfg.model.pretrained
-    if getattr(cfg.data, "tokenizer", None) != "" or not model or "://" in model:
-        return
-    if looks_local(model) and Path(model).expanduser().is_dir() and not holds_tokenizer(model):
-        raise ConfigError(f"data.tokenizer is empty and model.pretrained {model} holds no tokenizer "
-                          f"({', '.join(TOKENIZER_FILES)}): set data.tokenizer to the model's tokenizer (a folder "
-                          f"or a Hub name)")
-    cfg.data.tokenizer = model
 
 
 def _read(raw: dict, where: str) -> tuple[type[Task], JobConfig]:

@@ -213,3 +213,54 @@ def test_check_reads_the_models_config_and_builds_loras_targets_on_the_meta_devi
     assert _check(tmp_path, job, capsys, "data.seq_len=128")[::2] == (
         2, f"{config_error}{folder}: max_position_embeddings 64 < data.seq_len 128: lower data.seq_len or raise "
            f"model.hf_config.max_position_embeddings\n")
+
+
+def test_check_counts_a_small_corpus_blocks_and_fits_the_profilers_window_in_the_run(text_corpus, image_root, tmp_path,
+                                                                                     capsys):
+    """A text epoch with no step (fewer blocks than the global batch) and a profiler window beyond the run's last
+    step (never exited: no trace written) passed `behemoth check`. Now a small corpus is tokenised and counted
+    before Ray (the count: as the tokenizer makes it, one EOS per document, cut into seq_len blocks), and the
+    window must end by the run's last step (train.max_steps, or the epochs' steps where the samples are known)."""
+    import json
+
+    from transformers import AutoTokenizer
+
+    from conftest import job_dict, lm_job_dict
+
+    tok = AutoTokenizer.from_pretrained(str(text_corpus / "tokenizer"))
+    docs = [json.loads(line)["text"] for line in (text_corpus / "train.jsonl").read_text().splitlines()]
+    blocks = sum(len(tok(d, add_special_tokens=False)["input_ids"]) + 1 for d in docs) // 32
+    job = lm_job_dict(text_corpus, tmp_path)
+    code, out, _ = _check(tmp_path, job, capsys)
+    assert code == 0 and f"; tokenizer {len(tok)} tokens ({blocks} training blocks of 32 tokens)\n" in out
+    workers = job["scaling"]["num_workers"]
+    too_many = (blocks // workers + 1) * workers
+    assert _check(tmp_path, job, capsys, f"train.global_batch_size={too_many}")[::2] == (
+        2, f"behemoth: config error: train.global_batch_size {too_many} exceeds the {blocks} training samples: an "
+           f"epoch would have no step. Lower it to at most {blocks} (a divisor of the workers' split: "
+           f"scaling.num_workers x micro-batch), or add data\n")
+
+    assert _check(tmp_path, job, capsys, "train.profile.start_step=13")[0] == 0  # steps 14..16 of 16: fits
+    assert _check(tmp_path, job, capsys, "train.profile.start_step=1000000000")[::2] == (
+        2, "behemoth: config error: train.profile records steps 1000000001..1000000003, beyond the run's 16 steps "
+           "(train.max_steps): no trace would be written. Lower train.profile.start_step to at most 13\n")
+    images = job_dict(image_root, tmp_path / "runs", train={"epochs": 2, "global_batch_size": 16,
+                                                             "profile": {"start_step": 10, "steps": 3}})
+    assert _check(tmp_path, images, capsys)[::2] == (
+        2, "behemoth: config error: train.profile records steps 11..13, beyond the run's 12 steps (2 epoch(s) of 6 "
+           "steps): no trace would be written. Lower train.profile.start_step to at most 9\n")
+
+
+@pytest.mark.parametrize("key,module,name", [("tracking.wandb.project=p", "wandb", "wandb"),
+                                             ("tracking.mlflow.uri=mlruns", "mlflow", "MLflow")])
+def test_a_tracking_package_that_is_not_installed_is_found_before_ray(image_root, tmp_path, capsys, monkeypatch, key,
+                                                                      module, name):
+    """W&B (or MLflow) configured where the package is not installed passed `behemoth check`, and `train` found it
+    only after Ray started and the data was prepared. (None in sys.modules: what `import wandb` then raises.)"""
+    from conftest import job_dict
+
+    monkeypatch.setitem(sys.modules, module, None)
+    code, out, err = _check(tmp_path, job_dict(image_root, tmp_path / "runs"), capsys, key)
+    setting = key.split("=")[0]
+    assert (code, out, err) == (2, "", f"behemoth: config error: {setting} is set but {name} is not installed: pip "
+                                       f"install 'behemoth[{module}]' (or unset {setting})\n")

@@ -64,8 +64,10 @@ class CausalLM(Task):
 
     @classmethod
     def train_samples(cls, cfg: JobConfig, data) -> int | None:
-        """The packed blocks, once prepared (before: only the text's work units are known)."""
-        return len(data.train) if isinstance(data, TokenIndex) else None
+        """The packed blocks, once prepared; before, the blocks of a small corpus, counted (None: a larger one)."""
+        from behemoth.data.text_packing import count_train_blocks
+
+        return len(data.train) if isinstance(data, TokenIndex) else count_train_blocks(cfg.data, data, cfg.train.seed)
 
     @classmethod
     def prepare(cls, cfg: JobConfig, units) -> TokenIndex:
@@ -88,8 +90,13 @@ class CausalLM(Task):
     def describe(cls, cfg: JobConfig, units) -> str:
         from behemoth.data.text import load_tokenizer
 
+        from behemoth.data.text_packing import count_train_blocks
+
         source = cfg.data.hf_dataset or f"{len({u.path for u in units})} files in {len(units)} work units"
-        return f"text: {source}; tokenizer {len(load_tokenizer(cfg.data.tokenizer))} tokens (tokenised at train time)"
+        blocks = count_train_blocks(cfg.data, units, cfg.train.seed)
+        packed = (f"{blocks} training blocks of {cfg.data.seq_len} tokens" if blocks is not None else
+                  "tokenised at train time: its blocks, and an epoch's steps, are checked once packed")
+        return f"text: {source}; tokenizer {len(load_tokenizer(cfg.data.tokenizer))} tokens ({packed})"
 
     @staticmethod
     def summary_lines(m: dict) -> list[str]:
