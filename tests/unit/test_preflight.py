@@ -264,3 +264,22 @@ def test_a_tracking_package_that_is_not_installed_is_found_before_ray(image_root
     setting = key.split("=")[0]
     assert (code, out, err) == (2, "", f"behemoth: config error: {setting} is set but {name} is not installed: pip "
                                        f"install 'behemoth[{module}]' (or unset {setting})\n")
+
+
+def test_a_hugging_face_datasets_text_column_must_hold_text(text_corpus, tmp_path, capsys):
+    """A saved dataset whose data.text_field is a chat's `messages` (a list of turns) passed `behemoth check`: only
+    the column's name was checked, and tokenising failed inside a Ray Data task. Now its type is read too."""
+    import datasets
+
+    from conftest import lm_job_dict
+
+    turns = [[{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]] * 4
+    datasets.Dataset.from_dict({"text": ["a story"] * 4, "messages": turns}).save_to_disk(str(tmp_path / "chat"))
+    job = lm_job_dict(text_corpus, tmp_path)
+    data = {k: v for k, v in job["data"].items() if k not in ("train_files", "val_files")}
+    job["data"] = {**data, "hf_dataset": str(tmp_path / "chat"), "val_fraction": 0.25}
+    assert _check(tmp_path, job, capsys)[0] == 0
+    code, out, err = _check(tmp_path, job, capsys, "data.text_field=messages")
+    assert (code, out) == (1, "") and err.startswith(
+        f"behemoth: error: data.hf_dataset '{tmp_path / 'chat'}' split 'train': column 'messages' (data.text_field) "
+        f"holds List(") and err.endswith(", not text\n") and err.count("\n") == 1, err

@@ -261,7 +261,7 @@ def _hf_splits(cfg: TextData) -> list[tuple[str, object]]:
         else:
             loaded = datasets.load_dataset(cfg.hf_dataset, cfg.hf_config_name)
     except Exception as e:  # datasets raises many types: missing folder, no network, unknown name
-        raise DataError(f"data.hf_dataset {cfg.hf_dataset!r} cannot be loaded: {e}") from None
+        raise DataError(f"data.hf_dataset {cfg.hf_dataset!r} cannot be loaded: {' '.join(str(e).split())}") from None
     if isinstance(loaded, datasets.Dataset):
         loaded = datasets.DatasetDict({cfg.train_split: loaded})
     chosen = [(cfg.train_split, "train" if cfg.val_fraction == 0 else "auto")]
@@ -276,6 +276,10 @@ def _hf_splits(cfg: TextData) -> list[tuple[str, object]]:
         if cfg.text_field not in ds.column_names:
             raise DataError(f"data.hf_dataset {cfg.hf_dataset!r} split '{name}' has no column "
                             f"'{cfg.text_field}' (data.text_field); its columns: {ds.column_names}")
+        feature = ds.features[cfg.text_field]  # (a chat dataset's `messages` is a list of turns, not text)
+        if getattr(feature, "dtype", None) not in ("string", "large_string"):
+            raise DataError(f"data.hf_dataset {cfg.hf_dataset!r} split '{name}': column '{cfg.text_field}' "
+                            f"(data.text_field) holds {feature}, not text")
         out.append((split, ds.select_columns([cfg.text_field])))
     return out
 
