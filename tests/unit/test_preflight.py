@@ -101,7 +101,6 @@ def test_an_unreachable_hub_is_one_line_and_offline_mode_takes_effect():
 
 def _check(tmp_path, job: dict, capsys, *overrides: str) -> tuple[int, str, str]:
     import yaml
-
     from behemoth.driver.cli import main
 
     path = tmp_path / "job.yaml"
@@ -223,9 +222,8 @@ def test_check_counts_a_small_corpus_blocks_and_fits_the_profilers_window_in_the
     window must end by the run's last step (train.max_steps, or the epochs' steps where the samples are known)."""
     import json
 
-    from transformers import AutoTokenizer
-
     from conftest import job_dict, lm_job_dict
+    from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(text_corpus / "tokenizer"))
     docs = [json.loads(line)["text"] for line in (text_corpus / "train.jsonl").read_text().splitlines()]
@@ -270,7 +268,6 @@ def test_a_hugging_face_datasets_text_column_must_hold_text(text_corpus, tmp_pat
     """A saved dataset whose data.text_field is a chat's `messages` (a list of turns) passed `behemoth check`: only
     the column's name was checked, and tokenising failed inside a Ray Data task. Now its type is read too."""
     import datasets
-
     from conftest import lm_job_dict
 
     turns = [[{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]] * 4
@@ -283,3 +280,18 @@ def test_a_hugging_face_datasets_text_column_must_hold_text(text_corpus, tmp_pat
     assert (code, out) == (1, "") and err.startswith(
         f"behemoth: error: data.hf_dataset '{tmp_path / 'chat'}' split 'train': column 'messages' (data.text_field) "
         f"holds List(") and err.endswith(", not text\n") and err.count("\n") == 1, err
+
+
+def test_a_malformed_hf_endpoint_is_one_line_for_a_job_that_names_no_hub_model(image_root, tmp_path, capsys,
+                                                                               monkeypatch):
+    """huggingface_hub parses HF_ENDPOINT when transformers imports its downloads: a port out of range was a
+    ValueError traceback from `behemoth check` of a job with local files only. Now it is checked first, one line.
+    (Set where huggingface_hub keeps what it read from HF_ENDPOINT at import; the probe tests set the variable.)"""
+    from huggingface_hub import constants
+
+    from conftest import job_dict
+
+    monkeypatch.setattr(constants, "ENDPOINT", "https://hf.invalid:99999")
+    assert _check(tmp_path, job_dict(image_root, tmp_path / "runs"), capsys)[::2] == (
+        2, "behemoth: config error: HF_ENDPOINT 'https://hf.invalid:99999' is not a valid Hub address (Port out of "
+           "range 0-65535): fix it (e.g. https://huggingface.co or a mirror's https://HOST) or unset it\n")

@@ -11,7 +11,7 @@ import sys
 from behemoth.config import JobConfig
 from behemoth.errors import CheckpointError, ConfigError
 from behemoth.models import registry
-from behemoth.models.sources import check_source
+from behemoth.models.sources import check_source, hub_endpoint
 from behemoth.storage import filesystem
 
 
@@ -21,6 +21,7 @@ def check_sources(cfg: JobConfig) -> None:
     folder that exists (a URI is read where it is, when the run resolves it); the tracking packages it names are
     installed."""
     check_tracking(cfg)
+    hub_endpoint()  # (transformers imports huggingface_hub's downloads, which trip on a malformed one)
     if cfg.model.pretrained and not registry.is_import_path(cfg.model.name):
         check_source(cfg.model.pretrained, "model.pretrained")
     tokenizer = getattr(cfg.data, "tokenizer", "")

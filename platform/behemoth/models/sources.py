@@ -47,7 +47,7 @@ def check_source(value: str, key: str, needs: str = "config.json") -> None:
     if not _HUB_NAME.match(value) or ".." in value or "--" in value:
         raise ConfigError(f"{key} {value!r} is neither a folder on this machine nor a Hugging Face Hub name "
                           f"(org/name): check its spelling")
-    endpoint = _endpoint()  # (a malformed HF_ENDPOINT: one line, before huggingface_hub trips on it)
+    endpoint = hub_endpoint()  # (a malformed HF_ENDPOINT: one line, before huggingface_hub trips on it)
     told = offline_by_setting()  # (before the probe, which turns offline mode on for this process)
     if _in_cache(value, needs or "tokenizer_config.json") or hub_reachable():
         return
@@ -86,9 +86,10 @@ def offline_by_setting() -> bool:
     return bool(constants.HF_HUB_OFFLINE)
 
 
-def _endpoint() -> str:
+def hub_endpoint() -> str:
     """The Hub's address as huggingface_hub uses it (HF_ENDPOINT as it read it when imported), checked: a URL that
-    cannot be parsed is one line naming HF_ENDPOINT, not a traceback from inside the client."""
+    cannot be parsed is one line naming HF_ENDPOINT, not a traceback from inside the client (huggingface_hub
+    parses it when its download module is imported: a job that never names the Hub fails on it too)."""
     from huggingface_hub import constants
 
     endpoint = constants.ENDPOINT
@@ -110,7 +111,7 @@ def hub_reachable(timeout_s: float = 3.0) -> bool:
     on for this process and those it starts (nothing retries)."""
     if offline_by_setting():
         return False
-    endpoint = _endpoint()
+    endpoint = hub_endpoint()
     from huggingface_hub.utils import get_session
 
     try:

@@ -89,7 +89,6 @@ class CausalLM(Task):
     @classmethod
     def describe(cls, cfg: JobConfig, units) -> str:
         from behemoth.data.text import load_tokenizer
-
         from behemoth.data.text_packing import count_train_blocks
 
         source = cfg.data.hf_dataset or f"{len({u.path for u in units})} files in {len(units)} work units"
