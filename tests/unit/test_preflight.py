@@ -50,9 +50,10 @@ def _closed_port() -> int:
         return s.getsockname()[1]  # closed once the socket is: nothing listens there
 
 
-def _probe(env: dict) -> subprocess.CompletedProcess:
+def _probe(env: dict, home: Path) -> subprocess.CompletedProcess:
     """check_source of a Hub name the cache does not hold, in a fresh process: huggingface_hub reads HF_ENDPOINT,
-    HF_HUB_OFFLINE and the proxies when it is imported, as in `behemoth check`."""
+    HF_HUB_OFFLINE and the proxies when it is imported, as in `behemoth check`. `home`: an empty HF_HOME (a cache
+    that holds nothing)."""
     code = ("from behemoth.models import sources\n"
             "from huggingface_hub import constants\n"
             "try:\n"
@@ -61,39 +62,40 @@ def _probe(env: dict) -> subprocess.CompletedProcess:
             "except Exception as e:\n"
             "    print(type(e).__name__, e)\n"
             "print('OFFLINE' if constants.is_offline_mode() else 'ONLINE')\n")
-    clean = {k: v for k, v in os.environ.items() if "proxy" not in k.lower() and not k.startswith("HF_")}
+    clean = {k: v for k, v in os.environ.items()
+             if "proxy" not in k.lower() and not k.startswith(("HF_", "TRANSFORMERS_OFFLINE"))}
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                          env={**clean, "PYTHONPATH": str(PLATFORM), "HF_HOME": os.devnull + "-none", **env})
+                          env={**clean, "PYTHONPATH": str(PLATFORM), "HF_HOME": str(home), **env})
 
 
-def test_the_hub_probe_goes_through_huggingface_hubs_client_and_its_proxy(loopback_server):
+def test_the_hub_probe_goes_through_huggingface_hubs_client_and_its_proxy(loopback_server, tmp_path):
     """The probe used a raw TCP connection: a cluster whose only way out is HTTPS_PROXY/HTTP_PROXY was judged
     offline. Now it is a request of huggingface_hub's own session: through the proxy of the environment (the
     proxy sees the request for the Hub's address), and straight to an HF_ENDPOINT that answers."""
     address, seen = loopback_server
-    through = _probe({"HF_ENDPOINT": "http://hub.behemoth.test", "HTTP_PROXY": address, "NO_PROXY": ""})
+    through = _probe({"HF_ENDPOINT": "http://hub.behemoth.test", "HTTP_PROXY": address, "NO_PROXY": ""}, tmp_path)
     assert through.stdout.split() == ["REACHABLE", "ONLINE"], through.stdout + through.stderr
     assert seen == ["HEAD http://hub.behemoth.test/"]
-    direct = _probe({"HF_ENDPOINT": address})
+    direct = _probe({"HF_ENDPOINT": address}, tmp_path)
     assert direct.stdout.split() == ["REACHABLE", "ONLINE"], direct.stdout + direct.stderr
     assert seen[1:] == ["HEAD /"]
 
 
-def test_an_unreachable_hub_is_one_line_and_offline_mode_takes_effect():
+def test_an_unreachable_hub_is_one_line_and_offline_mode_takes_effect(tmp_path):
     """A Hub that does not answer: one line naming the key, the endpoint and `hf download` (the installed
     huggingface_hub ships `hf`, not huggingface-cli), and offline mode on where huggingface_hub reads it (its
     constant: the environment variable alone, set after the import, changed nothing). A malformed HF_ENDPOINT
     is one line too, not ValueError's traceback."""
     endpoint = f"http://127.0.0.1:{_closed_port()}"
-    out = _probe({"HF_ENDPOINT": endpoint}).stdout
+    out = _probe({"HF_ENDPOINT": endpoint}, tmp_path).stdout
     assert out.splitlines() == [
         f"ConfigError model.pretrained behemoth-tests/no-such-model: not in this machine's Hugging Face cache and "
         f"the Hub is unreachable (no answer from {endpoint}). Download it where there is network (hf download "
         f"behemoth-tests/no-such-model --local-dir DIR), copy DIR to every node, and set model.pretrained to DIR",
         "OFFLINE"]
-    told = _probe({"HF_HUB_OFFLINE": "1"}).stdout
+    told = _probe({"HF_HUB_OFFLINE": "1"}, tmp_path).stdout
     assert "the Hub is unreachable (HF_HUB_OFFLINE=1)" in told
-    bad = _probe({"HF_ENDPOINT": "https://hf.invalid:99999"})
+    bad = _probe({"HF_ENDPOINT": "https://hf.invalid:99999"}, tmp_path)
     assert bad.stdout.splitlines() == [
         "ConfigError HF_ENDPOINT 'https://hf.invalid:99999' is not a valid Hub address (Port out of range 0-65535): "
         "fix it (e.g. https://huggingface.co or a mirror's https://HOST) or unset it", "ONLINE"], bad.stderr
@@ -128,8 +130,8 @@ def test_check_reads_the_first_records_of_every_text_file(text_corpus, tmp_path,
             (no_field, [], "no field 'text' (data.text_field); the record has ['body']"),
             (chat, ["data.text_field=messages"], "field 'messages' holds list, not text"),
             (not_json, [], "not valid JSON")]:
-        code, out, err = _check(tmp_path, {**job, "data": {**job["data"], "train_files": [str(path)], "val_files": [str(path)]}}, capsys,
-                                *overrides)
+        files = {"train_files": [str(path)], "val_files": [str(path)]}
+        code, out, err = _check(tmp_path, {**job, "data": {**job["data"], **files}}, capsys, *overrides)
         assert (code, out) == (1, "") and err.startswith(f"behemoth: error: {path} line 1: ") and said in err
         assert err.count("\n") == 1, err
 
@@ -159,15 +161,16 @@ def test_the_tokenizer_defaults_to_the_pretrained_models_own(text_corpus, tmp_pa
 
     job = lm_job_dict(text_corpus, tmp_path)
     del job["data"]["tokenizer"]
-    job["model"] = {"name": "causal_lm", "pretrained": str(_model_folder(tmp_path / "llama", text_corpus / "tokenizer"))}
+    folder = _model_folder(tmp_path / "llama", text_corpus / "tokenizer")
+    job["model"] = {"name": "causal_lm", "pretrained": str(folder)}
     code, out, _ = _check(tmp_path, job, capsys)
     assert code == 0 and f"tokenizer: {tmp_path / 'llama'}\n" in out
 
     bare = str(_model_folder(tmp_path / "bare"))
     job["model"]["pretrained"] = bare
     assert _check(tmp_path, job, capsys)[::2] == (
-        2, f"behemoth: config error: {tmp_path / 'job.yaml'}: data.tokenizer is empty and model.pretrained {bare} holds "
-           f"no tokenizer (tokenizer.json, tokenizer_config.json, tokenizer.model): set data.tokenizer to the model's "
+        2, f"behemoth: config error: {tmp_path / 'job.yaml'}: data.tokenizer is empty and model.pretrained {bare} "
+           f"holds no tokenizer (tokenizer.json, tokenizer_config.json, tokenizer.model): set data.tokenizer to the model's "
            f"tokenizer (a folder or a Hub name)\n")
     job["data"]["tokenizer"] = bare
     assert _check(tmp_path, job, capsys)[::2] == (
@@ -287,9 +290,8 @@ def test_a_malformed_hf_endpoint_is_one_line_for_a_job_that_names_no_hub_model(i
     """huggingface_hub parses HF_ENDPOINT when transformers imports its downloads: a port out of range was a
     ValueError traceback from `behemoth check` of a job with local files only. Now it is checked first, one line.
     (Set where huggingface_hub keeps what it read from HF_ENDPOINT at import; the probe tests set the variable.)"""
-    from huggingface_hub import constants
-
     from conftest import job_dict
+    from huggingface_hub import constants
 
     monkeypatch.setattr(constants, "ENDPOINT", "https://hf.invalid:99999")
     assert _check(tmp_path, job_dict(image_root, tmp_path / "runs"), capsys)[::2] == (

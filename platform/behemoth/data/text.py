@@ -253,7 +253,7 @@ def open_tokenizer(name: str):
     except (OSError, ValueError) as e:
         reason = " ".join(str(e).split())  # transformers' reasons run over several lines
         raise DataError(f"data.tokenizer {name!r} cannot be loaded: {reason}. Point it at a folder holding "
-                          f"tokenizer.json (the model's own, or behemoth data train-tokenizer's) or a hub name") from None
+                        f"tokenizer.json (the model's own, or behemoth data train-tokenizer's) or a hub name") from None
     if not tok.is_fast:
         raise DataError(f"data.tokenizer {name!r} is not a fast (Rust) tokenizer: behemoth needs one")
     return tok

@@ -38,7 +38,8 @@ def check_sources(cfg: JobConfig) -> None:
 
 
 # (key, the package it needs, its name in words, the extra that installs it)
-_TRACKERS = (("tracking.wandb.project", "wandb", "wandb", "wandb"), ("tracking.mlflow.uri", "mlflow", "MLflow", "mlflow"))
+_TRACKERS = (("tracking.wandb.project", "wandb", "wandb", "wandb"),
+             ("tracking.mlflow.uri", "mlflow", "MLflow", "mlflow"))
 
 
 def check_tracking(cfg: JobConfig) -> None:
