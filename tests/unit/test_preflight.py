@@ -79,6 +79,9 @@ def test_the_hub_probe_goes_through_huggingface_hubs_client_and_its_proxy(loopba
     direct = _probe({"HF_ENDPOINT": address}, tmp_path)
     assert direct.stdout.split() == ["REACHABLE", "ONLINE"], direct.stdout + direct.stderr
     assert seen[1:] == ["HEAD /"]
+    # The Hub's own https address: HTTPS_PROXY carries it (a tunnel, through which this stand-in speaks no TLS)
+    _probe({"HF_ENDPOINT": "https://hub.behemoth.test", "HTTPS_PROXY": address, "NO_PROXY": ""}, tmp_path)
+    assert seen[2:] == ["CONNECT hub.behemoth.test:443"]
 
 
 def test_an_unreachable_hub_is_one_line_and_offline_mode_takes_effect(tmp_path):
