@@ -1,6 +1,8 @@
 """Driver side: what can be found wrong with a job before Ray starts, beyond its keys and values (config/) and its
-data (the task's check): the model and tokenizer it names can be had on this machine, train.init_from exists,
-and an epoch has at least one step. `behemoth check` and every run (trainer.prepare_data) go through here.
+data (the task's check): the model and tokenizer it names can be had on this machine (HF_ENDPOINT well formed),
+train.init_from exists, the tracking packages it names are installed, an epoch has at least one step and
+train.profile's window ends by the run's last step. `behemoth check` and every run (trainer.prepare_data) go
+through here.
 """
 
 from __future__ import annotations
