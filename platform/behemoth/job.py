@@ -39,6 +39,7 @@ def config_from_dict(raw: dict, where: str = "<dict>") -> JobConfig:
     """A job from its mapping of sections (a job.yaml as read, or what a worker is handed). A key or type
     error names `where`; a value check's error is the check's own message."""
     task, cfg = _read(raw, where)
+    task.complete(cfg)
     custom = is_custom_kind(cfg.data.kind)  # a task of one's own builds its own model: model.name is its own
     cfg.validate(model=not custom)
     if not custom:

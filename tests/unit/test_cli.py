@@ -374,15 +374,20 @@ def test_check_refuses_what_cannot_work_before_ray(image_root, tmp_path, capsys,
     lm["model"]["pretrained"] = "meta llama/Llama 3"
     assert "is neither a folder on this machine nor a Hugging Face Hub name" in _check(tmp_path, lm, capsys)[1]
 
-    monkeypatch.setenv("HF_HUB_OFFLINE", "0")  # (restored after the test: the probe sets it for the process)
-    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # a Hub that does not answer
+    from huggingface_hub import constants
+
+    # (restored after the test: the probe sets them for the process; huggingface_hub read HF_ENDPOINT when imported)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")  # a Hub that does not answer
     sources.hub_reachable.cache_clear()
     lm["model"]["pretrained"] = "behemoth-tests/no-such-model"
     started = time.time()
     code, err = _check(tmp_path, lm, capsys)
     assert code == 2 and "not in this machine's Hugging Face cache and the Hub is unreachable" in err
-    assert "huggingface-cli download behemoth-tests/no-such-model --local-dir DIR" in err
+    assert "hf download behemoth-tests/no-such-model --local-dir DIR" in err
     assert time.time() - started < 10 and os.environ["HF_HUB_OFFLINE"] == "1"  # found once; nothing retries
+    assert constants.is_offline_mode()  # where huggingface_hub and transformers read it
     sources.hub_reachable.cache_clear()
 
     job = job_dict(image_root, tmp_path / "runs", train={"init_from": str(tmp_path / "no-run")})

@@ -15,6 +15,7 @@ from behemoth.data.order import rank_train_indices, steps_per_epoch
 from behemoth.data.text_packing import Packer
 from behemoth.data.text import (
     TokenizerSpec,
+    Unit,
     load_tokenizer,
     plan_units,
     read_unit_documents,
@@ -114,9 +115,10 @@ def test_txt_lines_files_and_parquet(tmp_path, text_corpus):
 def test_invalid_utf8_names_file_and_line(tmp_path, text_corpus):
     bad = tmp_path / "latin1.txt"
     bad.write_bytes("good line\nanother\ncaf\u00e9 au lait\n".encode("latin-1"))
-    units = plan_units(text_cfg(text_corpus, train_files=[str(bad)]))
     with pytest.raises(DataError, match=rf"{bad}: invalid UTF-8 at line 3 \(byte 21\).*iconv"):
-        read_unit_documents(units[0], "text")
+        plan_units(text_cfg(text_corpus, train_files=[str(bad)]))  # the driver reads every file's first records
+    with pytest.raises(DataError, match=rf"{bad}: invalid UTF-8 at line 3 \(byte 21\).*iconv"):
+        read_unit_documents(Unit("train", str(bad), "txt", 0, bad.stat().st_size), "text")  # and so does a task
 
 
 def test_empty_file_and_parquet_without_column_fail_on_the_driver(tmp_path, text_corpus):
@@ -136,9 +138,10 @@ def test_empty_file_and_parquet_without_column_fail_on_the_driver(tmp_path, text
 def test_bad_jsonl_line_is_named(tmp_path, text_corpus):
     src = tmp_path / "broken.jsonl"
     src.write_text('{"text": "fine"}\n{"text": "fine"}\n{"text": "cut off\n')
-    unit = plan_units(text_cfg(text_corpus, train_files=[str(src)]))[0]
     with pytest.raises(DataError, match=rf"{src} line 3: not valid JSON"):
-        read_unit_documents(unit, "text")
+        plan_units(text_cfg(text_corpus, train_files=[str(src)]))  # the driver reads every file's first records
+    with pytest.raises(DataError, match=rf"{src} line 3: not valid JSON"):
+        read_unit_documents(Unit("train", str(src), "jsonl", 0, src.stat().st_size), "text")  # and so does a task
 
 
 def test_tokenizer_round_trip_and_eos(text_corpus):

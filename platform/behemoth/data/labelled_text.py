@@ -211,17 +211,9 @@ def tokenise(cfg: LabelledTextData, rows: LabelledRows) -> TokenisedRows:
 def load_classification_tokenizer(name: str):
     """A fast tokenizer that pads on the right: with its own pad token, else its EOS (a tokenizer made by
     `behemoth data train-tokenizer` has only an EOS). Loaded once per process."""
-    from transformers import AutoTokenizer
+    from behemoth.data.text import open_tokenizer
 
-    try:
-        # never a tokenizer's own code (a tokenizer_config with auto_map): left unset, transformers asks on the
-        # terminal; a checkpoint received from someone else names its tokenizer
-        tok = AutoTokenizer.from_pretrained(name, trust_remote_code=False)
-    except (OSError, ValueError) as e:
-        raise DataError(f"data.tokenizer {name!r} cannot be loaded: {e}. Point it at a folder holding "
-                        f"tokenizer.json (behemoth data train-tokenizer makes one) or a hub name") from None
-    if not tok.is_fast:
-        raise DataError(f"data.tokenizer {name!r} is not a fast (Rust) tokenizer: behemoth needs one")
+    tok = open_tokenizer(name)
     if tok.pad_token is None:
         if tok.eos_token is None:
             raise DataError(f"data.tokenizer {name!r} has neither a pad nor an EOS token: set one")

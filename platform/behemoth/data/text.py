@@ -39,6 +39,7 @@ from behemoth.data.pipeline import expand_files
 from behemoth.errors import ConfigError, DataError
 
 UNIT_BYTES = 1 << 20  # a line-oriented file is cut into work units of about this many bytes
+FIRST_BYTES, FIRST_RECORDS = 1 << 13, 16  # what the driver reads of every file before Ray (_check_first_records)
 _FORMATS = {".txt": "txt", ".text": "txt", ".jsonl": "jsonl", ".json": "jsonl", ".parquet": "parquet"}
 
 
@@ -152,8 +153,21 @@ def _file_units(cfg: TextData, split: str, path: str) -> list[Unit]:
         groups = pq.ParquetFile(path).num_row_groups
         return [Unit(split, path, "parquet", g, g + 1) for g in range(groups)]
     if fmt == "txt" and cfg.document == "file":
+        if size <= FIRST_BYTES:  # (a larger one is one document: a cut could split a character)
+            read_unit_documents(Unit(split, path, "txt_file", 0, size), cfg.text_field)
         return [Unit(split, path, "txt_file", 0, size)]
+    _check_first_records(cfg, Unit(split, path, fmt, 0, min(size, FIRST_BYTES)))
     return [Unit(split, path, fmt, s, min(s + UNIT_BYTES, size)) for s in range(0, size, UNIT_BYTES)]
+
+
+def _check_first_records(cfg: TextData, first: Unit) -> None:
+    """The file's first records read as the tokenising task will read them (strict UTF-8; JSONL: JSON, the field
+    present and text), so that a file of the wrong shape fails here, in one line naming it and the line, before
+    Ray starts, and not inside a Ray Data task after the others were tokenised. The file's whole lines in its
+    first FIRST_BYTES (at least one line), at most FIRST_RECORDS of them."""
+    data, _ = _read_line_range(first.path, 0, first.end)
+    lines = data.split(b"\n")[:FIRST_RECORDS]
+    read_unit_documents(Unit(first.split, first.path, first.fmt, 0, len(b"\n".join(lines))), cfg.text_field)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -227,9 +241,9 @@ def is_validation(text: str, seed: int, val_fraction: float) -> bool:
     return zlib.crc32(f"{seed}:{text}".encode()) / 2**32 < val_fraction
 
 
-@functools.lru_cache(maxsize=4)
-def load_tokenizer(name: str):
-    """A fast tokenizer, loaded once per process. model_max_length is lifted: documents are cut by packing."""
+def open_tokenizer(name: str):
+    """data.tokenizer as a fast tokenizer (uncached: each task's loader adjusts its own); a failure is one line
+    naming the key (a folder holding no tokenizer at all is refused before, by preflight: a config error)."""
     from transformers import AutoTokenizer
 
     try:
@@ -237,10 +251,18 @@ def load_tokenizer(name: str):
         # terminal; a checkpoint received from someone else names its tokenizer
         tok = AutoTokenizer.from_pretrained(name, trust_remote_code=False)
     except (OSError, ValueError) as e:
-        raise DataError(f"data.tokenizer {name!r} cannot be loaded: {e}. Point it at a folder holding "
-                        f"tokenizer.json (behemoth data train-tokenizer makes one) or a hub name") from None
+        reason = " ".join(str(e).split())  # transformers' reasons run over several lines
+        raise DataError(f"data.tokenizer {name!r} cannot be loaded: {reason}. Point it at a folder holding "
+                        f"tokenizer.json (the model's own, or behemoth data train-tokenizer's) or a hub name") from None
     if not tok.is_fast:
         raise DataError(f"data.tokenizer {name!r} is not a fast (Rust) tokenizer: behemoth needs one")
+    return tok
+
+
+@functools.lru_cache(maxsize=4)
+def load_tokenizer(name: str):
+    """A fast tokenizer, loaded once per process. model_max_length is lifted: documents are cut by packing."""
+    tok = open_tokenizer(name)
     if tok.eos_token_id is None:
         raise DataError(f"data.tokenizer {name!r} has no eos_token: documents are separated by it; set one")
     tok.model_max_length = 1 << 62

@@ -16,6 +16,8 @@ memory). The global order over blocks is behemoth.data.order's, as for images.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import hashlib
 import json
 import logging
@@ -110,6 +112,29 @@ def check_text_sources(cfg: TextData) -> list[Unit]:
         _hf_splits(cfg)
         return []
     return plan_units(cfg)
+
+
+EXACT_BYTES = 1 << 22  # training text up to this size is counted in blocks before Ray (about a second's tokenising)
+
+
+def count_train_blocks(cfg: TextData, units: list[Unit], seed: int) -> int | None:
+    """The training blocks packing will make, counted on the driver before Ray where the training files hold at
+    most EXACT_BYTES (tokenised here as the Ray Data tasks will: tokenize_units); None for a larger corpus or a
+    Hugging Face dataset, whose blocks are known once packed (trainer.prepare_data checks the epoch then)."""
+    train = tuple(u for u in units if u.split != "val")
+    if cfg.hf_dataset or not train or sum(map(os.path.getsize, {u.path for u in train})) > EXACT_BYTES:
+        return None
+    return _count_blocks(train, cfg.tokenizer, cfg.text_field, cfg.seq_len, seed, cfg.val_fraction)
+
+
+@functools.lru_cache(maxsize=8)  # (a sweep checks every trial's job against the same data)
+def _count_blocks(units: tuple[Unit, ...], tokenizer: str, text_field: str, seq_len: int, seed: int,
+                  val_fraction: float) -> int:
+    rows = pa.Table.from_pylist([dataclasses.asdict(u) for u in units])
+    tokens = tokenize_units(rows, text_field=text_field, tokenizer=TokenizerSpec.of(tokenizer), seed=seed,
+                            val_fraction=val_fraction)
+    return sum(len(t) for split, t in zip(tokens["split"].to_pylist(), tokens["tokens"].to_pylist())
+               if split == "train") // seq_len
 
 
 def prepare_text(cfg: TextData, seed: int, units: list[Unit] | None = None) -> TokenIndex:
@@ -236,7 +261,7 @@ def _hf_splits(cfg: TextData) -> list[tuple[str, object]]:
         else:
             loaded = datasets.load_dataset(cfg.hf_dataset, cfg.hf_config_name)
     except Exception as e:  # datasets raises many types: missing folder, no network, unknown name
-        raise DataError(f"data.hf_dataset {cfg.hf_dataset!r} cannot be loaded: {e}") from None
+        raise DataError(f"data.hf_dataset {cfg.hf_dataset!r} cannot be loaded: {' '.join(str(e).split())}") from None
     if isinstance(loaded, datasets.Dataset):
         loaded = datasets.DatasetDict({cfg.train_split: loaded})
     chosen = [(cfg.train_split, "train" if cfg.val_fraction == 0 else "auto")]
@@ -251,6 +276,10 @@ def _hf_splits(cfg: TextData) -> list[tuple[str, object]]:
         if cfg.text_field not in ds.column_names:
             raise DataError(f"data.hf_dataset {cfg.hf_dataset!r} split '{name}' has no column "
                             f"'{cfg.text_field}' (data.text_field); its columns: {ds.column_names}")
+        feature = ds.features[cfg.text_field]  # (a chat dataset's `messages` is a list of turns, not text)
+        if getattr(feature, "dtype", None) not in ("string", "large_string"):
+            raise DataError(f"data.hf_dataset {cfg.hf_dataset!r} split '{name}': column '{cfg.text_field}' "
+                            f"(data.text_field) holds {feature}, not text")
         out.append((split, ds.select_columns([cfg.text_field])))
     return out
 

@@ -1,21 +1,29 @@
 """Driver side: what can be found wrong with a job before Ray starts, beyond its keys and values (config/) and its
-data (the task's check): the model and tokenizer it names can be had on this machine, train.init_from exists,
-and an epoch has at least one step. `behemoth check` and every run (trainer.prepare_data) go through here.
+data (the task's check): the model and tokenizer it names can be had on this machine (HF_ENDPOINT well formed),
+train.init_from exists, the tracking packages it names are installed, an epoch has at least one step and
+train.profile's window ends by the run's last step. `behemoth check` and every run (trainer.prepare_data) go
+through here.
 """
 
 from __future__ import annotations
 
+import importlib.util
+import sys
+
 from behemoth.config import JobConfig
 from behemoth.errors import CheckpointError, ConfigError
 from behemoth.models import registry
-from behemoth.models.sources import check_source
+from behemoth.models.sources import check_source, hub_endpoint
 from behemoth.storage import filesystem
 
 
 def check_sources(cfg: JobConfig) -> None:
     """Before the task's own check (which loads the tokenizer): model.pretrained and data.tokenizer are local
     folders that exist or Hub names this machine can get (offline: one line, no retries); train.init_from is a
-    folder that exists (a URI is read where it is, when the run resolves it)."""
+    folder that exists (a URI is read where it is, when the run resolves it); the tracking packages it names are
+    installed."""
+    check_tracking(cfg)
+    hub_endpoint()  # (transformers imports huggingface_hub's downloads, which trip on a malformed one)
     if cfg.model.pretrained and not registry.is_import_path(cfg.model.name):
         check_source(cfg.model.pretrained, "model.pretrained")
     tokenizer = getattr(cfg.data, "tokenizer", "")
@@ -31,11 +39,60 @@ def check_sources(cfg: JobConfig) -> None:
             raise ConfigError(f"train.init_from: {e}") from None
 
 
+# (key, the package it needs, its name in words, the extra that installs it)
+_TRACKERS = (("tracking.wandb.project", "wandb", "wandb", "wandb"),
+             ("tracking.mlflow.uri", "mlflow", "MLflow", "mlflow"))
+
+
+def check_tracking(cfg: JobConfig) -> None:
+    """W&B or MLflow configured where the package is missing: found here, before Ray starts and the data is
+    prepared, not when the run opens its tracking. Found, not imported (importing either takes seconds)."""
+    for key, module, name, extra in _TRACKERS:
+        section, field = key.split(".")[1:]
+        if getattr(getattr(cfg.tracking, section), field) and not _importable(module):
+            raise ConfigError(f"{key} is set but {name} is not installed: pip install 'behemoth[{extra}]' (or unset "
+                              f"{key})")
+
+
+def _importable(module: str) -> bool:
+    if module in sys.modules:  # imported already, or marked as not importable (None)
+        return sys.modules[module] is not None
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
+
+
 def check_epoch(cfg: JobConfig, samples: int | None) -> None:
     """An epoch of the training split has at least one step of train.global_batch_size samples (the last
-    partial batch of every epoch is skipped: data/order.py)."""
+    partial batch of every epoch is skipped: data/order.py), and train.profile's window fits in the run's steps
+    (where they are known: `samples` None is a text corpus not yet packed, whose steps only train.max_steps
+    bounds)."""
     batch = cfg.train.global_batch_size
     if samples is not None and samples < batch:
         raise ConfigError(f"train.global_batch_size {batch} exceeds the {samples} training samples: an epoch would "
                           f"have no step. Lower it to at most {samples} (a divisor of the workers' split: "
                           f"scaling.num_workers x micro-batch), or add data")
+    _check_profile_window(cfg, samples)
+
+
+def _check_profile_window(cfg: JobConfig, samples: int | None) -> None:
+    """A window ending after the run's last step is never closed: no trace is written, and nothing says so."""
+    train, window = cfg.train, cfg.train.profile
+    if window is None:
+        return
+    runs = []  # (the run's steps, what decides them)
+    if samples is not None:
+        epoch_steps = samples // train.global_batch_size
+        runs.append((epoch_steps * train.epochs, f"{train.epochs} epoch(s) of {epoch_steps} steps"))
+    if train.max_steps:
+        runs.append((train.max_steps, "train.max_steps"))
+    if not runs:
+        return
+    steps, by = min(runs)
+    last = window.start_step + window.steps
+    if last > steps:
+        raise ConfigError(f"train.profile records steps {window.start_step + 1}..{last}, beyond the run's {steps} "
+                          f"steps ({by}): no trace would be written. Lower train.profile.start_step to at most "
+                          f"{max(steps - window.steps, 0)}" + (" and train.profile.steps to at most "
+                                                             f"{steps}" if window.steps > steps else ""))

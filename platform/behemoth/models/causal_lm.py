@@ -16,26 +16,56 @@ from behemoth.errors import ConfigError
 
 def build_causal_lm(model_cfg, *, vocab_size: int, eos_id: int, bos_id: int | None, seq_len: int):
     """`model_cfg`: the job's behemoth.config.ModelConfig (not imported: models/ stands below config)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
-    overrides = dict(model_cfg.hf_config)
     if model_cfg.pretrained:
-        overrides.pop("model_type", None)
+        overrides = {k: v for k, v in model_cfg.hf_config.items() if k != "model_type"}
         model = AutoModelForCausalLM.from_pretrained(model_cfg.pretrained,
                                                      trust_remote_code=model_cfg.trust_remote_code, **overrides)
         config = model.config
     else:
-        model_type = overrides.pop("model_type")
-        overrides.setdefault("vocab_size", vocab_size)
-        overrides.setdefault("eos_token_id", eos_id)
-        overrides.setdefault("bos_token_id", bos_id if bos_id is not None else eos_id)
-        try:
-            config = AutoConfig.for_model(model_type, **overrides)
-        except ValueError as e:  # unknown model_type
-            raise ConfigError(f"model.hf_config: {e}") from None
+        config = causal_lm_config(model_cfg, vocab_size=vocab_size, eos_id=eos_id, bos_id=bos_id)
         model = AutoModelForCausalLM.from_config(config)
     _check_fits(model_cfg, config, vocab_size, seq_len)
     return model
+
+
+def causal_lm_config(model_cfg, *, vocab_size: int, eos_id: int, bos_id: int | None):
+    """The transformers config the model is built from: model.pretrained's (its config.json alone, no weights),
+    or a fresh one from model.hf_config with the tokenizer's size and special ids; hf_config's keys over it."""
+    from transformers import AutoConfig
+
+    overrides = dict(model_cfg.hf_config)
+    model_type = overrides.pop("model_type", None)
+    try:
+        if model_cfg.pretrained:
+            return AutoConfig.from_pretrained(model_cfg.pretrained, trust_remote_code=model_cfg.trust_remote_code,
+                                              **overrides)
+        overrides.setdefault("vocab_size", vocab_size)
+        overrides.setdefault("eos_token_id", eos_id)
+        overrides.setdefault("bos_token_id", bos_id if bos_id is not None else eos_id)
+        return AutoConfig.for_model(model_type, **overrides)
+    except (OSError, ValueError) as e:  # an unknown model_type, a config.json that cannot be read
+        where = f"model.pretrained {model_cfg.pretrained}" if model_cfg.pretrained else "model.hf_config"
+        raise ConfigError(f"{where}: {' '.join(str(e).split())}") from None
+
+
+def check_causal_lm(model_cfg, *, vocab_size: int, eos_id: int, bos_id: int | None, seq_len: int) -> None:
+    """On the driver, before Ray: the model's config against the data (the tokenizer's vocabulary, data.seq_len),
+    and model.lora's adapters against the model's modules, the model built on torch's meta device (no memory, no
+    weights read), as the workers will build it."""
+    config = causal_lm_config(model_cfg, vocab_size=vocab_size, eos_id=eos_id, bos_id=bos_id)
+    _check_fits(model_cfg, config, vocab_size, seq_len)
+    if model_cfg.lora is None:
+        return
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from behemoth.models.lora import add_adapters
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, trust_remote_code=model_cfg.trust_remote_code)
+        add_adapters(model, model_cfg.lora, "CAUSAL_LM")
 
 
 def _check_fits(model_cfg: ModelConfig, config, vocab_size: int, seq_len: int) -> None:

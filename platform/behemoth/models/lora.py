@@ -7,6 +7,8 @@ trains (worker/checkpointing.py), an export both the adapter folder and the merg
 
 from __future__ import annotations
 
+import warnings
+
 from behemoth.errors import ConfigError
 
 
@@ -20,9 +22,28 @@ def add_adapters(model, lora_cfg, task_type: str):
     config = peft.LoraConfig(r=lora_cfg.r, lora_alpha=lora_cfg.alpha, lora_dropout=lora_cfg.dropout,
                              target_modules=lora_cfg.target_modules, task_type=task_type)
     try:
-        return peft.get_peft_model(model, config)
+        with warnings.catch_warnings():  # peft reads a property transformers 5 deprecates: noise on every console
+            warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)
+            adapted = peft.get_peft_model(model, config)
     except ValueError as e:  # target modules that the model does not have, a model type peft has no default for
-        raise ConfigError(f"model.lora: {e}") from None
+        raise ConfigError(f"model.lora: {' '.join(str(e).split())}") from None
+    _check_rank(adapted, lora_cfg.r)
+    return adapted
+
+
+def _check_rank(adapted, r: int) -> None:
+    """A rank above a targeted layer's smaller side adds no capacity, only memory (r = 1e9 asked for gigabytes per
+    layer): refused, naming the smallest layer. The driver checks it on a model on the meta device, before any
+    worker allocates the adapters."""
+    from peft.tuners.lora import LoraLayer
+
+    sides = {name: min(layer.in_features, layer.out_features) for name, layer in adapted.named_modules()
+             if isinstance(layer, LoraLayer)}
+    name = min(sides, key=sides.get)
+    if r > sides[name]:
+        raise ConfigError(f"model.lora.r {r} exceeds the smallest side of an adapted layer ({sides[name]}, "
+                          f"{name.removeprefix('base_model.model.')}): a rank above it adds nothing; use at most "
+                          f"{sides[name]}")
 
 
 def is_adapted(model) -> bool:

@@ -22,7 +22,7 @@ from behemoth.data.prefetch import to_device_ahead
 from behemoth.data.text import TextData
 from behemoth.data.text_packing import TokenIndex
 from behemoth.models import registry
-from behemoth.models.causal_lm import build_causal_lm, train_on_causal_attention
+from behemoth.models.causal_lm import build_causal_lm, check_causal_lm, train_on_causal_attention
 from behemoth.models.lora import add_adapters
 from behemoth import hosts
 from behemoth.tasks.contract import Task
@@ -54,14 +54,20 @@ class CausalLM(Task):
         from behemoth.data.text_packing import check_text_sources
 
         units = check_text_sources(cfg.data)
+        tok = load_tokenizer(cfg.data.tokenizer)
         if registry.is_import_path(cfg.model.name):
-            registry.check_user_model(cfg.model.name, vocab_size=len(load_tokenizer(cfg.data.tokenizer)))
+            registry.check_user_model(cfg.model.name, vocab_size=len(tok))
+        else:
+            check_causal_lm(cfg.model, vocab_size=len(tok), eos_id=tok.eos_token_id, bos_id=tok.bos_token_id,
+                            seq_len=cfg.data.seq_len)
         return units
 
     @classmethod
     def train_samples(cls, cfg: JobConfig, data) -> int | None:
-        """The packed blocks, once prepared (before: only the text's work units are known)."""
-        return len(data.train) if isinstance(data, TokenIndex) else None
+        """The packed blocks, once prepared; before, the blocks of a small corpus, counted (None: a larger one)."""
+        from behemoth.data.text_packing import count_train_blocks
+
+        return len(data.train) if isinstance(data, TokenIndex) else count_train_blocks(cfg.data, data, cfg.train.seed)
 
     @classmethod
     def prepare(cls, cfg: JobConfig, units) -> TokenIndex:
@@ -83,9 +89,13 @@ class CausalLM(Task):
     @classmethod
     def describe(cls, cfg: JobConfig, units) -> str:
         from behemoth.data.text import load_tokenizer
+        from behemoth.data.text_packing import count_train_blocks
 
         source = cfg.data.hf_dataset or f"{len({u.path for u in units})} files in {len(units)} work units"
-        return f"text: {source}; tokenizer {len(load_tokenizer(cfg.data.tokenizer))} tokens (tokenised at train time)"
+        blocks = count_train_blocks(cfg.data, units, cfg.train.seed)
+        packed = (f"{blocks} training blocks of {cfg.data.seq_len} tokens" if blocks is not None else
+                  "tokenised at train time: its blocks, and an epoch's steps, are checked once packed")
+        return f"text: {source}; tokenizer {len(load_tokenizer(cfg.data.tokenizer))} tokens ({packed})"
 
     @staticmethod
     def summary_lines(m: dict) -> list[str]:

@@ -67,6 +67,23 @@ class Task(abc.ABC):
         return None
 
     @classmethod
+    def complete(cls, cfg: JobConfig) -> None:
+        """Fill the keys whose default comes from another section, before the job is checked: data.tokenizer
+        left empty with model.pretrained set is the model's own (a Hub name's, or a local folder's where it holds
+        one), written into the config so that the run's job.yaml names it. A local model folder without one: say
+        so, rather than data.tokenizer's advice to train a new tokenizer."""
+        from behemoth.models.sources import TOKENIZER_FILES, holds_tokenizer, looks_local
+
+        model = cfg.model.pretrained
+        if getattr(cfg.data, "tokenizer", None) != "" or not model or "://" in model:
+            return
+        if looks_local(model) and Path(model).expanduser().is_dir() and not holds_tokenizer(model):
+            raise ConfigError(f"data.tokenizer is empty and model.pretrained {model} holds no tokenizer "
+                              f"({', '.join(TOKENIZER_FILES)}): set data.tokenizer to the model's tokenizer (a "
+                              f"folder or a Hub name)")
+        cfg.data.tokenizer = model
+
+    @classmethod
     def check_model(cls, cfg: JobConfig) -> None:
         """Refuse a model.name this task cannot train, or keys its model does not take (before Ray starts)."""
         model, known = cfg.model, [*cls.model_names, *cls.hf_models]
