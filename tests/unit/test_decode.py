@@ -116,3 +116,39 @@ def test_a_plain_jpeg_never_reaches_pil():
 
     for seed in range(10):
         assert decode.random_resized_crop(data, 32, np.random.default_rng(seed), no_pil).shape == (32, 32, 3)
+
+
+def test_read_only_pixels_reach_torch_without_its_not_writable_warning(tmp_path):
+    """Issue 65 item 10: every decode task of a random-resized-crop run printed torch's "The given NumPy array is
+    not writable" (torch.from_numpy over PIL's read-only array, or the decoded cache's memory map, where the crop
+    spans the image's width). torch warns once per process: a fresh interpreter, warnings as errors, runs the
+    PIL path, the cache's view path and a full-width crop of read-only pixels."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = """
+import io, numpy as np
+from PIL import Image
+from behemoth.data import decode
+from behemoth.data.image_batches import decode_rgb
+pixels = np.random.default_rng(0).integers(0, 256, (30, 40, 3), dtype=np.uint8)
+png = io.BytesIO(); Image.fromarray(pixels).save(png, "PNG")
+view = np.lib.format.open_memmap("view.npy", mode="w+", shape=(24, 24, 3), dtype=np.uint8)
+view[:] = 7; del view
+view = np.load("view.npy", mmap_mode="r")  # read-only, as the decoded cache's rows
+for seed in range(40):
+    decode.random_resized_crop(png.getvalue(), 16, np.random.default_rng(seed), decode_rgb)
+    decode.crop_from_view(view, 40, 30, 16, np.random.default_rng(seed))
+whole = np.asarray(Image.fromarray(pixels))
+assert not whole.flags.writeable
+out = decode._resize_flip(whole, (0, 0, 40, 30), 1, 16, np.random.default_rng(0))
+assert out.shape == (16, 16, 3)
+print("ok")
+"""
+    platform = str(Path(decode.__file__).parents[2])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([platform, os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-W", "error", "-c", script], capture_output=True, text=True, env=env,
+                          cwd=tmp_path, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]

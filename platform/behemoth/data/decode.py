@@ -125,7 +125,10 @@ def _resize_flip(pixels: np.ndarray, box, scale: int, size: int, rng: np.random.
     left, top = min(left, w - 1), min(top, h - 1)
     crop = pixels[top:top + max(ch, 1), left:left + max(cw, 1)]
     flip = rng.random() < 0.5  # drawn after the crop, as image_batches._transformed draws it
-    x = torch.from_numpy(np.ascontiguousarray(crop)).permute(2, 0, 1)[None]
+    # torch.from_numpy shares the array's memory, and warns (once per process, from every decode task) where it is
+    # read-only: PIL's np.asarray, the decoded cache's memory map. A crop narrower than the image is copied to
+    # make it contiguous anyway; only a full-width crop of read-only pixels costs a copy here (of the crop alone)
+    x = torch.from_numpy(np.require(crop, requirements=("C", "W"))).permute(2, 0, 1)[None]
     out = interpolate(x, size=(size, size), mode="bilinear", antialias=True, align_corners=False)[0]
     out = out.permute(1, 2, 0).numpy()
     return out[:, ::-1] if flip else out
