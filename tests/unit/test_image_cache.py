@@ -481,7 +481,7 @@ def test_builders_with_one_pid_on_two_hosts_keep_their_own_temporary_folders(ima
         a_files = sorted(p.name for p in a_temp.iterdir())
         said = []
         with monkeypatch.context() as m:  # builder B
-            m.setattr(image_cache_build, "_exclusive", lambda path: nullcontext())  # the other node's lock
+            m.setattr(image_cache_build, "exclusive", lambda path: nullcontext())  # the other node's lock
             m.setattr(socket, "gethostname", lambda: hosts[1])
             m.setattr(os, "getpid", lambda: 4242)
             plan = image_cache.plan(index.train, SIZE, str(tmp_path / "cache"), "image")

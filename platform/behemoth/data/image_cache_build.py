@@ -50,7 +50,7 @@ def open_or_build(cache: CachePlan, table: pa.Table, *, workers: bool = True,
                         f"Pillow on every node (or set data.cache: none)")
     folder = Path(cache.folder)
     folder.parent.mkdir(parents=True, exist_ok=True)
-    with _exclusive(folder.with_name(folder.name + ".lock")):
+    with exclusive(folder.with_name(folder.name + ".lock")):
         problem = check(folder, cache)
         if problem is None:
             return DecodedImages(folder, read_cache_manifest(folder))
@@ -65,7 +65,7 @@ def open_or_build(cache: CachePlan, table: pa.Table, *, workers: bool = True,
 
 
 @contextmanager
-def _exclusive(lock_path: Path):
+def exclusive(lock_path: Path):
     fd = os.open(lock_path, os.O_CREAT | os.O_RDWR, 0o644)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)  # released when the fd closes, also if this process dies
