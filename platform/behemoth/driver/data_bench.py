@@ -177,7 +177,7 @@ def read_records(file: Path) -> dict[str, dict]:
     except FileNotFoundError:
         return {}
     except (OSError, UnicodeDecodeError) as e:
-        raise DataError(f"cannot read {file} ({e})") from None
+        raise DataError(f"cannot read {file} ({e}): `behemoth data bench` moves it aside") from None
     try:
         records = json.loads(text)
     except ValueError as e:
