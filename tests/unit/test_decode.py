@@ -150,7 +150,7 @@ print("ok")
     platform = str(Path(decode.__file__).parents[2])
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([platform, os.environ.get("PYTHONPATH", "")])}
     done = subprocess.run([sys.executable, "-W", "error", "-c", script], capture_output=True, text=True, env=env,
-                          cwd=tmp_path, timeout=120)
+                          cwd=tmp_path, timeout=120, check=False)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
 
 
@@ -174,12 +174,13 @@ def files_batch(tmp_path, named: dict) -> dict:
             "label": np.zeros(n, dtype=np.int64), "size": np.full(n, -1)}
 
 
-def peak_rss_growth_mb(fn) -> float:
+def with_peak_rss_growth(fn, *args, **kwargs):
+    """(fn(*args, **kwargs), how far it raised this process's peak resident memory, in MB)."""
     import resource
 
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    fn()
-    return (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024
+    out = fn(*args, **kwargs)
+    return out, (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024
 
 
 def test_a_jpeg_declaring_gigapixels_is_a_bad_sample_refused_before_any_decoder_allocates(tmp_path):
@@ -187,17 +188,14 @@ def test_a_jpeg_declaring_gigapixels_is_a_bad_sample_refused_before_any_decoder_
     ~750 MB before anything compared its size with a bound; one declaring 10000 x 10000 (over Pillow's bound,
     under its error at twice that) was decoded by PIL's path. Both are now bad samples from their headers:
     counted and dropped under data.max_bad_samples, named otherwise, with no allocation for their pixels."""
-    from PIL import Image as PILImage
-
     from behemoth.data.image_batches import decode_fitted, decode_views
 
-    assert ImageData(root="unused").max_image_pixels == PILImage.MAX_IMAGE_PIXELS == decode.MAX_IMAGE_PIXELS
+    assert ImageData(root="unused").max_image_pixels == Image.MAX_IMAGE_PIXELS == decode.MAX_IMAGE_PIXELS
     batch = files_batch(tmp_path, {"good.jpg": jpeg(photo(40, 30)), "bomb.jpg": bomb_jpeg(16000),
                                    "big.jpg": bomb_jpeg(10000, progressive=False)})
     for augment, train in (("random_resized_crop", True), ("crop_flip", True), ("none", False)):
         c = ImageData(root="unused", image_size=16, augment=augment, max_bad_samples=2)
-        out = {}
-        grew = peak_rss_growth_mb(lambda: out.update(transform_batch(batch, cfg=c, seed=0, epoch=0, train=train)))
+        out, grew = with_peak_rss_growth(transform_batch, batch, cfg=c, seed=0, epoch=0, train=train)
         assert out["valid"].tolist() == [True, False, False] and grew < 150, (augment, grew)
         # (PIL's path: Pillow's own check at open refuses it first, above twice its bound; the key is named)
         with pytest.raises(BadSampleError, match=r"cannot decode image .*bomb.jpg: (its header declares 16000 x "
@@ -206,8 +204,7 @@ def test_a_jpeg_declaring_gigapixels_is_a_bad_sample_refused_before_any_decoder_
             transform_batch(batch, cfg=ImageData(root="unused", image_size=16, augment=augment), seed=0, epoch=0,
                             train=train)
     for rows in (decode_fitted, decode_views):  # the decoded cache's build: stored as bad, with the reason
-        out = {}
-        grew = peak_rss_growth_mb(lambda: out.update(rows(batch, size=16, image_column="image")))
+        out, grew = with_peak_rss_growth(rows, batch, size=16, image_column="image")
         assert out["valid"].tolist() == [True, False, False] and grew < 150
         assert "10000 x 10000 = 100,000,000 pixels, over data.max_image_pixels 89,478,485" in out["error"][2]
 
@@ -215,8 +212,6 @@ def test_a_jpeg_declaring_gigapixels_is_a_bad_sample_refused_before_any_decoder_
 def test_max_image_pixels_is_the_bound_on_every_path_both_ways(tmp_path, monkeypatch):
     """data.max_image_pixels bounds libjpeg-turbo's path and PIL's alike, lower than Pillow's or higher (Pillow's
     own check at open does not refuse what the job allows); 0 or less is a config error."""
-    from PIL import Image as PILImage
-
     from behemoth.data.image_batches import decode_fitted
     from behemoth.errors import ConfigError
 
@@ -229,7 +224,7 @@ def test_max_image_pixels_is_the_bound_on_every_path_both_ways(tmp_path, monkeyp
         exact = ImageData(root="unused", image_size=16, augment=augment, max_image_pixels=1200)
         assert transform_batch(batch, cfg=exact, seed=0, epoch=0, train=True)["valid"].tolist() == [True, True]
     assert decode_fitted(batch, size=16, image_column="image", max_pixels=1199)["valid"].tolist() == [False, False]
-    monkeypatch.setattr(PILImage, "MAX_IMAGE_PIXELS", 100)  # Pillow's own bound, far below the job's
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 100)  # Pillow's own bound, far below the job's
     assert decode_fitted(batch, size=16, image_column="image", max_pixels=1200)["valid"].tolist() == [True, True]
     for bad in (0, -1, True):
         with pytest.raises(ConfigError, match="data.max_image_pixels must be a number of pixels > 0"):

@@ -58,8 +58,9 @@ def _kaggle_rows(path: Path, text: str):
     reader = csv.DictReader(io.StringIO(text))
     missing = [c for c in _KAGGLE_COLUMNS if c not in (reader.fieldnames or [])]
     if missing:
-        raise DataError(f"{path}:1: no column {', '.join(missing)} in the header {','.join(reader.fieldnames or [])!r}; "
-                        f"Kaggle's LOC_val_solution.csv starts with 'ImageId,PredictionString'")
+        header = ",".join(reader.fieldnames or [])
+        raise DataError(f"{path}:1: no column {', '.join(missing)} in the header {header!r}; Kaggle's "
+                        f"LOC_val_solution.csv starts with 'ImageId,PredictionString'")
     for row in reader:
         where = f"{path}:{reader.line_num}"
         words = (row["PredictionString"] or "").split()
@@ -99,9 +100,9 @@ def split_val(folder: Path, labels_path: Path, undo: bool = False) -> SplitResul
                 raise FileExistsError(17, "exists", str(dst))
             src.rename(dst)
         except OSError as e:
-            raise DataError(f"moved {done} of {len(moves)} images, then could not move {src} to {dst} ({e.strerror or e}, "
-                            f"row {label.where}); fix that and rerun the same command to finish, or rerun it with "
-                            f"--undo to move them back") from None
+            raise DataError(f"moved {done} of {len(moves)} images, then could not move {src} to {dst} "
+                            f"({e.strerror or e}, row {label.where}); fix that and rerun the same command to finish, "
+                            f"or rerun it with --undo to move them back") from None
         key = folder.name if undo else label.cls
         result.moved[key] = result.moved.get(key, 0) + 1
     if undo:
