@@ -318,3 +318,16 @@ def test_split_val_stopped_midway_is_finished_or_undone_by_a_rerun(tmp_path, cap
         assert code == 0, err
         split = ["n01/a.JPEG", "n01/c.JPEG", "n02/b.JPEG"]
         assert _tree(val) == (["a.JPEG", "b.JPEG", "c.JPEG"] if extra else split)
+
+
+def test_split_val_refuses_a_class_folder_that_is_a_link_out_of_the_folder(tmp_path, capsys):
+    """A class folder that is a symlink (here to a folder outside val/) would take the images out of the folder
+    as `../outside` did: refused, nothing moved."""
+    val = _flat_val(tmp_path, ["a"])
+    (tmp_path / "elsewhere").mkdir()
+    (val / "n01").symlink_to(tmp_path / "elsewhere")
+    labels = tmp_path / "labels.txt"
+    labels.write_text("a.JPEG n01\n")
+    code, err = _split(val, labels, capsys)
+    assert code == 1 and f"row {labels}:1: {val / 'n01'} is not a folder of this one" in err
+    assert (val / "a.JPEG").exists() and not any((tmp_path / "elsewhere").iterdir())
