@@ -116,3 +116,116 @@ def test_a_plain_jpeg_never_reaches_pil():
 
     for seed in range(10):
         assert decode.random_resized_crop(data, 32, np.random.default_rng(seed), no_pil).shape == (32, 32, 3)
+
+
+def test_read_only_pixels_reach_torch_without_its_not_writable_warning(tmp_path):
+    """Issue 65 item 10: every decode task of a random-resized-crop run printed torch's "The given NumPy array is
+    not writable" (torch.from_numpy over PIL's read-only array, or the decoded cache's memory map, where the crop
+    spans the image's width). torch warns once per process: a fresh interpreter, warnings as errors, runs the
+    PIL path, the cache's view path and a full-width crop of read-only pixels."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = """
+import io, numpy as np
+from PIL import Image
+from behemoth.data import decode
+from behemoth.data.image_batches import decode_rgb
+pixels = np.random.default_rng(0).integers(0, 256, (30, 40, 3), dtype=np.uint8)
+png = io.BytesIO(); Image.fromarray(pixels).save(png, "PNG")
+view = np.lib.format.open_memmap("view.npy", mode="w+", shape=(24, 24, 3), dtype=np.uint8)
+view[:] = 7; del view
+view = np.load("view.npy", mmap_mode="r")  # read-only, as the decoded cache's rows
+for seed in range(40):
+    decode.random_resized_crop(png.getvalue(), 16, np.random.default_rng(seed), decode_rgb)
+    decode.crop_from_view(view, 40, 30, 16, np.random.default_rng(seed))
+whole = np.asarray(Image.fromarray(pixels))
+assert not whole.flags.writeable
+out = decode._resize_flip(whole, (0, 0, 40, 30), 1, 16, np.random.default_rng(0))
+assert out.shape == (16, 16, 3)
+print("ok")
+"""
+    platform = str(Path(decode.__file__).parents[2])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([platform, os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-W", "error", "-c", script], capture_output=True, text=True, env=env,
+                          cwd=tmp_path, timeout=120, check=False)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
+
+
+def bomb_jpeg(side: int, progressive: bool = True) -> bytes:
+    """A real 16 x 16 JPEG whose frame header (SOF) is patched to declare side x side: ~500 bytes."""
+    buf = io.BytesIO()
+    Image.new("RGB", (16, 16), (200, 30, 30)).save(buf, "JPEG", progressive=progressive)
+    data = bytearray(buf.getvalue())
+    sof = data.index(b"\xff\xc2" if progressive else b"\xff\xc0")
+    data[sof + 5:sof + 9] = side.to_bytes(2, "big") * 2  # height, width
+    return bytes(data)
+
+
+def files_batch(tmp_path, named: dict) -> dict:
+    paths = []
+    for name, data in named.items():
+        (tmp_path / name).write_bytes(data)
+        paths.append(str(tmp_path / name))
+    n = len(paths)
+    return {"sample_id": np.arange(n), "path": np.array(paths, dtype=object), "row": np.full(n, -1),
+            "label": np.zeros(n, dtype=np.int64), "size": np.full(n, -1)}
+
+
+def with_peak_rss_growth(fn, *args, **kwargs):
+    """(fn(*args, **kwargs), how far it raised this process's peak resident memory, in MB)."""
+    import resource
+
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    out = fn(*args, **kwargs)
+    return out, (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024
+
+
+def test_a_jpeg_declaring_gigapixels_is_a_bad_sample_refused_before_any_decoder_allocates(tmp_path):
+    """Issue 65 item 4: a ~500-byte progressive JPEG declaring 16000 x 16000 made libjpeg (simplejpeg) take
+    ~750 MB before anything compared its size with a bound; one declaring 10000 x 10000 (over Pillow's bound,
+    under its error at twice that) was decoded by PIL's path. Both are now bad samples from their headers:
+    counted and dropped under data.max_bad_samples, named otherwise, with no allocation for their pixels."""
+    from behemoth.data.image_batches import decode_fitted, decode_views
+
+    assert ImageData(root="unused").max_image_pixels == Image.MAX_IMAGE_PIXELS == decode.MAX_IMAGE_PIXELS
+    batch = files_batch(tmp_path, {"good.jpg": jpeg(photo(40, 30)), "bomb.jpg": bomb_jpeg(16000),
+                                   "big.jpg": bomb_jpeg(10000, progressive=False)})
+    for augment, train in (("random_resized_crop", True), ("crop_flip", True), ("none", False)):
+        c = ImageData(root="unused", image_size=16, augment=augment, max_bad_samples=2)
+        out, grew = with_peak_rss_growth(transform_batch, batch, cfg=c, seed=0, epoch=0, train=train)
+        assert out["valid"].tolist() == [True, False, False] and grew < 150, (augment, grew)
+        # (PIL's path: Pillow's own check at open refuses it first, above twice its bound; the key is named)
+        with pytest.raises(BadSampleError, match=r"cannot decode image .*bomb.jpg: (its header declares 16000 x "
+                                                 r"16000 = 256,000,000 pixels, over|Image size \(256000000 pixels\) "
+                                                 r".* \(over) data.max_image_pixels 89,478,485"):
+            transform_batch(batch, cfg=ImageData(root="unused", image_size=16, augment=augment), seed=0, epoch=0,
+                            train=train)
+    for rows in (decode_fitted, decode_views):  # the decoded cache's build: stored as bad, with the reason
+        out, grew = with_peak_rss_growth(rows, batch, size=16, image_column="image")
+        assert out["valid"].tolist() == [True, False, False] and grew < 150
+        assert "10000 x 10000 = 100,000,000 pixels, over data.max_image_pixels 89,478,485" in out["error"][2]
+
+
+def test_max_image_pixels_is_the_bound_on_every_path_both_ways(tmp_path, monkeypatch):
+    """data.max_image_pixels bounds libjpeg-turbo's path and PIL's alike, lower than Pillow's or higher (Pillow's
+    own check at open does not refuse what the job allows); 0 or less is a config error."""
+    from behemoth.data.image_batches import decode_fitted
+    from behemoth.errors import ConfigError
+
+    png = io.BytesIO()
+    Image.fromarray(photo(40, 30)).save(png, "PNG")
+    batch = files_batch(tmp_path, {"a.jpg": jpeg(photo(40, 30)), "b.png": png.getvalue()})
+    for augment in ("random_resized_crop", "crop_flip"):
+        low = ImageData(root="unused", image_size=16, augment=augment, max_bad_samples=2, max_image_pixels=1199)
+        assert transform_batch(batch, cfg=low, seed=0, epoch=0, train=True)["valid"].tolist() == [False, False]
+        exact = ImageData(root="unused", image_size=16, augment=augment, max_image_pixels=1200)
+        assert transform_batch(batch, cfg=exact, seed=0, epoch=0, train=True)["valid"].tolist() == [True, True]
+    assert decode_fitted(batch, size=16, image_column="image", max_pixels=1199)["valid"].tolist() == [False, False]
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 100)  # Pillow's own bound, far below the job's
+    assert decode_fitted(batch, size=16, image_column="image", max_pixels=1200)["valid"].tolist() == [True, True]
+    for bad in (0, -1, True):
+        with pytest.raises(ConfigError, match="data.max_image_pixels must be a number of pixels > 0"):
+            ImageData(root="unused", max_image_pixels=bad).validate()

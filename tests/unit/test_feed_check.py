@@ -2,7 +2,9 @@
 bench` measured on this machine for this data (kept in data.cache_dir/data_bench.json); nothing guessed."""
 
 import os
+import re
 
+import pytest
 import yaml
 
 from behemoth.driver.cli import main
@@ -100,3 +102,91 @@ def test_the_bench_window_starts_once_every_consumer_has_its_first_batch():
     result = _consume(Feed(), TrainState(), 0.3, window_start)
     assert result["times"][-1] - result["times"][0] >= 0.5 + 0.3 - 0.02  # measured past the late one's start + 0.3
     assert StartGate(world=1).arrived(0, 5.0) == 5.0
+
+
+def _bench_job(image_root, tmp_path):
+    job = job_dict(image_root, tmp_path / "runs", data={"cache_dir": str(tmp_path / "cache")})
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(job))
+    return job, path
+
+
+@pytest.mark.parametrize("content", ["[1, 2]", '{"h/k": {"per_cpu": "fast"}}', '{"h/k": 5}', "{not json",
+                                     '{"h/k": {"per_cpu": NaN}}', '{"h/k": {"per_cpu": 3, "step_rate": -1}}'])
+def test_a_malformed_data_bench_file_is_one_line_and_the_new_measurement_is_kept(image_root, tmp_path, capsys,
+                                                                                  content):
+    """Issue 65 item 8: `[1,2]` was an AttributeError traceback from `behemoth check`, a string per_cpu a
+    TypeError; record() on a bad file lost the measurement just made. Now check names the file and what to do,
+    and record() moves the file aside (said so) and keeps the new figures."""
+    job, path = _bench_job(image_root, tmp_path)
+    file = tmp_path / "cache" / "data_bench.json"
+    file.parent.mkdir()
+    file.write_text(content)
+    capsys.readouterr()
+    assert main(["check", str(path)]) == 0
+    out, err = capsys.readouterr()
+    assert f"# feed: not checked: {file} is not" in out and "Traceback" not in err
+    assert err.startswith(f"behemoth: warning: {file} is not") and "moves it aside" in err and err.count("\n") == 1
+    said = []
+    assert record(config_from_dict(job), bench(per_cpu=500.0, step_rate=2.0), log=said.append) == file
+    aside = list(file.parent.glob("data_bench.json.bad-*"))
+    assert len(aside) == 1 and aside[0].read_text() == content and said == [said[0]] and str(aside[0]) in said[0]
+    assert feed_check(config_from_dict(job))[0].startswith("ok: ")  # the new measurement, kept
+
+
+def test_data_bench_records_are_written_under_a_lock_with_a_name_of_their_own(image_root, tmp_path, monkeypatch):
+    """Issue 65 item 8: the read-modify-write had no lock (two benches sharing a cache_dir lost one's figures)
+    and a pid-only temporary name (the same pid on two hosts of a shared folder): now flock on a lock file
+    beside it, and a temporary name of host, pid and a random part."""
+    import fcntl
+    import socket
+    import threading
+    import time
+
+    job, _ = _bench_job(image_root, tmp_path)
+    cfg = config_from_dict(job)
+    file = tmp_path / "cache" / "data_bench.json"
+    file.parent.mkdir()
+    renamed = []
+    replace = os.replace
+    monkeypatch.setattr(os, "replace", lambda a, b: (renamed.append(str(a)), replace(a, b))[1])
+    with open(file.with_name("data_bench.json.lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        writer = threading.Thread(target=record, args=(cfg, bench(per_cpu=500.0, step_rate=2.0)))
+        writer.start()
+        time.sleep(0.5)
+        assert not file.exists() and writer.is_alive()  # waiting for the lock
+    writer.join(timeout=30)
+    assert file.exists() and not writer.is_alive()
+    assert len(renamed) == 1 and re.fullmatch(rf".*/data_bench\.json\.tmp-{re.escape(socket.gethostname())}-"
+                                              rf"{os.getpid()}-[0-9a-f]{{12}}", renamed[0])
+
+
+@pytest.mark.parametrize("lines, expected", [
+    (['{"step": 10, "wall_time": 5.0, "samples_per_s": 1}', '{"step": 20, "wall_time": 5.0, "samples_per_s": 1}'],
+     "the first and last training reports (steps 10 and 20) are 0 s apart"),
+    (['{"step": 10, "wall_time": 5.0, "samples_per_s": 1}', '{"step": 20, "wall_ti'],
+     "fewer than two training reports"),
+    (["[1]", '{"step": 10, "samples_per_s": 1}', "{}"], "fewer than two training reports"),
+])
+def test_data_bench_run_with_a_cut_or_timeless_metrics_file_is_one_line(image_root, tmp_path, capsys, lines,
+                                                                       expected):
+    """Issue 65 item 8: `data bench --run` with a truncated metrics.jsonl was a JSONDecodeError, equal wall times
+    a ZeroDivisionError; a line cut short is skipped (as the report does), a span of nothing is one line."""
+    _, path = _bench_job(image_root, tmp_path)
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text("\n".join(lines))
+    capsys.readouterr()
+    assert main(["data", "bench", str(path), "--run", str(run)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and expected in err and f"--run {run}: " in err and "give --step-rate" in err
+
+
+def test_a_metrics_line_cut_by_a_kill_is_skipped(tmp_path):
+    """The run's last line cut short (a killed run): the rate is timed from the lines before it."""
+    from behemoth.driver.data_bench import measured_step_rate
+
+    (tmp_path / "metrics.jsonl").write_text('{"step": 10, "wall_time": 5.0, "samples_per_s": 1}\n'
+                                            '{"step": 30, "wall_time": 15.0, "samples_per_s": 1}\n{"step": 4')
+    assert measured_step_rate(str(tmp_path)) == 2.0

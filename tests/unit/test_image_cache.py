@@ -481,7 +481,7 @@ def test_builders_with_one_pid_on_two_hosts_keep_their_own_temporary_folders(ima
         a_files = sorted(p.name for p in a_temp.iterdir())
         said = []
         with monkeypatch.context() as m:  # builder B
-            m.setattr(image_cache_build, "_exclusive", lambda path: nullcontext())  # the other node's lock
+            m.setattr(image_cache_build, "exclusive", lambda path: nullcontext())  # the other node's lock
             m.setattr(socket, "gethostname", lambda: hosts[1])
             m.setattr(os, "getpid", lambda: 4242)
             plan = image_cache.plan(index.train, SIZE, str(tmp_path / "cache"), "image")
@@ -574,8 +574,8 @@ def test_a_failure_that_is_not_the_images_fault_fails_the_build_and_is_not_store
     victim = Path(index.train.column("path")[5].as_py()).read_bytes()
     decode = image_batches.decode_rgb
     with monkeypatch.context() as m:
-        m.setattr(image_batches, "decode_rgb", lambda data: (_ for _ in ()).throw(MemoryError()) if data == victim
-                  else decode(data))
+        m.setattr(image_batches, "decode_rgb", lambda data, **kw: (_ for _ in ()).throw(MemoryError())
+                  if data == victim else decode(data, **kw))
         with pytest.raises(MemoryError) as raised:
             build(index.train, tmp_path / "cache")
     assert any(index.train.column("path")[5].as_py() in note for note in raised.value.__notes__)
@@ -608,8 +608,8 @@ def test_decoding_every_epoch_raises_a_failure_that_is_not_the_images_fault(imag
     victim = Path(batch["path"][5]).read_bytes()
     error = MemoryError() if fault == "MemoryError" else OSError(errno.EIO, "Input/output error")
     decode = image_batches.decode_rgb
-    monkeypatch.setattr(image_batches, "decode_rgb", lambda data: (_ for _ in ()).throw(error) if data == victim
-                        else decode(data))
+    monkeypatch.setattr(image_batches, "decode_rgb", lambda data, **kw: (_ for _ in ()).throw(error)
+                        if data == victim else decode(data, **kw))
     for budget in (0, 5):
         with pytest.raises(type(error)) as raised:
             transform_batch(batch, cfg=cfg(max_bad_samples=budget), seed=0, epoch=0, train=True)

@@ -1,6 +1,7 @@
 """Image data: indexing, decode + augment + normalise, parquet vs ImageFolder, bad input."""
 
 import io
+from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
@@ -218,3 +219,115 @@ def test_imagenets_flat_val_folder_is_named_and_split_into_class_folders(tmp_pat
     assert sorted(p.relative_to(root / "val").as_posix() for p in (root / "val").rglob("*.JPEG")) == [
         "n01440764/ILSVRC2012_val_00000001.JPEG", "n01440764/ILSVRC2012_val_00000003.JPEG",
         "n01443537/ILSVRC2012_val_00000002.JPEG"]
+
+
+def _flat_val(tmp_path, names=("a", "b", "c")):
+    val = tmp_path / "val"
+    val.mkdir()
+    for name in names:
+        (val / f"{name}.JPEG").write_bytes(name.encode())
+    return val
+
+
+def _split(val, labels, capsys, *extra):
+    from behemoth.driver.cli import main
+
+    code = main(["data", "split-val", str(val), "--labels", str(labels), *extra])
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.count("\n") <= 1
+    return code, err
+
+
+def _tree(folder):
+    return sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file())
+
+
+@pytest.mark.parametrize("cls", ["../outside", "/abs/path", "x/y", "..", ""])
+def test_split_val_refuses_a_class_that_is_not_a_plain_name_before_moving_anything(tmp_path, capsys, cls):
+    """Issue 65 item 1: a class of `../outside` or `/abs/path` moved images out of the folder; one with `/`
+    failed after earlier rows had moved. Every row is checked before anything moves."""
+    val = _flat_val(tmp_path)
+    labels = tmp_path / "LOC_val_solution.csv"
+    labels.write_text(f"ImageId,PredictionString\na,n01 1 2\nb,n02 1 2\nc,{cls} 1 2\n")
+    if cls == "":  # an empty class is an empty PredictionString
+        labels.write_text("ImageId,PredictionString\na,n01 1 2\nb,n02 1 2\nc,\n")
+    code, err = _split(val, labels, capsys)
+    assert code == 1 and f"{labels}:4:" in err
+    assert ("not a plain name" in err and repr(cls) in err) or "column PredictionString is empty" in err
+    assert _tree(tmp_path) == ["LOC_val_solution.csv", "val/a.JPEG", "val/b.JPEG", "val/c.JPEG"]
+    assert not (tmp_path / "outside").exists() and not Path("/abs/path").exists()
+
+
+def test_split_val_refuses_a_file_name_with_a_folder(tmp_path, capsys):
+    val = _flat_val(tmp_path, ["a"])
+    labels = tmp_path / "labels.txt"
+    labels.write_text("../a.JPEG n01\n")
+    code, err = _split(val, labels, capsys)
+    assert code == 1 and f"{labels}:1: the file name '../a.JPEG' is not a plain name" in err
+
+
+def test_split_val_never_overwrites_a_file_in_a_class_folder(tmp_path, capsys):
+    """Issue 65 item 1: a row naming an image whose class folder already holds a file of that name overwrote it."""
+    val = _flat_val(tmp_path, ["a", "notes"])
+    (val / "precious").mkdir()
+    (val / "precious" / "notes.JPEG").write_bytes(b"precious")
+    labels = tmp_path / "labels.txt"
+    labels.write_text("a.JPEG n01\nnotes.JPEG precious\n")
+    code, err = _split(val, labels, capsys)
+    assert code == 1 and f"row {labels}:2 would move {val / 'notes.JPEG'} onto the existing" in err
+    assert (val / "precious" / "notes.JPEG").read_bytes() == b"precious" and (val / "a.JPEG").exists()
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("ImageId,PredictionString\na,\n", ":2: column PredictionString is empty"),
+    ("ImageId,Label\na,n01\n", ":1: no column PredictionString in the header 'ImageId,Label'"),
+    ("ImageId,PredictionString\na\n", ":2: column PredictionString is empty"),
+    ("ImageId,PredictionString\na,n01 1\na,n02 1\n", ":3: image a is labelled n02, and n01 at"),
+])
+def test_split_val_names_the_csv_row_and_column_of_a_bad_row(tmp_path, capsys, text, expected):
+    """Issue 65 item 1: an empty PredictionString was an IndexError, a missing column a KeyError (tracebacks)."""
+    val = _flat_val(tmp_path, ["a"])
+    labels = tmp_path / "LOC_val_solution.csv"
+    labels.write_text(text)
+    code, err = _split(val, labels, capsys)
+    assert code == 1 and f"{labels}{expected}" in err and (val / "a.JPEG").exists()
+
+
+def test_split_val_stopped_midway_is_finished_or_undone_by_a_rerun(tmp_path, capsys, monkeypatch):
+    """Issue 65 item 1: after a failure midway the rerun refused ("labels without an image"): the folder could be
+    neither finished nor undone. The rerun finishes it; --undo moves every image back."""
+    import pathlib
+
+    val = _flat_val(tmp_path)
+    labels = tmp_path / "labels.txt"
+    labels.write_text("a.JPEG n01\nb.JPEG n02\nc.JPEG n01\n")
+    rename = pathlib.Path.rename
+
+    def failing(self, target):
+        if self.name == "b.JPEG":
+            raise OSError(5, "Input/output error")
+        return rename(self, target)
+
+    with monkeypatch.context() as m:
+        m.setattr(pathlib.Path, "rename", failing)
+        code, err = _split(val, labels, capsys)
+    assert code == 1 and "moved 1 of 3 images, then could not move" in err and "rerun the same command" in err
+    assert _tree(val) == ["b.JPEG", "c.JPEG", "n01/a.JPEG"]
+    for extra in ([], ["--undo"], ["--undo"], []):  # finish, undo all, undo again (nothing to do), split again
+        code, err = _split(val, labels, capsys, *extra)
+        assert code == 0, err
+        split = ["n01/a.JPEG", "n01/c.JPEG", "n02/b.JPEG"]
+        assert _tree(val) == (["a.JPEG", "b.JPEG", "c.JPEG"] if extra else split)
+
+
+def test_split_val_refuses_a_class_folder_that_is_a_link_out_of_the_folder(tmp_path, capsys):
+    """A class folder that is a symlink (here to a folder outside val/) would take the images out of the folder
+    as `../outside` did: refused, nothing moved."""
+    val = _flat_val(tmp_path, ["a"])
+    (tmp_path / "elsewhere").mkdir()
+    (val / "n01").symlink_to(tmp_path / "elsewhere")
+    labels = tmp_path / "labels.txt"
+    labels.write_text("a.JPEG n01\n")
+    code, err = _split(val, labels, capsys)
+    assert code == 1 and f"row {labels}:1: {val / 'n01'} is not a folder of this one" in err
+    assert (val / "a.JPEG").exists() and not any((tmp_path / "elsewhere").iterdir())

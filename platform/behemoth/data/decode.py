@@ -11,6 +11,10 @@ A plain loop pays, per 500x375 JPEG: PIL's decode (~1.2 ms here), a full-size co
   level or so of its values inside the crop; at the crop's edges PIL also reads pixels outside the box);
 - EXIF orientation is read only where the file carries an Exif segment.
 
+Every decode is bounded: an image whose header declares more than data.max_image_pixels pixels is refused
+(`bounded`: Pillow's DecompressionBombError, a bad sample like any other) before a decoder allocates for it, on
+libjpeg-turbo's path from simplejpeg's header, on PIL's (`open_bounded`) from the header Image.open reads.
+
 Anything simplejpeg does not decode (PNG, CMYK JPEGs, damaged files) goes through PIL
 (image_batches.decode_rgb), whose verdict on a bad image is the one that counts. The crop's draws are those of
 the PIL path before this module (area, ratio, up to 10 tries, offsets; then the flip), from the sample's own
@@ -21,25 +25,33 @@ exact.
 from __future__ import annotations
 
 import contextlib
+import io
 import math
+import warnings
 
 import numpy as np
 
+MAX_IMAGE_PIXELS = 1024 * 1024 * 1024 // 4 // 3  # Pillow's default Image.MAX_IMAGE_PIXELS: 89,478,485
 _EXIF_ORIENTATION = 0x0112
 _SOI = b"\xff\xd8"
 
 
-def random_resized_crop(data: bytes, size: int, rng: np.random.Generator, decode_pil) -> np.ndarray | None:
+def random_resized_crop(data: bytes, size: int, rng: np.random.Generator, decode_pil,
+                        max_pixels: int = MAX_IMAGE_PIXELS) -> np.ndarray | None:
     """uint8 [size, size, 3]: an Inception-style crop (area 8-100 %, aspect ratio 3/4-4/3, log-uniform) of the
     upright image, resized to size x size, flipped left-right with probability 1/2; None where no crop fitted
     in 10 tries (the caller centre-fits the image, and draws the flip). `decode_pil(data)` is the fallback
-    decoder: an upright RGB PIL image, or the error that makes the sample a bad one."""
+    decoder: an upright RGB PIL image, or the error that makes the sample a bad one (bounded by the same
+    `max_pixels` as this path)."""
     header = _jpeg_header(data)
     if header is None:
         pixels = np.asarray(decode_pil(data))
         box = _crop_box(pixels.shape[1], pixels.shape[0], rng)
         return None if box is None else _resize_flip(pixels, box, 1, size, rng)
     width, height, orientation = header
+    # before the decode: libjpeg allocates for the whole declared image (a progressive one's coefficients
+    # too, whatever the DCT scale) before it finds the data a few bytes long
+    bounded(width, height, max_pixels)
     upright_w, upright_h = (height, width) if orientation >= 5 else (width, height)
     box = _crop_box(upright_w, upright_h, rng)
     if box is None:
@@ -52,6 +64,37 @@ def random_resized_crop(data: bytes, size: int, rng: np.random.Generator, decode
     else:
         pixels = _upright(pixels, orientation)
     return _resize_flip(pixels, box, scale, size, rng)
+
+
+def bounded(width: int, height: int, max_pixels: int) -> None:
+    """Pillow's DecompressionBombError (a bad sample: image_batches.is_the_images_fault) where an image's header
+    declares more than `max_pixels` (data.max_image_pixels) pixels."""
+    if width * height > max_pixels:
+        from PIL import Image
+
+        raise Image.DecompressionBombError(
+            f"its header declares {width} x {height} = {width * height:,} pixels, over data.max_image_pixels "
+            f"{max_pixels:,} (a decompression bomb; raise data.max_image_pixels if the image is real)")
+
+
+def open_bounded(data: bytes, max_pixels: int):
+    """Image.open of `data` (the header read, no pixel decoded), refused by `bounded` where it is too large.
+    Pillow's own bound (Image.MAX_IMAGE_PIXELS, checked at open) is raised to `max_pixels` where that is
+    larger, so that the job's bound is the one that counts; its warning between 1 and 2 times its bound is
+    silenced: this check decides."""
+    from PIL import Image
+
+    if Image.MAX_IMAGE_PIXELS is not None and max_pixels > Image.MAX_IMAGE_PIXELS:
+        Image.MAX_IMAGE_PIXELS = max_pixels
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+        try:
+            img = Image.open(io.BytesIO(data))
+        except Image.DecompressionBombError as e:  # over twice Pillow's bound, so over the job's too
+            raise Image.DecompressionBombError(f"{e} (over data.max_image_pixels {max_pixels:,}; raise it if the "
+                                               f"image is real)") from None
+    bounded(img.width, img.height, max_pixels)
+    return img
 
 
 @contextlib.contextmanager
@@ -125,7 +168,10 @@ def _resize_flip(pixels: np.ndarray, box, scale: int, size: int, rng: np.random.
     left, top = min(left, w - 1), min(top, h - 1)
     crop = pixels[top:top + max(ch, 1), left:left + max(cw, 1)]
     flip = rng.random() < 0.5  # drawn after the crop, as image_batches._transformed draws it
-    x = torch.from_numpy(np.ascontiguousarray(crop)).permute(2, 0, 1)[None]
+    # torch.from_numpy shares the array's memory, and warns (once per process, from every decode task) where it is
+    # read-only: PIL's np.asarray, the decoded cache's memory map. A crop narrower than the image is copied to
+    # make it contiguous anyway; only a full-width crop of read-only pixels costs a copy here (of the crop alone)
+    x = torch.from_numpy(np.require(crop, requirements=("C", "W"))).permute(2, 0, 1)[None]
     out = interpolate(x, size=(size, size), mode="bilinear", antialias=True, align_corners=False)[0]
     out = out.permute(1, 2, 0).numpy()
     return out[:, ::-1] if flip else out
@@ -151,8 +197,6 @@ def _orientation(data: bytes) -> int:
     head = data[:65536]
     if b"Exif\x00\x00" not in head:
         return 1
-    import io
-
     from PIL import Image
 
     try:

@@ -11,7 +11,7 @@ sample_rng draws each sample's augmentation from), so a run reads the same image
 from __future__ import annotations
 
 import contextlib
-import io
+import functools
 import logging
 import math
 from pathlib import Path
@@ -22,7 +22,7 @@ import pyarrow.parquet as pq
 from PIL import Image, ImageOps
 
 from behemoth.data import image_shards
-from behemoth.data.decode import crop_from_view, one_torch_thread, random_resized_crop
+from behemoth.data.decode import MAX_IMAGE_PIXELS, crop_from_view, one_torch_thread, open_bounded, random_resized_crop
 from behemoth.data.images import ImageData
 from behemoth.data.pipeline import ordered_data_context
 from behemoth.errors import BadSampleError
@@ -58,39 +58,40 @@ def transform_batch(batch: dict, *, cfg: ImageData, seed: int, epoch: int, train
 
 def _transformed(data: bytes, size: int, cfg: ImageData, rng: np.random.Generator, train: bool) -> np.ndarray:
     """One sample's uint8 [S,S,3]: centre-fitted (evaluation), or augmented from its generator."""
+    decode = functools.partial(decode_rgb, max_pixels=cfg.max_image_pixels)
     if not train:
-        return center_fit(decode_rgb(data), size)
+        return center_fit(decode(data), size)
     if cfg.augment == "random_resized_crop":
-        pixels = random_resized_crop(data, size, rng, decode_rgb)
+        pixels = random_resized_crop(data, size, rng, decode, cfg.max_image_pixels)
         if pixels is not None:
             return pixels
-        pixels = center_fit(decode_rgb(data), size)  # no crop fitted in 10 tries
+        pixels = center_fit(decode(data), size)  # no crop fitted in 10 tries
         return pixels[:, ::-1] if rng.random() < 0.5 else pixels
-    return augment_fitted(center_fit(decode_rgb(data), size), cfg, rng)
+    return augment_fitted(center_fit(decode(data), size), cfg, rng)
 
 
-def decode_fitted(batch: dict, *, size: int, image_column: str) -> dict:
+def decode_fitted(batch: dict, *, size: int, image_column: str, max_pixels: int = MAX_IMAGE_PIXELS) -> dict:
     """Index rows -> {"sample_id", "pixels": uint8 [n,S,S,3] centre-fitted, "valid", "error"}: the rows of the
     decoded cache (data/image_cache.py), the deterministic part of transform_batch. An undecodable image is a
     row of zeros, not valid, with its error (the run decides with data.max_bad_samples when it reads it)."""
-    return _decoded_rows(batch, size, image_column, views=False)
+    return _decoded_rows(batch, size, image_column, max_pixels, views=False)
 
 
-def decode_views(batch: dict, *, size: int, image_column: str) -> dict:
+def decode_views(batch: dict, *, size: int, image_column: str, max_pixels: int = MAX_IMAGE_PIXELS) -> dict:
     """Index rows -> decode_fitted's rows, but each image whole, resized to size x size (bilinear, its aspect
     ratio given up), and "sizes" [n, 2]: its upright (width, height), on which crops are drawn (crop_from_view):
     the decoded cache's rows for random_resized_crop (data.cache_side)."""
-    return _decoded_rows(batch, size, image_column, views=True)
+    return _decoded_rows(batch, size, image_column, max_pixels, views=True)
 
 
-def _decoded_rows(batch: dict, size: int, image_column: str, views: bool) -> dict:
+def _decoded_rows(batch: dict, size: int, image_column: str, max_pixels: int, views: bool) -> dict:
     raw = _load_bytes(batch, image_column)
     pixels = np.zeros((len(raw), size, size, 3), dtype=np.uint8)
     sizes = np.zeros((len(raw), 2), dtype=np.int32)
     valid = np.ones(len(raw), dtype=bool)
     errors = [""] * len(raw)
     for i, data in enumerate(raw):
-        img, errors[i] = decode_sample(data, batch, i)
+        img, errors[i] = decode_sample(data, batch, i, functools.partial(decode_rgb, max_pixels=max_pixels))
         if img is None:
             valid[i] = False
             continue
@@ -169,11 +170,12 @@ def normalise(images, valid, mean, std, channels_last: bool = False):
     return images.div_(255.0).sub_(mean).div_(std).mul_(valid.view(-1, 1, 1, 1))
 
 
-def decode_rgb(data: bytes) -> Image.Image:
+def decode_rgb(data: bytes, max_pixels: int = MAX_IMAGE_PIXELS) -> Image.Image:
     """An encoded image as transformers' pipeline loads one (transformers.image_utils.load_image): turned
     upright by its EXIF orientation, then converted to RGB (alpha dropped, not composited), so that an exported
-    model is handed the pixels it was trained on."""
-    img = Image.open(io.BytesIO(data))
+    model is handed the pixels it was trained on. One declaring more than `max_pixels` pixels is refused from
+    its header (decode.open_bounded)."""
+    img = open_bounded(data, max_pixels)
     ImageOps.exif_transpose(img, in_place=True)
     return img.convert("RGB")
 

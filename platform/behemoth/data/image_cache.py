@@ -35,6 +35,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
+from behemoth.data.decode import MAX_IMAGE_PIXELS
 from behemoth.errors import DataError
 
 FORMAT = 2  # 2: the manifest names the image column and Pillow's version
@@ -57,26 +58,30 @@ class CachePlan:
     views: bool = False
     # the driver's Pillow (part of the cache key: it decodes and resamples): a worker with another refuses
     pillow: str = ""
+    # data.max_image_pixels (part of the key: it decides which images are stored as bad)
+    max_pixels: int = MAX_IMAGE_PIXELS
 
     @property
     def nbytes(self) -> int:
         return self.rows * self.size * self.size * 3
 
 
-def cache_key(table: pa.Table, size: int, image_column: str, views: bool = False) -> str:
+def cache_key(table: pa.Table, size: int, image_column: str, views: bool = False,
+              max_pixels: int = MAX_IMAGE_PIXELS) -> str:
     """A hash of every input of the stored pixels:
     - the samples in order: each one's file (absolute path), parquet row or tar member offset, and tar member
       length (the index's `path`, `row` and `size` columns);
     - each file's size, modification time, inode and change time (its content, without reading it);
     - `image_column`: which cell of a parquet row is decoded (a set may hold several image columns);
     - `size` (data.image_size), and how the pixels are made from the bytes: PIXELS (decode_rgb, center_fit)
-      and Pillow's version (its decoders and resampling), with the cache FORMAT.
+      and Pillow's version (its decoders and resampling), with the cache FORMAT;
+    - `max_pixels` (data.max_image_pixels): an image over it is stored as bad.
     Not inputs: the labels (read from the index every run, never stored) and the augmentation, normalisation
     and seed (applied to the stored rows every epoch)."""
     import PIL
 
     h = hashlib.sha256(f"behemoth decoded images v{FORMAT}\0{PIXELS}\0Pillow {PIL.__version__}\0{size}\0"
-                       f"column {image_column}\n".encode())
+                       f"column {image_column}\0max pixels {max_pixels}\n".encode())
     if views:  # (centre-fitted caches keep the keys they had)
         h.update(f"{VIEWS}\n".encode())
     for column in ("row", "size"):
@@ -148,11 +153,12 @@ def network_warning(folder: str | Path) -> str | None:
             f"data.cache_dir to a folder on each node's own disk (a local SSD, /tmp)")
 
 
-def plan(table: pa.Table, size: int, cache_dir: str, image_column: str, views: bool = False) -> CachePlan:
-    folder = Path(cache_dir).absolute() / "images" / cache_key(table, size, image_column, views)
+def plan(table: pa.Table, size: int, cache_dir: str, image_column: str, views: bool = False,
+         max_pixels: int = MAX_IMAGE_PIXELS) -> CachePlan:
+    folder = Path(cache_dir).absolute() / "images" / cache_key(table, size, image_column, views, max_pixels)
     import PIL
 
-    return CachePlan(str(folder), size, table.num_rows, image_column, views, PIL.__version__)
+    return CachePlan(str(folder), size, table.num_rows, image_column, views, PIL.__version__, max_pixels)
 
 
 class DecodedImages:

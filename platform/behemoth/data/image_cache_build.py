@@ -50,7 +50,7 @@ def open_or_build(cache: CachePlan, table: pa.Table, *, workers: bool = True,
                         f"Pillow on every node (or set data.cache: none)")
     folder = Path(cache.folder)
     folder.parent.mkdir(parents=True, exist_ok=True)
-    with _exclusive(folder.with_name(folder.name + ".lock")):
+    with exclusive(folder.with_name(folder.name + ".lock")):
         problem = check(folder, cache)
         if problem is None:
             return DecodedImages(folder, read_cache_manifest(folder))
@@ -65,7 +65,7 @@ def open_or_build(cache: CachePlan, table: pa.Table, *, workers: bool = True,
 
 
 @contextmanager
-def _exclusive(lock_path: Path):
+def exclusive(lock_path: Path):
     fd = os.open(lock_path, os.O_CREAT | os.O_RDWR, 0o644)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)  # released when the fd closes, also if this process dies
@@ -189,7 +189,7 @@ def _decode_into(shards: list[Path], shard_rows: int, folder: Path, cache: Cache
     sizes = np.zeros((cache.rows, 2), dtype=np.int32) if cache.views else None
     errors: dict[str, str] = {}
     current, written = None, 0
-    batches = _decoded_batches(table, cache.size, cache.image_column, workers, cpus_per_task, cache.views)
+    batches = _decoded_batches(table, cache, workers, cpus_per_task)
     total = -(-table.num_rows // BUILD_BLOCK_ROWS)
     for batch in progress(batches, f"decoding {cache.rows} images once", total=total, unit="block"):
         for i in range(len(batch["sample_id"])):
@@ -244,16 +244,15 @@ def _entry(folder: Path, name: str) -> dict:
     return {"file": name, "bytes": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": file_sha256(folder / name)}
 
 
-def _decoded_batches(table: pa.Table, size: int, image_column: str, workers: bool, cpus_per_task: float,
-                     views: bool = False):
+def _decoded_batches(table: pa.Table, cache: CachePlan, workers: bool, cpus_per_task: float):
     """The rows of `table` decoded and fitted (or as views), in order: by Ray Data tasks, or here
     (`workers=False`)."""
     from behemoth.data.image_batches import decode_fitted, decode_views
 
-    decode = decode_views if views else decode_fitted
+    decode = decode_views if cache.views else decode_fitted
 
     blocks = [table.slice(i, BUILD_BLOCK_ROWS) for i in range(0, table.num_rows, BUILD_BLOCK_ROWS)]
-    kwargs = dict(size=size, image_column=image_column)
+    kwargs = dict(size=cache.size, image_column=cache.image_column, max_pixels=cache.max_pixels)
     if not workers:
         for block in blocks:
             yield decode({k: block.column(k).to_numpy(zero_copy_only=False) for k in block.column_names}, **kwargs)

@@ -27,6 +27,7 @@ from behemoth.config import DataConfig
 from behemoth.errors import ConfigError, DataError
 from behemoth.progress import progress
 from behemoth.data import image_shards
+from behemoth.data.decode import MAX_IMAGE_PIXELS
 from behemoth.data.pipeline import expand_files
 from behemoth.storage import filesystem
 
@@ -70,6 +71,10 @@ class ImageData(DataConfig):
     label_smoothing: float = 0.0
     mixup_alpha: float = 0.0
     cutmix_alpha: float = 0.0
+    # An image whose header declares more pixels than this is a bad sample (data.max_bad_samples), refused before
+    # any decoder allocates for it: a 557-byte JPEG declaring 16000 x 16000 made libjpeg take 817 MB. The default
+    # is Pillow's Image.MAX_IMAGE_PIXELS (1 GiB / 4 / 3); raise it for larger images (data/decode.py: bounded).
+    max_image_pixels: int = MAX_IMAGE_PIXELS
 
     path_keys: ClassVar[tuple[str, ...]] = (*DataConfig.path_keys, "root", "cache_dir")
 
@@ -83,6 +88,9 @@ class ImageData(DataConfig):
             raise ConfigError(f"data.image_size must be > 0, got {self.image_size!r}")
         if len(self.mean) != 3 or len(self.std) != 3 or min(self.std) <= 0:
             raise ConfigError("data.mean and data.std need 3 values each (RGB), std > 0")
+        if isinstance(self.max_image_pixels, bool) or self.max_image_pixels <= 0:
+            raise ConfigError(f"data.max_image_pixels must be a number of pixels > 0 (default {MAX_IMAGE_PIXELS:,}, "
+                              f"Pillow's), got {self.max_image_pixels!r}")
         if self.crop_padding < 0:
             raise ConfigError("data.crop_padding must be >= 0")
         if not 0 < self.cache_max_share <= 1:

@@ -147,6 +147,8 @@ def _add_data_commands(data) -> None:
                         "(in place), from Kaggle's LOC_val_solution.csv or lines of 'FILENAME CLASS'")
     p.add_argument("folder", help="the flat validation folder, e.g. /data/imagenet/val")
     p.add_argument("--labels", required=True, help="LOC_val_solution.csv, or a text file of 'FILENAME CLASS' lines")
+    p.add_argument("--undo", action="store_true", help="move the labelled images from their class folders back "
+                   "into the folder (after a split stopped midway, or to start over)")
 
     p = data.add_parser("synth-text", help="write a learnable demo text corpus (train.jsonl, val.jsonl)")
     p.add_argument("--out", required=True, help="output folder")
@@ -343,8 +345,11 @@ def _data_command(args) -> int:
     elif args.data_command == "split-val":
         from behemoth.data.imagenet import split_val
 
-        counts = split_val(Path(args.folder), Path(args.labels))
-        print(f"moved {sum(counts.values())} images into {len(counts)} class folders of {args.folder}")
+        result = split_val(Path(args.folder), Path(args.labels), undo=args.undo)
+        moved = sum(result.moved.values())
+        print(f"moved {moved} images back into {args.folder}" if args.undo else
+              f"moved {moved} images into {len(result.moved)} class folders of {args.folder}"
+              + (f" ({result.in_place} were already in place)" if result.in_place else ""))
     elif args.data_command == "shards":
         from behemoth.data.image_shards import write_shards
         from behemoth.data.images import index_image_folder

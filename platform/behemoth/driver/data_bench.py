@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import threading
 import time
@@ -27,7 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from behemoth.config import JobConfig
-from behemoth.errors import ConfigError
+from behemoth.errors import ConfigError, DataError
 from behemoth.hosts import WorkerHost
 from behemoth.storage import filesystem
 
@@ -77,7 +78,7 @@ def bench_data(cfg: JobConfig, seconds: float = 20.0, step_rate: float | None = 
     if step_rate is None and run_dir:
         step_rate = measured_step_rate(run_dir)
         rate_from = f" (measured by the run in {run_dir})"
-    if step_rate is not None and step_rate <= 0:
+    if step_rate is not None and not (_finite(step_rate) and step_rate > 0):
         raise ConfigError(f"--step-rate must be > 0, got {step_rate}")
     world = cfg.scaling.max_workers
     share = cfg.train.global_batch_size // world
@@ -133,23 +134,73 @@ def _record_place(cfg: JobConfig) -> tuple[Path, str] | None:
     return Path(folder) / "data_bench.json", f"{socket.gethostname()}/{digest}"
 
 
-def record(cfg: JobConfig, result: DataBench) -> Path | None:
-    """Keep the bench's figures for `behemoth check` on this machine (None where there is nowhere to)."""
+def record(cfg: JobConfig, result: DataBench, log=print) -> Path | None:
+    """Keep the bench's figures for `behemoth check` on this machine (None where there is nowhere to). The
+    records file is read, changed and replaced under its lock (benches of several jobs may share a cache_dir,
+    on several hosts where it is shared); one that cannot be read is moved aside, said in a line, and the new
+    measurement kept in a new one."""
+    from behemoth.data.image_cache_build import exclusive
+
     place = _record_place(cfg)
     if place is None:
         return None
     file, key = place
-    try:
-        records = json.loads(file.read_text()) if file.is_file() else {}
-    except (OSError, ValueError):
-        records = {}
-    records[key] = {"per_cpu": result.per_cpu, "samples_per_s": result.samples_per_s,
-                    "cpus_busy": result.cpus_busy, "step_rate": result.step_rate, "when": time.time()}
     file.parent.mkdir(parents=True, exist_ok=True)
-    tmp = file.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(records, indent=1))
-    os.replace(tmp, file)
+    with exclusive(file.with_name(file.name + ".lock")):
+        try:
+            records = read_records(file)
+        except DataError as e:
+            aside = file.with_name(f"{file.name}.bad-{time.strftime('%Y%m%d-%H%M%S')}-{_unique()}")
+            os.replace(file, aside)
+            log(f"[behemoth] {e}; moved it aside to {aside} and started a new one")
+            records = {}
+        records[key] = {"per_cpu": result.per_cpu, "samples_per_s": result.samples_per_s,
+                        "cpus_busy": result.cpus_busy, "step_rate": result.step_rate, "when": time.time()}
+        # a name of this writer's own: a pid alone is shared by processes of other hosts on a shared folder
+        tmp = file.with_name(f"{file.name}.tmp-{_unique()}")
+        tmp.write_text(json.dumps(records, indent=1))
+        os.replace(tmp, file)
     return file
+
+
+def _unique() -> str:
+    import socket
+    import uuid
+
+    return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+
+
+def read_records(file: Path) -> dict[str, dict]:
+    """data_bench.json's records ({} where there is none), or the DataError naming the file and what to do."""
+    try:
+        text = file.read_text()
+    except FileNotFoundError:
+        return {}
+    except (OSError, UnicodeDecodeError) as e:
+        raise DataError(f"cannot read {file} ({e}): `behemoth data bench` moves it aside") from None
+    try:
+        records = json.loads(text)
+    except ValueError as e:
+        raise DataError(f"{file} is not JSON ({e}): `behemoth data bench` moves it aside") from None
+    problems = ([f"a {type(records).__name__}, not a mapping of records"] if not isinstance(records, dict) else
+                [f"its record {key!r} {p}" for key, entry in records.items() if (p := _record_problem(entry))])
+    if problems:
+        raise DataError(f"{file} is not what `behemoth data bench` writes ({problems[0]}): `behemoth data bench` "
+                        f"moves it aside")
+    return records
+
+
+def _record_problem(entry) -> str:
+    """Why a record is not one `record` writes ("" where it is)."""
+    if not isinstance(entry, dict):
+        return "is not a mapping"
+    for name, required in (("per_cpu", True), ("step_rate", False)):
+        value = entry.get(name)
+        if value is None and not required:
+            continue
+        if not _finite(value) or value <= 0:
+            return f"has {name} {value!r}, not a number > 0"
+    return ""
 
 
 def feed_check(cfg: JobConfig) -> tuple[str, str | None]:
@@ -158,11 +209,11 @@ def feed_check(cfg: JobConfig) -> tuple[str, str | None]:
     measured here for this data reach the job's need (global batch x the step rate the bench was given). A
     figure not measured here is not guessed: the line says how to measure it."""
     place = _record_place(cfg)
-    try:
-        found = json.loads(place[0].read_text()).get(place[1]) if place and place[0].is_file() else None
-    except (OSError, ValueError):
-        found = None
     how = "behemoth data bench JOB.yaml --step-rate S (S: steps/s one worker takes when fed)"
+    try:
+        found = read_records(place[0]).get(place[1]) if place else None
+    except DataError as e:
+        return f"not checked: {e}", f"{e} and keeps its new measurement ({how})"
     if not found:
         return f"not checked: no per-CPU rate measured on this machine for this data ({how})", None
     if not found.get("step_rate"):
@@ -185,22 +236,36 @@ def feed_check(cfg: JobConfig) -> tuple[str, str | None]:
 def measured_step_rate(run_dir: str) -> float:
     """Optimizer steps per second per worker of a run of the job, from its first training report to its last
     (metrics.jsonl, rank 0's clock): the rate its model steps at when fed."""
+    from behemoth.tracking.records import read_jsonl
+
     path = Path(run_dir) / "metrics.jsonl"
     if not path.is_file():
         raise ConfigError(f"--run {run_dir}: no metrics.jsonl there (a run folder of this job holds one)")
-    reports = [json.loads(line) for line in path.read_text().splitlines()]
-    if sum("samples_per_s" in r for r in reports) < 2:
-        raise ConfigError(f"--run {run_dir}: fewer than two training reports in metrics.jsonl to time steps by")
-    return steady_step_rate(reports)
+    try:
+        return steady_step_rate(read_jsonl(str(path)))  # (a line cut short by a kill is skipped, as by the report)
+    except ConfigError as e:
+        raise ConfigError(f"--run {run_dir}: {e} in {path}; give --step-rate S instead") from None
 
 
 def steady_step_rate(reports: list[dict]) -> float:
     """Optimizer steps per second from the first training report to the last, by rank 0's clock at each
     (`wall_time`): one span holding every step, report and console line in between; the steps up to the
-    first report are warm-up. (The benches time behemoth's runs the same way.)"""
-    train = [r for r in reports if "samples_per_s" in r]
+    first report are warm-up. (The benches time behemoth's runs the same way.) A ConfigError where the
+    reports hold no span to time (fewer than two, or no time or no step between the first and the last)."""
+    train = [r for r in reports if isinstance(r, dict) and "samples_per_s" in r
+             and all(_finite(r.get(k)) for k in ("step", "wall_time"))]
+    if len(train) < 2:
+        raise ConfigError("fewer than two training reports (with a step and a wall_time) to time steps by")
     first, last = train[0], train[-1]
-    return (last["step"] - first["step"]) / (last["wall_time"] - first["wall_time"])
+    steps, span = last["step"] - first["step"], last["wall_time"] - first["wall_time"]
+    if steps <= 0 or span <= 0:
+        raise ConfigError(f"the first and last training reports (steps {first['step']} and {last['step']}) are "
+                          f"{span:g} s apart: no steps in time to time them by")
+    return steps / span
+
+
+def _finite(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 class StartGate:

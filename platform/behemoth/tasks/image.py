@@ -334,8 +334,9 @@ def decide_cache(cfg: ImageData, index: ImageIndex) -> tuple[dict | None, str]:
     # training rows: views of the whole image at cache_side (random_resized_crop), else centre-fitted; evaluation
     # rows always centre-fitted at image_size
     plans = {"train": image_cache.plan(index.train, cfg.cache_side if views else cfg.image_size, cfg.cache_dir,
-                                       cfg.image_column, views=views),
-             "val": image_cache.plan(index.val, cfg.image_size, cfg.cache_dir, cfg.image_column)}
+                                       cfg.image_column, views=views, max_pixels=cfg.max_image_pixels),
+             "val": image_cache.plan(index.val, cfg.image_size, cfg.cache_dir, cfg.image_column,
+                                     max_pixels=cfg.max_image_pixels)}
     need = sum(p.nbytes for p in plans.values())
     built = all(image_cache.check(Path(p.folder), p) is None for p in plans.values())
     where = Path(plans["train"].folder).parent
