@@ -511,6 +511,11 @@ def test_a_profiled_window_of_steps_lands_in_the_run_folder_and_the_report_links
     assert files == ["rank1.steps-3-4.pt.trace.json"]
     events = json.loads((run / "profile" / files[0]).read_text())["traceEvents"]
     assert any(e.get("name") == "aten::addmm" for e in events)  # the steps' matmuls, as the profiler saw them
+    # exactly the window's steps, each marked with the run's step (issue 65: a window started two steps early
+    # still wrote a file named for steps 3-4)
+    marked = sorted({e["name"] for e in events if e.get("name", "").startswith("ProfilerStep#")})
+    assert marked == ["ProfilerStep#3", "ProfilerStep#4"]
+    assert sum(e.get("name") == "aten::addmm" for e in events) == 2  # one matmul a step: two steps recorded
 
     from behemoth.tracking.report import _profile_links
 
