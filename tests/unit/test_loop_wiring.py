@@ -86,16 +86,25 @@ def test_the_loop_evaluates_the_weight_average_and_trains_fp32_parameters(tmp_pa
     assert abs(_val_mse(ema) - _val_mse(model)) > 1e-3 * _val_mse(model)  # (the two differ: the check can fail)
 
 
-def test_early_stopping_ends_the_loop_at_its_patience(tmp_path, monkeypatch):
+def test_early_stopping_ends_the_loop_at_its_patience_and_a_rerun_without_it_trains_on(tmp_path, monkeypatch, capsys):
     """val_mse cannot improve by more than min_delta 1e6: evaluated every 2 steps, the run stops at step 4 of
-    8, checkpointed there with the decision."""
+    8, checkpointed there with the decision. A rerun with the same rule trains nothing and says how to go on;
+    one with early stopping off trains on to step 8 (issue 65)."""
     from behemoth.storage.checkpoint import complete_checkpoints, read_state
 
-    returned, reports, run = _run(tmp_path, monkeypatch, train={"early_stopping": {"patience": 1, "min_delta": 1e6}},
-                                  eval={"per_epoch": True, "every_n_steps": 2})
+    rule = {"early_stopping": {"patience": 1, "min_delta": 1e6}}
+    evaluations = {"per_epoch": True, "every_n_steps": 2}
+    returned, reports, run = _run(tmp_path, monkeypatch, train=rule, eval=evaluations)
     assert returned["final_step"] == 4 and max(r["step"] for r in reports) == 4
     (step, latest), *_ = complete_checkpoints(run)
     assert step == 4 and read_state(latest).stopped_early_at == 4
+    capsys.readouterr()
+    again, _, _ = _run(tmp_path, monkeypatch, train=rule, eval=evaluations)
+    assert again == {**again, "resumed_from_step": 4, "final_step": 4}
+    assert "nothing to train. To train on from here: --set train.early_stopping=null" in capsys.readouterr().out
+    on, reports, _ = _run(tmp_path, monkeypatch, eval=evaluations)
+    assert on == {**on, "resumed_from_step": 4, "final_step": 8} and max(r["step"] for r in reports) == 8
+    assert "early stopping is off now: it trains on from step 4" in capsys.readouterr().out
 
 
 def test_a_non_finite_step_stops_the_loop_naming_it(tmp_path, monkeypatch):

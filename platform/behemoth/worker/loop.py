@@ -61,8 +61,6 @@ def train_loop_per_worker(loop_config: dict) -> dict:
     # Resume: the latest good checkpoint restores weights, optimizer, schedule, scaler, compression, data position.
     state = restore_latest(run, loop_config.get("fence")) or TrainState(world_size=world)
     early_line = resume_early_stopping(cfg, task, state)  # a rerun's early stopping: trains on, or counts anew
-    if rank == 0 and early_line:
-        console(early_line)
     feed = EpochFeed(task, cfg, rank, world, micro_batch, accum, epoch_steps)
     if state.step < state.last_step(total_steps):
         feed.start(state)  # the first epoch's pipeline starts in the background (and the next ones early)
@@ -71,6 +69,8 @@ def train_loop_per_worker(loop_config: dict) -> dict:
     clock.mark("restored")
     if rank == 0:
         _announce_resume(cfg, state, world, micro_batch, accum, init_line)
+        if early_line:
+            console(early_line)
     state.world_size = world
     ledger = SampleLedger(cfg.train.sample_ledger, rank, world)
     saver = CheckpointSaver(cfg, rank, task.checkpoint_files(cfg, prepared), clock)
