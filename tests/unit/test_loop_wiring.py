@@ -27,8 +27,8 @@ class Regression(LinearRegression):
     def _batches(self, offset, indices, batch_size):
         for start in range(0, len(indices), batch_size):
             ids = np.asarray(indices[start:start + batch_size], dtype=np.int64)
-            yield {"x": torch.from_numpy(self.data["x"][offset + ids]), "y": torch.from_numpy(self.data["y"][offset + ids]),
-                   "sample_id": torch.from_numpy(ids)}
+            yield {"x": torch.from_numpy(self.data["x"][offset + ids]),
+                   "y": torch.from_numpy(self.data["y"][offset + ids]), "sample_id": torch.from_numpy(ids)}
 
     def example_batch(self, batch_size):
         return {"x": torch.zeros(batch_size, self.cfg.data.features), "y": torch.zeros(batch_size)}

@@ -14,8 +14,8 @@ import torch
 from behemoth.storage.checkpoint import TrainState
 from behemoth.config import JobConfig
 from behemoth.errors import BadSampleError, NonFiniteError
-from behemoth.metrics import (CHECKPOINT_SCORE, LOGGED, PhaseClock, checkpoint_score, Window, data_wait_fraction, progress_line,
-                              throughput)
+from behemoth.metrics import (CHECKPOINT_SCORE, LOGGED, PhaseClock, Window, checkpoint_score, data_wait_fraction,
+                              progress_line, throughput)
 from behemoth.tasks import Task, run_metric
 from behemoth import hosts
 from behemoth.worker.collectives import all_reduce_sum, sync_buffers, union_across_ranks

@@ -6,8 +6,8 @@ worker: new processes that each import Ray Train and torch, ~20 s on 2 cores, fo
 A lane starts none of them. It runs the same worker loop (worker/loop.py) in the trial's own process under the
 lane's worker host (hosts/lane.py, made current by hosts.hosted), which writes what Ray Train's would: the run folder, its
 checkpoints (the manifest last; the sweep's lease checked around each), retention (checkpoint.keep: the
-best K by the run's metric and the latest, as Ray's CheckpointConfig keeps them: driver/resume.py retention), the run's records through the same RunRecorder
-(metrics.jsonl, timeline.jsonl, TensorBoard, MLflow, the goodput account) and the run's summary.
+best K by the run's metric and the latest, as Ray's CheckpointConfig keeps them: driver/resume.py retention),
+the run's records through the same RunRecorder (metrics.jsonl, timeline.jsonl, TensorBoard, MLflow, the goodput account) and the run's summary.
 
 What a lane keeps from one trial to the next, all of it read-only and keyed by everything it depends on:
 torch, transformers and the task's code imported; the prepared data (an image index and its decoded cache
