@@ -17,6 +17,7 @@ from behemoth import hosts
 from conftest import job_dict
 from integration.toy_task import TRAIN, LinearRegression, ToyData
 
+
 class Regression(LinearRegression):
     """The full tier's task of one's own (linear regression on generated rows), its batches on the host's
     device instead of Ray Train's, its model built in bfloat16 (as from_pretrained keeps a stored dtype)."""
