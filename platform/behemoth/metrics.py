@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import sys
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -54,13 +56,26 @@ class Window:
 # A sent report carries the logged steps held back since the previous one under this key (the worker's
 # worker/report.py ReportSender); the run's records expand them (tracking/callbacks.py).
 LOGGED = "logged_before"
+# A checkpoint's report carries its score for retention under this key (Ray's CheckpointConfig
+# checkpoint_score_attribute, and a lane's alike; driver/resume.py retention): the run's metric where the step
+# evaluated it finite, else the worst finite number in its direction (not NaN or inf: Ray's checkpoint manager
+# stores the scores as JSON through pydantic, which writes those as null, and a restarted controller's ranking
+# would then fail on None). Not a metric of the run: the records leave it out.
+CHECKPOINT_SCORE = "checkpoint_score"
+
+
+def checkpoint_score(value, order: str) -> float:
+    """A checkpoint's CHECKPOINT_SCORE: `value` (the run's metric, None where not evaluated) if finite, else
+    the worst finite number for `order` ("max" or "min")."""
+    worst = -sys.float_info.max if order == "max" else sys.float_info.max
+    return float(value) if value is not None and math.isfinite(value) else worst
 
 
 def logged_reports(report: dict) -> list[dict]:
-    """A report as it reached Ray Train -> the logged steps it stands for, oldest first, itself last."""
-    if LOGGED not in report:
-        return [report]
-    return [*report[LOGGED], {k: v for k, v in report.items() if k != LOGGED}]
+    """A report as it reached Ray Train -> the logged steps it stands for, oldest first, itself last (without
+    the checkpoint's retention score)."""
+    last = {k: v for k, v in report.items() if k not in (LOGGED, CHECKPOINT_SCORE)}
+    return [*report.get(LOGGED, []), last]
 
 
 PHASES = ("step", "data_wait", "eval", "checkpoint", "report")

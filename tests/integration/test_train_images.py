@@ -352,7 +352,8 @@ def _toy_job(tmp_path, name: str, **sections) -> dict:
 def test_early_stopping_ends_a_run_at_its_patience_and_a_rerun_trains_nothing(tmp_path, capfd):
     """train.early_stopping (issue 58) in a real run: val_mse cannot improve by more than min_delta 1e6, so
     after the first evaluation (step 4) two more without improvement (steps 8, 12) stop the run at step 12 of
-    48, that step checkpointed with the decision; the rerun trains nothing and says why."""
+    48, that step checkpointed with the decision; the rerun trains nothing and says why; one with early stopping
+    off trains on."""
     from behemoth.driver.trainer import train
     from behemoth.storage.checkpoint import complete_checkpoints, read_state
 
@@ -366,8 +367,16 @@ def test_early_stopping_ends_a_run_at_its_patience_and_a_rerun_trains_nothing(tm
     assert "early stop at step 12: val_mse has not improved" in capfd.readouterr().out
     again = train(config_from_dict(job))
     assert again.resumed_from_step == 12 and again.metrics["step"] == 12
-    assert "run already complete at step 12 (stopped early: train.early_stopping): nothing to train" in \
-        capfd.readouterr().out
+    out = capfd.readouterr().out
+    assert "run stopped early at step 12: val_mse did not improve on " in out
+    assert "for 2 evaluations (train.early_stopping): nothing to train. To train on from here: --set " \
+           "train.early_stopping=null, or a train.early_stopping.patience above 2" in out
+    # issue 65: with early stopping off the rerun trains on to the run's end, and says so
+    job["train"]["early_stopping"] = None
+    on = train(config_from_dict(job))
+    assert on.resumed_from_step == 12 and on.metrics["step"] == 48, on.metrics
+    assert ("the run stopped early at step 12 (train.early_stopping); early stopping is off now: it trains on "
+            "from step 12") in capfd.readouterr().out
 
 
 def test_a_non_finite_step_stops_the_run_naming_it_or_is_skipped(tmp_path):

@@ -38,6 +38,16 @@ def _steps(model, optimizer, scheduler, cfg, seeds):
                    _LanguageModelling(), torch.device("cpu"))
 
 
+def _loss(model, seed: int) -> float:
+    """The model's loss on _steps's batch of `seed`, without dropout."""
+    model.eval()
+    with torch.no_grad():
+        ids = torch.randint(3, 200, (4, 16), generator=torch.Generator().manual_seed(seed))
+        loss = _LanguageModelling().loss(model, {"input_ids": ids})[0].item()
+    model.train()
+    return loss
+
+
 def test_lora_trains_and_keeps_only_adapters_resumes_exactly_and_exports_adapter_and_merged_model(text_corpus, tmp_path):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, pipeline
@@ -54,8 +64,14 @@ def test_lora_trains_and_keeps_only_adapters_resumes_exactly_and_exports_adapter
     trained = {n for n, p in model.named_parameters() if p.requires_grad}
     assert trained and all("lora_" in n for n in trained)
     base = {n: p.clone() for n, p in model.named_parameters() if not p.requires_grad}
-    _steps(model, optimizer, scheduler, cfg, range(3))
+    before = _loss(model, seed=0)
+    _steps(model, optimizer, scheduler, cfg, [0, 0, 0])
     assert all(torch.equal(p, base[n]) for n, p in model.named_parameters() if n in base)  # the base is frozen
+    # the adapters trained and took effect (issue 65: with lora_alpha 0 every assert here passed): lora_B starts
+    # at zero and moves only where the adapters' output counts; the loss of the batch trained on fell
+    adapters_b = [p for n, p in model.named_parameters() if "lora_B" in n]
+    assert adapters_b and all(p.abs().sum() > 0 for p in adapters_b)
+    assert _loss(model, seed=0) < before - 0.03, (before, _loss(model, seed=0))  # (here 5.99 -> 5.89)
 
     ckpt = tmp_path / "checkpoint"
     checkpointing.save(ckpt, model=model, optimizer=optimizer, scheduler=scheduler, state=TrainState(step=3),
@@ -125,3 +141,18 @@ def test_a_sequence_classifier_with_lora_trains_its_adapters_and_its_head():
     kept = checkpointing.trained_state(model)
     assert set(kept) <= {n for n in model.state_dict()} and {n for n in trained} <= set(kept)
     assert not any("word_embeddings" in n for n in kept)
+    # a few steps move the adapters (lora_B starts at zero: it moves only where the adapters' output counts,
+    # issue 65) and lower the loss
+    torch.manual_seed(0)
+    ids, labels = torch.randint(1, 100, (4, 16)), torch.tensor([0, 1, 0, 1])
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=0.05)
+    losses = []
+    for _ in range(5):
+        optimizer.zero_grad()
+        loss = model(input_ids=ids, labels=labels).loss
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0], losses
+    adapters_b = [p for n, p in model.named_parameters() if "lora_B" in n]
+    assert adapters_b and all(p.abs().sum() > 0 for p in adapters_b)

@@ -12,6 +12,7 @@ from behemoth.worker.loop import train_step
 from behemoth.models.registry import build_model
 from behemoth.worker.optim import build_optimizer, lr_schedule
 from behemoth.worker.precision import grad_scaler
+from conftest import job_dict
 
 
 def test_no_weight_decay_on_biases_and_norm_weights():
@@ -301,6 +302,114 @@ def test_early_stopping_counts_evaluations_without_improvement_in_the_train_stat
     assert early_stop(cfg, _Task(), state, {"val_accuracy": 0.59}, 100) and state.stopped_early_at == 30
 
 
+def _stopped_state(**fields):
+    from behemoth.storage.checkpoint import TrainState
+
+    return TrainState(**{"step": 40, "best_metric": 0.7, "evals_without_improvement": 3, "stopped_early_at": 40,
+                         "early_stopping_metric": "val_accuracy", **fields})
+
+
+class _ImageLikeTask:
+    best, reported = ("val_accuracy", "max"), {"val_accuracy": "max", "val_loss": "min", "loss": "min"}
+
+
+@pytest.mark.parametrize("change", ["off", "patience raised", "patience kept", "metric changed"])
+def test_a_rerun_of_an_early_stopped_run_trains_on_where_the_rule_no_longer_stops_it(change):
+    """Issue 65: a rerun of a run that stopped early trains on (and says so) where early stopping is off now or
+    its patience is above the evaluations counted; with the same rule it stays stopped (the loop then says how
+    to go on: Reporter.completed_run). Another early_stopping.metric starts the counts again: the best value
+    so far is another metric's, maybe in the other direction."""
+    from behemoth.config import EarlyStoppingConfig
+    from behemoth.worker.report import resume_early_stopping
+
+    cfg = JobConfig()
+    cfg.train.early_stopping = {"off": None, "patience raised": EarlyStoppingConfig(patience=5),
+                                "patience kept": EarlyStoppingConfig(patience=3),
+                                "metric changed": EarlyStoppingConfig(metric="val_loss", patience=3)}[change]
+    state = _stopped_state()
+    line = resume_early_stopping(cfg, _ImageLikeTask(), state)
+    if change == "patience kept":
+        assert line is None and state.stopped_early_at == 40 and state.last_step(100) == 40
+        return
+    assert state.stopped_early_at is None and state.last_step(100) == 100
+    assert "the run stopped early at step 40 (train.early_stopping)" in line and "trains on from step 40" in line
+    assert {"off": "early stopping is off now", "patience raised": "patience 5, 3 evaluation(s) without",
+            "metric changed": "patience 3, 0 evaluation(s) without"}[change] in line
+    if change == "metric changed":
+        assert line.startswith("train.early_stopping.metric val_accuracy -> val_loss: its counts start again")
+        assert (state.best_metric, state.evals_without_improvement) == (None, 0)
+        assert state.early_stopping_metric == "val_loss"
+    else:
+        assert (state.best_metric, state.evals_without_improvement) == (0.7, 3)
+
+
+def test_another_early_stopping_metric_resets_the_counts_of_a_run_still_going():
+    """Issue 65: val_accuracy's best (0.7, higher is better) must not be compared with val_loss (lower is
+    better): without the reset, a val_loss of 0.9 counts as no improvement on 0.7 and the run stops."""
+    from behemoth.config import EarlyStoppingConfig
+    from behemoth.worker.report import early_stop, resume_early_stopping
+
+    cfg = JobConfig()
+    cfg.train.early_stopping = EarlyStoppingConfig(metric="val_loss", patience=1)
+    state = _stopped_state(stopped_early_at=None, evals_without_improvement=0)
+    assert "its counts start again" in resume_early_stopping(cfg, _ImageLikeTask(), state)
+    state.step = 50
+    assert not early_stop(cfg, _ImageLikeTask(), state, {"val_loss": 0.9}, 100) and state.best_metric == 0.9
+    assert resume_early_stopping(cfg, _ImageLikeTask(), state) is None  # the same metric again: nothing to say
+
+
+def test_retention_keeps_the_best_checkpoint_of_an_early_stopped_run_and_the_latest(tmp_path, image_root):
+    """Issue 65: with the defaults (patience 3, checkpoint.keep 3) newest-K retention rotated the best checkpoint
+    out before the stop. Ray Train 2.60's own checkpoint manager (the real one, driven with the CheckpointConfig
+    behemoth gives it, without Ray) keeps the best 3 by the run's metric and the latest; a lane keeps the same
+    (retained); the summary names the best. A checkpoint without an evaluation ranks below the evaluated ones."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from ray.train import Checkpoint
+    from ray.train.v2._internal.execution.checkpoint.checkpoint_manager import CheckpointManager
+    from ray.train.v2._internal.execution.context import StorageContext
+    from ray.train.v2._internal.execution.training_report import _TrainingReport
+
+    from behemoth.driver.resume import retained, retention, run_place
+    from behemoth.driver.summary import summarise
+    from behemoth.job import config_from_dict
+    from behemoth.metrics import CHECKPOINT_SCORE, checkpoint_score
+
+    cfg = config_from_dict(job_dict(image_root, tmp_path, train={"early_stopping": {"metric": "val_loss"}},
+                                    checkpoint={"keep": 3}))
+    assert cfg.checkpoint.keep == 3 and cfg.train.early_stopping.patience == 3
+    # val_loss (lower is better) at each checkpoint, None where it did not evaluate: best at step 20, then 3
+    # evaluations without improvement and the stop at step 50 (newest-3 would keep 40, 45, 50)
+    losses = [(10, 0.9), (20, 0.5), (25, None), (30, 0.6), (40, 0.55), (45, None), (50, 0.7)]
+    place = run_place(cfg)
+    storage = StorageContext(storage_path=place.storage, experiment_dir_name=place.name)
+    reported = []
+
+    async def run():
+        manager = CheckpointManager(retention(cfg), storage)
+        for step, loss in losses:
+            path = tmp_path / "t" / f"checkpoint_{step:03d}"
+            path.mkdir(parents=True)
+            metrics = {"step": step, **({"val_loss": loss} if loss is not None else {}),
+                       CHECKPOINT_SCORE: checkpoint_score(loss, "min")}
+            reported.append(metrics)
+            manager.register_checkpoint(_TrainingReport(Checkpoint(str(path)), metrics, None))
+        return manager
+
+    manager = asyncio.run(run())
+    kept = sorted(p.name for p in (tmp_path / "t").glob("checkpoint_*") if p.is_dir())
+    assert kept == ["checkpoint_020", "checkpoint_030", "checkpoint_040", "checkpoint_050"]  # best 3 + latest
+    assert [losses[i][0] for i in retained(cfg, reported)] == [20, 30, 40, 50]  # a lane keeps the same
+    result = SimpleNamespace(metrics=reported[-1], checkpoint=manager.latest_checkpoint_result.checkpoint,
+                             return_value={}, best_checkpoints=[(r.checkpoint, r.metrics)
+                                                                for r in manager.best_checkpoint_results])
+    summary = summarise(cfg, result, 1.0)
+    assert summary.best_checkpoint.endswith("checkpoint_020") and summary.best_value == 0.5
+    assert summary.latest_checkpoint.endswith("checkpoint_050") and CHECKPOINT_SCORE not in summary.metrics
+    assert any("best checkpoint:" in line and "checkpoint_020 (val_loss 0.5000)" in line for line in summary.lines())
+
+
 def test_mixup_and_cutmix_mix_each_sample_with_its_partner_and_say_in_what_share():
     """data.mixup_alpha / cutmix_alpha (issue 58, data/mixing.py): mixup blends each sample with the mirrored one
     by its share, cutmix pastes a box of it (the share is what is left of the sample's own pixels); the draws
@@ -402,6 +511,11 @@ def test_a_profiled_window_of_steps_lands_in_the_run_folder_and_the_report_links
     assert files == ["rank1.steps-3-4.pt.trace.json"]
     events = json.loads((run / "profile" / files[0]).read_text())["traceEvents"]
     assert any(e.get("name") == "aten::addmm" for e in events)  # the steps' matmuls, as the profiler saw them
+    # exactly the window's steps, each marked with the run's step (issue 65: a window started two steps early
+    # still wrote a file named for steps 3-4)
+    marked = sorted({e["name"] for e in events if e.get("name", "").startswith("ProfilerStep#")})
+    assert marked == ["ProfilerStep#3", "ProfilerStep#4"]
+    assert sum(e.get("name") == "aten::addmm" for e in events) == 2  # one matmul a step: two steps recorded
 
     from behemoth.tracking.report import _profile_links
 

@@ -40,6 +40,8 @@ def scan_shard(path: str) -> list[tuple[int, int, int]]:
     samples: dict[str, dict] = {}
     try:
         members = _members(path)
+    except DataError:
+        raise  # behemoth's own line already names the shard and what to do
     except (tarfile.TarError, OSError, ValueError, IndexError, KeyError, OverflowError) as e:
         # (tarfile raises more than TarError on a crafted header: ValueError, IndexError on sparse maps)
         fix = "decompress it" if _compressed(path) else "it is damaged or not a tar: write it again"
@@ -144,11 +146,11 @@ def _plain_members(path: str):
                 next_size, needs_tarfile = pax_size, True
             elif next_size is not None:
                 size, next_size = next_size, None
+            if kind in (b"1", b"2", b"S"):  # (refused for what it is, before what it claims to hold is checked)
+                _not_bytes(path, name, {b"1": "hard link", b"2": "symbolic link", b"S": "sparse file"}[kind])
             if data + size > end:
                 raise tarfile.ReadError(f"the shard ends inside {name}, {data + size - end} bytes short")
             needs_tarfile = needs_tarfile or _checksum(header) != _octal(header[148:156])
-            if kind in (b"1", b"2", b"S"):
-                _not_bytes(path, name, {b"1": "hard link", b"2": "symbolic link", b"S": "sparse file"}[kind])
             if kind in (b"0", b"\0", b"7") and not needs_tarfile:  # regular files
                 label = None
                 if split_key(name)[1] == LABEL_EXTENSION:

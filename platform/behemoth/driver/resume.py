@@ -7,6 +7,7 @@ folder's checkpoints after a run (public: a run through Ray Train and a sweep's 
 - `describe_rerun`: what a rerun's changed train.* / scaling.* keys do; another optimizer is refused.
 - `check_resume_data`: a rerun whose data now means something else (a class folder renamed) is refused.
 - `resolve_init_from`: train.init_from resolved once to the folder every worker and restart loads.
+- `retention`: checkpoint.keep as Ray Train's CheckpointConfig (the best by the run's metric, and the latest).
 - `retire_unregistered`: checkpoint.keep applied to complete checkpoints Ray Train never registered.
 """
 
@@ -18,7 +19,7 @@ from dataclasses import dataclass
 from behemoth.config import JobConfig
 from behemoth.errors import CheckpointError, ConfigError
 from behemoth.storage import paths
-from behemoth.tasks import task_of
+from behemoth.tasks import run_metric, task_of
 
 # Keys that may change between a run and its resumption: they change speed or bookkeeping, not what is learnt.
 _RESUMABLE_CHANGES = {"data.prefetch_batches", "data.cpus_per_task", "data.max_bad_samples"}
@@ -248,6 +249,34 @@ def resolve_init_from(cfg: JobConfig) -> JobConfig:
     else:
         print(f"[behemoth] init_from {source}: {chosen} ({how})", flush=True)
     return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, init_from=chosen))
+
+
+def retention(cfg: JobConfig):
+    """checkpoint.keep as Ray Train's CheckpointConfig: the `keep` best checkpoints by the run's metric (each
+    checkpoint's report carries its score: metrics.CHECKPOINT_SCORE; one without an evaluation ranks below every
+    evaluated one, the newer above the older: Ray's ties) and, whatever its score, the latest, which a rerun
+    resumes from (Ray Train 2.60's checkpoint manager never deletes its latest).
+    Newest-K alone would rotate the best out of a run that stops early (patience 3, keep 3: the 3 checkpoints
+    after the best are kept). A lane keeps the same ones (`retained`: a lane applies it, hosts/lane.py)."""
+    from ray.train import CheckpointConfig
+
+    from behemoth.metrics import CHECKPOINT_SCORE
+
+    return CheckpointConfig(num_to_keep=cfg.checkpoint.keep, checkpoint_score_attribute=CHECKPOINT_SCORE,
+                            checkpoint_score_order=run_metric(task_of(cfg), cfg)[1])
+
+
+def retained(cfg: JobConfig, reported: list[dict]) -> list[int]:
+    """Which of a run's checkpoints (their reports' metrics, in report order) `retention` keeps, as Ray Train
+    applies it (a lane applies this: hosts/lane.py): the checkpoint.keep best by score (one without: the worst),
+    a tie to the newer, and the latest whatever its score. Indices, in report order."""
+    from behemoth.metrics import CHECKPOINT_SCORE, checkpoint_score
+
+    keep, order = cfg.checkpoint.keep, run_metric(task_of(cfg), cfg)[1]
+    sign = 1 if order == "max" else -1
+    best = sorted(range(len(reported)),
+                  key=lambda i: (sign * checkpoint_score(reported[i].get(CHECKPOINT_SCORE), order), i))[-keep:]
+    return sorted({*best, len(reported) - 1} if reported else set())
 
 
 def retire_unregistered(cfg: JobConfig, kept: list, fence=None) -> list[str]:

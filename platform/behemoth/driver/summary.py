@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from behemoth.config import JobConfig
 from behemoth.driver.resume import run_place
 from behemoth.metrics import logged_reports
-from behemoth.tasks import task_of
+from behemoth.tasks import run_metric, task_of
 
 
 @dataclass
@@ -15,7 +15,7 @@ class RunSummary:
     run_dir: str
     metrics: dict  # the last reported metrics
     latest_checkpoint: str | None
-    best_checkpoint: str | None  # best by the task's `best` metric among the kept ones
+    best_checkpoint: str | None  # best by the run's metric (tasks.run_metric): retention keeps it
     best_value: float | None
     best_metric: str
     wall_s: float
@@ -54,7 +54,7 @@ def summarise(cfg: JobConfig, result, wall_s: float) -> RunSummary:
     """The run's summary from what its host returned: a Ray Train Result, or a lane's of the same shape
     (metrics, checkpoint, best_checkpoints as (checkpoint, metrics), return_value)."""
     task = task_of(cfg)
-    key, mode = task.best
+    key, mode = run_metric(task, cfg)  # (retention keeps its best checkpoint: driver/resume.py retention)
     scored = [(m[key], c.path) for c, m in (result.best_checkpoints or []) if key in m]
     best_value, best_path = (max(scored) if mode == "max" else min(scored)) if scored else (None, None)
     place = run_place(cfg)  # Ray gives paths on the storage's filesystem

@@ -15,7 +15,8 @@ import time
 from behemoth.config import JobConfig
 from behemoth.driver import preflight, ray_session
 from behemoth.driver.resume import (check_resume_compatible, check_resume_data, check_something_trained,
-                                    describe_rerun, resolve_init_from, retire_unregistered, run_dir, run_place)
+                                    describe_rerun, resolve_init_from, retention, retire_unregistered, run_dir,
+                                    run_place)
 from behemoth.driver.stale_requests import withdraw_killed_drivers_requests
 from behemoth.driver.summary import RunSummary, summarise
 from behemoth.errors import RunFailedError, user_facing_error
@@ -36,7 +37,7 @@ def build_trainer(cfg: JobConfig, data, callbacks: list | None = None, fence=Non
     `fence` (runlock.Fence): the workers check the lease around each checkpoint upload (driver/lease_fence.py)
     and before a restore deletes an unfinished upload (worker/restore.py)."""
     import ray
-    from ray.train import CheckpointConfig, FailureConfig, LoggingConfig, RunConfig, ScalingConfig
+    from ray.train import FailureConfig, LoggingConfig, RunConfig, ScalingConfig
 
     from behemoth.driver import failure_policy
     from behemoth.worker.loop import train_loop_per_worker
@@ -62,7 +63,7 @@ def build_trainer(cfg: JobConfig, data, callbacks: list | None = None, fence=Non
             storage_path=run_place(cfg).storage,
             failure_config=FailureConfig(max_failures=cfg.failure.max_failures),
             callbacks=list(callbacks or []),
-            checkpoint_config=CheckpointConfig(num_to_keep=cfg.checkpoint.keep),
+            checkpoint_config=retention(cfg),
             # Ray Train's per-report INFO lines would bury behemoth's progress lines.
             logging_config=LoggingConfig(log_level="WARNING"),
             # merged with the job's runtime env (its py_modules stay)

@@ -38,17 +38,19 @@ class LaneHost(WorkerHost):
     registered as they are written (an upload thread keeps report order with checkpoint.async_save), each
     report recorded by the run's RunRecorder, and evaluations forwarded to Tune from the training thread."""
 
-    def __init__(self, place: RunPlace, keep: int, recorder, fence, forward):
-        """`place`: the run's; `keep`: checkpoint.keep; `recorder`: the run's RunRecorder; `fence`: the sweep's
-        lease fence (or None); `forward`: called with every report (Tune's)."""
-        self.run_name, self.keep = place.name, keep
+    def __init__(self, place: RunPlace, retain, recorder, fence, forward):
+        """`place`: the run's; `retain`: checkpoint.keep, as Ray Train applies it (driver/resume.py retained:
+        the metrics of the run's checkpoints in report order -> the indices kept); `recorder`: the run's
+        RunRecorder; `fence`: the sweep's lease fence (or None); `forward`: called with every report (Tune's)."""
+        self.run_name, self.retain = place.name, retain
         self.folder = place.folder
         self.fs, self.run_path = filesystem(place.folder)
         self.recorder, self.fence, self.forward = recorder, fence, forward
         self._device = _lane_device()
         # the run's complete checkpoints with their metrics, oldest first (a resumed trial's are registered)
         self.kept = [(ray_checkpoint(path, self.fs), _metrics_of(path, self.fs))
-                     for _, path in reversed(complete_checkpoints(self.run_path, self.fs))][-self.keep:]
+                     for _, path in reversed(complete_checkpoints(self.run_path, self.fs))]
+        self.kept = [self.kept[i] for i in retain([m for _, m in self.kept])]
         self.last_metrics: dict = {}
         self._jobs: queue.Queue = queue.Queue()
         self._uploader: threading.Thread | None = None
@@ -105,9 +107,11 @@ class LaneHost(WorkerHost):
             ckpt = upload(ray_checkpoint(folder, local()), dir_name)
             self.fence_check("registering the checkpoint it just wrote and applying checkpoint.keep")
             self.kept.append((ckpt, metrics))
-            for old, _ in self.kept[:-self.keep]:
-                self.fs.delete_dir(old.path)
-            self.kept = self.kept[-self.keep:]
+            keep = self.retain([m for _, m in self.kept])
+            for i, (old, _) in enumerate(self.kept):
+                if i not in keep:
+                    self.fs.delete_dir(old.path)
+            self.kept = [self.kept[i] for i in keep]
         self.last_metrics = metrics
         self.recorder.after_report(SimpleNamespace(checkpoint=ckpt), [metrics])
 

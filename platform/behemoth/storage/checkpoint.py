@@ -65,10 +65,11 @@ class TrainState:
     world_size: int = 1  # workers when the checkpoint was written (elastic runs log a change)
     skipped_steps: int = 0  # steps whose update was skipped: a non-finite gradient norm (train.nonfinite: skip)
     # train.early_stopping: the best value of its metric so far, evaluations since it improved, and the step the
-    # run stopped at (None: it has not stopped)
+    # run stopped at (None: it has not stopped); the metric counted (None: a checkpoint from before it was kept)
     best_metric: float | None = None
     evals_without_improvement: int = 0
     stopped_early_at: int | None = None
+    early_stopping_metric: str | None = None
 
     def last_step(self, total_steps: int) -> int:
         """The step the run ends at: its last, or the one early stopping stopped it at."""

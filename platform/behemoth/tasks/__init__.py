@@ -17,10 +17,10 @@ from typing import Any
 
 from behemoth.config import JobConfig
 from behemoth.errors import ConfigError
-from behemoth.tasks.contract import Task
+from behemoth.tasks.contract import Task, run_metric
 from behemoth.tasks.registry import register, task_class
 
-__all__ = ["Task", "make_task", "register", "task_of"]
+__all__ = ["Task", "make_task", "register", "run_metric", "task_of"]
 
 
 def task_of(cfg: JobConfig) -> type[Task]:

@@ -23,6 +23,15 @@ if TYPE_CHECKING:  # annotations only: importing torch here would make `import b
     from behemoth.storage.weights import ReinitPolicy
 
 
+def run_metric(task, cfg: JobConfig) -> tuple[str, str]:
+    """The metric a run is judged by, and "max" or "min": train.early_stopping's where it names one, else the
+    task's `best`. Early stopping counts it, retention keeps its best checkpoint, the summary names that one.
+    `task`: a Task class or instance."""
+    rule = cfg.train.early_stopping
+    metric = (rule.metric if rule is not None else None) or task.best[0]
+    return metric, task.best[1] if metric == task.best[0] else task.reported[metric]
+
+
 class Task(abc.ABC):
     # ==== driver half =========================================================================================
 

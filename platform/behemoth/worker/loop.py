@@ -38,7 +38,7 @@ from behemoth.worker.optim import build_optimizer, lr_schedule
 from behemoth.worker.plan import batch_plan
 from behemoth.worker.profiling import StepProfiler
 from behemoth.worker.precision import autocast, device_settings, grad_scaler, master_weights
-from behemoth.worker.report import Reporter, report_due
+from behemoth.worker.report import Reporter, report_due, resume_early_stopping
 from behemoth.worker.restore import load_init_from, restore_latest
 from behemoth.worker.run import Run
 from behemoth.worker.saver import CheckpointSaver
@@ -60,6 +60,7 @@ def train_loop_per_worker(loop_config: dict) -> dict:
 
     # Resume: the latest good checkpoint restores weights, optimizer, schedule, scaler, compression, data position.
     state = restore_latest(run, loop_config.get("fence")) or TrainState(world_size=world)
+    early_line = resume_early_stopping(cfg, task, state)  # a rerun's early stopping: trains on, or counts anew
     feed = EpochFeed(task, cfg, rank, world, micro_batch, accum, epoch_steps)
     if state.step < state.last_step(total_steps):
         feed.start(state)  # the first epoch's pipeline starts in the background (and the next ones early)
@@ -68,6 +69,8 @@ def train_loop_per_worker(loop_config: dict) -> dict:
     clock.mark("restored")
     if rank == 0:
         _announce_resume(cfg, state, world, micro_batch, accum, init_line)
+        if early_line:
+            console(early_line)
     state.world_size = world
     ledger = SampleLedger(cfg.train.sample_ledger, rank, world)
     saver = CheckpointSaver(cfg, rank, task.checkpoint_files(cfg, prepared), clock)

@@ -26,11 +26,18 @@ class StepProfiler:
     def __init__(self, cfg, rank: int, device: torch.device):
         self.rule, self.rank, self.device = cfg.train.profile, rank, device
         self.profiler = None
+        self.step_range = None  # the step being recorded, as a range in the trace
 
     def before_step(self, state: TrainState) -> None:
-        """Start recording where the next step is the window's first."""
-        if self.rule is None or self.profiler is not None or state.step != self.rule.start_step:
-            return
+        """Start recording where the next step is the window's first; each step recorded is a range named
+        ProfilerStep#N (N: the run's step, counted from 1), as torch's own step marks are named (Perfetto, HTA)."""
+        if self.rule is not None and self.profiler is None and state.step == self.rule.start_step:
+            self._start()
+        if self.profiler is not None:
+            self.step_range = torch.profiler.record_function(f"ProfilerStep#{state.step + 1}")
+            self.step_range.__enter__()
+
+    def _start(self) -> None:
         activities = [torch.profiler.ProfilerActivity.CPU]
         if self.device.type == "cuda":
             activities.append(torch.profiler.ProfilerActivity.CUDA)
@@ -40,6 +47,9 @@ class StepProfiler:
 
     def after_step(self, state: TrainState) -> None:
         """Stop and write the files once the window's last step is done."""
+        if self.step_range is not None:
+            self.step_range.__exit__(None, None, None)
+            self.step_range = None
         if self.profiler is None or state.step < self.rule.start_step + self.rule.steps:
             return
         self.profiler.__exit__(None, None, None)

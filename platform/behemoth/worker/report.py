@@ -14,8 +14,9 @@ import torch
 from behemoth.storage.checkpoint import TrainState
 from behemoth.config import JobConfig
 from behemoth.errors import BadSampleError, NonFiniteError
-from behemoth.metrics import LOGGED, PhaseClock, Window, data_wait_fraction, progress_line, throughput
-from behemoth.tasks import Task
+from behemoth.metrics import (CHECKPOINT_SCORE, LOGGED, PhaseClock, Window, checkpoint_score, data_wait_fraction,
+                              progress_line, throughput)
+from behemoth.tasks import Task, run_metric
 from behemoth import hosts
 from behemoth.worker.collectives import all_reduce_sum, sync_buffers, union_across_ranks
 from behemoth.worker.console import console
@@ -52,11 +53,11 @@ def early_stop(cfg: JobConfig, task: Task, state: TrainState, report: dict, tota
     min_delta (in the task's direction), in the train state (so a resumed run counts on); at `patience` the run
     stops at this step (state.stopped_early_at). Every rank decides alike: the evaluation is all-reduced."""
     rule = cfg.train.early_stopping
-    metric = rule.metric or task.best[0]
-    value, mode = report.get(metric), task.best[1] if metric == task.best[0] else task.reported[metric]
+    metric, mode = run_metric(task, cfg)
+    value = report.get(metric)
     if value is None or state.step >= total_steps:
         return False
-    best = state.best_metric
+    best, state.early_stopping_metric = state.best_metric, metric
     improved = best is None or (value > best + rule.min_delta if mode == "max" else value < best - rule.min_delta)
     if improved:
         state.best_metric, state.evals_without_improvement = value, 0
@@ -66,6 +67,28 @@ def early_stop(cfg: JobConfig, task: Task, state: TrainState, report: dict, tota
         return False
     state.stopped_early_at = state.step
     return True
+
+
+def resume_early_stopping(cfg: JobConfig, task: Task, state: TrainState) -> str | None:
+    """A resumed run's early-stopping counts against this config (every rank alike; returns the line to say, or
+    None). Another metric than the checkpoint's counted starts the counts again: its best value is not one of
+    this metric's, nor in its direction. A run that stopped early trains on where the rule that stopped it is
+    off now, or its patience is above the evaluations it has counted (a new metric's counts included)."""
+    rule, stopped = cfg.train.early_stopping, state.stopped_early_at
+    said = []
+    metric = run_metric(task, cfg)[0]
+    counted = state.early_stopping_metric
+    if rule is not None and counted is not None and counted != metric:
+        said.append(f"train.early_stopping.metric {counted} -> {metric}: its counts start again (the best {counted} "
+                    f"so far, {state.best_metric}, is no {metric})")
+        state.best_metric, state.evals_without_improvement, state.early_stopping_metric = None, 0, metric
+    if stopped is not None and (rule is None or state.evals_without_improvement < rule.patience):
+        why = ("early stopping is off now" if rule is None else
+               f"patience {rule.patience}, {state.evals_without_improvement} evaluation(s) without improvement")
+        said.append(f"the run stopped early at step {stopped} (train.early_stopping); {why}: it trains on from "
+                    f"step {state.step}")
+        state.stopped_early_at = None
+    return "; ".join(said) or None
 
 
 class ReportSender:
@@ -194,13 +217,16 @@ class Reporter:
                 checkpoint_now = True  # the run ends here: its last checkpoint holds the decision
                 if self.rank == 0:
                     rule = self.cfg.train.early_stopping
-                    console(f"early stop at step {state.step}: {rule.metric or self.task.best[0]} has not improved "
+                    console(f"early stop at step {state.step}: {state.early_stopping_metric} has not improved "
                             f"on {state.best_metric:.4g} by more than {rule.min_delta:g} for {rule.patience} "
                             f"evaluations (train.early_stopping)")
         if self.rank == 0:
             console(progress_line(report, self.total_steps, self.cfg.train.epochs, self.task.progress_fields(report)))
         if checkpoint_now:
             t0 = time.perf_counter()
+            # retention ranks checkpoints by the run's metric (the latest is kept too): this one's, where evaluated
+            metric, order = run_metric(self.task, self.cfg)
+            report[CHECKPOINT_SCORE] = checkpoint_score(report.get(metric), order)
             self.sender.attach_pending(report)
             self.sender.flush()  # the reports before it reach the host first
             self.saver.save_and_report(report, state, self.run, sync=preempted)
@@ -218,9 +244,14 @@ class Reporter:
 
     def completed_run(self, state: TrainState) -> None:
         """A rerun of a finished run: evaluate its final weights, train nothing."""
-        if self.rank == 0:
-            early = " (stopped early: train.early_stopping)" if state.stopped_early_at is not None else ""
-            console(f"run already complete at step {state.step}{early}: nothing to train")
+        if self.rank == 0 and state.stopped_early_at is not None:
+            console(f"run stopped early at step {state.step}: {state.early_stopping_metric or 'its metric'} did "
+                    f"not improve on {state.best_metric} for {state.evals_without_improvement} evaluations "
+                    f"(train.early_stopping): nothing to train. To train on from here: --set "
+                    f"train.early_stopping=null, or a train.early_stopping.patience above "
+                    f"{state.evals_without_improvement}")
+        elif self.rank == 0:
+            console(f"run already complete at step {state.step}: nothing to train")
         self.sender.flush()
         send_report({"step": state.step, "epoch": state.step / self.epoch_steps,
                        "samples_seen": state.samples_seen, **self.clock.snapshot(),

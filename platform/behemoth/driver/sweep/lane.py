@@ -6,8 +6,8 @@ worker: new processes that each import Ray Train and torch, ~20 s on 2 cores, fo
 A lane starts none of them. It runs the same worker loop (worker/loop.py) in the trial's own process under the
 lane's worker host (hosts/lane.py, made current by hosts.hosted), which writes what Ray Train's would: the run folder, its
 checkpoints (the manifest last; the sweep's lease checked around each), retention (checkpoint.keep: the
-newest K, as Ray's CheckpointConfig(num_to_keep=K) keeps), the run's records through the same RunRecorder
-(metrics.jsonl, timeline.jsonl, TensorBoard, MLflow, the goodput account) and the run's summary.
+best K by the run's metric and the latest, as Ray's CheckpointConfig keeps them: driver/resume.py retention),
+the run's records through the same RunRecorder (metrics.jsonl, timeline.jsonl, TensorBoard, MLflow, the goodput account) and the run's summary.
 
 What a lane keeps from one trial to the next, all of it read-only and keyed by everything it depends on:
 torch, transformers and the task's code imported; the prepared data (an image index and its decoded cache
@@ -29,6 +29,7 @@ unusable (an illegal memory access, a device-side assert): it shows the error an
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import json
 import os
@@ -95,7 +96,7 @@ def _train_in_lane(cfg: JobConfig, forward, parent_mlflow_run: str | None, fence
     data = _prepared(cfg, tracking.mark)
     resume.check_resume_data(cfg, data)
     recorder = tracking.callbacks()[0]
-    ctx = LaneHost(resume.run_place(cfg), cfg.checkpoint.keep, recorder, fence, forward)
+    ctx = LaneHost(resume.run_place(cfg), functools.partial(resume.retained, cfg), recorder, fence, forward)
     fresh_state().restore()  # as a fresh worker process starts (sweep/fresh.py)
     _TRIALS_HERE[0] += 1
     try:

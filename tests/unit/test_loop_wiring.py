@@ -1,0 +1,117 @@
+"""The worker loop's wiring, in the quick tier and without Ray (issue 65): the loop (worker/loop.py
+train_loop_per_worker) runs whole, in this process, under a lane's host (hosts/lane.py, as a sweep's warm lane
+runs it), on the full tier's task of one's own (linear regression on generated rows), 8 steps a run. The helpers each
+have their own tests; these catch the loop not calling them: evaluation on the weight average (train.ema_decay),
+fp32 parameters whatever dtype the task builds in, early stopping ending the loop, a non-finite step stopping
+it. (The full tier runs the same through Ray Train: tests/integration/test_train_images.py.)"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from behemoth import hosts
+from conftest import job_dict
+from integration.toy_task import TRAIN, LinearRegression, ToyData
+
+
+class Regression(LinearRegression):
+    """The full tier's task of one's own (linear regression on generated rows), its batches on the host's
+    device instead of Ray Train's, its model built in bfloat16 (as from_pretrained keeps a stored dtype)."""
+
+    def build_model(self):
+        return torch.nn.Linear(self.cfg.data.features, 1).to(torch.bfloat16)
+
+    def _batches(self, offset, indices, batch_size):
+        for start in range(0, len(indices), batch_size):
+            ids = np.asarray(indices[start:start + batch_size], dtype=np.int64)
+            yield {"x": torch.from_numpy(self.data["x"][offset + ids]),
+                   "y": torch.from_numpy(self.data["y"][offset + ids]), "sample_id": torch.from_numpy(ids)}
+
+    def example_batch(self, batch_size):
+        return {"x": torch.zeros(batch_size, self.cfg.data.features), "y": torch.zeros(batch_size)}
+
+
+def _run(tmp_path, monkeypatch, **sections):
+    """The loop, whole, under a lane's host on the CPU: (what it returned, every report, the run folder)."""
+    from behemoth.driver.resume import retained, run_place
+    from behemoth.hosts import lane
+    from behemoth.job import config_from_dict
+    from behemoth.worker.loop import train_loop_per_worker
+
+    job = job_dict(tmp_path, tmp_path / "runs", data={}, scaling={"num_workers": 1},
+                   train={"epochs": 1, "global_batch_size": 64, "lr": 0.05, "log_every": 2},
+                   checkpoint={"every_n_steps": 4, "async_save": False}, eval={"per_epoch": True})
+    job["data"] = {"kind": "unit.test_loop_wiring:Regression"}
+    for section, values in sections.items():
+        job[section].update(values)
+    cfg = config_from_dict(job)
+    reports = []
+    recorder = SimpleNamespace(after_report=lambda _, metrics: reports.extend(metrics))
+    monkeypatch.setattr(lane, "_lane_device", lambda: torch.device("cpu"))  # (not Ray's GPU ids: no Ray here)
+    host = lane.LaneHost(run_place(cfg), lambda reported: retained(cfg, reported), recorder, None, None)
+    try:
+        with hosts.hosted(host):
+            returned = train_loop_per_worker({"job": cfg.to_dict(), "data": Regression.check(cfg), "fence": None})
+            host.drain()
+    finally:
+        host.close()
+    return returned, reports, tmp_path / "runs" / "t"
+
+
+def _val_mse(weights: dict) -> float:
+    data = Regression.check(SimpleNamespace(data=ToyData(), train=SimpleNamespace(seed=0)))
+    x, y = torch.from_numpy(data["x"][TRAIN:]), torch.from_numpy(data["y"][TRAIN:])
+    return float(((x @ weights["weight"].float().T + weights["bias"].float()).squeeze(1) - y).pow(2).mean())
+
+
+def test_the_loop_evaluates_the_weight_average_and_trains_fp32_parameters(tmp_path, monkeypatch):
+    """train.ema_decay: the reported val_mse is the weight average's (ema.pt), not the trained weights'
+    (model.pt); the parameters and optimizer state are fp32 though the task builds its model in bfloat16."""
+    from behemoth.storage.checkpoint import complete_checkpoints
+
+    returned, reports, run = _run(tmp_path, monkeypatch, train={"ema_decay": 0.5})
+    assert returned["final_step"] == 8
+    (step, latest), *_ = complete_checkpoints(run)
+    model = torch.load(f"{latest}/model.pt", weights_only=True)
+    ema = torch.load(f"{latest}/ema.pt", weights_only=True)
+    assert step == 8 and {v.dtype for v in model.values()} == {torch.float32}
+    optim = torch.load(f"{latest}/optimizer.pt", weights_only=True)
+    assert {s.dtype for state in optim["state"].values() for s in state.values() if s.is_floating_point()} == {
+        torch.float32}
+    reported = [r["val_mse"] for r in reports if r.get("step") == 8 and "val_mse" in r]
+    assert reported and reported[-1] == pytest.approx(_val_mse(ema), rel=1e-5)
+    assert abs(_val_mse(ema) - _val_mse(model)) > 1e-3 * _val_mse(model)  # (the two differ: the check can fail)
+
+
+def test_early_stopping_ends_the_loop_at_its_patience_and_a_rerun_without_it_trains_on(tmp_path, monkeypatch, capsys):
+    """val_mse cannot improve by more than min_delta 1e6: evaluated every 2 steps, the run stops at step 4 of
+    8, checkpointed there with the decision. A rerun with the same rule trains nothing and says how to go on;
+    one with early stopping off trains on to step 8 (issue 65)."""
+    from behemoth.storage.checkpoint import complete_checkpoints, read_state
+
+    rule = {"early_stopping": {"patience": 1, "min_delta": 1e6}}
+    evaluations = {"per_epoch": True, "every_n_steps": 2}
+    returned, reports, run = _run(tmp_path, monkeypatch, train=rule, eval=evaluations)
+    assert returned["final_step"] == 4 and max(r["step"] for r in reports) == 4
+    (step, latest), *_ = complete_checkpoints(run)
+    assert step == 4 and read_state(latest).stopped_early_at == 4
+    capsys.readouterr()
+    again, _, _ = _run(tmp_path, monkeypatch, train=rule, eval=evaluations)
+    assert again == {**again, "resumed_from_step": 4, "final_step": 4}
+    assert "nothing to train. To train on from here: --set train.early_stopping=null" in capsys.readouterr().out
+    on, reports, _ = _run(tmp_path, monkeypatch, eval=evaluations)
+    assert on == {**on, "resumed_from_step": 4, "final_step": 8} and max(r["step"] for r in reports) == 8
+    assert "early stopping is off now: it trains on from step 4" in capsys.readouterr().out
+
+
+def test_a_non_finite_step_stops_the_loop_naming_it(tmp_path, monkeypatch):
+    """train.nonfinite stop (the default): the first training row's target is NaN; the loop ends at the report
+    after the step that trained on it, with one error naming the step."""
+    from behemoth.errors import NonFiniteError
+
+    with pytest.raises(NonFiniteError, match=r"step \d+"):
+        _run(tmp_path, monkeypatch, data={"nan_rows": 1})
