@@ -15,6 +15,7 @@ prompt by --seed: the same command prints the same completions).
 
 from __future__ import annotations
 
+import copy
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -54,9 +55,11 @@ class Sampling:
                               "give --temperature > 0 (e.g. 0.7) to sample")
 
     def options(self) -> dict:
-        """generate()'s keywords."""
+        """The generation config's settings (a pretrained model's own sampling defaults are replaced: greedy
+        clears them, where transformers would warn that greedy ignores them)."""
         if self.temperature == 0:
-            return {"max_new_tokens": self.max_new_tokens, "do_sample": False}
+            return {"max_new_tokens": self.max_new_tokens, "do_sample": False, "temperature": None, "top_p": None,
+                    "top_k": None}
         return {"max_new_tokens": self.max_new_tokens, "do_sample": True, "temperature": self.temperature,
                 "top_p": 1.0 if self.top_p is None else self.top_p, "top_k": self.top_k or 0}
 
@@ -103,11 +106,12 @@ class Generator:
         """The new token ids after `prompt_ids` (the stop token included where generation stopped at one)."""
         import torch
 
+        config = copy.deepcopy(self.config)  # the stop ids with this command's settings: one config, as
+        config.update(**sampling.options())  # generate() wants (a config plus keywords is deprecated)
         torch.manual_seed(sampling.seed)  # per prompt: a prompt's completion does not depend on the ones before
         ids = torch.tensor([prompt_ids], device=self.model.device)
         with torch.no_grad():
-            out = self.model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=self.config,
-                                      **sampling.options())
+            out = self.model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config)
         return out[0, len(prompt_ids):].tolist()
 
     def run(self, prompts: list, sampling: Sampling, chat: bool = False) -> list:
@@ -154,7 +158,9 @@ def _from_hf_folder(folder: str):
     """transformers alone, never the folder's code (trust_remote_code False): an architecture transformers does
     not know, or one that is not a causal LM, is refused in one line."""
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as transformers_logging
 
+    transformers_logging.disable_progress_bar()  # its "Loading weights" bar, between our lines: one model
     try:
         model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=False)
     except (ValueError, OSError, KeyError) as e:
