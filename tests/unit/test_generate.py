@@ -156,6 +156,7 @@ def test_generate_errors_are_one_line_and_exit_2(chat_model, text_corpus, tmp_pa
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"prompt": "fine"}) + "\n" + json.dumps({"messages": "hi"}) + "\n")
     assert f"{bad}:2: give a row with" in refused(out, "--prompts", bad)
+    assert "prompt 1 is empty (no tokens)" in refused(out, "--prompt", "")
     assert "give --temperature > 0" in refused(ckpt, "--prompt", "x", "--top-p", "0.9")
     assert "--temperature must be a finite number" in refused(ckpt, "--prompt", "x", "--temperature", "nan")
 

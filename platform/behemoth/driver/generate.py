@@ -117,6 +117,9 @@ class Generator:
     def run(self, prompts: list, sampling: Sampling, chat: bool = False) -> list:
         sampling.validate()
         encoded = [self.encode(p, chat) for p in prompts]  # every prompt checked before the first is generated
+        empty = [n for n, ids in enumerate(encoded, 1) if not ids]
+        if empty:  # (generate() would fail on an empty input with a traceback)
+            raise ConfigError(f"prompt {empty[0]} is empty (no tokens): give it some text")
         done = []
         for prompt, ids in zip(prompts, encoded):
             new = self.complete(ids, sampling)
