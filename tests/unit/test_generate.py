@@ -175,3 +175,22 @@ def test_generate_runs_no_code_a_model_folder_names(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "not a causal language model transformers can load without running the folder's code" in err
     assert err.count("\n") == 1 and not marker.exists()
+
+
+def test_the_stop_ids_hold_the_end_of_turn_token_the_template_writes_where_the_vocabulary_has_it(text_corpus):
+    """Llama 3's layout (<|eot_id|> after each turn, BOS in the template) gives [EOS, <|eot_id|>]; ChatML's
+    <|im_end|> written by a template whose tokenizer lacks it as a token gives EOS alone."""
+    from transformers import AutoTokenizer
+
+    from behemoth.models.causal_lm import generation_config
+
+    tok = AutoTokenizer.from_pretrained(text_corpus / "tokenizer")
+    tok.add_special_tokens({"additional_special_tokens": ["<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]})
+    tok.chat_template = ("{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>"
+                         "\n\n{{ m['content'] | trim }}<|eot_id|>{% endfor %}")
+    assert generation_config(tok).eos_token_id == [tok.eos_token_id, tok.convert_tokens_to_ids("<|eot_id|>")]
+    tok.chat_template = CHATML  # <|im_end|> is text here, not a token of the vocabulary
+    assert generation_config(tok).eos_token_id == tok.eos_token_id
+    tok.chat_template = None
+    assert generation_config(tok).eos_token_id == tok.eos_token_id
+    assert generation_config(tok).pad_token_id == tok.eos_token_id
