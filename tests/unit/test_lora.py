@@ -54,6 +54,7 @@ def test_lora_trains_and_keeps_only_adapters_resumes_exactly_and_exports_adapter
 
     from behemoth.data.text import load_tokenizer
     from behemoth.driver.export import export
+    from behemoth.driver.generate import Sampling, load_generator
     from behemoth.models.causal_lm import build_causal_lm
 
     cfg = config_from_dict(lm_job_dict(text_corpus, tmp_path, scaling={"num_workers": 1},
@@ -106,6 +107,11 @@ def test_lora_trains_and_keeps_only_adapters_resumes_exactly_and_exports_adapter
     assert json.loads((out / "adapter" / "adapter_config.json").read_text())["r"] == 4
     generated = pipeline("text-generation", model=str(out))("once upon", max_new_tokens=2, do_sample=False)
     assert generated[0]["generated_text"].startswith("once upon")
+    # `behemoth generate` on the checkpoint: the adapters merged, as in the export (a PeftModel is refused)
+    generator = load_generator(str(ckpt))
+    prompt = generator.encode("once upon", chat=False)
+    expected = merged.generate(torch.tensor([prompt]), max_new_tokens=4, do_sample=False)[0, len(prompt):]
+    assert generator.complete(prompt, Sampling(max_new_tokens=4)) == expected.tolist()
 
 
 def test_lora_is_refused_where_it_cannot_work(text_corpus, tmp_path):

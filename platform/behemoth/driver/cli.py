@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from pathlib import Path
@@ -93,14 +94,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="a run folder's best checkpoint by the task's metric (default)")
     pick.add_argument("--latest", dest="which", action="store_const", const="latest",
                       help="a run folder's latest checkpoint")
-    # A checkpoint's job.yaml is data from whoever wrote it: code it names runs only when named here too.
-    p.add_argument("--model-code", type=_import_path("function"), metavar="MODULE:FUNCTION",
-                   help="import this model builder (a checkpoint whose model.name is one by import path: behemoth "
-                   "imports no code that only the checkpoint names)")
-    p.add_argument("--task-code", type=_import_path("Class"), metavar="MODULE:CLASS",
-                   help="import this task (a checkpoint whose data.kind is one by import path)")
-    p.add_argument("--trust-remote-code", action="store_true", help="run the code of the checkpoint's "
-                   "model.pretrained repository (its job.yaml's model.trust_remote_code is never honoured alone)")
+    _add_trusted_code_args(p)
+    _add_generate_command(sub)
 
     p = sub.add_parser("report", help="write a run's (or a sweep's) report: FOLDER/report/report.html with its "
                        "plots embedded, and the PNGs (`behemoth train` writes it at the end of every run)")
@@ -110,6 +105,40 @@ def build_parser() -> argparse.ArgumentParser:
     _add_data_commands(sub.add_parser("data", help="data utilities").add_subparsers(dest="data_command",
                                                                                       required=True))
     return parser
+
+
+def _add_trusted_code_args(p: argparse.ArgumentParser) -> None:
+    """A checkpoint's job.yaml is data from whoever wrote it: code it names runs only when named here too."""
+    p.add_argument("--model-code", type=_import_path("function"), metavar="MODULE:FUNCTION",
+                   help="import this model builder (a checkpoint whose model.name is one by import path: behemoth "
+                   "imports no code that only the checkpoint names)")
+    p.add_argument("--task-code", type=_import_path("Class"), metavar="MODULE:CLASS",
+                   help="import this task (a checkpoint whose data.kind is one by import path)")
+    p.add_argument("--trust-remote-code", action="store_true", help="run the code of the checkpoint's "
+                   "model.pretrained repository (its job.yaml's model.trust_remote_code is never honoured alone)")
+
+
+def _add_generate_command(sub) -> None:
+    p = sub.add_parser("generate", help="print a causal LM's completions of prompts (greedy, or sampled with "
+                       "--temperature > 0), from a checkpoint, a run folder or an exported Hugging Face folder; "
+                       "no Ray, the GPU if there is one")
+    p.add_argument("model", metavar="CHECKPOINT_OR_EXPORT", help="a behemoth checkpoint folder, a run folder (its "
+                   "best checkpoint; --latest: its latest) or a Hugging Face folder (behemoth export's)")
+    given = p.add_mutually_exclusive_group(required=True)
+    given.add_argument("--prompt", help="one prompt (text)")
+    given.add_argument("--prompts", metavar="FILE", help="a prompt per line, or JSONL (.jsonl) rows with "
+                       "\"prompt\" (text) or \"messages\" (a conversation, rendered with the chat template)")
+    p.add_argument("--chat", action="store_true", help="render text prompts as a user's turn with the tokenizer's "
+                   "chat template and its generation prompt (messages rows always are)")
+    p.add_argument("--chat-template", metavar="FILE", help="a Jinja chat template to use instead of the tokenizer's")
+    p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate at most (default 64)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy; > 0: sample at this "
+                   "temperature")
+    p.add_argument("--top-p", type=float, help="sampling: keep the most likely tokens up to this probability mass")
+    p.add_argument("--top-k", type=int, help="sampling: keep the k most likely tokens")
+    p.add_argument("--seed", type=int, default=0, help="sampling: torch's seed before each prompt (default 0)")
+    p.add_argument("--latest", action="store_true", help="a run folder's latest checkpoint instead of its best")
+    _add_trusted_code_args(p)
 
 
 def _add_check_commands(sub) -> None:
@@ -255,6 +284,8 @@ def _dispatch(args) -> int:
         print(f"[behemoth] exported {source}\n  to {out} (load with transformers' from_pretrained / pipeline; "
               f"see its README.md)")
         return 0
+    if args.command == "generate":
+        return _generate_command(args)
     if args.command == "check" and _is_sweep(args.config):
         return _check_sweep(args.config, args.overrides)
     cfg = load_config(args.config, args.overrides)
@@ -306,6 +337,22 @@ def _process_start() -> float | None:
         return max(started, float(os.environ.get(EXEC_TIME_ENV, "")))
     except ValueError:  # not set (or not a number: a shell whose `date` has no %N)
         return started
+
+
+def _generate_command(args) -> int:
+    from behemoth.driver.export import TrustedCode
+    from behemoth.driver.generate import Sampling, load_generator, read_prompts
+
+    sampling = Sampling(args.max_new_tokens, args.temperature, args.top_p, args.top_k, args.seed)
+    sampling.validate()  # (before the model loads)
+    prompts = [args.prompt] if args.prompt is not None else read_prompts(args.prompts)
+    generator = load_generator(args.model, "latest" if args.latest else "best",
+                               TrustedCode(args.model_code, args.task_code, args.trust_remote_code), args.chat_template)
+    print(f"[behemoth] generate: {generator.source}; {sampling.describe()}", flush=True)
+    for n, done in enumerate(generator.run(prompts, sampling, args.chat), 1):
+        shown = done.prompt if isinstance(done.prompt, str) else json.dumps(done.prompt, ensure_ascii=False)
+        print(f"--- prompt {n}: {shown}\n{done.text}", flush=True)
+    return 0
 
 
 def _tune_command(args) -> int:

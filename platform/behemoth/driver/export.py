@@ -54,18 +54,10 @@ def export(path: str, out: str, which: str = "best", trusted: TrustedCode = Trus
     out_dir = Path(out)
     if out_dir.exists() and any(out_dir.iterdir()):
         raise ConfigError(f"--out {out} is not empty: export into a new folder (nothing is overwritten)")
-    cfg = _job_of(path, trusted)
-    task = task_of(cfg)
-    ckpt, how = weights.resolve(path, which, task.best)
-    if not weights.is_checkpoint(ckpt):
-        raise ConfigError(f"{path} is already a Hugging Face folder, not a behemoth checkpoint")
-    cfg = _job_of(ckpt, trusted)  # the chosen checkpoint's own config
-    warn_remote_code(cfg.model)
     from transformers import PreTrainedModel
-    from transformers.utils import logging as transformers_logging
 
-    transformers_logging.disable_progress_bar()  # "Loading weights" / "Writing model shards" bars: one model
-    model = task.model_from_checkpoint(cfg, ckpt).eval()
+    loaded = load_checkpoint_model(path, which, trusted)
+    cfg, task, ckpt, how, model = loaded.cfg, loaded.task, loaded.ckpt, loaded.how, loaded.model
     out_dir.mkdir(parents=True, exist_ok=True)
     if is_adapted(model):  # model.lora: the adapters as PEFT's folder, and merged into the plain model below
         model.save_pretrained(out_dir / ADAPTER_FOLDER)
@@ -82,6 +74,34 @@ def export(path: str, out: str, which: str = "best", trusted: TrustedCode = Trus
         (out_dir / "behemoth_model.json").write_text(json.dumps({"builder": cfg.model.name}, indent=1))
     (out_dir / "README.md").write_text(model_card(cfg, ckpt, how, isinstance(model, PreTrainedModel)))
     return out_dir, f"{ckpt} ({how})"
+
+
+@dataclass(frozen=True)
+class LoadedCheckpoint:
+    """A checkpoint's model, built as the workers built it (LoRA adapters still apart), with its job config, its
+    task, the checkpoint folder chosen and why."""
+
+    cfg: JobConfig
+    task: type
+    ckpt: str
+    how: str
+    model: object
+
+
+def load_checkpoint_model(path: str, which: str = "best", trusted: TrustedCode = TrustedCode()) -> LoadedCheckpoint:
+    """The model of `path` (a checkpoint folder, or a run folder: its `which` checkpoint), in eval mode, importing
+    only the code the user trusts (`behemoth export` and `behemoth generate`)."""
+    cfg = _job_of(path, trusted)
+    task = task_of(cfg)
+    ckpt, how = weights.resolve(path, which, task.best)
+    if not weights.is_checkpoint(ckpt):
+        raise ConfigError(f"{path} is already a Hugging Face folder, not a behemoth checkpoint")
+    cfg = _job_of(ckpt, trusted)  # the chosen checkpoint's own config
+    warn_remote_code(cfg.model)
+    from transformers.utils import logging as transformers_logging
+
+    transformers_logging.disable_progress_bar()  # "Loading weights" / "Writing model shards" bars: one model
+    return LoadedCheckpoint(cfg, task, ckpt, how, task.model_from_checkpoint(cfg, ckpt).eval())
 
 
 def _job_of(path: str, trusted: TrustedCode) -> JobConfig:
@@ -140,6 +160,7 @@ def model_card(cfg: JobConfig, ckpt: str, how: str, transformers_model: bool) ->
     lines = [
         f"# {cfg.checkpoint.run_name}", "",
         f"Trained with behemoth: {cfg.model.name} on {cfg.data.kind} data ({data}), exported from {ckpt} ({how}).",
+        "", f"How it was trained: {how_trained(cfg)}.",
         "", "## Load", "", "```python", load, "```", "",
         "## Training", "",
         f"- steps: {state.step} ({state.samples_seen} samples, epoch {state.epoch}, {state.world_size} workers)",
@@ -149,3 +170,23 @@ def model_card(cfg: JobConfig, ckpt: str, how: str, transformers_model: bool) ->
         "", "## Job config", "", "```yaml", dump_yaml(cfg).rstrip(), "```", "",
     ]
     return "\n".join(lines)
+
+
+def how_trained(cfg: JobConfig) -> str:
+    """The model card's line on how the weights came to be: from what (a pretrained model, a config, another
+    run's weights) and by what (full training or LoRA adapters merged in)."""
+    model = cfg.model
+    if model.pretrained:
+        start = f"the pretrained model {model.pretrained}"
+    elif model.hf_config:
+        start = f"a freshly initialised {model.hf_config.get('model_type', model.name)} (model.hf_config)"
+    else:
+        start = f"a freshly built {model.name}"
+    if cfg.train.init_from:
+        start += f", its weights then taken from {cfg.train.init_from} (train.init_from)"
+    if model.lora is not None:
+        modules = ", ".join(model.lora.target_modules) if model.lora.target_modules else "peft's default modules"
+        return (f"LoRA adapters (r {model.lora.r}, alpha {model.lora.alpha}, on {modules}) trained on {start}, "
+                f"its weights frozen; the adapters are merged into this model and kept alone in {ADAPTER_FOLDER}/")
+    tuned = "full fine-tuning of" if model.pretrained or cfg.train.init_from else "training from scratch of"
+    return f"{tuned} {start}, every weight trained"

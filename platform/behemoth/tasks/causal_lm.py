@@ -122,10 +122,19 @@ class CausalLM(Task):
 
     @classmethod
     def save_for_transformers(cls, cfg: JobConfig, out: Path) -> None:
-        """The run's tokenizer files, for AutoTokenizer.from_pretrained."""
-        from behemoth.data.text import load_tokenizer
+        """The run's tokenizer files (its chat template kept), for AutoTokenizer.from_pretrained, and
+        generation_config.json: the model's own (written beside it, if any) with the tokenizer's EOS, the chat
+        template's end-of-turn token and a pad id (models/causal_lm.generation_config), which serving stacks
+        and `generate` stop on."""
+        from transformers import GenerationConfig
 
-        load_tokenizer(cfg.data.tokenizer).save_pretrained(out)
+        from behemoth.data.text import load_tokenizer
+        from behemoth.models.causal_lm import generation_config
+
+        tok = load_tokenizer(cfg.data.tokenizer)
+        tok.save_pretrained(out)
+        base = GenerationConfig.from_pretrained(out) if (out / "generation_config.json").is_file() else None
+        generation_config(tok, base).save_pretrained(out)
 
     @classmethod
     def load_snippet(cls, cfg: JobConfig) -> str:

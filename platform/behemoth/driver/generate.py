@@ -1,0 +1,239 @@
+"""Driver side: `behemoth generate` — what a causal LM says to a few prompts, on this machine (CPU, or a GPU where
+there is one), no Ray.
+
+The model comes from a behemoth checkpoint or run folder (built as `behemoth export` builds it:
+driver/export.load_checkpoint_model, LoRA adapters merged; the run's tokenizer, data.tokenizer) or from a Hugging
+Face folder (an export: transformers alone, never the folder's own code). It stops where an export's
+generation_config.json says (models/causal_lm.generation_config: EOS and the chat template's end-of-turn token):
+a checkpoint gets the same config the export would write, so both print the same words.
+
+Prompts: one (--prompt), or a file: a prompt per line, or JSONL whose rows hold `prompt` (text) or `messages`
+(a conversation, rendered with the tokenizer's chat template and its generation prompt). --chat renders plain
+prompts as a user's turn. Greedy unless --temperature > 0 (then sampling, with --top-p / --top-k, seeded per
+prompt by --seed: the same command prints the same completions).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from behemoth.driver.export import TrustedCode, load_checkpoint_model
+from behemoth.errors import ConfigError
+from behemoth.storage import filesystem, weights
+from behemoth.storage.checkpoint import complete_checkpoints
+
+Prompt = str | list  # text, or a conversation: [{"role": ..., "content": ...}, ...]
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How to pick each next token: greedy (temperature 0) or sampled from the temperature-scaled
+    distribution cut to top_p / top_k, with torch seeded by `seed` before each prompt."""
+
+    max_new_tokens: int = 64
+    temperature: float = 0.0
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int = 0
+
+    def validate(self) -> None:
+        import math
+
+        if self.max_new_tokens < 1:
+            raise ConfigError(f"--max-new-tokens must be at least 1, got {self.max_new_tokens}")
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise ConfigError(f"--temperature must be a finite number >= 0 (0: greedy), got {self.temperature}")
+        if self.top_p is not None and not 0 < self.top_p <= 1:
+            raise ConfigError(f"--top-p must be in (0, 1], got {self.top_p}")
+        if self.top_k is not None and self.top_k < 1:
+            raise ConfigError(f"--top-k must be at least 1, got {self.top_k}")
+        if self.temperature == 0 and (self.top_p is not None or self.top_k is not None):
+            raise ConfigError("--top-p and --top-k shape sampling, and --temperature 0 (the default) is greedy: "
+                              "give --temperature > 0 (e.g. 0.7) to sample")
+
+    def options(self) -> dict:
+        """The generation config's settings (a pretrained model's own sampling defaults are replaced: greedy
+        clears them, where transformers would warn that greedy ignores them)."""
+        if self.temperature == 0:
+            return {"max_new_tokens": self.max_new_tokens, "do_sample": False, "temperature": None, "top_p": None,
+                    "top_k": None}
+        return {"max_new_tokens": self.max_new_tokens, "do_sample": True, "temperature": self.temperature,
+                "top_p": 1.0 if self.top_p is None else self.top_p, "top_k": self.top_k or 0}
+
+    def describe(self) -> str:
+        if self.temperature == 0:
+            return f"greedy, up to {self.max_new_tokens} new tokens"
+        return (f"sampling (temperature {self.temperature}, top_p {self.options()['top_p']}, top_k "
+                f"{self.top_k or 'off'}, seed {self.seed}), up to {self.max_new_tokens} new tokens")
+
+
+@dataclass(frozen=True)
+class Completion:
+    prompt: Prompt
+    prompt_ids: list
+    new_ids: list
+    text: str
+
+
+@dataclass
+class Generator:
+    """A causal LM ready to complete prompts: the model (eval, on its device), its tokenizer, the generation
+    config it stops by, and where it came from."""
+
+    model: object
+    tokenizer: object
+    config: object
+    source: str
+
+    def encode(self, prompt: Prompt, chat: bool) -> list:
+        """The prompt's token ids: a conversation (or, with `chat`, a text as a user's turn) through the chat
+        template with its generation prompt; a text as the tokenizer encodes it."""
+        tok = self.tokenizer
+        if isinstance(prompt, list) or chat:
+            if not tok.chat_template:
+                raise ConfigError(f"{self.source}: its tokenizer has no chat template (tokenizer.chat_template), so "
+                                  f"a chat prompt cannot be rendered: name one with --chat-template FILE (a Jinja "
+                                  f"chat template), or give plain text prompts without --chat")
+            messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
+            text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            return tok(text, add_special_tokens=False)["input_ids"]  # (the template writes any BOS itself)
+        return tok(prompt)["input_ids"]
+
+    def complete(self, prompt_ids: list, sampling: Sampling) -> list:
+        """The new token ids after `prompt_ids` (the stop token included where generation stopped at one)."""
+        import torch
+
+        config = copy.deepcopy(self.config)  # the stop ids with this command's settings: one config, as
+        config.update(**sampling.options())  # generate() wants (a config plus keywords is deprecated)
+        torch.manual_seed(sampling.seed)  # per prompt: a prompt's completion does not depend on the ones before
+        ids = torch.tensor([prompt_ids], device=self.model.device)
+        with torch.no_grad():
+            out = self.model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config)
+        return out[0, len(prompt_ids):].tolist()
+
+    def run(self, prompts: list, sampling: Sampling, chat: bool = False) -> list:
+        sampling.validate()
+        encoded = [self.encode(p, chat) for p in prompts]  # every prompt checked before the first is generated
+        empty = [n for n, ids in enumerate(encoded, 1) if not ids]
+        if empty:  # (generate() would fail on an empty input with a traceback)
+            raise ConfigError(f"prompt {empty[0]} is empty (no tokens): give it some text")
+        done = []
+        for prompt, ids in zip(prompts, encoded):
+            new = self.complete(ids, sampling)
+            done.append(Completion(prompt, ids, new, self.tokenizer.decode(new, skip_special_tokens=True)))
+        return done
+
+
+def load_generator(path: str, which: str = "best", trusted: TrustedCode | None = None,
+                   chat_template: str | None = None) -> Generator:
+    """A Generator for `path`: a Hugging Face folder (an export), a behemoth checkpoint, or a run folder (its
+    `which` checkpoint); on the GPU where there is one. `chat_template`: a Jinja file used instead of the
+    tokenizer's own."""
+    import torch
+
+    local = path if filesystem.is_uri(path) else str(Path(path).expanduser())
+    if not filesystem.is_uri(path) and not Path(local).is_dir():
+        raise ConfigError(f"{path} does not exist (or is not a folder): give a behemoth checkpoint or run folder, "
+                          f"or a Hugging Face model folder (behemoth export writes one)")
+    if not (weights.is_hf_folder(local) or weights.is_checkpoint(local) or complete_checkpoints(local)):
+        raise ConfigError(f"{path} is not a behemoth checkpoint, a run folder with a complete checkpoint, or a "
+                          f"Hugging Face model folder (config.json and its weights)")
+    if weights.is_hf_folder(local):
+        model, tokenizer, source = _from_hf_folder(local)
+    else:
+        model, tokenizer, source = _from_checkpoint(path, which, trusted or TrustedCode())
+    if chat_template is not None:
+        try:
+            tokenizer.chat_template = Path(chat_template).read_text()
+        except OSError as e:
+            raise ConfigError(f"--chat-template {chat_template}: cannot read it ({e.strerror})") from None
+    from behemoth.models.causal_lm import generation_config
+
+    config = generation_config(tokenizer, getattr(model, "generation_config", None))
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return Generator(model.to(device).eval(), tokenizer, config, source)
+
+
+def _from_hf_folder(folder: str):
+    """transformers alone, never the folder's code (trust_remote_code False): an architecture transformers does
+    not know, or one that is not a causal LM, is refused in one line."""
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as transformers_logging
+
+    transformers_logging.disable_progress_bar()  # its "Loading weights" bar, between our lines: one model
+    try:
+        model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=False)
+    except (ValueError, OSError, KeyError) as e:
+        raise ConfigError(f"{folder}: not a causal language model transformers can load without running the "
+                          f"folder's code ({_first_line(e)})") from None
+    return model, _tokenizer(folder, folder), folder
+
+
+def _from_checkpoint(path: str, which: str, trusted: TrustedCode):
+    """The model `behemoth export` would write (LoRA merged), and the run's tokenizer (data.tokenizer)."""
+    from transformers import GenerationMixin
+
+    from behemoth.models.lora import is_adapted
+
+    loaded = load_checkpoint_model(path, which, trusted)
+    model = loaded.model.merge_and_unload() if is_adapted(loaded.model) else loaded.model
+    if not isinstance(model, GenerationMixin):
+        raise ConfigError(f"{loaded.ckpt}: its model ({loaded.cfg.model.name}, data.kind {loaded.cfg.data.kind}) "
+                          f"is not a transformers causal language model: there is nothing to generate with")
+    tokenizer = _tokenizer(loaded.cfg.data.tokenizer, f"{loaded.ckpt}'s data.tokenizer")
+    return model, tokenizer, f"{loaded.ckpt} ({loaded.how})"
+
+
+def _tokenizer(name: str, where: str):
+    """The tokenizer at `name`, never its own code; its own copy (a --chat-template set on it stays here)."""
+    from transformers import AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(name, trust_remote_code=False)
+    except (OSError, ValueError, TypeError) as e:
+        raise ConfigError(f"{where}: no tokenizer could be loaded from {name} ({_first_line(e)}); an export holds its "
+                          f"tokenizer files beside the model") from None
+    if tok.eos_token_id is None:
+        raise ConfigError(f"{where}: the tokenizer at {name} has no eos_token: generation would not know where to "
+                          f"stop; set one in its tokenizer_config.json")
+    return tok
+
+
+def _first_line(e: Exception) -> str:
+    """transformers' messages run to several lines (hints, links): the first says what failed."""
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
+def read_prompts(path: str) -> list:
+    """The prompts of a file: JSONL (.jsonl/.json: rows with `prompt`, a text, or `messages`, a conversation)
+    or plain text (a prompt per non-empty line). Every problem names the file and line."""
+    try:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"--prompts {path}: cannot read it ({e})") from None
+    numbered = [(n, line) for n, line in enumerate(lines, 1) if line.strip()]
+    if not numbered:
+        raise ConfigError(f"--prompts {path} holds no prompt (one per line, or JSONL rows with prompt or messages)")
+    if not path.endswith((".jsonl", ".json")):
+        return [line for _, line in numbered]
+    return [_prompt_of_row(line, f"{path}:{n}") for n, line in numbered]
+
+
+def _prompt_of_row(line: str, where: str) -> Prompt:
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{where}: not a JSON object ({e.msg}): one object per line") from None
+    if isinstance(row, dict) and isinstance(row.get("prompt"), str):
+        return row["prompt"]
+    messages = row.get("messages") if isinstance(row, dict) else None
+    if isinstance(messages, list) and messages and all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            for m in messages):
+        return messages
+    raise ConfigError(f"{where}: give a row with \"prompt\" (a text) or \"messages\" (a non-empty list of "
+                      f"{{\"role\": ..., \"content\": a text}})")

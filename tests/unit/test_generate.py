@@ -1,0 +1,196 @@
+"""`behemoth generate` and an export that serves (issue 66, items 5 and 6): a tiny Llama taught one ChatML reply,
+checkpointed without Ray, exported; transformers alone loads the export and its generation stops at the chat
+template's end-of-turn token; `behemoth generate` gives transformers' own ids from the checkpoint and from the
+export, greedy and seeded sampling alike; its errors are one line."""
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from behemoth.config import dump_yaml
+from behemoth.driver.cli import main
+from behemoth.job import config_from_dict
+from behemoth.storage.checkpoint import TrainState
+from behemoth.tasks.causal_lm import build_lm
+from behemoth.worker import checkpointing
+from behemoth.worker.optim import build_optimizer, lr_schedule
+from conftest import lm_job_dict
+
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+CHAT = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello there"}]
+
+
+def _chat_tokenizer(text_corpus, folder):
+    """The corpus's BPE tokenizer with ChatML's two tokens added and its template."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(text_corpus / "tokenizer")
+    tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    tok.chat_template = CHATML
+    tok.save_pretrained(folder)
+    return AutoTokenizer.from_pretrained(folder)
+
+
+@pytest.fixture(scope="module")
+def chat_model(text_corpus, tmp_path_factory):
+    """(checkpoint folder, export folder, tokenizer): a 2-layer Llama trained (plain torch steps) until it answers
+    "hi" with "hello there<|im_end|>", saved as a behemoth checkpoint and exported."""
+    from behemoth.driver.export import export
+
+    root = tmp_path_factory.mktemp("chat")
+    tok = _chat_tokenizer(text_corpus, root / "tokenizer")
+    cfg = config_from_dict(lm_job_dict(text_corpus, root, data={"tokenizer": str(root / "tokenizer")},
+                                       train={"lr": 0.02}))
+    torch.manual_seed(0)
+    model = build_lm(cfg, len(tok), tok.eos_token_id, tok.bos_token_id)
+    optimizer = build_optimizer(model, cfg.train)
+    ids = torch.tensor([tok(tok.apply_chat_template(CHAT, tokenize=False), add_special_tokens=False)["input_ids"]])
+    for _ in range(60):
+        optimizer.zero_grad()
+        model(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+    ckpt = root / "run" / "checkpoint_2026-01-01_00-00-00.000000"
+    checkpointing.save(ckpt, model=model, optimizer=optimizer, scheduler=lr_schedule(optimizer, cfg.train, 20),
+                       state=TrainState(step=60), task_files={}, job_yaml=dump_yaml(cfg))
+    export(str(ckpt), str(root / "export"))
+    return ckpt, root / "export", tok
+
+
+def _templated(tok, messages=CHAT[:1]) -> list:
+    return tok(tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True),
+               add_special_tokens=False)["input_ids"]
+
+
+def test_the_export_loads_with_transformers_alone_keeps_the_template_and_stops_at_the_end_of_turn(chat_model):
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    _, out, tok = chat_model
+    end_of_turn = tok.convert_tokens_to_ids("<|im_end|>")
+    assert (out / "model.safetensors").is_file() and (out / "config.json").is_file()
+    served = AutoTokenizer.from_pretrained(out)
+    assert served.chat_template == CHATML  # the template survives the export
+    stops = GenerationConfig.from_pretrained(out).eos_token_id
+    assert set(stops) == {tok.eos_token_id, end_of_turn}
+    assert GenerationConfig.from_pretrained(out).pad_token_id == tok.eos_token_id
+    card = (out / "README.md").read_text()
+    assert "How it was trained: training from scratch of a freshly initialised llama (model.hf_config)" in card
+
+    model = AutoModelForCausalLM.from_pretrained(out).eval()
+    prompt = _templated(served)
+    out_ids = model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False)[0, len(prompt):].tolist()
+    assert out_ids[-1] == end_of_turn and len(out_ids) < 12  # stopped there, not at max_new_tokens
+    assert served.decode(out_ids, skip_special_tokens=True) == "hello there"
+
+
+def test_generate_is_transformers_own_generate_from_the_checkpoint_and_the_export(chat_model):
+    """Same ids as transformers' model.generate on the export: greedy, and sampling seeded the same way."""
+    from transformers import AutoModelForCausalLM
+
+    from behemoth.driver.generate import Sampling, load_generator
+
+    ckpt, out, tok = chat_model
+    reference = AutoModelForCausalLM.from_pretrained(out).eval()
+    prompts = ["once upon a time", CHAT[:1]]
+    sampled = Sampling(max_new_tokens=10, temperature=1.3, top_k=40, seed=5)
+    for source in (ckpt, ckpt.parent, out):
+        generator = load_generator(str(source))
+        for prompt in prompts:
+            ids = generator.encode(prompt, chat=False)
+            assert ids == (_templated(tok) if isinstance(prompt, list) else tok(prompt)["input_ids"])
+            expected = reference.generate(torch.tensor([ids]), max_new_tokens=10, do_sample=False)[0, len(ids):]
+            assert generator.complete(ids, Sampling(max_new_tokens=10)) == expected.tolist(), (source, prompt)
+            torch.manual_seed(5)
+            expected = reference.generate(torch.tensor([ids]), max_new_tokens=10, do_sample=True, temperature=1.3,
+                                          top_k=40, top_p=1.0)[0, len(ids):]
+            assert generator.complete(ids, sampled) == expected.tolist(), (source, prompt)
+        again = [c.new_ids for c in generator.run(prompts * 2, sampled)]
+        assert again[:2] == again[2:]  # seeded per prompt: the same completions, whatever came before
+
+
+def test_the_generate_command_prints_completions_of_text_chat_and_jsonl_prompts(chat_model, tmp_path, capsys):
+    ckpt, out, _ = chat_model
+    assert main(["generate", str(out), "--prompt", "hi", "--chat", "--max-new-tokens", "12"]) == 0
+    printed = capsys.readouterr().out
+    assert "greedy, up to 12 new tokens" in printed and printed.endswith("--- prompt 1: hi\nhello there\n")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"messages": CHAT[:1]}) + "\n\n" + json.dumps({"prompt": "once"}) + "\n")
+    assert main(["generate", str(ckpt), "--prompts", str(prompts), "--temperature", "0.8", "--seed", "3"]) == 0
+    printed = capsys.readouterr().out
+    assert "sampling (temperature 0.8" in printed and printed.count("--- prompt ") == 2
+    assert '--- prompt 1: [{"role": "user", "content": "hi"}]\nhello there\n' in printed
+
+
+def test_generate_errors_are_one_line_and_exit_2(chat_model, text_corpus, tmp_path, capsys):
+    ckpt, out, _ = chat_model
+
+    def refused(*args) -> str:
+        assert main(["generate", *map(str, args)]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith("behemoth: config error: "), err
+        return err
+
+    assert "does not exist" in refused(tmp_path / "nowhere", "--prompt", "x")
+    (tmp_path / "empty").mkdir()
+    assert "is not a behemoth checkpoint, a run folder" in refused(tmp_path / "empty", "--prompt", "x")
+    plain = tmp_path / "plain"  # the export, with the corpus's tokenizer: no chat template
+    shutil.copytree(out, plain)
+    for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json"):
+        (plain / f).unlink(missing_ok=True)
+    assert "no tokenizer could be loaded" in refused(plain, "--prompt", "x")
+    for f in (text_corpus / "tokenizer").iterdir():
+        shutil.copy(f, plain)
+    assert "has no chat template (tokenizer.chat_template)" in refused(plain, "--prompt", "x", "--chat")
+    assert "name one with --chat-template FILE" in refused(plain, "--prompt", "x", "--chat")
+    (tmp_path / "chatml.jinja").write_text(CHATML)
+    assert main(["generate", str(plain), "--prompt", "x", "--chat", "--chat-template", str(tmp_path / "chatml.jinja"),
+                 "--max-new-tokens", "2"]) == 0
+    capsys.readouterr()
+    other = tmp_path / "resnet"  # a Hugging Face folder of another kind of model
+    other.mkdir()
+    (other / "config.json").write_text(json.dumps({"model_type": "resnet"}))
+    (other / "model.safetensors").write_bytes(b"")
+    assert "not a causal language model" in refused(other, "--prompt", "x")
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"prompt": "fine"}) + "\n" + json.dumps({"messages": "hi"}) + "\n")
+    assert f"{bad}:2: give a row with" in refused(out, "--prompts", bad)
+    assert "prompt 1 is empty (no tokens)" in refused(out, "--prompt", "")
+    assert "give --temperature > 0" in refused(ckpt, "--prompt", "x", "--top-p", "0.9")
+    assert "--temperature must be a finite number" in refused(ckpt, "--prompt", "x", "--temperature", "nan")
+
+
+def test_generate_runs_no_code_a_model_folder_names(tmp_path, capsys):
+    """A Hugging Face folder whose config.json maps its classes to the folder's own Python (auto_map): refused in
+    one line, the code never imported (trust_remote_code is never on for generate)."""
+    folder = tmp_path / "hostile"
+    folder.mkdir()
+    marker = tmp_path / "ran.txt"
+    (folder / "config.json").write_text(json.dumps({"model_type": "hostile", "auto_map": {
+        "AutoConfig": "hostile.Config", "AutoModelForCausalLM": "hostile.Model"}}))
+    (folder / "hostile.py").write_text(f"open({str(marker)!r}, 'w').write('ran')\n")
+    (folder / "model.safetensors").write_bytes(b"")
+    assert main(["generate", str(folder), "--prompt", "x"]) == 2
+    err = capsys.readouterr().err
+    assert "not a causal language model transformers can load without running the folder's code" in err
+    assert err.count("\n") == 1 and not marker.exists()
+
+
+def test_the_stop_ids_hold_the_end_of_turn_token_the_template_writes_where_the_vocabulary_has_it(text_corpus):
+    """Llama 3's layout (<|eot_id|> after each turn, BOS in the template) gives [EOS, <|eot_id|>]; ChatML's
+    <|im_end|> written by a template whose tokenizer lacks it as a token gives EOS alone."""
+    from transformers import AutoTokenizer
+
+    from behemoth.models.causal_lm import generation_config
+
+    tok = AutoTokenizer.from_pretrained(text_corpus / "tokenizer")
+    tok.add_special_tokens({"additional_special_tokens": ["<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]})
+    tok.chat_template = ("{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>"
+                         "\n\n{{ m['content'] | trim }}<|eot_id|>{% endfor %}")
+    assert generation_config(tok).eos_token_id == [tok.eos_token_id, tok.convert_tokens_to_ids("<|eot_id|>")]
+    tok.chat_template = CHATML  # <|im_end|> is text here, not a token of the vocabulary
+    assert generation_config(tok).eos_token_id == tok.eos_token_id
+    tok.chat_template = None
+    assert generation_config(tok).eos_token_id == tok.eos_token_id
+    assert generation_config(tok).pad_token_id == tok.eos_token_id
