@@ -545,3 +545,21 @@ def test_resume_changed_config_lets_through_only_changed_keys_and_the_checkpoint
     rerun = describe_rerun(changed)
     assert rerun.step == 6 and rerun.applied == ["train.epochs 2 -> 4"]
     check_resume_compatible(changed)
+    # its train_state.json (the rerun's step) is read the same way: one that is not a train state is ranked
+    # unreadable, as restore ranks it; one edited after its manifest is damage (it said step 30 before)
+    import shutil
+
+    def _recommit(ckpt):  # its manifest made over what is there now: written so, not damaged
+        manifest = json.loads((ckpt / checkpoint.MANIFEST).read_text())
+        checkpoint.commit(ckpt, checkpoint.hash_files(ckpt, list(manifest["files"])), manifest["format_version"])
+
+    shutil.rmtree(newer)
+    newest = saved("02", 18, dump_yaml(config_from_dict(job)))
+    (newest / "train_state.json").write_text(json.dumps({"step": 18}))
+    _recommit(newest)
+    assert describe_rerun(changed).step == 18
+    (newest / "train_state.json").write_text(json.dumps({"stpe": 18, "epoch": 3}))
+    _recommit(newest)
+    assert describe_rerun(changed).step == 6  # ranked unreadable (step -1) by restore too: the older one
+    (newest / "train_state.json").write_text(json.dumps({"step": 30}))  # after its manifest: damage
+    assert describe_rerun(changed).step == 6

@@ -72,6 +72,8 @@ def test_the_export_loads_with_transformers_alone_keeps_the_template_and_stops_a
     assert (out / "model.safetensors").is_file() and (out / "config.json").is_file()
     served = AutoTokenizer.from_pretrained(out)
     assert served.chat_template == CHATML  # the template survives the export
+    # the tokenizer's limit is the model's positions (training lifts it to 2**62: no limit for a server)
+    assert served.model_max_length == json.loads((out / "config.json").read_text())["max_position_embeddings"]
     stops = GenerationConfig.from_pretrained(out).eos_token_id
     assert set(stops) == {tok.eos_token_id, end_of_turn}
     assert GenerationConfig.from_pretrained(out).pad_token_id == tok.eos_token_id

@@ -45,6 +45,7 @@ def resumed_job(cfg: JobConfig) -> tuple[str, dict] | None:
     for _, ckpt in complete_checkpoints(run_dir(cfg)):
         try:
             data = read_verified(ckpt, "job.yaml")
+            read_verified(ckpt, "train_state.json")  # (describe_rerun reads its step: damage skips it too)
         except CheckpointError:
             continue
         return ckpt, job_sections(data, ckpt)
@@ -130,7 +131,7 @@ def describe_rerun(cfg: JobConfig) -> Rerun | None:
     would skip or repeat samples (_REFUSED_ON_RESUME) is refused, unless checkpoint.resume_changed_config; another
     optimizer (_NEVER_ON_RESUME) is refused whatever the config: its state cannot load (KeyError in every worker,
     retried as a run failure)."""
-    from behemoth.storage.checkpoint import read_state
+    from behemoth.storage.checkpoint import verified_state
 
     latest = resumed_job(cfg)
     if latest is None:
@@ -158,7 +159,7 @@ def describe_rerun(cfg: JobConfig) -> Rerun | None:
     applied += [f"{r}, applied anyway (checkpoint.resume_changed_config)" for r in refused]
     if not (applied or ignored):
         return None
-    return Rerun(read_state(ckpt).step, applied, ignored)
+    return Rerun(verified_state(ckpt).step, applied, ignored)
 
 
 def check_resume_data(cfg: JobConfig, prepared) -> None:

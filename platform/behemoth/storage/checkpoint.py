@@ -289,6 +289,17 @@ def job_sections(data: bytes, ckpt: str) -> dict:
     return raw
 
 
+def verified_state(ckpt: str) -> TrainState:
+    """A checkpoint's train_state.json checked against its manifest (read_verified), as one CheckpointError naming
+    the checkpoint where it is damaged or, written so, not a train state."""
+    data = read_verified(ckpt, "train_state.json")
+    try:
+        return TrainState(**json.loads(data))
+    except (ValueError, TypeError) as e:
+        raise CheckpointError(f"checkpoint {ckpt}: its train_state.json is not a train state "
+                              f"({' '.join(str(e).split())})") from None
+
+
 def read_state(directory: str | Path, fs=None) -> TrainState:
     """A checkpoint's train_state.json: a local folder, a URI (s3://...), or a path on the pyarrow `fs`."""
     return TrainState(**json.loads(read_file(f"{directory}/train_state.json", fs)))

@@ -8,6 +8,7 @@ for its own loss, or a user's builder by import path, called with vocab_size= an
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -133,6 +134,7 @@ class CausalLM(Task):
 
         tok = load_tokenizer(cfg.data.tokenizer)
         tok.save_pretrained(out)
+        _limit_to_positions(out)
         base = GenerationConfig.from_pretrained(out) if (out / "generation_config.json").is_file() else None
         generation_config(tok, base).save_pretrained(out)
 
@@ -257,3 +259,17 @@ def gather_batch(blocks, block_ids) -> dict:
     rows = blocks.gather(np.asarray(block_ids, dtype=np.int64))
     return {"input_ids": torch.from_numpy(rows["tokens"].astype(np.int64)),
             "sample_id": torch.from_numpy(rows["id"].copy())}
+
+
+def _limit_to_positions(out: Path) -> None:
+    """The exported tokenizer's model_max_length is the model's max_position_embeddings: training lifts it
+    (data/text.load_tokenizer: packing cuts the documents), and a serving stack that reads the tokenizer's
+    limit would otherwise see none."""
+    config, tokenizer_config = out / "config.json", out / "tokenizer_config.json"
+    if not (config.is_file() and tokenizer_config.is_file()):
+        return
+    positions = json.loads(config.read_text()).get("max_position_embeddings")
+    if positions:
+        settings = json.loads(tokenizer_config.read_text())
+        settings["model_max_length"] = positions
+        tokenizer_config.write_text(json.dumps(settings, indent=2, ensure_ascii=False) + "\n")
