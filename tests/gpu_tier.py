@@ -112,6 +112,37 @@ def _text(stream) -> str:
     return stream.decode(errors="replace") if isinstance(stream, bytes) else (stream or "")
 
 
+def run_group(command: list[str], limit_s: float, env: dict | None = None) -> subprocess.CompletedProcess:
+    """`command` in a process group of its own; where it outlives `limit_s` (TimeoutExpired, with its output) or
+    the caller is stopped, the whole group is ended: SIGINT first, so that a bench's Python exits through its
+    atexit and its local Ray instance with it (a killed driver's Ray would hold the GPU for the next step), then
+    SIGKILL after 30 s."""
+    import signal
+
+    child = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                             start_new_session=True)
+    try:
+        out, err = child.communicate(timeout=limit_s)
+    except subprocess.TimeoutExpired:
+        _end_group(child, signal)
+        out, err = child.communicate()
+        raise subprocess.TimeoutExpired(command, limit_s, out, err) from None
+    finally:
+        _end_group(child, signal)
+    return subprocess.CompletedProcess(command, child.returncode, out, err)
+
+
+def _end_group(child: subprocess.Popen, signal) -> None:
+    if child.poll() is not None:
+        return
+    os.killpg(child.pid, signal.SIGINT)
+    try:
+        child.wait(30)
+    except subprocess.TimeoutExpired:
+        os.killpg(child.pid, signal.SIGKILL)
+        child.wait()
+
+
 def run_step(name: str, command: list[str], limit_s: int, log: Path, tmp: str | None = None) -> dict:
     """Run one step; its whole output is appended to `log` (one log for the tier), its figures and the output's
     tail go to the result. `tmp`: its TMPDIR (Ray's sessions follow it: a local instance of the tier's own, never
@@ -122,8 +153,7 @@ def run_step(name: str, command: list[str], limit_s: int, log: Path, tmp: str | 
         os.makedirs(tmp, exist_ok=True)
         env["TMPDIR"] = tmp
     try:
-        done = subprocess.run(command, check=False, cwd=REPO, capture_output=True, text=True, timeout=limit_s,
-                              env=env)
+        done = run_group(command, limit_s, env)
         out, status = done.stdout + done.stderr, done.returncode
     except subprocess.TimeoutExpired as e:
         out, status = f"{_text(e.stdout)}{_text(e.stderr)}\n[gpu tier] {name}: over its {limit_s} s", "timeout"
