@@ -242,6 +242,7 @@ def test_a_driver_stopped_past_the_expiry_stops_before_touching_the_new_holders_
     the folder over and writes checkpoints 13 and 16. A gets SIGCONT and goes on to its next round, which would
     write checkpoint 20 and remove every unregistered checkpoint older than it: it stops with LeaseLostError
     before either, and B's checkpoints are all there."""
+    import fcntl
     import signal
 
     from behemoth.storage import checkpoint
@@ -253,7 +254,13 @@ def test_a_driver_stopped_past_the_expiry_stops_before_touching_the_new_holders_
     try:
         go.touch()
         assert a.stdout.readline() == "round 10\n", a.stderr.read() if a.poll() is not None else ""
+        # A's heartbeat replaces its lease under flock() of the folder: stopped inside it, A would hold the flock
+        # and B would wait on it for ever (seen once in the full tier). While this process holds it, A is at most
+        # waiting for it, never inside: stop A then, and let go.
+        held = os.open(folder, os.O_RDONLY)
+        fcntl.flock(held, fcntl.LOCK_EX)
         os.kill(a.pid, signal.SIGSTOP)
+        os.close(held)
         time.sleep(expiry_s + 0.5)
         with RunLock(str(folder), "run 'r'", expiry_s=expiry_s) as b:
             assert b.fence().generation == 2
