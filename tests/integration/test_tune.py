@@ -299,9 +299,11 @@ def test_sweep_survives_worker_and_driver_kills_asha_stops_trials_and_resources_
     a, b = (torch.load(Path(p) / "model.pt") for p in (summary["latest_checkpoint"], straight.latest_checkpoint))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert straight.metrics["val_loss"] == json.loads((runs / first / "summary.json").read_text())["metrics"]["val_loss"]
-    # Retention is Ray's: every 2 steps, keep 2.
+    # Retention is Ray's: a checkpoint every 2 steps, keep 2 by the run's metric (val_loss), and the latest: the two
+    # evaluated ones (per epoch: steps 12 and 24; one without an evaluation ranks below every evaluated one), the
+    # latest among them. (Newest-2 would have kept 22 and 24, rotating the epoch-1 evaluation's out.)
     kept = [read_state(p).step for p in (tmp_path / "runs" / "straight").glob("checkpoint_*") if p.is_dir()]
-    assert sorted(kept) == [22, 24]
+    assert sorted(kept) == [12, 24]
 
 
 def test_a_placement_group_whose_creator_died_is_freed(ray_with_dashboard):
