@@ -91,7 +91,9 @@ def _sync(device) -> None:
         torch.cuda.synchronize(device)
 
 
-def main() -> int:
+def options(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line with the sizes resolved (the user's --steps and --log-every win over a shape's defaults:
+    the GPU kit sizes this step to its lending)."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--steps", type=int, help="steps per behemoth run, the first window warm-up (60; --tinyllama 160)")
@@ -104,10 +106,21 @@ def main() -> int:
     p.add_argument("--tinyllama", action="store_true", help="TinyLlama 1.1B's shape on one GPU, with floors")
     p.add_argument("--tiny", action="store_true", help="with --tinyllama: a dry run at a CPU's size")
     p.add_argument("--floor", type=float, help="exit 1 if the median ratio behemoth / plain is under it")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     if args.fast:
         args.hidden, args.batch, args.threads = 64, 4, 1
         args.steps = args.steps or 300
+    if args.tinyllama:
+        args.batch = 4 if args.tiny else 8
+        args.steps = args.steps or (40 if args.tiny else 160)
+        args.log_every = args.log_every or (10 if args.tiny else 20)
+        args.gpu = not args.tiny
+    args.steps, args.log_every = args.steps or 60, args.log_every or 10
+    return args
+
+
+def main() -> int:
+    args = options()
 
     from behemoth.job import config_from_dict
     from behemoth.data.text_packing import prepare_text
@@ -120,15 +133,9 @@ def main() -> int:
         corpus = lm_corpus(REPO / "data" / "bench_text_large", train_documents=8000) if not args.tiny else lm_corpus()
         shape = TINYLLAMA_TINY if args.tiny else TINYLLAMA
         seq_len = 128 if args.tiny else 2048
-        args.batch = 4 if args.tiny else 8
-        # (the user's --steps and --log-every win: the GPU kit sizes this step to its lending)
-        args.steps = args.steps or (40 if args.tiny else 160)
-        args.log_every = args.log_every or (10 if args.tiny else 20)
-        args.gpu = not args.tiny
         extra = {"train": {"compile": True, "adam_betas": [0.9, 0.95], "precision": "bf16"}}
     else:
         corpus = lm_corpus()
-    args.steps, args.log_every = args.steps or 60, args.log_every or 10
 
     def job(run):
         return lm_job(corpus, storage, run, hidden=args.hidden, batch=args.batch, steps=args.steps, seq_len=seq_len,

@@ -14,7 +14,7 @@ cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
 if [ "${1:-}" = "--dry-run" ]; then
   PY=${BEHEMOTH_VENV:-.venv}/bin/python
-  exec "$PY" tests/gpu_tier.py --kit "$@"
+  exec "$PY" tests/gpu_tier.py "$@"
 fi
 PY=python3
 started=$SECONDS
@@ -34,4 +34,4 @@ print(f"[gpu kit] imports checked: torch {torch.__version__} (CUDA {torch.versio
       f"{torch.cuda.get_device_name(0)}; Ray {ray.__version__} started; transformers {transformers.__version__}; "
       f"{os.cpu_count()} CPUs")
 EOF
-exec "$PY" tests/gpu_tier.py --kit "$@"
+exec "$PY" tests/gpu_tier.py "$@"

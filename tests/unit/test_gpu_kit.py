@@ -123,10 +123,12 @@ def test_step_overhead_keeps_the_steps_and_log_every_it_is_given():
     assert "--steps" in done.stdout
     import step_overhead
 
-    source = Path(step_overhead.__file__).read_text()
-    # (the bench's sizes are resolved in main; the --tinyllama branch must not overwrite what was given)
-    assert "args.steps = args.steps or" in source and "args.log_every = args.log_every or" in source
-    assert "args.steps, args.log_every = (40, 10)" not in source
+    given = step_overhead.options(["--tinyllama", "--steps", "7", "--log-every", "3"])
+    assert (given.steps, given.log_every, given.batch, given.gpu) == (7, 3, 8, True)  # the GPU kit's sizing wins
+    assert (lambda a: (a.steps, a.log_every, a.gpu))(step_overhead.options(["--tinyllama", "--tiny"])) == (40, 10, False)
+    assert (lambda a: (a.steps, a.log_every))(step_overhead.options(["--tinyllama"])) == (160, 20)
+    assert (lambda a: (a.steps, a.log_every, a.hidden))(step_overhead.options(["--fast"])) == (300, 10, 64)
+    assert (lambda a: (a.steps, a.log_every))(step_overhead.options([])) == (60, 10)
 
 
 def test_the_gpu_time_a_checkpoint_costs_is_read_from_the_report_windows():
@@ -141,3 +143,15 @@ def test_the_gpu_time_a_checkpoint_costs_is_read_from_the_report_windows():
         reports.append({"step": step, "wall_time": t, "loss": 1.0})
     lost = checkpoint_blocking.lost_per_checkpoint(reports, 50)
     assert lost == pytest.approx([0.4, 2.5, 0.0])
+
+
+def test_the_tier_reads_each_figure_as_the_benches_print_it_a_negative_loss_included():
+    """Lines as the dry run printed them (the full tier's gpu-tier.log): the GPU time lost per checkpoint is
+    measured against the median step, so a CPU's noise makes it negative, and the tier read no figure at all."""
+    out = ("repeat 4: behemoth 3.876 steps/s, plain loop 4.475 steps/s, ratio 0.866\n"
+           "  GPU time lost per checkpoint: median -0.099 s after the first (each: 0.416, -0.099 s; the steps' own\n"
+           "  synchronous torch.save:     blocked median 0.0080 s per checkpoint\n")
+    found = gpu_tier.figures("x", out)
+    assert found["ratio_so_far"] == "0.866" and found["gpu_lost_per_checkpoint_s"] == "-0.099"
+    assert found["torch_save_s"] == "0.0080"
+    assert gpu_tier.figures("x", out.replace("-0.099 s after", "0.250 s after"))["gpu_lost_per_checkpoint_s"] == "0.250"
