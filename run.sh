@@ -2,6 +2,7 @@
 # behemoth's two set-up-and-run commands (see README):
 #   ./run.sh demo   set up, make the demo images, train the demo job on a local Ray instance (2 workers)
 #   ./run.sh demo-lm  the same for the language-model demo (generated stories, local BPE tokenizer)
+#   ./run.sh demo-chat  the same for chat fine-tuning (generated conversations, the loss on the assistant's turns)
 #   ./run.sh test   set up, run the quick tier: every unit test and one end-to-end check per capability
 #                   (arguments go to pytest: paths narrow it, e.g. tests/unit)
 #   ./run.sh test-full  the full tier (CI: .ci/run): every test, with a Ray instance of its own started beside
@@ -61,6 +62,13 @@ case "$cmd" in
       data/demo_text/train.jsonl --vocab-size 1024 --out data/demo_text/tokenizer
     exec_python "$VENV/bin/behemoth" train jobs/configs/demo_lm.yaml "$@"
     ;;
+  demo-chat)
+    setup
+    [ -f data/demo_chat/train.jsonl ] || "$VENV/bin/behemoth" data synth-text --chat --out data/demo_chat
+    [ -f data/demo_chat/tokenizer/tokenizer.json ] || "$VENV/bin/behemoth" data train-tokenizer \
+      data/demo_chat/train.jsonl --chat --vocab-size 1024 --out data/demo_chat/tokenizer
+    exec_python "$VENV/bin/behemoth" train jobs/configs/demo_chat.yaml "$@"
+    ;;
   test)
     setup
     # the quick tier: an end-to-end test (tests/integration) runs here only when it is marked quick
@@ -82,7 +90,7 @@ case "$cmd" in
     fi
     ;;
   *)
-    echo "usage: ./run.sh demo|demo-lm [--set KEY=VALUE ...] | ./run.sh test|test-full [pytest args] | ./run.sh test-gpu | ./run.sh gpu-kit [--rehearse]" >&2
+    echo "usage: ./run.sh demo|demo-lm|demo-chat [--set KEY=VALUE ...] | ./run.sh test|test-full [pytest args] | ./run.sh test-gpu | ./run.sh gpu-kit [--rehearse]" >&2
     exit 2
     ;;
 esac

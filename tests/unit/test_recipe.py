@@ -98,6 +98,9 @@ class _Regression:
     def loss(self, model, batch):
         return F.mse_loss(model(batch["x"]), batch["y"]), torch.tensor(float(len(batch["x"])))
 
+    def loss_items(self, batch):  # the Task contract's default: each micro-batch's mean weighs the same
+        return None
+
 
 def _grad_norm_at_update(grad_clip):
     """The gradient norm the optimizer applies, from behemoth's train_step (before_update runs after the clip)."""
@@ -217,7 +220,7 @@ def test_out_of_gpu_memory_in_a_step_is_a_config_error_that_is_not_retried():
     the run with one message saying what to change, as an error the failure policy does not retry."""
     from behemoth.errors import NOT_RETRIED, user_facing_error
 
-    class _OutOfMemory:
+    class _OutOfMemory(_Regression):
         def loss(self, model, batch):
             raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
 

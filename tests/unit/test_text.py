@@ -192,8 +192,7 @@ def test_text_cache_builders_with_one_pid_on_two_hosts_keep_their_own_temporary_
     theirs = cache.with_name(f"{cache.name}.tmp-4242")  # the other node's, as the old name had it
     theirs.mkdir(parents=True)
     (theirs / "train-00000.bin").write_bytes(b"half-written")
-    monkeypatch.setattr(text_packing, "_pack_into", lambda folder, *args: {"version": text_packing.CACHE_VERSION})
-    text_packing._build_cache(None, [], 0, "uint16", cache)
+    text_packing._build_cache(None, [], 0, "uint16", cache, lambda folder, *args: {"version": text_packing.CACHE_VERSION})
     assert (cache / "meta.json").is_file()
     assert (theirs / "train-00000.bin").read_bytes() == b"half-written"
 
@@ -226,7 +225,8 @@ def test_a_document_in_a_packed_block_sees_only_itself_with_document_mask(implem
         SimpleNamespace(eos_id=eos), True
     model = _tiny_llama(implementation)
     with torch.no_grad():
-        inputs = task.document_inputs(model, block)
+        starts = torch.tensor([[False] * len(a) + [True] + [False] * (len(b) - 1)])
+        inputs = task.document_inputs(model, block, starts, block.masked_fill(starts, -100))
         assert inputs["position_ids"].tolist() == [[0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 5]]
         masked = model(input_ids=block, **{k: v for k, v in inputs.items() if k != "labels"}).logits
         alone = model(input_ids=torch.tensor([b])).logits

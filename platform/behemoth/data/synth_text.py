@@ -101,3 +101,41 @@ def write_synth_labelled_text(out: str | Path, train_documents: int = 2000, val_
         return {"text": text, "label": label}
 
     return _write_jsonl(out, {"train": train_documents, "val": val_documents}, row)
+
+
+# The chat corpus (chat fine-tuning): a user hands the assistant a story and asks about it; the answers are read
+# from the story (a name, a place, an object), so a model must attend to the user's turn to learn them, and the
+# user's story is text the loss should not be taken on (data.train_on: assistant).
+QUESTIONS = [
+    ("Who found the {obj}?", "{a} found the {obj}."),
+    ("Where did {a} meet {b}?", "At the {other_place}."),
+    ("What did {a} give to {b}?", "{a} gave {b} the {adj} {obj}."),
+    ("Where did {a} go first?", "{a} went to the {place}."),
+]
+
+
+def conversation(rng: random.Random) -> list[dict]:
+    """A system line (half the time), a story and one to three questions about it, each with its answer."""
+    state = rng.getstate()
+    sentences = story_sentences(rng)
+    rng.setstate(state)  # the same draws again, to know what the story holds
+    a, b = rng.sample(NAMES, 2)
+    place, other_place = rng.sample(PLACES, 2)
+    obj, adj = rng.choice(OBJECTS), rng.choice(ADJECTIVES)
+    facts = {"a": a, "b": b, "place": place, "other_place": other_place, "obj": obj, "adj": adj}
+    messages = [{"role": "system", "content": "You answer questions about stories."}] if rng.random() < 0.5 else []
+    asked = rng.sample(QUESTIONS, rng.randint(1, 3))
+    question, answer = asked[0]
+    messages += [{"role": "user", "content": f"{' '.join(sentences)}\n{question.format(**facts)}"},
+                 {"role": "assistant", "content": answer.format(**facts)}]
+    for question, answer in asked[1:]:
+        messages += [{"role": "user", "content": question.format(**facts)},
+                     {"role": "assistant", "content": answer.format(**facts)}]
+    return messages
+
+
+def write_synth_chat(out: str | Path, train_documents: int = 4000, val_documents: int = 400,
+                     seed: int = 0) -> dict[str, int]:
+    """Write OUT/train.jsonl and OUT/val.jsonl, one {"messages": [...]} conversation per line."""
+    return _write_jsonl(out, {"train": train_documents, "val": val_documents},
+                        lambda split, i: {"messages": conversation(random.Random(f"{seed}/chat/{split}/{i}"))})

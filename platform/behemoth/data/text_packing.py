@@ -142,17 +142,23 @@ def prepare_text(cfg: TextData, seed: int, units: list[Unit] | None = None) -> T
     `units`: what check_text_sources returned, when the caller has already checked the sources."""
     units = check_text_sources(cfg) if units is None else units
     tok = load_tokenizer(cfg.tokenizer)
+    dtype = np.uint16 if len(tok) <= np.iinfo(np.uint16).max + 1 else np.int32
+    return packed_index(cfg, units, seed, dtype, tok, _pack_into)
+
+
+def packed_index(cfg: TextData, units: list[Unit], seed: int, dtype, tok, pack, key: dict | None = None) -> TokenIndex:
+    """The corpus packed by `pack(folder, cfg, units, seed, dtype) -> meta` into the cache (built once, under a
+    fingerprint of the sources, the tokenizer, `cfg` and `key`), read as the workers will read it."""
     vocab = len(tok)
-    dtype = np.uint16 if vocab <= np.iinfo(np.uint16).max + 1 else np.int32
-    cache = paths.join(paths.storage_root(cfg.cache_dir), _fingerprint(cfg, units, seed))
+    cache = paths.join(paths.storage_root(cfg.cache_dir), _fingerprint(cfg, units, seed, key))
     meta = _cache_meta(cache)
     if meta is None:
         if filesystem.is_uri(cache):  # built here, then uploaded (meta.json last)
             with tempfile.TemporaryDirectory(prefix="behemoth-tokens-") as local:
-                _build_cache(cfg, units, seed, dtype, Path(local) / "cache")
+                _build_cache(cfg, units, seed, dtype, Path(local) / "cache", pack)
                 upload(Path(local) / "cache", cache)
         else:
-            _build_cache(cfg, units, seed, dtype, Path(cache))
+            _build_cache(cfg, units, seed, dtype, Path(cache), pack)
         meta = _cache_meta(cache)
     read = TokenShards if cfg.token_store == "files" else load_blocks
     arrays = {s: read(cache, meta[s]["shards"], cfg.seq_len, dtype) for s in ("train", "val")}
@@ -168,14 +174,14 @@ def _cache_meta(cache: str) -> dict | None:
         return None
 
 
-def _build_cache(cfg: TextData, units: list[Unit], seed: int, dtype, cache: Path) -> None:
+def _build_cache(cfg: TextData, units: list[Unit], seed: int, dtype, cache: Path, pack) -> None:
     """Tokenise and pack into shards in a temporary folder beside `cache`, renamed to it when complete."""
     # a name of its own: on a shared filesystem another node's builder may have this pid (containers), and its
     # half-built folder is not ours to remove
     tmp = cache.with_name(f"{cache.name}.tmp-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:12]}")
     tmp.mkdir(parents=True)
     try:
-        meta = _pack_into(tmp, cfg, units, seed, dtype)
+        meta = pack(tmp, cfg, units, seed, dtype)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -251,8 +257,9 @@ def _hf_blocks(ds, text_field: str) -> list:
     return [table.slice(i, HF_ROWS_PER_BLOCK) for i in range(0, max(table.num_rows, 1), HF_ROWS_PER_BLOCK)]
 
 
-def _hf_splits(cfg: TextData) -> list[tuple[str, object]]:
-    """[(split, datasets.Dataset)]: the train and validation splits, or train with split 'auto'."""
+def _hf_splits(cfg: TextData, field: str | None = None) -> list[tuple[str, object]]:
+    """[(split, datasets.Dataset)]: the train and validation splits, or train with split 'auto'; each with the
+    column `field` alone (data.text_field's, which must hold text, by default)."""
     import datasets
 
     try:
@@ -273,19 +280,21 @@ def _hf_splits(cfg: TextData) -> list[tuple[str, object]]:
             raise DataError(f"data.hf_dataset {cfg.hf_dataset!r} has no split '{name}' (its splits: "
                             f"{list(loaded)}); set data.train_split/data.val_split, or data.val_fraction")
         ds = loaded[name]
-        if cfg.text_field not in ds.column_names:
+        column, key = (field, "data.messages_field") if field else (cfg.text_field, "data.text_field")
+        if column not in ds.column_names:
             raise DataError(f"data.hf_dataset {cfg.hf_dataset!r} split '{name}' has no column "
-                            f"'{cfg.text_field}' (data.text_field); its columns: {ds.column_names}")
-        feature = ds.features[cfg.text_field]  # (a chat dataset's `messages` is a list of turns, not text)
-        if getattr(feature, "dtype", None) not in ("string", "large_string"):
-            raise DataError(f"data.hf_dataset {cfg.hf_dataset!r} split '{name}': column '{cfg.text_field}' "
-                            f"(data.text_field) holds {feature}, not text")
-        out.append((split, ds.select_columns([cfg.text_field])))
+                            f"'{column}' ({key}); its columns: {ds.column_names}")
+        feature = ds.features[column]  # (a chat dataset's `messages` is a list of turns, not text)
+        if not field and getattr(feature, "dtype", None) not in ("string", "large_string"):
+            hint = ": a conversation column is data.kind chat's (data.messages_field)" if "role" in str(feature) else ""
+            raise DataError(f"data.hf_dataset {cfg.hf_dataset!r} split '{name}': column '{column}' "
+                            f"(data.text_field) holds {feature}, not text{hint}")
+        out.append((split, ds.select_columns([column])))
     return out
 
 
-def _fingerprint(cfg: TextData, units: list[Unit], seed: int) -> str:
-    """Changes when anything that changes the packed blocks changes."""
+def _fingerprint(cfg: TextData, units: list[Unit], seed: int, key: dict | None = None) -> str:
+    """Changes when anything that changes the packed blocks changes (`key`: a packing's own settings)."""
     h = hashlib.sha256()
     parts = {"version": CACHE_VERSION, "seq_len": cfg.seq_len, "text_field": cfg.text_field,
              "document": cfg.document, "text_format": cfg.text_format, "val_fraction": cfg.val_fraction,
@@ -293,7 +302,7 @@ def _fingerprint(cfg: TextData, units: list[Unit], seed: int) -> str:
                                                                  cfg.train_split, cfg.val_split],
              "files": sorted({(u.split, u.path, os.path.getsize(u.path), os.stat(u.path).st_mtime_ns)
                               for u in units}),
-             "tokenizer": _tokenizer_identity(cfg.tokenizer)}
+             "tokenizer": _tokenizer_identity(cfg.tokenizer), **(key or {})}
     if cfg.hf_dataset and Path(cfg.hf_dataset).is_dir():
         parts["hf_files"] = sorted((str(p), p.stat().st_size, p.stat().st_mtime_ns)
                                    for p in Path(cfg.hf_dataset).rglob("*") if p.is_file())

@@ -2,14 +2,16 @@
 saved in the `AutoTokenizer.from_pretrained` format (tokenizer.json + tokenizer_config.json).
 
 Byte-level means every string is encodable (no unknown token); `<|endoftext|>` is the EOS (and BOS) token
-behemoth puts between documents when packing.
+behemoth puts between documents when packing. With `chat`, the files are conversations (data.kind chat's JSONL or
+parquet: every turn's content is a document) and the tokenizer gets ChatML's turn markers as tokens and ChatML as
+its chat template.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from behemoth.data.text import TextData, plan_units, read_unit_documents
+from behemoth.data.text import TextData, Unit, plan_units, read_unit_documents
 from behemoth.progress import watching
 
 EOS = "<|endoftext|>"
@@ -22,15 +24,45 @@ def iter_documents(files: list[str], text_field: str = "text", document: str = "
         yield from read_unit_documents(unit, text_field)
 
 
+def iter_turns(files: list[str], messages_field: str = "messages"):
+    """The content of every turn of conversation files, as data.kind chat reads them (bad records skipped)."""
+    from behemoth.data.chat import ChatData, read_unit_records
+    from behemoth.data.text import text_format
+
+    cfg = ChatData(kind="chat", train_files=list(files), messages_field=messages_field)
+    for path in files:
+        fmt = text_format(cfg, path)
+        units = ([Unit("train", path, "parquet", g, g + 1) for g in range(_row_groups(path))] if fmt == "parquet"
+                 else [Unit("train", path, fmt, 0, Path(path).stat().st_size)])
+        for u in units:
+            for _, value in read_unit_records(u, messages_field):
+                for message in value if isinstance(value, list) else []:
+                    if isinstance(message, dict) and isinstance(message.get("content"), str):
+                        yield message["content"]
+
+
+def _row_groups(path: str) -> int:
+    import pyarrow.parquet as pq
+
+    return pq.ParquetFile(path).num_row_groups
+
+
 def train_tokenizer(files: list[str], out: str | Path, vocab_size: int = 4096, text_field: str = "text",
-                    document: str = "line", min_frequency: int = 2):
+                    document: str = "line", min_frequency: int = 2, chat: bool = False):
     """Train byte-level BPE on `files` and save it to `out`. Returns the transformers tokenizer."""
     from tokenizers import ByteLevelBPETokenizer
     from transformers import PreTrainedTokenizerFast
 
+    from behemoth.data.chat import CHATML, CHATML_TOKENS
+
     bpe = ByteLevelBPETokenizer()
-    bpe.train_from_iterator(iter_documents(files, text_field, document), vocab_size=vocab_size,
-                            min_frequency=min_frequency, special_tokens=[EOS], show_progress=watching())
+    documents = iter_turns(files, text_field if text_field != "text" else "messages") if chat else \
+        iter_documents(files, text_field, document)
+    bpe.train_from_iterator(documents, vocab_size=vocab_size, min_frequency=min_frequency,
+                            special_tokens=[EOS, *(CHATML_TOKENS if chat else ())], show_progress=watching())
     tok = PreTrainedTokenizerFast(tokenizer_object=bpe._tokenizer, eos_token=EOS, bos_token=EOS, unk_token=None)
+    if chat:
+        tok.add_special_tokens({"additional_special_tokens": list(CHATML_TOKENS)})
+        tok.chat_template = CHATML
     tok.save_pretrained(str(out))
     return tok

@@ -179,22 +179,7 @@ def _add_data_commands(data) -> None:
     p.add_argument("--undo", action="store_true", help="move the labelled images from their class folders back "
                    "into the folder (after a split stopped midway, or to start over)")
 
-    p = data.add_parser("synth-text", help="write a learnable demo text corpus (train.jsonl, val.jsonl)")
-    p.add_argument("--out", required=True, help="output folder")
-    p.add_argument("--labelled", action="store_true", help="stories with a label each (their character's mood: 4 "
-                   "classes), for text classification: rows {text, label}")
-    p.add_argument("--train-documents", type=int, default=4000, help="stories in train.jsonl")
-    p.add_argument("--val-documents", type=int, default=400, help="stories in val.jsonl")
-    p.add_argument("--seed", type=int, default=0, help="random seed (the same seed writes the same data)")
-
-    p = data.add_parser("train-tokenizer", help="train a byte-level BPE tokenizer on text files, saved for "
-                        "AutoTokenizer.from_pretrained (EOS <|endoftext|>)")
-    p.add_argument("files", nargs="+", help=".txt, .jsonl or .parquet files (as data.train_files reads them)")
-    p.add_argument("--out", required=True, help="output folder (use it as data.tokenizer)")
-    p.add_argument("--vocab-size", type=int, default=4096, help="tokens in the vocabulary, special tokens included")
-    p.add_argument("--text-field", default="text", help="JSONL field / parquet column (data.text_field)")
-    p.add_argument("--document", choices=["line", "file"], default="line", help=".txt: a document per line "
-                   "or per file (data.document)")
+    _add_text_data_commands(data)
 
     p = data.add_parser("shards", help="write an ImageFolder as WebDataset tar shards (KEY.<png|jpg> + KEY.cls per "
                         "image, classes.txt), for data.kind image_webdataset; samples keep the folder's order")
@@ -218,6 +203,31 @@ def _add_data_commands(data) -> None:
     rate.add_argument("--step-rate", type=float, help="optimizer steps per second one worker takes when fed (for "
                       "'feeds N workers')")
     rate.add_argument("--run", help="a run folder of this job: its measured step rate is used")
+
+
+def _add_text_data_commands(data) -> None:
+    """`behemoth data synth-text` and `train-tokenizer`: the demo corpora and a local tokenizer."""
+    p = data.add_parser("synth-text", help="write a learnable demo text corpus (train.jsonl, val.jsonl)")
+    p.add_argument("--out", required=True, help="output folder")
+    p.add_argument("--labelled", action="store_true", help="stories with a label each (their character's mood: 4 "
+                   "classes), for text classification: rows {text, label}")
+    p.add_argument("--chat", action="store_true", help="conversations about the stories, for chat fine-tuning "
+                   "(data.kind chat): rows {messages: [{role, content}, ...]}")
+    p.add_argument("--train-documents", type=int, default=4000, help="stories in train.jsonl")
+    p.add_argument("--val-documents", type=int, default=400, help="stories in val.jsonl")
+    p.add_argument("--seed", type=int, default=0, help="random seed (the same seed writes the same data)")
+
+    p = data.add_parser("train-tokenizer", help="train a byte-level BPE tokenizer on text files, saved for "
+                        "AutoTokenizer.from_pretrained (EOS <|endoftext|>)")
+    p.add_argument("files", nargs="+", help=".txt, .jsonl or .parquet files (as data.train_files reads them)")
+    p.add_argument("--out", required=True, help="output folder (use it as data.tokenizer)")
+    p.add_argument("--vocab-size", type=int, default=4096, help="tokens in the vocabulary, special tokens included")
+    p.add_argument("--text-field", default="text", help="JSONL field / parquet column (data.text_field)")
+    p.add_argument("--document", choices=["line", "file"], default="line", help=".txt: a document per line "
+                   "or per file (data.document)")
+    p.add_argument("--chat", action="store_true", help="the files are conversations (data.kind chat; --text-field "
+                   "names their messages field, default messages): trained on every turn's content, with ChatML's "
+                   "<|im_start|> and <|im_end|> as tokens and ChatML as the chat template")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -384,9 +394,11 @@ def _data_command(args) -> int:
                                     args.format)
         print(f"wrote {counts['train']} train and {counts['val']} val images to {args.out}")
     elif args.data_command == "synth-text":
-        from behemoth.data.synth_text import write_synth_labelled_text, write_synth_text
+        from behemoth.data.synth_text import write_synth_chat, write_synth_labelled_text, write_synth_text
 
-        write = write_synth_labelled_text if args.labelled else write_synth_text
+        if args.labelled and args.chat:
+            raise ConfigError("synth-text: --labelled and --chat write different corpora: give one")
+        write = write_synth_labelled_text if args.labelled else write_synth_chat if args.chat else write_synth_text
         counts = write(args.out, args.train_documents, args.val_documents, args.seed)
         print(f"wrote {counts['train']} train and {counts['val']} val documents to {args.out}/{{train,val}}.jsonl")
     elif args.data_command == "split-val":
@@ -423,7 +435,7 @@ def _data_command(args) -> int:
     else:
         from behemoth.data.tokenizer import train_tokenizer
 
-        tok = train_tokenizer(args.files, args.out, args.vocab_size, args.text_field, args.document)
+        tok = train_tokenizer(args.files, args.out, args.vocab_size, args.text_field, args.document, chat=args.chat)
         print(f"wrote a byte-level BPE tokenizer ({len(tok)} tokens, eos {tok.eos_token!r}) to {args.out}")
     return 0
 

@@ -145,8 +145,8 @@ def _with_trusted_code(raw: dict, trusted: TrustedCode, job: str) -> dict:
 
 def model_card(cfg: JobConfig, ckpt: str, how: str, transformers_model: bool) -> str:
     state = read_state(ckpt)
-    metrics = {k: v for k, v in weights.checkpoint_metrics(ckpt).items()
-               if k.startswith("val_") or k in ("loss", "step", "epoch", "samples_seen")}
+    metrics = {k: v for k, v in weights.checkpoint_metrics(ckpt).items()  # (the figures: not val_samples' rows)
+               if (k.startswith("val_") or k in ("loss", "step", "epoch", "samples_seen")) and not isinstance(v, list)}
     task = task_of(cfg)
     if not transformers_model:
         load = (f"model = {cfg.model.name.split(':')[1]}(...)  # from {cfg.model.name.split(':')[0]}, with the "

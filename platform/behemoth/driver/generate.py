@@ -184,6 +184,9 @@ def _from_checkpoint(path: str, which: str, trusted: TrustedCode):
         raise ConfigError(f"{loaded.ckpt}: its model ({loaded.cfg.model.name}, data.kind {loaded.cfg.data.kind}) "
                           f"is not a transformers causal language model: there is nothing to generate with")
     tokenizer = _tokenizer(loaded.cfg.data.tokenizer, f"{loaded.ckpt}'s data.tokenizer")
+    template = getattr(loaded.cfg.data, "template_text", lambda: None)()  # a chat run's data.chat_template
+    if template is not None:
+        tokenizer.chat_template = template
     return model, tokenizer, f"{loaded.ckpt} ({loaded.how})"
 
 

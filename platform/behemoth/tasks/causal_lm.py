@@ -129,14 +129,20 @@ class CausalLM(Task):
         and `generate` stop on."""
         from transformers import GenerationConfig
 
-        from behemoth.data.text import load_tokenizer
         from behemoth.models.causal_lm import generation_config
 
-        tok = load_tokenizer(cfg.data.tokenizer)
+        tok = cls.tokenizer(cfg)
         tok.save_pretrained(out)
         _limit_to_positions(out)
         base = GenerationConfig.from_pretrained(out) if (out / "generation_config.json").is_file() else None
         generation_config(tok, base).save_pretrained(out)
+
+    @classmethod
+    def tokenizer(cls, cfg: JobConfig):
+        """The run's tokenizer as the export keeps it."""
+        from behemoth.data.text import load_tokenizer
+
+        return load_tokenizer(cfg.data.tokenizer)
 
     @classmethod
     def load_snippet(cls, cfg: JobConfig) -> str:
@@ -202,25 +208,27 @@ class CausalLM(Task):
             # the model shifts the labels itself; no key/value cache (generation's: training would build one
             # per layer and step, and throw it away)
             if self.cfg.data.document_mask:
-                return model(input_ids=ids, use_cache=False, **self.document_inputs(model, ids)).loss
+                starts = torch.zeros_like(ids, dtype=torch.bool)
+                starts[:, 1:] = ids[:, :-1] == self.index.eos_id  # a token after EOS starts a document
+                inputs = self.document_inputs(model, ids, starts, ids.masked_fill(starts, -100))
+                return model(input_ids=ids, use_cache=False, **inputs).loss
             return model(input_ids=ids, labels=ids, use_cache=False).loss
         out = model(ids)
         logits = out.logits if hasattr(out, "logits") else out
         return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(), ids[:, 1:].reshape(-1))
 
-    def document_inputs(self, model, ids: torch.Tensor) -> dict:
-        """data.document_mask: the documents of each packed block (a token after EOS starts one) as the model's
-        position ids (from 0 at each document's start), its attention (causal within a document: a 4-D
+    @staticmethod
+    def document_inputs(model, ids: torch.Tensor, starts: torch.Tensor, labels: torch.Tensor) -> dict:
+        """data.document_mask: the documents of each packed block (`starts`: a document's first token) as the
+        model's position ids (from 0 at each document's start), its attention (causal within a document: a 4-D
         boolean mask for SDPA, additive for eager attention; flash attention builds its variable-length
-        calls from the position ids alone) and labels (-100 at a document's first token: never predicted
-        from the document before). All on the device, from the tokens; nothing read on the host."""
+        calls from the position ids alone) and `labels` (-100 at least at a document's first token: never
+        predicted from the document before). All on the device, from the tokens; nothing read on the host."""
         length = ids.shape[1]
         steps = torch.arange(length, device=ids.device)
-        starts = torch.zeros_like(ids, dtype=torch.bool)
-        starts[:, 1:] = ids[:, :-1] == self.index.eos_id
         document = starts.cumsum(dim=1)
         positions = steps - torch.where(starts, steps, 0).cummax(dim=1).values
-        inputs = {"position_ids": positions, "labels": ids.masked_fill(starts, -100)}
+        inputs = {"position_ids": positions, "labels": labels}
         inner = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
         implementation = inner.config._attn_implementation
         if "flash" in implementation:

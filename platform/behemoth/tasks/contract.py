@@ -203,6 +203,14 @@ class Task(abc.ABC):
     def loss(self, model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """(mean loss over the batch's valid samples, number of valid samples)."""
 
+    def loss_items(self, batch: dict) -> torch.Tensor | None:
+        """Where the loss is a mean over items that vary in number between batches (a chat's trained tokens):
+        how many this batch holds, as a device tensor, known before its forward pass; `loss` then returns the
+        mean over them and that count. The step weighs each micro-batch by its count over the global batch's
+        (summed over the ranks), so the gradient is the mean over every item of the step, not a mean of
+        micro-batch means (worker/loop.py: train_step). None (the default): every batch's mean weighs the same."""
+        return None
+
     @abc.abstractmethod
     def eval_sums(self, model, batch: dict) -> dict[str, torch.Tensor]:
         """One batch's sums, by the names in `eval_sum_names` (scalars): evaluate() adds them up over batches
@@ -212,6 +220,12 @@ class Task(abc.ABC):
     def eval_metrics(self, sums: dict[str, float]) -> dict:
         """Metrics from the summed evaluation: names starting with `val_` (another split's evaluation renames
         them)."""
+
+    def eval_samples(self, model) -> list[dict]:
+        """What the model produces for a few fixed inputs, as JSON-able rows (a chat model's replies to a few
+        validation prompts), recorded with each evaluation as `val_samples` (rank 0's, under DDP; none under
+        FSDP, whose sharded model every rank would have to run). Default: none."""
+        return []
 
     def bad_samples(self, batch: dict) -> torch.Tensor | None:
         """The batch's samples the task could not read (dropped within data.max_bad_samples): a tensor of the

@@ -18,6 +18,7 @@ TASKS: dict[str, str] = {
     "image_parquet": "behemoth.tasks.image:ImageClassification",
     "image_webdataset": "behemoth.tasks.image:ImageClassification",
     "text": "behemoth.tasks.causal_lm:CausalLM",
+    "chat": "behemoth.tasks.chat:ChatLM",
     "text_classification": "behemoth.tasks.text_classification:TextClassification",
 }
 

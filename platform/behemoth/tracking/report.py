@@ -71,10 +71,22 @@ def write_run_report(run_dir: str, account: goodput.Account | None = None) -> st
     sections += [f'<h2>{html.escape(name.replace("_", " ").title())}</h2><img src="data:image/png;base64,{b64}">'
                  for name, b64 in pngs.items()]
     sections += _profile_links(run_dir)
+    sections += _samples(kept)
     page = _page(f"behemoth run {os.path.basename(run_dir.rstrip('/'))}", sections)
     target = paths.join(out, "report.html")
     write_text(target, page)
     return target
+
+
+def _samples(kept: list[dict]) -> list[str]:
+    """What the model said at each evaluation (val_samples: a chat run's replies to a few validation prompts)."""
+    rows = [(r["step"], sample) for r in kept for sample in r.get("val_samples") or []]
+    if not rows:
+        return []
+    cells = "".join(f"<tr><td>{step}</td><td><pre>{html.escape(str(s.get('prompt', '')))}</pre></td>"
+                    f"<td><pre>{html.escape(str(s.get('reply', '')))}</pre></td></tr>" for step, s in rows)
+    return [f"<h2>What the model says (val_samples, greedy, at each evaluation)</h2><table><tr><th>step</th>"
+            f"<th>prompt (its end)</th><th>reply</th></tr>{cells}</table>"]
 
 
 def _profile_links(run_dir: str) -> list[str]:
@@ -232,7 +244,7 @@ def _run_summary(run_dir: str, kept: list[dict], account) -> str:
             ("samples seen", last.get("samples_seen"))]
     finals = {}
     for r in kept:
-        finals.update({k: v for k, v in r.items() if k.startswith("val_")})
+        finals.update({k: v for k, v in r.items() if k.startswith("val_") and isinstance(v, (int, float))})
     rows += [(f"final {k}", f"{v:.4g}") for k, v in sorted(finals.items())]
     if account:
         rows.append(("goodput", account.line()))

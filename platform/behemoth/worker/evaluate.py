@@ -44,8 +44,14 @@ def evaluate(model, task: Task, rank: int, world: int, batch_size: int, split: s
             with autocast(totals.device, task.cfg.train.precision):
                 task.eval_sums(net, task.example_batch(1))
     all_reduce_sum(totals)
+    metrics = task.eval_metrics(dict(zip(names, totals.tolist())))
+    if rank == 0 and split == "val" and not sharded:
+        with autocast(totals.device, task.cfg.train.precision):
+            samples = task.eval_samples(net)
+        if samples:
+            metrics["val_samples"] = samples
     net.train()
-    return task.eval_metrics(dict(zip(names, totals.tolist())))
+    return metrics
 
 
 def _stacked(sums: dict, names: tuple[str, ...], like: torch.Tensor) -> torch.Tensor:

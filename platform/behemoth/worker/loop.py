@@ -30,6 +30,7 @@ from behemoth.metrics import PhaseClock, Window
 from behemoth.tasks import Task, make_task
 from behemoth import hosts
 from behemoth.worker import faults, parallel
+from behemoth.worker.collectives import all_reduce_sum, distributed
 from behemoth.worker.console import console
 from behemoth.worker.ema import WeightAverage
 from behemoth.worker.feed import EpochFeed
@@ -168,13 +169,14 @@ def train_step(model, optimizer, scheduler, scaler, micro_batches: list[dict], c
     """
     optimizer.zero_grad(set_to_none=True)
     loss_sum, n_sum = 0.0, 0.0
+    weights = loss_weights(task, micro_batches)
     for i, batch in enumerate(micro_batches):
         last = i == len(micro_batches) - 1
         with contextlib.nullcontext() if last else parallel.no_grad_sync(model):
             try:
                 with autocast(device, cfg.train.precision):
                     loss, n_valid = task.loss(model, batch)
-                scaler.scale(loss / len(micro_batches)).backward()
+                scaler.scale(loss * weights[i]).backward()
             except torch.cuda.OutOfMemoryError:
                 # The same micro-batch runs out the same way after a restart: a config error, not retried.
                 raise ConfigError(
@@ -195,6 +197,23 @@ def train_step(model, optimizer, scheduler, scaler, micro_batches: list[dict], c
     scaler.update()
     scheduler.step()
     return loss_sum, n_sum, norm
+
+
+def loss_weights(task: Task, micro_batches: list[dict]) -> list:
+    """Each micro-batch's weight in the step's gradient, which DDP then averages over the ranks: 1/n for n
+    micro-batches, or where the task counts items (Task.loss_items: a chat's trained tokens) the micro-batch's
+    items over the mean per rank of the global batch's, so that the step's gradient is the mean over all its
+    items. One all-reduce of a device scalar; nothing read on the host."""
+    counts = [task.loss_items(batch) for batch in micro_batches]
+    if counts[0] is None:
+        return [1.0 / len(micro_batches)] * len(micro_batches)
+    total = torch.stack(counts).sum().to(torch.float32)
+    world = 1
+    if distributed():
+        all_reduce_sum(total)
+        world = torch.distributed.get_world_size()
+    per_rank = total.clamp(min=1) / world
+    return [count / per_rank for count in counts]
 
 
 def _steps(cfg: JobConfig, task: Task) -> tuple[int, int]:

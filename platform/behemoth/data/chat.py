@@ -1,0 +1,586 @@
+"""Chat data for fine-tuning a causal LM (data.kind: chat): conversations in the OpenAI / Hugging Face `messages`
+shape, `[{"role": "system" | "user" | "assistant" | "tool", "content": "..."}, ...]`, one per JSONL line, parquet
+row or Hugging Face dataset row (the column: data.messages_field).
+
+The pipeline is the text pipeline's (data/text.py, data/text_packing.py: work units, Ray Data tasks, a packed
+cache on disk, the token store), with three differences:
+
+1. A conversation is rendered with a chat template: the tokenizer's own (`apply_chat_template`), or the one the
+   job names (data.chat_template: a .jinja file, or `chatml`); a tokenizer with none and no data.chat_template is
+   refused before Ray, never rendered in a made-up format.
+2. The tokens the loss is taken on are the assistant's turns (data.train_on: assistant), found from the
+   template's own renderings: the conversation up to turn i with the generation prompt is a prefix of the
+   conversation through turn i, and the text between the two is turn i's reply (its end-of-turn token
+   included: the model learns to stop); the tokens starting in it (the whole rendering is encoded once, with
+   offsets) are trained. A template whose renderings are not prefixes of each other (one that
+   rewrites earlier turns) is refused by name: its assistant tokens cannot be told this way.
+3. Conversations are packed whole into blocks of data.seq_len (first fit over the last OPEN_BLOCKS blocks, the
+   rest padded), or one per block (data.packing: padded); never cut across blocks. Each conversation is its own
+   document: positions restart and attention stays inside it (tasks/chat.py). A conversation longer than a block
+   is cut at seq_len or dropped (data.overlong), counted.
+
+Each stored token carries two flags in bits above any vocabulary's ids (the blocks are int32): TRAIN (a token the
+loss is taken on) and START (a conversation's, or a padding run's, first token). One array per split keeps the
+token store, its checksums, gathers and the sample ledger as they are for text; the worker splits them on the
+device (`split_flags`).
+
+A record that is not a conversation (not a list, an unknown role, content that is not text, no assistant turn,
+not JSON) is a bad sample, named by file and line (or row): up to data.max_bad_samples are skipped and counted,
+more fail the preparation naming them.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import ClassVar, Literal
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from behemoth.data.pipeline import expand_files
+from behemoth.data.text import (
+    FIRST_BYTES,
+    FIRST_RECORDS,
+    UNIT_BYTES,
+    TextData,
+    Unit,
+    _line_of,
+    _read_line_range,
+    is_validation,
+    load_tokenizer,
+    text_format,
+)
+from behemoth.errors import ConfigError, DataError
+
+TRAIN, START = 1 << 30, 1 << 29
+IDS = START - 1  # a token id's bits (vocabularies stay far below 2**29 tokens)
+ROLES = ("system", "user", "assistant", "tool")
+OPEN_BLOCKS = 64  # blocks still open to a shorter conversation while packing (first fit)
+CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + "
+          "'<|im_end|>' + '\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+CHATML_TOKENS = ("<|im_start|>", "<|im_end|>")
+
+
+@dataclass
+class ChatData(TextData):
+    """`data:` of a chat fine-tuning job (kind: chat): the text keys (files or a Hugging Face dataset, a
+    tokenizer, seq_len, the cache), and how conversations become training blocks (docs/chat.md)."""
+
+    # The JSONL field, parquet column or dataset column holding a conversation (a list of {role, content}).
+    messages_field: str = "messages"
+    # The template conversations are rendered with: empty for the tokenizer's own (its chat_template), `chatml`,
+    # or a .jinja file. It is the exported tokenizer's template too.
+    chat_template: str = ""
+    # The tokens the loss is taken on: the assistant's turns, or every token of the conversation.
+    train_on: Literal["assistant", "all"] = "assistant"
+    # packed: whole conversations share a block (each its own document); padded: one conversation per block.
+    packing: Literal["packed", "padded"] = "packed"
+    # A conversation longer than seq_len: cut at seq_len (its assistant tokens within it still train) or dropped.
+    overlong: Literal["truncate", "drop"] = "truncate"
+    # Always on for chat: each conversation is its own document (positions and attention), packed or padded.
+    document_mask: bool = True
+    # At each evaluation, the model's greedy replies to the prompts of the first N validation conversations
+    # (up to their first assistant turn), at most eval_max_new_tokens each: in the run's records (val_samples)
+    # and report. 0: none.
+    eval_samples: int = 3
+    eval_max_new_tokens: int = 48
+
+    path_keys: ClassVar[tuple[str, ...]] = (*TextData.path_keys, "chat_template")
+
+    def validate(self) -> None:
+        if self.text_format == "txt" or self.document != "line" or self.text_field != "text":
+            raise ConfigError("data.kind chat reads conversations from JSONL, parquet or a Hugging Face dataset "
+                              "(data.messages_field): data.text_format txt, data.document and data.text_field are "
+                              "for data.kind text")
+        if self.eval_samples < 0 or self.eval_max_new_tokens < 1:
+            raise ConfigError(f"data.eval_samples must be >= 0 and data.eval_max_new_tokens >= 1, got "
+                              f"{self.eval_samples} and {self.eval_max_new_tokens}")
+        if not self.document_mask:
+            raise ConfigError("data.document_mask is always on for data.kind chat: packed conversations never "
+                              "attend to each other (data.packing: padded puts one per block)")
+        super().validate()
+
+    def template_text(self) -> str | None:
+        """data.chat_template's text (None: the tokenizer's own)."""
+        if not self.chat_template:
+            return None
+        if self.chat_template == "chatml":
+            return CHATML
+        path = Path(self.chat_template).expanduser()
+        if not path.is_file():
+            raise ConfigError(f"data.chat_template {self.chat_template!r} is neither `chatml` nor a template file: "
+                              f"give a .jinja file's path, or leave it empty for the tokenizer's own template")
+        return path.read_text(encoding="utf-8")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The tokenizer and its template
+
+
+def chat_tokenizer(cfg: ChatData):
+    """The run's tokenizer with data.chat_template set on it (the one the records are rendered with and the
+    export keeps); refused where there is no template, or ChatML's markers are not tokens of its vocabulary."""
+    tok = load_tokenizer(cfg.tokenizer)
+    template = cfg.template_text()
+    if template is None and not tok.chat_template:
+        raise ConfigError(f"data.tokenizer {cfg.tokenizer!r} has no chat template (tokenizer_config.json's "
+                          f"chat_template or chat_template.jinja): set data.chat_template to a .jinja file or "
+                          f"`chatml`; behemoth never renders conversations in a format of its own")
+    if template == CHATML:
+        missing = [t for t in CHATML_TOKENS if t not in tok.get_vocab()]
+        if missing:
+            raise ConfigError(f"data.chat_template chatml marks turns with {' and '.join(CHATML_TOKENS)}, and "
+                              f"data.tokenizer {cfg.tokenizer!r} has no {', '.join(missing)} token: a model would see "
+                              f"them as plain text and never learn where a turn ends. Use the model's own template, "
+                              f"or a tokenizer with them (behemoth data train-tokenizer --chat)")
+    if template is not None:
+        tok = _with_template(tok, template)
+    return tok
+
+
+def _with_template(tok, template: str):
+    import copy
+
+    tok = copy.copy(tok)  # (load_tokenizer's is shared by the process)
+    tok.chat_template = template
+    return tok
+
+
+def pad_id(tok) -> tuple[int, str | None]:
+    """The id padding is written with, and where the tokenizer has no pad token, the one line that says so:
+    EOS pads (padding is masked from the loss and from attention, so no embedding is added or resized)."""
+    if tok.pad_token_id is not None:
+        return tok.pad_token_id, None
+    return tok.eos_token_id, (f"data.tokenizer has no pad token: padding uses EOS ({tok.eos_token!r}, id "
+                              f"{tok.eos_token_id}), masked from the loss and attention; no embedding is added")
+
+
+def tokenizer_files(tok) -> dict[str, bytes]:
+    """The tokenizer (template included) as its saved files: what a tokenising task rebuilds it from, on any
+    node (a Hub name or a folder only the driver sees included)."""
+    with tempfile.TemporaryDirectory(prefix="behemoth-chat-tok-") as folder:
+        tok.save_pretrained(folder)
+        return {p.name: p.read_bytes() for p in Path(folder).iterdir() if p.is_file()}
+
+
+@functools.lru_cache(maxsize=4)
+def _task_tokenizer(files):
+    """A task process's tokenizer, from an object-store reference to tokenizer_files' dict (once per process)."""
+    import ray
+
+    return tokenizer_from_files(ray.get(files))
+
+
+def tokenizer_from_files(files: dict[str, bytes]):
+    """The tokenizer tokenizer_files saved, loaded again (never its own code)."""
+    from transformers import AutoTokenizer
+
+    with tempfile.TemporaryDirectory(prefix="behemoth-chat-tok-") as folder:
+        for name, data in files.items():
+            Path(folder, name).write_bytes(data)
+        return AutoTokenizer.from_pretrained(folder, trust_remote_code=False)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# A record -> its tokens, with the flags
+
+
+def conversation_problem(value, train_on: str = "assistant") -> str | None:
+    """Why `value` is not a conversation (None: it is one)."""
+    if not isinstance(value, list) or not value:
+        return f"not a list of messages ({'an empty list' if value == [] else type(value).__name__})"
+    for i, message in enumerate(value):
+        if not isinstance(message, dict) or "role" not in message:
+            return f"message {i} is not a {{role, content}} mapping"
+        if message["role"] not in ROLES:
+            return f"message {i} has role {message['role']!r}, not one of {', '.join(ROLES)}"
+        if not isinstance(message.get("content"), str):
+            return f"message {i} ({message['role']}) has content of type {type(message.get('content')).__name__}, not text"
+    if train_on == "assistant" and not any(m["role"] == "assistant" for m in value):
+        return "no assistant turn (nothing to train on with data.train_on: assistant)"
+    return None
+
+
+def _render(tok, messages, generation_prompt: bool) -> str:
+    return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+
+
+def render_conversation(tok, messages: list[dict], train_on: str = "assistant") -> tuple[str, list[tuple[int, int]]]:
+    """The conversation as the template renders it, and the character ranges the loss is taken on: the
+    assistant's turn i is the rendering of messages[:i+1] after that of messages[:i] with the generation prompt.
+    Raises ValueError where the renderings are not prefixes of each other (the template rewrites earlier turns:
+    the reply's text cannot be told)."""
+    text = _render(tok, messages, False)
+    if train_on == "all":
+        return text, [(0, len(text))]
+    spans = []
+    for i, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        prompt, through = _render(tok, messages[:i], True) if i else "", _render(tok, messages[:i + 1], False)
+        if not (through.startswith(prompt) and text.startswith(through)):
+            raise ValueError(f"the chat template's rendering of the first {i} turns with the generation prompt is "
+                             f"not the start of its rendering of the first {i + 1} (or of the whole conversation): "
+                             f"it rewrites earlier turns, so the assistant's tokens cannot be told. Use a template "
+                             f"that appends turns, or data.train_on: all")
+        spans.append((len(prompt), len(through)))
+    return text, spans
+
+
+def flagged(encoding, spans: list[tuple[int, int]]) -> np.ndarray:
+    """A tokenizers Encoding of a rendered conversation as stored tokens: TRAIN on the tokens that start inside
+    `spans`, START on the first."""
+    ids = np.asarray(encoding.ids, dtype=np.int64)
+    if np.any(ids > IDS):
+        raise ValueError(f"token ids above {IDS} do not fit beside the flags")
+    starts = np.fromiter((start for start, _ in encoding.offsets), np.int64, count=len(ids))
+    trained = np.zeros(len(ids), dtype=bool)
+    for begin, end in spans:
+        trained |= (starts >= begin) & (starts < end)
+    out = ids | np.where(trained, TRAIN, 0)
+    if len(out):
+        out[0] |= START
+    return out.astype(np.int32)
+
+
+def encode_conversation(tok, messages: list[dict], train_on: str = "assistant") -> np.ndarray:
+    """A conversation's tokens as the template renders it (the rendering encoded as apply_chat_template encodes
+    it), int32 with the TRAIN flag on the tokens the loss is taken on and START on the first."""
+    text, spans = render_conversation(tok, messages, train_on)
+    return flagged(tok.backend_tokenizer.encode(text, add_special_tokens=False), spans)
+
+
+def split_flags(stored):
+    """(token ids, trained, starts) of stored blocks (numpy or torch, any shape)."""
+    return stored & IDS, (stored & TRAIN) != 0, (stored & START) != 0
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Driver side: the sources, cut into work units; their first records read before Ray
+
+
+def plan_chat_units(cfg: ChatData) -> list[Unit]:
+    """Check every file (format, the messages column, its first records) and cut it into units, train files
+    first, in a fixed order (text's units: byte ranges of JSONL, parquet row groups)."""
+    splits = [("auto" if not cfg.val_files else "train", cfg.train_files), ("val", cfg.val_files)]
+    units = []
+    for split, patterns in splits:
+        key = "data.val_files" if split == "val" else "data.train_files"
+        for path in map(os.path.abspath, expand_files(patterns, key)):
+            fmt = text_format(cfg, path)
+            size = os.path.getsize(path)
+            if size == 0:
+                raise DataError(f"{path} is empty: fill it or remove it from the data.*_files list")
+            if fmt == "parquet":
+                names = pq.read_schema(path).names
+                if cfg.messages_field not in names:
+                    raise DataError(f"{path} has no column '{cfg.messages_field}' (data.messages_field); its "
+                                    f"columns: {names}")
+                units += [Unit(split, path, "parquet", g, g + 1) for g in range(pq.ParquetFile(path).num_row_groups)]
+            elif fmt == "jsonl":
+                units += [Unit(split, path, fmt, s, min(s + UNIT_BYTES, size)) for s in range(0, size, UNIT_BYTES)]
+            else:
+                raise DataError(f"{path}: data.kind chat reads JSONL or parquet conversations, not {fmt} text")
+            first = units[-1] if fmt == "parquet" else Unit(split, path, fmt, 0, min(size, FIRST_BYTES))
+            check_first_records(cfg, first)
+    return units
+
+
+def check_first_records(cfg: ChatData, unit: Unit) -> None:
+    """A file's first records read and rendered as the tokenising task will (at most FIRST_RECORDS): a file
+    of the wrong shape, or a template that cannot render it, fails here in one line, before Ray starts. Bad
+    records among them fail only beyond data.max_bad_samples."""
+    tok = chat_tokenizer(cfg)
+    records = read_unit_records(unit, cfg.messages_field)[:FIRST_RECORDS]
+    if records and all(isinstance(v, _Bad) for _, v in records):
+        where, bad = records[0]
+        raise DataError(f"{where}: {bad.reason}: is data.messages_field ({cfg.messages_field!r}) the column "
+                        f"holding conversations?")
+    bad = [f"{where}: {v.reason}" for where, v in records if isinstance(v, _Bad)]
+    for where, value in records:
+        if isinstance(value, _Bad):
+            continue
+        problem = conversation_problem(value, cfg.train_on)
+        if problem:
+            bad.append(f"{where}: {problem}")
+            continue
+        try:
+            encode_conversation(tok, value, cfg.train_on)
+        except Exception as e:  # a template's own errors (raise_exception, undefined names) are of many types
+            raise DataError(f"{where}: the chat template cannot render it: {' '.join(str(e).split())}") from None
+    if len(bad) > cfg.max_bad_samples:
+        raise DataError(f"{len(bad)} of the first {len(records)} records are not conversations, more than "
+                        f"data.max_bad_samples={cfg.max_bad_samples}: {'; '.join(bad[:5])}")
+
+
+@dataclass(frozen=True)
+class _Bad:
+    reason: str
+
+
+def read_unit_records(unit: Unit, field: str) -> list[tuple[str, object]]:
+    """(where, the record's conversation or a _Bad) for each record of a unit; `where` names file and line (row
+    for parquet)."""
+    if unit.fmt == "parquet":
+        pf = pq.ParquetFile(unit.path)
+        first_row = sum(pf.metadata.row_group(g).num_rows for g in range(unit.start))
+        values = pf.read_row_group(unit.start, columns=[field]).column(field).to_pylist()
+        return [(f"{unit.path} row {first_row + i}", v) for i, v in enumerate(values)]
+    data, offset = _read_line_range(unit.path, unit.start, unit.end)
+    lines = data.split(b"\n")
+    first_line = None
+    out = []
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        if first_line is None:
+            first_line = _line_of(unit.path, offset)
+        where = f"{unit.path} line {first_line + i}"
+        try:
+            record = json.loads(line.decode("utf-8"))
+        except UnicodeDecodeError as e:
+            out.append((where, _Bad(f"invalid UTF-8 ({e.reason})")))
+            continue
+        except ValueError as e:
+            out.append((where, _Bad(f"not valid JSON ({e})")))
+            continue
+        if not isinstance(record, dict) or field not in record:
+            fields = sorted(record) if isinstance(record, dict) else type(record).__name__
+            out.append((where, _Bad(f"no field '{field}' (data.messages_field); the record has {fields}")))
+            continue
+        out.append((where, record[field]))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Ray Data task side: records -> one row per conversation (or per bad record)
+
+
+@dataclass(frozen=True)
+class ChatSpec:
+    """What a tokenising task needs: the tokenizer's files (or an object-store reference to them), and the
+    job's choices."""
+
+    files: object
+    train_on: str
+    seed: int
+    val_fraction: float
+
+
+def encode_records(records: list[tuple[str, object]], split: str, spec: ChatSpec) -> pa.Table:
+    """Rows of split ('train', 'val' or 'bad'), tokens (flags included) and where (a bad record's file, line and
+    reason)."""
+    tok = _task_tokenizer(spec.files)
+    rendered, problems = [], []
+    for where, value in records:
+        problem = value.reason if isinstance(value, _Bad) else conversation_problem(value, spec.train_on)
+        if problem is None:
+            try:
+                rendered.append(render_conversation(tok, value, spec.train_on))
+            except Exception as e:  # noqa: BLE001 - the template's errors (raise_exception and the like) are of many types
+                problem = f"the chat template cannot render it: {' '.join(str(e).split())}"
+        problems.append(problem)
+    # one call for the unit's renderings: the Rust tokenizer encodes them on its own threads
+    encodings = iter(tok.backend_tokenizer.encode_batch([text for text, _ in rendered], add_special_tokens=False))
+    spans = iter(s for _, s in rendered)
+    rows = {"split": [], "tokens": [], "where": []}
+    for (where, value), problem in zip(records, problems):
+        tokens = np.empty(0, np.int32)
+        if problem is None:
+            tokens = flagged(next(encodings), next(spans))
+            if not tokens.size:
+                problem = "the template renders it as no tokens"
+        if problem is None:
+            chosen = split if split != "auto" else (
+                "val" if is_validation(json.dumps(value, sort_keys=True), spec.seed, spec.val_fraction) else "train")
+        rows["split"].append("bad" if problem else chosen)
+        rows["tokens"].append(tokens)
+        rows["where"].append(f"{where}: {problem}" if problem else "")
+    return pa.table({"split": pa.array(rows["split"], pa.string()),
+                     "tokens": pa.array(rows["tokens"], pa.list_(pa.int32())),
+                     "where": pa.array(rows["where"], pa.string())})
+
+
+def encode_units(batch: pa.Table, *, field: str, spec: ChatSpec) -> pa.Table:
+    """map_batches UDF over planned units (one per batch)."""
+    return pa.concat_tables([encode_records(read_unit_records(Unit(**row), field), row["split"], spec)
+                             for row in batch.to_pylist()])
+
+
+def encode_rows(batch: pa.Table, *, field: str, spec: ChatSpec, split: str, name: str) -> pa.Table:
+    """map_batches UDF over a Hugging Face dataset's rows (with their row numbers in `_row`)."""
+    rows, values = batch.column("_row").to_pylist(), batch.column(field).to_pylist()
+    return encode_records([(f"{name} row {r}", v) for r, v in zip(rows, values)], split, spec)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Packing conversations into blocks
+
+
+class ChatPacker:
+    """Whole conversations into blocks of seq_len: each goes into the first of the open blocks it fits in (at
+    most `open_blocks` open; the oldest is padded and written when another must open), or with open_blocks 0
+    one per block. Padding: `pad` with START on its first token and no TRAIN (its own document, never trained).
+    `sink`: called with each written block, [1, seq_len] int32."""
+
+    def __init__(self, seq_len: int, pad: int, sink, open_blocks: int = OPEN_BLOCKS, overlong: str = "truncate"):
+        self.seq_len, self.pad, self.sink, self.open_blocks, self.overlong = seq_len, pad, sink, open_blocks, overlong
+        self.open: list[list[np.ndarray]] = []
+        self.room: list[int] = []
+        self.counts = {"documents": 0, "tokens": 0, "trained_tokens": 0, "padding_tokens": 0, "blocks": 0,
+                       "truncated": 0, "dropped_overlong": 0, "tail_tokens_dropped": 0}
+
+    def add(self, tokens: np.ndarray) -> None:
+        if len(tokens) > self.seq_len:
+            cut = tokens[:self.seq_len]
+            if self.overlong == "drop" or not np.any(cut & TRAIN):  # (nothing left to train on: dropped too)
+                self.counts["dropped_overlong"] += 1
+                return
+            self.counts["truncated"] += 1
+            tokens = cut
+        self.counts["documents"] += 1
+        self.counts["tokens"] += len(tokens)
+        self.counts["trained_tokens"] += int(np.count_nonzero(tokens & TRAIN))
+        chosen = next((i for i, room in enumerate(self.room) if room >= len(tokens)), None)
+        if chosen is None:
+            if self.open and len(self.open) >= max(self.open_blocks, 1):
+                self._write(0)
+            self.open.append([])
+            self.room.append(self.seq_len)
+            chosen = len(self.open) - 1
+        self.open[chosen].append(tokens)
+        self.room[chosen] -= len(tokens)
+        if self.room[chosen] == 0 or self.open_blocks == 0:
+            self._write(chosen)
+
+    def finish(self) -> dict:
+        while self.open:
+            self._write(0)
+        return dict(self.counts)
+
+    def _write(self, i: int) -> None:
+        parts, room = self.open.pop(i), self.room.pop(i)
+        if room:
+            padding = np.full(room, self.pad, np.int32)
+            padding[0] |= START
+            parts.append(padding)
+            self.counts["padding_tokens"] += room
+        self.counts["blocks"] += 1
+        self.sink(np.concatenate(parts)[None, :])
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The whole preparation: text_packing's cache, chat's stream and packer
+
+CHAT_VERSION = 1  # (in the cache's fingerprint: a change of how conversations become blocks)
+
+
+def prepare_chat(cfg: ChatData, seed: int, units: list[Unit]):
+    """The conversations tokenised with Ray Data and packed (or read from the cache): a TokenIndex of int32
+    blocks with the flags. Needs Ray."""
+    from behemoth.data.text_packing import packed_index
+
+    tok = chat_tokenizer(cfg)
+    key = {"chat": CHAT_VERSION, "messages_field": cfg.messages_field, "template": tok.chat_template,
+           "train_on": cfg.train_on, "packing": cfg.packing, "overlong": cfg.overlong, "open_blocks": OPEN_BLOCKS}
+    index = packed_index(cfg, units, seed, np.int32, tok, _pack_chat, key)
+    bad = index.stats.get("bad_records", 0)
+    if bad > cfg.max_bad_samples:  # (a cache built under a larger data.max_bad_samples)
+        raise DataError(_too_many_bad(bad, index.stats.get("bad_examples", []), cfg.max_bad_samples))
+    if cfg.eval_samples:
+        index.stats["eval_prompts"] = sample_prompts(index.val, cfg.eval_samples)
+        index.stats["tokenizer_files"] = tokenizer_files(tok)  # (the workers decode the replies with it)
+    return index
+
+
+def sample_prompts(blocks, n: int) -> list[list[int]]:
+    """The prompts of the first n conversations of the blocks that have a trained token: each conversation's
+    tokens before its first trained one (its opening turns and the generation prompt)."""
+    prompts = []
+    for b in range(len(blocks)):
+        stored = blocks[np.array([b])][0].astype(np.int64)
+        ids, trained, starts = split_flags(stored)
+        bounds = [*np.flatnonzero(starts).tolist(), len(ids)]
+        for begin, end in zip(bounds, bounds[1:]):
+            first = np.flatnonzero(trained[begin:end])
+            if len(first):
+                prompts.append(ids[begin:begin + first[0]].tolist())
+                if len(prompts) == n:
+                    return prompts
+    return prompts
+
+
+def _too_many_bad(count: int, examples: list[str], limit: int) -> str:
+    return (f"{count} records are not conversations, more than data.max_bad_samples={limit}: "
+            f"{'; '.join(examples[:5])}. Mend or remove them, or raise data.max_bad_samples to skip them")
+
+
+def _pack_chat(folder: Path, cfg: ChatData, units: list[Unit], seed: int, dtype) -> dict:
+    from behemoth.data.text_packing import CACHE_VERSION, _list_values
+    from behemoth.data.token_store import ShardWriter
+    from behemoth.progress import progress
+
+    tok = chat_tokenizer(cfg)
+    pad, _ = pad_id(tok)
+    writers = {split: ShardWriter(folder, split, cfg.seq_len, np.int32) for split in ("train", "val")}
+    packers = {split: ChatPacker(cfg.seq_len, pad, writers[split].add, 0 if cfg.packing == "padded" else OPEN_BLOCKS,
+                                 cfg.overlong) for split in ("train", "val")}
+    bad = []
+    for batch in progress(_chat_stream(cfg, units, seed, tok), "tokenising", total=None if cfg.hf_dataset else len(units),
+                          unit="unit" if not cfg.hf_dataset else "batch"):
+        for split, tokens, where in zip(batch["split"].to_pylist(), _list_values(batch["tokens"]),
+                                        batch["where"].to_pylist()):
+            if split == "bad":
+                bad.append(where)
+                if len(bad) > cfg.max_bad_samples:
+                    raise DataError(_too_many_bad(len(bad), bad, cfg.max_bad_samples))
+            else:
+                packers[split].add(tokens)
+    meta = {"version": CACHE_VERSION, "seq_len": cfg.seq_len, "tokenizer": cfg.tokenizer, "dtype": "int32",
+            "bad_records": len(bad), "bad_examples": bad[:20]}
+    for split, packer in packers.items():
+        counts = packer.finish()
+        if counts["blocks"] == 0:
+            why = ("their assistant tokens all past the cut" if cfg.overlong == "truncate" else "data.overlong: drop")
+            raise DataError(f"the {split} conversations leave nothing to train on: {counts['dropped_overlong']} "
+                            f"longer than data.seq_len={cfg.seq_len} dropped ({why}), none kept: raise data.seq_len"
+                            f"{'' if cfg.overlong == 'truncate' else ', or set data.overlong: truncate'}")
+        meta[split] = {**counts, "shards": writers[split].finish()}
+    return meta
+
+
+def _chat_stream(cfg: ChatData, units: list[Unit], seed: int, tok):
+    """Ray Data: each unit's (or dataset batch's) conversations encoded, in corpus order."""
+    import logging
+
+    import ray.data
+
+    from behemoth.data.pipeline import ordered_data_context
+    from behemoth.data.text_packing import HF_ROWS_PER_BLOCK, _hf_splits
+
+    ordered_data_context(logging.CRITICAL)
+    spec = ChatSpec(files=ray.put(tokenizer_files(tok)), train_on=cfg.train_on, seed=seed,
+                    val_fraction=cfg.val_fraction)
+    if cfg.hf_dataset:
+        pipelines = []
+        for split, ds in _hf_splits(cfg, cfg.messages_field):
+            table = ds.with_format("arrow")[:]
+            table = table.append_column("_row", pa.array(range(table.num_rows), pa.int64()))
+            blocks = [table.slice(i, HF_ROWS_PER_BLOCK) for i in range(0, max(table.num_rows, 1), HF_ROWS_PER_BLOCK)]
+            pipelines.append(ray.data.from_blocks(blocks).map_batches(
+                encode_rows, batch_format="pyarrow", batch_size=HF_ROWS_PER_BLOCK, num_cpus=cfg.cpus_per_task,
+                fn_kwargs={"field": cfg.messages_field, "spec": spec, "split": split,
+                           "name": f"data.hf_dataset {cfg.hf_dataset}"}))
+    else:
+        rows = [{"split": u.split, "path": u.path, "fmt": u.fmt, "start": u.start, "end": u.end} for u in units]
+        pipelines = [ray.data.from_items(rows, override_num_blocks=len(rows)).map_batches(
+            encode_units, batch_format="pyarrow", batch_size=1, num_cpus=cfg.cpus_per_task,
+            fn_kwargs={"field": cfg.messages_field, "spec": spec})]
+    for ds in pipelines:
+        yield from ds.iter_batches(batch_format="pyarrow", batch_size=None, prefetch_batches=4)
