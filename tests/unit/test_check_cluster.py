@@ -33,7 +33,7 @@ def messages(path, jobs=None) -> str:
 def test_the_template_shows_only_its_placeholders_and_a_filled_copy_passes(tmp_path, capsys):
     findings = check_cluster(CLUSTER)
     assert {f.problem for f in findings} == {"'ami-REPLACE_ME' is a placeholder", "'sg-REPLACE_ME' is a placeholder"}
-    assert len(findings) == 6 and all("fill in before `ray up`" in f.fix for f in findings)  # 3 node types
+    assert len(findings) == 8 and all("fill in before `ray up`" in f.fix for f in findings)  # 4 node types
     copy = tmp_path / "cluster.yaml"
     copy.write_text(filled(CLUSTER.read_text()))
     assert check_cluster(copy) == []
@@ -95,6 +95,10 @@ CASES = [
      r"dashboard binds to 0.0.0.0"),
     ("GPU node without GPUs", lambda c: c["available_node_types"]["gpu_a100x8"].update(resources={"CPU": 96}),
      r"gpu_a100x8.resources.*p4de.24xlarge is a GPU instance but declares no GPU resources"),
+    ("spot nodes without the preemption watcher", lambda c: c.update(worker_start_ray_commands=[
+        cmd for cmd in c["worker_start_ray_commands"] if "spot-watch" not in cmd]),
+     r"gpu_a100x8_spot.node_config.*a spot node type, and worker_start_ray_commands do not start `behemoth "
+     r"spot-watch`"),
     ("launcher-made security group", lambda c: c["available_node_types"]["head_cpu"]["node_config"].pop("SecurityGroupIds"),
      r"head_cpu.node_config.*SSH open to 0.0.0.0/0"),
 ]

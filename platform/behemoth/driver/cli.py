@@ -156,6 +156,15 @@ def _add_check_commands(sub) -> None:
                        "does every node see the job's local paths (data, model, init_from, checkpoint storage)?")
     _add_config_args(p)
 
+    p = sub.add_parser("spot-watch", help="on a spot node (cluster.yaml starts it after `ray start`): wait for the "
+                       "cloud's preemption notice, then drain this Ray node with its deadline, so the run checkpoints "
+                       "before the node goes (docs/clusters.md)")
+    p.add_argument("--cloud", choices=["aws", "gce"], required=True, help="whose metadata service to read")
+    p.add_argument("--metadata-url", help="the metadata service's base URL (default: the cloud's own)")
+    p.add_argument("--address", help="the cluster's GCS address, host:port (default: this node's `ray start`)")
+    p.add_argument("--node-id", help="this node's Ray node id (default: the node listening on this host's address)")
+    p.add_argument("--interval", type=float, default=5.0, help="seconds between two reads of the notice (default 5)")
+
 
 def _add_data_commands(data) -> None:
     """`behemoth data ...`: demo data, a local tokenizer, an image job's decoded cache."""
@@ -277,6 +286,10 @@ def _dispatch(args) -> int:
         return 1 if findings else 0
     if args.command == "check-nodes":
         return _check_nodes(load_config(args.config, args.overrides))
+    if args.command == "spot-watch":
+        from behemoth.driver.spot_watch import run as watch
+
+        return watch(args.cloud, args.metadata_url, args.address, args.node_id, args.interval)
     if args.command == "data":
         return _data_command(args)
     if args.command == "tune":

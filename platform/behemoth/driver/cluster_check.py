@@ -68,7 +68,7 @@ def check_cluster(path: str | Path, job_configs: list[str] | None = None) -> lis
         return _with_lines(findings, lines)
     findings += _placeholders(raw)
     findings += _open_ports(raw) + _ssh_default(raw) + _token_auth(prepared) + _dashboard_host(prepared)
-    findings += _gpu_resources(raw) + _storage(raw, job_configs or [])
+    findings += _gpu_resources(raw) + _spot_watch(raw) + _storage(raw, job_configs or [])
     return _with_lines(findings, lines)
 
 
@@ -202,6 +202,27 @@ def _gpu_resources(raw: dict) -> list[Finding]:
                                f"{instance} is a GPU instance but declares no GPU resources",
                                'declare them, e.g. resources: {"CPU": 96, "GPU": 8}'))
     return out
+
+
+def _spot_watch(raw: dict) -> list[Finding]:
+    """Spot node types (an EC2 InstanceMarketOptions of MarketType spot, a GCE scheduling.preemptible or
+    provisioningModel SPOT) need `behemoth spot-watch` started on their nodes: without it every preemption is a
+    node lost without notice."""
+    def spot(config: dict) -> bool:
+        market = str((config.get("InstanceMarketOptions") or {}).get("MarketType", "")).lower()
+        scheduling = config.get("scheduling") or {}
+        return market == "spot" or bool(scheduling.get("preemptible")) or \
+            str(scheduling.get("provisioningModel", "")).upper() == "SPOT"
+
+    commands = " ".join(str(c) for c in raw.get("worker_start_ray_commands") or [])
+    if "spot-watch" in commands:
+        return []
+    return [Finding(f"available_node_types.{name}.node_config",
+                    "a spot node type, and worker_start_ray_commands do not start `behemoth spot-watch`: each "
+                    "preemption would lose up to checkpoint.every_n_steps of work (no drain at the cloud's notice)",
+                    "add `nohup behemoth spot-watch --cloud aws > /tmp/behemoth-spot-watch.log 2>&1 &` (gce on GCP) "
+                    "to worker_start_ray_commands, after `ray start`, as cluster.yaml does")
+            for name, t in raw["available_node_types"].items() if spot(t.get("node_config") or {})]
 
 
 def _storage(raw: dict, job_configs: list[str]) -> list[Finding]:

@@ -64,3 +64,34 @@ def validate_cluster_config(prepared: dict) -> None:
     from ray.autoscaler._private.util import validate_config
 
     validate_config(prepared)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Draining a node for preemption (ray/scripts/scripts.py `ray drain-node`, which calls itself developer-facing:
+# the GCS call behind it, DrainNode with reason PREEMPTION and a deadline, is what autoscaler v2 sends)
+
+
+def gcs_address(address: str | None) -> str:
+    """The cluster's GCS address: `address` (host:port), or this node's cluster ("auto": `ray start` wrote it)."""
+    from ray._private import services
+
+    return services.canonicalize_bootstrap_address_or_die(address or "auto")
+
+
+def alive_nodes_at(address: str, ip: str) -> list[str]:
+    """The hex ids of the alive Ray nodes whose raylet listens on `ip`."""
+    from ray._raylet import GcsClient
+
+    infos = GcsClient(address=address).get_all_node_info()
+    return [node_id.hex() for node_id, info in infos.items() if info.node_manager_address == ip and info.state == 0]
+
+
+def drain_for_preemption(address: str, node_id: str, message: str, deadline_s: float) -> tuple[bool, str]:
+    """Ask GCS to drain `node_id` because it is being preempted, the node going at `deadline_s` (epoch seconds):
+    (accepted, GCS's reason where not). Ray Train's preemption watcher then tells the worker group."""
+    from ray._raylet import GcsClient
+    from ray.core.generated import autoscaler_pb2
+
+    return GcsClient(address=address).drain_node(
+        node_id, autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION"), message,
+        int(deadline_s * 1000))

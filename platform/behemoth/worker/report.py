@@ -46,6 +46,9 @@ def report_due(cfg: JobConfig, state: TrainState, total_steps: int) -> bool:
 # training thread's own Python then waits for (one GIL). At the controller's 0.2 s poll that was ~3 % of a
 # 23 ms CPU step; at 1 s, ~1 % (BENCHMARKS.md, "P1 at the fast shape"). Evaluations go at once.
 REPORT_EVERY_S = 1.0
+# After a preemption's checkpoint the loop holds until the deadline and this much more (Ray Train ends the group
+# at the deadline; a node that is not taken after all lets the run go on).
+PREEMPTION_GRACE_S = 30.0
 
 
 def early_stop(cfg: JobConfig, task: Task, state: TrainState, report: dict, total_steps: int) -> bool:
@@ -238,6 +241,22 @@ class Reporter:
         self.clock.add("eval", eval_s)
         self.clock.add("checkpoint", checkpoint_s)
         self.clock.add("report", time.perf_counter() - started - eval_s - checkpoint_s)
+        if preempted:
+            self.hold_for_reclaim()
+
+    def hold_for_reclaim(self) -> None:
+        """After a preemption's checkpoint, hold the loop until the notice's deadline (and PREEMPTION_GRACE_S
+        more), where Ray Train ends the group: a step trained now would be lost with the node and redone from that
+        checkpoint, so none is. Where the node stays (a drain Ray cancelled) or no deadline was given, the loop
+        goes on after that."""
+        if self.notice == math.inf:
+            return
+        until = self.notice + PREEMPTION_GRACE_S
+        if self.rank == 0:
+            console(f"holding until the preemption deadline ({max(until - time.time(), 0):.0f} s): a step trained "
+                    f"now would be redone from the checkpoint just written")
+        while time.time() < until:
+            time.sleep(0.2)
 
     def evaluate(self) -> dict:
         return evaluate(self.run.evaluated(), self.task, self.rank, self.world, self.micro_batch)
