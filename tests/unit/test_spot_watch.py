@@ -51,3 +51,25 @@ def test_the_watch_is_quiet_until_the_notice_and_refuses_a_service_it_cannot_rea
     closed.close()
     with pytest.raises(ConfigError, match=rf"the gce metadata service at {closed.url} cannot be read.*--cloud"):
         spot_watch.wait_for_notice(spot_watch.source("gce", closed.url), 0.05)
+
+
+def test_preemptions_have_a_budget_of_their_own(monkeypatch, tmp_path):
+    """failure.max_preemptions reaches Ray Train as its preemption budget, apart from failure.max_failures (R7
+    restarts after a drain with max_failures 0)."""
+    import ray
+
+    from behemoth.driver import ray_session, trainer
+    from behemoth.job import config_from_dict
+    from conftest import job_dict
+
+    seen = {}
+    monkeypatch.setattr(ray, "put", lambda value: value)
+    monkeypatch.setattr(ray_session, "set_ray_train_env", lambda: None)
+    monkeypatch.setattr(ray_session, "torch_trainer", lambda fn, **kwargs: seen.update(kwargs))
+    trainer.build_trainer(config_from_dict(job_dict(tmp_path, tmp_path, failure={"max_failures": 2,
+                                                                                 "max_preemptions": 5})), data=None)
+    budget = seen["run_config"].failure_config
+    assert (budget.max_failures, budget.max_preemption_failures) == (2, 5)
+    assert config_from_dict(job_dict(tmp_path, tmp_path)).failure.max_preemptions == -1  # spot runs: unlimited
+    with pytest.raises(ConfigError, match="failure.max_preemptions must be >= 0"):
+        config_from_dict(job_dict(tmp_path, tmp_path, failure={"max_preemptions": -2}))

@@ -203,12 +203,16 @@ class EvalConfig:
 
 @dataclass
 class FailureConfig:
-    # Worker-group restarts Ray Train may do (from the latest checkpoint) before the run fails.
+    # Worker-group restarts Ray Train may do (from the latest checkpoint) after errors (a worker or node lost
+    # without notice included) before the run fails.
     max_failures: int = 1
+    # Restarts after preemptions (a node drained with notice: a spot instance reclaimed), counted apart from
+    # max_failures (Ray Train's own preemption budget); -1: unlimited, as spot runs expect.
+    max_preemptions: int = -1
 
     def validate(self) -> None:
-        if self.max_failures < -1:
-            raise ConfigError("failure.max_failures must be >= 0 (or -1 for unlimited)")
+        if self.max_failures < -1 or self.max_preemptions < -1:
+            raise ConfigError("failure.max_failures and failure.max_preemptions must be >= 0 (or -1 for unlimited)")
 
 
 @dataclass

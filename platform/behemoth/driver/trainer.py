@@ -61,7 +61,8 @@ def build_trainer(cfg: JobConfig, data, callbacks: list | None = None, fence=Non
         run_config=RunConfig(
             name=run_place(cfg).name,
             storage_path=run_place(cfg).storage,
-            failure_config=FailureConfig(max_failures=cfg.failure.max_failures),
+            failure_config=FailureConfig(max_failures=cfg.failure.max_failures,
+                                         max_preemption_failures=cfg.failure.max_preemptions),
             callbacks=list(callbacks or []),
             checkpoint_config=retention(cfg),
             # Ray Train's per-report INFO lines would bury behemoth's progress lines.
