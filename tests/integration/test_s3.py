@@ -7,6 +7,7 @@ compatibility check, sharded (FSDP) checkpoints uploaded by every rank, recovery
 metrics.jsonl / timeline.jsonl; and models come out of the bucket: `behemoth eval` and train.init_from."""
 
 import json
+from pathlib import Path
 import os
 
 import numpy as np
@@ -169,3 +170,55 @@ def test_a_token_cache_in_the_bucket_trains_like_a_local_one(s3_endpoint, ray_lo
     assert a.metrics["step"] == b.metrics["step"] == 8
     wa, wb = (torch.load(f"{s.latest_checkpoint}/model.pt") for s in (a, b))
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def test_a_model_and_its_tokenizer_in_the_bucket_are_copied_once_per_node_and_trained(s3_endpoint, ray_local,
+                                                                                        text_corpus, tmp_path):
+    """Issue 67 item 3: model.pretrained on s3:// (a from_pretrained folder with its tokenizer; data.tokenizer left
+    empty is the model's own): `behemoth check` reads the bucket's listing, each node copies the folder once (the
+    copy named by the URI and the listing, sizes checked, reused by the next reader: the node's workers, the next
+    run; a changed folder is a new copy), and the workers train from the bucket's weights (at a learning rate of
+    1e-12, the weights the run ends on are the bucket's)."""
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    from behemoth.driver.cli import main
+    from behemoth.storage.model_copy import COMPLETE, local_source
+    from behemoth.storage.weights import read_state_dict
+    from conftest import lm_job_dict
+
+    folder = tmp_path / "tiny"
+    tok = AutoTokenizer.from_pretrained(text_corpus / "tokenizer")
+    torch.manual_seed(7)
+    LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                 num_attention_heads=2, num_key_value_heads=1,
+                                 max_position_embeddings=32)).save_pretrained(folder)
+    tok.save_pretrained(folder)
+    uri = f"s3://{BUCKET}/models/tiny"
+    fs, where = pyarrow.fs.FileSystem.from_uri(uri)
+    pyarrow.fs.copy_files(str(folder), where, destination_filesystem=fs)
+
+    copy = local_source(uri, "model.pretrained")
+    marker = os.stat(f"{copy}/{COMPLETE}").st_mtime_ns
+    assert sorted(p.name for p in folder.iterdir()) == sorted(n for n in os.listdir(copy) if n != COMPLETE)
+    assert local_source(uri, "model.pretrained") == copy and os.stat(f"{copy}/{COMPLETE}").st_mtime_ns == marker
+
+    job = lm_job_dict(text_corpus, tmp_path, "from_bucket", train={"max_steps": 4, "lr": 1e-12, "warmup_steps": 0},
+                      data={"tokenizer": ""})
+    job["model"] = {"name": "causal_lm", "pretrained": uri}
+    config = tmp_path / "job.yaml"
+    config.write_text(yaml.safe_dump(job))
+    assert main(["check", str(config)]) == 0
+    summary = train(config_from_dict(job))
+    assert yaml.safe_load(read_text(f"{summary.latest_checkpoint}/job.yaml"))["model"]["pretrained"] == uri
+    trained, uploaded = read_state_dict(summary.latest_checkpoint), read_state_dict(str(folder))
+    assert trained.keys() == uploaded.keys()
+    assert all(torch.allclose(trained[k], uploaded[k], atol=1e-6) for k in trained)
+    copies = [p for p in Path(copy).parent.iterdir() if (p / COMPLETE).is_file()
+              and json.loads((p / COMPLETE).read_text())["uri"] == uri]
+    assert copies == [Path(copy)]  # the driver's and the workers' one copy on this node (an older one removed)
+
+    fs.delete_file(f"{where}/config.json")
+    job["model"]["pretrained"] = uri
+    config.write_text(yaml.safe_dump(job))
+    assert main(["check", str(config)]) == 2  # the folder in the bucket lost its config.json: refused before Ray

@@ -246,10 +246,13 @@ def open_tokenizer(name: str):
     naming the key (a folder holding no tokenizer at all is refused before, by preflight: a config error)."""
     from transformers import AutoTokenizer
 
+    from behemoth.storage.model_copy import local_source
+
     try:
         # never a tokenizer's own code (a tokenizer_config with auto_map): left unset, transformers asks on the
-        # terminal; a checkpoint received from someone else names its tokenizer
-        tok = AutoTokenizer.from_pretrained(name, trust_remote_code=False)
+        # terminal; a checkpoint received from someone else names its tokenizer. An object store's folder is
+        # read from this node's copy of it.
+        tok = AutoTokenizer.from_pretrained(local_source(name, "data.tokenizer"), trust_remote_code=False)
     except (OSError, ValueError) as e:
         reason = " ".join(str(e).split())  # transformers' reasons run over several lines
         raise DataError(f"data.tokenizer {name!r} cannot be loaded: {reason}. Point it at a folder holding "

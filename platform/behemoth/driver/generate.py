@@ -194,8 +194,10 @@ def _tokenizer(name: str, where: str):
     """The tokenizer at `name`, never its own code; its own copy (a --chat-template set on it stays here)."""
     from transformers import AutoTokenizer
 
+    from behemoth.storage.model_copy import local_source
+
     try:
-        tok = AutoTokenizer.from_pretrained(name, trust_remote_code=False)
+        tok = AutoTokenizer.from_pretrained(local_source(name, "data.tokenizer"), trust_remote_code=False)
     except (OSError, ValueError, TypeError) as e:
         raise ConfigError(f"{where}: no tokenizer could be loaded from {name} ({_first_line(e)}); an export holds its "
                           f"tokenizer files beside the model") from None

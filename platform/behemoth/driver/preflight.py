@@ -17,18 +17,36 @@ from behemoth.models.sources import check_source, hub_endpoint
 from behemoth.storage import filesystem
 
 
+def _check_source(value: str, key: str, needs: str = "config.json") -> None:
+    """A local folder or Hub name (models/sources.py), or an object store's folder (a URI: copied once per node
+    when read, storage/model_copy.py) holding what from_pretrained reads: its listing is checked, nothing copied."""
+    if not filesystem.is_uri(value):
+        check_source(value, key, needs)
+        return
+    from behemoth.models.sources import TOKENIZER_FILES
+    from behemoth.storage.model_copy import listing
+
+    files = listing(value, key)
+    wanted = (needs,) if needs else TOKENIZER_FILES
+    if not any(name in files for name in wanted):
+        raise ConfigError(f"{key} {value}: the folder holds no {' or '.join(wanted)} "
+                          f"({len(files)} files there): upload the model's folder as from_pretrained reads it "
+                          f"(e.g. `aws s3 sync DIR {value}`)")
+
+
 def check_sources(cfg: JobConfig) -> None:
     """Before the task's own check (which loads the tokenizer): model.pretrained and data.tokenizer are local
-    folders that exist or Hub names this machine can get (offline: one line, no retries); train.init_from is a
+    folders that exist, object-store folders holding a model or a tokenizer, or Hub names this machine can get
+    (offline: one line, no retries); train.init_from is a
     folder that exists (a URI is read where it is, when the run resolves it); the tracking packages it names are
     installed."""
     check_tracking(cfg)
     hub_endpoint()  # (transformers imports huggingface_hub's downloads, which trip on a malformed one)
     if cfg.model.pretrained and not registry.is_import_path(cfg.model.name):
-        check_source(cfg.model.pretrained, "model.pretrained")
+        _check_source(cfg.model.pretrained, "model.pretrained")
     tokenizer = getattr(cfg.data, "tokenizer", "")
     if tokenizer:
-        check_source(tokenizer, "data.tokenizer", needs="")
+        _check_source(tokenizer, "data.tokenizer", needs="")
     source = cfg.train.init_from
     if source and not filesystem.is_uri(source):
         from behemoth.storage import weights

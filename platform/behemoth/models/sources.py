@@ -37,10 +37,8 @@ def holds_tokenizer(folder: str) -> bool:
 
 def check_source(value: str, key: str, needs: str = "config.json") -> None:
     """`value` (the config's `key`): a local folder holding `needs` (a tokenizer: one of TOKENIZER_FILES), or a
-    Hub name this machine can get."""
-    if "://" in value:
-        raise ConfigError(f"{key} {value}: object storage is not supported for {key} yet: copy it to a local "
-                          f"folder on every node that trains (e.g. `aws s3 sync {value} DIR`) and set {key} to DIR")
+    Hub name this machine can get. (An object store's folder is checked by driver/preflight.py, which reads its
+    listing.)"""
     if looks_local(value):
         _check_folder(Path(value).expanduser(), value, key, needs)
         return

@@ -26,7 +26,7 @@ from behemoth.models import registry
 from behemoth.models.causal_lm import build_causal_lm, check_causal_lm, train_on_causal_attention
 from behemoth.models.lora import add_adapters
 from behemoth import hosts
-from behemoth.tasks.contract import Task
+from behemoth.tasks.contract import Task, local_model
 
 
 def build_lm(cfg: JobConfig, vocab_size: int, eos_id: int, bos_id: int | None, train: bool = False) -> torch.nn.Module:
@@ -34,7 +34,8 @@ def build_lm(cfg: JobConfig, vocab_size: int, eos_id: int, bos_id: int | None, t
     where the whole block is one sequence: models/causal_lm.train_on_causal_attention)."""
     if registry.is_import_path(cfg.model.name):
         return registry.build_user_model(cfg.model.name, vocab_size=vocab_size)
-    model = build_causal_lm(cfg.model, vocab_size=vocab_size, eos_id=eos_id, bos_id=bos_id, seq_len=cfg.data.seq_len)
+    model = build_causal_lm(local_model(cfg), vocab_size=vocab_size, eos_id=eos_id, bos_id=bos_id,
+                            seq_len=cfg.data.seq_len)
     if train and not cfg.data.document_mask:
         model = train_on_causal_attention(model)
     return model if cfg.model.lora is None else add_adapters(model, cfg.model.lora, "CAUSAL_LM")
@@ -59,7 +60,7 @@ class CausalLM(Task):
         if registry.is_import_path(cfg.model.name):
             registry.check_user_model(cfg.model.name, vocab_size=len(tok))
         else:
-            check_causal_lm(cfg.model, vocab_size=len(tok), eos_id=tok.eos_token_id, bos_id=tok.bos_token_id,
+            check_causal_lm(local_model(cfg), vocab_size=len(tok), eos_id=tok.eos_token_id, bos_id=tok.bos_token_id,
                             seq_len=cfg.data.seq_len)
         return units
 

@@ -19,6 +19,7 @@ from behemoth.data.text_packing import TokenIndex
 from behemoth.errors import ConfigError
 from behemoth.models import registry
 from behemoth.tasks.causal_lm import CausalLM
+from behemoth.tasks.contract import local_model
 
 
 class ChatLM(CausalLM):
@@ -38,7 +39,7 @@ class ChatLM(CausalLM):
             units = []
         else:
             units = plan_chat_units(cfg.data)
-        check_causal_lm(cfg.model, vocab_size=len(tok), eos_id=tok.eos_token_id, bos_id=tok.bos_token_id,
+        check_causal_lm(local_model(cfg), vocab_size=len(tok), eos_id=tok.eos_token_id, bos_id=tok.bos_token_id,
                         seq_len=cfg.data.seq_len)
         return units
 

@@ -84,7 +84,10 @@ class Task(abc.ABC):
         from behemoth.models.sources import TOKENIZER_FILES, holds_tokenizer, looks_local
 
         model = cfg.model.pretrained
-        if getattr(cfg.data, "tokenizer", None) != "" or not model or "://" in model:
+        if getattr(cfg.data, "tokenizer", None) != "" or not model:
+            return
+        if "://" in model:  # an object store's folder: its listing is checked before Ray (driver/preflight.py)
+            cfg.data.tokenizer = model
             return
         if looks_local(model) and Path(model).expanduser().is_dir() and not holds_tokenizer(model):
             raise ConfigError(f"data.tokenizer is empty and model.pretrained {model} holds no tokenizer "
@@ -261,3 +264,15 @@ def check_task_class(cls: Any, kind: str) -> type[Task]:
                           f"behemoth.config.DataConfig, got {cls.data_config!r}")
     return cls
 
+
+def local_model(cfg: JobConfig):
+    """cfg.model with model.pretrained as this node reads it: an object store's folder copied here once
+    (storage/model_copy.py), anything else as it is. The job keeps the URI: each node makes its own copy."""
+    import dataclasses
+
+    from behemoth.storage.model_copy import local_source
+
+    model = cfg.model
+    if not model.pretrained or "://" not in model.pretrained:
+        return model
+    return dataclasses.replace(model, pretrained=local_source(model.pretrained, "model.pretrained"))

@@ -28,7 +28,7 @@ from behemoth.data.images import ImageData, ImageIndex, build_index
 from behemoth.data.prefetch import prefetched
 from behemoth.models import registry
 from behemoth import hosts
-from behemoth.tasks.contract import Task
+from behemoth.tasks.contract import Task, local_model
 from behemoth.storage import filesystem
 
 
@@ -39,7 +39,7 @@ def build_image_model(cfg: JobConfig, classes: list[str]) -> torch.nn.Module:
     if name == registry.IMAGE_CLASSIFIER:
         from behemoth.models.image_classifier import build_image_classifier
 
-        model = build_image_classifier(cfg.model, num_classes=len(classes), image_size=cfg.data.image_size)
+        model = build_image_classifier(local_model(cfg), num_classes=len(classes), image_size=cfg.data.image_size)
     else:
         model = registry.build_model(name, len(classes))
     if hasattr(getattr(model, "config", None), "id2label"):

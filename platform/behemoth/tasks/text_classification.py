@@ -32,7 +32,7 @@ from behemoth.errors import ConfigError
 from behemoth.models import registry
 from behemoth.models.lora import add_adapters
 from behemoth import hosts
-from behemoth.tasks.contract import Task
+from behemoth.tasks.contract import Task, local_model
 
 SEQUENCE_CLASSIFIER = "sequence_classifier"
 
@@ -53,7 +53,7 @@ def build_classifier(cfg: JobConfig, classes: list[str], vocab_size: int, pad_id
             overrides.pop("model_type", None)
             # a head for another number of labels starts fresh (transformers says which tensors it re-initialised)
             model = AutoModelForSequenceClassification.from_pretrained(
-                cfg.model.pretrained, trust_remote_code=cfg.model.trust_remote_code, ignore_mismatched_sizes=True,
+                local_model(cfg).pretrained, trust_remote_code=cfg.model.trust_remote_code, ignore_mismatched_sizes=True,
                 **labels, **overrides)
         else:
             model_type = overrides.pop("model_type")
