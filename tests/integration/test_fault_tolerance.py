@@ -391,6 +391,9 @@ def test_r7_a_spot_notice_drains_the_node_and_the_run_loses_no_step(cluster, str
         assert at is not None and 37 <= at < 60 and at % 30, (at, complete_checkpoints(tmp_path / name))
         assert summary.resumed_from_step == at  # the restarted group began at the preemption's checkpoint
         check_recovered(summary, tmp_path, name, straight[0], max_redone=0, min_redone=0)  # no step lost
+        # the goodput account: the hold and the restart are the preemption's term, and the line counts it
+        assert summary.goodput.terms["preemption"] > 0 and len(summary.goodput.preemptions) == 1
+        assert summary.goodput.line().endswith("; 1 preemption: 0 steps redone"), summary.goodput.line()
     finally:
         metadata.close()
         if watcher is not None and watcher.poll() is None:

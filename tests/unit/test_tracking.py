@@ -90,6 +90,25 @@ def test_a_worker_failure_loses_the_time_its_thrown_away_steps_took():
     assert acc.terms["productive"] == pytest.approx(40 * 0.5)  # every step once
 
 
+def test_a_preemption_is_its_own_term_and_loses_no_work():
+    """A group whose last report is a preemption's checkpoint (step 20) held until the deadline, then the next
+    group resumed from it: the hold and the wait for the restart are `preemption`, not `downtime`, nothing is
+    lost, and the line counts the preemption and its redone steps (none)."""
+    first = steady("a", "g1", 1, 20, loop=T0 + 20, start_time=T0 + 20)  # step 20 reported at T0 + 32
+    first[-1]["preemption_checkpoint"] = True
+    failure = {"event": "failure", "invocation": "a", "time": T0 + 40.0, "decision": "RETRY"}  # the deadline
+    second = steady("a", "g2", 21, 40, loop=T0 + 55, start_time=T0 + 55, resumed=20)
+    final = {**second[-1]}
+    timeline = [start("a", T0 + 5, T0), failure, end("a", final["wall_time"] + 2, final)]
+    acc = goodput.account(timeline, first + second)
+    g1, g2 = acc.groups
+    assert g1.preempted and not g2.preempted and acc.preemptions == [g1]
+    assert g1.terms["preemption"] == pytest.approx(40.0 - 32.0) and g1.terms["downtime"] == 0.0  # the hold
+    assert g2.terms["preemption"] == pytest.approx(55.0 - 40.0) and g2.terms["downtime"] == 0.0  # the restart
+    assert acc.terms["lost"] == 0.0 and sum(acc.terms.values()) == pytest.approx(acc.total_s)
+    assert acc.line().endswith("; 1 preemption: 0 steps redone") and "preemption 23.0 s" in acc.line()
+
+
 def test_a_killed_driver_and_its_rerun_are_summed():
     killed = steady("a", "g1", 1, 15, loop=T0 + 20, start_time=T0 + 20)  # the driver died after step 15
     rerun = steady("b", "g2", 11, 40, loop=T0 + 120, start_time=T0 + 120, resumed=10)

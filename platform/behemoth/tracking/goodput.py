@@ -16,6 +16,8 @@ Pure: the run's records in (timeline.jsonl, metrics.jsonl), an account out. The 
   downtime     a failed (or resized) worker group's last report -> the next one's first step: the failure's
                detection, the restart, and the steps trained after that report (not measured: no report
                carries them; at most train.log_every - 1 of them plus the step under way)
+  preemption   the same for a group ended by a preemption (its last report carries the preemption's
+               checkpoint): the hold until the notice's deadline, then the wait for nodes and the restart
   shutdown     the last group's end -> the invocation's end (Ray Train's shutdown, the report, MLflow's
                artifacts)
   unaccounted  the rest of the kept spans (loop bookkeeping between the measured phases)
@@ -30,7 +32,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 TERMS = ("startup", "productive", "data_wait", "checkpoint", "evaluation", "reporting", "lost", "downtime",
-         "shutdown", "unaccounted")
+         "preemption", "shutdown", "unaccounted")
 # The first group's start-up, by milestone: process start -> `train` called -> data checked (images: the index
 # built) -> Ray up -> data prepared (text: tokenised and packed) -> trackers opened (MLflow) and fit called ->
 # rank 0's training function starts (Ray Train's controller and workers) -> its first step (model, restore).
@@ -54,6 +56,7 @@ class GroupAccount:
     restored_by_next: int | None  # the step the next group continued from (None: this group finished the run)
     before: float  # startup (first group of an invocation) or downtime (a restart) before its first step
     terms: dict = field(default_factory=dict)
+    preempted: bool = False  # its last report carries a preemption's checkpoint
 
 
 @dataclass
@@ -68,11 +71,19 @@ class Account:
     def goodput(self) -> float:
         return self.terms["productive"] / self.total_s if self.total_s > 0 else 0.0
 
+    @property
+    def preemptions(self) -> list[GroupAccount]:
+        """The worker groups a preemption ended (a notice, a checkpoint, a restart)."""
+        return [g for g in self.groups if g.preempted and g.restored_by_next is not None]
+
     def line(self) -> str:
         shown = [f"{t.replace('_', '-')} {self.terms[t]:.1f} s" for t in TERMS if t != "productive" and
                  self.terms[t] >= 0.05]
+        preempted = self.preemptions
+        tail = (f"; {len(preempted)} preemption{'s' if len(preempted) > 1 else ''}: "
+                f"{sum(g.last_step - g.restored_by_next for g in preempted)} steps redone" if preempted else "")
         return (f"{self.goodput:.1%} of {self.total_s:.1f} s trained (productive {self.terms['productive']:.1f} s; "
-                + ", ".join(shown) + ")")
+                + ", ".join(shown) + ")" + tail)
 
     def startup_line(self) -> str | None:
         """Time to the first step of the latest invocation (the command just run) and where it went."""
@@ -115,10 +126,11 @@ def account(timeline: list[dict], reports: list[dict]) -> Account:
                                              + [r["wall_time"] for g in groups_of[inv] for r in by_group[g]])
         acted = sorted(e["time"] for e in timeline if e.get("invocation") == inv and e.get("event") in
                        ("failure", "group_start"))  # when Ray Train's controller ended or replaced a group
-        inv_terms, boundary = dict.fromkeys(TERMS, 0.0), t0
+        inv_terms, boundary, after_preemption = dict.fromkeys(TERMS, 0.0), t0, False
         for n, g in enumerate(groups_of[inv]):
             group = _group(inv, g, by_group[g], end_event.get("clock") or {}, acted, restored_by_next.get(g),
-                           boundary, first=n == 0)
+                           boundary, first=n == 0, after_preemption=after_preemption)
+            after_preemption = group.preempted
             if n == 0:
                 _startup_parts(detail, t0, start.get("marks", {}), by_group[g][-1], group.loop_started)
             groups.append(group)
@@ -137,9 +149,10 @@ def account(timeline: list[dict], reports: list[dict]) -> Account:
 
 
 def _group(inv: str, g: str, rs: list[dict], final_clock: dict, acted: list[float], restored: int | None,
-           boundary: float, first: bool) -> GroupAccount:
-    """One worker group's account: the time before its first step (start-up or downtime), its measured phases
-    up to the point its work was kept, and what a failure threw away after that."""
+           boundary: float, first: bool, after_preemption: bool = False) -> GroupAccount:
+    """One worker group's account: the time before its first step (start-up, downtime, or the preemption's
+    wait where the group before was preempted), its measured phases up to the point its work was kept, and what
+    a failure threw away after that."""
     last = rs[-1]
     loop_started = last.get("mark_loop_started", rs[0]["wall_time"])
     if final_clock.get("group_id") == g:  # it returned normally: its final counters, nothing lost
@@ -152,17 +165,19 @@ def _group(inv: str, g: str, rs: list[dict], final_clock: dict, acted: list[floa
         before = [r for r in rs if r["step"] <= restored and r.get("mark_loop_started") is not None]
         kept = before[-1] if before else {}
     terms = dict.fromkeys(TERMS, 0.0)
-    terms["startup" if first else "downtime"] = loop_started - boundary
+    terms["startup" if first else "preemption" if after_preemption else "downtime"] = loop_started - boundary
     for phase, term in _PHASE_TERMS.items():  # evaluation, checkpoints, reports: spent, whether kept or not
         terms[term] = cut.get(f"time_{phase}_s", 0.0)
     for phase in ("step", "data_wait"):  # the thrown-away steps' own time (compute and data) is the lost work
         terms[_PHASE_TERMS[phase]] = kept.get(f"time_{phase}_s", 0.0)
         terms["lost"] += cut.get(f"time_{phase}_s", 0.0) - kept.get(f"time_{phase}_s", 0.0)
     terms["unaccounted"] = (cut_time - loop_started) - sum(terms[t] for t in (*_PHASE_TERMS.values(), "lost"))
-    terms["downtime"] += ended - cut_time  # its last report -> the failure seen (unreported steps, detection)
+    preempted = bool(last.get("preemption_checkpoint")) and cut is last
+    # its last report -> the failure seen (unreported steps, detection); after a preemption's checkpoint, the hold
+    terms["preemption" if preempted else "downtime"] += ended - cut_time
     return GroupAccount(inv, g, int(last.get("world_size", 0)), last.get("mark_started", loop_started), loop_started,
                         ended, rs[0]["step"], last["step"], int(last.get("resumed_from_step", 0)), restored,
-                        loop_started - boundary, terms)
+                        loop_started - boundary, terms, preempted)
 
 
 def _startup_parts(detail: dict, t0: float, marks: dict, report: dict, loop_started: float) -> None:

@@ -32,7 +32,7 @@ from behemoth.tracking.records import (
 FOLDER = "report"
 _COLOURS = {"productive": "#2e7d32", "startup": "#90a4ae", "data_wait": "#fbc02d", "checkpoint": "#6a1b9a",
             "evaluation": "#1565c0", "reporting": "#80deea", "lost": "#c62828", "downtime": "#ef6c00",
-            "shutdown": "#b0bec5", "unaccounted": "#eeeeee"}
+            "preemption": "#ad1457", "shutdown": "#b0bec5", "unaccounted": "#eeeeee"}
 
 
 def write_report(folder: str) -> str:
