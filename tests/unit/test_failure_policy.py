@@ -36,3 +36,36 @@ def test_installed_for_the_trainers_ray_builds():
 
     install()
     assert isinstance(data_parallel_trainer.create_failure_policy(FailureConfig()), FailFastPolicy)
+
+
+def test_the_wait_for_nodes_is_bounded_by_failure_replacement_wait_s(capsys):
+    """Ray Train retries a worker group it cannot place (its placement group not ready within
+    RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S) without limit; failure.replacement_wait_s stops the run once the
+    nodes have been missing that long. A group that started in between (any other failure) starts the count again;
+    without the key the run waits as Ray Train does."""
+    import pickle
+
+    from ray.train.v2._internal.exceptions import WorkerGroupStartupTimeoutError
+    from ray.train.v2.api.exceptions import ControllerError
+
+    now = [0.0]
+    policy = FailFastPolicy(FailureConfig(max_failures=1), replacement_wait_s=150, clock=lambda: now[0])
+    no_nodes = ControllerError(WorkerGroupStartupTimeoutError(num_workers=8))
+    decisions = []
+    for at in (0, 60, 120):
+        now[0] = at
+        decisions.append(policy.make_decision(no_nodes))
+    assert decisions == [FailureDecision.RETRY] * 3
+    assert policy.make_decision(failed("ray.exceptions.ActorDiedError: The actor died")) == FailureDecision.RETRY
+    now[0] = 180
+    assert policy.make_decision(no_nodes) == FailureDecision.RETRY  # counted again from here
+    now[0] = 330
+    assert policy.make_decision(no_nodes) == FailureDecision.RAISE
+    assert "no nodes for the worker group for 150 s, more than failure.replacement_wait_s=150" in capsys.readouterr().out
+    patient = FailFastPolicy(FailureConfig(max_failures=0), clock=lambda: now[0])
+    assert all(patient.make_decision(no_nodes) == FailureDecision.RETRY for now[0] in (0, 10_000, 10**6))
+    install(replacement_wait_s=30)  # what the trainer installs travels to Ray Train's controller (pickled)
+    from ray.train.v2.api import data_parallel_trainer
+
+    shipped = pickle.loads(pickle.dumps(data_parallel_trainer.create_failure_policy(FailureConfig())))
+    assert isinstance(shipped, FailFastPolicy) and shipped.replacement_wait_s == 30

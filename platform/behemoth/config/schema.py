@@ -209,10 +209,16 @@ class FailureConfig:
     # Restarts after preemptions (a node drained with notice: a spot instance reclaimed), counted apart from
     # max_failures (Ray Train's own preemption budget); -1: unlimited, as spot runs expect.
     max_preemptions: int = -1
+    # How long a run may wait for the nodes its worker group needs (a replacement after a preemption or a lost
+    # node, spot capacity that is not there) before it fails, in seconds; null: as long as it takes. Ray Train
+    # tries to place the group every RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S (60 s), so the bound is that coarse.
+    replacement_wait_s: Optional[float] = None
 
     def validate(self) -> None:
         if self.max_failures < -1 or self.max_preemptions < -1:
             raise ConfigError("failure.max_failures and failure.max_preemptions must be >= 0 (or -1 for unlimited)")
+        if self.replacement_wait_s is not None:
+            _positive("failure.replacement_wait_s", self.replacement_wait_s)
 
 
 @dataclass

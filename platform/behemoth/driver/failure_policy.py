@@ -13,19 +13,41 @@ factory its trainer calls. The Ray version is pinned to that line (pyproject.tom
 
 from __future__ import annotations
 
+import time
+
 from behemoth.ray_internals.core import node_logs_dir
-from behemoth.ray_internals.train import DefaultFailurePolicy, FailureDecision, set_failure_policy_factory
+from behemoth.ray_internals.train import (DefaultFailurePolicy, FailureDecision, set_failure_policy_factory,
+                                          waiting_for_nodes)
 
 from behemoth.errors import NOT_RETRIED, user_facing_error
 
 
 class FailFastPolicy(DefaultFailurePolicy):
+    """`replacement_wait_s` (failure.replacement_wait_s): how long the run may wait for the nodes a worker group
+    needs (after a preemption or a lost node: a replacement the autoscaler has to launch, or spot capacity that
+    is not there) before it fails; None waits as long as it takes (Ray Train's default)."""
+
+    def __init__(self, failure_config, replacement_wait_s: float | None = None, clock=time.monotonic):
+        super().__init__(failure_config)
+        self.replacement_wait_s, self.clock = replacement_wait_s, clock
+        self.waiting_since: float | None = None
+
     def make_decision(self, training_failed_error) -> FailureDecision:
         message = user_facing_error(training_failed_error, NOT_RETRIED)
         if message is not None:
             print(f"[behemoth] not retried (a restart would fail the same way; failure.max_failures is left "
                   f"unused): {message}{_where_tracebacks_are()}", flush=True)
             return FailureDecision.RAISE
+        if not waiting_for_nodes(training_failed_error):
+            self.waiting_since = None
+        elif self.replacement_wait_s is not None:
+            now = self.clock()
+            self.waiting_since = now if self.waiting_since is None else self.waiting_since
+            if now - self.waiting_since >= self.replacement_wait_s:
+                print(f"[behemoth] no nodes for the worker group for {now - self.waiting_since:.0f} s, more than "
+                      f"failure.replacement_wait_s={self.replacement_wait_s:g}: the run stops here (it resumes from "
+                      f"its latest checkpoint when run again)", flush=True)
+                return FailureDecision.RAISE
         return super().make_decision(training_failed_error)
 
 
@@ -39,10 +61,6 @@ def _where_tracebacks_are() -> str:
         return ""
 
 
-def create(failure_config) -> FailFastPolicy:
-    return FailFastPolicy(failure_config)
-
-
-def install() -> None:
+def install(replacement_wait_s: float | None = None) -> None:
     """Make Ray Train's trainers (created after this, in this process) use FailFastPolicy."""
-    set_failure_policy_factory(create)
+    set_failure_policy_factory(lambda failure_config: FailFastPolicy(failure_config, replacement_wait_s))

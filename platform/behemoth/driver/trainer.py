@@ -42,7 +42,9 @@ def build_trainer(cfg: JobConfig, data, callbacks: list | None = None, fence=Non
     from behemoth.driver import failure_policy
     from behemoth.worker.loop import train_loop_per_worker
 
-    failure_policy.install()  # a data or config error ends the run at once, without using max_failures
+    # a data or config error ends the run at once, without using max_failures; failure.replacement_wait_s bounds
+    # the wait for nodes
+    failure_policy.install(cfg.failure.replacement_wait_s)
     ray_session.set_ray_train_env()
     resources = worker_resources(cfg)
     if fence is not None:

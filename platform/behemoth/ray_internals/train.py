@@ -16,11 +16,20 @@ from ray.train.v2._internal.execution.callback import ControllerCallback, Report
 from ray.train.v2._internal.execution.controller.placement_group_cleaner import PlacementGroupCleaner
 from ray.train.v2._internal.execution.failure_handling import DefaultFailurePolicy
 from ray.train.v2._internal.execution.failure_handling.failure_policy import FailureDecision
+from ray.train.v2._internal.exceptions import WorkerGroupStartupTimeoutError
 
 __all__ = ["ControllerCallback", "DatasetsCallback", "DefaultFailurePolicy", "FailureDecision",
+           "WorkerGroupStartupTimeoutError", "waiting_for_nodes",
            "PlacementGroupCleaner", "PlacementGroupCleanerCallback", "ReportCallback", "TrainContextCallback",
            "launch_placement_group_cleaner", "preemption_notice", "quiet_report_log", "set_failure_policy_factory",
            "worker_environment"]
+
+
+def waiting_for_nodes(training_failed_error) -> bool:
+    """Whether Ray Train's controller gave up one attempt to place a worker group (its placement group not ready
+    within RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S: the nodes are not there yet); it retries such attempts without
+    limit by default (controller_failure_limit -1)."""
+    return isinstance(getattr(training_failed_error, "controller_failure", None), WorkerGroupStartupTimeoutError)
 
 
 def set_failure_policy_factory(create) -> None:
