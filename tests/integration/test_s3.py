@@ -173,7 +173,7 @@ def test_a_token_cache_in_the_bucket_trains_like_a_local_one(s3_endpoint, ray_lo
 
 
 def test_a_model_and_its_tokenizer_in_the_bucket_are_copied_once_per_node_and_trained(s3_endpoint, ray_local,
-                                                                                        text_corpus, tmp_path):
+                                                                                        text_corpus, tmp_path, capsys):
     """Issue 67 item 3: model.pretrained on s3:// (a from_pretrained folder with its tokenizer; data.tokenizer left
     empty is the model's own): `behemoth check` reads the bucket's listing, each node copies the folder once (the
     copy named by the URI and the listing, sizes checked, reused by the next reader: the node's workers, the next
@@ -209,6 +209,8 @@ def test_a_model_and_its_tokenizer_in_the_bucket_are_copied_once_per_node_and_tr
     config = tmp_path / "job.yaml"
     config.write_text(yaml.safe_dump(job))
     assert main(["check", str(config)]) == 0
+    nodes = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("# nodes: "))
+    assert "data.train_files[0]" in nodes and "model.pretrained" not in nodes  # a new node fetches the model itself
     summary = train(config_from_dict(job))
     assert yaml.safe_load(read_text(f"{summary.latest_checkpoint}/job.yaml"))["model"]["pretrained"] == uri
     trained, uploaded = read_state_dict(summary.latest_checkpoint), read_state_dict(str(folder))

@@ -325,6 +325,7 @@ def _dispatch(args) -> int:
         checked = _check_data(cfg)  # (before the config is shown: a data error is then the one line printed)
         print(dump_yaml(cfg), end="")
         print(f"# data: {checked}")
+        print(f"# nodes: {_node_paths_line(cfg)}")
         line, warning = feed_check(cfg)
         print(f"# feed: {line}")
         if warning:
@@ -505,6 +506,18 @@ def _check_sweep(path: str, overrides: list[str]) -> int:
     print(f"# sweep {sweep_cfg.name}: {len(jobs)} trial jobs checked ({', '.join(sweep_cfg.space)}); metric "
           f"{metric} ({mode}); scheduler {sweep_cfg.scheduler.kind}; folder {sweep_cfg.storage_path}")
     return 0
+
+
+def _node_paths_line(cfg) -> str:
+    """What a node that joins later (a spot replacement) must hold itself: the job's local paths (object-store
+    URIs and Hub names each node fetches)."""
+    from behemoth.driver.node_check import job_paths
+
+    paths = job_paths(cfg)
+    if not paths:
+        return "a node that joins needs none of the job's paths on its disk (all in object storage or the Hub)"
+    return (f"a node that joins must hold {', '.join(f'{k} {v}' for k, v in paths.items())} (on its image or a "
+            f"shared filesystem; `behemoth check-nodes` asks every node of a running cluster)")
 
 
 def _check_data(cfg) -> str:
