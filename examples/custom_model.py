@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from behemoth.tasks.image import ImageClassification
+from behemoth import ImageClassification
 
 
 def small_cnn(num_classes: int) -> nn.Module:

@@ -2,7 +2,7 @@
 
     ray job submit --working-dir . -- python jobs/train.py --config jobs/configs/demo_images.yaml
 
-Thin on purpose: all logic lives in the behemoth package (see behemoth.driver.cli).
+Thin on purpose: all logic lives in the behemoth package; this is `behemoth.cli`, its public face.
 """
 
 import argparse
@@ -13,11 +13,11 @@ from pathlib import Path
 # without an install on the cluster (platform/ is a source root, never a package).
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "platform"))
 
-from behemoth.driver.cli import exit_at_once, main  # noqa: E402
+import behemoth  # noqa: E402
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", required=True, help="job YAML")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     args = parser.parse_args()
-    exit_at_once(main(["train", args.config] + [f"--set={o}" for o in args.overrides]))
+    behemoth.cli(["train", args.config] + [f"--set={o}" for o in args.overrides])

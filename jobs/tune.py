@@ -13,7 +13,7 @@ from pathlib import Path
 # without an install on the cluster (platform/ is a source root, never a package).
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "platform"))
 
-from behemoth.driver.cli import exit_at_once, main  # noqa: E402
+import behemoth  # noqa: E402
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -21,4 +21,4 @@ if __name__ == "__main__":
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="a sweep key (name=...), or a job key for every trial (data.root=...)")
     args = parser.parse_args()
-    exit_at_once(main(["tune", args.config] + [f"--set={o}" for o in args.overrides]))
+    behemoth.cli(["tune", args.config] + [f"--set={o}" for o in args.overrides])

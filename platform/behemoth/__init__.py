@@ -7,32 +7,56 @@ workload, both sides), `data/` (Ray Data pipelines), `models/`, `storage/` (wher
 their format), `config/`, `tracking/`, `ray_internals/` (every private Ray API, for the next Ray); on the
 floor `errors`, `job`, `metrics`, `progress`, `version`.
 
-Python API: `behemoth.train(cfg)`, `behemoth.sweep(job, space, ...)` (also `behemoth.tune.sweep`),
-`behemoth.load_config(path, overrides)`. `import behemoth` imports neither Ray nor torch; loading a job
-imports its task's module (with torch), and `train` or `sweep` imports Ray.
+Python API (the face: docs and examples import only these): `behemoth.train(cfg) -> RunSummary`,
+`behemoth.sweep(job, space, ...) -> SweepResult` (also `behemoth.tune.sweep`), `behemoth.load_config(path,
+overrides) -> JobConfig`, `behemoth.cli(argv)` (the `behemoth` command in this process: jobs/*.py), `Task` (a
+workload of one's own, `data.kind: module:Class`) and the built-in tasks to subclass (`ImageClassification`,
+`CausalLM`, `ChatLM`, `TextClassification`). `import behemoth` imports neither Ray nor torch: `train`, `sweep`,
+`cli` and the tasks are imported on first use (a task imports torch; `train` and `sweep` import Ray). Typed
+(`py.typed`): a type checker sees every name through the imports below.
 """
+
+from typing import TYPE_CHECKING
 
 from behemoth.config import JobConfig
 from behemoth.errors import CheckpointError, ConfigError, DataError, RunFailedError
 from behemoth.job import load_config
 from behemoth.version import __version__
 
-__all__ = ["CheckpointError", "ConfigError", "DataError", "JobConfig", "RunFailedError", "load_config", "sweep",
-           "train", "__version__"]
+if TYPE_CHECKING:  # (what the lazy names below are, for editors and type checkers)
+    from behemoth.driver import sweep as tune
+    from behemoth.driver.cli import run_command as cli
+    from behemoth.driver.summary import RunSummary
+    from behemoth.driver.sweep import sweep
+    from behemoth.driver.sweep.results import SweepResult
+    from behemoth.driver.trainer import train
+    from behemoth.tasks.causal_lm import CausalLM
+    from behemoth.tasks.chat import ChatLM
+    from behemoth.tasks.contract import Task
+    from behemoth.tasks.image import ImageClassification
+    from behemoth.tasks.text_classification import TextClassification
+
+__all__ = ["CausalLM", "ChatLM", "CheckpointError", "ConfigError", "DataError", "ImageClassification", "JobConfig",
+           "RunFailedError", "RunSummary", "SweepResult", "Task", "TextClassification", "cli", "load_config",
+           "sweep", "train", "__version__"]
+
+_LAZY = {  # name -> (module, attribute): imported on first use
+    "train": ("behemoth.driver.trainer", "train"), "sweep": ("behemoth.driver.sweep", "sweep"),
+    "tune": ("behemoth.driver.sweep", None), "cli": ("behemoth.driver.cli", "run_command"),
+    "RunSummary": ("behemoth.driver.summary", "RunSummary"),
+    "SweepResult": ("behemoth.driver.sweep.results", "SweepResult"),
+    "Task": ("behemoth.tasks.contract", "Task"), "ImageClassification": ("behemoth.tasks.image", "ImageClassification"),
+    "CausalLM": ("behemoth.tasks.causal_lm", "CausalLM"), "ChatLM": ("behemoth.tasks.chat", "ChatLM"),
+    "TextClassification": ("behemoth.tasks.text_classification", "TextClassification"),
+}
 
 
 def __getattr__(name: str):
-    """`train`, `sweep` and the `tune` module, imported on first use (they import Ray)."""
-    if name == "train":
-        from behemoth.driver.trainer import train
+    """The face's names that import Ray or torch, imported on first use."""
+    if name not in _LAZY:
+        raise AttributeError(f"module 'behemoth' has no attribute {name!r}")
+    import importlib
 
-        return train
-    if name == "sweep":
-        from behemoth.driver.sweep import sweep
-
-        return sweep
-    if name == "tune":
-        from behemoth.driver import sweep as tune
-
-        return tune
-    raise AttributeError(f"module 'behemoth' has no attribute {name!r}")
+    module, attribute = _LAZY[name]
+    found = importlib.import_module(module)
+    return found if attribute is None else getattr(found, attribute)

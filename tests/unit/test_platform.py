@@ -37,6 +37,36 @@ def test_the_python_api_entry_points():
     assert load_config is config_load_config
 
 
+def test_the_public_face_is_typed_and_what_docs_examples_and_jobs_import():
+    """Issue 68 item 4: py.typed is shipped; Task, RunSummary, SweepResult, JobConfig, the built-in tasks and cli
+    are behemoth's own names (a type checker sees them through the TYPE_CHECKING imports, and `import behemoth`
+    still imports neither torch nor Ray); docs, examples and jobs/*.py import only the face."""
+    import re
+    import subprocess
+    import sys
+
+    import behemoth
+    from behemoth.driver.cli import run_command
+    from behemoth.driver.summary import RunSummary
+    from behemoth.driver.sweep.results import SweepResult
+    from behemoth.tasks.chat import ChatLM
+    from behemoth.tasks.contract import Task
+    from behemoth.tasks.image import ImageClassification
+
+    assert (REPO / "platform" / "behemoth" / "py.typed").is_file()
+    assert 'behemoth = ["py.typed"]' in (REPO / "pyproject.toml").read_text()
+    assert (behemoth.Task, behemoth.RunSummary, behemoth.SweepResult, behemoth.ImageClassification, behemoth.ChatLM,
+            behemoth.cli) == (Task, RunSummary, SweepResult, ImageClassification, ChatLM, run_command)
+    assert set(behemoth.__all__) <= set(dir(behemoth)) | set(behemoth._LAZY)
+    fresh = subprocess.run([sys.executable, "-c", "import sys, behemoth; print('torch' in sys.modules, 'ray' in "
+                            "sys.modules)"], capture_output=True, text=True, check=True, cwd=REPO)
+    assert fresh.stdout.split() == ["False", "False"]
+    inner = re.compile(r"(?:from|import) behemoth\.(?:driver|tasks|data|worker|storage|models|hosts|tracking)\b|"
+                       r"`behemoth\.tasks\.")
+    for path in [*REPO.glob("docs/*.md"), *REPO.glob("examples/*.py"), *REPO.glob("jobs/*.py"), REPO / "README.md"]:
+        assert not inner.search(path.read_text()), f"{path.relative_to(REPO)} imports behind the face"
+
+
 # What each room may import of behemoth (docs/architecture.md, "The house"): arrows point down only. The package
 # floor (__init__, __main__ and the modules every room needs) is listed module by module.
 ROOM_IMPORTS = {

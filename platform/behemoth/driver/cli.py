@@ -255,8 +255,14 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run(argv: list[str] | None = None) -> None:
-    """The `behemoth` command, `python -m behemoth` and jobs/*.py: main(), then the process ends at once."""
+    """The `behemoth` command and `python -m behemoth`: main(), then the process ends at once."""
     exit_at_once(main(argv))
+
+
+def run_command(argv: list[str]) -> None:
+    """`behemoth.cli(argv)`: the `behemoth` command with these arguments, in this process (jobs/*.py under
+    `ray job submit`), which then ends with its status (2: a config error, 1: a data or run failure)."""
+    run(list(argv))
 
 
 def exit_at_once(status: int) -> None:
