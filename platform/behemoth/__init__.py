@@ -36,9 +36,26 @@ if TYPE_CHECKING:  # (what the lazy names below are, for editors and type checke
     from behemoth.tasks.image import ImageClassification
     from behemoth.tasks.text_classification import TextClassification
 
-__all__ = ["CausalLM", "ChatLM", "CheckpointError", "ConfigError", "DataError", "ImageClassification", "JobConfig",
-           "RunFailedError", "RunSummary", "SweepResult", "Task", "TextClassification", "cli", "load_config",
-           "sweep", "train", "__version__"]
+__all__ = [
+    "CausalLM",
+    "ChatLM",
+    "CheckpointError",
+    "ConfigError",
+    "DataError",
+    "ImageClassification",
+    "JobConfig",
+    "RunFailedError",
+    "RunSummary",
+    "SweepResult",
+    "Task",
+    "TextClassification",
+    "__version__",
+    "cli",
+    "load_config",
+    "sweep",
+    "train",
+    "tune",
+]
 
 _LAZY = {  # name -> (module, attribute): imported on first use
     "train": ("behemoth.driver.trainer", "train"), "sweep": ("behemoth.driver.sweep", "sweep"),
