@@ -1,1 +1,8 @@
-"""Model builders. One file per model family; `registry.py` maps names to builders."""
+"""Model builders. One file per model family; `registry.py` maps names to builders.
+
+- `registry`: model.name or an import path -> builder; removed names explained.
+- `resnet`, `regnet`: ResNet (CIFAR or ImageNet stem) and RegNet (CIFAR scale) from transformers' configs.
+- `image_classifier`: any AutoModelForImageClassification; `causal_lm`: any AutoModelForCausalLM.
+- `lora`: model.lora's adapters through peft; `sources`: a model's or tokenizer's source (a local folder or a Hub
+  name) checked before Ray; `hf_keys`: what model.hf_config may hold (architecture keys only).
+"""

@@ -6,6 +6,7 @@
 - `shard_reader`: reading a sharded (DCP) checkpoint: only the byte ranges a load plan needs, checked.
 - `dcp_index`: a sharded checkpoint's index read by a restricted unpickler and checked against its shards.
 - `node_copy`: a checkpoint copied once per node for the ranks that read it.
+- `model_copy`: a model's or tokenizer's folder in an object store copied once per node, named by its listing.
 - `weights`: model weights in and out (a checkpoint's or a Hugging Face folder's).
 - `runlock`: one driver per run folder, on local and object storage (the lease, its heartbeat and fence).
 - `lease_stores`: where the lease lies and how it changes, conditionally (link/flock, S3 If-Match, read-back).

@@ -4,7 +4,7 @@
 - `contract.py`: the `Task` base class, every member the generic code uses, documented once, with defaults;
 - `registry.py`: data.kind -> task (`TASKS`, `register()`, `task_class()`);
 - one file per workload: `image.py` (image classification), `causal_lm.py` (causal language modelling),
-  `text_classification.py` (sequence classification).
+  `chat.py` (chat fine-tuning, on causal_lm's), `text_classification.py` (sequence classification).
 
 The loop (behemoth.worker.loop) owns everything that is the same for every workload: the global sample order,
 DDP/FSDP, optimizer and schedule, checkpoints, reports. Adding a workload is one file here plus one line in

@@ -4,7 +4,7 @@ records.py    RUN_FOLDER/metrics.jsonl (every report) and timeline.jsonl (invoca
               resizes), local or under a URI (through pyarrow's filesystem)
 callbacks.py  the Ray Train callbacks that write them, in Ray Train's controller (the driver's node), and
               feed TensorBoard and MLflow
-tensorboard.py, mlflow_run.py   the two trackers (tracking section of the job config)
+tensorboard.py, mlflow_run.py, wandb_run.py   the three trackers (tracking section of the job config)
 goodput.py    where a run's wall time went, over every restart and rerun (pure: records in, account out)
 report.py     `behemoth report`: report.html with embedded plots, and the PNGs
 """

@@ -6,6 +6,7 @@
   lane.py     the warm lane: a one-worker trial trained in its Tune actor, reused from trial to trial
   reaper.py   frees the placement groups a stopped trial's Ray Train controller leaves behind
   results.py  results.csv (a row per trial, best first) and best.yaml
+  fresh.py    the global state a lane puts back before every trial, as a fresh worker has it
 
 Python API: `behemoth.sweep(job, space, ...)` (this package's `sweep`), `run_sweep(load_sweep(path))`.
 """
