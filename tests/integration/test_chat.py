@@ -157,16 +157,16 @@ def test_a_chat_run_learns_the_replies_resumes_exactly_exports_and_generates(str
     printed = capsys.readouterr().out
     assert served.decode(new, skip_special_tokens=True) in printed
 
-    # what the model said at each evaluation (data.eval_samples: 3 validation prompts, greedy, 48 new tokens): in
+    # what the model said at each evaluation (data.eval_outputs: 3 validation prompts, greedy, 48 new tokens): in
     # the records and the report; the last evaluation's first reply is what generate says from the last checkpoint
     import html
 
     from behemoth.tracking.records import read_jsonl
     from behemoth.tracking.report import write_run_report
 
-    said = [r for r in read_jsonl(f"{summary.run_dir}/metrics.jsonl") if "val_samples" in r]
-    assert [r["step"] for r in said] == [8, 16, 24] and all(len(r["val_samples"]) == 3 for r in said)
-    last = said[-1]["val_samples"][0]
+    said = [r for r in read_jsonl(f"{summary.run_dir}/metrics.jsonl") if "val_outputs" in r]
+    assert [r["step"] for r in said] == [8, 16, 24] and all(len(r["val_outputs"]) == 3 for r in said)
+    last = said[-1]["val_outputs"][0]
     assert question[1 if question[0]["role"] == "system" else 0]["content"].split("\n")[-1] in last["prompt"]
     assert printed.rstrip("\n").endswith(last["reply"]) and last["reply"]
     page = Path(write_run_report(summary.run_dir)).read_text()

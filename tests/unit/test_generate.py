@@ -146,8 +146,11 @@ def test_generate_errors_are_one_line_and_exit_2(chat_model, text_corpus, tmp_pa
         shutil.copy(f, plain)
     assert "has no chat template (tokenizer.chat_template)" in refused(plain, "--prompt", "x", "--chat")
     assert "name one with --chat-template FILE" in refused(plain, "--prompt", "x", "--chat")
-    (tmp_path / "chatml.jinja").write_text(CHATML)
-    assert main(["generate", str(plain), "--prompt", "x", "--chat", "--chat-template", str(tmp_path / "chatml.jinja"),
+    # a template of the user's (short: ChatML's markers are plain text to this tokenizer, 43 tokens, more than the
+    # model's 32 positions, which generate now refuses)
+    (tmp_path / "chat.jinja").write_text("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                                         "{% if add_generation_prompt %}assistant: {% endif %}")
+    assert main(["generate", str(plain), "--prompt", "x", "--chat", "--chat-template", str(tmp_path / "chat.jinja"),
                  "--max-new-tokens", "2"]) == 0
     capsys.readouterr()
     other = tmp_path / "resnet"  # a Hugging Face folder of another kind of model
@@ -196,3 +199,20 @@ def test_the_stop_ids_hold_the_end_of_turn_token_the_template_writes_where_the_v
     tok.chat_template = None
     assert generation_config(tok).eos_token_id == tok.eos_token_id
     assert generation_config(tok).pad_token_id == tok.eos_token_id
+
+
+def test_a_prompt_longer_than_the_models_positions_is_refused_and_a_completion_stops_at_them(chat_model, capsys):
+    """The model has 32 positions: a prompt that fills them is refused before any generation, naming it and its
+    length; a completion stops at the last position, whatever --max-new-tokens says (it ran on past them before,
+    through positions the model never learnt)."""
+    from behemoth.driver.generate import Sampling, load_generator
+
+    _, out, _ = chat_model
+    long = " ".join(["the old red lantern"] * 10)
+    assert main(["generate", str(out), "--prompt", long]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "prompt 1 is " in err and "the model has 32 positions" in err, err
+    generator = load_generator(str(out))
+    ids = generator.encode("once upon a time the", chat=False)
+    new = generator.complete(ids, Sampling(max_new_tokens=100, temperature=1.0, seed=1))
+    assert len(ids) + len(new) <= 32 and len(new) > 0

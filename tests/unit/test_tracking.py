@@ -327,7 +327,8 @@ def test_run_report_files_and_goodput_table(tmp_path):
     first = steady("a", "g1", 1, 25, loop=T0 + 20, start_time=T0 + 20)
     second = steady("a", "g2", 21, 40, loop=T0 + 50, start_time=T0 + 50, resumed=20)
     for r in second[-5:]:
-        r["val_loss"], r["val_accuracy"] = 0.3, 0.9
+        r["val_loss"], r["val_accuracy"], r["val_samples"] = 0.3, 0.9, 500  # (an image task's count of samples)
+    second[-1]["val_outputs"] = [{"prompt": "Who found the <key>?", "reply": "Ada did."}]  # (a chat run's replies)
     timeline = [start("a", T0 + 5, T0), {"event": "failure", "invocation": "a", "time": T0 + 36.0},
                 end("a", second[-1]["wall_time"] + 2, second[-1])]
     (run / METRICS).write_text("".join(json.dumps(r) + "\n" for r in first + second))
@@ -342,6 +343,7 @@ def test_run_report_files_and_goodput_table(tmp_path):
     assert f"<td>lost</td><td>{acc.terms['lost']:.2f}</td>" in html
     assert f"<td>productive</td><td>{acc.terms['productive']:.2f}</td>" in html
     assert "final val_accuracy</td><td>0.9" in html
+    assert "What the model says" in html and "Who found the &lt;key&gt;?" in html and "Ada did." in html
 
 
 def test_sweep_report(tmp_path):

@@ -86,7 +86,7 @@ class ChatData(TextData):
     # Always on for chat: each conversation is its own document (positions and attention), packed or padded.
     document_mask: bool = True
     # At each evaluation, the model's greedy replies to the prompts of the first N validation conversations
-    # (up to their first assistant turn), at most eval_max_new_tokens each: in the run's records (val_samples)
+    # (up to their first assistant turn), at most eval_max_new_tokens each: in the run's records (val_outputs)
     # and report. 0: none.
     eval_samples: int = 3
     eval_max_new_tokens: int = 48

@@ -145,7 +145,7 @@ def _with_trusted_code(raw: dict, trusted: TrustedCode, job: str) -> dict:
 
 def model_card(cfg: JobConfig, ckpt: str, how: str, transformers_model: bool) -> str:
     state = read_state(ckpt)
-    metrics = {k: v for k, v in weights.checkpoint_metrics(ckpt).items()  # (the figures: not val_samples' rows)
+    metrics = {k: v for k, v in weights.checkpoint_metrics(ckpt).items()  # (the figures: not val_outputs' rows)
                if (k.startswith("val_") or k in ("loss", "step", "epoch", "samples_seen")) and not isinstance(v, list)}
     task = task_of(cfg)
     if not transformers_model:

@@ -108,11 +108,19 @@ class Generator:
 
         config = copy.deepcopy(self.config)  # the stop ids with this command's settings: one config, as
         config.update(**sampling.options())  # generate() wants (a config plus keywords is deprecated)
+        positions = self.positions()
+        if positions and len(prompt_ids) + config.max_new_tokens > positions:  # (generation stops at the last one)
+            config.max_new_tokens = positions - len(prompt_ids)
         torch.manual_seed(sampling.seed)  # per prompt: a prompt's completion does not depend on the ones before
         ids = torch.tensor([prompt_ids], device=self.model.device)
         with torch.no_grad():
             out = self.model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config)
         return out[0, len(prompt_ids):].tolist()
+
+    def positions(self) -> int | None:
+        """The model's positions (max_position_embeddings), where its config says: prompt and completion together
+        stay within them."""
+        return getattr(getattr(self.model, "config", None), "max_position_embeddings", None)
 
     def run(self, prompts: list, sampling: Sampling, chat: bool = False) -> list:
         sampling.validate()
@@ -120,6 +128,12 @@ class Generator:
         empty = [n for n, ids in enumerate(encoded, 1) if not ids]
         if empty:  # (generate() would fail on an empty input with a traceback)
             raise ConfigError(f"prompt {empty[0]} is empty (no tokens): give it some text")
+        positions = self.positions()
+        long = [(n, len(ids)) for n, ids in enumerate(encoded, 1) if positions and len(ids) >= positions]
+        if long:  # (past its positions a model runs on with embeddings it never learnt, or fails inside)
+            n, length = long[0]
+            raise ConfigError(f"prompt {n} is {length} tokens: the model has {positions} positions "
+                              f"(max_position_embeddings), none left to generate in: shorten the prompt")
         done = []
         for prompt, ids in zip(prompts, encoded):
             new = self.complete(ids, sampling)

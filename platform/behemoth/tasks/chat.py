@@ -150,10 +150,12 @@ class ChatLM(CausalLM):
         tok = self._tokenizer
         inner = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
         out = []
+        positions = getattr(inner.config, "max_position_embeddings", None) or 1 << 62
         for ids in prompts:
             given = torch.tensor([ids], device=next(inner.parameters()).device)
+            # (within the model's positions, as `behemoth generate` stops: the prompt came from a block of seq_len)
             new = inner.generate(given, attention_mask=torch.ones_like(given), do_sample=False,
-                                 max_new_tokens=self.cfg.data.eval_max_new_tokens,
+                                 max_new_tokens=max(min(self.cfg.data.eval_max_new_tokens, positions - len(ids)), 1),
                                  eos_token_id=self.index.stats["eval_stop_ids"],
                                  pad_token_id=tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id)
             text = tok.decode(ids, skip_special_tokens=True).strip()

@@ -226,7 +226,7 @@ class Task(abc.ABC):
 
     def eval_samples(self, model) -> list[dict]:
         """What the model produces for a few fixed inputs, as JSON-able rows (a chat model's replies to a few
-        validation prompts), recorded with each evaluation as `val_samples` (rank 0's, under DDP; none under
+        validation prompts), recorded with each evaluation as `val_outputs` (rank 0's, under DDP; none under
         FSDP, whose sharded model every rank would have to run). Default: none."""
         return []
 

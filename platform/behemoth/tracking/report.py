@@ -79,13 +79,13 @@ def write_run_report(run_dir: str, account: goodput.Account | None = None) -> st
 
 
 def _samples(kept: list[dict]) -> list[str]:
-    """What the model said at each evaluation (val_samples: a chat run's replies to a few validation prompts)."""
-    rows = [(r["step"], sample) for r in kept for sample in r.get("val_samples") or []]
+    """What the model said at each evaluation (val_outputs: a chat run's replies to a few validation prompts)."""
+    rows = [(r["step"], sample) for r in kept if isinstance(r.get("val_outputs"), list) for sample in r["val_outputs"]]
     if not rows:
         return []
     cells = "".join(f"<tr><td>{step}</td><td><pre>{html.escape(str(s.get('prompt', '')))}</pre></td>"
                     f"<td><pre>{html.escape(str(s.get('reply', '')))}</pre></td></tr>" for step, s in rows)
-    return [f"<h2>What the model says (val_samples, greedy, at each evaluation)</h2><table><tr><th>step</th>"
+    return [f"<h2>What the model says (val_outputs, greedy, at each evaluation)</h2><table><tr><th>step</th>"
             f"<th>prompt (its end)</th><th>reply</th></tr>{cells}</table>"]
 
 

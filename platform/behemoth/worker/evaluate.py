@@ -49,7 +49,7 @@ def evaluate(model, task: Task, rank: int, world: int, batch_size: int, split: s
         with autocast(totals.device, task.cfg.train.precision):
             samples = task.eval_samples(net)
         if samples:
-            metrics["val_samples"] = samples
+            metrics["val_outputs"] = samples  # (val_samples is a count: the image task's)
     net.train()
     return metrics
 
