@@ -224,3 +224,5 @@ def test_a_model_and_its_tokenizer_in_the_bucket_are_copied_once_per_node_and_tr
     job["model"]["pretrained"] = uri
     config.write_text(yaml.safe_dump(job))
     assert main(["check", str(config)]) == 2  # the folder in the bucket lost its config.json: refused before Ray
+    changed = local_source(uri, "model.pretrained")  # a changed folder: a new copy, the URI's older one removed
+    assert changed != copy and not Path(copy).exists() and not (Path(changed) / "config.json").exists()
