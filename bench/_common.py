@@ -1,6 +1,6 @@
 """What the training benchmarks share: a generated corpus, an LM job, behemoth's metrics log, and figures.
 
-Every benchmark runs behemoth through `behemoth.driver.trainer.train` (a real local Ray, Ray Train workers) and
+Every benchmark runs behemoth through `behemoth.driver.run.trainer.train` (a real local Ray, Ray Train workers) and
 reads what the run reported from RUN_DIR/metrics.jsonl, the log every run writes.
 """
 
@@ -15,7 +15,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "platform"))
 
-from behemoth.driver.data_bench import MachineCpu  # noqa: E402,F401  (the benches import it from here)
+from behemoth.driver.commands.data_bench import MachineCpu  # noqa: E402,F401  (the benches import it from here)
 
 
 def lm_corpus(root: Path = REPO / "data" / "bench_text", train_documents: int = 2000) -> Path:
@@ -90,7 +90,7 @@ def device_of(cfg):
 
 def run_behemoth(job: dict) -> list[dict]:
     """Train the job; return every report rank 0 made (metrics.jsonl of the run)."""
-    from behemoth.driver.trainer import train
+    from behemoth.driver.run.trainer import train
     from behemoth.job import config_from_dict
 
     summary = train(config_from_dict(job))
@@ -102,10 +102,10 @@ def read_metrics(run_dir: Path) -> list[dict]:
 
 
 def steady_steps_per_s(reports: list[dict], batch: int) -> float:
-    """behemoth.driver.data_bench.steady_step_rate: first training report to last, by rank 0's clock (the
+    """behemoth.driver.commands.data_bench.steady_step_rate: first training report to last, by rank 0's clock (the
     baselines are timed from their first measured step to their last). (`batch` is unused: kept so callers
     read the same.)"""
-    from behemoth.driver.data_bench import steady_step_rate
+    from behemoth.driver.commands.data_bench import steady_step_rate
 
     return steady_step_rate(reports)
 

@@ -2,7 +2,7 @@
 
 For each seed (train.seed: initial weights, sample order, augmentation), the demo sweep
 (`jobs/configs/sweep_demo.yaml`: 3 learning rates x 2 batch sizes on the demo images, 1 worker per trial,
-2 trials at once on 2 cores) runs twice through `behemoth.driver.sweep.run.sweep`: with `scheduler.kind: fifo` (every
+2 trials at once on 2 cores) runs twice through `behemoth.driver.sweep.tuner.sweep`: with `scheduler.kind: fifo` (every
 trial trains all its epochs: the full grid) and with the file's ASHA (grace period 1 epoch, reduction
 factor 2, max_t the trials' epochs: rungs at epochs 1 and 2 of 4, or at 1 of 2). Printed per seed and in total: trial-epochs trained (the sum over trials of the epochs
 each reached), wall time, the best configuration of each, and whether ASHA's best is the grid's best.
@@ -27,7 +27,7 @@ sys.path.insert(0, str(REPO / "platform"))
 
 def run(kind: str, seed: int, epochs: int, storage: str, data: Path):
     from behemoth.driver.sweep.config import load_sweep
-    from behemoth.driver.sweep.run import run_sweep
+    from behemoth.driver.sweep.tuner import run_sweep
 
     sweep_cfg = load_sweep(REPO / "jobs/configs/sweep_demo.yaml", [
         f"name={kind}-seed{seed}", f"storage_path={storage}", f"scheduler.kind={kind}",

@@ -93,7 +93,7 @@ def main() -> None:
     import ray
     from behemoth.data.synth_text import write_synth_text
     from behemoth.data.tokenizer import train_tokenizer
-    from behemoth.driver.trainer import train
+    from behemoth.driver.run.trainer import train
     from behemoth.job import config_from_dict
     from ray.cluster_utils import Cluster
 

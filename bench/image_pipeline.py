@@ -43,7 +43,7 @@ from photos import write_photo_folder
 
 import numpy as np
 
-from behemoth.driver.data_bench import MachineCpu
+from behemoth.driver.commands.data_bench import MachineCpu
 
 SIZE = 224
 

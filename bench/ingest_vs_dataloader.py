@@ -140,7 +140,7 @@ def main() -> None:
     from behemoth.data.images import ImageData
     from behemoth.data.images import build_index
     from behemoth.data.synth import write_synth_images
-    from behemoth.driver.trainer import train
+    from behemoth.driver.run.trainer import train
 
     root = Path(args.data)
     if not (root / "train").is_dir():

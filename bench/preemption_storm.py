@@ -198,7 +198,7 @@ def main() -> None:
     import ray
     from _common import lm_corpus, lm_job
     from behemoth.data.text_packing import prepare_text
-    from behemoth.driver.trainer import train
+    from behemoth.driver.run.trainer import train
     from behemoth.job import config_from_dict
     from ray.cluster_utils import Cluster
 

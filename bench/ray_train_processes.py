@@ -25,7 +25,8 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def run(cfg, lean: bool) -> tuple[float, float, dict]:
-    from behemoth.driver import ray_session, trainer
+    from behemoth.driver.ray_cluster import session as ray_session
+    from behemoth.driver.run import trainer
     from ray.util.state import list_actors
 
     plain = ray_session.torch_trainer
@@ -48,7 +49,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--repeats", type=int, default=5)
     args = p.parse_args()
-    from behemoth.driver.ray_session import ensure_ray
+    from behemoth.driver.ray_cluster.session import ensure_ray
     from behemoth.job import load_config
 
     ensure_ray()

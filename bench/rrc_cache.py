@@ -45,7 +45,7 @@ def main() -> None:
     if not (root / "val").is_dir():
         subprocess.run([sys.executable, "-m", "behemoth", "data", "synth-images", "--out", str(root), "--format",
                         "jpeg", "--size", "256x192", "--per-class", "150", "--val-per-class", "30"], check=True)
-    from behemoth.driver.trainer import train
+    from behemoth.driver.run.trainer import train
     from behemoth.job import config_from_dict
 
     storage = Path(tempfile.mkdtemp(prefix="bh-rrc-"))

@@ -51,7 +51,7 @@ def main() -> None:
     args = p.parse_args()
 
     from behemoth.data.text_packing import prepare_text
-    from behemoth.driver.ray_session import ensure_ray
+    from behemoth.driver.ray_cluster.session import ensure_ray
     from behemoth.job import config_from_dict
 
     storage = Path(tempfile.mkdtemp(prefix="bench-p4-sharded-"))

@@ -124,7 +124,7 @@ def main() -> int:
 
     from behemoth.job import config_from_dict
     from behemoth.data.text_packing import prepare_text
-    from behemoth.driver.ray_session import ensure_ray
+    from behemoth.driver.ray_cluster.session import ensure_ray
 
     storage = Path(tempfile.mkdtemp(prefix="bench-p1-"))
     shape, seq_len, extra = None, 128, {}

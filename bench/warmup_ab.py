@@ -1,4 +1,4 @@
-"""The decode-process warm-up (driver/warmup.py) on and off, alternating, in one sitting.
+"""The decode-process warm-up (driver/ray_cluster/warmup.py) on and off, alternating, in one sitting.
 
     .venv/bin/python bench/warmup_ab.py first-step [--pairs 3]   # whole `behemoth train` processes of the demo
     .venv/bin/python bench/warmup_ab.py steady [--runs 8]        # P2's job in this process, back to back
@@ -45,8 +45,8 @@ def first_step(pairs: int) -> None:
 
 def steady(runs: int) -> None:
     from behemoth.job import config_from_dict
-    from behemoth.driver import ray_session, trainer
-
+    from behemoth.driver.ray_cluster import session as ray_session
+    from behemoth.driver.run import trainer
     warm_up = ray_session.warm_up_data_processes
     meter, seen = MachineCpu(), {"on": [], "off": []}
     storage = Path(tempfile.mkdtemp(prefix="bench-warmup-"))

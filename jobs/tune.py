@@ -2,7 +2,7 @@
 
     ray job submit --working-dir . -- python jobs/tune.py --config jobs/configs/sweep_demo.yaml
 
-Thin on purpose: all logic lives in the behemoth package (see behemoth.driver.sweep.run and behemoth.driver.cli).
+Thin on purpose: all logic lives in the behemoth package (see behemoth.driver.sweep.tuner and behemoth.driver.commands.cli).
 """
 
 import argparse

@@ -159,7 +159,7 @@ def no_ray():
 def ray_local():
     """The shared local Ray instance (see _LOCAL_RAY), started if this module needs a new one."""
     import ray
-    from behemoth.driver.ray_session import LOCAL_RAY_SYSTEM_CONFIG, PREEMPTION_WATCHER_ENV
+    from behemoth.driver.ray_cluster.session import LOCAL_RAY_SYSTEM_CONFIG, PREEMPTION_WATCHER_ENV
 
     env = {k: os.environ.get(k) for k in _INHERITED}
     # As on the local instance behemoth starts (ray_session.set_ray_train_env): no preemption watcher, one process

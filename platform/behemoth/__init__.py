@@ -25,11 +25,11 @@ from behemoth.version import __version__
 
 if TYPE_CHECKING:  # (what the lazy names below are, for editors and type checkers)
     from behemoth.driver import sweep as tune
-    from behemoth.driver.cli import run_command as cli
-    from behemoth.driver.summary import RunSummary
+    from behemoth.driver.commands.cli import run_command as cli
+    from behemoth.driver.run.summary import RunSummary
     from behemoth.driver.sweep import sweep
     from behemoth.driver.sweep.results import SweepResult
-    from behemoth.driver.trainer import train
+    from behemoth.driver.run.trainer import train
     from behemoth.tasks.causal_lm import CausalLM
     from behemoth.tasks.chat import ChatLM
     from behemoth.tasks.contract import Task
@@ -58,9 +58,9 @@ __all__ = [
 ]
 
 _LAZY = {  # name -> (module, attribute): imported on first use
-    "train": ("behemoth.driver.trainer", "train"), "sweep": ("behemoth.driver.sweep", "sweep"),
-    "tune": ("behemoth.driver.sweep", None), "cli": ("behemoth.driver.cli", "run_command"),
-    "RunSummary": ("behemoth.driver.summary", "RunSummary"),
+    "train": ("behemoth.driver.run.trainer", "train"), "sweep": ("behemoth.driver.sweep", "sweep"),
+    "tune": ("behemoth.driver.sweep", None), "cli": ("behemoth.driver.commands.cli", "run_command"),
+    "RunSummary": ("behemoth.driver.run.summary", "RunSummary"),
     "SweepResult": ("behemoth.driver.sweep.results", "SweepResult"),
     "Task": ("behemoth.tasks.contract", "Task"), "ImageClassification": ("behemoth.tasks.image", "ImageClassification"),
     "CausalLM": ("behemoth.tasks.causal_lm", "CausalLM"), "ChatLM": ("behemoth.tasks.chat", "ChatLM"),

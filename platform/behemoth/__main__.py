@@ -1,5 +1,5 @@
 """`python -m behemoth ...`: the same command line as `behemoth ...`."""
 
-from behemoth.driver.cli import run
+from behemoth.driver.commands.cli import run
 
 run()

@@ -84,7 +84,7 @@ USER_ERRORS = (ConfigError, DataError, BadSampleError, CheckpointError, StorageF
 # group, and a full disk stays full (a restart would redo the steps since the last checkpoint and fail on the
 # same write), a folder another driver took over stays taken, and a step that went non-finite goes so again from
 # the same checkpoint (exact resume), so a run ends on them at once, without using failure.max_failures
-# (driver/failure_policy.py).
+# (driver/ray_cluster/failure_policy.py).
 NOT_RETRIED = (ConfigError, DataError, BadSampleError, StorageFullError, LeaseLostError, NonFiniteError)
 
 

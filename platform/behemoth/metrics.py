@@ -54,10 +54,10 @@ class Window:
 
 
 # A sent report carries the logged steps held back since the previous one under this key (the worker's
-# worker/report.py ReportSender); the run's records expand them (tracking/callbacks.py).
+# worker/reporting.py ReportSender); the run's records expand them (tracking/callbacks.py).
 LOGGED = "logged_before"
 # A checkpoint's report carries its score for retention under this key (Ray's CheckpointConfig
-# checkpoint_score_attribute, and a lane's alike; driver/resume.py retention): the run's metric where the step
+# checkpoint_score_attribute, and a lane's alike; driver/run/resume.py retention): the run's metric where the step
 # evaluated it finite, else the worst finite number in its direction (not NaN or inf: Ray's checkpoint manager
 # stores the scores as JSON through pydantic, which writes those as null, and a restarted controller's ranking
 # would then fail on None). Not a metric of the run: the records leave it out.

@@ -11,8 +11,8 @@ import pytest
 import torch
 from behemoth.config import dump_yaml
 from behemoth.data.chat import ChatPacker, chat_tokenizer, encode_conversation, prepare_chat, split_flags
-from behemoth.driver.cli import main
-from behemoth.driver.trainer import train
+from behemoth.driver.commands.cli import main
+from behemoth.driver.run.trainer import train
 from behemoth.job import config_from_dict
 from behemoth.storage.weights import read_state_dict
 from conftest import lm_job_dict
@@ -111,7 +111,7 @@ def straight(chat_corpus, tmp_path_factory):
 
 def test_a_chat_run_learns_the_replies_resumes_exactly_exports_and_generates(straight, chat_corpus, tmp_path,
                                                                                monkeypatch, capsys):
-    from behemoth.driver import ray_session
+    from behemoth.driver.ray_cluster import session as ray_session
     from behemoth.worker.faults import KILL_AT_STEP_ENV
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
@@ -124,7 +124,7 @@ def test_a_chat_run_learns_the_replies_resumes_exactly_exports_and_generates(str
     checked = capsys.readouterr().out
     assert "chat: 2 files" in checked and "template the tokenizer's own" in checked
 
-    from behemoth.driver.evaluate import evaluate_checkpoint
+    from behemoth.driver.run.evaluation import evaluate_checkpoint
 
     evaluated, _ = evaluate_checkpoint(cfg, summary.latest_checkpoint)  # `behemoth eval`: the run's own figure
     assert evaluated["val_loss"] == pytest.approx(m["val_loss"], rel=1e-6) and evaluated["val_tokens"] == m["val_tokens"]
@@ -162,7 +162,7 @@ def test_a_chat_run_learns_the_replies_resumes_exactly_exports_and_generates(str
     import html
 
     from behemoth.tracking.records import read_jsonl
-    from behemoth.tracking.report import write_run_report
+    from behemoth.tracking.run_report import write_run_report
 
     said = [r for r in read_jsonl(f"{summary.run_dir}/metrics.jsonl") if "val_outputs" in r]
     assert [r["step"] for r in said] == [8, 16, 24] and all(len(r["val_outputs"]) == 3 for r in said)
@@ -174,7 +174,7 @@ def test_a_chat_run_learns_the_replies_resumes_exactly_exports_and_generates(str
 
 
 def test_lora_fine_tunes_a_chat_model_on_its_assistant_tokens(chat_corpus, tmp_path):
-    from behemoth.driver.export import export
+    from behemoth.driver.commands.export import export
     from behemoth.storage.checkpoint import complete_checkpoints
 
     job = chat_job(chat_corpus, tmp_path, "lora", model={"lora": {"r": 4, "alpha": 8.0}},

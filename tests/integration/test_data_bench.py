@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from behemoth.driver.data_bench import bench_data, measured_step_rate
+from behemoth.driver.commands.data_bench import bench_data, measured_step_rate
 from behemoth.errors import ConfigError
 from behemoth.job import config_from_dict
 from conftest import job_dict, lm_job_dict

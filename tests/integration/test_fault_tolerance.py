@@ -28,8 +28,8 @@ import yaml
 from behemoth.storage.checkpoint import read_state
 from behemoth.config import ConfigError
 from behemoth.job import config_from_dict
-from behemoth.driver.stale_requests import COORDINATOR, COORDINATOR_NAMESPACE
-from behemoth.driver.trainer import train
+from behemoth.driver.ray_cluster.stale_requests import COORDINATOR, COORDINATOR_NAMESPACE
+from behemoth.driver.run.trainer import train
 from behemoth.worker.faults import FAULT_ENV, SLOW_WORLD_ENV
 from behemoth.errors import RunFailedError
 from behemoth.tracking.records import read_jsonl
@@ -136,7 +136,7 @@ def check_recovered(summary, storage: Path, name: str, straight_summary, max_red
 
 
 def test_r1_r3_node_removed_then_driver_killed(cluster, straight, text_corpus, tmp_path):
-    """The driver runs as its own process (`python -m behemoth.driver.cli train`, RAY_ADDRESS = the cluster).
+    """The driver runs as its own process (`python -m behemoth.driver.commands.cli train`, RAY_ADDRESS = the cluster).
     R1: at step 37 rank 1's node is removed and a new node joins; the run recovers on it. R3: at step 90 the
     driver is SIGKILLed; a changed model config under the same name is refused; the same command resumes.
     The run ends on the uninterrupted run's weights; each failure redid at most one checkpoint interval."""
@@ -146,7 +146,7 @@ def test_r1_r3_node_removed_then_driver_killed(cluster, straight, text_corpus, t
     config = tmp_path / "job.yaml"
     config.write_text(yaml.safe_dump(job(text_corpus, tmp_path, name)))
     env = {**os.environ, "RAY_ADDRESS": c.address, "PYTHONPATH": WORKER_PYTHONPATH}
-    driver = subprocess.Popen([sys.executable, "-m", "behemoth.driver.cli", "train", str(config)], env=env,
+    driver = subprocess.Popen([sys.executable, "-m", "behemoth.driver.commands.cli", "train", str(config)], env=env,
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         wait_for_step(ledger, FAIL_AT)
@@ -348,7 +348,7 @@ def test_r7_a_spot_notice_drains_the_node_and_the_run_loses_no_step(cluster, str
     ledger), and it ends on the uninterrupted run's weights."""
     import datetime
 
-    from behemoth.driver import ray_session
+    from behemoth.driver.ray_cluster import session as ray_session
     from behemoth.storage.checkpoint import complete_checkpoints, read_json
     from fake_metadata import FakeMetadata
 

@@ -18,10 +18,10 @@ import pytest
 import torch
 import yaml
 
-from behemoth.driver import ray_session
+from behemoth.driver.ray_cluster import session as ray_session
 from behemoth.driver.sweep import load_sweep, run_sweep
 from behemoth.driver.sweep.config import base_job, trial_job
-from behemoth.driver.trainer import train
+from behemoth.driver.run.trainer import train
 from behemoth.worker.faults import KILL_AT_STEP_ENV, RAISE_AT_STEP_ENV
 from behemoth.storage.weights import read_state_dict
 from conftest import job_dict

@@ -21,9 +21,9 @@ from behemoth.config import dump_yaml
 from behemoth.job import config_from_dict
 from behemoth.data.image_batches import normalise, transform_batch
 from behemoth.data.images import build_index
-from behemoth.driver.cli import main
-from behemoth.driver.resume import resolve_init_from
-from behemoth.driver.trainer import train
+from behemoth.driver.commands.cli import main
+from behemoth.driver.run.resume import resolve_init_from
+from behemoth.driver.run.trainer import train
 from behemoth.tasks.image import ImageClassification, build_image_model
 from conftest import REPO, job_dict
 

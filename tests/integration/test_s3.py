@@ -17,10 +17,10 @@ import yaml
 from behemoth.storage.checkpoint import complete_checkpoints, read_state
 from behemoth.config import ConfigError
 from behemoth.job import config_from_dict
-from behemoth.driver.evaluate import evaluate_checkpoint
+from behemoth.driver.run.evaluation import evaluate_checkpoint
 from behemoth.storage.lease_stores import read_lease
 from behemoth.storage.runlock import RunLock, RunLockedError
-from behemoth.driver.trainer import train
+from behemoth.driver.run.trainer import train
 from behemoth.tracking.records import read_jsonl, read_text
 from behemoth.storage.weights import resolve
 from conftest import job_dict
@@ -131,7 +131,7 @@ def test_a_run_on_s3_keeps_every_check_and_record(s3_endpoint, ray_local, image_
     assert written == f"{best}.eval_val.json" and json.loads(read_text(written))["metrics"] == metrics
     assert metrics["val_accuracy"] == max(r["val_accuracy"] for r in records if "val_accuracy" in r and r["step"] >= 9)
     # `behemoth export` of the run folder in the bucket: the files the export of a local copy of it writes
-    from behemoth.driver.export import export
+    from behemoth.driver.commands.export import export
 
     exported, how = export(folder, str(tmp_path / "from_s3"))
     assert how.startswith(f"{best} ")
@@ -182,7 +182,7 @@ def test_a_model_and_its_tokenizer_in_the_bucket_are_copied_once_per_node_and_tr
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    from behemoth.driver.cli import main
+    from behemoth.driver.commands.cli import main
     from behemoth.storage.model_copy import COMPLETE, local_source
     from behemoth.storage.weights import read_state_dict
     from conftest import lm_job_dict

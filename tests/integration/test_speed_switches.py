@@ -21,7 +21,7 @@ pytestmark = pytest.mark.integration
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    from behemoth.driver.ray_session import worker_env_vars
+    from behemoth.driver.ray_cluster.session import worker_env_vars
 
     out = tmp_path_factory.mktemp("ddp")
     with socket.socket() as s:

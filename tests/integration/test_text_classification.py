@@ -13,8 +13,8 @@ import pytest
 import torch
 from behemoth.storage.checkpoint import complete_checkpoints
 from behemoth.config import dump_yaml
-from behemoth.driver.cli import main
-from behemoth.driver.trainer import train
+from behemoth.driver.commands.cli import main
+from behemoth.driver.run.trainer import train
 from behemoth.job import config_from_dict
 from behemoth.storage.weights import read_state_dict
 
@@ -132,7 +132,7 @@ def test_a_killed_worker_costs_only_the_steps_since_the_checkpoint_and_resumes_e
         straight, labelled, tmp_path, monkeypatch):
     """Rank 0 SIGKILLed after step 45: Ray Train restarts the group from checkpoint 40 and the run ends on the
     uninterrupted run's weights, bit for bit (the same samples in the same order from step 41 on)."""
-    from behemoth.driver import ray_session
+    from behemoth.driver.ray_cluster import session as ray_session
     from behemoth.worker.faults import KILL_AT_STEP_ENV
 
     marker = tmp_path / "killed.json"
@@ -149,7 +149,7 @@ def test_fsdp_trains_it_with_sharded_checkpoints_that_export(straight, labelled,
     """FSDP (fsdp_full) on 2 workers: sharded checkpoints (each rank its DCP file, the manifest over them), the
     classifier learns as under DDP (the module's DDP run of the same job: its loss curve and final metrics), and
     the sharded checkpoint exports to the weights it holds."""
-    from behemoth.driver.export import export
+    from behemoth.driver.commands.export import export
     from behemoth.tracking.records import read_jsonl
     from transformers import AutoModelForSequenceClassification
 

@@ -19,8 +19,8 @@ import torch
 from behemoth.job import config_from_dict
 from behemoth.data import text_packing
 from behemoth.data.token_store import ShardWriter, TokenShards
-from behemoth.driver.ray_session import LOCAL_RAY_SYSTEM_CONFIG
-from behemoth.driver.trainer import train
+from behemoth.driver.ray_cluster.session import LOCAL_RAY_SYSTEM_CONFIG
+from behemoth.driver.run.trainer import train
 from conftest import WORKER_PYTHONPATH, lm_job_dict, stop_local_ray
 
 pytestmark = pytest.mark.integration

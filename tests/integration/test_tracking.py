@@ -12,8 +12,8 @@ import time
 
 import pytest
 from behemoth.storage.checkpoint import complete_checkpoints
-from behemoth.driver import ray_session
-from behemoth.driver.trainer import train
+from behemoth.driver.ray_cluster import session as ray_session
+from behemoth.driver.run.trainer import train
 from behemoth.worker.faults import KILL_AT_STEP_ENV
 from behemoth.job import config_from_dict
 from behemoth.tracking.records import latest_per_step, read_jsonl
@@ -47,7 +47,7 @@ def test_tracking_and_goodput_of_a_run_with_a_killed_worker(ray_local, image_roo
     # end, so those steps and the reports between them span from record 20 to the last report's record; the
     # reports' own time (evaluation, checkpoint, report phases) is taken off. (The account's lost work is made
     # of other counters: the step and data-wait phases.) The worker hands its reports to Ray Train in a thread,
-    # at most one a second (worker/report.py): the logged steps it had not handed over yet die with
+    # at most one a second (worker/reporting.py): the logged steps it had not handed over yet die with
     # it, and the records hold every logged step up to the last one handed over.
     acc = summary.goodput
     first, second = acc.groups

@@ -13,7 +13,7 @@ import ray
 import torch
 import yaml
 
-from behemoth.driver.cli import main
+from behemoth.driver.commands.cli import main
 from behemoth.job import config_from_dict
 from behemoth.storage.checkpoint import complete_checkpoints
 from behemoth.data.images import build_index
@@ -107,7 +107,7 @@ def images_with_corrupt_file(image_root, tmp_path):
 
 def test_corrupt_image_fails_the_run_naming_the_file_without_retrying(images_with_corrupt_file, tmp_path, capfd):
     """Restarts allowed (failure.max_failures=3), but a restart would decode the same file again: the run ends
-    at the first failure (driver/failure_policy.py), with the one message naming the file."""
+    at the first failure (driver/ray_cluster/failure_policy.py), with the one message naming the file."""
     root, bad = images_with_corrupt_file
     cfg = tmp_path / "job.yaml"
     cfg.write_text(yaml.safe_dump(job_dict(root, tmp_path / "runs", "corrupt", train={"epochs": 1},
@@ -134,8 +134,8 @@ def test_a_full_disk_fails_the_checkpoint_cleanly_and_a_rerun_resumes(image_root
     step 3 and ends."""
     from behemoth.worker.faults import DISK_FULL_ENV
     from behemoth.storage.checkpoint import checkpoint_folders, complete_checkpoints, verify
-    from behemoth.driver import ray_session, trainer
-
+    from behemoth.driver.ray_cluster import session as ray_session
+    from behemoth.driver.run import trainer
     tmp = tmp_path / "worker-tmp"
     tmp.mkdir()
     env = ray_session.worker_env_vars
@@ -164,7 +164,7 @@ def test_a_full_disk_fails_the_checkpoint_cleanly_and_a_rerun_resumes(image_root
 
 
 def test_a_run_whose_folder_was_taken_over_stops_before_its_first_checkpoint(tmp_path):
-    """The run lock's fence in Ray Train's workers (driver/lease_fence.py), as train() wires it: this driver's
+    """The run lock's fence in Ray Train's workers (hosts/lease_fence.py), as train() wires it: this driver's
     lease (generation 1) was taken over by another driver (generation 2) before the run's first checkpoint.
     The run ends there, at once (restarts allowed, none used), with LeaseLostError naming the new holder:
     nothing is written into the folder as a checkpoint, and Ray Train registers (and deletes) nothing."""
@@ -172,7 +172,7 @@ def test_a_run_whose_folder_was_taken_over_stops_before_its_first_checkpoint(tmp
 
     from behemoth.storage.lease_stores import LOCK_NAME
     from behemoth.storage.runlock import Fence
-    from behemoth.driver.trainer import train
+    from behemoth.driver.run.trainer import train
     from behemoth.errors import user_facing_error
     from behemoth.tracking.records import read_jsonl
 
@@ -215,8 +215,8 @@ def test_the_decoded_cache_and_tar_shards_train_to_the_same_weights_as_decoding_
     weights too, though its rank 0 is killed after step 7 (it resumes from step 6's checkpoint: exact resume),
     and its export holds the same files as the folder run's, byte for byte, but the model card (which names
     the data)."""
-    from behemoth.driver import ray_session
-    from behemoth.driver.trainer import train
+    from behemoth.driver.ray_cluster import session as ray_session
+    from behemoth.driver.run.trainer import train
     from behemoth.worker.faults import KILL_AT_STEP_ENV
     from behemoth.storage.weights import read_state_dict
 
@@ -261,7 +261,7 @@ def test_a_sweep_refuses_to_start_without_rays_state_api(image_root, tmp_path):
     """This module's Ray runs without its dashboard: a stopped trial's resources would never be freed (Ray
     Train's PlacementGroupCleaner needs the state API), so the sweep refuses before any trial."""
     from behemoth.config import ConfigError
-    from behemoth.driver.sweep.run import sweep
+    from behemoth.driver.sweep.tuner import sweep
 
     job = tmp_path / "job.yaml"
     job.write_text(yaml.safe_dump(job_dict(image_root, tmp_path / "runs")))
@@ -277,8 +277,8 @@ def test_a_task_of_ones_own_runs_end_to_end_from_its_file_alone(tmp_path, capfd)
     checked and shipped to the workers; it trains on 2 workers through Ray Train, is checked by `behemoth
     check`, reports its own metric, picks its best checkpoint by it and prints its own summary line. Its
     print() shows once per worker (Ray Train's print patch showed it twice)."""
-    from behemoth.driver.cli import main
-    from behemoth.driver.trainer import train
+    from behemoth.driver.commands.cli import main
+    from behemoth.driver.run.trainer import train
 
     job = job_dict(tmp_path, tmp_path / "runs", "toy",
                    train={"epochs": 3, "global_batch_size": 32, "lr": 0.1, "momentum": 0.0, "weight_decay": 0.0,
@@ -303,7 +303,7 @@ def test_a_task_of_ones_own_runs_end_to_end_from_its_file_alone(tmp_path, capfd)
 def test_the_data_processes_the_driver_starts_are_the_ones_the_workers_tasks_run_in(
         image_root, tmp_path, monkeypatch):
     """On a local instance the driver starts one process per worker for the decode tasks before `fit`
-    (driver/warmup.py). Ray hands a worker's task an idle process only if their runtime environments serialise
+    (driver/ray_cluster/warmup.py). Ray hands a worker's task an idle process only if their runtime environments serialise
     the same: behemoth's prediction of the workers' environment must be the real one, and the tasks a training
     worker submits (a plain task, a Ray Data map) must run in those processes, their imports done. Watched fail
     with the controller's variable left out of the prediction. (The other way to miss, the same variables in
@@ -311,8 +311,8 @@ def test_the_data_processes_the_driver_starts_are_the_ones_the_workers_tasks_run
     sets PYTHONPATH: measured on the demo instead, BENCHMARKS.md.)"""
     import json
 
-    from behemoth.driver.ray_session import training_worker_runtime_env, warm_up_data_processes
-    from behemoth.driver.trainer import build_trainer, prepare_data
+    from behemoth.driver.ray_cluster.session import training_worker_runtime_env, warm_up_data_processes
+    from behemoth.driver.run.trainer import build_trainer, prepare_data
     from integration.warm_probe import where_tasks_run
 
     # a variable Ray Train propagates, with a value of this test only: no idle process of an earlier test fits
@@ -334,7 +334,7 @@ def test_the_data_processes_the_driver_starts_are_the_ones_the_workers_tasks_run
 
 
 def train_run(cfg):
-    from behemoth.driver.trainer import train
+    from behemoth.driver.run.trainer import train
 
     return train(cfg)
 
@@ -354,7 +354,7 @@ def test_early_stopping_ends_a_run_at_its_patience_and_a_rerun_trains_nothing(tm
     after the first evaluation (step 4) two more without improvement (steps 8, 12) stop the run at step 12 of
     48, that step checkpointed with the decision; the rerun trains nothing and says why; one with early stopping
     off trains on."""
-    from behemoth.driver.trainer import train
+    from behemoth.driver.run.trainer import train
     from behemoth.storage.checkpoint import complete_checkpoints, read_state
 
     job = _toy_job(tmp_path, "early", train={"epochs": 6, "early_stopping": {"patience": 2, "min_delta": 1e6}},
@@ -384,7 +384,7 @@ def test_a_non_finite_step_stops_the_run_naming_it_or_is_skipped(tmp_path):
     the first report after the step that trained on it, with one error naming that step, not retried (2
     restarts allowed) and no checkpoint of that step or later; under skip every such step (one an epoch) is
     left out and counted, and the run ends with finite weights."""
-    from behemoth.driver.trainer import train
+    from behemoth.driver.run.trainer import train
     from behemoth.errors import NonFiniteError, user_facing_error
     from behemoth.storage.checkpoint import complete_checkpoints
     from behemoth.tracking.records import read_jsonl
@@ -412,7 +412,7 @@ def test_a_run_with_a_weight_average_evaluates_and_keeps_it(tmp_path):
     average, not model.pt, whose val_mse differs)."""
     import torch
 
-    from behemoth.driver.evaluate import evaluate_checkpoint
+    from behemoth.driver.run.evaluation import evaluate_checkpoint
     from behemoth.storage.checkpoint import complete_checkpoints, read_manifest
 
     job = _toy_job(tmp_path, "ema", train={"epochs": 1, "ema_decay": 0.8})

@@ -11,12 +11,12 @@ import torch
 import yaml
 
 from behemoth.storage.checkpoint import complete_checkpoints, read_state
-from behemoth.driver.cli import main
+from behemoth.driver.commands.cli import main
 from behemoth.job import config_from_dict
 from behemoth.data import text
 from behemoth.data.text_packing import prepare_text
 from behemoth.data.token_store import TokenShards
-from behemoth.driver.trainer import train
+from behemoth.driver.run.trainer import train
 from behemoth.errors import RunFailedError
 from behemoth.storage.weights import read_state_dict
 from conftest import lm_job_dict
@@ -194,7 +194,7 @@ def test_sharded_checkpoints_survive_a_kill_and_resume_on_fewer_workers(text_cor
     2.2e-8 on AMD EPYC: one worker sums its 16 samples' gradients in one pass where two workers all-reduce two
     halves, so the float rounding differs; the sample order and the update do not), read whole from the shards;
     `behemoth export` of the sharded checkpoint loads with transformers with those weights."""
-    from behemoth.driver import ray_session
+    from behemoth.driver.ray_cluster import session as ray_session
     from behemoth.worker.faults import FAULT_ENV
 
     def job(name, workers):
@@ -239,7 +239,7 @@ def test_sharded_checkpoints_survive_a_kill_and_resume_on_fewer_workers(text_cor
     assert 0 < worst < 1e-6, worst
     from transformers import AutoModelForCausalLM
 
-    from behemoth.driver.export import export
+    from behemoth.driver.commands.export import export
 
     out, _ = export(resumed.latest_checkpoint, str(tmp_path / "export"))  # the sharded checkpoint, exported
     exported = AutoModelForCausalLM.from_pretrained(out).state_dict()
@@ -253,7 +253,7 @@ def test_powersgd_through_ray_train_restores_exactly(text_corpus, tmp_path, monk
     Train restarts the group, which removes the partial upload, restores checkpoint 4 and redoes steps 5-8
     and beyond. Every redone step's loss on every rank equals, bit for bit, what the first group computed:
     from step 6 on that holds only if the PowerSGD state was restored exactly (step 5's update used it)."""
-    from behemoth.driver import ray_session
+    from behemoth.driver.ray_cluster import session as ray_session
     from behemoth.worker.faults import FAULT_ENV
     from integration.ledger_audit import read_ledger
 
@@ -297,7 +297,7 @@ def test_a_local_ray_runs_its_workers_at_normal_priority():
     """behemoth's own local Ray instance starts workers at niceness 0, not Ray's 15 (which made them yield the
     CPU to every Ray daemon: ~25% slower training on 2 cores, BENCHMARKS.md P2); it prestarts no worker
     processes (none of behemoth's could use them), turns Ray Train's preemption watcher off, and gives the job
-    behemoth's worker variables (driver/warmup.py needs them). A fresh process, no RAY_ADDRESS: ensure_ray
+    behemoth's worker variables (driver/ray_cluster/warmup.py needs them). A fresh process, no RAY_ADDRESS: ensure_ray
     starts the instance as `behemoth train` does."""
     import os
     import subprocess
@@ -305,8 +305,7 @@ def test_a_local_ray_runs_its_workers_at_normal_priority():
 
     code = """if True:
         import os, time, ray
-        from behemoth.driver import ray_session
-
+        from behemoth.driver.ray_cluster import session as ray_session
         def processes():  # (pid, parent, title) of every process
             for pid in filter(str.isdigit, os.listdir("/proc")):
                 try:
@@ -348,7 +347,7 @@ def test_the_ledger_audit_names_a_repeated_and_a_skipped_batch(text_corpus, tmp_
     the real pipeline) fails when the data layer repeats a batch in place of the next, or drops one, though
     the planned order is right; its message says which step trained what (a ledger that stopped recording
     would say a step is missing instead)."""
-    from behemoth.driver.trainer import build_trainer, prepare_data
+    from behemoth.driver.run.trainer import build_trainer, prepare_data
     from integration import faulty_pipeline, ledger_audit
 
     broken_at = faulty_pipeline.BROKEN_AT
@@ -395,7 +394,7 @@ def test_lora_fine_tunes_on_two_ddp_workers_and_checkpoints_only_the_adapters(te
     import torch
     from transformers import AutoModelForCausalLM
 
-    from behemoth.driver.export import export
+    from behemoth.driver.commands.export import export
     from behemoth.storage.checkpoint import complete_checkpoints
 
     job = lm_job_dict(text_corpus, tmp_path, "lora", model={"lora": {"r": 4, "alpha": 8.0}})

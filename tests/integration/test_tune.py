@@ -26,8 +26,8 @@ import yaml
 
 from behemoth.storage.checkpoint import read_state
 from behemoth.job import config_from_dict, load_config
-from behemoth.driver.trainer import train
-from behemoth.driver.sweep.run import sweep
+from behemoth.driver.run.trainer import train
+from behemoth.driver.sweep.tuner import sweep
 from conftest import job_dict, stop_local_ray
 
 pytestmark = pytest.mark.integration
@@ -64,7 +64,7 @@ def ray_with_dashboard():
 
     from conftest import _SESSION_DIR
 
-    from behemoth.driver.ray_session import LOCAL_RAY_SYSTEM_CONFIG
+    from behemoth.driver.ray_cluster.session import LOCAL_RAY_SYSTEM_CONFIG
 
     stop_local_ray()  # the other modules' shared instance (conftest.py)
     ray.init(num_cpus=2, include_dashboard=True, logging_level="warning", _system_config=LOCAL_RAY_SYSTEM_CONFIG,
@@ -175,7 +175,7 @@ def test_sweep_survives_worker_and_driver_kills_asha_stops_trials_and_resources_
     runs = sweep_dir / "runs"
     env = {**os.environ, "RAY_ADDRESS": ray.get_runtime_context().gcs_address}
     log = (tmp_path / "driver.log").open("w")
-    driver = subprocess.Popen([sys.executable, "-m", "behemoth.driver.cli", "tune", str(path)], env=env,
+    driver = subprocess.Popen([sys.executable, "-m", "behemoth.driver.commands.cli", "tune", str(path)], env=env,
                               stdout=log, stderr=subprocess.STDOUT)
     try:
         # Trial 1: once it has a checkpoint, SIGKILL its training worker; it must still finish.

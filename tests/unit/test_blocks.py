@@ -1,4 +1,4 @@
-"""A model's blocks, and what is applied per block (worker/blocks.py): activation checkpointing gives the
+"""A model's blocks, and what is applied per block (worker/block_transforms.py): activation checkpointing gives the
 gradients (and batch-norm statistics) of training without it; compile works block by block, leaving the model's
 parameters and state-dict keys as they are."""
 
@@ -11,7 +11,7 @@ import torch
 
 from behemoth import hosts
 
-from behemoth.worker.blocks import blocks, checkpoint_activations, compile_blocks
+from behemoth.worker.block_transforms import blocks, checkpoint_activations, compile_blocks
 
 
 def _llama(dropout: float = 0.1):

@@ -6,8 +6,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from behemoth.driver.cli import main
-from behemoth.driver.cluster_check import check_cluster
+from behemoth.driver.commands.cli import main
+from behemoth.driver.commands.cluster_check import check_cluster
 
 REPO = Path(__file__).resolve().parents[2]
 CLUSTER = REPO / "cluster.yaml"

@@ -315,7 +315,7 @@ def test_retention_reaches_checkpoints_ray_train_never_registered(tmp_path):
     from types import SimpleNamespace
 
     from behemoth.job import config_from_dict
-    from behemoth.driver.resume import retire_unregistered
+    from behemoth.driver.run.resume import retire_unregistered
 
     cfg = config_from_dict({"data": {"root": "x"}, "checkpoint": {"storage_path": str(tmp_path), "run_name": "r",
                                                                    "keep": 2}})
@@ -841,7 +841,7 @@ def test_a_checkpoint_report_leaves_no_folder_behind_whether_its_upload_succeeds
 def test_a_received_checkpoints_job_yaml_is_checked_against_its_manifest_before_it_is_read(tmp_path):
     """export builds the config from the checkpoint's job.yaml: an edited one (its manifest not rewritten) is a
     damaged checkpoint, refused before it is parsed, never a config to build."""
-    from behemoth.driver.export import TrustedCode, _job_of
+    from behemoth.driver.commands.export import TrustedCode, _job_of
 
     model, opt, sched = make()
     parts = dict(model=model, optimizer=opt, scheduler=sched, task_files={},

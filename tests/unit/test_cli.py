@@ -5,7 +5,7 @@ from pathlib import Path
 
 import yaml
 
-from behemoth.driver.cli import main
+from behemoth.driver.commands.cli import main
 from conftest import job_dict
 
 
@@ -48,7 +48,7 @@ def test_check_of_bad_data_answers_in_one_line_without_the_config(tmp_path, caps
 def test_auth_token_file_is_made_owner_only(tmp_path, monkeypatch):
     import stat
 
-    from behemoth.driver.ray_session import tighten_token_file
+    from behemoth.driver.ray_cluster.session import tighten_token_file
 
     token = tmp_path / "auth_token"
     token.write_text("x" * 64)
@@ -65,7 +65,7 @@ def test_resume_with_a_changed_model_or_data_config_is_refused(tmp_path):
     from behemoth.storage import checkpoint
     from behemoth.config import ConfigError, dump_yaml
     from behemoth.job import config_from_dict
-    from behemoth.driver.resume import check_resume_compatible
+    from behemoth.driver.run.resume import check_resume_compatible
 
     job = job_dict(tmp_path / "images", tmp_path / "runs", "r1")
     saved = tmp_path / "runs" / "r1" / "checkpoint_2026-01-01_00-00-00.000000"
@@ -106,7 +106,7 @@ def _actions(parser):
 
 
 def test_every_argument_has_help():
-    from behemoth.driver.cli import build_parser
+    from behemoth.driver.commands.cli import build_parser
 
     missing = [f"{prog} {action.dest}" for prog, action in _actions(build_parser()) if not action.help]
     assert missing == []
@@ -220,7 +220,7 @@ def test_export_imports_no_task_that_only_the_checkpoint_names(tmp_path, monkeyp
 def test_export_never_honours_trust_remote_code_from_a_checkpoint(tmp_path, capsys):
     """A checkpoint's model.trust_remote_code would run its model.pretrained repository's code: refused
     unless the user passes --trust-remote-code (then the warning names the repository)."""
-    from behemoth.driver.export import TrustedCode, _job_of
+    from behemoth.driver.commands.export import TrustedCode, _job_of
 
     repo = tmp_path / "someone" / "model"
     run = _run_of(tmp_path, {
@@ -242,7 +242,7 @@ def test_the_command_ends_at_once_with_its_status_its_output_and_exit_handlers_d
 
     script = (f"import atexit, sys\n"
               f"atexit.register(lambda: open({str(tmp_path / 'handler_ran')!r}, 'w').write('yes'))\n"
-              f"from behemoth.driver.cli import exit_at_once\n"
+              f"from behemoth.driver.commands.cli import exit_at_once\n"
               f"sys.stdout.write('buffered, no newline')\n"
               f"exit_at_once(3)\n")
     env = {**__import__("os").environ, "PYTHONPATH": str(Path(__file__).parents[2] / "platform")}
@@ -269,7 +269,10 @@ def test_resume_or_eval_on_data_whose_classes_changed_is_refused(tmp_path, monke
     from behemoth.storage import checkpoint
     from behemoth.config import ConfigError, dump_yaml
     from behemoth.data.synth import write_synth_images
-    from behemoth.driver import evaluate, ray_session, resume, trainer
+    from behemoth.driver.run import evaluation as evaluate
+    from behemoth.driver.ray_cluster import session as ray_session
+    from behemoth.driver.run import resume
+    from behemoth.driver.run import trainer
     from behemoth.job import config_from_dict
     from behemoth.tasks.image import ImageClassification
 
@@ -437,7 +440,7 @@ def test_a_rerun_says_which_changed_keys_apply_and_which_are_ignored(image_root,
     import torch
 
     from behemoth.config import ConfigError, dump_yaml
-    from behemoth.driver.resume import check_something_trained, describe_rerun
+    from behemoth.driver.run.resume import check_something_trained, describe_rerun
     from behemoth.job import config_from_dict
     from behemoth.storage import checkpoint
 
@@ -504,8 +507,8 @@ def test_resume_changed_config_lets_through_only_changed_keys_and_the_checkpoint
     import torch
 
     from behemoth.config import ConfigError, dump_yaml
-    from behemoth.driver import trainer
-    from behemoth.driver.resume import check_resume_compatible, describe_rerun
+    from behemoth.driver.run import trainer
+    from behemoth.driver.run.resume import check_resume_compatible, describe_rerun
     from behemoth.errors import CheckpointError
     from behemoth.job import config_from_dict
     from behemoth.storage import checkpoint

@@ -291,7 +291,7 @@ def test_run_and_sweep_names_are_plain_on_every_storage(tmp_path, storage, name)
     """pyarrow reads s3://bucket/runs/exp#1 as runs/exp and ?... as filesystem options: a name is refused on
     every storage, naming the key and the rule, before any path is built from it."""
     from behemoth.config import CheckpointConfig, JobConfig
-    from behemoth.driver.resume import run_dir
+    from behemoth.driver.run.resume import run_dir
     from behemoth.driver.sweep.config import load_sweep
 
     rule = r"must be a plain folder name: 1-\d+ characters of A-Z a-z 0-9 '.' '_' '-', not starting with"

@@ -4,7 +4,7 @@ import json
 import subprocess
 import sys
 
-from behemoth.driver.ray_session import worker_env_vars
+from behemoth.driver.ray_cluster.session import worker_env_vars
 
 # The same [64 x 48] @ [48 x 1] product (PowerSGD's P = M Q at rank 1) with M at each of 16 float offsets in a
 # larger buffer, as PowerSGD's matrices are views into DDP's gradient buckets at layout-dependent offsets.

@@ -5,7 +5,7 @@ from ray.train import FailureConfig
 from ray.train.v2._internal.execution.failure_handling.failure_policy import FailureDecision
 from ray.train.v2.api.exceptions import WorkerGroupError
 
-from behemoth.driver.failure_policy import FailFastPolicy, install
+from behemoth.driver.ray_cluster.failure_policy import FailFastPolicy, install
 
 
 def failed(text: str) -> WorkerGroupError:

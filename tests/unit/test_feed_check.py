@@ -7,8 +7,8 @@ import re
 import pytest
 import yaml
 
-from behemoth.driver.cli import main
-from behemoth.driver.data_bench import DataBench, feed_check, record
+from behemoth.driver.commands.cli import main
+from behemoth.driver.commands.data_bench import DataBench, feed_check, record
 from behemoth.job import config_from_dict
 from conftest import job_dict
 
@@ -56,7 +56,7 @@ def test_cpus_sizes_only_a_local_instance(monkeypatch):
     is refused with one line before anything connects."""
     import pytest
 
-    from behemoth.driver.ray_session import ensure_ray
+    from behemoth.driver.ray_cluster.session import ensure_ray
     from behemoth.errors import ConfigError
 
     monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:1")
@@ -70,7 +70,7 @@ def test_the_bench_window_starts_once_every_consumer_has_its_first_batch():
     first batch left the two too little overlap to measure (a full-tier failure: 0.97 s of a 3 s window)."""
     import time
 
-    from behemoth.driver.data_bench import StartGate, _consume
+    from behemoth.driver.commands.data_bench import StartGate, _consume
     from behemoth.storage.checkpoint import TrainState
 
     class Feed:
@@ -189,7 +189,7 @@ def test_data_bench_run_with_a_cut_or_timeless_metrics_file_is_one_line(image_ro
 
 def test_a_metrics_line_cut_by_a_kill_is_skipped(tmp_path):
     """The run's last line cut short (a killed run): the rate is timed from the lines before it."""
-    from behemoth.driver.data_bench import measured_step_rate
+    from behemoth.driver.commands.data_bench import measured_step_rate
 
     (tmp_path / "metrics.jsonl").write_text('{"step": 10, "wall_time": 5.0, "samples_per_s": 1}\n'
                                             '{"step": 30, "wall_time": 15.0, "samples_per_s": 1}\n{"step": 4')

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from behemoth.config import dump_yaml
-from behemoth.driver.cli import main
+from behemoth.driver.commands.cli import main
 from behemoth.job import config_from_dict
 from behemoth.storage.checkpoint import TrainState
 from behemoth.tasks.causal_lm import build_lm
@@ -38,7 +38,7 @@ def _chat_tokenizer(text_corpus, folder):
 def chat_model(text_corpus, tmp_path_factory):
     """(checkpoint folder, export folder, tokenizer): a 2-layer Llama trained (plain torch steps) until it answers
     "hi" with "hello there<|im_end|>", saved as a behemoth checkpoint and exported."""
-    from behemoth.driver.export import export
+    from behemoth.driver.commands.export import export
 
     root = tmp_path_factory.mktemp("chat")
     tok = _chat_tokenizer(text_corpus, root / "tokenizer")
@@ -91,7 +91,7 @@ def test_generate_is_transformers_own_generate_from_the_checkpoint_and_the_expor
     """Same ids as transformers' model.generate on the export: greedy, and sampling seeded the same way."""
     from transformers import AutoModelForCausalLM
 
-    from behemoth.driver.generate import Sampling, load_generator
+    from behemoth.driver.commands.generate import Sampling, load_generator
 
     ckpt, out, tok = chat_model
     reference = AutoModelForCausalLM.from_pretrained(out).eval()
@@ -205,7 +205,7 @@ def test_a_prompt_longer_than_the_models_positions_is_refused_and_a_completion_s
     """The model has 32 positions: a prompt that fills them is refused before any generation, naming it and its
     length; a completion stops at the last position, whatever --max-new-tokens says (it ran on past them before,
     through positions the model never learnt)."""
-    from behemoth.driver.generate import Sampling, load_generator
+    from behemoth.driver.commands.generate import Sampling, load_generator
 
     _, out, _ = chat_model
     long = " ".join(["the old red lantern"] * 10)

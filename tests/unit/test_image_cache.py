@@ -259,7 +259,7 @@ def test_the_manifest_lists_every_file_it_checks(image_root, tmp_path):
 
 
 def test_no_decode_process_is_warmed_up_for_a_cache_that_is_built(image_root, tmp_path):
-    """The driver starts decode processes before `fit` only for tasks that will run (driver/warmup.py): with
+    """The driver starts decode processes before `fit` only for tasks that will run (driver/ray_cluster/warmup.py): with
     every split's decoded cache built, nothing decodes."""
     from behemoth.tasks.image import ImageClassification
 

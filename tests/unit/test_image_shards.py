@@ -18,7 +18,7 @@ from behemoth.data.images import (
     index_image_folder,
     index_webdataset,
 )
-from behemoth.driver.cli import main
+from behemoth.driver.commands.cli import main
 from behemoth.errors import BadSampleError
 
 
@@ -470,7 +470,7 @@ def test_check_of_an_image_job_answers_before_importing_torch(tmp_path):
 
     cfg, _ = _job_with_a_negative_size_shard(tmp_path)
     code = ("import contextlib, io, sys\n"
-            "from behemoth.driver.cli import main\n"
+            "from behemoth.driver.commands.cli import main\n"
             "with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):\n"
             f"    code = main(['check', {str(cfg)!r}])\n"
             "print(code, sorted(m for m in ('torch', 'transformers', 'ray') if m in sys.modules))\n")

@@ -196,7 +196,7 @@ def test_imagenets_flat_val_folder_is_named_and_split_into_class_folders(tmp_pat
     import pytest
 
     from behemoth.data.images import index_image_folder
-    from behemoth.driver.cli import main
+    from behemoth.driver.commands.cli import main
     from behemoth.errors import DataError
 
     root = tmp_path / "imagenet"
@@ -230,7 +230,7 @@ def _flat_val(tmp_path, names=("a", "b", "c")):
 
 
 def _split(val, labels, capsys, *extra):
-    from behemoth.driver.cli import main
+    from behemoth.driver.commands.cli import main
 
     code = main(["data", "split-val", str(val), "--labels", str(labels), *extra])
     err = capsys.readouterr().err

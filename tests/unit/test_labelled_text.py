@@ -164,8 +164,8 @@ def test_an_edited_or_damaged_labels_json_counts_as_a_damaged_checkpoint(tmp_pat
 
     from behemoth.storage import checkpoint
     from behemoth.config import dump_yaml
-    from behemoth.driver import resume
-    from behemoth.driver.cli import main
+    from behemoth.driver.run import resume
+    from behemoth.driver.commands.cli import main
     from behemoth.errors import CheckpointError
     from behemoth.tasks.text_classification import TextClassification, build_classifier
 

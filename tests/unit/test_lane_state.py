@@ -1,4 +1,4 @@
-"""What a warm lane carries from trial to trial (driver/sweep/lane.py, sweep/fresh.py), without Ray: the global
+"""What a warm lane carries from trial to trial (driver/sweep/lane.py, sweep/process_state.py), without Ray: the global
 state a trial changes is put back as a fresh worker process has it; the prepared data kept per config stays
 within its share of memory; a CUDA error that leaves the process's context unusable ends the lane's process
 instead of restarting in it, the original error shown."""
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from behemoth.driver.sweep import lane
-from behemoth.driver.sweep.fresh import FreshState
+from behemoth.driver.sweep.process_state import FreshState
 
 
 def _a_trial_changes_everything():

@@ -37,7 +37,7 @@ class Regression(LinearRegression):
 
 def _run(tmp_path, monkeypatch, **sections):
     """The loop, whole, under a lane's host on the CPU: (what it returned, every report, the run folder)."""
-    from behemoth.driver.resume import retained, run_place
+    from behemoth.driver.run.resume import retained, run_place
     from behemoth.hosts import lane
     from behemoth.job import config_from_dict
     from behemoth.worker.loop import train_loop_per_worker

@@ -56,8 +56,8 @@ def test_lora_trains_and_keeps_only_adapters_resumes_exactly_and_exports_adapter
     from transformers import AutoModelForCausalLM, pipeline
 
     from behemoth.data.text import load_tokenizer
-    from behemoth.driver.export import export
-    from behemoth.driver.generate import Sampling, load_generator
+    from behemoth.driver.commands.export import export
+    from behemoth.driver.commands.generate import Sampling, load_generator
     from behemoth.models.causal_lm import build_causal_lm
 
     cfg = config_from_dict(lm_job_dict(text_corpus, tmp_path, scaling={"num_workers": 1},

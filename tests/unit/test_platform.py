@@ -29,8 +29,8 @@ def test_the_python_api_entry_points():
     wherever the house keeps them."""
     import behemoth
     from behemoth import load_config, sweep, train
-    from behemoth.driver.trainer import train as driver_train
-    from behemoth.driver.sweep.run import sweep as driver_sweep
+    from behemoth.driver.run.trainer import train as driver_train
+    from behemoth.driver.sweep.tuner import sweep as driver_sweep
 
     from behemoth.job import load_config as config_load_config
 
@@ -47,8 +47,8 @@ def test_the_public_face_is_typed_and_what_docs_examples_and_jobs_import():
     import sys
 
     import behemoth
-    from behemoth.driver.cli import run_command
-    from behemoth.driver.summary import RunSummary
+    from behemoth.driver.commands.cli import run_command
+    from behemoth.driver.run.summary import RunSummary
     from behemoth.driver.sweep.results import SweepResult
     from behemoth.tasks.chat import ChatLM
     from behemoth.tasks.contract import Task
@@ -388,3 +388,20 @@ def test_the_architecture_doc_names_every_module_once():
         assert twice == [], f"{doc}: named more than once: {twice}"
         assert sorted(modules - set(named)) == [], f"{doc}: modules it does not name"
         assert sorted(set(named) - modules) == [], f"{doc}: names modules that are not there"
+
+
+# One name, one meaning (issue 68): a module's name may recur only as the same thing seen from another room (the
+# model of a workload and its task, a lane's driver side and its host, ...). run.py (three meanings), report.py
+# and train.py (two each) were renamed; a new name twice fails until it is placed here on purpose.
+COUNTERPARTS = {"causal_lm": {"models", "tasks"}, "chat": {"data", "tasks"}, "contract": {"hosts", "tasks"},
+                "lane": {"hosts", "driver/sweep"}, "registry": {"models", "tasks"}}
+
+
+def test_no_two_modules_share_a_name_with_different_meanings():
+    pkg = REPO / "platform" / "behemoth"
+    rooms: dict[str, set[str]] = {}
+    for path in pkg.rglob("*.py"):
+        if path.name != "__init__.py" and path.parent != pkg:
+            rooms.setdefault(path.stem, set()).add(str(path.parent.relative_to(pkg)))
+    shared = {name: where for name, where in rooms.items() if len(where) > 1}
+    assert shared == {k: v for k, v in COUNTERPARTS.items() if len(v) > 1}

@@ -106,7 +106,7 @@ def test_an_unreachable_hub_is_one_line_and_offline_mode_takes_effect(tmp_path):
 
 def _check(tmp_path, job: dict, capsys, *overrides: str) -> tuple[int, str, str]:
     import yaml
-    from behemoth.driver.cli import main
+    from behemoth.driver.commands.cli import main
 
     path = tmp_path / "job.yaml"
     path.write_text(yaml.safe_dump(job))

@@ -4,7 +4,7 @@ import functools
 import itertools
 
 import pytest
-from behemoth.driver.ray_console_scan import filter_lines
+from behemoth.driver.ray_cluster.output_scan import filter_lines
 
 PREEMPTION = ("[2026-11-23 12:48:54,770 E 30855 30961] core_worker.cc:2465: Actor with class name: "
               "'PreemptionWatcher' and ID: '4de217be29b7c9db2091bd7c01000000' has constructor arguments in the "
@@ -198,7 +198,7 @@ def test_a_traceback_cut_between_two_forwarded_batches_is_filtered_as_one():
     """Ray forwards a process's output in batches: a run-ending error's traceback cut anywhere in two still goes
     (the first part alone matched nothing and printed: the full-disk test saw "Traceback" now and then), and
     a real traceback cut anywhere comes out whole, in order, once its second part (or a flush) arrives."""
-    from behemoth.driver.ray_console import _filtered
+    from behemoth.driver.ray_cluster.output_filter import _filtered
 
     def through(batches):
         out = []
@@ -287,7 +287,7 @@ NOISE = {  # name: (its lines, those of them that stay)
 @functools.cache
 def _handler():
     """One filter for all the streams of these tests, each on its own pid (a filter's start costs a thread)."""
-    from behemoth.driver.ray_console import _filtered
+    from behemoth.driver.ray_cluster.output_filter import _filtered
 
     printed = []
     return _filtered(printed.append), printed, itertools.count(1000)
@@ -389,7 +389,7 @@ class _Time:
         self.now, self.wake_ups = 100.0, []  # (delay, callback) as the console asked for them
 
     def console(self, out: list):
-        from behemoth.driver.ray_console import _filtered
+        from behemoth.driver.ray_cluster.output_filter import _filtered
 
         return _filtered(lambda data: out.extend(data["lines"]), clock=lambda: self.now,
                          wake_up_after=lambda delay, callback: self.wake_ups.append((delay, callback)))
@@ -403,7 +403,7 @@ class _Time:
 def test_held_lines_are_let_out_when_nothing_completes_them():
     """A traceback cut off by the end of a batch is held for its rest; if that never comes (a process that hangs
     or died mid-write) it is printed after HOLD_S, without waiting for another batch or the driver's exit."""
-    from behemoth.driver.ray_console import HOLD_S
+    from behemoth.driver.ray_cluster.output_filter import HOLD_S
 
     out, time = [], _Time()
     handler = time.console(out)
@@ -419,7 +419,7 @@ def test_the_wake_up_of_held_lines_runs_on_its_own():
     """The console's default wake-up is a timer thread of its own (a daemon: the exit's flush lets all out)."""
     import threading
 
-    from behemoth.driver.ray_console import _wake_up_after
+    from behemoth.driver.ray_cluster.output_filter import _wake_up_after
 
     woke = threading.Event()
     _wake_up_after(0.0, woke.set)
@@ -430,7 +430,7 @@ def test_a_real_traceback_is_printed_hold_s_after_its_first_line_whatever_follow
     """A traceback, then plain lines every half second: each goes on its message, so it stays undecided; it was
     held until 2 s passed without a batch (never, while the process printed: lost when the driver was then
     killed). Now it shows HOLD_S after its first line came, at the next batch or the wake-up, whichever first."""
-    from behemoth.driver.ray_console import HOLD_S
+    from behemoth.driver.ray_cluster.output_filter import HOLD_S
 
     traceback = REAL["thread"]
     for by_wake_up in (False, True):
@@ -459,8 +459,7 @@ def test_a_stream_of_batches_rereads_a_bounded_number_of_held_lines(monkeypatch)
     """Each batch reads the lines held with it again: 1,500 one-line batches after a traceback, all at once
     (within HOLD_S), read 1.1M lines and printed nothing. Now a batch reads at most HOLD_LINES held lines,
     and the traceback shows once that many are held."""
-    from behemoth.driver import ray_console
-
+    from behemoth.driver.ray_cluster import output_filter as ray_console
     read = []
     scan = ray_console.scan_lines
     monkeypatch.setattr(ray_console, "scan_lines", lambda lines, *args: read.append(len(lines)) or scan(lines, *args))
@@ -488,7 +487,7 @@ def _repeat(first):
 def _console(streams, cut=None):
     """What a fresh console prints, as (pid, line) in order, of `streams` ({pid: lines} of RayTrainWorker
     actors) when each stream comes cut in two at `cut` (None: each line alone), their batches interleaved."""
-    from behemoth.driver.ray_console import _filtered
+    from behemoth.driver.ray_cluster.output_filter import _filtered
 
     printed = []
     handler = _filtered(lambda data: printed.extend((data["pid"], line) for line in data["lines"]))
@@ -561,7 +560,7 @@ def test_on_rays_own_printer_the_traceback_shows_whole_once_rays_deduplication_i
     Ray's deduplication off for this console, unless the user chose it (RAY_DEDUP_LOGS)."""
     import functools
 
-    from behemoth.driver import ray_console
+    from behemoth.driver.ray_cluster import output_filter as ray_console
     from ray._private import ray_logging, worker
 
     monkeypatch.setenv("RAY_COLOR_PREFIX", "0")
@@ -595,7 +594,7 @@ def _logged_by_tune(error: BaseException) -> str:
     import io
     import logging
 
-    from behemoth.driver.ray_console import TUNE_CONTROLLER_LOG, filter_tune_trial_errors
+    from behemoth.driver.ray_cluster.output_filter import TUNE_CONTROLLER_LOG, filter_tune_trial_errors
 
     filter_tune_trial_errors()  # as install() does
     log = logging.getLogger(TUNE_CONTROLLER_LOG)

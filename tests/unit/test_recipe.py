@@ -186,7 +186,7 @@ def test_a_non_finite_window_stops_the_run_naming_its_step_or_counts_skipped_ste
     from behemoth.errors import NOT_RETRIED, NonFiniteError, user_facing_error
     from behemoth.metrics import Window
     from behemoth.storage.checkpoint import TrainState
-    from behemoth.worker.report import Reporter
+    from behemoth.worker.reporting import Reporter
 
     def window(norms):
         w = Window()
@@ -253,7 +253,7 @@ def test_val_fraction_split_is_stable():
 @pytest.mark.parametrize("change", ["job", "space", "num_samples", "lr_scaling"])
 def test_a_sweep_rerun_with_another_definition_is_refused(tmp_path, image_root, change):
     from behemoth.driver.sweep.config import load_sweep
-    from behemoth.driver.sweep.run import _check_same_sweep
+    from behemoth.driver.sweep.tuner import _check_same_sweep
     from unit.test_tune import write_sweep
 
     first = load_sweep(write_sweep(tmp_path, image_root))
@@ -275,7 +275,7 @@ def test_early_stopping_counts_evaluations_without_improvement_in_the_train_stat
 
     from behemoth.config import EarlyStoppingConfig
     from behemoth.storage.checkpoint import TrainState
-    from behemoth.worker.report import early_stop
+    from behemoth.worker.reporting import early_stop
 
     class _Task:
         best, reported = ("val_accuracy", "max"), {"val_accuracy": "max", "val_loss": "min", "loss": "min"}
@@ -323,7 +323,7 @@ def test_a_rerun_of_an_early_stopped_run_trains_on_where_the_rule_no_longer_stop
     to go on: Reporter.completed_run). Another early_stopping.metric starts the counts again: the best value
     so far is another metric's, maybe in the other direction."""
     from behemoth.config import EarlyStoppingConfig
-    from behemoth.worker.report import resume_early_stopping
+    from behemoth.worker.reporting import resume_early_stopping
 
     cfg = JobConfig()
     cfg.train.early_stopping = {"off": None, "patience raised": EarlyStoppingConfig(patience=5),
@@ -350,7 +350,7 @@ def test_another_early_stopping_metric_resets_the_counts_of_a_run_still_going():
     """Issue 65: val_accuracy's best (0.7, higher is better) must not be compared with val_loss (lower is
     better): without the reset, a val_loss of 0.9 counts as no improvement on 0.7 and the run stops."""
     from behemoth.config import EarlyStoppingConfig
-    from behemoth.worker.report import early_stop, resume_early_stopping
+    from behemoth.worker.reporting import early_stop, resume_early_stopping
 
     cfg = JobConfig()
     cfg.train.early_stopping = EarlyStoppingConfig(metric="val_loss", patience=1)
@@ -374,8 +374,8 @@ def test_retention_keeps_the_best_checkpoint_of_an_early_stopped_run_and_the_lat
     from ray.train.v2._internal.execution.context import StorageContext
     from ray.train.v2._internal.execution.training_report import _TrainingReport
 
-    from behemoth.driver.resume import retained, retention, run_place
-    from behemoth.driver.summary import summarise
+    from behemoth.driver.run.resume import retained, retention, run_place
+    from behemoth.driver.run.summary import summarise
     from behemoth.job import config_from_dict
     from behemoth.metrics import CHECKPOINT_SCORE, checkpoint_score
 
@@ -520,7 +520,7 @@ def test_a_profiled_window_of_steps_lands_in_the_run_folder_and_the_report_links
     assert marked == ["ProfilerStep#3", "ProfilerStep#4"]
     assert sum(e.get("name") == "aten::addmm" for e in events) == 2  # one matmul a step: two steps recorded
 
-    from behemoth.tracking.report import _profile_links
+    from behemoth.tracking.run_report import _profile_links
 
     (links,) = _profile_links(str(run))
     assert '<a href="../profile/rank1.steps-3-4.pt.trace.json">' in links and "ui.perfetto.dev" in links

@@ -26,7 +26,7 @@ def _restore_rank(rank: int, port: int, root: str) -> None:
     import torch.distributed as dist
 
     from behemoth.worker.restore import restore_first_verified
-    from behemoth.worker.run import Run
+    from behemoth.worker.trainables import Trainables
 
     tempfile.tempdir = f"{root}/node{rank}"
     os.makedirs(tempfile.tempdir)
@@ -38,7 +38,7 @@ def _restore_rank(rank: int, port: int, root: str) -> None:
         fs = pyarrow.fs.SubTreeFileSystem(f"{root}/{store}", pyarrow.fs.LocalFileSystem())
         model = torch.nn.Linear(8, 8)
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        run = Run(model, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0), scaler=None)
+        run = Trainables(model, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0), scaler=None)
         state, _ = restore_first_verified([ray.train.Checkpoint(f"run/checkpoint_{s}", filesystem=fs)
                                            for s in listed], run, fs, rank == 0)
         seen[scenario] = {"step": state.step, "weight": model.weight.sum().item()}

@@ -154,8 +154,8 @@ def test_a_storage_path_that_is_a_file_is_one_config_error(tmp_path):
 def test_train_and_sweep_are_refused_before_ray_starts(tmp_path, live_process, no_ray):
     import ray
     from behemoth.driver.sweep.config import load_sweep
-    from behemoth.driver.sweep.run import run_sweep
-    from behemoth.driver.trainer import train
+    from behemoth.driver.sweep.tuner import run_sweep
+    from behemoth.driver.run.trainer import train
     from behemoth.job import config_from_dict
 
     storage = tmp_path / "runs"
@@ -216,8 +216,8 @@ from types import SimpleNamespace
 from behemoth.storage import checkpoint
 from behemoth.job import config_from_dict
 from behemoth.storage import runlock
-from behemoth.driver.lease_fence import LeaseFenceCallback
-from behemoth.driver.resume import retire_unregistered
+from behemoth.hosts.lease_fence import LeaseFenceCallback
+from behemoth.driver.run.resume import retire_unregistered
 
 storage, go = sys.argv[1], Path(sys.argv[2])
 folder = f"{storage}/r"

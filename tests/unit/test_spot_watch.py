@@ -8,7 +8,7 @@ import threading
 import time
 
 import pytest
-from behemoth.driver import spot_watch
+from behemoth.driver.commands import spot_watch
 from behemoth.errors import ConfigError
 from fake_metadata import FakeMetadata
 
@@ -58,7 +58,8 @@ def test_preemptions_have_a_budget_of_their_own(monkeypatch, tmp_path):
     restarts after a drain with max_failures 0)."""
     import ray
 
-    from behemoth.driver import ray_session, trainer
+    from behemoth.driver.ray_cluster import session as ray_session
+    from behemoth.driver.run import trainer
     from behemoth.job import config_from_dict
     from conftest import job_dict
 

@@ -1,4 +1,4 @@
-from behemoth.driver.cli import main
+from behemoth.driver.commands.cli import main
 from behemoth.data.images import index_image_folder
 
 
@@ -60,7 +60,7 @@ def test_imagenet_shaped_jpegs_have_imagenets_shapes_and_file_sizes(tmp_path):
 
     from PIL import Image
 
-    from behemoth.driver.cli import main
+    from behemoth.driver.commands.cli import main
 
     assert main(["data", "synth-images", "--out", str(tmp_path / "a"), "--format", "jpeg", "--classes", "2",
                  "--per-class", "15", "--val-per-class", "1", "--size", "200x150"]) == 0
@@ -81,7 +81,7 @@ def test_imagenet_shaped_jpegs_have_imagenets_shapes_and_file_sizes(tmp_path):
 def test_synth_size_arguments_are_checked():
     import pytest
 
-    from behemoth.driver.cli import main
+    from behemoth.driver.commands.cli import main
 
     with pytest.raises(SystemExit):
         main(["data", "synth-images", "--out", "x", "--size", "500by375"])

@@ -125,9 +125,9 @@ def test_a_killed_driver_and_its_rerun_are_summed():
 
 
 def test_a_killed_drivers_resource_request_is_withdrawn_once():
-    """Controllers of invocations without an end record died with their driver (driver/stale_requests.py);
+    """Controllers of invocations without an end record died with their driver (driver/ray_cluster/stale_requests.py);
     a request a rerun has withdrawn is not withdrawn again."""
-    from behemoth.driver.stale_requests import requester_ids_of_killed_invocations
+    from behemoth.driver.ray_cluster.stale_requests import requester_ids_of_killed_invocations
 
     def controller(inv, run_id):
         return {"time": T0, "event": "controller_start", "invocation": inv, "ray_train_run_id": run_id}
@@ -320,7 +320,7 @@ def test_mlflow_down_warns_once_and_never_raises(capsys):
 
 def test_run_report_files_and_goodput_table(tmp_path):
     from behemoth.tracking.records import METRICS, TIMELINE
-    from behemoth.tracking.report import write_report
+    from behemoth.tracking.run_report import write_report
 
     run = tmp_path / "run"
     run.mkdir()
@@ -348,7 +348,7 @@ def test_run_report_files_and_goodput_table(tmp_path):
 
 def test_sweep_report(tmp_path):
     import pandas as pd
-    from behemoth.tracking.report import write_report
+    from behemoth.tracking.run_report import write_report
 
     rows = []
     for i, (lr, status, value) in enumerate([(0.05, "finished", 0.95), (0.005, "finished", 0.7),
@@ -369,7 +369,7 @@ def test_sweep_report(tmp_path):
 
 def test_report_of_a_folder_that_is_neither_names_it(tmp_path):
     from behemoth.errors import ConfigError
-    from behemoth.tracking.report import write_report
+    from behemoth.tracking.run_report import write_report
 
     with pytest.raises(ConfigError, match="neither a run folder"):
         write_report(str(tmp_path))
@@ -384,7 +384,7 @@ def test_the_end_of_a_run_shows_one_account_everywhere(tmp_path, uri):
     from behemoth.job import config_from_dict
     from behemoth.tracking import mlflow_run
     from behemoth.tracking.records import METRICS
-    from behemoth.tracking.run import GOODPUT, RunTracking
+    from behemoth.tracking.invocation import GOODPUT, RunTracking
     from conftest import job_dict
 
     mlflow_uri = f"sqlite:///{tmp_path}/mlflow.db"
@@ -412,11 +412,11 @@ def test_the_end_of_a_run_shows_one_account_everywhere(tmp_path, uri):
 
 PROBE = '''
 import json, subprocess, sys, time
-from behemoth.driver.cli import _process_start
+from behemoth.driver.commands.cli import _process_start
 
 def test_probe():
     time.sleep(1.0)  # a process this Python starts later (it inherits run.sh's variable) dates from its own start
-    child = subprocess.run([sys.executable, "-c", "from behemoth.driver.cli import _process_start as p; "
+    child = subprocess.run([sys.executable, "-c", "from behemoth.driver.commands.cli import _process_start as p; "
                             "import time; print(p(), time.time())"], capture_output=True, text=True, check=True)
     with open(OUT, "w") as f:
         json.dump({"start": _process_start(), "now": time.time(), "child": child.stdout.split()}, f)
@@ -486,7 +486,7 @@ def test_wandb_gets_the_same_curves_as_mlflow_in_an_offline_run_resumed_by_id(tm
     config."""
     from behemoth.job import config_from_dict
     from behemoth.tracking.callbacks import RunRecorder
-    from behemoth.tracking.run import RunTracking
+    from behemoth.tracking.invocation import RunTracking
 
     job = {"data": {"kind": "image_folder", "root": str(tmp_path)}, "model": {"name": "regnet_tiny_cifar"},
            "train": {"lr": 0.07}, "tracking": {"wandb": {"project": "behemoth-test", "mode": "offline"}}}

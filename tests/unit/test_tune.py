@@ -7,11 +7,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from behemoth.driver.cli import main
+from behemoth.driver.commands.cli import main
 from behemoth.config import ConfigError
 from behemoth.driver.sweep.config import (SweepConfig, base_job, check_sweep, concurrency_bound, load_sweep,
                                           trial_job)
-from behemoth.driver.sweep.run import sweep
+from behemoth.driver.sweep.tuner import sweep
 from behemoth.storage.paths import RunPlace
 from conftest import job_dict
 
@@ -216,7 +216,7 @@ def test_which_trials_train_in_a_warm_lane_and_why_the_others_do_not(image_root,
     """One worker: a lane. Several workers, an elastic range, FSDP, sharded checkpoints or torch.compile: Ray
     Train (each reason said); the sweep's line counts them."""
     from behemoth.driver.sweep.lane import lane_reason
-    from behemoth.driver.sweep.run import _lanes_line
+    from behemoth.driver.sweep.tuner import _lanes_line
     from behemoth.job import config_from_dict
 
     def job(**sections):

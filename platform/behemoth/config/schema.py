@@ -10,7 +10,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal, Optional, Union
 
-from behemoth.config.train import TrainConfig, check_finite, positive as _positive, within
+from behemoth.config.train_section import TrainConfig, check_finite, positive as _positive, within
 from behemoth.errors import ConfigError
 from behemoth.storage import paths
 

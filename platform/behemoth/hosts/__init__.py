@@ -4,6 +4,8 @@
   (rank, device, storage, checkpoints, prepared data, report).
 - `ray_train`: Ray Train's host (a TorchTrainer's workers).
 - `lane`: a sweep's warm lane's host (a one-worker trial in a reused Tune actor).
+- `lease_fence`: the run lock's fence in Ray Train's workers, around each checkpoint upload (a Ray Train
+  callback that runs in the workers, so it lives with their host).
 
 Here: which host is current. `hosted(host)` makes one current while a block runs (a lane, a data bench's
 consumer); outside one, Ray Train's is.

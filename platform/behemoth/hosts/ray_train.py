@@ -30,7 +30,7 @@ class RayTrainHost(WorkerHost):
     @property
     def report_interval_s(self) -> float:  # type: ignore[override]
         # its controller's poll interval (Ray Train propagates the driver's RAY_TRAIN_* variables; 2 s is
-        # Ray's default, behemoth's driver sets 0.2 s: driver/ray_session.py)
+        # Ray's default, behemoth's driver sets 0.2 s: driver/ray_cluster/session.py)
         return float(os.environ.get("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "2.0"))
 
     @property
@@ -87,7 +87,7 @@ class RayTrainHost(WorkerHost):
         return ray_node_id()
 
     def preemption_deadline(self):
-        from behemoth.ray_internals.train import preemption_notice
+        from behemoth.ray_internals.train_v2 import preemption_notice
 
         notice = preemption_notice()
         if notice is None:
@@ -95,6 +95,6 @@ class RayTrainHost(WorkerHost):
         return math.inf if notice.deadline_ms is None else notice.deadline_ms / 1000
 
     def quiet_console(self) -> None:
-        from behemoth.ray_internals.train import quiet_report_log
+        from behemoth.ray_internals.train_v2 import quiet_report_log
 
         quiet_report_log()

@@ -37,7 +37,7 @@ def holds_tokenizer(folder: str) -> bool:
 
 def check_source(value: str, key: str, needs: str = "config.json") -> None:
     """`value` (the config's `key`): a local folder holding `needs` (a tokenizer: one of TOKENIZER_FILES), or a
-    Hub name this machine can get. (An object store's folder is checked by driver/preflight.py, which reads its
+    Hub name this machine can get. (An object store's folder is checked by driver/run/preflight.py, which reads its
     listing.)"""
     if looks_local(value):
         _check_folder(Path(value).expanduser(), value, key, needs)

@@ -3,7 +3,7 @@ protobufs, private loggers and actor names) is imported here and nowhere else, s
 against one folder: each module names the Ray version it was read against, and tests/unit/test_platform.py
 fails when a file outside this folder imports a private Ray name or when the installed Ray is another version.
 
-- `train`: Ray Train V2's controller and context callbacks, its failure policy hook, placement-group cleaner,
+- `train_v2`: Ray Train V2's controller and context callbacks, its failure policy hook, placement-group cleaner,
   the variables it propagates to workers, its per-report logger.
 - `data`: Ray Data's streaming executor (its scheduling loop is paced), its stats actor, the autoscaling
   coordinator's actor name, its progress logger.

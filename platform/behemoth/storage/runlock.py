@@ -17,7 +17,7 @@ a driver checks that the lease still carries both (`Fence.check`) before each st
 checkpoints or writes the run's results: a driver paused past the expiry (SIGSTOP, a VM pause, a long GC)
 whose folder another driver took over stops there with LeaseLostError instead of deleting the new holder's
 checkpoints. Its Ray Train workers check too, before and after each checkpoint upload, which is what Ray
-Train registers and applies retention to next (driver/lease_fence.py): they keep training while the driver's
+Train registers and applies retention to next (hosts/lease_fence.py): they keep training while the driver's
 own process is stopped.
 
 Every change to the lease is conditional, so two drivers starting (or taking over) at the same moment cannot
@@ -116,7 +116,7 @@ def describe(lease: dict) -> str:
 @dataclass(frozen=True)
 class Fence:
     """What a step needs to know that this driver still holds the folder: small and picklable, so Ray Train's
-    workers (driver/lease_fence.py) and a sweep's trials carry it."""
+    workers (hosts/lease_fence.py) and a sweep's trials carry it."""
 
     folder: str
     what: str

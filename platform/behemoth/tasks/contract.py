@@ -86,7 +86,7 @@ class Task(abc.ABC):
         model = cfg.model.pretrained
         if getattr(cfg.data, "tokenizer", None) != "" or not model:
             return
-        if "://" in model:  # an object store's folder: its listing is checked before Ray (driver/preflight.py)
+        if "://" in model:  # an object store's folder: its listing is checked before Ray (driver/run/preflight.py)
             cfg.data.tokenizer = model
             return
         if looks_local(model) and Path(model).expanduser().is_dir() and not holds_tokenizer(model):
@@ -122,7 +122,7 @@ class Task(abc.ABC):
     @classmethod
     def data_modules(cls, cfg: JobConfig, prepared: Any) -> tuple[str, ...]:
         """Modules its data pipeline's Ray tasks import for this data (none: no Ray task will run). On a local
-        Ray instance one process per worker is started with them while Ray Train starts (driver/warmup.py)."""
+        Ray instance one process per worker is started with them while Ray Train starts (driver/ray_cluster/warmup.py)."""
         return ()
 
     @staticmethod

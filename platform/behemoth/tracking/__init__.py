@@ -6,5 +6,7 @@ callbacks.py  the Ray Train callbacks that write them, in Ray Train's controller
               feed TensorBoard and MLflow
 tensorboard.py, mlflow_run.py, wandb_run.py   the three trackers (tracking section of the job config)
 goodput.py    where a run's wall time went, over every restart and rerun (pure: records in, account out)
-report.py     `behemoth report`: report.html with embedded plots, and the PNGs
+invocation.py the driver's side of one invocation of a run: its milestones, the trackers' runs, at its end
+              the goodput account and the report
+run_report.py `behemoth report`: report.html with embedded plots, and the PNGs
 """

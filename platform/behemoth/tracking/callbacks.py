@@ -3,7 +3,7 @@ metrics.jsonl, TensorBoard and MLflow; the controller's start, worker group star
 to timeline.jsonl.
 
 Ray Train's developer callback interfaces are used (a report callback and a controller callback in one
-object, so the trackers can be closed when the controller finishes): ray_internals/train.py.
+object, so the trackers can be closed when the controller finishes): ray_internals/train_v2.py.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import time
 
 from behemoth.storage import paths
 from behemoth.metrics import logged_reports
-from behemoth.ray_internals.train import ControllerCallback, ReportCallback
+from behemoth.ray_internals.train_v2 import ControllerCallback, ReportCallback
 from behemoth.tracking.records import METRICS, TIMELINE, JsonlLog
 
 # Under a URI, reports wait in memory at most this long before a part object is PUT (and at every checkpoint,
@@ -34,7 +34,7 @@ class RunRecorder(ControllerCallback, ReportCallback):
     # Ray Train's hooks -----------------------------------------------------------------------------------
     def after_report(self, training_report, metrics):
         # rank 0's report, after the logged steps it carries (the worker holds those between two reports it
-        # sends: worker/report.py ReportSender), each recorded as its own report
+        # sends: worker/reporting.py ReportSender), each recorded as its own report
         *logged, report = logged_reports(metrics[0])
         for earlier in logged:
             self._record(earlier, checkpoint=False)
@@ -60,7 +60,7 @@ class RunRecorder(ControllerCallback, ReportCallback):
 
     def after_controller_start(self, train_run_context):
         # Ray's autoscaling coordinator knows this controller's resource request by this id: a rerun after
-        # a killed driver withdraws it (driver/stale_requests.py)
+        # a killed driver withdraws it (driver/ray_cluster/stale_requests.py)
         self.event("controller_start", ray_train_run_id=train_run_context.run_id)
 
     def before_controller_execute_resize_decision(self, resize_decision):

@@ -4,7 +4,7 @@
   a resumed run appends, so steps redone after a failure appear twice (`latest_per_step` keeps the survivor).
 - timeline.jsonl: one line per event of the run's life: an invocation starting (with its start-up
   milestones) and ending, Ray Train's controller starting (its run id), a worker group starting (a restart,
-  a resize) or failing, a killed driver's resource request withdrawn (driver/stale_requests.py). The goodput
+  a resize) or failing, a killed driver's resource request withdrawn (driver/ray_cluster/stale_requests.py). The goodput
   account and the report read both.
 
 Local files are appended to. Object stores have no append, and rewriting the whole file at every record

@@ -2,7 +2,7 @@
 (behemoth.hosts) is the worker's only way to Ray. Its modules (docs/architecture.md says more):
 
 - `autobatch`: train.micro_batch_size auto: the largest micro-batch whose step fits
-- `blocks`: the model's repeated blocks: activation checkpointing, torch.compile per block
+- `block_transforms`: the model's repeated blocks: activation checkpointing, torch.compile per block
 - `checkpointing`: live objects <-> host snapshot <-> checkpoint folder (either layout and strategy)
 - `collectives`: the few collectives the loop needs, each a no-op in one process
 - `console`: a line for the user's console (not print: Ray Train's patch would double it)
@@ -17,9 +17,9 @@
 - `plan`: micro-batch x accumulation x workers = the global batch
 - `precision`: autocast, gradient scaler, fp32 master weights, a GPU's settings (TF32, cuDNN)
 - `profiling`: train.profile: torch.profiler traces (and CUDA memory history) of a window of steps
-- `report`: what a report step does (metrics, evaluation, checkpoint) and when; ReportSender
+- `reporting`: what a report step does (metrics, evaluation, checkpoint) and when; ReportSender
 - `restore`: which checkpoint a (re)started worker group continues from; init_from's weights
-- `run`: the run's objects: model, optimizer, scheduler, scaler, compression state
+- `trainables`: the run's objects: model, optimizer, scheduler, scaler, compression state
 - `saver`: checkpoints through the host's report, sync or async; host buffers; manifest last
 - `sharded`: sharded checkpoints: each rank's DCP shards, the manifest over all by rank 0
 - `speed`: the speed figures every report carries (TFLOP/s, MFU, memory)

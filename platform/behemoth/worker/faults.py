@@ -10,7 +10,7 @@ untouched.
   full disk raises (ENOSPC), every time (tests/integration/test_train_images.py).
 - BEHEMOTH_FAULT_KILL_AT_STEP=RUN:STEP:MARKER SIGKILLs rank 0 once, 1 s after STEP and its report (Ray Train's
   controller collects a report when it next polls, every 0.2 s: a kill right after it takes the last report or
-  two with it, and the logged steps the worker had not handed to Ray Train yet: worker/report.py), and writes to the marker the seconds its worker group had trained and waited for data by then
+  two with it, and the logged steps the worker had not handed to Ray Train yet: worker/reporting.py), and writes to the marker the seconds its worker group had trained and waited for data by then
   (tests/integration/test_tracking.py: the goodput account's lost work against a kill at a known step).
 - BEHEMOTH_FAULT_RAISE_AT_STEP=RUN:STEP makes rank 0 raise a RuntimeError after STEP, every time (a sweep's
   trial that fails while the others go on: tests/integration/test_lanes.py).

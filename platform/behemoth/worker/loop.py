@@ -39,9 +39,9 @@ from behemoth.worker.optim import build_optimizer, lr_schedule
 from behemoth.worker.plan import batch_plan
 from behemoth.worker.profiling import StepProfiler
 from behemoth.worker.precision import autocast, device_settings, grad_scaler, master_weights
-from behemoth.worker.report import Reporter, report_due, resume_early_stopping
+from behemoth.worker.reporting import Reporter, report_due, resume_early_stopping
 from behemoth.worker.restore import load_init_from, restore_latest
-from behemoth.worker.run import Run
+from behemoth.worker.trainables import Trainables
 from behemoth.worker.saver import CheckpointSaver
 from behemoth.worker.speed import SpeedMeter
 
@@ -132,12 +132,12 @@ def _build_run(cfg: JobConfig, task: Task, clock: PhaseClock, rank: int, world: 
     ema = WeightAverage(model, cfg.train.ema_decay) if cfg.train.ema_decay else None
     model, hook_state = parallel.wrap(model, cfg, console=console if rank == 0 else lambda m: None)
     optimizer = build_optimizer(model, cfg.train)
-    run = Run(model, optimizer, lr_schedule(optimizer, cfg.train, total_steps, epoch_steps),
+    run = Trainables(model, optimizer, lr_schedule(optimizer, cfg.train, total_steps, epoch_steps),
               grad_scaler(device, cfg.train.precision), hook_state, ema)
     return run, speed, micro_batch, accum, init_line
 
 
-def step(run: Run, micro_batches: list[dict], cfg: JobConfig, task: Task, device: torch.device, state: TrainState,
+def step(run: Trainables, micro_batches: list[dict], cfg: JobConfig, task: Task, device: torch.device, state: TrainState,
          rank: int, window: Window, wait_s: float, before_update=None):
     """A training step as the loop runs it between two report steps: the update, and the window's account of
     it, none of which waits for the device (the loss, the sample count and the unreadable samples stay device

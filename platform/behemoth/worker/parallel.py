@@ -25,14 +25,13 @@ import torch
 import torch.distributed as dist
 
 from behemoth.config import TrainConfig
-from behemoth.worker import blocks
-
+from behemoth.worker import block_transforms as blocks
 log = logging.getLogger(__name__)
 
 
 def wrap(model: torch.nn.Module, cfg, console=print) -> tuple[torch.nn.Module, object]:
     """The model ready for training: (model, compression hook state or None). In torchtitan's order:
-    activation checkpointing and compile per block (worker/blocks.py), then DDP or FSDP around them."""
+    activation checkpointing and compile per block (worker/block_transforms.py), then DDP or FSDP around them."""
     from behemoth import hosts
 
     checkpointed = blocks.checkpoint_activations(model, cfg.train.activation_checkpointing)

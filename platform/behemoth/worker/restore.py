@@ -9,10 +9,10 @@ from behemoth.worker import checkpointing, collectives
 from behemoth.storage.checkpoint import TrainState
 from behemoth.errors import CheckpointError, PartlyLoadedError
 from behemoth.worker.console import console
-from behemoth.worker.run import Run
+from behemoth.worker.trainables import Trainables
 
 
-def restore_latest(run: Run, fence=None) -> TrainState | None:
+def restore_latest(run: Trainables, fence=None) -> TrainState | None:
     """Restore the newest checkpoint that passes verification into `run`; None for a fresh run. `fence`
     (runlock.Fence, None outside a locked run): checked before an unfinished upload is deleted.
 
@@ -47,7 +47,7 @@ def restore_latest(run: Run, fence=None) -> TrainState | None:
     return None
 
 
-def restore_first_verified(ckpts: list, run: Run, fs, rank0: bool) -> tuple[TrainState | None, bool]:
+def restore_first_verified(ckpts: list, run: Trainables, fs, rank0: bool) -> tuple[TrainState | None, bool]:
     """Restore the first of `ckpts` (Ray Train checkpoints on the pyarrow filesystem `fs`, newest first) that
     passes verification on every rank into `run`. Returns (its TrainState, or None where none did; whether a
     failed load left part of a checkpoint in the model). A candidate that fails is skipped with a warning

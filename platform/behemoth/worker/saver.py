@@ -22,7 +22,7 @@ from behemoth.metrics import PhaseClock
 from behemoth import hosts
 from behemoth.worker import checkpointing, faults, parallel, sharded
 from behemoth.worker.collectives import gather_to_rank0
-from behemoth.worker.run import Run
+from behemoth.worker.trainables import Trainables
 from behemoth.worker.sharded import ShardedWriter
 
 
@@ -69,7 +69,7 @@ class CheckpointSaver:
         return {"checkpoint_block_s": self.last_block_s, "checkpoint_snapshot_s": self.last_snapshot_s,
                 "checkpoint_report_s": self.last_report_s}
 
-    def save_and_report(self, metrics: dict, state: TrainState, run: Run, sync: bool = False) -> None:
+    def save_and_report(self, metrics: dict, state: TrainState, run: Trainables, sync: bool = False) -> None:
         """`sync`: written before this returns, whatever checkpoint.async_save says (a preemption's: the node
         may be gone soon)."""
         t0 = time.perf_counter()
@@ -102,7 +102,7 @@ class CheckpointSaver:
         now = time.perf_counter()
         self.last_block_s, self.last_snapshot_s, self.last_report_s = now - started, reported - started, now - reported
 
-    def _save_sharded(self, metrics: dict, state: TrainState, run: Run, hook_states) -> float:
+    def _save_sharded(self, metrics: dict, state: TrainState, run: Trainables, hook_states) -> float:
         """Every rank starts writing its shards (the step waits for their copy to host memory), straight into
         the run folder on local storage or into a local staging folder uploaded by each rank for a URI; the
         commit (hashes, manifest by rank 0) runs in the host's upload thread, or here without async_save."""

@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 from behemoth.storage import paths
 from behemoth.config import JobConfig, apply_override, from_dict, read_yaml_mapping
-from behemoth.config.train import check_finite
+from behemoth.config.train_section import check_finite
 from behemoth.errors import ConfigError
 from behemoth.errors import did_you_mean
 from behemoth.job import config_from_dict, load_config

@@ -6,7 +6,7 @@ worker: new processes that each import Ray Train and torch, ~20 s on 2 cores, fo
 A lane starts none of them. It runs the same worker loop (worker/loop.py) in the trial's own process under the
 lane's worker host (hosts/lane.py, made current by hosts.hosted), which writes what Ray Train's would: the run folder, its
 checkpoints (the manifest last; the sweep's lease checked around each), retention (checkpoint.keep: the
-best K by the run's metric and the latest, as Ray's CheckpointConfig keeps them: driver/resume.py retention),
+best K by the run's metric and the latest, as Ray's CheckpointConfig keeps them: driver/run/resume.py retention),
 the run's records through the same RunRecorder (metrics.jsonl, timeline.jsonl, TensorBoard, MLflow, the goodput account) and the run's summary.
 
 What a lane keeps from one trial to the next, all of it read-only and keyed by everything it depends on:
@@ -15,7 +15,7 @@ mapped, a corpus's token index), per data config and seed, the least recently us
 LANE_DATA_SHARE of the node's memory; a model's FLOP count, per model and batch shape (worker/speed.py). What
 it puts back before and after every trial: the global state a fresh worker process has (default dtype,
 deterministic and anomaly modes, cuDNN and TF32 switches, the global random states, torch's thread count:
-sweep/fresh.py); no thread, open file or CUDA memory of the trial outlives it (tests/integration/test_tune.py
+sweep/process_state.py); no thread, open file or CUDA memory of the trial outlives it (tests/integration/test_tune.py
 checks, trial after trial in one lane).
 
 Failures, as under Ray Train: an error in the loop restarts it from the run's latest checkpoint, in the same
@@ -43,7 +43,7 @@ from behemoth import hosts
 from behemoth.storage import paths
 from behemoth.storage.checkpoint import complete_checkpoints
 from behemoth.config import JobConfig
-from behemoth.driver.sweep.fresh import fresh_state
+from behemoth.driver.sweep.process_state import fresh_state
 from behemoth.errors import RunFailedError, user_facing_error
 from behemoth.hosts.lane import LaneHost
 
@@ -69,7 +69,7 @@ def lane_reason(cfg: JobConfig) -> str | None:
 
 def lane_resources(cfg: JobConfig) -> dict:
     """What a lane holds while its trial trains: the one worker's CPUs and GPU (the trial's process is it)."""
-    from behemoth.driver.trainer import worker_resources
+    from behemoth.driver.run.trainer import worker_resources
 
     return worker_resources(cfg)
 
@@ -85,9 +85,9 @@ def train_in_lane(cfg: JobConfig, forward=None, parent_mlflow_run: str | None = 
 
 
 def _train_in_lane(cfg: JobConfig, forward, parent_mlflow_run: str | None, fence):
-    from behemoth.driver import resume
-    from behemoth.driver.summary import summarise
-    from behemoth.tracking.run import RunTracking
+    from behemoth.driver.run import resume
+    from behemoth.driver.run.summary import summarise
+    from behemoth.tracking.invocation import RunTracking
 
     tracking = RunTracking(cfg, resume.run_dir(cfg), parent_mlflow_run=parent_mlflow_run)
     resume.check_resume_compatible(cfg)
@@ -97,7 +97,7 @@ def _train_in_lane(cfg: JobConfig, forward, parent_mlflow_run: str | None, fence
     resume.check_resume_data(cfg, data)
     recorder = tracking.callbacks()[0]
     ctx = LaneHost(resume.run_place(cfg), functools.partial(resume.retained, cfg), recorder, fence, forward)
-    fresh_state().restore()  # as a fresh worker process starts (sweep/fresh.py)
+    fresh_state().restore()  # as a fresh worker process starts (sweep/process_state.py)
     _TRIALS_HERE[0] += 1
     try:
         returned = _loop_with_restarts(cfg, data, ctx, recorder)
@@ -141,7 +141,7 @@ def _loop_with_restarts(cfg: JobConfig, data, ctx: LaneHost, recorder) -> dict:
             gc.collect()  # the failed attempt's iterators and threads end now, not at some later collection
             if user_facing_error(e) is not None:
                 raise  # (Tune shows it, once, with the trial's traceback)
-            # shown whole here, as Ray Train's worker shows its own (Tune's copy then is one line: ray_console)
+            # shown whole here, as Ray Train's worker shows its own (Tune's copy then is one line: ray_cluster/output_filter.py)
             sys.stderr.write(f"[behemoth] error in the training of run '{cfg.checkpoint.run_name}' (a lane):\n"
                              f"{traceback.format_exc()}")
             sys.stderr.flush()
@@ -169,7 +169,7 @@ def _failure_message(cfg: JobConfig, e: Exception, failures: int) -> str:
 def _prepared(cfg: JobConfig, mark):
     """The task's prepared data, made once per lane process for each data config (the sweep's driver made it
     first: here it is only checked and opened)."""
-    from behemoth.driver.trainer import prepare_data
+    from behemoth.driver.run.trainer import prepare_data
 
     key = json.dumps({"data": cfg.to_dict()["data"], "model": cfg.to_dict()["model"], "seed": cfg.train.seed},
                      sort_keys=True, default=str)
@@ -229,7 +229,7 @@ def _environment(variables: dict):
 
 
 def _tidy() -> None:
-    """Put back what a trial changed in the lane's process: the global state (sweep/fresh.py), its memory."""
+    """Put back what a trial changed in the lane's process: the global state (sweep/process_state.py), its memory."""
     fresh_state().restore()
     gc.collect()
     if torch.cuda.is_available() and torch.cuda.is_initialized():

@@ -36,7 +36,7 @@ def run_trial(params: dict, sweep: dict, base: dict, place: paths.RunPlace, mlfl
     """
     from ray import tune
 
-    from behemoth.driver.trainer import train
+    from behemoth.driver.run.trainer import train
 
     sweep_cfg = from_dict(SweepConfig, sweep, where="sweep")
     trial_id = tune.get_context().get_trial_id()

@@ -20,7 +20,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from behemoth.driver.export import TrustedCode, load_checkpoint_model
+from behemoth.driver.commands.export import TrustedCode, load_checkpoint_model
 from behemoth.errors import ConfigError
 from behemoth.storage import filesystem, weights
 from behemoth.storage.checkpoint import complete_checkpoints

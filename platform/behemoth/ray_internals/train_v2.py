@@ -61,7 +61,7 @@ def preemption_notice():
     """This Ray Train worker's own preemption notice: a PreemptionInfo (deadline_ms, preempted nodes and ranks)
     once Ray Train's watcher saw a drain of a node of its worker group (it tells every worker), else None.
     ray.train.get_preemption_info returns the same after broadcasting rank 0's through an actor barrier;
-    behemoth's ranks agree in the all-reduce their report step makes anyway (worker/report.py)."""
+    behemoth's ranks agree in the all-reduce their report step makes anyway (worker/reporting.py)."""
     from ray.train.v2._internal.execution.context import get_train_context
 
     return get_train_context().preemption_context.preemption_info

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 
-from behemoth.ray_internals.train import TrainContextCallback
+from behemoth.ray_internals.train_v2 import TrainContextCallback
 from behemoth.storage.runlock import Fence
 
 

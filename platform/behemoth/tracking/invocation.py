@@ -89,7 +89,7 @@ class RunTracking:
         if self.cfg.tracking.tensorboard:
             _quietly("TensorBoard", lambda: _tensorboard_final(self.run_dir, step, _scalars(account)))
         if self.cfg.tracking.report:
-            from behemoth.tracking.report import write_run_report
+            from behemoth.tracking.run_report import write_run_report
 
             self.report_path = _quietly("the report", lambda: write_run_report(self.run_dir, account))
         if self.mlflow_run_id:

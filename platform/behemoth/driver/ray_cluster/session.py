@@ -28,8 +28,7 @@ def ensure_ray(num_cpus: int | None = None) -> None:
     """
     import ray
 
-    from behemoth.driver import ray_console
-
+    from behemoth.driver.ray_cluster import output_filter as ray_console
     if ray.is_initialized():
         ray_console.install()
         return
@@ -69,7 +68,7 @@ def ensure_ray(num_cpus: int | None = None) -> None:
 # environment. behemoth's processes all run in another (Ray Train's controller and workers, and every task a
 # worker submits, carry Ray Train's environment variables), so those processes would never be used, and each
 # would import Ray at the moment Ray Train's own processes start, on the same cores. The processes behemoth
-# does use are started ahead on purpose (driver/warmup.py).
+# does use are started ahead on purpose (driver/ray_cluster/warmup.py).
 LOCAL_RAY_SYSTEM_CONFIG = {"worker_niceness": 0, "idle_worker_killing_time_threshold_ms": 60_000,
                            "prestart_worker_first_driver": False}
 
@@ -133,13 +132,13 @@ def training_worker_runtime_env() -> dict:
     child inherits its parent's variables) and behemoth's (worker_env_vars). Mirrors Ray Train 2.60
     (DataParallelTrainer._initialize_and_run_controller, WorkerGroup._get_worker_runtime_env), called after
     build_trainer has set the driver's variables; a test compares it with a real worker's."""
-    from behemoth.ray_internals.train import worker_environment
+    from behemoth.ray_internals.train_v2 import worker_environment
 
     return {"env_vars": {**worker_environment(), **worker_env_vars()}}
 
 
 def warm_up_data_processes(cfg: JobConfig, data) -> list:
-    """On a local instance, start the processes the task's data pipeline will run in (driver/warmup.py) while
+    """On a local instance, start the processes the task's data pipeline will run in (driver/ray_cluster/warmup.py) while
     Ray Train starts; nothing on a cluster (RAY_ADDRESS, or more than one node), where they may land on any
     node, or for a task whose `data_modules` for this data are none. Returns the warm-up tasks' refs.
 
@@ -155,8 +154,7 @@ def warm_up_data_processes(cfg: JobConfig, data) -> list:
     if (os.environ.get("RAY_ADDRESS") or not modules or not ray.get_runtime_context().runtime_env
             or sum(node["Alive"] for node in ray.nodes()) > 1):
         return []
-    from behemoth.driver import warmup
-
+    from behemoth.driver.ray_cluster import warmup
     return warmup.start(tuple(modules), cfg.scaling.max_workers, training_worker_runtime_env())
 
 
@@ -175,7 +173,7 @@ def torch_trainer(*args, **kwargs):
     handlers put back after its fit (see LeanTorchTrainer)."""
     from ray.train.torch import TorchTrainer
 
-    from behemoth.ray_internals.train import DatasetsCallback, PlacementGroupCleanerCallback
+    from behemoth.ray_internals.train_v2 import DatasetsCallback, PlacementGroupCleanerCallback
 
     class LeanTorchTrainer(TorchTrainer):
         """Ray Train 2.60 starts a DatasetManager actor for every run (its DatasetsCallback, whatever the
@@ -194,7 +192,7 @@ def torch_trainer(*args, **kwargs):
             with signal_handlers_kept():  # Ray Train's Ctrl-C handler ends with the run, not after the next one
                 return super().fit()
 
-    from behemoth.driver.cleaner import ThisClusterCleanerCallback
+    from behemoth.driver.ray_cluster.placement_cleaner import ThisClusterCleanerCallback
 
     return LeanTorchTrainer(*args, **kwargs)
 

@@ -31,10 +31,10 @@ def evaluate_checkpoint(cfg: JobConfig, checkpoint: str, split: str = "val", whi
     from ray.train import LoggingConfig, RunConfig, ScalingConfig
     import ray
 
-    from behemoth.driver import ray_session
-    from behemoth.driver.ray_session import ensure_ray, worker_env_vars
-    from behemoth.driver.resume import task_files_differ
-    from behemoth.driver.trainer import worker_resources
+    from behemoth.driver.ray_cluster import session as ray_session
+    from behemoth.driver.ray_cluster.session import ensure_ray, worker_env_vars
+    from behemoth.driver.run.resume import task_files_differ
+    from behemoth.driver.run.trainer import worker_resources
     from behemoth.worker.evaluate import evaluate_checkpoint_per_worker
 
     task = task_of(cfg)

@@ -1,4 +1,4 @@
-"""The driver's console hooks on Ray's output: the filter of driver/ray_console_scan.py installed on what Ray
+"""The driver's console hooks on Ray's output: the filter of driver/ray_cluster/output_scan.py installed on what Ray
 prints, Ray Tune's log of a failed trial, and Ray's token-auth notice. This is what touches Ray (through
 ray_internals) and keeps state: the lines held back per process until a later batch decides them, the
 tracebacks already shown, the timer that lets held lines out; what the lines are is decided in the scan.
@@ -16,7 +16,7 @@ import os
 import threading
 import time
 
-from behemoth.driver.ray_console_scan import one_line_per_repeat, scan_lines
+from behemoth.driver.ray_cluster.output_scan import one_line_per_repeat, scan_lines
 from behemoth.errors import RunFailedError
 
 
@@ -107,7 +107,7 @@ def _filtered(print_logs, clock=time.monotonic, wake_up_after=_wake_up_after):
     """`print_logs` behind the filter, for Ray's batches of one process's lines. `clock` and `wake_up_after`
     (delay, callback): the time held lines are measured by, and how a release of them is scheduled."""
     held: dict = {}  # (pid, is_err) -> (data, lines, when each of them came)
-    shown: dict = {}  # the tracebacks shown whole on this console (see ray_console_scan.one_line_per_repeat)
+    shown: dict = {}  # the tracebacks shown whole on this console (see output_scan.one_line_per_repeat)
     before: dict = {}  # (pid, is_err) -> the last line not blank before what is held (chains cross batches)
     lock = threading.Lock()
     wake_up_pending = [False]  # one pending release of held lines at most

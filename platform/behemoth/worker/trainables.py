@@ -9,7 +9,7 @@ import torch
 
 
 @dataclass
-class Run:
+class Trainables:
     model: torch.nn.Module  # wrapped: DDP or FSDP, maybe compiled
     optimizer: torch.optim.Optimizer
     scheduler: Any  # torch.optim.lr_scheduler.LRScheduler

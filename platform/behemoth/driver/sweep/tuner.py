@@ -4,7 +4,7 @@ A sweep is a job YAML plus a search space over any of its keys (`train.lr`, `tra
 Ray 2.60 (Train V2) has no `Tuner(trainer)`: each trial runs `run_trial` (driver/sweep/trial.py) in a Tune
 actor, which Tune reuses from trial to trial. A trial of one worker trains right there, in a warm lane
 (driver/sweep/lane.py: no Ray Train processes, what the last trial loaded still loaded); a trial of several
-workers calls `behemoth.driver.trainer.train` — its own TorchTrainer. Either way the trial has its own run
+workers calls `behemoth.driver.run.trainer.train` — its own TorchTrainer. Either way the trial has its own run
 folder, checkpoints and `failure.max_failures`, and its evaluations go to Tune, where the scheduler (ASHA by
 default) stops weak trials early.
 
@@ -34,7 +34,8 @@ import yaml
 from behemoth.storage import paths
 from behemoth.config import JobConfig, from_dict
 from behemoth.errors import ConfigError
-from behemoth.driver import ray_session, warmup
+from behemoth.driver.ray_cluster import session as ray_session
+from behemoth.driver.ray_cluster import warmup
 from behemoth.driver.sweep.config import (SweepConfig, asha_max_t, base_job, check_sweep, concurrency_bound,
                                           load_sweep, metric_and_mode, optuna_searcher)
 from behemoth.driver.sweep.lane import lane_reason
@@ -68,7 +69,7 @@ def run_sweep(sweep_cfg: SweepConfig) -> SweepResult:
 def _run_sweep(sweep_cfg: SweepConfig, jobs: list, place: paths.RunPlace, fence) -> SweepResult:
     sweep_dir = place.folder
     metric, mode = metric_and_mode(sweep_cfg, jobs[0])
-    from behemoth.driver.trainer import prepare_data
+    from behemoth.driver.run.trainer import prepare_data
 
     for job in _distinct_data(jobs):  # checks the data, starts Ray; text: tokenised once, here, into the cache
         prepare_data(job)
@@ -154,7 +155,7 @@ def _finish_tracking(job: JobConfig, sweep_dir: str, mlflow_parent: str | None, 
     """The sweep's report (tracking.report) and its MLflow parent run's artifacts and end."""
     report = None
     if job.tracking.report:
-        from behemoth.tracking.report import write_sweep_report
+        from behemoth.tracking.run_report import write_sweep_report
 
         try:
             report = write_sweep_report(sweep_dir)

@@ -1,7 +1,7 @@
 """Reading Ray's forwarded worker output, as text: which of its lines and blocks are noise, which tracebacks
 are real (whole, chained, cut across batches), and a repeat of a real one as one line. Pure functions of
 lines, with no Ray in them, so the tests feed them lines; installing them on the driver's console (Ray's
-printer, the lines held back between batches, Tune's and Ray's loggers) is driver/ray_console.py.
+printer, the lines held back between batches, Tune's and Ray's loggers) is driver/ray_cluster/output_filter.py.
 
 What of Ray's own output reaches the driver's console: everything, except what is proven noise in a behemoth
 run: a few whole lines, and tracebacks that are, whole, one traceback of a known kind (each listed below with
@@ -326,5 +326,5 @@ def one_line_per_repeat(kept: list[str], tracebacks: list, process: str, shown: 
 
 def filter_lines(lines: list[str]) -> list[str]:
     """`lines` without the noise lines and the noise tracebacks (repeats not collapsed: they need a console's
-    memory, see ray_console._filtered)."""
+    memory, see output_filter._filtered)."""
     return scan_lines(lines)[0]

@@ -14,7 +14,7 @@ import os
 
 import ray
 
-from behemoth.ray_internals.train import (PlacementGroupCleaner, PlacementGroupCleanerCallback,
+from behemoth.ray_internals.train_v2 import (PlacementGroupCleaner, PlacementGroupCleanerCallback,
                                           launch_placement_group_cleaner)
 
 

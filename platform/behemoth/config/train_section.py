@@ -124,7 +124,7 @@ class TrainConfig:
     # allocator limit to hit); on GPU it defaults to 90% of the device's memory.
     auto_batch_memory_mb: Optional[float] = None
     # torch.compile (mode: default, reduce-overhead, max-autotune, max-autotune-no-cudagraphs): each of the
-    # model's blocks (transformer layers, residual units: worker/blocks.py), or the whole model where it has
+    # model's blocks (transformer layers, residual units: worker/block_transforms.py), or the whole model where it has
     # none. A compilation failure at the first step falls back to eager training, with a console line.
     compile: bool = False
     compile_mode: Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"] = "default"

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from behemoth.config import JobConfig
-from behemoth.driver.resume import run_place
+from behemoth.driver.run.resume import run_place
 from behemoth.metrics import logged_reports
 from behemoth.tasks import run_metric, task_of
 
@@ -54,7 +54,7 @@ def summarise(cfg: JobConfig, result, wall_s: float) -> RunSummary:
     """The run's summary from what its host returned: a Ray Train Result, or a lane's of the same shape
     (metrics, checkpoint, best_checkpoints as (checkpoint, metrics), return_value)."""
     task = task_of(cfg)
-    key, mode = run_metric(task, cfg)  # (retention keeps its best checkpoint: driver/resume.py retention)
+    key, mode = run_metric(task, cfg)  # (retention keeps its best checkpoint: driver/run/resume.py retention)
     scored = [(m[key], c.path) for c, m in (result.best_checkpoints or []) if key in m]
     best_value, best_path = (max(scored) if mode == "max" else min(scored)) if scored else (None, None)
     place = run_place(cfg)  # Ray gives paths on the storage's filesystem

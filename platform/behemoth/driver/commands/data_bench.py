@@ -72,8 +72,8 @@ def bench_data(cfg: JobConfig, seconds: float = 20.0, step_rate: float | None = 
     Ray instance of `cpus` CPUs where given)."""
     import ray
 
-    from behemoth.driver import ray_session, trainer
-
+    from behemoth.driver.ray_cluster import session as ray_session
+    from behemoth.driver.run import trainer
     rate_from = ""
     if step_rate is None and run_dir:
         step_rate = measured_step_rate(run_dir)

@@ -13,12 +13,13 @@ import threading
 import time
 
 from behemoth.config import JobConfig
-from behemoth.driver import preflight, ray_session
-from behemoth.driver.resume import (check_resume_compatible, check_resume_data, check_something_trained,
+from behemoth.driver.run import preflight
+from behemoth.driver.ray_cluster import session as ray_session
+from behemoth.driver.run.resume import (check_resume_compatible, check_resume_data, check_something_trained,
                                     describe_rerun, resolve_init_from, retention, retire_unregistered, run_dir,
                                     run_place)
-from behemoth.driver.stale_requests import withdraw_killed_drivers_requests
-from behemoth.driver.summary import RunSummary, summarise
+from behemoth.driver.ray_cluster.stale_requests import withdraw_killed_drivers_requests
+from behemoth.driver.run.summary import RunSummary, summarise
 from behemoth.errors import RunFailedError, user_facing_error
 from behemoth.tasks import task_of
 
@@ -34,12 +35,12 @@ def worker_resources(cfg: JobConfig) -> dict:
 def build_trainer(cfg: JobConfig, data, callbacks: list | None = None, fence=None):
     """`data`: what prepare_data returned (the task's prepared data: e.g. an image index). `callbacks`: Ray Train
     callbacks (the run's recorder, tracking/callbacks.py; a sweep's trial adds the one that reports to Tune).
-    `fence` (runlock.Fence): the workers check the lease around each checkpoint upload (driver/lease_fence.py)
+    `fence` (runlock.Fence): the workers check the lease around each checkpoint upload (hosts/lease_fence.py)
     and before a restore deletes an unfinished upload (worker/restore.py)."""
     import ray
     from ray.train import FailureConfig, LoggingConfig, RunConfig, ScalingConfig
 
-    from behemoth.driver import failure_policy
+    from behemoth.driver.ray_cluster import failure_policy
     from behemoth.worker.loop import train_loop_per_worker
 
     # a data or config error ends the run at once, without using max_failures; failure.replacement_wait_s bounds
@@ -48,7 +49,7 @@ def build_trainer(cfg: JobConfig, data, callbacks: list | None = None, fence=Non
     ray_session.set_ray_train_env()
     resources = worker_resources(cfg)
     if fence is not None:
-        from behemoth.driver.lease_fence import LeaseFenceCallback
+        from behemoth.hosts.lease_fence import LeaseFenceCallback
 
         callbacks = [*(callbacks or []), LeaseFenceCallback(fence)]
     return ray_session.torch_trainer(
@@ -84,7 +85,7 @@ def train(cfg: JobConfig, callbacks: list | None = None, lock: bool = True, proc
     begins (default: this call). `parent_mlflow_run`: a sweep's MLflow run, under which this one nests.
     `end_ray`: shut Ray down as soon as the run ends (the command line, whose process ends with the run: Ray's
     shutdown, seconds of it, then runs beside the run's last records instead of after them)."""
-    from behemoth.tracking.run import RunTracking
+    from behemoth.tracking.invocation import RunTracking
 
     tracking = RunTracking(cfg, run_dir(cfg), process_start, parent_mlflow_run)
     if not lock:

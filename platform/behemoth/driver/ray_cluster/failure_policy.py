@@ -16,7 +16,7 @@ from __future__ import annotations
 import time
 
 from behemoth.ray_internals.core import node_logs_dir
-from behemoth.ray_internals.train import (DefaultFailurePolicy, FailureDecision, set_failure_policy_factory,
+from behemoth.ray_internals.train_v2 import (DefaultFailurePolicy, FailureDecision, set_failure_policy_factory,
                                           waiting_for_nodes)
 
 from behemoth.errors import NOT_RETRIED, user_facing_error
@@ -53,7 +53,7 @@ class FailFastPolicy(DefaultFailurePolicy):
 
 def _where_tracebacks_are() -> str:
     """Where Ray keeps the failed worker's full traceback (its log folder on the worker's node), as a suffix
-    for the policy's line; the console leaves that traceback out (driver/ray_console.py)."""
+    for the policy's line; the console leaves that traceback out (driver/ray_cluster/output_filter.py)."""
     try:
         logs = node_logs_dir()
         return f" (the worker's traceback: worker-*.err in {logs} of its node)" if logs else ""

@@ -283,7 +283,7 @@ def exit_at_once(status: int) -> None:
 
 def _dispatch(args) -> int:
     if args.command == "check-cluster":
-        from behemoth.driver.cluster_check import check_cluster
+        from behemoth.driver.commands.cluster_check import check_cluster
 
         findings = check_cluster(args.cluster_yaml, args.jobs)
         for finding in findings:
@@ -293,7 +293,7 @@ def _dispatch(args) -> int:
     if args.command == "check-nodes":
         return _check_nodes(load_config(args.config, args.overrides))
     if args.command == "spot-watch":
-        from behemoth.driver.spot_watch import run as watch
+        from behemoth.driver.commands.spot_watch import run as watch
 
         return watch(args.cloud, args.metadata_url, args.address, args.node_id, args.interval)
     if args.command == "data":
@@ -301,12 +301,12 @@ def _dispatch(args) -> int:
     if args.command == "tune":
         return _tune_command(args)
     if args.command == "report":
-        from behemoth.tracking.report import write_report
+        from behemoth.tracking.run_report import write_report
 
         print(f"[behemoth] report: {write_report(args.folder)}")
         return 0
     if args.command == "export":
-        from behemoth.driver.export import TrustedCode, export
+        from behemoth.driver.commands.export import TrustedCode, export
 
         trusted = TrustedCode(args.model_code, args.task_code, args.trust_remote_code)
         out, source = export(args.checkpoint, args.out, args.which, trusted)
@@ -319,14 +319,14 @@ def _dispatch(args) -> int:
         return _check_sweep(args.config, args.overrides)
     cfg = load_config(args.config, args.overrides)
     if args.command == "eval":
-        from behemoth.driver.evaluate import evaluate_checkpoint
+        from behemoth.driver.run.evaluation import evaluate_checkpoint
 
         metrics, written = evaluate_checkpoint(cfg, args.checkpoint, args.split, "latest" if args.latest else "best")
         print("\n".join(["[behemoth] evaluation finished", *[f"  {k}: {v}" for k, v in metrics.items()],
                          f"  written to {written}"]))
         return 0
     if args.command == "check":
-        from behemoth.driver.data_bench import feed_check
+        from behemoth.driver.commands.data_bench import feed_check
 
         checked = _check_data(cfg)  # (before the config is shown: a data error is then the one line printed)
         print(dump_yaml(cfg), end="")
@@ -337,7 +337,7 @@ def _dispatch(args) -> int:
         if warning:
             print(f"behemoth: warning: {warning}", file=sys.stderr)
         return 0
-    from behemoth.driver.trainer import train
+    from behemoth.driver.run.trainer import train
 
     summary = train(cfg, process_start=_process_start(), end_ray=True)
     print("\n".join(["[behemoth] run finished"] + [f"  {line}" for line in summary.lines()]))
@@ -370,8 +370,8 @@ def _process_start() -> float | None:
 
 
 def _generate_command(args) -> int:
-    from behemoth.driver.export import TrustedCode
-    from behemoth.driver.generate import Sampling, load_generator, read_prompts
+    from behemoth.driver.commands.export import TrustedCode
+    from behemoth.driver.commands.generate import Sampling, load_generator, read_prompts
 
     sampling = Sampling(args.max_new_tokens, args.temperature, args.top_p, args.top_k, args.seed)
     sampling.validate()  # (before the model loads)
@@ -389,7 +389,7 @@ def _tune_command(args) -> int:
     import pandas as pd
 
     from behemoth.driver.sweep.config import load_sweep
-    from behemoth.driver.sweep.run import run_sweep
+    from behemoth.driver.sweep.tuner import run_sweep
 
     result = run_sweep(load_sweep(args.sweep, args.overrides))
     with pd.option_context("display.width", 200, "display.max_columns", 20, "display.max_colwidth", 60):
@@ -438,7 +438,7 @@ def _data_command(args) -> int:
         print(f"wrote {written['train']} train and {written['val']} val shards to {out}; train on them with\n"
               f"  data: {{kind: image_webdataset, train_files: [{out}/train-*.tar], val_files: [{out}/val-*.tar]}}")
     elif args.data_command == "bench":
-        from behemoth.driver.data_bench import bench_data, record
+        from behemoth.driver.commands.data_bench import bench_data, record
 
         cfg = load_config(args.config, args.overrides)
         result = bench_data(cfg, args.seconds, args.step_rate, args.run, args.cpus)
@@ -446,7 +446,7 @@ def _data_command(args) -> int:
         print("\n".join([*([f"kept for `behemoth check` on this machine: {kept}"] if kept else []),
                          *result.lines()]))
     elif args.data_command == "cache":
-        from behemoth.driver.ray_session import ensure_ray
+        from behemoth.driver.ray_cluster.session import ensure_ray
         from behemoth.tasks import task_of
 
         cfg = load_config(args.config, args.overrides)
@@ -464,7 +464,7 @@ def _check_nodes(cfg) -> int:
     """`behemoth check-nodes`: one line per node; exit 1 where any node misses a path."""
     import ray
 
-    from behemoth.driver.node_check import check_nodes, job_paths
+    from behemoth.driver.commands.node_check import check_nodes, job_paths
 
     if not ray.is_initialized():
         ray.init(address=os.environ.get("RAY_ADDRESS", "auto"), logging_level="warning", log_to_driver=False)
@@ -491,7 +491,7 @@ def _check_sweep(path: str, overrides: list[str]) -> int:
     per data and a summary. Nothing is started."""
     import json
 
-    from behemoth.driver import preflight
+    from behemoth.driver.run import preflight
     from behemoth.driver.sweep.config import check_sweep, load_sweep, metric_and_mode
     from behemoth.tasks import task_of
 
@@ -517,7 +517,7 @@ def _check_sweep(path: str, overrides: list[str]) -> int:
 def _node_paths_line(cfg) -> str:
     """What a node that joins later (a spot replacement) must hold itself: the job's local paths (object-store
     URIs and Hub names each node fetches)."""
-    from behemoth.driver.node_check import job_paths
+    from behemoth.driver.commands.node_check import job_paths
 
     paths = job_paths(cfg)
     if not paths:
@@ -528,8 +528,8 @@ def _node_paths_line(cfg) -> str:
 
 def _check_data(cfg) -> str:
     """What the task can check without Ray (images: indexed; text: files, columns and the tokenizer), and what
-    the preflight can (driver/preflight.py: model and tokenizer sources, init_from, an epoch's steps)."""
-    from behemoth.driver import preflight
+    the preflight can (driver/run/preflight.py: model and tokenizer sources, init_from, an epoch's steps)."""
+    from behemoth.driver.run import preflight
     from behemoth.tasks import task_of
 
     task = task_of(cfg)

@@ -21,7 +21,7 @@ from behemoth import hosts
 from behemoth.worker.collectives import all_reduce_sum, sync_buffers, union_across_ranks
 from behemoth.worker.console import console
 from behemoth.worker.evaluate import evaluate
-from behemoth.worker.run import Run
+from behemoth.worker.trainables import Trainables
 from behemoth.worker.saver import CheckpointSaver, send_report
 from behemoth.worker.speed import SpeedMeter
 
@@ -176,7 +176,7 @@ class Reporter:
     """Builds and sends a step's report: training metrics over the window since the last report (summed over
     the ranks), speed, evaluation and a checkpoint when due; rank 0 prints the progress line."""
 
-    def __init__(self, cfg: JobConfig, task: Task, run: Run, speed: SpeedMeter, saver: CheckpointSaver,
+    def __init__(self, cfg: JobConfig, task: Task, run: Trainables, speed: SpeedMeter, saver: CheckpointSaver,
                  micro_batch: int, total_steps: int, epoch_steps: int, clock: PhaseClock,
                  resumed_from_step: int = 0):
         ctx = hosts.current()
