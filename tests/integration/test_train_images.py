@@ -312,7 +312,8 @@ def test_the_data_processes_the_driver_starts_are_the_ones_the_workers_tasks_run
     import json
 
     from behemoth.driver.ray_cluster.session import training_worker_runtime_env, warm_up_data_processes
-    from behemoth.driver.run.trainer import build_trainer, prepare_data
+    from behemoth.driver.run.sequence import prepare_data
+    from behemoth.driver.run.trainer import build_trainer
     from integration.warm_probe import where_tasks_run
 
     # a variable Ray Train propagates, with a value of this test only: no idle process of an earlier test fits

@@ -347,7 +347,8 @@ def test_the_ledger_audit_names_a_repeated_and_a_skipped_batch(text_corpus, tmp_
     the real pipeline) fails when the data layer repeats a batch in place of the next, or drops one, though
     the planned order is right; its message says which step trained what (a ledger that stopped recording
     would say a step is missing instead)."""
-    from behemoth.driver.run.trainer import build_trainer, prepare_data
+    from behemoth.driver.run.sequence import prepare_data
+    from behemoth.driver.run.trainer import build_trainer
     from integration import faulty_pipeline, ledger_audit
 
     broken_at = faulty_pipeline.BROKEN_AT

@@ -472,6 +472,49 @@ def test_a_rerun_says_which_changed_keys_apply_and_which_are_ignored(image_root,
     check_something_trained(only_applied, describe_rerun(only_applied), complete)
 
 
+def test_a_lane_trials_rerun_is_checked_like_a_runs(image_root, tmp_path, monkeypatch, capsys):
+    """Issue 68 item 1: one run sequence for every way a run starts. A sweep's lane skipped describe_rerun, so a
+    trial's rerun with a key that would skip or repeat samples (train.global_batch_size) resumed anyway; now a
+    lane trial and a run refuse it alike, in the same words, before any data is prepared; a safe change is said
+    in the same line by both."""
+    import pytest
+    import torch
+
+    from behemoth.config import ConfigError, dump_yaml
+    from behemoth.driver.run import sequence, trainer
+    from behemoth.driver.sweep import lane
+    from behemoth.job import config_from_dict
+    from behemoth.storage import checkpoint
+
+    job = job_dict(image_root, tmp_path / "runs", "r", train={"epochs": 2, "lr": 0.05})
+    checkpoint.write(tmp_path / "runs" / "r" / "checkpoint_2026-01-01_00-00-00.000000", checkpoint.Snapshot(
+        state_dicts={"model.pt": {"w": torch.zeros(1)}}, step=12,
+        texts={"job.yaml": dump_yaml(config_from_dict(job)), "train_state.json": '{"step": 12}'}))
+    unsafe = config_from_dict({**job, "train": {**job["train"], "global_batch_size": 32}})
+    for where in (trainer, sequence):
+        monkeypatch.setattr(where, "prepare_data", lambda *a, **k: pytest.fail("the data was prepared"))
+    refusals = []
+    for start in (lambda cfg: trainer.train(cfg), lambda cfg: lane.train_in_lane(cfg)):
+        with pytest.raises(ConfigError, match=r"cannot resume with train.global_batch_size 16 -> 32") as refused:
+            start(unsafe)
+        refusals.append(str(refused.value))
+    assert refusals[0] == refusals[1]
+
+    class Prepared(Exception):
+        pass
+
+    for where in (trainer, sequence):
+        monkeypatch.setattr(where, "prepare_data", lambda *a, **k: (_ for _ in ()).throw(Prepared()))
+    safe = config_from_dict({**job, "train": {**job["train"], "epochs": 4}})
+    said = []
+    for start in (lambda cfg: trainer.train(cfg), lambda cfg: lane.train_in_lane(cfg)):
+        with pytest.raises(Prepared):  # (checked, said, then on to preparing the data)
+            start(safe)
+        said.append([line for line in capsys.readouterr().out.splitlines() if "rerun of run 'r'" in line])
+    assert said[0] == said[1] and len(said[0]) == 1 and "changed keys that apply from step 12: train.epochs 2 -> 4" \
+        in said[0][0]
+
+
 def test_check_refuses_a_number_that_is_not_one_and_a_section_turned_on_by_false_in_one_line(image_root, tmp_path,
                                                                                               capsys, no_ray):
     """Issue 65 items 2 and 3: `behemoth check` passed train.lr=.nan, grad_clip -1 (gradient ascent) and

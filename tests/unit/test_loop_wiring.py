@@ -55,7 +55,7 @@ def _run(tmp_path, monkeypatch, **sections):
     host = lane.LaneHost(run_place(cfg), lambda reported: retained(cfg, reported), recorder, None, None)
     try:
         with hosts.hosted(host):
-            returned = train_loop_per_worker({"job": cfg.to_dict(), "data": Regression.check(cfg), "fence": None})
+            returned = train_loop_per_worker({"job": cfg, "data": Regression.check(cfg), "fence": None})
             host.drain()
     finally:
         host.close()

@@ -120,7 +120,7 @@ EXACT_BYTES = 1 << 22  # training text up to this size is counted in blocks befo
 def count_train_blocks(cfg: TextData, units: list[Unit], seed: int) -> int | None:
     """The training blocks packing will make, counted on the driver before Ray where the training files hold at
     most EXACT_BYTES (tokenised here as the Ray Data tasks will: tokenize_units); None for a larger corpus or a
-    Hugging Face dataset, whose blocks are known once packed (trainer.prepare_data checks the epoch then)."""
+    Hugging Face dataset, whose blocks are known once packed (sequence.prepare_data checks the epoch then)."""
     train = tuple(u for u in units if u.split != "val")
     if cfg.hf_dataset or not train or sum(map(os.path.getsize, {u.path for u in train})) > EXACT_BYTES:
         return None

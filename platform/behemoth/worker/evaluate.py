@@ -8,9 +8,9 @@ import hashlib
 import numpy as np
 import torch
 
+from behemoth.config import JobConfig
 from behemoth.storage import weights
 from behemoth.data.order import rank_eval_indices
-from behemoth.job import config_from_dict
 from behemoth.tasks import Task, make_task
 from behemoth import hosts
 from behemoth.worker import parallel
@@ -93,7 +93,7 @@ def _eval_batches(task: Task, indices, batch_size: int, split: str, device):
 def evaluate_checkpoint_per_worker(loop_config: dict) -> dict:
     """`behemoth eval` on one worker: build the job's model, load the checkpoint's weights, run the task's
     evaluation of a split with the run's batch size. Rank 0's return value is the metrics."""
-    cfg = config_from_dict(loop_config["job"], where="job config")
+    cfg: JobConfig = loop_config["job"]  # typed: checked once, on the driver (each process unpickles it)
     ctx = hosts.current()
     task = make_task(cfg, ctx.prepared_data(loop_config))
     if cfg.scaling.torch_threads:

@@ -23,7 +23,6 @@ import torch
 
 from behemoth.storage.checkpoint import TrainState
 from behemoth.config import JobConfig
-from behemoth.job import config_from_dict
 from behemoth.errors import ConfigError
 from behemoth.data.order import steps_per_epoch
 from behemoth.metrics import PhaseClock, Window
@@ -48,7 +47,7 @@ from behemoth.worker.speed import SpeedMeter
 
 def train_loop_per_worker(loop_config: dict) -> dict:
     clock = PhaseClock()  # where this worker group's time goes (the goodput account reads it from the reports)
-    cfg = config_from_dict(loop_config["job"], where="job config")
+    cfg: JobConfig = loop_config["job"]  # typed: checked once, on the driver (each process unpickles it)
     ctx = hosts.current()
     ctx.quiet_console()
     prepared = ctx.prepared_data(loop_config)

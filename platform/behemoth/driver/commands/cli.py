@@ -492,6 +492,7 @@ def _check_sweep(path: str, overrides: list[str]) -> int:
     import json
 
     from behemoth.driver.run import preflight
+    from behemoth.driver.run.sequence import check_data
     from behemoth.driver.sweep.config import check_sweep, load_sweep, metric_and_mode
     from behemoth.tasks import task_of
 
@@ -502,8 +503,7 @@ def _check_sweep(path: str, overrides: list[str]) -> int:
         key = json.dumps(job.to_dict()["data"], sort_keys=True)
         task = task_of(job)
         if key not in described:
-            preflight.check_sources(job)
-            described[key] = (task.check(job), task)
+            described[key] = (check_data(job, task, epoch=False), task)  # the data once per distinct data
         checked, _ = described[key]
         preflight.check_epoch(job, task.train_samples(job, checked))  # every trial's batch size
     metric, mode = metric_and_mode(sweep_cfg, jobs[0])
@@ -529,14 +529,11 @@ def _node_paths_line(cfg) -> str:
 def _check_data(cfg) -> str:
     """What the task can check without Ray (images: indexed; text: files, columns and the tokenizer), and what
     the preflight can (driver/run/preflight.py: model and tokenizer sources, init_from, an epoch's steps)."""
-    from behemoth.driver.run import preflight
+    from behemoth.driver.run.sequence import check_data
     from behemoth.tasks import task_of
 
     task = task_of(cfg)
-    preflight.check_sources(cfg)
-    checked = task.check(cfg)
-    preflight.check_epoch(cfg, task.train_samples(cfg, checked))
-    return task.describe(cfg, checked)
+    return task.describe(cfg, check_data(cfg, task))
 
 
 if __name__ == "__main__":

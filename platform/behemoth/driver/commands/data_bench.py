@@ -73,7 +73,7 @@ def bench_data(cfg: JobConfig, seconds: float = 20.0, step_rate: float | None = 
     import ray
 
     from behemoth.driver.ray_cluster import session as ray_session
-    from behemoth.driver.run import trainer
+    from behemoth.driver.run import sequence, trainer
     rate_from = ""
     if step_rate is None and run_dir:
         step_rate = measured_step_rate(run_dir)
@@ -89,7 +89,7 @@ def bench_data(cfg: JobConfig, seconds: float = 20.0, step_rate: float | None = 
         if cpus < 1:
             raise ConfigError(f"--cpus must be >= 1, got {cpus}")
         ray_session.ensure_ray(num_cpus=cpus)
-    data = trainer.prepare_data(cfg)
+    data = sequence.prepare_data(cfg)
     ref = ray.put(data)
     consumer = ray.remote(_Consumer)
     consumers = [consumer.options(num_cpus=cfg.scaling.cpus_per_worker).remote()

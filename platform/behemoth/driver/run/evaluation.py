@@ -27,22 +27,19 @@ def eval_batch_size(cfg: JobConfig, world: int) -> int:
 
 def evaluate_checkpoint(cfg: JobConfig, checkpoint: str, split: str = "val", which: str = "best") -> tuple[dict, str]:
     """(metrics, the JSON file written). `checkpoint`: a checkpoint folder, a run folder (its best or latest
-    checkpoint, `which`) or a Hugging Face folder whose weights fit the job's model."""
-    from ray.train import LoggingConfig, RunConfig, ScalingConfig
+    checkpoint, `which`) or a Hugging Face folder whose weights fit the job's model. The run sequence's steps
+    (driver/run/sequence.py) up to its launch: the task resolved once, the data checked and prepared as a run's
+    (an epoch's steps aside: nothing trains), then a TorchTrainer of the evaluation's workers."""
     import ray
 
-    from behemoth.driver.ray_cluster import session as ray_session
-    from behemoth.driver.ray_cluster.session import ensure_ray, worker_env_vars
     from behemoth.driver.run.resume import task_files_differ
-    from behemoth.driver.run.trainer import worker_resources
+    from behemoth.driver.run.sequence import prepare_data
+    from behemoth.driver.run.trainer import torch_trainer
     from behemoth.worker.evaluate import evaluate_checkpoint_per_worker
 
-    task = task_of(cfg)
-    ckpt, how = weights.resolve(checkpoint, which, task.best)
+    ckpt, how = weights.resolve(checkpoint, which, task_of(cfg).best)
     weights.check(ckpt)  # damage it can see without the weights fails here, before Ray starts
-    checked = task.check(cfg)
-    ensure_ray()
-    data = task.prepare(cfg, checked)
+    data = prepare_data(cfg, epoch=False)
     differs = task_files_differ(cfg, data, ckpt)
     if differs:  # its class indices would be scored against other names: a wrong accuracy, without a word
         raise ConfigError(f"checkpoint {ckpt} was trained on other data than this job's: {differs[0]}. Evaluate "
@@ -52,16 +49,10 @@ def evaluate_checkpoint(cfg: JobConfig, checkpoint: str, split: str = "val", whi
           f"{eval_batch_size(cfg, world)} per worker", flush=True)
     storage = tempfile.mkdtemp(prefix="behemoth-eval-")  # Ray Train's bookkeeping only: nothing to keep
     try:
-        result = ray_session.torch_trainer(
-            evaluate_checkpoint_per_worker,
-            train_loop_config={"job": cfg.to_dict(), "data_ref": ray.put(data), "checkpoint": ckpt, "split": split,
-                               "batch_size": eval_batch_size(cfg, world)},
-            scaling_config=ScalingConfig(num_workers=world, use_gpu=cfg.scaling.use_gpu,
-                                         resources_per_worker=worker_resources(cfg)),
-            run_config=RunConfig(name=f"eval-{int(time.time())}", storage_path=storage,
-                                 logging_config=LoggingConfig(log_level="WARNING"),
-                                 worker_runtime_env={"env_vars": worker_env_vars()}),
-        ).fit()
+        result = torch_trainer(cfg, evaluate_checkpoint_per_worker, {
+            "job": cfg, "data_ref": ray.put(data), "checkpoint": ckpt, "split": split,
+            "batch_size": eval_batch_size(cfg, world)}, dict(name=f"eval-{int(time.time())}", storage_path=storage),
+            num_workers=world).fit()
     finally:
         shutil.rmtree(storage, ignore_errors=True)
     metrics = result.return_value

@@ -1,7 +1,7 @@
 """Driver side: what can be found wrong with a job before Ray starts, beyond its keys and values (config/) and its
 data (the task's check): the model and tokenizer it names can be had on this machine (HF_ENDPOINT well formed),
 train.init_from exists, the tracking packages it names are installed, an epoch has at least one step and
-train.profile's window ends by the run's last step. `behemoth check` and every run (trainer.prepare_data) go
+train.profile's window ends by the run's last step. `behemoth check` and every run (sequence.check_data) go
 through here.
 """
 

@@ -35,14 +35,15 @@ def run_dir(cfg: JobConfig) -> str:
     return run_place(cfg).folder
 
 
-def resumed_job(cfg: JobConfig) -> tuple[str, dict] | None:
+def resumed_job(cfg: JobConfig, checkpoints: list[tuple[int, str]] | None = None) -> tuple[str, dict] | None:
     """(the checkpoint a rerun resumes from, its job.yaml's sections), or None for a new run. Its job.yaml is read
     as export reads a received one: checked against the manifest first (storage/checkpoint.job_sections). A
     checkpoint whose job.yaml fails that check is damaged, and restore skips it for an older one: so does this.
-    One that passes it but is not a job config (`train: [1]`) was written so: one line naming it."""
-    from behemoth.storage.checkpoint import complete_checkpoints, job_sections, read_verified
+    One that passes it but is not a job config (`train: [1]`) was written so: one line naming it.
+    `checkpoints`: the run folder's complete checkpoints, where the caller listed them (run/sequence.py)."""
+    from behemoth.storage.checkpoint import job_sections, read_verified
 
-    for _, ckpt in complete_checkpoints(run_dir(cfg)):
+    for _, ckpt in _listed(cfg, checkpoints):
         try:
             data = read_verified(ckpt, "job.yaml")
             read_verified(ckpt, "train_state.json")  # (describe_rerun reads its step: damage skips it too)
@@ -52,14 +53,27 @@ def resumed_job(cfg: JobConfig) -> tuple[str, dict] | None:
     return None
 
 
+def _listed(cfg: JobConfig, checkpoints: list[tuple[int, str]] | None) -> list[tuple[int, str]]:
+    """The run folder's complete checkpoints, newest first: the caller's listing, or listed now."""
+    from behemoth.storage.checkpoint import complete_checkpoints
+
+    return complete_checkpoints(run_dir(cfg)) if checkpoints is None else checkpoints
+
+
+_LOOK = object()  # (a rerun's checkpoint not given: look it up)
+
+
 def _section(before: dict, section: str) -> dict:
     return before.get(section) or {}
 
 
-def check_resume_compatible(cfg: JobConfig) -> None:
+def check_resume_compatible(cfg: JobConfig, latest=_LOOK) -> None:
     """Refuse to resume a run whose latest checkpoint (local or under a URI) was trained on another data or
-    model config. (A change of scaling.strategy is fine: either checkpoint layout loads under DDP and FSDP.)"""
-    latest = None if cfg.checkpoint.resume_changed_config else resumed_job(cfg)
+    model config. (A change of scaling.strategy is fine: either checkpoint layout loads under DDP and FSDP.)
+    `latest`: resumed_job's answer, where the caller has it."""
+    if cfg.checkpoint.resume_changed_config:
+        return
+    latest = resumed_job(cfg) if latest is _LOOK else latest
     if latest is None:
         return
     (latest, before), folder = latest, run_dir(cfg)
@@ -126,14 +140,14 @@ def _new_run_hint(cfg: JobConfig) -> str:
             f"--set train.init_from={run_dir(cfg)} to start from this run's weights)")
 
 
-def describe_rerun(cfg: JobConfig) -> Rerun | None:
+def describe_rerun(cfg: JobConfig, latest=_LOOK) -> Rerun | None:
     """The changes a rerun makes to train.* and scaling.*, or None (a new run, or none changed). A change that
     would skip or repeat samples (_REFUSED_ON_RESUME) is refused, unless checkpoint.resume_changed_config; another
     optimizer (_NEVER_ON_RESUME) is refused whatever the config: its state cannot load (KeyError in every worker,
-    retried as a run failure)."""
+    retried as a run failure). `latest`: resumed_job's answer, where the caller has it."""
     from behemoth.storage.checkpoint import verified_state
 
-    latest = resumed_job(cfg)
+    latest = resumed_job(cfg) if latest is _LOOK else latest
     if latest is None:
         return None
     (ckpt, before), now, applied, ignored, refused = latest, cfg.to_dict(), [], [], []
@@ -162,17 +176,15 @@ def describe_rerun(cfg: JobConfig) -> Rerun | None:
     return Rerun(verified_state(ckpt).step, applied, ignored)
 
 
-def check_resume_data(cfg: JobConfig, prepared) -> None:
+def check_resume_data(cfg: JobConfig, prepared, checkpoints: list[tuple[int, str]] | None = None) -> None:
     """Refuse to resume a run whose data now says something else of what its weights mean: the task's files
     in the latest checkpoint (classes.json: class index -> name) differ from those this data gives. The data
     config can be unchanged while its content is not: a class folder renamed or replaced keeps the count and
     moves names to other indices, so the resumed run would train on with its labels silently renamed (a class
     added or removed changes the head's shape: its weights cannot load). checkpoint.resume_changed_config does
     not let either through: it is about changed config keys, and no key changed here."""
-    from behemoth.storage.checkpoint import complete_checkpoints
-
     # newest first; one whose task files fail their manifest is damaged: restore skips it
-    for _, ckpt in complete_checkpoints(run_dir(cfg)):
+    for _, ckpt in _listed(cfg, checkpoints):
         try:
             differs = task_files_differ(cfg, prepared, ckpt)
             break
@@ -229,22 +241,20 @@ def task_files_differ(cfg: JobConfig, prepared, ckpt: str) -> tuple[str, bool] |
     return None
 
 
-def resolve_init_from(cfg: JobConfig) -> JobConfig:
+def resolve_init_from(cfg: JobConfig, checkpoints: list[tuple[int, str]] | None = None) -> JobConfig:
     """train.init_from -> the one folder its weights come from (a run folder: its best or latest checkpoint),
     chosen once here so that every worker, and every restart, starts from the same weights; the run's
     checkpoints record the chosen folder in their job.yaml."""
     import dataclasses
 
     from behemoth.storage import weights
-    from behemoth.storage.checkpoint import complete_checkpoints
 
     source = cfg.train.init_from
     if not source:
         return cfg
     chosen, how = weights.resolve(source, cfg.train.init_from_checkpoint, task_of(cfg).best)
     weights.check(chosen)  # damage it can see without the weights fails here, before Ray starts
-    folder = run_dir(cfg)
-    if complete_checkpoints(folder):
+    if _listed(cfg, checkpoints):
         print(f"[behemoth] train.init_from is set, but run '{cfg.checkpoint.run_name}' has checkpoints of its own: "
               f"it resumes from them (init_from decides only how a run starts)", flush=True)
     else:

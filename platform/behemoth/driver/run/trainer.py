@@ -1,5 +1,6 @@
-"""Driver side: a checked job config -> Ray Train TorchTrainer -> fit -> a summary. The driver's process never
-touches CUDA (the workers do; a sweep's lane is a worker host: hosts/lane.py).
+"""Driver side: Ray Train's launcher (a TorchTrainer's fit) behind the run sequence (driver/run/sequence.py),
+and `train`, the Python API's and the command line's way into it. The driver's process never touches CUDA
+(the workers do; a sweep's lane is a worker host: hosts/lane.py).
 
 The data is checked by its task before Ray starts (Task.check), so a missing folder, an empty class or a
 file without its column fails in a second with a message naming it, not after a cluster has been brought up;
@@ -9,19 +10,16 @@ Data) before the workers start.
 
 from __future__ import annotations
 
+import contextlib
 import threading
-import time
 
 from behemoth.config import JobConfig
-from behemoth.driver.run import preflight
 from behemoth.driver.ray_cluster import session as ray_session
-from behemoth.driver.run.resume import (check_resume_compatible, check_resume_data, check_something_trained,
-                                    describe_rerun, resolve_init_from, retention, retire_unregistered, run_dir,
-                                    run_place)
 from behemoth.driver.ray_cluster.stale_requests import withdraw_killed_drivers_requests
-from behemoth.driver.run.summary import RunSummary, summarise
+from behemoth.driver.run.resume import retention, run_dir, run_place
+from behemoth.driver.run.sequence import Launched, PlannedRun, prepare_data, run_sequence, used_up
+from behemoth.driver.run.summary import RunSummary
 from behemoth.errors import RunFailedError, user_facing_error
-from behemoth.tasks import task_of
 
 
 def worker_resources(cfg: JobConfig) -> dict:
@@ -32,13 +30,35 @@ def worker_resources(cfg: JobConfig) -> dict:
     return resources
 
 
+def torch_trainer(cfg: JobConfig, loop, loop_config: dict, run_config: dict, num_workers=None):
+    """A TorchTrainer running `loop` on the job's workers (training and `behemoth eval` alike): the job's
+    resources per worker, Ray Train's quiet logging and the workers' environment; `run_config`: RunConfig's
+    other settings (name, storage_path, ...); `num_workers`: default the job's (a (min, max) pair if elastic)."""
+    from ray.train import LoggingConfig, RunConfig, ScalingConfig
+
+    s = cfg.scaling
+    if num_workers is None:
+        num_workers = tuple(s.num_workers) if s.elastic else s.num_workers
+    return ray_session.torch_trainer(
+        loop, train_loop_config=loop_config,
+        scaling_config=ScalingConfig(num_workers=num_workers, use_gpu=s.use_gpu,
+                                     resources_per_worker=worker_resources(cfg),
+                                     elastic_resize_monitor_interval_s=s.elastic_resize_interval_s),
+        run_config=RunConfig(
+            # Ray Train's per-report INFO lines would bury behemoth's progress lines.
+            logging_config=LoggingConfig(log_level="WARNING"),
+            # merged with the job's runtime env (its py_modules stay)
+            worker_runtime_env={"env_vars": ray_session.worker_env_vars()}, **run_config),
+    )
+
+
 def build_trainer(cfg: JobConfig, data, callbacks: list | None = None, fence=None):
     """`data`: what prepare_data returned (the task's prepared data: e.g. an image index). `callbacks`: Ray Train
     callbacks (the run's recorder, tracking/callbacks.py; a sweep's trial adds the one that reports to Tune).
     `fence` (runlock.Fence): the workers check the lease around each checkpoint upload (hosts/lease_fence.py)
     and before a restore deletes an unfinished upload (worker/restore.py)."""
     import ray
-    from ray.train import FailureConfig, LoggingConfig, RunConfig, ScalingConfig
+    from ray.train import FailureConfig
 
     from behemoth.driver.ray_cluster import failure_policy
     from behemoth.worker.loop import train_loop_per_worker
@@ -47,33 +67,18 @@ def build_trainer(cfg: JobConfig, data, callbacks: list | None = None, fence=Non
     # the wait for nodes
     failure_policy.install(cfg.failure.replacement_wait_s)
     ray_session.set_ray_train_env()
-    resources = worker_resources(cfg)
     if fence is not None:
         from behemoth.hosts.lease_fence import LeaseFenceCallback
 
         callbacks = [*(callbacks or []), LeaseFenceCallback(fence)]
-    return ray_session.torch_trainer(
-        train_loop_per_worker,
-        # The data travels once through the object store, not pickled into every worker's config.
-        train_loop_config={"job": cfg.to_dict(), "data_ref": ray.put(data), "fence": fence},
-        scaling_config=ScalingConfig(
-            num_workers=tuple(cfg.scaling.num_workers) if cfg.scaling.elastic else cfg.scaling.num_workers,
-            use_gpu=cfg.scaling.use_gpu, resources_per_worker=resources,
-            elastic_resize_monitor_interval_s=cfg.scaling.elastic_resize_interval_s,
-        ),
-        run_config=RunConfig(
-            name=run_place(cfg).name,
-            storage_path=run_place(cfg).storage,
-            failure_config=FailureConfig(max_failures=cfg.failure.max_failures,
-                                         max_preemption_failures=cfg.failure.max_preemptions),
-            callbacks=list(callbacks or []),
-            checkpoint_config=retention(cfg),
-            # Ray Train's per-report INFO lines would bury behemoth's progress lines.
-            logging_config=LoggingConfig(log_level="WARNING"),
-            # merged with the job's runtime env (its py_modules stay)
-            worker_runtime_env={"env_vars": ray_session.worker_env_vars()},
-        ),
-    )
+    place = run_place(cfg)
+    # The data travels once through the object store, not pickled into every worker's config; the config
+    # travels typed (each worker unpickles it: parsed once, on the driver).
+    return torch_trainer(cfg, train_loop_per_worker, {"job": cfg, "data_ref": ray.put(data), "fence": fence}, dict(
+        name=place.name, storage_path=place.storage, callbacks=list(callbacks or []),
+        failure_config=FailureConfig(max_failures=cfg.failure.max_failures,
+                                     max_preemption_failures=cfg.failure.max_preemptions),
+        checkpoint_config=retention(cfg)))
 
 
 def train(cfg: JobConfig, callbacks: list | None = None, lock: bool = True, process_start: float | None = None,
@@ -89,79 +94,55 @@ def train(cfg: JobConfig, callbacks: list | None = None, lock: bool = True, proc
 
     tracking = RunTracking(cfg, run_dir(cfg), process_start, parent_mlflow_run)
     if not lock:
-        return _train(cfg, callbacks, tracking, end_ray, fence)
+        return run_sequence(cfg, RayTrainLauncher(tracking, callbacks, end_ray, fence), tracking, fence)
     from behemoth.storage.runlock import RunLock
 
     with RunLock(run_dir(cfg), f"run '{cfg.checkpoint.run_name}'") as held:
-        return _train(cfg, callbacks, tracking, end_ray, held.fence())
+        fence = held.fence()
+        return run_sequence(cfg, RayTrainLauncher(tracking, callbacks, end_ray, fence), tracking, fence)
 
 
-def _train(cfg: JobConfig, callbacks: list | None, tracking, end_ray: bool = False, fence=None) -> RunSummary:
-    check_resume_compatible(cfg)
-    rerun = describe_rerun(cfg)  # what changed keys do from the resume step, said before anything starts
-    if rerun is not None:
-        print(f"[behemoth] {rerun.line(cfg)}", flush=True)
-    cfg = resolve_init_from(cfg)
-    started = time.time()
-    data = prepare_data(cfg, tracking.mark)
-    check_resume_data(cfg, data)
-    from ray.train import TrainingFailedError
+class RayTrainLauncher:
+    """A run through Ray Train: a TorchTrainer of the job's workers, fit once (Ray Train restarts the worker
+    group after failures, failure.max_failures times). See sequence.Launcher."""
 
-    withdraw_killed_drivers_requests(tracking.run_dir, tracking.invocation)
-    trainer = build_trainer(cfg, data, [*tracking.callbacks(), *(callbacks or [])], fence)
-    ray_session.warm_up_data_processes(cfg, data)
-    try:
-        result = trainer.fit()
-    except TrainingFailedError as e:
-        ray_session.end_ray(end_ray)
-        tracking.finish("failed")
-        if user_facing_error(e) is not None:  # behemoth's own message (bad data, ...) says it better
-            raise
-        raise RunFailedError(_failure_message(cfg, e)) from e
-    retire_unregistered(cfg, result.best_checkpoints or [], fence)
-    summary = summarise(cfg, result, time.time() - started)
-    returned = result.return_value or {}
-    # Ray's local shutdown (mostly waiting for its processes to end) and the run's last records (the report's
-    # plots: CPU-bound) need nothing of each other and each take seconds: side by side, not one after the other.
-    ending = threading.Thread(target=ray_session.end_ray, args=(end_ray,), name="behemoth-end-ray")
-    ending.start()
-    try:
-        tracking.finish("finished", returned.get("clock"), returned.get("final_step"), summary.best_checkpoint)
-    finally:
-        ending.join()
-    summary.goodput, summary.report = tracking.account, tracking.report_path
-    summary.tensorboard = cfg.tracking.tensorboard
-    check_something_trained(cfg, rerun, summary)
-    return summary
+    def __init__(self, tracking, callbacks: list | None, end_ray: bool, fence):
+        self.tracking, self.callbacks, self.end_ray, self.fence = tracking, list(callbacks or []), end_ray, fence
 
+    def prepare(self, run: PlannedRun, mark):
+        return prepare_data(run.cfg, mark)
 
-def _failure_message(cfg: JobConfig, e: Exception) -> str:
-    """What failed, what is kept, what to do: for a run whose worker group kept failing."""
-    from behemoth.storage.checkpoint import complete_checkpoints
+    def launch(self, run: PlannedRun, data) -> Launched:
+        from ray.train import TrainingFailedError
 
-    failures = getattr(e, "worker_failures", None) or {"controller": getattr(e, "controller_failure", e)}
-    reasons = "; ".join(f"rank {rank}: {str(exc).strip().splitlines()[0]}" for rank, exc in failures.items())
-    folder = run_dir(cfg)
-    kept = complete_checkpoints(folder)
-    latest = f" (latest at step {kept[0][0]}: {kept[0][1].rstrip('/').rpartition('/')[2]})" if kept else ""
-    return (f"run '{cfg.checkpoint.run_name}' failed and failure.max_failures={cfg.failure.max_failures} restarts "
-            f"are used up: {reasons}. Its checkpoints are kept in {folder}{latest}: rerun the same command to "
-            f"resume from the latest, or allow more restarts with failure.max_failures")
+        withdraw_killed_drivers_requests(self.tracking.run_dir, self.tracking.invocation)
+        trainer = build_trainer(run.cfg, data, [*self.tracking.callbacks(), *self.callbacks], self.fence)
+        ray_session.warm_up_data_processes(run.cfg, data)
+        try:
+            result = trainer.fit()
+        except TrainingFailedError as e:
+            ray_session.end_ray(self.end_ray)
+            if user_facing_error(e) is not None:  # behemoth's own message (bad data, ...) says it better
+                raise
+            failures = getattr(e, "worker_failures", None) or {"controller": getattr(e, "controller_failure", e)}
+            reasons = "; ".join(f"rank {rank}: {str(exc).strip().splitlines()[0]}" for rank, exc in failures.items())
+            raise RunFailedError(used_up(run.cfg, reasons, "rerun the same command to resume from the latest, or "
+                                                           "allow more restarts with failure.max_failures")) from e
+        return Launched(result.best_checkpoints or [], result, result.return_value or {})
 
+    def records_failure(self, error: BaseException) -> bool:
+        """The run failed (its restarts used up, or behemoth's own error): not the driver interrupted."""
+        from ray.train import TrainingFailedError
 
-def prepare_data(cfg: JobConfig, mark=lambda milestone: None):
-    """The task checks its data (before Ray starts), Ray starts, the task prepares what the workers read.
-    `mark`: called with each milestone's name (the goodput account's start-up detail)."""
-    task = task_of(cfg)
-    preflight.check_sources(cfg)
-    checked = task.check(cfg)
-    preflight.check_epoch(cfg, task.train_samples(cfg, checked))
-    mark("data_checked")
-    ray_session.ensure_ray()
-    mark("ray_ready")
-    data = task.prepare(cfg, checked)
-    preflight.check_epoch(cfg, task.train_samples(cfg, data))  # (text: the blocks are known once packed)
-    mark("data_ready")
-    return data
+        return isinstance(error, (TrainingFailedError, RunFailedError))
 
-
+    @contextlib.contextmanager
+    def ending(self):
+        """Ray's local shutdown (mostly waiting for its processes to end) and the run's last records (the report's
+        plots: CPU-bound) need nothing of each other and each take seconds: side by side, not one after the other."""
+        ending = threading.Thread(target=ray_session.end_ray, args=(self.end_ray,), name="behemoth-end-ray")
+        ending.start()
+        try:
+            yield
+        finally:
+            ending.join()

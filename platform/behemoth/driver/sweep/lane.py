@@ -34,14 +34,11 @@ import gc
 import json
 import os
 import sys
-import time
 import traceback
 
 import torch
 
 from behemoth import hosts
-from behemoth.storage import paths
-from behemoth.storage.checkpoint import complete_checkpoints
 from behemoth.config import JobConfig
 from behemoth.driver.sweep.process_state import fresh_state
 from behemoth.errors import RunFailedError, user_facing_error
@@ -85,41 +82,53 @@ def train_in_lane(cfg: JobConfig, forward=None, parent_mlflow_run: str | None = 
 
 
 def _train_in_lane(cfg: JobConfig, forward, parent_mlflow_run: str | None, fence):
-    from behemoth.driver.run import resume
-    from behemoth.driver.run.summary import summarise
+    from behemoth.driver.run.resume import run_dir
+    from behemoth.driver.run.sequence import run_sequence
     from behemoth.tracking.invocation import RunTracking
 
-    tracking = RunTracking(cfg, resume.run_dir(cfg), parent_mlflow_run=parent_mlflow_run)
-    resume.check_resume_compatible(cfg)
-    cfg = resume.resolve_init_from(cfg)
-    started = time.time()
-    data = _prepared(cfg, tracking.mark)
-    resume.check_resume_data(cfg, data)
-    recorder = tracking.callbacks()[0]
-    ctx = LaneHost(resume.run_place(cfg), functools.partial(resume.retained, cfg), recorder, fence, forward)
-    fresh_state().restore()  # as a fresh worker process starts (sweep/process_state.py)
-    _TRIALS_HERE[0] += 1
-    try:
-        returned = _loop_with_restarts(cfg, data, ctx, recorder)
-    except SystemExit:  # Tune stopped the trial (ASHA): as through Ray Train, its invocation has no end record
+    tracking = RunTracking(cfg, run_dir(cfg), parent_mlflow_run=parent_mlflow_run)
+    return run_sequence(cfg, LaneLauncher(tracking, forward, fence), tracking, fence)
+
+
+class LaneLauncher:
+    """A run in this process, under the lane's host: the run sequence's launcher for a sweep's one-worker trial
+    (driver/run/sequence.py), as trainer.RayTrainLauncher is for a run through Ray Train."""
+
+    def __init__(self, tracking, forward, fence):
+        self.tracking, self.forward, self.fence = tracking, forward, fence
+        self.recorder = None
+
+    def prepare(self, run, mark):
+        return _prepared(run.cfg, mark)
+
+    def launch(self, run, data):
+        from behemoth.driver.run.resume import retained
+        from behemoth.driver.run.sequence import Launched
+
+        self.recorder = recorder = self.tracking.callbacks()[0]
+        ctx = LaneHost(run.place, functools.partial(retained, run.cfg), recorder, self.fence, self.forward)
+        fresh_state().restore()  # as a fresh worker process starts (sweep/process_state.py)
+        _TRIALS_HERE[0] += 1
+        try:
+            returned = _loop_with_restarts(run.cfg, data, ctx, recorder)
+        except BaseException:  # (a SystemExit too: Tune stopped the trial at a report)
+            ctx.close()
+            recorder.close()
+            raise
+        finally:
+            _tidy()
         ctx.close()
-        recorder.close()
-        raise
-    except BaseException:
-        ctx.close()
-        recorder.close()
-        tracking.finish("failed")
-        raise
-    finally:
-        _tidy()
-    ctx.close()
-    resume.retire_unregistered(cfg, ctx.kept, fence)  # older complete checkpoints it never registered
-    summary = summarise(cfg, ctx.result(returned), time.time() - started)
-    recorder.close()
-    tracking.finish("finished", returned.get("clock"), returned.get("final_step"), summary.best_checkpoint)
-    summary.goodput, summary.report, summary.tensorboard = tracking.account, tracking.report_path, \
-        cfg.tracking.tensorboard
-    return summary
+        return Launched(ctx.kept, ctx.result(returned), returned)
+
+    def records_failure(self, error: BaseException) -> bool:
+        """Tune stopped the trial (ASHA: SystemExit at a report): as through Ray Train, its invocation has no end
+        record; any other error ended the run."""
+        return not isinstance(error, SystemExit)
+
+    @contextlib.contextmanager
+    def ending(self):
+        self.recorder.close()  # the recorder's last lines before the invocation's end record
+        yield
 
 
 def _loop_with_restarts(cfg: JobConfig, data, ctx: LaneHost, recorder) -> dict:
@@ -132,7 +141,7 @@ def _loop_with_restarts(cfg: JobConfig, data, ctx: LaneHost, recorder) -> dict:
         recorder.event("group_start", workers=1, lane_pid=os.getpid())
         try:
             with hosts.hosted(ctx):
-                returned = train_loop_per_worker({"job": cfg.to_dict(), "data": data, "fence": ctx.fence})
+                returned = train_loop_per_worker({"job": cfg, "data": data, "fence": ctx.fence})
                 ctx.drain()
             return returned
         except Exception as e:  # decided below: restarted, or the run's failure
@@ -158,18 +167,16 @@ def _loop_with_restarts(cfg: JobConfig, data, ctx: LaneHost, recorder) -> dict:
 
 
 def _failure_message(cfg: JobConfig, e: Exception, failures: int) -> str:
-    kept = complete_checkpoints(paths.RunPlace.of(cfg.checkpoint.storage_path, cfg.checkpoint.run_name).folder)
-    latest = f" (latest at step {kept[0][0]})" if kept else ""
+    from behemoth.driver.run.sequence import used_up
+
     first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-    return (f"run '{cfg.checkpoint.run_name}' failed and failure.max_failures={cfg.failure.max_failures} restarts "
-            f"are used up ({failures} used): {type(e).__name__}: {first}. Its checkpoints are kept{latest}: "
-            f"rerun the sweep to resume it")
+    return used_up(cfg, f"{type(e).__name__}: {first} ({failures} restarts in the lane)", "rerun the sweep to resume it")
 
 
 def _prepared(cfg: JobConfig, mark):
     """The task's prepared data, made once per lane process for each data config (the sweep's driver made it
     first: here it is only checked and opened)."""
-    from behemoth.driver.run.trainer import prepare_data
+    from behemoth.driver.run.sequence import prepare_data
 
     key = json.dumps({"data": cfg.to_dict()["data"], "model": cfg.to_dict()["model"], "seed": cfg.train.seed},
                      sort_keys=True, default=str)

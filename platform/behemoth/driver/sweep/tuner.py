@@ -69,7 +69,7 @@ def run_sweep(sweep_cfg: SweepConfig) -> SweepResult:
 def _run_sweep(sweep_cfg: SweepConfig, jobs: list, place: paths.RunPlace, fence) -> SweepResult:
     sweep_dir = place.folder
     metric, mode = metric_and_mode(sweep_cfg, jobs[0])
-    from behemoth.driver.run.trainer import prepare_data
+    from behemoth.driver.run.sequence import prepare_data
 
     for job in _distinct_data(jobs):  # checks the data, starts Ray; text: tokenised once, here, into the cache
         prepare_data(job)
