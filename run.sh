@@ -42,7 +42,7 @@ setup() {
 }
 
 # exec keeps this shell's process, so /proc would date the Python it starts from this shell's start, before
-# the install: the time of the exec goes along (behemoth's driver/commands/cli.py _process_start reads it).
+# the install: the time of the exec goes along (behemoth's tracking/invocation.py process_start reads it).
 exec_python() {
   BEHEMOTH_EXEC_TIME=$(date +%s.%N) exec "$@"
 }

@@ -412,11 +412,11 @@ def test_the_end_of_a_run_shows_one_account_everywhere(tmp_path, uri):
 
 PROBE = '''
 import json, subprocess, sys, time
-from behemoth.driver.commands.cli import _process_start
+from behemoth.tracking.invocation import process_start as _process_start
 
 def test_probe():
     time.sleep(1.0)  # a process this Python starts later (it inherits run.sh's variable) dates from its own start
-    child = subprocess.run([sys.executable, "-c", "from behemoth.driver.commands.cli import _process_start as p; "
+    child = subprocess.run([sys.executable, "-c", "from behemoth.tracking.invocation import process_start as p; "
                             "import time; print(p(), time.time())"], capture_output=True, text=True, check=True)
     with open(OUT, "w") as f:
         json.dump({"start": _process_start(), "now": time.time(), "child": child.stdout.split()}, f)

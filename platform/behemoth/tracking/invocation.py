@@ -24,6 +24,31 @@ from behemoth.storage import filesystem
 GOODPUT = "goodput.json"
 
 
+# Set by run.sh as it execs Python (after installing it): when this Python started (see process_start).
+EXEC_TIME_ENV = "BEHEMOTH_EXEC_TIME"
+
+
+def process_start() -> float | None:
+    """When this Python started (the goodput account's start-up and the `first step` line count from it, imports
+    included): Linux's /proc start time, or, where a shell `exec`ed Python after its own work (run.sh, after
+    installing: the process, and so its /proc start, is the shell's), the exec's time the shell recorded in
+    EXEC_TIME_ENV. The later of the two: a process this Python starts inherits the variable but started after
+    it. None without /proc (the account then starts at `train`)."""
+    try:
+        with open("/proc/self/stat") as f:
+            after_name = f.read().rsplit(")", 1)[1].split()  # the name may hold spaces; fields from the 3rd on
+        since_boot = int(after_name[19]) / os.sysconf("SC_CLK_TCK")  # field 22: starttime, in ticks after boot
+        # Dated from now back, on the clock starttime counts on (CLOCK_BOOTTIME): /proc/stat's btime is whole
+        # seconds, which would put the start up to 1 s early.
+        started = time.time() - (time.clock_gettime(time.CLOCK_BOOTTIME) - since_boot)
+    except (OSError, ValueError, IndexError, AttributeError):
+        return None
+    try:
+        return max(started, float(os.environ.get(EXEC_TIME_ENV, "")))
+    except ValueError:  # not set (or not a number: a shell whose `date` has no %N)
+        return started
+
+
 class RunTracking:
     def __init__(self, cfg: JobConfig, run_dir: str, process_start: float | None = None,
                  parent_mlflow_run: str | None = None):

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -15,8 +14,6 @@ from behemoth.config import dump_yaml
 from behemoth.job import load_config
 from behemoth.errors import ConfigError, user_facing_error
 
-# Set by run.sh as it execs Python (after installing it): when this Python started (see _process_start).
-EXEC_TIME_ENV = "BEHEMOTH_EXEC_TIME"
 
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
@@ -291,7 +288,9 @@ def _dispatch(args) -> int:
         print(f"{args.cluster_yaml}: {len(findings)} problem(s)" if findings else f"{args.cluster_yaml}: OK")
         return 1 if findings else 0
     if args.command == "check-nodes":
-        return _check_nodes(load_config(args.config, args.overrides))
+        from behemoth.driver.commands.node_check import report_nodes
+
+        return report_nodes(load_config(args.config, args.overrides))
     if args.command == "spot-watch":
         from behemoth.driver.commands.spot_watch import run as watch
 
@@ -316,7 +315,9 @@ def _dispatch(args) -> int:
     if args.command == "generate":
         return _generate_command(args)
     if args.command == "check" and _is_sweep(args.config):
-        return _check_sweep(args.config, args.overrides)
+        from behemoth.driver.sweep.config import check_sweep_file
+
+        return check_sweep_file(args.config, args.overrides)
     cfg = load_config(args.config, args.overrides)
     if args.command == "eval":
         from behemoth.driver.run.evaluation import evaluate_checkpoint
@@ -326,47 +327,28 @@ def _dispatch(args) -> int:
                          f"  written to {written}"]))
         return 0
     if args.command == "check":
-        from behemoth.driver.commands.data_bench import feed_check
-
-        checked = _check_data(cfg)  # (before the config is shown: a data error is then the one line printed)
-        print(dump_yaml(cfg), end="")
-        print(f"# data: {checked}")
-        print(f"# nodes: {_node_paths_line(cfg)}")
-        line, warning = feed_check(cfg)
-        print(f"# feed: {line}")
-        if warning:
-            print(f"behemoth: warning: {warning}", file=sys.stderr)
-        return 0
+        return _check_command(cfg)
     from behemoth.driver.run.trainer import train
+    from behemoth.tracking.invocation import process_start
 
-    summary = train(cfg, process_start=_process_start(), end_ray=True)
+    summary = train(cfg, process_start=process_start(), end_ray=True)
     print("\n".join(["[behemoth] run finished"] + [f"  {line}" for line in summary.lines()]))
     return 0
 
 
-def _process_start() -> float | None:
-    """When this Python started (the goodput account's start-up and the `first step` line count from it, imports
-    included): Linux's /proc start time, or, where a shell `exec`ed Python after its own work (run.sh, after
-    installing: the process, and so its /proc start, is the shell's), the exec's time the shell recorded in
-    EXEC_TIME_ENV. The later of the two: a process this Python starts inherits the variable but started after
-    it. None without /proc (the account then starts at `train`)."""
-    import os
+def _check_command(cfg) -> int:
+    """`behemoth check JOB.yaml`: the data checked, the config shown, what a joining node needs, the feed."""
+    from behemoth.driver.commands.data_bench import feed_check
 
-    import time
-
-    try:
-        with open("/proc/self/stat") as f:
-            after_name = f.read().rsplit(")", 1)[1].split()  # the name may hold spaces; fields from the 3rd on
-        since_boot = int(after_name[19]) / os.sysconf("SC_CLK_TCK")  # field 22: starttime, in ticks after boot
-        # Dated from now back, on the clock starttime counts on (CLOCK_BOOTTIME): /proc/stat's btime is whole
-        # seconds, which would put the start up to 1 s early.
-        started = time.time() - (time.clock_gettime(time.CLOCK_BOOTTIME) - since_boot)
-    except (OSError, ValueError, IndexError, AttributeError):
-        return None
-    try:
-        return max(started, float(os.environ.get(EXEC_TIME_ENV, "")))
-    except ValueError:  # not set (or not a number: a shell whose `date` has no %N)
-        return started
+    checked = _check_data(cfg)  # (before the config is shown: a data error is then the one line printed)
+    print(dump_yaml(cfg), end="")
+    print(f"# data: {checked}")
+    print(f"# nodes: {_node_paths_line(cfg)}")
+    line, warning = feed_check(cfg)
+    print(f"# feed: {line}")
+    if warning:
+        print(f"behemoth: warning: {warning}", file=sys.stderr)
+    return 0
 
 
 def _generate_command(args) -> int:
@@ -460,22 +442,6 @@ def _data_command(args) -> int:
     return 0
 
 
-def _check_nodes(cfg) -> int:
-    """`behemoth check-nodes`: one line per node; exit 1 where any node misses a path."""
-    import ray
-
-    from behemoth.driver.commands.node_check import check_nodes, job_paths
-
-    if not ray.is_initialized():
-        ray.init(address=os.environ.get("RAY_ADDRESS", "auto"), logging_level="warning", log_to_driver=False)
-    answers = check_nodes(cfg)
-    for a in answers:
-        lacks = "; ".join(f"{k} {v}" for k, v in a["missing"].items())
-        print(f"node {a['node'][:12]} ({a['host']}): " + (f"MISSING {lacks}" if lacks else "sees every path"))
-    print(f"# {len(answers)} node(s); paths checked: {', '.join(job_paths(cfg)) or 'none (all URIs or Hub names)'}")
-    return 1 if any(a["missing"] for a in answers) else 0
-
-
 def _is_sweep(path: str) -> bool:
     """A sweep YAML (job: and space: at its top) rather than a job's."""
     try:
@@ -483,35 +449,6 @@ def _is_sweep(path: str) -> bool:
     except (OSError, yaml.YAMLError):
         return False  # (the job loader says what is wrong with it)
     return isinstance(raw, dict) and "job" in raw and "space" in raw
-
-
-def _check_sweep(path: str, overrides: list[str]) -> int:
-    """`behemoth check SWEEP.yaml`: the sweep's keys and space, every trial's job (each grid combination and
-    each range's ends) and each distinct data, as `behemoth tune` checks them before Ray starts; then one line
-    per data and a summary. Nothing is started."""
-    import json
-
-    from behemoth.driver.run import preflight
-    from behemoth.driver.run.sequence import check_data
-    from behemoth.driver.sweep.config import check_sweep, load_sweep, metric_and_mode
-    from behemoth.tasks import task_of
-
-    sweep_cfg = load_sweep(path, overrides)
-    jobs = check_sweep(sweep_cfg)
-    described = {}
-    for job in jobs:
-        key = json.dumps(job.to_dict()["data"], sort_keys=True)
-        task = task_of(job)
-        if key not in described:
-            described[key] = (check_data(job, task, epoch=False), task)  # the data once per distinct data
-        checked, _ = described[key]
-        preflight.check_epoch(job, task.train_samples(job, checked))  # every trial's batch size
-    metric, mode = metric_and_mode(sweep_cfg, jobs[0])
-    for checked, task in described.values():
-        print(f"# data: {task.describe(jobs[0], checked)}")
-    print(f"# sweep {sweep_cfg.name}: {len(jobs)} trial jobs checked ({', '.join(sweep_cfg.space)}); metric "
-          f"{metric} ({mode}); scheduler {sweep_cfg.scheduler.kind}; folder {sweep_cfg.storage_path}")
-    return 0
 
 
 def _node_paths_line(cfg) -> str:

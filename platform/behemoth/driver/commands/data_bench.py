@@ -73,7 +73,7 @@ def bench_data(cfg: JobConfig, seconds: float = 20.0, step_rate: float | None = 
     import ray
 
     from behemoth.driver.ray_cluster import session as ray_session
-    from behemoth.driver.run import sequence, trainer
+    from behemoth.driver.run import sequence
     rate_from = ""
     if step_rate is None and run_dir:
         step_rate = measured_step_rate(run_dir)

@@ -55,3 +55,19 @@ def check_nodes(cfg: JobConfig) -> list[dict]:
     refs = [task.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node["NodeID"], soft=False)).remote(paths)
             for node in ray.nodes() if node["Alive"]]
     return ray.get(refs, timeout=120)
+
+
+def report_nodes(cfg) -> int:
+    """`behemoth check-nodes`: one line per node; exit 1 where any node misses a path."""
+    import os
+
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(address=os.environ.get("RAY_ADDRESS", "auto"), logging_level="warning", log_to_driver=False)
+    answers = check_nodes(cfg)
+    for a in answers:
+        lacks = "; ".join(f"{k} {v}" for k, v in a["missing"].items())
+        print(f"node {a['node'][:12]} ({a['host']}): " + (f"MISSING {lacks}" if lacks else "sees every path"))
+    print(f"# {len(answers)} node(s); paths checked: {', '.join(job_paths(cfg)) or 'none (all URIs or Hub names)'}")
+    return 1 if any(a["missing"] for a in answers) else 0

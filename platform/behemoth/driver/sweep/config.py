@@ -258,3 +258,31 @@ def concurrency_bound(jobs: list[JobConfig], cluster: dict[str, float]) -> int:
                           f"{cluster.get('CPU', 0):g} and {cluster.get('GPU', 0):g}: lower scaling.num_workers / "
                           f"cpus_per_worker, or set max_concurrent_trials on a cluster that autoscales")
     return n
+
+
+def check_sweep_file(path: str, overrides: list[str]) -> int:
+    """`behemoth check SWEEP.yaml`: the sweep's keys and space, every trial's job (each grid combination and
+    each range's ends) and each distinct data, as `behemoth tune` checks them before Ray starts; then one line
+    per data and a summary. Nothing is started."""
+    import json
+
+    from behemoth.driver.run import preflight
+    from behemoth.driver.run.sequence import check_data
+    from behemoth.tasks import task_of
+
+    sweep_cfg = load_sweep(path, overrides)
+    jobs = check_sweep(sweep_cfg)
+    described = {}
+    for job in jobs:
+        key = json.dumps(job.to_dict()["data"], sort_keys=True)
+        task = task_of(job)
+        if key not in described:
+            described[key] = (check_data(job, task, epoch=False), task)  # the data once per distinct data
+        checked, _ = described[key]
+        preflight.check_epoch(job, task.train_samples(job, checked))  # every trial's batch size
+    metric, mode = metric_and_mode(sweep_cfg, jobs[0])
+    for checked, task in described.values():
+        print(f"# data: {task.describe(jobs[0], checked)}")
+    print(f"# sweep {sweep_cfg.name}: {len(jobs)} trial jobs checked ({', '.join(sweep_cfg.space)}); metric "
+          f"{metric} ({mode}); scheduler {sweep_cfg.scheduler.kind}; folder {sweep_cfg.storage_path}")
+    return 0
