@@ -116,12 +116,14 @@ def check_data(cfg: JobConfig, task: type[Task] | None = None, epoch: bool = Tru
     return checked
 
 
-def prepare_data(cfg: JobConfig, mark: Callable[[str], None] = lambda milestone: None, epoch: bool = True):
+def prepare_data(cfg: JobConfig, mark: Callable[[str], None] = lambda milestone: None, epoch: bool = True,
+                 task: type[Task] | None = None):
     """The task checks its data (before Ray starts), Ray starts, the task prepares what the workers read.
-    `mark`: called with each milestone's name (the goodput account's start-up detail)."""
+    `mark`: called with each milestone's name (the goodput account's start-up detail); `task`: the job's, where
+    the caller resolved it."""
     from behemoth.driver.ray_cluster import session as ray_session
 
-    task = task_of(cfg)
+    task = task or task_of(cfg)
     checked = check_data(cfg, task, epoch)
     mark("data_checked")
     ray_session.ensure_ray()

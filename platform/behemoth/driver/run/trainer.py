@@ -110,7 +110,7 @@ class RayTrainLauncher:
         self.tracking, self.callbacks, self.end_ray, self.fence = tracking, list(callbacks or []), end_ray, fence
 
     def prepare(self, run: PlannedRun, mark):
-        return prepare_data(run.cfg, mark)
+        return prepare_data(run.cfg, mark, task=run.task)
 
     def launch(self, run: PlannedRun, data) -> Launched:
         from ray.train import TrainingFailedError

@@ -99,7 +99,7 @@ class LaneLauncher:
         self.recorder = None
 
     def prepare(self, run, mark):
-        return _prepared(run.cfg, mark)
+        return _prepared(run.cfg, mark, run.task)
 
     def launch(self, run, data):
         from behemoth.driver.run.resume import retained
@@ -173,7 +173,7 @@ def _failure_message(cfg: JobConfig, e: Exception, failures: int) -> str:
     return used_up(cfg, f"{type(e).__name__}: {first} ({failures} restarts in the lane)", "rerun the sweep to resume it")
 
 
-def _prepared(cfg: JobConfig, mark):
+def _prepared(cfg: JobConfig, mark, task=None):
     """The task's prepared data, made once per lane process for each data config (the sweep's driver made it
     first: here it is only checked and opened)."""
     from behemoth.driver.run.sequence import prepare_data
@@ -181,7 +181,7 @@ def _prepared(cfg: JobConfig, mark):
     key = json.dumps({"data": cfg.to_dict()["data"], "model": cfg.to_dict()["model"], "seed": cfg.train.seed},
                      sort_keys=True, default=str)
     if key not in _PREPARED:
-        _PREPARED[key] = prepare_data(cfg, mark)
+        _PREPARED[key] = prepare_data(cfg, mark, task=task)
     else:
         for milestone in ("data_checked", "ray_ready", "data_ready"):
             mark(milestone)
