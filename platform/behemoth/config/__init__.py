@@ -1,4 +1,4 @@
-"""The job config: a room of two modules, re-exported here (what the rest of the package imports).
+"""The job config: a room of three modules, re-exported here (what the rest of the package imports).
 
 - `schema`: the typed sections and their checks (DataConfig, ModelConfig, ScalingConfig, ..., JobConfig).
 - `train_section`: the `train:` section (TrainConfig) and the small sections it holds (early stopping, profile).

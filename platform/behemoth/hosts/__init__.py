@@ -1,4 +1,5 @@
-"""Who hosts the worker side, and the contract between them: the only worker-side code that touches Ray.
+"""Who hosts the worker side, and the contract between them: worker/ and tasks/ reach Ray only through a host
+(data/'s pipelines are Ray Data's own, on the workers too).
 
 - `contract`: `WorkerHost`, what the loop, the worker room and the tasks' worker halves need of their host
   (rank, device, storage, checkpoints, prepared data, report).
