@@ -11,8 +11,8 @@ import torch.distributed as dist
 
 from behemoth import hosts
 from behemoth.storage.checkpoint import TrainState
-from behemoth.worker.step_callbacks import Callback
 from behemoth.worker.collectives import distributed
+from behemoth.worker.step_callbacks import Callback
 
 
 class SampleLedger(Callback):

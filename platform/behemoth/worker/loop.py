@@ -4,10 +4,10 @@ checkpoint).
 
 What differs between workloads lives in behemoth.tasks; this file is the same for all of them. The rest of
 the worker room: step_context (what every step is taken with), step_callbacks (what runs around each step: the
-weight average, the sample ledger, the fault hooks, the profiler), plan (micro-batch x accumulation), feed
-(the steps' batches, each epoch's pipeline opened ahead), speed (TFLOP/s, MFU), restore (which checkpoint), saver (checkpoints through Ray Train), report (what a
-report step does, and when), ledger (the audit trail of samples), evaluate, collectives, parallel (DDP, FSDP,
-compression, compile), precision, optim.
+weight average, the sample ledger, the fault hooks, the profiler), plan (micro-batch x accumulation), feed (the
+steps' batches, each epoch's pipeline opened ahead), speed (TFLOP/s, MFU), restore (which checkpoint), saver
+(checkpoints through Ray Train), report (what a report step does, and when), ledger (the audit trail of
+samples), evaluate, collectives, parallel (DDP, FSDP, compression, compile), precision, optim.
 
 It never imports ray.tune. Everything that decides *when* something happens (report, evaluate, checkpoint)
 depends only on the step counter, which is identical on every rank: all ranks call the collective
@@ -33,7 +33,6 @@ from behemoth import hosts
 from behemoth.worker import parallel
 from behemoth.worker.collectives import all_reduce_sum, distributed
 from behemoth.worker.console import console
-from behemoth.worker.step_callbacks import Callbacks
 from behemoth.worker.ema import WeightAverage
 from behemoth.worker.fault_hooks import FaultHooks
 from behemoth.worker.feed import EpochFeed
@@ -47,6 +46,7 @@ from behemoth.worker.restore import load_init_from, restore_latest
 from behemoth.worker.trainables import Trainables
 from behemoth.worker.saver import CheckpointSaver
 from behemoth.worker.speed import SpeedMeter
+from behemoth.worker.step_callbacks import Callbacks
 from behemoth.worker.step_context import StepContext
 
 

@@ -17,8 +17,8 @@ import torch
 
 from behemoth import hosts
 from behemoth.storage.checkpoint import TrainState
-from behemoth.worker.step_callbacks import Callback
 from behemoth.worker.console import console
+from behemoth.worker.step_callbacks import Callback
 
 FOLDER = "profile"
 

@@ -13,7 +13,8 @@ The points, in a step's order:
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Iterable
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # annotations only
     import torch
