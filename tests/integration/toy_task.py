@@ -19,6 +19,8 @@ from behemoth.errors import ConfigError
 from behemoth.tasks import Task
 
 TRAIN, VAL = 512, 128
+# What check returns and the workers read: the generated rows, {"x": features, "y": targets}.
+Rows = dict[str, np.ndarray]
 
 
 @dataclass
@@ -35,14 +37,14 @@ class ToyData(DataConfig):
             raise ConfigError(f"data.features must be >= 1, got {self.features}")
 
 
-class LinearRegression(Task):
+class LinearRegression(Task[Rows, Rows]):
     # --- driver side ------------------------------------------------------------------------------------
     data_config = ToyData
     best = ("val_mse", "min")
     reported = {"val_mse": "min", "loss": "min"}
 
     @classmethod
-    def check(cls, cfg):
+    def check(cls, cfg) -> Rows:
         rng = np.random.default_rng(cfg.train.seed)
         w = rng.normal(size=cfg.data.features)
         x = rng.normal(size=(TRAIN + VAL, cfg.data.features)).astype(np.float32)
@@ -51,11 +53,11 @@ class LinearRegression(Task):
         return {"x": x, "y": y}
 
     @classmethod
-    def prepare(cls, cfg, data):
+    def prepare(cls, cfg, data: Rows) -> Rows:
         return data
 
     @classmethod
-    def describe(cls, cfg, data):
+    def describe(cls, cfg, data: Rows) -> str:
         return f"{TRAIN} train / {VAL} val rows of {cfg.data.features} features"
 
     @staticmethod
@@ -69,7 +71,7 @@ class LinearRegression(Task):
     # --- worker side ------------------------------------------------------------------------------------
     eval_sum_names = ("squared_error", "rows")
 
-    def __init__(self, cfg, data):
+    def __init__(self, cfg, data: Rows):
         super().__init__(cfg, data)
         self.data = data
         self.num_train_samples, self.num_val_samples = TRAIN, VAL

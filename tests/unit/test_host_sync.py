@@ -1,7 +1,7 @@
 """No host-device synchronisation between report steps: a step of every built-in task, as the loop runs it
-(behemoth.worker.loop.step: the update, the loss and sample count, the unreadable samples), asks the device for
-nothing. A GPU step that waits for the device to hand the host a number (`.item()`, `.tolist()`, a boolean
-mask, a blocking copy) drains the queue of kernels the host had run ahead with: at a 20 ms step, a few of
+(behemoth.worker.loop.step: the update, the loss and sample count, the unreadable samples; then the weight
+average's update, the loop's callback after it), asks the device for nothing. A GPU step that waits for the
+device to hand the host a number (`.item()`, `.tolist()`, a boolean mask, a blocking copy) drains the queue of kernels the host had run ahead with: at a 20 ms step, a few of
 those cost the percent that separates a platform from a plain script.
 
 This machine has no GPU, so the syncs are caught where they are asked for, not where they would wait: a
@@ -180,18 +180,24 @@ def _steps_under_watch(cfg, task, batches, steps: int = 3, device=torch.device("
     """The loop's model building, then `steps` steps of two micro-batches each (the first unwatched: AdamW
     makes its state there), as the loop runs them; what the watched steps asked the device (`watch`: a
     context manager with `found`, HostSyncs by default)."""
+    from behemoth.worker.step_callbacks import Callbacks
     from behemoth.worker.loop import _build_run, step
+    from behemoth.worker.step_context import StepContext
 
     with hosts.hosted(_Host(device)):
-        run, *_ = _build_run(cfg, task, PhaseClock(), 0, 1, device, total_steps=100)
+        run, speed, micro_batch, accum, _ = _build_run(cfg, task, PhaseClock(), 0, 1, device, total_steps=100)
+        ctx = StepContext(cfg, task, run, device, 0, 1, PhaseClock(), speed, None, micro_batch, accum, 100, 100)
+        after_update = Callbacks([run.ema]).after_update  # the step's own callback: the weight average's update
         state, window = TrainState(world_size=1), Window()
-        step(run, _on(batches(0), device), cfg, task, device, state, 0, window, 0.0)
+        loss_sum, n_valid = step(ctx, state, _on(batches(0), device), window, 0.0)
+        after_update(ctx, state, batches(0), loss_sum, n_valid)
         counters = [s["step"] for s in run.optimizer.state.values() if isinstance(s.get("step"), torch.Tensor)]
         ready = [_on(batches(i), device) for i in range(1, steps)]  # (copies outside the watch: the feed's)
         with watch or HostSyncs(host_counters=counters) as watching:
             for i in range(1, steps):
                 state.step = i
-                step(run, ready[i - 1], cfg, task, device, state, 0, window, 0.0)
+                loss_sum, n_valid = step(ctx, state, ready[i - 1], window, 0.0)
+                after_update(ctx, state, ready[i - 1], loss_sum, n_valid)
     return watching.found, window
 
 

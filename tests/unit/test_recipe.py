@@ -506,10 +506,10 @@ def test_a_profiled_window_of_steps_lands_in_the_run_folder_and_the_report_links
     state, profiler = TrainState(), StepProfiler(cfg, rank=1, device=torch.device("cpu"))
     with hosts.hosted(_Host()):
         for _ in range(6):
-            profiler.before_step(state)
+            profiler.before_step(None, state)
             model(torch.randn(4, 16)).sum().backward()
             state.step += 1
-            profiler.after_step(state)
+            profiler.after_step(None, state)
     files = sorted(p.name for p in (run / "profile").iterdir())
     assert files == ["rank1.steps-3-4.pt.trace.json"]
     events = json.loads((run / "profile" / files[0]).read_text())["traceEvents"]

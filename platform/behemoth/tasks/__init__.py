@@ -1,7 +1,8 @@
 """Tasks: what differs between workloads, each in one file that owns both sides, behind one registry keyed by
 `data.kind`.
 
-- `contract.py`: the `Task` base class, every member the generic code uses, documented once, with defaults;
+- `contract.py`: the `Task` base class, every member the generic code uses in five groups (data, model, loss,
+  evaluation, export), documented once, with defaults, generic over its checked and prepared data;
 - `registry.py`: data.kind -> task (`TASKS`, `register()`, `task_class()`);
 - one file per workload: `image.py` (image classification), `causal_lm.py` (causal language modelling),
   `chat.py` (chat fine-tuning, on causal_lm's), `text_classification.py` (sequence classification).
@@ -13,11 +14,9 @@ registry.TASKS; a task outside behemoth needs no line at all: `data.kind: my_pac
 
 from __future__ import annotations
 
-from typing import Any
-
 from behemoth.config import JobConfig
 from behemoth.errors import ConfigError
-from behemoth.tasks.contract import Task, run_metric
+from behemoth.tasks.contract import PreparedT, Task, run_metric
 from behemoth.tasks.registry import register, task_class
 
 __all__ = ["Task", "make_task", "register", "run_metric", "task_of"]
@@ -34,6 +33,6 @@ def task_of(cfg: JobConfig) -> type[Task]:
     return task
 
 
-def make_task(cfg: JobConfig, prepared: Any) -> Task:
+def make_task(cfg: JobConfig, prepared: PreparedT) -> Task:
     """Worker side: the task for this job over the data the driver prepared."""
     return task_class(cfg.data.kind)(cfg, prepared)

@@ -20,7 +20,7 @@ from behemoth.storage import weights
 from behemoth.config import JobConfig
 from behemoth.errors import ConfigError
 from behemoth.data.prefetch import to_device_ahead
-from behemoth.data.text import TextData
+from behemoth.data.text import TextData, Unit
 from behemoth.data.text_packing import TokenIndex
 from behemoth.models import registry
 from behemoth.models.causal_lm import build_causal_lm, check_causal_lm, train_on_causal_attention
@@ -41,7 +41,7 @@ def build_lm(cfg: JobConfig, vocab_size: int, eos_id: int, bos_id: int | None, t
     return model if cfg.model.lora is None else add_adapters(model, cfg.model.lora, "CAUSAL_LM")
 
 
-class CausalLM(Task):
+class CausalLM(Task[list[Unit], TokenIndex]):
     # --- driver side ------------------------------------------------------------------------------------
     data_config = TextData
     best = ("val_loss", "min")
@@ -50,7 +50,7 @@ class CausalLM(Task):
     builder_keywords = "vocab_size"
 
     @classmethod
-    def check(cls, cfg: JobConfig):
+    def check(cls, cfg: JobConfig) -> list[Unit]:
         """Files, formats, columns and the tokenizer, checked without Ray; the work units to tokenise."""
         from behemoth.data.text import load_tokenizer
         from behemoth.data.text_packing import check_text_sources
@@ -65,14 +65,14 @@ class CausalLM(Task):
         return units
 
     @classmethod
-    def train_samples(cls, cfg: JobConfig, data) -> int | None:
+    def train_samples(cls, cfg: JobConfig, data: list[Unit] | TokenIndex) -> int | None:
         """The packed blocks, once prepared; before, the blocks of a small corpus, counted (None: a larger one)."""
         from behemoth.data.text_packing import count_train_blocks
 
         return len(data.train) if isinstance(data, TokenIndex) else count_train_blocks(cfg.data, data, cfg.train.seed)
 
     @classmethod
-    def prepare(cls, cfg: JobConfig, units) -> TokenIndex:
+    def prepare(cls, cfg: JobConfig, units: list[Unit]) -> TokenIndex:
         """Tokenise and pack the corpus with Ray Data (or read its cache): the blocks the workers gather from."""
         import time
 
@@ -89,7 +89,7 @@ class CausalLM(Task):
         return tokens
 
     @classmethod
-    def describe(cls, cfg: JobConfig, units) -> str:
+    def describe(cls, cfg: JobConfig, units: list[Unit]) -> str:
         from behemoth.data.text import load_tokenizer
         from behemoth.data.text_packing import count_train_blocks
 

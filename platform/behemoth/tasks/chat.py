@@ -15,6 +15,7 @@ import torch
 
 from behemoth.config import JobConfig
 from behemoth.data.chat import ChatData, split_flags
+from behemoth.data.text import Unit
 from behemoth.data.text_packing import TokenIndex
 from behemoth.errors import ConfigError
 from behemoth.models import registry
@@ -27,7 +28,7 @@ class ChatLM(CausalLM):
     data_config = ChatData
 
     @classmethod
-    def check(cls, cfg: JobConfig):
+    def check(cls, cfg: JobConfig) -> list[Unit]:
         """Files, their first records rendered with the template, the tokenizer and the model; without Ray."""
         from behemoth.data.chat import chat_tokenizer, plan_chat_units
         from behemoth.data.text_packing import _hf_splits
@@ -52,12 +53,12 @@ class ChatLM(CausalLM):
                               f"with the tokens alone")
 
     @classmethod
-    def train_samples(cls, cfg: JobConfig, data) -> int | None:
+    def train_samples(cls, cfg: JobConfig, data: list[Unit] | TokenIndex) -> int | None:
         """The packed blocks, once prepared (how many conversations share a block is known only then)."""
         return len(data.train) if isinstance(data, TokenIndex) else None
 
     @classmethod
-    def prepare(cls, cfg: JobConfig, units) -> TokenIndex:
+    def prepare(cls, cfg: JobConfig, units: list[Unit]) -> TokenIndex:
         from behemoth.data.chat import chat_tokenizer, pad_id, prepare_chat
 
         from behemoth.models.causal_lm import generation_config
@@ -84,7 +85,7 @@ class ChatLM(CausalLM):
         return index
 
     @classmethod
-    def describe(cls, cfg: JobConfig, units) -> str:
+    def describe(cls, cfg: JobConfig, units: list[Unit]) -> str:
         from behemoth.data.chat import chat_tokenizer
 
         tok = chat_tokenizer(cfg.data)

@@ -48,7 +48,7 @@ def build_image_model(cfg: JobConfig, classes: list[str]) -> torch.nn.Module:
     return model
 
 
-class ImageClassification(Task):
+class ImageClassification(Task[ImageIndex, ImageIndex]):
     # --- driver side ------------------------------------------------------------------------------------
     data_config = ImageData
     best = ("val_accuracy", "max")

@@ -77,7 +77,7 @@ def build_classifier(cfg: JobConfig, classes: list[str], vocab_size: int, pad_id
     return model if cfg.model.lora is None else add_adapters(model, cfg.model.lora, "SEQ_CLS")
 
 
-class TextClassification(Task):
+class TextClassification(Task[LabelledRows, TokenisedRows]):
     # --- driver side ------------------------------------------------------------------------------------
     data_config = LabelledTextData
     best = ("val_accuracy", "max")
@@ -111,7 +111,7 @@ class TextClassification(Task):
         return tokenise(cfg.data, rows)
 
     @classmethod
-    def train_samples(cls, cfg: JobConfig, rows) -> int:
+    def train_samples(cls, cfg: JobConfig, rows: LabelledRows | TokenisedRows) -> int:
         return len(rows.texts["train"]) if isinstance(rows, LabelledRows) else len(rows.labels["train"])
 
     @classmethod

@@ -9,6 +9,7 @@
 - `ema`: train.ema_decay: the weights' moving average, updated on the device, kept as ema.pt
 - `evaluate`: the task's validation metrics over the whole set; `behemoth eval`'s worker function
 - `faults`: fault injection for the failure tests, each switched on by a variable; none in runs
+- `fault_hooks`: the failure tests' step hooks (slow step; kill or error after a report) as the loop's callback
 - `feed`: the rank's steps epoch after epoch; the next epoch's pipeline opened early
 - `ledger`: the sample ledger (train.sample_ledger)
 - `loop`: train_loop_per_worker and the step, top to bottom (the file to read first)
@@ -19,6 +20,8 @@
 - `profiling`: train.profile: torch.profiler traces (and CUDA memory history) of a window of steps
 - `reporting`: what a report step does (metrics, evaluation, checkpoint) and when; ReportSender
 - `restore`: which checkpoint a (re)started worker group continues from; init_from's weights
+- `step_callbacks`: what runs around every step besides the update (EMA, ledger, faults, profiler)
+- `step_context`: what every step is taken with (config, task, trainables, rank, clock...), built once
 - `trainables`: the run's objects: model, optimizer, scheduler, scaler, compression state
 - `saver`: checkpoints through the host's report, sync or async; host buffers; manifest last
 - `sharded`: sharded checkpoints: each rank's DCP shards, the manifest over all by rank 0

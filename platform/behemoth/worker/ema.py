@@ -14,8 +14,13 @@ import copy
 
 import torch
 
+from behemoth.worker.step_callbacks import Callback
 
-class WeightAverage:
+
+class WeightAverage(Callback):
+    """The average, and the loop's callback that updates it after every optimizer step (a skipped non-finite
+    step's too: the weights it averages did not change)."""
+
     def __init__(self, model: torch.nn.Module, decay: float):
         self.decay = decay
         self.module = copy.deepcopy(model).requires_grad_(False)
@@ -34,6 +39,9 @@ class WeightAverage:
         for e, b in zip(self._ema_buffers, self._buffers):
             if not e.is_floating_point():
                 e.copy_(b)
+
+    def after_update(self, ctx, state, micro_batches, loss_sum, n_valid) -> None:
+        self.update()
 
     @torch.no_grad()
     def reset(self) -> None:

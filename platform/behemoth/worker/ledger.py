@@ -12,9 +12,10 @@ import torch.distributed as dist
 from behemoth import hosts
 from behemoth.storage.checkpoint import TrainState
 from behemoth.worker.collectives import distributed
+from behemoth.worker.step_callbacks import Callback
 
 
-class SampleLedger:
+class SampleLedger(Callback):
     """Appends {"step", "epoch", "rank", "world", "group", "node", "pid", "time", "ids", "loss_sum", "samples"}
     per trained step to FOLDER/rank<r>.jsonl (loss_sum: this rank's loss summed over its samples of the step;
     time: the wall clock when the step's update was done, a clock of the audit's own, apart from the run's
@@ -45,6 +46,9 @@ class SampleLedger:
         if folder and distributed():
             dist.broadcast_object_list(group, src=0)
         self.group = group[0]
+
+    def after_update(self, ctx, state: TrainState, micro_batches: list[dict], loss_sum, n_valid) -> None:
+        self.record(state, micro_batches, loss_sum, n_valid)  # (an audit: it reads them on the host)
 
     def record(self, state: TrainState, micro_batches: list[dict], loss_sum, samples) -> None:
         if self.file is not None:

@@ -3,10 +3,11 @@ config -> task (data + model + loss) -> DDP/FSDP -> optimizer -> restore -> loop
 checkpoint).
 
 What differs between workloads lives in behemoth.tasks; this file is the same for all of them. The rest of
-the worker room: plan (micro-batch x accumulation), feed (the steps' batches, each epoch's pipeline opened
-ahead), speed (TFLOP/s, MFU), restore (which checkpoint), saver (checkpoints through Ray Train), report (what a
-report step does, and when), ledger (the audit trail of samples), evaluate, collectives, parallel (DDP, FSDP,
-compression, compile), precision, optim.
+the worker room: step_context (what every step is taken with), step_callbacks (what runs around each step: the
+weight average, the sample ledger, the fault hooks, the profiler), plan (micro-batch x accumulation), feed (the
+steps' batches, each epoch's pipeline opened ahead), speed (TFLOP/s, MFU), restore (which checkpoint), saver
+(checkpoints through Ray Train), report (what a report step does, and when), ledger (the audit trail of
+samples), evaluate, collectives, parallel (DDP, FSDP, compression, compile), precision, optim.
 
 It never imports ray.tune. Everything that decides *when* something happens (report, evaluate, checkpoint)
 depends only on the step counter, which is identical on every rank: all ranks call the collective
@@ -28,10 +29,11 @@ from behemoth.data.order import steps_per_epoch
 from behemoth.metrics import PhaseClock, Window
 from behemoth.tasks import Task, make_task
 from behemoth import hosts
-from behemoth.worker import faults, parallel
+from behemoth.worker import parallel
 from behemoth.worker.collectives import all_reduce_sum, distributed
 from behemoth.worker.console import console
 from behemoth.worker.ema import WeightAverage
+from behemoth.worker.fault_hooks import FaultHooks
 from behemoth.worker.feed import EpochFeed
 from behemoth.worker.ledger import SampleLedger
 from behemoth.worker.optim import build_optimizer, lr_schedule
@@ -43,6 +45,8 @@ from behemoth.worker.restore import load_init_from, restore_latest
 from behemoth.worker.trainables import Trainables
 from behemoth.worker.saver import CheckpointSaver
 from behemoth.worker.speed import SpeedMeter
+from behemoth.worker.step_callbacks import Callbacks
+from behemoth.worker.step_context import StepContext
 
 
 def train_loop_per_worker(loop_config: dict) -> dict:
@@ -74,38 +78,39 @@ def train_loop_per_worker(loop_config: dict) -> dict:
     state.world_size = world
     ledger = SampleLedger(cfg.train.sample_ledger, rank, world)
     saver = CheckpointSaver(cfg, rank, task.checkpoint_files(cfg, prepared), clock)
-    resumed_from_step = state.step
-    reporter = Reporter(cfg, task, run, speed, saver, micro_batch, total_steps, epoch_steps, clock,
-                        resumed_from_step)
+    step_ctx = StepContext(cfg, task, run, device, rank, world, clock, speed, saver, micro_batch, accum, epoch_steps,
+                           total_steps, resumed_from_step=state.step)  # what every step is taken with
+    reporter = Reporter(step_ctx)
     if state.step >= state.last_step(total_steps):  # a rerun of a finished run: evaluate it, train nothing
         reporter.completed_run(state)
 
-    window, bad_ids, profiler = Window(), set(), StepProfiler(cfg, rank, device)
+    # Around each step, at its named points in this order (worker/step_callbacks.py): train.ema_decay's average,
+    # the sample ledger, the failure tests' pacing, kill and error (none in a real run), train.profile's window.
+    callbacks = Callbacks([run.ema, ledger, FaultHooks(), StepProfiler(cfg, rank, device)])
+    window, bad_ids = Window(), set()
     clock.mark("loop_started")
     while state.step < state.last_step(total_steps):  # (early stopping moves the last step: report.py)
         for micro_batches, wait_s in _timed(feed.steps(state)):
             clock.add("data_wait", wait_s)
-            profiler.before_step(state)  # train.profile: its window of steps recorded (worker/profiling.py)
+            callbacks.before_step(step_ctx, state)
             step_started, blocked_before = time.perf_counter(), clock.totals["checkpoint"]
-            loss_sum, n_valid = step(run, micro_batches, cfg, task, device, state, rank, window, wait_s,
-                                     saver.before_update)
-            ledger.record(state, micro_batches, loss_sum, n_valid)  # (an audit: it reads them on the host)
-            faults.slow_step(world)  # the failure tests' pacing (behemoth/worker/faults.py); nothing in a real run
+            loss_sum, n_valid = step(step_ctx, state, micro_batches, window, wait_s)
+            callbacks.after_update(step_ctx, state, micro_batches, loss_sum, n_valid)
             state.advance(epoch_steps, cfg.train.global_batch_size)
             feed.ahead(state, total_steps)
             # the step's time, less what it waited for a checkpoint snapshot (counted as checkpoint time)
             clock.add("step", time.perf_counter() - step_started - (clock.totals["checkpoint"] - blocked_before))
             clock.mark_once("first_step")  # time to first step: the start-up a user waits through
-            profiler.after_step(state)
+            callbacks.after_step(step_ctx, state)
             if report_due(cfg, state, total_steps):
                 reporter.report(state, window, bad_ids)
                 window = Window()
-            faults.at_step(state.step, rank, clock.totals)  # the failure tests' kill or error (behemoth/worker/faults.py)
+            callbacks.after_report(step_ctx, state)  # (the failure tests' kill point: after the report)
             if state.step >= state.last_step(total_steps):
                 break
     # Rank 0's return value reaches the driver as Result.return_value.
-    return {"resumed_from_step": resumed_from_step, "final_step": state.step, "peak_source": speed.peak_source,
-            "clock": clock.snapshot()}
+    return {"resumed_from_step": step_ctx.resumed_from_step, "final_step": state.step,
+            "peak_source": speed.peak_source, "clock": clock.snapshot()}
 
 
 def _build_run(cfg: JobConfig, task: Task, clock: PhaseClock, rank: int, world: int, device, total_steps: int,
@@ -136,21 +141,20 @@ def _build_run(cfg: JobConfig, task: Task, clock: PhaseClock, rank: int, world: 
     return run, speed, micro_batch, accum, init_line
 
 
-def step(run: Trainables, micro_batches: list[dict], cfg: JobConfig, task: Task, device: torch.device, state: TrainState,
-         rank: int, window: Window, wait_s: float, before_update=None):
+def step(ctx: StepContext, state: TrainState, micro_batches: list[dict], window: Window, wait_s: float):
     """A training step as the loop runs it between two report steps: the update, and the window's account of
     it, none of which waits for the device (the loss, the sample count and the unreadable samples stay device
     tensors until the report reads them; tests/unit/test_host_sync.py counts). Returns (loss_sum, n_valid)."""
+    cfg, run = ctx.cfg, ctx.trainables
     # Reseed per step: dropout and the like draw from (seed, rank, step), so a resume is exact.
-    torch.manual_seed(hash((cfg.train.seed, rank, state.step)) % 2**63)
+    torch.manual_seed(hash((cfg.train.seed, ctx.rank, state.step)) % 2**63)
+    before_update = ctx.saver.before_update if ctx.saver is not None else None  # (a snapshot may be copying)
     loss_sum, n_valid, norm = train_step(run.model, run.optimizer, run.scheduler, run.scaler, micro_batches, cfg,
-                                         task, device, before_update=before_update)
+                                         ctx.task, ctx.device, before_update=before_update)
     if cfg.train.nonfinite == "skip" or run.scaler.is_enabled():  # a skipped step's loss is not the run's
         ok = torch.isfinite(norm)
         loss_sum, n_valid = torch.where(ok, loss_sum, 0.0), torch.where(ok, n_valid, 0)
-    if run.ema is not None:
-        run.ema.update()
-    window.add(loss_sum, n_valid, wait_s, [task.bad_samples(batch) for batch in micro_batches], norm)
+    window.add(loss_sum, n_valid, wait_s, [ctx.task.bad_samples(batch) for batch in micro_batches], norm)
     return loss_sum, n_valid
 
 

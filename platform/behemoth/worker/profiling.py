@@ -18,17 +18,18 @@ import torch
 from behemoth import hosts
 from behemoth.storage.checkpoint import TrainState
 from behemoth.worker.console import console
+from behemoth.worker.step_callbacks import Callback
 
 FOLDER = "profile"
 
 
-class StepProfiler:
+class StepProfiler(Callback):
     def __init__(self, cfg, rank: int, device: torch.device):
         self.rule, self.rank, self.device = cfg.train.profile, rank, device
         self.profiler = None
         self.step_range = None  # the step being recorded, as a range in the trace
 
-    def before_step(self, state: TrainState) -> None:
+    def before_step(self, ctx, state: TrainState) -> None:
         """Start recording where the next step is the window's first; each step recorded is a range named
         ProfilerStep#N (N: the run's step, counted from 1), as torch's own step marks are named (Perfetto, HTA)."""
         if self.rule is not None and self.profiler is None and state.step == self.rule.start_step:
@@ -45,7 +46,7 @@ class StepProfiler:
         self.profiler = torch.profiler.profile(activities=activities, record_shapes=True, profile_memory=True)
         self.profiler.__enter__()
 
-    def after_step(self, state: TrainState) -> None:
+    def after_step(self, ctx, state: TrainState) -> None:
         """Stop and write the files once the window's last step is done."""
         if self.step_range is not None:
             self.step_range.__exit__(None, None, None)

@@ -14,16 +14,15 @@ import torch
 from behemoth.storage.checkpoint import TrainState
 from behemoth.config import JobConfig
 from behemoth.errors import BadSampleError, NonFiniteError
-from behemoth.metrics import (CHECKPOINT_SCORE, LOGGED, PhaseClock, Window, checkpoint_score, data_wait_fraction,
+from behemoth.metrics import (CHECKPOINT_SCORE, LOGGED, Window, checkpoint_score, data_wait_fraction,
                               progress_line, throughput)
 from behemoth.tasks import Task, run_metric
 from behemoth import hosts
 from behemoth.worker.collectives import all_reduce_sum, sync_buffers, union_across_ranks
 from behemoth.worker.console import console
 from behemoth.worker.evaluate import evaluate
-from behemoth.worker.trainables import Trainables
-from behemoth.worker.saver import CheckpointSaver, send_report
-from behemoth.worker.speed import SpeedMeter
+from behemoth.worker.saver import send_report
+from behemoth.worker.step_context import StepContext
 
 
 def evaluate_due(cfg: JobConfig, state: TrainState, total_steps: int) -> bool:
@@ -176,15 +175,13 @@ class Reporter:
     """Builds and sends a step's report: training metrics over the window since the last report (summed over
     the ranks), speed, evaluation and a checkpoint when due; rank 0 prints the progress line."""
 
-    def __init__(self, cfg: JobConfig, task: Task, run: Trainables, speed: SpeedMeter, saver: CheckpointSaver,
-                 micro_batch: int, total_steps: int, epoch_steps: int, clock: PhaseClock,
-                 resumed_from_step: int = 0):
-        ctx = hosts.current()
-        self.cfg, self.task, self.run, self.speed, self.saver = cfg, task, run, speed, saver
+    def __init__(self, ctx: StepContext):
+        self.cfg, self.task, self.run = ctx.cfg, ctx.task, ctx.trainables
+        self.speed, self.saver = ctx.speed, ctx.saver
         self.rank, self.world = ctx.rank, ctx.world
-        self.micro_batch, self.total_steps, self.epoch_steps = micro_batch, total_steps, epoch_steps
-        self.clock, self.resumed_from_step = clock, resumed_from_step
-        interval = ctx.report_interval_s
+        self.micro_batch, self.total_steps, self.epoch_steps = ctx.micro_batch, ctx.total_steps, ctx.epoch_steps
+        self.clock, self.resumed_from_step = ctx.clock, ctx.resumed_from_step
+        interval = hosts.current().report_interval_s
         self.sender = ReportSender(max(interval, REPORT_EVERY_S) if interval > 0 else 0.0)
         # a preemption notice (the host's: a spot node about to be reclaimed): its deadline, and whether the
         # checkpoint it calls for is written
