@@ -21,11 +21,11 @@ def where_tasks_run(loop_config: dict) -> None:
     def seen(_=None):
         return os.getpid(), "behemoth.data.image_batches" in sys.modules
 
-    task = ray.get(ray.remote(seen).options(num_cpus=job["data"]["cpus_per_task"]).remote())
+    task = ray.get(ray.remote(seen).options(num_cpus=job.data.cpus_per_task).remote())
     mapped = ray.data.range(4, override_num_blocks=1).map_batches(
         lambda b: {"pid": [seen()[0]] * len(b["id"]), "imported": [seen()[1]] * len(b["id"])},
-        num_cpus=job["data"]["cpus_per_task"]).take(1)[0]
+        num_cpus=job.data.cpus_per_task).take(1)[0]
     rank = ray.train.get_context().get_world_rank()
-    with open(os.path.join(job["checkpoint"]["storage_path"], f"rank{rank}.json"), "w") as f:
+    with open(os.path.join(job.checkpoint.storage_path, f"rank{rank}.json"), "w") as f:
         json.dump({"runtime_env": dict(ray.get_runtime_context().runtime_env), "task": list(task),
                    "map": [int(mapped["pid"]), bool(mapped["imported"])]}, f)
