@@ -112,6 +112,24 @@ def test_the_import_graph_points_down():
         assert ours <= ROOM_IMPORTS[room], f"{rel} ({room}) imports {ours - ROOM_IMPORTS[room]}"
 
 
+def _local_or_uri_decisions(source: str) -> list[str]:
+    """The spellings of the local-or-URI decision in a source: `is_uri`, pyarrow's `LocalFileSystem`, and a
+    string test for a scheme (`"://" in path`, either quote, `not in` too)."""
+    return re.findall(r"""\bis_uri\b|\bLocalFileSystem\b|['"]://['"]\s+(?:not\s+)?in\b""", source)
+
+
+def test_local_or_uri_is_decided_in_the_storage_room_only():
+    """Issue 68 item 2: a path is local or a URI for storage/ alone to say; every other room asks its handle
+    (storage/store.py: Store's verbs, or `is_local` where the question is whether a path may be looked at on
+    disk), so the two arms of that choice live in one room."""
+    pkg = REPO / "platform" / "behemoth"
+    assert _local_or_uri_decisions('if is_uri(p) or "://" in q or isinstance(fs, pyarrow.fs.LocalFileSystem):') \
+        == ["is_uri", '"://" in', "LocalFileSystem"]  # the check's own check
+    found = [f"{path.relative_to(pkg)}: {spelling}" for path in sorted(pkg.rglob("*.py"))
+             if path.relative_to(pkg).parts[0] != "storage" for spelling in _local_or_uri_decisions(path.read_text())]
+    assert found == []
+
+
 def test_the_worker_side_never_imports_ray():
     """worker/ and tasks/ reach Ray only through their host (hosts/): no `import ray` or `from ray...` in any of
     their files, at module level or inside a function (issue 57)."""

@@ -1,6 +1,8 @@
 """Where a run's bytes live, and in what form: the storage room.
 
 - `filesystem`: the one answer to "local path or URI, and which pyarrow filesystem reads it".
+- `store`: Store, the handle other rooms hold instead of asking that question: a place decided local-or-URI once,
+  with verbs (read, write, append, list, copy a local folder up, a local copy or working folder).
 - `paths`: a run's place (storage root, run folder, a sweep trial's folder) and the run-name rules.
 - `checkpoint`: the checkpoint format (state files, manifest of sizes and checksums written last, verify).
 - `shard_reader`: reading a sharded (DCP) checkpoint: only the byte ranges a load plan needs, checked.

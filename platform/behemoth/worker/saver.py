@@ -12,10 +12,9 @@ import threading
 import time
 import uuid
 
-import pyarrow.fs
-
 from behemoth.storage import checkpoint
 from behemoth.storage.checkpoint import TrainState
+from behemoth.storage.store import Store
 from behemoth.config import JobConfig, dump_yaml
 from behemoth.errors import StorageFullError
 from behemoth.metrics import PhaseClock
@@ -110,7 +109,7 @@ class CheckpointSaver:
         ctx = hosts.current()
         fs, run_path = ctx.storage()
         name = self.writer.agree(ctx.new_checkpoint_name())
-        local = isinstance(fs, pyarrow.fs.LocalFileSystem)
+        local = Store(run_path, fs).is_local
         folder = f"{run_path}/{name}" if local else tempfile.mkdtemp(prefix="behemoth-shards-")
         written, self.copying = self.writer.start(run.model, run.optimizer, folder,
                                                   overlap=self.cfg.checkpoint.async_save)
@@ -204,8 +203,7 @@ def commit_sharded(writer: ShardedWriter, written, folder: str, small, step: int
 
     def upload(names: list[str]) -> None:
         for name in names:
-            pyarrow.fs.copy_files(os.path.join(folder, name), f"{dest}/{name}",
-                                  source_filesystem=pyarrow.fs.LocalFileSystem(), destination_filesystem=fs)
+            Store(f"{dest}/{name}", fs).put_file(os.path.join(folder, name))
 
     try:
         writer.commit(written, folder, small, None if local else upload)
@@ -235,7 +233,7 @@ def store(snap, ckpt, dir_name: str, fs, run_path: str, written: threading.Event
     upload: they are staged in `ckpt`'s empty temporary folder, then uploaded manifest last. A full disk, at
     either place, removes what this checkpoint wrote and raises one StorageFullError (not retried) naming the
     folder and the space needed; the checkpoints before it are untouched."""
-    local = isinstance(fs, pyarrow.fs.LocalFileSystem)
+    local = Store(run_path, fs).is_local
     dest = f"{run_path}/{dir_name}"
     try:
         try:
@@ -288,9 +286,8 @@ def upload_manifest_last(ckpt, dir_name: str, step: int):
         shutil.move(os.path.join(ckpt.path, checkpoint.MANIFEST), held)
         persisted = hosts.current().persist(ckpt.path, dir_name)
         faults.kill_in_upload(step)
-        pyarrow.fs.copy_files(os.path.join(held, checkpoint.MANIFEST), f"{persisted.path}/{checkpoint.MANIFEST}",
-                              source_filesystem=pyarrow.fs.LocalFileSystem(),
-                              destination_filesystem=persisted.filesystem)
+        Store(f"{persisted.path}/{checkpoint.MANIFEST}", persisted.filesystem).put_file(
+            os.path.join(held, checkpoint.MANIFEST))
     finally:
         shutil.rmtree(held, ignore_errors=True)
     return persisted
