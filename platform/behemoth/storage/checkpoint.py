@@ -102,7 +102,7 @@ class Snapshot:
 def write(directory: str | Path, snap: Snapshot, before_manifest=None, after_file=None) -> Path:
     """Write a snapshot as a checkpoint directory; the manifest goes last, so its presence means complete.
     `before_manifest`: called when every other file is written, `after_file(path)` after each state file (the
-    failure tests' kill and full-disk points: worker/faults.py)."""
+    failure tests' kill and full-disk points: hosts/faults.py)."""
     d = write_files(directory, snap, after_file)
     files = hash_files(d, [p.name for p in sorted(d.iterdir()) if p.is_file() and p.name != MANIFEST])
     if before_manifest is not None:

@@ -4,16 +4,13 @@
 - `autobatch`: train.micro_batch_size auto: the largest micro-batch whose step fits
 - `block_transforms`: the model's repeated blocks: activation checkpointing, torch.compile per block
 - `checkpointing`: live objects <-> host snapshot <-> checkpoint folder (either layout and strategy)
-- `collectives`: the few collectives the loop needs, each a no-op in one process
-- `console`: a line for the user's console (not print: Ray Train's patch would double it)
 - `ema`: train.ema_decay: the weights' moving average, updated on the device, kept as ema.pt
 - `evaluate`: the task's validation metrics over the whole set; `behemoth eval`'s worker function
-- `faults`: fault injection for the failure tests, each switched on by a variable; none in runs
 - `feed`: the rank's steps epoch after epoch; the next epoch's pipeline opened early
 - `ledger`: the sample ledger (train.sample_ledger)
 - `loop`: train_loop_per_worker and the step, top to bottom (the file to read first)
 - `optim`: optimizer and learning-rate schedule from `train`
-- `parallel`: DDP / FSDP2 wrapping, FSDP's mixed precision, gradient compression hooks
+- `parallel`: DDP / FSDP2 wrapping, FSDP's mixed precision, gradient compression hooks, buffers synced
 - `plan`: micro-batch x accumulation x workers = the global batch
 - `precision`: autocast, gradient scaler, fp32 master weights, a GPU's settings (TF32, cuDNN)
 - `profiling`: train.profile: torch.profiler traces (and CUDA memory history) of a window of steps

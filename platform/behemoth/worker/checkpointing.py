@@ -18,7 +18,8 @@ from behemoth.storage.checkpoint import (EMA_FILE, MODEL_FILE, Snapshot, TrainSt
 from behemoth.storage.store import Store
 from behemoth.errors import CheckpointError
 from behemoth.models.lora import is_adapted
-from behemoth.worker import collectives, sharded
+from behemoth.hosts import collectives
+from behemoth.worker import sharded
 from behemoth.worker.parallel import is_sharded, unwrap
 
 

@@ -14,7 +14,7 @@ from behemoth.job import config_from_dict
 from behemoth.tasks import Task, make_task
 from behemoth import hosts
 from behemoth.worker import parallel
-from behemoth.worker.collectives import all_reduce_sum
+from behemoth.hosts.collectives import all_reduce_sum
 from behemoth.worker.parallel import unwrap
 from behemoth.worker.precision import autocast, master_weights
 

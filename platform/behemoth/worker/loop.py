@@ -29,9 +29,10 @@ from behemoth.data.order import steps_per_epoch
 from behemoth.metrics import PhaseClock, Window
 from behemoth.tasks import Task, make_task
 from behemoth import hosts
-from behemoth.worker import faults, parallel
-from behemoth.worker.collectives import all_reduce_sum, distributed
-from behemoth.worker.console import console
+from behemoth.hosts import faults
+from behemoth.worker import parallel
+from behemoth.hosts.collectives import all_reduce_sum, distributed
+from behemoth.hosts.console import console
 from behemoth.worker.ema import WeightAverage
 from behemoth.worker.feed import EpochFeed
 from behemoth.worker.ledger import SampleLedger
@@ -91,7 +92,7 @@ def train_loop_per_worker(loop_config: dict) -> dict:
             loss_sum, n_valid = step(run, micro_batches, cfg, task, device, state, rank, window, wait_s,
                                      saver.before_update)
             ledger.record(state, micro_batches, loss_sum, n_valid)  # (an audit: it reads them on the host)
-            faults.slow_step(world)  # the failure tests' pacing (behemoth/worker/faults.py); nothing in a real run
+            faults.slow_step(world)  # the failure tests' pacing (behemoth/hosts/faults.py); nothing in a real run
             state.advance(epoch_steps, cfg.train.global_batch_size)
             feed.ahead(state, total_steps)
             # the step's time, less what it waited for a checkpoint snapshot (counted as checkpoint time)
@@ -101,7 +102,7 @@ def train_loop_per_worker(loop_config: dict) -> dict:
             if report_due(cfg, state, total_steps):
                 reporter.report(state, window, bad_ids)
                 window = Window()
-            faults.at_step(state.step, rank, clock.totals)  # the failure tests' kill or error (behemoth/worker/faults.py)
+            faults.at_step(state.step, rank, clock.totals)  # the failure tests' kill or error (behemoth/hosts/faults.py)
             if state.step >= state.last_step(total_steps):
                 break
     # Rank 0's return value reaches the driver as Result.return_value.

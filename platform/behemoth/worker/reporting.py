@@ -18,8 +18,9 @@ from behemoth.metrics import (CHECKPOINT_SCORE, LOGGED, PhaseClock, Window, chec
                               progress_line, throughput)
 from behemoth.tasks import Task, run_metric
 from behemoth import hosts
-from behemoth.worker.collectives import all_reduce_sum, sync_buffers, union_across_ranks
-from behemoth.worker.console import console
+from behemoth.hosts.collectives import all_reduce_sum, union_across_ranks
+from behemoth.worker.parallel import sync_buffers
+from behemoth.hosts.console import console
 from behemoth.worker.evaluate import evaluate
 from behemoth.worker.trainables import Trainables
 from behemoth.worker.saver import CheckpointSaver, send_report

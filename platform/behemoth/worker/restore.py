@@ -5,10 +5,11 @@ from __future__ import annotations
 
 from behemoth.storage import checkpoint, weights
 from behemoth import hosts
-from behemoth.worker import checkpointing, collectives
+from behemoth.hosts import collectives
+from behemoth.worker import checkpointing
 from behemoth.storage.checkpoint import TrainState
 from behemoth.errors import CheckpointError, PartlyLoadedError
-from behemoth.worker.console import console
+from behemoth.hosts.console import console
 from behemoth.worker.trainables import Trainables
 
 

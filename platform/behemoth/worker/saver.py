@@ -19,8 +19,9 @@ from behemoth.config import JobConfig, dump_yaml
 from behemoth.errors import StorageFullError
 from behemoth.metrics import PhaseClock
 from behemoth import hosts
-from behemoth.worker import checkpointing, faults, parallel, sharded
-from behemoth.worker.collectives import gather_to_rank0
+from behemoth.hosts import faults
+from behemoth.worker import checkpointing, parallel, sharded
+from behemoth.hosts.collectives import gather_to_rank0
 from behemoth.worker.trainables import Trainables
 from behemoth.worker.sharded import ShardedWriter
 

@@ -28,7 +28,7 @@ import torch.distributed as dist
 from behemoth.storage import checkpoint, shard_reader
 from behemoth.storage.checkpoint import SINGLE_PROCESS_WARNING, STATE_DIR, VALUES_FILE, Snapshot
 from behemoth.errors import CheckpointError, PartlyLoadedError
-from behemoth.worker import collectives, faults
+from behemoth.hosts import collectives, faults
 from behemoth.worker.parallel import unwrap
 
 
