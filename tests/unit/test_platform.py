@@ -80,7 +80,8 @@ ROOM_IMPORTS = {
     "tracking": {"errors", "config", "metrics", "storage", "ray_internals"},
     "tasks": {"errors", "config", "models", "storage", "data", "hosts", "metrics"},
     "job": {"errors", "config", "tasks"},
-    "worker": {"errors", "config", "models", "storage", "data", "hosts", "metrics", "tasks", "job"},
+    "checkpoints": {"errors", "config", "models", "storage", "hosts", "metrics"},
+    "worker": {"errors", "config", "models", "storage", "data", "hosts", "metrics", "tasks", "job", "checkpoints"},
 }
 FACE = {"__init__", "__main__", "driver"}  # may import anything
 
@@ -130,11 +131,23 @@ def test_local_or_uri_is_decided_in_the_storage_room_only():
     assert found == []
 
 
-def test_the_worker_side_never_imports_ray():
-    """worker/ and tasks/ reach Ray only through their host (hosts/): no `import ray` or `from ray...` in any of
-    their files, at module level or inside a function (issue 57)."""
+def test_the_worker_room_reaches_checkpoints_through_their_face_only():
+    """Issue 68 item 2: checkpointing is one room whose face (checkpoints/__init__.py: save, restore, latest,
+    verify) is all the worker room, the loop above all, talks to: no worker/ file imports a module behind it."""
     pkg = REPO / "platform" / "behemoth"
-    found = [f"{path.relative_to(pkg)}: {m}" for room in ("worker", "tasks") for path in sorted((pkg / room).rglob("*.py"))
+    found = [f"{path.relative_to(pkg)}: {m}" for path in sorted((pkg / "worker").rglob("*.py"))
+             for m in sorted(_imports_of(path)) if m.startswith("behemoth.checkpoints.")
+             and m.split(".")[2] in {f.stem for f in (pkg / "checkpoints").glob("*.py")}]
+    assert found == []
+    assert "behemoth.checkpoints" in _imports_of(pkg / "worker" / "loop.py")  # the check sees the loop's import
+
+
+def test_the_worker_side_never_imports_ray():
+    """worker/, checkpoints/ and tasks/ reach Ray only through their host (hosts/): no `import ray` or `from ray...`
+    in any of their files, at module level or inside a function (issue 57)."""
+    pkg = REPO / "platform" / "behemoth"
+    found = [f"{path.relative_to(pkg)}: {m}" for room in ("worker", "checkpoints", "tasks")
+             for path in sorted((pkg / room).rglob("*.py"))
              for m in sorted(_imports_of(path)) if m == "ray" or m.startswith("ray.")]
     assert found == []
 

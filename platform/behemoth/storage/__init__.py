@@ -13,7 +13,7 @@
 - `runlock`: one driver per run folder, on local and object storage (the lease, its heartbeat and fence).
 - `lease_stores`: where the lease lies and how it changes, conditionally (link/flock, S3 If-Match, read-back).
 
-The worker room decides *when* a checkpoint is taken and writes it (worker/checkpointing, saver, sharded,
-restore: they need the model, the process group and the step); everything here is what those bytes are and
-where they lie, and needs neither.
+The checkpoints room (behemoth.checkpoints, above this one) takes a checkpoint and continues from one (live_state,
+saver, sharded, restore: they need the model, the process group and the step), when the worker room says;
+everything here is what those bytes are and where they lie, and needs neither.
 """

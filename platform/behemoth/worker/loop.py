@@ -41,9 +41,7 @@ from behemoth.worker.plan import batch_plan
 from behemoth.worker.profiling import StepProfiler
 from behemoth.worker.precision import autocast, device_settings, grad_scaler, master_weights
 from behemoth.worker.reporting import Reporter, report_due, resume_early_stopping
-from behemoth.worker.restore import load_init_from, restore_latest
-from behemoth.worker.trainables import Trainables
-from behemoth.worker.saver import CheckpointSaver
+from behemoth.checkpoints import CheckpointSaver, Trainables, load_init_from, restore_latest
 from behemoth.worker.speed import SpeedMeter
 
 

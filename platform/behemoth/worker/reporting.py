@@ -22,8 +22,7 @@ from behemoth.hosts.collectives import all_reduce_sum, union_across_ranks
 from behemoth.worker.parallel import sync_buffers
 from behemoth.hosts.console import console
 from behemoth.worker.evaluate import evaluate
-from behemoth.worker.trainables import Trainables
-from behemoth.worker.saver import CheckpointSaver, send_report
+from behemoth.checkpoints import CheckpointSaver, Trainables, send_report
 from behemoth.worker.speed import SpeedMeter
 
 

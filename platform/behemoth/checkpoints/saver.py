@@ -20,10 +20,11 @@ from behemoth.errors import StorageFullError
 from behemoth.metrics import PhaseClock
 from behemoth import hosts
 from behemoth.hosts import faults
-from behemoth.worker import checkpointing, parallel, sharded
+from behemoth.checkpoints import live_state, sharded
 from behemoth.hosts.collectives import gather_to_rank0
-from behemoth.worker.trainables import Trainables
-from behemoth.worker.sharded import ShardedWriter
+from behemoth.checkpoints.trainables import Trainables
+from behemoth.checkpoints.sharded import ShardedWriter
+from behemoth.models.wrappers import is_sharded
 
 
 class CheckpointSaver:
@@ -42,7 +43,7 @@ class CheckpointSaver:
     def __init__(self, cfg: JobConfig, rank: int, task_files: dict[str, str], clock: PhaseClock | None = None):
         self.cfg, self.rank, self.clock = cfg, rank, clock
         self.task_files = task_files  # Task.checkpoint_files: the same in every checkpoint of the run
-        # checkpoint.format sharded: every rank writes its own shards (worker/sharded.py), nothing gathered
+        # checkpoint.format sharded: every rank writes its own shards (checkpoints/sharded.py), nothing gathered
         self.writer = ShardedWriter(rank) if cfg.checkpoint.sharded(cfg.scaling.strategy) else None
         # How long the last checkpoint held the loop (None before the first): in all, and split into the
         # snapshot (the copy to host memory, with the wait before the next update) and the report's own wait.
@@ -80,12 +81,12 @@ class CheckpointSaver:
             self._held(t0, reported)
             return
         snap = pool = written = None
-        if self.rank == 0 or parallel.is_sharded(run.model):
+        if self.rank == 0 or is_sharded(run.model):
             # (FSDP's full state is gathered into buffers of its own; only a rank that writes takes a set: one
             # whose snapshot is None would never hand it back)
-            if in_background and not parallel.is_sharded(run.model):
+            if in_background and not is_sharded(run.model):
                 pool, written = self.buffers.take()
-            snap = checkpointing.snapshot(**run.parts(), state=state, task_files=self.task_files,
+            snap = live_state.snapshot(**run.parts(), state=state, task_files=self.task_files,
                                           job_yaml=dump_yaml(self.cfg), hook_states=hook_states, buffers=pool,
                                           overlap=in_background, metrics=metrics)
         reported = time.perf_counter()
@@ -116,7 +117,7 @@ class CheckpointSaver:
                                                   overlap=self.cfg.checkpoint.async_save)
         small = None
         if self.rank == 0:
-            dicts, texts = checkpointing.extras(scheduler=run.scheduler, scaler=run.scaler, state=state,
+            dicts, texts = live_state.extras(scheduler=run.scheduler, scaler=run.scaler, state=state,
                                                 task_files=self.task_files, job_yaml=dump_yaml(self.cfg),
                                                 hook_states=hook_states, metrics=metrics)
             small = checkpoint.Snapshot(dicts, texts, state.step)

@@ -19,8 +19,8 @@ from behemoth.storage.store import Store
 from behemoth.errors import CheckpointError
 from behemoth.models.lora import is_adapted
 from behemoth.hosts import collectives
-from behemoth.worker import sharded
-from behemoth.worker.parallel import is_sharded, unwrap
+from behemoth.checkpoints import sharded
+from behemoth.models.wrappers import is_sharded, unwrap
 
 
 class Copies:
