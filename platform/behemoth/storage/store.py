@@ -25,6 +25,7 @@ class Store:
     def __init__(self, path: str | Path, fs=None):
         self.path = str(path)
         self._fs = fs
+        self._pair = None  # (pyarrow filesystem, path on it), made once on first use (a URI's resolves its bucket)
         self.is_local = filesystem.is_local(fs) if fs is not None else not filesystem.is_uri(path)
 
     @property
@@ -34,17 +35,17 @@ class Store:
 
     def pyarrow(self):
         """(pyarrow filesystem, path on it)."""
-        return filesystem.filesystem(self.path, self._fs)
-
-    def join(self, *names: str) -> Store:
-        return Store("/".join([self.path.rstrip("/"), *names]), self._fs)
+        if self._pair is None:
+            self._pair = filesystem.filesystem(self.path, self._fs)
+        return self._pair
 
     def local_path(self) -> str | None:
         """The path to open on this machine's disk, or None for a remote place."""
         return self.path if self.is_local else None
 
     def exists(self) -> bool:
-        return filesystem.exists(self.path, self._fs)
+        fs, where = self.pyarrow()
+        return filesystem.exists(where, fs)
 
     def is_dir(self) -> bool:
         import pyarrow.fs
@@ -56,7 +57,8 @@ class Store:
         """A file's bytes (FileNotFoundError, or the object store's error, where there is none)."""
         if self.is_local and self._fs is None:
             return Path(self.path).read_bytes()
-        return filesystem.read_file(self.path, self._fs)
+        fs, where = self.pyarrow()
+        return filesystem.read_file(where, fs)
 
     def read_text(self) -> str | None:
         """A file's text; None if there is none."""
