@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from behemoth.storage import checkpoint
-from behemoth.worker import checkpointing
+from behemoth.checkpoints import live_state
 from behemoth.worker import parallel
 from behemoth.storage.checkpoint import TrainState
 from behemoth.config import JobConfig
@@ -157,7 +157,7 @@ def powersgd_restore(rank, world, out):
     dist.gather_object(hook.to_bytes(), states, dst=0)
     folder = os.path.join(out, "powersgd_ckpt")
     if rank == 0:
-        checkpointing.save(folder, model=model, optimizer=opt, scheduler=sched, state=TrainState(step=4),
+        live_state.save(folder, model=model, optimizer=opt, scheduler=sched, state=TrainState(step=4),
                         task_files={}, job_yaml="", hook_states=states)
     dist.barrier()
     train(model, cfg, rank, world, start=4, steps=4, optimizer=opt, scheduler=sched)
@@ -168,7 +168,7 @@ def powersgd_restore(rank, world, out):
         hook = parallel.register_compression(model, cfg.train)
         opt = torch.optim.SGD(model.parameters(), lr=cfg.train.lr, momentum=cfg.train.momentum)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
-        checkpointing.load(folder, model=model, optimizer=opt, scheduler=sched, hook_state=hook if restore_hook else None)
+        live_state.load(folder, model=model, optimizer=opt, scheduler=sched, hook_state=hook if restore_hook else None)
         if not restore_hook:
             hook.state.iter = 4  # the same schedule (compressing), only the error feedback and Q are new
         train(model, cfg, rank, world, start=4, steps=4, optimizer=opt, scheduler=sched)
@@ -182,7 +182,7 @@ def fsdp(strategy):
         model = parallel.shard(make_model(), reshard_after_forward=strategy == "fsdp_full")
         losses, opt, sched = train(model, cfg, rank, world, steps=3, accum=2)
         folder = os.path.join(out, f"{strategy}_ckpt")
-        snap = checkpointing.snapshot(model=model, optimizer=opt, scheduler=sched, state=TrainState(step=3),
+        snap = live_state.snapshot(model=model, optimizer=opt, scheduler=sched, state=TrainState(step=3),
                                    task_files={}, job_yaml="")  # collective: every rank gathers
         if rank == 0:
             checkpoint.write(folder, snap)
@@ -192,7 +192,7 @@ def fsdp(strategy):
         fresh = parallel.shard(make_model(), reshard_after_forward=strategy == "fsdp_full")
         opt2 = torch.optim.SGD(fresh.parameters(), lr=cfg.train.lr, momentum=cfg.train.momentum)
         sched2 = torch.optim.lr_scheduler.LambdaLR(opt2, lambda s: 1.0)
-        step = checkpointing.load(folder, model=fresh, optimizer=opt2, scheduler=sched2).step
+        step = live_state.load(folder, model=fresh, optimizer=opt2, scheduler=sched2).step
         train(fresh, cfg, rank, world, start=3, steps=3, accum=2, optimizer=opt2, scheduler=sched2)
         local = sum(p.to_local().numel() for p in model.parameters())
         return {"losses": losses + more, "params": final, "restored": full_params(fresh), "restored_step": step,
@@ -205,7 +205,7 @@ def layouts(rank, world, out):
     """Both checkpoint layouts under both strategies: FSDP and DDP each train 3 steps and save (FSDP sharded
     with DCP and full; DDP full), then fresh models of either strategy restore each checkpoint and train 3
     more. Returns the weights each ends on (and a control restoring only the weights: momentum lost)."""
-    from behemoth.worker.sharded import ShardedWriter
+    from behemoth.checkpoints.sharded import ShardedWriter
 
     cfg = config()
 
@@ -216,7 +216,7 @@ def layouts(rank, world, out):
 
     def save_sharded(model, opt, sched, folder):
         writer = ShardedWriter(rank)
-        small = checkpoint.Snapshot(*checkpointing.extras(scheduler=sched, state=TrainState(step=3), task_files={},
+        small = checkpoint.Snapshot(*live_state.extras(scheduler=sched, state=TrainState(step=3), task_files={},
                                                           job_yaml=""), 3) if rank == 0 else None
         writer.commit(writer.start(model, opt, folder)[0], folder, small)
 
@@ -228,11 +228,11 @@ def layouts(rank, world, out):
         parts = dict(model=model, optimizer=opt, scheduler=sched, state=TrainState(step=3), task_files={}, job_yaml="")
         if strategy == "fsdp":
             save_sharded(model, opt, sched, folders["sharded"])
-            snap = checkpointing.snapshot(**parts)  # collective: every rank gathers
+            snap = live_state.snapshot(**parts)  # collective: every rank gathers
             if rank == 0:
                 checkpoint.write(folders["fsdp_full"], snap)
         elif rank == 0:
-            checkpointing.save(folders["ddp_full"], **parts)
+            live_state.save(folders["ddp_full"], **parts)
         dist.barrier()
         train(model, cfg, rank, world, start=3, steps=3, accum=accum, optimizer=opt, scheduler=sched)
         results[f"{strategy}_final"] = full_params(model)
@@ -241,7 +241,7 @@ def layouts(rank, world, out):
                              ("sharded", "ddp_weights_only")):
         model, opt, sched = fresh(strategy.split("_")[0])
         weights_only = strategy.endswith("weights_only")
-        step = checkpointing.load(folders[layout], model=model, optimizer=None if weights_only else opt,
+        step = live_state.load(folders[layout], model=model, optimizer=None if weights_only else opt,
                                   scheduler=sched).step
         train(model, cfg, rank, world, start=step, steps=3, accum=2 if strategy == "fsdp" else 1, optimizer=opt,
               scheduler=sched)

@@ -112,7 +112,7 @@ def straight(chat_corpus, tmp_path_factory):
 def test_a_chat_run_learns_the_replies_resumes_exactly_exports_and_generates(straight, chat_corpus, tmp_path,
                                                                                monkeypatch, capsys):
     from behemoth.driver.ray_cluster import session as ray_session
-    from behemoth.worker.faults import KILL_AT_STEP_ENV
+    from behemoth.hosts.faults import KILL_AT_STEP_ENV
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
     cfg, summary = straight

@@ -30,7 +30,7 @@ from behemoth.config import ConfigError
 from behemoth.job import config_from_dict
 from behemoth.driver.ray_cluster.stale_requests import COORDINATOR, COORDINATOR_NAMESPACE
 from behemoth.driver.run.trainer import train
-from behemoth.worker.faults import FAULT_ENV, SLOW_WORLD_ENV
+from behemoth.hosts.faults import FAULT_ENV, SLOW_WORLD_ENV
 from behemoth.errors import RunFailedError
 from behemoth.tracking.records import read_jsonl
 from conftest import WORKER_PYTHONPATH, in_thread, lm_job_dict, stop_local_ray, train_worker_pids
@@ -238,7 +238,7 @@ def test_r6_elastic_two_one_two(cluster, straight, text_corpus, tmp_path):
     """num_workers [1, 2]: rank 1's node is removed at step 15 (the run continues on 1 worker), a node is
     added back (the run grows to 2 again). Ray's autoscaling coordinator refreshes its view of the cluster
     every 20 s, so growing back takes ~25 s or more (a regrow attempt whose placement misses the start
-    timeout falls back to 1 worker and is retried). The 1-worker group is paced (behemoth/worker/faults.py: each of
+    timeout falls back to 1 worker and is retried). The 1-worker group is paced (behemoth/hosts/faults.py: each of
     its steps SLOW_STEP_S longer), so the regrow lands before the run ends on any machine: the run's 50 steps
     beyond the others' took their time from the step rate, and a fast CPU once finished them on 1 worker.
     Its first STEPS steps are compared with the fixed-size run (constant learning rate: the same curve).

@@ -22,7 +22,7 @@ from behemoth.driver.ray_cluster import session as ray_session
 from behemoth.driver.sweep import load_sweep, run_sweep
 from behemoth.driver.sweep.config import base_job, trial_job
 from behemoth.driver.run.trainer import train
-from behemoth.worker.faults import KILL_AT_STEP_ENV, RAISE_AT_STEP_ENV
+from behemoth.hosts.faults import KILL_AT_STEP_ENV, RAISE_AT_STEP_ENV
 from behemoth.storage.weights import read_state_dict
 from conftest import job_dict
 
@@ -105,7 +105,7 @@ def test_trials_in_one_warm_lane_train_as_ray_train_would_and_leave_nothing_behi
 
 def test_a_killed_lane_resumes_its_trial_exactly_and_a_failing_trial_ends_alone(lane_sweep, image_root, tmp_path,
                                                                                  monkeypatch, capfd):
-    """The same trials again, with two faults (behemoth/worker/faults.py, in the lanes' environment): the first trial's
+    """The same trials again, with two faults (behemoth/hosts/faults.py, in the lanes' environment): the first trial's
     lane is SIGKILLed after step 10 (its checkpoint of step 8 written), the second trial raises after step 5
     on every try (failure.max_failures 0, the sweep's trial_max_failures 1: two tries)."""
     marker = tmp_path / "killed.json"

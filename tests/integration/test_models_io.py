@@ -140,7 +140,7 @@ def test_init_from_loads_exactly_those_weights_and_only_the_head_starts_fresh(im
     saved = weights.read_state_dict(source)
     classes = build_index(cfg.data).classes
 
-    # What the worker does before the first step (worker/restore.load_init_from): every tensor is the source's.
+    # What the worker does before the first step (checkpoints/restore.load_init_from): every tensor is the source's.
     torch.manual_seed(0)
     same = build_image_model(cfg, classes)
     assert weights.load_weights(same, saved, source, weights.classification_head(len(classes))) == []

@@ -185,7 +185,7 @@ def test_torch_compile_failure_falls_back_to_eager():
 @pytest.mark.gpu
 def test_fp16_with_grad_scaler_on_gpu(tmp_path):
     """The GPU-only path: fp16 autocast with a GradScaler, its state saved and restored."""
-    from behemoth.worker import checkpointing
+    from behemoth.checkpoints import live_state
     from behemoth.storage.checkpoint import TrainState
     from behemoth.worker.loop import train_step
     from behemoth.worker.precision import grad_scaler
@@ -201,8 +201,8 @@ def test_fp16_with_grad_scaler_on_gpu(tmp_path):
         train_step(model, opt, sched, scaler, [{"x": x[i].to(device), "y": y[i].to(device)}], cfg,
                    harness.ToyTask(), device)
     assert scaler.is_enabled() and scaler.get_scale() > 0
-    checkpointing.save(tmp_path, model=model, optimizer=opt, scheduler=sched, scaler=scaler, state=TrainState(),
+    live_state.save(tmp_path, model=model, optimizer=opt, scheduler=sched, scaler=scaler, state=TrainState(),
                     task_files={}, job_yaml="")
     scaler2 = grad_scaler(device, "fp16")
-    checkpointing.load(tmp_path, model=harness.make_model().to(device), scaler=scaler2)
+    live_state.load(tmp_path, model=harness.make_model().to(device), scaler=scaler2)
     assert scaler2.get_scale() == scaler.get_scale()

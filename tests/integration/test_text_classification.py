@@ -133,7 +133,7 @@ def test_a_killed_worker_costs_only_the_steps_since_the_checkpoint_and_resumes_e
     """Rank 0 SIGKILLed after step 45: Ray Train restarts the group from checkpoint 40 and the run ends on the
     uninterrupted run's weights, bit for bit (the same samples in the same order from step 41 on)."""
     from behemoth.driver.ray_cluster import session as ray_session
-    from behemoth.worker.faults import KILL_AT_STEP_ENV
+    from behemoth.hosts.faults import KILL_AT_STEP_ENV
 
     marker = tmp_path / "killed.json"
     env = ray_session.worker_env_vars

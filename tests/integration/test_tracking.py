@@ -1,5 +1,5 @@
 """Runs you can watch, on a real run: a 2-worker image job with TensorBoard and MLflow (a sqlite store) on,
-rank 0 SIGKILLed after step 38 (behemoth/worker/faults.py; Ray Train restarts the group from checkpoint 20), then the
+rank 0 SIGKILLed after step 38 (behemoth/hosts/faults.py; Ray Train restarts the group from checkpoint 20), then the
 same command again (the finished run is re-evaluated). Checked: TensorBoard's own reader finds every reported
 curve at the right steps, each once; MLflow holds one run (params, metrics with steps, artifacts) that the
 rerun continued; the goodput account's lost work is the wall-clock time steps 21-38 took (the sample ledger's
@@ -14,7 +14,7 @@ import pytest
 from behemoth.storage.checkpoint import complete_checkpoints
 from behemoth.driver.ray_cluster import session as ray_session
 from behemoth.driver.run.trainer import train
-from behemoth.worker.faults import KILL_AT_STEP_ENV
+from behemoth.hosts.faults import KILL_AT_STEP_ENV
 from behemoth.job import config_from_dict
 from behemoth.tracking.records import latest_per_step, read_jsonl
 from behemoth.tracking.tensorboard import scalar_tags

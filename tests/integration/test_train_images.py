@@ -28,7 +28,7 @@ def _two_rank_loop(config):
     from behemoth.data.order import rank_train_indices
     import numpy as np
 
-    from behemoth.worker.collectives import sync_buffers
+    from behemoth.worker.parallel import sync_buffers
     from behemoth.worker.evaluate import evaluate
     from behemoth.worker.loop import train_step
     from behemoth.models.registry import build_model
@@ -132,7 +132,7 @@ def test_a_full_disk_fails_the_checkpoint_cleanly_and_a_rerun_resumes(image_root
     the space needed (restarts allowed, none used: a full disk stays full); step 3's checkpoint is intact and
     verifies; nothing of step 6's is left in the run folder or in the workers' TMPDIR; the rerun resumes from
     step 3 and ends."""
-    from behemoth.worker.faults import DISK_FULL_ENV
+    from behemoth.hosts.faults import DISK_FULL_ENV
     from behemoth.storage.checkpoint import checkpoint_folders, complete_checkpoints, verify
     from behemoth.driver.ray_cluster import session as ray_session
     from behemoth.driver.run import trainer
@@ -217,7 +217,7 @@ def test_the_decoded_cache_and_tar_shards_train_to_the_same_weights_as_decoding_
     the data)."""
     from behemoth.driver.ray_cluster import session as ray_session
     from behemoth.driver.run.trainer import train
-    from behemoth.worker.faults import KILL_AT_STEP_ENV
+    from behemoth.hosts.faults import KILL_AT_STEP_ENV
     from behemoth.storage.weights import read_state_dict
 
     shards = tmp_path / "shards"

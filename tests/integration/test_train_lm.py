@@ -195,7 +195,7 @@ def test_sharded_checkpoints_survive_a_kill_and_resume_on_fewer_workers(text_cor
     halves, so the float rounding differs; the sample order and the update do not), read whole from the shards;
     `behemoth export` of the sharded checkpoint loads with transformers with those weights."""
     from behemoth.driver.ray_cluster import session as ray_session
-    from behemoth.worker.faults import FAULT_ENV
+    from behemoth.hosts.faults import FAULT_ENV
 
     def job(name, workers):
         return lm_job_dict(text_corpus, tmp_path, run_name=name, scaling={"strategy": "fsdp_full",
@@ -254,7 +254,7 @@ def test_powersgd_through_ray_train_restores_exactly(text_corpus, tmp_path, monk
     and beyond. Every redone step's loss on every rank equals, bit for bit, what the first group computed:
     from step 6 on that holds only if the PowerSGD state was restored exactly (step 5's update used it)."""
     from behemoth.driver.ray_cluster import session as ray_session
-    from behemoth.worker.faults import FAULT_ENV
+    from behemoth.hosts.faults import FAULT_ENV
     from integration.ledger_audit import read_ledger
 
     marker = tmp_path / "killed"

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from behemoth.storage import checkpoint
-from behemoth.worker import checkpointing
+from behemoth.checkpoints import live_state
 from behemoth.storage.checkpoint import CheckpointError, TrainState
 from behemoth.config import TrainConfig
 from behemoth.models.registry import build_model
@@ -46,11 +46,11 @@ def test_round_trip_restores_everything_exactly(tmp_path):
     for s in range(3):
         step(model, opt, sched, s)
     state = TrainState(step=3, epoch=0, step_in_epoch=3, samples_seen=12, world_size=2)
-    checkpointing.save(tmp_path, model=model, optimizer=opt, scheduler=sched, state=state,
+    live_state.save(tmp_path, model=model, optimizer=opt, scheduler=sched, state=state,
                        task_files={"classes.json": json.dumps(["a", "b"])}, job_yaml="x: 1\n")
 
     model2, opt2, sched2 = make(seed=99)  # different weights before the restore
-    assert checkpointing.load(tmp_path, model=model2, optimizer=opt2, scheduler=sched2) == state
+    assert live_state.load(tmp_path, model=model2, optimizer=opt2, scheduler=sched2) == state
     assert_same_tensors(model.state_dict(), model2.state_dict())
     assert sched2.state_dict()["last_epoch"] == 3 and sched2.get_last_lr() == sched.get_last_lr()
     # continuing both gives identical weights: optimizer momentum came back too
@@ -61,7 +61,7 @@ def test_round_trip_restores_everything_exactly(tmp_path):
 
 def test_manifest_lists_every_file_and_is_written_last(tmp_path):
     model, opt, sched = make()
-    checkpointing.save(tmp_path, model=model, optimizer=opt, scheduler=sched, state=TrainState(), task_files={},
+    live_state.save(tmp_path, model=model, optimizer=opt, scheduler=sched, state=TrainState(), task_files={},
                     job_yaml="")
     manifest = checkpoint.verify(tmp_path)
     assert set(manifest["files"]) == {"model.pt", "optimizer.pt", "scheduler.pt", "train_state.json", "job.yaml"}
@@ -70,13 +70,13 @@ def test_manifest_lists_every_file_and_is_written_last(tmp_path):
 
 def test_damage_is_detected_and_named(tmp_path):
     model, opt, sched = make()
-    checkpointing.save(tmp_path, model=model, optimizer=opt, scheduler=sched, state=TrainState(), task_files={},
+    live_state.save(tmp_path, model=model, optimizer=opt, scheduler=sched, state=TrainState(), task_files={},
                     job_yaml="")
     weights = tmp_path / "model.pt"
     data = weights.read_bytes()
     weights.write_bytes(data[: len(data) // 2])  # truncated, as by a crash mid-copy
     with pytest.raises(CheckpointError, match=f"{tmp_path}: model.pt does not match its manifest"):
-        checkpointing.load(tmp_path, model=make()[0])
+        live_state.load(tmp_path, model=make()[0])
     weights.write_bytes(data)
     checkpoint.verify(tmp_path)
     (tmp_path / "manifest.json").unlink()  # never finished writing
@@ -89,7 +89,7 @@ def test_complete_checkpoints_lists_only_manifested_ones_newest_first(tmp_path):
     opt = build_optimizer(model, CFG)
     sched = lr_schedule(opt, CFG, 10)
     for step in (3, 9, 6):
-        checkpointing.save(tmp_path / f"checkpoint_{step}", model=model, optimizer=opt, scheduler=sched,
+        live_state.save(tmp_path / f"checkpoint_{step}", model=model, optimizer=opt, scheduler=sched,
                         state=TrainState(step=step), task_files={}, job_yaml="")
     (tmp_path / "checkpoint_9" / "manifest.json").unlink()  # written but never completed
     assert [step for step, _ in checkpoint.complete_checkpoints(tmp_path)] == [6, 3]
@@ -107,18 +107,18 @@ def test_snapshot_is_a_copy_and_reuses_its_buffers(tmp_path):
     step(model, opt, sched, 0)
     buffers = {}
     parts = dict(model=model, optimizer=opt, scheduler=sched, task_files={}, job_yaml="")
-    first = checkpointing.snapshot(state=TrainState(step=1), buffers=buffers, **parts)
+    first = live_state.snapshot(state=TrainState(step=1), buffers=buffers, **parts)
     saved = {k: v.clone() for k, v in first.state_dicts["model.pt"].items()}
     held = {id(t) for t in buffers.values()}
     step(model, opt, sched, 1)  # training moves on: the snapshot keeps step 1's values
     assert_same_tensors(first.state_dicts["model.pt"], saved)
     assert any(not torch.equal(v, model.state_dict()[k]) for k, v in saved.items())
     checkpoint.write(tmp_path / "a", first)
-    second = checkpointing.snapshot(state=TrainState(step=2), buffers=buffers, **parts)
+    second = live_state.snapshot(state=TrainState(step=2), buffers=buffers, **parts)
     assert {id(t) for t in buffers.values()} == held  # same buffers, refilled
     assert_same_tensors(second.state_dicts["model.pt"], model.state_dict())
     model2, opt2, sched2 = make(seed=1)
-    checkpointing.load(tmp_path / "a", model=model2, optimizer=opt2, scheduler=sched2)
+    live_state.load(tmp_path / "a", model=model2, optimizer=opt2, scheduler=sched2)
     assert_same_tensors(model2.state_dict(), saved)
 
 
@@ -130,15 +130,15 @@ def test_overlapped_snapshot_holds_the_state_of_its_step(tmp_path, monkeypatch):
     held until the forward and backward are done, so a tensor wrongly left to it shows."""
     import threading
 
-    backward_done, copy_all = threading.Event(), checkpointing.Copies._copy_all
-    monkeypatch.setattr(checkpointing.Copies, "_copy_all",
+    backward_done, copy_all = threading.Event(), live_state.Copies._copy_all
+    monkeypatch.setattr(live_state.Copies, "_copy_all",
                         lambda self, pairs: (backward_done.wait(), copy_all(self, pairs)))
     model, opt, sched = make()
     step(model, opt, sched, 0)
     expected_model = {k: v.clone() for k, v in model.state_dict().items()}
     expected_opt = {i: {k: v.clone() for k, v in s.items()} for i, s in opt.state_dict()["state"].items()}
     parts = dict(model=model, optimizer=opt, scheduler=sched, task_files={}, job_yaml="")
-    snap = checkpointing.snapshot(state=TrainState(step=1), buffers={}, overlap=True, **parts)
+    snap = live_state.snapshot(state=TrainState(step=1), buffers={}, overlap=True, **parts)
     # The next step, as the loop runs it: forward + backward, then wait, then the update.
     g = torch.Generator().manual_seed(1)
     x, y = torch.randn(4, 3, 16, 16, generator=g), torch.randint(0, 4, (4,), generator=g)
@@ -154,7 +154,7 @@ def test_overlapped_snapshot_holds_the_state_of_its_step(tmp_path, monkeypatch):
     for i, s in snap.state_dicts["optimizer.pt"]["state"].items():
         assert_same_tensors(s, expected_opt[i])
     model2, opt2, sched2 = make(seed=1)
-    checkpointing.load(tmp_path / "a", model=model2, optimizer=opt2, scheduler=sched2)
+    live_state.load(tmp_path / "a", model=model2, optimizer=opt2, scheduler=sched2)
     assert_same_tensors(model2.state_dict(), expected_model)
 
 
@@ -174,7 +174,7 @@ def test_an_overlapped_snapshot_on_a_gpu_copies_on_a_side_stream_and_holds_its_s
     torch.cuda.synchronize()
     expected = {k: v.cpu() for k, v in model.state_dict().items()}
     parts = dict(model=model, optimizer=opt, scheduler=sched, task_files={}, job_yaml="")
-    snap = checkpointing.snapshot(state=TrainState(step=2), buffers={}, overlap=True, **parts)
+    snap = live_state.snapshot(state=TrainState(step=2), buffers={}, overlap=True, **parts)
     assert snap.copies.event is not None and all(t.is_pinned() for t in snap.state_dicts["model.pt"].values())
     opt.zero_grad()
     torch.nn.functional.cross_entropy(model(pixel_values=x).logits, y).backward()  # changes the BN statistics
@@ -190,7 +190,7 @@ def test_two_sets_of_host_buffers_one_write_waited_for_only_when_both_are_being_
     import threading
     import time
 
-    from behemoth.worker.saver import HostBuffers
+    from behemoth.checkpoints.saver import HostBuffers
 
     sets = HostBuffers()
     first, first_written = sets.take()
@@ -213,7 +213,7 @@ def test_two_sets_of_host_buffers_one_write_waited_for_only_when_both_are_being_
 def test_a_failed_background_copy_fails_the_checkpoint():
     """A copy that fails in the snapshot thread must surface (before the update, and before any file is
     written), never leave a half-copied snapshot to be written under a valid manifest."""
-    copies = checkpointing.Copies([], [(torch.empty(3), torch.ones(4))])  # shapes differ: the copy raises
+    copies = live_state.Copies([], [(torch.empty(3), torch.ones(4))])  # shapes differ: the copy raises
     with pytest.raises(CheckpointError, match="copying the training state for a checkpoint failed"):
         copies.wait_done()
 
@@ -257,7 +257,7 @@ def test_a_full_disk_fails_the_checkpoint_cleanly_on_a_real_filesystem(small_dis
     import ray.train
 
     from behemoth.errors import StorageFullError
-    from behemoth.worker import saver
+    from behemoth.checkpoints import saver
 
     run = small_disk / "run"
     state = '{"step": %d}'
@@ -285,8 +285,8 @@ def test_a_full_disk_fails_a_sharded_checkpoint_cleanly_on_a_real_filesystem(sma
     import pyarrow.fs
 
     from behemoth.errors import StorageFullError
-    from behemoth.worker import saver
-    from behemoth.worker.sharded import ShardedWriter
+    from behemoth.checkpoints import saver
+    from behemoth.checkpoints.sharded import ShardedWriter
 
     run = small_disk / "run"
     earlier = checkpoint.write(run / "checkpoint_1", checkpoint.Snapshot(
@@ -324,7 +324,7 @@ def test_retention_reaches_checkpoints_ray_train_never_registered(tmp_path):
     opt = build_optimizer(model, CFG)
     sched = lr_schedule(opt, CFG, 10)
     for s in (3, 6, 9, 12, 15):
-        checkpointing.save(run / f"checkpoint_{s:02d}", model=model, optimizer=opt, scheduler=sched,
+        live_state.save(run / f"checkpoint_{s:02d}", model=model, optimizer=opt, scheduler=sched,
                            state=TrainState(step=s), task_files={}, job_yaml="")
     (run / "checkpoint_15" / "manifest.json").unlink()  # an upload cut short: not this function's business
     kept = [(SimpleNamespace(path=str(run / f"checkpoint_{s:02d}")), {}) for s in (9, 12)]
@@ -344,15 +344,15 @@ def test_a_sharded_checkpoint_round_trips_and_names_a_damaged_shard(tmp_path):
     ends equal); export's reader gets the weights whole; a flipped byte in the shard file is named by the
     pre-flight check, by the reader and by the restore."""
     from behemoth.storage import weights
-    from behemoth.worker import sharded
-    from behemoth.worker.sharded import ShardedWriter
+    from behemoth.checkpoints import sharded
+    from behemoth.checkpoints.sharded import ShardedWriter
 
     model, opt, sched = make()
     for s in range(3):
         step(model, opt, sched, s)
     state = TrainState(step=3, step_in_epoch=3, samples_seen=12)
     writer = ShardedWriter(rank=0)
-    small = checkpoint.Snapshot(*checkpointing.extras(scheduler=sched, state=state, task_files={}, job_yaml="x: 1\n"),
+    small = checkpoint.Snapshot(*live_state.extras(scheduler=sched, state=state, task_files={}, job_yaml="x: 1\n"),
                                 step=3)
     folder = tmp_path / "checkpoint_a"
     written, staging = writer.start(model, opt, str(folder))  # (not overlapped: copied before it returns)
@@ -365,7 +365,7 @@ def test_a_sharded_checkpoint_round_trips_and_names_a_damaged_shard(tmp_path):
                                       "train_state.json", "job.yaml"}
 
     model2, opt2, sched2 = make(seed=99)
-    assert checkpointing.load(folder, model=model2, optimizer=opt2, scheduler=sched2) == state
+    assert live_state.load(folder, model=model2, optimizer=opt2, scheduler=sched2) == state
     model3, opt3, sched3 = make()
     for s in range(3):
         step(model3, opt3, sched3, s)  # the state at step 3, as saved
@@ -380,7 +380,7 @@ def test_a_sharded_checkpoint_round_trips_and_names_a_damaged_shard(tmp_path):
     data[len(data) // 2] ^= 1
     shard.write_bytes(bytes(data))
     for attempt in (lambda: weights.check(str(folder)), lambda: weights.read_state_dict(folder),
-                    lambda: checkpointing.load(folder, model=model2, optimizer=opt2, scheduler=sched2)):
+                    lambda: live_state.load(folder, model=model2, optimizer=opt2, scheduler=sched2)):
         with pytest.raises(CheckpointError, match=r"state/__0_0.distcp does not match its manifest"):
             attempt()
 
@@ -395,7 +395,7 @@ def test_a_sharded_checkpoint_of_a_batchnorm_model_copied_in_the_background_hold
     from torch.distributed.checkpoint.staging import DefaultStager
 
     from behemoth.storage.shard_reader import read_sharded_weights
-    from behemoth.worker.sharded import ShardedWriter
+    from behemoth.checkpoints.sharded import ShardedWriter
 
     backward_done, stage = threading.Event(), DefaultStager._stage
     monkeypatch.setattr(DefaultStager, "_stage", lambda self, sd, **kw: (backward_done.wait(), stage(self, sd, **kw))[1])
@@ -422,7 +422,7 @@ def test_a_sharded_checkpoint_copied_in_the_background_holds_its_step(tmp_path):
     run; the optimizer update waits for it (`wait_sources_free`, the saver's before_update). The files hold the
     state of the checkpoint's step."""
     from behemoth.storage.shard_reader import read_sharded_weights
-    from behemoth.worker.sharded import ShardedWriter
+    from behemoth.checkpoints.sharded import ShardedWriter
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 8))
@@ -462,13 +462,13 @@ def _write_sharded(folder, legacy=False):
     `legacy`: as the previous behemoth wrote it (format 2: the whole state through DCP, param_groups pickled)."""
     import torch.distributed.checkpoint as dcp
 
-    from behemoth.worker.sharded import ShardedWriter, _state_dicts
+    from behemoth.checkpoints.sharded import ShardedWriter, _state_dicts
 
     model, opt, sched = make()
     for s in range(2):
         step(model, opt, sched, s)
     state = TrainState(step=2, step_in_epoch=2, samples_seen=8)
-    small = checkpoint.Snapshot(*checkpointing.extras(scheduler=sched, state=state, task_files={}, job_yaml="x: 1\n"),
+    small = checkpoint.Snapshot(*live_state.extras(scheduler=sched, state=state, task_files={}, job_yaml="x: 1\n"),
                                 step=2)
     if legacy:
         with warnings.catch_warnings():  # one process, on purpose
@@ -490,7 +490,7 @@ def test_one_writer_writes_sharded_checkpoint_after_checkpoint(tmp_path, device,
     """A worker's ShardedWriter keeps DCP's stager (its host buffers) from one checkpoint to the next: every
     checkpoint is written and loads back exactly. (torch 2.11's async_save closed the stager it was given, and
     the next checkpoint of an FSDP run on a GPU failed with KeyError: <class 'type'>.)"""
-    from behemoth.worker.sharded import ShardedWriter
+    from behemoth.checkpoints.sharded import ShardedWriter
 
     model, opt, sched = make()
     model.to(device)
@@ -505,7 +505,7 @@ def test_one_writer_writes_sharded_checkpoint_after_checkpoint(tmp_path, device,
         opt.step()
         sched.step()
         folder = tmp_path / f"c{s}"
-        small = checkpoint.Snapshot(*checkpointing.extras(scheduler=sched, state=TrainState(step=s + 1),
+        small = checkpoint.Snapshot(*live_state.extras(scheduler=sched, state=TrainState(step=s + 1),
                                                           task_files={}, job_yaml="x: 1\n"), step=s + 1)
         written, staging = writer.start(model, opt, str(folder), overlap=overlap)
         if staging is not None:
@@ -514,7 +514,7 @@ def test_one_writer_writes_sharded_checkpoint_after_checkpoint(tmp_path, device,
         writer.commit(written, str(folder), small)
     for s, weights in enumerate(saved):
         restored, opt2, sched2 = make(seed=7)
-        checkpointing.load(tmp_path / f"c{s}", model=restored, optimizer=opt2, scheduler=sched2)
+        live_state.load(tmp_path / f"c{s}", model=restored, optimizer=opt2, scheduler=sched2)
         assert_same_tensors(restored.state_dict(), weights)
 
 
@@ -550,12 +550,12 @@ def _append_payload(folder, marker):
 
 def _readers(folder):
     """Every way a sharded checkpoint is read: export, eval and init_from read its weights with
-    weights.read_state_dict; a resume restores everything with checkpointing.load."""
+    weights.read_state_dict; a resume restores everything with live_state.load."""
     from behemoth.storage import weights
 
     model, opt, sched = make(seed=5)
     return {"export/eval/init_from": lambda: weights.read_state_dict(folder),
-            "resume": lambda: checkpointing.load(folder, model=model, optimizer=opt, scheduler=sched)}
+            "resume": lambda: live_state.load(folder, model=model, optimizer=opt, scheduler=sched)}
 
 
 def test_a_crafted_shard_index_is_refused_and_never_run(tmp_path):
@@ -766,7 +766,7 @@ def test_a_format_2_sharded_checkpoint_still_restores_exactly(tmp_path):
 
     model, opt, sched, state = _write_sharded(tmp_path / "c", legacy=True)
     model2, opt2, sched2 = make(seed=99)
-    assert checkpointing.load(tmp_path / "c", model=model2, optimizer=opt2, scheduler=sched2) == state
+    assert live_state.load(tmp_path / "c", model=model2, optimizer=opt2, scheduler=sched2) == state
     assert_same_tensors(weights.read_state_dict(tmp_path / "c"), model.state_dict())
     for m, o, s in ((model, opt, sched), (model2, opt2, sched2)):
         step(m, o, s, seed=10)
@@ -777,7 +777,7 @@ def test_a_format_2_sharded_checkpoint_still_restores_exactly(tmp_path):
 def test_a_task_file_never_replaces_one_of_behemoths_own(name):
     model, opt, sched = make()
     with pytest.raises(ValueError, match="would replace behemoth's own"):
-        checkpointing.extras(scheduler=sched, state=TrainState(), task_files={name: "x"}, job_yaml="")
+        live_state.extras(scheduler=sched, state=TrainState(), task_files={name: "x"}, job_yaml="")
 
 
 def test_a_checkpoint_report_leaves_no_folder_behind_whether_its_upload_succeeds_or_fails(tmp_path, monkeypatch):
@@ -792,7 +792,7 @@ def test_a_checkpoint_report_leaves_no_folder_behind_whether_its_upload_succeeds
 
     import ray.train
 
-    from behemoth.worker import saver
+    from behemoth.checkpoints import saver
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     handed, errors = [], []
@@ -846,7 +846,7 @@ def test_a_received_checkpoints_job_yaml_is_checked_against_its_manifest_before_
     model, opt, sched = make()
     parts = dict(model=model, optimizer=opt, scheduler=sched, task_files={},
                  job_yaml="data: {kind: image_folder, root: .}\nmodel: {name: regnet_tiny_cifar}\n")
-    folder = checkpoint.write(tmp_path / "c", checkpointing.snapshot(state=TrainState(step=1), **parts))
+    folder = checkpoint.write(tmp_path / "c", live_state.snapshot(state=TrainState(step=1), **parts))
     assert _job_of(str(folder), TrustedCode()).model.name == "regnet_tiny_cifar"
     (folder / "job.yaml").write_text("data: {kind: image_folder, root: .}\nmodel: {name: regnet_cifar}\n")
     with pytest.raises(CheckpointError, match=r"job.yaml does not match its manifest"):
@@ -874,25 +874,25 @@ def test_the_weight_average_is_kept_restored_exactly_and_what_eval_and_export_re
         step(model, opt, sched, s)
         ema.update()
     state = TrainState(step=3, samples_seen=12)
-    checkpointing.save(tmp_path / "c", model=model, optimizer=opt, scheduler=sched, state=state, task_files={},
+    live_state.save(tmp_path / "c", model=model, optimizer=opt, scheduler=sched, state=state, task_files={},
                        job_yaml="x: 1\n", ema=ema)
     assert "ema.pt" in json.loads((tmp_path / "c" / "manifest.json").read_text())["files"]
     assert_same_tensors(weights.read_state_dict(tmp_path / "c"), ema.state_dict())  # what eval and export load
 
     model2, opt2, sched2 = make(seed=99)
     ema2 = WeightAverage(model2, decay=0.9)
-    checkpointing.load(tmp_path / "c", model=model2, optimizer=opt2, scheduler=sched2, ema=ema2)
+    live_state.load(tmp_path / "c", model=model2, optimizer=opt2, scheduler=sched2, ema=ema2)
     assert_same_tensors(ema.state_dict(), ema2.state_dict())
     for m, o, s, e in ((model, opt, sched, ema), (model2, opt2, sched2, ema2)):
         step(m, o, s, seed=10)
         e.update()
     assert_same_tensors(ema.state_dict(), ema2.state_dict())  # resumed: the same average
 
-    checkpointing.save(tmp_path / "plain", model=model, optimizer=opt, scheduler=sched, state=state,
+    live_state.save(tmp_path / "plain", model=model, optimizer=opt, scheduler=sched, state=state,
                        task_files={}, job_yaml="x: 1\n")
     model3, opt3, sched3 = make(seed=5)
     ema3 = WeightAverage(model3, decay=0.9)
-    checkpointing.load(tmp_path / "plain", model=model3, optimizer=opt3, scheduler=sched3, ema=ema3)
+    live_state.load(tmp_path / "plain", model=model3, optimizer=opt3, scheduler=sched3, ema=ema3)
     assert_same_tensors(ema3.state_dict(), model.state_dict())
     assert_same_tensors(weights.read_state_dict(tmp_path / "plain"), model.state_dict())
 

@@ -14,7 +14,7 @@ from behemoth.driver.commands.cli import main
 from behemoth.job import config_from_dict
 from behemoth.storage.checkpoint import TrainState
 from behemoth.tasks.causal_lm import build_lm
-from behemoth.worker import checkpointing
+from behemoth.checkpoints import live_state
 from behemoth.worker.optim import build_optimizer, lr_schedule
 from conftest import lm_job_dict
 
@@ -53,7 +53,7 @@ def chat_model(text_corpus, tmp_path_factory):
         model(input_ids=ids, labels=ids).loss.backward()
         optimizer.step()
     ckpt = root / "run" / "checkpoint_2026-01-01_00-00-00.000000"
-    checkpointing.save(ckpt, model=model, optimizer=optimizer, scheduler=lr_schedule(optimizer, cfg.train, 20),
+    live_state.save(ckpt, model=model, optimizer=optimizer, scheduler=lr_schedule(optimizer, cfg.train, 20),
                        state=TrainState(step=60), task_files={}, job_yaml=dump_yaml(cfg))
     export(str(ckpt), str(root / "export"))
     return ckpt, root / "export", tok

@@ -11,7 +11,7 @@ from behemoth.config import dump_yaml
 from behemoth.job import config_from_dict
 from behemoth.storage.checkpoint import TrainState
 from behemoth.tasks.causal_lm import build_lm
-from behemoth.worker import checkpointing
+from behemoth.checkpoints import live_state
 from behemoth.worker.loop import train_step
 from behemoth.worker.optim import build_optimizer, lr_schedule
 from behemoth.worker.precision import grad_scaler
@@ -78,7 +78,7 @@ def test_lora_trains_and_keeps_only_adapters_resumes_exactly_and_exports_adapter
     assert _loss(model, seed=0) < before - 0.03, (before, _loss(model, seed=0))  # (here 5.99 -> 5.89)
 
     ckpt = tmp_path / "checkpoint"
-    checkpointing.save(ckpt, model=model, optimizer=optimizer, scheduler=scheduler, state=TrainState(step=3),
+    live_state.save(ckpt, model=model, optimizer=optimizer, scheduler=scheduler, state=TrainState(step=3),
                        task_files={}, job_yaml=dump_yaml(cfg))
     kept = torch.load(ckpt / "model.pt", weights_only=True)
     assert set(kept) == {n for n in model.state_dict() if n in trained} and kept  # the adapters, nothing else
@@ -86,7 +86,7 @@ def test_lora_trains_and_keeps_only_adapters_resumes_exactly_and_exports_adapter
     assert sum(v.numel() for v in kept.values()) < full / 10
 
     resumed, optimizer2, scheduler2 = _built(cfg, tok)  # a restarted worker: same seed, fresh adapters
-    checkpointing.load(ckpt, model=resumed, optimizer=optimizer2, scheduler=scheduler2)
+    live_state.load(ckpt, model=resumed, optimizer=optimizer2, scheduler=scheduler2)
     _steps(model, optimizer, scheduler, cfg, [7])
     _steps(resumed, optimizer2, scheduler2, cfg, [7])
     for (name, a), b in zip(model.state_dict().items(), resumed.state_dict().values()):
@@ -96,7 +96,7 @@ def test_lora_trains_and_keeps_only_adapters_resumes_exactly_and_exports_adapter
     export(str(ckpt), str(out))
     ids = torch.randint(3, 200, (2, 12), generator=torch.Generator().manual_seed(11))
     kept_model = resumed  # (state at step 4; the exported checkpoint is step 3's: compare with that)
-    checkpointing.load(ckpt, model=kept_model)
+    live_state.load(ckpt, model=kept_model)
     kept_model.eval()
     with torch.no_grad():
         expected = kept_model(input_ids=ids).logits
@@ -147,7 +147,7 @@ def test_a_sequence_classifier_with_lora_trains_its_adapters_and_its_head():
     model = build_classifier(cfg, ["neg", "pos"], vocab_size=100, pad_id=0)
     trained = {n for n, p in model.named_parameters() if p.requires_grad}
     assert any("lora_" in n for n in trained) and any("classifier" in n and "lora_" not in n for n in trained)
-    kept = checkpointing.trained_state(model)
+    kept = live_state.trained_state(model)
     assert set(kept) <= {n for n in model.state_dict()} and {n for n in trained} <= set(kept)
     assert not any("word_embeddings" in n for n in kept)
     # a few steps move the adapters (lora_B starts at zero: it moves only where the adapters' output counts,

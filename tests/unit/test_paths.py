@@ -72,3 +72,48 @@ def test_a_storage_uri_with_options_is_refused_before_anything_is_joined_onto_it
             RunPlace.of(storage, "e")
         with pytest.raises(ConfigError, match=r"storage path .*: a query string"):
             config_from_dict({"data": {"root": "x"}, "checkpoint": {"storage_path": storage}})
+
+
+@pytest.mark.parametrize("uri", [False, True])
+def test_a_store_gives_the_same_bytes_through_either_arm(tmp_path, uri):
+    """storage/store.py decides local-or-URI once: a local folder and the same folder as a file:// URI (the
+    object-store arm, through the pyarrow calls s3:// takes) read, write, list, copy up and copy down alike; only
+    a local file appends in place and has a local path."""
+    from pathlib import Path
+
+    from behemoth.storage.store import Store
+
+    root = f"file://{tmp_path}/place" if uri else str(tmp_path / "place")
+    place = Store(root)
+    assert place.is_local is not uri and place.can_append is not uri
+    assert place.local_path() == (None if uri else root) and place.expanded() == root
+    assert Store(f"{root}/a.txt").read_text() is None and not Store(f"{root}/a.txt").exists()
+    Store(f"{root}/a.txt").write_bytes(b"one\n")
+    assert Store(f"{root}/a.txt").read_bytes() == b"one\n" and Store(f"{root}/a.txt").read_text() == "one\n"
+    if not uri:
+        Store(f"{root}/a.txt").append_text("two\n")
+        assert Path(root, "a.txt").read_text() == "one\ntwo\n"
+    with pytest.raises(FileNotFoundError):
+        Store(f"{root}/missing.txt").read_bytes()
+    built = tmp_path / "built"
+    built.mkdir()
+    for name in ("meta.json", "b.bin", "c.bin"):
+        (built / name).write_bytes(name.encode())
+    Store(f"{root}/up").put_folder(built)
+    Store(f"{root}/up/d.bin").put_file(built / "b.bin")
+    assert Store(f"{root}/up").list_files(".bin") == ["b.bin", "c.bin", "d.bin"] and Store(f"{root}/no").list_files() == []
+    (tmp_path / "place" / "cache").mkdir()  # (a file:// URI's folder must be there; a bucket's need not)
+    with Store(f"{root}/cache").built_here("behemoth-test-", last="meta.json") as folder:
+        assert (folder == Path(root, "cache")) is not uri
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "meta.json").write_text("{}")
+        (folder / "x.bin").write_bytes(b"x")
+    assert Store(f"{root}/cache").list_files() == ["meta.json", "x.bin"]
+    down = tmp_path / "down"
+    down.mkdir()
+    copy = Store(f"{root}/up").local_copy(str(down))
+    assert (copy == str(down / "up")) is uri and sorted(os.listdir(copy)) == ["b.bin", "c.bin", "d.bin", "meta.json"]
+    work = Store(f"{root}/tb").working_folder("behemoth-test-")
+    assert (work == f"{root}/tb") is not uri
+    if uri:
+        os.rmdir(work)

@@ -80,7 +80,8 @@ ROOM_IMPORTS = {
     "tracking": {"errors", "config", "metrics", "storage", "ray_internals"},
     "tasks": {"errors", "config", "models", "storage", "data", "hosts", "metrics"},
     "job": {"errors", "config", "tasks"},
-    "worker": {"errors", "config", "models", "storage", "data", "hosts", "metrics", "tasks", "job"},
+    "checkpoints": {"errors", "config", "models", "storage", "hosts", "metrics"},
+    "worker": {"errors", "config", "models", "storage", "data", "hosts", "metrics", "tasks", "job", "checkpoints"},
 }
 FACE = {"__init__", "__main__", "driver"}  # may import anything
 
@@ -112,11 +113,41 @@ def test_the_import_graph_points_down():
         assert ours <= ROOM_IMPORTS[room], f"{rel} ({room}) imports {ours - ROOM_IMPORTS[room]}"
 
 
-def test_the_worker_side_never_imports_ray():
-    """worker/ and tasks/ reach Ray only through their host (hosts/): no `import ray` or `from ray...` in any of
-    their files, at module level or inside a function (issue 57)."""
+def _local_or_uri_decisions(source: str) -> list[str]:
+    """The spellings of the local-or-URI decision in a source: `is_uri`, pyarrow's `LocalFileSystem`, and a
+    string test for a scheme (`"://" in path`, either quote, `not in` too)."""
+    return re.findall(r"""\bis_uri\b|\bLocalFileSystem\b|['"]://['"]\s+(?:not\s+)?in\b""", source)
+
+
+def test_local_or_uri_is_decided_in_the_storage_room_only():
+    """Issue 68 item 2: a path is local or a URI for storage/ alone to say; every other room asks its handle
+    (storage/store.py: Store's verbs, or `is_local` where the question is whether a path may be looked at on
+    disk), so the two arms of that choice live in one room."""
     pkg = REPO / "platform" / "behemoth"
-    found = [f"{path.relative_to(pkg)}: {m}" for room in ("worker", "tasks") for path in sorted((pkg / room).rglob("*.py"))
+    assert _local_or_uri_decisions('if is_uri(p) or "://" in q or isinstance(fs, pyarrow.fs.LocalFileSystem):') \
+        == ["is_uri", '"://" in', "LocalFileSystem"]  # the check's own check
+    found = [f"{path.relative_to(pkg)}: {spelling}" for path in sorted(pkg.rglob("*.py"))
+             if path.relative_to(pkg).parts[0] != "storage" for spelling in _local_or_uri_decisions(path.read_text())]
+    assert found == []
+
+
+def test_the_worker_room_reaches_checkpoints_through_their_face_only():
+    """Issue 68 item 2: checkpointing is one room whose face (checkpoints/__init__.py: save, restore, latest,
+    verify) is all the worker room, the loop above all, talks to: no worker/ file imports a module behind it."""
+    pkg = REPO / "platform" / "behemoth"
+    found = [f"{path.relative_to(pkg)}: {m}" for path in sorted((pkg / "worker").rglob("*.py"))
+             for m in sorted(_imports_of(path)) if m.startswith("behemoth.checkpoints.")
+             and m.split(".")[2] in {f.stem for f in (pkg / "checkpoints").glob("*.py")}]
+    assert found == []
+    assert "behemoth.checkpoints" in _imports_of(pkg / "worker" / "loop.py")  # the check sees the loop's import
+
+
+def test_the_worker_side_never_imports_ray():
+    """worker/, checkpoints/ and tasks/ reach Ray only through their host (hosts/): no `import ray` or `from ray...`
+    in any of their files, at module level or inside a function (issue 57)."""
+    pkg = REPO / "platform" / "behemoth"
+    found = [f"{path.relative_to(pkg)}: {m}" for room in ("worker", "checkpoints", "tasks")
+             for path in sorted((pkg / room).rglob("*.py"))
              for m in sorted(_imports_of(path)) if m == "ray" or m.startswith("ray.")]
     assert found == []
 

@@ -94,8 +94,8 @@ def _rank(rank: int, port: int, folder: str, uri: str, endpoint: str, out: str) 
 
     import torch.distributed as dist
 
-    from behemoth.worker import checkpointing
-    from behemoth.worker.sharded import ShardedWriter
+    from behemoth.checkpoints import live_state
+    from behemoth.checkpoints.sharded import ShardedWriter
 
     os.environ.update(AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing", AWS_DEFAULT_REGION="us-east-1",
                       AWS_ENDPOINT_URL=endpoint)
@@ -107,7 +107,7 @@ def _rank(rank: int, port: int, folder: str, uri: str, endpoint: str, out: str) 
     opt.step()
     saved = _local_state(model, opt)
     writer = ShardedWriter(rank)
-    small = Snapshot(*checkpointing.extras(scheduler=sched, state=TrainState(step=1), task_files={}, job_yaml="x: 1\n"),
+    small = Snapshot(*live_state.extras(scheduler=sched, state=TrainState(step=1), task_files={}, job_yaml="x: 1\n"),
                      step=1) if rank == 0 else None
     written, _ = writer.start(model, opt, folder)
     writer.commit(written, folder, small)
@@ -127,7 +127,7 @@ def _rank(rank: int, port: int, folder: str, uri: str, endpoint: str, out: str) 
         with tempfile.TemporaryDirectory() as d:
             remote.download_rest(d)
             try:
-                state = checkpointing.load(d, model=fresh, optimizer=opt2, scheduler=sched2, remote=remote)
+                state = live_state.load(d, model=fresh, optimizer=opt2, scheduler=sched2, remote=remote)
                 got = _local_state(fresh, opt2)
                 seen[attempt] = {"step": state.step, "bytes": counting.bytes, "counted": remote.fetched,
                                  "equal": sorted(got) == sorted(saved) and all(torch.equal(got[k], saved[k])
@@ -185,14 +185,14 @@ def test_each_rank_of_a_restore_from_a_bucket_fetches_its_own_shards_and_a_damag
 
 def _one_process_checkpoint(folder: Path):
     """A sharded checkpoint written by one process (no process group), its model's state kept."""
-    from behemoth.worker import checkpointing
-    from behemoth.worker.sharded import ShardedWriter
+    from behemoth.checkpoints import live_state
+    from behemoth.checkpoints.sharded import ShardedWriter
 
     model = _model(3)
     opt = torch.optim.AdamW(model.parameters(), lr=0.01)
     model(torch.randn(4, WIDTH)).square().mean().backward()
     opt.step()
-    small = Snapshot(*checkpointing.extras(scheduler=torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0),
+    small = Snapshot(*live_state.extras(scheduler=torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0),
                                            state=TrainState(step=1), task_files={}, job_yaml="x: 1\n"), step=1)
     writer = ShardedWriter(rank=0)
     written, _ = writer.start(model, opt, str(folder))
@@ -232,23 +232,23 @@ def test_an_export_from_a_bucket_fetches_the_models_bytes_only(s3, tmp_path, mon
 
 
 def test_a_restore_opens_a_bucket_checkpoint_by_range_and_an_older_one_whole(s3, tmp_path, monkeypatch):
-    """checkpointing.opened (what restore_latest loads through) on a Ray Train checkpoint in S3: a sharded one
+    """live_state.opened (what restore_latest loads through) on a Ray Train checkpoint in S3: a sharded one
     with chunk hashes gives its small files in a local folder and its shards by range, and loads exactly; one
     without chunk hashes is downloaded whole (once per node: node_copy), as before."""
     import ray.train
 
-    from behemoth.worker import checkpointing
+    from behemoth.checkpoints import live_state
 
     monkeypatch.setattr(checkpoint, "CHUNK_BYTES", CHUNK)
     expected = _one_process_checkpoint(tmp_path / "ckpt")
     fs, where = pyarrow.fs.FileSystem.from_uri(f"s3://{BUCKET}/opened/checkpoint_1")
     pyarrow.fs.copy_files(str(tmp_path / "ckpt"), where, destination_filesystem=fs)
     ckpt = ray.train.Checkpoint(where, filesystem=fs)
-    with checkpointing.opened(ckpt) as (d, remote, _):
+    with live_state.opened(ckpt) as (d, remote, _):
         assert remote is not None and not any(d.glob("state/*.distcp"))
         assert {p.name for p in d.iterdir()} >= {"manifest.json", "train_state.json", "state"}
         model = _model(9)
-        state = checkpointing.load(d, model=model, remote=remote)
+        state = live_state.load(d, model=model, remote=remote)
     assert state.step == 1 and all(torch.equal(model.state_dict()[k], expected[k]) for k in expected)
     assert not d.exists()  # the small files' copy is gone
 
@@ -257,10 +257,10 @@ def test_a_restore_opens_a_bucket_checkpoint_by_range_and_an_older_one_whole(s3,
         entry.pop("chunks", None)
     with fs.open_output_stream(f"{where}/manifest.json") as f:
         f.write(json.dumps(manifest).encode())
-    with checkpointing.opened(ckpt) as (d, remote, node_copy):
+    with live_state.opened(ckpt) as (d, remote, node_copy):
         assert remote is None and node_copy and (d / "state" / "__0_0.distcp").is_file()
         model = _model(9)
-        checkpointing.load(d, model=model)
+        live_state.load(d, model=model)
     assert all(torch.equal(model.state_dict()[k], expected[k]) for k in expected)
 
 
@@ -433,13 +433,13 @@ def test_a_node_copy_is_committed_only_when_every_file_matches_its_manifest(tmp_
     the manifest was written) or has other bytes is the checkpoint's damage (CheckpointError naming it). No
     failed copy is committed: the node's copies folder is left empty."""
     from behemoth.storage.node_copy import node_copy, own_temp_folder
-    from behemoth.worker import checkpointing
+    from behemoth.checkpoints import live_state
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "node-tmp"))
     (tmp_path / "node-tmp").mkdir()
     model = torch.nn.Linear(64, 64)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    ckpt = checkpointing.save(tmp_path / "ckpt", model=model, optimizer=opt, state=TrainState(step=1),
+    ckpt = live_state.save(tmp_path / "ckpt", model=model, optimizer=opt, state=TrainState(step=1),
                               scheduler=torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0), task_files={},
                               job_yaml="x: 1\n")
     copies = own_temp_folder("behemoth-checkpoints")  # this node's copies, under the test's temp folder

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from behemoth.storage.checkpoint import TrainState
-from behemoth.worker import checkpointing
+from behemoth.checkpoints import live_state
 
 
 def _restore_rank(rank: int, port: int, root: str) -> None:
@@ -25,8 +25,8 @@ def _restore_rank(rank: int, port: int, root: str) -> None:
     import ray.train
     import torch.distributed as dist
 
-    from behemoth.worker.restore import restore_first_verified
-    from behemoth.worker.trainables import Trainables
+    from behemoth.checkpoints.restore import restore_first_verified
+    from behemoth.checkpoints.trainables import Trainables
 
     tempfile.tempdir = f"{root}/node{rank}"
     os.makedirs(tempfile.tempdir)
@@ -59,7 +59,7 @@ def test_every_rank_restores_the_same_checkpoint_when_one_nodes_copy_fails_verif
         torch.manual_seed(s)
         model = torch.nn.Linear(8, 8)
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        checkpointing.save(tmp_path / "store0" / "run" / f"checkpoint_{s}", model=model, optimizer=opt,
+        live_state.save(tmp_path / "store0" / "run" / f"checkpoint_{s}", model=model, optimizer=opt,
                            scheduler=torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0),
                            state=TrainState(step=s), task_files={}, job_yaml="")
         weights[s] = model.weight.sum().item()

@@ -290,7 +290,7 @@ def test_a_restore_deletes_an_unfinished_upload_only_while_its_driver_holds_the_
     driver holds the folder, an unfinished upload may be that driver's live one: the restore stops with
     LeaseLostError and deletes nothing; while the lease is its driver's, it removes the dead upload."""
     import pyarrow.fs
-    from behemoth.worker.restore import remove_partial_uploads
+    from behemoth.checkpoints.restore import remove_partial_uploads
 
     (tmp_path / "checkpoint_5").mkdir()  # no manifest: an upload that has not finished
     fs = pyarrow.fs.LocalFileSystem()

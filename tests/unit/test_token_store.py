@@ -96,8 +96,8 @@ def test_a_uri_folder_is_read_by_ranged_requests_and_uploaded_meta_last(tmp_path
     """A cache under a URI (here file://, through the same pyarrow calls as s3://): upload() writes the shards
     then meta.json; the workers' reads are one ranged request per block, fetched ahead by prefetch, with the
     last blocks kept; a truncated shard is named."""
-    from behemoth.data import token_store
     from behemoth.data.token_store import upload
+    from behemoth.storage import store as storage_store
 
     rng = np.random.default_rng(3)
     blocks = rng.integers(0, 60_000, size=(300, SEQ), dtype=np.uint16)
@@ -106,8 +106,8 @@ def test_a_uri_folder_is_read_by_ranged_requests_and_uploaded_meta_last(tmp_path
     shards = write_store(local, blocks, shard_bytes=64 * SEQ * 2, chunks=[300])
     (local / "meta.json").write_text("{}")
     order = []
-    real_copy = token_store.shutil.copyfileobj
-    monkeypatch.setattr(token_store.shutil, "copyfileobj", lambda src, dst, n: (order.append(Path(src.name).name),
+    real_copy = storage_store.shutil.copyfileobj  # the upload streams through the storage room's handle
+    monkeypatch.setattr(storage_store.shutil, "copyfileobj", lambda src, dst, n: (order.append(Path(src.name).name),
                                                                                 real_copy(src, dst, n)))
     uri = f"file://{tmp_path}/bucket/cache"
     (tmp_path / "bucket" / "cache").mkdir(parents=True)

@@ -147,7 +147,7 @@ def _ddp_rank(rank: int, port: int, source: dict, out: str) -> None:
     """One of 2 gloo ranks: reads the source weights only if reads_init_from says so, then wraps in DDP."""
     import torch.distributed as dist
 
-    from behemoth.worker.restore import reads_init_from
+    from behemoth.checkpoints.restore import reads_init_from
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     torch.manual_seed(rank)  # every rank starts from other weights
@@ -160,14 +160,14 @@ def _ddp_rank(rank: int, port: int, source: dict, out: str) -> None:
 
 
 def test_under_ddp_only_rank_0_reads_the_init_from_weights_and_every_rank_starts_from_them(tmp_path):
-    """The rule (worker/restore.reads_init_from): under DDP with several workers only rank 0 reads; FSDP (each
+    """The rule (checkpoints/restore.reads_init_from): under DDP with several workers only rank 0 reads; FSDP (each
     rank shards its own full copy) and a single worker read their own. And what it relies on: wrapping in DDP
     gives every rank rank 0's weights (two real gloo processes, rank 1 never reading the source)."""
     import socket
 
     import torch.multiprocessing as mp
 
-    from behemoth.worker.restore import reads_init_from
+    from behemoth.checkpoints.restore import reads_init_from
 
     assert [reads_init_from("ddp", r, 2) for r in range(2)] == [True, False]
     assert reads_init_from("ddp", 0, 1)

@@ -231,7 +231,7 @@ def _write_manifest(folder: Path, cache: CachePlan, shard_rows: int, valid: np.n
 
 
 def _disk_full_message(folder: Path, cache: CachePlan) -> str:
-    """The line a full disk ends the build with, in the words of a checkpoint's (worker/saver.py)."""
+    """The line a full disk ends the build with, in the words of a checkpoint's (checkpoints/saver.py)."""
     where = folder.parent
     return (f"the decoded image cache did not fit: no space left on the device of {where}; it needs about "
             f"{cache.nbytes / 1e6:.1f} MB, {free_disk(where) / 1e6:.1f} MB is free. What it had written is removed. "

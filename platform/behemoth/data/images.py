@@ -29,7 +29,7 @@ from behemoth.progress import progress
 from behemoth.data import image_shards
 from behemoth.data.decode import MAX_IMAGE_PIXELS
 from behemoth.data.pipeline import expand_files
-from behemoth.storage import filesystem
+from behemoth.storage.store import Store
 
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg"}
 # One row per sample. `row`: -1 for an image file; the row in `path` for parquet; for a tar shard the byte
@@ -112,7 +112,7 @@ class ImageData(DataConfig):
         if self.mixup_alpha < 0 or self.cutmix_alpha < 0:
             raise ConfigError(f"data.mixup_alpha and data.cutmix_alpha must be >= 0 (0: off; 0.2 and 1.0 are "
                               f"usual), got {self.mixup_alpha!r}, {self.cutmix_alpha!r}")
-        if self.cache == "decoded" and filesystem.is_uri(self.cache_dir):
+        if self.cache == "decoded" and not Store(self.cache_dir).is_local:
             raise ConfigError(f"data.cache_dir {self.cache_dir} is a URI: the decoded cache is a folder on each "
                               f"node's own disk (a local path), read by memory-mapping it")
 
@@ -135,7 +135,7 @@ def build_index(cfg: ImageData) -> ImageIndex:
     """image_folder: data.root; image_parquet and image_webdataset: data.train_files / val_files. A task of
     one's own built on image classification (data.kind: module:Class) reads parquet when data.train_files is
     set, data.root otherwise."""
-    keep = None if filesystem.is_uri(cfg.cache_dir) else Path(cfg.cache_dir)
+    keep = Path(cfg.cache_dir) if Store(cfg.cache_dir).is_local else None
     if cfg.kind == "image_webdataset":
         return index_webdataset(cfg.train_files, cfg.val_files, keep)
     if _reads_folder(cfg):

@@ -24,7 +24,6 @@ import logging
 import os
 import shutil
 import socket
-import tempfile
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,11 +41,12 @@ from behemoth.data.text import (
     tokenize_rows,
     tokenize_units,
 )
-from behemoth.data.token_store import ShardWriter, TokenBlocks, TokenShards, load_blocks, upload
+from behemoth.data.token_store import ShardWriter, TokenBlocks, TokenShards, load_blocks
 from behemoth.errors import DataError
 from behemoth.progress import progress
-from behemoth.storage import filesystem, paths
+from behemoth.storage import paths
 from behemoth.storage.filesystem import read_file
+from behemoth.storage.store import Store
 
 CACHE_VERSION = 4  # 4: shards with their sha256; 3: each block with its index; 2: shards of tokens; 1: train.npy
 
@@ -153,12 +153,8 @@ def packed_index(cfg: TextData, units: list[Unit], seed: int, dtype, tok, pack, 
     cache = paths.join(paths.storage_root(cfg.cache_dir), _fingerprint(cfg, units, seed, key))
     meta = _cache_meta(cache)
     if meta is None:
-        if filesystem.is_uri(cache):  # built here, then uploaded (meta.json last)
-            with tempfile.TemporaryDirectory(prefix="behemoth-tokens-") as local:
-                _build_cache(cfg, units, seed, dtype, Path(local) / "cache", pack)
-                upload(Path(local) / "cache", cache)
-        else:
-            _build_cache(cfg, units, seed, dtype, Path(cache), pack)
+        with Store(cache).built_here("behemoth-tokens-", last="meta.json") as folder:  # a URI's: uploaded, meta last
+            _build_cache(cfg, units, seed, dtype, folder, pack)
         meta = _cache_meta(cache)
     read = TokenShards if cfg.token_store == "files" else load_blocks
     arrays = {s: read(cache, meta[s]["shards"], cfg.seq_len, dtype) for s in ("train", "val")}

@@ -28,7 +28,6 @@ import hashlib
 import io
 import mmap
 import os
-import shutil
 import threading
 import time
 from collections import OrderedDict
@@ -38,7 +37,7 @@ from pathlib import Path
 import numpy as np
 
 from behemoth.storage.checkpoint import stream_sha256
-from behemoth.storage.filesystem import filesystem, is_uri, read_file
+from behemoth.storage.store import Store
 from behemoth.errors import DataError
 from behemoth.storage.node_copy import own_temp_folder
 
@@ -131,7 +130,7 @@ def load_blocks(folder: str | Path, shards: list[dict], seq_len: int, dtype) -> 
     arrays = []
     for shard in shards:
         where = f"{folder}/{shard['file']}"
-        data = read_file(where) if is_uri(str(folder)) else Path(where).read_bytes()
+        data = Store(where).read_bytes()
         if len(data) != shard["bytes"] or hashlib.sha256(data).hexdigest() != shard["sha256"]:
             raise DataError(_damaged(where, folder, shard, len(data) if len(data) != shard["bytes"] else None))
         arrays.append(np.load(io.BytesIO(data)))
@@ -213,11 +212,7 @@ def _held(marker: Path | None):
 
 def upload(local: Path, uri: str) -> None:
     """A finished local cache folder to `uri`: the shards first, meta.json last (its presence means complete)."""
-    fs, root = filesystem(uri)
-    names = sorted(p.name for p in local.iterdir() if p.name != "meta.json") + ["meta.json"]
-    for name in names:
-        with open(local / name, "rb") as src, fs.open_output_stream(f"{root}/{name}") as dst:
-            shutil.copyfileobj(src, dst, 8 << 20)
+    Store(uri).put_files_in_order(local, last="meta.json")
 
 
 class TokenShards:
@@ -232,6 +227,7 @@ class TokenShards:
         self.shape = (int(self.starts[-1]), seq_len)
         self._maps: dict[int, tuple[mmap.mmap, np.ndarray]] = {}  # shard -> (mapping, its rows)
         self._remote = None  # a URI folder's reader, made on first use in each process
+        self._mapped = Store(folder).is_local  # a local folder's files are memory-mapped, a URI's read by range
 
     def __len__(self) -> int:
         return self.shape[0]
@@ -246,7 +242,7 @@ class TokenShards:
         ids = np.asarray(ids, dtype=np.int64)
         if ids.size and (ids.min() < 0 or ids.max() >= len(self)):
             raise IndexError(f"block index out of range [0, {len(self)})")
-        if is_uri(self.folder):
+        if not self._mapped:
             return self._reader().gather(ids)
         out = np.empty(len(ids), self.record)
         shard = np.searchsorted(self.starts, ids, side="right") - 1
@@ -259,7 +255,7 @@ class TokenShards:
         """Start reading these blocks now, so the gather that follows finds them read: a URI's blocks are
         fetched by background threads, a local file's pages asked of the kernel (asynchronously)."""
         ids = np.asarray(ids, dtype=np.int64)
-        if is_uri(self.folder):
+        if not self._mapped:
             self._reader().prefetch(ids)
             return
         row, page = self.record.itemsize, mmap.PAGESIZE
@@ -312,7 +308,7 @@ class RemoteBlocks:
 
     def __init__(self, store: TokenShards):
         self.store, self.row = store, store.record.itemsize
-        self.fs, self.root = filesystem(store.folder)
+        self.fs, self.root = Store(store.folder).pyarrow()
         self.files: dict[str, object] = {}
         self.pool = ThreadPoolExecutor(REMOTE_READERS, thread_name_prefix="behemoth-blocks")
         self.pending: OrderedDict[int, tuple[Future, int]] = OrderedDict()  # block -> (its range's read, row)

@@ -5,4 +5,5 @@
 - `image_classifier`: any AutoModelForImageClassification; `causal_lm`: any AutoModelForCausalLM.
 - `lora`: model.lora's adapters through peft; `sources`: a model's or tokenizer's source (a local folder or a Hub
   name) checked before Ray; `hf_keys`: what model.hf_config may hold (architecture keys only).
+- `wrappers`: a model inside training's wrappers (torch.compile, DDP, FSDP2): unwrap, is_sharded.
 """

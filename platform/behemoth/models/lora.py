@@ -2,7 +2,7 @@
 frozen as built, low-rank adapters are added to the named modules (peft's default for the model type where
 none are named), and a sequence classifier's head trains too (peft's SEQ_CLS keeps it). The workers, `behemoth
 eval` and `export` build the adapted model the same way, from the same seed; a checkpoint holds only what
-trains (worker/checkpointing.py), an export both the adapter folder and the merged model (driver/commands/export.py).
+trains (checkpoints/live_state.py), an export both the adapter folder and the merged model (driver/commands/export.py).
 """
 
 from __future__ import annotations

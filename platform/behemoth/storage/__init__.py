@@ -1,6 +1,8 @@
 """Where a run's bytes live, and in what form: the storage room.
 
 - `filesystem`: the one answer to "local path or URI, and which pyarrow filesystem reads it".
+- `store`: Store, the handle other rooms hold instead of asking that question: a place decided local-or-URI once,
+  with verbs (read, write, append, list, copy a local folder up, a local copy or working folder).
 - `paths`: a run's place (storage root, run folder, a sweep trial's folder) and the run-name rules.
 - `checkpoint`: the checkpoint format (state files, manifest of sizes and checksums written last, verify).
 - `shard_reader`: reading a sharded (DCP) checkpoint: only the byte ranges a load plan needs, checked.
@@ -11,7 +13,7 @@
 - `runlock`: one driver per run folder, on local and object storage (the lease, its heartbeat and fence).
 - `lease_stores`: where the lease lies and how it changes, conditionally (link/flock, S3 If-Match, read-back).
 
-The worker room decides *when* a checkpoint is taken and writes it (worker/checkpointing, saver, sharded,
-restore: they need the model, the process group and the step); everything here is what those bytes are and
-where they lie, and needs neither.
+The checkpoints room (behemoth.checkpoints, above this one) takes a checkpoint and continues from one (live_state,
+saver, sharded, restore: they need the model, the process group and the step), when the worker room says;
+everything here is what those bytes are and where they lie, and needs neither.
 """

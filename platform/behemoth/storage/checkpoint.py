@@ -1,5 +1,5 @@
 """The checkpoint format: a directory of files with a manifest written last, verified on load.
-Taking the state from live objects and loading it back into them: behemoth.worker.checkpointing.
+Taking the state from live objects and loading it back into them: behemoth.checkpoints.live_state.
 
 A checkpoint directory holds:
   model.pt, optimizer.pt, scheduler.pt   torch state dicts (the model unwrapped from DDP; under FSDP the full
@@ -17,7 +17,7 @@ A sharded checkpoint (checkpoint.format sharded: FSDP's default) holds, instead 
                                          wrote them: one file per rank R with that rank's shards, and the index
   state_values.json                      the state's other entries (the optimizer's param_groups: lr, ...)
 and its manifest (format 3) lists every rank's files: rank 0 writes it last, once every rank has written and
-hashed its own (behemoth.worker.sharded). It loads at any world size, under FSDP or DDP, and nothing in it is
+hashed its own (behemoth.checkpoints.sharded). It loads at any world size, under FSDP or DDP, and nothing in it is
 unpickled freely (behemoth.storage.shard_reader). Format 2, written before, held the param_groups as pickles inside
 DCP: it still loads, those entries with weights_only.
 
@@ -92,7 +92,7 @@ class Snapshot:
     state_dicts: dict  # file name -> state dict of CPU tensors (torch.save)
     texts: dict  # file name -> text
     step: int
-    copies: Any = None  # worker.checkpointing.Copies: tensor copies possibly still in flight (snapshot(overlap=True))
+    copies: Any = None  # checkpoints.live_state.Copies: tensor copies possibly still in flight (snapshot(overlap=True))
 
     def wait_sources_free(self) -> None:
         if self.copies is not None:
@@ -102,7 +102,7 @@ class Snapshot:
 def write(directory: str | Path, snap: Snapshot, before_manifest=None, after_file=None) -> Path:
     """Write a snapshot as a checkpoint directory; the manifest goes last, so its presence means complete.
     `before_manifest`: called when every other file is written, `after_file(path)` after each state file (the
-    failure tests' kill and full-disk points: worker/faults.py)."""
+    failure tests' kill and full-disk points: hosts/faults.py)."""
     d = write_files(directory, snap, after_file)
     files = hash_files(d, [p.name for p in sorted(d.iterdir()) if p.is_file() and p.name != MANIFEST])
     if before_manifest is not None:

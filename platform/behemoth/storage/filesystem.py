@@ -1,6 +1,7 @@
 """The one answer to "where do these bytes live": a local path or a URI (s3://, gs://, ...) and the pyarrow
-filesystem that reads it. Every room asks here; nothing else calls `FileSystem.from_uri` or decides what a URI
-is, so local and object storage take the same code paths with one switch.
+filesystem that reads it. Nothing else calls `FileSystem.from_uri` or decides what a URI is, so local and object
+storage take the same code paths with one switch; rooms outside storage/ hold a `store.Store` made from the path
+and use its verbs (tests/unit/test_platform.py fails on the question asked anywhere else).
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ The manifest's sha256 proves the files are whole, not who wrote them. Here:
   as JSON beside it (state_values.json, by DCP's key). A format-2 checkpoint, written before, holds them as
   DCP byte entries: those load with weights_only=True (plain values only), never unpickled freely.
 
-Writing the shards stays in behemoth.worker.sharded; this module is what every reader goes through: a resume
+Writing the shards stays in behemoth.checkpoints.sharded; this module is what every reader goes through: a resume
 (sharded.load), and export, evaluation and fine-tuning (read_sharded_weights).
 
 A checkpoint in an object store is read where it is (RemoteShards): its small files are fetched, but of the

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Callable, ClassVar, Generic, Iterable, Ty
 
 from behemoth.config import DataConfig, JobConfig
 from behemoth.errors import ConfigError, did_you_mean
+from behemoth.storage.store import Store
 
 if TYPE_CHECKING:  # annotations only: importing torch here would make `import behemoth` import it
     import torch
@@ -68,7 +69,7 @@ class Task(abc.ABC, Generic[CheckedT, PreparedT]):
         model = cfg.model.pretrained
         if getattr(cfg.data, "tokenizer", None) != "" or not model:
             return
-        if "://" in model:  # an object store's folder: its listing is checked before Ray (driver/run/preflight.py)
+        if not Store(model).is_local:  # an object store's folder: its listing is checked before Ray (driver/run/preflight.py)
             cfg.data.tokenizer = model
             return
         if looks_local(model) and Path(model).expanduser().is_dir() and not holds_tokenizer(model):
@@ -314,6 +315,6 @@ def local_model(cfg: JobConfig):
     from behemoth.storage.model_copy import local_source
 
     model = cfg.model
-    if not model.pretrained or "://" not in model.pretrained:
+    if not model.pretrained or Store(model.pretrained).is_local:
         return model
     return dataclasses.replace(model, pretrained=local_source(model.pretrained, "model.pretrained"))

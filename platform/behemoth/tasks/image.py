@@ -29,7 +29,7 @@ from behemoth.data.prefetch import prefetched
 from behemoth.models import registry
 from behemoth import hosts
 from behemoth.tasks.contract import Task, local_model
-from behemoth.storage import filesystem
+from behemoth.storage.store import Store
 
 
 def build_image_model(cfg: JobConfig, classes: list[str]) -> torch.nn.Module:
@@ -327,7 +327,7 @@ def decide_cache(cfg: ImageData, index: ImageIndex) -> tuple[dict | None, str]:
     if cfg.cache == "none":
         return None, "none (data.cache=none): images are decoded every epoch"
     views = cfg.augment == "random_resized_crop" and cfg.cache_side > 0  # crops taken from stored views
-    if (cfg.augment == "random_resized_crop" and not views) or filesystem.is_uri(cfg.cache_dir):
+    if (cfg.augment == "random_resized_crop" and not views) or not Store(cfg.cache_dir).is_local:
         why = "random_resized_crop crops the original (data.cache_side keeps views to crop from)" \
             if cfg.augment == "random_resized_crop" else f"data.cache_dir {cfg.cache_dir} is a URI, not a folder on each node"
         return None, f"none (auto: {why}): images are decoded every epoch"

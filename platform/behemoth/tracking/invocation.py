@@ -13,13 +13,12 @@ import os
 import tempfile
 import time
 import uuid
-from pathlib import Path
 
 from behemoth.storage import paths
 from behemoth.config import JobConfig
 from behemoth.tracking import goodput
 from behemoth.tracking.records import METRICS, TIMELINE, JsonlLog, read_jsonl, write_text
-from behemoth.storage import filesystem
+from behemoth.storage.store import Store
 
 GOODPUT = "goodput.json"
 
@@ -151,23 +150,7 @@ def _local_copies(sources: list[str]):
     """Local paths of `sources` while the block runs: MLflow's client logs local files, so a URI's file or
     folder is downloaded into a temporary folder (same base name) first."""
     with tempfile.TemporaryDirectory(prefix="behemoth-artifacts-") as tmp:
-        local = []
-        for source in sources:
-            if not filesystem.is_uri(source):
-                local.append(source)
-                continue
-            import pyarrow.fs
-
-            from behemoth.storage.filesystem import read_file
-
-            fs, where = filesystem.filesystem(source)
-            target = os.path.join(tmp, source.rstrip("/").rpartition("/")[2])
-            if fs.get_file_info(where).type == pyarrow.fs.FileType.Directory:
-                os.makedirs(target)
-                pyarrow.fs.copy_files(where, target, source_filesystem=fs)
-            else:
-                Path(target).write_bytes(read_file(source))
-            local.append(target)
+        local = [Store(source).local_copy(tmp) for source in sources]
         yield local
 
 

@@ -16,6 +16,7 @@ import re
 import threading
 
 from behemoth.storage import paths
+from behemoth.storage.store import Store
 from behemoth.errors import ConfigError
 from behemoth.tracking.records import read_text, write_text
 
@@ -26,7 +27,7 @@ _CLIENT_ENV = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1", "MLFLOW_HTTP_REQUEST_TIME
 
 def tracking_uri(uri: str) -> str:
     """A folder (MLflow's file store), sqlite:///..., http(s)://... as MLflow takes it."""
-    if "://" in uri or uri.startswith("sqlite:"):
+    if not Store(uri).is_local or uri.startswith("sqlite:"):  # a scheme: a server, a database or a file:// URI
         return uri
     os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")  # a folder: the user asked for the file store
     return "file://" + os.path.abspath(os.path.expanduser(uri))

@@ -19,12 +19,11 @@ killed writer loses at most its last `flush_s` seconds of records.
 from __future__ import annotations
 
 import json
-import os
 import threading
 import time
 import uuid
 
-from behemoth.storage import filesystem
+from behemoth.storage.store import Store
 
 METRICS, TIMELINE = "metrics.jsonl", "timeline.jsonl"
 PARTS = ".parts"
@@ -36,6 +35,7 @@ class JsonlLog:
         `clock`: seconds, monotonic (a test's own clock decides when the records are due, not the machine's
         speed)."""
         self.path, self.flush_s, self.clock = path, flush_s, clock
+        self.store = Store(path)
         self._buffer: list[str] = []
         self._first_ns = 0  # the first buffered record's time: the next part's name
         self._writer, self._parts = uuid.uuid4().hex[:8], 0
@@ -46,10 +46,8 @@ class JsonlLog:
 
     def append(self, record: dict) -> None:
         line = json.dumps(record, default=_plain) + "\n"
-        if not filesystem.is_uri(self.path):
-            os.makedirs(os.path.dirname(self.path), exist_ok=True)
-            with open(self.path, "a", encoding="utf-8") as f:
-                f.write(line)
+        if self.store.can_append:
+            self.store.append_text(line)
             return
         with self._lock:
             if not self._buffer:
@@ -103,18 +101,7 @@ def exists(path: str) -> bool:
 
 def read_text(path: str) -> str | None:
     """A file's text, local or under a URI; None if there is none."""
-    if filesystem.is_uri(path):
-        import pyarrow.fs
-
-        fs, where = filesystem.filesystem(path)
-        if fs.get_file_info(where).type == pyarrow.fs.FileType.NotFound:
-            return None
-        with fs.open_input_stream(where) as f:
-            return f.read().decode()
-    if not os.path.isfile(path):
-        return None
-    with open(path, encoding="utf-8") as f:
-        return f.read()
+    return Store(path).read_text()
 
 
 def write_text(path: str, text: str) -> None:
@@ -123,23 +110,14 @@ def write_text(path: str, text: str) -> None:
 
 def write_bytes(path: str, data: bytes, make_folder: bool = True) -> None:
     """Write (replace) a file, local or under a URI, creating its folder (unless known to be there)."""
-    if filesystem.is_uri(path):
-        fs, where = filesystem.filesystem(path)
-        if make_folder:
-            fs.create_dir(where.rpartition("/")[0], recursive=True)
-        with fs.open_output_stream(where) as f:
-            f.write(data)
-        return
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path, "wb") as f:
-        f.write(data)
+    Store(path).write_bytes(data, make_folder)
 
 
 def read_jsonl(path: str) -> list[dict]:
     """The records of a log ([] if there is none): the file, then under a URI its parts in order; a line cut
     short by a kill is skipped."""
     text = read_text(path) or ""
-    if filesystem.is_uri(path):
+    if not Store(path).can_append:  # an object store's log is its parts
         text += "\n" + "".join(read_text(f"{path}{PARTS}/{name}") or "" for name in _part_names(path))
     records = []
     for line in text.splitlines():
@@ -151,13 +129,8 @@ def read_jsonl(path: str) -> list[dict]:
 
 
 def _part_names(path: str) -> list[str]:
-    if not filesystem.is_uri(path):
-        return []
-    import pyarrow.fs
-
-    fs, where = filesystem.filesystem(f"{path}{PARTS}")
-    found = fs.get_file_info(pyarrow.fs.FileSelector(where, allow_not_found=True))
-    return sorted(f.base_name for f in found if f.type == pyarrow.fs.FileType.File and f.base_name.endswith(".jsonl"))
+    store = Store(f"{path}{PARTS}")
+    return [] if store.can_append else store.list_files(".jsonl")
 
 
 def latest_per_step(reports: list[dict]) -> list[dict]:

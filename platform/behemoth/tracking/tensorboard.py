@@ -10,11 +10,10 @@ from __future__ import annotations
 
 import os
 import shutil
-import tempfile
 import time
 
 from behemoth.storage import paths
-from behemoth.storage import filesystem
+from behemoth.storage.store import Store
 
 FOLDER = "tensorboard"
 # Report keys that are bookkeeping, not curves.
@@ -45,7 +44,7 @@ def scalar_tags(metrics: dict) -> dict[str, float]:
 class TensorBoardLog:
     def __init__(self, run_dir: str, mirror_every_s: float = 30.0):
         self.target = paths.join(run_dir, FOLDER)
-        self.local = tempfile.mkdtemp(prefix="behemoth-tb-") if filesystem.is_uri(run_dir) else self.target
+        self.local = Store(self.target).working_folder("behemoth-tb-")
         self.writer, self.group, self.mirror_every_s, self.mirrored = None, None, mirror_every_s, 0.0
 
     def log(self, metrics: dict, checkpoint: bool = False) -> None:
@@ -93,9 +92,4 @@ class TensorBoardLog:
         self.mirrored = time.time()
         if self.local == self.target or not os.path.isdir(self.local):
             return
-        import pyarrow.fs
-
-        fs, where = filesystem.filesystem(self.target)
-        fs.create_dir(where, recursive=True)
-        pyarrow.fs.copy_files(self.local, where, source_filesystem=pyarrow.fs.LocalFileSystem(),
-                              destination_filesystem=fs)
+        Store(self.target).put_folder(self.local)

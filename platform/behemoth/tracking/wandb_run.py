@@ -17,7 +17,8 @@ import os
 import uuid
 
 from behemoth.errors import ConfigError
-from behemoth.storage import filesystem, paths
+from behemoth.storage import paths
+from behemoth.storage.store import Store
 from behemoth.tracking.records import read_text, write_text
 
 RUN_FILE = "wandb.json"
@@ -44,7 +45,7 @@ def run_id(run_dir: str) -> str:
 
 def local_dir(run_dir: str) -> str:
     """Where W&B writes its files: the run folder where it is local, else a cache folder of this machine."""
-    if not filesystem.is_uri(run_dir):
+    if Store(run_dir).local_path() is not None:
         return run_dir
     folder = os.path.expanduser("~/.cache/behemoth/wandb")
     os.makedirs(folder, exist_ok=True)

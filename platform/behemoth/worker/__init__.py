@@ -1,29 +1,22 @@
 """The worker's room: what every training worker runs (the loop and what it uses); no `ray` here: the host
-(behemoth.hosts) is the worker's only way to Ray. Its modules (docs/architecture.md says more):
+(behemoth.hosts) is the worker's only way to Ray, and the checkpoints room's face (behemoth.checkpoints: save,
+restore, latest, verify) its only way to checkpoints. Its modules (docs/architecture.md says more):
 
 - `autobatch`: train.micro_batch_size auto: the largest micro-batch whose step fits
 - `block_transforms`: the model's repeated blocks: activation checkpointing, torch.compile per block
-- `checkpointing`: live objects <-> host snapshot <-> checkpoint folder (either layout and strategy)
-- `collectives`: the few collectives the loop needs, each a no-op in one process
-- `console`: a line for the user's console (not print: Ray Train's patch would double it)
 - `ema`: train.ema_decay: the weights' moving average, updated on the device, kept as ema.pt
 - `evaluate`: the task's validation metrics over the whole set; `behemoth eval`'s worker function
-- `faults`: fault injection for the failure tests, each switched on by a variable; none in runs
 - `fault_hooks`: the failure tests' step hooks (slow step; kill or error after a report) as the loop's callback
 - `feed`: the rank's steps epoch after epoch; the next epoch's pipeline opened early
 - `ledger`: the sample ledger (train.sample_ledger)
 - `loop`: train_loop_per_worker and the step, top to bottom (the file to read first)
 - `optim`: optimizer and learning-rate schedule from `train`
-- `parallel`: DDP / FSDP2 wrapping, FSDP's mixed precision, gradient compression hooks
+- `parallel`: DDP / FSDP2 wrapping, FSDP's mixed precision, gradient compression hooks, buffers synced
 - `plan`: micro-batch x accumulation x workers = the global batch
 - `precision`: autocast, gradient scaler, fp32 master weights, a GPU's settings (TF32, cuDNN)
 - `profiling`: train.profile: torch.profiler traces (and CUDA memory history) of a window of steps
 - `reporting`: what a report step does (metrics, evaluation, checkpoint) and when; ReportSender
-- `restore`: which checkpoint a (re)started worker group continues from; init_from's weights
 - `step_callbacks`: what runs around every step besides the update (EMA, ledger, faults, profiler)
 - `step_context`: what every step is taken with (config, task, trainables, rank, clock...), built once
-- `trainables`: the run's objects: model, optimizer, scheduler, scaler, compression state
-- `saver`: checkpoints through the host's report, sync or async; host buffers; manifest last
-- `sharded`: sharded checkpoints: each rank's DCP shards, the manifest over all by rank 0
 - `speed`: the speed figures every report carries (TFLOP/s, MFU, memory)
 """

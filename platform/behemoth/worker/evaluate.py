@@ -14,8 +14,8 @@ from behemoth.data.order import rank_eval_indices
 from behemoth.tasks import Task, make_task
 from behemoth import hosts
 from behemoth.worker import parallel
-from behemoth.worker.collectives import all_reduce_sum
-from behemoth.worker.parallel import unwrap
+from behemoth.hosts.collectives import all_reduce_sum
+from behemoth.models.wrappers import unwrap
 from behemoth.worker.precision import autocast, master_weights
 
 

@@ -3,7 +3,7 @@ the loop's callback."""
 
 from __future__ import annotations
 
-from behemoth.worker import faults
+from behemoth.hosts import faults
 from behemoth.worker.step_callbacks import Callback
 
 

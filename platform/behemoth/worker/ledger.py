@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from behemoth import hosts
 from behemoth.storage.checkpoint import TrainState
-from behemoth.worker.collectives import distributed
+from behemoth.hosts.collectives import distributed
 from behemoth.worker.step_callbacks import Callback
 
 

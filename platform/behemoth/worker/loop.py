@@ -30,8 +30,8 @@ from behemoth.metrics import PhaseClock, Window
 from behemoth.tasks import Task, make_task
 from behemoth import hosts
 from behemoth.worker import parallel
-from behemoth.worker.collectives import all_reduce_sum, distributed
-from behemoth.worker.console import console
+from behemoth.hosts.collectives import all_reduce_sum, distributed
+from behemoth.hosts.console import console
 from behemoth.worker.ema import WeightAverage
 from behemoth.worker.fault_hooks import FaultHooks
 from behemoth.worker.feed import EpochFeed
@@ -41,9 +41,7 @@ from behemoth.worker.plan import batch_plan
 from behemoth.worker.profiling import StepProfiler
 from behemoth.worker.precision import autocast, device_settings, grad_scaler, master_weights
 from behemoth.worker.reporting import Reporter, report_due, resume_early_stopping
-from behemoth.worker.restore import load_init_from, restore_latest
-from behemoth.worker.trainables import Trainables
-from behemoth.worker.saver import CheckpointSaver
+from behemoth.checkpoints import CheckpointSaver, Trainables, load_init_from, restore_latest
 from behemoth.worker.speed import SpeedMeter
 from behemoth.worker.step_callbacks import Callbacks
 from behemoth.worker.step_context import StepContext

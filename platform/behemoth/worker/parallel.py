@@ -25,6 +25,8 @@ import torch
 import torch.distributed as dist
 
 from behemoth.config import TrainConfig
+from behemoth.hosts import collectives
+from behemoth.models.wrappers import is_sharded, unwrap
 from behemoth.worker import block_transforms as blocks
 log = logging.getLogger(__name__)
 
@@ -78,17 +80,16 @@ def shard(model: torch.nn.Module, reshard_after_forward: bool, precision: str = 
     return model
 
 
-def unwrap(model):
-    """The model inside a torch.compile wrapper and/or a DDP wrapper (or the model itself; FSDP2 modules
-    are the model)."""
-    model = getattr(model, "_orig_mod", model)
-    return model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
+def sync_buffers(model) -> None:
+    """Give every rank rank 0's buffers (BatchNorm running stats).
 
-
-def is_sharded(model) -> bool:
-    from torch.distributed.fsdp import FSDPModule
-
-    return isinstance(getattr(model, "_orig_mod", model), FSDPModule)
+    DDP broadcasts buffers at the start of each forward, so after a step every rank holds running stats
+    updated with its own micro-batch. Before evaluating or checkpointing, all ranks adopt rank 0's: the same
+    values DDP would broadcast at the next step, so evaluation is consistent and the checkpoint is the state.
+    """
+    if collectives.distributed():
+        for buffer in unwrap(model).buffers():
+            dist.broadcast(buffer, src=0)
 
 
 def no_grad_sync(model):

@@ -8,8 +8,8 @@ import torch.distributed as dist
 from behemoth.config import JobConfig
 from behemoth.tasks import Task
 from behemoth.worker import autobatch
-from behemoth.worker.collectives import distributed
-from behemoth.worker.console import console
+from behemoth.hosts.collectives import distributed
+from behemoth.hosts.console import console
 from behemoth.worker.precision import autocast
 
 

@@ -17,7 +17,7 @@ import torch
 
 from behemoth import hosts
 from behemoth.storage.checkpoint import TrainState
-from behemoth.worker.console import console
+from behemoth.hosts.console import console
 from behemoth.worker.step_callbacks import Callback
 
 FOLDER = "profile"

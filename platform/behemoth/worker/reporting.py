@@ -18,10 +18,11 @@ from behemoth.metrics import (CHECKPOINT_SCORE, LOGGED, Window, checkpoint_score
                               progress_line, throughput)
 from behemoth.tasks import Task, run_metric
 from behemoth import hosts
-from behemoth.worker.collectives import all_reduce_sum, sync_buffers, union_across_ranks
-from behemoth.worker.console import console
+from behemoth.hosts.collectives import all_reduce_sum, union_across_ranks
+from behemoth.worker.parallel import sync_buffers
+from behemoth.hosts.console import console
 from behemoth.worker.evaluate import evaluate
-from behemoth.worker.saver import send_report
+from behemoth.checkpoints import send_report
 from behemoth.worker.step_context import StepContext
 
 

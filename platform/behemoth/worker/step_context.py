@@ -9,12 +9,11 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # annotations only
     import torch
 
+    from behemoth.checkpoints import CheckpointSaver, Trainables
     from behemoth.config import JobConfig
     from behemoth.metrics import PhaseClock
     from behemoth.tasks import Task
-    from behemoth.worker.saver import CheckpointSaver
     from behemoth.worker.speed import SpeedMeter
-    from behemoth.worker.trainables import Trainables
 
 
 @dataclass

@@ -21,7 +21,7 @@ from pathlib import Path
 import yaml
 
 from behemoth.errors import ConfigError
-from behemoth.storage import filesystem
+from behemoth.storage.store import Store
 
 # Every port a Ray node listens on (Ray 2.60's `ray start` defaults), and SSH. A port `ray start` is given
 # explicitly (`--object-manager-port=8076`, ...) is checked at that number instead.
@@ -233,7 +233,7 @@ def _storage(raw: dict, job_configs: list[str]) -> list[Finding]:
     out = []
     for job in job_configs:
         path = load_config(job).checkpoint.storage_path
-        if multi_node and not filesystem.is_uri(path):
+        if multi_node and Store(path).is_local:
             out.append(Finding(f"{job}: checkpoint.storage_path",
                                f"'{path}' is a local path on a multi-node cluster: workers on other nodes "
                                f"cannot reach it and a lost node loses its checkpoints",

@@ -30,7 +30,7 @@ import numpy as np
 from behemoth.config import JobConfig
 from behemoth.errors import ConfigError, DataError
 from behemoth.hosts import WorkerHost
-from behemoth.storage import filesystem
+from behemoth.storage.store import Store
 
 
 @dataclasses.dataclass
@@ -127,7 +127,7 @@ def _record_place(cfg: JobConfig) -> tuple[Path, str] | None:
     import socket
 
     folder = getattr(cfg.data, "cache_dir", "")
-    if not folder or filesystem.is_uri(folder):
+    if not folder or not Store(folder).is_local:
         return None
     section = {k: v for k, v in dataclasses.asdict(cfg.data).items() if k not in _UNMEASURED_KEYS}
     digest = hashlib.sha256(json.dumps(section, sort_keys=True, default=str).encode()).hexdigest()[:16]

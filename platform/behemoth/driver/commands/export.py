@@ -32,7 +32,7 @@ from behemoth.models import registry
 from behemoth.models.lora import is_adapted
 from behemoth.tasks import task_of
 from behemoth.tasks.registry import is_custom_kind
-from behemoth.storage import filesystem
+from behemoth.storage.store import Store
 
 
 @dataclass(frozen=True)
@@ -107,7 +107,7 @@ def load_checkpoint_model(path: str, which: str = "best", trusted: TrustedCode =
 def _job_of(path: str, trusted: TrustedCode) -> JobConfig:
     """The job config of a checkpoint folder, or of a run folder's latest complete checkpoint, with only the
     code the user trusts (its job.yaml is read as data first: building the config imports what it names)."""
-    p = path if filesystem.is_uri(path) else str(Path(path).expanduser())  # a URI as it is (Path would fold its //)
+    p = Store(path).expanded()  # a URI as it is (Path would fold its //)
     candidates = [p] if weights.is_checkpoint(p) else [c for _, c in complete_checkpoints(p)]
     if not candidates:
         weights.resolve(path)  # raises the message that says what the folder is not, or:

@@ -22,7 +22,8 @@ from pathlib import Path
 
 from behemoth.driver.commands.export import TrustedCode, load_checkpoint_model
 from behemoth.errors import ConfigError
-from behemoth.storage import filesystem, weights
+from behemoth.storage import weights
+from behemoth.storage.store import Store
 from behemoth.storage.checkpoint import complete_checkpoints
 
 Prompt = str | list  # text, or a conversation: [{"role": ..., "content": ...}, ...]
@@ -148,8 +149,9 @@ def load_generator(path: str, which: str = "best", trusted: TrustedCode | None =
     tokenizer's own."""
     import torch
 
-    local = path if filesystem.is_uri(path) else str(Path(path).expanduser())
-    if not filesystem.is_uri(path) and not Path(local).is_dir():
+    store = Store(path)
+    local = store.expanded()
+    if store.is_local and not Path(local).is_dir():
         raise ConfigError(f"{path} does not exist (or is not a folder): give a behemoth checkpoint or run folder, "
                           f"or a Hugging Face model folder (behemoth export writes one)")
     if not (weights.is_hf_folder(local) or weights.is_checkpoint(local) or complete_checkpoints(local)):

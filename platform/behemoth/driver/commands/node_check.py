@@ -13,7 +13,7 @@ import os
 from pathlib import Path
 
 from behemoth.config import JobConfig
-from behemoth.storage import filesystem
+from behemoth.storage.store import Store
 
 
 def job_paths(cfg: JobConfig) -> dict[str, str]:
@@ -25,7 +25,7 @@ def job_paths(cfg: JobConfig) -> dict[str, str]:
         value = getattr(cfg.data, key, None)
         values = value if isinstance(value, list) else [value]
         for i, v in enumerate(values):
-            if not v or filesystem.is_uri(v):
+            if not v or not Store(v).is_local:
                 continue
             if key in ("tokenizer", "hf_dataset") and not looks_local(v):
                 continue  # a Hub name: each node reads Hugging Face's cache or the network
@@ -33,7 +33,7 @@ def job_paths(cfg: JobConfig) -> dict[str, str]:
             found[name] = str(Path(v).expanduser().parent) if key == "cache_dir" else v
     for key, value in (("model.pretrained", cfg.model.pretrained), ("train.init_from", cfg.train.init_from),
                        ("checkpoint.storage_path", cfg.checkpoint.storage_path)):
-        if value and not filesystem.is_uri(value) and (key != "model.pretrained" or looks_local(value)):
+        if value and Store(value).is_local and (key != "model.pretrained" or looks_local(value)):
             found[key] = value
     return found
 

@@ -14,13 +14,13 @@ from behemoth.config import JobConfig
 from behemoth.errors import CheckpointError, ConfigError
 from behemoth.models import registry
 from behemoth.models.sources import check_source, hub_endpoint
-from behemoth.storage import filesystem
+from behemoth.storage.store import Store
 
 
 def _check_source(value: str, key: str, needs: str = "config.json") -> None:
     """A local folder or Hub name (models/sources.py), or an object store's folder (a URI: copied once per node
     when read, storage/model_copy.py) holding what from_pretrained reads: its listing is checked, nothing copied."""
-    if not filesystem.is_uri(value):
+    if Store(value).is_local:
         check_source(value, key, needs)
         return
     from behemoth.models.sources import TOKENIZER_FILES
@@ -48,7 +48,7 @@ def check_sources(cfg: JobConfig) -> None:
     if tokenizer:
         _check_source(tokenizer, "data.tokenizer", needs="")
     source = cfg.train.init_from
-    if source and not filesystem.is_uri(source):
+    if source and Store(source).is_local:
         from behemoth.storage import weights
 
         try:

@@ -56,7 +56,7 @@ def build_trainer(cfg: JobConfig, data, callbacks: list | None = None, fence=Non
     """`data`: what prepare_data returned (the task's prepared data: e.g. an image index). `callbacks`: Ray Train
     callbacks (the run's recorder, tracking/callbacks.py; a sweep's trial adds the one that reports to Tune).
     `fence` (runlock.Fence): the workers check the lease around each checkpoint upload (hosts/lease_fence.py)
-    and before a restore deletes an unfinished upload (worker/restore.py)."""
+    and before a restore deletes an unfinished upload (checkpoints/restore.py)."""
     import ray
     from ray.train import FailureConfig
 

@@ -21,7 +21,7 @@ from behemoth.errors import ConfigError
 from behemoth.errors import did_you_mean
 from behemoth.job import config_from_dict, load_config
 from behemoth.tasks import task_of
-from behemoth.storage import filesystem
+from behemoth.storage.store import Store
 
 DISTRIBUTIONS = ("grid", "choice", "uniform", "loguniform")
 
@@ -140,7 +140,7 @@ def base_job(sweep_cfg: SweepConfig) -> dict:
 
 def _absolute(path: str) -> str:
     """A relative path that exists here (or a cache folder) made absolute; URIs and hub names unchanged."""
-    if not path or filesystem.is_uri(path) or os.path.isabs(path):
+    if not path or not Store(path).is_local or os.path.isabs(path):
         return path
     return os.path.abspath(path) if os.path.exists(path) or path.endswith("cache") else path
 
@@ -177,7 +177,7 @@ def check_sweep(sweep_cfg: SweepConfig) -> list[JobConfig]:
     """Every job the space can produce must be valid: the grid's and choices' values all combined, and each
     range's two ends. Returns those jobs (for the resource bound). Raises ConfigError naming the key."""
     sweep_cfg.validate()
-    if filesystem.is_uri(sweep_cfg.storage_path):  # its own files (trial starts, results, best.yaml) are local files
+    if not Store(sweep_cfg.storage_path).is_local:  # its own files (trial starts, results, best.yaml) are local files
         raise ConfigError(f"sweep storage_path {sweep_cfg.storage_path}: a sweep keeps its folder on a local or "
                           f"shared filesystem (an object store is not supported for sweeps yet; single runs "
                           f"support it): give a path, e.g. a shared mount on a cluster")

@@ -12,18 +12,19 @@ import threading
 import time
 import uuid
 
-import pyarrow.fs
-
 from behemoth.storage import checkpoint
 from behemoth.storage.checkpoint import TrainState
+from behemoth.storage.store import Store
 from behemoth.config import JobConfig, dump_yaml
 from behemoth.errors import StorageFullError
 from behemoth.metrics import PhaseClock
 from behemoth import hosts
-from behemoth.worker import checkpointing, faults, parallel, sharded
-from behemoth.worker.collectives import gather_to_rank0
-from behemoth.worker.trainables import Trainables
-from behemoth.worker.sharded import ShardedWriter
+from behemoth.hosts import faults
+from behemoth.checkpoints import live_state, sharded
+from behemoth.hosts.collectives import gather_to_rank0
+from behemoth.checkpoints.trainables import Trainables
+from behemoth.checkpoints.sharded import ShardedWriter
+from behemoth.models.wrappers import is_sharded
 
 
 class CheckpointSaver:
@@ -42,7 +43,7 @@ class CheckpointSaver:
     def __init__(self, cfg: JobConfig, rank: int, task_files: dict[str, str], clock: PhaseClock | None = None):
         self.cfg, self.rank, self.clock = cfg, rank, clock
         self.task_files = task_files  # Task.checkpoint_files: the same in every checkpoint of the run
-        # checkpoint.format sharded: every rank writes its own shards (worker/sharded.py), nothing gathered
+        # checkpoint.format sharded: every rank writes its own shards (checkpoints/sharded.py), nothing gathered
         self.writer = ShardedWriter(rank) if cfg.checkpoint.sharded(cfg.scaling.strategy) else None
         # How long the last checkpoint held the loop (None before the first): in all, and split into the
         # snapshot (the copy to host memory, with the wait before the next update) and the report's own wait.
@@ -80,12 +81,12 @@ class CheckpointSaver:
             self._held(t0, reported)
             return
         snap = pool = written = None
-        if self.rank == 0 or parallel.is_sharded(run.model):
+        if self.rank == 0 or is_sharded(run.model):
             # (FSDP's full state is gathered into buffers of its own; only a rank that writes takes a set: one
             # whose snapshot is None would never hand it back)
-            if in_background and not parallel.is_sharded(run.model):
+            if in_background and not is_sharded(run.model):
                 pool, written = self.buffers.take()
-            snap = checkpointing.snapshot(**run.parts(), state=state, task_files=self.task_files,
+            snap = live_state.snapshot(**run.parts(), state=state, task_files=self.task_files,
                                           job_yaml=dump_yaml(self.cfg), hook_states=hook_states, buffers=pool,
                                           overlap=in_background, metrics=metrics)
         reported = time.perf_counter()
@@ -110,13 +111,13 @@ class CheckpointSaver:
         ctx = hosts.current()
         fs, run_path = ctx.storage()
         name = self.writer.agree(ctx.new_checkpoint_name())
-        local = isinstance(fs, pyarrow.fs.LocalFileSystem)
+        local = Store(run_path, fs).is_local
         folder = f"{run_path}/{name}" if local else tempfile.mkdtemp(prefix="behemoth-shards-")
         written, self.copying = self.writer.start(run.model, run.optimizer, folder,
                                                   overlap=self.cfg.checkpoint.async_save)
         small = None
         if self.rank == 0:
-            dicts, texts = checkpointing.extras(scheduler=run.scheduler, scaler=run.scaler, state=state,
+            dicts, texts = live_state.extras(scheduler=run.scheduler, scaler=run.scaler, state=state,
                                                 task_files=self.task_files, job_yaml=dump_yaml(self.cfg),
                                                 hook_states=hook_states, metrics=metrics)
             small = checkpoint.Snapshot(dicts, texts, state.step)
@@ -204,8 +205,7 @@ def commit_sharded(writer: ShardedWriter, written, folder: str, small, step: int
 
     def upload(names: list[str]) -> None:
         for name in names:
-            pyarrow.fs.copy_files(os.path.join(folder, name), f"{dest}/{name}",
-                                  source_filesystem=pyarrow.fs.LocalFileSystem(), destination_filesystem=fs)
+            Store(f"{dest}/{name}", fs).put_file(os.path.join(folder, name))
 
     try:
         writer.commit(written, folder, small, None if local else upload)
@@ -235,7 +235,7 @@ def store(snap, ckpt, dir_name: str, fs, run_path: str, written: threading.Event
     upload: they are staged in `ckpt`'s empty temporary folder, then uploaded manifest last. A full disk, at
     either place, removes what this checkpoint wrote and raises one StorageFullError (not retried) naming the
     folder and the space needed; the checkpoints before it are untouched."""
-    local = isinstance(fs, pyarrow.fs.LocalFileSystem)
+    local = Store(run_path, fs).is_local
     dest = f"{run_path}/{dir_name}"
     try:
         try:
@@ -288,9 +288,8 @@ def upload_manifest_last(ckpt, dir_name: str, step: int):
         shutil.move(os.path.join(ckpt.path, checkpoint.MANIFEST), held)
         persisted = hosts.current().persist(ckpt.path, dir_name)
         faults.kill_in_upload(step)
-        pyarrow.fs.copy_files(os.path.join(held, checkpoint.MANIFEST), f"{persisted.path}/{checkpoint.MANIFEST}",
-                              source_filesystem=pyarrow.fs.LocalFileSystem(),
-                              destination_filesystem=persisted.filesystem)
+        Store(f"{persisted.path}/{checkpoint.MANIFEST}", persisted.filesystem).put_file(
+            os.path.join(held, checkpoint.MANIFEST))
     finally:
         shutil.rmtree(held, ignore_errors=True)
     return persisted

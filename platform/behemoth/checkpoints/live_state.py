@@ -15,10 +15,12 @@ import torch
 
 from behemoth.storage.checkpoint import (EMA_FILE, MODEL_FILE, Snapshot, TrainState, is_sharded_format,
                                          read_manifest_bytes, verify, write)
+from behemoth.storage.store import Store
 from behemoth.errors import CheckpointError
 from behemoth.models.lora import is_adapted
-from behemoth.worker import collectives, sharded
-from behemoth.worker.parallel import is_sharded, unwrap
+from behemoth.hosts import collectives
+from behemoth.checkpoints import sharded
+from behemoth.models.wrappers import is_sharded, unwrap
 
 
 class Copies:
@@ -194,12 +196,10 @@ def opened(ckpt) -> Iterator[tuple[Path, object, bool]]:
     small files in a temporary folder of this process, the shard files read by range (shard_reader.RemoteShards:
     each rank fetches only its plan's bytes); any other checkpoint (a full one, or sharded before chunk
     hashes): downloaded whole once per node, the node's ranks sharing the copy (node_copy)."""
-    import pyarrow.fs
-
     from behemoth.storage import shard_reader
     from behemoth.storage.node_copy import node_copy
 
-    if isinstance(ckpt.filesystem, pyarrow.fs.LocalFileSystem):
+    if Store(ckpt.path, ckpt.filesystem).is_local:
         yield Path(ckpt.path), None, False
         return
     text = read_manifest_bytes(ckpt.path, ckpt.filesystem, ckpt.path)

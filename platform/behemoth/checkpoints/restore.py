@@ -5,11 +5,12 @@ from __future__ import annotations
 
 from behemoth.storage import checkpoint, weights
 from behemoth import hosts
-from behemoth.worker import checkpointing, collectives
+from behemoth.hosts import collectives
+from behemoth.checkpoints import live_state
 from behemoth.storage.checkpoint import TrainState
 from behemoth.errors import CheckpointError, PartlyLoadedError
-from behemoth.worker.console import console
-from behemoth.worker.trainables import Trainables
+from behemoth.hosts.console import console
+from behemoth.checkpoints.trainables import Trainables
 
 
 def restore_latest(run: Trainables, fence=None) -> TrainState | None:
@@ -61,8 +62,8 @@ def restore_first_verified(ckpts: list, run: Trainables, fs, rank0: bool) -> tup
     for path in collectives.from_rank0(list(mine)):
         ckpt = mine.get(path) or hosts.current().checkpoint_at(path, fs)
         try:
-            with checkpointing.opened_on_every_rank(ckpt) as (d, remote, node_copy):
-                state = checkpointing.load(d, **run.parts(), hook_state=run.hook_state, remote=remote,
+            with live_state.opened_on_every_rank(ckpt) as (d, remote, node_copy):
+                state = live_state.load(d, **run.parts(), hook_state=run.hook_state, remote=remote,
                                            node_copy=node_copy)
                 if remote is not None and rank0:
                     console(f"restored {ckpt.path} from its object store: rank 0 read "

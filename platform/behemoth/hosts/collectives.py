@@ -1,4 +1,5 @@
-"""Worker side: the few collective operations the loop needs, each a no-op in a single process.
+"""Worker side: the few collective operations the loop and checkpoints need, each a no-op in a single process
+(the host made the process group, or none: a lane).
 
 All ranks call them at the same points (decided by the step counter alone), so none can deadlock.
 """
@@ -9,19 +10,6 @@ import torch
 import torch.distributed as dist
 
 from behemoth.errors import CheckpointError
-from behemoth.worker.parallel import unwrap
-
-
-def sync_buffers(model) -> None:
-    """Give every rank rank 0's buffers (BatchNorm running stats).
-
-    DDP broadcasts buffers at the start of each forward, so after a step every rank holds running stats
-    updated with its own micro-batch. Before evaluating or checkpointing, all ranks adopt rank 0's: the same
-    values DDP would broadcast at the next step, so evaluation is consistent and the checkpoint is the state.
-    """
-    if distributed():
-        for buffer in unwrap(model).buffers():
-            dist.broadcast(buffer, src=0)
 
 
 def distributed() -> bool:

@@ -28,8 +28,8 @@ import torch.distributed as dist
 from behemoth.storage import checkpoint, shard_reader
 from behemoth.storage.checkpoint import SINGLE_PROCESS_WARNING, STATE_DIR, VALUES_FILE, Snapshot
 from behemoth.errors import CheckpointError, PartlyLoadedError
-from behemoth.worker import collectives, faults
-from behemoth.worker.parallel import unwrap
+from behemoth.hosts import collectives, faults
+from behemoth.models.wrappers import unwrap
 
 
 def _state_dicts(model, optimizer, freeze_buffers: bool = False) -> dict:
