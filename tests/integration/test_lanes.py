@@ -79,7 +79,7 @@ def test_trials_in_one_warm_lane_train_as_ray_train_would_and_leave_nothing_behi
     # no thread, open file or torch thread setting of a trial outlives it, and memory does not grow per trial.
     second, third = begun[1], begun[2]
     assert (third["threads"], third["open_files"], third["torch_threads"]) == \
-        (second["threads"], second["open_files"], second["torch_threads"]), (second, third)
+        (second["threads"], second["open_files"], second["torch_threads"]), _fd_change(second, third)
     assert third["torch_threads"] == begun[0]["torch_threads"]
     assert third["rss_mb"] - second["rss_mb"] < 100, (second["rss_mb"], third["rss_mb"])
     # no trial's state outlives it: its model (which its optimizer and pipelines hold on to) is unreachable at the
@@ -174,3 +174,13 @@ def test_a_lane_on_a_gpu_leaves_no_gpu_memory_to_the_next_trial(image_root, tmp_
     assert len({s["pid"] for s in begun}) == 1 and all(s["lane"] for s in begun)
     assert begun[1]["cuda_allocated_mb"] == begun[2]["cuda_allocated_mb"] == 0, begun
     assert begun[2]["cuda_reserved_mb"] == begun[1]["cuda_reserved_mb"], begun
+
+
+def _fd_change(before: dict, after: dict) -> str:
+    """What changed between two trial starts' open descriptors (trial.process_state's `fds`), for the message."""
+    from collections import Counter
+
+    gone, new = Counter(before.get("fds", [])) - Counter(after.get("fds", [])), \
+        Counter(after.get("fds", [])) - Counter(before.get("fds", []))
+    return f"descriptors opened since: {dict(new)}; closed since: {dict(gone)}; threads {before['threads']} -> " \
+           f"{after['threads']}"

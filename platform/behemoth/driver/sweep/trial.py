@@ -75,6 +75,18 @@ def run_trial(params: dict, sweep: dict, base: dict, place: paths.RunPlace, mlfl
     os.replace(tmp, summary_file)  # all or nothing: a half-written summary would pass for a finished trial
 
 
+def _open_fds() -> list[str]:
+    """What this process's file descriptors point at: a path, or a kind ("socket", "pipe", "anon_inode:[eventfd]")."""
+    seen = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:  # (closed since the listing: the listing's own descriptor among them)
+            continue
+        seen.append(re.sub(r"^(socket|pipe):\[\d+\]$", r"\1", target))
+    return sorted(seen)
+
+
 def process_state() -> dict:
     """The trial's process as the trial finds it: its pid, threads, open files, torch's threads, resident memory,
     how many earlier trials' models are still reachable and, once CUDA is in use, the GPU memory torch holds. In a reused lane, what the trials before left: the same
@@ -90,6 +102,7 @@ def process_state() -> dict:
         with open("/proc/self/statm") as f:
             state["rss_mb"] = round(int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20, 1)
         state["open_files"] = len(os.listdir("/proc/self/fd"))
+        state["fds"] = _open_fds()
     except OSError:
         pass
     from behemoth.hosts.lane import models_alive
