@@ -37,9 +37,10 @@ def evaluate_checkpoint(cfg: JobConfig, checkpoint: str, split: str = "val", whi
     from behemoth.driver.run.trainer import torch_trainer
     from behemoth.worker.evaluate import evaluate_checkpoint_per_worker
 
-    ckpt, how = weights.resolve(checkpoint, which, task_of(cfg).best)
+    task = task_of(cfg)
+    ckpt, how = weights.resolve(checkpoint, which, task.best)
     weights.check(ckpt)  # damage it can see without the weights fails here, before Ray starts
-    data = prepare_data(cfg, epoch=False)
+    data = prepare_data(cfg, epoch=False, task=task)
     differs = task_files_differ(cfg, data, ckpt)
     if differs:  # its class indices would be scored against other names: a wrong accuracy, without a word
         raise ConfigError(f"checkpoint {ckpt} was trained on other data than this job's: {differs[0]}. Evaluate "

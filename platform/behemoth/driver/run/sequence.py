@@ -17,7 +17,6 @@ driver/run/evaluation.py, which launches no training and so stops after `launch`
 
 from __future__ import annotations
 
-import contextlib
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, ContextManager, Protocol
@@ -146,7 +145,3 @@ def used_up(cfg: JobConfig, reasons: str, to_resume: str) -> str:
     return (f"run '{cfg.checkpoint.run_name}' failed and failure.max_failures={cfg.failure.max_failures} restarts "
             f"are used up: {reasons}. Its checkpoints are kept in {folder}{latest}: {to_resume}")
 
-
-def no_ending() -> ContextManager:
-    """A launcher's `ending` with nothing to do beside the last records."""
-    return contextlib.nullcontext()
