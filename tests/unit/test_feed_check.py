@@ -64,6 +64,30 @@ def test_cpus_sizes_only_a_local_instance(monkeypatch):
         ensure_ray(num_cpus=4)
 
 
+def test_a_job_on_a_running_cluster_carries_the_whole_package(monkeypatch):
+    """Against RAY_ADDRESS the job's `py_modules` is behemoth's package folder, the one a node without behemoth
+    installed imports it from (tests/integration/test_job_submit.py runs such a cluster). It was once derived from
+    the session module's depth and uploaded driver/ instead when the module moved one folder down."""
+    from pathlib import Path
+
+    import ray
+
+    import behemoth
+    from behemoth.driver.ray_cluster import output_filter, session
+
+    asked = {}
+    monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:1")
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", lambda **options: asked.update(options))
+    monkeypatch.setattr(output_filter, "install", lambda: None)
+    monkeypatch.setattr(session, "tighten_token_file", lambda: None)
+    monkeypatch.setattr(session, "_RAY_STARTED_HERE", False)
+    session.ensure_ray()
+    (folder,) = asked["runtime_env"]["py_modules"]
+    assert Path(folder) == Path(behemoth.__file__).resolve().parent
+    assert (Path(folder) / "__init__.py").is_file() and (Path(folder) / "driver" / "run" / "trainer.py").is_file()
+
+
 def test_the_bench_window_starts_once_every_consumer_has_its_first_batch():
     """A consumer started first keeps pulling steps until `seconds` after the *last* consumer's first batch
     (StartGate): on a loaded machine consumers start seconds apart, and a window counted from each one's own

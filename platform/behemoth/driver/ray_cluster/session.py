@@ -38,8 +38,7 @@ def ensure_ray(num_cpus: int | None = None) -> None:
 
             raise ConfigError(f"--cpus {num_cpus} sizes a local Ray instance; RAY_ADDRESS names a running cluster, "
                               f"whose CPUs are its own: unset one of them")
-        package = str(Path(__file__).resolve().parents[1])  # platform/behemoth
-        options = {"runtime_env": {"py_modules": [package]}}
+        options = {"runtime_env": {"py_modules": [package_folder()]}}
     else:
         # behemoth's worker variables for the whole job, not only Ray Train's workers: see warm_up_data_processes
         options = {"_system_config": LOCAL_RAY_SYSTEM_CONFIG, "runtime_env": {"env_vars": worker_env_vars()},
@@ -50,6 +49,14 @@ def ensure_ray(num_cpus: int | None = None) -> None:
     _RAY_STARTED_HERE = True
     ray_console.install()
     tighten_token_file()
+
+
+def package_folder() -> str:
+    """The folder of behemoth's package (platform/behemoth), which a job's `py_modules` uploads: read from the
+    package itself, not from this file's depth in it, which moves when the package's rooms are rearranged."""
+    import behemoth
+
+    return str(Path(behemoth.__file__).resolve().parent)
 
 
 # Ray starts its worker processes at niceness 15, below its own daemons (raylet, GCS, dashboard agent) and the
