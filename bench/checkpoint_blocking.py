@@ -30,7 +30,6 @@ the same at a CPU's size, floor not checked (a dry run).
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import statistics
 import tempfile

@@ -5,7 +5,6 @@ store's use stays far below the corpus during the runs, as read from Ray's own a
 
 import contextlib
 import json
-import os
 import re
 import shutil
 import tempfile

@@ -7,8 +7,6 @@ import json
 import os
 import sys
 
-import ray
-
 
 def where_tasks_run(loop_config: dict) -> None:
     """Each rank writes its runtime environment, and the processes a task and a Ray Data map ran in (with

@@ -11,7 +11,7 @@ import torch
 
 from behemoth import hosts
 
-from behemoth.worker.block_transforms import blocks, checkpoint_activations, compile_blocks
+from behemoth.worker.block_transforms import blocks, checkpoint_activations
 
 
 def _llama(dropout: float = 0.1):

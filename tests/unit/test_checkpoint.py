@@ -344,7 +344,6 @@ def test_a_sharded_checkpoint_round_trips_and_names_a_damaged_shard(tmp_path):
     ends equal); export's reader gets the weights whole; a flipped byte in the shard file is named by the
     pre-flight check, by the reader and by the restore."""
     from behemoth.storage import weights
-    from behemoth.checkpoints import sharded
     from behemoth.checkpoints.sharded import ShardedWriter
 
     model, opt, sched = make()

@@ -287,7 +287,7 @@ def test_a_hugging_face_datasets_text_column_must_hold_text(text_corpus, tmp_pat
     assert (code, out) == (1, "") and err.startswith(
         f"behemoth: error: data.hf_dataset '{tmp_path / 'chat'}' split 'train': column 'messages' (data.text_field) "
         f"holds List(") and err.endswith(", not text: a conversation column is data.kind chat's "
-                                         f"(data.messages_field)\n") and err.count("\n") == 1, err
+                                         "(data.messages_field)\n") and err.count("\n") == 1, err
 
 
 def test_a_malformed_hf_endpoint_is_one_line_for_a_job_that_names_no_hub_model(image_root, tmp_path, capsys,

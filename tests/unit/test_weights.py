@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from behemoth.storage import checkpoint, weights
-from behemoth.storage.checkpoint import Snapshot, TrainState
+from behemoth.storage.checkpoint import Snapshot
 from behemoth.errors import CheckpointError
 
 

@@ -20,7 +20,7 @@ from behemoth.errors import StorageFullError
 from behemoth.metrics import PhaseClock
 from behemoth import hosts
 from behemoth.hosts import faults
-from behemoth.checkpoints import live_state, sharded
+from behemoth.checkpoints import live_state
 from behemoth.hosts.collectives import gather_to_rank0
 from behemoth.checkpoints.trainables import Trainables
 from behemoth.checkpoints.sharded import ShardedWriter

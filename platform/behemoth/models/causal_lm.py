@@ -68,7 +68,7 @@ def check_causal_lm(model_cfg, *, vocab_size: int, eos_id: int, bos_id: int | No
         add_adapters(model, model_cfg.lora, "CAUSAL_LM")
 
 
-def _check_fits(model_cfg: ModelConfig, config, vocab_size: int, seq_len: int) -> None:
+def _check_fits(model_cfg, config, vocab_size: int, seq_len: int) -> None:
     where = model_cfg.pretrained or f"model.hf_config ({config.model_type})"
     if config.vocab_size < vocab_size:
         raise ConfigError(f"{where}: vocab_size {config.vocab_size} is smaller than the tokenizer's {vocab_size} "

@@ -53,10 +53,11 @@ def ensure_ray(num_cpus: int | None = None) -> None:
 
 def package_folder() -> str:
     """The folder of behemoth's package (platform/behemoth), which a job's `py_modules` uploads: read from the
-    package itself, not from this file's depth in it, which moves when the package's rooms are rearranged."""
-    import behemoth
+    package itself, not from this file's depth in it, which moves when the package's rooms are rearranged. The
+    package is loaded whenever one of its modules is (no import of it here: that would be an arrow up)."""
+    import sys
 
-    return str(Path(behemoth.__file__).resolve().parent)
+    return str(Path(sys.modules[__name__.partition(".")[0]].__file__).resolve().parent)
 
 
 # Ray starts its worker processes at niceness 15, below its own daemons (raylet, GCS, dashboard agent) and the
