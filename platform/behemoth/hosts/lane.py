@@ -153,7 +153,7 @@ class LaneHost(WorkerHost):
             self._uploader = None
 
     def result(self, returned: dict):
-        """The run as driver/resume.summarise reads a Ray Train Result."""
+        """The run as driver/run/summary.summarise reads a Ray Train Result."""
         latest = self.latest_checkpoint()
         return SimpleNamespace(metrics=self.last_metrics, checkpoint=latest, best_checkpoints=list(self.kept),
                                return_value=returned)

@@ -1,4 +1,4 @@
-"""Worker side: the failure tests' hooks that act on training steps (worker/faults.py; none in a real run), as
+"""Worker side: the failure tests' hooks that act on training steps (hosts/faults.py; none in a real run), as
 the loop's callback."""
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 there is one), no Ray.
 
 The model comes from a behemoth checkpoint or run folder (built as `behemoth export` builds it:
-driver/export.load_checkpoint_model, LoRA adapters merged; the run's tokenizer, data.tokenizer) or from a Hugging
-Face folder (an export: transformers alone, never the folder's own code). It stops where an export's
+driver/commands/export.load_checkpoint_model, LoRA adapters merged; the run's tokenizer, data.tokenizer) or from a
+Hugging Face folder (an export: transformers alone, never the folder's own code). It stops where an export's
 generation_config.json says (models/causal_lm.generation_config: EOS and the chat template's end-of-turn token):
 a checkpoint gets the same config the export would write, so both print the same words.
 

@@ -7,8 +7,8 @@ Ray Train's own chain (controller, then the workers). Started from the driver ju
 same processes come up while the controller starts and are idle, imports done, when the first decode tasks
 arrive: Ray hands a task an idle process of the same job and runtime environment, and a task submitted by a
 training worker carries the worker's runtime environment, which `start` is given
-(driver/ray_session.training_worker_runtime_env; tests/integration/test_train_images.py checks both against a real
-run). Idle processes are kept for a minute on a local instance (ray_session.LOCAL_RAY_SYSTEM_CONFIG).
+(driver/ray_cluster/session.training_worker_runtime_env; tests/integration/test_train_images.py checks both against
+a real run). Idle processes are kept for a minute on a local instance (ray_session.LOCAL_RAY_SYSTEM_CONFIG).
 
 This module imports nothing heavy: a warm-up process imports it to run `_import`.
 """
