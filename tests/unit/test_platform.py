@@ -436,3 +436,21 @@ def test_no_two_modules_share_a_name_with_different_meanings():
             rooms.setdefault(path.stem, set()).add(str(path.parent.relative_to(pkg)))
     shared = {name: where for name, where in rooms.items() if len(where) > 1}
     assert shared == {k: v for k, v in COUNTERPARTS.items() if len(v) > 1}
+
+
+def test_every_module_path_the_docs_and_docstrings_name_exists():
+    """A module named by its path in a docstring, a comment or docs/ (`driver/run/summary.summarise`,
+    `hosts/faults.py`) is one that exists: moving modules between rooms left four such names pointing at nothing.
+    (data/, models/ and config/ are also folders of a user's, so only their `.py` names are checked.)"""
+    pkg = REPO / "platform" / "behemoth"
+    rooms = "driver|worker|tracking|storage|tasks|hosts|checkpoints|ray_internals|config|data|models"
+    named = re.compile(r"(?<![\w./-])((?:" + rooms + r")(?:/[a-z_0-9]+)+(?:\.py)?)(?![\w/-])")
+    texts = [*pkg.rglob("*.py"), *(REPO / "docs").glob("*.md"), REPO / "README.md"]
+    missing = set()
+    for text in texts:
+        for ref in named.findall(text.read_text()):
+            if ref.split("/")[0] in ("data", "models", "config") and not ref.endswith(".py"):
+                continue
+            if not ((pkg / ref).exists() or (pkg / ref).with_suffix(".py").exists()):
+                missing.add(f"{text.relative_to(REPO)}: {ref}")
+    assert not missing, sorted(missing)
