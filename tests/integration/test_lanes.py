@@ -180,7 +180,6 @@ def _fd_change(before: dict, after: dict) -> str:
     """What changed between two trial starts' open descriptors (trial.process_state's `fds`), for the message."""
     from collections import Counter
 
-    gone, new = Counter(before.get("fds", [])) - Counter(after.get("fds", [])), \
-        Counter(after.get("fds", [])) - Counter(before.get("fds", []))
-    return f"descriptors opened since: {dict(new)}; closed since: {dict(gone)}; threads {before['threads']} -> " \
-           f"{after['threads']}"
+    was, now = Counter(before.get("fds", [])), Counter(after.get("fds", []))
+    return (f"descriptors opened since: {dict(now - was)}; closed since: {dict(was - now)}; "
+            f"threads {before['threads']} -> {after['threads']}")

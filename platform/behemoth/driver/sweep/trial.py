@@ -88,9 +88,10 @@ def _open_fds() -> list[str]:
 
 
 def process_state() -> dict:
-    """The trial's process as the trial finds it: its pid, threads, open files, torch's threads, resident memory,
-    how many earlier trials' models are still reachable and, once CUDA is in use, the GPU memory torch holds. In a reused lane, what the trials before left: the same
-    from one trial to the next, or they leak."""
+    """The trial's process as the trial finds it: its pid, threads, open files (and what each points at), torch's
+    threads, resident memory, how many earlier trials' models are still reachable and, once CUDA is in use, the GPU
+    memory torch holds. In a reused lane, what the trials before left: the same from one trial to the next, or they
+    leak."""
     import threading
 
     import torch
@@ -101,8 +102,8 @@ def process_state() -> dict:
     try:  # (Linux's /proc; elsewhere the two are left out)
         with open("/proc/self/statm") as f:
             state["rss_mb"] = round(int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20, 1)
-        state["open_files"] = len(os.listdir("/proc/self/fd"))
         state["fds"] = _open_fds()
+        state["open_files"] = len(state["fds"])
     except OSError:
         pass
     from behemoth.hosts.lane import models_alive
