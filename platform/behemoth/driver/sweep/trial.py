@@ -76,15 +76,34 @@ def run_trial(params: dict, sweep: dict, base: dict, place: paths.RunPlace, mlfl
 
 
 def _open_fds() -> list[str]:
-    """What this process's file descriptors point at: a path, or a kind ("socket", "pipe", "anon_inode:[eventfd]")."""
+    """What this process's file descriptors point at: a path, a kind ("pipe", "anon_inode:[eventfd]"), or for a
+    socket its family and, where connected over TCP, the port it connects to ("tcp -> 10003": Ray's daemons and
+    worker processes listen on such ports; raylet.out and the workers' logs name them)."""
+    try:  # (psutil comes with the lora extra (peft), not with behemoth itself: without it, "socket")
+        import psutil
+
+        sockets = {c.fd: c for c in psutil.Process().net_connections(kind="all")}
+    except ImportError:
+        sockets = {}
     seen = []
     for fd in os.listdir("/proc/self/fd"):
         try:
             target = os.readlink(f"/proc/self/fd/{fd}")
         except OSError:  # (closed since the listing: the listing's own descriptor among them)
             continue
-        seen.append(re.sub(r"^(socket|pipe):\[\d+\]$", r"\1", target))
+        if target.startswith("socket:"):
+            target = _socket_kind(sockets.get(int(fd)))
+        seen.append(re.sub(r"^pipe:\[\d+\]$", "pipe", target))
     return sorted(seen)
+
+
+def _socket_kind(connection) -> str:
+    """A socket as psutil's connection tuple describes it (None: one psutil does not list)."""
+    if connection is None:
+        return "socket"
+    if connection.raddr and connection.family.name != "AF_UNIX":
+        return f"tcp -> {connection.raddr.port}"
+    return connection.family.name.lower() + (" listening" if connection.status == "LISTEN" else "")
 
 
 def process_state() -> dict:
@@ -97,7 +116,8 @@ def process_state() -> dict:
     import torch
 
     # (a thread's default name counts the threads the process ever made: "Thread-8 (run)" is one of a kind)
-    state = {"pid": os.getpid(), "threads": sorted(re.sub(r"^Thread-\d+", "Thread", t.name) for t in threading.enumerate()),
+    state = {"pid": os.getpid(),
+             "threads": sorted(re.sub(r"^Thread-\d+", "Thread", t.name) for t in threading.enumerate()),
              "torch_threads": torch.get_num_threads()}
     try:  # (Linux's /proc; elsewhere the two are left out)
         with open("/proc/self/statm") as f:
