@@ -78,8 +78,7 @@ def test_trials_in_one_warm_lane_train_as_ray_train_would_and_leave_nothing_behi
     # Each trial starts in the state the one before left, after the first (which loads what a lane keeps):
     # no thread, open file or torch thread setting of a trial outlives it, and memory does not grow per trial.
     second, third = begun[1], begun[2]
-    assert (third["threads"], third["open_files"], third["torch_threads"]) == \
-        (second["threads"], second["open_files"], second["torch_threads"]), _fd_change(second, third)
+    assert _what_a_trial_could_leave(third) == _what_a_trial_could_leave(second), _fd_change(second, third)
     assert third["torch_threads"] == begun[0]["torch_threads"]
     assert third["rss_mb"] - second["rss_mb"] < 100, (second["rss_mb"], third["rss_mb"])
     # no trial's state outlives it: its model (which its optimizer and pipelines hold on to) is unreachable at the
@@ -155,8 +154,7 @@ def test_a_trial_the_scheduler_stops_in_a_lane_leaves_nothing_behind(image_root,
     begun = starts(Path(result.sweep_dir))
     assert [s["lane"] for s in begun] == [True] * 4 and len({s["pid"] for s in begun}) == 1, begun
     before, after = begun[1], begun[2]  # the stopped trial's start, and the next one's
-    assert (after["threads"], after["open_files"], after["torch_threads"]) == \
-        (before["threads"], before["open_files"], before["torch_threads"]), (before, after)
+    assert _what_a_trial_could_leave(after) == _what_a_trial_could_leave(before), _fd_change(before, after)
     assert [s["models_alive"] for s in begun] == [0] * 4, begun  # the stopped trial's model too
 
 
@@ -174,6 +172,19 @@ def test_a_lane_on_a_gpu_leaves_no_gpu_memory_to_the_next_trial(image_root, tmp_
     assert len({s["pid"] for s in begun}) == 1 and all(s["lane"] for s in begun)
     assert begun[1]["cuda_allocated_mb"] == begun[2]["cuda_allocated_mb"] == 0, begun
     assert begun[2]["cuda_reserved_mb"] == begun[1]["cuda_reserved_mb"], begun
+
+
+def _what_a_trial_could_leave(state: dict) -> tuple:
+    """A trial start's threads, open descriptors and torch threads, less the one connection Ray opens on its own
+    clock: each Ray process's metrics exporter connects to its node's metrics agent (`MetricsAgentPort`, the
+    dashboard agent's gRPC port) when Ray's export timer first fires, so it appeared between the second and third
+    trial's starts in about one run of four ("tcp -> 36221", the agent's port in that run's dashboard_agent.log)."""
+    import ray
+
+    agents = {f"tcp -> {node['MetricsAgentPort']}" for node in ray.nodes() if node.get("MetricsAgentPort")}
+    assert agents  # (Ray reports the port: without it the exclusion would silently exclude nothing)
+    fds = [fd for fd in state["fds"] if fd not in agents]
+    return state["threads"], len(fds), state["torch_threads"]
 
 
 def _fd_change(before: dict, after: dict) -> str:
