@@ -125,9 +125,11 @@ def format_eta(seconds: float) -> str:
     return f"{h}:{m:02d}:{s:02d}" if h else f"{m}:{s:02d}"
 
 
-def progress_line(m: dict, total_steps: int, epochs: int, task_fields: list[str] = ()) -> str:
-    """One concise console line per report; `task_fields`: the task's own (its validation metrics)."""
-    parts = [f"epoch {m['epoch']:.2f}/{epochs}", f"step {m['step']}/{total_steps}"]
+def progress_line(m: dict, total_steps: int, epochs: float, task_fields: list[str] = ()) -> str:
+    """One concise console line per report; `epochs`: those the run trains (fewer than train.epochs where
+    train.max_steps ends it first); `task_fields`: the task's own (its validation metrics)."""
+    parts = [f"epoch {m['epoch']:.2f}/{epochs:g}" if epochs == int(epochs) else f"epoch {m['epoch']:.2f}/{epochs:.2f}",
+             f"step {m['step']}/{total_steps}"]
     if "loss" in m:
         parts += [f"loss {m['loss']:.4f}", f"lr {m['lr']:.3g}"]
         if "grad_norm" in m:

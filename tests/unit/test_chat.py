@@ -107,8 +107,8 @@ def test_bad_records_are_named_by_file_and_line_and_fail_beyond_max_bad_samples(
              json.dumps({"text": "a story"}), json.dumps({"messages": CHAT})]
     path = tmp_path / "mixed.jsonl"
     path.write_text("\n".join(lines) + "\n")
-    records = read_unit_records(Unit("train", str(path), "jsonl", 0, path.stat().st_size), "messages")
-    assert [where for where, _ in records] == [f"{path} line {i}" for i in range(1, 6)]
+    lines_held, records = read_unit_records(Unit("train", str(path), "jsonl", 0, path.stat().st_size), "messages")
+    assert [r.where(1) for r in records] == [f"{path} line {i}" for i in range(1, 6)] and lines_held == 5
     cfg = _cfg(chat_corpus, max_bad_samples=2)
     with pytest.raises(DataError, match=rf"3 of the first 5 records.*{path} line 2: not valid JSON"):
         check_first_records(cfg, Unit("train", str(path), "jsonl", 0, path.stat().st_size))

@@ -30,10 +30,19 @@ def test_config_error_exit_code_and_message(tmp_path, capsys):
 
 def test_check_prints_config_and_data_summary(image_root, tmp_path, capsys):
     cfg = tmp_path / "job.yaml"
-    cfg.write_text(yaml.safe_dump(job_dict(image_root, tmp_path / "runs")))
+    cfg.write_text(yaml.safe_dump(job_dict(image_root, tmp_path / "runs", data={"cache_dir": str(tmp_path / "c")})))
     assert main(["check", str(cfg), "--set", "train.lr=0.2"]) == 0
     out = capsys.readouterr().out
     assert "lr: 0.2" in out and "96 train / 24 val samples, 4 classes" in out
+    # the nodes line names the cache folder itself (it named its parent, as if that were the cache)
+    assert f"data.cache_dir {tmp_path / 'c'} (or the folder it is made in)" in out
+
+
+def test_a_node_sees_a_cache_dir_not_made_yet_where_its_folder_is(tmp_path):
+    from behemoth.driver.commands.node_check import _sees
+
+    assert _sees("data.cache_dir", str(tmp_path / "cache")) and not _sees("data.root", str(tmp_path / "cache"))
+    assert not _sees("data.cache_dir", str(tmp_path / "no" / "cache"))
 
 
 def test_check_of_bad_data_answers_in_one_line_without_the_config(tmp_path, capsys):

@@ -154,3 +154,12 @@ def test_ray_data_scheduling_loop_is_paced_only_while_the_consumer_has_batches(m
     ex.idle = True  # the consumer waits for data: no pause
     StreamingExecutor._scheduling_loop_step(ex, None)
     assert sleeps == [data.SCHEDULER_PAUSE_S] and len(steps) == 2
+
+
+def test_the_progress_line_counts_the_epochs_the_run_trains_where_max_steps_ends_it_first():
+    """A run of train.epochs 100 ended by train.max_steps 50 at 31 steps per epoch said "epoch 1.20/100"."""
+    from behemoth.worker.reporting import run_epochs
+
+    m = {"epoch": 1.2, "step": 37, "eta_s": 10}
+    assert metrics.progress_line(m, 50, run_epochs(100, 50, 31)).startswith("epoch 1.20/1.61 | step 37/50")
+    assert metrics.progress_line(m, 3100, run_epochs(100, 3100, 31)).startswith("epoch 1.20/100 | step 37/3100")

@@ -43,6 +43,16 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from behemoth.data.chat_render import (  # noqa: F401 - TRAIN, START, IDS: the stored flags, named here too
+    IDS,
+    START,
+    TRAIN,
+    Failed,
+    RenderSpec,
+    Window,
+    conversation_tokens,
+    process_for,
+)
 from behemoth.data.pipeline import expand_files
 from behemoth.data.text import (
     FIRST_BYTES,
@@ -50,16 +60,15 @@ from behemoth.data.text import (
     UNIT_BYTES,
     TextData,
     Unit,
-    _line_of,
     _read_line_range,
     is_validation,
     load_tokenizer,
+    parquet_row_groups,
     text_format,
 )
 from behemoth.errors import ConfigError, DataError
 
-TRAIN, START = 1 << 30, 1 << 29
-IDS = START - 1  # a token id's bits (vocabularies stay far below 2**29 tokens)
+MAX_RECORD_BYTES = 64 << 20  # a JSONL line longer than this is a bad record, not parsed
 ROLES = ("system", "user", "assistant", "tool")
 OPEN_BLOCKS = 64  # blocks still open to a shorter conversation while packing (first fit)
 CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + "
@@ -162,19 +171,11 @@ def pad_id(tok) -> tuple[int, str | None]:
 
 
 def tokenizer_files(tok) -> dict[str, bytes]:
-    """The tokenizer (template included) as its saved files: what a tokenising task rebuilds it from, on any
-    node (a Hub name or a folder only the driver sees included)."""
+    """The tokenizer (template included) as its saved files: what the workers rebuild it from to decode the
+    evaluation's replies, on any node (a Hub name or a folder only the driver sees included)."""
     with tempfile.TemporaryDirectory(prefix="behemoth-chat-tok-") as folder:
         tok.save_pretrained(folder)
         return {p.name: p.read_bytes() for p in Path(folder).iterdir() if p.is_file()}
-
-
-@functools.lru_cache(maxsize=4)
-def _task_tokenizer(files):
-    """A task process's tokenizer, from an object-store reference to tokenizer_files' dict (once per process)."""
-    import ray
-
-    return tokenizer_from_files(ray.get(files))
 
 
 def tokenizer_from_files(files: dict[str, bytes]):
@@ -207,53 +208,20 @@ def conversation_problem(value, train_on: str = "assistant") -> str | None:
     return None
 
 
-def _render(tok, messages, generation_prompt: bool) -> str:
-    return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
-
-
-def render_conversation(tok, messages: list[dict], train_on: str = "assistant") -> tuple[str, list[tuple[int, int]]]:
-    """The conversation as the template renders it, and the character ranges the loss is taken on: the
-    assistant's turn i is the rendering of messages[:i+1] after that of messages[:i] with the generation prompt.
-    Raises ValueError where the renderings are not prefixes of each other (the template rewrites earlier turns:
-    the reply's text cannot be told)."""
-    text = _render(tok, messages, False)
-    if train_on == "all":
-        return text, [(0, len(text))]
-    spans = []
-    for i, message in enumerate(messages):
-        if message["role"] != "assistant":
-            continue
-        prompt, through = _render(tok, messages[:i], True) if i else "", _render(tok, messages[:i + 1], False)
-        if not (through.startswith(prompt) and text.startswith(through)):
-            raise ValueError(f"the chat template's rendering of the first {i} turns with the generation prompt is "
-                             f"not the start of its rendering of the first {i + 1} (or of the whole conversation): "
-                             f"it rewrites earlier turns, so the assistant's tokens cannot be told. Use a template "
-                             f"that appends turns, or data.train_on: all")
-        spans.append((len(prompt), len(through)))
-    return text, spans
-
-
-def flagged(encoding, spans: list[tuple[int, int]]) -> np.ndarray:
-    """A tokenizers Encoding of a rendered conversation as stored tokens: TRAIN on the tokens that start inside
-    `spans`, START on the first."""
-    ids = np.asarray(encoding.ids, dtype=np.int64)
-    if np.any(ids > IDS):
-        raise ValueError(f"token ids above {IDS} do not fit beside the flags")
-    starts = np.fromiter((start for start, _ in encoding.offsets), np.int64, count=len(ids))
-    trained = np.zeros(len(ids), dtype=bool)
-    for begin, end in spans:
-        trained |= (starts >= begin) & (starts < end)
-    out = ids | np.where(trained, TRAIN, 0)
-    if len(out):
-        out[0] |= START
-    return out.astype(np.int32)
-
-
-def encode_conversation(tok, messages: list[dict], train_on: str = "assistant") -> np.ndarray:
+def encode_conversation(tok, messages: list[dict], train_on: str = "assistant", seq_len: int | None = None) -> np.ndarray:
     """A conversation's tokens as the template renders it (the rendering encoded as apply_chat_template encodes
-    it), int32 with the TRAIN flag on the tokens the loss is taken on and START on the first."""
-    text, spans = render_conversation(tok, messages, train_on)
-    return flagged(tok.backend_tokenizer.encode(text, add_special_tokens=False), spans)
+    it), int32 with the TRAIN flag on the tokens the loss is taken on and START on the first; with `seq_len`, at
+    most seq_len + 1 of them, bounded as the tokenising tasks bound them (data/chat_render.py). In this process:
+    the reference the rendering process is tested against; data preparation renders in that process."""
+    window = Window.of(tok, train_on, seq_len)
+
+    def render(turns, generation_prompt):
+        return tok.apply_chat_template(turns, tokenize=False, add_generation_prompt=generation_prompt)
+
+    def encode(text):
+        return tok.backend_tokenizer.encode(text, add_special_tokens=False)
+
+    return conversation_tokens(render, encode, messages, train_on, seq_len, window.max_chars)
 
 
 def split_flags(stored):
@@ -267,7 +235,8 @@ def split_flags(stored):
 
 def plan_chat_units(cfg: ChatData) -> list[Unit]:
     """Check every file (format, the messages column, its first records) and cut it into units, train files
-    first, in a fixed order (text's units: byte ranges of JSONL, parquet row groups)."""
+    first, in a fixed order (text's units: byte ranges of JSONL, parquet row groups). Bad records among a file's
+    first ones (within data.max_bad_samples) are named on the console."""
     splits = [("auto" if not cfg.val_files else "train", cfg.train_files), ("val", cfg.val_files)]
     units = []
     for split, patterns in splits:
@@ -276,47 +245,68 @@ def plan_chat_units(cfg: ChatData) -> list[Unit]:
             fmt = text_format(cfg, path)
             size = os.path.getsize(path)
             if size == 0:
-                raise DataError(f"{path} is empty: fill it or remove it from the data.*_files list")
+                raise DataError(f"{path} is empty: fill it or remove it from the {key} list")
             if fmt == "parquet":
-                names = pq.read_schema(path).names
-                if cfg.messages_field not in names:
-                    raise DataError(f"{path} has no column '{cfg.messages_field}' (data.messages_field); its "
-                                    f"columns: {names}")
-                units += [Unit(split, path, "parquet", g, g + 1) for g in range(pq.ParquetFile(path).num_row_groups)]
+                groups = parquet_row_groups(path, cfg.messages_field, "data.messages_field", key)
+                units += [Unit(split, path, "parquet", g, g + 1) for g in range(groups)]
+                first, first_line = Unit(split, path, "parquet", 0, 1), 1
             elif fmt == "jsonl":
                 units += [Unit(split, path, fmt, s, min(s + UNIT_BYTES, size)) for s in range(0, size, UNIT_BYTES)]
+                start, first_line = _first_record(path, key)
+                first = Unit(split, path, fmt, start, min(size, start + FIRST_BYTES))
             else:
                 raise DataError(f"{path}: data.kind chat reads JSONL or parquet conversations, not {fmt} text")
-            first = units[-1] if fmt == "parquet" else Unit(split, path, fmt, 0, min(size, FIRST_BYTES))
-            check_first_records(cfg, first)
+            bad = check_first_records(cfg, first, first_line)
+            if bad:
+                print(f"[behemoth] {path}: {len(bad)} of its first records are not conversations (skipped in "
+                      f"training, within data.max_bad_samples={cfg.max_bad_samples}): {'; '.join(bad)}", flush=True)
     return units
 
 
-def check_first_records(cfg: ChatData, unit: Unit) -> None:
+def _first_record(path: str, key: str) -> tuple[int, int]:
+    """The byte offset and line number of the file's first line that is not blank; a file of blank lines is
+    refused here, not found empty after Ray has tokenised it."""
+    offset, line_start, line = 0, 0, 1
+    with open(path, "rb") as f:
+        while chunk := f.read(FIRST_BYTES):
+            filled = len(chunk) - len(chunk.lstrip())
+            if filled < len(chunk):
+                head = chunk[:filled]
+                cut = head.rfind(b"\n")
+                return (offset + cut + 1 if cut >= 0 else line_start), line + head.count(b"\n")
+            if (cut := chunk.rfind(b"\n")) >= 0:
+                line_start = offset + cut + 1
+            line += chunk.count(b"\n")
+            offset += len(chunk)
+    raise DataError(f"{path} holds only blank lines, no records: fill it or remove it from the {key} list")
+
+
+def check_first_records(cfg: ChatData, unit: Unit, first_line: int = 1) -> list[str]:
     """A file's first records read and rendered as the tokenising task will (at most FIRST_RECORDS): a file
     of the wrong shape, or a template that cannot render it, fails here in one line, before Ray starts. Bad
-    records among them fail only beyond data.max_bad_samples."""
-    tok = chat_tokenizer(cfg)
-    records = read_unit_records(unit, cfg.messages_field)[:FIRST_RECORDS]
-    if records and all(isinstance(v, _Bad) for _, v in records):
-        where, bad = records[0]
+    records among them fail only beyond data.max_bad_samples; returned, named ("FILE line N: why")."""
+    _, records = read_unit_records(unit, cfg.messages_field)
+    named = [(r.where(first_line), r.value) for r in records[:FIRST_RECORDS]]
+    if named and all(isinstance(v, _Bad) for _, v in named):
+        where, bad = named[0]
         raise DataError(f"{where}: {bad.reason}: is data.messages_field ({cfg.messages_field!r}) the column "
                         f"holding conversations?")
-    bad = [f"{where}: {v.reason}" for where, v in records if isinstance(v, _Bad)]
-    for where, value in records:
-        if isinstance(value, _Bad):
-            continue
-        problem = conversation_problem(value, cfg.train_on)
-        if problem:
-            bad.append(f"{where}: {problem}")
-            continue
-        try:
-            encode_conversation(tok, value, cfg.train_on)
-        except Exception as e:  # a template's own errors (raise_exception, undefined names) are of many types
-            raise DataError(f"{where}: the chat template cannot render it: {' '.join(str(e).split())}") from None
+    bad, good = [], []
+    for where, value in named:
+        problem = value.reason if isinstance(value, _Bad) else conversation_problem(value, cfg.train_on)
+        (bad.append(f"{where}: {problem}") if problem else good.append((where, value)))
+    tok = chat_tokenizer(cfg)
+    rendered = process_for(RenderSpec.of(tok)).tokens([value for _, value in good], Window.of(tok, cfg.train_on,
+                                                                                                 cfg.seq_len))
+    for (where, _), result in zip(good, rendered):
+        if isinstance(result, Failed) and result.template:
+            raise DataError(f"{where}: {result.reason}")
+        if isinstance(result, Failed):
+            bad.append(f"{where}: {result.reason}")
     if len(bad) > cfg.max_bad_samples:
-        raise DataError(f"{len(bad)} of the first {len(records)} records are not conversations, more than "
+        raise DataError(f"{len(bad)} of the first {len(named)} records are not conversations, more than "
                         f"data.max_bad_samples={cfg.max_bad_samples}: {'; '.join(bad[:5])}")
+    return bad
 
 
 @dataclass(frozen=True)
@@ -324,38 +314,50 @@ class _Bad:
     reason: str
 
 
-def read_unit_records(unit: Unit, field: str) -> list[tuple[str, object]]:
-    """(where, the record's conversation or a _Bad) for each record of a unit; `where` names file and line (row
-    for parquet)."""
+@dataclass(frozen=True)
+class Record:
+    """A record as read: `source` names its file (a JSONL record's line is its unit's first line + `line`) or
+    its row ("FILE row N"; `line` -1); `value` is the conversation, or a _Bad."""
+
+    source: str
+    line: int
+    value: object
+
+    def where(self, first_line: int) -> str:
+        return self.source if self.line < 0 else f"{self.source} line {first_line + self.line}"
+
+
+def read_unit_records(unit: Unit, field: str) -> tuple[int, list[Record]]:
+    """The lines a unit holds (its successor's first line is this one's + that: no file is read again from its
+    start to number lines), and its records."""
     if unit.fmt == "parquet":
         pf = pq.ParquetFile(unit.path)
         first_row = sum(pf.metadata.row_group(g).num_rows for g in range(unit.start))
         values = pf.read_row_group(unit.start, columns=[field]).column(field).to_pylist()
-        return [(f"{unit.path} row {first_row + i}", v) for i, v in enumerate(values)]
-    data, offset = _read_line_range(unit.path, unit.start, unit.end)
+        return 0, [Record(f"{unit.path} row {first_row + i}", -1, v) for i, v in enumerate(values)]
+    data, _ = _read_line_range(unit.path, unit.start, unit.end)
     lines = data.split(b"\n")
-    first_line = None
-    out = []
-    for i, line in enumerate(lines):
-        if not line.strip():
-            continue
-        if first_line is None:
-            first_line = _line_of(unit.path, offset)
-        where = f"{unit.path} line {first_line + i}"
-        try:
-            record = json.loads(line.decode("utf-8"))
-        except UnicodeDecodeError as e:
-            out.append((where, _Bad(f"invalid UTF-8 ({e.reason})")))
-            continue
-        except ValueError as e:
-            out.append((where, _Bad(f"not valid JSON ({e})")))
-            continue
-        if not isinstance(record, dict) or field not in record:
-            fields = sorted(record) if isinstance(record, dict) else type(record).__name__
-            out.append((where, _Bad(f"no field '{field}' (data.messages_field); the record has {fields}")))
-            continue
-        out.append((where, record[field]))
-    return out
+    out = [Record(unit.path, i, _parse_record(line, field)) for i, line in enumerate(lines) if line.strip()]
+    return data.count(b"\n") + (1 if data and not data.endswith(b"\n") else 0), out
+
+
+def _parse_record(line: bytes, field: str):
+    """A JSONL line's conversation, or a _Bad saying why not. A line longer than MAX_RECORD_BYTES is not parsed
+    (its parse alone costs several times its size in memory)."""
+    if len(line) > MAX_RECORD_BYTES:
+        return _Bad(f"a record of {len(line)} bytes, more than the {MAX_RECORD_BYTES >> 20} MiB a record may hold")
+    try:
+        record = json.loads(line.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        return _Bad(f"invalid UTF-8 ({e.reason})")
+    except ValueError as e:
+        return _Bad(f"not valid JSON ({e})")
+    except RecursionError:
+        return _Bad("not valid JSON here (nested too deeply)")
+    if not isinstance(record, dict) or field not in record:
+        fields = sorted(record)[:20] if isinstance(record, dict) else type(record).__name__
+        return _Bad(f"no field '{field}' (data.messages_field); the record has {fields}")
+    return record[field]
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -364,60 +366,75 @@ def read_unit_records(unit: Unit, field: str) -> list[tuple[str, object]]:
 
 @dataclass(frozen=True)
 class ChatSpec:
-    """What a tokenising task needs: the tokenizer's files (or an object-store reference to them), and the
-    job's choices."""
+    """What a tokenising task needs: the rendering process's spec (an object-store reference to a RenderSpec: the
+    template, the tokenizer's core), the window, and the job's choices."""
 
-    files: object
-    train_on: str
+    render: object
+    window: Window
     seed: int
     val_fraction: float
 
 
-def encode_records(records: list[tuple[str, object]], split: str, spec: ChatSpec) -> pa.Table:
-    """Rows of split ('train', 'val' or 'bad'), tokens (flags included) and where (a bad record's file, line and
-    reason)."""
-    tok = _task_tokenizer(spec.files)
-    rendered, problems = [], []
-    for where, value in records:
-        problem = value.reason if isinstance(value, _Bad) else conversation_problem(value, spec.train_on)
-        if problem is None:
-            try:
-                rendered.append(render_conversation(tok, value, spec.train_on))
-            except Exception as e:  # noqa: BLE001 - the template's errors (raise_exception and the like) are of many types
-                problem = f"the chat template cannot render it: {' '.join(str(e).split())}"
-        problems.append(problem)
-    # one call for the unit's renderings: the Rust tokenizer encodes them on its own threads
-    encodings = iter(tok.backend_tokenizer.encode_batch([text for text, _ in rendered], add_special_tokens=False))
-    spans = iter(s for _, s in rendered)
-    rows = {"split": [], "tokens": [], "where": []}
-    for (where, value), problem in zip(records, problems):
+@functools.lru_cache(maxsize=4)
+def _task_render_spec(ref) -> RenderSpec:
+    import ray
+
+    return ray.get(ref) if isinstance(ref, ray.ObjectRef) else ref
+
+
+def encode_records(records: list[Record], split: str, spec: ChatSpec) -> pa.Table:
+    """Rows of split ('train', 'val' or 'bad'), tokens (flags included: at most seq_len + 1, data/chat_render.py),
+    and for a bad record its source, line in the unit and reason."""
+    problems = [r.value.reason if isinstance(r.value, _Bad) else conversation_problem(r.value, spec.window.train_on)
+                for r in records]
+    good = [r.value for r, problem in zip(records, problems) if problem is None]
+    results = iter(process_for(_task_render_spec(spec.render)).tokens(good, spec.window))
+    rows = {"split": [], "tokens": [], "source": [], "line": [], "problem": []}
+    for record, problem in zip(records, problems):
         tokens = np.empty(0, np.int32)
         if problem is None:
-            tokens = flagged(next(encodings), next(spans))
-            if not tokens.size:
+            result = next(results)
+            if isinstance(result, Failed):
+                problem = result.reason
+            elif not result.size:
                 problem = "the template renders it as no tokens"
+            else:
+                tokens = result
         if problem is None:
-            chosen = split if split != "auto" else (
-                "val" if is_validation(json.dumps(value, sort_keys=True), spec.seed, spec.val_fraction) else "train")
-        rows["split"].append("bad" if problem else chosen)
-        rows["tokens"].append(tokens)
-        rows["where"].append(f"{where}: {problem}" if problem else "")
+            chosen = split if split != "auto" else ("val" if is_validation(json.dumps(record.value, sort_keys=True),
+                                                                           spec.seed, spec.val_fraction) else "train")
+        _add_row(rows, "bad" if problem else chosen, tokens, record.source, record.line, problem or "")
+    return _rows_table(rows)
+
+
+def _add_row(rows: dict, split: str, tokens: np.ndarray, source: str, line: int, problem: str) -> None:
+    for key, value in zip(("split", "tokens", "source", "line", "problem"), (split, tokens, source, line, problem)):
+        rows[key].append(value)
+
+
+def _rows_table(rows: dict) -> pa.Table:
     return pa.table({"split": pa.array(rows["split"], pa.string()),
                      "tokens": pa.array(rows["tokens"], pa.list_(pa.int32())),
-                     "where": pa.array(rows["where"], pa.string())})
+                     "source": pa.array(rows["source"], pa.string()), "line": pa.array(rows["line"], pa.int64()),
+                     "problem": pa.array(rows["problem"], pa.string())})
 
 
 def encode_units(batch: pa.Table, *, field: str, spec: ChatSpec) -> pa.Table:
-    """map_batches UDF over planned units (one per batch)."""
-    return pa.concat_tables([encode_records(read_unit_records(Unit(**row), field), row["split"], spec)
-                             for row in batch.to_pylist()])
+    """map_batches UDF over planned units (one per batch): each unit's rows, then a `unit_end` row whose `line`
+    is how many lines the unit held (the driver numbers the next unit's lines from it)."""
+    tables = []
+    for row in batch.to_pylist():
+        lines, records = read_unit_records(Unit(**row), field)
+        end = {"split": ["unit_end"], "tokens": [np.empty(0, np.int32)], "source": [row["path"]], "line": [lines],
+               "problem": [""]}
+        tables += [encode_records(records, row["split"], spec), _rows_table(end)]
+    return pa.concat_tables(tables)
 
 
 def encode_rows(batch: pa.Table, *, field: str, spec: ChatSpec, split: str, name: str) -> pa.Table:
     """map_batches UDF over a Hugging Face dataset's rows (with their row numbers in `_row`)."""
     rows, values = batch.column("_row").to_pylist(), batch.column(field).to_pylist()
-    return encode_records([(f"{name} row {r}", v) for r, v in zip(rows, values)], split, spec)
-
+    return encode_records([Record(f"{name} row {r}", -1, v) for r, v in zip(rows, values)], split, spec)
 
 # ---------------------------------------------------------------------------------------------------------
 # Packing conversations into blocks
@@ -478,7 +495,7 @@ class ChatPacker:
 # ---------------------------------------------------------------------------------------------------------
 # The whole preparation: text_packing's cache, chat's stream and packer
 
-CHAT_VERSION = 1  # (in the cache's fingerprint: a change of how conversations become blocks)
+CHAT_VERSION = 2  # (in the cache's fingerprint: a change of how conversations become blocks; 2: bounded records)
 
 
 def prepare_chat(cfg: ChatData, seed: int, units: list[Unit]):
@@ -521,6 +538,22 @@ def _too_many_bad(count: int, examples: list[str], limit: int) -> str:
             f"{'; '.join(examples[:5])}. Mend or remove them, or raise data.max_bad_samples to skip them")
 
 
+class BadRecords:
+    """The bad records the tokenising tasks found, named by file and line (a JSONL file's lines numbered from
+    the lines each of its units held: the units arrive in corpus order) or row; more than `limit` fail."""
+
+    def __init__(self, limit: int):
+        self.limit, self.named, self.first_line = limit, [], {}
+
+    def unit_end(self, source: str, lines: int) -> None:
+        self.first_line[source] = self.first_line.get(source, 1) + lines
+
+    def add(self, source: str, line: int, problem: str) -> None:
+        self.named.append(f"{Record(source, line, None).where(self.first_line.get(source, 1))}: {problem}")
+        if len(self.named) > self.limit:
+            raise DataError(_too_many_bad(len(self.named), self.named, self.limit))
+
+
 def _pack_chat(folder: Path, cfg: ChatData, units: list[Unit], seed: int, dtype) -> dict:
     from behemoth.data.text_packing import CACHE_VERSION, _list_values
     from behemoth.data.token_store import ShardWriter
@@ -531,28 +564,39 @@ def _pack_chat(folder: Path, cfg: ChatData, units: list[Unit], seed: int, dtype)
     writers = {split: ShardWriter(folder, split, cfg.seq_len, np.int32) for split in ("train", "val")}
     packers = {split: ChatPacker(cfg.seq_len, pad, writers[split].add, 0 if cfg.packing == "padded" else OPEN_BLOCKS,
                                  cfg.overlong) for split in ("train", "val")}
-    bad = []
+    bad = BadRecords(cfg.max_bad_samples)
     for batch in progress(_chat_stream(cfg, units, seed, tok), "tokenising", total=None if cfg.hf_dataset else len(units),
                           unit="unit" if not cfg.hf_dataset else "batch"):
-        for split, tokens, where in zip(batch["split"].to_pylist(), _list_values(batch["tokens"]),
-                                        batch["where"].to_pylist()):
-            if split == "bad":
-                bad.append(where)
-                if len(bad) > cfg.max_bad_samples:
-                    raise DataError(_too_many_bad(len(bad), bad, cfg.max_bad_samples))
+        for split, tokens, source, line, problem in zip(
+                batch["split"].to_pylist(), _list_values(batch["tokens"]), batch["source"].to_pylist(),
+                batch["line"].to_pylist(), batch["problem"].to_pylist()):
+            if split in ("bad", "unit_end"):
+                bad.add(source, line, problem) if split == "bad" else bad.unit_end(source, line)
             else:
                 packers[split].add(tokens)
     meta = {"version": CACHE_VERSION, "seq_len": cfg.seq_len, "tokenizer": cfg.tokenizer, "dtype": "int32",
-            "bad_records": len(bad), "bad_examples": bad[:20]}
+            "bad_records": len(bad.named), "bad_examples": bad.named[:20]}
     for split, packer in packers.items():
         counts = packer.finish()
         if counts["blocks"] == 0:
-            why = ("their assistant tokens all past the cut" if cfg.overlong == "truncate" else "data.overlong: drop")
-            raise DataError(f"the {split} conversations leave nothing to train on: {counts['dropped_overlong']} "
-                            f"longer than data.seq_len={cfg.seq_len} dropped ({why}), none kept: raise data.seq_len"
-                            f"{'' if cfg.overlong == 'truncate' else ', or set data.overlong: truncate'}")
+            raise DataError(_nothing_to_train(cfg, split, counts, len(bad.named)))
         meta[split] = {**counts, "shards": writers[split].finish()}
     return meta
+
+
+def _nothing_to_train(cfg: ChatData, split: str, counts: dict, bad: int) -> str:
+    """Why a split packed no block, in the words that fit: no conversation reached it, or all were too long."""
+    if counts["dropped_overlong"]:
+        why = "their assistant tokens all past the cut" if cfg.overlong == "truncate" else "data.overlong: drop"
+        return (f"the {split} conversations leave nothing to train on: {counts['dropped_overlong']} longer than "
+                f"data.seq_len={cfg.seq_len} dropped ({why}), none kept: raise data.seq_len"
+                f"{'' if cfg.overlong == 'truncate' else ', or set data.overlong: truncate'}")
+    skipped = f" ({bad} bad records skipped)" if bad else ""
+    if split == "val" and not cfg.val_files and not cfg.hf_dataset:
+        return (f"no conversation went to the val split: data.val_fraction={cfg.val_fraction} of the train files' "
+                f"conversations{skipped} chose none; raise data.val_fraction or give data.val_files")
+    source = f"data.hf_dataset's {split} split" if cfg.hf_dataset else f"the data.{split}_files"
+    return f"{source} hold no conversations{skipped}: give files of `{cfg.messages_field}` records"
 
 
 def _chat_stream(cfg: ChatData, units: list[Unit], seed: int, tok):
@@ -565,7 +609,7 @@ def _chat_stream(cfg: ChatData, units: list[Unit], seed: int, tok):
     from behemoth.data.text_packing import HF_ROWS_PER_BLOCK, _hf_splits
 
     ordered_data_context(logging.CRITICAL)
-    spec = ChatSpec(files=ray.put(tokenizer_files(tok)), train_on=cfg.train_on, seed=seed,
+    spec = ChatSpec(render=ray.put(RenderSpec.of(tok)), window=Window.of(tok, cfg.train_on, cfg.seq_len), seed=seed,
                     val_fraction=cfg.val_fraction)
     if cfg.hf_dataset:
         pipelines = []

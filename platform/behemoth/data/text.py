@@ -142,15 +142,11 @@ def _file_units(cfg: TextData, split: str, path: str) -> list[Unit]:
     if size == 0:
         raise DataError(f"{path} is empty: fill it or remove it from the data.*_files list")
     if fmt == "parquet":
-        schema = pq.read_schema(path)
-        if cfg.text_field not in schema.names:
-            raise DataError(f"{path} has no column '{cfg.text_field}' (data.text_field); its columns: "
-                            f"{schema.names}")
-        if not pa.types.is_string(schema.field(cfg.text_field).type) and \
-                not pa.types.is_large_string(schema.field(cfg.text_field).type):
-            raise DataError(f"{path}: column '{cfg.text_field}' holds {schema.field(cfg.text_field).type}, "
-                            f"not text")
-        groups = pq.ParquetFile(path).num_row_groups
+        groups = parquet_row_groups(path, cfg.text_field, "data.text_field",
+                                    "data.val_files" if split == "val" else "data.train_files")
+        kind = pq.read_schema(path).field(cfg.text_field).type
+        if not pa.types.is_string(kind) and not pa.types.is_large_string(kind):
+            raise DataError(f"{path}: column '{cfg.text_field}' holds {kind}, not text")
         return [Unit(split, path, "parquet", g, g + 1) for g in range(groups)]
     if fmt == "txt" and cfg.document == "file":
         if size <= FIRST_BYTES:  # (a larger one is one document: a cut could split a character)
@@ -158,6 +154,22 @@ def _file_units(cfg: TextData, split: str, path: str) -> list[Unit]:
         return [Unit(split, path, "txt_file", 0, size)]
     _check_first_records(cfg, Unit(split, path, fmt, 0, min(size, FIRST_BYTES)))
     return [Unit(split, path, fmt, s, min(s + UNIT_BYTES, size)) for s in range(0, size, UNIT_BYTES)]
+
+
+def parquet_row_groups(path: str, column: str, column_key: str, files_key: str) -> int:
+    """How many row groups a parquet file has, once it is known to be parquet, to hold `column` (the config's
+    `column_key`) and to hold rows; else one line naming the file."""
+    try:
+        pf = pq.ParquetFile(path)
+    except (pa.ArrowException, OSError) as e:
+        raise DataError(f"{path} is not a parquet file pyarrow can read ({' '.join(str(e).split())[:200]}): write "
+                        f"it again, or remove it from the {files_key} list") from None
+    names = pf.schema_arrow.names
+    if column not in names:
+        raise DataError(f"{path} has no column '{column}' ({column_key}); its columns: {names}")
+    if pf.num_row_groups == 0 or pf.metadata.num_rows == 0:
+        raise DataError(f"{path} holds no rows: fill it or remove it from the {files_key} list")
+    return pf.num_row_groups
 
 
 def _check_first_records(cfg: TextData, first: Unit) -> None:

@@ -27,24 +27,22 @@ def iter_documents(files: list[str], text_field: str = "text", document: str = "
 def iter_turns(files: list[str], messages_field: str = "messages"):
     """The content of every turn of conversation files, as data.kind chat reads them (bad records skipped)."""
     from behemoth.data.chat import ChatData, read_unit_records
-    from behemoth.data.text import text_format
+    from behemoth.data.text import UNIT_BYTES, parquet_row_groups, text_format
 
     cfg = ChatData(kind="chat", train_files=list(files), messages_field=messages_field)
     for path in files:
         fmt = text_format(cfg, path)
-        units = ([Unit("train", path, "parquet", g, g + 1) for g in range(_row_groups(path))] if fmt == "parquet"
-                 else [Unit("train", path, fmt, 0, Path(path).stat().st_size)])
+        size = Path(path).stat().st_size
+        units = ([Unit("train", path, "parquet", g, g + 1)
+                  for g in range(parquet_row_groups(path, messages_field, "--text-field", "the files"))]
+                 if fmt == "parquet" else
+                 [Unit("train", path, fmt, s, min(s + UNIT_BYTES, size)) for s in range(0, size, UNIT_BYTES)])
         for u in units:
-            for _, value in read_unit_records(u, messages_field):
+            for record in read_unit_records(u, messages_field)[1]:
+                value = record.value
                 for message in value if isinstance(value, list) else []:
                     if isinstance(message, dict) and isinstance(message.get("content"), str):
                         yield message["content"]
-
-
-def _row_groups(path: str) -> int:
-    import pyarrow.parquet as pq
-
-    return pq.ParquetFile(path).num_row_groups
 
 
 def train_tokenizer(files: list[str], out: str | Path, vocab_size: int = 4096, text_field: str = "text",

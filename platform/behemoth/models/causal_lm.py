@@ -122,12 +122,12 @@ def end_of_turn_id(tok) -> int | None:
     None without a template, or where the template writes no added token there."""
     if not getattr(tok, "chat_template", None):
         return None
-    from jinja2 import TemplateError
+    from behemoth.data.chat_render import RenderSpec, TemplateRefused, process_for
 
     conversation = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": _PROBE_REPLY}]
-    try:
-        text = tok.apply_chat_template(conversation, tokenize=False)
-    except (TemplateError, ValueError, TypeError, KeyError):  # a template that wants another shape of conversation
+    try:  # (in the bounded rendering process: the template is a program that comes with the model)
+        text = process_for(RenderSpec.of(tok)).render(conversation, generation_prompt=False)
+    except TemplateRefused:  # a template that wants another shape of conversation, or breaks a bound
         return None
     _, found, after = str(text).rpartition(_PROBE_REPLY)
     ids = tok(after, add_special_tokens=False)["input_ids"] if found else []

@@ -51,6 +51,11 @@ REPORT_EVERY_S = 1.0
 PREEMPTION_GRACE_S = 30.0
 
 
+def run_epochs(epochs: int, total_steps: int, epoch_steps: int) -> float:
+    """The epochs the run trains: train.epochs, or fewer where train.max_steps ends it first."""
+    return min(float(epochs), total_steps / max(epoch_steps, 1))
+
+
 def early_stop(cfg: JobConfig, task: Task, state: TrainState, report: dict, total_steps: int) -> bool:
     """train.early_stopping at an evaluation: count the evaluations since its metric last improved by more than
     min_delta (in the task's direction), in the train state (so a resumed run counts on); at `patience` the run
@@ -222,7 +227,9 @@ class Reporter:
                             f"on {state.best_metric:.4g} by more than {rule.min_delta:g} for {rule.patience} "
                             f"evaluations (train.early_stopping)")
         if self.rank == 0:
-            console(progress_line(report, self.total_steps, self.cfg.train.epochs, self.task.progress_fields(report)))
+            console(progress_line(report, self.total_steps, run_epochs(self.cfg.train.epochs, self.total_steps,
+                                                                       self.epoch_steps),
+                                  self.task.progress_fields(report)))
         if checkpoint_now:
             t0 = time.perf_counter()
             # retention ranks checkpoints by the run's metric (the latest is kept too): this one's, where evaluated

@@ -459,8 +459,9 @@ def _node_paths_line(cfg) -> str:
     paths = job_paths(cfg)
     if not paths:
         return "a node that joins needs none of the job's paths on its disk (all in object storage or the Hub)"
-    return (f"a node that joins must hold {', '.join(f'{k} {v}' for k, v in paths.items())} (on its image or a "
-            f"shared filesystem; `behemoth check-nodes` asks every node of a running cluster)")
+    held = [f"{k} {v}" + (" (or the folder it is made in)" if k == "data.cache_dir" else "") for k, v in paths.items()]
+    return (f"a node that joins must hold {', '.join(held)} (on its image or a shared filesystem; "
+            f"`behemoth check-nodes` asks every node of a running cluster)")
 
 
 def _check_data(cfg) -> str:

@@ -10,7 +10,6 @@ One zero-CPU task per node (pinned to it), each answering for its node; nothing 
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 from behemoth.config import JobConfig
 from behemoth.storage.store import Store
@@ -30,7 +29,7 @@ def job_paths(cfg: JobConfig) -> dict[str, str]:
             if key in ("tokenizer", "hf_dataset") and not looks_local(v):
                 continue  # a Hub name: each node reads Hugging Face's cache or the network
             name = f"data.{key}" + (f"[{i}]" if isinstance(value, list) else "")
-            found[name] = str(Path(v).expanduser().parent) if key == "cache_dir" else v
+            found[name] = v
     for key, value in (("model.pretrained", cfg.model.pretrained), ("train.init_from", cfg.train.init_from),
                        ("checkpoint.storage_path", cfg.checkpoint.storage_path)):
         if value and Store(value).is_local and (key != "model.pretrained" or looks_local(value)):
@@ -42,7 +41,12 @@ def _seen(paths: dict[str, str]) -> dict:
     import ray
 
     return {"node": ray.get_runtime_context().get_node_id(), "host": os.uname().nodename,
-            "missing": {key: path for key, path in paths.items() if not os.path.exists(os.path.expanduser(path))}}
+            "missing": {key: path for key, path in paths.items() if not _sees(key, os.path.expanduser(path))}}
+
+
+def _sees(key: str, path: str) -> bool:
+    """The path is there; data.cache_dir where the folder it is made in is (the first run makes it)."""
+    return os.path.exists(path) or (key == "data.cache_dir" and os.path.isdir(os.path.dirname(path.rstrip("/"))))
 
 
 def check_nodes(cfg: JobConfig) -> list[dict]:
