@@ -1,16 +1,20 @@
 """`behemoth spot-watch` against a fake metadata service (tests/fake_metadata.py): EC2's IMDSv2 notice (token,
 404 until scheduled, the interruption's time as the deadline, a token renewed after a 401) and GCE's preempted
-flag; a service it cannot reach is one error naming it. Its drain of a real Ray node mid-run:
+flag; a service it cannot reach is one error naming it. What a service may send that no cloud does (issue 72): a
+deadline a year ahead or in 1900, a notice that is not one, an answer a byte at a time or without end; the
+worker's hold bounded whatever deadline reaches it. Its drain of a real Ray node mid-run:
 tests/integration/test_fault_tolerance.py R7."""
 
 import datetime
+import re
 import threading
 import time
 
 import pytest
 from behemoth.driver.commands import spot_watch
+from behemoth.driver.commands.cli import build_parser
 from behemoth.errors import ConfigError
-from fake_metadata import FakeMetadata
+from fake_metadata import STREAM_LIMIT, FakeMetadata
 
 
 @pytest.fixture
@@ -18,6 +22,10 @@ def metadata():
     fake = FakeMetadata()
     yield fake
     fake.close()
+
+
+def _iso(when: datetime.datetime) -> str:
+    return when.strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def test_the_ec2_notice_is_read_through_imdsv2_with_its_deadline(metadata):
@@ -42,11 +50,11 @@ def test_the_gce_preempted_flag_is_a_notice_with_thirty_seconds(metadata):
 def test_the_watch_is_quiet_until_the_notice_and_refuses_a_service_it_cannot_read(metadata):
     reader = spot_watch.source("aws", metadata.url)
     assert spot_watch.wait_for_notice(reader, 0.05, stop_after_s=0.3) is None and metadata.reads >= 3
-    timer = threading.Timer(0.3, lambda: setattr(metadata, "aws_action", {"action": "stop",
-                                                                         "time": "2026-11-27T10:00:00Z"}))
+    when = _iso(datetime.datetime.now(datetime.timezone.utc) + datetime.timedelta(seconds=60))
+    timer = threading.Timer(0.3, lambda: setattr(metadata, "aws_action", {"action": "stop", "time": when}))
     timer.start()
     notice = spot_watch.wait_for_notice(reader, 0.05, stop_after_s=10)
-    assert notice.detail == "spot instance-action stop at 2026-11-27T10:00:00Z"
+    assert notice.detail == f"spot instance-action stop at {when}"  # (a minute ahead: the deadline as given)
     closed = FakeMetadata()
     closed.close()
     with pytest.raises(ConfigError, match=rf"the gce metadata service at {closed.url} cannot be read.*--cloud"):
@@ -74,3 +82,141 @@ def test_preemptions_have_a_budget_of_their_own(monkeypatch, tmp_path):
     assert config_from_dict(job_dict(tmp_path, tmp_path)).failure.max_preemptions == -1  # spot runs: unlimited
     with pytest.raises(ConfigError, match="failure.max_preemptions must be >= 0"):
         config_from_dict(job_dict(tmp_path, tmp_path, failure={"max_preemptions": -2}))
+
+
+def test_a_deadline_a_year_ahead_is_taken_as_ten_minutes_and_one_in_1900_as_now(metadata):
+    """Issue 72 item 3: a notice a year ahead drained the node with a 31,536,000 s deadline (the run held for a
+    year); one in 1900 is a deadline Ray refuses. Both are moved into [now, now + 600 s], the line says so. (An
+    `action` holding a newline is said by its repr: the line stays one.)"""
+    reader = spot_watch.source("aws", metadata.url)
+    now = datetime.datetime.now(datetime.timezone.utc)
+    metadata.aws_action = {"action": "terminate", "time": _iso(now + datetime.timedelta(days=365))}
+    notice = spot_watch.wait_for_notice(reader, 0.05)
+    assert notice.deadline - time.time() == pytest.approx(600, abs=5)  # (spot_watch.MAX_NOTICE_AHEAD_S)
+    assert re.fullmatch(r"spot instance-action terminate at \S+Z \(3153[56]\d{3} s ahead, more than any cloud's "
+                        r"notice: taken as 600 s\)", notice.detail), notice.detail
+    metadata.aws_action = {"action": "terminate\n[behemoth spot-watch] a line of its own",
+                           "time": "1900-01-01T00:00:00Z"}
+    notice = spot_watch.wait_for_notice(reader, 0.05)
+    assert notice.deadline == pytest.approx(time.time(), abs=5)
+    assert re.fullmatch(r"spot instance-action 'terminate\\n[^\n]{28} at 1900-01-01T00:00:00Z \(\d+ s ago: taken as "
+                        r"now\)", notice.detail), notice.detail  # (the action on the one line: its repr, 40 characters)
+
+
+@pytest.mark.parametrize("sent, what", [
+    ('[{"action": "terminate", "time": "2026-11-27T10:00:00Z"}]', "not a JSON object with a string 'time'"),
+    ('{"action": "terminate", "time": 1795000000}', "not a JSON object with a string 'time'"),
+    ("[" * 60000, "not JSON"),  # (a RecursionError in json; 100,000 deep is now refused by its size)
+    ('{"action": "terminate", "time": "soon"}', "its 'time' is not an ISO time"),
+], ids=["list", "numeric-time", "deep", "not-a-time"])
+def test_a_malformed_notice_is_one_line_naming_it_and_the_watch_goes_on(metadata, capsys, sent, what):
+    """Issue 72 item 5: a notice that is a list, a numeric `time` or JSON nested 60,000 deep ended the watcher
+    (a TypeError, AttributeError, RecursionError: its loop caught none), leaving its node unwatched; one whose time
+    is no time was an error blaming --cloud at the first read and nothing at the next. Now one line naming what
+    the service sent, once, and the watch goes on to the notice that follows."""
+    metadata.aws_action = sent
+    reader = spot_watch.source("aws", metadata.url)
+    when = _iso(datetime.datetime.now(datetime.timezone.utc) + datetime.timedelta(seconds=60))
+    timer = threading.Timer(0.5, lambda: setattr(metadata, "aws_action", {"action": "terminate", "time": when}))
+    timer.start()
+    notice = spot_watch.wait_for_notice(reader, 0.05, stop_after_s=10)
+    assert notice.detail == f"spot instance-action terminate at {when}" and metadata.reads >= 4
+    err = capsys.readouterr().err
+    shown = repr(sent[:100]) + ("..." if len(sent) > 100 else "")
+    assert err.count("\n") == 1 and err.endswith(f"the aws metadata service at {metadata.url} sent a notice this "
+                                                  f"watcher cannot read ({shown}: {what}); watching on\n"), err
+
+
+def test_an_endless_answer_is_read_no_further_than_its_bound(metadata, capsys):
+    """An answer without end (a body of '[' sent as fast as loopback takes it) is read to MAX_ANSWER_BYTES + 1 and
+    the connection dropped, one line saying so (before: read to its end, all of it in memory; here the server's
+    STREAM_LIMIT, then a RecursionError ended the watcher)."""
+    metadata.stream = ("body", b"[" * 65536, 0.0)
+    reader = spot_watch.source("aws", metadata.url)
+    with pytest.raises(Exception) as e:
+        reader.read()
+    assert metadata.stream_ended.wait(10)
+    assert metadata.stream_cut and metadata.streamed < STREAM_LIMIT, f"the read took {metadata.streamed} bytes"
+    assert e.type.__name__ == "MalformedNotice" and re.match(r"more than 65536 bytes, beginning '\[\[\[", str(e.value))
+    assert spot_watch.wait_for_notice(reader, 0.05, stop_after_s=0.2) is None
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"cannot read (more than {spot_watch.MAX_ANSWER_BYTES} bytes, beginning '[[[" in err
+
+
+@pytest.mark.parametrize("part", ["headers", "body"])
+def test_a_read_is_bounded_whole_against_a_server_sending_a_byte_at_a_time(metadata, part):
+    """Issue 72 item 5: a server sending a byte every 1.5 s held the watcher for good: urllib's timeout (2 s) bounds
+    each socket read, not the request. Here a byte every 0.3 s, in the headers or the body, against a 1 s deadline
+    for the whole read: a TimeoutError within it (then retried quietly; at the first read, the error naming the
+    service)."""
+    metadata.stream = (part, b"x", 0.3)
+    reader = spot_watch.GceNotice(metadata.url, timeout_s=1.0)
+    outcome = {}
+
+    def read():
+        try:
+            outcome["notice"] = reader.read()
+        except Exception as e:  # noqa: BLE001 - looked at below
+            outcome["error"] = e
+
+    began = time.monotonic()
+    thread = threading.Thread(target=read, daemon=True)
+    thread.start()
+    thread.join(timeout=10)
+    assert not thread.is_alive(), f"a byte every 0.3 s in the {part} held a read with a 1 s deadline past 10 s"
+    assert isinstance(outcome.get("error"), TimeoutError) and time.monotonic() - began < 3, outcome
+    with pytest.raises(ConfigError, match=rf"the gce metadata service at {metadata.url} cannot be read \(no whole "
+                                          r"answer within the read's deadline\)"):
+        spot_watch.wait_for_notice(reader, 0.05)
+
+
+def test_the_metadata_url_must_be_plain_http():
+    """The watcher speaks plain HTTP to its instance's own service (a bounded request of its own, no proxy)."""
+    for url in ("https://169.254.169.254", "169.254.169.254", "http://host:99999", "http://:80"):
+        with pytest.raises(ConfigError, match=rf"^--metadata-url '{re.escape(url)}': give the metadata service's "
+                                              r"plain HTTP address"):
+            spot_watch.source("aws", url)
+
+
+@pytest.mark.parametrize("interval", ["-1", "nan", "0", "inf", "31"])
+def test_an_interval_that_is_not_one_is_refused_in_one_line(capsys, interval):
+    """Issue 72 item 5: `--interval -1` or `nan` ended the watcher at its first sleep (a ValueError), after it had
+    found its node; 0 asks the service without pause; more than 30 s could read GCE's notice after its VM went."""
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args(["spot-watch", "--cloud", "aws", "--interval", interval])
+    assert e.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (f"behemoth spot-watch: error: argument --interval: "
+                                                       f"{interval!r}: give seconds between two reads, more than 0 "
+                                                       f"and at most 30")
+    assert build_parser().parse_args(["spot-watch", "--cloud", "aws", "--interval", "0.2"]).interval == 0.2
+
+
+def test_the_workers_hold_is_bounded_whatever_deadline_reaches_it(monkeypatch, capsys):
+    """Issue 72 item 3: the worker held "until the preemption deadline (31536029 s)" that a notice a year ahead
+    gave (Ray's drain deadline may come from a tool other than spot-watch). The hold is at most
+    PREEMPTION_HOLD_MAX_S (0.5 s here) and the grace (0.2 s), said in one line; a deadline within it is held
+    to, as before."""
+    from types import SimpleNamespace
+
+    from behemoth.worker import reporting
+
+    monkeypatch.setattr(reporting, "PREEMPTION_HOLD_MAX_S", 0.5, raising=False)
+    monkeypatch.setattr(reporting, "PREEMPTION_GRACE_S", 0.2)
+
+    def hold(ahead_s: float) -> float:
+        began = time.monotonic()
+        thread = threading.Thread(target=reporting.Reporter.hold_for_reclaim, daemon=True,
+                                  args=(SimpleNamespace(notice=time.time() + ahead_s, rank=0),))
+        thread.start()
+        thread.join(timeout=10)
+        assert not thread.is_alive(), f"a deadline {ahead_s:.0f} s ahead held the loop past 10 s"
+        return time.monotonic() - began
+
+    assert 0.65 < hold(365 * 86400) < 3
+    out = capsys.readouterr().out
+    assert out.count("\n") == 1 and re.fullmatch(r"\[behemoth\] holding 1 s, not until the preemption deadline "
+                                                  r"3153[56]\d{3} s away: no cloud gives that much notice \(held at "
+                                                  r"most 0 s\); the loop goes on after that where the node stays\n",
+                                                  out), out
+    assert 0.45 < hold(0.3) < 3  # within the bound: the deadline and the grace
+    assert "holding until the preemption deadline (0 s)" in capsys.readouterr().out

@@ -49,6 +49,10 @@ REPORT_EVERY_S = 1.0
 # After a preemption's checkpoint the loop holds until the deadline and this much more (Ray Train ends the group
 # at the deadline; a node that is not taken after all lets the run go on).
 PREEMPTION_GRACE_S = 30.0
+# The furthest ahead a preemption deadline is held for, whoever set it (`behemoth spot-watch` bounds its notices
+# alike, MAX_NOTICE_AHEAD_S, but Ray's drain deadline may come from another tool): a deadline a year ahead held
+# the run for a year. EC2 gives two minutes, GCE 30 s.
+PREEMPTION_HOLD_MAX_S = 600.0
 
 
 def run_epochs(epochs: int, total_steps: int, epoch_steps: int) -> float:
@@ -252,13 +256,18 @@ class Reporter:
     def hold_for_reclaim(self) -> None:
         """After a preemption's checkpoint, hold the loop until the notice's deadline (and PREEMPTION_GRACE_S
         more), where Ray Train ends the group: a step trained now would be lost with the node and redone from that
-        checkpoint, so none is. Where the node stays (a drain Ray cancelled) or no deadline was given, the loop
-        goes on after that."""
+        checkpoint, so none is. A deadline further ahead than PREEMPTION_HOLD_MAX_S is held only that far, said.
+        Where the node stays (a drain Ray cancelled) or no deadline was given, the loop goes on after that."""
         if self.notice == math.inf:
             return
-        until = self.notice + PREEMPTION_GRACE_S
-        if self.rank == 0:
-            console(f"holding until the preemption deadline ({max(until - time.time(), 0):.0f} s): a step trained "
+        now = time.time()
+        until = min(self.notice, now + PREEMPTION_HOLD_MAX_S) + PREEMPTION_GRACE_S
+        if self.rank == 0 and self.notice - now > PREEMPTION_HOLD_MAX_S:
+            console(f"holding {until - now:.0f} s, not until the preemption deadline {self.notice - now:.0f} s away: "
+                    f"no cloud gives that much notice (held at most {PREEMPTION_HOLD_MAX_S:.0f} s); the loop goes "
+                    f"on after that where the node stays")
+        elif self.rank == 0:
+            console(f"holding until the preemption deadline ({max(until - now, 0):.0f} s): a step trained "
                     f"now would be redone from the checkpoint just written")
         while time.time() < until:
             time.sleep(0.2)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -42,6 +43,18 @@ def _int_between(low: int, high: int):
         return value
 
     return parse
+
+
+def _poll_interval(text: str) -> float:
+    """`spot-watch --interval`: seconds > 0 and at most 30, GCE's whole notice (a longer interval could read a
+    notice after its VM is gone; -1 or nan ended the watcher at its first sleep, 0 asks the service without pause)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 < value <= 30:
+        raise argparse.ArgumentTypeError(f"{text!r}: give seconds between two reads, more than 0 and at most 30")
+    return value
 
 
 def _import_path(what: str):
@@ -157,10 +170,12 @@ def _add_check_commands(sub) -> None:
                        "cloud's preemption notice, then drain this Ray node with its deadline, so the run checkpoints "
                        "before the node goes (docs/clusters.md)")
     p.add_argument("--cloud", choices=["aws", "gce"], required=True, help="whose metadata service to read")
-    p.add_argument("--metadata-url", help="the metadata service's base URL (default: the cloud's own)")
+    p.add_argument("--metadata-url", help="the metadata service's plain HTTP address, http://HOST[:PORT] (default: "
+                   "the cloud's own)")
     p.add_argument("--address", help="the cluster's GCS address, host:port (default: this node's `ray start`)")
     p.add_argument("--node-id", help="this node's Ray node id (default: the node listening on this host's address)")
-    p.add_argument("--interval", type=float, default=5.0, help="seconds between two reads of the notice (default 5)")
+    p.add_argument("--interval", type=_poll_interval, default=5.0, help="seconds between two reads of the notice, "
+                   "more than 0 and at most 30 (default 5)")
 
 
 def _add_data_commands(data) -> None:

@@ -12,18 +12,23 @@ checkpoint on the nodes it gets next. Ray's open-source autoscaler reads neither
 
 Silent while no notice comes (one metadata read per --interval seconds); one line when it acts; then it exits.
 A metadata service that cannot be reached at the start is an error naming it (the wrong --cloud, or not on a
-cloud); later read errors are retried quietly.
+cloud); later read errors are retried quietly. What the service says is bounded: each read, all of it, within its
+deadline and MAX_ANSWER_BYTES; a notice that is not one (a list, a numeric `time`, JSON nested past Python's
+recursion limit) is one line naming what was sent, and the watch goes on; a deadline further ahead than
+MAX_NOTICE_AHEAD_S, or already past, is moved into [now, now + MAX_NOTICE_AHEAD_S], said in the line.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
+import http.client
 import json
+import math
 import socket
 import sys
 import time
-import urllib.error
-import urllib.request
+import urllib.parse
 from dataclasses import dataclass
 
 from behemoth.errors import ConfigError
@@ -31,6 +36,15 @@ from behemoth.errors import ConfigError
 AWS_METADATA, GCE_METADATA = "http://169.254.169.254", "http://metadata.google.internal"
 GCE_NOTICE_S = 30.0  # a preempted GCE VM's time between the notice and its stop
 TOKEN_TTL_S = 21600  # IMDSv2 session tokens live up to 6 hours; renewed a minute before
+# The furthest ahead a notice's deadline is believed: EC2 gives two minutes, GCE 30 s; ten minutes leaves room for
+# a clock minutes off and a cloud that warns earlier. A deadline further ahead (a service answering a year ahead:
+# Ray drained the node, and the run held, for that year) is taken as this far, not refused: only the instance's
+# own metadata service answers, so a notice is most likely real, and acting on it costs a checkpoint and a
+# restart where ignoring a real one loses the steps since the last checkpoint.
+MAX_NOTICE_AHEAD_S = 600.0
+MAX_ANSWER_BYTES = 65536  # a notice is ~80 bytes, a token 56: an answer longer is no notice, and is not read on
+NO_WHOLE_ANSWER = "no whole answer within the read's deadline"
+READ_ERRORS = (OSError, ValueError, http.client.HTTPException)  # a read that failed: unreachable, cut, timed out
 
 
 @dataclass(frozen=True)
@@ -40,8 +54,90 @@ class Notice:
     detail: str  # what the cloud said
 
 
+class MalformedNotice(Exception):
+    """The service answered with a notice, but not one this watcher can read: what it sent, and what is wrong."""
+
+
+def bounded(notice: Notice, now: float) -> Notice:
+    """The notice with its deadline within [now, now + MAX_NOTICE_AHEAD_S], its detail saying where it was moved
+    (a `time` in 1900 is a deadline Ray refuses to drain with: taken as now)."""
+    ahead = notice.deadline - now
+    if ahead > MAX_NOTICE_AHEAD_S:
+        moved, why = now + MAX_NOTICE_AHEAD_S, (f"{ahead:.0f} s ahead, more than any cloud's notice: taken as "
+                                                f"{MAX_NOTICE_AHEAD_S:.0f} s")
+    elif ahead < 0:
+        moved, why = now, f"{-ahead:.0f} s ago: taken as now"
+    else:
+        return notice
+    return dataclasses.replace(notice, deadline=moved, detail=f"{notice.detail} ({why})")
+
+
+class _DeadlineSocket(socket.socket):
+    """A socket whose every receive waits only for what is left until `deadline` (time.monotonic()): a socket
+    timeout bounds each receive alone, so a server sending a byte a second held a read for as long as it went on."""
+
+    deadline = math.inf
+
+    def recv_into(self, buffer, nbytes=0, flags=0):
+        self.settimeout(_left(self.deadline))
+        return super().recv_into(buffer, nbytes, flags)
+
+
+def _request(url: str, deadline: float, headers: dict, method: str = "GET") -> tuple[int, bytes]:
+    """(status, body) of one request to the metadata service: connecting, the headers and the body all before
+    `deadline` (time.monotonic()), at most MAX_ANSWER_BYTES + 1 of the body read. Plain HTTP to the service's own
+    address: no proxy from the environment (it would answer with its own instance's metadata), no redirect."""
+    parts = urllib.parse.urlsplit(url)
+    connection = http.client.HTTPConnection(parts.hostname, parts.port or 80)
+    try:
+        plain = socket.create_connection((parts.hostname, parts.port or 80), timeout=_left(deadline))
+        connection.sock = _DeadlineSocket(plain.family, plain.type, plain.proto, fileno=plain.detach())
+        connection.sock.deadline = deadline
+        connection.sock.settimeout(_left(deadline))  # (sending the request)
+        connection.request(method, parts.path, headers=headers)
+        response = connection.getresponse()
+        return response.status, response.read(MAX_ANSWER_BYTES + 1)
+    except TimeoutError:  # (the socket's own, "timed out", or the deadline's)
+        raise TimeoutError(NO_WHOLE_ANSWER) from None
+    finally:
+        connection.close()
+
+
+def _left(deadline: float) -> float:
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TimeoutError(NO_WHOLE_ANSWER)
+    return left
+
+
+def instance_action(body: bytes) -> tuple[str, str, float]:
+    """(action, time as sent, epoch seconds) from EC2's instance-action answer: one JSON object whose `time` is an
+    ISO time (UTC where it names no zone); anything else is MalformedNotice naming what was sent (a list, a
+    numeric `time` or JSON nested past the recursion limit ended the watcher, leaving its node unwatched)."""
+    sent = repr(body[:100].decode("utf-8", "replace")) + ("..." if len(body) > 100 else "")
+    if len(body) > MAX_ANSWER_BYTES:
+        raise MalformedNotice(f"more than {MAX_ANSWER_BYTES} bytes, beginning {sent}")
+    try:
+        action = json.loads(body)
+    except (ValueError, RecursionError):
+        raise MalformedNotice(f"{sent}: not JSON") from None
+    when = action.get("time") if isinstance(action, dict) else None
+    if not isinstance(when, str):
+        raise MalformedNotice(f"{sent}: not a JSON object with a string 'time'")
+    try:
+        parsed = datetime.datetime.fromisoformat(when.replace("Z", "+00:00"))
+        if parsed.tzinfo is None:  # (EC2's times are UTC)
+            parsed = parsed.replace(tzinfo=datetime.timezone.utc)
+        epoch_s = parsed.timestamp()
+    except (ValueError, OverflowError):
+        raise MalformedNotice(f"{sent}: its 'time' is not an ISO time") from None
+    kind = action.get("action")  # (said in the one line: a plain word, else its repr, short either way)
+    return (kind if isinstance(kind, str) and kind.isprintable() else repr(kind))[:40], when, epoch_s
+
+
 class AwsNotice:
-    """EC2's spot interruption notice, read through IMDSv2."""
+    """EC2's spot interruption notice, read through IMDSv2: each read, its token's request included, within
+    `timeout_s`."""
 
     cloud = "aws"
 
@@ -49,35 +145,33 @@ class AwsNotice:
         self.base, self.timeout_s = base.rstrip("/"), timeout_s
         self.token, self.token_until = None, 0.0
 
-    def _token(self, renew: bool = False) -> str:
+    def _token(self, deadline: float, renew: bool = False) -> str:
         if renew or self.token is None or time.time() > self.token_until:
-            request = urllib.request.Request(f"{self.base}/latest/api/token", method="PUT",
-                                             headers={"X-aws-ec2-metadata-token-ttl-seconds": str(TOKEN_TTL_S)})
-            with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
-                self.token = response.read().decode()
+            status, body = _request(f"{self.base}/latest/api/token", deadline, method="PUT",
+                                    headers={"X-aws-ec2-metadata-token-ttl-seconds": str(TOKEN_TTL_S)})
+            if status != 200 or len(body) > MAX_ANSWER_BYTES:
+                raise ConnectionError(f"no IMDSv2 token (HTTP {status}, {len(body)} bytes)")
+            self.token = body.decode()
             self.token_until = time.time() + TOKEN_TTL_S - 60
         return self.token
 
     def read(self) -> Notice | None:
+        deadline = time.monotonic() + self.timeout_s
         for renew in (False, True):  # a 401: the token expired early (the service restarted): once more
-            request = urllib.request.Request(f"{self.base}/latest/meta-data/spot/instance-action",
-                                             headers={"X-aws-ec2-metadata-token": self._token(renew)})
-            try:
-                with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
-                    body = response.read().decode()
+            status, body = _request(f"{self.base}/latest/meta-data/spot/instance-action", deadline,
+                                    headers={"X-aws-ec2-metadata-token": self._token(deadline, renew)})
+            if status == 404:
+                return None  # no interruption scheduled
+            if status == 200:
                 break
-            except urllib.error.HTTPError as e:
-                if e.code == 404:
-                    return None  # no interruption scheduled
-                if e.code != 401 or renew:
-                    raise
-        action = json.loads(body)
-        when = datetime.datetime.fromisoformat(action["time"].replace("Z", "+00:00")).timestamp()
-        return Notice(self.cloud, when, f"spot instance-action {action.get('action')} at {action['time']}")
+            if status != 401 or renew:
+                raise ConnectionError(f"HTTP {status} from spot/instance-action")
+        action, when, epoch_s = instance_action(body)
+        return Notice(self.cloud, epoch_s, f"spot instance-action {action} at {when}")
 
 
 class GceNotice:
-    """GCE's preemption flag, read from the metadata server."""
+    """GCE's preemption flag, read from the metadata server within `timeout_s`."""
 
     cloud = "gce"
 
@@ -85,11 +179,11 @@ class GceNotice:
         self.base, self.timeout_s = base.rstrip("/"), timeout_s
 
     def read(self) -> Notice | None:
-        request = urllib.request.Request(f"{self.base}/computeMetadata/v1/instance/preempted",
-                                         headers={"Metadata-Flavor": "Google"})
-        with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
-            flag = response.read().decode().strip()
-        if flag != "TRUE":
+        status, body = _request(f"{self.base}/computeMetadata/v1/instance/preempted",
+                                time.monotonic() + self.timeout_s, headers={"Metadata-Flavor": "Google"})
+        if status != 200:
+            raise ConnectionError(f"HTTP {status} from instance/preempted")
+        if body.decode("utf-8", "replace").strip() != "TRUE":
             return None
         return Notice(self.cloud, time.time() + GCE_NOTICE_S, f"instance/preempted TRUE (about {GCE_NOTICE_S:.0f} s left)")
 
@@ -101,15 +195,42 @@ def source(cloud: str, metadata_url: str | None = None):
     if cloud not in SOURCES:
         raise ConfigError(f"--cloud {cloud!r}: one of {', '.join(SOURCES)}")
     cls, default = SOURCES[cloud]
-    return cls(metadata_url or default)
+    url = metadata_url or default
+    try:  # (the watcher speaks plain HTTP to a service on the instance's own network: nothing else is one)
+        parts = urllib.parse.urlsplit(url)
+        plain = parts.scheme == "http" and bool(parts.hostname) and parts.port != 0 and not parts.query
+    except ValueError:  # (a port out of range)
+        plain = False
+    if not plain:
+        raise ConfigError(f"--metadata-url {url!r}: give the metadata service's plain HTTP address, http://HOST[:PORT]")
+    return cls(url)
+
+
+def _say(message: str, error: bool = False) -> None:
+    print(f"[behemoth spot-watch] {socket.gethostname()}: {message}", file=sys.stderr if error else sys.stdout,
+          flush=True)
+
+
+def _read(reader, said: list[str]) -> Notice | None:
+    """One read; a malformed notice is one line naming what the service sent (once until it sends another), and
+    no notice: the watch goes on (a cloud's notice is a JSON object; the next read may bring one)."""
+    try:
+        return reader.read()
+    except MalformedNotice as e:
+        if str(e) not in said:
+            said[:] = [str(e)]
+            _say(f"the {reader.cloud} metadata service at {reader.base} sent a notice this watcher cannot read "
+                 f"({e}); watching on", error=True)
+        return None
 
 
 def wait_for_notice(reader, interval_s: float, stop_after_s: float | None = None) -> Notice | None:
-    """Poll until a notice comes (returned), or `stop_after_s` passes (None). The first read must succeed: a
-    metadata service this node cannot reach is a ConfigError naming it."""
+    """Poll until a notice comes (returned, its deadline bounded), or `stop_after_s` passes (None). The first read
+    must reach the service: one this node cannot reach is a ConfigError naming it."""
+    said: list[str] = []
     try:
-        notice = reader.read()
-    except (OSError, ValueError, KeyError) as e:
+        notice = _read(reader, said)
+    except READ_ERRORS as e:
         raise ConfigError(f"the {reader.cloud} metadata service at {reader.base} cannot be read ({e}): is this "
                           f"node on {reader.cloud}, and is --cloud right?") from None
     began = time.monotonic()
@@ -118,10 +239,10 @@ def wait_for_notice(reader, interval_s: float, stop_after_s: float | None = None
             return None
         time.sleep(interval_s)
         try:
-            notice = reader.read()
-        except (OSError, ValueError, KeyError):
+            notice = _read(reader, said)
+        except READ_ERRORS:
             notice = None  # a read that failed: the next one tells
-    return notice
+    return bounded(notice, time.time())
 
 
 def own_node(address: str, node_id: str | None) -> str:
@@ -156,9 +277,7 @@ def run(cloud: str, metadata_url: str | None, address: str | None, node_id: str 
     accepted, why = drain_for_preemption(gcs, node, f"{cloud} preemption: {notice.detail}", notice.deadline)
     left = notice.deadline - time.time()
     if not accepted:
-        print(f"[behemoth spot-watch] {socket.gethostname()}: {notice.detail}; Ray refused to drain node {node}: "
-              f"{why}", file=sys.stderr, flush=True)
+        _say(f"{notice.detail}; Ray refused to drain node {node}: {why}", error=True)
         return 1
-    print(f"[behemoth spot-watch] {socket.gethostname()}: {notice.detail}; drained Ray node {node} for preemption, "
-          f"{left:.0f} s to the deadline", flush=True)
+    _say(f"{notice.detail}; drained Ray node {node} for preemption, {left:.0f} s to the deadline")
     return 0
