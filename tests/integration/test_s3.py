@@ -216,9 +216,13 @@ def test_a_model_and_its_tokenizer_in_the_bucket_are_copied_once_per_node_and_tr
     trained, uploaded = read_state_dict(summary.latest_checkpoint), read_state_dict(str(folder))
     assert trained.keys() == uploaded.keys()
     assert all(torch.allclose(trained[k], uploaded[k], atol=1e-6) for k in trained)
-    copies = [p for p in Path(copy).parent.iterdir() if (p / COMPLETE).is_file()
-              and json.loads((p / COMPLETE).read_text())["uri"] == uri]
+    markers = {p: json.loads((p / COMPLETE).read_text()) for p in Path(copy).parent.iterdir()
+               if (p / COMPLETE).is_file()}
+    copies = [p for p, marker in markers.items() if marker["uri"] == uri and marker["weights"]]
     assert copies == [Path(copy)]  # the driver's and the workers' one copy on this node (an older one removed)
+    # check's and the tokenizer loads' one copy without the weights (issue 72 item 6)
+    (light,) = [p for p, marker in markers.items() if marker["uri"] == uri and not marker["weights"]]
+    assert "model.safetensors" not in os.listdir(light) and "config.json" in os.listdir(light)
 
     fs.delete_file(f"{where}/config.json")
     job["model"]["pretrained"] = uri

@@ -398,10 +398,12 @@ def test_a_whole_checkpoint_is_downloaded_once_per_node_and_its_copy_goes_with_t
     assert list(left.parent.iterdir()) == []
 
 
-@pytest.mark.parametrize("name", ["../x", "/etc/x", "state/../../x", "a//b", "./a", ""])
+@pytest.mark.parametrize("name", ["../x", "/etc/x", "state/../../x", "a//b", "./a", "", "a\0b", "a\\b", "x" * 256,
+                                  "\ud800"])
 def test_a_manifest_naming_a_file_outside_its_folder_is_refused(name):
-    """Copies of a checkpoint write each listed file under its name: one that leaves the folder is refused
-    before anything is written."""
+    """Copies of a checkpoint write each listed file under its name: one that leaves the folder, or cannot be one
+    file in it (a NUL, a part over 255 bytes, a lone surrogate: issue 72 item 1, one rule with a bucket's
+    listing), is refused before anything is written."""
     text = json.dumps({"format_version": 1, "files": {name: {"size": 1, "sha256": "0" * 64}}})
     with pytest.raises(CheckpointError, match="outside the checkpoint's folder"):
         checkpoint.read_manifest(text, "c")

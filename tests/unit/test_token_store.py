@@ -2,6 +2,7 @@
 
 import json
 import pickle
+import re
 from pathlib import Path
 
 import numpy as np
@@ -272,3 +273,20 @@ def test_a_shard_changed_in_place_is_named_and_each_is_hashed_once_per_node(tmp_
         with pytest.raises(DataError, match=f"token shard {folder}/{shards[2]['file']}: cannot read blocks 25-25 "
                                             f".*does not exist"):
             TokenShards(folder, shards, SEQ, np.uint16)[np.array([25])]
+
+
+@pytest.mark.parametrize("name", ["../train-00000.npy", "/etc/hostname", "sub/train-00000.npy", ".."])
+def test_a_cache_meta_naming_a_shard_outside_its_folder_is_refused(tmp_path, name):
+    """Issue 72 item 1's rule for every name that data gives: a token cache's meta.json whose shard table names a
+    file outside the cache's folder (the workers read and memory-map each name joined onto it) is a damaged cache,
+    said in one line naming the shard; a plain name is read as before."""
+    from behemoth.data import text_packing
+
+    shard = {"file": name, "blocks": 1, "bytes": 1, "sha256": "0" * 64}
+    (tmp_path / "meta.json").write_text(json.dumps({"train": {"shards": [shard]}, "val": {"shards": []}}))
+    said = rf"^token cache {tmp_path}: its meta.json names the shard {re.escape(repr(name))}, not a file of the cache's"
+    with pytest.raises(DataError, match=said + " folder: the cache is damaged; delete"):
+        text_packing._cache_meta(str(tmp_path))
+    shard["file"] = "train-00000.npy"
+    (tmp_path / "meta.json").write_text(json.dumps({"train": {"shards": [shard]}, "val": {"shards": []}}))
+    assert text_packing._cache_meta(str(tmp_path))["train"]["shards"] == [shard]

@@ -6,7 +6,7 @@ import pyarrow.fs
 import pytest
 import torch
 
-from behemoth.storage import checkpoint, weights
+from behemoth.storage import checkpoint, node_copy, weights
 from behemoth.storage.checkpoint import Snapshot
 from behemoth.errors import CheckpointError
 
@@ -120,8 +120,12 @@ def test_a_checkpoint_under_a_uri_is_fetched_without_its_optimizer_state_and_rem
     assert torch.equal(weights.read_state_dict(uri)["weight"], model.weight)
     (ckpt / "train_state.json").write_text("damaged")  # not the weights: reading them does not care
     copies = []
-    real_copy = pyarrow.fs.copy_files
+    real_copy, real_file_copy = pyarrow.fs.copy_files, node_copy._copy  # (fetched copies file by file: _copy)
     monkeypatch.setattr(pyarrow.fs, "copy_files", lambda *a, **k: (copies.append(a[0]), real_copy(*a, **k)))
+    monkeypatch.setattr(node_copy, "_copy", lambda *a, **k: (copies.append(a[1]), real_file_copy(*a, **k))[1])
+    with weights.fetched(uri):  # (the spies see a download)
+        assert len(copies) == 1
+    copies.clear()
     weights.check(uri)  # the driver's check: the manifest and model.pt's size, nothing downloaded
     assert copies == []
     data = (ckpt / "model.pt").read_bytes()

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from behemoth.errors import DataError
+from behemoth.storage.paths import PART_MAX, is_inside
 
 IMAGE_SUFFIXES = (".jpeg", ".jpg", ".png")
 _KAGGLE_COLUMNS = ("ImageId", "PredictionString")
@@ -81,9 +82,9 @@ def _line_rows(path: Path, text: str):
 
 def _plain(name: str, what: str, where: str) -> str:
     """`name` where it is one path component that stays inside the folder, else the error naming the row."""
-    if name in ("", ".", "..") or "/" in name or "\\" in name or "\0" in name or len(name.encode()) > 255:
+    if "/" in name or not is_inside(name):  # (one part: a file or folder directly in the folder)
         raise DataError(f"{where}: {what} {name!r} is not a plain name (one folder or file name: not empty, no "
-                        f"'/', '\\' or '..', at most 255 bytes); fix the row: nothing was moved")
+                        f"'/', '\\' or '..', at most {PART_MAX} bytes); fix the row: nothing was moved")
     return name
 
 

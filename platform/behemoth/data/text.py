@@ -264,7 +264,7 @@ def open_tokenizer(name: str):
         # never a tokenizer's own code (a tokenizer_config with auto_map): left unset, transformers asks on the
         # terminal; a checkpoint received from someone else names its tokenizer. An object store's folder is
         # read from this node's copy of it.
-        tok = AutoTokenizer.from_pretrained(local_source(name, "data.tokenizer"), trust_remote_code=False)
+        tok = AutoTokenizer.from_pretrained(local_source(name, "data.tokenizer", weights=False), trust_remote_code=False)
     except (OSError, ValueError) as e:
         reason = " ".join(str(e).split())  # transformers' reasons run over several lines
         raise DataError(f"data.tokenizer {name!r} cannot be loaded: {reason}. Point it at a folder holding "

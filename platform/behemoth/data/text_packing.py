@@ -163,11 +163,18 @@ def packed_index(cfg: TextData, units: list[Unit], seed: int, dtype, tok, pack, 
 
 
 def _cache_meta(cache: str) -> dict | None:
-    """A complete cache's meta.json (local or under a URI), or None."""
+    """A complete cache's meta.json (local or under a URI), or None. Every shard it names is a file of the cache's
+    own folder (the workers read and memory-map each one joined onto it): else DataError, the cache damaged."""
     try:
-        return json.loads(read_file(f"{cache}/meta.json"))
+        meta = json.loads(read_file(f"{cache}/meta.json"))
     except (FileNotFoundError, OSError):
         return None
+    for split in ("train", "val"):
+        for shard in meta.get(split, {}).get("shards", []):
+            if "/" in shard["file"] or not paths.is_inside(shard["file"]):
+                raise DataError(f"token cache {cache}: its meta.json names the shard {shard['file']!r}, not a file "
+                                f"of the cache's folder: the cache is damaged; delete {cache} and rerun to rebuild it")
+    return meta
 
 
 def _build_cache(cfg: TextData, units: list[Unit], seed: int, dtype, cache: Path, pack) -> None:

@@ -3,12 +3,14 @@
 - `filesystem`: the one answer to "local path or URI, and which pyarrow filesystem reads it".
 - `store`: Store, the handle other rooms hold instead of asking that question: a place decided local-or-URI once,
   with verbs (read, write, append, list, copy a local folder up, a local copy or working folder).
-- `paths`: a run's place (storage root, run folder, a sweep trial's folder) and the run-name rules.
+- `paths`: a run's place (storage root, run folder, a sweep trial's folder), the run-name rules, and the one rule
+  for a name that comes from data (a listing's key, a manifest's file): a relative path that stays inside its folder.
 - `checkpoint`: the checkpoint format (state files, manifest of sizes and checksums written last, verify).
 - `shard_reader`: reading a sharded (DCP) checkpoint: only the byte ranges a load plan needs, checked.
 - `dcp_index`: a sharded checkpoint's index read by a restricted unpickler and checked against its shards.
 - `node_copy`: a checkpoint copied once per node for the ranks that read it.
-- `model_copy`: a model's or tokenizer's folder in an object store copied once per node, named by its listing.
+- `model_copy`: a model's or tokenizer's folder in an object store copied once per node, named by its listing; any
+  store folder's listing checked and copied file by file.
 - `weights`: model weights in and out (a checkpoint's or a Hugging Face folder's).
 - `runlock`: one driver per run folder, on local and object storage (the lease, its heartbeat and fence).
 - `lease_stores`: where the lease lies and how it changes, conditionally (link/flock, S3 If-Match, read-back).

@@ -36,6 +36,7 @@ from typing import Any
 
 # (torch is imported where tensors are written or measured: the config and data checks load this module)
 from behemoth.storage.filesystem import filesystem, read_file  # noqa: F401 (read_file: the format's reader too)
+from behemoth.storage.paths import is_inside
 from behemoth.errors import CheckpointError
 
 FORMAT_VERSION = 1  # model.pt, optimizer.pt: the full state, written by one process
@@ -220,18 +221,12 @@ def read_manifest(text: bytes | str, where, only: tuple[str, ...] | None = None)
                               f"this behemoth reads {FORMAT_VERSION}, {LEGACY_SHARDED_FORMAT} and {SHARDED_FORMAT}")
     # a copy of the checkpoint writes each listed file under its name (node_copy, RemoteShards): a name that
     # leaves the folder would write wherever its reader may
-    if not isinstance(files, dict) or not all(_inside(name) for name in files):
+    if not isinstance(files, dict) or not all(is_inside(name) for name in files):
         raise CheckpointError(f"checkpoint {where}: {MANIFEST} lists a file name outside the checkpoint's folder")
     unlisted = [name for name in only or () if name not in files]
     if unlisted:
         raise CheckpointError(f"checkpoint {where}: {', '.join(unlisted)} not in its {MANIFEST}")
     return manifest
-
-
-def _inside(name) -> bool:
-    """A relative POSIX path with no empty, '.' or '..' part: a file inside the checkpoint's folder."""
-    return (isinstance(name, str) and not name.startswith("/") and "\\" not in name
-            and all(part not in ("", ".", "..") for part in name.split("/")))
 
 
 def read_manifest_bytes(path: str, fs, where: str) -> bytes:

@@ -104,7 +104,7 @@ def _fetch(fs, path: str, name: str, entry: dict, folder: Path, where: str) -> N
     (folder / name).parent.mkdir(parents=True, exist_ok=True)
     size = entry.get("size")
     for _ in range(2):
-        got, sha256 = _copy(fs, f"{path}/{name}", folder / name, where, name)
+        got, sha256 = _copy(fs, f"{path}/{name}", folder / name, f"checkpoint {where}", name)
         if (got, sha256) == (size, entry.get("sha256")):
             return
         if got == size or fs.get_file_info(f"{path}/{name}").size != size:
@@ -114,7 +114,9 @@ def _fetch(fs, path: str, name: str, entry: dict, folder: Path, where: str) -> N
 
 
 def _copy(fs, source: str, target: Path, where: str, name: str) -> tuple[int, str]:
-    """Copy `source` on `fs` to the local `target`; returns the (size, sha256) of what arrived."""
+    """Copy `source` on `fs` to the local `target`; returns the (size, sha256) of what arrived. Missing, it is a
+    CheckpointError naming `where` (what the file belongs to: "checkpoint PATH", a config key and its URI) and
+    `name`."""
     digest, size = hashlib.sha256(), 0
     try:
         with fs.open_input_stream(source) as src, open(target, "wb") as dst:
@@ -123,7 +125,7 @@ def _copy(fs, source: str, target: Path, where: str, name: str) -> tuple[int, st
                 dst.write(piece)
                 size += len(piece)
     except FileNotFoundError:
-        raise CheckpointError(f"checkpoint {where}: {name} is missing") from None
+        raise CheckpointError(f"{where}: {name} is missing") from None
     return size, digest.hexdigest()
 
 

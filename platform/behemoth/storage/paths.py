@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from behemoth.errors import ConfigError
@@ -92,3 +93,41 @@ class RunPlace:
         """A checkpoint's path as Ray gives it (on the storage's pyarrow filesystem, directly in the run's
         folder), as the user names it (entry_uri)."""
         return entry_uri(self.folder, fs_path)
+
+
+# A name that comes from data (a bucket's key below a folder, a checkpoint manifest's file, a cache's shard) is
+# written or read under one local folder only as a relative POSIX path of plain parts: an object store resolves
+# '..' when the key is read (S3 reads 'P/../X' as 'X'), and joined onto a folder '..', '/' or '\\' lands outside it.
+PART_MAX = 255  # bytes in one file or folder name (Linux's NAME_MAX): a longer part cannot be written
+
+
+def is_inside(name: object) -> bool:
+    """Whether `name` joined onto any folder names a file inside it: a relative POSIX path whose every part is
+    a plain name (not empty, '.' or '..'; no backslash or NUL; at most PART_MAX bytes of UTF-8)."""
+    if not isinstance(name, str) or "\\" in name or "\0" in name:
+        return False
+    try:
+        return all(part not in ("", ".", "..") and len(part.encode()) <= PART_MAX for part in name.split("/"))
+    except UnicodeEncodeError:  # a lone surrogate (a JSON manifest can hold one): no file has that name
+        return False
+
+
+def listing_problem(names: Iterable[str]) -> str | None:
+    """Why the files `names` (a folder's listing: an object store's keys below a prefix) cannot each be written
+    under one local folder as named, in words that name the key(s); None where they can: every name is_inside,
+    and no file's name is another's folder (keys `x` and `x/y`: a local folder holds a file x or a folder x)."""
+    names = list(names)
+    for name in names:
+        if not is_inside(name):
+            return (f"the object {name!r} is not a plain relative path (it is absolute, or has an empty, '.' or '..' "
+                    f"part, a backslash, a NUL or a part over {PART_MAX} bytes): copied as named it would not be one "
+                    f"file inside the copy's folder")
+    files = set(names)
+    for name in names:
+        parts = name.split("/")
+        for end in range(1, len(parts)):
+            folder = "/".join(parts[:end])
+            if folder in files:
+                return (f"the objects {folder!r} and {name!r} make {folder!r} both a file and a folder, which a "
+                        f"local copy cannot hold")
+    return None

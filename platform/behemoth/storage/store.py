@@ -125,16 +125,17 @@ class Store:
 
     def local_copy(self, folder: str) -> str:
         """A local path holding this file or folder: the path itself where it is local, else a copy downloaded
-        into `folder` under the same base name."""
+        into `folder` under the same base name, every name in the folder's listing checked first (DataError
+        naming the key: pyarrow's copy_files writes a key's '..' parts as named, outside `folder`)."""
         if self.is_local:
             return self.path
-        import pyarrow.fs
+        from behemoth.errors import DataError
+        from behemoth.storage.model_copy import checked_listing, download
 
         fs, where = self.pyarrow()
         target = os.path.join(folder, self.path.rstrip("/").rpartition("/")[2])
         if self.is_dir():
-            os.makedirs(target)
-            pyarrow.fs.copy_files(where, target, source_filesystem=fs)
+            download(fs, where, checked_listing(fs, where, self.path, DataError), Path(target), self.path)
         else:
             Path(target).write_bytes(self.read_bytes())
         return target

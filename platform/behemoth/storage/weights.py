@@ -47,18 +47,22 @@ def fetched(path: str) -> Iterator[Path]:
     if not is_uri(path):
         yield Path(path)
         return
-    import pyarrow.fs
+    from behemoth.storage.model_copy import checked_listing, download
+    from behemoth.storage.node_copy import _copy
 
     fs, where = filesystem(path)
     with tempfile.TemporaryDirectory(prefix="behemoth-weights-") as target:
+        # file by file, by checked names: pyarrow's copy_files copies a name the store holds as a folder (keys
+        # below it, no object) whole, and writes keys with '..' parts as named, outside `target`
         if is_checkpoint(path):
             text = read_file(f"{path}/{MANIFEST}")
             Path(target, MANIFEST).write_bytes(text)
-            for name in weight_files(read_manifest(text, path)):
+            for name in weight_files(read_manifest(text, path)):  # (the manifest's names are checked there)
                 Path(target, name).parent.mkdir(exist_ok=True)  # a sharded checkpoint's state/
-                pyarrow.fs.copy_files(f"{where}/{name}", f"{target}/{name}", source_filesystem=fs)
+                # (its sha256: checked by the reader)
+                _copy(fs, f"{where}/{name}", Path(target, name), f"checkpoint {path}", name)
         else:
-            pyarrow.fs.copy_files(where, target, source_filesystem=fs)
+            download(fs, where, checked_listing(fs, where, path, CheckpointError), Path(target), path)
         yield Path(target)
 
 

@@ -60,7 +60,7 @@ class CausalLM(Task[list[Unit], TokenIndex]):
         if registry.is_import_path(cfg.model.name):
             registry.check_user_model(cfg.model.name, vocab_size=len(tok))
         else:
-            check_causal_lm(local_model(cfg), vocab_size=len(tok), eos_id=tok.eos_token_id, bos_id=tok.bos_token_id,
+            check_causal_lm(local_model(cfg, weights=False), vocab_size=len(tok), eos_id=tok.eos_token_id, bos_id=tok.bos_token_id,
                             seq_len=cfg.data.seq_len)
         return units
 

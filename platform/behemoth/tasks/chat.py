@@ -40,7 +40,7 @@ class ChatLM(CausalLM):
             units = []
         else:
             units = plan_chat_units(cfg.data)
-        check_causal_lm(local_model(cfg), vocab_size=len(tok), eos_id=tok.eos_token_id, bos_id=tok.bos_token_id,
+        check_causal_lm(local_model(cfg, weights=False), vocab_size=len(tok), eos_id=tok.eos_token_id, bos_id=tok.bos_token_id,
                         seq_len=cfg.data.seq_len)
         return units
 

@@ -307,9 +307,10 @@ def check_task_class(cls: Any, kind: str) -> type[Task]:
     return cls
 
 
-def local_model(cfg: JobConfig):
+def local_model(cfg: JobConfig, weights: bool = True):
     """cfg.model with model.pretrained as this node reads it: an object store's folder copied here once
-    (storage/model_copy.py), anything else as it is. The job keeps the URI: each node makes its own copy."""
+    (storage/model_copy.py), anything else as it is. The job keeps the URI: each node makes its own copy.
+    `weights` False: the copy leaves the weights out (a check reads the model's config, not its weights)."""
     import dataclasses
 
     from behemoth.storage.model_copy import local_source
@@ -317,4 +318,4 @@ def local_model(cfg: JobConfig):
     model = cfg.model
     if not model.pretrained or Store(model.pretrained).is_local:
         return model
-    return dataclasses.replace(model, pretrained=local_source(model.pretrained, "model.pretrained"))
+    return dataclasses.replace(model, pretrained=local_source(model.pretrained, "model.pretrained", weights))

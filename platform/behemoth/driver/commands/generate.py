@@ -213,7 +213,8 @@ def _tokenizer(name: str, where: str):
     from behemoth.storage.model_copy import local_source
 
     try:
-        tok = AutoTokenizer.from_pretrained(local_source(name, "data.tokenizer"), trust_remote_code=False)
+        tok = AutoTokenizer.from_pretrained(local_source(name, "data.tokenizer", weights=False),
+                                            trust_remote_code=False)
     except (OSError, ValueError, TypeError) as e:
         raise ConfigError(f"{where}: no tokenizer could be loaded from {name} ({_first_line(e)}); an export holds its "
                           f"tokenizer files beside the model") from None

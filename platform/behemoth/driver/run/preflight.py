@@ -19,7 +19,8 @@ from behemoth.storage.store import Store
 
 def _check_source(value: str, key: str, needs: str = "config.json") -> None:
     """A local folder or Hub name (models/sources.py), or an object store's folder (a URI: copied once per node
-    when read, storage/model_copy.py) holding what from_pretrained reads: its listing is checked, nothing copied."""
+    when read, storage/model_copy.py) holding what from_pretrained reads: its listing is checked (every name in
+    it too), nothing copied here (the task's check reads the config and tokenizer from a copy without weights)."""
     if Store(value).is_local:
         check_source(value, key, needs)
         return
