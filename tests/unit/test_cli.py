@@ -138,6 +138,23 @@ def test_user_errors_are_one_line_with_their_exit_code(tmp_path, capsys):
     assert capsys.readouterr().err == f"behemoth: config error: cluster file {tmp_path / 'nope.yaml'} does not exist\n"
 
 
+def test_data_bench_measures_a_number_of_seconds_more_than_zero(tmp_path, capsys):
+    """`data bench --seconds nan` measured nothing and recorded 3.6e13 samples/s (`check` then said "feed: ok");
+    0 and -5 were tracebacks."""
+    import pytest
+
+    from behemoth.driver.commands.data_bench import bench_data
+    from behemoth.errors import ConfigError
+
+    for seconds in ("nan", "0", "-5", "inf"):
+        with pytest.raises(SystemExit) as e:
+            main(["data", "bench", str(tmp_path / "job.yaml"), "--seconds", seconds])
+        assert e.value.code == 2 and f"argument --seconds: '{seconds}': give seconds to measure, more than 0" in \
+            capsys.readouterr().err
+    with pytest.raises(ConfigError, match="--seconds must be a number of seconds > 0, got nan"):
+        bench_data(None, seconds=float("nan"))
+
+
 def test_version_and_python_dash_m():
     import subprocess
     import sys

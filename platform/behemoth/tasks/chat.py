@@ -78,8 +78,10 @@ class ChatLM(CausalLM):
                   f"trained ({cfg.data.train_on}), {s['padding_tokens']} padding; {s['truncated']} cut at seq_len, "
                   f"{s['dropped_overlong']} dropped as longer (data.overlong: {cfg.data.overlong})", flush=True)
         if stats.get("bad_records"):
+            shown = stats["bad_examples"]  # (the first 20, each named by file and line or row)
             print(f"[behemoth] {stats['bad_records']} records are not conversations and were skipped "
-                  f"(data.max_bad_samples {cfg.data.max_bad_samples}): {'; '.join(stats['bad_examples'][:3])}",
+                  f"(data.max_bad_samples {cfg.data.max_bad_samples})"
+                  f"{'' if len(shown) == stats['bad_records'] else f'; the first {len(shown)}'}: {'; '.join(shown)}",
                   flush=True)
         print(f"[behemoth] chat data cache {stats['cache']} ({time.time() - started:.1f} s)", flush=True)
         return index

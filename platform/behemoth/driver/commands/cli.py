@@ -45,16 +45,23 @@ def _int_between(low: int, high: int):
     return parse
 
 
-def _poll_interval(text: str) -> float:
-    """`spot-watch --interval`: seconds > 0 and at most 30, GCE's whole notice (a longer interval could read a
-    notice after its VM is gone; -1 or nan ended the watcher at its first sleep, 0 asks the service without pause)."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not 0 < value <= 30:
-        raise argparse.ArgumentTypeError(f"{text!r}: give seconds between two reads, more than 0 and at most 30")
-    return value
+def _positive(what: str, high: float):
+    """A number more than 0 and at most `high` (nan, inf, 0 and negatives refused in one line)."""
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = math.nan
+        if not 0 < value <= high:
+            raise argparse.ArgumentTypeError(f"{text!r}: give {what}, more than 0 and at most {high:g}")
+        return value
+
+    return parse
+
+
+# `spot-watch --interval`: at most 30 s, GCE's whole notice (a longer interval could read a notice after its VM is
+# gone; -1 or nan ended the watcher at its first sleep, 0 asks the service without pause)
+_poll_interval = _positive("seconds between two reads", 30)
 
 
 def _import_path(what: str):
@@ -216,13 +223,13 @@ def _add_data_commands(data) -> None:
                         "workers receive it, no model) and print samples/s, per CPU, bytes per sample and how "
                         "many workers it keeps fed (docs/speed.md)")
     _add_config_args(p)
-    p.add_argument("--seconds", type=float, default=20.0, help="how long to measure after every consumer's first "
-                   "batch (default 20)")
-    p.add_argument("--cpus", type=int, help="start the local Ray instance with this many CPUs (how the pipeline "
-                   "scales with the CPUs it is given); default: all of the machine's")
+    p.add_argument("--seconds", type=_positive("seconds to measure", 86400), default=20.0, help="how long to "
+                   "measure after every consumer's first batch, more than 0 (default 20)")
+    p.add_argument("--cpus", type=_int_between(1, 1 << 16), help="start the local Ray instance with this many CPUs "
+                   "(how the pipeline scales with the CPUs it is given); default: all of the machine's")
     rate = p.add_mutually_exclusive_group()
-    rate.add_argument("--step-rate", type=float, help="optimizer steps per second one worker takes when fed (for "
-                      "'feeds N workers')")
+    rate.add_argument("--step-rate", type=_positive("steps per second", 1e9), help="optimizer steps per second one "
+                      "worker takes when fed (for 'feeds N workers')")
     rate.add_argument("--run", help="a run folder of this job: its measured step rate is used")
 
 

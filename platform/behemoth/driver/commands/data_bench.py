@@ -80,6 +80,8 @@ def bench_data(cfg: JobConfig, seconds: float = 20.0, step_rate: float | None = 
         rate_from = f" (measured by the run in {run_dir})"
     if step_rate is not None and not (_finite(step_rate) and step_rate > 0):
         raise ConfigError(f"--step-rate must be > 0, got {step_rate}")
+    if not (_finite(seconds) and seconds > 0):  # (nan measured nothing and recorded 3.6e13 samples/s; 0 divided by 0)
+        raise ConfigError(f"--seconds must be a number of seconds > 0, got {seconds}")
     world = cfg.scaling.max_workers
     share = cfg.train.global_batch_size // world
     if share == 0:
