@@ -10,10 +10,12 @@ import pytest
 import torch
 
 from behemoth.config import dump_yaml
+from behemoth.data.chat import tokenizer_files
 from behemoth.driver.commands.cli import main
 from behemoth.job import config_from_dict
 from behemoth.storage.checkpoint import TrainState
 from behemoth.tasks.causal_lm import build_lm
+from behemoth.tasks.kept_tokenizer import kept_tokenizer_files
 from behemoth.checkpoints import live_state
 from behemoth.worker.optim import build_optimizer, lr_schedule
 from conftest import lm_job_dict
@@ -54,7 +56,8 @@ def chat_model(text_corpus, tmp_path_factory):
         optimizer.step()
     ckpt = root / "run" / "checkpoint_2026-01-01_00-00-00.000000"
     live_state.save(ckpt, model=model, optimizer=optimizer, scheduler=lr_schedule(optimizer, cfg.train, 20),
-                       state=TrainState(step=60), task_files={}, job_yaml=dump_yaml(cfg))
+                       state=TrainState(step=60), task_files=kept_tokenizer_files(tokenizer_files(tok)),
+                       job_yaml=dump_yaml(cfg))  # (the run's tokenizer kept, as CausalLM.kept_files keeps it)
     export(str(ckpt), str(root / "export"))
     return ckpt, root / "export", tok
 
@@ -216,3 +219,4 @@ def test_a_prompt_longer_than_the_models_positions_is_refused_and_a_completion_s
     ids = generator.encode("once upon a time the", chat=False)
     new = generator.complete(ids, Sampling(max_new_tokens=100, temperature=1.0, seed=1))
     assert len(ids) + len(new) <= 32 and len(new) > 0
+

@@ -163,10 +163,12 @@ def pad_id(tok) -> tuple[int, str | None]:
 
 def tokenizer_files(tok) -> dict[str, bytes]:
     """The tokenizer (template included) as its saved files: what a tokenising task rebuilds it from, on any
-    node (a Hub name or a folder only the driver sees included)."""
+    node (a Hub name or a folder only the driver sees included); a file in a folder of its own (transformers'
+    additional_chat_templates/) by its relative path."""
     with tempfile.TemporaryDirectory(prefix="behemoth-chat-tok-") as folder:
         tok.save_pretrained(folder)
-        return {p.name: p.read_bytes() for p in Path(folder).iterdir() if p.is_file()}
+        return {p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(Path(folder).rglob("*"))
+                if p.is_file()}
 
 
 @functools.lru_cache(maxsize=4)
@@ -183,6 +185,7 @@ def tokenizer_from_files(files: dict[str, bytes]):
 
     with tempfile.TemporaryDirectory(prefix="behemoth-chat-tok-") as folder:
         for name, data in files.items():
+            Path(folder, name).parent.mkdir(parents=True, exist_ok=True)
             Path(folder, name).write_bytes(data)
         return AutoTokenizer.from_pretrained(folder, trust_remote_code=False)
 

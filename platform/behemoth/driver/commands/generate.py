@@ -2,8 +2,9 @@
 there is one), no Ray.
 
 The model comes from a behemoth checkpoint or run folder (built as `behemoth export` builds it:
-driver/commands/export.load_checkpoint_model, LoRA adapters merged; the run's tokenizer, data.tokenizer) or from a
-Hugging Face folder (an export: transformers alone, never the folder's own code). It stops where an export's
+driver/commands/export.load_checkpoint_model, LoRA adapters merged; the run's tokenizer and chat template as the
+checkpoint keeps them, never a path its job.yaml names) or from a Hugging Face folder (an export: transformers
+alone, never the folder's own code). It stops where an export's
 generation_config.json says (models/causal_lm.generation_config: EOS and the chat template's end-of-turn token):
 a checkpoint gets the same config the export would write, so both print the same words.
 
@@ -16,7 +17,9 @@ prompt by --seed: the same command prints the same completions).
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -146,7 +149,8 @@ def load_generator(path: str, which: str = "best", trusted: TrustedCode | None =
                    chat_template: str | None = None) -> Generator:
     """A Generator for `path`: a Hugging Face folder (an export), a behemoth checkpoint, or a run folder (its
     `which` checkpoint); on the GPU where there is one. `chat_template`: a Jinja file used instead of the
-    tokenizer's own."""
+    tokenizer's own (or the checkpoint's kept one). `trusted.tokenizer`: a tokenizer folder, for a checkpoint
+    that keeps none."""
     import torch
 
     store = Store(path)
@@ -160,7 +164,8 @@ def load_generator(path: str, which: str = "best", trusted: TrustedCode | None =
     if weights.is_hf_folder(local):
         model, tokenizer, source = _from_hf_folder(local)
     else:
-        model, tokenizer, source = _from_checkpoint(path, which, trusted or TrustedCode())
+        trusted = dataclasses.replace(trusted or TrustedCode(), chat_template=chat_template)
+        model, tokenizer, source = _from_checkpoint(path, which, trusted)
     if chat_template is not None:
         try:
             tokenizer.chat_template = Path(chat_template).read_text()
@@ -189,20 +194,23 @@ def _from_hf_folder(folder: str):
 
 
 def _from_checkpoint(path: str, which: str, trusted: TrustedCode):
-    """The model `behemoth export` would write (LoRA merged), and the run's tokenizer (data.tokenizer)."""
+    """The model `behemoth export` would write (LoRA merged), the run's tokenizer and chat template as the
+    checkpoint keeps them (Task.exported_job: never a path its job.yaml names)."""
     from transformers import GenerationMixin
 
     from behemoth.models.lora import is_adapted
 
-    loaded = load_checkpoint_model(path, which, trusted)
-    model = loaded.model.merge_and_unload() if is_adapted(loaded.model) else loaded.model
-    if not isinstance(model, GenerationMixin):
-        raise ConfigError(f"{loaded.ckpt}: its model ({loaded.cfg.model.name}, data.kind {loaded.cfg.data.kind}) "
-                          f"is not a transformers causal language model: there is nothing to generate with")
-    tokenizer = _tokenizer(loaded.cfg.data.tokenizer, f"{loaded.ckpt}'s data.tokenizer")
-    template = getattr(loaded.cfg.data, "template_text", lambda: None)()  # a chat run's data.chat_template
-    if template is not None:
-        tokenizer.chat_template = template
+    with tempfile.TemporaryDirectory(prefix="behemoth-kept-") as kept:
+        loaded = load_checkpoint_model(path, which, trusted, Path(kept))
+        model = loaded.model.merge_and_unload() if is_adapted(loaded.model) else loaded.model
+        if not isinstance(model, GenerationMixin):
+            raise ConfigError(f"{loaded.ckpt}: its model ({loaded.cfg.model.name}, data.kind {loaded.cfg.data.kind}) "
+                              f"is not a transformers causal language model: there is nothing to generate with")
+        data = loaded.built.data
+        tokenizer = _tokenizer(data.tokenizer, f"{loaded.ckpt}'s tokenizer")
+        template = getattr(data, "template_text", lambda: None)()  # a chat run's kept template
+        if template is not None:
+            tokenizer.chat_template = template
     return model, tokenizer, f"{loaded.ckpt} ({loaded.how})"
 
 
