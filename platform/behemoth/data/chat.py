@@ -116,7 +116,30 @@ class ChatData(TextData):
         if not path.is_file():
             raise ConfigError(f"data.chat_template {self.chat_template!r} is neither `chatml` nor a template file: "
                               f"give a .jinja file's path, or leave it empty for the tokenizer's own template")
-        return path.read_text(encoding="utf-8")
+        return read_template(path, f"data.chat_template {self.chat_template!r}")
+
+
+TEMPLATE_BYTES = 1 << 20  # a template file's size at most (models' own are tens of KB)
+
+
+def read_template(path: Path, where: str) -> str:
+    """A chat template file's text, or one ConfigError naming it (`where`: the key or flag and the path): not a
+    file, unreadable, larger than TEMPLATE_BYTES or not UTF-8 text."""
+    try:
+        if not path.is_file():  # (a device or a pipe would be read without end)
+            raise ConfigError(f"{where} is not a file: give a Jinja chat template file")
+        with open(path, "rb") as f:
+            data = f.read(TEMPLATE_BYTES + 1)
+    except OSError as e:
+        raise ConfigError(f"{where}: cannot read it ({e.strerror or e})") from None
+    if len(data) > TEMPLATE_BYTES:
+        raise ConfigError(f"{where} is larger than {TEMPLATE_BYTES >> 20} MiB: not a chat template (a model's own is "
+                          f"tens of KB)")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{where} is not UTF-8 text ({e.reason} at byte {e.start}): save the template as "
+                          f"UTF-8") from None
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -212,6 +235,12 @@ def conversation_problem(value, train_on: str = "assistant") -> str | None:
 
 def _render(tok, messages, generation_prompt: bool) -> str:
     return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+
+
+def render_prompt(tok, messages: list[dict]) -> str:
+    """A conversation with the template's generation prompt after it (`behemoth generate`'s prompts): rendered
+    as the training records are."""
+    return _render(tok, messages, True)
 
 
 def render_conversation(tok, messages: list[dict], train_on: str = "assistant") -> tuple[str, list[tuple[int, int]]]:
