@@ -245,6 +245,7 @@ def test_the_evaluations_prompts_are_each_conversations_opening_and_the_replies_
     from types import SimpleNamespace
 
     from behemoth.data.chat import sample_prompts, tokenizer_files
+    from behemoth.data.chat import render_text
     from behemoth.models.causal_lm import generation_config
 
     tok = chat_tokenizer(_cfg(chat_corpus))
@@ -259,7 +260,7 @@ def test_the_evaluations_prompts_are_each_conversations_opening_and_the_replies_
     model, task = _tiny_llama(len(tok)), _task(256)
     task.cfg.data.eval_max_new_tokens = 6
     task.index = SimpleNamespace(stats={"eval_prompts": prompts, "tokenizer_files": tokenizer_files(tok),
-                                        "eval_stop_ids": generation_config(tok).eos_token_id})
+                                        "eval_stop_ids": generation_config(tok, render_text).eos_token_id})
     said = task.eval_samples(model.eval())
     expected = model.generate(torch.tensor([prompts[1]]), max_new_tokens=6, do_sample=False,
                               pad_token_id=tok.eos_token_id)[0, len(prompts[1]):]

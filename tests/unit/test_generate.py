@@ -10,10 +10,12 @@ import pytest
 import torch
 
 from behemoth.config import dump_yaml
+from behemoth.data.chat import tokenizer_files
 from behemoth.driver.commands.cli import main
 from behemoth.job import config_from_dict
 from behemoth.storage.checkpoint import TrainState
 from behemoth.tasks.causal_lm import build_lm
+from behemoth.tasks.kept_tokenizer import kept_tokenizer_files
 from behemoth.checkpoints import live_state
 from behemoth.worker.optim import build_optimizer, lr_schedule
 from conftest import lm_job_dict
@@ -54,7 +56,8 @@ def chat_model(text_corpus, tmp_path_factory):
         optimizer.step()
     ckpt = root / "run" / "checkpoint_2026-01-01_00-00-00.000000"
     live_state.save(ckpt, model=model, optimizer=optimizer, scheduler=lr_schedule(optimizer, cfg.train, 20),
-                       state=TrainState(step=60), task_files={}, job_yaml=dump_yaml(cfg))
+                       state=TrainState(step=60), task_files=kept_tokenizer_files(tokenizer_files(tok)),
+                       job_yaml=dump_yaml(cfg))  # (the run's tokenizer kept, as CausalLM.kept_files keeps it)
     export(str(ckpt), str(root / "export"))
     return ckpt, root / "export", tok
 
@@ -187,18 +190,19 @@ def test_the_stop_ids_hold_the_end_of_turn_token_the_template_writes_where_the_v
     <|im_end|> written by a template whose tokenizer lacks it as a token gives EOS alone."""
     from transformers import AutoTokenizer
 
+    from behemoth.data.chat import render_text
     from behemoth.models.causal_lm import generation_config
 
     tok = AutoTokenizer.from_pretrained(text_corpus / "tokenizer")
     tok.add_special_tokens({"additional_special_tokens": ["<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]})
     tok.chat_template = ("{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>"
                          "\n\n{{ m['content'] | trim }}<|eot_id|>{% endfor %}")
-    assert generation_config(tok).eos_token_id == [tok.eos_token_id, tok.convert_tokens_to_ids("<|eot_id|>")]
+    assert generation_config(tok, render_text).eos_token_id == [tok.eos_token_id, tok.convert_tokens_to_ids("<|eot_id|>")]
     tok.chat_template = CHATML  # <|im_end|> is text here, not a token of the vocabulary
-    assert generation_config(tok).eos_token_id == tok.eos_token_id
+    assert generation_config(tok, render_text).eos_token_id == tok.eos_token_id
     tok.chat_template = None
-    assert generation_config(tok).eos_token_id == tok.eos_token_id
-    assert generation_config(tok).pad_token_id == tok.eos_token_id
+    assert generation_config(tok, render_text).eos_token_id == tok.eos_token_id
+    assert generation_config(tok, render_text).pad_token_id == tok.eos_token_id
 
 
 def test_a_prompt_longer_than_the_models_positions_is_refused_and_a_completion_stops_at_them(chat_model, capsys):
@@ -216,3 +220,61 @@ def test_a_prompt_longer_than_the_models_positions_is_refused_and_a_completion_s
     ids = generator.encode("once upon a time the", chat=False)
     new = generator.complete(ids, Sampling(max_new_tokens=100, temperature=1.0, seed=1))
     assert len(ids) + len(new) <= 32 and len(new) > 0
+
+
+def test_a_chat_template_that_cannot_be_read_or_rendered_is_one_line_naming_it(chat_model, tmp_path, capsys):
+    """Issue 72: a template that is not UTF-8 (as --chat-template or data.chat_template), one that calls
+    raise_exception, one the sandbox refuses, one that is not Jinja, and a device given as a template file were
+    tracebacks (UnicodeDecodeError, TemplateError, SecurityError, TemplateSyntaxError) or a read without end:
+    each is one line naming the template, exit 2."""
+    from behemoth.data.chat import ChatData
+    from behemoth.errors import ConfigError
+
+    _, out, _ = chat_model
+
+    def refused(template) -> str:
+        assert main(["generate", str(out), "--prompt", "hi", "--chat", "--chat-template", str(template)]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith("behemoth: config error: "), err
+        return err
+
+    latin1 = tmp_path / "latin1.jinja"
+    latin1.write_bytes("{{ 'café' }}".encode("latin-1"))
+    assert f"--chat-template {latin1} is not UTF-8 text (invalid continuation byte at byte 7)" in refused(latin1)
+    with pytest.raises(ConfigError, match=rf"data.chat_template '{latin1}' is not UTF-8 text"):
+        ChatData(kind="chat", chat_template=str(latin1)).template_text()
+    assert "--chat-template /dev/zero is not a file" in refused("/dev/zero")
+    for source, reason in (
+            ("{{ raise_exception('only user turns, please') }}", "only user turns, please"),
+            ("{{ ''.__class__.__mro__[1].__subclasses__() }}", "access to attribute '__class__' of 'str' object "
+                                                                "is unsafe"),
+            ("{% for %}", "Expected an expression")):
+        template = tmp_path / "t.jinja"
+        template.write_text(source)
+        err = refused(template)
+        assert f"prompt 1: --chat-template {template} cannot render it: " in err and reason in err, err
+
+
+def test_a_prompt_longer_than_the_positions_can_hold_is_refused_before_it_is_tokenised(chat_model, tmp_path, capsys,
+                                                                                       monkeypatch):
+    """Issue 72: a 50 MB prompt took 38 s and 8 GB to tokenise before its tokens were counted against the model's
+    positions. Its characters are now: no token of the tokenizer stands for more than its longest entry, so a
+    prompt of more characters than the positions times that is refused before it is tokenised (here 4 MB, at
+    once); a prompts file is read up to PROMPTS_FILE_BYTES."""
+    from behemoth.driver.commands import generate
+
+    _, out, tok = chat_model
+    longest = max(map(len, tok.get_vocab()))
+    prompts = tmp_path / "long.txt"
+    prompts.write_text("the old red lantern " * 200_000 + "\n")
+    assert main(["generate", str(out), "--prompts", str(prompts)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    assert (f"prompt 1 is 4000000 characters: the model's 32 positions hold at most {32 * longest} characters "
+            f"with this tokenizer; shorten it") in err
+    assert main(["generate", str(out), "--prompt", "x" * (32 * longest + 1), "--chat"]) == 2
+    assert "characters: the model's 32 positions hold" in capsys.readouterr().err  # (rendered, then refused)
+    monkeypatch.setattr(generate, "PROMPTS_FILE_BYTES", 1 << 20)
+    assert main(["generate", str(out), "--prompts", str(prompts)]) == 2
+    err = capsys.readouterr().err
+    assert f"--prompts {prompts} is larger than 1 MiB: split it into smaller files" in err and err.count("\n") == 1

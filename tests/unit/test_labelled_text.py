@@ -167,6 +167,8 @@ def test_an_edited_or_damaged_labels_json_counts_as_a_damaged_checkpoint(tmp_pat
     from behemoth.driver.run import resume
     from behemoth.driver.commands.cli import main
     from behemoth.errors import CheckpointError
+    from behemoth.data.chat import tokenizer_files
+    from behemoth.tasks.kept_tokenizer import kept_tokenizer_files
     from behemoth.tasks.text_classification import TextClassification, build_classifier
 
     small = {"model_type": "llama", "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1,
@@ -182,7 +184,7 @@ def test_an_edited_or_damaged_labels_json_counts_as_a_damaged_checkpoint(tmp_pat
         folder = tmp_path / "runs" / "r" / f"checkpoint_2026-01-01_00-00-0{step}.000000"
         checkpoint.write(folder, checkpoint.Snapshot(state_dicts={"model.pt": model.state_dict()}, step=step, texts={
             "job.yaml": dump_yaml(cfg), "train_state.json": json.dumps({"step": step}),
-            **TextClassification.checkpoint_files(cfg, rows)}))
+            **TextClassification.checkpoint_files(cfg, rows), **kept_tokenizer_files(tokenizer_files(tok))}))
         saved.append(str(folder))
     older, newest = saved
     assert TextClassification.model_from_checkpoint(cfg, newest).config.id2label == {0: "joy", 1: "sadness"}

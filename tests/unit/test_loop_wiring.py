@@ -35,7 +35,22 @@ class Regression(LinearRegression):
         return {"x": torch.zeros(batch_size, self.cfg.data.features), "y": torch.zeros(batch_size)}
 
 
-def _run(tmp_path, monkeypatch, **sections):
+KEPT = {"tokenizer/tokenizer.model": bytes(range(256)), "tokenizer/chat_template.jinja": b"{{ messages }}\n"}
+
+
+class Keeping(Regression):
+    """A task that keeps files for the export (bytes, in a folder; one of them a checkpoint file too)."""
+
+    @classmethod
+    def checkpoint_files(cls, cfg, prepared):
+        return {"tokenizer/chat_template.jinja": "{{ messages }}\n"}
+
+    @classmethod
+    def kept_files(cls, cfg, prepared):
+        return KEPT
+
+
+def _run(tmp_path, monkeypatch, task: str = "Regression", **sections):
     """The loop, whole, under a lane's host on the CPU: (what it returned, every report, the run folder)."""
     from behemoth.driver.run.resume import retained, run_place
     from behemoth.hosts import lane
@@ -45,7 +60,7 @@ def _run(tmp_path, monkeypatch, **sections):
     job = job_dict(tmp_path, tmp_path / "runs", data={}, scaling={"num_workers": 1},
                    train={"epochs": 1, "global_batch_size": 64, "lr": 0.05, "log_every": 2},
                    checkpoint={"every_n_steps": 4, "async_save": False}, eval={"per_epoch": True})
-    job["data"] = {"kind": "unit.test_loop_wiring:Regression"}
+    job["data"] = {"kind": f"unit.test_loop_wiring:{task}"}
     for section, values in sections.items():
         job[section].update(values)
     cfg = config_from_dict(job)
@@ -85,6 +100,19 @@ def test_the_loop_evaluates_the_weight_average_and_trains_fp32_parameters(tmp_pa
     reported = [r["val_mse"] for r in reports if r.get("step") == 8 and "val_mse" in r]
     assert reported and reported[-1] == pytest.approx(_val_mse(ema), rel=1e-5)
     assert abs(_val_mse(ema) - _val_mse(model)) > 1e-3 * _val_mse(model)  # (the two differ: the check can fail)
+
+
+@pytest.mark.parametrize("layout", ["full", "sharded"])
+def test_every_checkpoint_keeps_the_tasks_kept_files_checked_by_its_manifest(tmp_path, monkeypatch, layout):
+    """Task.kept_files (a language model's tokenizer: what export and generate read, issue 72) reach every
+    checkpoint the loop writes, as bytes, in their folder, each listed in the manifest, in either layout."""
+    from behemoth.storage.checkpoint import complete_checkpoints, read_verified
+
+    _run(tmp_path, monkeypatch, task="Keeping", checkpoint={"format": layout})
+    written = complete_checkpoints(tmp_path / "runs" / "t")
+    assert len(written) == 2
+    for _, ckpt in written:
+        assert {name: read_verified(ckpt, name) for name in KEPT} == KEPT
 
 
 def test_early_stopping_ends_the_loop_at_its_patience_and_a_rerun_without_it_trains_on(tmp_path, monkeypatch, capsys):

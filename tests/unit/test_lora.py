@@ -55,10 +55,12 @@ def test_lora_trains_and_keeps_only_adapters_resumes_exactly_and_exports_adapter
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, pipeline
 
+    from behemoth.data.chat import tokenizer_files
     from behemoth.data.text import load_tokenizer
     from behemoth.driver.commands.export import export
     from behemoth.driver.commands.generate import Sampling, load_generator
     from behemoth.models.causal_lm import build_causal_lm
+    from behemoth.tasks.kept_tokenizer import kept_tokenizer_files
 
     cfg = config_from_dict(lm_job_dict(text_corpus, tmp_path, scaling={"num_workers": 1},
                                        train={"optimizer": "adamw", "lr": 0.05},
@@ -79,7 +81,7 @@ def test_lora_trains_and_keeps_only_adapters_resumes_exactly_and_exports_adapter
 
     ckpt = tmp_path / "checkpoint"
     live_state.save(ckpt, model=model, optimizer=optimizer, scheduler=scheduler, state=TrainState(step=3),
-                       task_files={}, job_yaml=dump_yaml(cfg))
+                       task_files=kept_tokenizer_files(tokenizer_files(tok)), job_yaml=dump_yaml(cfg))
     kept = torch.load(ckpt / "model.pt", weights_only=True)
     assert set(kept) == {n for n in model.state_dict() if n in trained} and kept  # the adapters, nothing else
     full = sum(v.numel() for v in model.state_dict().values())

@@ -103,7 +103,7 @@ def _side_stream(device) -> "torch.cuda.Stream":
     return _SIDE_STREAMS[device]
 
 
-def snapshot(*, model, optimizer, scheduler, state: TrainState, task_files: dict[str, str], job_yaml: str,
+def snapshot(*, model, optimizer, scheduler, state: TrainState, task_files: dict[str, str | bytes], job_yaml: str,
              scaler=None, hook_states: list | None = None, buffers: dict | None = None,
              overlap: bool = False, metrics: dict | None = None, ema=None) -> Snapshot | None:
     """Copy the state to host memory. Under FSDP every rank must call it (the full state is gathered) and
@@ -145,7 +145,7 @@ def snapshot(*, model, optimizer, scheduler, state: TrainState, task_files: dict
     return Snapshot(dicts, texts, state.step, copies)
 
 
-def extras(*, scheduler, state: TrainState, task_files: dict[str, str], job_yaml: str, scaler=None,
+def extras(*, scheduler, state: TrainState, task_files: dict[str, str | bytes], job_yaml: str, scaler=None,
            hook_states: list | None = None, metrics: dict | None = None) -> tuple[dict, dict]:
     """(state dicts, texts) of a checkpoint's files besides the model and optimizer state: the schedule,
     scaler, compression state, train state, the task's own files, metrics and job, taken on rank 0."""

@@ -40,9 +40,10 @@ class CheckpointSaver:
     metrics.
     """
 
-    def __init__(self, cfg: JobConfig, rank: int, task_files: dict[str, str], clock: PhaseClock | None = None):
+    def __init__(self, cfg: JobConfig, rank: int, task_files: dict[str, str | bytes], clock: PhaseClock | None = None):
         self.cfg, self.rank, self.clock = cfg, rank, clock
-        self.task_files = task_files  # Task.checkpoint_files: the same in every checkpoint of the run
+        # Task.checkpoint_files and kept_files (texts, bytes): the same in every checkpoint of the run
+        self.task_files = task_files
         # checkpoint.format sharded: every rank writes its own shards (checkpoints/sharded.py), nothing gathered
         self.writer = ShardedWriter(rank) if cfg.checkpoint.sharded(cfg.scaling.strategy) else None
         # How long the last checkpoint held the loop (None before the first): in all, and split into the

@@ -10,7 +10,8 @@
   (tokens packed into blocks in a token store, cached per corpus), `token_store` (its shard files,
   memory-mapped and gathered by block index), `labelled_text` (text classification rows), `tokenizer` (a local
   BPE tokenizer), `synth_text` (a demo corpus), `chat` (conversations rendered with the chat template, the
-  assistant's tokens flagged, packed whole per document).
+  assistant's tokens flagged, packed whole per document), `chat_render` (the template run in a child process
+  bounded in time and memory; a record cut to what seq_len can use).
 - images, more: `imagenet` (`behemoth data split-val`: ImageNet's flat val/ moved into class folders), `mixing`
   (mixup and cutmix of a training micro-batch on its device).
 - both: `order` (the global sample order, a function of seed and epoch), `prefetch` (batches copied to the

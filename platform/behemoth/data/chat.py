@@ -125,7 +125,30 @@ class ChatData(TextData):
         if not path.is_file():
             raise ConfigError(f"data.chat_template {self.chat_template!r} is neither `chatml` nor a template file: "
                               f"give a .jinja file's path, or leave it empty for the tokenizer's own template")
-        return path.read_text(encoding="utf-8")
+        return read_template(path, f"data.chat_template {self.chat_template!r}")
+
+
+TEMPLATE_BYTES = 1 << 20  # a template file's size at most (models' own are tens of KB)
+
+
+def read_template(path: Path, where: str) -> str:
+    """A chat template file's text, or one ConfigError naming it (`where`: the key or flag and the path): not a
+    file, unreadable, larger than TEMPLATE_BYTES or not UTF-8 text."""
+    try:
+        if not path.is_file():  # (a device or a pipe would be read without end)
+            raise ConfigError(f"{where} is not a file: give a Jinja chat template file")
+        with open(path, "rb") as f:
+            data = f.read(TEMPLATE_BYTES + 1)
+    except OSError as e:
+        raise ConfigError(f"{where}: cannot read it ({e.strerror or e})") from None
+    if len(data) > TEMPLATE_BYTES:
+        raise ConfigError(f"{where} is larger than {TEMPLATE_BYTES >> 20} MiB: not a chat template (a model's own is "
+                          f"tens of KB)")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{where} is not UTF-8 text ({e.reason} at byte {e.start}): save the template as "
+                          f"UTF-8") from None
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -172,10 +195,12 @@ def pad_id(tok) -> tuple[int, str | None]:
 
 def tokenizer_files(tok) -> dict[str, bytes]:
     """The tokenizer (template included) as its saved files: what the workers rebuild it from to decode the
-    evaluation's replies, on any node (a Hub name or a folder only the driver sees included)."""
+    evaluation's replies, and what a checkpoint keeps, on any node (a Hub name or a folder only the driver sees
+    included); a file in a folder of its own (transformers' additional_chat_templates/) by its relative path."""
     with tempfile.TemporaryDirectory(prefix="behemoth-chat-tok-") as folder:
         tok.save_pretrained(folder)
-        return {p.name: p.read_bytes() for p in Path(folder).iterdir() if p.is_file()}
+        return {p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(Path(folder).rglob("*"))
+                if p.is_file()}
 
 
 def tokenizer_from_files(files: dict[str, bytes]):
@@ -184,6 +209,7 @@ def tokenizer_from_files(files: dict[str, bytes]):
 
     with tempfile.TemporaryDirectory(prefix="behemoth-chat-tok-") as folder:
         for name, data in files.items():
+            Path(folder, name).parent.mkdir(parents=True, exist_ok=True)
             Path(folder, name).write_bytes(data)
         return AutoTokenizer.from_pretrained(folder, trust_remote_code=False)
 
@@ -206,6 +232,18 @@ def conversation_problem(value, train_on: str = "assistant") -> str | None:
     if train_on == "assistant" and not any(m["role"] == "assistant" for m in value):
         return "no assistant turn (nothing to train on with data.train_on: assistant)"
     return None
+
+
+def render_text(tok, messages: list[dict]) -> str:
+    """A conversation as the template renders it (no generation prompt), in the bounded rendering process
+    (TemplateRefused, a ValueError: the template's error or a bound)."""
+    return process_for(RenderSpec.of(tok)).render(messages, generation_prompt=False)
+
+
+def render_prompt(tok, messages: list[dict]) -> str:
+    """A conversation with the template's generation prompt after it (`behemoth generate`'s prompts), rendered in
+    the bounded rendering process as the training records are (TemplateRefused: the template's error or a bound)."""
+    return process_for(RenderSpec.of(tok)).render(messages, generation_prompt=True)
 
 
 def encode_conversation(tok, messages: list[dict], train_on: str = "assistant", seq_len: int | None = None) -> np.ndarray:

@@ -12,7 +12,7 @@ gather by row index. Nothing is decoded or tokenised during training.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar
 
@@ -86,6 +86,8 @@ class TokenisedRows:
     origins: dict[str, list[tuple[str, int]]]
     pad_id: int
     vocab_size: int
+    # the tokenizer's saved files (data/chat.tokenizer_files), kept in every checkpoint for the export
+    tokenizer_files: dict[str, bytes] = field(default_factory=dict)
 
     def describe(self, split: str, row: int) -> str:
         return describe_row(self.origins[split], row)

@@ -115,37 +115,37 @@ def train_on_causal_attention(model):
 _PROBE_REPLY = "behemoth probe reply"
 
 
-def end_of_turn_id(tok) -> int | None:
+def end_of_turn_id(tok, render) -> int | None:
     """The token a chat template closes an assistant's turn with (ChatML's <|im_end|>, Llama 3's <|eot_id|>,
     Gemma's <end_of_turn>), where it is one added token of the vocabulary: read from the template's own
     rendering of a two-turn conversation, the first token after the reply, not from a list of known names.
-    None without a template, or where the template writes no added token there."""
+    None without a template, or where the template writes no added token there. `render(tok, conversation)`
+    renders it (data/chat.py's render_text: bounded, in a process of its own), raising ValueError where the
+    template cannot."""
     if not getattr(tok, "chat_template", None):
         return None
-    from behemoth.data.chat_render import RenderSpec, TemplateRefused, process_for
-
     conversation = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": _PROBE_REPLY}]
-    try:  # (in the bounded rendering process: the template is a program that comes with the model)
-        text = process_for(RenderSpec.of(tok)).render(conversation, generation_prompt=False)
-    except TemplateRefused:  # a template that wants another shape of conversation, or breaks a bound
+    try:
+        text = render(tok, conversation)
+    except ValueError:  # a template that wants another shape of conversation, or breaks a bound
         return None
     _, found, after = str(text).rpartition(_PROBE_REPLY)
     ids = tok(after, add_special_tokens=False)["input_ids"] if found else []
     return ids[0] if ids and ids[0] in tok.added_tokens_decoder else None
 
 
-def generation_config(tok, base=None):
+def generation_config(tok, render, base=None):
     """transformers' GenerationConfig for a causal LM with tokenizer `tok`: `base`'s settings (a pretrained
     model's own sampling defaults stay), the stop ids extended by the tokenizer's EOS and the chat template's
-    end-of-turn token (a chat reply ends there, not at EOS), a pad id (the tokenizer's, else EOS: generate needs
-    one and would otherwise say so on every call)."""
+    end-of-turn token (a chat reply ends there, not at EOS; `render`: end_of_turn_id's), a pad id (the
+    tokenizer's, else EOS: generate needs one and would otherwise say so on every call)."""
     import copy
 
     from transformers import GenerationConfig
 
     config = copy.deepcopy(base) if base is not None else GenerationConfig()
     kept = config.eos_token_id if isinstance(config.eos_token_id, list) else [config.eos_token_id]
-    stops = [i for i in dict.fromkeys([*kept, tok.eos_token_id, end_of_turn_id(tok)]) if i is not None]
+    stops = [i for i in dict.fromkeys([*kept, tok.eos_token_id, end_of_turn_id(tok, render)]) if i is not None]
     config.eos_token_id = stops if len(stops) > 1 else stops[0]
     config.pad_token_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     if config.bos_token_id is None:

@@ -8,6 +8,9 @@ A checkpoint directory holds:
   comm_hook.pt                           each rank's gradient-compression state (PowerSGD only)
   train_state.json                       step, epoch, step in epoch, samples consumed, world size
   <the task's files>                    small texts a task keeps (Task.checkpoint_files; images: classes.json)
+  tokenizer/                             the run's tokenizer as it saved itself, its chat template included
+                                         (Task.kept_files: what export and generate read, never a path the
+                                         job.yaml names)
   metrics.json                           the metrics reported with it (evaluation when one was due)
   job.yaml                               the job config that produced it
   manifest.json                          format version, every other file's size and sha256 — written last
@@ -91,7 +94,7 @@ class Snapshot:
     Taking it is the only part of a checkpoint the training step waits for when saving in the background."""
 
     state_dicts: dict  # file name -> state dict of CPU tensors (torch.save)
-    texts: dict  # file name -> text
+    texts: dict  # file name (maybe in a folder: tokenizer/...) -> text, or bytes (a task's kept files)
     step: int
     copies: Any = None  # checkpoints.live_state.Copies: tensor copies possibly still in flight (snapshot(overlap=True))
 
@@ -105,7 +108,7 @@ def write(directory: str | Path, snap: Snapshot, before_manifest=None, after_fil
     `before_manifest`: called when every other file is written, `after_file(path)` after each state file (the
     failure tests' kill and full-disk points: hosts/faults.py)."""
     d = write_files(directory, snap, after_file)
-    files = hash_files(d, [p.name for p in sorted(d.iterdir()) if p.is_file() and p.name != MANIFEST])
+    files = hash_files(d, sorted([*snap.state_dicts, *snap.texts]))
     if before_manifest is not None:
         before_manifest()
     commit(d, files, FORMAT_VERSION)
@@ -129,7 +132,11 @@ def write_files(directory: str | Path, snap: Snapshot, after_file=None) -> Path:
         if after_file is not None:
             after_file(d / name)
     for name, text in snap.texts.items():
-        (d / name).write_text(text)
+        (d / name).parent.mkdir(exist_ok=True)  # (a kept folder: tokenizer/)
+        if isinstance(text, bytes):
+            (d / name).write_bytes(text)
+        else:
+            (d / name).write_text(text)
     return d
 
 
@@ -355,7 +362,8 @@ def is_disk_full(e: BaseException | None) -> bool:
 
 def snapshot_bytes(snap: Snapshot) -> int:
     """About the bytes a snapshot takes on disk: its tensors' and texts' sizes (torch.save adds little)."""
-    return tensor_bytes(snap.state_dicts) + sum(len(t.encode()) for t in snap.texts.values())
+    return tensor_bytes(snap.state_dicts) + sum(len(t if isinstance(t, bytes) else t.encode())
+                                                for t in snap.texts.values())
 
 
 def tensor_bytes(tree) -> int:

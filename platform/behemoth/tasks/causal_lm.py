@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from behemoth.storage import weights
 from behemoth.config import JobConfig
 from behemoth.errors import ConfigError
+from behemoth.data.chat import tokenizer_files
 from behemoth.data.prefetch import to_device_ahead
 from behemoth.data.text import TextData, Unit
 from behemoth.data.text_packing import TokenIndex
@@ -27,6 +28,7 @@ from behemoth.models.causal_lm import build_causal_lm, check_causal_lm, train_on
 from behemoth.models.lora import add_adapters
 from behemoth import hosts
 from behemoth.tasks.contract import Task, local_model
+from behemoth.tasks.kept_tokenizer import kept_tokenizer_files, with_kept_tokenizer
 
 
 def build_lm(cfg: JobConfig, vocab_size: int, eos_id: int, bos_id: int | None, train: bool = False) -> torch.nn.Module:
@@ -86,7 +88,18 @@ class CausalLM(Task[list[Unit], TokenIndex]):
             f"{stats[s]['tokens']} tokens, {stats[s]['tail_tokens_dropped']} in the final partial block dropped)"
             for s in ("train", "val"))
         print(f"[behemoth] text {splits}. Cache {stats['cache']} ({time.time() - started:.1f} s)", flush=True)
+        stats["tokenizer_files"] = tokenizer_files(cls.tokenizer(cfg))  # (kept in every checkpoint: kept_files)
         return tokens
+
+    @classmethod
+    def kept_files(cls, cfg: JobConfig, index: TokenIndex) -> dict[str, bytes]:
+        """The run's tokenizer (its chat template included), read back by export and generate."""
+        return kept_tokenizer_files(index.stats["tokenizer_files"])
+
+    @classmethod
+    def exported_job(cls, cfg: JobConfig, ckpt: str, folder: Path, named: dict[str, str | None]) -> JobConfig:
+        """data.tokenizer: the checkpoint's kept copy (or the user's --tokenizer), never the job.yaml's path."""
+        return with_kept_tokenizer(cfg, ckpt, folder, named)
 
     @classmethod
     def describe(cls, cfg: JobConfig, units: list[Unit]) -> str:
@@ -113,7 +126,7 @@ class CausalLM(Task[list[Unit], TokenIndex]):
     @classmethod
     def model_from_checkpoint(cls, cfg: JobConfig, ckpt: str) -> torch.nn.Module:
         """Driver side (export): the model a checkpoint holds, built as the workers built it (the vocabulary
-        from the run's tokenizer, data.tokenizer)."""
+        from the run's tokenizer, data.tokenizer: export's is the checkpoint's kept copy, exported_job)."""
         from behemoth.data.text import load_tokenizer
 
         tok = load_tokenizer(cfg.data.tokenizer)
@@ -130,13 +143,14 @@ class CausalLM(Task[list[Unit], TokenIndex]):
         and `generate` stop on."""
         from transformers import GenerationConfig
 
+        from behemoth.data.chat import render_text
         from behemoth.models.causal_lm import generation_config
 
         tok = cls.tokenizer(cfg)
         tok.save_pretrained(out)
         _limit_to_positions(out)
         base = GenerationConfig.from_pretrained(out) if (out / "generation_config.json").is_file() else None
-        generation_config(tok, base).save_pretrained(out)
+        generation_config(tok, render_text, base).save_pretrained(out)
 
     @classmethod
     def tokenizer(cls, cfg: JobConfig):

@@ -10,6 +10,7 @@ would weigh a short reply's tokens more than a long one's. The reported loss and
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import torch
 
@@ -21,6 +22,7 @@ from behemoth.errors import ConfigError
 from behemoth.models import registry
 from behemoth.tasks.causal_lm import CausalLM
 from behemoth.tasks.contract import local_model
+from behemoth.tasks.kept_tokenizer import KEPT_FOLDER, with_kept_tokenizer
 
 
 class ChatLM(CausalLM):
@@ -59,7 +61,7 @@ class ChatLM(CausalLM):
 
     @classmethod
     def prepare(cls, cfg: JobConfig, units: list[Unit]) -> TokenIndex:
-        from behemoth.data.chat import chat_tokenizer, pad_id, prepare_chat
+        from behemoth.data.chat import chat_tokenizer, pad_id, prepare_chat, render_text, tokenizer_files
 
         from behemoth.models.causal_lm import generation_config
 
@@ -67,7 +69,7 @@ class ChatLM(CausalLM):
         index = prepare_chat(cfg.data, seed=cfg.train.seed, units=units)
         stats = index.stats
         tok = chat_tokenizer(cfg.data)
-        stats["eval_stop_ids"] = generation_config(tok).eos_token_id  # (the export's: EOS and the end of turn)
+        stats["eval_stop_ids"] = generation_config(tok, render_text).eos_token_id  # (the export's: EOS and the end of turn)
         _, pad_line = pad_id(tok)
         if pad_line:
             print(f"[behemoth] {pad_line}", flush=True)
@@ -84,7 +86,21 @@ class ChatLM(CausalLM):
                   f"{'' if len(shown) == stats['bad_records'] else f'; the first {len(shown)}'}: {'; '.join(shown)}",
                   flush=True)
         print(f"[behemoth] chat data cache {stats['cache']} ({time.time() - started:.1f} s)", flush=True)
+        stats.setdefault("tokenizer_files", tokenizer_files(tok))  # (kept in every checkpoint: kept_files)
         return index
+
+    @classmethod
+    def checkpoint_files(cls, cfg: JobConfig, index: TokenIndex) -> dict[str, str]:
+        """The template the conversations were rendered with, as the kept tokenizer holds it: a rerun or `behemoth
+        eval` whose template renders them otherwise is refused (driver/run/resume.task_files_differ)."""
+        template = index.stats["tokenizer_files"].get("chat_template.jinja")
+        return {} if template is None else {f"{KEPT_FOLDER}/chat_template.jinja": template.decode()}
+
+    @classmethod
+    def exported_job(cls, cfg: JobConfig, ckpt: str, folder: Path, named: dict[str, str | None]) -> JobConfig:
+        """data.tokenizer and data.chat_template: the checkpoint's kept copies (or the user's --tokenizer and
+        --chat-template), never a path the job.yaml names."""
+        return with_kept_tokenizer(cfg, ckpt, folder, named, chat=True)
 
     @classmethod
     def describe(cls, cfg: JobConfig, units: list[Unit]) -> str:

@@ -121,6 +121,15 @@ class Task(abc.ABC, Generic[CheckedT, PreparedT]):
         return {}
 
     @classmethod
+    def kept_files(cls, cfg: JobConfig, prepared: PreparedT) -> dict[str, bytes]:
+        """Files kept in every checkpoint for `behemoth export` and `generate`, which read them in place of the
+        paths the job names (`exported_job`): a language model's tokenizer as it saved itself, its chat template
+        included (tokenizer/..., tasks/kept_tokenizer.py). Checked against the manifest like every file; unlike
+        checkpoint_files not compared on resume (a library's version changes their bytes, not what the weights
+        mean). Taken from `prepared`: a worker may not see the paths the driver read."""
+        return {}
+
+    @classmethod
     def build_cache(cls, cfg: JobConfig, start_ray: Callable[[], None]) -> list[str]:
         """`behemoth data cache`: build the data's cache on this node ahead of a run; one line per part.
         `start_ray` is called once the config and data are checked."""
@@ -274,6 +283,17 @@ class Task(abc.ABC, Generic[CheckedT, PreparedT]):
 
     # ==== export ============================================================================================
     # `behemoth export`: a checkpoint as a Hugging Face folder (with model_from_checkpoint).
+
+    @classmethod
+    def exported_job(cls, cfg: JobConfig, ckpt: str, folder: Path, named: dict[str, str | None]) -> JobConfig:
+        """The job config `behemoth export` and `generate` build checkpoint `ckpt`'s model and files from: `cfg`
+        (its job.yaml) with every path they would read replaced by the checkpoint's kept copy (kept_files),
+        written under `folder`, or by what the user named on the command line (`named`: tokenizer,
+        chat_template). A received job.yaml is only data: a file it names on this machine may be anyone's, or
+        changed since the run. (model.pretrained is still read where the job names it: a LoRA checkpoint keeps
+        only its adapters, the base they were trained on is the model's.) Default: `cfg` (the task reads no
+        other path at export)."""
+        return cfg
 
     @classmethod
     def save_for_transformers(cls, cfg: JobConfig, out: Path) -> None:

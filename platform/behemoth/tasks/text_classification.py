@@ -33,6 +33,7 @@ from behemoth.models import registry
 from behemoth.models.lora import add_adapters
 from behemoth import hosts
 from behemoth.tasks.contract import Task, local_model
+from behemoth.tasks.kept_tokenizer import kept_tokenizer_files, with_kept_tokenizer
 
 SEQUENCE_CLASSIFIER = "sequence_classifier"
 
@@ -108,7 +109,21 @@ class TextClassification(Task[LabelledRows, TokenisedRows]):
 
     @classmethod
     def prepare(cls, cfg: JobConfig, rows: LabelledRows) -> TokenisedRows:
-        return tokenise(cfg.data, rows)
+        from behemoth.data.chat import tokenizer_files
+
+        tokenised = tokenise(cfg.data, rows)
+        tokenised.tokenizer_files = tokenizer_files(load_classification_tokenizer(cfg.data.tokenizer))
+        return tokenised
+
+    @classmethod
+    def kept_files(cls, cfg: JobConfig, rows: TokenisedRows) -> dict[str, bytes]:
+        """The run's tokenizer (its pad token set), read back by export."""
+        return kept_tokenizer_files(rows.tokenizer_files)
+
+    @classmethod
+    def exported_job(cls, cfg: JobConfig, ckpt: str, folder: Path, named: dict[str, str | None]) -> JobConfig:
+        """data.tokenizer: the checkpoint's kept copy (or the user's --tokenizer), never the job.yaml's path."""
+        return with_kept_tokenizer(cfg, ckpt, folder, named)
 
     @classmethod
     def train_samples(cls, cfg: JobConfig, rows: LabelledRows | TokenisedRows) -> int:

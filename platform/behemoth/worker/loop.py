@@ -75,7 +75,7 @@ def train_loop_per_worker(loop_config: dict) -> dict:
             console(early_line)
     state.world_size = world
     ledger = SampleLedger(cfg.train.sample_ledger, rank, world)
-    saver = CheckpointSaver(cfg, rank, task.checkpoint_files(cfg, prepared), clock)
+    saver = CheckpointSaver(cfg, rank, task.checkpoint_files(cfg, prepared) | task.kept_files(cfg, prepared), clock)
     step_ctx = StepContext(cfg, task, run, device, rank, world, clock, speed, saver, micro_batch, accum, epoch_steps,
                            total_steps, resumed_from_step=state.step)  # what every step is taken with
     reporter = Reporter(step_ctx)

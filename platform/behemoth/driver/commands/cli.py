@@ -112,6 +112,9 @@ def build_parser() -> argparse.ArgumentParser:
     pick.add_argument("--latest", dest="which", action="store_const", const="latest",
                       help="a run folder's latest checkpoint")
     _add_trusted_code_args(p)
+    p.add_argument("--chat-template", metavar="FILE", help="a Jinja chat template to export instead of the one the "
+                   "checkpoint keeps (the run's); needed for a checkpoint written before behemoth kept it, whose "
+                   "job.yaml names a template file: behemoth reads no file a checkpoint names")
     _add_generate_command(sub)
 
     p = sub.add_parser("report", help="write a run's (or a sweep's) report: FOLDER/report/report.html with its "
@@ -125,7 +128,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_trusted_code_args(p: argparse.ArgumentParser) -> None:
-    """A checkpoint's job.yaml is data from whoever wrote it: code it names runs only when named here too."""
+    """A checkpoint's job.yaml is data from whoever wrote it: code it names runs only when named here too, and
+    no file it names is read (the tokenizer: the one the checkpoint keeps, or --tokenizer)."""
     p.add_argument("--model-code", type=_import_path("function"), metavar="MODULE:FUNCTION",
                    help="import this model builder (a checkpoint whose model.name is one by import path: behemoth "
                    "imports no code that only the checkpoint names)")
@@ -133,6 +137,9 @@ def _add_trusted_code_args(p: argparse.ArgumentParser) -> None:
                    help="import this task (a checkpoint whose data.kind is one by import path)")
     p.add_argument("--trust-remote-code", action="store_true", help="run the code of the checkpoint's "
                    "model.pretrained repository (its job.yaml's model.trust_remote_code is never honoured alone)")
+    p.add_argument("--tokenizer", metavar="FOLDER", help="a tokenizer to use instead of the one the checkpoint "
+                   "keeps (the run's); needed for a checkpoint written before behemoth kept it: behemoth reads no "
+                   "file a checkpoint's job.yaml names")
 
 
 def _add_generate_command(sub) -> None:
@@ -147,7 +154,8 @@ def _add_generate_command(sub) -> None:
                        "\"prompt\" (text) or \"messages\" (a conversation, rendered with the chat template)")
     p.add_argument("--chat", action="store_true", help="render text prompts as a user's turn with the tokenizer's "
                    "chat template and its generation prompt (messages rows always are)")
-    p.add_argument("--chat-template", metavar="FILE", help="a Jinja chat template to use instead of the tokenizer's")
+    p.add_argument("--chat-template", metavar="FILE", help="a Jinja chat template to use instead of the tokenizer's "
+                   "(a checkpoint's: the one it keeps, the run's)")
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate at most (default 64)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy; > 0: sample at this "
                    "temperature")
@@ -329,7 +337,8 @@ def _dispatch(args) -> int:
     if args.command == "export":
         from behemoth.driver.commands.export import TrustedCode, export
 
-        trusted = TrustedCode(args.model_code, args.task_code, args.trust_remote_code)
+        trusted = TrustedCode(args.model_code, args.task_code, args.trust_remote_code, args.tokenizer,
+                              args.chat_template)
         out, source = export(args.checkpoint, args.out, args.which, trusted)
         print(f"[behemoth] exported {source}\n  to {out} (load with transformers' from_pretrained / pipeline; "
               f"see its README.md)")
@@ -381,7 +390,8 @@ def _generate_command(args) -> int:
     sampling.validate()  # (before the model loads)
     prompts = [args.prompt] if args.prompt is not None else read_prompts(args.prompts)
     generator = load_generator(args.model, "latest" if args.latest else "best",
-                               TrustedCode(args.model_code, args.task_code, args.trust_remote_code), args.chat_template)
+                               TrustedCode(args.model_code, args.task_code, args.trust_remote_code, args.tokenizer),
+                               args.chat_template)
     print(f"[behemoth] generate: {generator.source}; {sampling.describe()}", flush=True)
     for n, done in enumerate(generator.run(prompts, sampling, args.chat), 1):
         shown = done.prompt if isinstance(done.prompt, str) else json.dumps(done.prompt, ensure_ascii=False)

@@ -12,12 +12,16 @@ behemoth_model.json naming its builder: loading it needs that builder's code, wh
 A checkpoint may come from someone else, and its job.yaml is only data: behemoth imports no module that job.yaml
 alone names (a model builder or a task by import path) and never honours its model.trust_remote_code. The user
 names that code on the command line (--model-code, --task-code, --trust-remote-code) or export refuses, saying
-which flag would run what.
+which flag would run what. Nor does it read a file the job.yaml names for what it ships: the tokenizer and the chat
+template come from the checkpoint's own kept copy (Task.exported_job, tasks/kept_tokenizer.py), checked against
+its manifest, or from --tokenizer / --chat-template where the user names them (a checkpoint written before
+behemoth kept them: refused in one line naming the flag).
 """
 
 from __future__ import annotations
 
 import json
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -38,11 +42,18 @@ from behemoth.storage.store import Store
 @dataclass(frozen=True)
 class TrustedCode:
     """The code the user allows an export to run, named by them, not by the checkpoint: a model builder
-    (module:function) and a task (module:Class) to import, and whether model.pretrained's own code may run."""
+    (module:function) and a task (module:Class) to import, and whether model.pretrained's own code may run; and
+    the files they name in place of the checkpoint's kept copies: a tokenizer folder and a chat template file."""
 
     model_code: Optional[str] = None
     task_code: Optional[str] = None
     trust_remote_code: bool = False
+    tokenizer: Optional[str] = None
+    chat_template: Optional[str] = None
+
+    def named_files(self) -> dict[str, str | None]:
+        """What Task.exported_job takes as `named`."""
+        return {"tokenizer": self.tokenizer, "chat_template": self.chat_template}
 
 
 ADAPTER_FOLDER = "adapter"  # model.lora: PEFT's adapter folder, beside the merged model
@@ -54,43 +65,55 @@ def export(path: str, out: str, which: str = "best", trusted: TrustedCode = Trus
     out_dir = Path(out)
     if out_dir.exists() and any(out_dir.iterdir()):
         raise ConfigError(f"--out {out} is not empty: export into a new folder (nothing is overwritten)")
+    with tempfile.TemporaryDirectory(prefix="behemoth-kept-") as kept:
+        loaded = load_checkpoint_model(path, which, trusted, Path(kept))
+        out_dir.mkdir(parents=True, exist_ok=True)
+        transformers_model = _write_model(loaded, out_dir)
+    (out_dir / "README.md").write_text(model_card(loaded.cfg, loaded.ckpt, loaded.how, transformers_model))
+    return out_dir, f"{loaded.ckpt} ({loaded.how})"
+
+
+def _write_model(loaded: LoadedCheckpoint, out_dir: Path) -> bool:
+    """The model's files (LoRA's adapters merged) and the task's beside them, from the job with the checkpoint's
+    kept copies in place of the paths it names (`built`); whether it is a transformers model."""
     from transformers import PreTrainedModel
 
-    loaded = load_checkpoint_model(path, which, trusted)
-    cfg, task, ckpt, how, model = loaded.cfg, loaded.task, loaded.ckpt, loaded.how, loaded.model
-    out_dir.mkdir(parents=True, exist_ok=True)
+    built, task, model = loaded.built, loaded.task, loaded.model
     if is_adapted(model):  # model.lora: the adapters as PEFT's folder, and merged into the plain model below
         model.save_pretrained(out_dir / ADAPTER_FOLDER)
-        task.save_for_transformers(cfg, out_dir / ADAPTER_FOLDER)
+        task.save_for_transformers(built, out_dir / ADAPTER_FOLDER)
         model = model.merge_and_unload()
 
     if isinstance(model, PreTrainedModel):
         model.save_pretrained(out_dir)
-        task.save_for_transformers(cfg, out_dir)
+        task.save_for_transformers(built, out_dir)
     else:
         from safetensors.torch import save_model
 
         save_model(model, str(out_dir / "model.safetensors"))
-        (out_dir / "behemoth_model.json").write_text(json.dumps({"builder": cfg.model.name}, indent=1))
-    (out_dir / "README.md").write_text(model_card(cfg, ckpt, how, isinstance(model, PreTrainedModel)))
-    return out_dir, f"{ckpt} ({how})"
+        (out_dir / "behemoth_model.json").write_text(json.dumps({"builder": built.model.name}, indent=1))
+    return isinstance(model, PreTrainedModel)
 
 
 @dataclass(frozen=True)
 class LoadedCheckpoint:
-    """A checkpoint's model, built as the workers built it (LoRA adapters still apart), with its job config, its
+    """A checkpoint's model, built as the workers built it (LoRA adapters still apart), with its job config
+    (`cfg`, as its job.yaml says: the model card's), the job it was built from (`built`: the checkpoint's kept
+    copies, or the user's files, in place of the paths it names; they live in the folder the caller gave), its
     task, the checkpoint folder chosen and why."""
 
     cfg: JobConfig
+    built: JobConfig
     task: type
     ckpt: str
     how: str
     model: object
 
 
-def load_checkpoint_model(path: str, which: str = "best", trusted: TrustedCode = TrustedCode()) -> LoadedCheckpoint:
+def load_checkpoint_model(path: str, which: str, trusted: TrustedCode, folder: Path) -> LoadedCheckpoint:
     """The model of `path` (a checkpoint folder, or a run folder: its `which` checkpoint), in eval mode, importing
-    only the code the user trusts (`behemoth export` and `behemoth generate`)."""
+    only the code the user trusts, its tokenizer and chat template the checkpoint's own (`behemoth export` and
+    `behemoth generate`): the checkpoint's kept files are written into `folder`, which the caller removes."""
     cfg = _job_of(path, trusted)
     task = task_of(cfg)
     ckpt, how = weights.resolve(path, which, task.best)
@@ -101,7 +124,8 @@ def load_checkpoint_model(path: str, which: str = "best", trusted: TrustedCode =
     from transformers.utils import logging as transformers_logging
 
     transformers_logging.disable_progress_bar()  # "Loading weights" / "Writing model shards" bars: one model
-    return LoadedCheckpoint(cfg, task, ckpt, how, task.model_from_checkpoint(cfg, ckpt).eval())
+    built = task.exported_job(cfg, ckpt, folder, trusted.named_files())
+    return LoadedCheckpoint(cfg, built, task, ckpt, how, task.model_from_checkpoint(built, ckpt).eval())
 
 
 def _job_of(path: str, trusted: TrustedCode) -> JobConfig:

@@ -2,8 +2,9 @@
 there is one), no Ray.
 
 The model comes from a behemoth checkpoint or run folder (built as `behemoth export` builds it:
-driver/commands/export.load_checkpoint_model, LoRA adapters merged; the run's tokenizer, data.tokenizer) or from a
-Hugging Face folder (an export: transformers alone, never the folder's own code). It stops where an export's
+driver/commands/export.load_checkpoint_model, LoRA adapters merged; the run's tokenizer and chat template as the
+checkpoint keeps them, never a path its job.yaml names) or from a Hugging Face folder (an export: transformers
+alone, never the folder's own code). It stops where an export's
 generation_config.json says (models/causal_lm.generation_config: EOS and the chat template's end-of-turn token):
 a checkpoint gets the same config the export would write, so both print the same words.
 
@@ -11,12 +12,17 @@ Prompts: one (--prompt), or a file: a prompt per line, or JSONL whose rows hold 
 (a conversation, rendered with the tokenizer's chat template and its generation prompt). --chat renders plain
 prompts as a user's turn. Greedy unless --temperature > 0 (then sampling, with --top-p / --top-k, seeded per
 prompt by --seed: the same command prints the same completions).
+
+A prompt costs no more than the model can take: a prompts file is read up to PROMPTS_FILE_BYTES, and a prompt
+longer in characters than the model's positions can hold is refused before it is tokenised.
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,6 +33,8 @@ from behemoth.storage.store import Store
 from behemoth.storage.checkpoint import complete_checkpoints
 
 Prompt = str | list  # text, or a conversation: [{"role": ..., "content": ...}, ...]
+PROMPTS_FILE_BYTES = 64 << 20  # a --prompts file's size at most (read whole, before the model loads)
+PROMPT_CHARS = 1 << 22  # a prompt's characters at most where the model does not say how many positions it has
 
 
 @dataclass(frozen=True)
@@ -82,16 +90,19 @@ class Completion:
 @dataclass
 class Generator:
     """A causal LM ready to complete prompts: the model (eval, on its device), its tokenizer, the generation
-    config it stops by, and where it came from."""
+    config it stops by, where it came from, and where its chat template came from (for messages)."""
 
     model: object
     tokenizer: object
     config: object
     source: str
+    template_source: str = "the tokenizer's chat template"
+    _longest: int | None = dataclasses.field(default=None, init=False, repr=False)
 
-    def encode(self, prompt: Prompt, chat: bool) -> list:
+    def encode(self, prompt: Prompt, chat: bool, which: str = "the prompt") -> list:
         """The prompt's token ids: a conversation (or, with `chat`, a text as a user's turn) through the chat
-        template with its generation prompt; a text as the tokenizer encodes it."""
+        template with its generation prompt; a text as the tokenizer encodes it. A template that cannot render
+        it, or a text longer than the model's positions can hold, is one ConfigError naming `which`."""
         tok = self.tokenizer
         if isinstance(prompt, list) or chat:
             if not tok.chat_template:
@@ -99,9 +110,39 @@ class Generator:
                                   f"a chat prompt cannot be rendered: name one with --chat-template FILE (a Jinja "
                                   f"chat template), or give plain text prompts without --chat")
             messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
-            text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            text = self._rendered(messages, which)
+            self._check_length(text, which)
             return tok(text, add_special_tokens=False)["input_ids"]  # (the template writes any BOS itself)
+        self._check_length(prompt, which)
         return tok(prompt)["input_ids"]
+
+    def _rendered(self, messages: list, which: str) -> str:
+        from behemoth.data.chat import render_prompt
+
+        try:
+            return render_prompt(self.tokenizer, messages)
+        except Exception as e:  # noqa: BLE001 - a template's errors (raise_exception, the sandbox's refusals,
+            # its syntax, undefined names) are of many types; each is the template's, named here
+            reason = " ".join(str(e).split())[:300] or type(e).__name__
+            raise ConfigError(f"{which}: {self.template_source} cannot render it: {reason}") from None
+
+    def _check_length(self, text: str, which: str) -> None:
+        """Refuse, before tokenising it, a text that would encode to more tokens than the model has positions:
+        no token of this tokenizer stands for more characters than its longest entry (a 50 MB prompt took 38 s
+        and 8 GB to tokenise before the positions refused it)."""
+        positions = self.positions()
+        limit = positions * self.longest_token() if positions else PROMPT_CHARS
+        if len(text) > limit:
+            held = (f"the model's {positions} positions hold at most {limit} characters with this tokenizer"
+                    if positions else f"at most {PROMPT_CHARS} characters are taken")
+            raise ConfigError(f"{which} is {len(text)} characters: {held}; shorten it")
+
+    def longest_token(self) -> int:
+        """The most characters one token of the tokenizer stands for (its longest vocabulary entry; a byte-level
+        entry's characters are bytes, at least as many)."""
+        if self._longest is None:
+            self._longest = max(map(len, self.tokenizer.get_vocab()), default=1)
+        return self._longest
 
     def complete(self, prompt_ids: list, sampling: Sampling) -> list:
         """The new token ids after `prompt_ids` (the stop token included where generation stopped at one)."""
@@ -125,7 +166,8 @@ class Generator:
 
     def run(self, prompts: list, sampling: Sampling, chat: bool = False) -> list:
         sampling.validate()
-        encoded = [self.encode(p, chat) for p in prompts]  # every prompt checked before the first is generated
+        # every prompt checked before the first is generated
+        encoded = [self.encode(p, chat, f"prompt {n}") for n, p in enumerate(prompts, 1)]
         empty = [n for n, ids in enumerate(encoded, 1) if not ids]
         if empty:  # (generate() would fail on an empty input with a traceback)
             raise ConfigError(f"prompt {empty[0]} is empty (no tokens): give it some text")
@@ -146,7 +188,8 @@ def load_generator(path: str, which: str = "best", trusted: TrustedCode | None =
                    chat_template: str | None = None) -> Generator:
     """A Generator for `path`: a Hugging Face folder (an export), a behemoth checkpoint, or a run folder (its
     `which` checkpoint); on the GPU where there is one. `chat_template`: a Jinja file used instead of the
-    tokenizer's own."""
+    tokenizer's own (or the checkpoint's kept one). `trusted.tokenizer`: a tokenizer folder, for a checkpoint
+    that keeps none."""
     import torch
 
     store = Store(path)
@@ -157,20 +200,25 @@ def load_generator(path: str, which: str = "best", trusted: TrustedCode | None =
     if not (weights.is_hf_folder(local) or weights.is_checkpoint(local) or complete_checkpoints(local)):
         raise ConfigError(f"{path} is not a behemoth checkpoint, a run folder with a complete checkpoint, or a "
                           f"Hugging Face model folder (config.json and its weights)")
+    template = None
+    if chat_template is not None:  # (read before the model loads: a bad file costs no wait)
+        from behemoth.data.chat import read_template
+
+        template = read_template(Path(chat_template).expanduser(), f"--chat-template {chat_template}")
     if weights.is_hf_folder(local):
         model, tokenizer, source = _from_hf_folder(local)
+        template_source = f"{local}'s chat template"
     else:
-        model, tokenizer, source = _from_checkpoint(path, which, trusted or TrustedCode())
-    if chat_template is not None:
-        try:
-            tokenizer.chat_template = Path(chat_template).read_text()
-        except OSError as e:
-            raise ConfigError(f"--chat-template {chat_template}: cannot read it ({e.strerror})") from None
+        trusted = dataclasses.replace(trusted or TrustedCode(), chat_template=chat_template)
+        model, tokenizer, source, template_source = _from_checkpoint(path, which, trusted)
+    if template is not None:
+        tokenizer.chat_template, template_source = template, f"--chat-template {chat_template}"
+    from behemoth.data.chat import render_text
     from behemoth.models.causal_lm import generation_config
 
-    config = generation_config(tokenizer, getattr(model, "generation_config", None))
+    config = generation_config(tokenizer, render_text, getattr(model, "generation_config", None))
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return Generator(model.to(device).eval(), tokenizer, config, source)
+    return Generator(model.to(device).eval(), tokenizer, config, source, template_source)
 
 
 def _from_hf_folder(folder: str):
@@ -189,21 +237,24 @@ def _from_hf_folder(folder: str):
 
 
 def _from_checkpoint(path: str, which: str, trusted: TrustedCode):
-    """The model `behemoth export` would write (LoRA merged), and the run's tokenizer (data.tokenizer)."""
+    """The model `behemoth export` would write (LoRA merged), the run's tokenizer and chat template as the
+    checkpoint keeps them (Task.exported_job: never a path its job.yaml names), and where the template is."""
     from transformers import GenerationMixin
 
     from behemoth.models.lora import is_adapted
 
-    loaded = load_checkpoint_model(path, which, trusted)
-    model = loaded.model.merge_and_unload() if is_adapted(loaded.model) else loaded.model
-    if not isinstance(model, GenerationMixin):
-        raise ConfigError(f"{loaded.ckpt}: its model ({loaded.cfg.model.name}, data.kind {loaded.cfg.data.kind}) "
-                          f"is not a transformers causal language model: there is nothing to generate with")
-    tokenizer = _tokenizer(loaded.cfg.data.tokenizer, f"{loaded.ckpt}'s data.tokenizer")
-    template = getattr(loaded.cfg.data, "template_text", lambda: None)()  # a chat run's data.chat_template
-    if template is not None:
-        tokenizer.chat_template = template
-    return model, tokenizer, f"{loaded.ckpt} ({loaded.how})"
+    with tempfile.TemporaryDirectory(prefix="behemoth-kept-") as kept:
+        loaded = load_checkpoint_model(path, which, trusted, Path(kept))
+        model = loaded.model.merge_and_unload() if is_adapted(loaded.model) else loaded.model
+        if not isinstance(model, GenerationMixin):
+            raise ConfigError(f"{loaded.ckpt}: its model ({loaded.cfg.model.name}, data.kind {loaded.cfg.data.kind}) "
+                              f"is not a transformers causal language model: there is nothing to generate with")
+        data = loaded.built.data
+        tokenizer = _tokenizer(data.tokenizer, f"{loaded.ckpt}'s tokenizer")
+        template = getattr(data, "template_text", lambda: None)()  # a chat run's kept template
+        if template is not None:
+            tokenizer.chat_template = template
+    return model, tokenizer, f"{loaded.ckpt} ({loaded.how})", f"{loaded.ckpt}'s chat template"
 
 
 def _tokenizer(name: str, where: str):
@@ -234,7 +285,12 @@ def read_prompts(path: str) -> list:
     """The prompts of a file: JSONL (.jsonl/.json: rows with `prompt`, a text, or `messages`, a conversation)
     or plain text (a prompt per non-empty line). Every problem names the file and line."""
     try:
-        lines = Path(path).read_text(encoding="utf-8").splitlines()
+        with open(path, "rb") as f:  # (bounded: a prompt longer than the model's positions is refused anyway)
+            data = f.read(PROMPTS_FILE_BYTES + 1)
+        if len(data) > PROMPTS_FILE_BYTES:
+            raise ConfigError(f"--prompts {path} is larger than {PROMPTS_FILE_BYTES >> 20} MiB: split it into "
+                              f"smaller files")
+        lines = data.decode("utf-8").splitlines()
     except (OSError, UnicodeDecodeError) as e:
         raise ConfigError(f"--prompts {path}: cannot read it ({e})") from None
     numbered = [(n, line) for n, line in enumerate(lines, 1) if line.strip()]

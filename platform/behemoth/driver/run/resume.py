@@ -195,8 +195,8 @@ def check_resume_data(cfg: JobConfig, prepared, checkpoints: list[tuple[int, str
     if differs:
         what, same_shape = differs
         # the same count: its weights would load, every class's learnt output then named as another
-        why = (" (its weights would train on with their labels renamed)" if same_shape else
-               " (its weights cannot resume with another number of classes)")
+        why = {True: " (its weights would train on with their labels renamed)", None: "",
+               False: " (its weights cannot resume with another number of classes)"}[same_shape]
         name = ckpt.rstrip("/").rpartition("/")[2]
         raise ConfigError(
             f"run '{cfg.checkpoint.run_name}' in {run_dir(cfg)} was trained on other data ({name}): {what}. "
@@ -204,10 +204,10 @@ def check_resume_data(cfg: JobConfig, prepared, checkpoints: list[tuple[int, str
             f"from its weights){why}")
 
 
-def task_files_differ(cfg: JobConfig, prepared, ckpt: str) -> tuple[str, bool] | None:
+def task_files_differ(cfg: JobConfig, prepared, ckpt: str) -> tuple[str, bool | None] | None:
     """How checkpoint `ckpt`'s task files (Task.checkpoint_files) differ from those `prepared` gives, and
-    whether their lists keep their length; None where they agree or the checkpoint keeps none (written before
-    the task kept them, or a Hugging Face folder). Each is checked against the manifest first: a damaged or
+    whether their lists keep their length (None: a file that is not a list, a chat template); None where they
+    agree or the checkpoint keeps none (written before the task kept them, or a Hugging Face folder). Each is checked against the manifest first: a damaged or
     edited one raises CheckpointError naming it (compared as it is, it would read as other data)."""
     from behemoth.storage import weights
     from behemoth.storage.checkpoint import read_manifest, read_manifest_bytes, read_verified
@@ -227,7 +227,7 @@ def task_files_differ(cfg: JobConfig, prepared, ckpt: str) -> tuple[str, bool] |
         except ValueError:
             old = new = None
         if not (isinstance(old, list) and isinstance(new, list)):
-            return f"its {file} differs from this data's", False
+            return f"its {file} differs from this data's (the run's is {ckpt}/{file})", None
         if old == new:
             continue  # the same list, written another way
         moved = next((i for i, (a, b) in enumerate(zip(old, new)) if a != b), min(len(old), len(new)))
