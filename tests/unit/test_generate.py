@@ -278,3 +278,16 @@ def test_a_prompt_longer_than_the_positions_can_hold_is_refused_before_it_is_tok
     assert main(["generate", str(out), "--prompts", str(prompts)]) == 2
     err = capsys.readouterr().err
     assert f"--prompts {prompts} is larger than 1 MiB: split it into smaller files" in err and err.count("\n") == 1
+
+
+def test_a_prompts_file_of_json_nested_past_pythons_recursion_is_one_line(tmp_path):
+    """100,000 nested `[` in a --prompts JSONL was a RecursionError traceback (issue 72 item 5)."""
+    import pytest
+
+    from behemoth.driver.commands.generate import read_prompts
+    from behemoth.errors import ConfigError
+
+    path = tmp_path / "prompts.jsonl"
+    path.write_text('{"prompt": "hi"}\n' + "[" * 100_000 + "\n")
+    with pytest.raises(ConfigError, match=rf"{path}:2: not a JSON object this reads \(nested too deeply\)"):
+        read_prompts(str(path))

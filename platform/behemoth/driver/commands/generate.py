@@ -306,6 +306,8 @@ def _prompt_of_row(line: str, where: str) -> Prompt:
         row = json.loads(line)
     except json.JSONDecodeError as e:
         raise ConfigError(f"{where}: not a JSON object ({e.msg}): one object per line") from None
+    except RecursionError:
+        raise ConfigError(f"{where}: not a JSON object this reads (nested too deeply): one object per line") from None
     if isinstance(row, dict) and isinstance(row.get("prompt"), str):
         return row["prompt"]
     messages = row.get("messages") if isinstance(row, dict) else None
