@@ -1,18 +1,30 @@
-"""Benchmark: a preemption storm (issue 67 item 5). A local multi-node Ray cluster (`ray.cluster_utils.Cluster`: a
-head and one 1-CPU node per training worker) trains a small Llama-style LM for a fixed number of steps while a
-storm preempts the node of rank 0 after each worker group has trained `--every` seconds, alternately with a notice (each
-node's fake cloud metadata service announces it `--notice` seconds ahead; `behemoth spot-watch`, running for every
-node, drains the node through Ray; the node is removed at the deadline) and without one (the node is removed at
-once: its processes are killed). Each lost node is replaced by a fresh one.
+"""Benchmark: goodput under a fair preemption storm (issues 67 and 73). A local multi-node Ray cluster
+(`ray.cluster_utils.Cluster`: a head that trains nothing and one 1-CPU node per training worker) trains a small
+Llama-style LM for `--steps` steps while a storm preempts the node of rank 0, the same storm for both sides:
 
-The same storm hits behemoth (`train`, a checkpoint every `--checkpoint-every` steps, a report every 2) and the
-plain Ray Train script a careful user would write from Ray's docs (the same model, data order and optimizer; a
-`torch.save` checkpoint every `--checkpoint-every` steps through `ray.train.report`; resume from
-`ray.train.get_checkpoint()`; `FailureConfig(max_failures=-1)`). Printed per side: the wall time from the first
-step to the last, the steps trained again, for each preemption the steps redone and the seconds from the notice
-(or the loss) to the next new step, and goodput = (steps x the median step time) / that wall time.
+- keyed by training progress: preemption k falls when the run first reaches step S_k (the --preemptions steps
+  spread evenly over the run, the same S_k for both sides), alternately with a notice (each node's fake cloud
+  metadata service announces the reclaim `--notice` seconds ahead, `behemoth spot-watch` on every node turns it
+  into Ray's drain, and the node is removed at the deadline) and without one (the node is removed at once);
+- a replacement node joins `--replacement-delay` seconds after a node is removed (a cloud takes minutes to
+  launch one; the delay is the same for both sides), and every side meets every preemption.
 
-    .venv/bin/python bench/preemption_storm.py [--steps 1500] [--preemptions 4] [--every 10] [--notice 6]
+The sides, alternating (ABBA) over `--repeats`: behemoth (`train`, `checkpoint.every_n_steps: auto`, a report
+every 2 steps; `--behemoth-set KEY=VALUE` adds overrides, e.g. scaling.num_workers=[1,2] to train on while the
+replacement comes) and the plain Ray Train script a careful user would write from Ray's docs (the same model,
+data order and optimizer; a `torch.save` checkpoint every `--checkpoint-every` steps through `ray.train.report`;
+resume from `ray.train.get_checkpoint()`; `FailureConfig(max_failures=-1)`). Each side also trains once without
+a storm first (its step rate and start-up, so recovery is told apart from step speed).
+
+Printed per side and repeat, one JSON line: goodput = steps x the no-storm median step / the wall time from the
+first step to the last; steps redone; the checkpoint time that blocked training (the budget: behemoth's auto
+interval spends at most the plain script's); and per preemption its kind, steps redone, the seconds from the
+notice (or the loss) to the next new step, and where they went (`phases`: until the old group ended, the
+restart to the new group's training function, its set-up to the loop, the first step). Then one line of medians
+(min, max) per side and the ratios.
+
+    .venv/bin/python bench/preemption_storm.py [--steps 1500] [--preemptions 4] [--notice 6] \\
+        [--replacement-delay 20] [--checkpoint-every 150] [--repeats 3] [--behemoth-set KEY=VALUE ...]
 """
 
 from __future__ import annotations
@@ -36,7 +48,8 @@ sys.path.insert(0, str(REPO / "bench"))
 
 
 def plain_train_func(config):
-    """The plain Ray Train script's worker: its step log (rank 0) is config["log"]."""
+    """The plain Ray Train script's worker. Rank 0 logs each step, its training function's start ("start") and
+    the end of its set-up ("ready") to config["log"], and how long each checkpoint held the loop ("ckpt_s")."""
     import tempfile
 
     import numpy as np
@@ -46,10 +59,13 @@ def plain_train_func(config):
     from behemoth.job import config_from_dict
     from behemoth.tasks.causal_lm import build_lm
 
-    cfg = config_from_dict(config["job"])
-    tokens = config["tokens"]
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    group = os.urandom(6).hex()  # this worker group's (a restart is another)
+    log = _plain_log(config["log"], rank, group)
+    log({"event": "start"})
+    cfg = config_from_dict(config["job"])
+    tokens = config["tokens"]
     torch.set_num_threads(1)
     torch.manual_seed(0)
     model = build_lm(cfg, config["vocab"], config["eos"], None, train=True)
@@ -66,32 +82,45 @@ def plain_train_func(config):
     batch = cfg.train.global_batch_size
     order = np.random.default_rng(0).permutation(len(tokens))
     per_rank = batch // world
-    node = ray.get_runtime_context().get_node_id()
-    group = os.urandom(6).hex()  # this worker group's (a restart is another)
+    log({"event": "ready", "resumed_from": start})
     for step in range(start + 1, config["steps"] + 1):
         at = ((step - 1) * batch) % (len(order) - batch)
         ids = torch.from_numpy(tokens[order[at + rank * per_rank:at + (rank + 1) * per_rank]].astype(np.int64))
         opt.zero_grad(set_to_none=True)
         model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
         opt.step()
-        if rank == 0:
-            with open(config["log"], "a") as f:
-                f.write(json.dumps({"step": step, "time": time.time(), "node": node, "group": group}) + "\n")
+        log({"step": step})
         if step % config["every"] == 0 or step == config["steps"]:
+            held = time.perf_counter()
             with tempfile.TemporaryDirectory() as d:
                 if rank == 0:
                     torch.save({"model": model.module.state_dict(), "opt": opt.state_dict(), "step": step},
                                os.path.join(d, "state.pt"))
                 ray.train.report({"step": step}, checkpoint=ray.train.Checkpoint.from_directory(d) if rank == 0 else None)
+            log({"ckpt_s": time.perf_counter() - held})
+
+
+def _plain_log(path: str, rank: int, group: str):
+    import ray
+
+    node = ray.get_runtime_context().get_node_id()
+
+    def log(row: dict) -> None:
+        if rank == 0:
+            with open(path, "a") as f:
+                f.write(json.dumps({**row, "time": time.time(), "node": node, "group": group}) + "\n")
+
+    return log
 
 
 class Storm:
     """The cluster's worker nodes, each with its fake metadata service and its `behemoth spot-watch`."""
 
-    def __init__(self, cluster, notice_s: float):
-        self.cluster, self.notice_s = cluster, notice_s
+    def __init__(self, cluster, notice_s: float, delay_s: float):
+        self.cluster, self.notice_s, self.delay_s = cluster, notice_s, delay_s
         self.nodes = {}  # node id -> (node, FakeMetadata, watcher process)
-        self.events = []  # (time, "notice" | "no notice", node id)
+        self.events = []  # {time, kind, node, removed, replaced}
+        self._joins: list[threading.Thread] = []
 
     def add(self):
         from fake_metadata import FakeMetadata
@@ -106,25 +135,44 @@ class Storm:
         self.nodes[node.node_id] = (node, metadata, watcher)
 
     def preempt(self, node_id: str, notice: bool) -> None:
+        """Reclaim the node (after the notice, where there is one); its replacement joins delay_s later."""
         node, metadata, watcher = self.nodes.pop(node_id)
-        self.events.append((time.time(), "notice" if notice else "no notice", node_id))
+        event = {"time": time.time(), "kind": "notice" if notice else "no notice", "node": node_id}
+        self.events.append(event)
         if notice:
             deadline = datetime.datetime.now(datetime.timezone.utc) + datetime.timedelta(seconds=self.notice_s)
             metadata.aws_action = {"action": "terminate", "time": deadline.strftime("%Y-%m-%dT%H:%M:%S.%fZ")}
             time.sleep(self.notice_s)
         self.cluster.remove_node(node)
+        event["removed"] = time.time()
         watcher.kill()
         metadata.close()
+        joins = threading.Thread(target=self._replace, args=(event,), daemon=True)
+        joins.start()
+        self._joins.append(joins)
+
+    def _replace(self, event: dict) -> None:
+        time.sleep(self.delay_s)
         self.add()
+        event["replaced"] = time.time()
+
+    def settle(self) -> None:
+        """Wait for the replacements under way (the next side starts on a whole cluster)."""
+        for joins in self._joins:
+            joins.join()
+        self._joins.clear()
+        self.cluster.wait_for_nodes()
 
     def close(self):
+        self.settle()
         for node, metadata, watcher in self.nodes.values():
             watcher.kill()
             metadata.close()
 
 
 def step_log(path: Path) -> list[dict]:
-    """Rank 0's steps, in time order: the plain script's log file, or behemoth's sample ledger (a folder)."""
+    """Rank 0's steps, in time order: the plain script's log file (its step rows), or behemoth's sample ledger
+    (a folder)."""
     if path.is_dir():
         from integration.ledger_audit import read_ledger
 
@@ -134,71 +182,101 @@ def step_log(path: Path) -> list[dict]:
     if not path.is_file():
         return []
     lines = path.read_text().split("\n")[:-1]  # (a line still being written is read next time)
-    return [json.loads(line) for line in lines]
+    return [row for row in map(json.loads, lines) if "step" in row]
 
 
-def run_storm(storm: Storm, log: Path, train, preemptions: int, every_s: float) -> tuple[list[dict], float]:
-    """Run `train` in a thread while the storm preempts the node of the newest step's rank 0 after every
-    `every_s` seconds of new steps; returns the step log and the events' times."""
-    done = {}
-    thread = threading.Thread(target=lambda: done.update(result=train()), daemon=True)
+def schedule(steps: int, preemptions: int) -> list[int]:
+    """The steps at which the storm strikes: spread evenly over the run, the same for every side."""
+    return [round(steps * (k + 1) / (preemptions + 1)) for k in range(preemptions)]
+
+
+def run_storm(storm: Storm, log: Path, train, at_steps: list[int]) -> list[dict]:
+    """Run `train` in a thread while the storm preempts the node of rank 0's newest step when the run first
+    reaches each of `at_steps` (alternately with and without a notice); returns the step log."""
+    thread = threading.Thread(target=train, daemon=True)
     thread.start()
-    first = len(storm.events)
-    for k in range(preemptions):
-        while thread.is_alive():  # `every_s` seconds of steps by a worker group started after the last event
+    for k, at in enumerate(at_steps):
+        while thread.is_alive():
             rows = step_log(log)
-            since = storm.events[-1][0] if len(storm.events) > first else 0
-            fresh = [r for r in rows if r["time"] > since]
-            current = [r for r in fresh if fresh and r["group"] == fresh[-1]["group"]]
-            if len(current) > 2 and current[-1]["time"] - current[0]["time"] >= every_s and \
-                    (not since or current[0]["group"] not in {r["group"] for r in rows if r["time"] <= since}):
+            if rows and max(r["step"] for r in rows) >= at:
                 break
-            time.sleep(0.2)
+            time.sleep(0.1)
         if not thread.is_alive():
+            print(f"[storm] the run ended before step {at}: preemption {k + 1} not met", flush=True)
             break
         victim = step_log(log)[-1]["node"]
-        print(f"[storm] preempting rank 0's node {victim[:8]} {'with' if k % 2 == 0 else 'without'} a notice",
-              flush=True)
+        print(f"[storm] step {at}: preempting rank 0's node {victim[:8]} {'with' if k % 2 == 0 else 'without'} "
+              f"a notice", flush=True)
         storm.preempt(victim, notice=k % 2 == 0)
     thread.join()
-    return step_log(log), done.get("result")
+    storm.settle()
+    return step_log(log)
 
 
-def figures(name: str, rows: list[dict], events: list[tuple], steps: int) -> dict:
+def _phases_plain(events_log: list[dict], new_group: str, first_new: dict) -> dict:
+    start = next((r["time"] for r in events_log if r.get("event") == "start" and r["group"] == new_group), None)
+    ready = next((r["time"] for r in events_log if r.get("event") == "ready" and r["group"] == new_group), None)
+    return {"to_function_start": start, "to_loop": ready, "to_first_step": first_new["time"]}
+
+
+def _phases_behemoth(run_dir: Path, new_group_rows: list[dict]) -> dict:
+    """The new group's training function start and loop start on rank 0, from the run's records."""
+    from behemoth.tracking.records import read_jsonl
+
+    reports = [r for r in read_jsonl(str(run_dir / "metrics.jsonl")) if r.get("group_id") and "wall_time" in r]
+    first_step = new_group_rows[0]["time"]
+    report = min((r for r in reports if r["wall_time"] >= first_step), key=lambda r: r["wall_time"], default={})
+    return {"to_function_start": report.get("mark_started"), "to_loop": report.get("mark_loop_started"),
+            "to_first_step": first_step}
+
+
+def figures(side: str, rows: list[dict], events: list[dict], steps: int, step_s: float, phases_of) -> dict:
+    """The side's goodput and each preemption's cost, from its step log and the storm's events."""
     times = [r["time"] for r in rows]
     wall = times[-1] - times[0]
-    gaps = [b["time"] - a["time"] for a, b in zip(rows, rows[1:]) if b["step"] == a["step"] + 1]
-    step_s = statistics.median(gaps)
     per_event = []
-    for at, kind, _ in events:
+    for event in events:
+        at = event["time"]
         hit = next(r["group"] for r in reversed(rows) if r["time"] <= at)
-        reached = max(r["step"] for r in rows if r["group"] == hit)  # (with a notice it trains on to its checkpoint)
-        after = [r for r in rows if r["time"] > at and r["group"] != hit]
-        restarted = [r for r in after if r["group"] == after[0]["group"]] if after else []
-        new = next((r for r in restarted if r["step"] > reached), None)
-        per_event.append({"kind": kind, "redone": sum(r["step"] <= reached for r in restarted),
-                          # None: the restarted group was itself preempted before it reached a new step
-                          "to_next_new_step_s": round(new["time"] - at, 1) if new else None})
+        reached = max(r["step"] for r in rows if r["group"] == hit)  # (with a notice it may train on)
+        ended = max(r["time"] for r in rows if r["group"] == hit)
+        after = [r for r in rows if r["time"] > ended and r["group"] != hit]
+        new = next((r for r in after if r["step"] > reached), None)
+        restarted = [r for r in after if after and r["group"] == after[0]["group"]]
+        phases = {}
+        if restarted:
+            marks = phases_of(restarted)
+            last = max(at, ended)
+            for name in ("to_function_start", "to_loop", "to_first_step"):
+                if marks.get(name):
+                    phases[name] = round(marks[name] - last, 1)
+                    last = marks[name]
+            phases = {"until_group_ended": round(ended - at, 1), **phases}
+        per_event.append({"kind": event["kind"], "redone": sum(r["step"] <= reached for r in restarted),
+                          "to_next_new_step_s": round(new["time"] - at, 1) if new else None, "phases": phases})
     redone = len(rows) - len({r["step"] for r in rows})
-    out = {"side": name, "wall_s": round(wall, 1), "steps": steps, "steps_redone": redone,
-           "median_step_s": round(step_s, 3), "goodput": round(steps * step_s / wall, 3), "preemptions": per_event}
-    print(json.dumps(out), flush=True)
+    out = {"side": side, "wall_s": round(wall, 1), "steps": steps, "steps_redone": redone,
+           "step_s": round(step_s, 4), "goodput": round(steps * step_s / wall, 3), "preemptions": per_event}
     return out
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=1500)
-    p.add_argument("--preemptions", type=int, default=4, help="half with a notice, half without, alternating")
-    p.add_argument("--every", type=float, default=10.0, help="seconds a worker group trains before its preemption")
+    p.add_argument("--preemptions", type=int, default=4, help="alternating with and without a notice")
     p.add_argument("--notice", type=float, default=6.0, help="seconds from a notice to the node's removal")
-    p.add_argument("--checkpoint-every", type=int, default=150)
+    p.add_argument("--replacement-delay", type=float, default=20.0,
+                   help="seconds from a node's removal to its replacement joining")
+    p.add_argument("--checkpoint-every", type=int, default=150, help="the plain script's checkpoint interval")
+    p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--sides", default="behemoth,plain")
+    p.add_argument("--behemoth-set", action="append", default=[], help="KEY=VALUE overrides of behemoth's job")
     args = p.parse_args()
 
     import ray
     from _common import lm_corpus, lm_job
+    from behemoth.config.load import apply_override
     from behemoth.data.text_packing import prepare_text
-    from behemoth.driver.run.trainer import train
     from behemoth.job import config_from_dict
     from ray.cluster_utils import Cluster
 
@@ -207,54 +285,125 @@ def main() -> None:
     os.environ["RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"] = "60"
     work = Path(tempfile.mkdtemp(prefix="bench-storm-"))
     corpus = lm_corpus()
-    job = lm_job(corpus, work, "storm", hidden=64, layers=2, batch=16, steps=args.steps, workers=2, threads=1,
-                 log_every=2, checkpoint_every=args.checkpoint_every,
-                 train={"sample_ledger": str(work / "ledger")}, failure={"max_failures": -1})
-    job["scaling"]["cpus_per_worker"] = 1.0
-    cfg = config_from_dict(job)
 
-    # the head trains nothing (no CPU for a worker): every training worker is on a node the storm can hit
+    def behemoth_job(name: str, steps: int) -> dict:
+        job = lm_job(corpus, work, name, hidden=64, layers=2, batch=16, steps=steps, workers=2, threads=1,
+                     log_every=2, train={"sample_ledger": str(work / name / "ledger")},
+                     checkpoint={"every_n_steps": "auto"}, failure={"max_failures": -1})
+        job["scaling"]["cpus_per_worker"] = 1.0
+        for item in args.behemoth_set:
+            apply_override(job, item)
+        return job
+
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
-    storm = Storm(cluster, args.notice)
+    storm = Storm(cluster, args.notice, args.replacement_delay)
     for _ in range(2):
         storm.add()
     cluster.wait_for_nodes()
     ray.init(address=cluster.address, logging_level="error",
              runtime_env={"env_vars": {"PYTHONPATH": str(REPO / "platform")}})
-    tokens = prepare_text(cfg.data, seed=0)
-    results = []
+    tokens = prepare_text(config_from_dict(behemoth_job("corpus", 10)).data, seed=0)
+    sides = args.sides.split(",")
+    calm = {side: _calm_run(side, behemoth_job, tokens, args, work) for side in sides}
+    at_steps = schedule(args.steps, args.preemptions)
+    results: dict[str, list[dict]] = {side: [] for side in sides}
     try:
-        ledger = work / "ledger"
-
-        def behemoth_side():
-            return train(cfg)
-
-        rows, _ = run_storm(storm, ledger, behemoth_side, args.preemptions, args.every)
-        results.append(figures("behemoth", rows, storm.events, args.steps))
-        storm.events.clear()
-
-        from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
-        from ray.train.torch import TorchTrainer
-
-        log = work / "plain.jsonl"
-        plain = TorchTrainer(
-            plain_train_func, train_loop_config={
-                "job": job, "tokens": tokens.train[:], "vocab": tokens.vocab_size, "eos": tokens.eos_id,
-                "steps": args.steps, "every": args.checkpoint_every, "log": str(log)},
-            scaling_config=ScalingConfig(num_workers=2, resources_per_worker={"CPU": 1}),
-            run_config=RunConfig(name="plain", storage_path=str(work / "plain"),
-                                 failure_config=FailureConfig(max_failures=-1),
-                                 checkpoint_config=CheckpointConfig(num_to_keep=2)))
-        rows, _ = run_storm(storm, log, plain.fit, args.preemptions, args.every)
-        results.append(figures("plain Ray Train", rows, storm.events, args.steps))
+        for r in range(args.repeats):
+            for side in (sides if r % 2 == 0 else sides[::-1]):
+                storm.events.clear()
+                name = f"{side.split()[0]}-{r}"
+                train, log, phases_of = _side(side, name, behemoth_job, tokens, args, work)
+                rows = run_storm(storm, log, train, at_steps)
+                out = figures(side, rows, storm.events, args.steps, calm[side]["step_s"], phases_of)
+                out.update(repeat=r, checkpoint_blocked_s=_blocked(side, work / name, log), calm=calm[side])
+                print(json.dumps(out), flush=True)
+                results[side].append(out)
     finally:
         storm.close()
         ray.shutdown()
         cluster.shutdown()
-    b, r = results
-    print(f"goodput: behemoth {b['goodput']:.3f} vs plain Ray Train {r['goodput']:.3f}; steps redone {b['steps_redone']} "
-          f"vs {r['steps_redone']}; wall {b['wall_s']} s vs {r['wall_s']} s ({args.preemptions} preemptions, half "
-          f"with a {args.notice:.0f} s notice; a checkpoint every {args.checkpoint_every} steps)")
+    _summary(results, args)
+
+
+def _side(side: str, name: str, behemoth_job, tokens, args, work: Path, steps: int | None = None):
+    """(the side's training call, its step log, how to read a new group's phases)."""
+    steps = steps or args.steps
+    if side == "behemoth":
+        from behemoth.driver.run.trainer import train
+        from behemoth.job import config_from_dict
+
+        cfg = config_from_dict(behemoth_job(name, steps))
+        run_dir = work / name
+        return (lambda: train(cfg)), run_dir / "ledger", lambda rows: _phases_behemoth(run_dir, rows)
+    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    log = work / f"{name}.jsonl"
+    plain = TorchTrainer(
+        plain_train_func, train_loop_config={
+            "job": behemoth_job(name, steps), "tokens": tokens.train[:], "vocab": tokens.vocab_size,
+            "eos": tokens.eos_id, "steps": steps, "every": args.checkpoint_every, "log": str(log)},
+        scaling_config=ScalingConfig(num_workers=2, resources_per_worker={"CPU": 1}),
+        run_config=RunConfig(name=name, storage_path=str(work / "plain"),
+                             failure_config=FailureConfig(max_failures=-1),
+                             checkpoint_config=CheckpointConfig(num_to_keep=2)))
+
+    def phases_of(rows):
+        events = [json.loads(line) for line in log.read_text().splitlines()]
+        return _phases_plain(events, rows[0]["group"], rows[0])
+
+    return plain.fit, log, phases_of
+
+
+def _calm_run(side: str, behemoth_job, tokens, args, work: Path) -> dict:
+    """A run of the side without a storm: its median step and its start-up (the call to the first step)."""
+    steps = max(args.steps // 3, 200)
+    train, log, _ = _side(side, f"{side.split()[0]}-calm", behemoth_job, tokens, args, work, steps=steps)
+    called = time.time()
+    train()
+    rows = step_log(log)
+    gaps = [b["time"] - a["time"] for a, b in zip(rows, rows[1:]) if b["step"] == a["step"] + 1]
+    return {"step_s": statistics.median(gaps), "startup_s": round(rows[0]["time"] - called, 1)}
+
+
+def _blocked(side: str, run_dir: Path, log: Path) -> float:
+    """Seconds the side's checkpoints held its training loop (rank 0), summed over the run."""
+    if side == "behemoth":
+        from behemoth.tracking.records import read_jsonl
+
+        last = {}  # each group's last report: its clock's checkpoint time so far
+        for r in read_jsonl(str(run_dir / "metrics.jsonl")):
+            if r.get("group_id"):
+                last[r["group_id"]] = r
+        return round(sum(r.get("time_checkpoint_s", 0.0) for r in last.values()), 2)
+    rows = [json.loads(line) for line in log.read_text().splitlines()]
+    return round(sum(r.get("ckpt_s", 0.0) for r in rows), 2)
+
+
+def _summary(results: dict[str, list[dict]], args) -> None:
+    def spread(values):
+        values = [v for v in values if v is not None]
+        return (f"{statistics.median(values):.3g} (min {min(values):.3g}, max {max(values):.3g})" if values
+                else "n/a")
+
+    lines = {}
+    for side, outs in results.items():
+        no_notice = [e["redone"] for o in outs for e in o["preemptions"] if e["kind"] == "no notice"]
+        noticed = [e["redone"] for o in outs for e in o["preemptions"] if e["kind"] == "notice"]
+        recovery = [e["to_next_new_step_s"] for o in outs for e in o["preemptions"]]
+        lines[side] = {"goodput": statistics.median(o["goodput"] for o in outs),
+                       "redone_no_notice": statistics.median(no_notice) if no_notice else None,
+                       "redone_notice": statistics.median(noticed) if noticed else None,
+                       "recovery_s": statistics.median([x for x in recovery if x is not None] or [0])}
+        print(f"{side}: goodput {spread([o['goodput'] for o in outs])}; steps redone per noticed preemption "
+              f"{spread(noticed)}, per preemption without notice {spread(no_notice)}; seconds to the next new "
+              f"step {spread(recovery)}; checkpoints held the loop {spread([o['checkpoint_blocked_s'] for o in outs])} s",
+              flush=True)
+    if "behemoth" in lines and "plain" in lines:
+        b, r = lines["behemoth"], lines["plain"]
+        print(json.dumps({"medians": lines, "goodput_ratio": round(b["goodput"] / r["goodput"], 3),
+                          "notice_s": args.notice, "replacement_delay_s": args.replacement_delay,
+                          "preemptions": args.preemptions, "repeats": args.repeats}), flush=True)
 
 
 if __name__ == "__main__":

@@ -39,6 +39,12 @@ class NonFiniteError(RuntimeError):
     names the step; nothing after the last good checkpoint is saved. A restart would compute the same."""
 
 
+class PreemptionExit(RuntimeError):
+    """A worker group ending itself for a preemption, its last checkpoint written before the node's deadline (the
+    notice's): Ray Train restarts the group from it at once (the driver's failure policy charges it to
+    failure.max_preemptions, not max_failures), on the nodes that are left and the replacement."""
+
+
 class RunFailedError(RuntimeError):
     """A run that Ray Train gave up on (workers kept dying past failure.max_failures). Checkpoints are kept."""
 

@@ -100,8 +100,9 @@ class PhaseClock:
         if name not in self.marks:
             self.marks[name] = time.time()
 
-    def add(self, phase: str, seconds: float) -> None:
+    def add(self, phase: str, seconds: float) -> float:
         self.totals[phase] += seconds
+        return seconds
 
     def snapshot(self) -> dict:
         return {"group_id": self.group_id, "wall_time": time.time(),

@@ -69,3 +69,15 @@ def test_the_wait_for_nodes_is_bounded_by_failure_replacement_wait_s(capsys):
 
     shipped = pickle.loads(pickle.dumps(data_parallel_trainer.create_failure_policy(FailureConfig())))
     assert isinstance(shipped, FailFastPolicy) and shipped.replacement_wait_s == 30
+
+
+def test_a_group_that_ends_itself_for_a_preemption_is_charged_to_the_preemption_budget():
+    """Issue 73: after a notice the workers train on, checkpoint before the deadline and end the group
+    (PreemptionExit). Ray Train sees a worker error; the policy counts it as a preemption (failure.max_preemptions),
+    never against failure.max_failures: a spot run with max_failures 0 goes on through it."""
+    policy = FailFastPolicy(FailureConfig(max_failures=0, max_preemption_failures=2))
+    ended = failed("behemoth.errors.PreemptionExit: the worker group ends for a preemption, its last checkpoint "
+                   "at step 37 written before the node's deadline; the run goes on from it")
+    assert [policy.make_decision(ended) for _ in range(3)] == [FailureDecision.RETRY] * 2 + [FailureDecision.RAISE]
+    crash = failed("ray.exceptions.ActorDiedError: The actor died unexpectedly")
+    assert FailFastPolicy(FailureConfig(max_failures=0)).make_decision(crash) == FailureDecision.RAISE

@@ -189,34 +189,3 @@ def test_an_interval_that_is_not_one_is_refused_in_one_line(capsys, interval):
                                                        f"{interval!r}: give seconds between two reads, more than 0 "
                                                        f"and at most 30")
     assert build_parser().parse_args(["spot-watch", "--cloud", "aws", "--interval", "0.2"]).interval == 0.2
-
-
-def test_the_workers_hold_is_bounded_whatever_deadline_reaches_it(monkeypatch, capsys):
-    """Issue 72 item 3: the worker held "until the preemption deadline (31536029 s)" that a notice a year ahead
-    gave (Ray's drain deadline may come from a tool other than spot-watch). The hold is at most
-    PREEMPTION_HOLD_MAX_S (0.5 s here) and the grace (0.2 s), said in one line; a deadline within it is held
-    to, as before."""
-    from types import SimpleNamespace
-
-    from behemoth.worker import reporting
-
-    monkeypatch.setattr(reporting, "PREEMPTION_HOLD_MAX_S", 0.5, raising=False)
-    monkeypatch.setattr(reporting, "PREEMPTION_GRACE_S", 0.2)
-
-    def hold(ahead_s: float) -> float:
-        began = time.monotonic()
-        thread = threading.Thread(target=reporting.Reporter.hold_for_reclaim, daemon=True,
-                                  args=(SimpleNamespace(notice=time.time() + ahead_s, rank=0),))
-        thread.start()
-        thread.join(timeout=10)
-        assert not thread.is_alive(), f"a deadline {ahead_s:.0f} s ahead held the loop past 10 s"
-        return time.monotonic() - began
-
-    assert 0.65 < hold(365 * 86400) < 3
-    out = capsys.readouterr().out
-    assert out.count("\n") == 1 and re.fullmatch(r"\[behemoth\] holding 1 s, not until the preemption deadline "
-                                                  r"3153[56]\d{3} s away: no cloud gives that much notice \(held at "
-                                                  r"most 0 s\); the loop goes on after that where the node stays\n",
-                                                  out), out
-    assert 0.45 < hold(0.3) < 3  # within the bound: the deadline and the grace
-    assert "holding until the preemption deadline (0 s)" in capsys.readouterr().out

@@ -161,7 +161,13 @@ class ScalingConfig:
 
 @dataclass
 class CheckpointConfig:
-    every_n_steps: int = 100
+    # A checkpoint every N optimizer steps, or `auto`: as often as checkpoints pay for themselves (Young/Daly:
+    # every sqrt(2 x the measured hold of one checkpoint x the time between interruptions) seconds of training;
+    # worker/checkpoint_interval.py), said in the log when it changes.
+    every_n_steps: Union[int, Literal["auto"]] = 100
+    # checkpoint.every_n_steps: auto: how often an interruption (a preemption, a lost node or worker) is
+    # expected before the run has seen any, in seconds of training; each one the run meets then counts.
+    interruption_every_s: float = 21600.0
     # Checkpoints kept in the run folder (Ray's CheckpointConfig(num_to_keep=K)).
     keep: int = 3
     # Local folder or URI (s3://...); a run lives in STORAGE_PATH/RUN_NAME.
@@ -180,7 +186,10 @@ class CheckpointConfig:
     resume_changed_config: bool = False
 
     def validate(self) -> None:
-        _positive("checkpoint.every_n_steps", self.every_n_steps)
+        if self.every_n_steps != "auto":
+            _positive("checkpoint.every_n_steps", self.every_n_steps)
+        if not self.interruption_every_s > 0:
+            raise ConfigError(f"checkpoint.interruption_every_s must be > 0 seconds, got {self.interruption_every_s}")
         _positive("checkpoint.keep", self.keep)
         paths.check_name("checkpoint.run_name", self.run_name)
         paths.storage_root(self.storage_path)  # a URI with options in it is refused here, before Ray starts

@@ -21,7 +21,8 @@ from ray.train.v2._internal.exceptions import WorkerGroupStartupTimeoutError
 __all__ = ["ControllerCallback", "DatasetsCallback", "DefaultFailurePolicy", "FailureDecision",
            "WorkerGroupStartupTimeoutError", "waiting_for_nodes",
            "PlacementGroupCleaner", "PlacementGroupCleanerCallback", "ReportCallback", "TrainContextCallback",
-           "launch_placement_group_cleaner", "preemption_notice", "quiet_report_log", "set_failure_policy_factory",
+           "launch_placement_group_cleaner", "preemption_error", "preemption_notice", "quiet_report_log",
+           "set_failure_policy_factory",
            "worker_environment"]
 
 
@@ -30,6 +31,15 @@ def waiting_for_nodes(training_failed_error) -> bool:
     within RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S: the nodes are not there yet); it retries such attempts without
     limit by default (controller_failure_limit -1)."""
     return isinstance(getattr(training_failed_error, "controller_failure", None), WorkerGroupStartupTimeoutError)
+
+
+def preemption_error():
+    """Ray Train's PreemptionError (what its controller raises after waiting out a preemption), for a group that
+    ended itself before the deadline: a failure policy charges it to the preemption budget."""
+    from ray.train.v2.api.exceptions import PreemptionError
+    from ray.train.v2.api.preemption import PreemptionInfo
+
+    return PreemptionError(PreemptionInfo(deadline_ms=None, preempted_node_to_ranks={}), drain_timed_out=False)
 
 
 def set_failure_policy_factory(create) -> None:

@@ -74,14 +74,21 @@ class TrainState:
     evals_without_improvement: int = 0
     stopped_early_at: int | None = None
     early_stopping_metric: str | None = None
+    # checkpoint.every_n_steps: auto (worker/checkpoint_interval.py): the step of the next checkpoint (0: none
+    # agreed yet), the times the run resumed from a checkpoint (its interruptions) and its training seconds
+    next_checkpoint_at: int = 0
+    interruptions: int = 0
+    trained_s: float = 0.0
 
     def last_step(self, total_steps: int) -> int:
         """The step the run ends at: its last, or the one early stopping stopped it at."""
         return total_steps if self.stopped_early_at is None else min(self.stopped_early_at, total_steps)
 
-    def advance(self, epoch_steps: int, global_batch: int) -> None:
-        """One optimizer step done; an epoch's last step moves to the next epoch's step 0."""
+    def advance(self, epoch_steps: int, global_batch: int, seconds: float = 0.0) -> None:
+        """One optimizer step done (in `seconds` of training); an epoch's last step moves to the next epoch's
+        step 0."""
         self.step += 1
+        self.trained_s += seconds
         self.step_in_epoch += 1
         self.samples_seen += global_batch
         if self.step_in_epoch == epoch_steps:

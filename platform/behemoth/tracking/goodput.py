@@ -17,7 +17,7 @@ Pure: the run's records in (timeline.jsonl, metrics.jsonl), an account out. The 
                detection, the restart, and the steps trained after that report (not measured: no report
                carries them; at most train.log_every - 1 of them plus the step under way)
   preemption   the same for a group ended by a preemption (its last report carries the preemption's
-               checkpoint): the hold until the notice's deadline, then the wait for nodes and the restart
+               checkpoint, the last one before the notice's deadline): the wait for nodes and the restart
   shutdown     the last group's end -> the invocation's end (Ray Train's shutdown, the report, MLflow's
                artifacts)
   unaccounted  the rest of the kept spans (loop bookkeeping between the measured phases)
@@ -173,7 +173,8 @@ def _group(inv: str, g: str, rs: list[dict], final_clock: dict, acted: list[floa
         terms["lost"] += cut.get(f"time_{phase}_s", 0.0) - kept.get(f"time_{phase}_s", 0.0)
     terms["unaccounted"] = (cut_time - loop_started) - sum(terms[t] for t in (*_PHASE_TERMS.values(), "lost"))
     preempted = bool(last.get("preemption_checkpoint")) and cut is last
-    # its last report -> the failure seen (unreported steps, detection); after a preemption's checkpoint, the hold
+    # its last report -> the failure seen (unreported steps, detection); after a preemption's last checkpoint, the
+    # group's end
     terms["preemption" if preempted else "downtime"] += ended - cut_time
     return GroupAccount(inv, g, int(last.get("world_size", 0)), last.get("mark_started", loop_started), loop_started,
                         ended, rs[0]["step"], last["step"], int(last.get("resumed_from_step", 0)), restored,

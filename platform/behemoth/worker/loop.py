@@ -40,7 +40,7 @@ from behemoth.worker.optim import build_optimizer, lr_schedule
 from behemoth.worker.plan import batch_plan
 from behemoth.worker.profiling import StepProfiler
 from behemoth.worker.precision import autocast, device_settings, grad_scaler, master_weights
-from behemoth.worker.reporting import Reporter, report_due, resume_early_stopping
+from behemoth.worker.reporting import Reporter, resume_early_stopping
 from behemoth.checkpoints import CheckpointSaver, Trainables, load_init_from, restore_latest
 from behemoth.worker.speed import SpeedMeter
 from behemoth.worker.step_callbacks import Callbacks
@@ -94,13 +94,13 @@ def train_loop_per_worker(loop_config: dict) -> dict:
             step_started, blocked_before = time.perf_counter(), clock.totals["checkpoint"]
             loss_sum, n_valid = step(step_ctx, state, micro_batches, window, wait_s)
             callbacks.after_update(step_ctx, state, micro_batches, loss_sum, n_valid)
-            state.advance(epoch_steps, cfg.train.global_batch_size)
-            feed.ahead(state, total_steps)
             # the step's time, less what it waited for a checkpoint snapshot (counted as checkpoint time)
-            clock.add("step", time.perf_counter() - step_started - (clock.totals["checkpoint"] - blocked_before))
+            step_s = clock.add("step", time.perf_counter() - step_started - (clock.totals["checkpoint"] - blocked_before))
+            state.advance(epoch_steps, cfg.train.global_batch_size, step_s)
+            feed.ahead(state, total_steps)
             clock.mark_once("first_step")  # time to first step: the start-up a user waits through
             callbacks.after_step(step_ctx, state)
-            if report_due(cfg, state, total_steps):
+            if reporter.due(state):
                 reporter.report(state, window, bad_ids)
                 window = Window()
             callbacks.after_report(step_ctx, state)  # (the failure tests' kill point: after the report)

@@ -13,7 +13,7 @@ import torch
 
 from behemoth.storage.checkpoint import TrainState
 from behemoth.config import JobConfig
-from behemoth.errors import BadSampleError, NonFiniteError
+from behemoth.errors import BadSampleError, NonFiniteError, PreemptionExit
 from behemoth.metrics import (CHECKPOINT_SCORE, LOGGED, Window, checkpoint_score, data_wait_fraction,
                               progress_line, throughput)
 from behemoth.tasks import Task, run_metric
@@ -23,6 +23,7 @@ from behemoth.worker.parallel import sync_buffers
 from behemoth.hosts.console import console
 from behemoth.worker.evaluate import evaluate
 from behemoth.checkpoints import send_report
+from behemoth.worker.checkpoint_interval import CheckpointInterval
 from behemoth.worker.step_context import StepContext
 
 
@@ -32,13 +33,9 @@ def evaluate_due(cfg: JobConfig, state: TrainState, total_steps: int) -> bool:
             or bool(every and state.step % every == 0))
 
 
-def checkpoint_due(cfg: JobConfig, state: TrainState, total_steps: int) -> bool:
-    return state.step >= total_steps or state.step % cfg.checkpoint.every_n_steps == 0
-
-
-def report_due(cfg: JobConfig, state: TrainState, total_steps: int) -> bool:
+def report_due(cfg: JobConfig, state: TrainState, total_steps: int, interval: CheckpointInterval) -> bool:
     return (state.step % cfg.train.log_every == 0 or evaluate_due(cfg, state, total_steps)
-            or checkpoint_due(cfg, state, total_steps))
+            or interval.due(state, total_steps))
 
 
 # The fewest seconds between two reports handed to Ray Train (where its host takes them by polling): each costs
@@ -46,13 +43,13 @@ def report_due(cfg: JobConfig, state: TrainState, total_steps: int) -> bool:
 # training thread's own Python then waits for (one GIL). At the controller's 0.2 s poll that was ~3 % of a
 # 23 ms CPU step; at 1 s, ~1 % (BENCHMARKS.md, "P1 at the fast shape"). Evaluations go at once.
 REPORT_EVERY_S = 1.0
-# After a preemption's checkpoint the loop holds until the deadline and this much more (Ray Train ends the group
-# at the deadline; a node that is not taken after all lets the run go on).
-PREEMPTION_GRACE_S = 30.0
-# The furthest ahead a preemption deadline is held for, whoever set it (`behemoth spot-watch` bounds its notices
-# alike, MAX_NOTICE_AHEAD_S, but Ray's drain deadline may come from another tool): a deadline a year ahead held
-# the run for a year. EC2 gives two minutes, GCE 30 s.
-PREEMPTION_HOLD_MAX_S = 600.0
+# A preemption notice: the loop checkpoints at once (in the foreground: the node may go early; its duration is
+# measured) and trains on; its last checkpoint is taken when the deadline is as close as that duration x
+# FINAL_WRITE_FACTOR, two report periods and NOTICE_SAFETY_S, and the group then ends (PreemptionExit: Ray Train
+# restarts it at once on the nodes it gets, charged to failure.max_preemptions). No step trained in the notice is
+# lost, and none waits: a deadline far ahead (a year: a wrong clock) only moves the last checkpoint that far.
+FINAL_WRITE_FACTOR = 1.5
+NOTICE_SAFETY_S = 1.0
 
 
 def run_epochs(epochs: int, total_steps: int, epoch_steps: int) -> float:
@@ -193,24 +190,27 @@ class Reporter:
         self.clock, self.resumed_from_step = ctx.clock, ctx.resumed_from_step
         interval = hosts.current().report_interval_s
         self.sender = ReportSender(max(interval, REPORT_EVERY_S) if interval > 0 else 0.0)
-        # a preemption notice (the host's: a spot node about to be reclaimed): its deadline, and whether the
-        # checkpoint it calls for is written
+        self.interval = CheckpointInterval(self.cfg)  # checkpoint.every_n_steps (auto: as often as they pay)
+        # a preemption notice (the host's: a spot node about to be reclaimed): its deadline (inf: none given),
+        # and how long the checkpoint it called for at once took (None: not written yet)
         self.notice: float | None = None
-        self.saved_for_notice = False
+        self.notice_write_s: float | None = None
+
+    def due(self, state: TrainState) -> bool:
+        """Whether this step reports (a log step, an evaluation or a checkpoint)."""
+        return report_due(self.cfg, state, self.total_steps, self.interval)
 
     def report(self, state: TrainState, window: Window, bad_ids: set) -> None:
         started, clock = time.perf_counter(), self.clock.snapshot()  # the phases up to this report
         evaluate_now = evaluate_due(self.cfg, state, self.total_steps)
-        checkpoint_now = checkpoint_due(self.cfg, state, self.total_steps)
-        metrics, send_now = self.train_metrics(state, window, bad_ids)
+        checkpoint_now = self.interval.due(state, self.total_steps)
+        metrics, send_now, agreed = self.train_metrics(state, window, bad_ids)
         report = {**metrics, **clock, "resumed_from_step": self.resumed_from_step}
-        preempted = self.notice is not None and not self.saved_for_notice
-        if preempted:  # a checkpoint now, written before the loop goes on: the node may go at the deadline
-            checkpoint_now, self.saved_for_notice, report["preemption_checkpoint"] = True, True, True
-            if self.rank == 0:
-                left = "no deadline given" if self.notice == math.inf else f"{self.notice - time.time():.0f} s left"
-                console(f"preemption notice (a node of this worker group is being reclaimed, {left}): checkpoint "
-                        f"at step {state.step} now; the run resumes from it on the nodes it gets next")
+        first_notice = self.notice is not None and self.notice_write_s is None
+        ending = agreed["final"] or (first_notice and self.notice == math.inf)  # (no deadline: the group ends now)
+        if first_notice or agreed["final"]:
+            checkpoint_now, report["preemption_checkpoint"] = True, True
+            self._say_notice(state, first_notice, ending)
         report.update(self.speed.metrics(report["samples_per_s"]))
         report.update(self.saver.block_metrics())
         if evaluate_now or checkpoint_now:
@@ -236,41 +236,48 @@ class Reporter:
                                   self.task.progress_fields(report)))
         if checkpoint_now:
             t0 = time.perf_counter()
+            if self.interval.auto:  # (in the state this checkpoint keeps: a resumed run checkpoints on schedule)
+                state.next_checkpoint_at = state.step + agreed["interval"]
             # retention ranks checkpoints by the run's metric (the latest is kept too): this one's, where evaluated
             metric, order = run_metric(self.task, self.cfg)
             report[CHECKPOINT_SCORE] = checkpoint_score(report.get(metric), order)
             self.sender.attach_pending(report)
             self.sender.flush()  # the reports before it reach the host first
-            self.saver.save_and_report(report, state, self.run, sync=preempted)
+            self.saver.save_and_report(report, state, self.run, sync=first_notice or ending)
             self.sender.after_checkpoint = True
             checkpoint_s = time.perf_counter() - t0
+            self.interval.measured(self.saver.last_block_s)
+            if first_notice:
+                self.notice_write_s = checkpoint_s
         else:
             # an evaluation's report goes at once (a sweep's scheduler decides on it)
             self.sender.send(report, now=send_now or evaluate_now)
         self.clock.add("eval", eval_s)
         self.clock.add("checkpoint", checkpoint_s)
         self.clock.add("report", time.perf_counter() - started - eval_s - checkpoint_s)
-        if preempted:
-            self.hold_for_reclaim()
+        line = self.interval.line(state, agreed["interval"], agreed["step_s"]) if self.rank == 0 else None
+        if line:
+            console(line)
+        if ending:
+            raise PreemptionExit(f"the worker group ends for a preemption, its last checkpoint at step {state.step} "
+                                 f"written before the node's deadline; the run goes on from it")
 
-    def hold_for_reclaim(self) -> None:
-        """After a preemption's checkpoint, hold the loop until the notice's deadline (and PREEMPTION_GRACE_S
-        more), where Ray Train ends the group: a step trained now would be lost with the node and redone from that
-        checkpoint, so none is. A deadline further ahead than PREEMPTION_HOLD_MAX_S is held only that far, said.
-        Where the node stays (a drain Ray cancelled) or no deadline was given, the loop goes on after that."""
-        if self.notice == math.inf:
+    def _say_notice(self, state: TrainState, first: bool, ending: bool) -> None:
+        if self.rank != 0:
             return
-        now = time.time()
-        until = min(self.notice, now + PREEMPTION_HOLD_MAX_S) + PREEMPTION_GRACE_S
-        if self.rank == 0 and self.notice - now > PREEMPTION_HOLD_MAX_S:
-            console(f"holding {until - now:.0f} s, not until the preemption deadline {self.notice - now:.0f} s away: "
-                    f"no cloud gives that much notice (held at most {PREEMPTION_HOLD_MAX_S:.0f} s); the loop goes "
-                    f"on after that where the node stays")
-        elif self.rank == 0:
-            console(f"holding until the preemption deadline ({max(until - now, 0):.0f} s): a step trained "
-                    f"now would be redone from the checkpoint just written")
-        while time.time() < until:
-            time.sleep(0.2)
+        if first and self.notice == math.inf:
+            console(f"preemption notice with no deadline: checkpoint at step {state.step}, then the worker group "
+                    f"ends and the run goes on from it on the nodes it gets")
+        elif first:
+            console(f"preemption notice (a node of this worker group is reclaimed in "
+                    f"{self.notice - time.time():.0f} s): checkpoint at step {state.step} now, training on; the last "
+                    f"one just before the deadline, then the run goes on from it on the nodes it gets")
+        else:
+            console(f"preemption deadline in {self.notice - time.time():.1f} s: last checkpoint at step {state.step}")
+
+    def final_margin_s(self, step_s: float) -> float:
+        """How close to the notice's deadline the last checkpoint is taken (see FINAL_WRITE_FACTOR)."""
+        return FINAL_WRITE_FACTOR * (self.notice_write_s or 0.0) + 2 * self.cfg.train.log_every * step_s + NOTICE_SAFETY_S
 
     def evaluate(self) -> dict:
         return evaluate(self.run.evaluated(), self.task, self.rank, self.world, self.micro_batch)
@@ -298,9 +305,14 @@ class Reporter:
         # one all-reduce: the loss, the samples, whether any rank dropped samples, rank 0's vote to send, and
         # the non-finite steps (the same on every rank: the norm is of the reduced gradients)
         deadline = hosts.current().preemption_deadline()
+        step_s = window.elapsed() / max(window.steps, 1)
+        # rank 0's: the checkpoint interval it proposes (auto), and whether the notice's last checkpoint is due
+        proposed = self.interval.propose(state, step_s) if self.rank == 0 and self.interval.auto else 0
+        final = (self.rank == 0 and self.notice not in (None, math.inf) and self.notice_write_s is not None
+                 and self.notice - time.time() <= self.final_margin_s(step_s))
         stats = torch.tensor([float(window.loss_sum), float(window.loss_count), float(len(bad_ids)),
                               float(self.rank == 0 and self.sender.due()), float(nonfinite),
-                              float(deadline is not None)], dtype=torch.float64)
+                              float(deadline is not None), float(proposed), float(final)], dtype=torch.float64)
         stats = stats.to(hosts.device())
         all_reduce_sum(stats)
         stats = stats.tolist()
@@ -333,7 +345,9 @@ class Reporter:
             metrics["grad_norm"] = norm
         if state.skipped_steps:
             metrics["skipped_steps"] = state.skipped_steps
-        return metrics, bool(stats[3])
+        if self.interval.auto:
+            metrics["checkpoint_interval_steps"] = int(stats[6])
+        return metrics, bool(stats[3]), {"interval": int(stats[6]), "final": stats[7] > 0, "step_s": step_s}
 
     def nonfinite_guard(self, state: TrainState, window: Window, loss_sum: float, nonfinite: float,
                         first_bad: int | None) -> None:

@@ -1,8 +1,8 @@
 """`behemoth spot-watch`: one per node of a spot cluster (cluster.yaml's start commands run it in the background).
 It polls the cloud's preemption notice for this instance and, once one arrives, drains this node through Ray
 (reason preemption, the notice's deadline): Ray Train's preemption watcher then tells the worker group, behemoth
-checkpoints at its next report step and holds until the deadline (worker/reporting.py), and the run resumes from that
-checkpoint on the nodes it gets next. Ray's open-source autoscaler reads neither cloud's notice itself.
+checkpoints at its next report step, trains on through the notice and checkpoints again just before the deadline
+(worker/reporting.py), and the run resumes from that checkpoint on the nodes it gets next. Ray's open-source autoscaler reads neither cloud's notice itself.
 
 - AWS (EC2 spot): the instance metadata service, IMDSv2 (a session token from PUT /latest/api/token, sent with
   every read): /latest/meta-data/spot/instance-action is 404 until an interruption is scheduled, then

@@ -16,10 +16,10 @@ from __future__ import annotations
 import time
 
 from behemoth.ray_internals.core import node_logs_dir
-from behemoth.ray_internals.train_v2 import (DefaultFailurePolicy, FailureDecision, set_failure_policy_factory,
-                                          waiting_for_nodes)
+from behemoth.ray_internals.train_v2 import (DefaultFailurePolicy, FailureDecision, preemption_error,
+                                             set_failure_policy_factory, waiting_for_nodes)
 
-from behemoth.errors import NOT_RETRIED, user_facing_error
+from behemoth.errors import NOT_RETRIED, PreemptionExit, user_facing_error
 
 
 class FailFastPolicy(DefaultFailurePolicy):
@@ -33,6 +33,10 @@ class FailFastPolicy(DefaultFailurePolicy):
         self.waiting_since: float | None = None
 
     def make_decision(self, training_failed_error) -> FailureDecision:
+        if user_facing_error(training_failed_error, (PreemptionExit,)) is not None:
+            # the group ended itself for a notice's preemption (worker/reporting.py): a preemption, as Ray Train
+            # counts those (failure.max_preemptions), not a failure
+            return super().make_decision(preemption_error())
         message = user_facing_error(training_failed_error, NOT_RETRIED)
         if message is not None:
             print(f"[behemoth] not retried (a restart would fail the same way; failure.max_failures is left "

@@ -36,6 +36,9 @@ class RunSummary:
             out.append(f"model speed:       {m['tflops_per_worker']:.3g} TFLOP/s per worker ({mfu}"
                        f"peak: {self.peak_source})")
         out.append(f"latest checkpoint: {self.latest_checkpoint}")
+        if "checkpoint_interval_steps" in m:  # (checkpoint.every_n_steps auto: the interval it came to)
+            out.append(f"checkpoints:       every {m['checkpoint_interval_steps']} steps at the end "
+                       f"(checkpoint.every_n_steps auto: the log says why)")
         if self.best_checkpoint:
             out.append(f"best checkpoint:   {self.best_checkpoint} ({self.best_metric} {self.best_value:.4f})")
         out.append(f"wall time:         {self.wall_s:.1f} s")

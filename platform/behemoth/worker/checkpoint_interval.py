@@ -1,0 +1,81 @@
+"""When to checkpoint: every checkpoint.every_n_steps steps, or with `auto` as often as checkpoints pay.
+
+A checkpoint costs the seconds it holds the training loop (C: with asynchronous saves only the snapshot to host
+memory); an interruption without notice costs the work since the last one (half an interval on average). Young
+and Daly's optimum interval between checkpoints is then sqrt(2 C M) seconds of training, M the mean time between
+interruptions. C is measured: the median hold of this run's own checkpoints so far (rank 0's). M starts at
+checkpoint.interruption_every_s and learns from the run: (that + the run's training seconds) / (1 + the
+interruptions seen), an interruption being each resume of the run from its checkpoint (train_state.json keeps
+both counts, so they add up over restarts and reruns). The interval in steps is those seconds over this run's
+seconds per step, at least 1 step and at most MAX_INTERVAL_S of training.
+
+Every rank must checkpoint at the same step: rank 0 proposes the interval at each report, the report's
+all-reduce hands every rank rank 0's number, and each checkpoint fixes the step of the next one in the train
+state (so a resumed run keeps it).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+
+from behemoth.config import JobConfig
+from behemoth.storage.checkpoint import TrainState
+
+FIRST_STEPS = 20  # auto's first checkpoint, before any hold is measured: this many steps in
+MAX_INTERVAL_S = 3600.0  # the longest interval auto sets, in seconds of training (a lost driver costs at most that)
+KEPT_HOLDS = 8  # the holds the median is taken over (the latest: a cache warmed, pinned buffers allocated)
+
+
+def young_daly_s(hold_s: float, interruption_every_s: float) -> float:
+    """The checkpoint interval, in seconds of training, that loses least to checkpoints and interruptions."""
+    return math.sqrt(2.0 * max(hold_s, 0.0) * interruption_every_s)
+
+
+def expected_interruption_s(cfg: JobConfig, state: TrainState) -> float:
+    """The mean training time between interruptions as this run knows it: the configured expectation counted as
+    one, and what the run met since."""
+    return (cfg.checkpoint.interruption_every_s + state.trained_s) / (1 + state.interruptions)
+
+
+class CheckpointInterval:
+    """Whether a checkpoint is due at a step, and (auto) what rank 0 proposes the next interval to be."""
+
+    def __init__(self, cfg: JobConfig):
+        self.cfg = cfg
+        self.auto = cfg.checkpoint.every_n_steps == "auto"
+        self.holds: list[float] = []
+        self.said: int | None = None  # the interval the log last said
+
+    def due(self, state: TrainState, total_steps: int) -> bool:
+        if state.step >= total_steps:
+            return True
+        if not self.auto:
+            return state.step % self.cfg.checkpoint.every_n_steps == 0
+        return state.step >= (state.next_checkpoint_at or FIRST_STEPS)
+
+    def measured(self, hold_s: float | None) -> None:
+        """A checkpoint's hold on the loop (the saver's measure, reported after it)."""
+        if hold_s is not None:
+            self.holds = (self.holds + [hold_s])[-KEPT_HOLDS:]
+
+    def propose(self, state: TrainState, step_s: float) -> int:
+        """Rank 0's interval in steps (FIRST_STEPS until a hold is measured)."""
+        if not self.holds or step_s <= 0:
+            return FIRST_STEPS
+        seconds = min(young_daly_s(statistics.median(self.holds), expected_interruption_s(self.cfg, state)),
+                      MAX_INTERVAL_S)
+        return max(1, round(seconds / step_s))
+
+    def line(self, state: TrainState, steps: int, step_s: float) -> str | None:
+        """The log's line where the agreed interval moved by a fifth or more since it was last said."""
+        if not self.auto or not self.holds or (self.said and abs(steps - self.said) < 0.2 * self.said):
+            return None
+        self.said = steps
+        hold = statistics.median(self.holds)
+        every = expected_interruption_s(self.cfg, state)
+        return (f"checkpoint every {steps} steps (checkpoint.every_n_steps auto: a checkpoint holds the loop "
+                f"{hold:.3f} s, an interruption expected every {every:.0f} s of training ({state.interruptions} met "
+                f"in {state.trained_s:.0f} s; checkpoint.interruption_every_s "
+                f"{self.cfg.checkpoint.interruption_every_s:g}); sqrt(2 x {hold:.3f} x {every:.0f}) = "
+                f"{young_daly_s(hold, every):.1f} s at {step_s:.3f} s a step)")
