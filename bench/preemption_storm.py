@@ -120,7 +120,7 @@ class Storm:
         self.cluster, self.notice_s, self.delay_s = cluster, notice_s, delay_s
         self.nodes = {}  # node id -> (node, FakeMetadata, watcher process)
         self.events = []  # {time, kind, node, removed, replaced}
-        self._joins: list[threading.Thread] = []
+        self.pending: list[dict] = []  # events whose replacement node has yet to join
 
     def add(self):
         from fake_metadata import FakeMetadata
@@ -147,20 +147,20 @@ class Storm:
         event["removed"] = time.time()
         watcher.kill()
         metadata.close()
-        joins = threading.Thread(target=self._replace, args=(event,), daemon=True)
-        joins.start()
-        self._joins.append(joins)
+        self.pending.append(event)
 
-    def _replace(self, event: dict) -> None:
-        time.sleep(self.delay_s)
-        self.add()
-        event["replaced"] = time.time()
+    def tick(self) -> None:
+        """Add the replacements that are due (from the main thread: Ray's node start sets signal handlers)."""
+        for event in [e for e in self.pending if time.time() >= e["removed"] + self.delay_s]:
+            self.add()
+            event["replaced"] = time.time()
+            self.pending.remove(event)
 
     def settle(self) -> None:
-        """Wait for the replacements under way (the next side starts on a whole cluster)."""
-        for joins in self._joins:
-            joins.join()
-        self._joins.clear()
+        """The replacements under way joined (the next side starts on a whole cluster)."""
+        while self.pending:
+            self.tick()
+            time.sleep(0.1)
         self.cluster.wait_for_nodes()
 
     def close(self):
@@ -190,6 +190,16 @@ def schedule(steps: int, preemptions: int) -> list[int]:
     return [round(steps * (k + 1) / (preemptions + 1)) for k in range(preemptions)]
 
 
+def _since_last(rows: list[dict], storm: Storm) -> list[dict]:
+    """The steps of worker groups started after the last preemption's node was removed (a group that outlives its
+    node for a moment, or trains on through a notice, is not struck twice)."""
+    since = max((e.get("removed", e["time"]) for e in storm.events), default=0.0)
+    first = {}
+    for r in rows:
+        first.setdefault(r["group"], r["time"])
+    return [r for r in rows if first[r["group"]] > since]
+
+
 def run_storm(storm: Storm, log: Path, train, at_steps: list[int]) -> list[dict]:
     """Run `train` in a thread while the storm preempts the node of rank 0's newest step when the run first
     reaches each of `at_steps` (alternately with and without a notice); returns the step log."""
@@ -197,18 +207,21 @@ def run_storm(storm: Storm, log: Path, train, at_steps: list[int]) -> list[dict]
     thread.start()
     for k, at in enumerate(at_steps):
         while thread.is_alive():
-            rows = step_log(log)
-            if rows and max(r["step"] for r in rows) >= at:
+            storm.tick()
+            rows = _since_last(step_log(log), storm)
+            if rows and max(r["step"] for r in rows) >= at and rows[-1]["node"] in storm.nodes:
                 break
             time.sleep(0.1)
         if not thread.is_alive():
             print(f"[storm] the run ended before step {at}: preemption {k + 1} not met", flush=True)
             break
-        victim = step_log(log)[-1]["node"]
+        victim = rows[-1]["node"]
         print(f"[storm] step {at}: preempting rank 0's node {victim[:8]} {'with' if k % 2 == 0 else 'without'} "
               f"a notice", flush=True)
         storm.preempt(victim, notice=k % 2 == 0)
-    thread.join()
+    while thread.is_alive():
+        storm.tick()
+        thread.join(timeout=0.1)
     storm.settle()
     return step_log(log)
 

@@ -3,15 +3,18 @@
 A checkpoint costs the seconds it holds the training loop (C: with asynchronous saves only the snapshot to host
 memory); an interruption without notice costs the work since the last one (half an interval on average). Young
 and Daly's optimum interval between checkpoints is then sqrt(2 C M) seconds of training, M the mean time between
-interruptions. C is measured: the median hold of this run's own checkpoints so far (rank 0's). M starts at
-checkpoint.interruption_every_s and learns from the run: (that + the run's training seconds) / (1 + the
-interruptions seen), an interruption being each resume of the run from its checkpoint (train_state.json keeps
-both counts, so they add up over restarts and reruns). The interval in steps is those seconds over this run's
-seconds per step, at least 1 step and at most MAX_INTERVAL_S of training.
+interruptions. C is measured: the median hold of this run's own checkpoints so far (rank 0's). M is
+checkpoint.interruption_every_s until the run has met an interruption (or its training time, where that is
+longer: none came in it), then what the run met: its training seconds over its interruptions, an interruption
+being each resume of the run from its checkpoint (train_state.json keeps both counts, so they add up over
+restarts and reruns). Leaning on what the run meets is the cheap side of the error: too short an M costs
+checkpoints of milliseconds (asynchronous saves), too long a one costs the work an interruption throws away.
+The interval in steps is those seconds over this run's seconds per step, at least 1 step and at most
+MAX_INTERVAL_S of training.
 
 Every rank must checkpoint at the same step: rank 0 proposes the interval at each report, the report's
-all-reduce hands every rank rank 0's number, and each checkpoint fixes the step of the next one in the train
-state (so a resumed run keeps it).
+all-reduce hands every rank rank 0's number; each checkpoint sets the step of the next one in the train state
+(so a resumed run keeps it), and a report whose interval is shorter brings it closer (after an interruption).
 """
 
 from __future__ import annotations
@@ -33,9 +36,11 @@ def young_daly_s(hold_s: float, interruption_every_s: float) -> float:
 
 
 def expected_interruption_s(cfg: JobConfig, state: TrainState) -> float:
-    """The mean training time between interruptions as this run knows it: the configured expectation counted as
-    one, and what the run met since."""
-    return (cfg.checkpoint.interruption_every_s + state.trained_s) / (1 + state.interruptions)
+    """The mean training time between interruptions as this run knows it: what it met, or before any, the
+    configured expectation (or its training time so far, where longer)."""
+    if state.interruptions:
+        return max(state.trained_s, 1e-3) / state.interruptions
+    return max(cfg.checkpoint.interruption_every_s, state.trained_s)
 
 
 class CheckpointInterval:

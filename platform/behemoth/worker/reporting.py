@@ -23,7 +23,7 @@ from behemoth.worker.parallel import sync_buffers
 from behemoth.hosts.console import console
 from behemoth.worker.evaluate import evaluate
 from behemoth.checkpoints import send_report
-from behemoth.worker.checkpoint_interval import CheckpointInterval
+from behemoth.worker.checkpoint_interval import FIRST_STEPS, CheckpointInterval
 from behemoth.worker.step_context import StepContext
 
 
@@ -234,10 +234,11 @@ class Reporter:
             console(progress_line(report, self.total_steps, run_epochs(self.cfg.train.epochs, self.total_steps,
                                                                        self.epoch_steps),
                                   self.task.progress_fields(report)))
+        if self.interval.auto:  # the agreed interval: from this checkpoint, or sooner than planned where it shrank
+            state.next_checkpoint_at = state.step + agreed["interval"] if checkpoint_now else \
+                min(state.next_checkpoint_at or FIRST_STEPS, state.step + agreed["interval"])
         if checkpoint_now:
             t0 = time.perf_counter()
-            if self.interval.auto:  # (in the state this checkpoint keeps: a resumed run checkpoints on schedule)
-                state.next_checkpoint_at = state.step + agreed["interval"]
             # retention ranks checkpoints by the run's metric (the latest is kept too): this one's, where evaluated
             metric, order = run_metric(self.task, self.cfg)
             report[CHECKPOINT_SCORE] = checkpoint_score(report.get(metric), order)
