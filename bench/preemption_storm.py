@@ -9,9 +9,11 @@ Llama-style LM for `--steps` steps while a storm preempts the node of rank 0, th
 - a replacement node joins `--replacement-delay` seconds after a node is removed (a cloud takes minutes to
   launch one; the delay is the same for both sides), and every side meets every preemption.
 
-The sides, alternating (ABBA) over `--repeats`: behemoth (`train`, `checkpoint.every_n_steps: auto`, a report
-every 2 steps; `--behemoth-set KEY=VALUE` adds overrides, e.g. scaling.num_workers=[1,2] to train on while the
-replacement comes) and the plain Ray Train script a careful user would write from Ray's docs (the same model,
+The sides, alternating (ABBA) over `--repeats`: behemoth as a spot user runs it (`train`, `checkpoint.every_n_steps:
+auto`, elastic `scaling.num_workers: [1, 2]` so that it trains on with the workers it has while the replacement
+comes, `elastic_resize_interval_s: 5`, a report every 2 steps; `--behemoth-set KEY=VALUE` adds overrides),
+optionally behemoth-fixed (the same with 2 workers: it waits for the replacement, as the plain script does), and
+the plain Ray Train script a careful user would write from Ray's docs (the same model,
 data order and optimizer; a `torch.save` checkpoint every `--checkpoint-every` steps through `ray.train.report`;
 resume from `ray.train.get_checkpoint()`; `FailureConfig(max_failures=-1)`). Each side also trains once without
 a storm first (its step rate and start-up, so recovery is told apart from step speed).
@@ -24,7 +26,8 @@ restart to the new group's training function, its set-up to the loop, the first 
 (min, max) per side and the ratios.
 
     .venv/bin/python bench/preemption_storm.py [--steps 1500] [--preemptions 4] [--notice 6] \\
-        [--replacement-delay 20] [--checkpoint-every 150] [--repeats 3] [--behemoth-set KEY=VALUE ...]
+        [--replacement-delay 60] [--checkpoint-every 150] [--repeats 3] [--sides behemoth,plain] \\
+        [--behemoth-set KEY=VALUE ...]
 """
 
 from __future__ import annotations
@@ -63,7 +66,9 @@ def plain_train_func(config):
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     group = os.urandom(6).hex()  # this worker group's (a restart is another)
     log = _plain_log(config["log"], rank, group)
-    log({"event": "start"})
+    from behemoth.metrics import proc_start_time
+
+    log({"event": "start", "process": proc_start_time()})
     cfg = config_from_dict(config["job"])
     tokens = config["tokens"]
     torch.set_num_threads(1)
@@ -227,9 +232,10 @@ def run_storm(storm: Storm, log: Path, train, at_steps: list[int]) -> list[dict]
 
 
 def _phases_plain(events_log: list[dict], new_group: str, first_new: dict) -> dict:
-    start = next((r["time"] for r in events_log if r.get("event") == "start" and r["group"] == new_group), None)
+    start = next((r for r in events_log if r.get("event") == "start" and r["group"] == new_group), {})
     ready = next((r["time"] for r in events_log if r.get("event") == "ready" and r["group"] == new_group), None)
-    return {"to_function_start": start, "to_loop": ready, "to_first_step": first_new["time"]}
+    return {"to_process_start": start.get("process"), "to_function_start": start.get("time"), "to_loop": ready,
+            "to_first_step": first_new["time"]}
 
 
 def _phases_behemoth(run_dir: Path, new_group_rows: list[dict]) -> dict:
@@ -239,8 +245,8 @@ def _phases_behemoth(run_dir: Path, new_group_rows: list[dict]) -> dict:
     reports = [r for r in read_jsonl(str(run_dir / "metrics.jsonl")) if r.get("group_id") and "wall_time" in r]
     first_step = new_group_rows[0]["time"]
     report = min((r for r in reports if r["wall_time"] >= first_step), key=lambda r: r["wall_time"], default={})
-    return {"to_function_start": report.get("mark_started"), "to_loop": report.get("mark_loop_started"),
-            "to_first_step": first_step}
+    return {"to_process_start": report.get("mark_process"), "to_function_start": report.get("mark_started"),
+            "to_loop": report.get("mark_loop_started"), "to_first_step": first_step}
 
 
 def figures(side: str, rows: list[dict], events: list[dict], steps: int, step_s: float, phases_of) -> dict:
@@ -260,7 +266,7 @@ def figures(side: str, rows: list[dict], events: list[dict], steps: int, step_s:
         if restarted:
             marks = phases_of(restarted)
             last = max(at, ended)
-            for name in ("to_function_start", "to_loop", "to_first_step"):
+            for name in ("to_process_start", "to_function_start", "to_loop", "to_first_step"):
                 if marks.get(name):
                     phases[name] = round(marks[name] - last, 1)
                     last = marks[name]
@@ -278,11 +284,13 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=1500)
     p.add_argument("--preemptions", type=int, default=4, help="alternating with and without a notice")
     p.add_argument("--notice", type=float, default=6.0, help="seconds from a notice to the node's removal")
-    p.add_argument("--replacement-delay", type=float, default=20.0,
-                   help="seconds from a node's removal to its replacement joining")
+    p.add_argument("--replacement-delay", type=float, default=60.0,
+                   help="seconds from a node's removal to its replacement joining (a cloud launches one and starts "
+                        "Ray on it in minutes: 60 s is the short end)")
     p.add_argument("--checkpoint-every", type=int, default=150, help="the plain script's checkpoint interval")
     p.add_argument("--repeats", type=int, default=1)
-    p.add_argument("--sides", default="behemoth,plain")
+    p.add_argument("--sides", default="behemoth,plain", help="behemoth (elastic: scaling.num_workers [1, 2]), "
+                   "behemoth-fixed (2 workers: waits for the replacement, as the plain script does), plain")
     p.add_argument("--behemoth-set", action="append", default=[], help="KEY=VALUE overrides of behemoth's job")
     args = p.parse_args()
 
@@ -299,11 +307,13 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="bench-storm-"))
     corpus = lm_corpus()
 
-    def behemoth_job(name: str, steps: int) -> dict:
+    def behemoth_job(name: str, steps: int, elastic: bool = True) -> dict:
         job = lm_job(corpus, work, name, hidden=64, layers=2, batch=16, steps=steps, workers=2, threads=1,
                      log_every=2, train={"sample_ledger": str(work / name / "ledger")},
                      checkpoint={"every_n_steps": "auto"}, failure={"max_failures": -1})
         job["scaling"]["cpus_per_worker"] = 1.0
+        if elastic:  # as a spot user runs it: on the workers it has while a replacement comes, grown back soon after
+            job["scaling"].update(num_workers=[1, 2], elastic_resize_interval_s=5.0)
         for item in args.behemoth_set:
             apply_override(job, item)
         return job
@@ -324,7 +334,7 @@ def main() -> None:
         for r in range(args.repeats):
             for side in (sides if r % 2 == 0 else sides[::-1]):
                 storm.events.clear()
-                name = f"{side.split()[0]}-{r}"
+                name = f"{side}-{r}"
                 train, log, phases_of = _side(side, name, behemoth_job, tokens, args, work)
                 rows = run_storm(storm, log, train, at_steps)
                 out = figures(side, rows, storm.events, args.steps, calm[side]["step_s"], phases_of)
@@ -341,11 +351,11 @@ def main() -> None:
 def _side(side: str, name: str, behemoth_job, tokens, args, work: Path, steps: int | None = None):
     """(the side's training call, its step log, how to read a new group's phases)."""
     steps = steps or args.steps
-    if side == "behemoth":
+    if side.startswith("behemoth"):
         from behemoth.driver.run.trainer import train
         from behemoth.job import config_from_dict
 
-        cfg = config_from_dict(behemoth_job(name, steps))
+        cfg = config_from_dict(behemoth_job(name, steps, elastic=side == "behemoth"))
         run_dir = work / name
         return (lambda: train(cfg)), run_dir / "ledger", lambda rows: _phases_behemoth(run_dir, rows)
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
@@ -371,7 +381,7 @@ def _side(side: str, name: str, behemoth_job, tokens, args, work: Path, steps: i
 def _calm_run(side: str, behemoth_job, tokens, args, work: Path) -> dict:
     """A run of the side without a storm: its median step and its start-up (the call to the first step)."""
     steps = max(args.steps // 3, 200)
-    train, log, _ = _side(side, f"{side.split()[0]}-calm", behemoth_job, tokens, args, work, steps=steps)
+    train, log, _ = _side(side, f"{side}-calm", behemoth_job, tokens, args, work, steps=steps)
     called = time.time()
     train()
     rows = step_log(log)
@@ -381,7 +391,7 @@ def _calm_run(side: str, behemoth_job, tokens, args, work: Path) -> dict:
 
 def _blocked(side: str, run_dir: Path, log: Path) -> float:
     """Seconds the side's checkpoints held its training loop (rank 0), summed over the run."""
-    if side == "behemoth":
+    if side.startswith("behemoth"):
         from behemoth.tracking.records import read_jsonl
 
         last = {}  # each group's last report: its clock's checkpoint time so far

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import sys
+import os
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -81,6 +82,26 @@ def logged_reports(report: dict) -> list[dict]:
 PHASES = ("step", "data_wait", "eval", "checkpoint", "report")
 
 
+def proc_start_time() -> float | None:
+    """When this process started, on the wall clock: Linux's /proc start time (None without /proc)."""
+    try:
+        with open("/proc/self/stat") as f:
+            after_name = f.read().rsplit(")", 1)[1].split()  # the name may hold spaces; fields from the 3rd on
+        since_boot = int(after_name[19]) / os.sysconf("SC_CLK_TCK")  # field 22: starttime, in ticks after boot
+        # Dated from now back, on the clock starttime counts on (CLOCK_BOOTTIME): /proc/stat's btime is whole
+        # seconds, which would put the start up to 1 s early.
+        return time.time() - (time.clock_gettime(time.CLOCK_BOOTTIME) - since_boot)
+    except (OSError, ValueError, IndexError, AttributeError):
+        return None
+
+
+def _first_marks() -> dict:
+    """The training function's start, and its process's (a restarted group's new processes: the restart's
+    split between Ray starting them and their set-up)."""
+    started = proc_start_time()
+    return {"started": time.time(), **({"process": started} if started is not None else {})}
+
+
 @dataclass
 class PhaseClock:
     """Where one worker group's time goes, as rank 0 sees it: the goodput account (behemoth.tracking.goodput)
@@ -90,7 +111,7 @@ class PhaseClock:
     the wall time between them (what is left over is loop bookkeeping, shown as unaccounted)."""
 
     group_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
-    marks: dict = field(default_factory=lambda: {"started": time.time()})
+    marks: dict = field(default_factory=_first_marks)
     totals: dict = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
 
     def mark(self, name: str) -> None:

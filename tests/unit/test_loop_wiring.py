@@ -177,9 +177,10 @@ def _noticed(monkeypatch, at_step: int, ahead_s: float):
 @pytest.mark.parametrize("ahead_s", [3.0, 365 * 86400.0, float("inf")])
 def test_a_preemption_notice_is_trained_through_to_a_last_checkpoint_before_its_deadline(
         tmp_path, monkeypatch, capsys, ahead_s):
-    """Issue 73 item 5: the loop no longer holds until the deadline. At the notice it checkpoints at once and
-    trains on; the last checkpoint goes just before the deadline and the group then ends (PreemptionExit: Ray
-    Train restarts it from that checkpoint at once, as a preemption). A deadline a year ahead (a wrong clock:
+    """Issue 73 item 5: the loop no longer holds through the notice. At the notice it checkpoints at once and
+    trains on; the last checkpoint goes just before the deadline, the group waits out that margin (Ray Train ends
+    it at the deadline, so that the next one is placed on the nodes left) and otherwise ends itself
+    (PreemptionExit: a preemption to Ray Train's failure policy). A deadline a year ahead (a wrong clock:
     issue 72 item 3 held the loop for that year) never stalls it: the run trains to its end. No deadline: the
     group ends right after its checkpoint."""
     import time
@@ -211,7 +212,7 @@ def test_a_preemption_notice_is_trained_through_to_a_last_checkpoint_before_its_
     if ahead_s == float("inf"):
         assert steps == [noticed] and "preemption notice with no deadline" in out
         return
-    assert time.time() < seen["at"]  # ended before the deadline ...
+    assert seen["at"] <= time.time() < seen["at"] + 5  # ended at the deadline (Ray Train's would), not later ...
     assert last - noticed >= 40  # ... having trained on through most of the notice (~20 ms a step)
     assert f"last checkpoint at step {last}" in out and "training on" in out
 

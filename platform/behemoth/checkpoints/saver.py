@@ -71,14 +71,18 @@ class CheckpointSaver:
         return {"checkpoint_block_s": self.last_block_s, "checkpoint_snapshot_s": self.last_snapshot_s,
                 "checkpoint_report_s": self.last_report_s}
 
-    def save_and_report(self, metrics: dict, state: TrainState, run: Trainables, sync: bool = False) -> None:
+    def save_and_report(self, metrics: dict, state: TrainState, run: Trainables, sync: bool = False,
+                        sender=None) -> None:
         """`sync`: written before this returns, whatever checkpoint.async_save says (a preemption's: the node
-        may be gone soon)."""
+        may be gone soon). `sender` (the reporting thread's: submit, flush): an asynchronous full checkpoint's
+        report is handed to it, in order after the reports before it, so the step waits for the snapshot alone,
+        not for the ranks' report barrier or the previous checkpoint's upload that Ray Train's report waits for;
+        any other is sent here once the reports before it have gone."""
         t0 = time.perf_counter()
         in_background = self.cfg.checkpoint.async_save and not sync
         hook_states = gather_to_rank0(run.hook_state.to_bytes()) if run.hook_state is not None else None
         if self.writer is not None:
-            reported = self._save_sharded(metrics, state, run, hook_states)
+            reported = self._save_sharded(metrics, state, run, hook_states, sender)
             self._held(t0, reported)
             return
         snap = pool = written = None
@@ -92,11 +96,18 @@ class CheckpointSaver:
                                           overlap=in_background, metrics=metrics)
         reported = time.perf_counter()
         if snap is None:
-            send_report(metrics)
+            call = functools.partial(send_report, metrics)
         elif not in_background:
-            send_report(metrics, functools.partial(write_checkpoint, snap))
+            call = functools.partial(send_report, metrics, functools.partial(write_checkpoint, snap))
         else:
-            send_report(metrics, functools.partial(write_checkpoint, snap, written=written), async_upload=True)
+            call = functools.partial(send_report, metrics, functools.partial(write_checkpoint, snap, written=written),
+                                     async_upload=True)
+        if sender is not None and in_background:
+            sender.submit(call)
+        else:
+            if sender is not None:
+                sender.flush()
+            call()
         self.copying = snap
         self._held(t0, reported)
 
@@ -104,7 +115,7 @@ class CheckpointSaver:
         now = time.perf_counter()
         self.last_block_s, self.last_snapshot_s, self.last_report_s = now - started, reported - started, now - reported
 
-    def _save_sharded(self, metrics: dict, state: TrainState, run: Trainables, hook_states) -> float:
+    def _save_sharded(self, metrics: dict, state: TrainState, run: Trainables, hook_states, sender=None) -> float:
         """Every rank starts writing its shards (the step waits for their copy to host memory), straight into
         the run folder on local storage or into a local staging folder uploaded by each rank for a URI; the
         commit (hashes, manifest by rank 0) runs in the host's upload thread, or here without async_save."""
@@ -125,6 +136,8 @@ class CheckpointSaver:
         commit = functools.partial(_commit_sharded, self.writer, written, folder, small, local, state.step,
                                    self.writer.last_bytes)
         reported = time.perf_counter()
+        if sender is not None:  # (the reports before it go first)
+            sender.flush()
         send_report(metrics, commit, async_upload=self.cfg.checkpoint.async_save, dir_name=name)
         return reported
 

@@ -21,15 +21,19 @@ import functools
 import threading
 import warnings
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
-from behemoth.storage import checkpoint, shard_reader
+from behemoth.storage import checkpoint
 from behemoth.storage.checkpoint import SINGLE_PROCESS_WARNING, STATE_DIR, VALUES_FILE, Snapshot
 from behemoth.errors import CheckpointError, PartlyLoadedError
 from behemoth.hosts import collectives, faults
 from behemoth.models.wrappers import unwrap
+
+if TYPE_CHECKING:
+    from behemoth.storage import shard_reader
 
 
 def _state_dicts(model, optimizer, freeze_buffers: bool = False) -> dict:
@@ -106,6 +110,8 @@ class ShardedWriter:
         try:
             Path(folder, STATE_DIR).mkdir(parents=True, exist_ok=True)
             # only tensors go through DCP; the rest (the same on every rank: the optimizer's settings) is JSON
+            from behemoth.storage import shard_reader  # (DCP's modules, 0.5 s to import: only when used)
+
             tensors, values, _ = shard_reader.split_state(_state_dicts(model, optimizer, freeze_buffers=overlap))
             if self.rank == 0:
                 Path(folder, VALUES_FILE).write_text(shard_reader.values_text(values))
@@ -168,7 +174,7 @@ class Staging:
         self.future.result()
 
 
-def load(folder: str | Path, model, optimizer=None, remote: shard_reader.RemoteShards | None = None,
+def load(folder: str | Path, model, optimizer=None, remote: "shard_reader.RemoteShards | None" = None,
          shared: bool = True) -> None:
     """Load a sharded checkpoint's model and optimizer state into this rank's objects (every rank calls it).
     In a folder every rank reads (`shared`), they share the hashing (rank r checks every world-th file);
@@ -195,6 +201,8 @@ def load(folder: str | Path, model, optimizer=None, remote: shard_reader.RemoteS
         target.pop("optimizer")
     try:
         with _as_checkpoint_error(f"checkpoint {remote.where if remote is not None else d}: loading its shards"):
+            from behemoth.storage import shard_reader
+
             shard_reader.load_shards(d, manifest, target, no_dist=not dist.is_initialized(), remote=remote)
     except CheckpointError as e:
         # DCP copies each tensor into the live model and optimizer as it reads it: a chunk found damaged

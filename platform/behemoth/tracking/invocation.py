@@ -14,6 +14,7 @@ import tempfile
 import time
 import uuid
 
+from behemoth.metrics import proc_start_time
 from behemoth.storage import paths
 from behemoth.config import JobConfig
 from behemoth.tracking import goodput
@@ -33,14 +34,8 @@ def process_start() -> float | None:
     installing: the process, and so its /proc start, is the shell's), the exec's time the shell recorded in
     EXEC_TIME_ENV. The later of the two: a process this Python starts inherits the variable but started after
     it. None without /proc (the account then starts at `train`)."""
-    try:
-        with open("/proc/self/stat") as f:
-            after_name = f.read().rsplit(")", 1)[1].split()  # the name may hold spaces; fields from the 3rd on
-        since_boot = int(after_name[19]) / os.sysconf("SC_CLK_TCK")  # field 22: starttime, in ticks after boot
-        # Dated from now back, on the clock starttime counts on (CLOCK_BOOTTIME): /proc/stat's btime is whole
-        # seconds, which would put the start up to 1 s early.
-        started = time.time() - (time.clock_gettime(time.CLOCK_BOOTTIME) - since_boot)
-    except (OSError, ValueError, IndexError, AttributeError):
+    started = proc_start_time()
+    if started is None:
         return None
     try:
         return max(started, float(os.environ.get(EXEC_TIME_ENV, "")))

@@ -70,9 +70,7 @@ def train_loop_per_worker(loop_config: dict) -> dict:
         speed.count(task, parallel.unwrap(run.model))  # ... while rank 0 counts the model's FLOPs
     clock.mark("restored")
     if rank == 0:
-        _announce_resume(cfg, state, world, micro_batch, accum, init_line)
-        if early_line:
-            console(early_line)
+        _announce_resume(cfg, state, world, micro_batch, accum, init_line, early_line)
     state.world_size = world
     ledger = SampleLedger(cfg.train.sample_ledger, rank, world)
     saver = CheckpointSaver(cfg, rank, task.checkpoint_files(cfg, prepared) | task.kept_files(cfg, prepared), clock)
@@ -106,6 +104,7 @@ def train_loop_per_worker(loop_config: dict) -> dict:
             callbacks.after_report(step_ctx, state)  # (the failure tests' kill point: after the report)
             if state.step >= state.last_step(total_steps):
                 break
+    reporter.sender.flush()  # (the last reports, a checkpoint's among them, reach the host before the function ends)
     # Rank 0's return value reaches the driver as Result.return_value.
     return {"resumed_from_step": step_ctx.resumed_from_step, "final_step": state.step,
             "peak_source": speed.peak_source, "clock": clock.snapshot()}
@@ -228,7 +227,7 @@ def _steps(cfg: JobConfig, task: Task) -> tuple[int, int]:
 
 
 def _announce_resume(cfg: JobConfig, state: TrainState, world: int, micro_batch: int, accum: int,
-                     init_line: str | None) -> None:
+                     init_line: str | None, early_line: str | None) -> None:
     if init_line:
         console(init_line)
     if state.step:
@@ -238,6 +237,8 @@ def _announce_resume(cfg: JobConfig, state: TrainState, world: int, micro_batch:
         console(f"world size {state.world_size} -> {world}: samples per worker and step "
                 f"{global_batch // state.world_size} -> {global_batch // world} (micro-batch {micro_batch} x "
                 f"{accum} accumulation steps); global batch {global_batch}, LR schedule and sample order unchanged")
+    if early_line:
+        console(early_line)
 
 
 def _timed(iterable):

@@ -45,9 +45,12 @@ def report_due(cfg: JobConfig, state: TrainState, total_steps: int, interval: Ch
 REPORT_EVERY_S = 1.0
 # A preemption notice: the loop checkpoints at once (in the foreground: the node may go early; its duration is
 # measured) and trains on; its last checkpoint is taken when the deadline is as close as that duration x
-# FINAL_WRITE_FACTOR, two report periods and NOTICE_SAFETY_S, and the group then ends (PreemptionExit: Ray Train
-# restarts it at once on the nodes it gets, charged to failure.max_preemptions). No step trained in the notice is
-# lost, and none waits: a deadline far ahead (a year: a wrong clock) only moves the last checkpoint that far.
+# FINAL_WRITE_FACTOR, two report periods and NOTICE_SAFETY_S. The group then waits out those seconds: Ray Train
+# ends it at the deadline, once the node is going, so that the group it starts next is placed on the nodes left
+# (a node that is draining still counts as a place for workers: a group started before the deadline waited for
+# it); where that does not happen, the group ends itself NOTICE_SAFETY_S after the deadline (PreemptionExit,
+# charged to failure.max_preemptions). No step trained in the notice is lost, and none waits but the last write's
+# margin: a deadline far ahead (a year: a wrong clock) only moves the last checkpoint that far.
 FINAL_WRITE_FACTOR = 1.5
 NOTICE_SAFETY_S = 1.0
 
@@ -114,9 +117,10 @@ class ReportSender:
     next report handed over, under LOGGED (the run's records expand them: every logged step is kept, and the
     console prints each at once). Every rank learns rank 0's vote in the metrics' all-reduce, so all ranks send
     the same reports (the barrier counts calls). The report after a checkpoint goes at once (a failed upload
-    then ends the run at the next checkpoint, whose flush waits for it, before that checkpoint is written). A
-    checkpoint's report, sent by the training thread, waits for the thread first. An error in the thread is
-    raised in the training thread at the next report. A crash loses the logged steps not handed over yet: at
+    then ends the run at the next report). A checkpoint's report goes through the thread too, in order, after
+    the training thread took its snapshot (`submit`); a synchronous checkpoint's (a preemption's) waits for the
+    thread first and is sent by the training thread. An error in the thread is raised in the training thread at
+    the next report. A crash loses the logged steps not handed over yet: at
     most about an interval's. A host with interval 0 (a sweep's lane, in-process) gets every report at once, in
     the training thread."""
 
@@ -144,10 +148,22 @@ class ReportSender:
         if self.interval_s <= 0:
             send_report(report)
             return
+        self._start()
+        self._queue.put(report)
+
+    def submit(self, call) -> None:
+        """A checkpoint's report (a call that sends it), after the reports handed over before it."""
+        self.raise_failed()
+        if self.interval_s <= 0:
+            call()
+            return
+        self._start()
+        self._queue.put(call)
+
+    def _start(self) -> None:
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="behemoth-reports", daemon=True)
             self._thread.start()
-        self._queue.put(report)
 
     def attach_pending(self, report: dict) -> None:
         """The held logged steps go with `report` (the next one sent, a checkpoint's included)."""
@@ -171,7 +187,7 @@ class ReportSender:
             report = self._queue.get()
             try:
                 if self._error is None:
-                    send_report(report)
+                    report() if callable(report) else send_report(report)
             except BaseException as e:  # noqa: BLE001 - handed to the training thread
                 self._error = e
             finally:
@@ -195,6 +211,8 @@ class Reporter:
         # and how long the checkpoint it called for at once took (None: not written yet)
         self.notice: float | None = None
         self.notice_write_s: float | None = None
+        self._checkpoint_began: float | None = None  # the clock's checkpoint time when the last checkpoint began
+        self.step_s, self._step_total = 0.0, 0.0  # the steps' own time, per step, over the last window
 
     def due(self, state: TrainState) -> bool:
         """Whether this step reports (a log step, an evaluation or a checkpoint)."""
@@ -202,6 +220,7 @@ class Reporter:
 
     def report(self, state: TrainState, window: Window, bad_ids: set) -> None:
         started, clock = time.perf_counter(), self.clock.snapshot()  # the phases up to this report
+        self._measure_holds(window)
         evaluate_now = evaluate_due(self.cfg, state, self.total_steps)
         checkpoint_now = self.interval.due(state, self.total_steps)
         metrics, send_now, agreed = self.train_metrics(state, window, bad_ids)
@@ -219,17 +238,8 @@ class Reporter:
                 sync_buffers(self.run.ema.module)
         eval_s = checkpoint_s = 0.0
         if evaluate_now:
-            t0 = time.perf_counter()
-            report.update(self.evaluate())
-            eval_s = time.perf_counter() - t0
-            report["eval_s"] = eval_s
-            if self.cfg.train.early_stopping and early_stop(self.cfg, self.task, state, report, self.total_steps):
-                checkpoint_now = True  # the run ends here: its last checkpoint holds the decision
-                if self.rank == 0:
-                    rule = self.cfg.train.early_stopping
-                    console(f"early stop at step {state.step}: {state.early_stopping_metric} has not improved "
-                            f"on {state.best_metric:.4g} by more than {rule.min_delta:g} for {rule.patience} "
-                            f"evaluations (train.early_stopping)")
+            eval_s, stops = self._evaluated(state, report)
+            checkpoint_now = checkpoint_now or stops  # (a stop's last checkpoint holds the decision)
         if self.rank == 0:
             console(progress_line(report, self.total_steps, run_epochs(self.cfg.train.epochs, self.total_steps,
                                                                        self.epoch_steps),
@@ -238,16 +248,14 @@ class Reporter:
             state.next_checkpoint_at = state.step + agreed["interval"] if checkpoint_now else \
                 min(state.next_checkpoint_at or FIRST_STEPS, state.step + agreed["interval"])
         if checkpoint_now:
-            t0 = time.perf_counter()
+            t0, self._checkpoint_began = time.perf_counter(), self.clock.totals["checkpoint"]
             # retention ranks checkpoints by the run's metric (the latest is kept too): this one's, where evaluated
             metric, order = run_metric(self.task, self.cfg)
             report[CHECKPOINT_SCORE] = checkpoint_score(report.get(metric), order)
-            self.sender.attach_pending(report)
-            self.sender.flush()  # the reports before it reach the host first
-            self.saver.save_and_report(report, state, self.run, sync=first_notice or ending)
+            self.sender.attach_pending(report)  # (and the reports before it reach the host first: the saver)
+            self.saver.save_and_report(report, state, self.run, sync=first_notice or ending, sender=self.sender)
             self.sender.after_checkpoint = True
             checkpoint_s = time.perf_counter() - t0
-            self.interval.measured(self.saver.last_block_s)
             if first_notice:
                 self.notice_write_s = checkpoint_s
         else:
@@ -256,12 +264,44 @@ class Reporter:
         self.clock.add("eval", eval_s)
         self.clock.add("checkpoint", checkpoint_s)
         self.clock.add("report", time.perf_counter() - started - eval_s - checkpoint_s)
+        self._after(state, agreed, ending)
+
+    def _evaluated(self, state: TrainState, report: dict) -> tuple[float, bool]:
+        """The evaluation into `report`: (its seconds, whether train.early_stopping ends the run here)."""
+        t0 = time.perf_counter()
+        report.update(self.evaluate())
+        report["eval_s"] = eval_s = time.perf_counter() - t0
+        if not (self.cfg.train.early_stopping and early_stop(self.cfg, self.task, state, report, self.total_steps)):
+            return eval_s, False
+        if self.rank == 0:
+            rule = self.cfg.train.early_stopping
+            console(f"early stop at step {state.step}: {state.early_stopping_metric} has not improved on "
+                    f"{state.best_metric:.4g} by more than {rule.min_delta:g} for {rule.patience} evaluations "
+                    f"(train.early_stopping)")
+        return eval_s, True
+
+    def _after(self, state: TrainState, agreed: dict, ending: bool) -> None:
+        """The interval's line where it moved; after a notice's last checkpoint, the group's end."""
         line = self.interval.line(state, agreed["interval"], agreed["step_s"]) if self.rank == 0 else None
         if line:
             console(line)
         if ending:
+            while self.notice != math.inf and time.time() < self.notice + NOTICE_SAFETY_S:  # (inf: it ends now)
+                time.sleep(0.1)
             raise PreemptionExit(f"the worker group ends for a preemption, its last checkpoint at step {state.step} "
                                  f"written before the node's deadline; the run goes on from it")
+
+    def _measure_holds(self, window: Window) -> None:
+        """What the last checkpoint held the loop (checkpoint.every_n_steps auto's C): the clock's checkpoint time
+        since it began (its report's wait for the reports before it and for an earlier write still going, its
+        snapshot, and the next update's wait for the snapshot's copy), and the steps' own time since the last
+        report (its step time: reports and checkpoints left out)."""
+        totals = self.clock.totals
+        if self._checkpoint_began is not None:
+            self.interval.measured(totals["checkpoint"] - self._checkpoint_began)
+            self._checkpoint_began = None
+        self.step_s = (totals["step"] - self._step_total) / max(window.steps, 1)
+        self._step_total = totals["step"]
 
     def _say_notice(self, state: TrainState, first: bool, ending: bool) -> None:
         if self.rank != 0:
@@ -306,7 +346,7 @@ class Reporter:
         # one all-reduce: the loss, the samples, whether any rank dropped samples, rank 0's vote to send, and
         # the non-finite steps (the same on every rank: the norm is of the reduced gradients)
         deadline = hosts.current().preemption_deadline()
-        step_s = window.elapsed() / max(window.steps, 1)
+        step_s = self.step_s or window.elapsed() / max(window.steps, 1)
         # rank 0's: the checkpoint interval it proposes (auto), and whether the notice's last checkpoint is due
         proposed = self.interval.propose(state, step_s) if self.rank == 0 and self.interval.auto else 0
         final = (self.rank == 0 and self.notice not in (None, math.inf) and self.notice_write_s is not None
