@@ -222,12 +222,17 @@ class FailureConfig:
     # node, spot capacity that is not there) before it fails, in seconds; null: as long as it takes. Ray Train
     # tries to place the group every RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S (60 s), so the bound is that coarse.
     replacement_wait_s: Optional[float] = None
+    # After a preemption notice's deadline: the seconds the worker group waits, its last checkpoint written, for
+    # the node to be gone before the next group is placed (Ray Train's preemption_grace_s). A node that is still
+    # going counts as room for workers: an elastic run restarted at the deadline waited for it (60 s on a cloud).
+    preemption_grace_s: float = 5.0
 
     def validate(self) -> None:
         if self.max_failures < -1 or self.max_preemptions < -1:
             raise ConfigError("failure.max_failures and failure.max_preemptions must be >= 0 (or -1 for unlimited)")
         if self.replacement_wait_s is not None:
             _positive("failure.replacement_wait_s", self.replacement_wait_s)
+        within("failure.preemption_grace_s", self.preemption_grace_s, 0.0, 600.0, "[]")
 
 
 @dataclass

@@ -45,12 +45,12 @@ def report_due(cfg: JobConfig, state: TrainState, total_steps: int, interval: Ch
 REPORT_EVERY_S = 1.0
 # A preemption notice: the loop checkpoints at once (in the foreground: the node may go early; its duration is
 # measured) and trains on; its last checkpoint is taken when the deadline is as close as that duration x
-# FINAL_WRITE_FACTOR, two report periods and NOTICE_SAFETY_S. The group then waits out those seconds: Ray Train
-# ends it at the deadline, once the node is going, so that the group it starts next is placed on the nodes left
-# (a node that is draining still counts as a place for workers: a group started before the deadline waited for
-# it); where that does not happen, the group ends itself NOTICE_SAFETY_S after the deadline (PreemptionExit,
-# charged to failure.max_preemptions). No step trained in the notice is lost, and none waits but the last write's
-# margin: a deadline far ahead (a year: a wrong clock) only moves the last checkpoint that far.
+# FINAL_WRITE_FACTOR, two report periods and NOTICE_SAFETY_S. The group then waits for the node to go: Ray Train
+# ends it failure.preemption_grace_s after the deadline, so that the group it starts next is placed on the nodes
+# left (a node still going counts as room for workers: a group started at the deadline waited for it); where that
+# does not happen, the group ends itself then (PreemptionExit, charged to failure.max_preemptions). No step
+# trained in the notice is lost, and none waits but the last write's margin and the grace: a deadline far ahead
+# (a year: a wrong clock) only moves the last checkpoint that far.
 FINAL_WRITE_FACTOR = 1.5
 NOTICE_SAFETY_S = 1.0
 
@@ -286,7 +286,8 @@ class Reporter:
         if line:
             console(line)
         if ending:
-            while self.notice != math.inf and time.time() < self.notice + NOTICE_SAFETY_S:  # (inf: it ends now)
+            until = self.notice + self.cfg.failure.preemption_grace_s + NOTICE_SAFETY_S  # (inf: it ends now)
+            while self.notice != math.inf and time.time() < until:
                 time.sleep(0.1)
             raise PreemptionExit(f"the worker group ends for a preemption, its last checkpoint at step {state.step} "
                                  f"written before the node's deadline; the run goes on from it")

@@ -77,7 +77,8 @@ def build_trainer(cfg: JobConfig, data, callbacks: list | None = None, fence=Non
     return torch_trainer(cfg, train_loop_per_worker, {"job": cfg, "data_ref": ray.put(data), "fence": fence}, dict(
         name=place.name, storage_path=place.storage, callbacks=list(callbacks or []),
         failure_config=FailureConfig(max_failures=cfg.failure.max_failures,
-                                     max_preemption_failures=cfg.failure.max_preemptions),
+                                     max_preemption_failures=cfg.failure.max_preemptions,
+                                     preemption_grace_s=cfg.failure.preemption_grace_s),
         checkpoint_config=retention(cfg)))
 
 
