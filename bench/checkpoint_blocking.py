@@ -17,14 +17,15 @@ it inside), the GPU tier's checkpoint-stall figure.
 
 --tinyllama: the real shape on one GPU: TinyLlama 1.1B's architecture with its AdamW state (~13 GB of fp32
 weights and moments), three checkpoints --every steps apart (spaced further than a write takes: the bench says
-when they were not), no synchronous reference run. On a GPU the snapshot's copy runs on the device beside the
+when they were not), one kept, no synchronous reference run, one torch.save. On a GPU the snapshot's copy runs on the device beside the
 steps, so the host-side checkpoint_block_s misses what the GPU lost: the figure is the **GPU time a step loses
 per checkpoint**, from the report windows (each report reads the loss: the device is synchronised there): the
 time of the windows between a checkpoint and the next over the same number of the run's median windows.
 Floor (the GPU tier's): that loss <= 1/10 of torch.save's time for the same state, after the first checkpoint
-(which allocates its pinned host buffers), else exit 1 naming the figures. The run folder is removed before the
-torch.save baseline (disk: at most two 13 GB checkpoints and one in writing, then one torch.save file). --tiny:
-the same at a CPU's size, floor not checked (a dry run).
+(which allocates its pinned host buffers; the next reuses them where the first write is done), else exit 1
+naming the figures. The loss is printed the moment behemoth's run ends (a device call cut short keeps it); the run
+folder is removed before the torch.save baseline (disk: one 13 GB checkpoint kept and one in writing, then one
+torch.save file). --tiny: the same at a CPU's size, floor not checked (a dry run).
 """
 
 from __future__ import annotations
@@ -106,6 +107,18 @@ def write_seconds(reports: list[dict], run_dir: Path, every: int) -> dict[int, f
     return {step: m.stat().st_mtime - at[step] for step, m in zip(steps, manifests)}
 
 
+def print_lost(lost: list[float], writes: dict[int, float], spacing: float) -> None:
+    """The GPU time lost per checkpoint (the floor's figure) and the writes' times, as soon as the run ends."""
+    steady = lost[1:] or lost
+    print(f"  GPU time lost per checkpoint: median {statistics.median(steady):.3f} s after the first (each: "
+          f"{', '.join(f'{x:.3f}' for x in lost)} s; the steps' own time from the run's median window)", flush=True)
+    if writes:
+        close = '' if max(writes.values()) < spacing else (': CLOSER than a write, so the figure includes waiting '
+                                                            'for buffers: raise --every')
+        print(f"  writes (report to manifest): {', '.join(f'step {k}: {v:.1f} s' for k, v in sorted(writes.items()))}; "
+              f"checkpoints {spacing:.1f} s apart{close}", flush=True)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--repeats", type=int, default=3)
@@ -138,7 +151,8 @@ def main() -> int:
         return lm_job(corpus, storage, run, hidden=args.hidden, layers=args.layers, batch=8, seq_len=64,
                       steps=args.every * args.checkpoints, log_every=max(args.every // 20, 1) if args.tinyllama
                       else args.every, checkpoint_every=args.every,
-                      checkpoint={"async_save": async_save, "keep": 2}, gpu=args.gpu, hf_config=shape)
+                      checkpoint={"async_save": async_save, "keep": 1 if args.tinyllama else 2}, gpu=args.gpu,
+                      hf_config=shape)
 
     cfg = config_from_dict(job("plain"))
     ensure_ray()
@@ -154,7 +168,8 @@ def main() -> int:
             lost += lost_per_checkpoint(reports, args.every)
             writes = write_seconds(reports, storage / f"p4_async_{r}", args.every)
             shutil.rmtree(storage / f"p4_async_{r}")  # the disk holds one 1.1B state at a time
-        plain += torch_save_seconds(cfg, tokens, storage, args.checkpoints - 1)
+            print_lost(lost, writes, args.every * statistics.median(windows_per_step(reports)))
+        plain += torch_save_seconds(cfg, tokens, storage, 1 if args.tinyllama else args.checkpoints - 1)
         if not args.tinyllama:  # (at 1B the synchronous reference would double the tier's time)
             reports = run_behemoth(job(f"p4_sync_{r}", async_save=False))
             sync += block_times(reports)
@@ -178,12 +193,6 @@ def main() -> int:
     if not args.tinyllama:
         return 0
     steady = lost[1:] or lost
-    print(f"  GPU time lost per checkpoint: median {statistics.median(steady):.3f} s after the first (each: "
-          f"{', '.join(f'{x:.3f}' for x in lost)} s; the steps' own time from the run's median window)")
-    spacing = args.every * statistics.median(windows_per_step(reports)) if reports else 0
-    if writes:
-        print(f"  writes (report to manifest): {', '.join(f'step {k}: {v:.1f} s' for k, v in sorted(writes.items()))}; "
-              f"checkpoints {spacing:.1f} s apart{'' if max(writes.values()) < spacing else ': CLOSER than a write, so the figure includes waiting for buffers: raise --every'}")
     if args.tiny:
         print("  floor not checked: a dry run on a CPU at a toy size (GPU time lost <= 1/10 of torch.save on one GPU)")
         return 0

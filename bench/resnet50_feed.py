@@ -171,7 +171,8 @@ def main() -> int:
     reports = run_behemoth(behemoth_job(root, storage, size, args.batch, args.warmup + args.steps, gpu))
     shutil.rmtree(storage, ignore_errors=True)
     ours = steady_steps_per_s([r for r in reports if r.get("step", 0) >= args.warmup], args.batch) * args.batch
-    print(f"behemoth (1 GPU worker, Ray Data decode): {ours:,.0f} images/s", flush=True)
+    print(f"behemoth (1 GPU worker, Ray Data decode): {ours:,.0f} images/s; behemoth / synthetic: "
+          f"{ours / synthetic:.3f}", flush=True)  # (the first ratio the moment it exists)
     plain = train_rate(device, classes, dataloader_batches(root, args.batch, workers), args.steps, args.warmup,
                        args.batch) if not args.tiny else train_rate(
         device, classes, dataloader_batches(root, args.batch, 1), args.steps, args.warmup, args.batch)

@@ -24,8 +24,17 @@ SITE=/tmp/bk-site
   || { echo "[gpu kit] the kit's wheels did not install: is gpu-kit/ carried (carry: [\"gpu-kit\"])?"; exit 4; }
 export PYTHONPATH="$SITE:$PWD/platform${PYTHONPATH:+:$PYTHONPATH}"
 echo "[gpu kit] installed $(ls gpu-kit/wheels | wc -l) wheels in $((SECONDS - started)) s"
+# the machine first (a call cut short still says what it ran on): disk for the checkpoints, memory for the
+# 13 GB host copies
+echo "[gpu kit] $(nproc) CPUs; $(free -g | awk '/^Mem/ {print $2 " GiB memory, " $7 " GiB available"}')"
+df -h /tmp /dev/shm 2>/dev/null | sed 's/^/[gpu kit] /'
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null | sed 's/^/[gpu kit] /'
+# Ray's memory monitor kills workers above 95 % of the host's memory; on a VM whose memory is granted as it is
+# touched (13-20 GB pinned host copies at once) it reads the grant, not a shortage: off for the tier.
+export RAY_memory_monitor_refresh_ms=0
+# the import check: what the first part needs (datasets and jsonschema only the second part's tests import)
 "$PY" - <<'EOF' || exit 4
-import os, torch, ray, simplejpeg, pydantic, jsonschema, datasets, transformers
+import os, torch, ray, simplejpeg, pydantic, transformers
 assert torch.cuda.is_available(), "torch sees no GPU"
 ray.init(num_cpus=1, include_dashboard=False, logging_level="error")
 assert ray.get(ray.remote(lambda: 41 + 1).remote()) == 42

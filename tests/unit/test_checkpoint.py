@@ -186,7 +186,8 @@ def test_an_overlapped_snapshot_on_a_gpu_copies_on_a_side_stream_and_holds_its_s
 
 def test_two_sets_of_host_buffers_one_write_waited_for_only_when_both_are_being_written():
     """The snapshots' host buffers (saver.HostBuffers): a checkpoint whose predecessor is still being written
-    takes the other set; the third waits for the older write, then reuses its set."""
+    takes the other set; the third waits for the older write, then reuses its set; a checkpoint whose
+    predecessor's write is done reuses that set (no second allocation: the GPU kit's stall figure is read on it)."""
     import threading
     import time
 
@@ -202,6 +203,13 @@ def test_two_sets_of_host_buffers_one_write_waited_for_only_when_both_are_being_
     assert third is first and time.perf_counter() - t0 >= 0.25
     second_written.set()
     assert sets.take()[0] is second  # free: no wait
+    kept = HostBuffers()
+    once, written = kept.take()
+    written.set()
+    again, written = kept.take()
+    assert again is once  # the write kept up: the same set, never a fresh allocation
+    other, _ = kept.take()
+    assert other is not once  # the last one still being written: the other set
     # a write the host dropped never hands its set back: after wait_s, fresh buffers rather than a hang
     dropped = HostBuffers(wait_s=0.1)
     held = [dropped.take()[0], dropped.take()[0]]

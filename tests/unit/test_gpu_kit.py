@@ -89,7 +89,7 @@ def test_the_first_part_fits_a_lending_with_room_for_a_rerun():
 def test_the_tier_returns_two_files_whatever_the_part_and_stops_at_its_budget(tmp_path):
     py = sys.executable
     chosen = [("quick", [py, "-c", "print('MFU 41.5%')"], 30),
-              ("slow", [py, "-c", "import time; time.sleep(30)"], 5),
+              ("slow", [py, "-c", "import time; print('half way', flush=True); time.sleep(30)"], 5),
               ("never", [py, "-c", "print('x')"], 30)]
     out = tmp_path / "out" / "gpu-figures.json"
     # (the quick step may take up to 4 s on a loaded machine: the slow one still starts, and after its 5 s
@@ -103,6 +103,33 @@ def test_the_tier_returns_two_files_whatever_the_part_and_stops_at_its_budget(tm
     assert figures["steps"]["never"]["status"].startswith("not run")  # the budget left is under 20 s
     assert {"gpu", "cpus", "torch", "cuda", "mfu_convention"} <= set(figures)
     assert "===== quick" in (out.parent / "gpu-tier.log").read_text()
+    assert "half way" in figures["steps"]["slow"]["tail"]
+
+
+def test_a_steps_output_reaches_the_log_while_it_runs(tmp_path):
+    """The device's kill of the whole call would erase output kept in memory until a step ends: each line is
+    in gpu-tier.log (which comes back) as soon as the step prints it."""
+    import threading
+    import time
+
+    log = tmp_path / "gpu-tier.log"
+    seen = []
+
+    def watch():
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and not seen:
+            if log.exists() and "figure 42" in log.read_text():
+                seen.append(time.monotonic())
+            time.sleep(0.05)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    done = gpu_tier.run_group([sys.executable, "-c", "import time; print('figure 42', flush=True); time.sleep(3)"],
+                              30, log=log)
+    ended = time.monotonic()
+    watcher.join()
+    assert done.returncode == 0 and "figure 42" in done.stdout
+    assert seen and seen[0] < ended - 1  # in the log while the step still ran
 
 
 def test_rays_socket_paths_under_the_tiers_folder_fit_a_unix_socket(tmp_path):

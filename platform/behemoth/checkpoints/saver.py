@@ -145,10 +145,11 @@ class CheckpointSaver:
 class HostBuffers:
     """Two sets of host buffers (pinned for a GPU's tensors) that snapshots copy into, each reused once the
     write of the snapshot in it is done: allocating and page-faulting the whole state again costs as much as
-    the copy itself (pinned memory more). A checkpoint whose predecessor is still being written takes the
-    other set; with both being written, it waits for the older write (bounded host memory: twice the state).
-    A write the host dropped (its run failing) never hands its set back: after `wait_s` the checkpoint takes
-    fresh buffers of its own instead of waiting for ever."""
+    the copy itself (pinned memory more). A checkpoint takes the set used last where its write is done (so a
+    run whose writes keep up holds one set), the other set where it is still being written; with both being
+    written, it waits for the older write (bounded host memory: twice the state). A write the host dropped
+    (its run failing) never hands its set back: after `wait_s` the checkpoint takes fresh buffers of its own
+    instead of waiting for ever."""
 
     def __init__(self, wait_s: float = 120.0):
         self.sets = [({}, threading.Event()), ({}, threading.Event())]
@@ -159,7 +160,7 @@ class HostBuffers:
 
     def take(self) -> tuple[dict, threading.Event]:
         """(a set of buffers, the event the write sets once it has read them)."""
-        for i in (self.turn, 1 - self.turn):
+        for i in (1 - self.turn, self.turn):  # the set used last first: its buffers exist
             buffers, free = self.sets[i]
             if free.is_set():
                 break
