@@ -167,8 +167,8 @@ def main() -> int:
         if args.tinyllama:
             lost += lost_per_checkpoint(reports, args.every)
             writes = write_seconds(reports, storage / f"p4_async_{r}", args.every)
-            shutil.rmtree(storage / f"p4_async_{r}")  # the disk holds one 1.1B state at a time
             print_lost(lost, writes, args.every * statistics.median(windows_per_step(reports)))
+            shutil.rmtree(storage / f"p4_async_{r}")  # the disk holds one 1.1B state at a time
         plain += torch_save_seconds(cfg, tokens, storage, 1 if args.tinyllama else args.checkpoints - 1)
         if not args.tinyllama:  # (at 1B the synchronous reference would double the tier's time)
             reports = run_behemoth(job(f"p4_sync_{r}", async_save=False))

@@ -59,9 +59,9 @@ def steps(storage: str, part: str = "all", dry_run: bool = False) -> list[tuple[
     where = ["--set", f"checkpoint.storage_path={storage}"]
     first = [
         ("llama_1b", [PY, "bench/step_overhead.py", "--tinyllama", "--repeats", "1", "--steps", "80",
-                      "--log-every", "20"], 230),
+                      "--log-every", "20"], 210),
         ("resnet50", [PY, "bench/resnet50_feed.py", "--steps", "60", "--warmup", "15"], 130),
-        ("checkpoint_1b", [PY, "bench/checkpoint_blocking.py", "--tinyllama"], 170),
+        ("checkpoint_1b", [PY, "bench/checkpoint_blocking.py", "--tinyllama", "--every", "200"], 180),
     ]
     second = [
         ("gpu_tests", [PY, "-m", "pytest", "-m", "gpu", "-q", "-rs", "-p", "no:cacheprovider", "tests"], 90),
@@ -118,21 +118,33 @@ def run_group(command: list[str], limit_s: float, env: dict | None = None,
     """`command` in a process group of its own; where it outlives `limit_s` (TimeoutExpired, with its output) or
     the caller is stopped, the whole group is ended: SIGINT first, so that a bench's Python exits through its
     atexit and its local Ray instance with it (a killed driver's Ray would hold the GPU for the next step), then
-    SIGKILL after 30 s. `log`: the output (stdout and stderr, interleaved) is appended to it as it is written,
-    so a call killed from outside keeps what the running step printed; the result's stdout is that part."""
+    SIGKILL after 30 s. `log`: the output (stdout and stderr, interleaved) is appended to it line by line as
+    it is printed, each line after the seconds since the step began, so a call killed from outside keeps what
+    the running step printed; the result's stdout is that output."""
     import signal
 
     if log is not None:
-        start = log.stat().st_size if log.exists() else 0
-        with log.open("a") as sink:
-            child = subprocess.Popen(command, cwd=REPO, stdout=sink, stderr=subprocess.STDOUT, env=env,
-                                     start_new_session=True)
+        import threading
+
+        child = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
+                                 start_new_session=True, text=True, errors="replace")
+        lines: list[str] = []
+        began = time.monotonic()
+
+        def copy() -> None:  # each line into the log at once, with the step's seconds (where its time went)
+            with log.open("a") as sink:
+                for line in child.stdout:
+                    lines.append(line)
+                    sink.write(f"{time.monotonic() - began:7.1f} {line}")
+                    sink.flush()
+
+        copier = threading.Thread(target=copy, daemon=True)
+        copier.start()
 
         def communicate(timeout=None):
             child.wait(timeout)
-            with log.open("rb") as f:
-                f.seek(start)
-                return f.read().decode(errors="replace"), ""
+            copier.join(10)
+            return "".join(lines), ""
     else:
         child = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                  env=env, start_new_session=True)

@@ -79,8 +79,10 @@ def test_the_kit_carries_what_the_image_lacks_and_nothing_it_has():
 def test_the_first_part_fits_a_lending_with_room_for_a_rerun():
     first = gpu_tier.steps("/s", "first")
     assert [name for name, _, _ in first] == ["llama_1b", "resnet50", "checkpoint_1b"]  # the priority order
-    install_s = 40  # the kit's install and import checks (tests/gpu_kit.sh)
-    assert gpu_tier.FIRST_BUDGET_S + install_s <= 9 * 60
+    # measured on the first lending (one H200, 2026-11-28): the machine's start ~30 s (the lease's held time less
+    # the call's), the kit's install 2 s and its import check ~10 s; a rerun of one step took 197 s
+    start_s, install_s, rerun_s = 30, 20, 200
+    assert 900 - start_s - (gpu_tier.FIRST_BUDGET_S + install_s) >= rerun_s
     assert sum(limit for _, _, limit in first) <= gpu_tier.FIRST_BUDGET_S
     # every part's step finishes within one device command (10 minutes)
     assert all(limit < 600 for _, _, limit in gpu_tier.steps("/s", "all"))
