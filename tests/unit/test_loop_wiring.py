@@ -216,6 +216,17 @@ def test_a_preemption_notice_is_trained_through_to_a_last_checkpoint_before_its_
     assert seen["at"] + 0.5 <= time.time() < seen["at"] + 5  # ended after the grace (Ray Train's would) ...
     assert last - noticed >= 40  # ... having trained on through most of the notice (~20 ms a step)
     assert f"last checkpoint at step {last}" in out and "training on" in out
+    # the run resumes from the notice's last checkpoint having lost nothing: not an interruption for auto's M
+    # (the first notice checkpoint is not marked: a node lost before the last one loses the steps since it)
+    from behemoth.storage.checkpoint import read_state
+
+    kept = dict(complete_checkpoints(tmp_path / "runs" / "t"))
+    assert read_state(kept[last]).ended_on_notice and not read_state(kept[noticed]).ended_on_notice
+    monkeypatch.setattr(lane.LaneHost, "preemption_deadline", lambda self: None)  # the replacement: no notice
+    again, _, run = _run(tmp_path, monkeypatch, task="Slow", **job)
+    assert again["resumed_from_step"] == last and again["final_step"] == 320
+    ended = read_state(dict(complete_checkpoints(run))[320])
+    assert ended.interruptions == 0 and not ended.ended_on_notice
 
 
 def test_young_and_dalys_interval_from_the_measured_hold_and_the_interruptions_seen():

@@ -37,7 +37,10 @@ def restore_latest(run: Trainables, fence=None) -> TrainState | None:
                 f"Ray Train when the run stopped")
     state, touched = restore_first_verified(unregistered + candidates, run, ctx.storage()[0], rank0)
     if state is not None:
-        state.interruptions += 1  # (a resume ends an interruption: checkpoint.every_n_steps auto counts them)
+        # a resume that lost work ends an interruption (checkpoint.every_n_steps auto counts them); one from a
+        # notice's last checkpoint lost none
+        state.interruptions += 0 if state.ended_on_notice else 1
+        state.ended_on_notice = False
         return state
     if candidates or touched:  # never silently start over (from registered checkpoints, or a part-loaded model)
         tried = [c.path for c in unregistered + candidates]

@@ -75,10 +75,12 @@ class TrainState:
     stopped_early_at: int | None = None
     early_stopping_metric: str | None = None
     # checkpoint.every_n_steps: auto (worker/checkpoint_interval.py): the step of the next checkpoint (0: none
-    # agreed yet), the times the run resumed from a checkpoint (its interruptions) and its training seconds
+    # agreed yet), the times the run resumed from a checkpoint and lost work (its interruptions), its training
+    # seconds, and whether this checkpoint is a notice's last (the group ended on it: resuming loses nothing)
     next_checkpoint_at: int = 0
     interruptions: int = 0
     trained_s: float = 0.0
+    ended_on_notice: bool = False
 
     def last_step(self, total_steps: int) -> int:
         """The step the run ends at: its last, or the one early stopping stopped it at."""

@@ -6,8 +6,9 @@ and Daly's optimum interval between checkpoints is then sqrt(2 C M) seconds of t
 interruptions. C is measured: the median hold of this run's own checkpoints so far (rank 0's). M is
 checkpoint.interruption_every_s until the run has met an interruption (or its training time, where that is
 longer: none came in it), then what the run met: its training seconds over its interruptions, an interruption
-being each resume of the run from its checkpoint (train_state.json keeps both counts, so they add up over
-restarts and reruns). Leaning on what the run meets is the cheap side of the error: too short an M costs
+being each resume of the run from its checkpoint that lost work (not one from a notice's last checkpoint: the
+notice lost nothing, and counting it would checkpoint more often for no gain; train_state.json keeps both
+counts, so they add up over restarts and reruns). Leaning on what the run meets is the cheap side of the error: too short an M costs
 checkpoints of milliseconds (asynchronous saves), too long a one costs the work an interruption throws away.
 The interval in steps is those seconds over this run's seconds per step, at least 1 step and at most
 MAX_INTERVAL_S of training.

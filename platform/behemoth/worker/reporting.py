@@ -253,7 +253,9 @@ class Reporter:
             metric, order = run_metric(self.task, self.cfg)
             report[CHECKPOINT_SCORE] = checkpoint_score(report.get(metric), order)
             self.sender.attach_pending(report)  # (and the reports before it reach the host first: the saver)
+            state.ended_on_notice = ending  # (kept in this checkpoint only: the run resumes from it losing nothing)
             self.saver.save_and_report(report, state, self.run, sync=first_notice or ending, sender=self.sender)
+            state.ended_on_notice = False
             self.sender.after_checkpoint = True
             checkpoint_s = time.perf_counter() - t0
             if first_notice:
