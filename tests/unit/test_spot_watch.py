@@ -73,7 +73,7 @@ def test_preemptions_have_a_budget_of_their_own(monkeypatch, tmp_path):
 
     seen = {}
     monkeypatch.setattr(ray, "put", lambda value: value)
-    monkeypatch.setattr(ray_session, "set_ray_train_env", lambda: None)
+    monkeypatch.setattr(ray_session, "set_ray_train_env", lambda elastic=False: None)
     monkeypatch.setattr(ray_session, "torch_trainer", lambda fn, **kwargs: seen.update(kwargs))
     trainer.build_trainer(config_from_dict(job_dict(tmp_path, tmp_path, failure={"max_failures": 2,
                                                                                  "max_preemptions": 5})), data=None)
@@ -82,6 +82,41 @@ def test_preemptions_have_a_budget_of_their_own(monkeypatch, tmp_path):
     assert config_from_dict(job_dict(tmp_path, tmp_path)).failure.max_preemptions == -1  # spot runs: unlimited
     with pytest.raises(ConfigError, match="failure.max_preemptions must be >= 0"):
         config_from_dict(job_dict(tmp_path, tmp_path, failure={"max_preemptions": -2}))
+
+
+def test_an_elastic_run_sizes_its_next_group_again_after_10_s_not_60(monkeypatch, tmp_path):
+    """Issue 73: Ray Train sizes an elastic run's next group from the resources Ray lists, a node lost a moment
+    ago among them, and that group waited 60 s for its placement (every restart in the storm). The elastic run's
+    driver sets Ray Train's placement wait to 10 s (propagated to its controller); a fixed-size run keeps Ray's;
+    a value the user sets wins."""
+    from behemoth.driver.ray_cluster import session as ray_session
+    from behemoth.driver.run import trainer
+    from behemoth.job import config_from_dict
+    from conftest import job_dict
+    import ray
+
+    env = ray_session.PLACEMENT_WAIT_ENV
+    monkeypatch.delenv(env, raising=False)
+    monkeypatch.setattr(ray_session, "_placement_wait_set_here", False)
+    monkeypatch.setattr(ray, "put", lambda value: value)
+    propagated = {}
+
+    def trainer_made(fn, **kwargs):  # what Ray Train hands its controller: the driver's RAY_TRAIN_* variables
+        from ray.train.v2._internal.constants import get_env_vars_to_propagate
+
+        propagated.clear()
+        propagated.update(get_env_vars_to_propagate())
+
+    monkeypatch.setattr(ray_session, "torch_trainer", trainer_made)
+    elastic = config_from_dict(job_dict(tmp_path, tmp_path, scaling={"num_workers": [1, 2]}))
+    fixed = config_from_dict(job_dict(tmp_path, tmp_path))
+    trainer.build_trainer(elastic, data=None)
+    assert propagated[env] == "10"
+    trainer.build_trainer(fixed, data=None)
+    assert env not in propagated  # Ray's own 60 s
+    monkeypatch.setenv(env, "33")
+    trainer.build_trainer(elastic, data=None)
+    assert propagated[env] == "33"
 
 
 def test_a_deadline_a_year_ahead_is_taken_as_ten_minutes_and_one_in_1900_as_now(metadata):

@@ -220,7 +220,8 @@ class FailureConfig:
     max_preemptions: int = -1
     # How long a run may wait for the nodes its worker group needs (a replacement after a preemption or a lost
     # node, spot capacity that is not there) before it fails, in seconds; null: as long as it takes. Ray Train
-    # tries to place the group every RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S (60 s), so the bound is that coarse.
+    # tries to place the group every RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S (60 s; 10 s for an elastic run), so
+    # the bound is that coarse.
     replacement_wait_s: Optional[float] = None
     # After a preemption notice's deadline: the seconds the worker group waits, its last checkpoint written, for
     # the node to be gone before the next group is placed (Ray Train's preemption_grace_s). A node that is still

@@ -126,12 +126,27 @@ REPORT_POLL_ENV, REPORT_POLL_S = "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.2"
 # nodes later) it stays on. A value the user sets wins.
 PREEMPTION_WATCHER_ENV = "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"
 
+# An elastic run's next worker group is sized from the resources Ray lists, and a node lost a moment ago is still
+# listed until Ray's health checks declare it dead: the group sized with it waits for its placement group for
+# RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S (60 s) before Ray Train sizes it again (on the nodes left). In the
+# preemption storm every restart of the elastic run waited those 60 s. An elastic run waits 10 s instead; a
+# fixed-size one keeps Ray's 60 s (sizing again changes nothing for it). A value the user sets wins.
+PLACEMENT_WAIT_ENV, ELASTIC_PLACEMENT_WAIT_S = "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", "10"
+_placement_wait_set_here = False
 
-def set_ray_train_env() -> None:
-    """The driver's RAY_TRAIN_* settings (Ray Train propagates them to its controller and workers)."""
+
+def set_ray_train_env(elastic: bool = False) -> None:
+    """The driver's RAY_TRAIN_* settings (Ray Train propagates them to its controller and workers) for a run,
+    `elastic` or not."""
+    global _placement_wait_set_here
     os.environ.setdefault(REPORT_POLL_ENV, REPORT_POLL_S)
     if _RAY_STARTED_HERE and not os.environ.get("RAY_ADDRESS"):
         os.environ.setdefault(PREEMPTION_WATCHER_ENV, "0")
+    if elastic and PLACEMENT_WAIT_ENV not in os.environ:
+        os.environ[PLACEMENT_WAIT_ENV], _placement_wait_set_here = ELASTIC_PLACEMENT_WAIT_S, True
+    elif not elastic and _placement_wait_set_here:  # (this process's next run is not elastic)
+        os.environ.pop(PLACEMENT_WAIT_ENV, None)
+        _placement_wait_set_here = False
 
 
 def training_worker_runtime_env() -> dict:
