@@ -246,6 +246,10 @@ def test_young_and_dalys_interval_from_the_measured_hold_and_the_interruptions_s
     met = TrainState(step=7, interruptions=3, trained_s=36.0)  # 3 met in 36 s of training: one every 12 s
     assert expected_interruption_s(cfg, met) == 12.0
     assert interval.propose(met, step_s=0.05) == round((2 * 0.02 * 12) ** 0.5 / 0.05)  # 0.69 s -> 14 steps
+    # never closer than the last background write took (else a snapshot waits for both buffer sets' writes)
+    assert interval.propose(met, step_s=0.05, write_s=2.0) == 40
+    assert "no closer than the last write took (2.00 s)" in interval.line(met, 40, 0.05, write_s=2.0)
+    assert interval.propose(met, step_s=0.05, write_s=0.1) == 14  # (a quick write: Young/Daly's)
     assert expected_interruption_s(cfg, TrainState(trained_s=7200.0)) == 7200.0  # none in 2 h: at least that
     assert interval.due(TrainState(step=120, next_checkpoint_at=120), 1000)
     assert not interval.due(TrainState(step=119, next_checkpoint_at=120), 1000)
@@ -253,6 +257,24 @@ def test_young_and_dalys_interval_from_the_measured_hold_and_the_interruptions_s
     assert interval.propose(state, step_s=1e-9) >= 1  # (never below a step)
     fixed = CheckpointInterval(SimpleNamespace(checkpoint=SimpleNamespace(every_n_steps=5)))
     assert fixed.due(TrainState(step=10), 1000) and not fixed.due(TrainState(step=11), 1000)
+
+
+def test_the_host_buffers_say_how_long_the_last_write_took():
+    """checkpoint.every_n_steps auto's floor: the time from a set's snapshot to its write having read it."""
+    import time
+
+    from behemoth.checkpoints.saver import HostBuffers
+
+    sets = HostBuffers()
+    assert sets.last_write_s() is None
+    _, written = sets.take()
+    time.sleep(0.2)
+    assert sets.last_write_s() is None  # (still being written)
+    written.set()
+    assert 0.19 <= sets.last_write_s() < 5
+    _, quick = sets.take()
+    quick.set()
+    assert sets.last_write_s() < 0.19  # the latest write's
 
 
 def test_auto_checkpoints_on_the_agreed_schedule_and_a_resumed_run_keeps_it(tmp_path, monkeypatch, capsys):

@@ -64,6 +64,12 @@ class CheckpointSaver:
             if self.clock is not None:
                 self.clock.add("checkpoint", waited)
 
+    def write_s(self) -> float | None:
+        """How long the latest finished background write took (None: none yet, or the writes are not in the
+        background): checkpoint.every_n_steps auto spaces checkpoints at least that far apart, so that a
+        snapshot never waits for both buffer sets."""
+        return self.buffers.last_write_s()
+
     def block_metrics(self) -> dict:
         """The last checkpoint's hold on the loop, for the next report."""
         if self.last_block_s is None:
@@ -142,6 +148,19 @@ class CheckpointSaver:
         return reported
 
 
+class Written(threading.Event):
+    """A set of host buffers' event: set by the write once it has read them; when it was taken and set."""
+
+    def __init__(self):
+        super().__init__()
+        self.taken: float | None = None
+        self.done: float | None = None
+
+    def set(self) -> None:
+        self.done = time.perf_counter()
+        super().set()
+
+
 class HostBuffers:
     """Two sets of host buffers (pinned for a GPU's tensors) that snapshots copy into, each reused once the
     write of the snapshot in it is done: allocating and page-faulting the whole state again costs as much as
@@ -152,11 +171,17 @@ class HostBuffers:
     instead of waiting for ever."""
 
     def __init__(self, wait_s: float = 120.0):
-        self.sets = [({}, threading.Event()), ({}, threading.Event())]
+        self.sets = [({}, Written()), ({}, Written())]
         for _, free in self.sets:
             free.set()
         self.turn = 0  # the set taken longest ago: the one to wait for when both are in use
         self.wait_s = wait_s
+
+    def last_write_s(self) -> float | None:
+        """How long the latest finished write held its set (snapshot to the files read), or None: none yet."""
+        done = [free for _, free in self.sets if free.taken is not None and free.is_set()]
+        latest = max(done, key=lambda free: free.done, default=None)
+        return None if latest is None else latest.done - latest.taken
 
     def take(self) -> tuple[dict, threading.Event]:
         """(a set of buffers, the event the write sets once it has read them)."""
@@ -170,6 +195,7 @@ class HostBuffers:
                 return {}, threading.Event()  # kept by no one: freed with the snapshot
             i = self.turn
         free.clear()
+        free.taken = time.perf_counter()
         self.turn = 1 - i
         return buffers, free
 

@@ -284,7 +284,8 @@ class Reporter:
 
     def _after(self, state: TrainState, agreed: dict, ending: bool) -> None:
         """The interval's line where it moved; after a notice's last checkpoint, the group's end."""
-        line = self.interval.line(state, agreed["interval"], agreed["step_s"]) if self.rank == 0 else None
+        line = (self.interval.line(state, agreed["interval"], agreed["step_s"], self.saver.write_s()) if self.rank == 0
+                else None)
         if line:
             console(line)
         if ending:
@@ -351,7 +352,8 @@ class Reporter:
         deadline = hosts.current().preemption_deadline()
         step_s = self.step_s or window.elapsed() / max(window.steps, 1)
         # rank 0's: the checkpoint interval it proposes (auto), and whether the notice's last checkpoint is due
-        proposed = self.interval.propose(state, step_s) if self.rank == 0 and self.interval.auto else 0
+        proposed = (self.interval.propose(state, step_s, self.saver.write_s()) if self.rank == 0 and self.interval.auto
+                    else 0)
         final = (self.rank == 0 and self.notice not in (None, math.inf) and self.notice_write_s is not None
                  and self.notice - time.time() <= self.final_margin_s(step_s))
         stats = torch.tensor([float(window.loss_sum), float(window.loss_count), float(len(bad_ids)),
