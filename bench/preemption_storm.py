@@ -73,7 +73,7 @@ def plain_train_func(config):
     tokens = config["tokens"]
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    model = build_lm(cfg, config["vocab"], config["eos"], None, train=True)
+    model = build_lm(cfg, config["vocab"], config["eos"], None, train=True, chunked_loss=False)  # (transformers' own loss)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr, weight_decay=0.0)
     start = 0
     checkpoint = ray.train.get_checkpoint()

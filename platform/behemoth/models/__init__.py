@@ -6,4 +6,5 @@
 - `lora`: model.lora's adapters through peft; `sources`: a model's or tokenizer's source (a local folder or a Hub
   name) checked before Ray; `hf_keys`: what model.hf_config may hold (architecture keys only).
 - `wrappers`: a model inside training's wrappers (torch.compile, DDP, FSDP2): unwrap, is_sharded.
+- `chunked_loss`: a causal LM's loss through its output projection in chunks of tokens (the logits never whole).
 """

@@ -26,20 +26,26 @@ from behemoth.data.text_packing import TokenIndex
 from behemoth.models import registry
 from behemoth.models.causal_lm import build_causal_lm, check_causal_lm, train_on_causal_attention
 from behemoth.models.lora import add_adapters
+from behemoth.models.chunked_loss import use_chunked_loss
 from behemoth import hosts
 from behemoth.tasks.contract import Task, local_model
 from behemoth.tasks.kept_tokenizer import kept_tokenizer_files, with_kept_tokenizer
 
 
-def build_lm(cfg: JobConfig, vocab_size: int, eos_id: int, bos_id: int | None, train: bool = False) -> torch.nn.Module:
+def build_lm(cfg: JobConfig, vocab_size: int, eos_id: int, bos_id: int | None, train: bool = False,
+             chunked_loss: bool = True) -> torch.nn.Module:
     """The job's model (with model.lora's adapters); `train`: as the workers train it (plain causal attention
-    where the whole block is one sequence: models/causal_lm.train_on_causal_attention)."""
+    where the whole block is one sequence: models/causal_lm.train_on_causal_attention; the loss from the
+    output projection in chunks, never the whole logits: models/chunked_loss.py, where it applies and
+    `chunked_loss`)."""
     if registry.is_import_path(cfg.model.name):
         return registry.build_user_model(cfg.model.name, vocab_size=vocab_size)
     model = build_causal_lm(local_model(cfg), vocab_size=vocab_size, eos_id=eos_id, bos_id=bos_id,
                             seq_len=cfg.data.seq_len)
     if train and not cfg.data.document_mask:
         model = train_on_causal_attention(model)
+    if train and chunked_loss:
+        use_chunked_loss(model)  # (before the adapters: peft calls the model's forward, this one)
     return model if cfg.model.lora is None else add_adapters(model, cfg.model.lora, "CAUSAL_LM")
 
 
