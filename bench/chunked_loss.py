@@ -4,7 +4,9 @@ A Llama-shaped model with Llama 3's vocabulary (128,256 words) trains one step (
 --batch x --seq tokens, each variant in a process of its own, alternating, --repeats of each:
   dense:   transformers' own loss (the logits [batch, seq, vocab] made whole, upcast to fp32 for the loss);
   chunked: behemoth's (models/chunked_loss.py: the output projection and the cross-entropy over chunks of
-           tokens, the gradients made chunk by chunk; what the workers train with).
+           tokens, the gradients made chunk by chunk; what the workers train with);
+  decoder: the same step without the output projection and its loss (the mean of the last hidden states): what
+           the rest of the step holds, subtracted from both to give the loss's own peak.
 Figures: the step's peak memory over what the process held before it (the model, its gradients' buffers and the
 batch allocated first: the rest is the step's activations and the loss's tensors; peak resident memory, read
 from the kernel), and the median step time over --steps steps after a warm-up. The loss of both is printed (they
@@ -53,7 +55,10 @@ def one_side(args) -> dict:
     ids = torch.randint(0, args.vocab, (args.batch, args.seq))
 
     def step() -> float:
-        loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+        if args.side == "decoder":
+            loss = model.get_decoder()(input_ids=ids, use_cache=False).last_hidden_state.mean()
+        else:
+            loss = model(input_ids=ids, labels=ids, use_cache=False).loss
         loss.backward()
         return float(loss)
 
@@ -78,14 +83,14 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--side", choices=["dense", "chunked"], help=argparse.SUPPRESS)  # (the child's)
+    p.add_argument("--side", choices=["dense", "chunked", "decoder"], help=argparse.SUPPRESS)  # (the child's)
     args = p.parse_args()
     if args.side:
         print(json.dumps(one_side(args)))
         return 0
-    results = {"dense": [], "chunked": []}
+    results = {"dense": [], "chunked": [], "decoder": []}
     for r in range(args.repeats):
-        for side in (["dense", "chunked"] if r % 2 == 0 else ["chunked", "dense"]):
+        for side in (["dense", "chunked", "decoder"] if r % 2 == 0 else ["decoder", "chunked", "dense"]):
             env = {**os.environ, "PYTHONPATH": f"{REPO / 'platform'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
             done = subprocess.run([sys.executable, __file__, *sys.argv[1:], "--side", side], env=env, check=True,
                                   capture_output=True, text=True)
@@ -96,11 +101,15 @@ def main() -> int:
     logits_gb = args.batch * args.seq * args.vocab * 4 / 1e9
     print(f"vocabulary {args.vocab:,}, hidden {args.hidden}, {args.layers} layers, {args.batch} x {args.seq} tokens "
           f"(whole fp32 logits: {logits_gb:.2f} GB), {args.threads} threads, {args.repeats} repeats alternating")
+    rest = med["decoder"]["peak_gb"]
     for side in ("dense", "chunked"):
-        print(f"  {side:8s} step's peak memory {med[side]['peak_gb']:.2f} GB, step {med[side]['step_s']:.3f} s "
-              f"(loss {results[side][0]['loss']:.4f})")
-    print(f"  ratio chunked / dense: peak memory {med['chunked']['peak_gb'] / med['dense']['peak_gb']:.3f}, "
-          f"step time {med['chunked']['step_s'] / med['dense']['step_s']:.3f}")
+        print(f"  {side:8s} step's peak memory {med[side]['peak_gb']:.2f} GB (the loss's own: "
+              f"{med[side]['peak_gb'] - rest:.2f} GB), step {med[side]['step_s']:.3f} s (loss {results[side][0]['loss']:.4f})")
+    print(f"  decoder alone: peak {rest:.2f} GB, step {med['decoder']['step_s']:.3f} s")
+    print(f"  ratio chunked / dense: the loss's peak memory "
+          f"{(med['chunked']['peak_gb'] - rest) / (med['dense']['peak_gb'] - rest):.3f}, the step's "
+          f"{med['chunked']['peak_gb'] / med['dense']['peak_gb']:.3f}; step time "
+          f"{med['chunked']['step_s'] / med['dense']['step_s']:.3f}")
     return 0
 
 

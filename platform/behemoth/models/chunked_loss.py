@@ -45,16 +45,22 @@ class LinearCrossEntropy(torch.autograd.Function):
             logits = F.linear(h, weight, bias).float()  # [rows, vocab]: the only full-width tensor, one chunk's
             valid = y != IGNORE
             target = y.clamp(min=0)
-            lse = torch.logsumexp(logits, dim=-1)
-            total += ((lse - logits.gather(1, target[:, None]).squeeze(1)) * valid).sum()
-            # d(loss)/d(logits) = softmax - one-hot, on the valid rows (in place: no second chunk-sized tensor)
-            grad = logits.sub_(lse[:, None]).exp_()
+            picked = logits.gather(1, target[:, None]).squeeze(1)
+            # log-sum-exp and the softmax in place (torch.logsumexp would make a second chunk-sized tensor)
+            top = logits.amax(dim=-1)
+            grad = logits.sub_(top[:, None]).exp_()
+            sums = grad.sum(dim=-1)
+            total += ((top + sums.log() - picked) * valid).sum()
+            # d(loss)/d(logits) = softmax - one-hot, on the valid rows
+            grad.div_(sums[:, None])
             grad[torch.arange(len(y), device=y.device), target] -= 1.0
             grad.mul_(valid[:, None])
             # the gradients' matmuls in the dtype the projection ran in (autocast's bf16 on a GPU), summed in fp32
             g = grad.to(compute)
             grad_hidden[start:start + rows] = (g @ weight.to(compute)).to(hidden.dtype)
-            if grad_weight is not None:
+            if grad_weight is not None and compute == torch.float32:
+                grad_weight.addmm_(g.t(), h.float())  # (in place: no second [vocab, d] tensor)
+            elif grad_weight is not None:
                 grad_weight += (g.t() @ h.to(compute)).float()
             if grad_bias is not None:
                 grad_bias += grad.sum(0)
