@@ -308,7 +308,7 @@ def main() -> None:
 
     def behemoth_job(name: str, steps: int, elastic: bool = True) -> dict:
         job = lm_job(corpus, work, name, hidden=64, layers=2, batch=16, steps=steps, workers=2, threads=1,
-                     log_every=2, train={"sample_ledger": str(work / name / "ledger")},
+                     log_every=2, train={"sample_ledger": str(work / name / "ledger"), "epochs": 100_000},  # (steps end it)
                      checkpoint={"every_n_steps": "auto"}, failure={"max_failures": -1})
         job["scaling"]["cpus_per_worker"] = 1.0
         if elastic:  # as a spot user runs it: on the workers it has while a replacement comes, grown back soon after
