@@ -229,6 +229,42 @@ def test_a_preemption_notice_is_trained_through_to_a_last_checkpoint_before_its_
     assert ended.interruptions == 0 and not ended.ended_on_notice
 
 
+def test_a_rank_told_of_the_notice_after_the_others_takes_their_deadline(tmp_path, monkeypatch):
+    """Ray Train's watcher tells each worker of a drain when that worker's own call returns, so at a report one
+    rank may hold the notice and another not yet. The ranks agree on the deadline of those that have it: a rank
+    without it took "no deadline" and ended the group alone while the others trained on (the 120 s storm: rank 1
+    raised PreemptionExit at the notice's first checkpoint). Here the other rank is the all-reduce's: this rank's
+    host has no notice, the sum carries another rank's, 3 s ahead."""
+    import time
+
+    import torch as _torch
+
+    from behemoth.errors import PreemptionExit
+    from behemoth.storage.checkpoint import complete_checkpoints
+    from behemoth.worker import reporting
+
+    real = reporting.all_reduce_sum
+    seen = {}
+
+    def with_another_rank(stats):
+        real(stats)
+        if len(stats) == 9 and stats[0] != 0:  # a report's vector, once a step has trained
+            if "at" not in seen:
+                seen["at"] = time.time() + 3.0
+            other = _torch.zeros(9, dtype=stats.dtype)
+            other[5], other[8] = 1.0, seen["at"]
+            stats += other
+
+    monkeypatch.setattr(reporting, "all_reduce_sum", with_another_rank)
+    job = {"train": {"epochs": 40}, "checkpoint": {"every_n_steps": 1000, "async_save": False},
+           "failure": {"preemption_grace_s": 0.5}}
+    with pytest.raises(PreemptionExit, match="its last checkpoint at step"):
+        _run(tmp_path, monkeypatch, task="Slow", **job)
+    steps = [step for step, _ in complete_checkpoints(tmp_path / "runs" / "t")]
+    assert max(steps) - min(steps) >= 40  # trained on through the other rank's notice, as that rank did
+    assert seen["at"] + 0.5 <= time.time()  # and ended after its deadline and the grace, not at the notice
+
+
 def test_young_and_dalys_interval_from_the_measured_hold_and_the_interruptions_seen():
     """checkpoint.every_n_steps auto (issue 73 item 3): sqrt(2 C M) seconds of training, C the median measured
     hold, M what the run met (or the configured expectation before any); in steps, bounded."""

@@ -358,13 +358,16 @@ class Reporter:
                  and self.notice - time.time() <= self.final_margin_s(step_s))
         stats = torch.tensor([float(window.loss_sum), float(window.loss_count), float(len(bad_ids)),
                               float(self.rank == 0 and self.sender.due()), float(nonfinite),
-                              float(deadline is not None), float(proposed), float(final)], dtype=torch.float64)
+                              float(deadline is not None), float(proposed), float(final),
+                              deadline if deadline is not None else 0.0], dtype=torch.float64)
         stats = stats.to(hosts.device())
         all_reduce_sum(stats)
         stats = stats.tolist()
         self.nonfinite_guard(state, window, stats[0], stats[4], first_bad)
-        if stats[5] > 0 and self.notice is None:  # any rank's notice (Ray Train tells every worker of the group)
-            self.notice = deadline if deadline is not None else math.inf
+        if stats[5] > 0 and self.notice is None:  # any rank's notice (Ray Train tells every worker of the group,
+            # each when its own watcher call returns): the deadline of the ranks that have it, the same on every
+            # rank (a rank without it yet took "no deadline" and ended the group alone while the others trained on)
+            self.notice = stats[8] / stats[5]
         bad = union_across_ranks(bad_ids) if stats[2] else set()  # (a gather of Python objects: only if any)
         if len(bad) > cfg.data.max_bad_samples:
             names = self.task.describe_samples(list(bad)[:20])
