@@ -285,6 +285,9 @@ def test_young_and_dalys_interval_from_the_measured_hold_and_the_interruptions_s
     # never closer than the last background write took (else a snapshot waits for both buffer sets' writes)
     assert interval.propose(met, step_s=0.05, write_s=2.0) == 40
     assert "no closer than the last write took (2.00 s)" in interval.line(met, 40, 0.05, write_s=2.0)
+    # said again only where its seconds move by a fifth: not at every report as the step time wobbles
+    assert interval.line(met, 44, 0.045, write_s=2.1) is None and interval.line(met, 30, 0.07, write_s=2.0) is None
+    assert "checkpoint every 60 steps" in interval.line(met, 60, 0.05, write_s=3.0)
     assert interval.propose(met, step_s=0.05, write_s=0.1) == 14  # (a quick write: Young/Daly's)
     assert expected_interruption_s(cfg, TrainState(trained_s=7200.0)) == 7200.0  # none in 2 h: at least that
     assert interval.due(TrainState(step=120, next_checkpoint_at=120), 1000)

@@ -53,7 +53,7 @@ class CheckpointInterval:
         self.cfg = cfg
         self.auto = cfg.checkpoint.every_n_steps == "auto"
         self.holds: list[float] = []
-        self.said: int | None = None  # the interval the log last said
+        self.said: float | None = None  # the interval the log last said, in seconds of training
 
     def due(self, state: TrainState, total_steps: int) -> bool:
         if state.step >= total_steps:
@@ -77,12 +77,16 @@ class CheckpointInterval:
         return max(1, round(max(seconds, write_s or 0.0) / step_s))
 
     def line(self, state: TrainState, steps: int, step_s: float, write_s: float | None = None) -> str | None:
-        """The log's line where the agreed interval moved by a fifth or more since it was last said."""
-        if not self.auto or not self.holds or (self.said and abs(steps - self.said) < 0.2 * self.said):
+        """The log's line where the interval's seconds of training moved by a fifth or more since it was last
+        said (its steps follow the step time's noise: a line per report in the storm)."""
+        if not self.auto or not self.holds:
             return None
-        self.said = steps
         hold = statistics.median(self.holds)
         every = expected_interruption_s(self.cfg, state)
+        seconds = max(young_daly_s(hold, every), write_s or 0.0)
+        if self.said and abs(seconds - self.said) < 0.2 * self.said:
+            return None
+        self.said = seconds
         return (f"checkpoint every {steps} steps (checkpoint.every_n_steps auto: a checkpoint holds the loop "
                 f"{hold:.3f} s, an interruption expected every {every:.0f} s of training ({state.interruptions} met "
                 f"in {state.trained_s:.0f} s; checkpoint.interruption_every_s "
