@@ -96,10 +96,9 @@ def test_never_more_than_one_chunks_logits(monkeypatch):
     assert made and max(rows for rows, _ in made) == 10 and len(made) == 20  # 10 chunks, twice
 
 
-def test_lora_and_the_workers_model_take_the_chunked_loss(tmp_path):
-    """The worker's model (tasks/causal_lm.build_lm with train=True) takes the chunked loss; with LoRA's
-    adapters over it (peft calls the model's forward) the frozen projection's gradient is never made, and the
-    loss and the adapters' gradients are the dense path's."""
+def test_lora_adapters_over_the_chunked_loss_give_the_dense_loss_and_gradients(tmp_path):
+    """With LoRA's adapters over a chunked-loss model (peft calls the model's forward, the patched one) the loss
+    and the adapters' gradients are the dense path's. (That build_lm(train=True) applies it is not checked here.)"""
     from behemoth.models.lora import add_adapters
     from behemoth.config.schema import LoraConfig
 
