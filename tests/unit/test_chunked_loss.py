@@ -98,7 +98,7 @@ def test_never_more_than_one_chunks_logits(monkeypatch):
 
 def test_lora_adapters_over_the_chunked_loss_give_the_dense_loss_and_gradients(tmp_path):
     """With LoRA's adapters over a chunked-loss model (peft calls the model's forward, the patched one) the loss
-    and the adapters' gradients are the dense path's. (That build_lm(train=True) applies it is not checked here.)"""
+    and the adapters' gradients are the dense path's (that the workers' model has it: the test below)."""
     from behemoth.models.lora import add_adapters
     from behemoth.config.schema import LoraConfig
 
@@ -133,3 +133,32 @@ def test_under_autocast_the_loss_is_the_dense_ones_within_bf16_rounding():
     assert torch.allclose(got, want, rtol=2e-2)
     for x, y in zip(g, e):
         assert torch.allclose(x, y, rtol=5e-2, atol=5e-3)
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_the_workers_model_takes_the_chunked_loss_and_the_served_one_keeps_its_logits(tmp_path, lora):
+    """CausalLM.build_model (what the workers train) computes the loss without logits, equal to the dense
+    model's; build_lm without `train` (generate, export, evaluation from a checkpoint) keeps them."""
+    from types import SimpleNamespace
+
+    from behemoth.job import config_from_dict
+    from behemoth.tasks.causal_lm import CausalLM, build_lm
+    from conftest import lm_job_dict
+
+    job = lm_job_dict(tmp_path, tmp_path)
+    if lora:
+        job["model"]["lora"] = {"r": 4, "alpha": 8}
+    cfg = config_from_dict(job)
+    task = object.__new__(CausalLM)  # (the driver's data preparation is not needed to build the model)
+    task.cfg, task.index = cfg, SimpleNamespace(vocab_size=300, eos_id=0, bos_id=None)
+    torch.manual_seed(0)
+    trained = task.build_model()
+    torch.manual_seed(0)
+    dense = build_lm(cfg, 300, 0, None, train=True, chunked_loss=False)
+    ids = torch.randint(0, 300, (2, 32))
+    out = trained(input_ids=ids, labels=ids, use_cache=False)
+    want = dense(input_ids=ids, labels=ids, use_cache=False)
+    assert out.logits is None and want.logits is not None
+    assert torch.allclose(out.loss, want.loss, rtol=1e-5)
+    served = build_lm(cfg, 300, 0, None)
+    assert served(input_ids=ids, labels=ids, use_cache=False).logits.shape == (2, 32, 300)
