@@ -3,15 +3,18 @@
 Llama-style LM for `--steps` steps while a storm preempts the node of rank 0, the same storm for both sides:
 
 - keyed by training progress: preemption k falls when the run first reaches step S_k (the --preemptions steps
-  spread evenly over the run, the same S_k for both sides), alternately with a notice (each node's fake cloud
-  metadata service announces the reclaim `--notice` seconds ahead, `behemoth spot-watch` on every node turns it
-  into Ray's drain, and the node is removed at the deadline) and without one (the node is removed at once);
+  spread evenly over the run, each moved at random by up to half the plain script's checkpoint interval either
+  way, drawn anew for each repeat and the same for every side of it), alternately with a notice (each node's
+  fake cloud metadata service announces the reclaim `--notice` seconds ahead, `behemoth spot-watch` on every
+  node turns it into Ray's drain, and the node is removed at the deadline) and without one (removed at once);
 - a replacement node joins `--replacement-delay` seconds after a node is removed (a cloud takes minutes to
   launch one; the delay is the same for both sides), and every side meets every preemption.
 
 The sides, alternating (ABBA) over `--repeats`: behemoth as a spot user runs it (`train`, `checkpoint.every_n_steps:
-auto`, elastic `scaling.num_workers: [1, 2]` so that it trains on with the workers it has while the replacement
-comes, `elastic_resize_interval_s: 5`, a report every 2 steps; `--behemoth-set KEY=VALUE` adds overrides),
+auto` with `checkpoint.hold_budget` the share of its calm run's time the plain script's checkpoints held its
+loop (`--hold-budget`: the same blocking budget), elastic `scaling.num_workers: [1, 2]` so that it trains on with
+the workers it has while the replacement comes, `elastic_resize_interval_s: 5`, a report every 2 steps;
+`--behemoth-set KEY=VALUE` adds overrides),
 optionally behemoth-fixed (the same with 2 workers: it waits for the replacement, as the plain script does), and
 the plain Ray Train script a careful user would write from Ray's docs (the same model,
 data order and optimizer; a `torch.save` checkpoint every `--checkpoint-every` steps through `ray.train.report`;
@@ -19,15 +22,15 @@ resume from `ray.train.get_checkpoint()`; `FailureConfig(max_failures=-1)`). Eac
 a storm first (its step rate and start-up, so recovery is told apart from step speed).
 
 Printed per side and repeat, one JSON line: goodput = steps x the no-storm median step / the wall time from the
-first step to the last; steps redone; the checkpoint time that blocked training (the budget: behemoth's auto
-interval spends at most the plain script's); and per preemption its kind, steps redone, the seconds from the
-notice (or the loss) to the next new step, and where they went (`phases`: until the old group ended, the
-restart to the new group's training function, its set-up to the loop, the first step). Then one line of medians
-(min, max) per side and the ratios.
+first step to the last; steps redone; the checkpoint time that blocked training (periodic and, for behemoth,
+the notices'; each calm run's `hold_share` shows the periodic ones' budget); and per preemption its kind, steps
+redone, the seconds from the notice (or the loss) to the next new step, and where they went (`phases`: until
+the old group ended, the restart to the new group's training function, its set-up to the loop, the first step).
+Then one line of medians (min, max) per side and the ratios (goodput, steps redone without notice, recovery).
 
     .venv/bin/python bench/preemption_storm.py [--steps 1500] [--preemptions 4] [--notice 6] \\
         [--replacement-delay 60] [--checkpoint-every 150] [--repeats 3] [--sides behemoth,plain] \\
-        [--behemoth-set KEY=VALUE ...]
+        [--hold-budget plain|none|SHARE] [--behemoth-set KEY=VALUE ...]
 """
 
 from __future__ import annotations
@@ -190,9 +193,15 @@ def step_log(path: Path) -> list[dict]:
     return [row for row in map(json.loads, lines) if "step" in row]
 
 
-def schedule(steps: int, preemptions: int) -> list[int]:
-    """The steps at which the storm strikes: spread evenly over the run, the same for every side."""
-    return [round(steps * (k + 1) / (preemptions + 1)) for k in range(preemptions)]
+def schedule(steps: int, preemptions: int, every: int, seed: int) -> list[int]:
+    """The steps at which the storm strikes, the same for every side of a repeat: spread evenly over the run,
+    each moved by up to half the plain script's checkpoint interval either way (drawn from `seed`), so that a
+    preemption falls anywhere in that interval, not always just before its checkpoint (its worst case)."""
+    import random
+
+    rng = random.Random(seed)
+    return [round(steps * (k + 1) / (preemptions + 1)) + rng.randint(-(every // 2), every - every // 2 - 1)
+            for k in range(preemptions)]
 
 
 def _since_last(rows: list[dict], storm: Storm) -> list[dict]:
@@ -291,6 +300,10 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--sides", default="behemoth,plain", help="behemoth (elastic: scaling.num_workers [1, 2]), "
                    "behemoth-fixed (2 workers: waits for the replacement, as the plain script does), plain")
+    p.add_argument("--hold-budget", default="plain",
+                   help="behemoth's checkpoint.hold_budget: 'plain' (the share of its calm run's time the plain "
+                        "script's checkpoints held its loop: the same blocking budget), a number, or 'none' "
+                        "(auto's Young/Daly interval)")
     p.add_argument("--behemoth-set", action="append", default=[], help="KEY=VALUE overrides of behemoth's job")
     args = p.parse_args()
 
@@ -305,11 +318,14 @@ def main() -> None:
     os.environ["RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S"] = "0.5"
     work = Path(tempfile.mkdtemp(prefix="bench-storm-"))
     corpus = lm_corpus()
+    # behemoth's checkpoint.hold_budget (none: Young/Daly); 'plain': set from the plain script's calm run below
+    budget = {"share": None if args.hold_budget in ("plain", "none") else float(args.hold_budget)}
 
     def behemoth_job(name: str, steps: int, elastic: bool = True) -> dict:
         job = lm_job(corpus, work, name, hidden=64, layers=2, batch=16, steps=steps, workers=2, threads=1,
                      log_every=2, train={"sample_ledger": str(work / name / "ledger"), "epochs": 100_000},  # (steps end it)
-                     checkpoint={"every_n_steps": "auto"}, failure={"max_failures": -1})
+                     checkpoint={"every_n_steps": "auto", "hold_budget": budget.get("share")},
+                     failure={"max_failures": -1})
         job["scaling"]["cpus_per_worker"] = 1.0
         if elastic:  # as a spot user runs it: on the workers it has while a replacement comes, grown back soon after
             job["scaling"].update(num_workers=[1, 2], elastic_resize_interval_s=5.0)
@@ -326,18 +342,25 @@ def main() -> None:
              runtime_env={"env_vars": {"PYTHONPATH": str(REPO / "platform")}})
     tokens = prepare_text(config_from_dict(behemoth_job("corpus", 10)).data, seed=0)
     sides = args.sides.split(",")
-    calm = {side: _calm_run(side, behemoth_job, tokens, args, work) for side in sides}
-    at_steps = schedule(args.steps, args.preemptions)
+    calm = {}
+    for side in sorted(sides, key=lambda s: s != "plain"):  # (the plain script's first: its hold share)
+        calm[side] = _calm_run(side, behemoth_job, tokens, args, work)
+        if side == "plain" and args.hold_budget == "plain":
+            budget["share"] = calm["plain"]["hold_share"]
+        print(f"[storm] calm {side}: {json.dumps(calm[side])}", flush=True)
     results: dict[str, list[dict]] = {side: [] for side in sides}
     try:
         for r in range(args.repeats):
+            at_steps = schedule(args.steps, args.preemptions, args.checkpoint_every, seed=r)
+            print(f"[storm] repeat {r}: preemptions at steps {at_steps}", flush=True)
             for side in (sides if r % 2 == 0 else sides[::-1]):
                 storm.events.clear()
                 name = f"{side}-{r}"
                 train, log, phases_of = _side(side, name, behemoth_job, tokens, args, work)
                 rows = run_storm(storm, log, train, at_steps)
                 out = figures(side, rows, storm.events, args.steps, calm[side]["step_s"], phases_of)
-                out.update(repeat=r, checkpoint_blocked_s=_blocked(side, work / name, log), calm=calm[side])
+                out.update(repeat=r, at_steps=at_steps, checkpoint_blocked_s=round(_blocked(side, work / name, log), 2),
+                           calm=calm[side])
                 print(json.dumps(out), flush=True)
                 results[side].append(out)
     finally:
@@ -389,7 +412,10 @@ def _calm_run(side: str, behemoth_job, tokens, args, work: Path) -> dict:
     train()
     rows = step_log(log)
     gaps = [b["time"] - a["time"] for a, b in zip(rows, rows[1:]) if b["step"] == a["step"] + 1]
-    return {"step_s": statistics.median(gaps), "startup_s": round(rows[0]["time"] - called, 1)}
+    # the share of its training time its checkpoints held the loop (the blocking budget; no notice in a calm run)
+    share = _blocked(side, work / f"{side}-calm", log) / (rows[-1]["time"] - rows[0]["time"])
+    return {"step_s": statistics.median(gaps), "startup_s": round(rows[0]["time"] - called, 1),
+            "hold_share": round(share, 5)}
 
 
 def _blocked(side: str, run_dir: Path, log: Path) -> float:
@@ -401,9 +427,9 @@ def _blocked(side: str, run_dir: Path, log: Path) -> float:
         for r in read_jsonl(str(run_dir / "metrics.jsonl")):
             if r.get("group_id"):
                 last[r["group_id"]] = r
-        return round(sum(r.get("time_checkpoint_s", 0.0) for r in last.values()), 2)
+        return sum(r.get("time_checkpoint_s", 0.0) for r in last.values())
     rows = [json.loads(line) for line in log.read_text().splitlines()]
-    return round(sum(r.get("ckpt_s", 0.0) for r in rows), 2)
+    return sum(r.get("ckpt_s", 0.0) for r in rows)
 
 
 def _summary(results: dict[str, list[dict]], args) -> None:
@@ -427,7 +453,10 @@ def _summary(results: dict[str, list[dict]], args) -> None:
               flush=True)
     if "behemoth" in lines and "plain" in lines:
         b, r = lines["behemoth"], lines["plain"]
+        ratio = {key: round(b[key] / r[key], 3) if b[key] is not None and r[key] else None
+                 for key in ("redone_no_notice", "recovery_s")}
         print(json.dumps({"medians": lines, "goodput_ratio": round(b["goodput"] / r["goodput"], 3),
+                          "redone_no_notice_ratio": ratio["redone_no_notice"], "recovery_ratio": ratio["recovery_s"],
                           "notice_s": args.notice, "replacement_delay_s": args.replacement_delay,
                           "preemptions": args.preemptions, "repeats": args.repeats}), flush=True)
 

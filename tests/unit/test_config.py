@@ -591,6 +591,9 @@ def test_every_float_key_is_a_finite_number(tmp_path):
     ("scaling.cpus_per_worker=0", r"scaling.cpus_per_worker must be > 0"),
     ("data.mixup_alpha=-1", r"data.mixup_alpha and data.cutmix_alpha must be >= 0"),
     ("data.label_smoothing=1", r"data.label_smoothing must be in \[0, 1\)"),
+    ("checkpoint.hold_budget=1.5", r"checkpoint.hold_budget is a share of the training time, between 0 and 1 "),
+    ("checkpoint.hold_budget=0.01", r"checkpoint.hold_budget sets the interval of checkpoint.every_n_steps: auto; "
+                                    r"with every_n_steps 100 it would do nothing"),
 ])
 def test_every_number_is_in_its_range(tmp_path, override, message):
     """Issue 65 item 3: each number's range, one line naming the key, the range and the value."""

@@ -271,7 +271,8 @@ def test_young_and_dalys_interval_from_the_measured_hold_and_the_interruptions_s
     from behemoth.storage.checkpoint import TrainState
     from behemoth.worker.checkpoint_interval import FIRST_STEPS, CheckpointInterval, expected_interruption_s
 
-    cfg = SimpleNamespace(checkpoint=SimpleNamespace(every_n_steps="auto", interruption_every_s=3600.0))
+    cfg = SimpleNamespace(checkpoint=SimpleNamespace(every_n_steps="auto", interruption_every_s=3600.0,
+                                                     hold_budget=None))
     interval = CheckpointInterval(cfg)
     state = TrainState(step=7)
     assert interval.propose(state, step_s=0.05) == FIRST_STEPS and not interval.due(state, 1000)
@@ -296,6 +297,27 @@ def test_young_and_dalys_interval_from_the_measured_hold_and_the_interruptions_s
     assert interval.propose(state, step_s=1e-9) >= 1  # (never below a step)
     fixed = CheckpointInterval(SimpleNamespace(checkpoint=SimpleNamespace(every_n_steps=5)))
     assert fixed.due(TrainState(step=10), 1000) and not fixed.due(TrainState(step=11), 1000)
+
+
+def test_a_hold_budget_checkpoints_as_often_as_it_allows():
+    """checkpoint.hold_budget (issue 73 item 3, compared at the plain script's blocking cost): the interval is
+    the median hold over the budget, whatever the interruptions, floored by the last write and bounded."""
+    from behemoth.storage.checkpoint import TrainState
+    from behemoth.worker.checkpoint_interval import MAX_INTERVAL_S, CheckpointInterval
+
+    cfg = SimpleNamespace(checkpoint=SimpleNamespace(every_n_steps="auto", interruption_every_s=21600.0,
+                                                     hold_budget=0.004))
+    interval = CheckpointInterval(cfg)
+    for hold in (0.3, 0.005, 0.005):
+        interval.measured(hold)
+    calm, stormy = TrainState(step=7), TrainState(step=7, interruptions=5, trained_s=10.0)
+    assert interval.propose(calm, step_s=0.03) == interval.propose(stormy, step_s=0.03) == round(1.25 / 0.03)
+    assert interval.propose(calm, step_s=0.03, write_s=2.4) == 80  # (never closer than a write takes)
+    said = interval.line(calm, 42, 0.03)
+    assert "checkpoint.hold_budget 0.004" in said and "1.2 s" in said and "every 42 steps" in said
+    for _ in range(4):
+        interval.measured(100.0)
+    assert interval.seconds(calm)[0] == MAX_INTERVAL_S  # (100 / 0.004 s: bounded)
 
 
 def test_the_host_buffers_say_how_long_the_last_write_took():

@@ -168,6 +168,11 @@ class CheckpointConfig:
     # checkpoint.every_n_steps: auto: how often an interruption (a preemption, a lost node or worker) is
     # expected before the run has seen any, in seconds of training; each one the run meets then counts.
     interruption_every_s: float = 21600.0
+    # checkpoint.every_n_steps: auto: the share of training time the checkpoints may hold the loop (e.g. 0.005:
+    # half a percent); auto then checkpoints as often as that allows (hold / budget seconds apart) instead of at
+    # Young/Daly's optimum. For a user who would rather bound the work an interruption loses than its
+    # expectation: with asynchronous saves the hold is milliseconds, so a small budget buys frequent checkpoints.
+    hold_budget: Optional[float] = None
     # Checkpoints kept in the run folder (Ray's CheckpointConfig(num_to_keep=K)).
     keep: int = 3
     # Local folder or URI (s3://...); a run lives in STORAGE_PATH/RUN_NAME.
@@ -190,6 +195,12 @@ class CheckpointConfig:
             _positive("checkpoint.every_n_steps", self.every_n_steps)
         if not self.interruption_every_s > 0:
             raise ConfigError(f"checkpoint.interruption_every_s must be > 0 seconds, got {self.interruption_every_s}")
+        if self.hold_budget is not None and not 0 < self.hold_budget < 1:
+            raise ConfigError(f"checkpoint.hold_budget is a share of the training time, between 0 and 1 (0.005: "
+                              f"half a percent), got {self.hold_budget}")
+        if self.hold_budget is not None and self.every_n_steps != "auto":
+            raise ConfigError("checkpoint.hold_budget sets the interval of checkpoint.every_n_steps: auto; with "
+                              f"every_n_steps {self.every_n_steps} it would do nothing: drop one of them")
         _positive("checkpoint.keep", self.keep)
         paths.check_name("checkpoint.run_name", self.run_name)
         paths.storage_root(self.storage_path)  # a URI with options in it is refused here, before Ray starts

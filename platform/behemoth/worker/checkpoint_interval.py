@@ -10,6 +10,9 @@ being each resume of the run from its checkpoint that lost work (not one from a 
 notice lost nothing, and counting it would checkpoint more often for no gain; train_state.json keeps both
 counts, so they add up over restarts and reruns). Leaning on what the run meets is the cheap side of the error: too short an M costs
 checkpoints of milliseconds (asynchronous saves), too long a one costs the work an interruption throws away.
+With checkpoint.hold_budget B (a share of the training time) the interval is instead the shortest whose holds
+stay within it, C / B seconds (CheckFreq's rule): for a user who bounds the work an interruption loses rather
+than its expectation, and the way to compare with a fixed interval at the same blocking cost.
 The interval in steps is those seconds over this run's seconds per step, at least 1 step and at most
 MAX_INTERVAL_S of training, and never shorter than the last background write took: a checkpoint taken while
 both earlier snapshots are still being written waits for the older (its hold is then the write's, not the
@@ -67,29 +70,41 @@ class CheckpointInterval:
         if hold_s is not None:
             self.holds = (self.holds + [hold_s])[-KEPT_HOLDS:]
 
+    def seconds(self, state: TrainState, write_s: float | None = None) -> tuple[float, str]:
+        """Rank 0's interval in seconds of training and why (after a hold is measured)."""
+        hold = statistics.median(self.holds)
+        budget = self.cfg.checkpoint.hold_budget
+        if budget:  # as often as the budget allows
+            seconds = hold / budget
+            why = (f"checkpoint.hold_budget {budget:g}: a checkpoint holds the loop {hold:.3f} s, "
+                   f"{hold:.3f} / {budget:g} = {seconds:.1f} s")
+        else:
+            every = expected_interruption_s(self.cfg, state)
+            seconds = young_daly_s(hold, every)
+            why = (f"a checkpoint holds the loop {hold:.3f} s, an interruption expected every {every:.0f} s of "
+                   f"training ({state.interruptions} met in {state.trained_s:.0f} s; checkpoint.interruption_every_s "
+                   f"{self.cfg.checkpoint.interruption_every_s:g}); sqrt(2 x {hold:.3f} x {every:.0f}) = "
+                   f"{seconds:.1f} s")
+        if seconds > MAX_INTERVAL_S:
+            seconds, why = MAX_INTERVAL_S, f"{why}, at most {MAX_INTERVAL_S:.0f} s"
+        if write_s and write_s > seconds:
+            seconds, why = write_s, f"{why}, no closer than the last write took ({write_s:.2f} s)"
+        return seconds, why
+
     def propose(self, state: TrainState, step_s: float, write_s: float | None = None) -> int:
         """Rank 0's interval in steps (FIRST_STEPS until a hold is measured); `write_s`: how long the last
         background write took (the interval's floor)."""
         if not self.holds or step_s <= 0:
             return FIRST_STEPS
-        seconds = min(young_daly_s(statistics.median(self.holds), expected_interruption_s(self.cfg, state)),
-                      MAX_INTERVAL_S)
-        return max(1, round(max(seconds, write_s or 0.0) / step_s))
+        return max(1, round(self.seconds(state, write_s)[0] / step_s))
 
     def line(self, state: TrainState, steps: int, step_s: float, write_s: float | None = None) -> str | None:
         """The log's line where the interval's seconds of training moved by a fifth or more since it was last
         said (its steps follow the step time's noise: a line per report in the storm)."""
         if not self.auto or not self.holds:
             return None
-        hold = statistics.median(self.holds)
-        every = expected_interruption_s(self.cfg, state)
-        seconds = max(young_daly_s(hold, every), write_s or 0.0)
+        seconds, why = self.seconds(state, write_s)
         if self.said and abs(seconds - self.said) < 0.2 * self.said:
             return None
         self.said = seconds
-        return (f"checkpoint every {steps} steps (checkpoint.every_n_steps auto: a checkpoint holds the loop "
-                f"{hold:.3f} s, an interruption expected every {every:.0f} s of training ({state.interruptions} met "
-                f"in {state.trained_s:.0f} s; checkpoint.interruption_every_s "
-                f"{self.cfg.checkpoint.interruption_every_s:g}); sqrt(2 x {hold:.3f} x {every:.0f}) = "
-                f"{young_daly_s(hold, every):.1f} s at {step_s:.3f} s a step"
-                f"{'' if not write_s or write_s <= young_daly_s(hold, every) else f', no closer than the last write took ({write_s:.2f} s)'})")
+        return f"checkpoint every {steps} steps (checkpoint.every_n_steps auto: {why} at {step_s:.3f} s a step)"
