@@ -119,6 +119,52 @@ def test_an_elastic_run_sizes_its_next_group_again_after_10_s_not_60(monkeypatch
     assert propagated[env] == "33"
 
 
+def test_an_elastic_runs_fit_keeps_ray_trains_view_of_the_cluster_fresh(monkeypatch, tmp_path):
+    """Issue 73 item 2: Ray Train sizes an elastic run's groups from a view of the nodes Ray refreshes every 20 s
+    (a lost node counted, a replacement unused, for up to that long). While an elastic run's fit runs, the driver
+    refreshes it every ELASTIC_VIEW_REFRESH_S, on through a failed refresh; a fixed-size run starts no thread."""
+    import threading
+    import time
+
+    from behemoth.driver.ray_cluster import session as ray_session
+    from behemoth.driver.run import trainer
+    from behemoth.job import config_from_dict
+    from behemoth.ray_internals import data as ray_data_internals
+    from conftest import job_dict
+
+    calls = []
+
+    def refresh():
+        calls.append(time.time())
+        if len(calls) == 2:
+            raise RuntimeError("the coordinator restarting")
+        return True
+
+    monkeypatch.setattr(ray_data_internals, "refresh_elastic_view", refresh)
+    monkeypatch.setattr(ray_session, "ELASTIC_VIEW_REFRESH_S", 0.05)
+    running = {}
+
+    class Fit:
+        def fit(self):
+            running["threads"] = {t.name for t in threading.enumerate()}
+            time.sleep(0.5)
+            return type("Result", (), {"best_checkpoints": [], "return_value": {}})()
+
+    monkeypatch.setattr(trainer, "build_trainer", lambda *a, **k: Fit())
+    monkeypatch.setattr(trainer, "withdraw_killed_drivers_requests", lambda *a: None)
+    monkeypatch.setattr(ray_session, "warm_up_data_processes", lambda *a: [])
+    tracking = type("Tracking", (), {"run_dir": tmp_path, "invocation": None, "callbacks": lambda self: []})()
+    launcher = trainer.RayTrainLauncher(tracking, None, False, None)
+    for workers, refreshed in (([1, 2], True), (2, False)):
+        calls.clear()
+        cfg = config_from_dict(job_dict(tmp_path, tmp_path, scaling={"num_workers": workers}))
+        launcher.launch(type("Run", (), {"cfg": cfg})(), None)
+        assert ("behemoth-elastic-view" in running["threads"]) == refreshed
+        assert (len(calls) >= 4) == refreshed, calls  # (on past the failed second)
+        time.sleep(0.2)
+        assert not any(t.name == "behemoth-elastic-view" for t in threading.enumerate())  # ended with the fit
+
+
 def test_a_deadline_a_year_ahead_is_taken_as_ten_minutes_and_one_in_1900_as_now(metadata):
     """Issue 72 item 3: a notice a year ahead drained the node with a 31,536,000 s deadline (the run held for a
     year); one in 1900 is a deadline Ray refuses. Both are moved into [now, now + 600 s], the line says so. (An

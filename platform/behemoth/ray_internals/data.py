@@ -3,7 +3,7 @@ ray/data/_internal/cluster_autoscaler/default_autoscaling_coordinator.py).
 
 On a Ray upgrade: the streaming executor's scheduling loop step and consumer-idle test (pace_scheduling_loop
 leaves a Ray without them as it is), the stats actor's getter, the coordinator's actor name, the progress
-logger's name.
+logger's name, the coordinator's tick and its `recompute` (refresh_elastic_view).
 """
 
 from __future__ import annotations
@@ -13,6 +13,31 @@ import time
 
 # Ray's autoscaling coordinator: one detached actor per cluster, (name, namespace)
 AUTOSCALING_COORDINATOR = ("AutoscalingCoordinator", "AutoscalingCoordinator")
+
+
+def refresh_elastic_view(coordinator=None) -> bool:
+    """Make the cluster view Ray Train's elastic scaling policy sizes worker groups from current, now.
+
+    The policy (train/v2/_internal/execution/scaling_policy/elastic.py) reads Ray Data's AutoscalingCoordinator
+    actor's reservations every second, but that actor re-reads the cluster's nodes only every 20 s
+    (DefaultAutoscalingCoordinator.TICK_INTERVAL_S): a node gone or joined is seen up to 20 s late, so an elastic
+    run's next group is sized with a node that is gone (and waits out its placement timeout) and a replacement
+    node stays unused. `get_reserved_resources(..., recompute=True)` runs the actor's tick at once. `coordinator`:
+    that actor's handle (default: Ray's named one). False where none exists yet (Ray Train creates it with an
+    elastic run's first group) or this Ray has no such call."""
+    import ray
+
+    if coordinator is None:
+        try:
+            coordinator = ray.get_actor(AUTOSCALING_COORDINATOR[0], namespace=AUTOSCALING_COORDINATOR[1])
+        except ValueError:
+            return False
+    try:
+        ray.get(coordinator.get_reserved_resources.remote("behemoth-elastic-view", recompute=True), timeout=10)
+    except TypeError:  # (a Ray without `recompute`)
+        return False
+    return True
+
 
 # Ray Data runs a dataset's scheduling loop in a thread of the process that iterates it: for behemoth's
 # pipelines, the training worker. Ray 2.60's loop blocks only in ray.wait on running tasks, which returns at

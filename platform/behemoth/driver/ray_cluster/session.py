@@ -149,6 +149,41 @@ def set_ray_train_env(elastic: bool = False) -> None:
         _placement_wait_set_here = False
 
 
+# An elastic run's worker groups are sized from a view of the cluster that Ray refreshes every 20 s
+# (ray_internals/data.refresh_elastic_view): a lost node is counted for up to 20 s after it is gone (the group
+# sized with it waits out the placement timeout above) and a replacement goes unused as long. The driver refreshes
+# that view every ELASTIC_VIEW_REFRESH_S while an elastic run trains (one actor call reading Ray's node table).
+ELASTIC_VIEW_REFRESH_S = 2.0
+
+
+@contextlib.contextmanager
+def elastic_view_refreshed(elastic: bool):
+    """While the block runs (an elastic run's fit), keep Ray Train's view of the cluster at most
+    ELASTIC_VIEW_REFRESH_S old. A refresh that fails (the actor restarting, Ray going down) is tried again at the
+    next period."""
+    if not elastic:
+        yield
+        return
+    from behemoth.ray_internals.data import refresh_elastic_view
+
+    stop = threading.Event()
+
+    def refresh() -> None:
+        while not stop.wait(ELASTIC_VIEW_REFRESH_S):
+            try:
+                refresh_elastic_view()
+            except Exception:  # noqa: BLE001  (a refresh missed costs only this period)
+                pass
+
+    thread = threading.Thread(target=refresh, name="behemoth-elastic-view", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join(timeout=15)
+
+
 def training_worker_runtime_env() -> dict:
     """The runtime environment Ray Train gives the training workers, and so every task they submit (Ray Data's
     decode tasks): the RAY_TRAIN_* variables it propagates from the driver, the one its controller adds (a

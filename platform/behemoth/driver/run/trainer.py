@@ -120,7 +120,8 @@ class RayTrainLauncher:
         trainer = build_trainer(run.cfg, data, [*self.tracking.callbacks(), *self.callbacks], self.fence)
         ray_session.warm_up_data_processes(run.cfg, data)
         try:
-            result = trainer.fit()
+            with ray_session.elastic_view_refreshed(run.cfg.scaling.elastic):
+                result = trainer.fit()
         except TrainingFailedError as e:
             ray_session.end_ray(self.end_ray)
             if user_facing_error(e) is not None:  # behemoth's own message (bad data, ...) says it better
