@@ -419,15 +419,17 @@ def _calm_run(side: str, behemoth_job, tokens, args, work: Path) -> dict:
 
 
 def _blocked(side: str, run_dir: Path, log: Path) -> float:
-    """Seconds the side's checkpoints held its training loop (rank 0), summed over the run."""
+    """Seconds the side's checkpoints took from its training (rank 0), summed over the run: the plain script's
+    `torch.save` and report; behemoth's hold on the loop and its background writes' CPU seconds (its workers
+    train on their one CPU, which the writes share)."""
     if side.startswith("behemoth"):
         from behemoth.tracking.records import read_jsonl
 
-        last = {}  # each group's last report: its clock's checkpoint time so far
+        last = {}  # each group's last report: its clock's checkpoint time and its writes' CPU time so far
         for r in read_jsonl(str(run_dir / "metrics.jsonl")):
             if r.get("group_id"):
                 last[r["group_id"]] = r
-        return sum(r.get("time_checkpoint_s", 0.0) for r in last.values())
+        return sum(r.get("time_checkpoint_s", 0.0) + r.get("checkpoint_write_cpu_s", 0.0) for r in last.values())
     rows = [json.loads(line) for line in log.read_text().splitlines()]
     return sum(r.get("ckpt_s", 0.0) for r in rows)
 

@@ -78,7 +78,13 @@ class CheckpointSaver:
         if self.last_block_s is None:
             return {}
         return {"checkpoint_block_s": self.last_block_s, "checkpoint_snapshot_s": self.last_snapshot_s,
-                "checkpoint_report_s": self.last_report_s}
+                "checkpoint_report_s": self.last_report_s,
+                "checkpoint_write_cpu_s": self.buffers.totals.get("cpu_s", 0.0)}  # (this group's, in all)
+
+    def write_cpu_s(self) -> float | None:
+        """The CPU seconds the latest finished background write spent (None: none yet): on a worker that trains
+        on its CPU they were taken from training (the write and the step share the cores)."""
+        return self.buffers.last_write_cpu_s()
 
     def save_and_report(self, metrics: dict, state: TrainState, run: Trainables, sync: bool = False,
                         sender=None) -> None:
@@ -152,15 +158,20 @@ class CheckpointSaver:
 
 
 class Written(threading.Event):
-    """A set of host buffers' event: set by the write once it has read them; when it was taken and set."""
+    """A set of host buffers' event: set by the write once it has read them; when it was taken and set, and
+    the CPU seconds the write's thread spent until then (`cpu_s`, set by the write)."""
 
-    def __init__(self):
+    def __init__(self, totals: dict | None = None):
         super().__init__()
         self.taken: float | None = None
         self.done: float | None = None
+        self.cpu_s: float | None = None
+        self.totals = totals if totals is not None else {}
 
     def set(self) -> None:
         self.done = time.perf_counter()
+        if self.cpu_s is not None:
+            self.totals["cpu_s"] = self.totals.get("cpu_s", 0.0) + self.cpu_s
         super().set()
 
 
@@ -174,7 +185,8 @@ class HostBuffers:
     instead of waiting for ever."""
 
     def __init__(self, wait_s: float = 120.0):
-        self.sets = [({}, Written()), ({}, Written())]
+        self.totals: dict = {}  # the CPU seconds of every finished write ("cpu_s")
+        self.sets = [({}, Written(self.totals)), ({}, Written(self.totals))]
         for _, free in self.sets:
             free.set()
         self.turn = 0  # the set taken longest ago: the one to wait for when both are in use
@@ -185,6 +197,12 @@ class HostBuffers:
         done = [free for _, free in self.sets if free.taken is not None and free.is_set()]
         latest = max(done, key=lambda free: free.done, default=None)
         return None if latest is None else latest.done - latest.taken
+
+    def last_write_cpu_s(self) -> float | None:
+        """The CPU seconds the latest finished write spent (None: none yet)."""
+        done = [free for _, free in self.sets if free.cpu_s is not None and free.is_set()]
+        latest = max(done, key=lambda free: free.done, default=None)
+        return None if latest is None else latest.cpu_s
 
     def take(self) -> tuple[dict, threading.Event]:
         """(a set of buffers, the event the write sets once it has read them)."""
@@ -198,7 +216,7 @@ class HostBuffers:
                 return {}, threading.Event()  # kept by no one: freed with the snapshot
             i = self.turn
         free.clear()
-        free.taken = time.perf_counter()
+        free.taken, free.cpu_s = time.perf_counter(), None
         self.turn = 1 - i
         return buffers, free
 
@@ -281,6 +299,7 @@ def store(snap, ckpt, dir_name: str, fs, run_path: str, written: threading.Event
     folder and the space needed; the checkpoints before it are untouched."""
     local = Store(run_path, fs).is_local
     dest = f"{run_path}/{dir_name}"
+    cpu_began = time.thread_time()
     try:
         try:
             if local:
@@ -290,6 +309,7 @@ def store(snap, ckpt, dir_name: str, fs, run_path: str, written: threading.Event
                 checkpoint.write(ckpt.path, snap, after_file=functools.partial(faults.disk_full, snap.step))
         finally:
             if written is not None:
+                written.cpu_s = time.thread_time() - cpu_began
                 written.set()
         if local:
             return hosts.current().checkpoint_at(dest, fs)

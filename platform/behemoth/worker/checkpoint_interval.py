@@ -3,7 +3,8 @@
 A checkpoint costs the seconds it holds the training loop (C: with asynchronous saves only the snapshot to host
 memory); an interruption without notice costs the work since the last one (half an interval on average). Young
 and Daly's optimum interval between checkpoints is then sqrt(2 C M) seconds of training, M the mean time between
-interruptions. C is measured: the median hold of this run's own checkpoints so far (rank 0's). M is
+interruptions. C is measured: the median hold of this run's own checkpoints so far (rank 0's; on a worker
+that trains on its CPU, with the CPU seconds of the background write, which the step's cores gave up). M is
 checkpoint.interruption_every_s until the run has met an interruption (or its training time, where that is
 longer: none came in it), then what the run met: its training seconds over its interruptions, an interruption
 being each resume of the run from its checkpoint that lost work (not one from a notice's last checkpoint: the
@@ -11,7 +12,7 @@ notice lost nothing, and counting it would checkpoint more often for no gain; tr
 counts, so they add up over restarts and reruns). Leaning on what the run meets is the cheap side of the error: too short an M costs
 checkpoints of milliseconds (asynchronous saves), too long a one costs the work an interruption throws away.
 With checkpoint.hold_budget B (a share of the training time) the interval is instead the shortest whose holds
-stay within it, C / B seconds (CheckFreq's rule): for a user who bounds the work an interruption loses rather
+stay within it, C / B seconds with C the mean hold (CheckFreq's rule): for a user who bounds the work an interruption loses rather
 than its expectation, and the way to compare with a fixed interval at the same blocking cost.
 The interval in steps is those seconds over this run's seconds per step, at least 1 step and at most
 MAX_INTERVAL_S of training, and never shorter than the last background write took: a checkpoint taken while
@@ -74,7 +75,8 @@ class CheckpointInterval:
         """Rank 0's interval in seconds of training and why (after a hold is measured)."""
         hold = statistics.median(self.holds)
         budget = self.cfg.checkpoint.hold_budget
-        if budget:  # as often as the budget allows
+        if budget:  # as often as the budget allows (a share of the time: the mean hold, not the median)
+            hold = statistics.fmean(self.holds)
             seconds = hold / budget
             why = (f"checkpoint.hold_budget {budget:g}: a checkpoint holds the loop {hold:.3f} s, "
                    f"{hold:.3f} / {budget:g} = {seconds:.1f} s")
