@@ -123,10 +123,16 @@ def run_group(command: list[str], limit_s: float, env: dict | None = None,
     the running step printed; the result's stdout is that output."""
     import signal
 
+    # SIGINT at its default in the step's process: a shell without job control starts its background commands
+    # with SIGINT ignored, and a child inherits that (Python then installs no KeyboardInterrupt handler), so the
+    # SIGINT below ended nothing and every step over its limit waited 30 s for its SIGKILL (the unit test's
+    # step did, under CI), its Ray left behind
+    argv = [sys.executable, "-c", "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
+            "os.execvp(sys.argv[1], sys.argv[1:])", *command]
     if log is not None:
         import threading
 
-        child = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
+        child = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
                                  start_new_session=True, text=True, errors="replace")
         lines: list[str] = []
         began = time.monotonic()
@@ -146,7 +152,7 @@ def run_group(command: list[str], limit_s: float, env: dict | None = None,
             copier.join(10)
             return "".join(lines), ""
     else:
-        child = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        child = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                  env=env, start_new_session=True)
         communicate = child.communicate
     try:

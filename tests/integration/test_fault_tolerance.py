@@ -358,8 +358,10 @@ def test_r7_a_spot_notice_drains_the_node_and_the_run_loses_no_step(cluster, str
     ledger = tmp_path / f"ledger-{name}"
     monkeypatch.setenv("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "1")  # (an earlier module's local instance set 0)
     monkeypatch.setenv("RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S", "0.5")
-    env = ray_session.worker_env_vars  # 0.3 s more per step: the deadline lands before step 60's checkpoint
-    monkeypatch.setattr(ray_session, "worker_env_vars", lambda: {**env(), SLOW_WORLD_ENV: f"{name}:2:0.3"})
+    # 0.3 s more per step up to step 70: the deadline lands before step 60's checkpoint (the steps after it need
+    # no pace: 24 s of the test's time)
+    env = ray_session.worker_env_vars
+    monkeypatch.setattr(ray_session, "worker_env_vars", lambda: {**env(), SLOW_WORLD_ENV: f"{name}:2:0.3:70"})
     cfg = config_from_dict(job(text_corpus, tmp_path, name, train={"log_every": 2},
                                checkpoint={"every_n_steps": 30, "keep": 10}, failure={"max_failures": 0}))
     metadata = FakeMetadata()

@@ -73,7 +73,10 @@ def cluster(tmp_path_factory):
              # bystander, a user's), and an agent without its port takes no job ("No available agent")
              f"--dashboard-agent-listen-port={agent_port}",
              f"--temp-dir={temp_dir}", "--disable-usage-stats", "--include-dashboard=true", "--block"]
-    head = subprocess.Popen(start, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    # (Ray 2.60's `ray start --block` drains its node for RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S, 30 s, when it is
+    # terminated, for Serve's replicas: this cluster has none, and the wait was half the module's time)
+    head = subprocess.Popen(start, env={**env, "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0"},
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     address = f"http://127.0.0.1:{dash_port}"
     try:
         _wait_for_job_api(address, head)

@@ -184,3 +184,19 @@ def test_the_tier_reads_each_figure_as_the_benches_print_it_a_negative_loss_incl
     assert found["ratio_so_far"] == "0.866" and found["gpu_lost_per_checkpoint_s"] == "-0.099"
     assert found["torch_save_s"] == "0.0080"
     assert gpu_tier.figures("x", out.replace("-0.099 s after", "0.250 s after"))["gpu_lost_per_checkpoint_s"] == "0.250"
+
+
+def test_a_step_over_its_limit_ends_at_the_sigint_even_where_the_tier_was_started_with_sigint_ignored(tmp_path):
+    """A shell without job control (CI's, a background call) starts commands with SIGINT ignored, which a child
+    inherits: the step over its limit then ignored the tier's SIGINT and waited 30 s for the SIGKILL (its Ray,
+    on the GPU machine, left behind). The step's process gets SIGINT at its default, and exits on it."""
+    import signal
+    import subprocess
+    import time
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # (conftest puts the suite's handler back after the test)
+    began = time.monotonic()
+    with pytest.raises(subprocess.TimeoutExpired):
+        gpu_tier.run_group([sys.executable, "-c", "import time; print('up', flush=True); time.sleep(60)"], 2,
+                           log=tmp_path / "log")
+    assert time.monotonic() - began < 20  # (30 s and more: the SIGKILL after the ignored SIGINT)

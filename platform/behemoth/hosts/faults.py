@@ -14,9 +14,10 @@ untouched.
   (tests/integration/test_tracking.py: the goodput account's lost work against a kill at a known step).
 - BEHEMOTH_FAULT_RAISE_AT_STEP=RUN:STEP makes rank 0 raise a RuntimeError after STEP, every time (a sweep's
   trial that fails while the others go on: tests/integration/test_lanes.py).
-- BEHEMOTH_FAULT_SLOW_WORLD=RUN:WORLD:SECONDS makes every step trained by a worker group of WORLD workers take
-  SECONDS longer: the elastic test's shrunk group cannot finish the run before Ray Train grows it back, however
-  fast the machine trains (test_fault_tolerance.py, R6).
+- BEHEMOTH_FAULT_SLOW_WORLD=RUN:WORLD:SECONDS[:UNTIL] makes every step (up to step UNTIL) trained by a worker
+  group of WORLD workers take SECONDS longer: the elastic test's shrunk group cannot finish the run before Ray
+  Train grows it back, however fast the machine trains (test_fault_tolerance.py, R6); the spot notice's deadline
+  lands between two checkpoints (R7).
 """
 
 from __future__ import annotations
@@ -85,7 +86,7 @@ def disk_full(step: int, path: Path) -> None:
         raise OSError(errno.ENOSPC, f"No space left on device (injected by {DISK_FULL_ENV})", str(path))
 
 
-def slow_step(world: int) -> None:
+def slow_step(world: int, step: int) -> None:
     fields = _spec_for_this_run(SLOW_WORLD_ENV)
-    if fields is not None and int(fields[0]) == world:
+    if fields is not None and int(fields[0]) == world and (len(fields) < 3 or step <= int(fields[2])):
         time.sleep(float(fields[1]))

@@ -12,7 +12,7 @@ class FaultHooks(Callback):
     report."""
 
     def after_update(self, ctx, state, micro_batches, loss_sum, n_valid) -> None:
-        faults.slow_step(ctx.world)
+        faults.slow_step(ctx.world, state.step)
 
     def after_report(self, ctx, state) -> None:
         faults.at_step(state.step, ctx.rank, ctx.clock.totals)
