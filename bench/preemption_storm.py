@@ -342,14 +342,14 @@ def main() -> None:
              runtime_env={"env_vars": {"PYTHONPATH": str(REPO / "platform")}})
     tokens = prepare_text(config_from_dict(behemoth_job("corpus", 10)).data, seed=0)
     sides = args.sides.split(",")
-    calm = {}
-    for side in sorted(sides, key=lambda s: s != "plain"):  # (the plain script's first: its hold share)
-        calm[side] = _calm_run(side, behemoth_job, tokens, args, work)
-        if side == "plain" and args.hold_budget == "plain":
-            budget["share"] = calm["plain"]["hold_share"]
-        print(f"[storm] calm {side}: {json.dumps(calm[side])}", flush=True)
     results: dict[str, list[dict]] = {side: [] for side in sides}
-    try:
+    try:  # (the watchers and the cluster are ended whatever fails, the calm runs included)
+        calm = {}
+        for side in sorted(sides, key=lambda s: s != "plain"):  # (the plain script's first: its hold share)
+            calm[side] = _calm_run(side, behemoth_job, tokens, args, work)
+            if side == "plain" and args.hold_budget == "plain":
+                budget["share"] = calm["plain"]["hold_share"]
+            print(f"[storm] calm {side}: {json.dumps(calm[side])}", flush=True)
         for r in range(args.repeats):
             at_steps = schedule(args.steps, args.preemptions, args.checkpoint_every, seed=r)
             print(f"[storm] repeat {r}: preemptions at steps {at_steps}", flush=True)
