@@ -18,7 +18,7 @@ sys.path.insert(0, str(REPO / "tests"))
 from gpu_tier import run_group  # noqa: E402  (its process group ended if the test outlives it)
 
 
-# build ~20 s, the 3.12 install and Ray start ~100 s, the dry run ~5 minutes on a 2-core machine: room for a 3x
+# build ~20 s, the 3.12 install and Ray start ~100 s, the dry run ~2 minutes on a 2-core machine: room for a 3x
 # slower one
 @pytest.mark.timeout(2400)
 def test_the_gpu_kit_builds_installs_into_python_312_and_its_device_script_dry_runs(tmp_path):

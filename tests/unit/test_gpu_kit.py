@@ -200,3 +200,14 @@ def test_a_step_over_its_limit_ends_at_the_sigint_even_where_the_tier_was_starte
         gpu_tier.run_group([sys.executable, "-c", "import time; print('up', flush=True); time.sleep(60)"], 2,
                            log=tmp_path / "log")
     assert time.monotonic() - began < 20  # (30 s and more: the SIGKILL after the ignored SIGINT)
+
+
+def test_the_dry_run_runs_each_bench_as_the_device_call_does_at_its_toy_size():
+    """The dry run (the integration test's, minutes of the full tier) keeps a step's options where they hold at a
+    toy size: llama_1b's one repeat (without it the bench's five were two thirds of the dry run)."""
+    dry = {name: command[1:] for name, command, _ in gpu_tier.steps("/tmp/s", "first", dry_run=True)}
+    real = {name: command[1:] for name, command, _ in gpu_tier.steps("/tmp/s", "first")}
+    assert list(dry) == ["llama_1b", "resnet50", "checkpoint_1b"]
+    assert dry["llama_1b"] == [*real["llama_1b"], "--tiny"] and "--repeats" in dry["llama_1b"]
+    assert dry["resnet50"] == ["bench/resnet50_feed.py", "--tiny"]
+    assert dry["checkpoint_1b"] == ["bench/checkpoint_blocking.py", "--tinyllama", "--tiny"]
