@@ -916,3 +916,27 @@ def test_the_weight_average_needs_ddp_and_full_checkpoints(tmp_path):
                                "it needs scaling.strategy ddp and checkpoint.format full")):
         with pytest.raises(ConfigError, match=message):
             config_from_dict({**job, **sections})
+
+
+def test_a_background_write_records_the_cpu_seconds_it_spent(tmp_path, monkeypatch):
+    """checkpoint.every_n_steps auto counts a background write's CPU seconds on a CPU worker (issue 73): the write
+    (saver.store) sets them on its buffers' event before handing the buffers back, and HostBuffers sums them."""
+    import types
+
+    import pyarrow.fs
+    import ray.train
+
+    from behemoth.checkpoints import saver
+
+    monkeypatch.setattr(saver.hosts, "current", lambda: types.SimpleNamespace(checkpoint_at=lambda dest, fs: dest))
+    sets = saver.HostBuffers()
+    _, written = sets.take()
+    snap = checkpoint.Snapshot(state_dicts={"model.pt": {"w": torch.randn(2_000_000)}},
+                               texts={"train_state.json": '{"step": 1}'}, step=1)
+    staging = tmp_path / "staging"
+    staging.mkdir()
+    saver.store(snap, ray.train.Checkpoint.from_directory(str(staging)), "checkpoint_1",
+                pyarrow.fs.LocalFileSystem(), str(tmp_path / "run"), written)
+    assert written.is_set() and written.cpu_s > 0  # (8 MB written and hashed: milliseconds of CPU)
+    assert sets.last_write_cpu_s() == written.cpu_s == sets.totals["cpu_s"]
+    checkpoint.verify(tmp_path / "run" / "checkpoint_1")
