@@ -13,7 +13,8 @@ Llama-style LM for `--steps` steps while a storm preempts the node of rank 0, th
 The sides, alternating (ABBA) over `--repeats`: behemoth as a spot user runs it (`train`, `checkpoint.every_n_steps:
 auto` with `checkpoint.hold_budget` the share of its calm run's time the plain script's checkpoints held its
 loop (`--hold-budget`: the same blocking budget), elastic `scaling.num_workers: [1, 2]` so that it trains on with
-the workers it has while the replacement comes, `elastic_resize_interval_s: 5`, a report every 2 steps;
+the workers it has while the replacement comes, `elastic_resize_interval_s: 5`, a report every 2 steps, and its
+default rescue checkpoint (a live worker's state when Ray Train stops its group: a peer lost, the regrow);
 `--behemoth-set KEY=VALUE` adds overrides),
 optionally behemoth-fixed (the same with 2 workers: it waits for the replacement, as the plain script does), and
 the plain Ray Train script a careful user would write from Ray's docs (the same model,

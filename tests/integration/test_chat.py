@@ -133,7 +133,9 @@ def test_a_chat_run_learns_the_replies_resumes_exactly_exports_and_generates(str
     env = ray_session.worker_env_vars
     monkeypatch.setattr(ray_session, "worker_env_vars",
                         lambda: {**env(), KILL_AT_STEP_ENV: f"killed:{KILLED_AFTER}:{marker}"})
-    resumed = train(config_from_dict(chat_job(chat_corpus, Path(cfg.checkpoint.storage_path), "killed")))
+    # (no rescue checkpoint: the restart resumes from the periodic one; test_text_classification.py checks the rescue)
+    resumed = train(config_from_dict(chat_job(chat_corpus, Path(cfg.checkpoint.storage_path), "killed",
+                                              checkpoint={"rescue": False})))
     assert marker.exists() and resumed.resumed_from_step == 8 and resumed.metrics["step"] == STEPS
     a, b = read_state_dict(resumed.latest_checkpoint), read_state_dict(summary.latest_checkpoint)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

@@ -75,7 +75,9 @@ def job(corpus: Path, storage: Path, name: str, **sections) -> dict:
     # one, so that float rounding differences (elastic) are not amplified into a different trajectory.
     d["train"].update(max_steps=STEPS, epochs=10, log_every=10, sample_ledger=str(storage / f"ledger-{name}"),
                       warmup_steps=0, min_lr_ratio=1.0, lr=0.003)
-    d["checkpoint"].update(every_n_steps=EVERY, keep=3)
+    # No rescue checkpoint (checkpoints/rescue.py): these runs check what the periodic checkpoints alone cost a
+    # failure; R6 checks the rescue.
+    d["checkpoint"].update(every_n_steps=EVERY, keep=3, rescue=False)
     d["eval"].update(every_n_steps=None, per_epoch=False)
     d["scaling"].update(cpus_per_worker=1.0)
     d["failure"].update(max_failures=1)
@@ -234,9 +236,12 @@ def test_r2_r4_worker_killed_while_uploading_a_checkpoint_then_at_step_37(cluste
     check_recovered(summary, tmp_path, name, straight[0], max_redone=3 * EVERY)
 
 
-def test_r6_elastic_two_one_two(cluster, straight, text_corpus, tmp_path):
+def test_r6_elastic_two_one_two(cluster, straight, text_corpus, tmp_path, capfd):
     """num_workers [1, 2]: rank 1's node is removed at step 15 (the run continues on 1 worker), a node is
-    added back (the run grows to 2 again). Ray's autoscaling coordinator re-reads the cluster every 20 s; the
+    added back (the run grows to 2 again). With the rescue checkpoint (checkpoints/rescue.py) neither costs more
+    than the step in flight: at the loss rank 0 writes its state as its peer's connection fails (or as Ray Train
+    stops the group), at the regrow the 1-worker group writes its own as Ray Train stops it (without: the steps
+    since the last periodic checkpoint, 5 or more at the loss alone). Ray's autoscaling coordinator re-reads the cluster every 20 s; the
     elastic run's driver refreshes it every 2 s (58 s for this test against 78 without, 2026-11-29), and a
     regrow attempt whose placement misses the start timeout falls back to 1 worker and is retried. The 1-worker group is paced (behemoth/hosts/faults.py: each of
     its steps SLOW_STEP_S longer), so the regrow lands before the run ends on any machine: the run's 50 steps
@@ -246,7 +251,7 @@ def test_r6_elastic_two_one_two(cluster, straight, text_corpus, tmp_path):
     c, nodes = cluster
     name, steps = "elastic", STEPS + 50
     cfg = config_from_dict(job(text_corpus, tmp_path, name, train={"max_steps": steps},
-                               checkpoint={"keep": steps // EVERY},
+                               checkpoint={"keep": steps // EVERY, "rescue": True},
                                scaling={"num_workers": [1, 2], "elastic_resize_interval_s": 3}))
     t, out = in_thread(lambda: train(cfg))
     ledger = tmp_path / f"ledger-{name}"
@@ -262,6 +267,8 @@ def test_r6_elastic_two_one_two(cluster, straight, text_corpus, tmp_path):
     result = audit(ledger, n_blocks(tmp_path), steps)  # every step: its global batch, in the global order
     worlds = [result["worlds"][s] for s in range(1, steps + 1)]
     assert worlds[0] == 2 and 1 in worlds and worlds[-1] == 2, worlds  # 2 -> 1 -> 2
+    assert len(result["redone"]) <= 2, result["redone"]  # at most the step in flight at the loss and the regrow
+    assert "a surviving worker's state when a peer was lost (checkpoint.rescue)" in capfd.readouterr().out
     # The same batches in the same order, so the loss curve is the fixed-size run's up to float rounding.
     # Exactly checkable: identical before the first resize, and at the first step after each restore on a
     # new world size (same weights from the checkpoint, the same samples split differently) equal to 1e-5

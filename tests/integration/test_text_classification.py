@@ -127,11 +127,13 @@ def _behemoth_predictions(cfg, ckpt: str, texts: list[str]) -> tuple[list[str], 
             (top[:, 0] - top[:, 1]).tolist())
 
 
-@pytest.mark.quick  # quick tier: exact resume after a kill
-def test_a_killed_worker_costs_only_the_steps_since_the_checkpoint_and_resumes_exactly(
-        straight, labelled, tmp_path, monkeypatch):
-    """Rank 0 SIGKILLed after step 45: Ray Train restarts the group from checkpoint 40 and the run ends on the
-    uninterrupted run's weights, bit for bit (the same samples in the same order from step 41 on)."""
+@pytest.mark.quick  # quick tier: exact resume after a kill, from the rescue checkpoint
+def test_a_killed_worker_costs_no_step_its_peer_rescues_the_state_and_the_run_resumes_exactly(
+        straight, labelled, tmp_path, monkeypatch, capfd):
+    """Rank 0 SIGKILLed after step 45: rank 1's all-reduce in step 46 fails and rank 1 writes its state at step
+    45 as the rescue checkpoint (checkpoints/rescue.py; without it the group would restart from checkpoint 40);
+    Ray Train restarts the group from it and the run ends on the uninterrupted run's weights, bit for bit (DDP's
+    replicas are one state; the same samples in the same order from step 46 on)."""
     from behemoth.driver.ray_cluster import session as ray_session
     from behemoth.hosts.faults import KILL_AT_STEP_ENV
 
@@ -139,7 +141,10 @@ def test_a_killed_worker_costs_only_the_steps_since_the_checkpoint_and_resumes_e
     env = ray_session.worker_env_vars
     monkeypatch.setattr(ray_session, "worker_env_vars", lambda: {**env(), KILL_AT_STEP_ENV: f"killed:{KILLED_AFTER}:{marker}"})
     resumed = train(config_from_dict(job(labelled, tmp_path, "killed")))
-    assert marker.exists() and resumed.resumed_from_step == 40 and resumed.metrics["step"] == STEPS
+    assert marker.exists() and resumed.resumed_from_step == KILLED_AFTER and resumed.metrics["step"] == STEPS
+    console = capfd.readouterr().out
+    assert f"rank 1: a peer was lost at step {KILLED_AFTER + 1}; wrote this worker's state at step {KILLED_AFTER}" \
+        in console and "a surviving worker's state when a peer was lost" in console
     a, b = read_state_dict(resumed.latest_checkpoint), read_state_dict(straight[1].latest_checkpoint)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert resumed.metrics["val_accuracy"] == straight[1].metrics["val_accuracy"]

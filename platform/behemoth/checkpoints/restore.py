@@ -7,6 +7,7 @@ from behemoth.storage import checkpoint, weights
 from behemoth import hosts
 from behemoth.hosts import collectives
 from behemoth.checkpoints import live_state
+from behemoth.checkpoints.rescue import PREFIX as RESCUE_PREFIX
 from behemoth.storage.checkpoint import TrainState
 from behemoth.errors import CheckpointError, PartlyLoadedError
 from behemoth.hosts.console import console
@@ -33,8 +34,10 @@ def restore_latest(run: Trainables, fence=None) -> TrainState | None:
         remove_partial_uploads(run_path, fs, {c.path for c in candidates}, fence)
     unregistered = [ckpt for step, ckpt in _run_folder_checkpoints() if step > registered]
     if unregistered and rank0:
-        console(f"restoring from {unregistered[0].path}: complete in the run folder, but not registered with "
-                f"Ray Train when the run stopped")
+        why = ("a surviving worker's state when a peer was lost (checkpoint.rescue)"
+               if unregistered[0].path.rstrip("/").rsplit("/", 1)[-1].startswith(RESCUE_PREFIX) else
+               "complete in the run folder, but not registered with Ray Train when the run stopped")
+        console(f"restoring from {unregistered[0].path}: {why}")
     state, touched = restore_first_verified(unregistered + candidates, run, ctx.storage()[0], rank0)
     if state is not None:
         # a resume that lost work ends an interruption (checkpoint.every_n_steps auto counts them); one from a

@@ -21,6 +21,7 @@ from behemoth.metrics import PhaseClock
 from behemoth import hosts
 from behemoth.hosts import faults
 from behemoth.checkpoints import live_state
+from behemoth.checkpoints.rescue import Rescue
 from behemoth.hosts.collectives import gather_to_rank0
 from behemoth.checkpoints.trainables import Trainables
 from behemoth.checkpoints.sharded import ShardedWriter
@@ -54,9 +55,12 @@ class CheckpointSaver:
         self.last_block_s = self.last_snapshot_s = self.last_report_s = None
         self.buffers = HostBuffers()  # where the snapshots are copied to, two sets reused in turn
         self.copying = None  # the last snapshot while its copy may still read the live state
+        self.rescue: Rescue | None = None  # the loop's rescue checkpoint (checkpoints/rescue.py), once armed
 
     def before_update(self) -> None:
         """Called before every optimizer update: the snapshot's copy of the state must be complete."""
+        if self.rescue is not None:
+            self.rescue.updating()
         if self.copying is not None:
             t0 = time.perf_counter()
             self.copying.wait_sources_free()
@@ -66,6 +70,12 @@ class CheckpointSaver:
             self.last_snapshot_s += waited
             if self.clock is not None:
                 self.clock.add("checkpoint", waited)
+
+    def arm_rescue(self, run: Trainables, state: TrainState, world: int, fence=None) -> Rescue:
+        """This loop's rescue checkpoint (checkpoints/rescue.py), told of each update by `before_update`; the
+        loop tells it when the step is counted, of an error passing and of its end. `fence`: the run lock's."""
+        self.rescue = Rescue(self.cfg, run, state, world, self.rank, self.task_files, self.job_yaml, fence)
+        return self.rescue
 
     def write_s(self) -> float | None:
         """How long the latest finished background write took (None: none yet, or the writes are not in the
@@ -125,6 +135,8 @@ class CheckpointSaver:
             call()
         self.copying = snap
         self._held(t0, reported)
+        if not in_background and self.rescue is not None:  # (written once the report returned)
+            self.rescue.saved_step = state.step
 
     def _held(self, started: float, reported: float) -> None:
         now = time.perf_counter()

@@ -182,6 +182,10 @@ class CheckpointConfig:
     # Save in the background: the step only waits for a copy of the state in host memory; writing, the
     # manifest and the upload happen in a thread (Ray Train's asynchronous upload keeps reports in order).
     async_save: bool = True
+    # A peer lost without notice (its process or node killed): each surviving DDP worker still holds the whole
+    # state after the last step it finished, and one writes it as a checkpoint before the group ends, so the
+    # restart loses at most the step in flight (checkpoints/rescue.py says where it cannot).
+    rescue: bool = True
     # How the model and optimizer state is written: "full" (model.pt and optimizer.pt, the whole state gathered
     # on rank 0), "sharded" (every rank writes its own shards with torch.distributed.checkpoint, nothing is
     # gathered; loads at any world size), or "auto": sharded under FSDP, full under DDP.

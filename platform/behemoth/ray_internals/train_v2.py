@@ -12,7 +12,8 @@ import logging
 
 from ray.train.v2._internal.callbacks import DatasetsCallback, placement_group_callback
 from ray.train.v2._internal.callbacks.placement_group_callback import PlacementGroupCleanerCallback
-from ray.train.v2._internal.execution.callback import ControllerCallback, ReportCallback, TrainContextCallback
+from ray.train.v2._internal.execution.callback import (ControllerCallback, ReportCallback, TrainContextCallback,
+                                                       WorkerCallback)
 from ray.train.v2._internal.execution.controller.placement_group_cleaner import PlacementGroupCleaner
 from ray.train.v2._internal.execution.failure_handling import DefaultFailurePolicy
 from ray.train.v2._internal.execution.failure_handling.failure_policy import FailureDecision
@@ -21,6 +22,7 @@ from ray.train.v2._internal.exceptions import WorkerGroupStartupTimeoutError
 __all__ = ["ControllerCallback", "DatasetsCallback", "DefaultFailurePolicy", "FailureDecision",
            "WorkerGroupStartupTimeoutError", "waiting_for_nodes",
            "PlacementGroupCleaner", "PlacementGroupCleanerCallback", "ReportCallback", "TrainContextCallback",
+           "WorkerCallback",
            "launch_placement_group_cleaner", "preemption_error", "preemption_notice", "quiet_report_log",
            "set_failure_policy_factory",
            "worker_environment"]

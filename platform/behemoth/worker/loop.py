@@ -74,6 +74,8 @@ def train_loop_per_worker(loop_config: dict) -> dict:
     state.world_size = world
     ledger = SampleLedger(cfg.train.sample_ledger, rank, world)
     saver = CheckpointSaver(cfg, rank, task.checkpoint_files(cfg, prepared) | task.kept_files(cfg, prepared), clock)
+    # a peer lost, or the group stopped, while this worker trains: its state as a checkpoint (checkpoints/rescue.py)
+    rescue = saver.arm_rescue(run, state, world, loop_config.get("fence"))
     step_ctx = StepContext(cfg, task, run, device, rank, world, clock, speed, saver, micro_batch, accum, epoch_steps,
                            total_steps, resumed_from_step=state.step)  # what every step is taken with
     reporter = Reporter(step_ctx)
@@ -85,25 +87,33 @@ def train_loop_per_worker(loop_config: dict) -> dict:
     callbacks = Callbacks([run.ema, ledger, FaultHooks(), StepProfiler(cfg, rank, device)])
     window, bad_ids = Window(), set()
     clock.mark("loop_started")
-    while state.step < state.last_step(total_steps):  # (early stopping moves the last step: report.py)
-        for micro_batches, wait_s in _timed(feed.steps(state)):
-            clock.add("data_wait", wait_s)
-            callbacks.before_step(step_ctx, state)
-            step_started, blocked_before = time.perf_counter(), clock.totals["checkpoint"]
-            loss_sum, n_valid = step(step_ctx, state, micro_batches, window, wait_s)
-            callbacks.after_update(step_ctx, state, micro_batches, loss_sum, n_valid)
-            # the step's time, less what it waited for a checkpoint snapshot (counted as checkpoint time)
-            step_s = clock.add("step", time.perf_counter() - step_started - (clock.totals["checkpoint"] - blocked_before))
-            state.advance(epoch_steps, cfg.train.global_batch_size, step_s)
-            feed.ahead(state, total_steps)
-            clock.mark_once("first_step")  # time to first step: the start-up a user waits through
-            callbacks.after_step(step_ctx, state)
-            if reporter.due(state):
-                reporter.report(state, window, bad_ids)
-                window = Window()
-            callbacks.after_report(step_ctx, state)  # (the failure tests' kill point: after the report)
-            if state.step >= state.last_step(total_steps):
-                break
+    try:
+        while state.step < state.last_step(total_steps):  # (early stopping moves the last step: report.py)
+            for micro_batches, wait_s in _timed(feed.steps(state)):
+                clock.add("data_wait", wait_s)
+                callbacks.before_step(step_ctx, state)
+                step_started, blocked_before = time.perf_counter(), clock.totals["checkpoint"]
+                loss_sum, n_valid = step(step_ctx, state, micro_batches, window, wait_s)
+                callbacks.after_update(step_ctx, state, micro_batches, loss_sum, n_valid)
+                # the step's time, less what it waited for a checkpoint snapshot (counted as checkpoint time)
+                held = clock.totals["checkpoint"] - blocked_before
+                step_s = clock.add("step", time.perf_counter() - step_started - held)
+                state.advance(epoch_steps, cfg.train.global_batch_size, step_s)
+                rescue.stepped()  # (the state is whole again: the step's update is counted)
+                feed.ahead(state, total_steps)
+                clock.mark_once("first_step")  # time to first step: the start-up a user waits through
+                callbacks.after_step(step_ctx, state)
+                if reporter.due(state):
+                    reporter.report(state, window, bad_ids)
+                    window = Window()
+                callbacks.after_report(step_ctx, state)  # (the failure tests' kill point: after the report)
+                if state.step >= state.last_step(total_steps):
+                    break
+    except Exception as e:  # a peer lost without notice: this worker's state, whole, as a checkpoint
+        rescue.after_error(e)
+        raise
+    finally:
+        rescue.ended()
     reporter.sender.flush()  # (the last reports, a checkpoint's among them, reach the host before the function ends)
     # Rank 0's return value reaches the driver as Result.return_value.
     return {"resumed_from_step": step_ctx.resumed_from_step, "final_step": state.step,

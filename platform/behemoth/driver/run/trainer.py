@@ -71,6 +71,10 @@ def build_trainer(cfg: JobConfig, data, callbacks: list | None = None, fence=Non
         from behemoth.hosts.lease_fence import LeaseFenceCallback
 
         callbacks = [*(callbacks or []), LeaseFenceCallback(fence)]
+    if cfg.checkpoint.rescue:  # a group stopped while it trains leaves its state (checkpoints/rescue.py)
+        from behemoth.hosts.rescue_callback import RescueCallback
+
+        callbacks = [*(callbacks or []), RescueCallback()]
     place = run_place(cfg)
     # The data travels once through the object store, not pickled into every worker's config; the config
     # travels typed (each worker unpickles it: parsed once, on the driver).
