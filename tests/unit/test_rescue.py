@@ -199,7 +199,8 @@ def _lease_lost(before: str):
 def test_no_rescue_for_another_error_a_step_already_saved_or_where_it_is_off(tmp_path):
     """The training thread's error rescues only where it is a peer's loss (read along its chain: the loop's own
     error raised while handling the peer's counts), the state newer than the step saved, checkpoint.rescue on,
-    and the run's driver still holding the run folder's lease."""
+    the run's driver still holding the run folder's lease, and the weights finite (a folder claimed for
+    non-finite ones is removed: nothing is left that a restart would call an unfinished upload)."""
     run, state = _run(torch.nn.Linear(4, 4)), TrainState(step=7)
     with hosts.hosted(_Host(1, str(tmp_path / "run"))):
         other, saved, off, chained = _rescue(run, state), _rescue(run, state), _rescue(run, state, rescue=False), \
@@ -213,7 +214,12 @@ def test_no_rescue_for_another_error_a_step_already_saved_or_where_it_is_off(tmp
         lost.state.advance(1000, 16)
         lost.fence = SimpleNamespace(check=_lease_lost)  # (another driver took the run folder over)
         assert lost.after_error(_peer_loss()) is None
-        assert not (tmp_path / "run").exists()
+        diverged = _rescue(_run(torch.nn.Linear(4, 4)), TrainState(step=7))
+        diverged.state.advance(1000, 16)
+        with torch.no_grad():
+            diverged.run.model.weight[0, 0] = float("nan")  # (a step's gradients were not finite)
+        assert diverged.after_error(_peer_loss()) is None
+        assert not list((tmp_path / "run").glob("checkpoint_*"))
         try:
             try:
                 raise _peer_loss()

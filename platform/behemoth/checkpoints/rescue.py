@@ -23,6 +23,8 @@ Only where the writer's state is the run's, whole and newer than what is saved:
   counts the step (`stepped`) the weights are a step ahead of the train state; a rescue waits for that span to
   end (up to a second: the update holds no collective) and writes nothing where an error cut it;
 - when the step is newer than the checkpoint the run restored or last wrote synchronously (a notice's last);
+- with finite weights: under train.nonfinite: stop a step's non-finite gradients end the run only at the next
+  report, and the last good checkpoint must stay the latest;
 - while this run's driver holds the run folder's lease (storage/runlock.py: the fence is checked first).
 
 The write runs while the group is being stopped: one longer than Ray Train's 5 s is killed, leaves a folder
@@ -49,7 +51,7 @@ from behemoth.checkpoints import live_state
 from behemoth.checkpoints.trainables import Trainables
 from behemoth.hosts.console import console
 from behemoth.models.wrappers import is_sharded, unwrap
-from behemoth.storage.checkpoint import TrainState
+from behemoth.storage.checkpoint import MODEL_FILE, TrainState
 from behemoth.storage.store import Store
 
 PREFIX = "checkpoint_rescue_step"
@@ -171,6 +173,13 @@ def _write(rescue: Rescue, why: str) -> str | None:
     with _side_stream(rescue.run.model):
         snap = live_state.snapshot(**rescue.run.parts(), state=rescue.state, task_files=rescue.task_files,
                                    job_yaml=rescue.job_yaml, metrics={"step": step, "rescued_by_rank": rescue.rank})
+    if not _finite(snap.state_dicts[MODEL_FILE]):
+        if local:
+            os.rmdir(f"{run_path}/{name}")
+        console(f"rank {rescue.rank}: no rescue checkpoint at step {step}: the weights are not finite (a step's "
+                f"gradients were, and train.nonfinite stops the run only at its next report): the last good "
+                f"checkpoint stays the latest")
+        return None
     staging = None if local else SimpleNamespace(path=tempfile.mkdtemp(prefix="behemoth-rescue-"))
     try:
         written = store(snap, staging, name, fs, run_path)
@@ -180,6 +189,12 @@ def _write(rescue: Rescue, why: str) -> str | None:
     console(f"rank {rescue.rank}: {why}; wrote this worker's state at step {step} as {written.path}: the next "
             f"group resumes there")
     return written.path
+
+
+def _finite(weights: dict) -> bool:
+    """Whether every floating-point tensor of a state dict (host copies) is finite."""
+    return all(bool(torch.isfinite(t).all()) for t in weights.values()
+               if isinstance(t, torch.Tensor) and t.is_floating_point())
 
 
 def _side_stream(model):
