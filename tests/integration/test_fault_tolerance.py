@@ -268,7 +268,7 @@ def test_r6_elastic_two_one_two(cluster, straight, text_corpus, tmp_path, capfd)
     worlds = [result["worlds"][s] for s in range(1, steps + 1)]
     assert worlds[0] == 2 and 1 in worlds and worlds[-1] == 2, worlds  # 2 -> 1 -> 2
     assert len(result["redone"]) <= 2, result["redone"]  # at most the step in flight at the loss and the regrow
-    assert "a surviving worker's state when a peer was lost (checkpoint.rescue)" in capfd.readouterr().out
+    assert "a live worker's state when Ray Train stopped its group (checkpoint.rescue)" in capfd.readouterr().out
     # The same batches in the same order, so the loss curve is the fixed-size run's up to float rounding.
     # Exactly checkable: identical before the first resize, and at the first step after each restore on a
     # new world size (same weights from the checkpoint, the same samples split differently) equal to 1e-5

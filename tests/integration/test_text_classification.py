@@ -144,7 +144,7 @@ def test_a_killed_worker_costs_no_step_its_peer_rescues_the_state_and_the_run_re
     assert marker.exists() and resumed.resumed_from_step == KILLED_AFTER and resumed.metrics["step"] == STEPS
     console = capfd.readouterr().out
     assert f"rank 1: a peer was lost at step {KILLED_AFTER + 1}; wrote this worker's state at step {KILLED_AFTER}" \
-        in console and "a surviving worker's state when a peer was lost" in console
+        in console and "a live worker's state when Ray Train stopped its group" in console
     a, b = read_state_dict(resumed.latest_checkpoint), read_state_dict(straight[1].latest_checkpoint)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert resumed.metrics["val_accuracy"] == straight[1].metrics["val_accuracy"]

@@ -34,7 +34,7 @@ def restore_latest(run: Trainables, fence=None) -> TrainState | None:
         remove_partial_uploads(run_path, fs, {c.path for c in candidates}, fence)
     unregistered = [ckpt for step, ckpt in _run_folder_checkpoints() if step > registered]
     if unregistered and rank0:
-        why = ("a surviving worker's state when a peer was lost (checkpoint.rescue)"
+        why = ("a live worker's state when Ray Train stopped its group (checkpoint.rescue)"
                if unregistered[0].path.rstrip("/").rsplit("/", 1)[-1].startswith(RESCUE_PREFIX) else
                "complete in the run folder, but not registered with Ray Train when the run stopped")
         console(f"restoring from {unregistered[0].path}: {why}")
