@@ -5,7 +5,8 @@ Its face is what the loop (worker/loop.py, worker/reporting.py) talks to, and no
 - `Trainables`: the run's objects a checkpoint holds (model, optimizer, scheduler, scaler, compression state, EMA).
 - save: `CheckpointSaver(cfg, rank, task_files).save_and_report(metrics, state, run)` (synchronously, or with
   only a snapshot in the step's way; the manifest last), and `send_report(metrics)` for a report without one;
-  `arm_rescue(run, state, world)`: the loop's rescue checkpoint (told of each update, error and the loop's end).
+  `Rescue(cfg, run, state, ...)`: the loop's rescue checkpoint (told of each update through the saver, of an
+  error and of the loop's end by `around_the_loop`).
 - restore: `restore_latest(run)` (the checkpoint a (re)started worker group continues from: the newest that
   verifies, partial uploads removed) and `load_init_from(model, cfg, task, rank, world)` (train.init_from's weights).
 - latest: `complete_checkpoints(folder)` (a run folder's complete checkpoints by step; the best by a metric is
@@ -20,7 +21,7 @@ Its modules:
 - `sharded`: sharded checkpoints: each rank's DCP shards, the manifest over all by rank 0.
 - `restore`: which checkpoint a (re)started worker group continues from; init_from's weights.
 - `rescue`: the rescue checkpoint, a live worker's state when its group is stopped under it (a peer lost
-  without notice, an elastic resize): `CheckpointSaver.arm_rescue`.
+  without notice, an elastic resize).
 
 The format itself stays on the floor in storage/ (`storage/checkpoint.py`: files, TrainState, manifest,
 complete_checkpoints, verify; `storage/shard_reader.py`, `storage/dcp_index.py`): the driver (resume checks,
@@ -29,10 +30,11 @@ room that writes them. This room builds on that format and on hosts/ (the report
 collectives); it needs the model, the process group and the step, which storage/ does not.
 """
 
+from behemoth.checkpoints.rescue import Rescue
 from behemoth.checkpoints.restore import load_init_from, restore_latest
 from behemoth.checkpoints.saver import CheckpointSaver, send_report
 from behemoth.checkpoints.trainables import Trainables
 from behemoth.storage.checkpoint import complete_checkpoints, verify
 
-__all__ = ["CheckpointSaver", "Trainables", "complete_checkpoints", "load_init_from", "restore_latest",
+__all__ = ["CheckpointSaver", "Rescue", "Trainables", "complete_checkpoints", "load_init_from", "restore_latest",
            "send_report", "verify"]

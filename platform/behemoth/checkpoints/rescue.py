@@ -38,6 +38,7 @@ their own, and the run's end retires the older one with the other unregistered c
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import tempfile
@@ -48,6 +49,7 @@ import torch
 
 from behemoth import hosts
 from behemoth.checkpoints import live_state
+from behemoth.checkpoints.saver import store
 from behemoth.checkpoints.trainables import Trainables
 from behemoth.hosts.console import console
 from behemoth.models.wrappers import is_sharded, unwrap
@@ -56,14 +58,6 @@ from behemoth.storage.store import Store
 
 PREFIX = "checkpoint_rescue_step"
 UPDATE_WAIT_S = 1.0  # the longest a rescue from Ray Train's shutdown waits for an update in flight to be counted
-
-_armed: Rescue | None = None  # this process's loop's (one loop trains in a Ray Train worker at a time)
-
-
-def armed() -> Rescue | None:
-    """The rescue of the loop this process runs or ran last (None: none armed)."""
-    return _armed
-
 
 def why_not(cfg, run: Trainables, rank: int) -> str | None:
     """Why this worker cannot write its run's state as a rescue (None: it can); decided once, as the loop starts."""
@@ -102,7 +96,6 @@ class Rescue:
 
     def __init__(self, cfg, run: Trainables, state: TrainState, world: int, rank: int,
                  task_files: dict, job_yaml: str, fence=None):
-        global _armed
         self.run, self.state, self.world, self.rank, self.fence = run, state, world, rank, fence
         self.task_files, self.job_yaml = task_files, job_yaml
         self.off = why_not(cfg, run, rank)
@@ -111,7 +104,7 @@ class Rescue:
         self.written: str | None = None
         self._whole = threading.Lock()  # held by the loop from an update's start until its step is counted
         self._once = threading.Lock()  # one rescue, from whichever thread comes first
-        _armed = self
+        hosts.when_stopped(self.at_shutdown)  # (Ray Train's shutdown of the group: hosts/rescue_callback.py)
 
     def updating(self) -> None:
         self._whole.acquire()
@@ -122,6 +115,17 @@ class Rescue:
 
     def ended(self) -> None:
         self.running = False
+
+    @contextlib.contextmanager
+    def around_the_loop(self):
+        """The loop runs inside: an error passing is handed to `after_error`, and the loop's end is told."""
+        try:
+            yield self
+        except Exception as e:
+            self.after_error(e)
+            raise
+        finally:
+            self.ended()
 
     def after_error(self, error: BaseException) -> str | None:
         """The training thread's error passing: a peer's loss rescues (never raises: the error goes on)."""
@@ -153,8 +157,6 @@ class Rescue:
 
 
 def _write(rescue: Rescue, why: str) -> str | None:
-    from behemoth.checkpoints.saver import store
-
     ctx, step = hosts.current(), rescue.state.step
     if rescue.fence is not None:  # (the run lock's: a driver that lost the folder writes nothing there)
         rescue.fence.check("writing a rescue checkpoint into it")
@@ -200,8 +202,6 @@ def _finite(weights: dict) -> bool:
 def _side_stream(model):
     """On a GPU, copy on a stream of its own: the default stream may wait behind a collective that never ends
     (NCCL waiting for a lost peer); the weights it reads are not written by it."""
-    import contextlib
-
     device = next(model.parameters()).device
     if device.type != "cuda":
         return contextlib.nullcontext()

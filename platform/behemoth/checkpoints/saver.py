@@ -21,7 +21,6 @@ from behemoth.metrics import PhaseClock
 from behemoth import hosts
 from behemoth.hosts import faults
 from behemoth.checkpoints import live_state
-from behemoth.checkpoints.rescue import Rescue
 from behemoth.hosts.collectives import gather_to_rank0
 from behemoth.checkpoints.trainables import Trainables
 from behemoth.checkpoints.sharded import ShardedWriter
@@ -55,7 +54,7 @@ class CheckpointSaver:
         self.last_block_s = self.last_snapshot_s = self.last_report_s = None
         self.buffers = HostBuffers()  # where the snapshots are copied to, two sets reused in turn
         self.copying = None  # the last snapshot while its copy may still read the live state
-        self.rescue: Rescue | None = None  # the loop's rescue checkpoint (checkpoints/rescue.py), once armed
+        self.rescue = None  # the loop's rescue checkpoint (checkpoints/rescue.py Rescue), told of each update
 
     def before_update(self) -> None:
         """Called before every optimizer update: the snapshot's copy of the state must be complete."""
@@ -70,12 +69,6 @@ class CheckpointSaver:
             self.last_snapshot_s += waited
             if self.clock is not None:
                 self.clock.add("checkpoint", waited)
-
-    def arm_rescue(self, run: Trainables, state: TrainState, world: int, fence=None) -> Rescue:
-        """This loop's rescue checkpoint (checkpoints/rescue.py), told of each update by `before_update`; the
-        loop tells it when the step is counted, of an error passing and of its end. `fence`: the run lock's."""
-        self.rescue = Rescue(self.cfg, run, state, world, self.rank, self.task_files, self.job_yaml, fence)
-        return self.rescue
 
     def write_s(self) -> float | None:
         """How long the latest finished background write took (None: none yet, or the writes are not in the

@@ -14,25 +14,27 @@
   injection for the failure tests, switched on by a variable in the workers' environment; none in runs).
 
 Here: which host is current. `hosted(host)` makes one current while a block runs (a lane, a data bench's
-consumer); outside one, Ray Train's is.
+consumer); outside one, Ray Train's is. And `when_stopped(hook)`: what runs when the host stops the group under
+the loop (`stopping()`, called by Ray Train's shutdown through rescue_callback).
 """
 
 from __future__ import annotations
 
 import contextlib
 import threading
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 from behemoth.hosts.contract import UploadFn, WorkerHost
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["UploadFn", "WorkerHost", "current", "device", "hosted"]
+__all__ = ["UploadFn", "WorkerHost", "current", "device", "hosted", "stopping", "when_stopped"]
 
 _lock = threading.Lock()
 _hosted: Optional[WorkerHost] = None  # a lane's, for every thread of its process (its upload thread too)
 _ray_train: Optional[WorkerHost] = None
+_stop_hook: Optional[Callable[[], object]] = None  # the loop's, for when its host stops the group under it
 
 
 def current() -> WorkerHost:
@@ -65,3 +67,17 @@ def hosted(host: WorkerHost):
 def device() -> torch.device:
     """This worker's device (a shorthand the tasks' worker halves use)."""
     return current().device
+
+
+def when_stopped(hook: Callable[[], object]) -> None:
+    """`hook()` runs when the host stops this process's worker group (Ray Train's shutdown of its workers, which
+    waits up to 5 s for it: hosts/rescue_callback.py): the loop's rescue checkpoint. The latest hook replaces any
+    earlier one (one loop trains in a worker process at a time)."""
+    global _stop_hook
+    _stop_hook = hook
+
+
+def stopping() -> None:
+    """The host stops the worker group: run the hook (if any)."""
+    if _stop_hook is not None:
+        _stop_hook()

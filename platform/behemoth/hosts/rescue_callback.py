@@ -11,8 +11,6 @@ from behemoth.ray_internals.train_v2 import WorkerCallback
 
 class RescueCallback(WorkerCallback):
     def before_worker_shutdown(self):
-        from behemoth.checkpoints import rescue
+        from behemoth import hosts
 
-        armed = rescue.armed()
-        if armed is not None:
-            armed.at_shutdown()
+        hosts.stopping()  # (the loop's rescue registered itself: hosts.when_stopped)

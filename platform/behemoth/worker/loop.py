@@ -41,7 +41,7 @@ from behemoth.worker.plan import batch_plan
 from behemoth.worker.profiling import StepProfiler
 from behemoth.worker.precision import autocast, device_settings, grad_scaler, master_weights
 from behemoth.worker.reporting import Reporter, resume_early_stopping
-from behemoth.checkpoints import CheckpointSaver, Trainables, load_init_from, restore_latest
+from behemoth.checkpoints import CheckpointSaver, Rescue, Trainables, load_init_from, restore_latest
 from behemoth.worker.speed import SpeedMeter
 from behemoth.worker.step_callbacks import Callbacks
 from behemoth.worker.step_context import StepContext
@@ -75,7 +75,8 @@ def train_loop_per_worker(loop_config: dict) -> dict:
     ledger = SampleLedger(cfg.train.sample_ledger, rank, world)
     saver = CheckpointSaver(cfg, rank, task.checkpoint_files(cfg, prepared) | task.kept_files(cfg, prepared), clock)
     # a peer lost, or the group stopped, while this worker trains: its state as a checkpoint (checkpoints/rescue.py)
-    rescue = saver.arm_rescue(run, state, world, loop_config.get("fence"))
+    rescue = saver.rescue = Rescue(cfg, run, state, world, rank, saver.task_files, saver.job_yaml,
+                                   loop_config.get("fence"))
     step_ctx = StepContext(cfg, task, run, device, rank, world, clock, speed, saver, micro_batch, accum, epoch_steps,
                            total_steps, resumed_from_step=state.step)  # what every step is taken with
     reporter = Reporter(step_ctx)
@@ -85,39 +86,40 @@ def train_loop_per_worker(loop_config: dict) -> dict:
     # Around each step, at its named points in this order (worker/step_callbacks.py): train.ema_decay's average,
     # the sample ledger, the failure tests' pacing, kill and error (none in a real run), train.profile's window.
     callbacks = Callbacks([run.ema, ledger, FaultHooks(), StepProfiler(cfg, rank, device)])
-    window, bad_ids = Window(), set()
     clock.mark("loop_started")
-    try:
-        while state.step < state.last_step(total_steps):  # (early stopping moves the last step: report.py)
-            for micro_batches, wait_s in _timed(feed.steps(state)):
-                clock.add("data_wait", wait_s)
-                callbacks.before_step(step_ctx, state)
-                step_started, blocked_before = time.perf_counter(), clock.totals["checkpoint"]
-                loss_sum, n_valid = step(step_ctx, state, micro_batches, window, wait_s)
-                callbacks.after_update(step_ctx, state, micro_batches, loss_sum, n_valid)
-                # the step's time, less what it waited for a checkpoint snapshot (counted as checkpoint time)
-                held = clock.totals["checkpoint"] - blocked_before
-                step_s = clock.add("step", time.perf_counter() - step_started - held)
-                state.advance(epoch_steps, cfg.train.global_batch_size, step_s)
-                rescue.stepped()  # (the state is whole again: the step's update is counted)
-                feed.ahead(state, total_steps)
-                clock.mark_once("first_step")  # time to first step: the start-up a user waits through
-                callbacks.after_step(step_ctx, state)
-                if reporter.due(state):
-                    reporter.report(state, window, bad_ids)
-                    window = Window()
-                callbacks.after_report(step_ctx, state)  # (the failure tests' kill point: after the report)
-                if state.step >= state.last_step(total_steps):
-                    break
-    except Exception as e:  # a peer lost without notice: this worker's state, whole, as a checkpoint
-        rescue.after_error(e)
-        raise
-    finally:
-        rescue.ended()
+    with rescue.around_the_loop():  # a peer lost without notice: this worker's state, whole, as a checkpoint
+        _train_steps(step_ctx, state, feed, callbacks, reporter, rescue)
     reporter.sender.flush()  # (the last reports, a checkpoint's among them, reach the host before the function ends)
     # Rank 0's return value reaches the driver as Result.return_value.
     return {"resumed_from_step": step_ctx.resumed_from_step, "final_step": state.step,
             "peak_source": speed.peak_source, "clock": clock.snapshot()}
+
+
+def _train_steps(ctx: StepContext, state: TrainState, feed: EpochFeed, callbacks: Callbacks, reporter: Reporter,
+                 rescue: Rescue) -> None:
+    """The steps from `state` to the run's last: each with its callbacks, counted, and reported when due."""
+    cfg, clock, window, bad_ids = ctx.cfg, ctx.clock, Window(), set()
+    while state.step < state.last_step(ctx.total_steps):  # (early stopping moves the last step: report.py)
+        for micro_batches, wait_s in _timed(feed.steps(state)):
+            clock.add("data_wait", wait_s)
+            callbacks.before_step(ctx, state)
+            step_started, blocked_before = time.perf_counter(), clock.totals["checkpoint"]
+            loss_sum, n_valid = step(ctx, state, micro_batches, window, wait_s)
+            callbacks.after_update(ctx, state, micro_batches, loss_sum, n_valid)
+            # the step's time, less what it waited for a checkpoint snapshot (counted as checkpoint time)
+            held = clock.totals["checkpoint"] - blocked_before
+            step_s = clock.add("step", time.perf_counter() - step_started - held)
+            state.advance(ctx.epoch_steps, cfg.train.global_batch_size, step_s)
+            rescue.stepped()  # (the state is whole again: the step's update is counted)
+            feed.ahead(state, ctx.total_steps)
+            clock.mark_once("first_step")  # time to first step: the start-up a user waits through
+            callbacks.after_step(ctx, state)
+            if reporter.due(state):
+                reporter.report(state, window, bad_ids)
+                window = Window()
+            callbacks.after_report(ctx, state)  # (the failure tests' kill point: after the report)
+            if state.step >= state.last_step(ctx.total_steps):
+                break
 
 
 def _build_run(cfg: JobConfig, task: Task, clock: PhaseClock, rank: int, world: int, device, total_steps: int,
