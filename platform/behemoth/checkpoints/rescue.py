@@ -39,6 +39,7 @@ their own, and the run's end retires the older one with the other unregistered c
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import shutil
 import tempfile
@@ -173,7 +174,9 @@ def _write(rescue: Rescue, why: str) -> str | None:
     else:
         name += f"_rank{rescue.rank}"
     with _side_stream(rescue.run.model):
-        snap = live_state.snapshot(**rescue.run.parts(), state=rescue.state, task_files=rescue.task_files,
+        # (the group ends on it: a resume loses nothing, and auto's count of interruptions that lost work keeps)
+        ended = dataclasses.replace(rescue.state, ended_on_notice=True)
+        snap = live_state.snapshot(**rescue.run.parts(), state=ended, task_files=rescue.task_files,
                                    job_yaml=rescue.job_yaml, metrics={"step": step, "rescued_by_rank": rescue.rank})
     if not _finite(snap.state_dicts[MODEL_FILE]):
         if local:

@@ -76,7 +76,8 @@ class TrainState:
     early_stopping_metric: str | None = None
     # checkpoint.every_n_steps: auto (worker/checkpoint_interval.py): the step of the next checkpoint (0: none
     # agreed yet), the times the run resumed from a checkpoint and lost work (its interruptions), its training
-    # seconds, and whether this checkpoint is a notice's last (the group ended on it: resuming loses nothing)
+    # seconds, and whether the group ended on this checkpoint (a notice's last, or a rescue: checkpoints/rescue.py):
+    # resuming loses nothing
     next_checkpoint_at: int = 0
     interruptions: int = 0
     trained_s: float = 0.0
