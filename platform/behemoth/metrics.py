@@ -55,7 +55,7 @@ class Window:
 
 
 # A sent report carries the logged steps held back since the previous one under this key (the worker's
-# worker/reporting.py ReportSender); the run's records expand them (tracking/callbacks.py).
+# worker/report_sender.py); the run's records expand them (tracking/callbacks.py).
 LOGGED = "logged_before"
 # A checkpoint's report carries its score for retention under this key (Ray's CheckpointConfig
 # checkpoint_score_attribute, and a lane's alike; driver/run/resume.py retention): the run's metric where the step

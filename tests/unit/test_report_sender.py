@@ -1,4 +1,4 @@
-"""Reports that never hold a fast step (worker/reporting.py ReportSender): a host that takes a report only every
+"""Reports that never hold a fast step (worker/report_sender.py): a host that takes a report only every
 poll interval (Ray Train's controller) makes the training thread wait nowhere, and the run's records still get
 every logged step, in order, each as its own record."""
 
@@ -11,7 +11,7 @@ import pytest
 
 from behemoth import hosts
 from behemoth.metrics import LOGGED, logged_reports
-from behemoth.worker.reporting import ReportSender
+from behemoth.worker.report_sender import ReportSender
 
 
 class _SlowHost(hosts.WorkerHost):

@@ -31,7 +31,7 @@ class WorkerHost:
     rank: int = 0
     world: int = 1
     run_name: str = ""  # the run folder's name (a sweep trial's: its trial id)
-    # How often the host takes a report without making the reporter wait (worker/reporting.py ReportSender);
+    # How often the host takes a report without making the reporter wait (worker/report_sender.py);
     # 0: every report at once, in the training thread.
     report_interval_s: float = 0.0
 

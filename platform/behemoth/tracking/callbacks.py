@@ -34,7 +34,7 @@ class RunRecorder(ControllerCallback, ReportCallback):
     # Ray Train's hooks -----------------------------------------------------------------------------------
     def after_report(self, training_report, metrics):
         # rank 0's report, after the logged steps it carries (the worker holds those between two reports it
-        # sends: worker/reporting.py ReportSender), each recorded as its own report
+        # sends: worker/report_sender.py), each recorded as its own report
         *logged, report = logged_reports(metrics[0])
         for earlier in logged:
             self._record(earlier, checkpoint=False)

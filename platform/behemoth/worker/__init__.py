@@ -16,7 +16,8 @@ restore, latest, verify) its only way to checkpoints. Its modules (docs/architec
 - `plan`: micro-batch x accumulation x workers = the global batch
 - `precision`: autocast, gradient scaler, fp32 master weights, a GPU's settings (TF32, cuDNN)
 - `profiling`: train.profile: torch.profiler traces (and CUDA memory history) of a window of steps
-- `reporting`: what a report step does (metrics, evaluation, checkpoint) and when; ReportSender
+- `reporting`: what a report step does (metrics, evaluation, checkpoint) and when
+- `report_sender`: ReportSender, a report handed to the host without holding the step
 - `step_callbacks`: what runs around every step besides the update (EMA, ledger, faults, profiler)
 - `step_context`: what every step is taken with (config, task, trainables, rank, clock...), built once
 - `speed`: the speed figures every report carries (TFLOP/s, MFU, memory)
