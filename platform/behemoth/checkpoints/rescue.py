@@ -60,6 +60,7 @@ from behemoth.storage.store import Store
 PREFIX = "checkpoint_rescue_step"
 UPDATE_WAIT_S = 1.0  # the longest a rescue from Ray Train's shutdown waits for an update in flight to be counted
 
+
 def why_not(cfg, run: Trainables, rank: int) -> str | None:
     """Why this worker cannot write its run's state as a rescue (None: it can); decided once, as the loop starts."""
     if not cfg.checkpoint.rescue:
@@ -104,14 +105,17 @@ class Rescue:
         self.running = True
         self.written: str | None = None
         self._whole = threading.Lock()  # held by the loop from an update's start until its step is counted
+        self._in_update = False
         self._once = threading.Lock()  # one rescue, from whichever thread comes first
         hosts.when_stopped(self.at_shutdown)  # (Ray Train's shutdown of the group: hosts/rescue_callback.py)
 
     def updating(self) -> None:
         self._whole.acquire()
+        self._in_update = True
 
     def stepped(self) -> None:
-        if self._whole.locked():
+        if self._in_update:  # (the lock is the training thread's: a rescue's own is released by the rescue)
+            self._in_update = False
             self._whole.release()
 
     def ended(self) -> None:
