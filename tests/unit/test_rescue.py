@@ -243,3 +243,20 @@ def test_a_worker_rescues_only_where_its_state_is_the_runs(model, cfg, rank, why
     BatchNorm statistics, which a checkpoint takes from rank 0) it has no rescue, and says why."""
     said = rescue.why_not(_cfg(**cfg), _run(model), rank)
     assert said == why if why is None else why in said
+
+
+def test_the_stop_hook_keeps_nothing_of_a_finished_loop_alive(tmp_path):
+    """The host's stop hook holds the loop's rescue weakly: once the loop is gone its model is unreachable (a
+    sweep's lane trains trial after trial in one process: tests/integration/test_lanes.py counts the models left
+    alive at each trial's start), and stopping then does nothing."""
+    import gc
+    import weakref
+
+    model = torch.nn.Linear(4, 4)
+    alive = weakref.ref(model)
+    with hosts.hosted(_Host(0, str(tmp_path / "run"))):
+        guard = _rescue(_run(model), TrainState())
+        del guard, model
+        gc.collect()
+        assert alive() is None
+        hosts.stopping()  # (nothing to run)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import weakref
 from typing import TYPE_CHECKING, Callable, Optional
 
 from behemoth.hosts.contract import UploadFn, WorkerHost
@@ -34,7 +35,7 @@ __all__ = ["UploadFn", "WorkerHost", "current", "device", "hosted", "stopping", 
 _lock = threading.Lock()
 _hosted: Optional[WorkerHost] = None  # a lane's, for every thread of its process (its upload thread too)
 _ray_train: Optional[WorkerHost] = None
-_stop_hook: Optional[Callable[[], object]] = None  # the loop's, for when its host stops the group under it
+_stop_hook: Optional[Callable[[], Optional[Callable[[], object]]]] = None  # the loop's (weakly held)
 
 
 def current() -> WorkerHost:
@@ -72,12 +73,14 @@ def device() -> torch.device:
 def when_stopped(hook: Callable[[], object]) -> None:
     """`hook()` runs when the host stops this process's worker group (Ray Train's shutdown of its workers, which
     waits up to 5 s for it: hosts/rescue_callback.py): the loop's rescue checkpoint. The latest hook replaces any
-    earlier one (one loop trains in a worker process at a time)."""
+    earlier one (one loop trains in a worker process at a time). A bound method is held weakly: the hook keeps
+    nothing of a finished run alive (a sweep's lane trains trial after trial in one process)."""
     global _stop_hook
-    _stop_hook = hook
+    _stop_hook = weakref.WeakMethod(hook) if hasattr(hook, "__self__") else (lambda: hook)
 
 
 def stopping() -> None:
-    """The host stops the worker group: run the hook (if any)."""
-    if _stop_hook is not None:
-        _stop_hook()
+    """The host stops the worker group: run the hook (if any, and its object is still alive)."""
+    hook = _stop_hook() if _stop_hook is not None else None
+    if hook is not None:
+        hook()
