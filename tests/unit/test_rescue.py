@@ -52,7 +52,7 @@ def _cfg(**checkpoint_keys):
 
 
 def _rescue(run: Trainables, state: TrainState, rank: int = 1, **checkpoint_keys) -> rescue.Rescue:
-    return rescue.Rescue(_cfg(**checkpoint_keys), run, state, 2, rank, {}, "")
+    return rescue.Rescue(_cfg(**checkpoint_keys), run, state, rank, {}, "")
 
 
 def _step(run: Trainables, state: TrainState, guard: rescue.Rescue, x: torch.Tensor) -> None:

@@ -61,6 +61,11 @@ PREFIX = "checkpoint_rescue_step"
 UPDATE_WAIT_S = 1.0  # the longest a rescue from Ray Train's shutdown waits for an update in flight to be counted
 
 
+def is_rescue(path: str) -> bool:
+    """Whether a checkpoint folder's path names a rescue checkpoint."""
+    return os.path.basename(path.rstrip("/")).startswith(PREFIX)
+
+
 def why_not(cfg, run: Trainables, rank: int) -> str | None:
     """Why this worker cannot write its run's state as a rescue (None: it can); decided once, as the loop starts."""
     if not cfg.checkpoint.rescue:
@@ -96,9 +101,9 @@ class Rescue:
     (`after_error`), of Ray Train stopping the group (`at_shutdown`) and of the loop's end (`ended`); writes at
     most one checkpoint."""
 
-    def __init__(self, cfg, run: Trainables, state: TrainState, world: int, rank: int,
-                 task_files: dict, job_yaml: str, fence=None):
-        self.run, self.state, self.world, self.rank, self.fence = run, state, world, rank, fence
+    def __init__(self, cfg, run: Trainables, state: TrainState, rank: int, task_files: dict, job_yaml: str,
+                 fence=None):
+        self.run, self.state, self.rank, self.fence = run, state, rank, fence
         self.task_files, self.job_yaml = task_files, job_yaml
         self.off = why_not(cfg, run, rank)
         self.saved_step = state.step  # the newest step known saved: restored, or written synchronously

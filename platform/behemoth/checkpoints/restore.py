@@ -7,7 +7,7 @@ from behemoth.storage import checkpoint, weights
 from behemoth import hosts
 from behemoth.hosts import collectives
 from behemoth.checkpoints import live_state
-from behemoth.checkpoints.rescue import PREFIX as RESCUE_PREFIX
+from behemoth.checkpoints.rescue import is_rescue
 from behemoth.storage.checkpoint import TrainState
 from behemoth.errors import CheckpointError, PartlyLoadedError
 from behemoth.hosts.console import console
@@ -35,7 +35,7 @@ def restore_latest(run: Trainables, fence=None) -> TrainState | None:
     unregistered = [ckpt for step, ckpt in _run_folder_checkpoints() if step > registered]
     if unregistered and rank0:
         why = ("a live worker's state when Ray Train stopped its group (checkpoint.rescue)"
-               if unregistered[0].path.rstrip("/").rsplit("/", 1)[-1].startswith(RESCUE_PREFIX) else
+               if is_rescue(unregistered[0].path) else
                "complete in the run folder, but not registered with Ray Train when the run stopped")
         console(f"restoring from {unregistered[0].path}: {why}")
     state, touched = restore_first_verified(unregistered + candidates, run, ctx.storage()[0], rank0)

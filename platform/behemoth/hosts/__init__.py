@@ -23,7 +23,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import weakref
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import TYPE_CHECKING, Optional
 
 from behemoth.hosts.contract import UploadFn, WorkerHost
 
@@ -35,7 +35,7 @@ __all__ = ["UploadFn", "WorkerHost", "current", "device", "hosted", "stopping", 
 _lock = threading.Lock()
 _hosted: Optional[WorkerHost] = None  # a lane's, for every thread of its process (its upload thread too)
 _ray_train: Optional[WorkerHost] = None
-_stop_hook: Optional[Callable[[], Optional[Callable[[], object]]]] = None  # the loop's (weakly held)
+_stop_hook: Optional[weakref.WeakMethod] = None  # the loop's rescue's, held weakly (when_stopped)
 
 
 def current() -> WorkerHost:
@@ -70,13 +70,13 @@ def device() -> torch.device:
     return current().device
 
 
-def when_stopped(hook: Callable[[], object]) -> None:
+def when_stopped(hook) -> None:
     """`hook()` runs when the host stops this process's worker group (Ray Train's shutdown of its workers, which
     waits up to 5 s for it: hosts/rescue_callback.py): the loop's rescue checkpoint. The latest hook replaces any
-    earlier one (one loop trains in a worker process at a time). A bound method is held weakly: the hook keeps
+    earlier one (one loop trains in a worker process at a time). `hook`, a bound method, is held weakly: it keeps
     nothing of a finished run alive (a sweep's lane trains trial after trial in one process)."""
     global _stop_hook
-    _stop_hook = weakref.WeakMethod(hook) if hasattr(hook, "__self__") else (lambda: hook)
+    _stop_hook = weakref.WeakMethod(hook)
 
 
 def stopping() -> None:

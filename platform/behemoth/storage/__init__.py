@@ -6,6 +6,7 @@
 - `paths`: a run's place (storage root, run folder, a sweep trial's folder), the run-name rules, and the one rule
   for a name that comes from data (a listing's key, a manifest's file): a relative path that stays inside its folder.
 - `checkpoint`: the checkpoint format (state files, manifest of sizes and checksums written last, verify).
+- `train_state`: TrainState, the loop's position that every checkpoint keeps (train_state.json).
 - `shard_reader`: reading a sharded (DCP) checkpoint: only the byte ranges a load plan needs, checked.
 - `dcp_index`: a sharded checkpoint's index read by a restricted unpickler and checked against its shards.
 - `node_copy`: a checkpoint copied once per node for the ranks that read it.

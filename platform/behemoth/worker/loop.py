@@ -75,8 +75,7 @@ def train_loop_per_worker(loop_config: dict) -> dict:
     ledger = SampleLedger(cfg.train.sample_ledger, rank, world)
     saver = CheckpointSaver(cfg, rank, task.checkpoint_files(cfg, prepared) | task.kept_files(cfg, prepared), clock)
     # a peer lost, or the group stopped, while this worker trains: its state as a checkpoint (checkpoints/rescue.py)
-    rescue = saver.rescue = Rescue(cfg, run, state, world, rank, saver.task_files, saver.job_yaml,
-                                   loop_config.get("fence"))
+    rescue = saver.rescue = Rescue(cfg, run, state, rank, saver.task_files, saver.job_yaml, loop_config.get("fence"))
     step_ctx = StepContext(cfg, task, run, device, rank, world, clock, speed, saver, micro_batch, accum, epoch_steps,
                            total_steps, resumed_from_step=state.step)  # what every step is taken with
     reporter = Reporter(step_ctx)
