@@ -71,6 +71,7 @@ class WandbMetrics:
         if self.run is not None:
             self.run.finish()
             self.run = None
+            _wait_for_the_files()
 
     def _open(self):
         import wandb
@@ -80,3 +81,16 @@ class WandbMetrics:
                                   disable_git=True)
         return wandb.init(project=t["project"], entity=t["entity"], id=t["id"], name=t["name"], mode=t["mode"],
                           dir=t["dir"], config=t["config"], resume="allow", reinit="create_new", settings=settings)
+
+
+def _wait_for_the_files() -> None:
+    """`finish()` returns before W&B's service has written the run's files: the service writes a run's
+    transaction log (the .wandb file `wandb sync` reads) when it closes the run's stream, which `finish()` only
+    asks for (a live offline run's .wandb file holds its 7-byte header alone). A Ray Train controller may be
+    ended right after the recorder closes, taking the service and the unwritten run with it. Where no other W&B
+    run is open in this process, `wandb.teardown()` waits until the service has closed every stream (the next
+    `wandb.init` starts a new one); where one is, its own finish or the process's exit waits instead."""
+    import wandb
+
+    if wandb.setup().most_recent_active_run is None:
+        wandb.teardown()
