@@ -13,6 +13,7 @@ weights drift apart from the uninterrupted run's: the distance is printed, not b
 """
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -383,7 +384,10 @@ def test_r7_a_spot_notice_drains_the_node_and_the_run_loses_no_step(cluster, str
                 env={**os.environ, "PYTHONPATH": WORKER_PYTHONPATH}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                 text=True)
             wait_for_step(ledger, 37)
-            deadline = datetime.datetime.now(datetime.timezone.utc) + datetime.timedelta(seconds=5)
+            # EC2's instance-action time has whole seconds: rounded up, so the notice gives at least 7 s (with 5 s
+            # cut to whole seconds, the notice reached the loop ~2.5 s before the deadline now and then, and its
+            # last checkpoint was due at once)
+            deadline = datetime.datetime.fromtimestamp(math.ceil(time.time() + 7), datetime.timezone.utc)
             metadata.aws_action = {"action": "terminate", "time": deadline.strftime("%Y-%m-%dT%H:%M:%SZ")}
             said, err = watcher.communicate(timeout=60)
             assert watcher.returncode == 0 and f"drained Ray node {rank1_node} for preemption" in said, (said, err)
@@ -396,7 +400,7 @@ def test_r7_a_spot_notice_drains_the_node_and_the_run_loses_no_step(cluster, str
         summary = out["value"]
         taken = sorted(step for step, path in complete_checkpoints(tmp_path / name)
                        if read_json(path, "metrics.json").get("preemption_checkpoint"))
-        # the notice's checkpoint at once, then the last one ~2.5 s before the deadline (0.3 s steps: ~8 later)
+        # the notice's checkpoint at once, then the last one ~2.5 s before the deadline (0.3 s steps: ~10 later)
         assert len(taken) == 2, (taken, complete_checkpoints(tmp_path / name))
         noticed, at = taken
         assert 37 <= noticed < at < 60 and noticed % 30 and at % 30 and at - noticed >= 3, taken
