@@ -310,7 +310,7 @@ def test_a_hold_budget_checkpoints_as_often_as_it_allows():
     interval = CheckpointInterval(cfg)
     for hold in (0.006, 0.004, 0.005):  # (their mean: the budget is a share of the time)
         interval.measured(hold)
-    calm, stormy = TrainState(step=7), TrainState(step=7, interruptions=5, trained_s=10.0)
+    calm, stormy = TrainState(step=7), TrainState(step=7, interruptions=5, trained_s=10.0, held_s=0.04)  # (all spent)
     assert interval.propose(calm, step_s=0.03) == interval.propose(stormy, step_s=0.03) == round(1.25 / 0.03)
     assert interval.propose(calm, step_s=0.03, write_s=2.4) == 80  # (never closer than a write takes)
     said = interval.line(calm, 42, 0.03)
@@ -318,6 +318,45 @@ def test_a_hold_budget_checkpoints_as_often_as_it_allows():
     for _ in range(4):
         interval.measured(100.0)
     assert interval.seconds(calm)[0] == MAX_INTERVAL_S  # (100 / 0.004 s: bounded)
+
+
+def test_the_hold_budget_is_an_account_spent_where_no_replica_protects_the_run():
+    """checkpoint.hold_budget over the whole run (issue 73): every checkpoint's hold is counted in the train
+    state; while a replica protects the run (the rescue) the interval is PROTECTED_STRETCH times the budget's,
+    with one worker left it is DEGRADED_SPEEDUP times shorter while the protected time's savings last, an
+    overspent account pushes the next checkpoint back until repaid, and a resumed group starts from the run's
+    last mean hold (not a checkpoint FIRST_STEPS in)."""
+    from behemoth.storage.checkpoint import TrainState
+    from behemoth.worker.checkpoint_interval import (DEGRADED_SPEEDUP, FIRST_STEPS, PROTECTED_STRETCH,
+                                                     CheckpointInterval)
+
+    cfg = SimpleNamespace(checkpoint=SimpleNamespace(every_n_steps="auto", interruption_every_s=21600.0,
+                                                     hold_budget=0.01))
+    interval = CheckpointInterval(cfg)
+    state = TrainState(step=40, trained_s=2.0)
+    for hold in (0.02, 0.02):
+        interval.measured(hold, state)
+    assert state.held_s == pytest.approx(0.04) and state.hold_s == pytest.approx(0.02)
+    budget_s = 0.02 / 0.01  # 2 s of training per checkpoint
+    state.trained_s = 4.0  # allowed 0.04 s, spent 0.04 s: even
+    assert interval.seconds(state)[0] == pytest.approx(budget_s)
+    assert interval.seconds(state, protected=True)[0] == pytest.approx(budget_s * PROTECTED_STRETCH)
+    state.trained_s = 40.0  # protected for a while: 0.36 s of the budget unspent
+    assert interval.seconds(state)[0] == pytest.approx(budget_s / DEGRADED_SPEEDUP)
+    assert "with nothing to protect the run and 0.36 s of the budget unspent" in interval.seconds(state)[1]
+    assert interval.propose(state, step_s=0.1) == round(budget_s / DEGRADED_SPEEDUP / 0.1)
+    state.held_s = 0.5  # overspent by 0.1 s: 10 s of training to repay it before the next
+    assert interval.seconds(state)[0] == pytest.approx(budget_s + 10.0)
+    assert interval.seconds(state, protected=True)[0] == pytest.approx(budget_s * PROTECTED_STRETCH + 10.0)
+    resumed = CheckpointInterval(cfg)
+    assert resumed.propose(state, step_s=0.1) == FIRST_STEPS
+    resumed.resumed(state)
+    assert resumed.propose(state, step_s=0.1) == interval.propose(state, step_s=0.1) == 120
+    # Young/Daly's interval (no budget) is stretched alike while protected
+    yd = CheckpointInterval(SimpleNamespace(checkpoint=SimpleNamespace(every_n_steps="auto",
+                                                                       interruption_every_s=3600.0, hold_budget=None)))
+    yd.measured(0.02)
+    assert yd.seconds(TrainState(), protected=True)[0] == pytest.approx(PROTECTED_STRETCH * (2 * 0.02 * 3600) ** 0.5)
 
 
 def test_the_host_buffers_say_how_long_the_last_write_took():

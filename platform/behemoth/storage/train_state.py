@@ -28,6 +28,10 @@ class TrainState:
     interruptions: int = 0
     trained_s: float = 0.0
     ended_on_notice: bool = False
+    # and its account of checkpoint.hold_budget: the seconds checkpoints held the loop in the whole run (rank 0's
+    # measure), and the last mean hold (a resumed group's first interval: no 20-step checkpoint per restart)
+    held_s: float = 0.0
+    hold_s: float = 0.0
 
     def last_step(self, total_steps: int) -> int:
         """The step the run ends at: its last, or the one early stopping stopped it at."""

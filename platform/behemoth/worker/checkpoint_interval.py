@@ -14,6 +14,16 @@ checkpoints of milliseconds (asynchronous saves), too long a one costs the work 
 With checkpoint.hold_budget B (a share of the training time) the interval is instead the shortest whose holds
 stay within it, C / B seconds with C the mean hold (CheckFreq's rule): for a user who bounds the work an interruption loses rather
 than its expectation, and the way to compare with a fixed interval at the same blocking cost.
+The budget is an account over the whole run (train_state.json: the seconds checkpoints held the loop, every one
+counted: periodic, a notice's, a resumed group's first): a deficit pushes the next checkpoint back until it is
+repaid, a surplus is spent where checkpoints pay most.
+Where they pay depends on whether a replica protects the run: under DDP with the rescue checkpoint
+(checkpoints/rescue.py) and two or more workers, losing a worker without notice costs no step (a live peer
+writes the state), so a periodic checkpoint guards only against what the rescue cannot cover (two workers lost
+at once, a write longer than Ray Train's stop allows): while protected the interval is PROTECTED_STRETCH times
+longer. With one worker left (an elastic run waiting for its replacement) nothing protects it: with a hold
+budget it checkpoints DEGRADED_SPEEDUP times as often while the account has a surplus (what the protected time
+saved). In the preemption storm the no-notice preemptions struck the one-worker group every time.
 The interval in steps is those seconds over this run's seconds per step, at least 1 step and at most
 MAX_INTERVAL_S of training, and never shorter than the last background write took: a checkpoint taken while
 both earlier snapshots are still being written waits for the older (its hold is then the write's, not the
@@ -35,6 +45,9 @@ from behemoth.storage.checkpoint import TrainState
 FIRST_STEPS = 20  # auto's first checkpoint, before any hold is measured: this many steps in
 MAX_INTERVAL_S = 3600.0  # the longest interval auto sets, in seconds of training (a lost driver costs at most that)
 KEPT_HOLDS = 8  # the holds the median is taken over (the latest: a cache warmed, pinned buffers allocated)
+PROTECTED_STRETCH = 8.0  # the interval's factor while a replica protects the run (above)
+DEGRADED_SPEEDUP = 4.0  # with a hold budget in surplus, the interval's divisor while nothing protects it
+RESCUE_FITS_S = 2.5  # a rescue protects only where a write takes less (Ray Train's stop gives the workers 5 s)
 
 
 def young_daly_s(hold_s: float, interruption_every_s: float) -> float:
@@ -66,13 +79,23 @@ class CheckpointInterval:
             return state.step % self.cfg.checkpoint.every_n_steps == 0
         return state.step >= (state.next_checkpoint_at or FIRST_STEPS)
 
-    def measured(self, hold_s: float | None) -> None:
-        """A checkpoint's hold on the loop (the saver's measure, reported after it)."""
+    def measured(self, hold_s: float | None, state: TrainState | None = None) -> None:
+        """A checkpoint's hold on the loop (the saver's measure, reported after it), counted in `state`'s
+        account."""
         if hold_s is not None:
             self.holds = (self.holds + [hold_s])[-KEPT_HOLDS:]
+            if state is not None:
+                state.held_s += hold_s
+                state.hold_s = statistics.fmean(self.holds)
 
-    def seconds(self, state: TrainState, write_s: float | None = None) -> tuple[float, str]:
-        """Rank 0's interval in seconds of training and why (after a hold is measured)."""
+    def resumed(self, state: TrainState) -> None:
+        """A group resumed from `state`: its last mean hold stands in until this group measures its own."""
+        if not self.holds and state.hold_s > 0:
+            self.holds = [state.hold_s]
+
+    def seconds(self, state: TrainState, write_s: float | None = None, protected: bool = False) -> tuple[float, str]:
+        """Rank 0's interval in seconds of training and why (after a hold is measured); `protected`: a replica
+        protects the run (above)."""
         hold = statistics.median(self.holds)
         budget = self.cfg.checkpoint.hold_budget
         if budget:  # as often as the budget allows (a share of the time: the mean hold, not the median)
@@ -80,6 +103,15 @@ class CheckpointInterval:
             seconds = hold / budget
             why = (f"checkpoint.hold_budget {budget:g}: a checkpoint holds the loop {hold:.3f} s, "
                    f"{hold:.3f} / {budget:g} = {seconds:.1f} s")
+            balance = budget * state.trained_s - state.held_s
+            if protected:
+                seconds, why = seconds * PROTECTED_STRETCH, f"{why}, x {PROTECTED_STRETCH:g} while a replica protects"
+            elif balance > 0:
+                seconds, why = (seconds / DEGRADED_SPEEDUP,
+                                f"{why} / {DEGRADED_SPEEDUP:g} with nothing to protect the run and {balance:.2f} s of "
+                                f"the budget unspent")
+            if balance < 0:  # (overspent: the deficit first)
+                seconds, why = seconds - balance / budget, f"{why}, + {-balance / budget:.1f} s to repay {-balance:.2f} s"
         else:
             every = expected_interruption_s(self.cfg, state)
             seconds = young_daly_s(hold, every)
@@ -87,25 +119,28 @@ class CheckpointInterval:
                    f"training ({state.interruptions} met in {state.trained_s:.0f} s; checkpoint.interruption_every_s "
                    f"{self.cfg.checkpoint.interruption_every_s:g}); sqrt(2 x {hold:.3f} x {every:.0f}) = "
                    f"{seconds:.1f} s")
+            if protected:
+                seconds, why = seconds * PROTECTED_STRETCH, f"{why}, x {PROTECTED_STRETCH:g} while a replica protects"
         if seconds > MAX_INTERVAL_S:
             seconds, why = MAX_INTERVAL_S, f"{why}, at most {MAX_INTERVAL_S:.0f} s"
         if write_s and write_s > seconds:
             seconds, why = write_s, f"{why}, no closer than the last write took ({write_s:.2f} s)"
         return seconds, why
 
-    def propose(self, state: TrainState, step_s: float, write_s: float | None = None) -> int:
+    def propose(self, state: TrainState, step_s: float, write_s: float | None = None, protected: bool = False) -> int:
         """Rank 0's interval in steps (FIRST_STEPS until a hold is measured); `write_s`: how long the last
         background write took (the interval's floor)."""
         if not self.holds or step_s <= 0:
             return FIRST_STEPS
-        return max(1, round(self.seconds(state, write_s)[0] / step_s))
+        return max(1, round(self.seconds(state, write_s, protected)[0] / step_s))
 
-    def line(self, state: TrainState, steps: int, step_s: float, write_s: float | None = None) -> str | None:
+    def line(self, state: TrainState, steps: int, step_s: float, write_s: float | None = None,
+             protected: bool = False) -> str | None:
         """The log's line where the interval's seconds of training moved by a fifth or more since it was last
         said (its steps follow the step time's noise: a line per report in the storm)."""
         if not self.auto or not self.holds:
             return None
-        seconds, why = self.seconds(state, write_s)
+        seconds, why = self.seconds(state, write_s, protected)
         if self.said and abs(seconds - self.said) < 0.2 * self.said:
             return None
         self.said = seconds

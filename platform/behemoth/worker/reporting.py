@@ -21,7 +21,8 @@ from behemoth.worker.parallel import sync_buffers
 from behemoth.hosts.console import console
 from behemoth.worker.evaluate import evaluate
 from behemoth.checkpoints import send_report
-from behemoth.worker.checkpoint_interval import FIRST_STEPS, CheckpointInterval
+from behemoth.checkpoints.rescue import why_not as why_no_rescue
+from behemoth.worker.checkpoint_interval import FIRST_STEPS, RESCUE_FITS_S, CheckpointInterval
 from behemoth.worker.report_sender import ReportSender
 from behemoth.worker.step_context import StepContext
 
@@ -115,6 +116,8 @@ class Reporter:
         interval = hosts.current().report_interval_s
         self.sender = ReportSender(max(interval, REPORT_EVERY_S) if interval > 0 else 0.0)
         self.interval = CheckpointInterval(self.cfg)  # checkpoint.every_n_steps (auto: as often as they pay)
+        # whether any rank's loss would be rescued by a live one (rank 1's case: rank 0's rescues it)
+        self.rescuable = self.interval.auto and self.world > 1 and why_no_rescue(self.cfg, self.run, 1) is None
         # a preemption notice (the host's: a spot node about to be reclaimed): its deadline (inf: none given),
         # and how long the checkpoint it called for at once took (None: not written yet)
         self.notice: float | None = None
@@ -128,7 +131,7 @@ class Reporter:
 
     def report(self, state: TrainState, window: Window, bad_ids: set) -> None:
         started, clock = time.perf_counter(), self.clock.snapshot()  # the phases up to this report
-        self._measure_holds(window)
+        self._measure_holds(state, window)
         evaluate_now = evaluate_due(self.cfg, state, self.total_steps)
         checkpoint_now = self.interval.due(state, self.total_steps)
         metrics, send_now, agreed = self.train_metrics(state, window, bad_ids)
@@ -192,8 +195,8 @@ class Reporter:
 
     def _after(self, state: TrainState, agreed: dict, ending: bool) -> None:
         """The interval's line where it moved; after a notice's last checkpoint, the group's end."""
-        line = (self.interval.line(state, agreed["interval"], agreed["step_s"], self.saver.write_s()) if self.rank == 0
-                else None)
+        line = (self.interval.line(state, agreed["interval"], agreed["step_s"], self.saver.write_s(),
+                                   self.protected()) if self.rank == 0 else None)
         if line:
             console(line)
         if ending:
@@ -203,7 +206,12 @@ class Reporter:
             raise PreemptionExit(f"the worker group ends for a preemption, its last checkpoint at step {state.step} "
                                  f"written before the node's deadline; the run goes on from it")
 
-    def _measure_holds(self, window: Window) -> None:
+    def protected(self) -> bool:
+        """Whether a replica protects the run now (checkpoint_interval.py): a worker lost without notice would be
+        rescued by a live one, whose write fits the time Ray Train gives it (the last periodic write's)."""
+        return self.rescuable and (self.saver.write_s() or 0.0) < RESCUE_FITS_S
+
+    def _measure_holds(self, state: TrainState, window: Window) -> None:
         """What the last checkpoint held the loop (checkpoint.every_n_steps auto's C): the clock's checkpoint time
         since it began (its report's wait for the reports before it and for an earlier write still going, its
         snapshot, and the next update's wait for the snapshot's copy; on a worker training on its CPU, plus the
@@ -215,7 +223,7 @@ class Reporter:
             held = totals["checkpoint"] - self._checkpoint_began
             if hosts.device().type == "cpu":  # a background write's CPU seconds came out of training's cores
                 held += self.saver.write_cpu_s() or 0.0
-            self.interval.measured(held)
+            self.interval.measured(held, state)
             self._checkpoint_began = None
         self.step_s = (totals["step"] - self._step_total) / max(window.steps, 1)
         self._step_total = totals["step"]
@@ -265,8 +273,11 @@ class Reporter:
         deadline = hosts.current().preemption_deadline()
         step_s = self.step_s or window.elapsed() / max(window.steps, 1)
         # rank 0's: the checkpoint interval it proposes (auto), and whether the notice's last checkpoint is due
-        proposed = (self.interval.propose(state, step_s, self.saver.write_s()) if self.rank == 0 and self.interval.auto
-                    else 0)
+        if self.rank == 0 and self.interval.auto:
+            self.interval.resumed(state)
+            proposed = self.interval.propose(state, step_s, self.saver.write_s(), self.protected())
+        else:
+            proposed = 0
         final = (self.rank == 0 and self.notice not in (None, math.inf) and self.notice_write_s is not None
                  and self.notice - time.time() <= self.final_margin_s(step_s))
         stats = torch.tensor([float(window.loss_sum), float(window.loss_count), float(len(bad_ids)),
