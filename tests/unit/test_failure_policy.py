@@ -81,3 +81,24 @@ def test_a_group_that_ends_itself_for_a_preemption_is_charged_to_the_preemption_
     assert [policy.make_decision(ended) for _ in range(3)] == [FailureDecision.RETRY] * 2 + [FailureDecision.RAISE]
     crash = failed("ray.exceptions.ActorDiedError: The actor died unexpectedly")
     assert FailFastPolicy(FailureConfig(max_failures=0)).make_decision(crash) == FailureDecision.RAISE
+
+
+def test_an_elastic_runs_policy_refreshes_the_cluster_view_before_each_decision(monkeypatch):
+    """The next group of an elastic run is sized from the view refreshed at the failure (not one that may
+    still count the node just lost); a refresh that fails leaves the decision as it was; a fixed-size run's
+    policy never refreshes."""
+    from behemoth.driver.ray_cluster import failure_policy
+
+    calls = []
+    monkeypatch.setattr(failure_policy, "refresh_elastic_view", lambda: calls.append(1) or True)
+    crash = failed("ray.exceptions.ActorDiedError: The actor died unexpectedly")
+    elastic = FailFastPolicy(FailureConfig(max_failures=2), elastic=True)
+    assert [elastic.make_decision(crash) for _ in range(2)] == [FailureDecision.RETRY] * 2 and len(calls) == 2
+    assert FailFastPolicy(FailureConfig(max_failures=2)).make_decision(crash) == FailureDecision.RETRY
+    assert len(calls) == 2
+
+    def down():
+        raise RuntimeError("the coordinator is restarting")
+
+    monkeypatch.setattr(failure_policy, "refresh_elastic_view", down)
+    assert FailFastPolicy(FailureConfig(max_failures=0), elastic=True).make_decision(crash) == FailureDecision.RAISE

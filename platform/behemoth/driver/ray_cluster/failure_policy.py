@@ -6,6 +6,10 @@ way (the same samples come in the same order): the restarts only delay the one c
 tracebacks each time. `FailFastPolicy` raises at once when a worker failure carries one of
 `errors.NOT_RETRIED` (found in the text of Ray's wrapped exceptions, as the CLI finds the message it prints),
 and otherwise decides as Ray's default policy does (worker deaths, preemptions, controller errors).
+For an elastic run it first refreshes the cluster view the next group is sized from (ray_internals/data.py
+`refresh_elastic_view`): refreshed every 2 s while the run trains, it may still count the node just lost, and a
+group sized with it waits out its placement timeout (10 s) before it is sized again (in the preemption storm: a
+node lost 2 s after its replacement had joined; the next group asked for both).
 
 Ray 2.60 has no public hook for a failure policy (FailureConfig only counts); `install()` replaces the
 factory its trainer calls. The Ray version is pinned to that line (pyproject.toml).
@@ -16,6 +20,7 @@ from __future__ import annotations
 import time
 
 from behemoth.ray_internals.core import node_logs_dir
+from behemoth.ray_internals.data import refresh_elastic_view
 from behemoth.ray_internals.train_v2 import (DefaultFailurePolicy, FailureDecision, preemption_error,
                                              set_failure_policy_factory, waiting_for_nodes)
 
@@ -27,12 +32,15 @@ class FailFastPolicy(DefaultFailurePolicy):
     needs (after a preemption or a lost node: a replacement the autoscaler has to launch, or spot capacity that
     is not there) before it fails; None waits as long as it takes (Ray Train's default)."""
 
-    def __init__(self, failure_config, replacement_wait_s: float | None = None, clock=time.monotonic):
+    def __init__(self, failure_config, replacement_wait_s: float | None = None, clock=time.monotonic,
+                 elastic: bool = False):
         super().__init__(failure_config)
-        self.replacement_wait_s, self.clock = replacement_wait_s, clock
+        self.replacement_wait_s, self.clock, self.elastic = replacement_wait_s, clock, elastic
         self.waiting_since: float | None = None
 
     def make_decision(self, training_failed_error) -> FailureDecision:
+        if self.elastic:
+            _refresh_view()
         if user_facing_error(training_failed_error, (PreemptionExit,)) is not None:
             # the group ended itself for a notice's preemption (worker/reporting.py): a preemption, as Ray Train
             # counts those (failure.max_preemptions), not a failure
@@ -65,6 +73,14 @@ def _where_tracebacks_are() -> str:
         return ""
 
 
-def install(replacement_wait_s: float | None = None) -> None:
+def _refresh_view() -> None:
+    try:
+        refresh_elastic_view()
+    except Exception:  # noqa: BLE001  (a view not refreshed costs at most the placement timeout, as before)
+        pass
+
+
+def install(replacement_wait_s: float | None = None, elastic: bool = False) -> None:
     """Make Ray Train's trainers (created after this, in this process) use FailFastPolicy."""
-    set_failure_policy_factory(lambda failure_config: FailFastPolicy(failure_config, replacement_wait_s))
+    set_failure_policy_factory(lambda failure_config: FailFastPolicy(failure_config, replacement_wait_s,
+                                                                     elastic=elastic))

@@ -65,7 +65,7 @@ def build_trainer(cfg: JobConfig, data, callbacks: list | None = None, fence=Non
 
     # a data or config error ends the run at once, without using max_failures; failure.replacement_wait_s bounds
     # the wait for nodes
-    failure_policy.install(cfg.failure.replacement_wait_s)
+    failure_policy.install(cfg.failure.replacement_wait_s, elastic=cfg.scaling.elastic)
     ray_session.set_ray_train_env(elastic=cfg.scaling.elastic)
     if fence is not None:
         from behemoth.hosts.lease_fence import LeaseFenceCallback
