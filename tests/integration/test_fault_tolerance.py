@@ -18,6 +18,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -346,14 +347,14 @@ def _wait_for_world(ledger: Path, world: int, timeout_s: float = 300) -> None:
 
 
 def test_r7_a_spot_notice_drains_the_node_and_the_run_loses_no_step(cluster, straight, text_corpus, tmp_path,
-                                                                     monkeypatch):
+                                                                     monkeypatch, capfd):
     """Issue 67 item 1 (issue 58 item 8 before it): at step 37 the cloud announces the preemption of rank 1's
-    node on its metadata service (a fake EC2 IMDSv2, 5 s ahead); `behemoth spot-watch`, watching it for that
+    node on its metadata service (a fake EC2 IMDSv2, 7 s ahead); `behemoth spot-watch`, watching it for that
     node, drains the node through Ray (reason preemption, the notice's deadline). Ray Train's watcher tells the
     workers; behemoth checkpoints at its next report step (every 2 steps here), synchronously, a step that is no
     regular checkpoint's (those are every 30), trains on through the notice (issue 73: it no longer holds) and
-    takes its last checkpoint just before the deadline, then ends the group; Ray Train starts it again at once on
-    the nodes left and a new one: the run resumes from that last checkpoint, no step is redone (the ledger), and
+    takes its last checkpoint just before the deadline, and ends the group as soon as the node is gone (the cloud
+    takes it at the deadline); Ray Train starts it again at once on the nodes left and a new one: the run resumes from that last checkpoint, no step is redone (the ledger), and
     it ends on the uninterrupted run's weights."""
     import datetime
 
@@ -374,7 +375,8 @@ def test_r7_a_spot_notice_drains_the_node_and_the_run_loses_no_step(cluster, str
                                checkpoint={"every_n_steps": 30, "keep": 10}, failure={"max_failures": 0}))
     metadata = FakeMetadata()
     thread, out = in_thread(lambda: train(cfg))
-    drained = watcher = None
+    drained = watcher = reclaim = None
+    reclaimed = threading.Event()
     try:
         try:
             rank1_node = wait_for_step(ledger, 30) and next(r["node"] for r in read_ledger(ledger) if r["rank"] == 1)
@@ -394,6 +396,10 @@ def test_r7_a_spot_notice_drains_the_node_and_the_run_loses_no_step(cluster, str
             drained = next(n for n in nodes if n.node_id == rank1_node)
             nodes.remove(drained)
             nodes.append(c.add_node(num_cpus=1))  # the nodes the restarted group gets
+            # the cloud takes the node at the deadline
+            reclaim = threading.Timer(max(deadline.timestamp() - time.time(), 0),
+                                      lambda: (c.remove_node(drained), reclaimed.set()))
+            reclaim.start()
         finally:
             thread.join(timeout=600)
         assert "error" not in out, out.get("error")
@@ -409,12 +415,18 @@ def test_r7_a_spot_notice_drains_the_node_and_the_run_loses_no_step(cluster, str
         # the goodput account: the restart is the preemption's term, and the line counts it
         assert summary.goodput.terms["preemption"] > 0 and len(summary.goodput.preemptions) == 1
         assert summary.goodput.line().endswith("; 1 preemption: 0 steps redone"), summary.goodput.line()
+        # rank 0 ended the group when the node was gone, not at the deadline's grace (5 s later)
+        assert "rank 0: the preempted node is gone" in capfd.readouterr().out
     finally:
         metadata.close()
         if watcher is not None and watcher.poll() is None:
             watcher.kill()
-        if drained is not None:  # (drained for good, whatever failed: the module's later tests count live nodes)
-            c.remove_node(drained)
+        if drained is not None:  # (gone for good, whatever failed: the module's later tests count live nodes)
+            if reclaim is not None:
+                reclaim.cancel()
+                reclaim.join()
+            if not reclaimed.is_set():
+                c.remove_node(drained)
 
 
 def test_the_elastic_view_counts_a_joined_node_at_once(cluster):

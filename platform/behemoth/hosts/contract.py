@@ -85,5 +85,10 @@ class WorkerHost:
         deadline (time.time() seconds; math.inf without one); None where no notice came."""
         return None
 
+    def reclaimed(self) -> bool:
+        """Whether every node a notice named is gone already (the group may end: the next one is sized without
+        them); False where the host cannot tell (the hold then lasts to the deadline and its grace)."""
+        return False
+
     def quiet_console(self) -> None:
         """Keep the host's own per-report log lines off the console (behemoth prints progress lines)."""

@@ -94,6 +94,18 @@ class RayTrainHost(WorkerHost):
             return None
         return math.inf if notice.deadline_ms is None else notice.deadline_ms / 1000
 
+    def reclaimed(self) -> bool:
+        import ray
+
+        from behemoth.ray_internals.train_v2 import preemption_notice
+
+        notice = preemption_notice()
+        doomed = set((notice.preempted_node_to_ranks or {}) if notice is not None else ())
+        if not doomed:
+            return False
+        alive = {node["NodeID"] for node in ray.nodes() if node["Alive"]}
+        return not doomed & alive
+
     def quiet_console(self) -> None:
         from behemoth.ray_internals.train_v2 import quiet_report_log
 

@@ -200,8 +200,14 @@ class Reporter:
         if line:
             console(line)
         if ending:
-            until = self.notice + self.cfg.failure.preemption_grace_s + NOTICE_SAFETY_S  # (inf: it ends now)
+            # held until the node is gone (else the next group is sized with it, still alive while it drains, and
+            # waits out its placement timeout), at most to the deadline and its grace (inf: it ends now)
+            until = self.notice + self.cfg.failure.preemption_grace_s + NOTICE_SAFETY_S
             while self.notice != math.inf and time.time() < until:
+                if self._reclaimed():
+                    console(f"rank {self.rank}: the preempted node is gone "
+                            f"{time.time() - self.notice:+.1f} s from its deadline: the worker group ends now")
+                    break
                 time.sleep(0.1)
             raise PreemptionExit(f"the worker group ends for a preemption, its last checkpoint at step {state.step} "
                                  f"written before the node's deadline; the run goes on from it")
@@ -210,6 +216,12 @@ class Reporter:
         """Whether a replica protects the run now (checkpoint_interval.py): a worker lost without notice would be
         rescued by a live one, whose write fits the time Ray Train gives it (the last periodic write's)."""
         return self.rescuable and (self.saver.write_s() or 0.0) < RESCUE_FITS_S
+
+    def _reclaimed(self) -> bool:
+        try:
+            return hosts.current().reclaimed()
+        except Exception:  # noqa: BLE001  (a node table not read: the hold goes on, to the deadline at most)
+            return False
 
     def _measure_holds(self, state: TrainState, window: Window) -> None:
         """What the last checkpoint held the loop (checkpoint.every_n_steps auto's C): the clock's checkpoint time
