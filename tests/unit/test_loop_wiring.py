@@ -285,10 +285,10 @@ def test_young_and_dalys_interval_from_the_measured_hold_and_the_interruptions_s
     assert interval.propose(met, step_s=0.05) == round((2 * 0.02 * 12) ** 0.5 / 0.05)  # 0.69 s -> 14 steps
     # never closer than the last background write took (else a snapshot waits for both buffer sets' writes)
     assert interval.propose(met, step_s=0.05, write_s=2.0) == 40
-    assert "no closer than the last write took (2.00 s)" in interval.line(met, 40, 0.05, write_s=2.0)
+    assert "no closer than the last write took (2.00 s)" in interval.line(met, 0.05, write_s=2.0)
     # said again only where its seconds move by a fifth: not at every report as the step time wobbles
-    assert interval.line(met, 44, 0.045, write_s=2.1) is None and interval.line(met, 30, 0.07, write_s=2.0) is None
-    assert "checkpoint every 60 steps" in interval.line(met, 60, 0.05, write_s=3.0)
+    assert interval.line(met, 0.045, write_s=2.1) is None and interval.line(met, 0.07, write_s=2.0) is None
+    assert "checkpoint every 60 steps" in interval.line(met, 0.05, write_s=3.0)
     assert interval.propose(met, step_s=0.05, write_s=0.1) == 14  # (a quick write: Young/Daly's)
     assert expected_interruption_s(cfg, TrainState(trained_s=7200.0)) == 7200.0  # none in 2 h: at least that
     assert interval.due(TrainState(step=120, next_checkpoint_at=120), 1000)
@@ -313,7 +313,7 @@ def test_a_hold_budget_checkpoints_as_often_as_it_allows():
     calm, stormy = TrainState(step=7), TrainState(step=7, interruptions=5, trained_s=10.0, held_s=0.04)  # (all spent)
     assert interval.propose(calm, step_s=0.03) == interval.propose(stormy, step_s=0.03) == round(1.25 / 0.03)
     assert interval.propose(calm, step_s=0.03, write_s=2.4) == 80  # (never closer than a write takes)
-    said = interval.line(calm, 42, 0.03)
+    said = interval.line(calm, 0.03)
     assert "checkpoint.hold_budget 0.004" in said and "1.2 s" in said and "every 42 steps" in said
     for _ in range(4):
         interval.measured(100.0)
@@ -322,10 +322,10 @@ def test_a_hold_budget_checkpoints_as_often_as_it_allows():
 
 def test_the_hold_budget_is_an_account_spent_where_no_replica_protects_the_run():
     """checkpoint.hold_budget over the whole run (issue 73): every checkpoint's hold is counted in the train
-    state; while a replica protects the run (the rescue) the interval is PROTECTED_STRETCH times the budget's,
-    with one worker left it is DEGRADED_SPEEDUP times shorter while the protected time's savings last, an
-    overspent account pushes the next checkpoint back until repaid, and a resumed group starts from the run's
-    last mean hold (not a checkpoint FIRST_STEPS in)."""
+    state, and the next checkpoint waits until the account has earned its hold (and that of one being taken);
+    while a replica protects the run (the rescue) the interval is PROTECTED_STRETCH times the budget's (the
+    account saves), with one worker left it is DEGRADED_SPEEDUP times shorter while the savings last; a resumed
+    group starts from the run's last mean hold (not a checkpoint FIRST_STEPS in)."""
     from behemoth.storage.checkpoint import TrainState
     from behemoth.worker.checkpoint_interval import (DEGRADED_SPEEDUP, FIRST_STEPS, PROTECTED_STRETCH,
                                                      CheckpointInterval)
@@ -337,17 +337,21 @@ def test_the_hold_budget_is_an_account_spent_where_no_replica_protects_the_run()
     for hold in (0.02, 0.02):
         interval.measured(hold, state)
     assert state.held_s == pytest.approx(0.04) and state.hold_s == pytest.approx(0.02)
-    budget_s = 0.02 / 0.01  # 2 s of training per checkpoint
-    state.trained_s = 4.0  # allowed 0.04 s, spent 0.04 s: even
+    budget_s = 0.02 / 0.01  # 2 s of training earn a checkpoint's hold
+    state.trained_s = 4.0  # earned 0.04 s, spent 0.04 s: the next when the next hold is earned
     assert interval.seconds(state)[0] == pytest.approx(budget_s)
+    assert interval.seconds(state, pending_s=0.02)[0] == pytest.approx(2 * budget_s)  # (and this one's)
     assert interval.seconds(state, protected=True)[0] == pytest.approx(budget_s * PROTECTED_STRETCH)
-    state.trained_s = 40.0  # protected for a while: 0.36 s of the budget unspent
+    state.trained_s = 40.0  # protected for a while: 0.36 s of the budget saved
     assert interval.seconds(state)[0] == pytest.approx(budget_s / DEGRADED_SPEEDUP)
-    assert "with nothing to protect the run and 0.36 s of the budget unspent" in interval.seconds(state)[1]
-    assert interval.propose(state, step_s=0.1) == round(budget_s / DEGRADED_SPEEDUP / 0.1)
-    state.held_s = 0.5  # overspent by 0.1 s: 10 s of training to repay it before the next
-    assert interval.seconds(state)[0] == pytest.approx(budget_s + 10.0)
-    assert interval.seconds(state, protected=True)[0] == pytest.approx(budget_s * PROTECTED_STRETCH + 10.0)
+    assert interval.seconds(state, protected=True)[0] == pytest.approx(budget_s * PROTECTED_STRETCH)
+    assert interval.propose(state, step_s=0.1, checkpointing=True) == round(budget_s / DEGRADED_SPEEDUP / 0.1)
+    state.held_s = 0.5  # overspent by 0.1 s: 10 s of training to earn it back, 2 more for the next hold
+    assert interval.seconds(state)[0] == pytest.approx(12.0)
+    assert interval.seconds(state, protected=True)[0] == pytest.approx(budget_s * PROTECTED_STRETCH)
+    said = interval.line(state, 0.1)  # (said again where the rule moves: the account's wait moves at every report)
+    assert "checkpoint every 120 steps" in said and "with nothing to protect the run" in said
+    assert "for now every 12.0 s, as the account over the run allows" in said
     resumed = CheckpointInterval(cfg)
     assert resumed.propose(state, step_s=0.1) == FIRST_STEPS
     resumed.resumed(state)

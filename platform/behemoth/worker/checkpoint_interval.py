@@ -93,9 +93,11 @@ class CheckpointInterval:
         if not self.holds and state.hold_s > 0:
             self.holds = [state.hold_s]
 
-    def seconds(self, state: TrainState, write_s: float | None = None, protected: bool = False) -> tuple[float, str]:
+    def seconds(self, state: TrainState, write_s: float | None = None, protected: bool = False,
+                pending_s: float = 0.0, account: bool = True) -> tuple[float, str]:
         """Rank 0's interval in seconds of training and why (after a hold is measured); `protected`: a replica
-        protects the run (above)."""
+        protects the run (above); with a hold budget, `pending_s`: the hold of a checkpoint about to be taken
+        (not yet in the account), and `account`: the interval the account allows (else the rule's alone)."""
         hold = statistics.median(self.holds)
         budget = self.cfg.checkpoint.hold_budget
         if budget:  # as often as the budget allows (a share of the time: the mean hold, not the median)
@@ -103,15 +105,14 @@ class CheckpointInterval:
             seconds = hold / budget
             why = (f"checkpoint.hold_budget {budget:g}: a checkpoint holds the loop {hold:.3f} s, "
                    f"{hold:.3f} / {budget:g} = {seconds:.1f} s")
-            balance = budget * state.trained_s - state.held_s
             if protected:
                 seconds, why = seconds * PROTECTED_STRETCH, f"{why}, x {PROTECTED_STRETCH:g} while a replica protects"
-            elif balance > 0:
+            else:
                 seconds, why = (seconds / DEGRADED_SPEEDUP,
-                                f"{why} / {DEGRADED_SPEEDUP:g} with nothing to protect the run and {balance:.2f} s of "
-                                f"the budget unspent")
-            if balance < 0:  # (overspent: the deficit first)
-                seconds, why = seconds - balance / budget, f"{why}, + {-balance / budget:.1f} s to repay {-balance:.2f} s"
+                                f"{why} / {DEGRADED_SPEEDUP:g} with nothing to protect the run, while the account "
+                                f"over the run has the budget for it")
+            if account:  # no sooner than the account has this checkpoint's hold (and a pending one's) earned
+                seconds = max(seconds, (hold + pending_s - (budget * state.trained_s - state.held_s)) / budget)
         else:
             every = expected_interruption_s(self.cfg, state)
             seconds = young_daly_s(hold, every)
@@ -127,21 +128,28 @@ class CheckpointInterval:
             seconds, why = write_s, f"{why}, no closer than the last write took ({write_s:.2f} s)"
         return seconds, why
 
-    def propose(self, state: TrainState, step_s: float, write_s: float | None = None, protected: bool = False) -> int:
+    def propose(self, state: TrainState, step_s: float, write_s: float | None = None, protected: bool = False,
+                checkpointing: bool = False) -> int:
         """Rank 0's interval in steps (FIRST_STEPS until a hold is measured); `write_s`: how long the last
-        background write took (the interval's floor)."""
+        background write took (the interval's floor); `checkpointing`: this step checkpoints (its hold is the
+        account's too)."""
         if not self.holds or step_s <= 0:
             return FIRST_STEPS
-        return max(1, round(self.seconds(state, write_s, protected)[0] / step_s))
+        pending = statistics.fmean(self.holds) if checkpointing else 0.0
+        return max(1, round(self.seconds(state, write_s, protected, pending)[0] / step_s))
 
-    def line(self, state: TrainState, steps: int, step_s: float, write_s: float | None = None,
+    def line(self, state: TrainState, step_s: float, write_s: float | None = None,
              protected: bool = False) -> str | None:
-        """The log's line where the interval's seconds of training moved by a fifth or more since it was last
-        said (its steps follow the step time's noise: a line per report in the storm)."""
+        """The log's line where the rule's interval (the account's wait left out: it moves at every report)
+        moved by a fifth or more since it was last said (its steps follow the step time's noise)."""
         if not self.auto or not self.holds:
             return None
-        seconds, why = self.seconds(state, write_s, protected)
+        seconds, why = self.seconds(state, write_s, protected, account=False)
         if self.said and abs(seconds - self.said) < 0.2 * self.said:
             return None
         self.said = seconds
+        now = self.seconds(state, write_s, protected)[0]
+        if now > 1.01 * seconds:
+            why = f"{why}; for now every {now:.1f} s, as the account over the run allows"
+        steps = max(1, round(now / step_s)) if step_s > 0 else FIRST_STEPS
         return f"checkpoint every {steps} steps (checkpoint.every_n_steps auto: {why} at {step_s:.3f} s a step)"
