@@ -23,7 +23,9 @@ resume from `ray.train.get_checkpoint()`; `FailureConfig(max_failures=-1)`). Eac
 a storm first (its step rate and start-up, so recovery is told apart from step speed).
 
 Printed per side and repeat, one JSON line: goodput = steps x the no-storm median step / the wall time from the
-first step to the last; steps redone; the checkpoint time that blocked training (periodic and, for behemoth,
+first step to the last, and per paid node-second (`goodput_paid`: the same over the worker-node seconds a cloud
+bills in that time, every node the cluster had, idle or not; a node the storm took away is not billed until its
+replacement joins); steps redone; the checkpoint time that blocked training (periodic and, for behemoth,
 the notices'; each calm run's `hold_share` shows the periodic ones' budget); and per preemption its kind, steps
 redone, the seconds from the notice (or the loss) to the next new step, and where they went (`phases`: until
 the old group ended, the restart to the new group's training function, its set-up to the loop, the first step).
@@ -49,6 +51,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+WORKER_NODES = 2  # one 1-CPU node per worker of the plain script (behemoth's elastic run: 1 to 2 workers)
 sys.path.insert(0, str(REPO / "platform"))
 sys.path.insert(0, str(REPO / "tests"))
 sys.path.insert(0, str(REPO / "bench"))
@@ -284,9 +287,22 @@ def figures(side: str, rows: list[dict], events: list[dict], steps: int, step_s:
         per_event.append({"kind": event["kind"], "redone": sum(r["step"] <= reached for r in restarted),
                           "to_next_new_step_s": round(new["time"] - at, 1) if new else None, "phases": phases})
     redone = len(rows) - len({r["step"] for r in rows})
+    paid = paid_node_s(events, times[0], times[-1])
     out = {"side": side, "wall_s": round(wall, 1), "steps": steps, "steps_redone": redone,
-           "step_s": round(step_s, 4), "goodput": round(steps * step_s / wall, 3), "preemptions": per_event}
+           "step_s": round(step_s, 4), "goodput": round(steps * step_s / wall, 3),
+           "paid_node_s": round(paid, 1), "goodput_paid": round(steps * step_s * WORKER_NODES / paid, 3),
+           "preemptions": per_event}
     return out
+
+
+def paid_node_s(events: list[dict], start: float, end: float) -> float:
+    """The worker-node seconds a cloud bills from the run's first step to its last: every worker node the
+    cluster had, training or idle (the storm takes one away at each preemption until its replacement joins)."""
+    paid = WORKER_NODES * (end - start)
+    for event in events:
+        gone, back = max(event.get("removed", end), start), min(event.get("replaced", end), end)
+        paid -= max(0.0, back - gone)
+    return paid
 
 
 def main() -> None:
@@ -336,7 +352,7 @@ def main() -> None:
 
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
     storm = Storm(cluster, args.notice, args.replacement_delay)
-    for _ in range(2):
+    for _ in range(WORKER_NODES):
         storm.add()
     cluster.wait_for_nodes()
     ray.init(address=cluster.address, logging_level="error",
@@ -447,11 +463,13 @@ def _summary(results: dict[str, list[dict]], args) -> None:
         noticed = [e["redone"] for o in outs for e in o["preemptions"] if e["kind"] == "notice"]
         recovery = [e["to_next_new_step_s"] for o in outs for e in o["preemptions"]]
         lines[side] = {"goodput": statistics.median(o["goodput"] for o in outs),
+                       "goodput_paid": statistics.median(o["goodput_paid"] for o in outs),
                        "redone_no_notice": statistics.median(no_notice) if no_notice else None,
                        "redone_notice": statistics.median(noticed) if noticed else None,
                        "recovery_s": statistics.median([x for x in recovery if x is not None] or [0]),
                        "wall_s": statistics.median(o["wall_s"] for o in outs)}
-        print(f"{side}: goodput {spread([o['goodput'] for o in outs])}; steps redone per noticed preemption "
+        print(f"{side}: goodput {spread([o['goodput'] for o in outs])} (per paid node-second "
+              f"{spread([o['goodput_paid'] for o in outs])}); steps redone per noticed preemption "
               f"{spread(noticed)}, per preemption without notice {spread(no_notice)}; seconds to the next new "
               f"step {spread(recovery)}; checkpoints took from training {spread([o['checkpoint_blocked_s'] for o in outs])} s",
               flush=True)
@@ -460,6 +478,7 @@ def _summary(results: dict[str, list[dict]], args) -> None:
         ratio = {key: round(b[key] / r[key], 3) if b[key] is not None and r[key] else None
                  for key in ("redone_no_notice", "recovery_s")}
         print(json.dumps({"medians": lines, "goodput_ratio": round(b["goodput"] / r["goodput"], 3),
+                          "goodput_paid_ratio": round(b["goodput_paid"] / r["goodput_paid"], 3),
                           "redone_no_notice_ratio": ratio["redone_no_notice"], "recovery_ratio": ratio["recovery_s"],
                           # (goodput counts each side's steps at its own calm step: the same steps' wall time is
                           # the user's bill whatever the step's speed; > 1: behemoth finished sooner)
