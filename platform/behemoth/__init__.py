@@ -2,7 +2,8 @@
 
 The house (each room a folder; docs/architecture.md names every module): `driver/` (commands/, the run
 sequence and its launchers in run/, ray_cluster/, sweep/: the driver's process never touches CUDA),
-`worker/` (the loop every worker runs and what it uses), `hosts/` (the worker contract, and who hosts it: Ray Train, or a sweep's warm lane), `tasks/` (one file per
+`worker/` (the loop every worker runs and what it uses), `checkpoints/` (the worker's side of a checkpoint:
+save, restore, the rescue), `hosts/` (the worker contract, and who hosts it: Ray Train, or a sweep's warm lane), `tasks/` (one file per
 workload, both sides), `data/` (Ray Data pipelines), `models/`, `storage/` (where a run's bytes live, and
 their format), `config/`, `tracking/`, `ray_internals/` (every private Ray API, for the next Ray); on the
 floor `errors`, `job`, `metrics`, `progress`, `version`.

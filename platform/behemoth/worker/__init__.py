@@ -4,7 +4,8 @@ restore, latest, verify) its only way to checkpoints. Its modules (docs/architec
 
 - `autobatch`: train.micro_batch_size auto: the largest micro-batch whose step fits
 - `block_transforms`: the model's repeated blocks: activation checkpointing, torch.compile per block
-- `checkpoint_interval`: when a checkpoint is due: every N steps, or auto (Young/Daly from the measured hold)
+- `checkpoint_interval`: when a checkpoint is due: every N steps, or auto (Young/Daly from the measured hold, or
+  a hold budget kept as an account over the run), longer while a replica protects the run
 - `ema`: train.ema_decay: the weights' moving average, updated on the device, kept as ema.pt
 - `evaluate`: the task's validation metrics over the whole set; `behemoth eval`'s worker function
 - `fault_hooks`: the failure tests' step hooks (slow step; kill or error after a report) as the loop's callback
