@@ -18,7 +18,9 @@ under its own time limit and the part under --budget), in two parts:
             torch.cuda.set_sync_debug_mode);
          e. data_scaling: the 224-px JPEG pipeline at 2, 8 and 16 CPUs (`bench/data_scaling.py`, floor 85 % per CPU);
          f. the demos on one GPU (image: nccl, bf16; language model: bf16, its MFU) and the step rate at the demo
-            LM's step (`bench/step_overhead.py --gpu`, floor 0.97 of a plain loop).
+            LM's step (`bench/step_overhead.py --gpu`, floor 0.97 of a plain loop);
+         g. document_attention: packed documents' attention at TinyLlama's width, FlexAttention's block mask against
+            the dense mask and the unmasked step (`bench/document_attention.py --device cuda`).
 A bench under its floor exits 1 and the tier fails, with the figure. The figures go to gpu-figures.json
 (`$OUT/gpu-figures.json` when $OUT is set), rewritten after every step, with the machine (GPU, CPUs, torch and
 CUDA versions) and the MFU convention; every step's whole output to one log beside it (gpu-tier.log): two files,
@@ -72,6 +74,11 @@ def steps(storage: str, part: str = "all", dry_run: bool = False) -> list[tuple[
         ("demo_lm", [PY, "-m", "behemoth", "train", "jobs/configs/demo_lm.yaml", *GPU_SET, *where,
                      "--set", "checkpoint.run_name=gpu_demo_lm"], 80),
         ("step_rate", [PY, "bench/step_overhead.py", "--gpu", "--repeats", "2", "--floor", "0.97"], 100),
+        # packed documents' attention at TinyLlama's width (4 of its 22 layers): FlexAttention's block mask against
+        # the dense mask and the unmasked step, at 2,048 and 8,192 tokens (issue 74 item 2)
+        ("document_attention", [PY, "bench/document_attention.py", "--device", "cuda", "--hidden", "2048", "--heads",
+                                "32", "--kv-heads", "4", "--layers", "4", "--vocab", "32000", "--seq", "2048", "8192",
+                                "--repeats", "1", "--steps", "5"], 150),
     ]
     chosen = {"first": first, "second": second, "all": first + second}[part]
     if dry_run:  # the real-shape benches' code paths at their toy sizes on the CPU, no tight limits: the step's own
@@ -103,7 +110,8 @@ def figures(name: str, out: str) -> dict:
         "tokens_per_s": r"behemoth \(1 Ray Train worker\).*\(([0-9,]+) tokens/s",
         "gpu_lost_per_checkpoint_s": r"GPU time lost per checkpoint: median (-?[0-9.]+) s",
         "torch_save_s": r"synchronous torch.save: +blocked median ([0-9.]+)",
-        "save_over_lost": r"torch.save / GPU time lost ([0-9.]+)x"}
+        "save_over_lost": r"torch.save / GPU time lost ([0-9.]+)x",
+        "flex_vs_unmasked": r"flex time ([0-9.]+)x, memory [0-9.]+x", "dense_vs_unmasked": r"dense time ([0-9.]+)x"}
     for key, pattern in patterns.items():
         hits = re.findall(pattern, out)
         if hits:

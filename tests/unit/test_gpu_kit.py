@@ -184,6 +184,9 @@ def test_the_tier_reads_each_figure_as_the_benches_print_it_a_negative_loss_incl
     assert found["ratio_so_far"] == "0.866" and found["gpu_lost_per_checkpoint_s"] == "-0.099"
     assert found["torch_save_s"] == "0.0080"
     assert gpu_tier.figures("x", out.replace("-0.099 s after", "0.250 s after"))["gpu_lost_per_checkpoint_s"] == "0.250"
+    doc = gpu_tier.figures("x", "  against the unmasked step: dense time 1.40x, memory 3.00x, flex time 1.10x, "
+                                "memory 1.05x\n")  # (bench/document_attention.py's last line)
+    assert doc["flex_vs_unmasked"] == "1.10" and doc["dense_vs_unmasked"] == "1.40"
 
 
 def test_a_step_over_its_limit_ends_at_the_sigint_even_where_the_tier_was_started_with_sigint_ignored(tmp_path):

@@ -197,12 +197,12 @@ def test_text_cache_builders_with_one_pid_on_two_hosts_keep_their_own_temporary_
     assert (theirs / "train-00000.bin").read_bytes() == b"half-written"
 
 
-def _tiny_llama(implementation: str = "sdpa"):
+def _tiny_llama(implementation: str = "sdpa", positions: int = 64):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64)
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=positions)
     config._attn_implementation = implementation
     return LlamaForCausalLM(config).eval()
 
@@ -239,6 +239,105 @@ def test_a_document_in_a_packed_block_sees_only_itself_with_document_mask(implem
         assert loss.item() == pytest.approx(((4 * loss_a + 5 * loss_b) / 9).item(), rel=1e-5)
         sums = task.eval_sums(model, {"input_ids": block})
         assert sums["tokens"].item() == 9 and sums["loss"].item() == pytest.approx(9 * loss.item(), rel=1e-6)
+
+
+def _flex_against_dense(device: str, backward: bool) -> None:
+    """FlexAttention with the block mask of a batch's packed documents against SDPA with the dense mask: the mask
+    function element for element, then the logits, loss (and the gradients where `backward`)."""
+    from types import SimpleNamespace
+
+    from torch.nn.attention.flex_attention import BlockMask, create_mask
+
+    from behemoth.tasks.causal_lm import CausalLM, document_block_mask
+
+    eos = 1
+    torch.manual_seed(1)
+    block = torch.randint(2, 50, (2, 300))  # (3 blocks of 128, the last cut short)
+    block[0, [7, 20, 21, 40]] = eos  # documents of 8, 13, 1, 19 and 259 tokens in row 0; row 1 one document
+    block = block.to(device)
+    task = object.__new__(CausalLM)
+    task.cfg, task.index, task.transformers_model = SimpleNamespace(data=SimpleNamespace(document_mask=True)), \
+        SimpleNamespace(eos_id=eos), True
+    starts = torch.zeros_like(block, dtype=torch.bool)
+    starts[:, 1:] = block[:, :-1] == eos
+    mask = document_block_mask(starts.cumsum(dim=1))
+    assert isinstance(mask, BlockMask) and mask.shape == (2, 1, 300, 300) and mask.full_kv_num_blocks.sum() > 0
+    dense = task.document_inputs(_tiny_llama("sdpa", 512).to(device), block, starts, block)["attention_mask"]
+    assert torch.equal(create_mask(mask.mask_mod, 2, 1, 300, 300, device=device), dense)
+    outs = []
+    for implementation in ("sdpa", "flex_attention"):
+        model = _tiny_llama(implementation, 512).to(device).train()
+        inputs = task.document_inputs(model, block, starts, block.masked_fill(starts, -100))
+        assert isinstance(inputs["attention_mask"], BlockMask) == (implementation == "flex_attention")
+        with torch.set_grad_enabled(backward):
+            out = model(input_ids=block, use_cache=False, **inputs)
+        if backward:
+            out.loss.backward()
+        grad = torch.cat([p.grad.flatten() for p in model.parameters()]) if backward else None
+        outs.append((out.logits.detach(), out.loss.detach(), grad))
+    (logits, loss, grad), (flex_logits, flex_loss, flex_grad) = outs
+    assert torch.allclose(flex_logits, logits, atol=1e-5) and torch.allclose(flex_loss, loss, atol=1e-6)
+    if backward:
+        assert torch.allclose(flex_grad, grad, atol=1e-5)
+
+
+def test_flex_attentions_block_mask_of_packed_documents_matches_the_dense_mask(monkeypatch):
+    """Issue 74 item 2: FlexAttention with the block mask of the packed documents (causal within a document,
+    never across) gives the dense SDPA mask's logits and loss; the block mask is (L / 128)^2 blocks, not L x L.
+    Forward only: torch has no FlexAttention backward on a CPU (the GPU test below takes the gradients, with
+    the compiled kernel), which is also why a CPU keeps the dense mask. Here FlexAttention runs eagerly: the
+    compile transformers asks for takes ~20 s on a CPU, and the kernel is torch's."""
+    from torch.nn.attention.flex_attention import flex_attention
+    from transformers.integrations import flex_attention as hf_flex
+
+    monkeypatch.setattr(hf_flex, "compile_friendly_flex_attention",
+                        lambda query, key, value, training=False, **kwargs: flex_attention(query, key, value, **kwargs))
+    _flex_against_dense("cpu", backward=False)
+
+
+@pytest.mark.parametrize("length", [640, 600])
+def test_the_document_block_mask_is_what_flex_attention_would_build_from_the_whole_mask(length):
+    """document_block_mask builds its blocks from each block's first and last document, never the L x L mask:
+    the same partial and whole blocks as create_block_mask evaluating the mask at every position pair, for
+    documents shorter than a block, spanning many blocks (whole blocks), and a last block cut short."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    from behemoth.tasks.causal_lm import document_block_mask
+
+    gen = torch.Generator().manual_seed(3)
+    starts = torch.rand(3, length, generator=gen) < torch.tensor([[0.02], [0.005], [0.0]])
+    starts[0, 300:] = False  # (row 0: short documents, then one over the last blocks)
+    document = starts.cumsum(dim=1)
+    ours = document_block_mask(document)
+    want = create_block_mask(ours.mask_mod, 3, None, length, length, device="cpu")
+    assert torch.equal(ours.kv_num_blocks, want.kv_num_blocks)
+    assert torch.equal(ours.full_kv_num_blocks, want.full_kv_num_blocks) and ours.full_kv_num_blocks.sum() > 0
+    for mine, theirs, counts in ((ours.kv_indices, want.kv_indices, want.kv_num_blocks),
+                                 (ours.full_kv_indices, want.full_kv_indices, want.full_kv_num_blocks)):
+        for b in range(3):
+            for i in range(counts.shape[-1]):
+                k = int(counts[b, 0, i])
+                assert set(mine[b, 0, i, :k].tolist()) == set(theirs[b, 0, i, :k].tolist()), (b, i)
+    assert torch.equal(ours.to_dense(), want.to_dense())
+
+
+@pytest.mark.gpu
+def test_flex_attentions_block_mask_gives_the_dense_masks_gradients_on_a_gpu():
+    _flex_against_dense("cuda", backward=True)
+
+
+def test_packed_documents_train_on_flex_attention_on_a_gpu_unless_the_job_chose():
+    """A document-masked run's model on a GPU: FlexAttention (its block mask) where it had plain SDPA and the job
+    named no attn_implementation; left as it is on a CPU, where the job chose, and for other kernels."""
+    from behemoth.models.causal_lm import train_on_document_attention
+
+    model = _tiny_llama("sdpa")
+    assert train_on_document_attention(model, "cpu", chosen=False) is None
+    assert train_on_document_attention(model, "cuda", chosen=True) is None
+    assert model.config._attn_implementation == "sdpa"
+    said = train_on_document_attention(model, "cuda", chosen=False)
+    assert "FlexAttention" in said and model.config._attn_implementation == "flex_attention"
+    assert train_on_document_attention(_tiny_llama("eager"), "cuda", chosen=False) is None
 
 
 def tiny_lm(vocab_size: int) -> torch.nn.Module:

@@ -111,6 +111,26 @@ def train_on_causal_attention(model):
     return model
 
 
+def train_on_document_attention(model, device_type: str, chosen: bool):
+    """Training on packed documents (data.document_mask, chat): on a GPU, FlexAttention with a block mask
+    (tasks/causal_lm.document_inputs builds it from the documents' starts) instead of SDPA with a dense
+    B x L x L mask, which makes SDPA leave its flash kernel and holds L x L booleans per sequence (64 M at
+    8,192 tokens); the block mask is (L / 128)^2 blocks and the kernel skips the blocks no document spans
+    (torchtitan's way). Where the model's config has plain SDPA and the job did not choose an implementation
+    (`chosen`: model.hf_config names attn_implementation); elsewhere left as it is: on a CPU FlexAttention is
+    compiled for each shape (a cost the small shapes there do not earn back), and flash attention builds
+    variable-length calls from the position ids itself. Returns what it did, for the log (None: nothing)."""
+    if chosen or device_type != "cuda" or model.config._attn_implementation != "sdpa":
+        return None
+    try:
+        from torch.nn.attention.flex_attention import create_block_mask  # noqa: F401  (torch >= 2.5)
+    except ImportError:
+        return None
+    model.set_attn_implementation("flex_attention")
+    return ("attention: FlexAttention with a block mask of the packed documents (instead of SDPA with a dense "
+            "L x L mask; model.hf_config.attn_implementation: sdpa keeps that)")
+
+
 # A reply the chat template renders verbatim: what follows it in the rendering is the template's end of a turn.
 _PROBE_REPLY = "behemoth probe reply"
 
