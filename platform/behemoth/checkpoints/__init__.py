@@ -6,7 +6,8 @@ Its face is what the loop (worker/loop.py, worker/reporting.py) talks to, and no
 - save: `CheckpointSaver(cfg, rank, task_files).save_and_report(metrics, state, run)` (synchronously, or with
   only a snapshot in the step's way; the manifest last), and `send_report(metrics)` for a report without one;
   `Rescue(cfg, run, state, ...)`: the loop's rescue checkpoint (told of each update through the saver, of an
-  error and of the loop's end by `around_the_loop`).
+  error and of the loop's end by `around_the_loop`); `why_no_rescue(cfg, run, rank)`: why a rank could not
+  write one (None: it could; checkpoint.every_n_steps auto stretches the interval where every rank could).
 - restore: `restore_latest(run)` (the checkpoint a (re)started worker group continues from: the newest that
   verifies, partial uploads removed) and `load_init_from(model, cfg, task, rank, world)` (train.init_from's weights).
 - latest: `complete_checkpoints(folder)` (a run folder's complete checkpoints by step; the best by a metric is
@@ -31,10 +32,11 @@ collectives); it needs the model, the process group and the step, which storage/
 """
 
 from behemoth.checkpoints.rescue import Rescue
+from behemoth.checkpoints.rescue import why_not as why_no_rescue
 from behemoth.checkpoints.restore import load_init_from, restore_latest
 from behemoth.checkpoints.saver import CheckpointSaver, send_report
 from behemoth.checkpoints.trainables import Trainables
 from behemoth.storage.checkpoint import complete_checkpoints, verify
 
 __all__ = ["CheckpointSaver", "Rescue", "Trainables", "complete_checkpoints", "load_init_from", "restore_latest",
-           "send_report", "verify"]
+           "send_report", "verify", "why_no_rescue"]

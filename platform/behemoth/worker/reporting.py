@@ -20,8 +20,7 @@ from behemoth.hosts.collectives import all_reduce_sum, union_across_ranks
 from behemoth.worker.parallel import sync_buffers
 from behemoth.hosts.console import console
 from behemoth.worker.evaluate import evaluate
-from behemoth.checkpoints import send_report
-from behemoth.checkpoints.rescue import why_not as why_no_rescue
+from behemoth.checkpoints import send_report, why_no_rescue
 from behemoth.worker.checkpoint_interval import FIRST_STEPS, RESCUE_FITS_S, CheckpointInterval
 from behemoth.worker.report_sender import ReportSender
 from behemoth.worker.step_context import StepContext
