@@ -262,6 +262,7 @@ def _flex_against_dense(device: str, backward: bool) -> None:
     starts[:, 1:] = block[:, :-1] == eos
     mask = document_block_mask(starts.cumsum(dim=1))
     assert isinstance(mask, BlockMask) and mask.shape == (2, 1, 300, 300) and mask.full_kv_num_blocks.sum() > 0
+    assert mask.kv_indices.shape == (2, 1, 3, 3)  # (300 / 128 blocks a side, not 300 x 300)
     dense = task.document_inputs(_tiny_llama("sdpa", 512).to(device), block, starts, block)["attention_mask"]
     assert torch.equal(create_mask(mask.mask_mod, 2, 1, 300, 300, device=device), dense)
     outs = []
@@ -326,9 +327,10 @@ def test_flex_attentions_block_mask_gives_the_dense_masks_gradients_on_a_gpu():
     _flex_against_dense("cuda", backward=True)
 
 
-def test_packed_documents_train_on_flex_attention_on_a_gpu_unless_the_job_chose():
-    """A document-masked run's model on a GPU: FlexAttention (its block mask) where it had plain SDPA and the job
-    named no attn_implementation; left as it is on a CPU, where the job chose, and for other kernels."""
+def test_the_document_attention_switch_takes_flex_on_a_gpu_unless_the_job_chose():
+    """train_on_document_attention (what build_lm calls for a document-masked run): FlexAttention where the model
+    had plain SDPA on a GPU and the job named no attn_implementation; left as it is on a CPU, where the job chose,
+    and for other kernels."""
     from behemoth.models.causal_lm import train_on_document_attention
 
     model = _tiny_llama("sdpa")

@@ -303,12 +303,12 @@ def document_block_mask(document: torch.Tensor, block: int = 128):
 
     batch, length = document.shape
     n = -(-length // block)
-    first = document[:, torch.arange(n, device=document.device) * block]  # B x n
-    last = document[:, (torch.arange(n, device=document.device) * block + block - 1).clamp(max=length - 1)]
-    q, kv = first[:, :, None], last[:, None, :]  # query block i (rows), key block j (columns)
+    begins = torch.arange(n, device=document.device) * block
+    first, last = document[:, begins], document[:, (begins + block - 1).clamp(max=length - 1)]  # B x n each
+    # query block i (rows) against key block j (columns), j <= i
     below = torch.ones(n, n, dtype=torch.bool, device=document.device).tril()
-    seen = below & (kv >= q)  # (a key block's documents reach the query block's first one)
-    whole = below.tril(-1) & (first[:, None, :] == last[:, :, None])  # one document over both blocks
+    seen = below & (last[:, None, :] >= first[:, :, None])  # (j's documents reach i's first one)
+    whole = below.tril(-1) & (first[:, None, :] == last[:, :, None])  # (one document from j's start to i's end)
     if length % block:  # (a last query block cut short is never whole, as create_block_mask counts it)
         whole[:, -1] = False
     partial = seen & ~whole

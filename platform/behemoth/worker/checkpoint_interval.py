@@ -105,14 +105,6 @@ class CheckpointInterval:
             seconds = hold / budget
             why = (f"checkpoint.hold_budget {budget:g}: a checkpoint holds the loop {hold:.3f} s, "
                    f"{hold:.3f} / {budget:g} = {seconds:.1f} s")
-            if protected:
-                seconds, why = seconds * PROTECTED_STRETCH, f"{why}, x {PROTECTED_STRETCH:g} while a replica protects"
-            else:
-                seconds, why = (seconds / DEGRADED_SPEEDUP,
-                                f"{why} / {DEGRADED_SPEEDUP:g} with nothing to protect the run, while the account "
-                                f"over the run has the budget for it")
-            if account:  # no sooner than the account has this checkpoint's hold (and a pending one's) earned
-                seconds = max(seconds, (hold + pending_s - (budget * state.trained_s - state.held_s)) / budget)
         else:
             every = expected_interruption_s(self.cfg, state)
             seconds = young_daly_s(hold, every)
@@ -120,8 +112,13 @@ class CheckpointInterval:
                    f"training ({state.interruptions} met in {state.trained_s:.0f} s; checkpoint.interruption_every_s "
                    f"{self.cfg.checkpoint.interruption_every_s:g}); sqrt(2 x {hold:.3f} x {every:.0f}) = "
                    f"{seconds:.1f} s")
-            if protected:
-                seconds, why = seconds * PROTECTED_STRETCH, f"{why}, x {PROTECTED_STRETCH:g} while a replica protects"
+        if protected:
+            seconds, why = seconds * PROTECTED_STRETCH, f"{why}, x {PROTECTED_STRETCH:g} while a replica protects"
+        elif budget:
+            seconds, why = (seconds / DEGRADED_SPEEDUP, f"{why} / {DEGRADED_SPEEDUP:g} with nothing to protect the "
+                                                        f"run, while the account over the run has the budget for it")
+        if budget and account:  # no sooner than the account has this checkpoint's hold (and a pending one's) earned
+            seconds = max(seconds, (hold + pending_s - (budget * state.trained_s - state.held_s)) / budget)
         if seconds > MAX_INTERVAL_S:
             seconds, why = MAX_INTERVAL_S, f"{why}, at most {MAX_INTERVAL_S:.0f} s"
         if write_s and write_s > seconds:

@@ -52,6 +52,7 @@ REPORT_EVERY_S = 1.0
 # (a year: a wrong clock) only moves the last checkpoint that far.
 FINAL_WRITE_FACTOR = 1.5
 NOTICE_SAFETY_S = 1.0
+RECLAIM_POLL_S = 0.5  # how often a group held after a notice's last checkpoint asks whether the node is gone
 
 
 def run_epochs(epochs: int, total_steps: int, epoch_steps: int) -> float:
@@ -201,13 +202,14 @@ class Reporter:
         if ending:
             # held until the node is gone (else the next group is sized with it, still alive while it drains, and
             # waits out its placement timeout), at most to the deadline and its grace (inf: it ends now)
+            # (every RECLAIM_POLL_S: each live rank reads Ray's node table, a call to its control store)
             until = self.notice + self.cfg.failure.preemption_grace_s + NOTICE_SAFETY_S
             while self.notice != math.inf and time.time() < until:
                 if self._reclaimed():
                     console(f"rank {self.rank}: the preempted node is gone "
                             f"{time.time() - self.notice:+.1f} s from its deadline: the worker group ends now")
                     break
-                time.sleep(0.1)
+                time.sleep(min(RECLAIM_POLL_S, max(until - time.time(), 0.0)))
             raise PreemptionExit(f"the worker group ends for a preemption, its last checkpoint at step {state.step} "
                                  f"written before the node's deadline; the run goes on from it")
 
