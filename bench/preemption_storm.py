@@ -26,7 +26,8 @@ Printed per side and repeat, one JSON line: goodput = steps x the no-storm media
 first step to the last, and per paid node-second (`goodput_paid`: the same over the worker-node seconds a cloud
 bills in that time, every node the cluster had, idle or not; a node the storm took away is not billed until its
 replacement joins); steps redone; the checkpoint time that blocked training (periodic and, for behemoth,
-the notices'; each calm run's `hold_share` shows the periodic ones' budget); and per preemption its kind, steps
+the notices'; the run's last checkpoint left out) and its share of the time in the loop (`checkpoint_share`:
+the budget's measure; each calm run's `hold_share` is the periodic ones' budget); and per preemption its kind, steps
 redone, the seconds from the notice (or the loss) to the next new step, and where they went (`phases`: until
 the old group ended, the restart to the new group's training function, its set-up to the loop, the first step).
 Then one line of medians (min, max) per side and the ratios (goodput, steps redone without notice, recovery).
@@ -376,8 +377,11 @@ def main() -> None:
                 train, log, phases_of = _side(side, name, behemoth_job, tokens, args, work)
                 rows = run_storm(storm, log, train, at_steps)
                 out = figures(side, rows, storm.events, args.steps, calm[side]["step_s"], phases_of)
-                out.update(repeat=r, at_steps=at_steps, checkpoint_blocked_s=round(_blocked(side, work / name, log), 2),
-                           calm=calm[side])
+                blocked = _blocked(side, work / name, log, args.steps)
+                # the budget is a share of the time in the loop: a side training on one worker while the other
+                # waits for the replacement has twice the seconds per step, the other none
+                out.update(repeat=r, at_steps=at_steps, checkpoint_blocked_s=round(blocked, 2),
+                           checkpoint_share=round(blocked / loop_s(rows), 5), calm=calm[side])
                 print(json.dumps(out), flush=True)
                 results[side].append(out)
     finally:
@@ -430,15 +434,22 @@ def _calm_run(side: str, behemoth_job, tokens, args, work: Path) -> dict:
     rows = step_log(log)
     gaps = [b["time"] - a["time"] for a, b in zip(rows, rows[1:]) if b["step"] == a["step"] + 1]
     # the share of its training time its checkpoints held the loop (the blocking budget; no notice in a calm run)
-    share = _blocked(side, work / f"{side}-calm", log) / (rows[-1]["time"] - rows[0]["time"])
+    share = _blocked(side, work / f"{side}-calm", log, steps) / loop_s(rows)
     return {"step_s": statistics.median(gaps), "startup_s": round(rows[0]["time"] - called, 1),
             "hold_share": round(share, 5)}
 
 
-def _blocked(side: str, run_dir: Path, log: Path) -> float:
+def loop_s(rows: list[dict]) -> float:
+    """Seconds rank 0 spent in its training loop: the gaps from each step to the next one (a checkpoint's hold
+    inside them; restarts, and the steps a restart went back over, left out)."""
+    return sum(b["time"] - a["time"] for a, b in zip(rows, rows[1:]) if b["step"] == a["step"] + 1)
+
+
+def _blocked(side: str, run_dir: Path, log: Path, steps: int) -> float:
     """Seconds the side's checkpoints took from its training (rank 0), summed over the run: the plain script's
     `torch.save` and report; behemoth's hold on the loop and its background writes' CPU seconds (its workers
-    train on their one CPU, which the writes share)."""
+    train on their one CPU, which the writes share). The run's last checkpoint, at step `steps`, is not counted:
+    it ends the run rather than protecting it, and behemoth's last report is sent before it."""
     if side.startswith("behemoth"):
         from behemoth.tracking.records import read_jsonl
 
@@ -447,8 +458,12 @@ def _blocked(side: str, run_dir: Path, log: Path) -> float:
             if r.get("group_id"):
                 last[r["group_id"]] = r
         return sum(r.get("time_checkpoint_s", 0.0) + r.get("checkpoint_write_cpu_s", 0.0) for r in last.values())
-    rows = [json.loads(line) for line in log.read_text().splitlines()]
-    return sum(r.get("ckpt_s", 0.0) for r in rows)
+    total, step = 0.0, None
+    for row in map(json.loads, log.read_text().splitlines()):
+        step = row.get("step", step)  # (a checkpoint's row follows its step's)
+        if "ckpt_s" in row and step != steps:
+            total += row["ckpt_s"]
+    return total
 
 
 def _summary(results: dict[str, list[dict]], args) -> None:
@@ -467,11 +482,13 @@ def _summary(results: dict[str, list[dict]], args) -> None:
                        "redone_no_notice": statistics.median(no_notice) if no_notice else None,
                        "redone_notice": statistics.median(noticed) if noticed else None,
                        "recovery_s": statistics.median([x for x in recovery if x is not None] or [0]),
-                       "wall_s": statistics.median(o["wall_s"] for o in outs)}
+                       "wall_s": statistics.median(o["wall_s"] for o in outs),
+                       "checkpoint_share": statistics.median(o["checkpoint_share"] for o in outs)}
         print(f"{side}: goodput {spread([o['goodput'] for o in outs])} (per paid node-second "
               f"{spread([o['goodput_paid'] for o in outs])}); steps redone per noticed preemption "
               f"{spread(noticed)}, per preemption without notice {spread(no_notice)}; seconds to the next new "
-              f"step {spread(recovery)}; checkpoints took from training {spread([o['checkpoint_blocked_s'] for o in outs])} s",
+              f"step {spread(recovery)}; checkpoints took from training {spread([o['checkpoint_blocked_s'] for o in outs])} s, "
+              f"a share {spread([o['checkpoint_share'] for o in outs])} of its time in the loop",
               flush=True)
     if "behemoth" in lines and "plain" in lines:
         b, r = lines["behemoth"], lines["plain"]
