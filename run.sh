@@ -3,6 +3,8 @@
 #   ./run.sh demo   set up, make the demo images, train the demo job on a local Ray instance (2 workers)
 #   ./run.sh demo-lm  the same for the language-model demo (generated stories, local BPE tokenizer)
 #   ./run.sh demo-chat  the same for chat fine-tuning (generated conversations, the loss on the assistant's turns)
+#   ./run.sh demo-dpo  preference tuning (DPO) of the chat demo's model on generated answer pairs (runs the chat
+#                   demo first where runs/demo_chat is missing)
 #   ./run.sh test   set up, run the quick tier: every unit test and one end-to-end check per capability
 #                   (arguments go to pytest: paths narrow it, e.g. tests/unit)
 #   ./run.sh test-full  the full tier (CI: .ci/run): every test, with a Ray instance of its own started beside
@@ -69,6 +71,13 @@ case "$cmd" in
       data/demo_chat/train.jsonl --chat --vocab-size 1024 --out data/demo_chat/tokenizer
     exec_python "$VENV/bin/behemoth" train jobs/configs/demo_chat.yaml "$@"
     ;;
+  demo-dpo)
+    setup
+    [ -d runs/demo_chat ] || "$0" demo-chat
+    [ -f data/demo_preference/train.jsonl ] || "$VENV/bin/behemoth" data synth-text --preference --seed 1 \
+      --out data/demo_preference
+    exec_python "$VENV/bin/behemoth" train jobs/configs/demo_dpo.yaml "$@"
+    ;;
   test)
     setup
     # the quick tier: an end-to-end test (tests/integration) runs here only when it is marked quick
@@ -90,7 +99,7 @@ case "$cmd" in
     fi
     ;;
   *)
-    echo "usage: ./run.sh demo|demo-lm|demo-chat [--set KEY=VALUE ...] | ./run.sh test|test-full [pytest args] | ./run.sh test-gpu | ./run.sh gpu-kit [--rehearse]" >&2
+    echo "usage: ./run.sh demo|demo-lm|demo-chat|demo-dpo [--set KEY=VALUE ...] | ./run.sh test|test-full [pytest args] | ./run.sh test-gpu | ./run.sh gpu-kit [--rehearse]" >&2
     exit 2
     ;;
 esac

@@ -10,8 +10,11 @@
   (tokens packed into blocks in a token store, cached per corpus), `token_store` (its shard files,
   memory-mapped and gathered by block index), `labelled_text` (text classification rows), `tokenizer` (a local
   BPE tokenizer), `synth_text` (a demo corpus), `chat` (conversations rendered with the chat template, the
-  assistant's tokens flagged, packed whole per document), `chat_render` (the template run in a child process
-  bounded in time and memory; a record cut to what seq_len can use).
+  assistant's tokens flagged, packed whole per document), `chat_tokens` (a conversation's flagged tokens, its
+  shape and cost bounded: the code the rendering process runs), `chat_render` (the template run in a child process
+  bounded in time and memory; a record cut to what seq_len can use), `preference` (DPO's pairs: the data
+  config and a record read as a pair), `pair_render` (a pair's two sequences, rendered in that process),
+  `block_scores` (a model's pass over packed blocks in Ray Data actors: DPO's reference).
 - images, more: `imagenet` (`behemoth data split-val`: ImageNet's flat val/ moved into class folders), `mixing`
   (mixup and cutmix of a training micro-batch on its device).
 - both: `order` (the global sample order, a function of seed and epoch), `prefetch` (batches copied to the

@@ -43,8 +43,10 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from behemoth.data.chat_render import (  # noqa: F401 - TRAIN, START, IDS: the stored flags, named here too
+from behemoth.data.chat_tokens import ROLES, conversation_problem  # noqa: F401 - named here too
+from behemoth.data.chat_render import (  # noqa: F401 - TRAIN, START, REJECTED, IDS: the stored flags, named here too
     IDS,
+    REJECTED,
     START,
     TRAIN,
     Failed,
@@ -53,6 +55,7 @@ from behemoth.data.chat_render import (  # noqa: F401 - TRAIN, START, IDS: the s
     conversation_tokens,
     process_for,
 )
+from behemoth.data.pair_render import TOO_LONG, pair_of
 from behemoth.data.pipeline import expand_files
 from behemoth.data.text import (
     FIRST_BYTES,
@@ -69,7 +72,6 @@ from behemoth.data.text import (
 from behemoth.errors import ConfigError, DataError
 
 MAX_RECORD_BYTES = 64 << 20  # a JSONL line longer than this is a bad record, not parsed
-ROLES = ("system", "user", "assistant", "tool")
 OPEN_BLOCKS = 64  # blocks still open to a shorter conversation while packing (first fit)
 CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + "
           "'<|im_end|>' + '\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
@@ -114,6 +116,10 @@ class ChatData(TextData):
             raise ConfigError("data.document_mask is always on for data.kind chat: packed conversations never "
                               "attend to each other (data.packing: padded puts one per block)")
         super().validate()
+
+    def pair_fields(self) -> tuple[str, str, str] | None:
+        """A preference pair's fields (data.kind preference); None: records are conversations."""
+        return None
 
     def template_text(self) -> str | None:
         """data.chat_template's text (None: the tokenizer's own)."""
@@ -218,22 +224,6 @@ def tokenizer_from_files(files: dict[str, bytes]):
 # A record -> its tokens, with the flags
 
 
-def conversation_problem(value, train_on: str = "assistant") -> str | None:
-    """Why `value` is not a conversation (None: it is one)."""
-    if not isinstance(value, list) or not value:
-        return f"not a list of messages ({'an empty list' if value == [] else type(value).__name__})"
-    for i, message in enumerate(value):
-        if not isinstance(message, dict) or "role" not in message:
-            return f"message {i} is not a {{role, content}} mapping"
-        if message["role"] not in ROLES:
-            return f"message {i} has role {message['role']!r}, not one of {', '.join(ROLES)}"
-        if not isinstance(message.get("content"), str):
-            return f"message {i} ({message['role']}) has content of type {type(message.get('content')).__name__}, not text"
-    if train_on == "assistant" and not any(m["role"] == "assistant" for m in value):
-        return "no assistant turn (nothing to train on with data.train_on: assistant)"
-    return None
-
-
 def render_text(tok, messages: list[dict]) -> str:
     """A conversation as the template renders it (no generation prompt), in the bounded rendering process
     (TemplateRefused, a ValueError: the template's error or a bound)."""
@@ -285,7 +275,9 @@ def plan_chat_units(cfg: ChatData) -> list[Unit]:
             if size == 0:
                 raise DataError(f"{path} is empty: fill it or remove it from the {key} list")
             if fmt == "parquet":
-                groups = parquet_row_groups(path, cfg.messages_field, "data.messages_field", key)
+                column = ((cfg.pair_fields()[1], "data.chosen_field") if cfg.pair_fields() else
+                          (cfg.messages_field, "data.messages_field"))
+                groups = parquet_row_groups(path, *column, key)
                 units += [Unit(split, path, "parquet", g, g + 1) for g in range(groups)]
                 first, first_line = Unit(split, path, "parquet", 0, 1), 1
             elif fmt == "jsonl":
@@ -296,7 +288,7 @@ def plan_chat_units(cfg: ChatData) -> list[Unit]:
                 raise DataError(f"{path}: data.kind chat reads JSONL or parquet conversations, not {fmt} text")
             bad = check_first_records(cfg, first, first_line)
             if bad:
-                print(f"[behemoth] {path}: {len(bad)} of its first records are not conversations (skipped in "
+                print(f"[behemoth] {path}: {len(bad)} of its first records are not {samples_are(cfg)} (skipped in "
                       f"training, within data.max_bad_samples={cfg.max_bad_samples}): {'; '.join(bad)}", flush=True)
     return units
 
@@ -323,26 +315,27 @@ def check_first_records(cfg: ChatData, unit: Unit, first_line: int = 1) -> list[
     """A file's first records read and rendered as the tokenising task will (at most FIRST_RECORDS): a file
     of the wrong shape, or a template that cannot render it, fails here in one line, before Ray starts. Bad
     records among them fail only beyond data.max_bad_samples; returned, named ("FILE line N: why")."""
-    _, records = read_unit_records(unit, cfg.messages_field)
+    pairs = cfg.pair_fields()
+    _, records = read_unit_records(unit, None if pairs else cfg.messages_field)
     named = [(r.where(first_line), r.value) for r in records[:FIRST_RECORDS]]
     if named and all(isinstance(v, _Bad) for _, v in named):
         where, bad = named[0]
         raise DataError(f"{where}: {bad.reason}: is data.messages_field ({cfg.messages_field!r}) the column "
-                        f"holding conversations?")
+                        f"holding conversations?" if not pairs else f"{where}: {bad.reason}")
     bad, good = [], []
     for where, value in named:
-        problem = value.reason if isinstance(value, _Bad) else conversation_problem(value, cfg.train_on)
-        (bad.append(f"{where}: {problem}") if problem else good.append((where, value)))
+        problem, sample = record_sample(value, pairs, cfg.train_on)
+        (bad.append(f"{where}: {problem}") if problem else good.append((where, sample)))
     tok = chat_tokenizer(cfg)
-    rendered = process_for(RenderSpec.of(tok)).tokens([value for _, value in good], Window.of(tok, cfg.train_on,
-                                                                                                 cfg.seq_len))
+    rendered = render_samples(RenderSpec.of(tok), [s for _, s in good], Window.of(tok, cfg.train_on, cfg.seq_len),
+                              pairs)
     for (where, _), result in zip(good, rendered):
         if isinstance(result, Failed) and result.template:
             raise DataError(f"{where}: {result.reason}")
-        if isinstance(result, Failed):
+        if isinstance(result, Failed) and result.reason != TOO_LONG:
             bad.append(f"{where}: {result.reason}")
     if len(bad) > cfg.max_bad_samples:
-        raise DataError(f"{len(bad)} of the first {len(named)} records are not conversations, more than "
+        raise DataError(f"{len(bad)} of the first {len(named)} records are not {samples_are(cfg)}, more than "
                         f"data.max_bad_samples={cfg.max_bad_samples}: {'; '.join(bad[:5])}")
     return bad
 
@@ -365,13 +358,15 @@ class Record:
         return self.source if self.line < 0 else f"{self.source} line {first_line + self.line}"
 
 
-def read_unit_records(unit: Unit, field: str) -> tuple[int, list[Record]]:
+def read_unit_records(unit: Unit, field: str | None) -> tuple[int, list[Record]]:
     """The lines a unit holds (its successor's first line is this one's + that: no file is read again from its
-    start to number lines), and its records."""
+    start to number lines), and its records (`field`'s value, or with None the whole record: a preference
+    pair's)."""
     if unit.fmt == "parquet":
         pf = pq.ParquetFile(unit.path)
         first_row = sum(pf.metadata.row_group(g).num_rows for g in range(unit.start))
-        values = pf.read_row_group(unit.start, columns=[field]).column(field).to_pylist()
+        group = pf.read_row_group(unit.start, columns=None if field is None else [field])
+        values = group.to_pylist() if field is None else group.column(field).to_pylist()
         return 0, [Record(f"{unit.path} row {first_row + i}", -1, v) for i, v in enumerate(values)]
     data, _ = _read_line_range(unit.path, unit.start, unit.end)
     lines = data.split(b"\n")
@@ -379,8 +374,8 @@ def read_unit_records(unit: Unit, field: str) -> tuple[int, list[Record]]:
     return data.count(b"\n") + (1 if data and not data.endswith(b"\n") else 0), out
 
 
-def _parse_record(line: bytes, field: str):
-    """A JSONL line's conversation, or a _Bad saying why not. A line longer than MAX_RECORD_BYTES is not parsed
+def _parse_record(line: bytes, field: str | None):
+    """A JSONL line's conversation (`field`'s value; None: the whole record), or a _Bad saying why not. A line longer than MAX_RECORD_BYTES is not parsed
     (its parse alone costs several times its size in memory)."""
     if len(line) > MAX_RECORD_BYTES:
         return _Bad(f"a record of {len(line)} bytes, more than the {MAX_RECORD_BYTES >> 20} MiB a record may hold")
@@ -392,6 +387,8 @@ def _parse_record(line: bytes, field: str):
         return _Bad(f"not valid JSON ({e})")
     except RecursionError:
         return _Bad("not valid JSON here (nested too deeply)")
+    if field is None:
+        return record if isinstance(record, dict) else _Bad(f"not a JSON object ({type(record).__name__})")
     if not isinstance(record, dict) or field not in record:
         fields = sorted(record)[:20] if isinstance(record, dict) else type(record).__name__
         return _Bad(f"no field '{field}' (data.messages_field); the record has {fields}")
@@ -411,6 +408,7 @@ class ChatSpec:
     window: Window
     seed: int
     val_fraction: float
+    pairs: tuple[str, str, str] | None = None  # data.kind preference: the prompt, chosen and rejected fields
 
 
 @functools.lru_cache(maxsize=4)
@@ -421,12 +419,15 @@ def _task_render_spec(ref) -> RenderSpec:
 
 
 def encode_records(records: list[Record], split: str, spec: ChatSpec) -> pa.Table:
-    """Rows of split ('train', 'val' or 'bad'), tokens (flags included: at most seq_len + 1, data/chat_render.py),
-    and for a bad record its source, line in the unit and reason."""
-    problems = [r.value.reason if isinstance(r.value, _Bad) else conversation_problem(r.value, spec.window.train_on)
-                for r in records]
-    good = [r.value for r, problem in zip(records, problems) if problem is None]
-    results = iter(process_for(_task_render_spec(spec.render)).tokens(good, spec.window))
+    """Rows of split ('train', 'val' or 'bad'), tokens (flags included: at most seq_len + 1, data/chat_render.py;
+    a preference pair's both sequences) and for a bad record its source, line in the unit and reason; a pair
+    longer than a block keeps its split, with TOO_LONG as its problem (the packer counts it)."""
+    problems, good = [], []
+    for record in records:
+        problem, sample = record_sample(record.value, spec.pairs, spec.window.train_on)
+        problems.append(problem)
+        good += [] if problem else [sample]
+    results = iter(render_samples(_task_render_spec(spec.render), good, spec.window, spec.pairs))
     rows = {"split": [], "tokens": [], "source": [], "line": [], "problem": []}
     for record, problem in zip(records, problems):
         tokens = np.empty(0, np.int32)
@@ -438,11 +439,28 @@ def encode_records(records: list[Record], split: str, spec: ChatSpec) -> pa.Tabl
                 problem = "the template renders it as no tokens"
             else:
                 tokens = result
-        if problem is None:
+        if problem is None or problem == TOO_LONG:
             chosen = split if split != "auto" else ("val" if is_validation(json.dumps(record.value, sort_keys=True),
                                                                            spec.seed, spec.val_fraction) else "train")
-        _add_row(rows, "bad" if problem else chosen, tokens, record.source, record.line, problem or "")
+        _add_row(rows, chosen if problem in (None, TOO_LONG) else "bad", tokens, record.source, record.line,
+                 problem or "")
     return _rows_table(rows)
+
+
+def record_sample(value, pairs: tuple[str, str, str] | None, train_on: str) -> tuple[str | None, object]:
+    """(why the record is not a sample or None, the sample): a conversation, or with `pairs` (the prompt, chosen
+    and rejected fields) a preference pair's (prompt, chosen, rejected) messages (data/pair_render.py)."""
+    if isinstance(value, _Bad):
+        return value.reason, None
+    if pairs:
+        return pair_of(value, pairs)
+    return conversation_problem(value, train_on), value
+
+
+def render_samples(spec: RenderSpec, samples: list, window: Window, pairs) -> list[np.ndarray | Failed]:
+    """The samples' stored tokens, rendered in the bounded process: conversations, or (`pairs`) preference pairs."""
+    process = process_for(spec)
+    return process.pairs(samples, window) if pairs else process.tokens(samples, window)
 
 
 def _add_row(rows: dict, split: str, tokens: np.ndarray, source: str, line: int, problem: str) -> None:
@@ -543,11 +561,12 @@ def prepare_chat(cfg: ChatData, seed: int, units: list[Unit]):
 
     tok = chat_tokenizer(cfg)
     key = {"chat": CHAT_VERSION, "messages_field": cfg.messages_field, "template": tok.chat_template,
-           "train_on": cfg.train_on, "packing": cfg.packing, "overlong": cfg.overlong, "open_blocks": OPEN_BLOCKS}
+           "train_on": cfg.train_on, "packing": cfg.packing, "overlong": cfg.overlong, "open_blocks": OPEN_BLOCKS,
+           **({"pairs": cfg.pair_fields(), "pair_version": 1} if cfg.pair_fields() else {})}
     index = packed_index(cfg, units, seed, np.int32, tok, _pack_chat, key)
     bad = index.stats.get("bad_records", 0)
     if bad > cfg.max_bad_samples:  # (a cache built under a larger data.max_bad_samples)
-        raise DataError(_too_many_bad(bad, index.stats.get("bad_examples", []), cfg.max_bad_samples))
+        raise DataError(_too_many_bad(bad, index.stats.get("bad_examples", []), cfg.max_bad_samples, samples_are(cfg)))
     if cfg.eval_samples:
         index.stats["eval_prompts"] = sample_prompts(index.val, cfg.eval_samples)
         index.stats["tokenizer_files"] = tokenizer_files(tok)  # (the workers decode the replies with it)
@@ -556,7 +575,8 @@ def prepare_chat(cfg: ChatData, seed: int, units: list[Unit]):
 
 def sample_prompts(blocks, n: int) -> list[list[int]]:
     """The prompts of the first n conversations of the blocks that have a trained token: each conversation's
-    tokens before its first trained one (its opening turns and the generation prompt)."""
+    tokens before its first trained one (its opening turns and the generation prompt); a preference pair's
+    once (its rejected reply's sequence is left out)."""
     prompts = []
     for b in range(len(blocks)):
         stored = blocks[np.array([b])][0].astype(np.int64)
@@ -564,15 +584,19 @@ def sample_prompts(blocks, n: int) -> list[list[int]]:
         bounds = [*np.flatnonzero(starts).tolist(), len(ids)]
         for begin, end in zip(bounds, bounds[1:]):
             first = np.flatnonzero(trained[begin:end])
-            if len(first):
+            if len(first) and not stored[begin] & REJECTED:
                 prompts.append(ids[begin:begin + first[0]].tolist())
                 if len(prompts) == n:
                     return prompts
     return prompts
 
 
-def _too_many_bad(count: int, examples: list[str], limit: int) -> str:
-    return (f"{count} records are not conversations, more than data.max_bad_samples={limit}: "
+def samples_are(cfg: ChatData) -> str:
+    return "preference pairs" if cfg.pair_fields() else "conversations"
+
+
+def _too_many_bad(count: int, examples: list[str], limit: int, noun: str = "conversations") -> str:
+    return (f"{count} records are not {noun}, more than data.max_bad_samples={limit}: "
             f"{'; '.join(examples[:5])}. Mend or remove them, or raise data.max_bad_samples to skip them")
 
 
@@ -580,8 +604,8 @@ class BadRecords:
     """The bad records the tokenising tasks found, named by file and line (a JSONL file's lines numbered from
     the lines each of its units held: the units arrive in corpus order) or row; more than `limit` fail."""
 
-    def __init__(self, limit: int):
-        self.limit, self.named, self.first_line = limit, [], {}
+    def __init__(self, limit: int, noun: str = "conversations"):
+        self.limit, self.noun, self.named, self.first_line = limit, noun, [], {}
 
     def unit_end(self, source: str, lines: int) -> None:
         self.first_line[source] = self.first_line.get(source, 1) + lines
@@ -589,7 +613,7 @@ class BadRecords:
     def add(self, source: str, line: int, problem: str) -> None:
         self.named.append(f"{Record(source, line, None).where(self.first_line.get(source, 1))}: {problem}")
         if len(self.named) > self.limit:
-            raise DataError(_too_many_bad(len(self.named), self.named, self.limit))
+            raise DataError(_too_many_bad(len(self.named), self.named, self.limit, self.noun))
 
 
 def _pack_chat(folder: Path, cfg: ChatData, units: list[Unit], seed: int, dtype) -> dict:
@@ -602,7 +626,7 @@ def _pack_chat(folder: Path, cfg: ChatData, units: list[Unit], seed: int, dtype)
     writers = {split: ShardWriter(folder, split, cfg.seq_len, np.int32) for split in ("train", "val")}
     packers = {split: ChatPacker(cfg.seq_len, pad, writers[split].add, 0 if cfg.packing == "padded" else OPEN_BLOCKS,
                                  cfg.overlong) for split in ("train", "val")}
-    bad = BadRecords(cfg.max_bad_samples)
+    bad = BadRecords(cfg.max_bad_samples, samples_are(cfg))
     for batch in progress(_chat_stream(cfg, units, seed, tok), "tokenising", total=None if cfg.hf_dataset else len(units),
                           unit="unit" if not cfg.hf_dataset else "batch"):
         for split, tokens, source, line, problem in zip(
@@ -610,6 +634,8 @@ def _pack_chat(folder: Path, cfg: ChatData, units: list[Unit], seed: int, dtype)
                 batch["line"].to_pylist(), batch["problem"].to_pylist()):
             if split in ("bad", "unit_end"):
                 bad.add(source, line, problem) if split == "bad" else bad.unit_end(source, line)
+            elif problem == TOO_LONG:  # (a preference pair: dropped whole, never cut)
+                packers[split].counts["dropped_overlong"] += 1
             else:
                 packers[split].add(tokens)
     meta = {"version": CACHE_VERSION, "seq_len": cfg.seq_len, "tokenizer": cfg.tokenizer, "dtype": "int32",
@@ -625,6 +651,10 @@ def _pack_chat(folder: Path, cfg: ChatData, units: list[Unit], seed: int, dtype)
 def _nothing_to_train(cfg: ChatData, split: str, counts: dict, bad: int) -> str:
     """Why a split packed no block, in the words that fit: no conversation reached it, or all were too long."""
     if counts["dropped_overlong"]:
+        if cfg.pair_fields():
+            return (f"the {split} pairs leave nothing to train on: all {counts['dropped_overlong']} are longer than "
+                    f"data.seq_len={cfg.seq_len} (a pair is dropped whole, never cut): raise data.seq_len to hold "
+                    f"the prompt with both replies")
         why = "their assistant tokens all past the cut" if cfg.overlong == "truncate" else "data.overlong: drop"
         return (f"the {split} conversations leave nothing to train on: {counts['dropped_overlong']} longer than "
                 f"data.seq_len={cfg.seq_len} dropped ({why}), none kept: raise data.seq_len"
@@ -634,7 +664,8 @@ def _nothing_to_train(cfg: ChatData, split: str, counts: dict, bad: int) -> str:
         return (f"no conversation went to the val split: data.val_fraction={cfg.val_fraction} of the train files' "
                 f"conversations{skipped} chose none; raise data.val_fraction or give data.val_files")
     source = f"data.hf_dataset's {split} split" if cfg.hf_dataset else f"the data.{split}_files"
-    return f"{source} hold no conversations{skipped}: give files of `{cfg.messages_field}` records"
+    shape = (f"{' / '.join(cfg.pair_fields())} pairs" if cfg.pair_fields() else f"`{cfg.messages_field}` records")
+    return f"{source} hold no conversations{skipped}: give files of {shape}"
 
 
 def _chat_stream(cfg: ChatData, units: list[Unit], seed: int, tok):
@@ -648,7 +679,7 @@ def _chat_stream(cfg: ChatData, units: list[Unit], seed: int, tok):
 
     ordered_data_context(logging.CRITICAL)
     spec = ChatSpec(render=ray.put(RenderSpec.of(tok)), window=Window.of(tok, cfg.train_on, cfg.seq_len), seed=seed,
-                    val_fraction=cfg.val_fraction)
+                    val_fraction=cfg.val_fraction, pairs=cfg.pair_fields())
     if cfg.hf_dataset:
         pipelines = []
         for split, ds in _hf_splits(cfg, cfg.messages_field):
@@ -663,6 +694,6 @@ def _chat_stream(cfg: ChatData, units: list[Unit], seed: int, tok):
         rows = [{"split": u.split, "path": u.path, "fmt": u.fmt, "start": u.start, "end": u.end} for u in units]
         pipelines = [ray.data.from_items(rows, override_num_blocks=len(rows)).map_batches(
             encode_units, batch_format="pyarrow", batch_size=1, num_cpus=cfg.cpus_per_task,
-            fn_kwargs={"field": cfg.messages_field, "spec": spec})]
+            fn_kwargs={"field": None if spec.pairs else cfg.messages_field, "spec": spec})]
     for ds in pipelines:
         yield from ds.iter_batches(batch_format="pyarrow", batch_size=None, prefetch_batches=4)

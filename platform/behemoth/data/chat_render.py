@@ -13,7 +13,8 @@ The child renders exactly as `tokenizer.apply_chat_template(..., tokenize=False)
 normalisation and `render_jinja_template`, the tokenizer's special tokens as the template's variables) and
 encodes with the tokenizer's Rust core, as the tokenising tasks did in-process.
 
-The cost a conversation can drive is bounded before rendering (`window_cut`, `conversation_tokens`): only the
+The cost a conversation can drive is bounded before rendering (data/chat_tokens.py: `window_cut`,
+`conversation_tokens`; a preference pair's, data/pair_render.py, the same way): only the
 first seq_len tokens of a conversation are ever stored, so its messages are cut where the rendering certainly
 holds more than seq_len tokens (seq_len x the vocabulary's longest token, in characters), and the assistant
 turns whose tokens are found (two renderings each: see data/chat.py) stop at the first turn that starts past
@@ -32,122 +33,28 @@ import struct
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
-TRAIN, START = 1 << 30, 1 << 29  # the flags stored above a token's id (data/chat.py)
-IDS = START - 1
+from behemoth.data.chat_tokens import (  # noqa: F401 - the flags and the bounded tokens, named here too
+    IDS,
+    MIN_TOKEN_CHARS,
+    REJECTED,
+    START,
+    TRAIN,
+    BadRecord,
+    RecordTooLong,
+    Render,
+    assistant_spans,
+    conversation_tokens,
+    flag_tokens,
+    window_cut,
+)
+
 RENDER_CPU_S = 20.0  # CPU seconds one conversation (or one prompt) may take to render and encode
 RENDER_MEMORY_BYTES = 2 << 30  # the rendering process's address space above what it starts with
 WATCHDOG_SLACK_S = 30.0  # wall seconds beyond RENDER_CPU_S before a silent child is ended (a loaded machine)
-MIN_TOKEN_CHARS = 128  # the cut's characters per token at least (an unknown token may cover a whole word)
-
-Render = Callable[[list, bool], str]
-
-
-# ---------------------------------------------------------------------------------------------------------
-# What a conversation costs, bounded: the same code in the child and in-process (tests, the reference)
-
-
-def window_cut(messages: list[dict], max_chars: int) -> list[dict]:
-    """The messages within the first `max_chars` characters of the conversation's text (roles, contents and
-    any other fields), the last one kept with its content cut there; the rest dropped. Rendered, a cut
-    conversation holds more than seq_len tokens (max_chars = seq_len x the longest token), so its first seq_len
-    tokens are the whole conversation's (except where a word runs across the cut). ValueError where even the
-    first message's fields besides its content are longer."""
-    out, used = [], 0
-    for i, message in enumerate(messages):
-        room = max_chars - used - len(message["role"]) - _chars_besides(message, max_chars)
-        if room < 0 and not out:
-            raise RecordTooLong(f"message {i}'s fields besides its content hold more than {max_chars} characters, "
-                                f"more than data.seq_len tokens can ever hold")
-        content = message["content"]
-        if room < len(content):
-            if room > 0:
-                out.append({**message, "content": content[:room]})
-            return out
-        used = max_chars - room + len(content)
-        out.append(message)
-    return out
-
-
-def _chars_besides(message: dict, cap: int) -> int:
-    """The characters of a message's fields other than role and content (keys, text, 8 per other scalar),
-    counted without recursion, up to just past `cap`."""
-    total, stack = 0, [v for k, v in message.items() if k not in ("role", "content")]
-    total += sum(len(str(k)) for k in message if k not in ("role", "content"))
-    while stack and total <= cap:
-        value = stack.pop()
-        if isinstance(value, str):
-            total += len(value)
-        elif isinstance(value, dict):
-            total += sum(len(str(k)) for k in value)
-            stack += value.values()
-        elif isinstance(value, (list, tuple)):
-            total += 1
-            stack += value
-        else:
-            total += 8
-    return total
-
-
-def assistant_spans(render: Render, messages: list[dict], text: str, stop_at: int) -> list[tuple[int, int]]:
-    """The character ranges of the assistant's turns in `text` (the whole rendering): turn i is the rendering of
-    messages[:i+1] after that of messages[:i] with the generation prompt (its end-of-turn included). Turns that
-    start at or past `stop_at` are not looked for (their tokens are never stored). Raises ValueError where the
-    renderings are not prefixes of each other (the template rewrites earlier turns)."""
-    spans = []
-    for i, message in enumerate(messages):
-        if message["role"] != "assistant":
-            continue
-        prompt = render(messages[:i], True) if i else ""
-        if len(prompt) >= stop_at and text.startswith(prompt):
-            break  # (this turn's tokens and every later one's come after the last stored token)
-        through = render(messages[:i + 1], False)
-        if not (through.startswith(prompt) and text.startswith(through)):
-            raise ValueError(f"the chat template's rendering of the first {i} turns with the generation prompt is "
-                             f"not the start of its rendering of the first {i + 1} (or of the whole conversation): "
-                             f"it rewrites earlier turns, so the assistant's tokens cannot be told. Use a template "
-                             f"that appends turns, or data.train_on: all")
-        spans.append((len(prompt), len(through)))
-    return spans
-
-
-def flag_tokens(ids: Sequence[int], starts: Sequence[int], spans: list[tuple[int, int]]) -> np.ndarray:
-    """Token ids with TRAIN on the tokens that start inside `spans` and START on the first, int32."""
-    ids = np.asarray(ids, dtype=np.int64)
-    if np.any(ids > IDS):
-        raise ValueError(f"token ids above {IDS} do not fit beside the flags")
-    starts = np.asarray(starts, dtype=np.int64)
-    trained = np.zeros(len(ids), dtype=bool)
-    for begin, end in spans:
-        trained |= (starts >= begin) & (starts < end)
-    out = ids | np.where(trained, TRAIN, 0)
-    if len(out):
-        out[0] |= START
-    return out.astype(np.int32)
-
-
-def conversation_tokens(render: Render, encode, messages: list[dict], train_on: str, seq_len: int | None,
-                        max_chars: int | None) -> np.ndarray:
-    """A conversation's stored tokens (flags included), at most seq_len + 1 of them (one more than a block
-    holds says it was longer): cut to `max_chars` of content, rendered once whole, encoded, then its assistant
-    turns found up to the seq_len-th token. `encode(text)` -> a tokenizers Encoding."""
-    if max_chars is not None:
-        messages = window_cut(messages, max_chars)
-    text = render(messages, False)
-    encoding = encode(text)
-    keep = len(encoding.ids) if seq_len is None else min(len(encoding.ids), seq_len + 1)
-    starts = [start for start, _ in encoding.offsets[:keep]]
-    if train_on == "all":
-        spans = [(0, len(text))]
-    else:
-        stop_at = len(text) if seq_len is None or len(encoding.ids) <= seq_len else starts[seq_len]
-        spans = assistant_spans(render, messages, text, stop_at)
-    return flag_tokens(encoding.ids[:keep], starts, spans)
-
 
 # ---------------------------------------------------------------------------------------------------------
 # The parent's side
@@ -221,10 +128,6 @@ class Text:
     text: str
 
 
-class RecordTooLong(ValueError):
-    """A record whose cost no window bounds (window_cut)."""
-
-
 class TemplateRefused(ValueError):
     """The template could not render a prompt (its own error, or a bound): the message says which."""
 
@@ -250,6 +153,13 @@ class TemplateProcess:
             done += self._run("tokens", window, [c for _, c in cut[len(done):]])
         results.update((i, result) for (i, _), result in zip(cut, done))
         return [results[i] for i in range(len(conversations))]
+
+    def pairs(self, pairs: list[tuple], window: Window) -> list[np.ndarray | Failed]:
+        """Each (prompt, chosen, rejected)'s stored tokens (data/pair_render.py), or why it has none."""
+        done: list[np.ndarray | Failed] = []
+        while len(done) < len(pairs):
+            done += self._run("pair", window, pairs[len(done):])
+        return done
 
     def render(self, messages: list[dict], generation_prompt: bool = True) -> str:
         (result,) = self._run("render", generation_prompt, [messages])
@@ -410,14 +320,18 @@ def _answer(out, result: np.ndarray | Text | Failed) -> None:
 
 
 def _one(op: str, argument, item, render: Render, encode, spec: RenderSpec) -> np.ndarray | Text | Failed:
-    """One conversation's tokens (`argument`: the Window) or rendering (`argument`: with the generation prompt),
-    within the bounds."""
+    """One conversation's tokens (`argument`: the Window), a preference pair's (op "pair") or a rendering
+    (`argument`: with the generation prompt), within the bounds."""
     signal.setitimer(signal.ITIMER_VIRTUAL, spec.cpu_s)
     try:
         if op == "render":
             return Text(render(item, argument))
+        if op == "pair":
+            from behemoth.data.pair_render import pair_tokens
+
+            return pair_tokens(render, encode, *item, argument.seq_len, argument.max_chars)
         return conversation_tokens(render, encode, item, argument.train_on, argument.seq_len, argument.max_chars)
-    except RecordTooLong as e:
+    except BadRecord as e:
         return Failed(str(e), template=False)
     except _OverTime:
         return Failed(f"the chat template took more than {spec.cpu_s:g} s of CPU to render it")

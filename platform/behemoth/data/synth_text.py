@@ -116,6 +116,11 @@ QUESTIONS = [
 
 def conversation(rng: random.Random) -> list[dict]:
     """A system line (half the time), a story and one to three questions about it, each with its answer."""
+    return _conversation(rng)[0]
+
+
+def _conversation(rng: random.Random) -> tuple[list[dict], dict, list[tuple[str, str]]]:
+    """(the conversation, the story's facts, the questions asked with their answer templates)."""
     state = rng.getstate()
     sentences = story_sentences(rng)
     rng.setstate(state)  # the same draws again, to know what the story holds
@@ -131,7 +136,29 @@ def conversation(rng: random.Random) -> list[dict]:
     for question, answer in asked[1:]:
         messages += [{"role": "user", "content": question.format(**facts)},
                      {"role": "assistant", "content": answer.format(**facts)}]
-    return messages
+    return messages, facts, asked
+
+
+def preference_pair(rng: random.Random) -> dict:
+    """A conversation's opening (the story and its first question) as the prompt, the answer the story gives
+    (chosen) and one from the wrong facts (rejected: the two names, the two places swapped, another object and
+    adjective), in TRL's conversational shape with an explicit prompt."""
+    messages, facts, asked = _conversation(rng)
+    opening = messages[:messages.index(next(m for m in messages if m["role"] == "assistant"))]
+    wrong = {**facts, "a": facts["b"], "b": facts["a"], "place": facts["other_place"], "other_place": facts["place"],
+             "obj": rng.choice([o for o in OBJECTS if o != facts["obj"]]),
+             "adj": rng.choice([a for a in ADJECTIVES if a != facts["adj"]])}
+    answer = asked[0][1]
+    return {"prompt": opening, "chosen": [{"role": "assistant", "content": answer.format(**facts)}],
+            "rejected": [{"role": "assistant", "content": answer.format(**wrong)}]}
+
+
+def write_synth_preference(out: str | Path, train_documents: int = 4000, val_documents: int = 400,
+                           seed: int = 0) -> dict[str, int]:
+    """Write OUT/train.jsonl and OUT/val.jsonl, one {"prompt", "chosen", "rejected"} pair per line (the prompts
+    are those of write_synth_chat's conversations for the same seed)."""
+    return _write_jsonl(out, {"train": train_documents, "val": val_documents},
+                        lambda split, i: preference_pair(random.Random(f"{seed}/chat/{split}/{i}")))
 
 
 def write_synth_chat(out: str | Path, train_documents: int = 4000, val_documents: int = 400,

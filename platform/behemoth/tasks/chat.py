@@ -28,6 +28,7 @@ from behemoth.tasks.kept_tokenizer import KEPT_FOLDER, with_kept_tokenizer
 class ChatLM(CausalLM):
     # --- driver side ------------------------------------------------------------------------------------
     data_config = ChatData
+    samples_are = "conversations"  # (a packed document's name in the preparation's lines)
 
     @classmethod
     def check(cls, cfg: JobConfig) -> list[Unit]:
@@ -75,7 +76,7 @@ class ChatLM(CausalLM):
             print(f"[behemoth] {pad_line}", flush=True)
         for split in ("train", "val"):
             s = stats[split]
-            print(f"[behemoth] chat {split}: {s['documents']} conversations in {s['blocks']} blocks of "
+            print(f"[behemoth] {cfg.data.kind} {split}: {s['documents']} {cls.samples_are} in {s['blocks']} blocks of "
                   f"{stats['seq_len']} tokens ({cfg.data.packing}); {s['trained_tokens']} of {s['tokens']} tokens "
                   f"trained ({cfg.data.train_on}), {s['padding_tokens']} padding; {s['truncated']} cut at seq_len, "
                   f"{s['dropped_overlong']} dropped as longer (data.overlong: {cfg.data.overlong})", flush=True)

@@ -242,6 +242,18 @@ class Task(abc.ABC, Generic[CheckedT, PreparedT]):
         micro-batch means (worker/loop.py: train_step). None (the default): every batch's mean weighs the same."""
         return None
 
+    # Training metrics of the task's own (a preference run's rewards), kept as sums over the steps between two
+    # reports: their names, in a fixed order (every rank all-reduces the same vector with the loss's).
+    window_sum_names: ClassVar[tuple[str, ...]] = ()
+
+    def take_window_sums(self) -> torch.Tensor | None:
+        """The window's sums by window_sum_names (a device vector; zeros where this rank had no step), reset."""
+        return None
+
+    def window_metrics(self, sums: dict[str, float]) -> dict:
+        """Metrics from the window's sums over every rank."""
+        return {}
+
     # ==== evaluation ========================================================================================
     # The metrics a run is judged by: summed over batches and ranks, then turned into metrics; the
     # lines a user reads.

@@ -19,6 +19,7 @@ TASKS: dict[str, str] = {
     "image_webdataset": "behemoth.tasks.image:ImageClassification",
     "text": "behemoth.tasks.causal_lm:CausalLM",
     "chat": "behemoth.tasks.chat:ChatLM",
+    "preference": "behemoth.tasks.preference:PreferenceLM",
     "text_classification": "behemoth.tasks.text_classification:TextClassification",
 }
 

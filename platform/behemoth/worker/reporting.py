@@ -294,13 +294,10 @@ class Reporter:
             proposed = 0
         final = (self.rank == 0 and self.notice not in (None, math.inf) and self.notice_write_s is not None
                  and self.notice - time.time() <= self.final_margin_s(step_s))
-        stats = torch.tensor([float(window.loss_sum), float(window.loss_count), float(len(bad_ids)),
-                              float(self.rank == 0 and self.sender.due()), float(nonfinite),
-                              float(deadline is not None), float(proposed), float(final),
-                              deadline if deadline is not None else 0.0], dtype=torch.float64)
-        stats = stats.to(hosts.device())
-        all_reduce_sum(stats)
-        stats = stats.tolist()
+        stats, task_sums = self._reduced([float(window.loss_sum), float(window.loss_count), float(len(bad_ids)),
+                                          float(self.rank == 0 and self.sender.due()), float(nonfinite),
+                                          float(deadline is not None), float(proposed), float(final),
+                                          deadline if deadline is not None else 0.0])
         self.nonfinite_guard(state, window, stats[0], stats[4], first_bad)
         if stats[5] > 0 and self.notice is None:  # any rank's notice (Ray Train tells every worker of the group,
             # each when its own watcher call returns): the deadline of the ranks that have it, the same on every
@@ -328,6 +325,8 @@ class Reporter:
         }
         if self.task.tokens_per_sample:
             metrics["tokens_per_s"] = samples_per_s * self.task.tokens_per_sample
+        if task_sums:
+            metrics.update(self.task.window_metrics(task_sums))
         if norm is not None:
             metrics["grad_norm"] = norm
         if state.skipped_steps:
@@ -335,6 +334,17 @@ class Reporter:
         if self.interval.auto:
             metrics["checkpoint_interval_steps"] = int(stats[6])
         return metrics, bool(stats[3]), {"interval": int(stats[6]), "final": stats[7] > 0, "step_s": step_s}
+
+    def _reduced(self, stats: list[float]) -> tuple[list[float], dict[str, float]]:
+        """`stats` summed over the ranks in one all-reduce, with the task's own window sums (by their names)
+        riding on it."""
+        names = self.task.window_sum_names
+        vector = torch.tensor(stats, dtype=torch.float64).to(hosts.device())
+        if names:
+            vector = torch.cat([vector, self.task.take_window_sums().to(vector)])
+        all_reduce_sum(vector)
+        out = vector.tolist()
+        return out[:len(stats)], dict(zip(names, out[len(stats):]))
 
     def nonfinite_guard(self, state: TrainState, window: Window, loss_sum: float, nonfinite: float,
                         first_bad: int | None) -> None:

@@ -249,6 +249,8 @@ def _add_text_data_commands(data) -> None:
                    "classes), for text classification: rows {text, label}")
     p.add_argument("--chat", action="store_true", help="conversations about the stories, for chat fine-tuning "
                    "(data.kind chat): rows {messages: [{role, content}, ...]}")
+    p.add_argument("--preference", action="store_true", help="pairs of answers about the stories, the story's and "
+                   "a wrong one, for preference tuning (data.kind preference): rows {prompt, chosen, rejected}")
     p.add_argument("--train-documents", type=int, default=4000, help="stories in train.jsonl")
     p.add_argument("--val-documents", type=int, default=400, help="stories in val.jsonl")
     p.add_argument("--seed", type=int, default=0, help="random seed (the same seed writes the same data)")
@@ -428,11 +430,12 @@ def _data_command(args) -> int:
                                     args.format)
         print(f"wrote {counts['train']} train and {counts['val']} val images to {args.out}")
     elif args.data_command == "synth-text":
-        from behemoth.data.synth_text import write_synth_chat, write_synth_labelled_text, write_synth_text
+        from behemoth.data import synth_text
 
-        if args.labelled and args.chat:
-            raise ConfigError("synth-text: --labelled and --chat write different corpora: give one")
-        write = write_synth_labelled_text if args.labelled else write_synth_chat if args.chat else write_synth_text
+        if args.labelled + args.chat + args.preference > 1:
+            raise ConfigError("synth-text: --labelled, --chat and --preference write different corpora: give one")
+        write = (synth_text.write_synth_labelled_text if args.labelled else synth_text.write_synth_chat if args.chat
+                 else synth_text.write_synth_preference if args.preference else synth_text.write_synth_text)
         counts = write(args.out, args.train_documents, args.val_documents, args.seed)
         print(f"wrote {counts['train']} train and {counts['val']} val documents to {args.out}/{{train,val}}.jsonl")
     elif args.data_command == "split-val":

@@ -1,0 +1,388 @@
+"""Preference tuning with DPO (data.kind: preference): a causal LM, usually a chat run's SFT model, trained on pairs
+of replies (data/preference.py) to prefer the chosen one more than a frozen reference model does.
+
+For a pair, with log-probability sums over each reply's trained tokens (its assistant turns, the end of turn
+included) under the policy (pc, pr) and the reference (rc, rr), the loss is Rafailov et al.'s sigmoid loss
+-log sigmoid(beta x ((pc - rc) - (pr - rr))), with data.label_smoothing e the conservative variant
+(1 - e) x that + e x -log sigmoid(-beta x ...). A step's loss is the mean over the global batch's pairs (each
+micro-batch's sum over its pairs' count; worker/loop.py weighs by Task.loss_items). A pair's two sequences sit
+in one block, each its own document, so they are scored in the same forward and never attend to each other.
+
+The reference without a second copy (data.reference auto): with model.lora it is the same model with its
+adapters switched off (peft's disable_adapter). A full fine-tune's reference log-probabilities are computed once
+before training (precomputed): a Ray Data pass over the packed pairs on the workers' resources with the weights
+the run starts from (model.pretrained, train.init_from, or the seed), stored beside the token cache under a
+fingerprint of the tokens and those weights, verified (sha256) where the workers read them and reused by every
+restart and rerun. Either way training holds one model's weights. data.reference copy keeps a frozen copy on
+each worker instead (twice the weights' memory, said in the log).
+
+Metrics, under TRL's names: rewards/chosen and rewards/rejected (beta x the policy's log-ratio to the reference,
+mean over pairs), rewards/accuracies (pairs whose chosen reward is the higher), rewards/margins, logps/chosen and
+logps/rejected (the policy's sums), per report window; the same over the held-out pairs with val_ before them,
+and val_loss, which picks the best checkpoint.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+from types import SimpleNamespace
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from behemoth.config import JobConfig
+from behemoth.data.chat import REJECTED, START, TRAIN, split_flags
+from behemoth.data.preference import PreferenceData
+from behemoth.errors import ConfigError, DataError
+from behemoth.hosts.console import console
+from behemoth.storage.store import Store
+from behemoth.tasks.chat import ChatLM
+
+# The sums a report window and an evaluation keep (summed over micro-batches and ranks, then divided by pairs).
+PAIR_SUMS = ("pairs", "loss", "chosen", "rejected", "correct", "logps_chosen", "logps_rejected")
+
+
+def dpo_losses(policy: tuple[torch.Tensor, torch.Tensor], reference: tuple[torch.Tensor, torch.Tensor],
+               beta: float, label_smoothing: float = 0.0) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """(each pair's loss, the pairs' sums by PAIR_SUMS' names) from the policy's and the reference's
+    log-probability sums of the chosen and the rejected replies (each a [pairs] tensor)."""
+    (pc, pr), (rc, rr) = policy, reference
+    chosen, rejected = beta * (pc - rc), beta * (pr - rr)
+    logits = chosen - rejected
+    losses = -F.logsigmoid(logits) * (1 - label_smoothing) - F.logsigmoid(-logits) * label_smoothing
+    chosen, rejected = chosen.detach(), rejected.detach()
+    sums = {"pairs": torch.full((), float(len(pc)), device=pc.device), "loss": losses.detach().sum(),
+            "chosen": chosen.sum(), "rejected": rejected.sum(), "correct": (chosen > rejected).float().sum(),
+            "logps_chosen": pc.detach().sum(), "logps_rejected": pr.detach().sum()}
+    return losses, sums
+
+
+def pair_metrics(sums: dict[str, float], prefix: str = "") -> dict:
+    """TRL's names for the pairs' means (`prefix`: val_ for the held-out pairs')."""
+    pairs = max(sums["pairs"], 1.0)
+    return {f"{prefix}rewards/chosen": sums["chosen"] / pairs, f"{prefix}rewards/rejected": sums["rejected"] / pairs,
+            f"{prefix}rewards/accuracies": sums["correct"] / pairs,
+            f"{prefix}rewards/margins": (sums["chosen"] - sums["rejected"]) / pairs,
+            f"{prefix}logps/chosen": sums["logps_chosen"] / pairs,
+            f"{prefix}logps/rejected": sums["logps_rejected"] / pairs}
+
+
+def sequence_logps(logits: torch.Tensor, stored: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(chosen, rejected) log-probability sums over each pair's trained tokens, [pairs] each in block order, from
+    the model's logits for stored blocks ([B, L, V] and [B, L]). A trained token is predicted from the one before
+    it, in its own document (a document's first token is never a target)."""
+    ids, trained, starts = split_flags(stored)
+    targets = trained[:, 1:] & ~starts[:, 1:]
+    scores = logits[:, :-1].float()
+    token = scores.gather(-1, ids[:, 1:, None]).squeeze(-1) - scores.logsumexp(dim=-1)
+    document = starts.long().cumsum(dim=1)  # each token's document in its row, from 1
+    width = stored.shape[1] + 1
+    sums = torch.zeros(stored.shape[0], width, dtype=torch.float32, device=stored.device)
+    sums.scatter_add_(1, document[:, 1:], torch.where(targets, token, 0.0))
+    # each document's kind, from its first token: a chosen reply's has TRAIN tokens and no REJECTED flag,
+    # padding has no TRAIN token (data/pair_render.py); pairs are adjacent, chosen first
+    first = torch.zeros(stored.shape[0], width, dtype=stored.dtype, device=stored.device)
+    first.scatter_(1, torch.where(starts, document, 0), torch.where(starts, stored, 0))
+    counted = torch.zeros(stored.shape[0], width, dtype=torch.long, device=stored.device)
+    counted.scatter_add_(1, document, trained.long())
+    is_rejected = (first & REJECTED) != 0
+    is_chosen = (counted > 0) & ~is_rejected & ((first & START) != 0)
+    return sums[is_chosen], sums[is_rejected]
+
+
+def made_up(batch: dict) -> bool:
+    """example_batch's blocks (sample id -1), not the data's."""
+    ids = batch.get("sample_id")
+    return ids is not None and len(ids) > 0 and int(ids.min()) < 0
+
+
+def pairs_per_row(stored: torch.Tensor) -> torch.Tensor:
+    """How many pairs each block holds (its rejected replies' first tokens)."""
+    return (((stored & START) != 0) & ((stored & REJECTED) != 0)).sum(dim=-1)
+
+
+class PreferenceLM(ChatLM):
+    data_config = PreferenceData
+    best = ("val_loss", "min")
+    reported = {"val_loss": "min", "val_rewards/accuracies": "max", "val_rewards/margins": "max", "loss": "min"}
+    samples_are = "pairs"
+
+    # --- driver side ------------------------------------------------------------------------------------
+    @classmethod
+    def check_model(cls, cfg: JobConfig) -> None:
+        super().check_model(cfg)
+        if cfg.model.lora is not None and cfg.train.init_from:
+            raise ConfigError("data.kind preference with model.lora takes its reference as the model with the "
+                              "adapters off, which would not be the model train.init_from loads: name the SFT "
+                              "model as model.pretrained (a chat run's `behemoth export` folder, its weights "
+                              "merged) and leave train.init_from empty")
+        if cfg.data.reference == "adapters_off" and cfg.model.lora is None:
+            raise ConfigError("data.reference adapters_off needs model.lora (the reference is the model with its "
+                              "adapters switched off): set model.lora, or data.reference auto")
+        if cfg.scaling.strategy != "ddp":
+            raise ConfigError(f"data.kind preference trains with scaling.strategy ddp for now, not "
+                              f"{cfg.scaling.strategy}: the reference's forward under FSDP is not built yet")
+
+    @classmethod
+    def prepare(cls, cfg: JobConfig, units):
+        """Chat's preparation (the pairs packed into blocks), then the precomputed reference's table."""
+        import time
+
+        index = super().prepare(cfg, units)
+        if reference_kind(cfg) == "precomputed":
+            started = time.time()
+            meta, computed = precompute_reference(cfg, index)
+            index.stats["reference"] = meta
+            how = (f"computed in {time.time() - started:.1f} s by a pass on the workers' resources" if computed else
+                   "found, computed before for these tokens and weights")
+            print(f"[behemoth] DPO reference: the starting weights' log-probabilities of every pair, {how} "
+                  f"({meta['folder']}): training holds one model", flush=True)
+        return index
+
+    @classmethod
+    def describe(cls, cfg: JobConfig, units) -> str:
+        d = cfg.data
+        files = f"{len({u.path for u in units})} files in {len(units)} work units"
+        return (f"preference (DPO): {files}; pairs of replies ({d.prompt_field} / {d.chosen_field} / "
+                f"{d.rejected_field}) packed whole into blocks of {d.seq_len}; beta {d.beta:g}, label smoothing "
+                f"{d.label_smoothing:g}; the reference {reference_kind(cfg)}")
+
+    @staticmethod
+    def summary_lines(m: dict) -> list[str]:
+        if "val_rewards/accuracies" not in m:
+            return []
+        return [(f"final val preference accuracy: {m['val_rewards/accuracies']:.3f} (margin "
+                 f"{m['val_rewards/margins']:.3f}, val_loss {m['val_loss']:.4f} over {m['val_pairs']} pairs)")]
+
+    @staticmethod
+    def progress_fields(m: dict) -> list[str]:
+        return [f"acc {m['rewards/accuracies']:.2f}"] if "rewards/accuracies" in m else []
+
+    # --- worker side ------------------------------------------------------------------------------------
+    eval_sum_names = PAIR_SUMS
+    window_sum_names = PAIR_SUMS
+
+    def __init__(self, cfg: JobConfig, index):
+        super().__init__(cfg, index)
+        self._window: torch.Tensor | None = None
+        self._reference: torch.nn.Module | None = None
+
+    def loss_items(self, batch):
+        return pairs_per_row(batch["input_ids"]).sum()
+
+    def loss(self, model, batch):
+        """(the mean loss over the micro-batch's pairs, their count)."""
+        stored = batch["input_ids"]
+        policy = sequence_logps(self._logits(model, stored), stored)
+        with torch.no_grad():
+            reference = self._reference_logps(model, stored, "train", batch.get("sample_id"))
+        losses, sums = dpo_losses(policy, reference, self.cfg.data.beta, self.cfg.data.label_smoothing)
+        if not made_up(batch):  # (example_batch's made-up blocks, the step's cost measured on them, are no pairs)
+            vector = torch.stack([sums[name] for name in PAIR_SUMS]).to(torch.float64)
+            self._window = vector if self._window is None else self._window + vector
+        count = sums["pairs"]
+        return losses.sum() / count.clamp(min=1), count
+
+    def take_window_sums(self) -> torch.Tensor:
+        from behemoth import hosts
+
+        out = self._window if self._window is not None else torch.zeros(len(PAIR_SUMS), dtype=torch.float64,
+                                                                          device=hosts.device())
+        self._window = None
+        return out
+
+    def window_metrics(self, sums: dict[str, float]) -> dict:
+        return pair_metrics(sums) if sums["pairs"] else {}
+
+    def eval_batches(self, indices, batch_size: int, split: str = "val"):
+        self._eval_split = split  # (the split whose precomputed reference the next evaluation reads)
+        return super().eval_batches(indices, batch_size, split)
+
+    def eval_sums(self, model, batch):
+        stored = batch["input_ids"]
+        policy = sequence_logps(self._logits(model, stored), stored)
+        reference = self._reference_logps(model, stored, getattr(self, "_eval_split", "val"), batch.get("sample_id"))
+        _, sums = dpo_losses(policy, reference, self.cfg.data.beta, self.cfg.data.label_smoothing)
+        return {name: value.to(torch.float64) for name, value in sums.items()}
+
+    def eval_metrics(self, sums):
+        pairs = max(sums["pairs"], 1.0)
+        return {"val_loss": sums["loss"] / pairs, "val_pairs": int(sums["pairs"]), **pair_metrics(sums, "val_")}
+
+    def example_batch(self, batch_size: int):
+        from behemoth import hosts
+
+        length = self.cfg.data.seq_len
+        block = torch.full((batch_size, length), TRAIN, dtype=torch.long, device=hosts.device())
+        block[:, length // 2:] |= REJECTED
+        block[:, 0] |= START
+        block[:, length // 2] |= START
+        # (-1: a made-up block, the step's cost measured on it; a precomputed reference gives it zeros)
+        return {"input_ids": block, "sample_id": torch.full((batch_size,), -1, dtype=torch.long)}
+
+    def _logits(self, model, stored: torch.Tensor) -> torch.Tensor:
+        ids, _, starts = split_flags(stored)
+        inputs = self.document_inputs(model, ids, starts, ids)
+        inputs.pop("labels")  # (no labels: the model's own loss is not wanted, its logits are)
+        return model(input_ids=ids, use_cache=False, **inputs).logits
+
+    def _reference_logps(self, model, stored: torch.Tensor, split: str,
+                         sample_ids: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The reference's (chosen, rejected) sums: precomputed (read by block), the model with its adapters
+        off, or the frozen copy."""
+        kind = reference_kind(self.cfg)
+        if kind == "precomputed":
+            return self._precomputed(split, sample_ids, stored)
+        inner = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
+        if kind == "adapters_off":
+            with inner.disable_adapter():
+                return sequence_logps(self._logits(inner, stored), stored)
+        return sequence_logps(self._logits(self._frozen_copy(inner), stored), stored)
+
+    def starting_model(self) -> torch.nn.Module:
+        """The weights the run starts from, built anew: the job's model as the workers build it (model.pretrained's
+        weights, or the seed's), with train.init_from's loaded. The process's random state is left as it was."""
+        from behemoth.storage import weights
+
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(self.cfg.train.seed)
+            model = self.build_model()
+        if self.cfg.train.init_from:
+            weights.load_weights(model, weights.read_state_dict(self.cfg.train.init_from), self.cfg.train.init_from,
+                                 self.reinit_ok)
+        return model
+
+    def _frozen_copy(self, inner: torch.nn.Module) -> torch.nn.Module:
+        """data.reference copy: the starting weights, built once per worker, never trained."""
+        if self._reference is None:
+            self._reference = self.starting_model().to(next(inner.parameters()).device).eval().requires_grad_(False)
+            size = sum(p.numel() * p.element_size() for p in self._reference.parameters())
+            console(f"DPO reference: a frozen copy of the starting weights ({size / 2**20:.1f} MiB more; "
+                    f"data.reference auto would need none)")
+        return self._reference
+
+    def _precomputed(self, split: str, sample_ids, stored: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The precomputed reference's sums of these blocks' pairs, in block order (as sequence_logps orders
+        them)."""
+        if sample_ids is None:
+            raise DataError("the precomputed DPO reference is read by block: this batch carries no sample_id")
+        ids = sample_ids.tolist()
+        if min(ids) < 0:  # example_batch's
+            zeros = torch.zeros(int(pairs_per_row(stored).sum()), device=stored.device)
+            return zeros, zeros
+        offsets, logps = self._table(split)
+        rows = np.concatenate([logps[offsets[i]:offsets[i + 1]] for i in ids]).reshape(-1, 2)
+        expected = int(pairs_per_row(stored).sum())
+        if len(rows) != expected:
+            raise DataError(f"the precomputed DPO reference holds {len(rows)} pairs for {split} blocks {ids[:8]}, the "
+                            f"blocks {expected}: it was not computed for this token cache; delete "
+                            f"{self.index.stats['reference']['folder']} and rerun")
+        out = torch.from_numpy(rows).to(stored.device)
+        return out[:, 0], out[:, 1]
+
+    def _table(self, split: str) -> tuple[np.ndarray, np.ndarray]:
+        """(offsets, logps) of a split's precomputed reference, read once per worker and checked against the
+        sha256 the driver recorded."""
+        tables = self.__dict__.setdefault("_tables", {})
+        if split not in tables:
+            meta = self.index.stats["reference"]
+            where = f"{meta['folder']}/{meta[split]['file']}"
+            data = Store(where).read_bytes()
+            if hashlib.sha256(data).hexdigest() != meta[split]["sha256"]:
+                raise DataError(f"{where} does not hold the DPO reference the run computed (its sha256 differs): "
+                                f"delete {meta['folder']} and rerun to compute it again")
+            with np.load(io.BytesIO(data)) as npz:
+                tables[split] = (npz["offsets"], npz["logps"])
+        return tables[split]
+
+
+def reference_kind(cfg: JobConfig) -> str:
+    """adapters_off (model.lora: the same model with its adapters off), precomputed, or copy (a frozen copy)."""
+    if cfg.data.reference == "auto":
+        return "adapters_off" if cfg.model.lora is not None else "precomputed"
+    return cfg.data.reference
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The reference's log-probabilities, once before training (driver side; the pass in Ray Data actors)
+
+REFERENCE_VERSION = 1  # (in the fingerprint: a change of how the table is computed or stored)
+
+
+class ReferenceScorer:
+    """In a scoring actor (data/block_scores.py): the starting weights on the actor's device, and a function from
+    stored blocks to each block's pairs' (chosen, rejected) sums, flattened, under the run's precision."""
+
+    def __init__(self, cfg: JobConfig, vocab_size: int, eos_id: int, bos_id: int | None):
+        self.cfg, self.vocab = cfg, dict(vocab_size=vocab_size, eos_id=eos_id, bos_id=bos_id)
+
+    def __call__(self):
+        cfg = self.cfg
+        device = torch.device("cuda" if cfg.scaling.use_gpu and torch.cuda.is_available() else "cpu")
+        if cfg.scaling.torch_threads:
+            torch.set_num_threads(cfg.scaling.torch_threads)
+        task = PreferenceLM(cfg, SimpleNamespace(train=[], val=[], stats={}, **self.vocab))
+        model = task.starting_model().to(device).eval()
+        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.train.precision)
+
+        def score(stored: np.ndarray) -> list[np.ndarray]:
+            blocks = torch.from_numpy(stored).to(device)
+            with torch.no_grad(), torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
+                chosen, rejected = sequence_logps(task._logits(model, blocks), blocks)
+            pairs = torch.stack([chosen, rejected], dim=1).cpu().numpy()
+            ends = np.cumsum(pairs_per_row(blocks).cpu().numpy())
+            return [p.reshape(-1) for p in np.split(pairs, ends[:-1])]
+
+        return score
+
+
+def reference_identity(cfg: JobConfig, index) -> dict:
+    """What the precomputed reference depends on: the token cache, the model as built (its config, the seed),
+    train.init_from's folder and its files (names, sizes, modification times: a folder rewritten in place
+    changes it), the precision and the device kind."""
+    source = cfg.train.init_from
+    files = None
+    if source and Store(source).is_local and os.path.isdir(source):
+        files = sorted((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in os.scandir(source) if f.is_file())
+    return {"version": REFERENCE_VERSION, "tokens": index.stats["cache"], "model": cfg.model.name,
+            "pretrained": cfg.model.pretrained, "hf_config": cfg.model.hf_config, "seed": cfg.train.seed,
+            "init_from": source, "init_from_files": files, "precision": cfg.train.precision,
+            "gpu": cfg.scaling.use_gpu}
+
+
+def precompute_reference(cfg: JobConfig, index) -> tuple[dict, bool]:
+    """The reference's table per split as the workers read it, {folder, train: {file, sha256}, val: {...}}, and
+    whether it was computed now (a Ray Data pass, written) rather than found. Needs Ray."""
+    from behemoth.data.block_scores import score_blocks
+
+    identity = reference_identity(cfg, index)
+    key = hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    folder = f"{index.stats['cache']}/reference-{key}"
+    try:
+        return {"folder": folder, **json.loads(Store(f"{folder}/meta.json").read_bytes())["files"]}, False
+    except FileNotFoundError:
+        pass
+    workers = cfg.scaling.min_workers
+    per_worker = cfg.train.global_batch_size // workers
+    batch = cfg.train.micro_batch_size if isinstance(cfg.train.micro_batch_size, int) else per_worker
+    files = {}
+    with Store(folder).built_here("behemoth-reference-", last="meta.json") as local:
+        local.mkdir(parents=True, exist_ok=True)
+        for split in ("train", "val"):
+            scores = score_blocks(getattr(index, split), ReferenceScorer(cfg, index.vocab_size, index.eos_id,
+                                                                         index.bos_id),
+                                  width=cfg.data.seq_len // 2, actors=workers, batch_size=batch,
+                                  num_gpus=1.0 if cfg.scaling.use_gpu else 0.0,
+                                  num_cpus=cfg.scaling.cpus_per_worker)
+            buffer = io.BytesIO()
+            np.savez(buffer, offsets=np.cumsum([0] + [len(s) for s in scores]).astype(np.int64),
+                     logps=np.concatenate(scores) if scores else np.empty(0, np.float32))
+            data = buffer.getvalue()
+            (local / f"{split}.npz").write_bytes(data)
+            files[split] = {"file": f"{split}.npz", "sha256": hashlib.sha256(data).hexdigest()}
+        (local / "meta.json").write_text(json.dumps({"identity": identity, "files": files}, default=str))
+    return {"folder": folder, **files}, True
