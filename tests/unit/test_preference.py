@@ -181,14 +181,19 @@ def test_the_dpo_loss_equals_a_hand_computation_from_each_sequence_alone():
     # the window's metrics: TRL's names, over the pairs
     metrics = task.window_metrics(dict(zip(task.window_sum_names, task.take_window_sums().tolist())))
     assert set(metrics) == {"rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
-                            "logps/chosen", "logps/rejected"}
+                            "logps/chosen", "logps/rejected", "nll_loss"}
     chosen0 = _alone(policy, *pairs[0][:2])
     logps = [_alone(policy, p, c) for p, c, _ in pairs] * 2
     assert metrics["logps/chosen"] == pytest.approx(sum(logps) / 4, rel=1e-4) and chosen0 in logps
+    # RPO (data.rpo_alpha): each pair's loss gains alpha x its chosen reply's mean token NLL
+    rpo = _task({"reference": "copy", "rpo_alpha": 0.5})
+    rpo._reference = reference
+    nll = [-_alone(policy, p, c) / len(c) for p, c, _ in pairs] * 2
+    assert rpo.loss(policy, {"input_ids": stored})[0].item() == pytest.approx((sum(hand) + 0.5 * sum(nll)) / 4, rel=1e-4)
 
 
 def test_label_smoothing_is_the_conservative_loss():
-    policy = (torch.tensor([-3.0]), torch.tensor([-5.0]))
+    policy = (torch.tensor([-3.0]), torch.tensor([-5.0]), torch.tensor([2.0]))
     reference = (torch.tensor([-4.0]), torch.tensor([-4.5]))
     losses, sums = dpo_losses(policy, reference, beta=0.5, label_smoothing=0.2)
     z = 0.5 * ((-3.0 + 4.0) - (-5.0 + 4.5))

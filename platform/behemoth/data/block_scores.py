@@ -28,6 +28,12 @@ class _ScoringActor:
         return {"id": ids, "scores": rows}
 
 
+def _no_restarts() -> dict:
+    """The actors' remote options: a failed pass fails the preparation, saying why, rather than restarting an
+    actor whose blocks reference is the caller's (Ray warns of that)."""
+    return {"max_restarts": 0}
+
+
 def score_blocks(blocks, factory, width: int, actors: int, batch_size: int, num_gpus: float = 0.0,
                  num_cpus: float = 1.0) -> list[np.ndarray]:
     """Each block's scores, in block order (`blocks`: a split's token store, `len` and `blocks[ids]`). Needs Ray."""
@@ -43,7 +49,8 @@ def score_blocks(blocks, factory, width: int, actors: int, batch_size: int, num_
     scored = ds.map_batches(_ScoringActor, fn_constructor_kwargs={"factory": factory, "blocks": [ray.put(blocks)],
                                                                    "width": width},
                             batch_size=batch_size, batch_format="numpy", num_gpus=num_gpus, num_cpus=num_cpus,
-                            compute=ray.data.ActorPoolStrategy(size=actors), max_restarts=0)  # (a failed pass says so)
+                            compute=ray.data.ActorPoolStrategy(size=actors),
+                            ray_remote_args_fn=_no_restarts)
     out: list[np.ndarray | None] = [None] * len(blocks)
     for batch in scored.iter_batches(batch_format="numpy", batch_size=None):
         for i, row in zip(batch["id"].tolist(), batch["scores"]):

@@ -40,6 +40,9 @@ class PreferenceData(ChatData):
     beta: float = 0.1
     # The conservative variant's label noise e (0: the sigmoid loss; TRL's label_smoothing).
     label_smoothing: float = 0.0
+    # The chosen reply's mean token NLL added to each pair's loss with this weight (TRL's rpo_alpha; RPO, Pang et
+    # al. 2024: 1.0): keeps the chosen replies likely, where DPO alone lowers both replies' likelihoods.
+    rpo_alpha: float = 0.0
     # The reference model: auto (with model.lora the model with its adapters off; else precomputed: its
     # log-probabilities computed once before training, from the starting weights), adapters_off, precomputed, or
     # copy (a frozen copy of the starting weights on every worker: twice the weights' memory).
@@ -56,9 +59,9 @@ class PreferenceData(ChatData):
         if self.messages_field != "messages":
             raise ConfigError("data.messages_field is for data.kind chat: a preference record's fields are "
                               "data.prompt_field, data.chosen_field and data.rejected_field")
-        if not self.beta > 0 or not 0 <= self.label_smoothing < 0.5:
-            raise ConfigError(f"data.beta must be > 0 and data.label_smoothing in [0, 0.5), got {self.beta} and "
-                              f"{self.label_smoothing}")
+        if not self.beta > 0 or not 0 <= self.label_smoothing < 0.5 or self.rpo_alpha < 0:
+            raise ConfigError(f"data.beta must be > 0, data.label_smoothing in [0, 0.5) and data.rpo_alpha >= 0, got "
+                              f"{self.beta}, {self.label_smoothing} and {self.rpo_alpha}")
         if len({self.prompt_field, self.chosen_field, self.rejected_field}) < 3:
             raise ConfigError(f"data.prompt_field, data.chosen_field and data.rejected_field must differ, got "
                               f"{self.prompt_field!r}, {self.chosen_field!r}, {self.rejected_field!r}")

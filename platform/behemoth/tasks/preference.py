@@ -43,21 +43,25 @@ from behemoth.storage.store import Store
 from behemoth.tasks.chat import ChatLM
 
 # The sums a report window and an evaluation keep (summed over micro-batches and ranks, then divided by pairs).
-PAIR_SUMS = ("pairs", "loss", "chosen", "rejected", "correct", "logps_chosen", "logps_rejected")
+PAIR_SUMS = ("pairs", "loss", "chosen", "rejected", "correct", "logps_chosen", "logps_rejected", "nll")
 
 
-def dpo_losses(policy: tuple[torch.Tensor, torch.Tensor], reference: tuple[torch.Tensor, torch.Tensor],
-               beta: float, label_smoothing: float = 0.0) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def dpo_losses(policy: tuple, reference: tuple[torch.Tensor, torch.Tensor], beta: float,
+               label_smoothing: float = 0.0, rpo_alpha: float = 0.0) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """(each pair's loss, the pairs' sums by PAIR_SUMS' names) from the policy's and the reference's
-    log-probability sums of the chosen and the rejected replies (each a [pairs] tensor)."""
-    (pc, pr), (rc, rr) = policy, reference
+    log-probability sums of the chosen and the rejected replies (each a [pairs] tensor; the policy's with the
+    chosen replies' token counts third); `rpo_alpha`: the chosen reply's mean token NLL added, so weighted."""
+    (pc, pr, tokens), (rc, rr) = policy, reference
     chosen, rejected = beta * (pc - rc), beta * (pr - rr)
     logits = chosen - rejected
     losses = -F.logsigmoid(logits) * (1 - label_smoothing) - F.logsigmoid(-logits) * label_smoothing
+    nll = -pc / tokens.clamp(min=1)
+    if rpo_alpha:
+        losses = losses + rpo_alpha * nll
     chosen, rejected = chosen.detach(), rejected.detach()
     sums = {"pairs": torch.full((), float(len(pc)), device=pc.device), "loss": losses.detach().sum(),
             "chosen": chosen.sum(), "rejected": rejected.sum(), "correct": (chosen > rejected).float().sum(),
-            "logps_chosen": pc.detach().sum(), "logps_rejected": pr.detach().sum()}
+            "logps_chosen": pc.detach().sum(), "logps_rejected": pr.detach().sum(), "nll": nll.detach().sum()}
     return losses, sums
 
 
@@ -68,13 +72,14 @@ def pair_metrics(sums: dict[str, float], prefix: str = "") -> dict:
             f"{prefix}rewards/accuracies": sums["correct"] / pairs,
             f"{prefix}rewards/margins": (sums["chosen"] - sums["rejected"]) / pairs,
             f"{prefix}logps/chosen": sums["logps_chosen"] / pairs,
-            f"{prefix}logps/rejected": sums["logps_rejected"] / pairs}
+            f"{prefix}logps/rejected": sums["logps_rejected"] / pairs, f"{prefix}nll_loss": sums["nll"] / pairs}
 
 
-def sequence_logps(logits: torch.Tensor, stored: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def sequence_logps(logits: torch.Tensor, stored: torch.Tensor, counts: bool = False) -> tuple:
     """(chosen, rejected) log-probability sums over each pair's trained tokens, [pairs] each in block order, from
-    the model's logits for stored blocks ([B, L, V] and [B, L]). A trained token is predicted from the one before
-    it, in its own document (a document's first token is never a target)."""
+    the model's logits for stored blocks ([B, L, V] and [B, L]); with `counts`, the chosen replies' trained
+    token counts third. A trained token is predicted from the one before it, in its own document (a document's
+    first token is never a target)."""
     ids, trained, starts = split_flags(stored)
     targets = trained[:, 1:] & ~starts[:, 1:]
     scores = logits[:, :-1].float()
@@ -91,7 +96,11 @@ def sequence_logps(logits: torch.Tensor, stored: torch.Tensor) -> tuple[torch.Te
     counted.scatter_add_(1, document, trained.long())
     is_rejected = (first & REJECTED) != 0
     is_chosen = (counted > 0) & ~is_rejected & ((first & START) != 0)
-    return sums[is_chosen], sums[is_rejected]
+    if not counts:
+        return sums[is_chosen], sums[is_rejected]
+    tokens = torch.zeros(stored.shape[0], width, dtype=torch.float32, device=stored.device)
+    tokens.scatter_add_(1, document[:, 1:], targets.float())
+    return sums[is_chosen], sums[is_rejected], tokens[is_chosen]
 
 
 def made_up(batch: dict) -> bool:
@@ -176,11 +185,11 @@ class PreferenceLM(ChatLM):
 
     def loss(self, model, batch):
         """(the mean loss over the micro-batch's pairs, their count)."""
-        stored = batch["input_ids"]
-        policy = sequence_logps(self._logits(model, stored), stored)
+        stored, d = batch["input_ids"], self.cfg.data
+        policy = sequence_logps(self._logits(model, stored), stored, counts=True)
         with torch.no_grad():
             reference = self._reference_logps(model, stored, "train", batch.get("sample_id"))
-        losses, sums = dpo_losses(policy, reference, self.cfg.data.beta, self.cfg.data.label_smoothing)
+        losses, sums = dpo_losses(policy, reference, d.beta, d.label_smoothing, d.rpo_alpha)
         if not made_up(batch):  # (example_batch's made-up blocks, the step's cost measured on them, are no pairs)
             vector = torch.stack([sums[name] for name in PAIR_SUMS]).to(torch.float64)
             self._window = vector if self._window is None else self._window + vector
@@ -204,9 +213,10 @@ class PreferenceLM(ChatLM):
 
     def eval_sums(self, model, batch):
         stored = batch["input_ids"]
-        policy = sequence_logps(self._logits(model, stored), stored)
+        policy = sequence_logps(self._logits(model, stored), stored, counts=True)
         reference = self._reference_logps(model, stored, getattr(self, "_eval_split", "val"), batch.get("sample_id"))
-        _, sums = dpo_losses(policy, reference, self.cfg.data.beta, self.cfg.data.label_smoothing)
+        d = self.cfg.data
+        _, sums = dpo_losses(policy, reference, d.beta, d.label_smoothing, d.rpo_alpha)
         return {name: value.to(torch.float64) for name, value in sums.items()}
 
     def eval_metrics(self, sums):
