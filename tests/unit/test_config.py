@@ -99,7 +99,8 @@ def test_missing_and_invalid_files(tmp_path):
 
 
 @pytest.mark.parametrize("name", ["demo_images.yaml", "resnet50_imagenet_8gpu.yaml", "demo_lm.yaml",
-                                  "llm_wikitext_8gpu.yaml", "demo_chat.yaml", "chat_lora_8gpu.yaml"])
+                                  "llm_wikitext_8gpu.yaml", "demo_chat.yaml", "chat_lora_8gpu.yaml",
+                                  "demo_dpo.yaml", "dpo_lora_8gpu.yaml"])
 def test_shipped_configs_validate(name):
     cfg = load_config(REPO / "jobs" / "configs" / name)
     assert cfg.train.global_batch_size % cfg.scaling.num_workers == 0

@@ -12,7 +12,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 from behemoth.job import config_from_dict
-from behemoth.data.chat import REJECTED, START, TRAIN, ChatPacker, chat_tokenizer, check_first_records, split_flags
+from behemoth.data.chat import (REJECTED, START, TRAIN, ChatPacker, chat_tokenizer, check_first_records,
+                                read_unit_records, split_flags)
 from behemoth.data.chat_render import Failed, RenderSpec, Window, process_for
 from behemoth.data.pair_render import TOO_LONG, pair_of
 from behemoth.data.preference import PreferenceData
@@ -40,9 +41,9 @@ def corpus(tmp_path_factory):
 
 
 def _data(corpus, **keys) -> PreferenceData:
-    cfg = PreferenceData(kind="preference", train_files=[str(corpus / "train.jsonl")],
-                         val_files=[str(corpus / "val.jsonl")], tokenizer=str(corpus / "tokenizer"),
-                         **{"seq_len": 256, **keys})
+    cfg = PreferenceData(kind="preference", tokenizer=str(corpus / "tokenizer"),
+                         **{"train_files": [str(corpus / "train.jsonl")], "val_files": [str(corpus / "val.jsonl")],
+                            "seq_len": 256, **keys})
     cfg.validate()
     return cfg
 
@@ -99,6 +100,22 @@ def test_a_pair_longer_than_a_block_is_dropped_whole_and_a_bad_one_named(corpus,
     bad = check_first_records(_data(corpus, max_bad_samples=2), unit)
     assert [b.split(": ", 1)[0] for b in bad] == [f"{path} line 2", f"{path} line 3"], bad
     assert "nothing to prefer" in bad[0] and "chosen: not a list of messages (an empty list)" in bad[1]
+
+
+def test_parquet_rows_are_pairs_too(corpus, tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = tmp_path / "pairs.parquet"
+    pq.write_table(pa.Table.from_pylist([PAIR, {**PAIR, "rejected": PAIR["chosen"]}]), path)
+    cfg = _data(corpus, train_files=[str(path)], max_bad_samples=1)
+    from behemoth.data.chat import plan_chat_units
+
+    units = plan_chat_units(cfg)  # (the first records of each file checked: the row that is not a pair named)
+    assert [u.fmt for u in units if u.path == str(path)] == ["parquet"]
+    _, records = read_unit_records(units[0], None)
+    assert [pair_of(r.value, FIELDS)[0] is None for r in records] == [True, False]
+    assert records[1].where(1) == f"{path} row 1"
 
 
 def test_pairs_are_packed_whole_chosen_then_rejected_in_one_block():

@@ -346,6 +346,36 @@ def test_run_report_files_and_goodput_table(tmp_path):
     assert "What the model says" in html and "Who found the &lt;key&gt;?" in html and "Ada did." in html
 
 
+def test_a_preference_runs_report_plots_its_rewards_apart(tmp_path, monkeypatch):
+    """A DPO run's records (TRL's names) get a rewards figure; its held-out rewards and log-probabilities stay out
+    of the validation figure, whose scale they would flatten (logps near -20 beside accuracies near 1)."""
+    from behemoth.tracking.records import METRICS, TIMELINE
+    from behemoth.tracking.run_report import write_report
+
+    run = tmp_path / "run"
+    run.mkdir()
+    rows = steady("a", "g1", 1, 20, loop=T0 + 20, start_time=T0 + 20)
+    for i, r in enumerate(rows):
+        r.update({"rewards/chosen": 0.01 * i, "rewards/rejected": -0.05 * i, "rewards/accuracies": 0.5 + 0.02 * i,
+                  "rewards/margins": 0.06 * i, "logps/chosen": -3.0, "logps/rejected": -15.0 - i})
+    for r in rows[9::10]:
+        r.update({"val_loss": 0.6, "val_pairs": 40, "val_rewards/accuracies": 0.9, "val_rewards/margins": 0.4,
+                  "val_logps/chosen": -3.1, "val_nll_loss": 0.5})
+    (run / METRICS).write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (run / TIMELINE).write_text(json.dumps(start("a", T0 + 5, T0)) + "\n")
+    write_report(str(run))
+    png = run / "report" / "rewards.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
+    from behemoth.tracking import run_report
+
+    seen = {}
+    real = run_report._by_step
+    monkeypatch.setattr(run_report, "_by_step", lambda plt, kept, restarts, title, ylabel, series, **kw: (
+        seen.setdefault(title, [k for _, k, _ in series]), real(plt, kept, restarts, title, ylabel, series, **kw))[1])
+    write_report(str(run))
+    assert seen["Validation"] == ["val_nll_loss"]  # (val_pairs is a count; the rewards and logps have their figure)
+
+
 def test_sweep_report(tmp_path):
     import pandas as pd
     from behemoth.tracking.run_report import write_report

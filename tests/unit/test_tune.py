@@ -29,6 +29,17 @@ def write_sweep(tmp_path: Path, image_root: Path, **keys) -> Path:
     return path
 
 
+def test_the_dpo_sweep_config_checks_over_the_preference_demo():
+    """jobs/configs/sweep_dpo.yaml: beta x lr, each trial one worker in a warm lane, metric the held-out preference
+    accuracy (the task reports it with mode max). Its run: docs/preference.md."""
+    from behemoth.driver.sweep.lane import lane_reason
+
+    s = load_sweep(REPO / "jobs/configs/sweep_dpo.yaml")
+    jobs = check_sweep(s)
+    assert {(j.data.beta, j.train.lr) for j in jobs} == {(b, lr) for b in (0.1, 0.5) for lr in (0.0002, 0.0005)}
+    assert all(j.data.kind == "preference" and lane_reason(j) is None for j in jobs)
+
+
 def test_demo_sweep_config_is_valid_and_bounded_by_the_cluster():
     s = load_sweep(REPO / "jobs/configs/sweep_demo.yaml")
     jobs = check_sweep(s)

@@ -369,6 +369,14 @@ def precompute_reference(cfg: JobConfig, index) -> tuple[dict, bool]:
     whether it was computed now (a Ray Data pass, written) rather than found. Needs Ray."""
     from behemoth.data.block_scores import score_blocks
 
+    if cfg.train.init_from:  # (a run folder as its chosen checkpoint, as the run resolves it: a sweep's
+        # preparation comes before any trial's run resolves it)
+        import dataclasses
+
+        from behemoth.storage import weights
+
+        chosen, _ = weights.resolve(cfg.train.init_from, cfg.train.init_from_checkpoint, PreferenceLM.best)
+        cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, init_from=chosen))
     identity = reference_identity(cfg, index)
     key = hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()[:16]
     folder = f"{index.stats['cache']}/reference-{key}"

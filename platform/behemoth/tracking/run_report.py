@@ -113,10 +113,17 @@ def _step_figures(plt, kept: list[dict], restarts: list) -> dict:
         figures[name] = _by_step(plt, kept, restarts, title, ylabel, series, **kw)
 
     by_step("loss", "Loss", "loss", [("training (per report)", "loss", "-"), ("validation", "val_loss", "o-")])
+    preference = any("rewards/accuracies" in r for r in kept)  # a DPO run's (TRL's names): a figure of its own
     val_keys = sorted({k for r in kept for k in r if k.startswith("val_") and k != "val_loss"
-                       and not k.endswith(("samples", "tokens"))})  # rates, not the counts evaluated
+                       and not k.endswith(("samples", "tokens", "pairs"))  # rates, not the counts evaluated
+                       and not (preference and "/" in k)})
     if val_keys:
         by_step("validation", "Validation", "value", [(k[4:], k, "o-") for k in val_keys])
+    if preference:
+        by_step("rewards", "Preference rewards (beta x log-ratio to the reference)", "reward",
+                [("chosen", "rewards/chosen", "-"), ("rejected", "rewards/rejected", "-"),
+                 ("held-out margin", "val_rewards/margins", "o-")],
+                twin=("accuracy (training)", "rewards/accuracies", "--"))
     by_step("lr", "Learning rate and gradient norm", "lr", [("lr", "lr", "-")],
             twin=("gradient norm (before clipping)", "grad_norm", "-"))
     throughput = [("samples/s", "samples_per_s", "-")]
