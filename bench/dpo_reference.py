@@ -89,8 +89,9 @@ def one(mode: str, args) -> dict:
     held = sum(p.numel() * p.element_size() for p in model.parameters())
     if task._reference is not None:
         held += sum(p.numel() * p.element_size() for p in task._reference.parameters())
+    steady = sorted(times[1:] or times)  # (the first step warms up)
     return {"mode": mode, "peak_rss_gb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 3),
-            "weights_held_mb": round(held / 2**20, 1), "step_s": round(sorted(times[1:] or times)[len(times[1:] or times) // 2], 3),
+            "weights_held_mb": round(held / 2**20, 1), "step_s": round(steady[len(steady) // 2], 3),
             "parameters_m": round(sum(p.numel() for p in model.parameters()) / 1e6, 1)}
 
 

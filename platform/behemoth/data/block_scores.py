@@ -13,25 +13,24 @@ from __future__ import annotations
 import numpy as np
 
 
-class _ScoringActor:
-    def __init__(self, factory, blocks, width: int):
-        import ray
+def _gathered(batch: dict, blocks: list) -> dict:
+    """A batch of block ids with the blocks' stored tokens (`blocks`: the store's object reference, in a list so
+    that it travels as a reference)."""
+    import ray
 
+    ids = np.asarray(batch["id"], dtype=np.int64)
+    return {"id": ids, "tokens": np.asarray(ray.get(blocks[0])[ids]).astype(np.int64)}
+
+
+class _ScoringActor:
+    def __init__(self, factory, width: int):
         self.score, self.width = factory(), width
-        self.blocks = ray.get(blocks[0])  # (a reference inside a list: not one of the actor's own arguments)
 
     def __call__(self, batch: dict) -> dict:
-        ids = np.asarray(batch["id"], dtype=np.int64)
-        rows = np.full((len(ids), self.width), np.nan, np.float32)
-        for row, s in zip(rows, self.score(np.asarray(self.blocks[ids]).astype(np.int64))):
+        rows = np.full((len(batch["id"]), self.width), np.nan, np.float32)
+        for row, s in zip(rows, self.score(np.array(batch["tokens"], dtype=np.int64))):  # (writable: torch wants it)
             row[:len(s)] = s
-        return {"id": ids, "scores": rows}
-
-
-def _no_restarts() -> dict:
-    """The actors' remote options: a failed pass fails the preparation, saying why, rather than restarting an
-    actor whose blocks reference is the caller's (Ray warns of that)."""
-    return {"max_restarts": 0}
+        return {"id": batch["id"], "scores": rows}
 
 
 def score_blocks(blocks, factory, width: int, actors: int, batch_size: int, num_gpus: float = 0.0,
@@ -46,11 +45,13 @@ def score_blocks(blocks, factory, width: int, actors: int, batch_size: int, num_
     if len(blocks) == 0:
         return []
     ds = ray.data.range(len(blocks), override_num_blocks=max(1, min(len(blocks) // batch_size, 4 * actors)))
-    scored = ds.map_batches(_ScoringActor, fn_constructor_kwargs={"factory": factory, "blocks": [ray.put(blocks)],
-                                                                   "width": width},
-                            batch_size=batch_size, batch_format="numpy", num_gpus=num_gpus, num_cpus=num_cpus,
-                            compute=ray.data.ActorPoolStrategy(size=actors),
-                            ray_remote_args_fn=_no_restarts)
+    # (the tokens gathered by tasks: an actor whose arguments hold an object reference is one Ray will not
+    # restart, and says so)
+    gathered = ds.map_batches(_gathered, fn_kwargs={"blocks": [ray.put(blocks)]}, batch_size=batch_size,
+                              batch_format="numpy", num_cpus=0.25)
+    scored = gathered.map_batches(_ScoringActor, fn_constructor_kwargs={"factory": factory, "width": width},
+                                  batch_size=batch_size, batch_format="numpy", num_gpus=num_gpus, num_cpus=num_cpus,
+                                  compute=ray.data.ActorPoolStrategy(size=actors))
     out: list[np.ndarray | None] = [None] * len(blocks)
     for batch in scored.iter_batches(batch_format="numpy", batch_size=None):
         for i, row in zip(batch["id"].tolist(), batch["scores"]):

@@ -78,7 +78,8 @@ def pair_of(record: dict, fields: tuple[str, str, str]) -> tuple[str | None, tup
             shared += 1
         prompt, chosen, rejected = chosen[:shared], chosen[shared:], rejected[shared:]
         if not prompt:
-            return f"{chosen_field} and {rejected_field} share no opening message (no {prompt_field!r} field either)", None
+            return (f"{chosen_field} and {rejected_field} share no opening message (no {prompt_field!r} field "
+                    f"either)"), None
     else:
         problem = conversation_problem(prompt, "all")
         if problem:
