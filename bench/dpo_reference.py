@@ -28,23 +28,10 @@ def one(mode: str, args) -> dict:
     import numpy as np
     import torch
 
-    sys.path[:0] = [str(REPO / "platform")]
-    from behemoth.data.chat import REJECTED, START, TRAIN
+    sys.path[:0] = [str(REPO / "platform"), str(REPO / "tests" / "unit")]
     from behemoth.job import config_from_dict
     from behemoth.tasks.preference import PreferenceLM
-
-    def pair_block(pairs, length):
-        """A stored block of (prompt, chosen, rejected) id lists, each reply after its prompt, padded."""
-        out = []
-        for prompt, chosen, rejected in pairs:
-            for reply, flag in ((chosen, 0), (rejected, REJECTED)):
-                seq = np.array(prompt + reply, np.int64) | flag
-                seq[len(prompt):] |= TRAIN
-                seq[0] |= START
-                out.append(seq)
-        padding = np.zeros(length - sum(map(len, out)), np.int64)
-        padding[0] |= START
-        return torch.from_numpy(np.concatenate(out + [padding]))
+    from test_preference import _block as pair_block  # (a stored block of pairs, as the unit tests build them)
 
     torch.manual_seed(0)
     torch.set_num_threads(2)

@@ -227,12 +227,12 @@ def test_dpo_from_the_chat_run_prefers_the_storys_answers_and_resumes_exactly(st
                  "--val-documents", "40", "--seed", "5"]) == 0
     _, sft = straight
 
-    def dpo(name, **sections):
+    def dpo(name, steps=DPO_STEPS, **sections):
         job = chat_job(chat_corpus, tmp_path, name, **sections)
         job["data"] = {k: v for k, v in job["data"].items() if k not in ("messages_field",)}
         job["data"].update(kind="preference", train_files=[str(pairs / "train.jsonl")],
                            val_files=[str(pairs / "val.jsonl")], seq_len=512)
-        job["train"].update(init_from=sft.run_dir, epochs=3, max_steps=DPO_STEPS, lr=DPO_LR, warmup_steps=2)
+        job["train"].update(init_from=sft.run_dir, epochs=3, max_steps=steps, lr=DPO_LR, warmup_steps=2)
         job["checkpoint"]["every_n_steps"] = job["eval"]["every_n_steps"] = 20
         return config_from_dict(job)
 
@@ -265,3 +265,11 @@ def test_dpo_from_the_chat_run_prefers_the_storys_answers_and_resumes_exactly(st
     assert main(["export", summary.run_dir, "--latest", "--out", str(out)]) == 0
     model = AutoModelForCausalLM.from_pretrained(out)
     assert model.config.model_type == "llama"
+
+    # FSDP (a full fine-tune too large for one GPU): the workers hold the sharded policy and read the same table;
+    # its first window is the DDP run's (the same weights, data and reference)
+    sharded = train(dpo("dpo-fsdp", steps=8, scaling={"strategy": "fsdp_full"}))
+    assert sharded.metrics["step"] == 8 and np.isfinite(sharded.metrics["val_loss"])
+    first = next(r for r in read_jsonl(f"{sharded.run_dir}/metrics.jsonl") if "rewards/accuracies" in r)
+    assert first["loss"] == pytest.approx(windows[0]["loss"], rel=1e-3)
+    assert first["logps/chosen"] == pytest.approx(windows[0]["logps/chosen"], rel=1e-3)

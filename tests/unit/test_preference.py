@@ -118,6 +118,36 @@ def test_parquet_rows_are_pairs_too(corpus, tmp_path):
     assert records[1].where(1) == f"{path} row 1"
 
 
+def test_a_hugging_face_datasets_rows_are_pairs_too(corpus, tmp_path):
+    """data.hf_dataset: the reply columns (and the prompt's) selected, each row read as a record, rendered as the
+    files' are (the tokenising task's function called here without Ray); a dataset without a rejected column is
+    refused by name."""
+    import datasets
+    from behemoth.data.chat import ChatSpec, encode_rows
+    from behemoth.data.text_packing import _hf_splits
+
+    rows = [PAIR, {**PAIR, "rejected": PAIR["chosen"]}]
+    datasets.Dataset.from_list([{**r, "source": "x"} for r in rows]).save_to_disk(str(tmp_path / "ds"))
+    cfg = _data(corpus, train_files=[], val_files=[], hf_dataset=str(tmp_path / "ds"), val_fraction=0.5,
+                max_bad_samples=1)
+    ((split, ds),) = _hf_splits(cfg, cfg.messages_field, cfg.pair_fields())
+    assert split == "auto" and sorted(ds.column_names) == ["chosen", "prompt", "rejected"]
+    tok = chat_tokenizer(cfg)
+    spec = ChatSpec(render=RenderSpec.of(tok), window=Window.of(tok, "assistant", cfg.seq_len), seed=0,
+                    val_fraction=0.5, pairs=cfg.pair_fields())
+    table = ds.with_format("arrow")[:]
+    import pyarrow as pa
+
+    out = encode_rows(table.append_column("_row", pa.array([0, 1], pa.int64())), field=cfg.messages_field,
+                      spec=spec, split="train", name="ds").to_pylist()
+    assert out[0]["split"] == "train" and out[0]["tokens"] == _pairs(cfg, [pair_of(PAIR, FIELDS)[1]])[1][0].tolist()
+    assert out[1]["split"] == "bad" and out[1]["source"] == "ds row 1" and "nothing to prefer" in out[1]["problem"]
+    datasets.Dataset.from_list([{"chosen": PAIR["chosen"]}]).save_to_disk(str(tmp_path / "half"))
+    with pytest.raises(DataError, match="has no column 'rejected'"):
+        _hf_splits(_data(corpus, train_files=[], val_files=[], hf_dataset=str(tmp_path / "half"), val_fraction=0.5),
+                   "messages", FIELDS)
+
+
 def test_pairs_are_packed_whole_chosen_then_rejected_in_one_block():
     rng = random.Random(0)
     blocks = []

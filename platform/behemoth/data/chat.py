@@ -488,8 +488,13 @@ def encode_units(batch: pa.Table, *, field: str, spec: ChatSpec) -> pa.Table:
 
 
 def encode_rows(batch: pa.Table, *, field: str, spec: ChatSpec, split: str, name: str) -> pa.Table:
-    """map_batches UDF over a Hugging Face dataset's rows (with their row numbers in `_row`)."""
-    rows, values = batch.column("_row").to_pylist(), batch.column(field).to_pylist()
+    """map_batches UDF over a Hugging Face dataset's rows (with their row numbers in `_row`): `field`'s values, or
+    with spec.pairs each row's pair fields."""
+    rows = batch.column("_row").to_pylist()
+    if spec.pairs:  # (a pair's record: its columns but the row number)
+        values = batch.drop_columns(["_row"]).to_pylist()
+    else:
+        values = batch.column(field).to_pylist()
     return encode_records([Record(f"{name} row {r}", -1, v) for r, v in zip(rows, values)], split, spec)
 
 # ---------------------------------------------------------------------------------------------------------
@@ -682,7 +687,7 @@ def _chat_stream(cfg: ChatData, units: list[Unit], seed: int, tok):
                     val_fraction=cfg.val_fraction, pairs=cfg.pair_fields())
     if cfg.hf_dataset:
         pipelines = []
-        for split, ds in _hf_splits(cfg, cfg.messages_field):
+        for split, ds in _hf_splits(cfg, cfg.messages_field, cfg.pair_fields()):
             table = ds.with_format("arrow")[:]
             table = table.append_column("_row", pa.array(range(table.num_rows), pa.int64()))
             blocks = [table.slice(i, HF_ROWS_PER_BLOCK) for i in range(0, max(table.num_rows, 1), HF_ROWS_PER_BLOCK)]

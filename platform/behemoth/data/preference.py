@@ -49,10 +49,6 @@ class PreferenceData(ChatData):
     reference: Literal["auto", "adapters_off", "precomputed", "copy"] = "auto"
 
     def validate(self) -> None:
-        if self.hf_dataset:
-            raise ConfigError("data.kind preference reads JSONL or parquet files (data.train_files); a Hugging Face "
-                              "dataset is not read yet: write it out with its to_json() or to_parquet() and give "
-                              "the files")
         if self.train_on != "assistant":
             raise ConfigError("data.train_on is for data.kind chat: a preference pair scores its replies' "
                               "assistant tokens")

@@ -260,9 +260,11 @@ def _hf_blocks(ds, text_field: str) -> list:
     return [table.slice(i, HF_ROWS_PER_BLOCK) for i in range(0, max(table.num_rows, 1), HF_ROWS_PER_BLOCK)]
 
 
-def _hf_splits(cfg: TextData, field: str | None = None) -> list[tuple[str, object]]:
+def _hf_splits(cfg: TextData, field: str | None = None, pairs: tuple[str, str, str] | None = None
+               ) -> list[tuple[str, object]]:
     """[(split, datasets.Dataset)]: the train and validation splits, or train with split 'auto'; each with the
-    column `field` alone (data.text_field's, which must hold text, by default)."""
+    column `field` alone (data.text_field's, which must hold text, by default), or with `pairs` (a preference
+    pair's prompt, chosen and rejected fields) the two replies' columns and the prompt's where there is one."""
     import datasets
 
     try:
@@ -283,6 +285,14 @@ def _hf_splits(cfg: TextData, field: str | None = None) -> list[tuple[str, objec
             raise DataError(f"data.hf_dataset {cfg.hf_dataset!r} has no split '{name}' (its splits: "
                             f"{list(loaded)}); set data.train_split/data.val_split, or data.val_fraction")
         ds = loaded[name]
+        if pairs:
+            missing = [f for f in pairs[1:] if f not in ds.column_names]
+            if missing:
+                raise DataError(f"data.hf_dataset {cfg.hf_dataset!r} split '{name}' has no column "
+                                f"{' or '.join(map(repr, missing))} (data.chosen_field / data.rejected_field); its "
+                                f"columns: {ds.column_names}")
+            out.append((split, ds.select_columns([f for f in pairs if f in ds.column_names])))
+            continue
         column, key = (field, "data.messages_field") if field else (cfg.text_field, "data.text_field")
         if column not in ds.column_names:
             raise DataError(f"data.hf_dataset {cfg.hf_dataset!r} split '{name}' has no column "

@@ -39,7 +39,7 @@ class ChatLM(CausalLM):
 
         tok = chat_tokenizer(cfg.data)
         if cfg.data.hf_dataset:
-            _hf_splits(cfg.data, cfg.data.messages_field)
+            _hf_splits(cfg.data, cfg.data.messages_field, cfg.data.pair_fields())
             units = []
         else:
             units = plan_chat_units(cfg.data)

@@ -132,9 +132,11 @@ class PreferenceLM(ChatLM):
         if cfg.data.reference == "adapters_off" and cfg.model.lora is None:
             raise ConfigError("data.reference adapters_off needs model.lora (the reference is the model with its "
                               "adapters switched off): set model.lora, or data.reference auto")
-        if cfg.scaling.strategy != "ddp":
-            raise ConfigError(f"data.kind preference trains with scaling.strategy ddp for now, not "
-                              f"{cfg.scaling.strategy}: the reference's forward under FSDP is not built yet")
+        if cfg.scaling.strategy != "ddp" and reference_kind(cfg) != "precomputed":
+            raise ConfigError(f"data.kind preference with scaling.strategy {cfg.scaling.strategy} reads its reference "
+                              f"precomputed (data.reference precomputed; auto is that without model.lora): a "
+                              f"reference model's forward beside the sharded one ({reference_kind(cfg)}) is not "
+                              f"built")
 
     @classmethod
     def prepare(cls, cfg: JobConfig, units):
@@ -155,10 +157,10 @@ class PreferenceLM(ChatLM):
     @classmethod
     def describe(cls, cfg: JobConfig, units) -> str:
         d = cfg.data
-        files = f"{len({u.path for u in units})} files in {len(units)} work units"
+        files = d.hf_dataset or f"{len({u.path for u in units})} files in {len(units)} work units"
         return (f"preference (DPO): {files}; pairs of replies ({d.prompt_field} / {d.chosen_field} / "
                 f"{d.rejected_field}) packed whole into blocks of {d.seq_len}; beta {d.beta:g}, label smoothing "
-                f"{d.label_smoothing:g}; the reference {reference_kind(cfg)}")
+                f"{d.label_smoothing:g}, rpo_alpha {d.rpo_alpha:g}; the reference {reference_kind(cfg)}")
 
     @staticmethod
     def summary_lines(m: dict) -> list[str]:
