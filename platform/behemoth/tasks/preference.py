@@ -152,6 +152,10 @@ class PreferenceLM(ChatLM):
                    "found, computed before for these tokens and weights")
             print(f"[behemoth] DPO reference: the starting weights' log-probabilities of every pair, {how} "
                   f"({meta['folder']}): training holds one model", flush=True)
+        else:
+            said = {"adapters_off": "the model with its adapters off (model.lora): one model, no pass",
+                    "copy": "a frozen copy of the starting weights on every worker (data.reference copy)"}
+            print(f"[behemoth] DPO reference: {said[reference_kind(cfg)]}", flush=True)
         return index
 
     @classmethod
