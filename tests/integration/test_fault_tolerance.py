@@ -429,6 +429,71 @@ def test_r7_a_spot_notice_drains_the_node_and_the_run_loses_no_step(cluster, str
                 c.remove_node(drained)
 
 
+def test_r8_a_pod_evicted_with_sigterm_drains_its_node_and_the_run_loses_no_step(cluster, straight, text_corpus,
+                                                                                  tmp_path, monkeypatch, capfd):
+    """Issue 76 item 2: a worker node started as KubeRay starts a pod's Ray (`ray start --address ... --block`) gets
+    SIGTERM at step 37, as Kubernetes sends it to a pod it evicts (a spot node reclaimed, `kubectl drain`, a
+    scale-down). Ray 2.60's own handler marks the node draining, reason preemption, for
+    RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S (7 s here; the pod's terminationGracePeriodSeconds must be above it),
+    then ends the node: Ray Train's watcher tells the workers as for a cloud notice, behemoth checkpoints at its next
+    report step and again before the deadline, and the run goes on from the last one on the nodes left and a new
+    one: no step redone (the ledger), the uninterrupted run's weights. No preStop hook or watcher of behemoth's is
+    needed on this path."""
+    from behemoth.storage.checkpoint import complete_checkpoints, read_json
+
+    c, nodes = cluster
+    name = "evicted"
+    ledger = tmp_path / f"ledger-{name}"
+    monkeypatch.setenv("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "1")
+    monkeypatch.setenv("RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S", "0.5")
+    from behemoth.driver.ray_cluster import session as ray_session
+
+    env = ray_session.worker_env_vars  # (R7's pace: the drain's deadline lands before step 60's checkpoint)
+    monkeypatch.setattr(ray_session, "worker_env_vars", lambda: {**env(), SLOW_WORLD_ENV: f"{name}:2:0.3:70"})
+    before = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
+    c.remove_node(nodes.pop())  # (its place: the pod's node)
+    pod = subprocess.Popen([sys.executable, "-m", "ray.scripts.scripts", "start", "--address", c.address, "--block",
+                            "--num-cpus", "1"],
+                           env={**os.environ, "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "7"},
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    thread = None
+    try:
+        deadline = time.time() + 90
+        while not any(n["Alive"] and n["NodeID"] not in before for n in ray.nodes()):
+            assert time.time() < deadline and pod.poll() is None, "the pod's Ray node did not join"
+            time.sleep(0.5)
+        pod_node = next(n["NodeID"] for n in ray.nodes() if n["Alive"] and n["NodeID"] not in before)
+        cfg = config_from_dict(job(text_corpus, tmp_path, name, train={"log_every": 2},
+                                   checkpoint={"every_n_steps": 30, "keep": 10}, failure={"max_failures": 0}))
+        thread, out = in_thread(lambda: train(cfg))
+        wait_for_step(ledger, 37)
+        assert pod_node in {r["node"] for r in read_ledger(ledger)}  # (a rank of the group trains on the pod)
+        pod.send_signal(signal.SIGTERM)  # Kubernetes' eviction
+        nodes.append(c.add_node(num_cpus=1))  # the replacement the restarted group gets
+        said, _ = pod.communicate(timeout=60)
+        assert "received SIGTERM. Draining for up to 7.0 seconds" in said, said[-2000:]
+        thread.join(timeout=600)
+        assert "error" not in out, out.get("error")
+        summary = out["value"]
+        taken = sorted(step for step, path in complete_checkpoints(tmp_path / name)
+                       if read_json(path, "metrics.json").get("preemption_checkpoint"))
+        assert len(taken) == 2 and 37 <= taken[0] < taken[1] < 60, taken
+        assert summary.resumed_from_step == taken[1]
+        check_recovered(summary, tmp_path, name, straight[0], max_redone=0, min_redone=0)  # no step lost
+        assert summary.goodput.line().endswith("; 1 preemption: 0 steps redone"), summary.goodput.line()
+        printed = capfd.readouterr().out
+        assert "preemption notice (a node of this worker group is reclaimed in" in printed
+    finally:
+        if pod.poll() is None:
+            pod.kill()
+            pod.wait()
+        if thread is not None:
+            thread.join(timeout=600)
+        while len([n for n in ray.nodes() if n["Alive"]]) < 3:  # (the module's later tests count 2 worker nodes)
+            nodes.append(c.add_node(num_cpus=1))
+            c.wait_for_nodes()
+
+
 def test_the_elastic_view_counts_a_joined_node_at_once(cluster):
     """Issue 73 item 2: Ray Train sizes an elastic run's worker groups from Ray's autoscaling coordinator, whose
     view of the nodes is re-read every 20 s (a replacement node unused, a lost one counted, that long);
