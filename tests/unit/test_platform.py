@@ -55,7 +55,13 @@ def test_the_public_face_is_typed_and_what_docs_examples_and_jobs_import():
     from behemoth.tasks.image import ImageClassification
 
     assert (REPO / "platform" / "behemoth" / "py.typed").is_file()
-    assert 'behemoth = ["py.typed"]' in (REPO / "pyproject.toml").read_text()
+    import tomllib
+
+    shipped = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["behemoth"]
+    assert "py.typed" in shipped
+    # (and KubeRay's CRD schemas, which check-cluster reads from the installed package)
+    assert "driver/commands/*.json.gz" in shipped
+    assert list((REPO / "platform" / "behemoth" / "driver" / "commands").glob("kuberay_crds_*.json.gz"))
     assert (behemoth.Task, behemoth.RunSummary, behemoth.SweepResult, behemoth.ImageClassification, behemoth.ChatLM,
             behemoth.cli) == (Task, RunSummary, SweepResult, ImageClassification, ChatLM, run_command)
     assert set(behemoth.__all__) <= set(dir(behemoth)) | set(behemoth._LAZY)

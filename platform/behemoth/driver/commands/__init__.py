@@ -3,6 +3,7 @@
 - `cli`: `behemoth train | tune | eval | export | generate | check | check-cluster | check-nodes | spot-watch |
   data | report`: parses, loads the config, calls the API
 - `cluster_check`: `behemoth check-cluster`: Ray's offline schema check + security lints
+- `kuberay_check`: the same command on a KubeRay RayCluster or RayJob: KubeRay's CRD schema (vendored) + rules
 - `data_bench`: `behemoth data bench`: the input pipeline alone, can the CPUs feed the GPUs
 - `export`: `behemoth export`: a checkpoint as a Hugging Face folder with a model card
 - `generate`: `behemoth generate`: a causal LM's completions (checkpoint or export; greedy or seeded sampling;

@@ -172,8 +172,10 @@ def _add_check_commands(sub) -> None:
                        "YAML: the sweep, every trial's job and each data)")
     _add_config_args(p)
 
-    p = sub.add_parser("check-cluster", help="validate a Ray cluster YAML offline (Ray's schema) and lint its security")
-    p.add_argument("cluster_yaml", help="the cluster config for `ray up`, e.g. cluster.yaml")
+    p = sub.add_parser("check-cluster", help="validate a Ray cluster YAML (`ray up`'s, or a KubeRay RayCluster or "
+                       "RayJob manifest) offline against its schema and lint it")
+    p.add_argument("cluster_yaml", help="the cluster config for `ray up` (cluster.yaml) or a KubeRay manifest "
+                   "(deploy/kuberay/*.yaml)")
     p.add_argument("--job", dest="jobs", action="append", default=[], metavar="JOB_YAML",
                    help="also check a job config meant for this cluster (e.g. its checkpoint storage path)")
 

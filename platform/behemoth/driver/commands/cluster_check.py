@@ -1,4 +1,5 @@
-"""`behemoth check-cluster cluster.yaml`: validate a Ray cluster launcher config offline, then lint it.
+"""`behemoth check-cluster cluster.yaml`: validate a Ray cluster launcher config offline, then lint it (a KubeRay
+RayCluster or RayJob manifest: kuberay_check.py).
 
 1. Ray's own checks, no cloud calls: `prepare_config` (merges the provider's defaults) and `validate_config`
    (the autoscaler's JSON schema, head_node_type, worker counts).
@@ -62,6 +63,10 @@ def check_cluster(path: str | Path, job_configs: list[str] | None = None) -> lis
         raw = yaml.safe_load(text)
     except yaml.YAMLError as e:
         return [Finding("<file>", f"not valid YAML ({e})", "fix the syntax")]
+    from behemoth.driver.commands.kuberay_check import check_kuberay, is_kuberay
+
+    if is_kuberay(raw):  # a KubeRay RayCluster or RayJob (kuberay_check.py), not a `ray up` file
+        return check_kuberay(raw, job_configs or [], Finding)
     lines = _line_index(text)
     prepared, findings = _ray_schema(raw)
     if findings:  # the lints assume a structurally valid config
