@@ -111,3 +111,25 @@ def test_local_storage_is_refused_where_the_cluster_has_more_than_one_pod(tmp_pa
     one_pod = copy.deepcopy(manifest)
     one_pod["spec"]["rayClusterSpec"]["workerGroupSpecs"] = []
     assert _findings(tmp_path, one_pod, [str(job)]) == []
+
+
+def test_a_drain_shorter_than_the_runs_measured_checkpoint_writes_is_refused(tmp_path):
+    """--job with a run that has records: its slowest measured checkpoint write x 2.5 + 5 s (a notice's two
+    checkpoints) must fit in every worker group's drain (the manifests' 120 s)."""
+    import json
+
+    job = tmp_path / "job.yaml"
+    config = yaml.safe_load((REPO / "jobs" / "configs" / "chat_lora_8gpu.yaml").read_text())
+    config["checkpoint"].update(storage_path=str(tmp_path / "runs"), run_name="chat-lora")
+    job.write_text(yaml.safe_dump(config))
+    run = tmp_path / "runs" / "chat-lora"
+    run.mkdir(parents=True)
+    manifest = _spot_job()
+    manifest["spec"]["entrypoint"] = "python -m behemoth train job.yaml"
+    for slowest, refused in ((20.0, False), (50.0, True)):
+        rows = [{"step": 100, "checkpoint_write_s": 12.0}, {"step": 200, "checkpoint_write_s": slowest}]
+        (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        found = [f for f in _findings(tmp_path, manifest, [str(job)]) if "a drain of" in f]
+        assert len(found) == (2 if refused else 0), found  # (both worker groups)
+    assert found[0].startswith("spec.rayClusterSpec.workerGroupSpecs[0].template.spec.containers[0].env."
+                               "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S: a drain of 120 s is shorter than 130 s")

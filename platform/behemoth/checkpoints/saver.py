@@ -80,9 +80,12 @@ class CheckpointSaver:
         """The last checkpoint's hold on the loop, for the next report."""
         if self.last_block_s is None:
             return {}
-        return {"checkpoint_block_s": self.last_block_s, "checkpoint_snapshot_s": self.last_snapshot_s,
-                "checkpoint_report_s": self.last_report_s,
-                "checkpoint_write_cpu_s": self.buffers.totals.get("cpu_s", 0.0)}  # (this group's, in all)
+        out = {"checkpoint_block_s": self.last_block_s, "checkpoint_snapshot_s": self.last_snapshot_s,
+               "checkpoint_report_s": self.last_report_s,
+               "checkpoint_write_cpu_s": self.buffers.totals.get("cpu_s", 0.0)}  # (this group's, in all)
+        if self.write_s() is not None:  # the latest background write's wall time (what a notice's drain must hold)
+            out["checkpoint_write_s"] = self.write_s()
+        return out
 
     def write_cpu_s(self) -> float | None:
         """The CPU seconds the latest finished background write spent (None: none yet): on a worker that trains

@@ -23,7 +23,7 @@ _SECTIONS = {"loss": "train", "lr": "train", "epoch": "train", "grad_norm": "tra
              "samples_per_s": "speed", "tokens_per_s": "speed",
              "data_wait_frac": "speed", "mfu": "speed", "tflops_per_worker": "speed", "peak_mem_gb": "memory",
              "checkpoint_block_s": "checkpoint", "checkpoint_snapshot_s": "checkpoint",
-             "checkpoint_report_s": "checkpoint", "checkpoint_write_cpu_s": "checkpoint",
+             "checkpoint_report_s": "checkpoint", "checkpoint_write_cpu_s": "checkpoint", "checkpoint_write_s": "checkpoint",
              "checkpoint_interval_steps": "checkpoint", "eval_s": "evaluation", "world_size": "cluster",
              "bad_samples": "data"}
 

@@ -12,8 +12,9 @@ before `kubectl apply`:
    (`RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S`, 30 s by default, > 0): a pod's eviction is SIGTERM, which Ray 2.60
    turns into a drain (reason preemption) for that long, so behemoth checkpoints as for a cloud notice
    (tests/integration/test_fault_tolerance.py R8), and SIGKILL must not come first; with `--job`, the run's
-   storage not a local path when the cluster has more than one pod, and the job config checked as `behemoth
-   check` does.
+   storage not a local path when the cluster has more than one pod, the job config checked as `behemoth
+   check` does, and where the run has records in a folder read here as a path, every drain long enough for a
+   notice's two checkpoints at its slowest measured write (`checkpoint_write_s`).
 """
 
 from __future__ import annotations
@@ -30,6 +31,9 @@ DRAIN_ENV = "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S"
 DRAIN_DEFAULT_S = 30.0  # Ray 2.60's
 GRACE_DEFAULT_S = 30.0  # Kubernetes'
 GRACE_MARGIN_S = 5.0  # between the drain's end and SIGKILL: the node's processes are stopped after the drain
+# A notice's checkpoints (worker/reporting.py): one at once, the last FINAL_WRITE_FACTOR (1.5) writes, two
+# reports and a second before the deadline: 2.5 writes and some seconds of steps at least
+DRAIN_WRITES, DRAIN_SLACK_S = 2.5, 5.0
 SPOT = {"cloud.google.com/gke-spot": "true", "eks.amazonaws.com/capacityType": "SPOT",
         "karpenter.sh/capacity-type": "spot", "kubernetes.azure.com/scalesetpriority": "spot"}
 EXPOSED = ("LoadBalancer", "NodePort")
@@ -72,12 +76,13 @@ def check_kuberay(raw: dict, job_configs: list[str], finding) -> list:
     for where, group in groups:
         pod = (group.get("template") or {}).get("spec") or {}
         found += _gpu_limits(f"{where}.template.spec", pod, finding)
+    drains = []
     for where, group in groups[1:]:
         pod = (group.get("template") or {}).get("spec") or {}
-        found += _worker_pod(f"{where}.template.spec", pod, finding)
+        found += _worker_pod(f"{where}.template.spec", pod, finding, drains)
     pods = 1 + sum(int(g.get("maxReplicas", g.get("replicas", 1)) or 0) * int(g.get("numOfHosts", 1) or 1)
                    for g in workers)
-    found += _jobs(raw, job_configs, pods, finding)
+    found += _jobs(raw, job_configs, pods, drains, finding)
     return found
 
 
@@ -141,7 +146,8 @@ def _gpu_limits(at: str, pod: dict, finding) -> list:
     return out
 
 
-def _worker_pod(at: str, pod: dict, finding) -> list:
+def _worker_pod(at: str, pod: dict, finding, drains: list) -> list:
+    """The pod's findings; each container's drain (path, seconds) appended to `drains`."""
     out = []
     shm = {m.get("name") for _, c in _containers(pod) for m in c.get("volumeMounts") or []
            if m.get("mountPath") == "/dev/shm"}
@@ -154,6 +160,8 @@ def _worker_pod(at: str, pod: dict, finding) -> list:
     for i, c in _containers(pod):
         env = {e.get("name"): e.get("value") for e in c.get("env") or []}
         drain = _seconds(env.get(DRAIN_ENV), DRAIN_DEFAULT_S)
+        if drain is not None and drain > 0:
+            drains.append((f"{at}.containers[{i}].env.{DRAIN_ENV}", drain))
         if drain is None or drain <= 0:
             out.append(finding(f"{at}.containers[{i}].env.{DRAIN_ENV}", "0 or not a number of seconds: a SIGTERM "
                                "(an eviction) ends the node at once and the run loses the steps since its last "
@@ -175,11 +183,14 @@ def _seconds(value, default: float) -> float | None:
         return None
 
 
-def _jobs(raw: dict, job_configs: list[str], pods: int, finding) -> list:
+def _jobs(raw: dict, job_configs: list[str], pods: int, drains: list, finding) -> list:
     """--job: each config as `behemoth check` loads it (the RayJob entrypoint's --set of the storage path
-    applied), its checkpoint storage not local where the cluster has more than one pod."""
+    applied), its checkpoint storage not local where the cluster has more than one pod, and where the run has
+    records already, every drain long enough for its measured checkpoint writes."""
     from behemoth.job import load_config
     from behemoth.storage.store import Store
+    from behemoth.storage import paths
+    from behemoth.tracking.records import read_jsonl
 
     out = []
     entry = (raw.get("spec") or {}).get("entrypoint") or ""
@@ -192,4 +203,14 @@ def _jobs(raw: dict, job_configs: list[str], pods: int, finding) -> list:
                                f"up to {pods} pods: each would keep its own checkpoints, and a restarted pod finds "
                                f"none", "use object storage (s3://, gs://) or a shared filesystem mounted in every "
                                "pod at the same path"))
+        records = paths.join(storage, cfg.checkpoint.run_name, "metrics.jsonl")
+        # (offline: a run folder this machine reads as a path, local or mounted; a bucket is not asked)
+        written = [r["checkpoint_write_s"] for r in (read_jsonl(records) if Store(storage).is_local else [])
+                   if "checkpoint_write_s" in r]
+        if written:
+            needs = DRAIN_WRITES * max(written) + DRAIN_SLACK_S
+            out += [finding(key, f"a drain of {drain:g} s is shorter than {needs:.0f} s, what a notice's two "
+                            f"checkpoints need at run {cfg.checkpoint.run_name!r}'s slowest measured write "
+                            f"({max(written):.1f} s)", f"raise it (and terminationGracePeriodSeconds above it)")
+                    for key, drain in drains if drain < needs]
     return out
