@@ -211,6 +211,6 @@ def _jobs(raw: dict, job_configs: list[str], pods: int, drains: list, finding) -
             needs = DRAIN_WRITES * max(written) + DRAIN_SLACK_S
             out += [finding(key, f"a drain of {drain:g} s is shorter than {needs:.0f} s, what a notice's two "
                             f"checkpoints need at run {cfg.checkpoint.run_name!r}'s slowest measured write "
-                            f"({max(written):.1f} s)", f"raise it (and terminationGracePeriodSeconds above it)")
+                            f"({max(written):.1f} s)", "raise it (and terminationGracePeriodSeconds above it)")
                     for key, drain in drains if drain < needs]
     return out
