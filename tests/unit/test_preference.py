@@ -62,7 +62,11 @@ def test_explicit_and_implicit_prompts_give_the_same_pair_and_bad_records_say_wh
                         ({**PAIR, "rejected": "Boris"}, "rejected: not a list of messages"),
                         ({**PAIR, "rejected": PAIR["chosen"]}, "the same reply"),
                         ({**PAIR, "chosen": [{"role": "user", "content": "hm"}]}, "chosen reply has no assistant"),
-                        ({"chosen": PAIR["chosen"], "rejected": PAIR["rejected"]}, "share no opening message")]:
+                        ({"chosen": PAIR["chosen"], "rejected": PAIR["rejected"]}, "share no opening message"),
+                        # conversations that part at a user's turn: the replies would not start where the prompt ends
+                        ({"chosen": PROMPT + PAIR["chosen"] + [{"role": "user", "content": "And?"}] + PAIR["chosen"],
+                          "rejected": PROMPT + PAIR["chosen"] + [{"role": "user", "content": "Or?"}] + PAIR["rejected"]},
+                         "the chosen reply starts with a user message")]:
         problem, pair = pair_of(record, FIELDS)
         assert pair is None and why in problem, (record, problem)
 

@@ -87,6 +87,9 @@ def pair_of(record: dict, fields: tuple[str, str, str]) -> tuple[str | None, tup
     for name, reply in ((chosen_field, chosen), (rejected_field, rejected)):
         if not any(m["role"] == "assistant" for m in reply):
             return f"the {name} reply has no assistant message", None
+        if reply[0]["role"] != "assistant":  # (the prompt is rendered with the generation prompt: the reply's turn)
+            return (f"the {name} reply starts with a {reply[0]['role']} message, not the assistant's: the prompt "
+                    f"must end where the replies begin"), None
     if chosen == rejected:
         return f"{chosen_field} and {rejected_field} are the same reply: nothing to prefer", None
     return None, (prompt, chosen, rejected)
