@@ -58,6 +58,9 @@ MUTATIONS = {
     "a spot group's grace period under its drain": (
         lambda m: _spot(m).update(terminationGracePeriodSeconds=60),
         "spec.rayClusterSpec.workerGroupSpecs[1].template.spec.terminationGracePeriodSeconds: 60 s"),
+    "a grace period equal to the drain (SIGKILL as the node's processes stop)": (
+        lambda m: _spot(m).update(terminationGracePeriodSeconds=120),
+        "spec.rayClusterSpec.workerGroupSpecs[1].template.spec.terminationGracePeriodSeconds: 120 s"),
     "the drain switched off": (
         lambda m: _spot(m)["containers"][0]["env"][0].update(value="0"),
         "workerGroupSpecs[1].template.spec.containers[0].env.RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S: 0"),
