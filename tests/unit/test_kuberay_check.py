@@ -136,3 +136,17 @@ def test_a_drain_shorter_than_the_runs_measured_checkpoint_writes_is_refused(tmp
         assert len(found) == (2 if refused else 0), found  # (both worker groups)
     assert found[0].startswith("spec.rayClusterSpec.workerGroupSpecs[0].template.spec.containers[0].env."
                                "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S: a drain of 120 s is shorter than 130 s")
+
+
+def test_an_unusual_manifest_is_read_without_a_crash(tmp_path):
+    """No spec at all (the CRD does not require one); a drain given by valueFrom (known only in the cluster: not
+    judged); a sidecar container after the Ray one (it runs no `ray start`)."""
+    assert _findings(tmp_path, {"apiVersion": "ray.io/v1", "kind": "RayCluster", "metadata": {"name": "x"}}) == [
+        "spec.authOptions.mode: Ray's token auth is off: anyone who reaches a Ray port runs code on the cluster. "
+        "Fix: set authOptions: {mode: token}"]
+    manifest = _spot_job()
+    env = _spot(manifest)["containers"][0]["env"][0]
+    env.pop("value")
+    env["valueFrom"] = {"configMapKeyRef": {"name": "ray", "key": "drain"}}
+    _spot(manifest)["containers"].append({"name": "logs", "image": "busybox"})
+    assert _findings(tmp_path, manifest) == []

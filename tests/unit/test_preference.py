@@ -111,13 +111,18 @@ def test_parquet_rows_are_pairs_too(corpus, tmp_path):
     import pyarrow.parquet as pq
 
     path = tmp_path / "pairs.parquet"
-    pq.write_table(pa.Table.from_pylist([PAIR, {**PAIR, "rejected": PAIR["chosen"]}]), path)
+    import datetime
+
+    # (another column of a type JSON cannot write: the pair's columns alone are read)
+    when = datetime.datetime(2026, 11, 29)
+    pq.write_table(pa.Table.from_pylist([{**PAIR, "at": when}, {**PAIR, "rejected": PAIR["chosen"], "at": when}]), path)
     cfg = _data(corpus, train_files=[str(path)], max_bad_samples=1)
     from behemoth.data.chat import plan_chat_units
 
     units = plan_chat_units(cfg)  # (the first records of each file checked: the row that is not a pair named)
     assert [u.fmt for u in units if u.path == str(path)] == ["parquet"]
-    _, records = read_unit_records(units[0], None)
+    _, records = read_unit_records(units[0], FIELDS)
+    assert set(records[0].value) == set(FIELDS)
     assert [pair_of(r.value, FIELDS)[0] is None for r in records] == [True, False]
     assert records[1].where(1) == f"{path} row 1"
 
@@ -316,6 +321,16 @@ def test_the_precomputed_reference_is_the_starting_models_read_by_block_and_chec
     (tmp_path / "train.npz").write_bytes(data.getvalue()[:-8] + b"\0" * 8)
     with pytest.raises(DataError, match="does not hold the DPO reference the run computed"):
         precomputed.loss(policy, batch)
+
+
+def test_the_starting_weights_are_held_in_model_dtype_as_the_policy_is():
+    """The reference (a copy, or the pass's model) in model.dtype, as the loop holds the policy: a checkpoint's
+    stored dtype (from_pretrained keeps it) would score the pairs otherwise than the step-0 policy."""
+    sizes = {"model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+             "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64}
+    for dtype, expected in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
+        task = _task(model_keys={"hf_config": sizes, "dtype": dtype})
+        assert {p.dtype for p in task.starting_model().parameters()} == {expected}
 
 
 def test_with_lora_the_reference_is_the_model_with_its_adapters_off():

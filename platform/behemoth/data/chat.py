@@ -316,7 +316,7 @@ def check_first_records(cfg: ChatData, unit: Unit, first_line: int = 1) -> list[
     of the wrong shape, or a template that cannot render it, fails here in one line, before Ray starts. Bad
     records among them fail only beyond data.max_bad_samples; returned, named ("FILE line N: why")."""
     pairs = cfg.pair_fields()
-    _, records = read_unit_records(unit, None if pairs else cfg.messages_field)
+    _, records = read_unit_records(unit, pairs or cfg.messages_field)
     named = [(r.where(first_line), r.value) for r in records[:FIRST_RECORDS]]
     if named and all(isinstance(v, _Bad) for _, v in named):
         where, bad = named[0]
@@ -358,15 +358,18 @@ class Record:
         return self.source if self.line < 0 else f"{self.source} line {first_line + self.line}"
 
 
-def read_unit_records(unit: Unit, field: str | None) -> tuple[int, list[Record]]:
+def read_unit_records(unit: Unit, field: str | tuple[str, ...]) -> tuple[int, list[Record]]:
     """The lines a unit holds (its successor's first line is this one's + that: no file is read again from its
-    start to number lines), and its records (`field`'s value, or with None the whole record: a preference
-    pair's)."""
+    start to number lines), and its records: `field`'s value, or with a tuple of fields (a preference pair's) the
+    record (a parquet row: those of its columns the file has, whatever other columns hold)."""
     if unit.fmt == "parquet":
         pf = pq.ParquetFile(unit.path)
         first_row = sum(pf.metadata.row_group(g).num_rows for g in range(unit.start))
-        group = pf.read_row_group(unit.start, columns=None if field is None else [field])
-        values = group.to_pylist() if field is None else group.column(field).to_pylist()
+        if isinstance(field, tuple):
+            columns = [f for f in field if f in pf.schema_arrow.names]
+            values = pf.read_row_group(unit.start, columns=columns).to_pylist()
+        else:
+            values = pf.read_row_group(unit.start, columns=[field]).column(field).to_pylist()
         return 0, [Record(f"{unit.path} row {first_row + i}", -1, v) for i, v in enumerate(values)]
     data, _ = _read_line_range(unit.path, unit.start, unit.end)
     lines = data.split(b"\n")
@@ -374,8 +377,8 @@ def read_unit_records(unit: Unit, field: str | None) -> tuple[int, list[Record]]
     return data.count(b"\n") + (1 if data and not data.endswith(b"\n") else 0), out
 
 
-def _parse_record(line: bytes, field: str | None):
-    """A JSONL line's conversation (`field`'s value; None: the whole record), or a _Bad saying why not. A line longer than MAX_RECORD_BYTES is not parsed
+def _parse_record(line: bytes, field: str | tuple[str, ...]):
+    """A JSONL line's conversation (`field`'s value; a tuple of fields: the whole record), or a _Bad saying why not. A line longer than MAX_RECORD_BYTES is not parsed
     (its parse alone costs several times its size in memory)."""
     if len(line) > MAX_RECORD_BYTES:
         return _Bad(f"a record of {len(line)} bytes, more than the {MAX_RECORD_BYTES >> 20} MiB a record may hold")
@@ -387,7 +390,7 @@ def _parse_record(line: bytes, field: str | None):
         return _Bad(f"not valid JSON ({e})")
     except RecursionError:
         return _Bad("not valid JSON here (nested too deeply)")
-    if field is None:
+    if isinstance(field, tuple):
         return record if isinstance(record, dict) else _Bad(f"not a JSON object ({type(record).__name__})")
     if not isinstance(record, dict) or field not in record:
         fields = sorted(record)[:20] if isinstance(record, dict) else type(record).__name__
@@ -699,6 +702,6 @@ def _chat_stream(cfg: ChatData, units: list[Unit], seed: int, tok):
         rows = [{"split": u.split, "path": u.path, "fmt": u.fmt, "start": u.start, "end": u.end} for u in units]
         pipelines = [ray.data.from_items(rows, override_num_blocks=len(rows)).map_batches(
             encode_units, batch_format="pyarrow", batch_size=1, num_cpus=cfg.cpus_per_task,
-            fn_kwargs={"field": None if spec.pairs else cfg.messages_field, "spec": spec})]
+            fn_kwargs={"field": spec.pairs or cfg.messages_field, "spec": spec})]
     for ds in pipelines:
         yield from ds.iter_batches(batch_format="pyarrow", batch_size=None, prefetch_batches=4)

@@ -41,9 +41,9 @@ def pair_tokens(render, encode, prompt: list[dict], chosen: list[dict], rejected
         starts = [start for start, _ in encoding.offsets]
         cut = sum(start < len(prompt_text) for start in starts)  # the prompt's tokens
         if cut and encoding.offsets[cut - 1][1] > len(prompt_text):
-            raise ValueError(f"a token runs across the end of the prompt into the {name} reply (the template's "
-                             f"generation prompt and the reply's first characters encode as one token): the "
-                             f"replies would not start from the same prompt tokens")
+            raise BadRecord(f"a token runs across the end of the prompt into the {name} reply (the template's "
+                            f"generation prompt and the reply's first characters encode as one token, e.g. a reply "
+                            f"that starts with a newline): the replies would not start from the same prompt tokens")
         if prompt_ids is None:
             prompt_ids = encoding.ids[:cut]
         elif encoding.ids[:cut] != prompt_ids:

@@ -270,7 +270,9 @@ class PreferenceLM(ChatLM):
         if self.cfg.train.init_from:
             weights.load_weights(model, weights.read_state_dict(self.cfg.train.init_from), self.cfg.train.init_from,
                                  self.reinit_ok)
-        return model
+        # in model.dtype, as the loop holds the policy (worker/precision.py master_weights: from_pretrained keeps a
+        # checkpoint's stored dtype)
+        return model.to(torch.float32 if self.cfg.model.dtype == "float32" else torch.bfloat16)
 
     def _frozen_copy(self, inner: torch.nn.Module) -> torch.nn.Module:
         """data.reference copy: the starting weights, built once per worker, never trained."""
@@ -341,6 +343,8 @@ class ReferenceScorer:
         device = torch.device("cuda" if cfg.scaling.use_gpu and torch.cuda.is_available() else "cpu")
         if cfg.scaling.torch_threads:
             torch.set_num_threads(cfg.scaling.torch_threads)
+        if device.type == "cuda":  # (train.tf32, as the loop sets it)
+            torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = cfg.train.tf32
         task = PreferenceLM(cfg, SimpleNamespace(train=[], val=[], stats={}, **self.vocab))
         model = task.starting_model().to(device).eval()
         dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.train.precision)
@@ -349,7 +353,11 @@ class ReferenceScorer:
             blocks = torch.from_numpy(stored).to(device)
             with torch.no_grad(), torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
                 chosen, rejected = sequence_logps(task._logits(model, blocks), blocks)
-            pairs = torch.stack([chosen, rejected], dim=1).cpu().numpy()
+            pairs = torch.stack([chosen, rejected], dim=1).float().cpu().numpy()
+            if not np.isfinite(pairs).all():
+                raise DataError("the DPO reference's log-probabilities are not finite (NaN or Inf) for some pairs: "
+                                "the starting weights or the run's precision cannot score them; train.precision "
+                                "fp32, or check the model")
             ends = np.cumsum(pairs_per_row(blocks).cpu().numpy())
             return [p.reshape(-1) for p in np.split(pairs, ends[:-1])]
 
@@ -367,7 +375,7 @@ def reference_identity(cfg: JobConfig, index) -> dict:
     return {"version": REFERENCE_VERSION, "tokens": index.stats["cache"], "model": cfg.model.name,
             "pretrained": cfg.model.pretrained, "hf_config": cfg.model.hf_config, "seed": cfg.train.seed,
             "init_from": source, "init_from_files": files, "precision": cfg.train.precision,
-            "gpu": cfg.scaling.use_gpu}
+            "dtype": cfg.model.dtype, "tf32": cfg.train.tf32, "gpu": cfg.scaling.use_gpu}
 
 
 def precompute_reference(cfg: JobConfig, index) -> tuple[dict, bool]:
@@ -391,8 +399,9 @@ def precompute_reference(cfg: JobConfig, index) -> tuple[dict, bool]:
     except FileNotFoundError:
         pass
     workers = cfg.scaling.min_workers
-    per_worker = cfg.train.global_batch_size // workers
-    batch = cfg.train.micro_batch_size if isinstance(cfg.train.micro_batch_size, int) else per_worker
+    per_worker = cfg.train.global_batch_size // workers  # (the run's micro-batch: the pass holds whole logits too)
+    micro = cfg.train.micro_batch_size
+    batch = micro if isinstance(micro, int) else max(1, per_worker // cfg.train.grad_accum_steps)
     files = {}
     with Store(folder).built_here("behemoth-reference-", last="meta.json") as local:
         local.mkdir(parents=True, exist_ok=True)

@@ -54,8 +54,8 @@ def check_kuberay(raw: dict, job_configs: list[str], finding) -> list:
              _schema_problems(raw, _schemas()[kind])]
     if found:
         return found
-    cluster, at = (raw["spec"], "spec") if kind == "RayCluster" else (raw["spec"].get("rayClusterSpec"),
-                                                                       "spec.rayClusterSpec")
+    spec = raw.get("spec") or {}
+    cluster, at = (spec, "spec") if kind == "RayCluster" else (spec.get("rayClusterSpec"), "spec.rayClusterSpec")
     if cluster is None:  # (a RayJob on an existing cluster, spec.clusterSelector: that cluster's manifest is checked)
         return found
     head = cluster.get("headGroupSpec", {})
@@ -157,9 +157,11 @@ def _worker_pod(at: str, pod: dict, finding, drains: list) -> list:
                            "DataLoader and NCCL fail in it", "mount an emptyDir {medium: Memory, sizeLimit: ...} at "
                            "/dev/shm in every container"))
     grace = float(pod.get("terminationGracePeriodSeconds", GRACE_DEFAULT_S))
-    for i, c in _containers(pod):
-        env = {e.get("name"): e.get("value") for e in c.get("env") or []}
-        drain = _seconds(env.get(DRAIN_ENV), DRAIN_DEFAULT_S)
+    for i, c in _containers(pod)[:1]:  # (KubeRay's Ray container is the first; a sidecar runs no `ray start`)
+        env = {e.get("name"): e for e in c.get("env") or []}
+        if DRAIN_ENV in env and "value" not in env[DRAIN_ENV]:  # (valueFrom: known only in the cluster)
+            continue
+        drain = _seconds((env.get(DRAIN_ENV) or {}).get("value"), DRAIN_DEFAULT_S)
         if drain is not None and drain > 0:
             drains.append((f"{at}.containers[{i}].env.{DRAIN_ENV}", drain))
         if drain is None or drain <= 0:
