@@ -282,6 +282,25 @@ def _flex_against_dense(device: str, backward: bool) -> None:
         assert torch.allclose(flex_grad, grad, atol=1e-5)
 
 
+def test_flash_attention_gets_every_documents_bounds_over_a_micro_batch_of_several_rows():
+    """Flash attention (a GPU's attn_implementation flash_attention_*): transformers infers packed documents from the
+    position ids only for a batch of one row (modeling_flash_attention_utils._is_packed_sequence), so with two rows
+    each row would be one causal sequence and its documents would attend to each other. document_inputs hands it
+    the documents' cumulative lengths over the flattened micro-batch (its padding-free path): the bounds of every
+    document of every row, the rows' ends among them. (No flash kernel on a CPU: the kwargs are what is checked.)"""
+    from types import SimpleNamespace
+
+    from behemoth.tasks.causal_lm import CausalLM
+
+    ids = torch.arange(12).reshape(2, 6)
+    starts = torch.tensor([[True, False, False, True, False, False], [True, False, True, False, False, False]])
+    model = SimpleNamespace(config=SimpleNamespace(_attn_implementation="flash_attention_2"))
+    inputs = CausalLM.document_inputs(model, ids, starts, ids)
+    assert inputs["position_ids"].tolist() == [[0, 1, 2, 0, 1, 2], [0, 1, 0, 1, 2, 3]]
+    assert inputs["cu_seq_lens_q"].tolist() == inputs["cu_seq_lens_k"].tolist() == [0, 3, 6, 8, 12]
+    assert int(inputs["max_length_q"]) == int(inputs["max_length_k"]) == 4
+
+
 def test_flex_attentions_block_mask_of_packed_documents_matches_the_dense_mask(monkeypatch):
     """Issue 74 item 2: FlexAttention with the block mask of the packed documents (causal within a document,
     never across) gives the dense SDPA mask's logits and loss; the block mask is (L / 128)^2 blocks, not L x L.

@@ -118,8 +118,8 @@ def train_on_document_attention(model, device_type: str, chosen: bool):
     8,192 tokens); the block mask is (L / 128)^2 blocks and the kernel skips the blocks no document spans
     (torchtitan's way). Where the model's config has plain SDPA and the job did not choose an implementation
     (`chosen`: model.hf_config names attn_implementation); elsewhere left as it is: on a CPU FlexAttention is
-    compiled for each shape (a cost the small shapes there do not earn back), and flash attention builds
-    variable-length calls from the position ids itself. Returns what it did, for the log (None: nothing)."""
+    compiled for each shape (a cost the small shapes there do not earn back), and flash attention takes the
+    documents' cumulative lengths (document_inputs). Returns what it did, for the log (None: nothing)."""
     if chosen or device_type != "cuda" or model.config._attn_implementation != "sdpa":
         return None
     try:

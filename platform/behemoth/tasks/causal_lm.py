@@ -249,10 +249,11 @@ class CausalLM(Task[list[Unit], TokenIndex]):
     def document_inputs(model, ids: torch.Tensor, starts: torch.Tensor, labels: torch.Tensor) -> dict:
         """data.document_mask: the documents of each packed block (`starts`: a document's first token) as the
         model's position ids (from 0 at each document's start), its attention (causal within a document:
-        FlexAttention's block mask, a 4-D boolean mask for SDPA, additive for eager attention; flash attention
-        builds its variable-length calls from the position ids alone) and `labels` (-100 at least at a
-        document's first token: never predicted from the document before). All on the device, from the tokens;
-        nothing read on the host."""
+        FlexAttention's block mask, a 4-D boolean mask for SDPA, additive for eager attention; for flash attention
+        the documents' cumulative lengths over the whole micro-batch, flattened: transformers infers them from the
+        position ids only for a batch of one row, and with more rows a block's documents would attend to each
+        other) and `labels` (-100 at least at a document's first token: never predicted from the document before).
+        All on the device, from the tokens; nothing read on the host but flash's lengths (one sync a step)."""
         length = ids.shape[1]
         steps = torch.arange(length, device=ids.device)
         document = starts.cumsum(dim=1)
@@ -261,7 +262,12 @@ class CausalLM(Task[list[Unit], TokenIndex]):
         inner = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
         implementation = inner.config._attn_implementation
         if "flash" in implementation:
-            return inputs
+            from transformers.modeling_flash_attention_utils import prepare_fa_kwargs_from_position_ids
+
+            # (every row starts a document: the rows' ends are documents' ends in the flattened tokens)
+            (cu_q, cu_k), (max_q, max_k) = prepare_fa_kwargs_from_position_ids(positions)
+            return {**inputs, "cu_seq_lens_q": cu_q, "cu_seq_lens_k": cu_k, "max_length_q": max_q,
+                    "max_length_k": max_k}
         if implementation == "flex_attention":
             return {**inputs, "attention_mask": document_block_mask(document)}
         mask = (document[:, :, None] == document[:, None, :]) & (steps[:, None] >= steps[None, :])
