@@ -346,6 +346,29 @@ def test_flex_attentions_block_mask_gives_the_dense_masks_gradients_on_a_gpu():
     _flex_against_dense("cuda", backward=True)
 
 
+@pytest.mark.gpu
+def test_flash_attention_keeps_each_document_of_a_two_row_micro_batch_to_itself_on_a_gpu():
+    """The kwargs of test_flash_attention_gets_every_documents_bounds... through the real kernel: with two rows of
+    packed documents, each document's logits are its own alone (bf16 tolerance). Skipped without flash-attn."""
+    pytest.importorskip("flash_attn")
+    from types import SimpleNamespace
+
+    from behemoth.tasks.causal_lm import CausalLM
+
+    model = _tiny_llama("flash_attention_2").to("cuda", torch.bfloat16)
+    docs = [[5, 6, 7], [8, 9, 10], [11, 12], [13, 14, 15, 16]]
+    ids = torch.tensor([docs[0] + docs[1], docs[2] + docs[3]], device="cuda")
+    starts = torch.zeros_like(ids, dtype=torch.bool)
+    starts[0, [0, 3]] = starts[1, [0, 2]] = True
+    inputs = CausalLM.document_inputs(SimpleNamespace(config=model.config), ids, starts, ids)
+    inputs.pop("labels")
+    with torch.no_grad():
+        packed = model(input_ids=ids, **inputs).logits.float()
+        for row, begin, doc in ((0, 0, docs[0]), (0, 3, docs[1]), (1, 0, docs[2]), (1, 2, docs[3])):
+            alone = model(input_ids=torch.tensor([doc], device="cuda")).logits.float()[0]
+            assert torch.allclose(packed[row, begin:begin + len(doc)], alone, atol=3e-2), (row, begin)
+
+
 def test_the_document_attention_switch_takes_flex_on_a_gpu_unless_the_job_chose():
     """train_on_document_attention (what build_lm calls for a document-masked run): FlexAttention where the model
     had plain SDPA on a GPU and the job named no attn_implementation; left as it is on a CPU, where the job chose,
