@@ -19,7 +19,8 @@ from behemoth.data.pair_render import TOO_LONG, pair_of
 from behemoth.data.preference import PreferenceData
 from behemoth.data.text import Unit
 from behemoth.errors import ConfigError, DataError
-from behemoth.tasks.preference import PreferenceLM, dpo_losses, sequence_logps
+from behemoth.tasks.dpo import dpo_losses, sequence_logps
+from behemoth.tasks.preference import PreferenceLM
 
 FIELDS = ("prompt", "chosen", "rejected")
 PROMPT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Who found the key?"}]
@@ -292,7 +293,7 @@ def test_the_precomputed_reference_is_the_starting_models_read_by_block_and_chec
     import hashlib
     import io
 
-    from behemoth.tasks.preference import ReferenceScorer
+    from behemoth.tasks.preference_reference import ReferenceScorer
 
     sizes = {"model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
              "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64}
@@ -301,7 +302,7 @@ def test_the_precomputed_reference_is_the_starting_models_read_by_block_and_chec
                           _block([([20, 21], [22, 23, 24], [25])], 48),
                           _block([([30, 31, 32, 33], [34], [35, 36]), ([5], [6], [7]), ([8], [9], [10])], 48)])
     precomputed = _task(model_keys=model)
-    scores = ReferenceScorer(precomputed.cfg, 64, 1, None)()(blocks.numpy())
+    scores = ReferenceScorer(PreferenceLM, precomputed.cfg, 64, 1, None)()(blocks.numpy())
     assert [len(s) for s in scores] == [4, 2, 6]
     data = io.BytesIO()
     np.savez(data, offsets=np.cumsum([0] + [len(s) for s in scores]), logps=np.concatenate(scores))

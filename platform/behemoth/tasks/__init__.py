@@ -5,7 +5,8 @@
   evaluation, export), documented once, with defaults, generic over its checked and prepared data;
 - `registry.py`: data.kind -> task (`TASKS`, `register()`, `task_class()`);
 - one file per workload: `image.py` (image classification), `causal_lm.py` (causal language modelling),
-  `chat.py` (chat fine-tuning, on causal_lm's), `preference.py` (DPO preference tuning, on chat's),
+  `chat.py` (chat fine-tuning, on causal_lm's), `preference.py` (DPO preference tuning, on chat's: its objective in `dpo.py`, the reference
+  computed before training in `preference_reference.py`),
   `text_classification.py` (sequence classification);
 - `kept_tokenizer.py`: a language model's tokenizer (and chat template) kept in every checkpoint, and the job
   export and generate build from with it in place of the paths the checkpoint's job.yaml names.

@@ -4,13 +4,14 @@ of replies (data/preference.py) to prefer the chosen one more than a frozen refe
 For a pair, with log-probability sums over each reply's trained tokens (its assistant turns, the end of turn
 included) under the policy (pc, pr) and the reference (rc, rr), the loss is Rafailov et al.'s sigmoid loss
 -log sigmoid(beta x ((pc - rc) - (pr - rr))), with data.label_smoothing e the conservative variant
-(1 - e) x that + e x -log sigmoid(-beta x ...). A step's loss is the mean over the global batch's pairs (each
+(1 - e) x that + e x -log sigmoid(-beta x ...), plus data.rpo_alpha x the chosen reply's mean token NLL (the
+objective: tasks/dpo.py). A step's loss is the mean over the global batch's pairs (each
 micro-batch's sum over its pairs' count; worker/loop.py weighs by Task.loss_items). A pair's two sequences sit
 in one block, each its own document, so they are scored in the same forward and never attend to each other.
 
 The reference without a second copy (data.reference auto): with model.lora it is the same model with its
 adapters switched off (peft's disable_adapter). A full fine-tune's reference log-probabilities are computed once
-before training (precomputed): a Ray Data pass over the packed pairs on the workers' resources with the weights
+before training (precomputed, tasks/preference_reference.py): a Ray Data pass over the packed pairs on the workers' resources with the weights
 the run starts from (model.pretrained, train.init_from, or the seed), stored beside the token cache under a
 fingerprint of the tokens and those weights, verified (sha256) where the workers read them and reused by every
 restart and rerun. Either way training holds one model's weights. data.reference copy keeps a frozen copy on
@@ -18,7 +19,7 @@ each worker instead (twice the weights' memory, said in the log).
 
 Metrics, under TRL's names: rewards/chosen and rewards/rejected (beta x the policy's log-ratio to the reference,
 mean over pairs), rewards/accuracies (pairs whose chosen reward is the higher), rewards/margins, logps/chosen and
-logps/rejected (the policy's sums), per report window; the same over the held-out pairs with val_ before them,
+logps/rejected (the policy's sums), nll_loss, per report window; the same over the held-out pairs with val_ before them,
 and val_loss, which picks the best checkpoint.
 """
 
@@ -26,13 +27,9 @@ from __future__ import annotations
 
 import hashlib
 import io
-import json
-import os
-from types import SimpleNamespace
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from behemoth.config import JobConfig
 from behemoth.data.chat import REJECTED, START, TRAIN, split_flags
@@ -41,78 +38,8 @@ from behemoth.errors import ConfigError, DataError
 from behemoth.hosts.console import console
 from behemoth.storage.store import Store
 from behemoth.tasks.chat import ChatLM
-
-# The sums a report window and an evaluation keep (summed over micro-batches and ranks, then divided by pairs).
-PAIR_SUMS = ("pairs", "loss", "chosen", "rejected", "correct", "logps_chosen", "logps_rejected", "nll")
-
-
-def dpo_losses(policy: tuple, reference: tuple[torch.Tensor, torch.Tensor], beta: float,
-               label_smoothing: float = 0.0, rpo_alpha: float = 0.0) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """(each pair's loss, the pairs' sums by PAIR_SUMS' names) from the policy's and the reference's
-    log-probability sums of the chosen and the rejected replies (each a [pairs] tensor; the policy's with the
-    chosen replies' token counts third); `rpo_alpha`: the chosen reply's mean token NLL added, so weighted."""
-    (pc, pr, tokens), (rc, rr) = policy, reference
-    chosen, rejected = beta * (pc - rc), beta * (pr - rr)
-    logits = chosen - rejected
-    losses = -F.logsigmoid(logits) * (1 - label_smoothing) - F.logsigmoid(-logits) * label_smoothing
-    nll = -pc / tokens.clamp(min=1)
-    if rpo_alpha:
-        losses = losses + rpo_alpha * nll
-    chosen, rejected = chosen.detach(), rejected.detach()
-    sums = {"pairs": torch.full((), float(len(pc)), device=pc.device), "loss": losses.detach().sum(),
-            "chosen": chosen.sum(), "rejected": rejected.sum(), "correct": (chosen > rejected).float().sum(),
-            "logps_chosen": pc.detach().sum(), "logps_rejected": pr.detach().sum(), "nll": nll.detach().sum()}
-    return losses, sums
-
-
-def pair_metrics(sums: dict[str, float], prefix: str = "") -> dict:
-    """TRL's names for the pairs' means (`prefix`: val_ for the held-out pairs')."""
-    pairs = max(sums["pairs"], 1.0)
-    return {f"{prefix}rewards/chosen": sums["chosen"] / pairs, f"{prefix}rewards/rejected": sums["rejected"] / pairs,
-            f"{prefix}rewards/accuracies": sums["correct"] / pairs,
-            f"{prefix}rewards/margins": (sums["chosen"] - sums["rejected"]) / pairs,
-            f"{prefix}logps/chosen": sums["logps_chosen"] / pairs,
-            f"{prefix}logps/rejected": sums["logps_rejected"] / pairs, f"{prefix}nll_loss": sums["nll"] / pairs}
-
-
-def sequence_logps(logits: torch.Tensor, stored: torch.Tensor, counts: bool = False) -> tuple:
-    """(chosen, rejected) log-probability sums over each pair's trained tokens, [pairs] each in block order, from
-    the model's logits for stored blocks ([B, L, V] and [B, L]); with `counts`, the chosen replies' trained
-    token counts third. A trained token is predicted from the one before it, in its own document (a document's
-    first token is never a target)."""
-    ids, trained, starts = split_flags(stored)
-    targets = trained[:, 1:] & ~starts[:, 1:]
-    scores = logits[:, :-1].float()
-    token = scores.gather(-1, ids[:, 1:, None]).squeeze(-1) - scores.logsumexp(dim=-1)
-    document = starts.long().cumsum(dim=1)  # each token's document in its row, from 1
-    width = stored.shape[1] + 1
-    sums = torch.zeros(stored.shape[0], width, dtype=torch.float32, device=stored.device)
-    sums.scatter_add_(1, document[:, 1:], torch.where(targets, token, 0.0))
-    # each document's kind, from its first token: a chosen reply's has TRAIN tokens and no REJECTED flag,
-    # padding has no TRAIN token (data/pair_render.py); pairs are adjacent, chosen first
-    first = torch.zeros(stored.shape[0], width, dtype=stored.dtype, device=stored.device)
-    first.scatter_(1, torch.where(starts, document, 0), torch.where(starts, stored, 0))
-    counted = torch.zeros(stored.shape[0], width, dtype=torch.long, device=stored.device)
-    counted.scatter_add_(1, document, trained.long())
-    is_rejected = (first & REJECTED) != 0
-    is_chosen = (counted > 0) & ~is_rejected & ((first & START) != 0)
-    if not counts:
-        return sums[is_chosen], sums[is_rejected]
-    tokens = torch.zeros(stored.shape[0], width, dtype=torch.float32, device=stored.device)
-    tokens.scatter_add_(1, document[:, 1:], targets.float())
-    return sums[is_chosen], sums[is_rejected], tokens[is_chosen]
-
-
-def made_up(batch: dict) -> bool:
-    """example_batch's blocks (sample id -1), not the data's."""
-    ids = batch.get("sample_id")
-    return ids is not None and len(ids) > 0 and int(ids.min()) < 0
-
-
-def pairs_per_row(stored: torch.Tensor) -> torch.Tensor:
-    """How many pairs each block holds (its rejected replies' first tokens)."""
-    return (((stored & START) != 0) & ((stored & REJECTED) != 0)).sum(dim=-1)
-
+from behemoth.tasks.dpo import PAIR_SUMS, dpo_losses, made_up, pair_metrics, pairs_per_row, sequence_logps
+from behemoth.tasks.preference_reference import precompute_reference
 
 class PreferenceLM(ChatLM):
     data_config = PreferenceData
@@ -146,7 +73,7 @@ class PreferenceLM(ChatLM):
         index = super().prepare(cfg, units)
         if reference_kind(cfg) == "precomputed":
             started = time.time()
-            meta, computed = precompute_reference(cfg, index)
+            meta, computed = precompute_reference(cls, cfg, index)
             index.stats["reference"] = meta
             how = (f"computed in {time.time() - started:.1f} s by a pass on the workers' resources" if computed else
                    "found, computed before for these tokens and weights")
@@ -323,99 +250,3 @@ def reference_kind(cfg: JobConfig) -> str:
     if cfg.data.reference == "auto":
         return "adapters_off" if cfg.model.lora is not None else "precomputed"
     return cfg.data.reference
-
-
-# ---------------------------------------------------------------------------------------------------------
-# The reference's log-probabilities, once before training (driver side; the pass in Ray Data actors)
-
-REFERENCE_VERSION = 1  # (in the fingerprint: a change of how the table is computed or stored)
-
-
-class ReferenceScorer:
-    """In a scoring actor (data/block_scores.py): the starting weights on the actor's device, and a function from
-    stored blocks to each block's pairs' (chosen, rejected) sums, flattened, under the run's precision."""
-
-    def __init__(self, cfg: JobConfig, vocab_size: int, eos_id: int, bos_id: int | None):
-        self.cfg, self.vocab = cfg, dict(vocab_size=vocab_size, eos_id=eos_id, bos_id=bos_id)
-
-    def __call__(self):
-        cfg = self.cfg
-        device = torch.device("cuda" if cfg.scaling.use_gpu and torch.cuda.is_available() else "cpu")
-        if cfg.scaling.torch_threads:
-            torch.set_num_threads(cfg.scaling.torch_threads)
-        if device.type == "cuda":  # (train.tf32, as the loop sets it)
-            torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = cfg.train.tf32
-        task = PreferenceLM(cfg, SimpleNamespace(train=[], val=[], stats={}, **self.vocab))
-        model = task.starting_model().to(device).eval()
-        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.train.precision)
-
-        def score(stored: np.ndarray) -> list[np.ndarray]:
-            blocks = torch.from_numpy(stored).to(device)
-            with torch.no_grad(), torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
-                chosen, rejected = sequence_logps(task._logits(model, blocks), blocks)
-            pairs = torch.stack([chosen, rejected], dim=1).float().cpu().numpy()
-            if not np.isfinite(pairs).all():
-                raise DataError("the DPO reference's log-probabilities are not finite (NaN or Inf) for some pairs: "
-                                "the starting weights or the run's precision cannot score them; train.precision "
-                                "fp32, or check the model")
-            ends = np.cumsum(pairs_per_row(blocks).cpu().numpy())
-            return [p.reshape(-1) for p in np.split(pairs, ends[:-1])]
-
-        return score
-
-
-def reference_identity(cfg: JobConfig, index) -> dict:
-    """What the precomputed reference depends on: the token cache, the model as built (its config, the seed),
-    train.init_from's folder and its files (names, sizes, modification times: a folder rewritten in place
-    changes it), the precision and the device kind."""
-    source = cfg.train.init_from
-    files = None
-    if source and Store(source).is_local and os.path.isdir(source):
-        files = sorted((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in os.scandir(source) if f.is_file())
-    return {"version": REFERENCE_VERSION, "tokens": index.stats["cache"], "model": cfg.model.name,
-            "pretrained": cfg.model.pretrained, "hf_config": cfg.model.hf_config, "seed": cfg.train.seed,
-            "init_from": source, "init_from_files": files, "precision": cfg.train.precision,
-            "dtype": cfg.model.dtype, "tf32": cfg.train.tf32, "gpu": cfg.scaling.use_gpu}
-
-
-def precompute_reference(cfg: JobConfig, index) -> tuple[dict, bool]:
-    """The reference's table per split as the workers read it, {folder, train: {file, sha256}, val: {...}}, and
-    whether it was computed now (a Ray Data pass, written) rather than found. Needs Ray."""
-    from behemoth.data.block_scores import score_blocks
-
-    if cfg.train.init_from:  # (a run folder as its chosen checkpoint, as the run resolves it: a sweep's
-        # preparation comes before any trial's run resolves it)
-        import dataclasses
-
-        from behemoth.storage import weights
-
-        chosen, _ = weights.resolve(cfg.train.init_from, cfg.train.init_from_checkpoint, PreferenceLM.best)
-        cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, init_from=chosen))
-    identity = reference_identity(cfg, index)
-    key = hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()[:16]
-    folder = f"{index.stats['cache']}/reference-{key}"
-    try:
-        return {"folder": folder, **json.loads(Store(f"{folder}/meta.json").read_bytes())["files"]}, False
-    except FileNotFoundError:
-        pass
-    workers = cfg.scaling.min_workers
-    per_worker = cfg.train.global_batch_size // workers  # (the run's micro-batch: the pass holds whole logits too)
-    micro = cfg.train.micro_batch_size
-    batch = micro if isinstance(micro, int) else max(1, per_worker // cfg.train.grad_accum_steps)
-    files = {}
-    with Store(folder).built_here("behemoth-reference-", last="meta.json") as local:
-        local.mkdir(parents=True, exist_ok=True)
-        for split in ("train", "val"):
-            scores = score_blocks(getattr(index, split), ReferenceScorer(cfg, index.vocab_size, index.eos_id,
-                                                                         index.bos_id),
-                                  width=cfg.data.seq_len // 2, actors=workers, batch_size=batch,
-                                  num_gpus=1.0 if cfg.scaling.use_gpu else 0.0,
-                                  num_cpus=cfg.scaling.cpus_per_worker)
-            buffer = io.BytesIO()
-            np.savez(buffer, offsets=np.cumsum([0] + [len(s) for s in scores]).astype(np.int64),
-                     logps=np.concatenate(scores) if scores else np.empty(0, np.float32))
-            data = buffer.getvalue()
-            (local / f"{split}.npz").write_bytes(data)
-            files[split] = {"file": f"{split}.npz", "sha256": hashlib.sha256(data).hexdigest()}
-        (local / "meta.json").write_text(json.dumps({"identity": identity, "files": files}, default=str))
-    return {"folder": folder, **files}, True
