@@ -30,7 +30,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "platform"))
 
 
 def prepare(kind: str, corpus: Path, tokenizer: str, seq_len: int, work: Path, cpus_per_task: float):
-    from behemoth.data.chat import ChatData, plan_chat_units, prepare_chat
+    from behemoth.data.chat import ChatData
+    from behemoth.data.chat_packing import prepare_chat
+    from behemoth.data.chat_sources import plan_chat_units
     from behemoth.data.text import TextData
     from behemoth.data.text_packing import prepare_text
 

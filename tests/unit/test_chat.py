@@ -13,14 +13,14 @@ from behemoth.data.chat import (
     START,
     TRAIN,
     ChatData,
-    ChatPacker,
     chat_tokenizer,
-    check_first_records,
     conversation_problem,
     encode_conversation,
     read_unit_records,
     split_flags,
 )
+from behemoth.data.chat_packing import ChatPacker
+from behemoth.data.chat_sources import check_first_records
 from behemoth.data.text import Unit
 from behemoth.errors import ConfigError, DataError
 
@@ -244,7 +244,8 @@ def test_the_evaluations_prompts_are_each_conversations_opening_and_the_replies_
     each, decoded."""
     from types import SimpleNamespace
 
-    from behemoth.data.chat import sample_prompts, tokenizer_files
+    from behemoth.data.chat import tokenizer_files
+    from behemoth.data.chat_packing import sample_prompts
     from behemoth.data.chat import render_text
     from behemoth.models.causal_lm import generation_config
 

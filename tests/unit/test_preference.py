@@ -12,8 +12,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 from behemoth.job import config_from_dict
-from behemoth.data.chat import (REJECTED, START, TRAIN, ChatPacker, chat_tokenizer, check_first_records,
-                                read_unit_records, split_flags)
+from behemoth.data.chat import REJECTED, START, TRAIN, chat_tokenizer, read_unit_records, split_flags
+from behemoth.data.chat_packing import ChatPacker
+from behemoth.data.chat_sources import check_first_records
 from behemoth.data.chat_render import Failed, RenderSpec, Window, process_for
 from behemoth.data.pair_render import TOO_LONG, pair_of
 from behemoth.data.preference import PreferenceData
@@ -118,7 +119,7 @@ def test_parquet_rows_are_pairs_too(corpus, tmp_path):
     when = datetime.datetime(2026, 11, 29)
     pq.write_table(pa.Table.from_pylist([{**PAIR, "at": when}, {**PAIR, "rejected": PAIR["chosen"], "at": when}]), path)
     cfg = _data(corpus, train_files=[str(path)], max_bad_samples=1)
-    from behemoth.data.chat import plan_chat_units
+    from behemoth.data.chat_sources import plan_chat_units
 
     units = plan_chat_units(cfg)  # (the first records of each file checked: the row that is not a pair named)
     assert [u.fmt for u in units if u.path == str(path)] == ["parquet"]
@@ -133,7 +134,7 @@ def test_a_hugging_face_datasets_rows_are_pairs_too(corpus, tmp_path):
     files' are (the tokenising task's function called here without Ray); a dataset without a rejected column is
     refused by name."""
     import datasets
-    from behemoth.data.chat import ChatSpec, encode_rows
+    from behemoth.data.chat_packing import ChatSpec, encode_rows
     from behemoth.data.text_packing import _hf_splits
 
     rows = [PAIR, {**PAIR, "rejected": PAIR["chosen"]}]

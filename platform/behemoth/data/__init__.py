@@ -10,7 +10,9 @@
   (tokens packed into blocks in a token store, cached per corpus), `token_store` (its shard files,
   memory-mapped and gathered by block index), `labelled_text` (text classification rows), `tokenizer` (a local
   BPE tokenizer), `synth_text` (a demo corpus), `chat` (conversations rendered with the chat template, the
-  assistant's tokens flagged, packed whole per document), `chat_tokens` (a conversation's flagged tokens, its
+  assistant's tokens flagged: the config, the tokenizer and its template, a record read), `chat_sources` (its
+  files cut into units, their first records checked before Ray), `chat_packing` (the tokenising tasks and the
+  packer: whole conversations per document, into the token store), `chat_tokens` (a conversation's flagged tokens, its
   shape and cost bounded: the code the rendering process runs), `chat_render` (the template run in a child process
   bounded in time and memory; a record cut to what seq_len can use), `preference` (DPO's pairs: the data
   config and a record read as a pair), `pair_render` (a pair's two sequences, rendered in that process),

@@ -33,7 +33,8 @@ class ChatLM(CausalLM):
     @classmethod
     def check(cls, cfg: JobConfig) -> list[Unit]:
         """Files, their first records rendered with the template, the tokenizer and the model; without Ray."""
-        from behemoth.data.chat import chat_tokenizer, plan_chat_units
+        from behemoth.data.chat import chat_tokenizer
+        from behemoth.data.chat_sources import plan_chat_units
         from behemoth.data.text_packing import _hf_splits
         from behemoth.models.causal_lm import check_causal_lm
 
@@ -62,7 +63,8 @@ class ChatLM(CausalLM):
 
     @classmethod
     def prepare(cls, cfg: JobConfig, units: list[Unit]) -> TokenIndex:
-        from behemoth.data.chat import chat_tokenizer, pad_id, prepare_chat, render_text, tokenizer_files
+        from behemoth.data.chat import chat_tokenizer, pad_id, render_text, tokenizer_files
+        from behemoth.data.chat_packing import prepare_chat
 
         from behemoth.models.causal_lm import generation_config
 
