@@ -319,6 +319,8 @@ def test_the_precomputed_reference_is_the_starting_models_read_by_block_and_chec
         b, _ = copy.loss(policy, batch)
     assert a.item() == pytest.approx(b.item(), rel=1e-5) and copy._reference is not None
     assert precomputed.__dict__.get("_reference") is None  # (no model built on the worker)
+    with pytest.raises(DataError, match="holds 3 train blocks, the batch asks for block 7"):
+        precomputed.loss(policy, {"input_ids": blocks[:1], "sample_id": torch.tensor([7])})
     precomputed.__dict__.pop("_tables")
     (tmp_path / "train.npz").write_bytes(data.getvalue()[:-8] + b"\0" * 8)
     with pytest.raises(DataError, match="does not hold the DPO reference the run computed"):

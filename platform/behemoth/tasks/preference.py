@@ -11,8 +11,9 @@ in one block, each its own document, so they are scored in the same forward and 
 
 The reference without a second copy (data.reference auto): with model.lora it is the same model with its
 adapters switched off (peft's disable_adapter). A full fine-tune's reference log-probabilities are computed once
-before training (precomputed, tasks/preference_reference.py): a Ray Data pass over the packed pairs on the workers' resources with the weights
-the run starts from (model.pretrained, train.init_from, or the seed), stored beside the token cache under a
+before training (precomputed, tasks/preference_reference.py): a Ray Data pass over the packed pairs on the
+workers' resources with the weights the run starts from (model.pretrained, train.init_from, or the seed), stored
+beside the token cache under a
 fingerprint of the tokens and those weights, verified (sha256) where the workers read them and reused by every
 restart and rerun. Either way training holds one model's weights. data.reference copy keeps a frozen copy on
 each worker instead (twice the weights' memory, said in the log).
@@ -220,6 +221,10 @@ class PreferenceLM(ChatLM):
             zeros = torch.zeros(int(pairs_per_row(stored).sum()), device=stored.device)
             return zeros, zeros
         offsets, logps = self._table(split)
+        if max(ids) >= len(offsets) - 1:  # (a block the table has no row for: another token cache's table)
+            raise DataError(f"the precomputed DPO reference holds {len(offsets) - 1} {split} blocks, the batch "
+                            f"asks for block {max(ids)}: it was not computed for this token cache; delete "
+                            f"{self.index.stats['reference']['folder']} and rerun")
         rows = np.concatenate([logps[offsets[i]:offsets[i + 1]] for i in ids]).reshape(-1, 2)
         expected = int(pairs_per_row(stored).sum())
         if len(rows) != expected:
