@@ -494,6 +494,39 @@ def test_r8_a_pod_evicted_with_sigterm_drains_its_node_and_the_run_loses_no_step
             c.wait_for_nodes()
 
 
+def test_r9_a_lone_worker_killed_without_notice_resumes_from_its_copy_in_the_drivers_memory(cluster, text_corpus,
+                                                                                          tmp_path, monkeypatch, capfd):
+    """Issue 73: a run of one worker (checkpoint.every_n_steps auto, a hold budget of 20 %) has no peer to rescue
+    its state, so it copies it to the run's keeper in the driver's memory (checkpoint.memory_copy) as often as the
+    copies' own small hold allows, and checkpoints on disk as where a replica protects it (rarely). Its worker is
+    SIGKILLed 1 s after step 37 (no notice): the restarted group resumes from the copy, newer than the newest
+    checkpoint on disk, and redoes at most the steps since it (a copy is skipped while the last one is still on its
+    way); every step trained the global batch the uninterrupted order assigns it (the ledger)."""
+    import re
+
+    from behemoth.driver.ray_cluster import session as ray_session
+    from behemoth.hosts.faults import KILL_AT_STEP_ENV
+
+    name, marker = "lone", tmp_path / "killed.json"
+    env = ray_session.worker_env_vars
+    monkeypatch.setattr(ray_session, "worker_env_vars", lambda: {**env(), KILL_AT_STEP_ENV: f"{name}:{FAIL_AT}:{marker}"})
+    cfg = config_from_dict(job(text_corpus, tmp_path, name, scaling={"num_workers": 1},
+                               checkpoint={"every_n_steps": "auto", "hold_budget": 0.2, "rescue": True}))
+    summary = train(cfg)
+    assert json.loads(marker.read_text())["step"] == FAIL_AT and summary.metrics["step"] == STEPS
+    printed = capfd.readouterr().out
+    assert "its state is copied to the driver's memory every" in printed
+    restored = re.search(r"restored step (\d+) from its copy in the driver's memory \(checkpoint.memory_copy\): "
+                         r"newer than the newest checkpoint \((?:step (\d+)|none)\)", printed)
+    assert restored, "\n".join(l for l in printed.splitlines() if re.search("copied|restor|resumed|checkpoint every|step [1-4][0-9]/", l))
+    copied, on_disk = int(restored.group(1)), int(restored.group(2) or 0)
+    assert summary.resumed_from_step == copied and FAIL_AT - 3 <= copied <= FAIL_AT and on_disk < copied, printed
+    result = audit(tmp_path / f"ledger-{name}", n_blocks(tmp_path))
+    assert len(result["redone"]) == FAIL_AT - copied, result["redone"]
+    for step in result["redone"]:  # (the same weights from the copy, the same batch: the same loss, bit for bit)
+        assert result["group_losses"][step][0] == result["group_losses"][step][-1], step
+
+
 def test_the_elastic_view_counts_a_joined_node_at_once(cluster):
     """Issue 73 item 2: Ray Train sizes an elastic run's worker groups from Ray's autoscaling coordinator, whose
     view of the nodes is re-read every 20 s (a replacement node unused, a lost one counted, that long);

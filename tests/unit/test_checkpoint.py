@@ -940,3 +940,51 @@ def test_a_background_write_records_the_cpu_seconds_it_spent(tmp_path, monkeypat
     assert written.is_set() and written.cpu_s > 0  # (8 MB written and hashed: milliseconds of CPU)
     assert sets.last_write_cpu_s() == written.cpu_s == sets.totals["cpu_s"]
     checkpoint.verify(tmp_path / "run" / "checkpoint_1")
+
+
+def test_a_memory_copy_restores_everything_exactly_without_pickling_a_tensor():
+    """checkpoint.memory_copy (issue 73): a lone worker's state goes to the driver's memory as flat bytes and a
+    skeleton (no tensor pickled: bf16, 0-d and non-contiguous tensors, tuples kept), and loading it back
+    continues training exactly as the live run does (the weights bit for bit), as from a checkpoint."""
+    import pickle
+
+    from behemoth.checkpoints.memory_copy import MemoryCopy, flatten, pack, restore_newer, unflatten
+    from behemoth.checkpoints.trainables import Trainables
+
+    tree = {"a": torch.randn(3, 4).t(), "b": torch.tensor(2.0), "c": torch.randn(5, dtype=torch.bfloat16),
+            "betas": (0.9, 0.999), "params": [0, 1], 7: {"step": torch.tensor(3)}}
+    tensors = []
+    skeleton = pickle.dumps(flatten(tree, tensors))
+    assert b"torch" not in skeleton and len(tensors) == 4  # (the tensors are the flat buffer's alone)
+    flat = pack(tensors, None)
+    assert flat.numel() == 12 * 4 + 4 + 5 * 2 + 8 and pack(tensors, flat) is flat  # (reused)
+    back = unflatten(pickle.loads(skeleton), flat.numpy().copy())
+    assert back["betas"] == (0.9, 0.999) and back["params"] == [0, 1] and back[7]["step"].dtype == torch.int64
+    for key in ("a", "b", "c"):
+        assert back[key].dtype == tree[key].dtype and torch.equal(back[key], tree[key]), key
+
+    class Link:  # the keeper's link, in this process (hosts/state_keeper.py's actor is Ray's)
+        copies, busy = {}, staticmethod(lambda: False)
+
+        def send(self, step, skeleton, arrays):
+            self.copies[step] = (skeleton, [a.copy() for a in arrays])
+
+        def newest(self):
+            return max(self.copies, default=-1)
+
+        def fetch(self, step):
+            return self.copies.get(step)
+
+    model, opt, sched = make()
+    for s in range(3):
+        step(model, opt, sched, s)
+    run, link = Trainables(model, opt, sched, torch.amp.GradScaler("cpu", enabled=False)), Link()
+    assert MemoryCopy(link, run).fits() and MemoryCopy(link, run).send(TrainState(step=3, samples_seen=12))
+    model2, opt2, sched2 = make(seed=99)
+    run2 = Trainables(model2, opt2, sched2, run.scaler)
+    assert restore_newer(link, run2, than_step=3) is None  # (not newer than the checkpoint restored)
+    assert restore_newer(link, run2, than_step=2) == TrainState(step=3, samples_seen=12)
+    assert_same_tensors(model.state_dict(), model2.state_dict())
+    for m, o, s in ((model, opt, sched), (model2, opt2, sched2)):
+        step(m, o, s, seed=10)
+    assert_same_tensors(model.state_dict(), model2.state_dict())

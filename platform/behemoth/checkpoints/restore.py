@@ -7,6 +7,7 @@ from behemoth.storage import checkpoint, weights
 from behemoth import hosts
 from behemoth.hosts import collectives
 from behemoth.checkpoints import live_state
+from behemoth.checkpoints.memory_copy import restore_newer
 from behemoth.checkpoints.rescue import is_rescue
 from behemoth.storage.checkpoint import TrainState
 from behemoth.errors import CheckpointError, PartlyLoadedError
@@ -14,15 +15,30 @@ from behemoth.hosts.console import console
 from behemoth.checkpoints.trainables import Trainables
 
 
-def restore_latest(run: Trainables, fence=None) -> TrainState | None:
+def restore_latest(run: Trainables, fence=None, copies=None) -> TrainState | None:
     """Restore the newest checkpoint that passes verification into `run`; None for a fresh run. `fence`
-    (runlock.Fence, None outside a locked run): checked before an unfinished upload is deleted.
+    (runlock.Fence, None outside a locked run): checked before an unfinished upload is deleted. `copies` (the
+    run's hosts.state_keeper.KeeperLink, None without one): a lone worker's copy in the driver's memory newer
+    than that checkpoint is restored instead (checkpoints/memory_copy.py), as a resume that lost work.
 
     Candidates, newest first: complete checkpoints in the run folder newer than Ray Train's latest (written
     and uploaded, but the worker or driver died before Ray Train registered them), Ray Train's latest, then
     its earlier ones. A candidate that fails verification on any rank is skipped by every rank, with a
     warning naming it: all ranks restore the same checkpoint (restore_first_verified).
     """
+    state = _restore_checkpoint(run, fence)
+    copied = restore_newer(copies, run, state.step if state else -1) if copies is not None else None
+    if copied is None:
+        return state
+    if hosts.current().rank == 0:
+        console(f"restored step {copied.step} from its copy in the driver's memory (checkpoint.memory_copy): newer "
+                f"than the newest checkpoint ({f'step {state.step}' if state else 'none'})")
+    copied.interruptions += 1
+    copied.ended_on_notice = False
+    return copied
+
+
+def _restore_checkpoint(run: Trainables, fence=None) -> TrainState | None:
     ctx = hosts.current()
     latest = ctx.latest_checkpoint()
     candidates = [latest] if latest else []

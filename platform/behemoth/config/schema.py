@@ -186,6 +186,11 @@ class CheckpointConfig:
     # state after the last step it finished, and one writes it as a checkpoint before the group ends, so the
     # restart loses at most the step in flight (checkpoints/rescue.py says where it cannot).
     rescue: bool = True
+    # checkpoint.every_n_steps auto, a group of one worker (an elastic run waiting for its replacement, a one-worker
+    # run): nothing else protects it, so its state is copied to the driver's node's memory (the head's under `ray
+    # job submit`) between checkpoints, at the interval auto sets for that copy's own small cost; a restart after
+    # the node's loss resumes from the copy where it is newer (checkpoints/memory_copy.py; states up to 2 GiB).
+    memory_copy: bool = True
     # How the model and optimizer state is written: "full" (model.pt and optimizer.pt, the whole state gathered
     # on rank 0), "sharded" (every rank writes its own shards with torch.distributed.checkpoint, nothing is
     # gathered; loads at any world size), or "auto": sharded under FSDP, full under DDP.

@@ -8,6 +8,8 @@
 - `lease_fence`: the run lock's fence in Ray Train's workers, around each checkpoint upload (a Ray Train
   callback that runs in the workers, so it lives with their host).
 - `rescue_callback`: the rescue checkpoint's hook in Ray Train's workers' shutdown (checkpoints/rescue.py).
+- `state_keeper`: the actor on the driver's node that keeps a lone worker's copies of its state
+  (checkpoint.memory_copy), started by the driver, reached by the workers.
 - What a worker process has of its host, below the worker and checkpoints rooms that both use it:
   `collectives` (the few collectives over the host's process group, each a no-op in one process or a lane),
   `console` (a line for the user's console, not print: Ray Train's patch would double it) and `faults` (fault

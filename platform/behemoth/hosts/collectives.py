@@ -16,6 +16,11 @@ def distributed() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
+def rank() -> int:
+    """This process's rank in the group (0 in a single process)."""
+    return dist.get_rank() if distributed() else 0
+
+
 def all_reduce_sum(t: torch.Tensor) -> None:
     if distributed():
         dist.all_reduce(t, op=dist.ReduceOp.SUM)

@@ -12,6 +12,8 @@ restore, latest, verify) its only way to checkpoints. Its modules (docs/architec
 - `feed`: the rank's steps epoch after epoch; the next epoch's pipeline opened early
 - `ledger`: the sample ledger (train.sample_ledger)
 - `loop`: train_loop_per_worker and the step, top to bottom (the file to read first)
+- `memory_copies`: when a lone worker copies its state to the driver's memory (checkpoint.memory_copy), as a
+  callback
 - `optim`: optimizer and learning-rate schedule from `train`
 - `parallel`: DDP / FSDP2 wrapping, FSDP's mixed precision, gradient compression hooks, buffers synced
 - `plan`: micro-batch x accumulation x workers = the global batch
@@ -19,7 +21,7 @@ restore, latest, verify) its only way to checkpoints. Its modules (docs/architec
 - `profiling`: train.profile: torch.profiler traces (and CUDA memory history) of a window of steps
 - `reporting`: what a report step does (metrics, evaluation, checkpoint) and when
 - `report_sender`: ReportSender, a report handed to the host without holding the step
-- `step_callbacks`: what runs around every step besides the update (EMA, ledger, faults, profiler)
+- `step_callbacks`: what runs around every step besides the update (EMA, ledger, memory copies, faults, profiler)
 - `step_context`: what every step is taken with (config, task, trainables, rank, clock...), built once
 - `speed`: the speed figures every report carries (TFLOP/s, MFU, memory)
 """

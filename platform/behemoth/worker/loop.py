@@ -32,10 +32,12 @@ from behemoth import hosts
 from behemoth.worker import parallel
 from behemoth.hosts.collectives import all_reduce_sum, distributed
 from behemoth.hosts.console import console
+from behemoth.hosts.state_keeper import KeeperLink
 from behemoth.worker.ema import WeightAverage
 from behemoth.worker.fault_hooks import FaultHooks
 from behemoth.worker.feed import EpochFeed
 from behemoth.worker.ledger import SampleLedger
+from behemoth.worker.memory_copies import MemoryCopies
 from behemoth.worker.optim import build_optimizer, lr_schedule
 from behemoth.worker.plan import batch_plan
 from behemoth.worker.profiling import StepProfiler
@@ -61,7 +63,9 @@ def train_loop_per_worker(loop_config: dict) -> dict:
                                                            epoch_steps)
 
     # Resume: the latest good checkpoint restores weights, optimizer, schedule, scaler, compression, data position.
-    state = restore_latest(run, loop_config.get("fence")) or TrainState(world_size=world)
+    # (and a lone worker's newer copy in the driver's memory: checkpoint.memory_copy)
+    copies = KeeperLink(loop_config["keeper"]) if loop_config.get("keeper") is not None else None
+    state = restore_latest(run, loop_config.get("fence"), copies) or TrainState(world_size=world)
     early_line = resume_early_stopping(cfg, task, state)  # a rerun's early stopping: trains on, or counts anew
     feed = EpochFeed(task, cfg, rank, world, micro_batch, accum, epoch_steps)
     if state.step < state.last_step(total_steps):
@@ -83,8 +87,10 @@ def train_loop_per_worker(loop_config: dict) -> dict:
         reporter.completed_run(state)
 
     # Around each step, at its named points in this order (worker/step_callbacks.py): train.ema_decay's average,
-    # the sample ledger, the failure tests' pacing, kill and error (none in a real run), train.profile's window.
-    callbacks = Callbacks([run.ema, ledger, FaultHooks(), StepProfiler(cfg, rank, device)])
+    # the sample ledger, a lone worker's copy of its state to the driver's memory (checkpoint.memory_copy), the
+    # failure tests' pacing, kill and error (none in a real run), train.profile's window.
+    callbacks = Callbacks([run.ema, ledger, MemoryCopies(step_ctx, copies, state, reporter), FaultHooks(),
+                           StepProfiler(cfg, rank, device)])
     clock.mark("loop_started")
     with rescue.around_the_loop():  # a peer lost without notice: this worker's state, whole, as a checkpoint
         _train_steps(step_ctx, state, feed, callbacks, reporter, rescue)

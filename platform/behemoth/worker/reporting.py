@@ -123,6 +123,7 @@ class Reporter:
         self.notice: float | None = None
         self.notice_write_s: float | None = None
         self._checkpoint_began: float | None = None  # the clock's checkpoint time when the last checkpoint began
+        self.copies_protect = False  # a lone worker's copies to the driver's memory protect it (memory_copies.py)
         self.step_s, self._step_total = 0.0, 0.0  # the steps' own time, per step, over the last window
 
     def due(self, state: TrainState) -> bool:
@@ -215,8 +216,15 @@ class Reporter:
 
     def protected(self) -> bool:
         """Whether a replica protects the run now (checkpoint_interval.py): a worker lost without notice would be
-        rescued by a live one, whose write fits the time Ray Train gives it (the last periodic write's)."""
-        return self.rescuable and (self.saver.write_s() or 0.0) < RESCUE_FITS_S
+        rescued by a live one, whose write fits the time Ray Train gives it (the last periodic write's), or a
+        lone worker's state is copied to the driver's memory."""
+        return self.copies_protect or (self.rescuable and (self.saver.write_s() or 0.0) < RESCUE_FITS_S)
+
+    def copied(self, held_s: float) -> None:
+        """A memory copy held the loop `held_s` (in the clock's checkpoint time): not part of the hold of a
+        checkpoint on disk being measured."""
+        if self._checkpoint_began is not None:
+            self._checkpoint_began += held_s
 
     def _reclaimed(self) -> bool:
         try:

@@ -20,6 +20,7 @@ from behemoth.driver.run.resume import retention, run_dir, run_place
 from behemoth.driver.run.sequence import Launched, PlannedRun, prepare_data, run_sequence, used_up
 from behemoth.driver.run.summary import RunSummary
 from behemoth.errors import RunFailedError, user_facing_error
+from behemoth.hosts.state_keeper import start_keeper, stop_keeper
 
 
 def worker_resources(cfg: JobConfig) -> dict:
@@ -52,11 +53,12 @@ def torch_trainer(cfg: JobConfig, loop, loop_config: dict, run_config: dict, num
     )
 
 
-def build_trainer(cfg: JobConfig, data, callbacks: list | None = None, fence=None):
+def build_trainer(cfg: JobConfig, data, callbacks: list | None = None, fence=None, keeper=None):
     """`data`: what prepare_data returned (the task's prepared data: e.g. an image index). `callbacks`: Ray Train
     callbacks (the run's recorder, tracking/callbacks.py; a sweep's trial adds the one that reports to Tune).
     `fence` (runlock.Fence): the workers check the lease around each checkpoint upload (hosts/lease_fence.py)
-    and before a restore deletes an unfinished upload (checkpoints/restore.py)."""
+    and before a restore deletes an unfinished upload (checkpoints/restore.py). `keeper`: the run's
+    hosts.state_keeper.StateKeeper (checkpoint.memory_copy), None without one."""
     import ray
     from ray.train import FailureConfig
 
@@ -78,7 +80,7 @@ def build_trainer(cfg: JobConfig, data, callbacks: list | None = None, fence=Non
     place = run_place(cfg)
     # The data travels once through the object store, not pickled into every worker's config; the config
     # travels typed (each worker unpickles it: parsed once, on the driver).
-    return torch_trainer(cfg, train_loop_per_worker, {"job": cfg, "data_ref": ray.put(data), "fence": fence}, dict(
+    return torch_trainer(cfg, train_loop_per_worker, {"job": cfg, "data_ref": ray.put(data), "fence": fence, "keeper": keeper}, dict(
         name=place.name, storage_path=place.storage, callbacks=list(callbacks or []),
         failure_config=FailureConfig(max_failures=cfg.failure.max_failures,
                                      max_preemption_failures=cfg.failure.max_preemptions,
@@ -107,6 +109,12 @@ def train(cfg: JobConfig, callbacks: list | None = None, lock: bool = True, proc
         return run_sequence(cfg, RayTrainLauncher(tracking, callbacks, end_ray, fence), tracking, fence)
 
 
+def keeps_copies(cfg: JobConfig) -> bool:
+    """Whether the run starts a keeper for a lone worker's copies (checkpoint.memory_copy): an auto interval and a
+    run that may train on one worker."""
+    return cfg.checkpoint.memory_copy and cfg.checkpoint.every_n_steps == "auto" and cfg.scaling.min_workers == 1
+
+
 class RayTrainLauncher:
     """A run through Ray Train: a TorchTrainer of the job's workers, fit once (Ray Train restarts the worker
     group after failures, failure.max_failures times). See sequence.Launcher."""
@@ -121,12 +129,14 @@ class RayTrainLauncher:
         from ray.train import TrainingFailedError
 
         withdraw_killed_drivers_requests(self.tracking.run_dir, self.tracking.invocation)
-        trainer = build_trainer(run.cfg, data, [*self.tracking.callbacks(), *self.callbacks], self.fence)
+        keeper = start_keeper() if keeps_copies(run.cfg) else None
+        trainer = build_trainer(run.cfg, data, [*self.tracking.callbacks(), *self.callbacks], self.fence, keeper)
         ray_session.warm_up_data_processes(run.cfg, data)
         try:
             with ray_session.elastic_view_refreshed(run.cfg.scaling.elastic):
                 result = trainer.fit()
         except TrainingFailedError as e:
+            stop_keeper(keeper)  # (before Ray may be shut down)
             ray_session.end_ray(self.end_ray)
             if user_facing_error(e) is not None:  # behemoth's own message (bad data, ...) says it better
                 raise
@@ -134,6 +144,7 @@ class RayTrainLauncher:
             reasons = "; ".join(f"rank {rank}: {str(exc).strip().splitlines()[0]}" for rank, exc in failures.items())
             raise RunFailedError(used_up(run.cfg, reasons, "rerun the same command to resume from the latest, or "
                                                            "allow more restarts with failure.max_failures")) from e
+        stop_keeper(keeper)
         return Launched(result.best_checkpoints or [], result, result.return_value or {})
 
     def records_failure(self, error: BaseException) -> bool:
