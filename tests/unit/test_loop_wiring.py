@@ -327,8 +327,8 @@ def test_the_hold_budget_is_an_account_spent_where_no_replica_protects_the_run()
     account saves), with one worker left it is DEGRADED_SPEEDUP times shorter while the savings last; a resumed
     group starts from the run's last mean hold (not a checkpoint FIRST_STEPS in)."""
     from behemoth.storage.checkpoint import TrainState
-    from behemoth.worker.checkpoint_interval import (DEGRADED_SPEEDUP, FIRST_STEPS, PROTECTED_STRETCH,
-                                                     CheckpointInterval)
+    from behemoth.worker.checkpoint_interval import (BORROW_SHARE, DEGRADED_SPEEDUP, FIRST_STEPS,
+                                                     PROTECTED_STRETCH, CheckpointInterval)
 
     cfg = SimpleNamespace(checkpoint=SimpleNamespace(every_n_steps="auto", interruption_every_s=21600.0,
                                                      hold_budget=0.01))
@@ -352,6 +352,11 @@ def test_the_hold_budget_is_an_account_spent_where_no_replica_protects_the_run()
     said = interval.line(state, 0.1)  # (said again where the rule moves: the account's wait moves at every report)
     assert "checkpoint every 120 steps" in said and "with nothing to protect the run" in said
     assert "for now every 12.0 s, as the account over the run allows" in said
+    # ... or sooner where the rest of the run will earn it: up to BORROW_SHARE of it may be spent ahead
+    assert interval.seconds(state, ahead_s=10.0)[0] == pytest.approx(12.0 - BORROW_SHARE * 10.0)
+    assert interval.seconds(state, ahead_s=100.0)[0] == pytest.approx(budget_s / DEGRADED_SPEEDUP)  # (the rule's)
+    assert interval.propose(state, step_s=0.1, steps_left=100) == round((12.0 - BORROW_SHARE * 10.0) / 0.1)
+    assert interval.propose(state, step_s=0.1, steps_left=0) == 120
     resumed = CheckpointInterval(cfg)
     assert resumed.propose(state, step_s=0.1) == FIRST_STEPS
     resumed.resumed(state)

@@ -96,10 +96,12 @@ class MemoryCopy:
 
     def fits(self) -> bool:
         """Whether this run's state is copied at all: DDP or one process (FSDP's shards are each rank's own)
-        and at most MAX_BYTES."""
+        and at most MAX_BYTES, counted before the first step as the weights' bytes x 3 (and Adam's two moments,
+        which the optimizer makes at its first step), the weight average's on top."""
         if is_sharded(self.run.model):
             return False
-        return sum(map(tensor_bytes, self.state_dicts().values())) <= MAX_BYTES
+        weights = tensor_bytes(live_state.trained_state(unwrap(self.run.model)))
+        return weights * (3 + (self.run.ema is not None)) <= MAX_BYTES
 
     def state_dicts(self) -> dict:
         """What a checkpoint holds of the loop's state, as the live objects' state dicts (no copy taken)."""

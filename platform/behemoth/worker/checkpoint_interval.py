@@ -15,8 +15,13 @@ With checkpoint.hold_budget B (a share of the training time) the interval is ins
 stay within it, C / B seconds with C the mean hold (CheckFreq's rule): for a user who bounds the work an interruption loses rather
 than its expectation, and the way to compare with a fixed interval at the same blocking cost.
 The budget is an account over the whole run (train_state.json: the seconds checkpoints held the loop, every one
-counted: periodic, a notice's, a resumed group's first): a deficit pushes the next checkpoint back until it is
-repaid, a surplus is spent where checkpoints pay most.
+counted: periodic, a notice's, a resumed group's first, a lone worker's copies to the driver's memory): a deficit
+pushes the next checkpoint back until it is repaid, a surplus is spent where checkpoints pay most. The account
+may also spend ahead, up to BORROW_SHARE of what the rest of the run will earn (its steps left at the current
+step time: the run's length is known), since where a checkpoint pays most comes when it comes (a node lost, the
+run on one worker until its replacement joins) and the run's first minutes, its first checkpoint and a notice's
+two, leave little earned by then; a half, because a run on fewer workers than it will have again steps slower
+than it will, so that what it spends stays within the budget over the whole run.
 Where they pay depends on whether a replica protects the run: under DDP with the rescue checkpoint
 (checkpoints/rescue.py) and two or more workers, losing a worker without notice costs no step (a live peer
 writes the state), so a periodic checkpoint guards only against what the rescue cannot cover (two workers lost
@@ -48,6 +53,7 @@ KEPT_HOLDS = 8  # the holds the median is taken over (the latest: a cache warmed
 PROTECTED_STRETCH = 8.0  # the interval's factor while a replica protects the run (above)
 DEGRADED_SPEEDUP = 4.0  # with a hold budget in surplus, the interval's divisor while nothing protects it
 RESCUE_FITS_S = 2.5  # a rescue protects only where a write takes less (Ray Train's stop gives the workers 5 s)
+BORROW_SHARE = 0.5  # of what the rest of the run will earn, the share the account may spend ahead (above)
 
 
 def young_daly_s(hold_s: float, interruption_every_s: float) -> float:
@@ -94,10 +100,11 @@ class CheckpointInterval:
             self.holds = [state.hold_s]
 
     def seconds(self, state: TrainState, write_s: float | None = None, protected: bool = False,
-                pending_s: float = 0.0, account: bool = True) -> tuple[float, str]:
+                pending_s: float = 0.0, account: bool = True, ahead_s: float = 0.0) -> tuple[float, str]:
         """Rank 0's interval in seconds of training and why (after a hold is measured); `protected`: a replica
         protects the run (above); with a hold budget, `pending_s`: the hold of a checkpoint about to be taken
-        (not yet in the account), and `account`: the interval the account allows (else the rule's alone)."""
+        (not yet in the account), `account`: the interval the account allows (else the rule's alone), and
+        `ahead_s`: the training seconds the rest of the run is expected to take (what it may borrow against)."""
         hold = statistics.median(self.holds)
         budget = self.cfg.checkpoint.hold_budget
         if budget:  # as often as the budget allows (a share of the time: the mean hold, not the median)
@@ -118,7 +125,8 @@ class CheckpointInterval:
             seconds, why = (seconds / DEGRADED_SPEEDUP, f"{why} / {DEGRADED_SPEEDUP:g} with nothing to protect the "
                                                         f"run, while the account over the run has the budget for it")
         if budget and account:  # no sooner than the account has this checkpoint's hold (and a pending one's) earned
-            seconds = max(seconds, (hold + pending_s - (budget * state.trained_s - state.held_s)) / budget)
+            earned = budget * (state.trained_s + BORROW_SHARE * max(ahead_s, 0.0))
+            seconds = max(seconds, (hold + pending_s - (earned - state.held_s)) / budget)
         if seconds > MAX_INTERVAL_S:
             seconds, why = MAX_INTERVAL_S, f"{why}, at most {MAX_INTERVAL_S:.0f} s"
         if write_s and write_s > seconds:
@@ -126,17 +134,18 @@ class CheckpointInterval:
         return seconds, why
 
     def propose(self, state: TrainState, step_s: float, write_s: float | None = None, protected: bool = False,
-                checkpointing: bool = False) -> int:
+                checkpointing: bool = False, steps_left: int = 0) -> int:
         """Rank 0's interval in steps (FIRST_STEPS until a hold is measured); `write_s`: how long the last
         background write took (the interval's floor); `checkpointing`: this step checkpoints (its hold is the
-        account's too)."""
+        account's too); `steps_left`: the run's steps after this one (what the account may borrow against)."""
         if not self.holds or step_s <= 0:
             return FIRST_STEPS
         pending = statistics.fmean(self.holds) if checkpointing else 0.0
-        return max(1, round(self.seconds(state, write_s, protected, pending)[0] / step_s))
+        return max(1, round(self.seconds(state, write_s, protected, pending, ahead_s=steps_left * step_s)[0]
+                            / step_s))
 
     def line(self, state: TrainState, step_s: float, write_s: float | None = None,
-             protected: bool = False) -> str | None:
+             protected: bool = False, steps_left: int = 0) -> str | None:
         """The log's line where the rule's interval (the account's wait left out: it moves at every report)
         moved by a fifth or more since it was last said (its steps follow the step time's noise)."""
         if not self.auto or not self.holds:
@@ -145,7 +154,7 @@ class CheckpointInterval:
         if self.said and abs(seconds - self.said) < 0.2 * self.said:
             return None
         self.said = seconds
-        now = self.seconds(state, write_s, protected)[0]
+        now = self.seconds(state, write_s, protected, ahead_s=steps_left * step_s)[0]
         if now > 1.01 * seconds:
             why = f"{why}; for now every {now:.1f} s, as the account over the run allows"
         steps = max(1, round(now / step_s)) if step_s > 0 else FIRST_STEPS

@@ -30,7 +30,11 @@ class MemoryCopies(Callback):
         cfg = ctx.cfg
         self.copy = MemoryCopy(link, ctx.trainables) if link is not None else None
         self.active = bool(self.copy is not None and cfg.checkpoint.memory_copy and ctx.world == 1
-                           and cfg.checkpoint.every_n_steps == "auto" and self.copy.fits())
+                           and cfg.checkpoint.every_n_steps == "auto")
+        if self.active and not self.copy.fits():
+            self.active = False
+            console("one worker, but its state is not copied to the driver's memory (checkpoint.memory_copy): FSDP, "
+                    "or a state over 2 GiB; a loss without notice costs the steps since the last checkpoint")
         self.interval = CheckpointInterval(cfg)  # the copies' own holds (the account is the run's: the state's)
         self.reporter = reporter
         reporter.copies_protect = self.active  # (the disk checkpoints are spaced as where a replica protects)
@@ -57,7 +61,7 @@ class MemoryCopies(Callback):
             return
         step_s = (state.trained_s - self.last[1]) / max(state.step - self.last[0], 1)
         self.last = (state.step, state.trained_s)
-        seconds, why = self.interval.seconds(state)
+        seconds, why = self.interval.seconds(state, ahead_s=(ctx.total_steps - state.step) * step_s)
         steps = max(1, round(seconds / step_s)) if step_s > 0 else 1
         self.next_at = state.step + steps
         if self.said is None or abs(steps - self.said) >= 0.2 * self.said:

@@ -196,8 +196,8 @@ class Reporter:
 
     def _after(self, state: TrainState, agreed: dict, ending: bool) -> None:
         """The interval's line where it moved; after a notice's last checkpoint, the group's end."""
-        line = (self.interval.line(state, agreed["step_s"], self.saver.write_s(), self.protected())
-                if self.rank == 0 else None)
+        line = (self.interval.line(state, agreed["step_s"], self.saver.write_s(), self.protected(),
+                                   self.total_steps - state.step) if self.rank == 0 else None)
         if line:
             console(line)
         if ending:
@@ -297,7 +297,8 @@ class Reporter:
         if self.rank == 0 and self.interval.auto:
             self.interval.resumed(state)
             proposed = self.interval.propose(state, step_s, self.saver.write_s(), self.protected(),
-                                             checkpointing=self.interval.due(state, self.total_steps))
+                                             checkpointing=self.interval.due(state, self.total_steps),
+                                             steps_left=self.total_steps - state.step)
         else:
             proposed = 0
         final = (self.rank == 0 and self.notice not in (None, math.inf) and self.notice_write_s is not None
