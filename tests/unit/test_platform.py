@@ -460,3 +460,28 @@ def test_every_module_path_the_docs_and_docstrings_name_exists():
             if not ((pkg / ref).exists() or (pkg / ref).with_suffix(".py").exists()):
                 missing.add(f"{text.relative_to(REPO)}: {ref}")
     assert not missing, sorted(missing)
+
+
+def test_the_command_line_is_a_table():
+    """Issue 77 item 4: cli.py lists the commands (COMMANDS); each command's module adds its own parser and holds
+    the handler its arguments run: cli.py declares no argument but --version, every module of driver/commands/
+    that adds a command is in the table, and every command (and `data`'s every subcommand) has its handler."""
+    import argparse
+    import ast
+
+    from behemoth.driver.commands import cli
+
+    folder = REPO / "platform" / "behemoth" / "driver" / "commands"
+    declared = [ast.unparse(node.args[0]) for node in ast.walk(ast.parse((folder / "cli.py").read_text()))
+                if isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "add_argument"]
+    assert declared == ["'--version'"], declared
+    adding = {path.stem for path in folder.glob("*.py") if "\ndef add_command(" in path.read_text()}
+    assert adding == {module.__name__.rsplit(".", 1)[1] for module in cli.COMMANDS}
+
+    def handled(parser: argparse.ArgumentParser, where: str) -> list[str]:
+        subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+        if not subs:
+            return [] if callable(parser.get_default("handler")) else [where]
+        return [name for s in subs for n, p in s.choices.items() for name in handled(p, f"{where} {n}")]
+
+    assert handled(cli.build_parser(), "behemoth") == []

@@ -57,13 +57,15 @@ def read_lease(folder: str) -> dict | None:
     return None
 
 
-class Store:
+class LeaseStore:
+    """What every lease store does the same way (its subclasses: where the lease lies and how it changes)."""
+
     def renew(self, data: bytes, expected):
         """A heartbeat's replace (the lock retries it itself, knowing when the lease expires)."""
         return self.replace(data, expected)
 
 
-class LocalLease(Store):
+class LocalLease(LeaseStore):
     """The lease file of a local folder (or a shared mount): created with link(), which fails when the lease
     exists and never shows a half-written one; replaced and removed under flock() of the folder, after
     comparing the bytes there with what the caller read (a compare-and-swap among this host's drivers)."""
@@ -181,7 +183,7 @@ class S3Lease:
             raise
 
 
-class UnconditionalLease(Store):
+class UnconditionalLease(LeaseStore):
     """Another URI scheme: its pyarrow filesystem offers no conditional write, so each change is a read, a
     compare and a write (the read-back after acquire catches most races, not all)."""
 

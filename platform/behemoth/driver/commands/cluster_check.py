@@ -279,3 +279,23 @@ def _with_lines(findings: list[Finding], lines: dict[str, int]) -> list[Finding]
             f.line = lines.get(key)
             key = key.rsplit(".", 1)[0] if "." in key else ""
     return findings
+
+
+def add_command(sub) -> None:
+    p = sub.add_parser("check-cluster", help="validate a Ray cluster YAML (`ray up`'s, or a KubeRay RayCluster or "
+                       "RayJob manifest) offline against its schema and lint it")
+    p.add_argument("cluster_yaml", help="the cluster config for `ray up` (cluster.yaml) or a KubeRay manifest "
+                   "(deploy/kuberay/*.yaml)")
+    p.add_argument("--job", dest="jobs", action="append", default=[], metavar="JOB_YAML",
+                   help="also check a job config meant for this cluster (e.g. its checkpoint storage path)")
+    p.set_defaults(handler=handle)
+
+
+def handle(args) -> int:
+    import sys
+
+    findings = check_cluster(args.cluster_yaml, args.jobs)
+    for finding in findings:
+        print(f"{args.cluster_yaml}: {finding}", file=sys.stderr)
+    print(f"{args.cluster_yaml}: {len(findings)} problem(s)" if findings else f"{args.cluster_yaml}: OK")
+    return 1 if findings else 0

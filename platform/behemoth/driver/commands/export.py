@@ -37,6 +37,7 @@ from behemoth.models.lora import is_adapted
 from behemoth.tasks import task_of
 from behemoth.tasks.registry import is_custom_kind
 from behemoth.storage.store import Store
+from behemoth.driver.commands.args import add_trusted_code_args
 
 
 @dataclass(frozen=True)
@@ -214,3 +215,28 @@ def how_trained(cfg: JobConfig) -> str:
                 f"its weights frozen; the adapters are merged into this model and kept alone in {ADAPTER_FOLDER}/")
     tuned = "full fine-tuning of" if model.pretrained or cfg.train.init_from else "training from scratch of"
     return f"{tuned} {start}, every weight trained"
+
+
+def add_command(sub) -> None:
+    p = sub.add_parser("export", help="write a checkpoint as a Hugging Face model folder (save_pretrained: "
+                       "safetensors, config with labels, image processor or tokenizer, model card)")
+    p.add_argument("checkpoint", help="a checkpoint folder, or a run folder (its best checkpoint by default)")
+    p.add_argument("--out", required=True, help="a new (or empty) folder to write")
+    pick = p.add_mutually_exclusive_group()
+    pick.add_argument("--best", dest="which", action="store_const", const="best", default="best",
+                      help="a run folder's best checkpoint by the task's metric (default)")
+    pick.add_argument("--latest", dest="which", action="store_const", const="latest",
+                      help="a run folder's latest checkpoint")
+    add_trusted_code_args(p)
+    p.add_argument("--chat-template", metavar="FILE", help="a Jinja chat template to export instead of the one the "
+                   "checkpoint keeps (the run's); needed for a checkpoint written before behemoth kept it, whose "
+                   "job.yaml names a template file: behemoth reads no file a checkpoint names")
+    p.set_defaults(handler=handle)
+
+
+def handle(args) -> int:
+    trusted = TrustedCode(args.model_code, args.task_code, args.trust_remote_code, args.tokenizer, args.chat_template)
+    out, source = export(args.checkpoint, args.out, args.which, trusted)
+    print(f"[behemoth] exported {source}\n  to {out} (load with transformers' from_pretrained / pipeline; "
+          f"see its README.md)")
+    return 0

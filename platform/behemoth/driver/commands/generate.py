@@ -31,6 +31,7 @@ from behemoth.errors import ConfigError
 from behemoth.storage import weights
 from behemoth.storage.store import Store
 from behemoth.storage.checkpoint import complete_checkpoints
+from behemoth.driver.commands.args import add_trusted_code_args
 
 Prompt = str | list  # text, or a conversation: [{"role": ..., "content": ...}, ...]
 PROMPTS_FILE_BYTES = 64 << 20  # a --prompts file's size at most (read whole, before the model loads)
@@ -317,3 +318,42 @@ def _prompt_of_row(line: str, where: str) -> Prompt:
         return messages
     raise ConfigError(f"{where}: give a row with \"prompt\" (a text) or \"messages\" (a non-empty list of "
                       f"{{\"role\": ..., \"content\": a text}})")
+
+
+def add_command(sub) -> None:
+    p = sub.add_parser("generate", help="print a causal LM's completions of prompts (greedy, or sampled with "
+                       "--temperature > 0), from a checkpoint, a run folder or an exported Hugging Face folder; "
+                       "no Ray, the GPU if there is one")
+    p.add_argument("model", metavar="CHECKPOINT_OR_EXPORT", help="a behemoth checkpoint folder, a run folder (its "
+                   "best checkpoint; --latest: its latest) or a Hugging Face folder (behemoth export's)")
+    given = p.add_mutually_exclusive_group(required=True)
+    given.add_argument("--prompt", help="one prompt (text)")
+    given.add_argument("--prompts", metavar="FILE", help="a prompt per line, or JSONL (.jsonl) rows with "
+                       "\"prompt\" (text) or \"messages\" (a conversation, rendered with the chat template)")
+    p.add_argument("--chat", action="store_true", help="render text prompts as a user's turn with the tokenizer's "
+                   "chat template and its generation prompt (messages rows always are)")
+    p.add_argument("--chat-template", metavar="FILE", help="a Jinja chat template to use instead of the tokenizer's "
+                   "(a checkpoint's: the one it keeps, the run's)")
+    p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate at most (default 64)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy; > 0: sample at this "
+                   "temperature")
+    p.add_argument("--top-p", type=float, help="sampling: keep the most likely tokens up to this probability mass")
+    p.add_argument("--top-k", type=int, help="sampling: keep the k most likely tokens")
+    p.add_argument("--seed", type=int, default=0, help="sampling: torch's seed before each prompt (default 0)")
+    p.add_argument("--latest", action="store_true", help="a run folder's latest checkpoint instead of its best")
+    add_trusted_code_args(p)
+    p.set_defaults(handler=handle)
+
+
+def handle(args) -> int:
+    sampling = Sampling(args.max_new_tokens, args.temperature, args.top_p, args.top_k, args.seed)
+    sampling.validate()  # (before the model loads)
+    prompts = [args.prompt] if args.prompt is not None else read_prompts(args.prompts)
+    generator = load_generator(args.model, "latest" if args.latest else "best",
+                               TrustedCode(args.model_code, args.task_code, args.trust_remote_code, args.tokenizer),
+                               args.chat_template)
+    print(f"[behemoth] generate: {generator.source}; {sampling.describe()}", flush=True)
+    for n, done in enumerate(generator.run(prompts, sampling, args.chat), 1):
+        shown = done.prompt if isinstance(done.prompt, str) else json.dumps(done.prompt, ensure_ascii=False)
+        print(f"--- prompt {n}: {shown}\n{done.text}", flush=True)
+    return 0

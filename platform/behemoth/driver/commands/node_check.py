@@ -13,6 +13,7 @@ import os
 
 from behemoth.config import JobConfig
 from behemoth.storage.store import Store
+from behemoth.driver.commands.args import add_config_args
 
 
 def job_paths(cfg: JobConfig) -> dict[str, str]:
@@ -75,3 +76,16 @@ def report_nodes(cfg) -> int:
         print(f"node {a['node'][:12]} ({a['host']}): " + (f"MISSING {lacks}" if lacks else "sees every path"))
     print(f"# {len(answers)} node(s); paths checked: {', '.join(job_paths(cfg)) or 'none (all URIs or Hub names)'}")
     return 1 if any(a["missing"] for a in answers) else 0
+
+
+def add_command(sub) -> None:
+    p = sub.add_parser("check-nodes", help="on a running Ray cluster (RAY_ADDRESS, or this machine's `ray start`): "
+                       "does every node see the job's local paths (data, model, init_from, checkpoint storage)?")
+    add_config_args(p)
+    p.set_defaults(handler=handle)
+
+
+def handle(args) -> int:
+    from behemoth.job import load_config
+
+    return report_nodes(load_config(args.config, args.overrides))

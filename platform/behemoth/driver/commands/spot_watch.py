@@ -32,6 +32,7 @@ import urllib.parse
 from dataclasses import dataclass
 
 from behemoth.errors import ConfigError
+from behemoth.driver.commands.args import positive
 
 AWS_METADATA, GCE_METADATA = "http://169.254.169.254", "http://metadata.google.internal"
 GCE_NOTICE_S = 30.0  # a preempted GCE VM's time between the notice and its stop
@@ -281,3 +282,26 @@ def run(cloud: str, metadata_url: str | None, address: str | None, node_id: str 
         return 1
     _say(f"{notice.detail}; drained Ray node {node} for preemption, {left:.0f} s to the deadline")
     return 0
+
+
+# `spot-watch --interval`: at most 30 s, GCE's whole notice (a longer interval could read a notice after its VM is
+# gone; -1 or nan ended the watcher at its first sleep, 0 asks the service without pause)
+_poll_interval = positive("seconds between two reads", 30)
+
+
+def add_command(sub) -> None:
+    p = sub.add_parser("spot-watch", help="on a spot node (cluster.yaml starts it after `ray start`): wait for the "
+                       "cloud's preemption notice, then drain this Ray node with its deadline, so the run checkpoints "
+                       "before the node goes (docs/clusters.md)")
+    p.add_argument("--cloud", choices=["aws", "gce"], required=True, help="whose metadata service to read")
+    p.add_argument("--metadata-url", help="the metadata service's plain HTTP address, http://HOST[:PORT] (default: "
+                   "the cloud's own)")
+    p.add_argument("--address", help="the cluster's GCS address, host:port (default: this node's `ray start`)")
+    p.add_argument("--node-id", help="this node's Ray node id (default: the node listening on this host's address)")
+    p.add_argument("--interval", type=_poll_interval, default=5.0, help="seconds between two reads of the notice, "
+                   "more than 0 and at most 30 (default 5)")
+    p.set_defaults(handler=handle)
+
+
+def handle(args) -> int:
+    return run(args.cloud, args.metadata_url, args.address, args.node_id, args.interval)
