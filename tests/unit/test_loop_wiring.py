@@ -229,6 +229,38 @@ def test_a_preemption_notice_is_trained_through_to_a_last_checkpoint_before_its_
     assert ended.interruptions == 0 and not ended.ended_on_notice
 
 
+def test_a_notice_a_replica_protects_against_is_met_by_its_last_checkpoint_alone(tmp_path, monkeypatch, capsys):
+    """Issue 73: where a replica protects the run (checkpoint.every_n_steps auto, and the rescue or a lone
+    worker's memory copies: rank 0's word, here said by the reporter's `protected`), a node gone before the
+    deadline loses no more than one gone without notice, so the notice's immediate checkpoint is left out (its
+    hold is the budget's): the one checkpoint the notice takes is its last, before the deadline."""
+    from behemoth.errors import PreemptionExit
+    from behemoth.hosts import lane
+    from behemoth.storage.checkpoint import complete_checkpoints, read_json, read_state
+    from behemoth.worker.reporting import Reporter
+
+    seen = _noticed(monkeypatch, at_step=6, ahead_s=3.0)
+    real = lane.LaneHost.report
+
+    def report(self, metrics, checkpoint=None, **kw):
+        seen.setdefault("reports", []).append(metrics)
+        return real(self, metrics, checkpoint, **kw)
+
+    monkeypatch.setattr(lane.LaneHost, "report", report)
+    monkeypatch.setattr(Reporter, "protected", lambda self: True)
+    with pytest.raises(PreemptionExit):
+        _run(tmp_path, monkeypatch, task="Slow", train={"epochs": 40}, failure={"preemption_grace_s": 0.5},
+             checkpoint={"every_n_steps": "auto", "async_save": False})
+    noticed = [(step, path) for step, path in complete_checkpoints(tmp_path / "runs" / "t")
+               if read_json(path, "metrics.json").get("preemption_checkpoint")]
+    assert len(noticed) == 1 and read_state(noticed[0][1]).ended_on_notice, noticed
+    kept = read_state(noticed[0][1])  # (the loop's wall time, the budget's base, counts more than its steps')
+    assert kept.loop_s > kept.trained_s > 0
+    out = capsys.readouterr().out
+    assert "a replica protects the run until then, so its one checkpoint is the last" in out
+    assert f"last checkpoint at step {noticed[0][0]}" in out
+
+
 def test_a_rank_told_of_the_notice_after_the_others_takes_their_deadline(tmp_path, monkeypatch):
     """Ray Train's watcher tells each worker of a drain when that worker's own call returns, so at a report one
     rank may hold the notice and another not yet. The ranks agree on the deadline of those that have it: a rank
@@ -248,10 +280,10 @@ def test_a_rank_told_of_the_notice_after_the_others_takes_their_deadline(tmp_pat
 
     def with_another_rank(stats):
         real(stats)
-        if len(stats) == 9 and stats[0] != 0:  # a report's vector, once a step has trained
+        if len(stats) == 10 and stats[0] != 0:  # a report's vector, once a step has trained
             if "at" not in seen:
                 seen["at"] = time.time() + 3.0
-            other = _torch.zeros(9, dtype=stats.dtype)
+            other = _torch.zeros(10, dtype=stats.dtype)
             other[5], other[8] = 1.0, seen["at"]
             stats += other
 
@@ -357,6 +389,9 @@ def test_the_hold_budget_is_an_account_spent_where_no_replica_protects_the_run()
     assert interval.seconds(state, ahead_s=100.0)[0] == pytest.approx(budget_s / DEGRADED_SPEEDUP)  # (the rule's)
     assert interval.propose(state, step_s=0.1, steps_left=100) == round((12.0 - BORROW_SHARE * 10.0) / 0.1)
     assert interval.propose(state, step_s=0.1, steps_left=0) == 120
+    state.loop_s = 50.0  # the budget is a share of the loop's wall time (its reports, waits, holds): 0.5 s earned
+    assert interval.seconds(state)[0] == pytest.approx(budget_s)  # (nothing owed: this hold earned in 2 s)
+    state.loop_s = 0.0
     resumed = CheckpointInterval(cfg)
     assert resumed.propose(state, step_s=0.1) == FIRST_STEPS
     resumed.resumed(state)

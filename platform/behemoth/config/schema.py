@@ -168,8 +168,8 @@ class CheckpointConfig:
     # checkpoint.every_n_steps: auto: how often an interruption (a preemption, a lost node or worker) is
     # expected before the run has seen any, in seconds of training; each one the run meets then counts.
     interruption_every_s: float = 21600.0
-    # checkpoint.every_n_steps: auto: the share of training time the checkpoints may hold the loop (e.g. 0.005:
-    # half a percent); auto then checkpoints as often as that allows (hold / budget seconds apart) instead of at
+    # checkpoint.every_n_steps: auto: the share of the time in the training loop the checkpoints may hold it (e.g.
+    # 0.005: half a percent); auto then checkpoints as often as that allows (hold / budget seconds apart) instead of at
     # Young/Daly's optimum. For a user who would rather bound the work an interruption loses than its
     # expectation: with asynchronous saves the hold is milliseconds, so a small budget buys frequent checkpoints.
     hold_budget: Optional[float] = None

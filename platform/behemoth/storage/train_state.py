@@ -29,19 +29,23 @@ class TrainState:
     trained_s: float = 0.0
     ended_on_notice: bool = False
     # and its account of checkpoint.hold_budget: the seconds checkpoints held the loop in the whole run (rank 0's
-    # measure), and the last mean hold (a resumed group's first interval: no 20-step checkpoint per restart)
+    # measure), and the last mean hold (a resumed group's first interval: no 20-step checkpoint per restart); the
+    # wall seconds in the training loop, what the budget is a share of (steps, data waits, reports, evaluations,
+    # checkpoints' holds: from one step's end to the next's; 0 in a checkpoint from before it was kept)
     held_s: float = 0.0
     hold_s: float = 0.0
+    loop_s: float = 0.0
 
     def last_step(self, total_steps: int) -> int:
         """The step the run ends at: its last, or the one early stopping stopped it at."""
         return total_steps if self.stopped_early_at is None else min(self.stopped_early_at, total_steps)
 
-    def advance(self, epoch_steps: int, global_batch: int, seconds: float = 0.0) -> None:
-        """One optimizer step done (in `seconds` of training); an epoch's last step moves to the next epoch's
-        step 0."""
+    def advance(self, epoch_steps: int, global_batch: int, seconds: float = 0.0, wall_s: float = 0.0) -> None:
+        """One optimizer step done (in `seconds` of training, `wall_s` in the loop since the step before ended);
+        an epoch's last step moves to the next epoch's step 0."""
         self.step += 1
         self.trained_s += seconds
+        self.loop_s += wall_s
         self.step_in_epoch += 1
         self.samples_seen += global_batch
         if self.step_in_epoch == epoch_steps:

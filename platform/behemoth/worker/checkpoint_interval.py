@@ -11,8 +11,8 @@ being each resume of the run from its checkpoint that lost work (not one from a 
 notice lost nothing, and counting it would checkpoint more often for no gain; train_state.json keeps both
 counts, so they add up over restarts and reruns). Leaning on what the run meets is the cheap side of the error: too short an M costs
 checkpoints of milliseconds (asynchronous saves), too long a one costs the work an interruption throws away.
-With checkpoint.hold_budget B (a share of the training time) the interval is instead the shortest whose holds
-stay within it, C / B seconds with C the mean hold (CheckFreq's rule): for a user who bounds the work an interruption loses rather
+With checkpoint.hold_budget B (a share of the time in the training loop: TrainState.loop_s, steps, data waits,
+reports and the holds themselves) the interval is instead the shortest whose holds stay within it, C / B seconds with C the mean hold (CheckFreq's rule): for a user who bounds the work an interruption loses rather
 than its expectation, and the way to compare with a fixed interval at the same blocking cost.
 The budget is an account over the whole run (train_state.json: the seconds checkpoints held the loop, every one
 counted: periodic, a notice's, a resumed group's first, a lone worker's copies to the driver's memory): a deficit
@@ -125,7 +125,7 @@ class CheckpointInterval:
             seconds, why = (seconds / DEGRADED_SPEEDUP, f"{why} / {DEGRADED_SPEEDUP:g} with nothing to protect the "
                                                         f"run, while the account over the run has the budget for it")
         if budget and account:  # no sooner than the account has this checkpoint's hold (and a pending one's) earned
-            earned = budget * (state.trained_s + BORROW_SHARE * max(ahead_s, 0.0))
+            earned = budget * (max(state.loop_s, state.trained_s) + BORROW_SHARE * max(ahead_s, 0.0))
             seconds = max(seconds, (hold + pending_s - (earned - state.held_s)) / budget)
         if seconds > MAX_INTERVAL_S:
             seconds, why = MAX_INTERVAL_S, f"{why}, at most {MAX_INTERVAL_S:.0f} s"

@@ -4,10 +4,12 @@ checkpoint).
 
 What differs between workloads lives in behemoth.tasks; this file is the same for all of them. The rest of
 the worker room: step_context (what every step is taken with), step_callbacks (what runs around each step: the
-weight average, the sample ledger, the fault hooks, the profiler), plan (micro-batch x accumulation), feed (the
-steps' batches, each epoch's pipeline opened ahead), speed (TFLOP/s, MFU), restore (which checkpoint), saver
-(checkpoints through Ray Train), report (what a report step does, and when), ledger (the audit trail of
-samples), evaluate, collectives, parallel (DDP, FSDP, compression, compile), precision, optim.
+weight average, the sample ledger, a lone worker's memory copies, the fault hooks, the profiler), plan
+(micro-batch x accumulation), feed (the steps' batches, each epoch's pipeline opened ahead), speed (TFLOP/s,
+MFU), reporting (what a report step does, and when), checkpoint_interval (when a checkpoint is due), ledger (the
+audit trail of samples), evaluate, parallel (DDP, FSDP, compression, compile), precision, optim. Saving and
+restoring are the checkpoints room's (behemoth.checkpoints: the saver, restore_latest, the rescue); the
+collectives are the host's (hosts/collectives.py).
 
 It never imports ray.tune. Everything that decides *when* something happens (report, evaluate, checkpoint)
 depends only on the step counter, which is identical on every rank: all ranks call the collective
@@ -104,6 +106,7 @@ def _train_steps(ctx: StepContext, state: TrainState, feed: EpochFeed, callbacks
                  rescue: Rescue) -> None:
     """The steps from `state` to the run's last: each with its callbacks, counted, and reported when due."""
     cfg, clock, window, bad_ids = ctx.cfg, ctx.clock, Window(), set()
+    last_end = None  # the last step's end: the loop's wall time runs from it (the group's first step: its own time)
     while state.step < state.last_step(ctx.total_steps):  # (early stopping moves the last step: report.py)
         for micro_batches, wait_s in _timed(feed.steps(state)):
             clock.add("data_wait", wait_s)
@@ -114,7 +117,10 @@ def _train_steps(ctx: StepContext, state: TrainState, feed: EpochFeed, callbacks
             # the step's time, less what it waited for a checkpoint snapshot (counted as checkpoint time)
             held = clock.totals["checkpoint"] - blocked_before
             step_s = clock.add("step", time.perf_counter() - step_started - held)
-            state.advance(ctx.epoch_steps, cfg.train.global_batch_size, step_s)
+            now = time.perf_counter()
+            state.advance(ctx.epoch_steps, cfg.train.global_batch_size, step_s,
+                          step_s if last_end is None else now - last_end)
+            last_end = now
             rescue.stepped()  # (the state is whole again: the step's update is counted)
             feed.ahead(state, ctx.total_steps)
             clock.mark_once("first_step")  # time to first step: the start-up a user waits through

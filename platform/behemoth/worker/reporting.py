@@ -43,7 +43,7 @@ def report_due(cfg: JobConfig, state: TrainState, total_steps: int, interval: Ch
 # 23 ms CPU step; at 1 s, ~1 % (BENCHMARKS.md, "P1 at the fast shape"). Evaluations go at once.
 REPORT_EVERY_S = 1.0
 # A preemption notice: the loop checkpoints at once (in the foreground: the node may go early; its duration is
-# measured) and trains on; its last checkpoint is taken when the deadline is as close as that duration x
+# measured; not where a replica protects the run: UNMEASURED_WRITE_S below) and trains on; its last checkpoint is taken when the deadline is as close as that duration x
 # FINAL_WRITE_FACTOR, two report periods and NOTICE_SAFETY_S. The group then waits for the node to go: Ray Train
 # ends it failure.preemption_grace_s after the deadline, so that the group it starts next is placed on the nodes
 # left (a node still going counts as room for workers: a group started at the deadline waited for it); where that
@@ -53,6 +53,10 @@ REPORT_EVERY_S = 1.0
 FINAL_WRITE_FACTOR = 1.5
 NOTICE_SAFETY_S = 1.0
 RECLAIM_POLL_S = 0.5  # how often a group held after a notice's last checkpoint asks whether the node is gone
+# Where a replica protects the run (checkpoint.every_n_steps auto: the rescue, a lone worker's memory copies) the
+# notice's first checkpoint is left out: a node gone before the deadline is rescued like one lost without notice.
+# The last one is then spaced by the last background write's time, or this where none was measured yet.
+UNMEASURED_WRITE_S = 1.0
 
 
 def run_epochs(epochs: int, total_steps: int, epoch_steps: int) -> float:
@@ -139,6 +143,13 @@ class Reporter:
         report = {**metrics, **clock, "resumed_from_step": self.resumed_from_step}
         first_notice = self.notice is not None and self.notice_write_s is None
         ending = agreed["final"] or (first_notice and self.notice == math.inf)  # (no deadline: the group ends now)
+        if first_notice and not ending and agreed["protected"]:
+            # a replica protects the run (rank 0's word): a node gone before the deadline is rescued by a live
+            # worker (or resumed from the lone worker's copy), so the notice's one checkpoint is its last, before
+            # the deadline, spaced by the last background write's time
+            self.notice_write_s = self.saver.write_s() or UNMEASURED_WRITE_S
+            self._say_notice(state, first_notice, ending, protected=True)
+            first_notice = False
         if first_notice or agreed["final"]:
             checkpoint_now, report["preemption_checkpoint"] = True, True
             self._say_notice(state, first_notice, ending)
@@ -249,10 +260,14 @@ class Reporter:
         self.step_s = (totals["step"] - self._step_total) / max(window.steps, 1)
         self._step_total = totals["step"]
 
-    def _say_notice(self, state: TrainState, first: bool, ending: bool) -> None:
+    def _say_notice(self, state: TrainState, first: bool, ending: bool, protected: bool = False) -> None:
         if self.rank != 0:
             return
-        if first and self.notice == math.inf:
+        if protected:
+            console(f"preemption notice (a node of this worker group is reclaimed in "
+                    f"{self.notice - time.time():.0f} s): training on; a replica protects the run until then, so "
+                    f"its one checkpoint is the last, just before the deadline")
+        elif first and self.notice == math.inf:
             console(f"preemption notice with no deadline: checkpoint at step {state.step}, then the worker group "
                     f"ends and the run goes on from it on the nodes it gets")
         elif first:
@@ -306,7 +321,8 @@ class Reporter:
         stats, task_sums = self._reduced([float(window.loss_sum), float(window.loss_count), float(len(bad_ids)),
                                           float(self.rank == 0 and self.sender.due()), float(nonfinite),
                                           float(deadline is not None), float(proposed), float(final),
-                                          deadline if deadline is not None else 0.0])
+                                          deadline if deadline is not None else 0.0,
+                                          float(self.rank == 0 and self.interval.auto and self.protected())])
         self.nonfinite_guard(state, window, stats[0], stats[4], first_bad)
         if stats[5] > 0 and self.notice is None:  # any rank's notice (Ray Train tells every worker of the group,
             # each when its own watcher call returns): the deadline of the ranks that have it, the same on every
@@ -342,7 +358,8 @@ class Reporter:
             metrics["skipped_steps"] = state.skipped_steps
         if self.interval.auto:
             metrics["checkpoint_interval_steps"] = int(stats[6])
-        return metrics, bool(stats[3]), {"interval": int(stats[6]), "final": stats[7] > 0, "step_s": step_s}
+        return metrics, bool(stats[3]), {"interval": int(stats[6]), "final": stats[7] > 0, "step_s": step_s,
+                                         "protected": stats[9] > 0}
 
     def _reduced(self, stats: list[float]) -> tuple[list[float], dict[str, float]]:
         """`stats` summed over the ranks in one all-reduce, with the task's own window sums (by their names)

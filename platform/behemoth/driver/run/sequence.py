@@ -1,7 +1,9 @@
 """Driver side: one run's sequence, the same whichever way the run starts. The driver's mirror of hosts/ on the
 worker side: there a host per way a worker runs (Ray Train's, a lane's), here a launcher per way a run starts
-(Ray Train's TorchTrainer: driver/run/trainer.py; a sweep's warm lane: driver/sweep/lane.py; `behemoth eval`:
-driver/run/evaluation.py, which launches no training and so stops after `launch`).
+(Ray Train's TorchTrainer: driver/run/trainer.py; a sweep's warm lane: driver/sweep/lane.py). `behemoth eval`
+(driver/run/evaluation.py) is not a launcher: it takes `prepare_data` alone (the task resolved once, its data
+checked and prepared as a run's), then a TorchTrainer of evaluation workers; the other steps are about a run
+folder (its checkpoints, a rerun's changed keys, retention, the summary), which an evaluation does not have.
 
     resolve    the task (once), the run's place, its complete checkpoints (listed once), the one a rerun
                resumes from and its job.yaml (read verified once)
