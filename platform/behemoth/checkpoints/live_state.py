@@ -233,39 +233,56 @@ def load(directory: str | Path, *, model, optimizer=None, scheduler=None, scaler
     In a process group every rank calls it: a file that fails its check on any rank fails it on every rank
     (collectives.on_every_rank), so that all go on to the same next checkpoint."""
     d = Path(directory)
+
+    def read(name: str):  # (a file the checkpoint may lack: None)
+        return torch.load(d / name, map_location="cpu", weights_only=True) if (d / name).is_file() else None
+
     if is_sharded_format(d):
         sharded.load(d, model, optimizer, remote, shared=not node_copy)
     else:
         collectives.on_every_rank(lambda: verify(d))  # all ranks skip a copy damaged on one node together
-        model_sd = torch.load(d / MODEL_FILE, map_location="cpu", weights_only=True)
-        optim_sd = torch.load(d / "optimizer.pt", map_location="cpu", weights_only=True) if optimizer else None
-        by_name = bool(optim_sd) and _keyed_by_name(optim_sd)
-        if is_sharded(model) or by_name:
-            from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
-
-            if optim_sd and not by_name:
-                optim_sd = _by_name(optim_sd, optimizer, model)
-            set_state_dict(unwrap(model), optimizer if optimizer else [], model_state_dict=model_sd,
-                           optim_state_dict=optim_sd or {}, options=StateDictOptions(full_state_dict=True))
-        else:
-            load_trained_state(unwrap(model), model_sd, d)
-            if optimizer is not None:
-                optimizer.load_state_dict(optim_sd)
-    if ema is not None:  # a checkpoint from before train.ema_decay was on: the average starts at its weights
-        if (d / EMA_FILE).is_file():
-            ema.load_state_dict(torch.load(d / EMA_FILE, map_location="cpu", weights_only=True))
-        else:
-            ema.reset()
-    if scheduler is not None:
-        scheduler.load_state_dict(torch.load(d / "scheduler.pt", weights_only=True))
-    if scaler is not None and scaler.is_enabled() and (d / "scaler.pt").is_file():
-        scaler.load_state_dict(torch.load(d / "scaler.pt", weights_only=True))
+        load_model_and_optimizer(read(MODEL_FILE), read("optimizer.pt") if optimizer else None, d, model=model,
+                                 optimizer=optimizer)
+    load_the_rest(read, ema=ema, scheduler=scheduler, scaler=scaler)
     if hook_state is not None and (d / "comm_hook.pt").is_file():
         saved = torch.load(d / "comm_hook.pt", weights_only=True)
         rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
         if saved["world_size"] == world:  # each rank's error feedback is its own; a resize starts it afresh
             hook_state.load_bytes(saved["ranks"][rank], device=next(unwrap(model).parameters()).device)
     return TrainState(**json.loads((d / "train_state.json").read_text()))
+
+
+def load_model_and_optimizer(model_sd: dict, optim_sd: dict | None, where, *, model, optimizer=None) -> None:
+    """A full state's model and optimizer dicts into the live objects (a full checkpoint's, or a lone worker's
+    memory copy: checkpoints/memory_copy.py): keyed by parameter index (DDP's) or by name (FSDP's), into either."""
+    by_name = bool(optim_sd) and _keyed_by_name(optim_sd)
+    if is_sharded(model) or by_name:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+        if optim_sd and not by_name:
+            optim_sd = _by_name(optim_sd, optimizer, model)
+        set_state_dict(unwrap(model), optimizer if optimizer else [], model_state_dict=model_sd,
+                       optim_state_dict=optim_sd or {}, options=StateDictOptions(full_state_dict=True))
+    else:
+        load_trained_state(unwrap(model), model_sd, where)
+        if optimizer is not None:
+            optimizer.load_state_dict(optim_sd)
+
+
+def load_the_rest(read, *, ema=None, scheduler=None, scaler=None) -> None:
+    """The weight average, schedule and fp16 scaler from `read(file name)` (None: the state has none)."""
+    if ema is not None:  # a checkpoint from before train.ema_decay was on: the average starts at its weights
+        saved = read(EMA_FILE)
+        if saved is not None:
+            ema.load_state_dict(saved)
+        else:
+            ema.reset()
+    if scheduler is not None:
+        scheduler.load_state_dict(read("scheduler.pt"))
+    if scaler is not None and scaler.is_enabled():
+        saved = read("scaler.pt")
+        if saved is not None:
+            scaler.load_state_dict(saved)
 
 
 def trained_state(module: torch.nn.Module) -> dict:

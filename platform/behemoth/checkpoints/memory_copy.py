@@ -148,14 +148,7 @@ def restore_newer(link, run: Trainables, than_step: int) -> TrainState | None:
         return None
     copy = unflatten(pickle.loads(skeleton), arrays[0])  # (this run's own rank 0 sent it)
     dicts = copy["dicts"]
-    live_state.load_trained_state(unwrap(run.model), dicts[MODEL_FILE], f"the copy of step {newest}")
-    run.optimizer.load_state_dict(dicts["optimizer.pt"])
-    run.scheduler.load_state_dict(dicts["scheduler.pt"])
-    if run.scaler is not None and run.scaler.is_enabled() and "scaler.pt" in dicts:
-        run.scaler.load_state_dict(dicts["scaler.pt"])
-    if run.ema is not None:
-        if EMA_FILE in dicts:
-            run.ema.load_state_dict(dicts[EMA_FILE])
-        else:
-            run.ema.reset()
+    live_state.load_model_and_optimizer(dicts[MODEL_FILE], dicts["optimizer.pt"], f"the copy of step {newest}",
+                                        model=run.model, optimizer=run.optimizer)
+    live_state.load_the_rest(dicts.get, ema=run.ema, scheduler=run.scheduler, scaler=run.scaler)
     return TrainState(**copy["state"])
