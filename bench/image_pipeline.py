@@ -72,15 +72,15 @@ def plain_transform(path: str, rnd: random.Random) -> np.ndarray:
     return pixels[:, ::-1] if rnd.random() < 0.5 else pixels
 
 
-def fast_transform(path: str, rnd: random.Random) -> np.ndarray:
+def fast_transform(path: str, rnd: random.Random, out: np.ndarray | None = None) -> np.ndarray:
     from behemoth.data.decode import random_resized_crop
     from behemoth.data.image_batches import center_fit, decode_rgb
 
     with open(path, "rb") as f:
         data = f.read()
     rng = np.random.default_rng(rnd.getrandbits(64))
-    out = random_resized_crop(data, SIZE, rng, decode_rgb)
-    return center_fit(decode_rgb(data), SIZE) if out is None else out
+    pixels = random_resized_crop(data, SIZE, rng, decode_rgb, out=out)
+    return center_fit(decode_rgb(data), SIZE) if pixels is None else pixels
 
 
 class Files:
@@ -132,7 +132,11 @@ def one_core_side(paths, labels, seconds, batch, meter, transform):
             perm = np.random.default_rng(epoch).permutation(len(paths))
             for start in range(0, len(paths) - batch + 1, batch):
                 order = perm[start:start + batch]
-                images = np.stack([transform(paths[i], rnd) for i in order])
+                images = np.empty((batch, SIZE, SIZE, 3), dtype=np.uint8)
+                for row, i in zip(images, order):  # behemoth's transform writes into the batch's row itself
+                    pixels = transform(paths[i], rnd, row) if transform is fast_transform else transform(paths[i], rnd)
+                    if pixels is not row:
+                        row[:] = pixels
                 yield torch.from_numpy(images), torch.as_tensor([labels[i] for i in order])
             epoch += 1
 

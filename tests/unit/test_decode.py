@@ -229,3 +229,78 @@ def test_max_image_pixels_is_the_bound_on_every_path_both_ways(tmp_path, monkeyp
     for bad in (0, -1, True):
         with pytest.raises(ConfigError, match="data.max_image_pixels must be a number of pixels > 0"):
             ImageData(root="unused", max_image_pixels=bad).validate()
+
+
+def interpolate_then_flip(crop: np.ndarray, size: int, flip: bool) -> np.ndarray:
+    """The resize as it was: F.interpolate's channels-first result, moved back to HWC, flipped by numpy."""
+    import torch
+    from torch.nn.functional import interpolate
+
+    x = torch.from_numpy(np.ascontiguousarray(crop)).permute(2, 0, 1)[None]
+    out = interpolate(x, size=(size, size), mode="bilinear", antialias=True, align_corners=False)[0]
+    out = out.permute(1, 2, 0).numpy()
+    return out[:, ::-1] if flip else out
+
+
+def test_the_resize_written_into_hwc_memory_equals_interpolate_and_flip_bit_for_bit():
+    """The pipeline on fast cores (issue 74 item 4): the crop is resized by the antialiased uint8 kernel straight
+    into the batch's HWC row (and flipped by torch) instead of interpolate's channels-first result copied back;
+    the pixels are F.interpolate's, bit for bit: up and down, odd shapes, both flips, read-only input, a row of a
+    batch."""
+    rng = np.random.default_rng(0)
+    image = photo(173, 131, seed=3)
+    image.flags.writeable = False
+    batch = np.zeros((3, 37, 37, 3), dtype=np.uint8)
+    for seed in range(40):
+        box = (int(rng.integers(0, 60)), int(rng.integers(0, 40)), int(rng.integers(5, 113)), int(rng.integers(5, 91)))
+        size = int(rng.choice([16, 37, 120]))
+        draws = np.random.default_rng(seed)
+        flip = draws.random() < 0.5  # _resize_flip's one draw
+        want = interpolate_then_flip(image[box[1]:box[1] + box[3], box[0]:box[0] + box[2]], size, flip)
+        got = decode._resize_flip(image, box, 1, size, np.random.default_rng(seed))
+        np.testing.assert_array_equal(got, want)
+        if size == 37:
+            row = batch[seed % 3]
+            assert decode._resize_flip(image, box, 1, size, np.random.default_rng(seed), out=row) is row
+            np.testing.assert_array_equal(batch[seed % 3], want)
+
+
+def test_random_resized_crop_into_a_row_is_the_same_crop():
+    data = jpeg(photo(120, 90, seed=1))
+    rows = np.zeros((2, 32, 32, 3), dtype=np.uint8)
+    for seed in range(10):
+        want = decode.random_resized_crop(data, 32, np.random.default_rng(seed), decode_rgb)
+        got = decode.random_resized_crop(data, 32, np.random.default_rng(seed), decode_rgb, out=rows[1])
+        assert got is rows[1] or np.shares_memory(got, rows)
+        np.testing.assert_array_equal(rows[1], want)
+    assert not rows[0].any()
+
+
+def test_a_decode_task_refills_its_last_output_only_once_nothing_holds_it(tmp_path):
+    """A decode task's images go into the array its process's last task returned (fresh memory costs page
+    faults a task on a VM whose host takes back freed pages), but never while anything still holds it: a batch
+    kept (a block not yet stored, a view, a tensor) keeps its pixels."""
+    import torch
+
+    from behemoth.data.image_batches import task_output
+
+    photos = {f"{i}.jpg": jpeg(photo(60 + 7 * i, 50, seed=i)) for i in range(4)}
+    batch = files_batch(tmp_path, photos)
+    c = ImageData(root="unused", image_size=24, augment="random_resized_crop")
+    first = transform_batch(batch, cfg=c, seed=0, epoch=0, train=True)
+    kept = first["image"].copy()
+    view, tensor = first["image"][1:], torch.from_numpy(first["image"])
+    del first
+    second = transform_batch(batch, cfg=c, seed=0, epoch=1, train=True)  # other crops, while a view is held
+    assert not np.shares_memory(second["image"], view)
+    np.testing.assert_array_equal(view, kept[1:])
+    np.testing.assert_array_equal(tensor.numpy(), kept)
+    assert not np.array_equal(second["image"], kept)
+    address = second["image"].__array_interface__["data"][0]
+    del second
+    third = transform_batch(batch, cfg=c, seed=0, epoch=0, train=True)
+    assert third["image"].__array_interface__["data"][0] == address  # refilled: nothing held it
+    np.testing.assert_array_equal(third["image"], kept)  # and the same pixels as a fresh array's
+    del third
+    assert task_output(2, 24).shape == (2, 24, 24, 3)  # fewer rows: a view of the same memory
+    assert task_output(2, 25).shape == (2, 25, 25, 3)  # another size: a new array

@@ -8,7 +8,8 @@ A plain loop pays, per 500x375 JPEG: PIL's decode (~1.2 ms here), a full-size co
 - where the crop is at least twice the output on both sides, the JPEG is decoded at 1/2, 1/4 or 1/8 scale in
   the DCT (libjpeg's scaled IDCT: the crop then resamples a smaller image of the same view);
 - the crop is resized by torch's antialiased bilinear kernel for uint8 (vectorised; PIL's filter, within a
-  level or so of its values inside the crop; at the crop's edges PIL also reads pixels outside the box);
+  level or so of its values inside the crop; at the crop's edges PIL also reads pixels outside the box),
+  written straight into the batch's HWC row where the caller gives one (`out`): no transposing copy after;
 - EXIF orientation is read only where the file carries an Exif segment.
 
 Every decode is bounded: an image whose header declares more than data.max_image_pixels pixels is refused
@@ -37,17 +38,18 @@ _SOI = b"\xff\xd8"
 
 
 def random_resized_crop(data: bytes, size: int, rng: np.random.Generator, decode_pil,
-                        max_pixels: int = MAX_IMAGE_PIXELS) -> np.ndarray | None:
+                        max_pixels: int = MAX_IMAGE_PIXELS, out: np.ndarray | None = None) -> np.ndarray | None:
     """uint8 [size, size, 3]: an Inception-style crop (area 8-100 %, aspect ratio 3/4-4/3, log-uniform) of the
     upright image, resized to size x size, flipped left-right with probability 1/2; None where no crop fitted
     in 10 tries (the caller centre-fits the image, and draws the flip). `decode_pil(data)` is the fallback
     decoder: an upright RGB PIL image, or the error that makes the sample a bad one (bounded by the same
-    `max_pixels` as this path)."""
+    `max_pixels` as this path). With `out` (uint8 [size, size, 3], C-contiguous, e.g. a row of a batch), the
+    pixels are written there and `out` is returned."""
     header = _jpeg_header(data)
     if header is None:
         pixels = np.asarray(decode_pil(data))
         box = _crop_box(pixels.shape[1], pixels.shape[0], rng)
-        return None if box is None else _resize_flip(pixels, box, 1, size, rng)
+        return None if box is None else _resize_flip(pixels, box, 1, size, rng, out)
     width, height, orientation = header
     # before the decode: libjpeg allocates for the whole declared image (a progressive one's coefficients
     # too, whatever the DCT scale) before it finds the data a few bytes long
@@ -63,7 +65,7 @@ def random_resized_crop(data: bytes, size: int, rng: np.random.Generator, decode
         pixels, scale = np.asarray(decode_pil(data)), 1
     else:
         pixels = _upright(pixels, orientation)
-    return _resize_flip(pixels, box, scale, size, rng)
+    return _resize_flip(pixels, box, scale, size, rng, out)
 
 
 def bounded(width: int, height: int, max_pixels: int) -> None:
@@ -113,11 +115,12 @@ def one_torch_thread():
             torch.set_num_threads(threads)
 
 
-def crop_from_view(view: np.ndarray, width: int, height: int, size: int, rng: np.random.Generator) -> np.ndarray:
+def crop_from_view(view: np.ndarray, width: int, height: int, size: int, rng: np.random.Generator,
+                   out: np.ndarray | None = None) -> np.ndarray:
     """random_resized_crop's uint8 [size, size, 3] from a stored view of the whole image (uint8 [S, S, 3], the
     upright image of `width` x `height` resized to S x S): the crop is drawn on the original size with the same
-    draws, mapped onto the view, resized, flipped as drawn. Where no crop fits in 10 tries, the centre square
-    (what centre-fitting keeps)."""
+    draws, mapped onto the view, resized, flipped as drawn (into `out` where given). Where no crop fits in 10
+    tries, the centre square (what centre-fitting keeps)."""
     box = _crop_box(width, height, rng)
     if box is None:
         side = min(width, height)
@@ -125,7 +128,7 @@ def crop_from_view(view: np.ndarray, width: int, height: int, size: int, rng: np
     s = view.shape[0]
     left, top, cw, ch = box
     scaled = (round(left * s / width), round(top * s / height), round(cw * s / width), round(ch * s / height))
-    return _resize_flip(view, scaled, 1, size, rng)
+    return _resize_flip(view, scaled, 1, size, rng, out)
 
 
 def _crop_box(w: int, h: int, rng: np.random.Generator) -> tuple[int, int, int, int] | None:
@@ -159,9 +162,9 @@ def _decode_jpeg(data: bytes, width: int, height: int, scale: int) -> np.ndarray
                                   min_width=math.ceil(width / scale))
 
 
-def _resize_flip(pixels: np.ndarray, box, scale: int, size: int, rng: np.random.Generator) -> np.ndarray:
+def _resize_flip(pixels: np.ndarray, box, scale: int, size: int, rng: np.random.Generator,
+                 out: np.ndarray | None = None) -> np.ndarray:
     import torch
-    from torch.nn.functional import interpolate
 
     left, top, cw, ch = (round(v / scale) for v in box)
     h, w = pixels.shape[:2]
@@ -172,9 +175,17 @@ def _resize_flip(pixels: np.ndarray, box, scale: int, size: int, rng: np.random.
     # read-only: PIL's np.asarray, the decoded cache's memory map. A crop narrower than the image is copied to
     # make it contiguous anyway; only a full-width crop of read-only pixels costs a copy here (of the crop alone)
     x = torch.from_numpy(np.require(crop, requirements=("C", "W"))).permute(2, 0, 1)[None]
-    out = interpolate(x, size=(size, size), mode="bilinear", antialias=True, align_corners=False)[0]
-    out = out.permute(1, 2, 0).numpy()
-    return out[:, ::-1] if flip else out
+    out = np.empty((size, size, 3), dtype=np.uint8) if out is None else out
+    target = torch.from_numpy(out)
+    # interpolate's antialiased bilinear kernel for uint8 (F.interpolate's, the same values) written straight
+    # into HWC memory, which it works in: interpolate's channels-first result and the transposing copy back to
+    # HWC cost 3x as much at 224 px (BENCHMARKS.md, the pipeline on fast cores)
+    resized = torch.empty_like(target) if flip else target
+    torch.ops.aten._upsample_bilinear2d_aa.out(x, [size, size], False, None, None,
+                                               out=resized.permute(2, 0, 1)[None])
+    if flip:
+        target.copy_(resized.flip(1))
+    return out
 
 
 def _jpeg_header(data: bytes) -> tuple[int, int, int] | None:

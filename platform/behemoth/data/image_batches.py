@@ -14,6 +14,7 @@ import contextlib
 import functools
 import logging
 import math
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -41,33 +42,51 @@ def transform_batch(batch: dict, *, cfg: ImageData, seed: int, epoch: int, train
     """
     size = cfg.image_size
     raw = _load_bytes(batch, cfg.image_column)
-    pixels = np.zeros((len(raw), size, size, 3), dtype=np.uint8)
+    pixels = task_output(len(raw), size)
     valid = np.ones(len(raw), dtype=bool)
     with one_torch_thread() if train and cfg.augment == "random_resized_crop" else contextlib.nullcontext():
         for i, (data, sample_id) in enumerate(zip(raw, batch["sample_id"])):
-            rng = sample_rng(seed, epoch, sample_id)
-            out, error = decode_sample(data, batch, i, lambda d: _transformed(d, size, cfg, rng, train))
-            if out is not None:
-                pixels[i] = out
-            elif cfg.max_bad_samples == 0:
+            rng, row = sample_rng(seed, epoch, sample_id), pixels[i]
+            out, error = decode_sample(data, batch, i, lambda d: _transformed(d, size, cfg, rng, train, row))
+            if out is None and cfg.max_bad_samples == 0:
                 raise BadSampleError(error)
-            else:
-                valid[i] = False
+            if out is None:
+                row[:], valid[i] = 0, False
     return {"image": pixels, "label": batch["label"], "sample_id": batch["sample_id"], "valid": valid}
 
 
-def _transformed(data: bytes, size: int, cfg: ImageData, rng: np.random.Generator, train: bool) -> np.ndarray:
-    """One sample's uint8 [S,S,3]: centre-fitted (evaluation), or augmented from its generator."""
+# The pixels of this process's last decode task, filled again by its next one where nothing holds them any more.
+_kept_output: list[np.ndarray] = []
+
+
+def task_output(n: int, size: int) -> np.ndarray:
+    """uint8 [n, size, size, 3] for a decode task's images, its contents undefined: the array the process's last
+    task returned where nothing holds it now (Ray has copied that task's output into its object store), else a
+    new one kept for the next task. Memory that stays with the process costs nothing to write again; a fresh
+    77 MB array (512 images at 224 px) cost 0.3-0.5 s of page faults a task on a VM whose host takes back the
+    pages a guest frees (BENCHMARKS.md, the pipeline on fast cores), about half the task's decoding."""
+    # held by the list and getrefcount's argument alone: no block or view refers to it
+    if _kept_output and sys.getrefcount(_kept_output[0]) == 2:
+        kept = _kept_output[0]
+        if kept.shape[1] == size and kept.shape[0] >= n:
+            return kept[:n]
+    _kept_output[:] = [np.empty((n, size, size, 3), dtype=np.uint8)]
+    return _kept_output[0]
+
+
+def _transformed(data: bytes, size: int, cfg: ImageData, rng: np.random.Generator, train: bool,
+                 row: np.ndarray) -> np.ndarray:
+    """One sample's uint8 [S,S,3], written into `row`: centre-fitted (evaluation), or augmented from its
+    generator."""
     decode = functools.partial(decode_rgb, max_pixels=cfg.max_image_pixels)
     if not train:
-        return center_fit(decode(data), size)
-    if cfg.augment == "random_resized_crop":
-        pixels = random_resized_crop(data, size, rng, decode, cfg.max_image_pixels)
-        if pixels is not None:
-            return pixels
+        row[:] = center_fit(decode(data), size)
+    elif cfg.augment != "random_resized_crop":
+        row[:] = augment_fitted(center_fit(decode(data), size), cfg, rng)
+    elif random_resized_crop(data, size, rng, decode, cfg.max_image_pixels, out=row) is None:
         pixels = center_fit(decode(data), size)  # no crop fitted in 10 tries
-        return pixels[:, ::-1] if rng.random() < 0.5 else pixels
-    return augment_fitted(center_fit(decode(data), size), cfg, rng)
+        row[:] = pixels[:, ::-1] if rng.random() < 0.5 else pixels
+    return row
 
 
 def decode_fitted(batch: dict, *, size: int, image_column: str, max_pixels: int = MAX_IMAGE_PIXELS) -> dict:
@@ -111,8 +130,9 @@ def cached_batches(images, labels: np.ndarray, indices: np.ndarray, cfg: ImageDa
         pixels, valid = images.rows(ids)
         if train and cfg.augment == "random_resized_crop":  # rows are views of the whole image (decode_views)
             # (torch's thread count is left as it is: this runs beside the training step, in its process)
-            pixels = np.stack([crop_from_view(p, w, h, cfg.image_size, sample_rng(seed, epoch, s))
-                               for p, (w, h), s in zip(pixels, images.sizes[ids], ids)])
+            views, pixels = pixels, np.empty((len(ids), cfg.image_size, cfg.image_size, 3), dtype=np.uint8)
+            for view, (w, h), s, row in zip(views, images.sizes[ids], ids, pixels):
+                crop_from_view(view, w, h, cfg.image_size, sample_rng(seed, epoch, s), out=row)
         elif train and cfg.augment != "none":
             draws = np.array([crop_flip_draws(sample_rng(seed, epoch, s), cfg.crop_padding) for s in ids])
             pixels = crop_flip_batch(pixels, draws, cfg.crop_padding)
