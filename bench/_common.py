@@ -21,7 +21,7 @@ from behemoth.driver.commands.data_bench import MachineCpu  # noqa: E402,F401  (
 def lm_corpus(root: Path = REPO / "data" / "bench_text", train_documents: int = 2000) -> Path:
     """Generated stories (`train_documents` train / 100 val documents) and a 1,024-token BPE tokenizer, made
     once per folder."""
-    from behemoth.data.synth_text import write_synth_text
+    from behemoth.data.text.synth_text import write_synth_text
     from behemoth.data.tokenizer import train_tokenizer
 
     if not (root / "tokenizer" / "tokenizer.json").is_file():

@@ -53,7 +53,7 @@ def main() -> None:
     args = p.parse_args()
     import ray
 
-    from behemoth.data.synth import write_synth_images
+    from behemoth.data.image.synth import write_synth_images
 
     data = REPO / "data/demo_images"
     if args.per_class != 200:

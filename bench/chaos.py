@@ -91,7 +91,7 @@ def main() -> None:
     args = p.parse_args()
 
     import ray
-    from behemoth.data.synth_text import write_synth_text
+    from behemoth.data.text.synth_text import write_synth_text
     from behemoth.data.tokenizer import train_tokenizer
     from behemoth.driver.run.trainer import train
     from behemoth.job import config_from_dict

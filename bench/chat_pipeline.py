@@ -30,11 +30,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "platform"))
 
 
 def prepare(kind: str, corpus: Path, tokenizer: str, seq_len: int, work: Path, cpus_per_task: float):
-    from behemoth.data.chat import ChatData
-    from behemoth.data.chat_packing import prepare_chat
-    from behemoth.data.chat_sources import plan_chat_units
-    from behemoth.data.text import TextData
-    from behemoth.data.text_packing import prepare_text
+    from behemoth.data.chat.chat import ChatData
+    from behemoth.data.chat.chat_packing import prepare_chat
+    from behemoth.data.chat.chat_sources import plan_chat_units
+    from behemoth.data.text.text import TextData
+    from behemoth.data.text.text_packing import prepare_text
 
     cache = work / f"cache-{kind}"
     shutil.rmtree(cache, ignore_errors=True)
@@ -54,7 +54,7 @@ def feed_rate(kind: str, index, batch: int, seconds: float) -> float:
 
     import numpy as np
     import torch
-    from behemoth.data.chat import split_flags
+    from behemoth.data.chat.chat import split_flags
     from behemoth.tasks.causal_lm import CausalLM, gather_batch
 
     model = SimpleNamespace(config=SimpleNamespace(_attn_implementation="sdpa"))
@@ -85,7 +85,7 @@ def main() -> None:
     args = parser.parse_args()
 
     import ray
-    from behemoth.data.synth_text import write_synth_chat
+    from behemoth.data.text.synth_text import write_synth_chat
     from behemoth.data.tokenizer import train_tokenizer
     from transformers import AutoTokenizer
 

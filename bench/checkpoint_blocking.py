@@ -141,7 +141,7 @@ def main() -> int:
     args.every = args.every or 5
 
     from behemoth.job import config_from_dict
-    from behemoth.data.text_packing import prepare_text
+    from behemoth.data.text.text_packing import prepare_text
     from behemoth.driver.ray_cluster.session import ensure_ray
 
     storage = Path(tempfile.mkdtemp(prefix="bench-p4-"))

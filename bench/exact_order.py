@@ -4,7 +4,7 @@ Exact resume needs each rank's samples to arrive in the order behemoth's permuta
 (`behemoth/data/order.py`), so behemoth's per-rank Ray Dataset runs with `preserve_order=True`: a decode
 task that finishes early waits for the ones before it. Without exactness a user would take Ray Data's
 default, `preserve_order=False` (batches in completion order), over the same samples. This benchmark runs
-the identical pipeline (`behemoth.data.image_batches.rank_windows`: index slices -> map_batches decode + augment ->
+the identical pipeline (`behemoth.data.image.image_batches.rank_windows`: index slices -> map_batches decode + augment ->
 iter_torch_batches with prefetch, window after window) both ways over one epoch of the demo images, with a consumer
 that does nothing — the worst case for ordering, since nothing hides a straggling task — alternating, after
 a warm-up of each, and prints images/s and the ratio exact / default (median of --repeats).
@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "platform"))
 
 def one_epoch(index, cfg, batch: int, ordered: bool) -> float:
     """Images/s of one epoch through the rank pipeline."""
-    from behemoth.data.image_batches import rank_windows
+    from behemoth.data.image.image_batches import rank_windows
     from behemoth.data.order import rank_train_indices
 
     indices = rank_train_indices(index.train.num_rows, batch, seed=0, epoch=0, rank=0, world_size=1)
@@ -57,9 +57,9 @@ def main() -> None:
 
     import ray
 
-    from behemoth.data.images import ImageData
-    from behemoth.data.images import build_index
-    from behemoth.data.synth import write_synth_images
+    from behemoth.data.image.images import ImageData
+    from behemoth.data.image.images import build_index
+    from behemoth.data.image.synth import write_synth_images
 
     root = Path(args.data)
     if not (root / "train").is_dir():

@@ -37,7 +37,7 @@ from PIL import Image
 PROBE = """
 import json, resource, sys, time
 from pathlib import Path
-from behemoth.data.images import index_image_folder, index_webdataset
+from behemoth.data.image.images import index_image_folder, index_webdataset
 base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 t = time.perf_counter()
 root, cache = Path(sys.argv[1]), Path(sys.argv[2]) if sys.argv[2] else None

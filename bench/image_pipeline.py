@@ -6,12 +6,12 @@ Sides, in rotating order, --rounds of each, every one measured for --seconds aft
 
 - plain: the one-core loop a user writes: PIL open, EXIF transpose, RGB, random-resized-crop (torchvision's
   draws: area 8-100 %, ratio 3/4-4/3) + bilinear resize to 224, flip; uint8 HWC; in this process, one thread.
-- fast (not in the default sides): the same one-core loop with behemoth's per-image transform (data/decode.py):
+- fast (not in the default sides): the same one-core loop with behemoth's per-image transform (data/image/decode.py):
   the per-core figure of the work alone.
 - dataloader: torch's DataLoader over the same files with the plain loop's transform per sample:
   num_workers = the machine's CPUs, persistent_workers, uint8 batches, pin_memory where CUDA is (never here),
   default prefetch; the consumer is this process.
-- dataloader+fast: the same DataLoader with behemoth's per-image transform (data/decode.py): what a user gets
+- dataloader+fast: the same DataLoader with behemoth's per-image transform (data/image/decode.py): what a user gets
   who copies behemoth's decode into their own loader (isolates the pipeline from the per-image work).
 - behemoth: `behemoth data bench JOB` in a process of its own (its own local Ray instance, one consumer
   actor as a training worker, Ray Data decode tasks, the worker's feed); its printed samples/s.
@@ -73,8 +73,8 @@ def plain_transform(path: str, rnd: random.Random) -> np.ndarray:
 
 
 def fast_transform(path: str, rnd: random.Random, out: np.ndarray | None = None) -> np.ndarray:
-    from behemoth.data.decode import random_resized_crop
-    from behemoth.data.image_batches import center_fit, decode_rgb
+    from behemoth.data.image.decode import random_resized_crop
+    from behemoth.data.image.image_batches import center_fit, decode_rgb
 
     with open(path, "rb") as f:
         data = f.read()

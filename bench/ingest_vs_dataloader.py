@@ -1,7 +1,7 @@
 """Benchmark P2: end-to-end images/s — behemoth (decoded cache, or Ray Data decode + augment -> 1 Ray Train
 worker) vs torch.utils.data.DataLoader(num_workers=2, persistent_workers=True) feeding a plain loop.
 
-Both use the same augmentation code (behemoth.data.image_batches: pad + random crop + flip seeded per sample,
+Both use the same augmentation code (behemoth.data.image.image_batches: pad + random crop + flip seeded per sample,
 normalise; the DataLoader's processes decode every PNG with transform_batch, as a user's script does), train
 the same model (regnet_tiny_cifar) with the same optimizer (behemoth's SGD recipe: momentum 0.9, Nesterov, weight
 decay 5e-4 on the weights; the plain loop's learning rate constant, behemoth's on its schedule) at the same
@@ -46,7 +46,7 @@ class ImageRows:
     def __getitem__(self, key):
         import numpy as np
 
-        from behemoth.data.image_batches import transform_batch
+        from behemoth.data.image.image_batches import transform_batch
 
         epoch, i = key
         batch = {k: np.asarray([v[i]]) for k, v in self.rows.items()}
@@ -137,9 +137,9 @@ def main() -> None:
     plain_threads = sorted({1, machine}) if args.threads == "best" else [1]
 
     from behemoth.job import config_from_dict
-    from behemoth.data.images import ImageData
-    from behemoth.data.images import build_index
-    from behemoth.data.synth import write_synth_images
+    from behemoth.data.image.images import ImageData
+    from behemoth.data.image.images import build_index
+    from behemoth.data.image.synth import write_synth_images
     from behemoth.driver.run.trainer import train
 
     root = Path(args.data)
@@ -154,7 +154,7 @@ def main() -> None:
     if args.cache == "decoded":  # built once, outside every measured span (as a run after the first finds it)
         import dataclasses
 
-        from behemoth.data import image_cache_build
+        from behemoth.data.image import image_cache_build
         from behemoth.tasks.image import decide_cache
 
         plans, why = decide_cache(dataclasses.replace(cfg, cache="decoded"), index)

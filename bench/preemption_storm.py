@@ -328,7 +328,7 @@ def main() -> None:
     import ray
     from _common import lm_corpus, lm_job
     from behemoth.config.load import apply_override
-    from behemoth.data.text_packing import prepare_text
+    from behemoth.data.text.text_packing import prepare_text
     from behemoth.job import config_from_dict
     from ray.cluster_utils import Cluster
 

@@ -67,7 +67,7 @@ def train_rate(device, classes: int, batches, steps: int, warmup: int, batch: in
     """Images/s of `steps` steps after `warmup`, over uint8 NHWC batches (on the host or the device)."""
     import torch
 
-    from behemoth.data.image_batches import normalise
+    from behemoth.data.image.image_batches import normalise
 
     model, opt = plain_model(device, classes)
     mean = torch.tensor([0.485, 0.456, 0.406], device=device).view(1, 3, 1, 1)

@@ -50,7 +50,7 @@ def main() -> None:
     p.add_argument("--checkpoints", type=int, default=4)
     args = p.parse_args()
 
-    from behemoth.data.text_packing import prepare_text
+    from behemoth.data.text.text_packing import prepare_text
     from behemoth.driver.ray_cluster.session import ensure_ray
     from behemoth.job import config_from_dict
 

@@ -29,8 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "platform"))
 
 
 def run_behemoth(corpus: Path, tokenizer: str, seq_len: int, workdir: Path, cpus: int) -> int:
-    from behemoth.data.text import TextData
-    from behemoth.data.text_packing import prepare_text
+    from behemoth.data.text.text import TextData
+    from behemoth.data.text.text_packing import prepare_text
 
     cache = workdir / "cache"
     shutil.rmtree(cache, ignore_errors=True)
@@ -80,7 +80,7 @@ def main() -> None:
     import datasets
     import ray
 
-    from behemoth.data.synth_text import write_synth_text
+    from behemoth.data.text.synth_text import write_synth_text
     from behemoth.data.tokenizer import train_tokenizer
 
     datasets.disable_caching()

@@ -90,7 +90,7 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session")
 def image_root(tmp_path_factory) -> Path:
     """A small synthetic ImageFolder: 4 classes, 24 train + 6 val images each, 16x16 PNGs."""
-    from behemoth.data.synth import write_synth_images
+    from behemoth.data.image.synth import write_synth_images
 
     root = tmp_path_factory.mktemp("images")
     write_synth_images(root, classes=4, per_class=24, val_per_class=6, size=16, seed=1)
@@ -209,7 +209,7 @@ def job_dict(image_root: Path, storage: Path, run_name: str = "t", **sections) -
 @pytest.fixture(scope="session")
 def text_corpus(tmp_path_factory) -> Path:
     """A small generated story corpus (train.jsonl 240 documents, val.jsonl 40) and a BPE tokenizer for it."""
-    from behemoth.data.synth_text import write_synth_text
+    from behemoth.data.text.synth_text import write_synth_text
     from behemoth.data.tokenizer import train_tokenizer
 
     root = tmp_path_factory.mktemp("text")

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import torch
 from behemoth.config import dump_yaml
-from behemoth.data.chat import chat_tokenizer, encode_conversation, split_flags
-from behemoth.data.chat_packing import ChatPacker, prepare_chat
+from behemoth.data.chat.chat import chat_tokenizer, encode_conversation, split_flags
+from behemoth.data.chat.chat_packing import ChatPacker, prepare_chat
 from behemoth.driver.commands.cli import main
 from behemoth.driver.run.trainer import train
 from behemoth.job import config_from_dict
@@ -99,7 +99,7 @@ def test_ray_data_renders_and_packs_the_conversations_as_the_driver_would(chat_c
 
 
 def _units(cfg):
-    from behemoth.data.chat_sources import plan_chat_units
+    from behemoth.data.chat.chat_sources import plan_chat_units
 
     return plan_chat_units(cfg)
 

@@ -19,7 +19,7 @@ LINE = re.compile(r"^data bench: ([\d,]+) samples/s \(([\d,]+) per CPU, ([\d.]+)
 
 @pytest.fixture(scope="module")
 def jpeg_root(tmp_path_factory):
-    from behemoth.data.synth import write_synth_images
+    from behemoth.data.image.synth import write_synth_images
 
     root = tmp_path_factory.mktemp("jpegs")
     write_synth_images(root, classes=2, per_class=24, val_per_class=2, size=(64, 48), seed=0, image_format="jpeg")
@@ -49,8 +49,8 @@ def test_an_image_jobs_pipeline_is_measured_as_its_two_workers_receive_it(jpeg_r
 
 
 def test_tar_shards_and_text_blocks_are_measured_too(jpeg_root, tmp_path, text_corpus):
-    from behemoth.data.image_shards import write_shards
-    from behemoth.data.images import index_image_folder
+    from behemoth.data.image.image_shards import write_shards
+    from behemoth.data.image.images import index_image_folder
 
     shards = tmp_path / "shards"
     write_shards(index_image_folder(jpeg_root), shards, 16)

@@ -319,7 +319,7 @@ def relative_distance(a: str, b: str) -> float:
 def loss_from_checkpoint(cfg, run_folder: Path, step: int, n_blocks: int) -> float:
     """The loss of step `step + 1`'s global batch (the planned order) on the weights of the run's checkpoint
     at `step`, computed in this process: one forward over the whole batch, no workers."""
-    from behemoth.data.text_packing import prepare_text
+    from behemoth.data.text.text_packing import prepare_text
     from behemoth.tasks.causal_lm import CausalLM
 
     model = CausalLM.model_from_checkpoint(cfg, checkpoint_at(run_folder, step)).eval()

@@ -19,8 +19,8 @@ from behemoth.storage import weights
 from behemoth.storage.checkpoint import complete_checkpoints
 from behemoth.config import dump_yaml
 from behemoth.job import config_from_dict
-from behemoth.data.image_batches import normalise, transform_batch
-from behemoth.data.images import build_index
+from behemoth.data.image.image_batches import normalise, transform_batch
+from behemoth.data.image.images import build_index
 from behemoth.driver.commands.cli import main
 from behemoth.driver.run.resume import resolve_init_from
 from behemoth.driver.run.trainer import train

@@ -153,7 +153,7 @@ def test_a_token_cache_in_the_bucket_trains_like_a_local_one(s3_endpoint, ray_lo
     from a local cache in memory."""
     import torch
 
-    from behemoth.data.text_packing import prepare_text
+    from behemoth.data.text.text_packing import prepare_text
     from conftest import lm_job_dict
 
     cache = f"s3://{BUCKET}/token-cache"

@@ -26,7 +26,7 @@ STEPS, KILLED_AFTER = 80, 45  # 4 epochs of 20 steps; checkpoints at 20, 40, 60,
 @pytest.fixture(scope="module")
 def labelled(tmp_path_factory) -> Path:
     """320 train / 80 val generated stories labelled by mood (4 classes), and a BPE tokenizer for them."""
-    from behemoth.data.synth_text import write_synth_labelled_text
+    from behemoth.data.text.synth_text import write_synth_labelled_text
     from behemoth.data.tokenizer import train_tokenizer
 
     root = tmp_path_factory.mktemp("labelled")
@@ -114,7 +114,7 @@ def test_the_classifier_learns_and_eval_and_export_predict_what_it_evaluated(str
 def _behemoth_predictions(cfg, ckpt: str, texts: list[str]) -> tuple[list[str], list[float]]:
     """The checkpoint's model on the texts as the workers feed them (truncated, right-padded to max_length):
     predicted label names, and each prediction's margin over the runner-up logit."""
-    from behemoth.data.labelled_text import load_classification_tokenizer
+    from behemoth.data.text.labelled_text import load_classification_tokenizer
     from behemoth.tasks.text_classification import TextClassification
 
     model = TextClassification.model_from_checkpoint(cfg, ckpt).eval()

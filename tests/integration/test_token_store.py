@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from behemoth.job import config_from_dict
-from behemoth.data import text_packing
+from behemoth.data.text import text_packing
 from behemoth.data.token_store import ShardWriter, TokenShards
 from behemoth.driver.ray_cluster.session import LOCAL_RAY_SYSTEM_CONFIG
 from behemoth.driver.run.trainer import train

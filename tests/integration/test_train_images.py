@@ -16,7 +16,7 @@ import yaml
 from behemoth.driver.commands.cli import main
 from behemoth.job import config_from_dict
 from behemoth.storage.checkpoint import complete_checkpoints
-from behemoth.data.images import build_index
+from behemoth.data.image.images import build_index
 from conftest import job_dict
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("ray_local")]
@@ -24,7 +24,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("ray_local")]
 
 def _two_rank_loop(config):
     """A few real training steps with behemoth's pieces; each rank saves what it ends with."""
-    from behemoth.data.image_batches import rank_batches
+    from behemoth.data.image.image_batches import rank_batches
     from behemoth.data.order import rank_train_indices
     import numpy as np
 

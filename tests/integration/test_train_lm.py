@@ -13,8 +13,8 @@ import yaml
 from behemoth.storage.checkpoint import complete_checkpoints, read_state
 from behemoth.driver.commands.cli import main
 from behemoth.job import config_from_dict
-from behemoth.data import text
-from behemoth.data.text_packing import prepare_text
+from behemoth.data.text import text
+from behemoth.data.text.text_packing import prepare_text
 from behemoth.data.token_store import TokenShards
 from behemoth.driver.run.trainer import train
 from behemoth.errors import RunFailedError
@@ -121,7 +121,7 @@ def _export_loads_with_transformers_alone(summary, cfg, tmp_path) -> None:
     import subprocess
     import sys
 
-    from behemoth.data.text import load_tokenizer
+    from behemoth.data.text.text import load_tokenizer
 
     out = tmp_path / "export"
     assert main(["export", summary.run_dir, "--latest", "--out", str(out)]) == 0

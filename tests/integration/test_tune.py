@@ -46,7 +46,7 @@ def sweep_images(tmp_path_factory) -> Path:
     out best was noise, and a stopped trial could rank first."""
     import shutil
 
-    from behemoth.data.synth import CLASS_NAMES, write_synth_images
+    from behemoth.data.image.synth import CLASS_NAMES, write_synth_images
 
     root = tmp_path_factory.mktemp("sweep_images")
     write_synth_images(root, classes=len(CLASS_NAMES), per_class=48, val_per_class=12, size=16, seed=1)

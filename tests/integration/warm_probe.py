@@ -17,7 +17,7 @@ def where_tasks_run(loop_config: dict) -> None:
     job = loop_config["job"]
 
     def seen(_=None):
-        return os.getpid(), "behemoth.data.image_batches" in sys.modules
+        return os.getpid(), "behemoth.data.image.image_batches" in sys.modules
 
     task = ray.get(ray.remote(seen).options(num_cpus=job.data.cpus_per_task).remote())
     mapped = ray.data.range(4, override_num_blocks=1).map_batches(

@@ -166,7 +166,7 @@ def test_gpu_settings_leave_a_cpu_run_alone_and_set_a_gpu_runs():
 
 
 def test_channels_last_input_is_the_same_numbers():
-    from behemoth.data.image_batches import normalise
+    from behemoth.data.image.image_batches import normalise
 
     images = torch.randint(0, 256, (4, 8, 8, 3), dtype=torch.uint8)
     valid = torch.tensor([True, False, True, True])

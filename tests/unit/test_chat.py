@@ -8,7 +8,7 @@ import json
 import numpy as np
 import pytest
 import torch
-from behemoth.data.chat import (
+from behemoth.data.chat.chat import (
     CHATML,
     START,
     TRAIN,
@@ -19,9 +19,9 @@ from behemoth.data.chat import (
     read_unit_records,
     split_flags,
 )
-from behemoth.data.chat_packing import ChatPacker
-from behemoth.data.chat_sources import check_first_records
-from behemoth.data.text import Unit
+from behemoth.data.chat.chat_packing import ChatPacker
+from behemoth.data.chat.chat_sources import check_first_records
+from behemoth.data.text.text import Unit
 from behemoth.errors import ConfigError, DataError
 
 CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Who found the key?"},
@@ -32,7 +32,7 @@ CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": 
 @pytest.fixture(scope="module")
 def chat_corpus(tmp_path_factory):
     """Generated conversations (train 120, val 20) and a BPE tokenizer with ChatML's tokens and template."""
-    from behemoth.data.synth_text import write_synth_chat
+    from behemoth.data.text.synth_text import write_synth_chat
     from behemoth.data.tokenizer import train_tokenizer
 
     root = tmp_path_factory.mktemp("chat")
@@ -244,9 +244,9 @@ def test_the_evaluations_prompts_are_each_conversations_opening_and_the_replies_
     each, decoded."""
     from types import SimpleNamespace
 
-    from behemoth.data.chat import tokenizer_files
-    from behemoth.data.chat_packing import sample_prompts
-    from behemoth.data.chat import render_text
+    from behemoth.data.chat.chat import tokenizer_files
+    from behemoth.data.chat.chat_packing import sample_prompts
+    from behemoth.data.chat.chat import render_text
     from behemoth.models.causal_lm import generation_config
 
     tok = chat_tokenizer(_cfg(chat_corpus))

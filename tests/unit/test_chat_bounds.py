@@ -13,11 +13,11 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from behemoth.data.chat import ChatData, chat_tokenizer, encode_conversation, read_unit_records, split_flags
-from behemoth.data.chat_packing import BadRecords, _nothing_to_train, encode_units
-from behemoth.data.chat_sources import check_first_records, plan_chat_units
-from behemoth.data.chat_render import RenderSpec, TemplateProcess, Window, conversation_tokens, window_chars
-from behemoth.data.text import UNIT_BYTES, Unit
+from behemoth.data.chat.chat import ChatData, chat_tokenizer, encode_conversation, read_unit_records, split_flags
+from behemoth.data.chat.chat_packing import BadRecords, _nothing_to_train, encode_units
+from behemoth.data.chat.chat_sources import check_first_records, plan_chat_units
+from behemoth.data.chat.chat_render import RenderSpec, TemplateProcess, Window, conversation_tokens, window_chars
+from behemoth.data.text.text import UNIT_BYTES, Unit
 from behemoth.errors import DataError
 
 CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Who found the key?"},
@@ -27,7 +27,7 @@ CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": 
 
 @pytest.fixture(scope="module")
 def chat_corpus(tmp_path_factory):
-    from behemoth.data.synth_text import write_synth_chat
+    from behemoth.data.text.synth_text import write_synth_chat
     from behemoth.data.tokenizer import train_tokenizer
 
     root = tmp_path_factory.mktemp("chat")
@@ -162,7 +162,7 @@ def test_a_late_units_lines_are_numbered_without_reading_the_file_from_its_start
     small = tmp_path / "small.jsonl"
     small.write_text("".join("{not json\n" if n in (7, 31, 52) else line for n in range(1, 60)))
     size, step = small.stat().st_size, 2000  # (units of 2,000 bytes: several lines each, lines across cuts)
-    from behemoth.data.chat_packing import ChatSpec
+    from behemoth.data.chat.chat_packing import ChatSpec
 
     spec = ChatSpec(RenderSpec.of(tok), Window.of(tok, "assistant", 64), 0, 0.0)
     bad = BadRecords(limit=5)

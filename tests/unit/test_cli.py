@@ -294,7 +294,7 @@ def test_resume_or_eval_on_data_whose_classes_changed_is_refused(tmp_path, monke
 
     from behemoth.storage import checkpoint
     from behemoth.config import ConfigError, dump_yaml
-    from behemoth.data.synth import write_synth_images
+    from behemoth.data.image.synth import write_synth_images
     from behemoth.driver.run import evaluation as evaluate
     from behemoth.driver.ray_cluster import session as ray_session
     from behemoth.driver.run import resume

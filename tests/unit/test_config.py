@@ -321,8 +321,8 @@ def test_each_task_reads_and_checks_its_own_data_keys(tmp_path):
     """`data:` is read into the section of its kind (the task's data_config): a key of another task's section
     is an unknown key for this kind, each section checks its own values, and the job's objects are the task's
     section classes (what the workers unpickle)."""
-    from behemoth.data.text import TextData
-    from behemoth.data.images import ImageData
+    from behemoth.data.text.text import TextData
+    from behemoth.data.image.images import ImageData
 
     image = load_config(write(tmp_path, "data:\n  root: imgs\n  image_size: 16\n"))
     assert type(image.data) is ImageData and image.data.image_size == 16

@@ -1,4 +1,4 @@
-"""The random-resized-crop at the per-core limit (data/decode.py): libjpeg-turbo's decode, scaled decoding for
+"""The random-resized-crop at the per-core limit (data/image/decode.py): libjpeg-turbo's decode, scaled decoding for
 large crops, EXIF orientation, and PIL's verdict for everything else, against PIL's own reading of the file."""
 
 import io
@@ -8,9 +8,9 @@ import pyarrow as pa
 import pytest
 from PIL import Image, ImageOps
 
-from behemoth.data import decode
-from behemoth.data.image_batches import decode_rgb, transform_batch
-from behemoth.data.images import ImageData
+from behemoth.data.image import decode
+from behemoth.data.image.image_batches import decode_rgb, transform_batch
+from behemoth.data.image.images import ImageData
 from behemoth.errors import BadSampleError
 
 
@@ -95,7 +95,7 @@ def test_what_libjpeg_turbo_leaves_goes_to_pil():
                       "size": [-1, -1]})
     batch = {k: np.asarray(v) for k, v in table.to_pydict().items()}
     cfg = ImageData(root="unused", image_size=16, augment="random_resized_crop")
-    from behemoth.data import image_batches
+    from behemoth.data.image import image_batches
 
     raw = {"a.jpg": good, "b.jpg": good[: len(good) // 2]}  # b: cut in half
     original = image_batches._load_bytes
@@ -131,8 +131,8 @@ def test_read_only_pixels_reach_torch_without_its_not_writable_warning(tmp_path)
     script = """
 import io, numpy as np
 from PIL import Image
-from behemoth.data import decode
-from behemoth.data.image_batches import decode_rgb
+from behemoth.data.image import decode
+from behemoth.data.image.image_batches import decode_rgb
 pixels = np.random.default_rng(0).integers(0, 256, (30, 40, 3), dtype=np.uint8)
 png = io.BytesIO(); Image.fromarray(pixels).save(png, "PNG")
 view = np.lib.format.open_memmap("view.npy", mode="w+", shape=(24, 24, 3), dtype=np.uint8)
@@ -188,7 +188,7 @@ def test_a_jpeg_declaring_gigapixels_is_a_bad_sample_refused_before_any_decoder_
     ~750 MB before anything compared its size with a bound; one declaring 10000 x 10000 (over Pillow's bound,
     under its error at twice that) was decoded by PIL's path. Both are now bad samples from their headers:
     counted and dropped under data.max_bad_samples, named otherwise, with no allocation for their pixels."""
-    from behemoth.data.image_batches import decode_fitted, decode_views
+    from behemoth.data.image.image_batches import decode_fitted, decode_views
 
     assert ImageData(root="unused").max_image_pixels == Image.MAX_IMAGE_PIXELS == decode.MAX_IMAGE_PIXELS
     batch = files_batch(tmp_path, {"good.jpg": jpeg(photo(40, 30)), "bomb.jpg": bomb_jpeg(16000),
@@ -212,7 +212,7 @@ def test_a_jpeg_declaring_gigapixels_is_a_bad_sample_refused_before_any_decoder_
 def test_max_image_pixels_is_the_bound_on_every_path_both_ways(tmp_path, monkeypatch):
     """data.max_image_pixels bounds libjpeg-turbo's path and PIL's alike, lower than Pillow's or higher (Pillow's
     own check at open does not refuse what the job allows); 0 or less is a config error."""
-    from behemoth.data.image_batches import decode_fitted
+    from behemoth.data.image.image_batches import decode_fitted
     from behemoth.errors import ConfigError
 
     png = io.BytesIO()
@@ -282,7 +282,7 @@ def test_a_decode_task_refills_its_last_output_only_once_nothing_holds_it(tmp_pa
     kept (a block not yet stored, a view, a tensor) keeps its pixels."""
     import torch
 
-    from behemoth.data.image_batches import task_output
+    from behemoth.data.image.image_batches import task_output
 
     photos = {f"{i}.jpg": jpeg(photo(60 + 7 * i, 50, seed=i)) for i in range(4)}
     batch = files_batch(tmp_path, photos)

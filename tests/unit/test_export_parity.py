@@ -11,7 +11,7 @@ import torch
 from PIL import Image
 
 from behemoth.job import config_from_dict
-from behemoth.data.image_batches import fit_size, normalise, transform_batch
+from behemoth.data.image.image_batches import fit_size, normalise, transform_batch
 from behemoth.tasks.image import ImageClassification, build_image_model
 from conftest import job_dict
 
@@ -112,7 +112,7 @@ def test_fit_size_is_transformers_resize_arithmetic_for_every_shape():
 def test_decoding_follows_exif_orientation_and_drops_alpha(tmp_path):
     """As transformers' load_image: a photo stored sideways with an EXIF orientation is turned upright, and a
     transparent pixel keeps its colour (the alpha channel is dropped, not blended onto a background)."""
-    from behemoth.data.image_batches import decode_rgb
+    from behemoth.data.image.image_batches import decode_rgb
 
     exif = Image.Exif()
     exif[0x0112] = 6

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from behemoth.config import dump_yaml
-from behemoth.data.chat import tokenizer_files
+from behemoth.data.chat.chat import tokenizer_files
 from behemoth.driver.commands.cli import main
 from behemoth.job import config_from_dict
 from behemoth.storage.checkpoint import TrainState
@@ -190,7 +190,7 @@ def test_the_stop_ids_hold_the_end_of_turn_token_the_template_writes_where_the_v
     <|im_end|> written by a template whose tokenizer lacks it as a token gives EOS alone."""
     from transformers import AutoTokenizer
 
-    from behemoth.data.chat import render_text
+    from behemoth.data.chat.chat import render_text
     from behemoth.models.causal_lm import generation_config
 
     tok = AutoTokenizer.from_pretrained(text_corpus / "tokenizer")
@@ -227,7 +227,7 @@ def test_a_chat_template_that_cannot_be_read_or_rendered_is_one_line_naming_it(c
     raise_exception, one the sandbox refuses, one that is not Jinja, and a device given as a template file were
     tracebacks (UnicodeDecodeError, TemplateError, SecurityError, TemplateSyntaxError) or a read without end:
     each is one line naming the template, exit 2."""
-    from behemoth.data.chat import ChatData
+    from behemoth.data.chat.chat import ChatData
     from behemoth.errors import ConfigError
 
     _, out, _ = chat_model

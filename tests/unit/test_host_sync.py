@@ -107,7 +107,7 @@ class _Host(hosts.WorkerHost):
 def _image_task(tmp_path, image_root, recipe: bool = False):
     """The image task's steps; `recipe`: with label smoothing, mixup and cutmix, non-finite steps skipped (the
     fused optimizer reading its flag on the device) and a weight average, SGD as before."""
-    from behemoth.data.images import build_index
+    from behemoth.data.image.images import build_index
     from behemoth.tasks.image import ImageClassification
 
     data = {"cache": "none", **({"label_smoothing": 0.1, "mixup_alpha": 0.2, "cutmix_alpha": 1.0} if recipe else {})}
@@ -126,7 +126,7 @@ def _image_task(tmp_path, image_root, recipe: bool = False):
 
 
 def _lm_task(tmp_path, text_corpus, documents: bool = False):
-    from behemoth.data.text_packing import TokenIndex
+    from behemoth.data.text.text_packing import TokenIndex
     from behemoth.data.token_store import TokenBlocks, block_records
     from behemoth.tasks.causal_lm import CausalLM
 
@@ -141,7 +141,7 @@ def _lm_task(tmp_path, text_corpus, documents: bool = False):
 
 
 def _classifier_task(tmp_path, text_corpus):
-    from behemoth.data.labelled_text import TokenisedRows, _tokenise_batch, load_classification_tokenizer
+    from behemoth.data.text.labelled_text import TokenisedRows, _tokenise_batch, load_classification_tokenizer
     from behemoth.tasks.text_classification import TextClassification
 
     texts = [f"story {i} about a {'happy' if i % 2 else 'sad'} dog" for i in range(64)]

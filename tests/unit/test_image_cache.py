@@ -1,4 +1,4 @@
-"""The decoded image cache (behemoth/data/image_cache.py, image_cache_build.py): the same batches as decoding
+"""The decoded image cache (behemoth/data/image/image_cache.py, image_cache_build.py): the same batches as decoding
 every epoch, a damaged or stale cache never read, one build per node however many processes ask at once. No
 Ray: the cache is built in-process here (workers=False); the runs in tests/integration/test_train_images.py
 build it with Ray Data."""
@@ -21,9 +21,9 @@ import pyarrow.parquet as pq
 import pytest
 from PIL import Image
 
-from behemoth.data import image_cache, image_cache_build
-from behemoth.data.image_batches import cached_batches, decode_fitted, transform_batch
-from behemoth.data.images import index_image_folder, index_parquet
+from behemoth.data.image import image_cache, image_cache_build
+from behemoth.data.image.image_batches import cached_batches, decode_fitted, transform_batch
+from behemoth.data.image.images import index_image_folder, index_parquet
 from behemoth.errors import ConfigError, DataError
 from behemoth.tasks.image import ImageData, decide_cache
 
@@ -176,7 +176,7 @@ BUILDER = textwrap.dedent('''
     import os, sys, time
     from pathlib import Path
     import pyarrow.parquet as pq
-    from behemoth.data import image_batches, image_cache, image_cache_build
+    from behemoth.data.image import image_batches, image_cache, image_cache_build
 
     folder = Path(sys.argv[3])
     slow = image_batches.decode_fitted
@@ -267,16 +267,16 @@ def test_no_decode_process_is_warmed_up_for_a_cache_that_is_built(image_root, tm
     c = cfg(cache_dir=str(tmp_path / "c"))
     index.cache, _ = decide_cache(c, index)
     job = types.SimpleNamespace(data=c)  # the job config: only its data section is read
-    assert ImageClassification.data_modules(job, index) == ("ray.data", "behemoth.data.image_batches")
+    assert ImageClassification.data_modules(job, index) == ("ray.data", "behemoth.data.image.image_batches")
     build(index.train, tmp_path / "c")
     assert ImageClassification.data_modules(job, index) != ()  # val still to decode
     build(index.val, tmp_path / "c")
     assert ImageClassification.data_modules(job, index) == ()
     index.cache = None  # data.cache none: decoded every epoch
-    assert ImageClassification.data_modules(job, index) == ("ray.data", "behemoth.data.image_batches")
+    assert ImageClassification.data_modules(job, index) == ("ray.data", "behemoth.data.image.image_batches")
     # random_resized_crop's decode tasks resize with torch: their processes import it ahead too
     rrc = types.SimpleNamespace(data=cfg(cache="none", augment="random_resized_crop"))
-    assert ImageClassification.data_modules(rrc, index) == ("ray.data", "behemoth.data.image_batches", "torch")
+    assert ImageClassification.data_modules(rrc, index) == ("ray.data", "behemoth.data.image.image_batches", "torch")
 
 
 @pytest.mark.parametrize("depth", [2, 0])
@@ -349,7 +349,7 @@ def test_each_image_column_of_a_parquet_set_has_its_own_cache(tmp_path):
 FULL_DISK_BUILDER = textwrap.dedent('''
     import sys
     import pyarrow.parquet as pq
-    from behemoth.data import image_cache, image_cache_build
+    from behemoth.data.image import image_cache, image_cache_build
     from behemoth.errors import user_facing_error
 
     table = pq.read_table(sys.argv[1])
@@ -434,7 +434,7 @@ PAUSED_BUILDER = textwrap.dedent('''
     import os, socket, sys, time
     from pathlib import Path
     import pyarrow.parquet as pq
-    from behemoth.data import image_batches, image_cache, image_cache_build
+    from behemoth.data.image import image_batches, image_cache, image_cache_build
 
     socket.gethostname = lambda: sys.argv[4]
     os.getpid = lambda: 4242
@@ -568,7 +568,7 @@ def test_a_failure_that_is_not_the_images_fault_fails_the_build_and_is_not_store
     """A MemoryError while one image is decoded (a transient fault of the machine, not of the image) ends the
     build, naming the image, and nothing is committed: before, it was stored as an undecodable image, for every
     later run. The next build decodes it. Bytes that are really not an image are still stored as bad."""
-    from behemoth.data import image_batches
+    from behemoth.data.image import image_batches
 
     index = index_image_folder(image_root)
     victim = Path(index.train.column("path")[5].as_py()).read_bytes()
@@ -600,7 +600,7 @@ def test_decoding_every_epoch_raises_a_failure_that_is_not_the_images_fault(imag
     bad sample nor a BadSampleError (which ends a run without a retry). Corrupt bytes are bad samples."""
     import errno
 
-    from behemoth.data import image_batches
+    from behemoth.data.image import image_batches
     from behemoth.errors import BadSampleError
 
     index = index_image_folder(image_root)
@@ -627,7 +627,7 @@ def test_decoding_every_epoch_raises_a_failure_that_is_not_the_images_fault(imag
 @pytest.fixture
 def photo_jpegs(tmp_path) -> Path:
     """A few photograph-like JPEGs, landscape, portrait and larger (behemoth data synth-images --format jpeg)."""
-    from behemoth.data.synth import write_synth_images
+    from behemoth.data.image.synth import write_synth_images
 
     root = tmp_path / "jpegs"
     write_synth_images(root, classes=2, per_class=6, val_per_class=2, size=(96, 72), seed=1, image_format="jpeg")

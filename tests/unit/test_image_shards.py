@@ -10,9 +10,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from behemoth.data import image_batches, image_shards
-from behemoth.data.image_batches import transform_batch
-from behemoth.data.images import (
+from behemoth.data.image import image_batches, image_shards
+from behemoth.data.image.image_batches import transform_batch
+from behemoth.data.image.images import (
     DataError,
     ImageData,
     index_image_folder,
@@ -65,7 +65,7 @@ def test_shards_hold_the_folders_samples_in_its_order_and_decode_to_the_same_pix
 
 
 def test_the_decoded_cache_of_shards_holds_the_folders_pixels(image_root, shards, tmp_path):
-    from behemoth.data import image_cache, image_cache_build
+    from behemoth.data.image import image_cache, image_cache_build
 
     folder = index_image_folder(image_root)
     index = index_webdataset(files(shards, "train"), files(shards, "val"))

@@ -10,9 +10,9 @@ import pytest
 import torch
 from PIL import Image
 
-from behemoth.data.image_batches import normalise, transform_batch
-from behemoth.data.images import ImageData
-from behemoth.data.images import DataError, build_index, index_image_folder
+from behemoth.data.image.image_batches import normalise, transform_batch
+from behemoth.data.image.images import ImageData
+from behemoth.data.image.images import DataError, build_index, index_image_folder
 from behemoth.errors import BadSampleError
 
 
@@ -39,8 +39,8 @@ def test_an_image_folder_listing_is_kept_until_a_class_folder_changes(tmp_path, 
     stats the class folders and lists no file; a file added to a class folder lists it again, with the file."""
     import shutil
 
-    from behemoth.data import images
-    from behemoth.data.synth import write_synth_images
+    from behemoth.data.image import images
+    from behemoth.data.image.synth import write_synth_images
 
     root = tmp_path / "images"
     write_synth_images(root, classes=3, per_class=5, val_per_class=2, size=8, seed=0)
@@ -195,7 +195,7 @@ def test_imagenets_flat_val_folder_is_named_and_split_into_class_folders(tmp_pat
     moving nothing, when labels and images disagree."""
     import pytest
 
-    from behemoth.data.images import index_image_folder
+    from behemoth.data.image.images import index_image_folder
     from behemoth.driver.commands.cli import main
     from behemoth.errors import DataError
 

@@ -16,8 +16,8 @@ import torch
 import yaml
 
 from behemoth.config import dump_yaml
-from behemoth.data.chat import chat_tokenizer, tokenizer_files
-from behemoth.data.text import load_tokenizer
+from behemoth.data.chat.chat import chat_tokenizer, tokenizer_files
+from behemoth.data.text.text import load_tokenizer
 from behemoth.driver.commands.cli import main
 from behemoth.job import config_from_dict
 from behemoth.storage import checkpoint

@@ -7,7 +7,7 @@ import pyarrow as pa
 import pyarrow.csv
 import pyarrow.parquet
 import pytest
-from behemoth.data.labelled_text import LabelledTextData, load_classification_tokenizer, read_labelled
+from behemoth.data.text.labelled_text import LabelledTextData, load_classification_tokenizer, read_labelled
 from behemoth.errors import ConfigError, DataError
 from behemoth.job import config_from_dict
 
@@ -167,7 +167,7 @@ def test_an_edited_or_damaged_labels_json_counts_as_a_damaged_checkpoint(tmp_pat
     from behemoth.driver.run import resume
     from behemoth.driver.commands.cli import main
     from behemoth.errors import CheckpointError
-    from behemoth.data.chat import tokenizer_files
+    from behemoth.data.chat.chat import tokenizer_files
     from behemoth.tasks.kept_tokenizer import kept_tokenizer_files
     from behemoth.tasks.text_classification import TextClassification, build_classifier
 

@@ -55,8 +55,8 @@ def test_lora_trains_and_keeps_only_adapters_resumes_exactly_and_exports_adapter
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, pipeline
 
-    from behemoth.data.chat import tokenizer_files
-    from behemoth.data.text import load_tokenizer
+    from behemoth.data.chat.chat import tokenizer_files
+    from behemoth.data.text.text import load_tokenizer
     from behemoth.driver.commands.export import export
     from behemoth.driver.commands.generate import Sampling, load_generator
     from behemoth.models.causal_lm import build_causal_lm

@@ -12,13 +12,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 from behemoth.job import config_from_dict
-from behemoth.data.chat import REJECTED, START, TRAIN, chat_tokenizer, read_unit_records, split_flags
-from behemoth.data.chat_packing import ChatPacker
-from behemoth.data.chat_sources import check_first_records
-from behemoth.data.chat_render import Failed, RenderSpec, Window, process_for
-from behemoth.data.pair_render import TOO_LONG, pair_of
-from behemoth.data.preference import PreferenceData
-from behemoth.data.text import Unit
+from behemoth.data.chat.chat import REJECTED, START, TRAIN, chat_tokenizer, read_unit_records, split_flags
+from behemoth.data.chat.chat_packing import ChatPacker
+from behemoth.data.chat.chat_sources import check_first_records
+from behemoth.data.chat.chat_render import Failed, RenderSpec, Window, process_for
+from behemoth.data.chat.pair_render import TOO_LONG, pair_of
+from behemoth.data.chat.preference import PreferenceData
+from behemoth.data.text.text import Unit
 from behemoth.errors import ConfigError, DataError
 from behemoth.tasks.dpo import dpo_losses, sequence_logps
 from behemoth.tasks.preference import PreferenceLM
@@ -32,7 +32,7 @@ PAIR = {"prompt": PROMPT, "chosen": [{"role": "assistant", "content": "Ada found
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
     """Generated pairs (train 60, val 12) and a BPE tokenizer with ChatML's tokens and template."""
-    from behemoth.data.synth_text import write_synth_chat, write_synth_preference
+    from behemoth.data.text.synth_text import write_synth_chat, write_synth_preference
     from behemoth.data.tokenizer import train_tokenizer
 
     root = tmp_path_factory.mktemp("preference")
@@ -119,7 +119,7 @@ def test_parquet_rows_are_pairs_too(corpus, tmp_path):
     when = datetime.datetime(2026, 11, 29)
     pq.write_table(pa.Table.from_pylist([{**PAIR, "at": when}, {**PAIR, "rejected": PAIR["chosen"], "at": when}]), path)
     cfg = _data(corpus, train_files=[str(path)], max_bad_samples=1)
-    from behemoth.data.chat_sources import plan_chat_units
+    from behemoth.data.chat.chat_sources import plan_chat_units
 
     units = plan_chat_units(cfg)  # (the first records of each file checked: the row that is not a pair named)
     assert [u.fmt for u in units if u.path == str(path)] == ["parquet"]
@@ -134,8 +134,8 @@ def test_a_hugging_face_datasets_rows_are_pairs_too(corpus, tmp_path):
     files' are (the tokenising task's function called here without Ray); a dataset without a rejected column is
     refused by name."""
     import datasets
-    from behemoth.data.chat_packing import ChatSpec, encode_rows
-    from behemoth.data.text_packing import _hf_splits
+    from behemoth.data.chat.chat_packing import ChatSpec, encode_rows
+    from behemoth.data.text.text_packing import _hf_splits
 
     rows = [PAIR, {**PAIR, "rejected": PAIR["chosen"]}]
     datasets.Dataset.from_list([{**r, "source": "x"} for r in rows]).save_to_disk(str(tmp_path / "ds"))
@@ -288,7 +288,7 @@ def test_no_gradient_from_prompt_or_padding_tokens_and_none_into_the_reference()
 
 
 def test_the_precomputed_reference_is_the_starting_models_read_by_block_and_checked(tmp_path):
-    """The table a scoring actor writes (its function called here without Ray: data/block_scores.py's pass is
+    """The table a scoring actor writes (its function called here without Ray: data/chat/block_scores.py's pass is
     tests/integration's) gives, block by block in any batch order, what the starting model's copy gives; a table
     whose bytes changed is refused."""
     import hashlib

@@ -95,7 +95,7 @@ def test_an_epoch_left_early_by_the_feed_stops_its_thread():
 
 
 def test_chained_iterators_give_every_item_in_order_and_open_the_next_one_ahead():
-    """A rank's windows (data/image_batches.py): the next iterator is opened, and its first item pulled, while the
+    """A rank's windows (data/image/image_batches.py): the next iterator is opened, and its first item pulled, while the
     current one is consumed; the items are those of the iterators one after another."""
     opened, events = [], threading.Event()
 

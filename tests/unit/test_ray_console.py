@@ -157,7 +157,7 @@ BAD_SAMPLE = [
     "    raise e.with_traceback(None)",
     "ray.exceptions.RayTaskError(UserCodeException): \x1b[36mray::MapBatches(transform_batch)()\x1b[39m (pid=576, "
     "ip=192.0.2.2)",
-    '  File "/work/main/platform/behemoth/data/images.py", line 155, in transform_batch',
+    '  File "/work/main/platform/behemoth/data/image/images.py", line 155, in transform_batch',
     "    raise BadSampleError(",
     "behemoth.errors.BadSampleError: cannot decode image /data/train/disk_warm/000005.png: Truncated File Read.",
 ]

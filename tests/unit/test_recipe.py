@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from behemoth.config import ConfigError, JobConfig, TrainConfig
-from behemoth.data.text import is_validation
+from behemoth.data.text.text import is_validation
 from behemoth.worker.loop import train_step
 from behemoth.models.registry import build_model
 from behemoth.worker.optim import build_optimizer, lr_schedule
@@ -414,10 +414,10 @@ def test_retention_keeps_the_best_checkpoint_of_an_early_stopped_run_and_the_lat
 
 
 def test_mixup_and_cutmix_mix_each_sample_with_its_partner_and_say_in_what_share():
-    """data.mixup_alpha / cutmix_alpha (issue 58, data/mixing.py): mixup blends each sample with the mirrored one
+    """data.mixup_alpha / cutmix_alpha (issue 58, data/image/mixing.py): mixup blends each sample with the mirrored one
     by its share, cutmix pastes a box of it (the share is what is left of the sample's own pixels); the draws
     come from torch's reseeded generator, so the same seed mixes the same way (exact resume)."""
-    from behemoth.data.mixing import mix
+    from behemoth.data.image.mixing import mix
 
     images = torch.rand(6, 3, 8, 8)
     labels, valid = torch.arange(6), torch.tensor([True, True, False, True, True, True])
@@ -463,7 +463,7 @@ def test_the_image_loss_smooths_labels_and_weighs_a_mixed_samples_two_labels():
     torch.manual_seed(1)
     loss, n = task.loss(model, batch)
     torch.manual_seed(1)
-    from behemoth.data.mixing import mix
+    from behemoth.data.image.mixing import mix
 
     m = mix(task.pixel_values(batch), batch["label"], batch["valid"], 0.4, 0.0)
     mixed_logits = model(m.images)

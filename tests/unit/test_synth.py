@@ -1,5 +1,5 @@
 from behemoth.driver.commands.cli import main
-from behemoth.data.images import index_image_folder
+from behemoth.data.image.images import index_image_folder
 
 
 def test_synth_images_deterministic_layout(tmp_path):

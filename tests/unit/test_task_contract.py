@@ -107,10 +107,10 @@ def test_the_contract_types_its_checked_and_prepared_data():
 
 
 def test_the_built_in_tasks_name_their_data_types():
-    from behemoth.data.images import ImageIndex
-    from behemoth.data.labelled_text import LabelledRows, TokenisedRows
-    from behemoth.data.text import Unit
-    from behemoth.data.text_packing import TokenIndex
+    from behemoth.data.image.images import ImageIndex
+    from behemoth.data.text.labelled_text import LabelledRows, TokenisedRows
+    from behemoth.data.text.text import Unit
+    from behemoth.data.text.text_packing import TokenIndex
     from behemoth.tasks.causal_lm import CausalLM
     from behemoth.tasks.chat import ChatLM
     from behemoth.tasks.image import ImageClassification

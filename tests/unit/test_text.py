@@ -8,12 +8,12 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from behemoth.data.text import TextData
+from behemoth.data.text.text import TextData
 from behemoth.errors import ConfigError, DataError
-from behemoth.data import text
+from behemoth.data.text import text
 from behemoth.data.order import rank_train_indices, steps_per_epoch
-from behemoth.data.text_packing import Packer
-from behemoth.data.text import (
+from behemoth.data.text.text_packing import Packer
+from behemoth.data.text.text import (
     TokenizerSpec,
     Unit,
     load_tokenizer,
@@ -162,7 +162,7 @@ def test_a_tokenizer_asking_to_run_its_own_code_is_refused_without_asking(tmp_pa
     one DataError naming it, never transformers' terminal prompt to run the code (which waits for an answer)."""
     import json
 
-    from behemoth.data import labelled_text, text
+    from behemoth.data.text import labelled_text, text
     from behemoth.data.tokenizer import train_tokenizer
     from behemoth.errors import DataError
 
@@ -185,7 +185,7 @@ def test_text_cache_builders_with_one_pid_on_two_hosts_keep_their_own_temporary_
     began by removing it)."""
     import os
 
-    from behemoth.data import text_packing
+    from behemoth.data.text import text_packing
 
     cache = tmp_path / "cache" / "abc123"
     monkeypatch.setattr(os, "getpid", lambda: 4242)

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from behemoth.data.text_packing import Packer
+from behemoth.data.text.text_packing import Packer
 from behemoth.data.token_store import ShardWriter, TokenShards, block_records, load_blocks
 from behemoth.errors import DataError
 
@@ -280,7 +280,7 @@ def test_a_cache_meta_naming_a_shard_outside_its_folder_is_refused(tmp_path, nam
     """Issue 72 item 1's rule for every name that data gives: a token cache's meta.json whose shard table names a
     file outside the cache's folder (the workers read and memory-map each name joined onto it) is a damaged cache,
     said in one line naming the shard; a plain name is read as before."""
-    from behemoth.data import text_packing
+    from behemoth.data.text import text_packing
 
     shard = {"file": name, "blocks": 1, "bytes": 1, "sha256": "0" * 64}
     (tmp_path / "meta.json").write_text(json.dumps({"train": {"shards": [shard]}, "val": {"shards": []}}))

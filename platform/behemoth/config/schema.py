@@ -18,7 +18,7 @@ from behemoth.storage import paths
 @dataclass
 class DataConfig:
     """The `data:` keys every task has. A task's own keys (image size, tokenizer, ...) are in its section, a
-    subclass of this one that the task names as `data_config` (data/images.py: ImageData, data/text.py:
+    subclass of this one that the task names as `data_config` (data/image/images.py: ImageData, data/text/text.py:
     TextData): a job's `data:` mapping is read into the section of its `kind` (behemoth.job), so a key of
     another task's section is an unknown key, and each section checks its own values."""
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from behemoth.data.text import TextData, Unit, plan_units, read_unit_documents
+from behemoth.data.text.text import TextData, Unit, plan_units, read_unit_documents
 from behemoth.progress import watching
 
 EOS = "<|endoftext|>"
@@ -26,8 +26,8 @@ def iter_documents(files: list[str], text_field: str = "text", document: str = "
 
 def iter_turns(files: list[str], messages_field: str = "messages"):
     """The content of every turn of conversation files, as data.kind chat reads them (bad records skipped)."""
-    from behemoth.data.chat import ChatData, read_unit_records
-    from behemoth.data.text import UNIT_BYTES, parquet_row_groups, text_format
+    from behemoth.data.chat.chat import ChatData, read_unit_records
+    from behemoth.data.text.text import UNIT_BYTES, parquet_row_groups, text_format
 
     cfg = ChatData(kind="chat", train_files=list(files), messages_field=messages_field)
     for path in files:
@@ -51,7 +51,7 @@ def train_tokenizer(files: list[str], out: str | Path, vocab_size: int = 4096, t
     from tokenizers import ByteLevelBPETokenizer
     from transformers import PreTrainedTokenizerFast
 
-    from behemoth.data.chat import CHATML, CHATML_TOKENS
+    from behemoth.data.chat.chat import CHATML, CHATML_TOKENS
 
     bpe = ByteLevelBPETokenizer()
     documents = iter_turns(files, text_field if text_field != "text" else "messages") if chat else \

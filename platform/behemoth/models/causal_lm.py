@@ -140,7 +140,7 @@ def end_of_turn_id(tok, render) -> int | None:
     Gemma's <end_of_turn>), where it is one added token of the vocabulary: read from the template's own
     rendering of a two-turn conversation, the first token after the reply, not from a list of known names.
     None without a template, or where the template writes no added token there. `render(tok, conversation)`
-    renders it (data/chat.py's render_text: bounded, in a process of its own), raising ValueError where the
+    renders it (data/chat/chat.py's render_text: bounded, in a process of its own), raising ValueError where the
     template cannot."""
     if not getattr(tok, "chat_template", None):
         return None

@@ -19,10 +19,10 @@ import torch.nn.functional as F
 from behemoth.storage import weights
 from behemoth.config import JobConfig
 from behemoth.errors import ConfigError
-from behemoth.data.chat import tokenizer_files
+from behemoth.data.chat.chat import tokenizer_files
 from behemoth.data.prefetch import to_device_ahead
-from behemoth.data.text import TextData, Unit
-from behemoth.data.text_packing import TokenIndex
+from behemoth.data.text.text import TextData, Unit
+from behemoth.data.text.text_packing import TokenIndex
 from behemoth.models import registry
 from behemoth.models.causal_lm import (build_causal_lm, check_causal_lm, train_on_causal_attention,
                                        train_on_document_attention)
@@ -67,8 +67,8 @@ class CausalLM(Task[list[Unit], TokenIndex]):
     @classmethod
     def check(cls, cfg: JobConfig) -> list[Unit]:
         """Files, formats, columns and the tokenizer, checked without Ray; the work units to tokenise."""
-        from behemoth.data.text import load_tokenizer
-        from behemoth.data.text_packing import check_text_sources
+        from behemoth.data.text.text import load_tokenizer
+        from behemoth.data.text.text_packing import check_text_sources
 
         units = check_text_sources(cfg.data)
         tok = load_tokenizer(cfg.data.tokenizer)
@@ -82,7 +82,7 @@ class CausalLM(Task[list[Unit], TokenIndex]):
     @classmethod
     def train_samples(cls, cfg: JobConfig, data: list[Unit] | TokenIndex) -> int | None:
         """The packed blocks, once prepared; before, the blocks of a small corpus, counted (None: a larger one)."""
-        from behemoth.data.text_packing import count_train_blocks
+        from behemoth.data.text.text_packing import count_train_blocks
 
         return len(data.train) if isinstance(data, TokenIndex) else count_train_blocks(cfg.data, data, cfg.train.seed)
 
@@ -91,7 +91,7 @@ class CausalLM(Task[list[Unit], TokenIndex]):
         """Tokenise and pack the corpus with Ray Data (or read its cache): the blocks the workers gather from."""
         import time
 
-        from behemoth.data.text_packing import prepare_text
+        from behemoth.data.text.text_packing import prepare_text
 
         started = time.time()
         tokens = prepare_text(cfg.data, seed=cfg.train.seed, units=units)
@@ -116,8 +116,8 @@ class CausalLM(Task[list[Unit], TokenIndex]):
 
     @classmethod
     def describe(cls, cfg: JobConfig, units: list[Unit]) -> str:
-        from behemoth.data.text import load_tokenizer
-        from behemoth.data.text_packing import count_train_blocks
+        from behemoth.data.text.text import load_tokenizer
+        from behemoth.data.text.text_packing import count_train_blocks
 
         source = cfg.data.hf_dataset or f"{len({u.path for u in units})} files in {len(units)} work units"
         blocks = count_train_blocks(cfg.data, units, cfg.train.seed)
@@ -140,7 +140,7 @@ class CausalLM(Task[list[Unit], TokenIndex]):
     def model_from_checkpoint(cls, cfg: JobConfig, ckpt: str) -> torch.nn.Module:
         """Driver side (export): the model a checkpoint holds, built as the workers built it (the vocabulary
         from the run's tokenizer, data.tokenizer: export's is the checkpoint's kept copy, exported_job)."""
-        from behemoth.data.text import load_tokenizer
+        from behemoth.data.text.text import load_tokenizer
 
         tok = load_tokenizer(cfg.data.tokenizer)
         torch.manual_seed(cfg.train.seed)  # as the workers seed it: LoRA's base, built from a config, is theirs
@@ -156,7 +156,7 @@ class CausalLM(Task[list[Unit], TokenIndex]):
         and `generate` stop on."""
         from transformers import GenerationConfig
 
-        from behemoth.data.chat import render_text
+        from behemoth.data.chat.chat import render_text
         from behemoth.models.causal_lm import generation_config
 
         tok = cls.tokenizer(cfg)
@@ -168,7 +168,7 @@ class CausalLM(Task[list[Unit], TokenIndex]):
     @classmethod
     def tokenizer(cls, cfg: JobConfig):
         """The run's tokenizer as the export keeps it."""
-        from behemoth.data.text import load_tokenizer
+        from behemoth.data.text.text import load_tokenizer
 
         return load_tokenizer(cfg.data.tokenizer)
 
@@ -344,7 +344,7 @@ def gather_batch(blocks, block_ids) -> dict:
 
 def _limit_to_positions(out: Path) -> None:
     """The exported tokenizer's model_max_length is the model's max_position_embeddings: training lifts it
-    (data/text.load_tokenizer: packing cuts the documents), and a serving stack that reads the tokenizer's
+    (data/text/text.load_tokenizer: packing cuts the documents), and a serving stack that reads the tokenizer's
     limit would otherwise see none."""
     config, tokenizer_config = out / "config.json", out / "tokenizer_config.json"
     if not (config.is_file() and tokenizer_config.is_file()):

@@ -1,5 +1,5 @@
 """Chat fine-tuning (data.kind: chat): a causal LM trained on conversations rendered with a chat template, the
-loss on the assistant's turns only, conversations packed whole with each its own document (data/chat.py makes
+loss on the assistant's turns only, conversations packed whole with each its own document (data/chat/chat.py makes
 the blocks; every stored token carries its TRAIN and START flags).
 
 The loss is the mean over the step's trained tokens: each micro-batch's sum of token losses over the count of
@@ -15,9 +15,9 @@ from pathlib import Path
 import torch
 
 from behemoth.config import JobConfig
-from behemoth.data.chat import ChatData, split_flags
-from behemoth.data.text import Unit
-from behemoth.data.text_packing import TokenIndex
+from behemoth.data.chat.chat import ChatData, split_flags
+from behemoth.data.text.text import Unit
+from behemoth.data.text.text_packing import TokenIndex
 from behemoth.errors import ConfigError
 from behemoth.models import registry
 from behemoth.tasks.causal_lm import CausalLM
@@ -33,9 +33,9 @@ class ChatLM(CausalLM):
     @classmethod
     def check(cls, cfg: JobConfig) -> list[Unit]:
         """Files, their first records rendered with the template, the tokenizer and the model; without Ray."""
-        from behemoth.data.chat import chat_tokenizer
-        from behemoth.data.chat_sources import plan_chat_units
-        from behemoth.data.text_packing import _hf_splits
+        from behemoth.data.chat.chat import chat_tokenizer
+        from behemoth.data.chat.chat_sources import plan_chat_units
+        from behemoth.data.text.text_packing import _hf_splits
         from behemoth.models.causal_lm import check_causal_lm
 
         tok = chat_tokenizer(cfg.data)
@@ -63,8 +63,8 @@ class ChatLM(CausalLM):
 
     @classmethod
     def prepare(cls, cfg: JobConfig, units: list[Unit]) -> TokenIndex:
-        from behemoth.data.chat import chat_tokenizer, pad_id, render_text, tokenizer_files
-        from behemoth.data.chat_packing import prepare_chat
+        from behemoth.data.chat.chat import chat_tokenizer, pad_id, render_text, tokenizer_files
+        from behemoth.data.chat.chat_packing import prepare_chat
 
         from behemoth.models.causal_lm import generation_config
 
@@ -107,7 +107,7 @@ class ChatLM(CausalLM):
 
     @classmethod
     def describe(cls, cfg: JobConfig, units: list[Unit]) -> str:
-        from behemoth.data.chat import chat_tokenizer
+        from behemoth.data.chat.chat import chat_tokenizer
 
         tok = chat_tokenizer(cfg.data)
         source = cfg.data.hf_dataset or f"{len({u.path for u in units})} files in {len(units)} work units"
@@ -126,7 +126,7 @@ class ChatLM(CausalLM):
     @classmethod
     def tokenizer(cls, cfg: JobConfig):
         """The run's tokenizer with the template it was trained with (data.chat_template where set)."""
-        from behemoth.data.chat import chat_tokenizer
+        from behemoth.data.chat.chat import chat_tokenizer
 
         return chat_tokenizer(cfg.data)
 
@@ -162,7 +162,7 @@ class ChatLM(CausalLM):
     def eval_samples(self, model) -> list[dict]:
         """The model's greedy replies to the validation prompts the driver chose (data.eval_samples): [{prompt,
         reply}] as text, the prompt being its last turn's."""
-        from behemoth.data.chat import tokenizer_from_files
+        from behemoth.data.chat.chat import tokenizer_from_files
 
         prompts = self.index.stats.get("eval_prompts") or []
         if not prompts:
@@ -186,7 +186,7 @@ class ChatLM(CausalLM):
 
     def example_batch(self, batch_size: int):
         from behemoth import hosts
-        from behemoth.data.chat import START, TRAIN
+        from behemoth.data.chat.chat import START, TRAIN
 
         block = torch.full((batch_size, self.cfg.data.seq_len), TRAIN, dtype=torch.long, device=hosts.device())
         block[:, 0] |= START

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from behemoth.data.chat import REJECTED, START, split_flags
+from behemoth.data.chat.chat import REJECTED, START, split_flags
 
 # The sums a report window and an evaluation keep (summed over micro-batches and ranks, then divided by pairs).
 PAIR_SUMS = ("pairs", "loss", "chosen", "rejected", "correct", "logps_chosen", "logps_rejected", "nll")
@@ -58,7 +58,7 @@ def sequence_logps(logits: torch.Tensor, stored: torch.Tensor, counts: bool = Fa
     sums = torch.zeros(stored.shape[0], width, dtype=torch.float32, device=stored.device)
     sums.scatter_add_(1, document[:, 1:], torch.where(targets, token, 0.0))
     # each document's kind, from its first token: a chosen reply's has TRAIN tokens and no REJECTED flag,
-    # padding has no TRAIN token (data/pair_render.py); pairs are adjacent, chosen first
+    # padding has no TRAIN token (data/chat/pair_render.py); pairs are adjacent, chosen first
     first = torch.zeros(stored.shape[0], width, dtype=stored.dtype, device=stored.device)
     first.scatter_(1, torch.where(starts, document, 0), torch.where(starts, stored, 0))
     counted = torch.zeros(stored.shape[0], width, dtype=torch.long, device=stored.device)

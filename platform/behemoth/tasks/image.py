@@ -22,9 +22,9 @@ from behemoth.storage import weights
 from behemoth.storage.checkpoint import read_json
 from behemoth.config import JobConfig
 from behemoth.errors import BadSampleError, ConfigError
-from behemoth.data import image_cache, image_cache_build
-from behemoth.data.image_batches import cached_batches, describe_samples, normalise, rank_batches
-from behemoth.data.images import ImageData, ImageIndex, build_index
+from behemoth.data.image import image_cache, image_cache_build
+from behemoth.data.image.image_batches import cached_batches, describe_samples, normalise, rank_batches
+from behemoth.data.image.images import ImageData, ImageIndex, build_index
 from behemoth.data.prefetch import prefetched
 from behemoth.models import registry
 from behemoth import hosts
@@ -64,8 +64,8 @@ class ImageClassification(Task[ImageIndex, ImageIndex]):
         nothing where every image is read from a decoded cache that is built already (no task will run)."""
         if index.cache and all(image_cache.check(Path(p.folder), p) is None for p in index.cache.values()):
             return ()
-        # random_resized_crop resizes with torch (data/decode.py)
-        return ("ray.data", "behemoth.data.image_batches",
+        # random_resized_crop resizes with torch (data/image/decode.py)
+        return ("ray.data", "behemoth.data.image.image_batches",
                 *(("torch",) if cfg.data.augment == "random_resized_crop" else ()))
 
     @classmethod
@@ -126,7 +126,7 @@ class ImageClassification(Task[ImageIndex, ImageIndex]):
 
     @classmethod
     def save_for_transformers(cls, cfg: JobConfig, out: Path) -> None:
-        """An image processor config that repeats the validation preprocessing (behemoth.data.image_batches:
+        """An image processor config that repeats the validation preprocessing (behemoth.data.image.image_batches:
         decode_rgb, center_fit, then /255 and mean/std): RGB, shorter side resized to data.image_size
         (bilinear, the longer side's size truncated as transformers does), centre crop. With transformers' PIL
         backend the pixels are behemoth's, bit for bit (tests/unit/test_export_parity.py). Its torchvision
@@ -252,11 +252,11 @@ class ImageClassification(Task[ImageIndex, ImageIndex]):
 
     def loss(self, model, batch):
         """Mean cross-entropy over the decodable samples (undecodable ones, valid=False, carry no loss), against
-        labels smoothed by data.label_smoothing; with mixup or cutmix (data/mixing.py) each sample's loss weighs
+        labels smoothed by data.label_smoothing; with mixup or cutmix (data/image/mixing.py) each sample's loss weighs
         its own label and its partner's by their shares of the image."""
         from torch.nn.functional import cross_entropy
 
-        from behemoth.data.mixing import mix  # (torch's: the task's driver half imports no torch)
+        from behemoth.data.image.mixing import mix  # (torch's: the task's driver half imports no torch)
 
         d = self.cfg.data
         images, labels, valid = self.pixel_values(batch), batch["label"], batch["valid"]

@@ -20,7 +20,7 @@ KEPT_FOLDER = "tokenizer"
 
 
 def kept_tokenizer_files(files: dict[str, bytes]) -> dict[str, bytes]:
-    """A checkpoint's files for a tokenizer saved as data/chat.tokenizer_files saves it."""
+    """A checkpoint's files for a tokenizer saved as data/chat/chat.tokenizer_files saves it."""
     return {f"{KEPT_FOLDER}/{name}": data for name, data in files.items()}
 
 

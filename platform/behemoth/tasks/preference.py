@@ -1,5 +1,5 @@
 """Preference tuning with DPO (data.kind: preference): a causal LM, usually a chat run's SFT model, trained on pairs
-of replies (data/preference.py) to prefer the chosen one more than a frozen reference model does.
+of replies (data/chat/preference.py) to prefer the chosen one more than a frozen reference model does.
 
 For a pair, with log-probability sums over each reply's trained tokens (its assistant turns, the end of turn
 included) under the policy (pc, pr) and the reference (rc, rr), the loss is Rafailov et al.'s sigmoid loss
@@ -33,8 +33,8 @@ import numpy as np
 import torch
 
 from behemoth.config import JobConfig
-from behemoth.data.chat import REJECTED, START, TRAIN, split_flags
-from behemoth.data.preference import PreferenceData
+from behemoth.data.chat.chat import REJECTED, START, TRAIN, split_flags
+from behemoth.data.chat.preference import PreferenceData
 from behemoth.errors import ConfigError, DataError
 from behemoth.hosts.console import console
 from behemoth.storage.store import Store

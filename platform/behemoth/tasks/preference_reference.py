@@ -1,5 +1,5 @@
 """DPO's reference log-probabilities computed once before training (data.reference precomputed, a full fine-tune's
-default), on the driver's side: a Ray Data pass over the packed pairs (data/block_scores.py) with the weights the
+default), on the driver's side: a Ray Data pass over the packed pairs (data/chat/block_scores.py) with the weights the
 run starts from, in the run's precision, written beside the token cache under a fingerprint of the tokens and
 those weights; the workers read it by block (tasks/preference.py).
 """
@@ -24,7 +24,7 @@ REFERENCE_VERSION = 1  # (in the fingerprint: a change of how the table is compu
 
 
 class ReferenceScorer:
-    """In a scoring actor (data/block_scores.py): the starting weights on the actor's device, and a function from
+    """In a scoring actor (data/chat/block_scores.py): the starting weights on the actor's device, and a function from
     stored blocks to each block's pairs' (chosen, rejected) sums, flattened, under the run's precision."""
 
     def __init__(self, task_class, cfg: JobConfig, vocab_size: int, eos_id: int, bos_id: int | None):
@@ -74,7 +74,7 @@ def reference_identity(cfg: JobConfig, index) -> dict:
 def precompute_reference(task_class, cfg: JobConfig, index) -> tuple[dict, bool]:
     """The reference's table per split as the workers read it, {folder, train: {file, sha256}, val: {...}}, and
     whether it was computed now (a Ray Data pass, written) rather than found. Needs Ray."""
-    from behemoth.data.block_scores import score_blocks
+    from behemoth.data.chat.block_scores import score_blocks
 
     if cfg.train.init_from:  # (a run folder as its chosen checkpoint, as the run resolves it: a sweep's
         # preparation comes before any trial's run resolves it)

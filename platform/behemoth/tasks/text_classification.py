@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from behemoth.storage import weights
 from behemoth.storage.checkpoint import read_json
 from behemoth.config import JobConfig
-from behemoth.data.labelled_text import (
+from behemoth.data.text.labelled_text import (
     LabelledRows,
     LabelledTextData,
     TokenisedRows,
@@ -109,7 +109,7 @@ class TextClassification(Task[LabelledRows, TokenisedRows]):
 
     @classmethod
     def prepare(cls, cfg: JobConfig, rows: LabelledRows) -> TokenisedRows:
-        from behemoth.data.chat import tokenizer_files
+        from behemoth.data.chat.chat import tokenizer_files
 
         tokenised = tokenise(cfg.data, rows)
         tokenised.tokenizer_files = tokenizer_files(load_classification_tokenizer(cfg.data.tokenizer))

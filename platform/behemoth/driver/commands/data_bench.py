@@ -141,7 +141,7 @@ def record(cfg: JobConfig, result: DataBench, log=print) -> Path | None:
     records file is read, changed and replaced under its lock (benches of several jobs may share a cache_dir,
     on several hosts where it is shared); one that cannot be read is moved aside, said in a line, and the new
     measurement kept in a new one."""
-    from behemoth.data.image_cache_build import exclusive
+    from behemoth.data.image.image_cache_build import exclusive
 
     place = _record_place(cfg)
     if place is None:

@@ -92,7 +92,7 @@ def _add_text_commands(data) -> None:
 
 
 def synth_images(args) -> int:
-    from behemoth.data.synth import write_synth_images
+    from behemoth.data.image.synth import write_synth_images
 
     size = args.size or ((500, 375) if args.format == "jpeg" else 32)
     if args.format == "png" and not isinstance(size, int):
@@ -104,7 +104,7 @@ def synth_images(args) -> int:
 
 
 def synth_text(args) -> int:
-    from behemoth.data import synth_text as synth
+    from behemoth.data.text import synth_text as synth
 
     if args.labelled + args.chat + args.preference > 1:
         raise ConfigError("synth-text: --labelled, --chat and --preference write different corpora: give one")
@@ -116,7 +116,7 @@ def synth_text(args) -> int:
 
 
 def split_val(args) -> int:
-    from behemoth.data.imagenet import split_val as split
+    from behemoth.data.image.imagenet import split_val as split
 
     result = split(Path(args.folder), Path(args.labels), undo=args.undo)
     moved = sum(result.moved.values())
@@ -127,8 +127,8 @@ def split_val(args) -> int:
 
 
 def shards(args) -> int:
-    from behemoth.data.image_shards import write_shards
-    from behemoth.data.images import index_image_folder
+    from behemoth.data.image.image_shards import write_shards
+    from behemoth.data.image.images import index_image_folder
 
     out = Path(args.out)
     written = write_shards(index_image_folder(Path(args.root)), out, args.samples_per_shard)

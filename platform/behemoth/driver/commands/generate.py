@@ -118,7 +118,7 @@ class Generator:
         return tok(prompt)["input_ids"]
 
     def _rendered(self, messages: list, which: str) -> str:
-        from behemoth.data.chat import render_prompt
+        from behemoth.data.chat.chat import render_prompt
 
         try:
             return render_prompt(self.tokenizer, messages)
@@ -203,7 +203,7 @@ def load_generator(path: str, which: str = "best", trusted: TrustedCode | None =
                           f"Hugging Face model folder (config.json and its weights)")
     template = None
     if chat_template is not None:  # (read before the model loads: a bad file costs no wait)
-        from behemoth.data.chat import read_template
+        from behemoth.data.chat.chat import read_template
 
         template = read_template(Path(chat_template).expanduser(), f"--chat-template {chat_template}")
     if weights.is_hf_folder(local):
@@ -214,7 +214,7 @@ def load_generator(path: str, which: str = "best", trusted: TrustedCode | None =
         model, tokenizer, source, template_source = _from_checkpoint(path, which, trusted)
     if template is not None:
         tokenizer.chat_template, template_source = template, f"--chat-template {chat_template}"
-    from behemoth.data.chat import render_text
+    from behemoth.data.chat.chat import render_text
     from behemoth.models.causal_lm import generation_config
 
     config = generation_config(tokenizer, render_text, getattr(model, "generation_config", None))

@@ -1,8 +1,8 @@
 """A conversation's stored tokens, without a process or a tokenizer object of its own: the flags stored above each
 token's id, a conversation's shape checked, its cost bounded before rendering (`window_cut`), its assistant turns
 found from the template's own renderings (`assistant_spans`) and its tokens flagged (`conversation_tokens`).
-The same code runs in the rendering process (data/chat_render.py) and in-process (tests, the reference); a
-preference pair's tokens are built from it too (data/pair_render.py).
+The same code runs in the rendering process (data/chat/chat_render.py) and in-process (tests, the reference); a
+preference pair's tokens are built from it too (data/chat/pair_render.py).
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-TRAIN, START = 1 << 30, 1 << 29  # the flags stored above a token's id (data/chat.py)
-REJECTED = 1 << 28  # a preference pair's rejected reply (data/pair_render.py)
+TRAIN, START = 1 << 30, 1 << 29  # the flags stored above a token's id (data/chat/chat.py)
+REJECTED = 1 << 28  # a preference pair's rejected reply (data/chat/pair_render.py)
 IDS = REJECTED - 1
 MIN_TOKEN_CHARS = 128  # the cut's characters per token at least (an unknown token may cover a whole word)
 ROLES = ("system", "user", "assistant", "tool")

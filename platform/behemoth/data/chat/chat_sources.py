@@ -1,6 +1,6 @@
 """Chat data's sources before Ray (data.kind chat and preference): every file's format and columns checked, cut
 into work units (byte ranges of JSONL, parquet row groups), and its first records read and rendered as the
-tokenising tasks will (data/chat_packing.py): a file of the wrong shape or a template that cannot render it fails
+tokenising tasks will (data/chat/chat_packing.py): a file of the wrong shape or a template that cannot render it fails
 here, in one line; bad records among the first ones are named.
 """
 
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 
-from behemoth.data.chat import (
+from behemoth.data.chat.chat import (
     ChatData,
     _Bad,
     chat_tokenizer,
@@ -17,10 +17,10 @@ from behemoth.data.chat import (
     render_samples,
     samples_are,
 )
-from behemoth.data.chat_render import Failed, RenderSpec, Window
-from behemoth.data.pair_render import TOO_LONG
-from behemoth.data.pipeline import expand_files
-from behemoth.data.text import FIRST_BYTES, FIRST_RECORDS, UNIT_BYTES, Unit, parquet_row_groups, text_format
+from behemoth.data.chat.chat_render import Failed, RenderSpec, Window
+from behemoth.data.chat.pair_render import TOO_LONG
+from behemoth.data.text.text import (FIRST_BYTES, FIRST_RECORDS, Unit, byte_range_units, parquet_row_groups,
+                                     planned_files, text_format)
 from behemoth.errors import DataError
 
 
@@ -28,31 +28,25 @@ def plan_chat_units(cfg: ChatData) -> list[Unit]:
     """Check every file (format, the messages column, its first records) and cut it into units, train files
     first, in a fixed order (text's units: byte ranges of JSONL, parquet row groups). Bad records among a file's
     first ones (within data.max_bad_samples) are named on the console."""
-    splits = [("auto" if not cfg.val_files else "train", cfg.train_files), ("val", cfg.val_files)]
     units = []
-    for split, patterns in splits:
-        key = "data.val_files" if split == "val" else "data.train_files"
-        for path in map(os.path.abspath, expand_files(patterns, key)):
-            fmt = text_format(cfg, path)
-            size = os.path.getsize(path)
-            if size == 0:
-                raise DataError(f"{path} is empty: fill it or remove it from the {key} list")
-            if fmt == "parquet":
-                column = ((cfg.pair_fields()[1], "data.chosen_field") if cfg.pair_fields() else
-                          (cfg.messages_field, "data.messages_field"))
-                groups = parquet_row_groups(path, *column, key)
-                units += [Unit(split, path, "parquet", g, g + 1) for g in range(groups)]
-                first, first_line = Unit(split, path, "parquet", 0, 1), 1
-            elif fmt == "jsonl":
-                units += [Unit(split, path, fmt, s, min(s + UNIT_BYTES, size)) for s in range(0, size, UNIT_BYTES)]
-                start, first_line = _first_record(path, key)
-                first = Unit(split, path, fmt, start, min(size, start + FIRST_BYTES))
-            else:
-                raise DataError(f"{path}: data.kind chat reads JSONL or parquet conversations, not {fmt} text")
-            bad = check_first_records(cfg, first, first_line)
-            if bad:
-                print(f"[behemoth] {path}: {len(bad)} of its first records are not {samples_are(cfg)} (skipped in "
-                      f"training, within data.max_bad_samples={cfg.max_bad_samples}): {'; '.join(bad)}", flush=True)
+    for split, path, key in planned_files(cfg):
+        fmt = text_format(cfg, path)
+        if fmt == "parquet":
+            column = ((cfg.pair_fields()[1], "data.chosen_field") if cfg.pair_fields() else
+                      (cfg.messages_field, "data.messages_field"))
+            groups = parquet_row_groups(path, *column, key)
+            units += [Unit(split, path, "parquet", g, g + 1) for g in range(groups)]
+            first, first_line = Unit(split, path, "parquet", 0, 1), 1
+        elif fmt == "jsonl":
+            units += byte_range_units(split, path, fmt)
+            start, first_line = _first_record(path, key)
+            first = Unit(split, path, fmt, start, min(os.path.getsize(path), start + FIRST_BYTES))
+        else:
+            raise DataError(f"{path}: data.kind chat reads JSONL or parquet conversations, not {fmt} text")
+        bad = check_first_records(cfg, first, first_line)
+        if bad:
+            print(f"[behemoth] {path}: {len(bad)} of its first records are not {samples_are(cfg)} (skipped in "
+                  f"training, within data.max_bad_samples={cfg.max_bad_samples}): {'; '.join(bad)}", flush=True)
     return units
 
 

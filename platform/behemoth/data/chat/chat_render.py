@@ -13,11 +13,11 @@ The child renders exactly as `tokenizer.apply_chat_template(..., tokenize=False)
 normalisation and `render_jinja_template`, the tokenizer's special tokens as the template's variables) and
 encodes with the tokenizer's Rust core, as the tokenising tasks did in-process.
 
-The cost a conversation can drive is bounded before rendering (data/chat_tokens.py: `window_cut`,
-`conversation_tokens`; a preference pair's, data/pair_render.py, the same way): only the
+The cost a conversation can drive is bounded before rendering (data/chat/chat_tokens.py: `window_cut`,
+`conversation_tokens`; a preference pair's, data/chat/pair_render.py, the same way): only the
 first seq_len tokens of a conversation are ever stored, so its messages are cut where the rendering certainly
 holds more than seq_len tokens (seq_len x the vocabulary's longest token, in characters), and the assistant
-turns whose tokens are found (two renderings each: see data/chat.py) stop at the first turn that starts past
+turns whose tokens are found (two renderings each: see data/chat/chat.py) stop at the first turn that starts past
 the seq_len-th token. A conversation's cost is then bounded by seq_len whatever its length or number of turns.
 """
 
@@ -37,7 +37,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from behemoth.data.chat_tokens import (  # noqa: F401 - the flags and the bounded tokens, named here too
+from behemoth.data.chat.chat_tokens import (  # noqa: F401 - the flags and the bounded tokens, named here too
     IDS,
     MIN_TOKEN_CHARS,
     REJECTED,
@@ -155,7 +155,7 @@ class TemplateProcess:
         return [results[i] for i in range(len(conversations))]
 
     def pairs(self, pairs: list[tuple], window: Window) -> list[np.ndarray | Failed]:
-        """Each (prompt, chosen, rejected)'s stored tokens (data/pair_render.py), or why it has none."""
+        """Each (prompt, chosen, rejected)'s stored tokens (data/chat/pair_render.py), or why it has none."""
         done: list[np.ndarray | Failed] = []
         while len(done) < len(pairs):
             done += self._run("pair", window, pairs[len(done):])
@@ -200,7 +200,7 @@ class TemplateProcess:
             # the child imports what this process imports (a Ray worker's runtime environment included)
             env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p),
                    "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
-            self._child = subprocess.Popen([sys.executable, "-m", "behemoth.data.chat_render"],
+            self._child = subprocess.Popen([sys.executable, "-m", "behemoth.data.chat.chat_render"],
                                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                                            env=env)
             _send(self._child.stdin, ("init", self.spec, []))
@@ -327,7 +327,7 @@ def _one(op: str, argument, item, render: Render, encode, spec: RenderSpec) -> n
         if op == "render":
             return Text(render(item, argument))
         if op == "pair":
-            from behemoth.data.pair_render import pair_tokens
+            from behemoth.data.chat.pair_render import pair_tokens
 
             return pair_tokens(render, encode, *item, argument.seq_len, argument.max_chars)
         return conversation_tokens(render, encode, item, argument.train_on, argument.seq_len, argument.max_chars)

@@ -1,8 +1,8 @@
-"""A rank's image batches: the samples of the index (data/images.py) read, decoded and augmented, in the order
+"""A rank's image batches: the samples of the index (data/image/images.py) read, decoded and augmented, in the order
 `behemoth.data.order` decides.
 
 Decoding and augmentation run in Ray Data `map_batches` tasks on the cluster's CPUs (`transform_batch`), one
-Ray Dataset per window of a rank's samples (`rank_windows`); from the decoded cache (data/image_cache.py) only
+Ray Dataset per window of a rank's samples (`rank_windows`); from the decoded cache (data/image/image_cache.py) only
 the random part runs, on the worker (`cached_batches`). Normalisation runs on the worker's device
 (`normalise`). Every path makes its pixels with the same functions (decode_rgb, center_fit, and the generator
 sample_rng draws each sample's augmentation from), so a run reads the same images however they reach it.
@@ -22,9 +22,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from PIL import Image, ImageOps
 
-from behemoth.data import image_shards
-from behemoth.data.decode import MAX_IMAGE_PIXELS, crop_from_view, one_torch_thread, open_bounded, random_resized_crop
-from behemoth.data.images import ImageData
+from behemoth.data.image import image_shards
+from behemoth.data.image.decode import MAX_IMAGE_PIXELS, crop_from_view, one_torch_thread, open_bounded, random_resized_crop
+from behemoth.data.image.images import ImageData
 from behemoth.data.pipeline import ordered_data_context
 from behemoth.errors import BadSampleError
 
@@ -91,7 +91,7 @@ def _transformed(data: bytes, size: int, cfg: ImageData, rng: np.random.Generato
 
 def decode_fitted(batch: dict, *, size: int, image_column: str, max_pixels: int = MAX_IMAGE_PIXELS) -> dict:
     """Index rows -> {"sample_id", "pixels": uint8 [n,S,S,3] centre-fitted, "valid", "error"}: the rows of the
-    decoded cache (data/image_cache.py), the deterministic part of transform_batch. An undecodable image is a
+    decoded cache (data/image/image_cache.py), the deterministic part of transform_batch. An undecodable image is a
     row of zeros, not valid, with its error (the run decides with data.max_bad_samples when it reads it)."""
     return _decoded_rows(batch, size, image_column, max_pixels, views=False)
 

@@ -1,4 +1,4 @@
-"""Building a split's decoded cache (data/image_cache.py), once per node: `open_or_build` opens it where it is
+"""Building a split's decoded cache (data/image/image_cache.py), once per node: `open_or_build` opens it where it is
 complete, and otherwise builds it under the node's lock.
 
 The cache's folder is meant to be on each node's own disk (a path, not a URI; on a network filesystem it
@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
-from behemoth.data.image_cache import (FORMAT, CachePlan, DecodedImages, check, file_sha256, free_disk,
+from behemoth.data.image.image_cache import (FORMAT, CachePlan, DecodedImages, check, file_sha256, free_disk,
                                       read_cache_manifest)
 from behemoth.errors import DataError, StorageFullError
 from behemoth.progress import progress
@@ -247,7 +247,7 @@ def _entry(folder: Path, name: str) -> dict:
 def _decoded_batches(table: pa.Table, cache: CachePlan, workers: bool, cpus_per_task: float):
     """The rows of `table` decoded and fitted (or as views), in order: by Ray Data tasks, or here
     (`workers=False`)."""
-    from behemoth.data.image_batches import decode_fitted, decode_views
+    from behemoth.data.image.image_batches import decode_fitted, decode_views
 
     decode = decode_views if cache.views else decode_fitted
 

@@ -1,4 +1,4 @@
-"""Chat data's preparation (data/chat.py reads and checks the records): Ray Data tasks render each unit's (or a
+"""Chat data's preparation (data/chat/chat.py reads and checks the records): Ray Data tasks render each unit's (or a
 dataset batch's) records into rows of flagged tokens, in corpus order; the packer puts whole conversations (or
 preference pairs) into blocks of data.seq_len, each its own document; the blocks go to text_packing's cache and
 token store. Needs Ray.
@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
-from behemoth.data.chat import (
+from behemoth.data.chat.chat import (
     OPEN_BLOCKS,
     REJECTED,
     START,
@@ -30,9 +30,9 @@ from behemoth.data.chat import (
     split_flags,
     tokenizer_files,
 )
-from behemoth.data.chat_render import Failed, RenderSpec, Window
-from behemoth.data.pair_render import TOO_LONG
-from behemoth.data.text import Unit, is_validation
+from behemoth.data.chat.chat_render import Failed, RenderSpec, Window
+from behemoth.data.chat.pair_render import TOO_LONG
+from behemoth.data.text.text import Unit, is_validation
 from behemoth.errors import DataError
 
 
@@ -56,7 +56,7 @@ def _task_render_spec(ref) -> RenderSpec:
 
 
 def encode_records(records: list[Record], split: str, spec: ChatSpec) -> pa.Table:
-    """Rows of split ('train', 'val' or 'bad'), tokens (flags included: at most seq_len + 1, data/chat_render.py;
+    """Rows of split ('train', 'val' or 'bad'), tokens (flags included: at most seq_len + 1, data/chat/chat_render.py;
     a preference pair's both sequences) and for a bad record its source, line in the unit and reason; a pair
     longer than a block keeps its split, with TOO_LONG as its problem (the packer counts it)."""
     problems, good = [], []
@@ -183,7 +183,7 @@ CHAT_VERSION = 2  # (in the cache's fingerprint: a change of how conversations b
 def prepare_chat(cfg: ChatData, seed: int, units: list[Unit]):
     """The conversations tokenised with Ray Data and packed (or read from the cache): a TokenIndex of int32
     blocks with the flags. Needs Ray."""
-    from behemoth.data.text_packing import packed_index
+    from behemoth.data.text.text_packing import packed_index
 
     tok = chat_tokenizer(cfg)
     key = {"chat": CHAT_VERSION, "messages_field": cfg.messages_field, "template": tok.chat_template,
@@ -239,7 +239,7 @@ class BadRecords:
 
 
 def _pack_chat(folder: Path, cfg: ChatData, units: list[Unit], seed: int, dtype) -> dict:
-    from behemoth.data.text_packing import CACHE_VERSION, _list_values
+    from behemoth.data.text.text_packing import CACHE_VERSION, _list_values
     from behemoth.data.token_store import ShardWriter
     from behemoth.progress import progress
 
@@ -297,7 +297,7 @@ def _chat_stream(cfg: ChatData, units: list[Unit], seed: int, tok):
     import ray.data
 
     from behemoth.data.pipeline import ordered_data_context
-    from behemoth.data.text_packing import HF_ROWS_PER_BLOCK, _hf_splits
+    from behemoth.data.text.text_packing import HF_ROWS_PER_BLOCK, _hf_splits
 
     ordered_data_context(logging.CRITICAL)
     spec = ChatSpec(render=ray.put(RenderSpec.of(tok)), window=Window.of(tok, cfg.train_on, cfg.seq_len), seed=seed,

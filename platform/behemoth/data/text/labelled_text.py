@@ -86,7 +86,7 @@ class TokenisedRows:
     origins: dict[str, list[tuple[str, int]]]
     pad_id: int
     vocab_size: int
-    # the tokenizer's saved files (data/chat.tokenizer_files), kept in every checkpoint for the export
+    # the tokenizer's saved files (data/chat/chat.tokenizer_files), kept in every checkpoint for the export
     tokenizer_files: dict[str, bytes] = field(default_factory=dict)
 
     def describe(self, split: str, row: int) -> str:
@@ -213,7 +213,7 @@ def tokenise(cfg: LabelledTextData, rows: LabelledRows) -> TokenisedRows:
 def load_classification_tokenizer(name: str):
     """A fast tokenizer that pads on the right: with its own pad token, else its EOS (a tokenizer made by
     `behemoth data train-tokenizer` has only an EOS). Loaded once per process."""
-    from behemoth.data.text import open_tokenizer
+    from behemoth.data.text.text import open_tokenizer
 
     tok = open_tokenizer(name)
     if tok.pad_token is None:

@@ -6,8 +6,8 @@ conversational shapes, one per JSONL line or parquet row:
 - implicit prompt: `{"chosen": [messages], "rejected": [messages]}`, two whole conversations whose shared opening
   messages are the prompt.
 
-The pipeline is chat's (data/chat.py: work units, Ray Data tasks rendering in the bounded template process, the
-packed cache, the token store); a record is a pair, rendered by data/pair_render.py: the prompt with each reply,
+The pipeline is chat's (data/chat/chat.py: work units, Ray Data tasks rendering in the bounded template process, the
+packed cache, the token store); a record is a pair, rendered by data/chat/pair_render.py: the prompt with each reply,
 the prompt's tokens the same in both, the replies' assistant tokens trained (TRAIN), the rejected sequence
 flagged REJECTED. A pair is packed whole (chosen then rejected, adjacent in one block: a micro-batch holds both
 or neither); a pair longer than data.seq_len is dropped, counted, never cut. A record that is not a pair (a
@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from behemoth.data.chat import ChatData
+from behemoth.data.chat.chat import ChatData
 from behemoth.errors import ConfigError
 
 

@@ -4,11 +4,11 @@ Three layouts are read:
 - ImageFolder: ROOT/{train,val}/<class>/*.{png,jpg,jpeg} (the CIFAR/ImageNet layout);
 - parquet: files with an image-bytes column (raw bytes, or Hugging Face's {"bytes", "path"} struct) and a
   label column (class names or integers);
-- WebDataset tar shards: an image member and a .cls member per sample key (data/image_shards.py).
+- WebDataset tar shards: an image member and a .cls member per sample key (data/image/image_shards.py).
 
 The driver only lists files and reads label columns (`build_index`), so a missing folder or an empty class
 fails before Ray starts. The workers read, decode and augment the samples this index names
-(data/image_batches.py).
+(data/image/image_batches.py).
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ import pyarrow.parquet as pq
 from behemoth.config import DataConfig
 from behemoth.errors import ConfigError, DataError
 from behemoth.progress import progress
-from behemoth.data import image_shards
-from behemoth.data.decode import MAX_IMAGE_PIXELS
+from behemoth.data.image import image_shards
+from behemoth.data.image.decode import MAX_IMAGE_PIXELS
 from behemoth.data.pipeline import expand_files
 from behemoth.storage.store import Store
 
@@ -52,7 +52,7 @@ class ImageData(DataConfig):
     crop_padding: int = 4
     mean: list[float] = field(default_factory=lambda: [0.5, 0.5, 0.5])
     std: list[float] = field(default_factory=lambda: [0.25, 0.25, 0.25])
-    # decoded: every image is decoded and centre-fitted once per node into cache_dir (data/image_cache.py);
+    # decoded: every image is decoded and centre-fitted once per node into cache_dir (data/image/image_cache.py);
     # epochs, restarts and sweep trials read those rows. auto: decoded where the decoded set takes at most
     # cache_max_share of the node's RAM and of the free disk at cache_dir (or is built already), and the
     # augmentation starts from the fitted image (not random_resized_crop). none: decode every epoch.
@@ -67,13 +67,13 @@ class ImageData(DataConfig):
     # The training loss's recipe (ImageNet's): cross-entropy against labels smoothed by label_smoothing; mixup
     # (images and labels blended with a partner, weight ~ Beta(mixup_alpha, mixup_alpha)) and cutmix (a box of
     # the partner pasted in, area ~ Beta(cutmix_alpha, cutmix_alpha)), each on when its alpha > 0 (both: one or
-    # the other per micro-batch, half and half). data/mixing.py. Evaluation is never mixed or smoothed.
+    # the other per micro-batch, half and half). data/image/mixing.py. Evaluation is never mixed or smoothed.
     label_smoothing: float = 0.0
     mixup_alpha: float = 0.0
     cutmix_alpha: float = 0.0
     # An image whose header declares more pixels than this is a bad sample (data.max_bad_samples), refused before
     # any decoder allocates for it: a 557-byte JPEG declaring 16000 x 16000 made libjpeg take 817 MB. The default
-    # is Pillow's Image.MAX_IMAGE_PIXELS (1 GiB / 4 / 3); raise it for larger images (data/decode.py: bounded).
+    # is Pillow's Image.MAX_IMAGE_PIXELS (1 GiB / 4 / 3); raise it for larger images (data/image/decode.py: bounded).
     max_image_pixels: int = MAX_IMAGE_PIXELS
 
     path_keys: ClassVar[tuple[str, ...]] = (*DataConfig.path_keys, "root", "cache_dir")
@@ -281,7 +281,7 @@ def _read_label_columns(files: list[str], image_col: str, label_col: str):
 
 
 def index_webdataset(train_files: list[str], val_files: list[str], cache_dir: Path | None = None) -> ImageIndex:
-    """The index of WebDataset tar shards (data/image_shards.py). With `cache_dir`, kept in cache_dir/index/,
+    """The index of WebDataset tar shards (data/image/image_shards.py). With `cache_dir`, kept in cache_dir/index/,
     keyed by every shard's (and classes.txt's) path, size and modification time: a rerun, a driver restart and
     a sweep's trials stat the shards instead of reading every member's header."""
     files = {split: expand_files(patterns, f"data.{split}_files")

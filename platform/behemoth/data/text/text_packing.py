@@ -1,5 +1,5 @@
 """Packing a tokenised corpus into the token store, and its cache: `prepare_text` runs steps 1 and 2 of
-data/text.py's pipeline (the sources cut into work units, tokenised by Ray Data tasks), then step 3 below, once
+data/text/text.py's pipeline (the sources cut into work units, tokenised by Ray Data tasks), then step 3 below, once
 per corpus; the packed blocks are kept on disk (data.cache_dir, keyed by a fingerprint of the sources, the
 tokenizer, seq_len and the split) and read from there by every later run.
 
@@ -32,7 +32,7 @@ import numpy as np
 import pyarrow as pa
 
 from behemoth.data.pipeline import ordered_data_context
-from behemoth.data.text import (
+from behemoth.data.text.text import (
     TextData,
     TokenizerSpec,
     Unit,

@@ -1,6 +1,6 @@
 """A preference pair (data.kind: preference): a record read as (prompt, chosen, rejected) messages (`pair_of`), and
 its tokens (`pair_tokens`): the prompt rendered with each reply by the chat template, as the rendering process
-runs it (data/chat_render.py: bounded in time and memory; this module imports only what that process does).
+runs it (data/chat/chat_render.py: bounded in time and memory; this module imports only what that process does).
 
 A pair is stored as two sequences, chosen then rejected, each with START on its first token (its own document:
 positions restart, it never attends to the other), TRAIN on its reply's assistant tokens (the end of turn
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from behemoth.data.chat_tokens import (REJECTED, TRAIN, BadRecord, RecordTooLong, assistant_spans,
+from behemoth.data.chat.chat_tokens import (REJECTED, TRAIN, BadRecord, RecordTooLong, assistant_spans,
                                        conversation_problem, flag_tokens, window_cut)
 
 TOO_LONG = "the pair is longer than data.seq_len"  # (a Failed's reason the packer counts, not a bad record)

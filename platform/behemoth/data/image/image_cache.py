@@ -1,7 +1,7 @@
 """Decoded images, once per node: every image of a split decoded and centre-fitted once, kept as uint8 rows in
 memory-mapped shard files that every epoch, restart, rerun and sweep trial on the node reads by global index.
 This module holds what a cache is: its plan and key, the check that one is complete, and the reading of its
-rows (DecodedImages); building one, once per node, is data/image_cache_build.py's.
+rows (DecodedImages); building one, once per node, is data/image/image_cache_build.py's.
 
 What is stored is the deterministic part of the image pipeline (image_batches.decode_rgb, then
 image_batches.center_fit to data.image_size): the base that crop_flip pads, crops and flips and that evaluation
@@ -35,7 +35,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
-from behemoth.data.decode import MAX_IMAGE_PIXELS
+from behemoth.data.image.decode import MAX_IMAGE_PIXELS
 from behemoth.errors import DataError
 
 FORMAT = 2  # 2: the manifest names the image column and Pillow's version

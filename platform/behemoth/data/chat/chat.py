@@ -2,9 +2,9 @@
 shape, `[{"role": "system" | "user" | "assistant" | "tool", "content": "..."}, ...]`, one per JSONL line, parquet
 row or Hugging Face dataset row (the column: data.messages_field).
 
-The pipeline is the text pipeline's (data/text.py, data/text_packing.py: work units, Ray Data tasks, a packed
-cache on disk, the token store; for chat, data/chat_sources.py plans the units and checks the first records before
-Ray, data/chat_packing.py tokenises and packs), with three differences:
+The pipeline is the text pipeline's (data/text/text.py, data/text/text_packing.py: work units, Ray Data tasks, a packed
+cache on disk, the token store; for chat, data/chat/chat_sources.py plans the units and checks the first records before
+Ray, data/chat/chat_packing.py tokenises and packs), with three differences:
 
 1. A conversation is rendered with a chat template: the tokenizer's own (`apply_chat_template`), or the one the
    job names (data.chat_template: a .jinja file, or `chatml`); a tokenizer with none and no data.chat_template is
@@ -41,8 +41,8 @@ from typing import ClassVar, Literal
 import numpy as np
 import pyarrow.parquet as pq
 
-from behemoth.data.chat_tokens import ROLES, conversation_problem  # noqa: F401 - named here too
-from behemoth.data.chat_render import (  # noqa: F401 - TRAIN, START, REJECTED, IDS: the stored flags, named here too
+from behemoth.data.chat.chat_tokens import ROLES, conversation_problem  # noqa: F401 - named here too
+from behemoth.data.chat.chat_render import (  # noqa: F401 - TRAIN, START, REJECTED, IDS: the stored flags, named here too
     IDS,
     REJECTED,
     START,
@@ -53,8 +53,8 @@ from behemoth.data.chat_render import (  # noqa: F401 - TRAIN, START, REJECTED, 
     conversation_tokens,
     process_for,
 )
-from behemoth.data.pair_render import pair_of
-from behemoth.data.text import (
+from behemoth.data.chat.pair_render import pair_of
+from behemoth.data.text.text import (
     TextData,
     Unit,
     _read_line_range,
@@ -230,7 +230,7 @@ def render_prompt(tok, messages: list[dict]) -> str:
 def encode_conversation(tok, messages: list[dict], train_on: str = "assistant", seq_len: int | None = None) -> np.ndarray:
     """A conversation's tokens as the template renders it (the rendering encoded as apply_chat_template encodes
     it), int32 with the TRAIN flag on the tokens the loss is taken on and START on the first; with `seq_len`, at
-    most seq_len + 1 of them, bounded as the tokenising tasks bound them (data/chat_render.py). In this process:
+    most seq_len + 1 of them, bounded as the tokenising tasks bound them (data/chat/chat_render.py). In this process:
     the reference the rendering process is tested against; data preparation renders in that process."""
     window = Window.of(tok, train_on, seq_len)
 
@@ -308,7 +308,7 @@ def _parse_record(line: bytes, field: str | tuple[str, ...]):
 
 def record_sample(value, pairs: tuple[str, str, str] | None, train_on: str) -> tuple[str | None, object]:
     """(why the record is not a sample or None, the sample): a conversation, or with `pairs` (the prompt, chosen
-    and rejected fields) a preference pair's (prompt, chosen, rejected) messages (data/pair_render.py)."""
+    and rejected fields) a preference pair's (prompt, chosen, rejected) messages (data/chat/pair_render.py)."""
     if isinstance(value, _Bad):
         return value.reason, None
     if pairs:

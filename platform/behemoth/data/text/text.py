@@ -1,6 +1,6 @@
 """Text for causal language models: the job's `data:` section (TextData), and the corpus read and tokenised
 on the CPU cores with Ray Data; packing the tokens into blocks, and the cache of the packed corpus, are
-data/text_packing.py's.
+data/text/text_packing.py's.
 
 Sources (data.kind: text):
 - .txt files, one document per line (empty lines skipped) or one per file (data.document);
@@ -28,6 +28,7 @@ import os
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
+from collections.abc import Iterator
 from typing import ClassVar, Literal, Optional
 
 import numpy as np
@@ -127,23 +128,32 @@ def text_format(cfg: TextData, path: str) -> str:
 
 def plan_units(cfg: TextData) -> list[Unit]:
     """Check every file and cut it into units, train files first, in a fixed order."""
-    splits = [("auto" if not cfg.val_files else "train", cfg.train_files), ("val", cfg.val_files)]
-    units = []
-    for split, patterns in splits:
+    return [unit for split, path, key in planned_files(cfg) for unit in _file_units(cfg, split, path, key)]
+
+
+def planned_files(cfg) -> Iterator[tuple[str, str, str]]:
+    """(split, absolute path, the config key naming it) of every file of a text or chat job, train files first
+    ("auto": val cut from train where there are no val files), in a fixed order; an empty file is one line
+    naming it. Text's planning and chat's (data/chat/chat_sources.py) both cut the files it yields."""
+    for split, patterns in (("auto" if not cfg.val_files else "train", cfg.train_files), ("val", cfg.val_files)):
         key = "data.val_files" if split == "val" else "data.train_files"
         for path in map(os.path.abspath, expand_files(patterns, key)):
-            units += _file_units(cfg, split, path)
-    return units
+            if os.path.getsize(path) == 0:
+                raise DataError(f"{path} is empty: fill it or remove it from the {key} list")
+            yield split, path, key
 
 
-def _file_units(cfg: TextData, split: str, path: str) -> list[Unit]:
+def byte_range_units(split: str, path: str, fmt: str) -> list[Unit]:
+    """A line-delimited file's units: UNIT_BYTES ranges (a task reads the lines that start in its range)."""
+    size = os.path.getsize(path)
+    return [Unit(split, path, fmt, s, min(s + UNIT_BYTES, size)) for s in range(0, size, UNIT_BYTES)]
+
+
+def _file_units(cfg: TextData, split: str, path: str, key: str) -> list[Unit]:
     fmt = text_format(cfg, path)
     size = os.path.getsize(path)
-    if size == 0:
-        raise DataError(f"{path} is empty: fill it or remove it from the data.*_files list")
     if fmt == "parquet":
-        groups = parquet_row_groups(path, cfg.text_field, "data.text_field",
-                                    "data.val_files" if split == "val" else "data.train_files")
+        groups = parquet_row_groups(path, cfg.text_field, "data.text_field", key)
         kind = pq.read_schema(path).field(cfg.text_field).type
         if not pa.types.is_string(kind) and not pa.types.is_large_string(kind):
             raise DataError(f"{path}: column '{cfg.text_field}' holds {kind}, not text")
@@ -153,7 +163,7 @@ def _file_units(cfg: TextData, split: str, path: str) -> list[Unit]:
             read_unit_documents(Unit(split, path, "txt_file", 0, size), cfg.text_field)
         return [Unit(split, path, "txt_file", 0, size)]
     _check_first_records(cfg, Unit(split, path, fmt, 0, min(size, FIRST_BYTES)))
-    return [Unit(split, path, fmt, s, min(s + UNIT_BYTES, size)) for s in range(0, size, UNIT_BYTES)]
+    return byte_range_units(split, path, fmt)
 
 
 def parquet_row_groups(path: str, column: str, column_key: str, files_key: str) -> int:
