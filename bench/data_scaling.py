@@ -6,7 +6,9 @@ made here: the GPU machine reaches no package index, so bench/photos.py's photog
 listed 20 times over through symbolic links (12,000 files an epoch: an epoch boundary every ~1.5 s at 8,000
 images/s would otherwise be what is measured). For each CPU count, `behemoth data bench --cpus N` in a process
 of its own (a local Ray instance of N CPUs; one consumer reserving 0.25 CPU, decode tasks of 0.5 CPU, batch 64,
-224-px random-resized-crop); its samples/s divided by N, against the same at the smallest count.
+224-px random-resized-crop); its samples/s divided by N, against the same at the smallest count, and against N
+times the one-core limit: the one-core loop with behemoth's per-image transform (bench/image_pipeline.py's "fast"
+side) on the same files, in this process, first (issue 74 item 4's goal: >= 0.85 of N x that).
 
     .venv/bin/python bench/data_scaling.py [--cpus 2,4,8,16] [--seconds 10] [--floor 0.85]
 
@@ -52,6 +54,21 @@ def bench(job: Path, cpus: int, seconds: float) -> tuple[float, str]:
     return float(m.group(1).replace(",", "")), last
 
 
+def one_core_limit(root: Path, seconds: float) -> float:
+    """images/s of the one-core loop with behemoth's transform over the folder's training images."""
+    from image_pipeline import fast_transform, one_core_side  # (this folder's: puts platform/ on sys.path)
+
+    from behemoth.driver.commands.data_bench import MachineCpu
+
+    paths = sorted(str(p) for p in (root / "train").rglob("*.jpg"))
+    meter = MachineCpu()
+    try:
+        rate, _ = one_core_side(paths, [0] * len(paths), seconds, 64, meter, fast_transform)
+    finally:
+        meter.stop()
+    return rate
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--cpus", default="2,4,8,16", help="CPU counts (those over the machine's are skipped)")
@@ -69,6 +86,8 @@ train: {{global_batch_size: 64}}
 scaling: {{num_workers: 1, cpus_per_worker: 0.25}}
 checkpoint: {{storage_path: {work / 'runs'}}}
 """)
+    one_core = one_core_limit(root, a.seconds)
+    print(f"one core, behemoth's transform: {one_core:,.0f} images/s", flush=True)
     rates = {}
     for n in counts:
         rates[n], line = bench(job, n, a.seconds)
@@ -76,7 +95,8 @@ checkpoint: {{storage_path: {work / 'runs'}}}
     base = counts[0]
     for n in counts:
         print(f"{n:3d} CPUs: {rates[n]:8,.0f} images/s, {rates[n] / n:6,.0f} per CPU, efficiency "
-              f"{rates[n] / n / (rates[base] / base):.2f} of {base} CPUs")
+              f"{rates[n] / n / (rates[base] / base):.2f} of {base} CPUs, {rates[n] / (n * one_core):.2f} of {n} x "
+              f"the one-core limit")
     top = counts[-1]
     efficiency = rates[top] / top / (rates[base] / base)
     print(f"scaling efficiency at {top} CPUs: {efficiency:.2f} (floor {a.floor})")

@@ -16,7 +16,8 @@ under its own time limit and the part under --budget), in two parts:
             the GPU time a step loses per checkpoint <= 1/10 of torch.save's;
   second: d. gpu_tests: the GPU-marked tests (none may be skipped; among them a step of every built-in task under
             torch.cuda.set_sync_debug_mode);
-         e. data_scaling: the 224-px JPEG pipeline at 2, 8 and 16 CPUs (`bench/data_scaling.py`, floor 85 % per CPU);
+         e. data_scaling: the 224-px JPEG pipeline at 2, 8 and 16 CPUs (`bench/data_scaling.py`, floor 85 % per CPU;
+            each count also against N x the one-core limit);
          f. the demos on one GPU (image: nccl, bf16; language model: bf16, its MFU) and the step rate at the demo
             LM's step (`bench/step_overhead.py --gpu`, floor 0.97 of a plain loop);
          g. document_attention: packed documents' attention at TinyLlama's width, FlexAttention's block mask against
