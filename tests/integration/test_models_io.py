@@ -224,6 +224,38 @@ def test_the_custom_model_and_loss_example_trains_resumes_exactly_and_exports(im
     assert all(torch.equal(t, best[k]) for k, t in model.state_dict().items())
 
 
+def test_the_tabular_example_a_workload_of_ones_own_learns_and_names_a_missing_column(tmp_path):
+    """Issue 77 item 2: examples/tabular_task.py (a task by import path: CSV files read, standardised and one-hot
+    encoded by Ray Data, an MLP, accuracy) trains on 2 DDP workers from its own YAML and learns its demo data well
+    above chance; a file without the label column is one line naming the file and the column, before Ray."""
+    from behemoth.errors import DataError
+
+    sys.path.insert(0, str(REPO))
+    from examples.tabular_task import write_demo
+
+    folder = write_demo(tmp_path / "tabular", rows=1500)
+    example = yaml.safe_load((REPO / "examples" / "tabular_task.yaml").read_text())
+    assert example["data"]["kind"] == "examples.tabular_task:TabularClassification"
+
+    def job(train_csv):
+        return config_from_dict({**example, "data": {**example["data"], "train_files": [str(train_csv)],
+                                                     "val_files": [str(folder / "val.csv")]},
+                                 "train": {**example["train"], "epochs": 4, "log_every": 10},
+                                 "checkpoint": {**example["checkpoint"], "storage_path": str(tmp_path / "runs"),
+                                                "run_name": train_csv.stem}})
+
+    result = train(job(folder / "train.csv"))
+    classes = 3
+    assert result.metrics["val_accuracy"] >= 0.85 > 2 / classes, result.metrics  # (the largest class: ~0.4)
+    assert result.best_checkpoint is not None
+
+    unlabelled = tmp_path / "unlabelled.csv"
+    lines = (folder / "train.csv").read_text().splitlines()
+    unlabelled.write_text("\n".join(",".join(line.split(",")[:-1]) for line in lines) + "\n")
+    with pytest.raises(DataError, match=rf"{unlabelled} has no column 'label' \(data.label_column"):
+        train(job(unlabelled))
+
+
 def test_a_vit_from_hf_config_trains_and_exports(image_root, tmp_path):
     from transformers import AutoModelForImageClassification
 
