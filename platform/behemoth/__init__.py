@@ -12,7 +12,8 @@ Python API (the face: docs and examples import only these): `behemoth.train(cfg)
 `behemoth.sweep(job, space, ...) -> SweepResult` (also `behemoth.tune.sweep`), `behemoth.load_config(path,
 overrides) -> JobConfig`, `behemoth.cli(argv)` (the `behemoth` command in this process: jobs/*.py), `Task` (a
 workload of one's own, `data.kind: module:Class`) and the built-in tasks to subclass (`ImageClassification`,
-`CausalLM`, `ChatLM`, `TextClassification`). `import behemoth` imports neither Ray nor torch: `train`, `sweep`,
+`CausalLM`, `ChatLM`, `TextClassification`), `Callback` (what runs around each step: `train.callbacks`,
+`Task.callbacks`). `import behemoth` imports neither Ray nor torch: `train`, `sweep`,
 `cli` and the tasks are imported on first use (a task imports torch; `train` and `sweep` import Ray). Typed
 (`py.typed`): a type checker sees every name through the imports below.
 """
@@ -36,8 +37,10 @@ if TYPE_CHECKING:  # (what the lazy names below are, for editors and type checke
     from behemoth.tasks.contract import Task
     from behemoth.tasks.image import ImageClassification
     from behemoth.tasks.text_classification import TextClassification
+    from behemoth.worker.step_callbacks import Callback
 
 __all__ = [
+    "Callback",
     "CausalLM",
     "ChatLM",
     "CheckpointError",
@@ -63,6 +66,7 @@ _LAZY = {  # name -> (module, attribute): imported on first use
     "tune": ("behemoth.driver.sweep", None), "cli": ("behemoth.driver.commands.cli", "run_command"),
     "RunSummary": ("behemoth.driver.run.summary", "RunSummary"),
     "SweepResult": ("behemoth.driver.sweep.results", "SweepResult"),
+    "Callback": ("behemoth.worker.step_callbacks", "Callback"),
     "Task": ("behemoth.tasks.contract", "Task"), "ImageClassification": ("behemoth.tasks.image", "ImageClassification"),
     "CausalLM": ("behemoth.tasks.causal_lm", "CausalLM"), "ChatLM": ("behemoth.tasks.chat", "ChatLM"),
     "TextClassification": ("behemoth.tasks.text_classification", "TextClassification"),

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from behemoth import hosts
+from behemoth import Callback, hosts
 from conftest import job_dict
 from integration.toy_task import TRAIN, LinearRegression, ToyData
 
@@ -457,3 +457,73 @@ def test_auto_checkpoints_on_the_agreed_schedule_and_a_resumed_run_keeps_it(tmp_
     assert again["resumed_from_step"] == latest == 80
     resumed = {step: read_state(ckpt) for step, ckpt in complete_checkpoints(run)}
     assert resumed[max(resumed)].interruptions == 1 and resumed[max(resumed)].trained_s > states[latest].trained_s
+
+
+
+class Points(Callback):
+    """Records each point a callback is called at: (its name, the point, the state's step, the context's rank and
+    total steps)."""
+
+    seen: list = []
+    name = "user"  # train.callbacks' class (each worker makes one with no arguments)
+
+    def _saw(self, point, ctx, state):
+        Points.seen.append((self.name, point, state.step, ctx.rank, ctx.total_steps))
+
+    def before_step(self, ctx, state):
+        self._saw("before_step", ctx, state)
+
+    def after_update(self, ctx, state, micro_batches, loss_sum, n_valid):
+        assert micro_batches and float(n_valid) > 0
+        self._saw("after_update", ctx, state)
+
+    def after_step(self, ctx, state):
+        self._saw("after_step", ctx, state)
+
+    def after_report(self, ctx, state):
+        self._saw("after_report", ctx, state)
+
+
+class TaskPoints(Points):
+    name = "task"
+
+
+class WithCallbacks(Regression):
+    """A task that adds a callback of its own."""
+
+    def callbacks(self):
+        return [TaskPoints()]
+
+
+class NotACallback:
+    def after_step(self, ctx, state):
+        pass
+
+
+def test_a_tasks_callbacks_and_the_users_are_called_at_every_point_after_behemoths_with_the_step_context(
+        tmp_path, monkeypatch):
+    """Issue 77 item 2: a task's callbacks (Task.callbacks) and the user's (train.callbacks, module:Class) run at
+    each step's four points, the task's before the user's, each handed the step context and the state."""
+    Points.seen = []
+    _run(tmp_path, monkeypatch, task="WithCallbacks", train={"callbacks": ["unit.test_loop_wiring:Points"]})
+    assert len(Points.seen) == 8 * 4 * 2  # 8 steps, 4 points, 2 callbacks
+    for k in range(8):
+        at = [(name, point, step) for name, point, step, _, _ in Points.seen[k * 8:(k + 1) * 8]]
+        assert at == [("task", "before_step", k), ("user", "before_step", k), ("task", "after_update", k),
+                      ("user", "after_update", k), ("task", "after_step", k + 1), ("user", "after_step", k + 1),
+                      ("task", "after_report", k + 1), ("user", "after_report", k + 1)], at
+    assert {(rank, total) for *_, rank, total in Points.seen} == {(0, 8)}
+
+
+@pytest.mark.parametrize("path, said", [("unit.test_loop_wiring:Nowhere", "cannot import"),
+                                        ("unit.test_loop_wiring:NotACallback", "not a subclass of behemoth.Callback"),
+                                        ("no_colon", "is not module:Class")])
+def test_a_callback_path_that_is_not_a_callback_is_one_line_before_ray(tmp_path, path, said):
+    from behemoth.driver.run.sequence import check_data
+    from behemoth.errors import ConfigError
+    from behemoth.job import config_from_dict
+
+    job = job_dict(tmp_path, tmp_path / "runs", data={}, train={"callbacks": [path]})
+    job["data"] = {"kind": "unit.test_loop_wiring:Regression"}
+    with pytest.raises(ConfigError, match=f"train.callbacks: .*{said}"):
+        check_data(config_from_dict(job))

@@ -158,6 +158,10 @@ class TrainConfig:
     init_from: Optional[str] = None
     # Which checkpoint of a run folder: best (the task's best metric) or latest.
     init_from_checkpoint: Literal["best", "latest"] = "best"
+    # Callbacks of your own around every step, as "module:Class" (a behemoth.Callback subclass, made with no
+    # arguments on each worker): called at the step's points after behemoth's own and the task's (worker/
+    # step_callbacks.py), each handed the step context. Imported and checked before Ray starts.
+    callbacks: list[str] = field(default_factory=list)
 
     def validate(self) -> None:
         self._check_ranges()
@@ -171,6 +175,10 @@ class TrainConfig:
             self.early_stopping.validate()
         if self.profile is not None:
             self.profile.validate()
+        for path in self.callbacks:
+            if not isinstance(path, str) or path.count(":") != 1 or not all(path.split(":")):
+                raise ConfigError(f"train.callbacks: {path!r} is not module:Class (a behemoth.Callback subclass "
+                                  f"by import path, e.g. my_pkg.hooks:LogGradients)")
         if len(self.adam_betas) != 2 or not all(0 <= b < 1 for b in self.adam_betas):
             raise ConfigError(f"train.adam_betas needs two values in [0, 1) (beta1, beta2), got {self.adam_betas!r}")
 

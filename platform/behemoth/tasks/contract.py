@@ -180,6 +180,12 @@ class Task(abc.ABC, Generic[CheckedT, PreparedT]):
         """Samples by a name a user can find them by (a file, a row), for error messages."""
         return [f"sample {i}" for i in sample_ids]
 
+    def callbacks(self) -> list:
+        """behemoth.Callback instances (worker/step_callbacks.py) the loop calls around each of this worker's
+        steps, after behemoth's own and before the user's train.callbacks, each handed the step context.
+        Default: none."""
+        return []
+
     # ==== model =============================================================================================
     # Which models the task trains, checked before Ray, built on each worker, rebuilt from a checkpoint.
 

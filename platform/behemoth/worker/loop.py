@@ -47,7 +47,7 @@ from behemoth.worker.precision import autocast, device_settings, grad_scaler, ma
 from behemoth.worker.reporting import Reporter, resume_early_stopping
 from behemoth.checkpoints import CheckpointSaver, Rescue, Trainables, load_init_from, restore_latest
 from behemoth.worker.speed import SpeedMeter
-from behemoth.worker.step_callbacks import Callbacks
+from behemoth.worker.step_callbacks import Callbacks, callback_classes
 from behemoth.worker.step_context import StepContext
 
 
@@ -90,9 +90,11 @@ def train_loop_per_worker(loop_config: dict) -> dict:
 
     # Around each step, at its named points in this order (worker/step_callbacks.py): train.ema_decay's average,
     # the sample ledger, a lone worker's copy of its state to the driver's memory (checkpoint.memory_copy), the
-    # failure tests' pacing, kill and error (none in a real run), train.profile's window.
+    # failure tests' pacing, kill and error (none in a real run), train.profile's window; then the task's own and
+    # the user's (train.callbacks).
     callbacks = Callbacks([run.ema, ledger, MemoryCopies(step_ctx, copies, state, reporter), FaultHooks(),
-                           StepProfiler(cfg, rank, device)])
+                           StepProfiler(cfg, rank, device), *task.callbacks(),
+                           *(cls() for cls in callback_classes(cfg.train.callbacks))])
     clock.mark("loop_started")
     with rescue.around_the_loop():  # a peer lost without notice: this worker's state, whole, as a checkpoint
         _train_steps(step_ctx, state, feed, callbacks, reporter, rescue)

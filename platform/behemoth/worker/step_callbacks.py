@@ -1,7 +1,9 @@
 """Worker side: what runs around every training step besides the update itself, as callbacks the loop lists
 once and calls at four named points of each step (Composer's events, in one small file per callback: the
 weight average in ema.py, the sample ledger in ledger.py, the fault hooks in faults.py, the profiler in
-profiling.py). Each point calls the callbacks in the list's order; every method is a no-op by default.
+profiling.py). Each point calls the callbacks in the list's order; every method is a no-op by default. After
+behemoth's own come the task's (`Task.callbacks()`) and the user's (`train.callbacks`: `callback_classes`),
+each handed the step context (worker/step_context.py: the config, task, trainables, device, rank, world, ...).
 
 The points, in a step's order:
 - `before_step(ctx, state)`: before the step's reseeding and update (state.step: the steps done so far);
@@ -13,8 +15,11 @@ The points, in a step's order:
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
+
+from behemoth.errors import ConfigError
 
 if TYPE_CHECKING:  # annotations only
     import torch
@@ -61,3 +66,21 @@ class Callbacks:
     def after_report(self, ctx: StepContext, state: TrainState) -> None:
         for callback in self.callbacks:
             callback.after_report(ctx, state)
+
+
+def callback_classes(paths: list[str]) -> list[type[Callback]]:
+    """train.callbacks' classes, imported (the driver checks them before Ray starts; each worker makes one of
+    each): a path that does not import, or names no Callback subclass, is one ConfigError naming it."""
+    found = []
+    for path in paths:
+        module, _, name = path.partition(":")
+        try:
+            cls = getattr(importlib.import_module(module), name)
+        except (ImportError, AttributeError) as e:
+            raise ConfigError(f"train.callbacks: cannot import {path} ({e}); is it installed, or on PYTHONPATH "
+                              f"(with ray job submit: in the --working-dir)?") from None
+        if not (isinstance(cls, type) and issubclass(cls, Callback)):
+            raise ConfigError(f"train.callbacks: {path} is not a subclass of behemoth.Callback (subclass it and "
+                              f"define the points it needs: before_step, after_update, after_step, after_report)")
+        found.append(cls)
+    return found

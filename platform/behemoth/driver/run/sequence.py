@@ -107,10 +107,13 @@ def run_sequence(cfg: JobConfig, launcher: Launcher, tracking, fence=None) -> Ru
 
 def check_data(cfg: JobConfig, task: type[Task] | None = None, epoch: bool = True):
     """The task's data checked before Ray starts (every run, `behemoth check`, a sweep's every trial): the model
-    and tokenizer sources, the task's own check, and that an epoch has a step (`epoch`). Returns what the task's
-    check returned (its `checked` value)."""
+    and tokenizer sources, train.callbacks' classes, the task's own check, and that an epoch has a step
+    (`epoch`). Returns what the task's check returned (its `checked` value)."""
+    from behemoth.worker.step_callbacks import callback_classes
+
     task = task or task_of(cfg)
     preflight.check_sources(cfg)
+    callback_classes(cfg.train.callbacks)
     checked = task.check(cfg)
     if epoch:
         preflight.check_epoch(cfg, task.train_samples(cfg, checked))
