@@ -21,7 +21,6 @@ resume, evaluation (top-1 accuracy), export. tests/integration/test_models_io.py
 
 from __future__ import annotations
 
-import torch
 import torch.nn.functional as F
 from torch import nn
 

@@ -83,6 +83,24 @@ def test_a_group_that_ends_itself_for_a_preemption_is_charged_to_the_preemption_
     assert FailFastPolicy(FailureConfig(max_failures=0)).make_decision(crash) == FailureDecision.RAISE
 
 
+def test_a_worker_whose_node_was_shut_down_by_sigterm_is_a_preemption_however_ray_marked_it():
+    """A pod evicted (R8): `ray start` drains its node for preemption on SIGTERM and ends it at the deadline. The
+    worker there dies with its node; Ray marks its error preempted or not depending on which reaches its control
+    store first (the drain's deadline, or the raylet's own "received SIGTERM": what the full tier met once, and
+    a run with max_failures 0 failed). Either way it is a preemption (failure.max_preemptions)."""
+    from ray.train.v2._internal.exceptions import WorkerHealthCheckFailedError
+
+    died = RuntimeError("The actor died unexpectedly before finishing this task.\nThe actor died because its node "
+                        "has died. Node Id: 53ea146a\n\tthe actor's node was terminated expectedly: received SIGTERM")
+    evicted = WorkerGroupError("worker group failed", {1: WorkerHealthCheckFailedError("A worker health check "
+                                                                                        "failed.", died)})
+    policy = FailFastPolicy(FailureConfig(max_failures=0, max_preemption_failures=1))
+    assert [policy.make_decision(evicted) for _ in range(2)] == [FailureDecision.RETRY, FailureDecision.RAISE]
+    lost = failed("The actor died because its node has died. Node Id: 53ea146a\n\tthe actor's node was terminated "
+                  "unexpectedly: health check failed due to missing too many heartbeats")
+    assert FailFastPolicy(FailureConfig(max_failures=0)).make_decision(lost) == FailureDecision.RAISE
+
+
 def test_an_elastic_runs_policy_refreshes_the_cluster_view_before_each_decision(monkeypatch):
     """The next group of an elastic run is sized from the view refreshed at the failure (not one that may
     still count the node just lost); a refresh that fails leaves the decision as it was; a fixed-size run's

@@ -23,7 +23,7 @@ __all__ = ["ControllerCallback", "DatasetsCallback", "DefaultFailurePolicy", "Fa
            "WorkerGroupStartupTimeoutError", "waiting_for_nodes",
            "PlacementGroupCleaner", "PlacementGroupCleanerCallback", "ReportCallback", "TrainContextCallback",
            "WorkerCallback",
-           "launch_placement_group_cleaner", "preemption_error", "preemption_notice", "quiet_report_log",
+           "launch_placement_group_cleaner", "node_terminated", "preemption_error", "preemption_notice", "quiet_report_log",
            "set_failure_policy_factory",
            "worker_environment"]
 
@@ -33,6 +33,20 @@ def waiting_for_nodes(training_failed_error) -> bool:
     within RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S: the nodes are not there yet); it retries such attempts without
     limit by default (controller_failure_limit -1)."""
     return isinstance(getattr(training_failed_error, "controller_failure", None), WorkerGroupStartupTimeoutError)
+
+
+# How Ray 2.60 says a worker died with its node when the node was shut down by a SIGTERM (its raylet's death
+# message, in the ActorDiedError the worker's health check wraps). `ray start` drains a node for preemption on
+# SIGTERM (RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S: Kubernetes evicting a pod) and ends it at the drain's deadline;
+# whether the worker's error is then marked preempted depends on which reaches the control store first, the
+# raylet's own "received SIGTERM" or the drain's deadline (AUTOSCALER_DRAIN_PREEMPTED).
+NODE_TERMINATED_BY_SIGTERM = "node was terminated expectedly: received SIGTERM"
+
+
+def node_terminated(training_failed_error) -> bool:
+    """Whether a worker group failed because a node of it was shut down by a SIGTERM (its owner took it back)."""
+    failures = getattr(training_failed_error, "worker_failures", None) or {}
+    return any(NODE_TERMINATED_BY_SIGTERM in str(error) for error in failures.values())
 
 
 def preemption_error():

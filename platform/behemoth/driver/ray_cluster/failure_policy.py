@@ -21,8 +21,8 @@ import time
 
 from behemoth.ray_internals.core import node_logs_dir
 from behemoth.ray_internals.data import refresh_elastic_view
-from behemoth.ray_internals.train_v2 import (DefaultFailurePolicy, FailureDecision, preemption_error,
-                                             set_failure_policy_factory, waiting_for_nodes)
+from behemoth.ray_internals.train_v2 import (DefaultFailurePolicy, FailureDecision, node_terminated,
+                                             preemption_error, set_failure_policy_factory, waiting_for_nodes)
 
 from behemoth.errors import NOT_RETRIED, PreemptionExit, user_facing_error
 
@@ -41,9 +41,12 @@ class FailFastPolicy(DefaultFailurePolicy):
     def make_decision(self, training_failed_error) -> FailureDecision:
         if self.elastic:
             _refresh_view()
-        if user_facing_error(training_failed_error, (PreemptionExit,)) is not None:
-            # the group ended itself for a notice's preemption (worker/reporting.py): a preemption, as Ray Train
-            # counts those (failure.max_preemptions), not a failure
+        if (user_facing_error(training_failed_error, (PreemptionExit,)) is not None
+                or node_terminated(training_failed_error)):
+            # the group ended itself for a notice's preemption (worker/reporting.py), or a node of it was shut down
+            # by its owner (a SIGTERM: a pod evicted, which Ray drains for preemption first; its worker's death is
+            # marked preempted or not by a race in Ray): a preemption, as Ray Train counts those
+            # (failure.max_preemptions), not a failure
             return super().make_decision(preemption_error())
         message = user_facing_error(training_failed_error, NOT_RETRIED)
         if message is not None:
