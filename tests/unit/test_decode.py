@@ -304,3 +304,32 @@ def test_a_decode_task_refills_its_last_output_only_once_nothing_holds_it(tmp_pa
     del third
     assert task_output(2, 24).shape == (2, 24, 24, 3)  # fewer rows: a view of the same memory
     assert task_output(2, 25).shape == (2, 25, 25, 3)  # another size: a new array
+
+
+def test_threads_of_one_process_never_share_a_decode_tasks_output(monkeypatch):
+    """task_output's check and the view that holds the array are taken under one lock: two threads asking at once
+    (the check made slow, so that both are inside it together) get memory no other holds."""
+    import sys
+    import threading
+    import time
+    from types import SimpleNamespace
+
+    from behemoth.data.image import image_batches
+
+    def slow_getrefcount(obj):
+        count = sys.getrefcount(obj) - 1  # (less this frame's own reference)
+        time.sleep(0.05)  # the other thread reaches the check meanwhile
+        return count
+
+    image_batches.task_output(4, 8)  # kept, held by nothing now
+    monkeypatch.setattr(image_batches, "sys", SimpleNamespace(getrefcount=slow_getrefcount))
+    got, start = [], threading.Barrier(2)
+
+    def take():
+        start.wait()
+        got.append(image_batches.task_output(4, 8))
+
+    threads = [threading.Thread(target=take) for _ in range(2)]
+    [t.start() for t in threads]
+    [t.join() for t in threads]
+    assert len(got) == 2 and not np.shares_memory(got[0], got[1])

@@ -15,6 +15,7 @@ import functools
 import logging
 import math
 import sys
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -55,8 +56,10 @@ def transform_batch(batch: dict, *, cfg: ImageData, seed: int, epoch: int, train
     return {"image": pixels, "label": batch["label"], "sample_id": batch["sample_id"], "valid": valid}
 
 
-# The pixels of this process's last decode task, filled again by its next one where nothing holds them any more.
+# The pixels of this process's last decode task, filled again by its next one where nothing holds them any more
+# (the lock: two threads of one process never both take it between the check and the view that holds it).
 _kept_output: list[np.ndarray] = []
+_kept_lock = threading.Lock()
 
 
 def task_output(n: int, size: int) -> np.ndarray:
@@ -65,13 +68,14 @@ def task_output(n: int, size: int) -> np.ndarray:
     new one kept for the next task. Memory that stays with the process costs nothing to write again; a fresh
     77 MB array (512 images at 224 px) cost 0.3-0.5 s of page faults a task on a VM whose host takes back the
     pages a guest frees (BENCHMARKS.md, the pipeline on fast cores), about half the task's decoding."""
-    # held by the list and getrefcount's argument alone: no block or view refers to it
-    if _kept_output and sys.getrefcount(_kept_output[0]) == 2:
-        kept = _kept_output[0]
-        if kept.shape[1] == size and kept.shape[0] >= n:
-            return kept[:n]
-    _kept_output[:] = [np.empty((n, size, size, 3), dtype=np.uint8)]
-    return _kept_output[0]
+    with _kept_lock:
+        # held by the list and getrefcount's argument alone: no block or view refers to it
+        if _kept_output and sys.getrefcount(_kept_output[0]) == 2:
+            kept = _kept_output[0]
+            if kept.shape[1] == size and kept.shape[0] >= n:
+                return kept[:n]
+        _kept_output[:] = [np.empty((n, size, size, 3), dtype=np.uint8)]
+        return _kept_output[0]
 
 
 def _transformed(data: bytes, size: int, cfg: ImageData, rng: np.random.Generator, train: bool,
