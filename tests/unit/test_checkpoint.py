@@ -323,7 +323,8 @@ def test_retention_reaches_checkpoints_ray_train_never_registered(tmp_path):
     from types import SimpleNamespace
 
     from behemoth.job import config_from_dict
-    from behemoth.driver.run.resume import retire_unregistered
+    from behemoth.checkpoints.retention import retire_unregistered
+    from behemoth.driver.run.resume import run_place
 
     cfg = config_from_dict({"data": {"root": "x"}, "checkpoint": {"storage_path": str(tmp_path), "run_name": "r",
                                                                    "keep": 2}})
@@ -336,13 +337,13 @@ def test_retention_reaches_checkpoints_ray_train_never_registered(tmp_path):
                            state=TrainState(step=s), task_files={}, job_yaml="")
     (run / "checkpoint_15" / "manifest.json").unlink()  # an upload cut short: not this function's business
     kept = [(SimpleNamespace(path=str(run / f"checkpoint_{s:02d}")), {}) for s in (9, 12)]
-    removed = retire_unregistered(cfg, kept)
+    removed = retire_unregistered(run_place(cfg), kept)
     assert sorted(removed) == [str(run / "checkpoint_03"), str(run / "checkpoint_06")]
     assert sorted(p.name for p in run.iterdir()) == ["checkpoint_09", "checkpoint_12", "checkpoint_15"]
     assert [s for s, _ in checkpoint.complete_checkpoints(run)] == [12, 9]
-    assert retire_unregistered(cfg, []) == []  # nothing kept (no checkpoint registered): nothing removed
+    assert retire_unregistered(run_place(cfg), []) == []  # nothing kept (no checkpoint registered): nothing removed
     kept_with_newer = [(SimpleNamespace(path=str(run / "checkpoint_09")), {})]
-    assert retire_unregistered(cfg, kept_with_newer) == []  # 12 is newer than what Ray keeps: left alone
+    assert retire_unregistered(run_place(cfg), kept_with_newer) == []  # 12 is newer than what Ray keeps: left alone
 
 
 def test_a_sharded_checkpoint_round_trips_and_names_a_damaged_shard(tmp_path):

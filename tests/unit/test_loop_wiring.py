@@ -52,7 +52,8 @@ class Keeping(Regression):
 
 def _run(tmp_path, monkeypatch, task: str = "Regression", **sections):
     """The loop, whole, under a lane's host on the CPU: (what it returned, every report, the run folder)."""
-    from behemoth.driver.run.resume import retained, run_place
+    from behemoth.checkpoints.retention import kept_indices
+    from behemoth.driver.run.resume import run_place
     from behemoth.hosts import lane
     from behemoth.job import config_from_dict
     from behemoth.worker.loop import train_loop_per_worker
@@ -67,7 +68,7 @@ def _run(tmp_path, monkeypatch, task: str = "Regression", **sections):
     reports = []
     recorder = SimpleNamespace(after_report=lambda _, metrics: reports.extend(metrics))
     monkeypatch.setattr(lane, "_lane_device", lambda: torch.device("cpu"))  # (not Ray's GPU ids: no Ray here)
-    host = lane.LaneHost(run_place(cfg), lambda reported: retained(cfg, reported), recorder, None, None)
+    host = lane.LaneHost(run_place(cfg), lambda reported: kept_indices(reported, cfg.checkpoint.keep, "min"), recorder, None, None)
     try:
         with hosts.hosted(host):
             returned = train_loop_per_worker({"job": cfg, "data": Regression.check(cfg), "fence": None})

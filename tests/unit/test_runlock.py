@@ -217,7 +217,8 @@ from behemoth.storage import checkpoint
 from behemoth.job import config_from_dict
 from behemoth.storage import runlock
 from behemoth.hosts.lease_fence import LeaseFenceCallback
-from behemoth.driver.run.resume import retire_unregistered
+from behemoth.checkpoints.retention import retire_unregistered
+from behemoth.driver.run.resume import run_place
 
 storage, go = sys.argv[1], Path(sys.argv[2])
 folder = f"{storage}/r"
@@ -231,7 +232,7 @@ with runlock.RunLock(folder, "run 'r'", heartbeat_s=0.1) as lock:
         with transfer.on_checkpoint_transfer():
             checkpoint.write(f"{folder}/checkpoint_{step}",
                              checkpoint.Snapshot({}, {"train_state.json": json.dumps({"step": step})}, step))
-        retire_unregistered(cfg, [(SimpleNamespace(path=f"{folder}/checkpoint_{step}"), {})], lock.fence())
+        retire_unregistered(run_place(cfg), [(SimpleNamespace(path=f"{folder}/checkpoint_{step}"), {})], lock.fence())
         print("round", step, flush=True)
 """
 

@@ -12,8 +12,8 @@ Its face is what the loop (worker/loop.py, worker/reporting.py) talks to, and no
   when: worker/memory_copies.py), restored by `restore_latest(run, copies=link)` where newer than the checkpoint.
 - restore: `restore_latest(run)` (the checkpoint a (re)started worker group continues from: the newest that
   verifies, partial uploads removed) and `load_init_from(model, cfg, task, rank, world)` (train.init_from's weights).
-- latest: `complete_checkpoints(folder)` (a run folder's complete checkpoints by step; the best by a metric is
-  Ray's CheckpointConfig's to keep, driver/run/resume.py's retention).
+- latest: `complete_checkpoints(folder)` (a run folder's complete checkpoints by step; which are kept:
+  `retention`, below).
 - verify: `verify(folder)` (every file against the manifest's sizes and checksums).
 
 Its modules:
@@ -27,6 +27,9 @@ Its modules:
   without notice, an elastic resize).
 - `memory_copy`: a lone worker's state copied to the run's keeper in the driver's memory (hosts/state_keeper.py),
   and loaded back.
+- `retention`: which checkpoints checkpoint.keep keeps (the rule Ray Train's CheckpointConfig applies for a
+  TorchTrainer's run, and a sweep's lane itself), and the removal, when a run ends, of complete checkpoints Ray
+  Train never registered (the driver's: behind the face).
 
 The format itself stays on the floor in storage/ (`storage/checkpoint.py`: files, TrainState, manifest,
 complete_checkpoints, verify; `storage/shard_reader.py`, `storage/dcp_index.py`): the driver (resume checks,

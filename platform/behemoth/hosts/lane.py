@@ -39,7 +39,7 @@ class LaneHost(WorkerHost):
     report recorded by the run's RunRecorder, and evaluations forwarded to Tune from the training thread."""
 
     def __init__(self, place: RunPlace, retain, recorder, fence, forward):
-        """`place`: the run's; `retain`: checkpoint.keep, as Ray Train applies it (driver/run/resume.py retained:
+        """`place`: the run's; `retain`: checkpoint.keep, as Ray Train applies it (checkpoints/retention.kept_indices:
         the metrics of the run's checkpoints in report order -> the indices kept); `recorder`: the run's
         RunRecorder; `fence`: the sweep's lease fence (or None); `forward`: called with every report (Tune's)."""
         self.run_name, self.retain = place.name, retain

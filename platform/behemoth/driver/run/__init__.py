@@ -8,6 +8,6 @@
   checks and preparation, then a TorchTrainer of the evaluation's workers)
 - `preflight`: before Ray: model / tokenizer sources (offline found once), init_from, tracking packages, an
   epoch's steps, train.profile's window
-- `resume`: before a (re)run: the run's place, resume checks, init_from; after: retention
+- `resume`: before a (re)run: the run's place, resume checks, init_from; retention as Ray Train's config
 - `summary`: RunSummary: what a finished run prints and the Python API returns
 """

@@ -1,5 +1,5 @@
-"""Driver side: what a run's rerun resumes from, checked before Ray starts, and the bookkeeping of the run
-folder's checkpoints after a run (public: a run through Ray Train and a sweep's lane both call these).
+"""Driver side: what a run's rerun resumes from, checked before Ray starts, and checkpoint.keep as Ray Train's
+CheckpointConfig (public: a run through Ray Train and a sweep's lane both call these).
 
 - `run_place` / `run_dir`: where a job's run lives (storage/paths.RunPlace).
 - `resumed_job`: the checkpoint a rerun resumes from and its job.yaml, read as export reads one (manifest first).
@@ -7,8 +7,9 @@ folder's checkpoints after a run (public: a run through Ray Train and a sweep's 
 - `describe_rerun`: what a rerun's changed train.* / scaling.* keys do; another optimizer is refused.
 - `check_resume_data`: a rerun whose data now means something else (a class folder renamed) is refused.
 - `resolve_init_from`: train.init_from resolved once to the folder every worker and restart loads.
-- `retention`: checkpoint.keep as Ray Train's CheckpointConfig (the best by the run's metric, and the latest).
-- `retire_unregistered`: checkpoint.keep applied to complete checkpoints Ray Train never registered.
+- `retention`: checkpoint.keep as Ray Train's CheckpointConfig (the best by the run's metric, and the latest); the
+  rule itself, and the removal of complete checkpoints Ray Train never registered, are the checkpoints room's
+  (checkpoints/retention.py).
 """
 
 from __future__ import annotations
@@ -268,53 +269,11 @@ def retention(cfg: JobConfig):
     evaluated one, the newer above the older: Ray's ties) and, whatever its score, the latest, which a rerun
     resumes from (Ray Train 2.60's checkpoint manager never deletes its latest).
     Newest-K alone would rotate the best out of a run that stops early (patience 3, keep 3: the 3 checkpoints
-    after the best are kept). A lane keeps the same ones (`retained`: a lane applies it, hosts/lane.py)."""
+    after the best are kept). A lane keeps the same ones (checkpoints/retention.kept_indices, which hosts/lane.py
+    applies)."""
     from ray.train import CheckpointConfig
 
     from behemoth.metrics import CHECKPOINT_SCORE
 
     return CheckpointConfig(num_to_keep=cfg.checkpoint.keep, checkpoint_score_attribute=CHECKPOINT_SCORE,
                             checkpoint_score_order=run_metric(task_of(cfg), cfg)[1])
-
-
-def retained(cfg: JobConfig, reported: list[dict]) -> list[int]:
-    """Which of a run's checkpoints (their reports' metrics, in report order) `retention` keeps, as Ray Train
-    applies it (a lane applies this: hosts/lane.py): the checkpoint.keep best by score (one without: the worst),
-    a tie to the newer, and the latest whatever its score. Indices, in report order."""
-    from behemoth.metrics import CHECKPOINT_SCORE, checkpoint_score
-
-    keep, order = cfg.checkpoint.keep, run_metric(task_of(cfg), cfg)[1]
-    sign = 1 if order == "max" else -1
-    best = sorted(range(len(reported)),
-                  key=lambda i: (sign * checkpoint_score(reported[i].get(CHECKPOINT_SCORE), order), i))[-keep:]
-    return sorted({*best, len(reported) - 1} if reported else set())
-
-
-def retire_unregistered(cfg: JobConfig, kept: list, fence=None) -> list[str]:
-    """Apply checkpoint.keep to the checkpoints Ray Train does not know: complete ones in the run folder that it
-    never registered (a driver or worker died between their upload and their registration; a rerun resumed
-    from them) and that are older than every checkpoint it keeps (`kept`: the finished run's
-    (checkpoint, metrics)). Retention would have deleted them had Ray Train known them; without this they
-    stay forever. Returns the folders removed. `fence`: the run lock's (runlock.Fence), checked first: a driver
-    whose folder another driver took over removes nothing there."""
-    from behemoth.storage.checkpoint import complete_checkpoints
-    from behemoth.storage.filesystem import filesystem
-
-    if fence is not None:
-        fence.check("removing the checkpoints Ray Train never registered")
-
-    place = run_place(cfg)
-    kept_paths = {place.as_uri(c.path).rstrip("/") for c, _ in kept}
-    found = complete_checkpoints(place.folder)
-    kept_steps = [step for step, path in found if path.rstrip("/") in kept_paths]
-    if not kept_steps:
-        return []
-    oldest_kept, removed = min(kept_steps), []
-    for step, path in found:
-        if step < oldest_kept and path.rstrip("/") not in kept_paths:
-            fs, where = filesystem(path)
-            fs.delete_dir(where)
-            removed.append(path)
-            print(f"[behemoth] removed {path} (step {step}): a checkpoint Ray Train never registered, older than "
-                  f"the {len(kept_steps)} it keeps (checkpoint.keep)", flush=True)
-    return removed

@@ -79,6 +79,8 @@ class Launcher(Protocol):
 def run_sequence(cfg: JobConfig, launcher: Launcher, tracking, fence=None) -> RunSummary:
     """Run (or resume) the run of `cfg` through `launcher`, recording it in `tracking` (tracking.invocation's
     RunTracking). `fence`: the run lock's (or a sweep's), checked before the run deletes what it did not register."""
+    from behemoth.checkpoints.retention import retire_unregistered  # (here: the checkpoints room imports torch)
+
     run = PlannedRun.resolve(cfg)
     resume.check_resume_compatible(cfg, run.latest)
     run.rerun = resume.describe_rerun(cfg, run.latest)  # what changed keys do from the resume step, said first
@@ -94,7 +96,7 @@ def run_sequence(cfg: JobConfig, launcher: Launcher, tracking, fence=None) -> Ru
         if launcher.records_failure(e):  # else the invocation has no end record (a stopped trial, a killed driver)
             tracking.finish("failed")
         raise
-    resume.retire_unregistered(cfg, launched.kept, fence)  # older complete checkpoints nobody registered
+    retire_unregistered(run.place, launched.kept, fence)  # older complete checkpoints nobody registered
     summary = summarise(cfg, launched.result, time.time() - started)
     returned = launched.returned
     with launcher.ending():

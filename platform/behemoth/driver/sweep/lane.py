@@ -102,11 +102,13 @@ class LaneLauncher:
         return _prepared(run.cfg, mark, run.task)
 
     def launch(self, run, data):
-        from behemoth.driver.run.resume import retained
+        from behemoth.checkpoints.retention import kept_indices
         from behemoth.driver.run.sequence import Launched
+        from behemoth.tasks import run_metric
 
         self.recorder = recorder = self.tracking.callbacks()[0]
-        ctx = LaneHost(run.place, functools.partial(retained, run.cfg), recorder, self.fence, self.forward)
+        kept = functools.partial(kept_indices, keep=run.cfg.checkpoint.keep, order=run_metric(run.task, run.cfg)[1])
+        ctx = LaneHost(run.place, kept, recorder, self.fence, self.forward)
         fresh_state().restore()  # as a fresh worker process starts (sweep/process_state.py)
         _TRIALS_HERE[0] += 1
         try:
