@@ -4,8 +4,8 @@ Exact resume needs each rank's samples to arrive in the order behemoth's permuta
 (`behemoth/data/order.py`), so behemoth's per-rank Ray Dataset runs with `preserve_order=True`: a decode
 task that finishes early waits for the ones before it. Without exactness a user would take Ray Data's
 default, `preserve_order=False` (batches in completion order), over the same samples. This benchmark runs
-the identical pipeline (`behemoth.data.image.image_batches.rank_windows`: index slices -> map_batches decode + augment ->
-iter_torch_batches with prefetch, window after window) both ways over one epoch of the demo images, with a consumer
+the identical pipeline (`behemoth.data.image.image_batches.rank_windows`: index slices -> map_batches decode +
+augment -> iter_torch_batches with prefetch, window after window) both ways over one epoch of the demo images, with a consumer
 that does nothing — the worst case for ordering, since nothing hides a straggling task — alternating, after
 a warm-up of each, and prints images/s and the ratio exact / default (median of --repeats).
 

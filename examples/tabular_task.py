@@ -48,6 +48,12 @@ def _header(path: str) -> list[str]:
         return next(csv.reader(f), [])
 
 
+def _named(columns: list[str], most: int = 20) -> str:
+    """A header's column names for a message, the first `most` of them, each cut to 40 characters."""
+    shown = ", ".join(c[:40] for c in columns[:most])
+    return f"[{shown}{', ...' if len(columns) > most else ''}] ({len(columns)} columns)"
+
+
 def _featurise(batch, *, numeric, means, stds, categories, label_column, classes):
     """One Ray Data batch (numpy columns) -> {"x": float32 [n, features], "y": int64 [n]}."""
     parts = [((batch[c].astype(np.float32) - means[c]) / stds[c])[:, None] for c in numeric]
@@ -77,21 +83,24 @@ class TabularClassification(Task[dict, Prepared]):
             for column in [d.label_column, *d.categorical]:
                 if column not in header:
                     raise DataError(f"{path} has no column '{column}' (data.label_column / data.categorical); "
-                                    f"its columns: {header}")
+                                    f"its columns: {_named(header)}")
             if columns is not None and header != columns:
-                raise DataError(f"{path}: its columns {header} differ from {files['train'][0]}'s {columns}")
+                raise DataError(f"{path}: its columns {_named(header)} differ from {files['train'][0]}'s "
+                                f"{_named(columns)}")
             columns = header
         return {"files": files, "columns": columns}
 
     @classmethod
     def prepare(cls, cfg, checked: dict) -> Prepared:
         import ray.data
+        from ray.data.aggregate import Mean, Std
 
         d = cfg.data
         numeric = [c for c in checked["columns"] if c != d.label_column and c not in d.categorical]
-        train = ray.data.read_csv(checked["files"]["train"])
-        means = {c: float(train.mean(c)) for c in numeric}
-        stds = {c: float(train.std(c)) or 1.0 for c in numeric}
+        train = ray.data.read_csv(checked["files"]["train"]).materialize()  # (read once, aggregated below)
+        moments = train.aggregate(*(Mean(c) for c in numeric), *(Std(c) for c in numeric)) if numeric else {}
+        means = {c: float(moments[f"mean({c})"]) for c in numeric}
+        stds = {c: float(moments[f"std({c})"]) or 1.0 for c in numeric}
         categories = {c: sorted(str(v) for v in train.unique(c)) for c in d.categorical}
         classes = sorted(str(v) for v in train.unique(d.label_column))
         fn_kwargs = dict(numeric=numeric, means=means, stds=stds, categories=categories,
@@ -99,8 +108,10 @@ class TabularClassification(Task[dict, Prepared]):
         out = {"classes": classes, "features": numeric + [f"{c}={v}" for c, vs in categories.items() for v in vs]}
         for split in ("train", "val"):
             ds = train if split == "train" else ray.data.read_csv(checked["files"]["val"])
-            rows = ds.map_batches(_featurise, batch_format="numpy", fn_kwargs=fn_kwargs).take_all()
-            out[split] = (np.stack([r["x"] for r in rows]).astype(np.float32), np.array([r["y"] for r in rows]))
+            batches = list(ds.map_batches(_featurise, batch_format="numpy", fn_kwargs=fn_kwargs)
+                           .iter_batches(batch_format="numpy", batch_size=None))
+            out[split] = (np.concatenate([b["x"] for b in batches]).astype(np.float32),
+                          np.concatenate([b["y"] for b in batches]))
         return out
 
     @classmethod

@@ -302,8 +302,11 @@ def test_a_decode_task_refills_its_last_output_only_once_nothing_holds_it(tmp_pa
     assert third["image"].__array_interface__["data"][0] == address  # refilled: nothing held it
     np.testing.assert_array_equal(third["image"], kept)  # and the same pixels as a fresh array's
     del third
-    assert task_output(2, 24).shape == (2, 24, 24, 3)  # fewer rows: a view of the same memory
-    assert task_output(2, 25).shape == (2, 25, 25, 3)  # another size: a new array
+    fewer = task_output(2, 24)  # fewer rows: the first rows of the same memory
+    assert fewer.shape == (2, 24, 24, 3) and fewer.__array_interface__["data"][0] == address
+    del fewer
+    other = task_output(2, 25)  # another size: a new array of it
+    assert other.shape == (2, 25, 25, 3) and other.__array_interface__["data"][0] != address
 
 
 def test_threads_of_one_process_never_share_a_decode_tasks_output(monkeypatch):

@@ -83,11 +83,12 @@ def test_a_group_that_ends_itself_for_a_preemption_is_charged_to_the_preemption_
     assert FailFastPolicy(FailureConfig(max_failures=0)).make_decision(crash) == FailureDecision.RAISE
 
 
-def test_a_worker_whose_node_was_shut_down_by_sigterm_is_a_preemption_however_ray_marked_it():
+def test_a_worker_whose_node_was_shut_down_by_sigterm_is_a_preemption_where_ray_did_not_mark_it_preempted():
     """A pod evicted (R8): `ray start` drains its node for preemption on SIGTERM and ends it at the deadline. The
     worker there dies with its node; Ray marks its error preempted or not depending on which reaches its control
     store first (the drain's deadline, or the raylet's own "received SIGTERM": what the full tier met once, and
-    a run with max_failures 0 failed). Either way it is a preemption (failure.max_preemptions)."""
+    a run with max_failures 0 failed). Unmarked, it is still a preemption (failure.max_preemptions); a node lost
+    without a SIGTERM stays a failure."""
     from ray.train.v2._internal.exceptions import WorkerHealthCheckFailedError
 
     died = RuntimeError("The actor died unexpectedly before finishing this task.\nThe actor died because its node "

@@ -7,6 +7,7 @@ it. (The full tier runs the same through Ray Train: tests/integration/test_train
 
 from __future__ import annotations
 
+import functools
 from types import SimpleNamespace
 
 import numpy as np
@@ -68,7 +69,8 @@ def _run(tmp_path, monkeypatch, task: str = "Regression", **sections):
     reports = []
     recorder = SimpleNamespace(after_report=lambda _, metrics: reports.extend(metrics))
     monkeypatch.setattr(lane, "_lane_device", lambda: torch.device("cpu"))  # (not Ray's GPU ids: no Ray here)
-    host = lane.LaneHost(run_place(cfg), lambda reported: kept_indices(reported, cfg.checkpoint.keep, "min"), recorder, None, None)
+    kept = functools.partial(kept_indices, keep=cfg.checkpoint.keep, order="min")  # (the task's val_mse)
+    host = lane.LaneHost(run_place(cfg), kept, recorder, None, None)
     try:
         with hosts.hosted(host):
             returned = train_loop_per_worker({"job": cfg, "data": Regression.check(cfg), "fence": None})

@@ -438,7 +438,8 @@ def test_the_architecture_doc_names_every_module_once():
 # model of a workload and its task, a lane's driver side and its host, ...). run.py (three meanings), report.py
 # and train.py (two each) were renamed; a new name twice fails until it is placed here on purpose.
 COUNTERPARTS = {"causal_lm": {"models", "tasks"}, "chat": {"data/chat", "tasks"}, "contract": {"hosts", "tasks"},
-                "lane": {"hosts", "driver/sweep"}, "registry": {"models", "tasks"}, "preference": {"data/chat", "tasks"}}
+                "lane": {"hosts", "driver/sweep"}, "registry": {"models", "tasks"},
+                "preference": {"data/chat", "tasks"}}
 
 
 def test_no_two_modules_share_a_name_with_different_meanings():

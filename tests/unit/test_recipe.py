@@ -365,7 +365,8 @@ def test_retention_keeps_the_best_checkpoint_of_an_early_stopped_run_and_the_lat
     """Issue 65: with the defaults (patience 3, checkpoint.keep 3) newest-K retention rotated the best checkpoint
     out before the stop. Ray Train 2.60's own checkpoint manager (the real one, driven with the CheckpointConfig
     behemoth gives it, without Ray) keeps the best 3 by the run's metric and the latest; a lane keeps the same
-    (checkpoints/retention.kept_indices); the summary names the best. A checkpoint without an evaluation ranks below the evaluated ones."""
+    (checkpoints/retention.kept_indices); the summary names the best. A checkpoint without an evaluation ranks
+    below the evaluated ones."""
     import asyncio
     from types import SimpleNamespace
 
@@ -404,7 +405,8 @@ def test_retention_keeps_the_best_checkpoint_of_an_early_stopped_run_and_the_lat
     manager = asyncio.run(run())
     kept = sorted(p.name for p in (tmp_path / "t").glob("checkpoint_*") if p.is_dir())
     assert kept == ["checkpoint_020", "checkpoint_030", "checkpoint_040", "checkpoint_050"]  # best 3 + latest
-    assert [losses[i][0] for i in kept_indices(reported, cfg.checkpoint.keep, retention(cfg).checkpoint_score_order)] == [20, 30, 40, 50]  # a lane keeps the same
+    order = retention(cfg).checkpoint_score_order
+    assert [losses[i][0] for i in kept_indices(reported, cfg.checkpoint.keep, order)] == [20, 30, 40, 50]  # a lane keeps the same
     result = SimpleNamespace(metrics=reported[-1], checkpoint=manager.latest_checkpoint_result.checkpoint,
                              return_value={}, best_checkpoints=[(r.checkpoint, r.metrics)
                                                                 for r in manager.best_checkpoint_results])

@@ -23,7 +23,8 @@ __all__ = ["ControllerCallback", "DatasetsCallback", "DefaultFailurePolicy", "Fa
            "WorkerGroupStartupTimeoutError", "waiting_for_nodes",
            "PlacementGroupCleaner", "PlacementGroupCleanerCallback", "ReportCallback", "TrainContextCallback",
            "WorkerCallback",
-           "launch_placement_group_cleaner", "node_terminated", "preemption_error", "preemption_notice", "quiet_report_log",
+           "launch_placement_group_cleaner", "node_terminated", "preemption_error", "preemption_notice",
+           "quiet_report_log",
            "set_failure_policy_factory",
            "worker_environment"]
 

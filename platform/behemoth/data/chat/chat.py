@@ -42,7 +42,8 @@ import numpy as np
 import pyarrow.parquet as pq
 
 from behemoth.data.chat.chat_tokens import ROLES, conversation_problem  # noqa: F401 - named here too
-from behemoth.data.chat.chat_render import (  # noqa: F401 - TRAIN, START, REJECTED, IDS: the stored flags, named here too
+from behemoth.data.chat.chat_render import (  # noqa: F401 - TRAIN, START, REJECTED, IDS: the stored flags, named
+    # here too
     IDS,
     REJECTED,
     START,

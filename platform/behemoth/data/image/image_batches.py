@@ -24,7 +24,8 @@ import pyarrow.parquet as pq
 from PIL import Image, ImageOps
 
 from behemoth.data.image import image_shards
-from behemoth.data.image.decode import MAX_IMAGE_PIXELS, crop_from_view, one_torch_thread, open_bounded, random_resized_crop
+from behemoth.data.image.decode import (MAX_IMAGE_PIXELS, crop_from_view, one_torch_thread, open_bounded,
+                                        random_resized_crop)
 from behemoth.data.image.images import ImageData
 from behemoth.data.pipeline import ordered_data_context
 from behemoth.errors import BadSampleError
