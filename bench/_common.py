@@ -101,6 +101,16 @@ def read_metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+def checkpoint_bytes(run_dir: Path) -> int:
+    """The size of one complete checkpoint of a run (the files of its first checkpoint folder with a manifest).
+    Not whatever `checkpoint_*` a directory listing gives first: Ray Train keeps its
+    checkpoint_manager_snapshot.json beside the folders, and the listing's order differs between machines."""
+    folder = next((c for c in sorted(run_dir.glob("checkpoint_*")) if (c / "manifest.json").is_file()), None)
+    if folder is None:
+        raise FileNotFoundError(f"no complete checkpoint (a checkpoint_* folder with its manifest.json) in {run_dir}")
+    return sum(f.stat().st_size for f in folder.iterdir())
+
+
 def steady_steps_per_s(reports: list[dict], batch: int) -> float:
     """behemoth.driver.commands.data_bench.steady_step_rate: first training report to last, by rank 0's clock (the
     baselines are timed from their first measured step to their last). (`batch` is unused: kept so callers

@@ -37,7 +37,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _common import TINYLLAMA, TINYLLAMA_TINY, device_of, lm_corpus, lm_job, run_behemoth, spread
+from _common import TINYLLAMA, TINYLLAMA_TINY, checkpoint_bytes, device_of, lm_corpus, lm_job, run_behemoth, spread
 
 
 def torch_save_seconds(cfg, tokens, folder: Path, saves: int) -> list[float]:
@@ -163,7 +163,7 @@ def main() -> int:
         reports = run_behemoth(job(f"p4_async_{r}"))
         ours += block_times(reports)
         rates["async"].append(step_rate(reports))
-        size = sum(f.stat().st_size for f in next(storage.glob(f"p4_async_{r}/checkpoint_*")).iterdir()) / 2**20
+        size = checkpoint_bytes(storage / f"p4_async_{r}") / 2**20
         if args.tinyllama:
             lost += lost_per_checkpoint(reports, args.every)
             writes = write_seconds(reports, storage / f"p4_async_{r}", args.every)

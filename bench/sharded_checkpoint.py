@@ -24,7 +24,7 @@ import statistics
 import tempfile
 from pathlib import Path
 
-from _common import lm_corpus, lm_job, run_behemoth, spread
+from _common import checkpoint_bytes, lm_corpus, lm_job, run_behemoth, spread
 from checkpoint_blocking import block_times, torch_save_seconds
 
 
@@ -82,7 +82,7 @@ def main() -> None:
         print(f"repeat {r}: blocked full {statistics.median(blocked['full']):.3f} s, sharded "
               f"{statistics.median(blocked['sharded']):.3f} s, torch.save {statistics.median(plain):.3f} s",
               flush=True)
-    size = sum(f.stat().st_size for f in next(storage.glob("full_0/checkpoint_*")).iterdir()) / 1e9
+    size = checkpoint_bytes(storage / "full_0") / 1e9
     print(f"LM hidden {args.hidden}, {args.layers} layers, 2 FSDP workers: {size:.2f} GB of state per checkpoint "
           f"(model + AdamW); a checkpoint every {args.every} steps, {args.repeats} runs per layout")
     for layout in ("full", "sharded"):

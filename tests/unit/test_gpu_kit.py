@@ -214,3 +214,22 @@ def test_the_dry_run_runs_each_bench_as_the_device_call_does_at_its_toy_size():
     assert dry["llama_1b"] == [*real["llama_1b"], "--tiny"] and "--repeats" in dry["llama_1b"]
     assert dry["resnet50"] == ["bench/resnet50_feed.py", "--tiny"]
     assert dry["checkpoint_1b"] == ["bench/checkpoint_blocking.py", "--tinyllama", "--tiny"]
+
+
+def test_a_checkpoints_size_is_read_from_a_complete_folder_never_from_ray_trains_snapshot_file(tmp_path):
+    """The checkpoint bench read `next(run.glob("checkpoint_*"))`: where the listing gave Ray Train's
+    checkpoint_manager_snapshot.json first (the order differs between machines) it failed (CI, 2026-11-29)."""
+    from _common import checkpoint_bytes
+
+    (tmp_path / "checkpoint_manager_snapshot.json").write_text("{}")
+    partial = tmp_path / "checkpoint_2026-11-29_10-00-00.000000"  # (an upload cut short: no manifest)
+    partial.mkdir()
+    (partial / "model.safetensors").write_bytes(b"x" * 5)
+    complete = tmp_path / "checkpoint_2026-11-29_10-00-01.000000"
+    complete.mkdir()
+    (complete / "model.safetensors").write_bytes(b"x" * 100)
+    (complete / "manifest.json").write_text("{}" + " " * 8)
+    assert checkpoint_bytes(tmp_path) == 110
+    (complete / "manifest.json").unlink()
+    with pytest.raises(FileNotFoundError, match="no complete checkpoint"):
+        checkpoint_bytes(tmp_path)
