@@ -8,8 +8,9 @@ own `data:` keys (TabularData). What the task does:
 - with Ray up (`prepare`): the CSVs read by Ray Data, each numeric column's mean and standard deviation and each
   categorical column's values computed over the training rows, every row turned into standardised numbers plus
   one-hot categories by Ray Data tasks; what the workers get: the two splits' feature matrices and labels;
-- on each worker: batches of its rows (behemoth's loop passes the rank's sample indices), a two-layer network,
-  cross-entropy, accuracy.
+- on each worker: batches of its rows (behemoth's loop passes the rank's sample indices), a two-layer network
+  and its logits; the loss (cross-entropy) and the evaluation (val_loss, val_accuracy) are taken ready-made
+  (`behemoth.Classification`).
 
 Try it from the repository root:
 
@@ -27,7 +28,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from behemoth import Task
+from behemoth import Classification, Task
 from behemoth.config import DataConfig
 from behemoth.errors import DataError
 
@@ -63,11 +64,13 @@ def _featurise(batch, *, numeric, means, stds, categories, label_column, classes
     return {"x": np.concatenate(parts, axis=1), "y": np.array([labels[str(v)] for v in batch[label_column]])}
 
 
-class TabularClassification(Task[dict, Prepared]):
+class TabularClassification(Classification, Task[dict, Prepared]):
+    """Its loss and evaluation are behemoth's ready-made classifier's (`Classification`: cross-entropy, val_loss,
+    val_accuracy) over `logits`; the rest is its own."""
+
     # --- driver side ------------------------------------------------------------------------------------
     data_config = TabularData
-    best = ("val_accuracy", "max")
-    reported = {"val_accuracy": "max", "val_loss": "min", "loss": "min"}
+    samples_are = "rows"
 
     @classmethod
     def check(cls, cfg) -> dict:
@@ -118,17 +121,7 @@ class TabularClassification(Task[dict, Prepared]):
     def describe(cls, cfg, checked: dict) -> str:
         return f"CSV files: {len(checked['files']['train'])} train, {len(checked['files']['val'])} val"
 
-    @staticmethod
-    def summary_lines(m):
-        return [f"final val_accuracy: {m['val_accuracy']:.4f}"] if "val_accuracy" in m else []
-
-    @staticmethod
-    def progress_fields(m):
-        return [f"val_accuracy {m['val_accuracy']:.3f}"] if "val_accuracy" in m else []
-
     # --- worker side ------------------------------------------------------------------------------------
-    eval_sum_names = ("correct", "loss_sum", "rows")
-
     def __init__(self, cfg, data: Prepared):
         super().__init__(cfg, data)
         self.data = data
@@ -143,7 +136,7 @@ class TabularClassification(Task[dict, Prepared]):
         x, y = self.data[split]
         for start in range(0, len(indices), batch_size):
             ids = np.asarray(indices[start:start + batch_size], dtype=np.int64)
-            yield {"x": torch.from_numpy(x[ids]), "y": torch.from_numpy(y[ids]), "sample_id": torch.from_numpy(ids)}
+            yield {"x": torch.from_numpy(x[ids]), "label": torch.from_numpy(y[ids]), "sample_id": torch.from_numpy(ids)}
 
     def train_batches(self, indices, epoch, batch_size):
         return self._batches("train", indices, batch_size)
@@ -153,27 +146,11 @@ class TabularClassification(Task[dict, Prepared]):
 
     def example_batch(self, batch_size):
         x = torch.zeros(batch_size, self.data["train"][0].shape[1])
-        return {"x": x, "y": torch.zeros(batch_size, dtype=torch.long)}
+        return {"x": x, "label": torch.zeros(batch_size, dtype=torch.long)}
 
-    @staticmethod
-    def _on(model, batch):
-        """The batch's rows on the model's device (a GPU's, or the CPU): the batches are made on the host."""
-        device = next(model.parameters()).device
-        return batch["x"].to(device, non_blocking=True), batch["y"].to(device, non_blocking=True)
-
-    def loss(self, model, batch):
-        x, y = self._on(model, batch)
-        return torch.nn.functional.cross_entropy(model(x), y), torch.full((), y.shape[0])
-
-    def eval_sums(self, model, batch):
-        x, y = self._on(model, batch)
-        logits = model(x)
-        return {"correct": (logits.argmax(1) == y).sum(), "rows": y.shape[0],
-                "loss_sum": torch.nn.functional.cross_entropy(logits, y, reduction="sum")}
-
-    def eval_metrics(self, sums):
-        rows = max(sums["rows"], 1.0)
-        return {"val_accuracy": sums["correct"] / rows, "val_loss": sums["loss_sum"] / rows}
+    def logits(self, model, batch):
+        """The batches are made on the host: the rows go to the model's device (a GPU's, or the CPU) here."""
+        return model(batch["x"].to(next(model.parameters()).device, non_blocking=True))
 
     def describe_samples(self, sample_ids):
         return [f"training row {i}" for i in sample_ids]

@@ -11,8 +11,9 @@ floor `errors`, `job`, `metrics`, `progress`, `version`.
 Python API (the face: docs and examples import only these): `behemoth.train(cfg) -> RunSummary`,
 `behemoth.sweep(job, space, ...) -> SweepResult` (also `behemoth.tune.sweep`), `behemoth.load_config(path,
 overrides) -> JobConfig`, `behemoth.cli(argv)` (the `behemoth` command in this process: jobs/*.py), `Task` (a
-workload of one's own, `data.kind: module:Class`) and the built-in tasks to subclass (`ImageClassification`,
-`CausalLM`, `ChatLM`, `TextClassification`), `Callback` (what runs around each step: `train.callbacks`,
+workload of one's own, `data.kind: module:Class`; its parts in tasks/parts.py, a batch a `Batch`),
+`Classification` (a classifier's loss and evaluation, ready-made for a task) and the built-in tasks to subclass
+(`ImageClassification`, `CausalLM`, `ChatLM`, `TextClassification`), `Callback` (what runs around each step: `train.callbacks`,
 `Task.callbacks`). `import behemoth` imports neither Ray nor torch: `train`, `sweep`,
 `cli` and the tasks are imported on first use (a task imports torch; `train` and `sweep` import Ray). Typed
 (`py.typed`): a type checker sees every name through the imports below.
@@ -34,15 +35,19 @@ if TYPE_CHECKING:  # (what the lazy names below are, for editors and type checke
     from behemoth.driver.run.trainer import train
     from behemoth.tasks.causal_lm import CausalLM
     from behemoth.tasks.chat import ChatLM
+    from behemoth.tasks.classification import Classification
     from behemoth.tasks.contract import Task
+    from behemoth.tasks.parts import Batch
     from behemoth.tasks.image import ImageClassification
     from behemoth.tasks.text_classification import TextClassification
     from behemoth.worker.step_callbacks import Callback
 
 __all__ = [
     "Callback",
+    "Batch",
     "CausalLM",
     "ChatLM",
+    "Classification",
     "CheckpointError",
     "ConfigError",
     "DataError",
@@ -67,7 +72,8 @@ _LAZY = {  # name -> (module, attribute): imported on first use
     "RunSummary": ("behemoth.driver.run.summary", "RunSummary"),
     "SweepResult": ("behemoth.driver.sweep.results", "SweepResult"),
     "Callback": ("behemoth.worker.step_callbacks", "Callback"),
-    "Task": ("behemoth.tasks.contract", "Task"), "ImageClassification": ("behemoth.tasks.image", "ImageClassification"),
+    "Task": ("behemoth.tasks.contract", "Task"), "Batch": ("behemoth.tasks.parts", "Batch"),
+    "Classification": ("behemoth.tasks.classification", "Classification"), "ImageClassification": ("behemoth.tasks.image", "ImageClassification"),
     "CausalLM": ("behemoth.tasks.causal_lm", "CausalLM"), "ChatLM": ("behemoth.tasks.chat", "ChatLM"),
     "TextClassification": ("behemoth.tasks.text_classification", "TextClassification"),
 }

@@ -6,6 +6,7 @@ import time
 from types import SimpleNamespace
 
 import pytest
+import torch
 from behemoth.storage.checkpoint import TrainState
 from behemoth.data.order import rank_train_indices
 from behemoth.worker.feed import LOOKAHEAD_STEPS, EpochFeed
@@ -14,7 +15,7 @@ SAMPLES, BATCH, WORLD, EPOCH_STEPS = 100, 8, 2, 12  # 12 steps of 8 (4 per rank)
 
 
 class Task:
-    """Batches are the sample ids themselves; records which epoch was opened when, and from which thread."""
+    """Batches hold only their sample ids; records which epoch was opened when, and from which thread."""
 
     num_train_samples = SAMPLES
 
@@ -26,7 +27,12 @@ class Task:
         if epoch == self.fail_epoch:
             raise ValueError(f"cannot read epoch {epoch}")
         time.sleep(0.05)  # a pipeline's start-up
-        return ([int(i) for i in indices[j:j + batch_size]] for j in range(0, len(indices), batch_size))
+        return ({"sample_id": torch.as_tensor(indices[j:j + batch_size])} for j in range(0, len(indices), batch_size))
+
+
+def ids(step: list[dict]) -> list[list[int]]:
+    """A step's micro-batches as their sample ids."""
+    return [batch["sample_id"].tolist() for batch in step]
 
 
 def cfg():
@@ -41,7 +47,7 @@ def run(task, total_steps, rank=0, state=None, micro_batch=2, accum=2, start=Fal
     out = []
     while state.step < total_steps:
         for step in feed.steps(state):
-            out.append(step)
+            out.append(ids(step))
             task.steps_done = state.step + 1
             state.advance(EPOCH_STEPS, BATCH)
             feed.ahead(state, total_steps)
@@ -141,7 +147,7 @@ def test_a_slow_opening_is_started_as_many_steps_ahead_as_it_takes(open_s, step_
     feed.start(state)
     while state.step < 3 * EPOCH_STEPS:
         for step in feed.steps(state):
-            out.append(step)
+            out.append(ids(step))
             time.sleep(step_s)
             task.steps_done = state.step + 1
             state.advance(EPOCH_STEPS, BATCH)
@@ -153,3 +159,16 @@ def test_a_slow_opening_is_started_as_many_steps_ahead_as_it_takes(open_s, step_
     # step after the one that asked for it)
     at = {e: at for e, _, at in task.opened}[2]
     assert 2 * EPOCH_STEPS - lead <= at <= 2 * EPOCH_STEPS - lead + 1, (at, lead)
+
+
+def test_batches_without_sample_ids_stop_the_feed_at_the_first_step_naming_the_task():
+    from behemoth.errors import ConfigError
+
+    class IdlessTask(Task):
+        def train_batches(self, indices, epoch, batch_size):
+            return ({"x": torch.zeros(2)} for _ in range(0, len(indices), batch_size))
+
+    task = IdlessTask()
+    task.steps_done = 0
+    with pytest.raises(ConfigError, match="task IdlessTask's train_batches gave a dict with keys \\['x'\\]"):
+        run(task, 2)

@@ -123,3 +123,78 @@ def test_the_built_in_tasks_name_their_data_types():
     assert parameters(ImageClassification) == (ImageIndex, ImageIndex)
     assert parameters(CausalLM) == (list[Unit], TokenIndex) and issubclass(ChatLM, CausalLM)
     assert parameters(TextClassification) == (LabelledRows, TokenisedRows)
+
+
+def _own_members(part) -> set[str]:
+    """A part's members: what it defines or annotates, __init__ included, other dunders not."""
+    return {n for n in [*vars(part), *vars(part).get("__annotations__", {})]
+            if n == "__init__" or not n.startswith("__")} - {"_abc_impl"}
+
+
+def test_a_task_is_its_five_parts_each_of_at_most_twelve_typed_members():
+    """Issue 77 item 2: the contract is five small interfaces (the driver's data, the worker's batches, the
+    model, the step, the evaluation), none over 12 members; `Task` adds none of its own; every method of a part
+    is annotated (its return and each parameter but self/cls and the model)."""
+    from behemoth.tasks.parts import TaskBatches, TaskData, TaskEvaluation, TaskModel, TaskStep
+
+    parts = (TaskData, TaskBatches, TaskModel, TaskStep, TaskEvaluation)
+    assert all(issubclass(Task, part) for part in parts)
+    members = {part.__name__: _own_members(part) for part in parts}
+    assert all(len(m) <= 12 for m in members.values()), {k: len(m) for k, m in members.items()}
+    assert _own_members(Task) <= {"__orig_bases__", "__parameters__"}, _own_members(Task)
+    everything = set().union(*members.values())
+    assert sum(map(len, members.values())) == len(everything)  # (no member in two parts)
+    for name in everything:
+        member = inspect.getattr_static(Task, name, None)  # (None: annotated only, set by each worker)
+        function = getattr(member, "__func__", member)
+        if not callable(function) or isinstance(function, type):
+            continue  # (an attribute: its annotation is the part's)
+        signature = inspect.signature(function)
+        untyped = [p for p in signature.parameters.values() if p.annotation is inspect.Parameter.empty
+                   and p.name not in ("self", "cls", "model", "indices", "sample_ids")]
+        assert not untyped and (name == "__init__" or signature.return_annotation is not inspect.Signature.empty), name
+    # the driver's half is classmethods and class attributes only: the driver never holds an instance
+    for name in members["TaskData"]:
+        member = inspect.getattr_static(TaskData, name, None)
+        assert isinstance(member, (classmethod, type)) or not callable(member), name
+
+
+def test_a_ready_made_classification_gives_a_tasks_loss_and_evaluation_from_its_logits():
+    from behemoth.tasks.classification import Classification
+
+    class Rows(Classification, UntypedRegression):  # the regression's data, its step and evaluation replaced
+        samples_are = "rows"
+
+        def logits(self, model, batch):
+            return model(batch["x"])
+
+    assert not Rows.__abstractmethods__ and Rows.best == ("val_accuracy", "max")
+    torch.manual_seed(0)
+    task, model = Rows(None, None), torch.nn.Linear(3, 4)
+    batch = {"x": torch.randn(6, 3), "label": torch.tensor([0, 1, 2, 3, 0, 1]), "sample_id": torch.arange(6)}
+    logits = model(batch["x"])
+    loss, n = task.loss(model, batch)
+    assert torch.equal(loss, torch.nn.functional.cross_entropy(logits, batch["label"])) and int(n) == 6
+    with torch.no_grad():
+        sums = {k: float(v) for k, v in task.eval_sums(model, batch).items()}
+    correct = int((logits.argmax(1) == batch["label"]).sum())
+    metrics = task.eval_metrics(sums)
+    assert metrics["val_accuracy"] == correct / 6 and metrics["val_samples"] == 6
+    assert abs(metrics["val_loss"] - float(loss)) < 1e-6
+    assert Rows.summary_lines(metrics)[0].endswith("6 rows)") and Rows.progress_fields(metrics)[1].startswith("val_acc")
+
+
+def test_a_batch_without_sample_ids_is_one_error_naming_the_task_at_the_first_step():
+    import pytest
+
+    from behemoth.errors import ConfigError
+    from behemoth.tasks.parts import checked_batches
+
+    task = UntypedRegression.__new__(UntypedRegression)
+    good = [{"x": torch.zeros(2), "sample_id": torch.arange(2)}] * 3
+    assert list(checked_batches(iter(good), task, "train_batches")) == good
+    assert list(checked_batches(iter([]), task, "train_batches")) == []
+    for bad, said in (([{"x": torch.zeros(2)}], "a dict with keys ['x']"), ([(1, 2)], "a tuple"),
+                      ([{"sample_id": [0, 1]}], "a dict with keys ['sample_id']")):
+        with pytest.raises(ConfigError, match=f"task UntypedRegression's train_batches gave {said[:12]}"):
+            list(checked_batches(iter(bad), task, "train_batches"))

@@ -1,13 +1,17 @@
 """Tasks: what differs between workloads, each in one file that owns both sides, behind one registry keyed by
 `data.kind`.
 
-- `contract.py`: the `Task` base class, every member the generic code uses in five groups (data, model, loss,
-  evaluation, export), documented once, with defaults, generic over its checked and prepared data;
+- `parts.py`: the five parts a task is built from, each a small typed interface documented once with its
+  defaults: `TaskData` (the driver's half: check, prepare, describe), `TaskBatches`, `TaskModel` (export
+  included), `TaskStep` (the loss, the task's training metrics, its callbacks), `TaskEvaluation`; a `Batch`;
+- `contract.py`: `Task`, the five parts in one class, generic over its checked and prepared data, and the check
+  that a class is a complete task;
+- `classification.py`: a part ready-made, a classifier's step and evaluation over the task's logits;
 - `registry.py`: data.kind -> task (`TASKS`, `register()`, `task_class()`);
 - one file per workload: `image.py` (image classification), `causal_lm.py` (causal language modelling),
   `chat.py` (chat fine-tuning, on causal_lm's), `preference.py` (DPO preference tuning, on chat's: its objective in `dpo.py`, the reference
   computed before training in `preference_reference.py`),
-  `text_classification.py` (sequence classification);
+  `text_classification.py` (sequence classification, with classification.py's step and evaluation);
 - `kept_tokenizer.py`: a language model's tokenizer (and chat template) kept in every checkpoint, and the job
   export and generate build from with it in place of the paths the checkpoint's job.yaml names.
 

@@ -14,7 +14,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from behemoth.storage import weights
 from behemoth.storage.checkpoint import read_json
@@ -32,6 +31,7 @@ from behemoth.errors import ConfigError
 from behemoth.models import registry
 from behemoth.models.lora import add_adapters
 from behemoth import hosts
+from behemoth.tasks.classification import Classification
 from behemoth.tasks.contract import Task, local_model
 from behemoth.tasks.kept_tokenizer import kept_tokenizer_files, with_kept_tokenizer
 
@@ -78,11 +78,12 @@ def build_classifier(cfg: JobConfig, classes: list[str], vocab_size: int, pad_id
     return model if cfg.model.lora is None else add_adapters(model, cfg.model.lora, "SEQ_CLS")
 
 
-class TextClassification(Task[LabelledRows, TokenisedRows]):
+class TextClassification(Classification, Task[LabelledRows, TokenisedRows]):
+    """Its step and evaluation are the ready-made classifier's (tasks/classification.py) over `logits`."""
+
     # --- driver side ------------------------------------------------------------------------------------
     data_config = LabelledTextData
-    best = ("val_accuracy", "max")
-    reported = {"val_accuracy": "max", "val_loss": "min", "loss": "min"}
+    samples_are = "texts"
     hf_models = {SEQUENCE_CLASSIFIER: "bert"}  # any AutoModelForSequenceClassification
     builder_keywords = "num_classes and vocab_size"
 
@@ -134,17 +135,6 @@ class TextClassification(Task[LabelledRows, TokenisedRows]):
         return (f"{len(rows.texts['train'])} train / {len(rows.texts['val'])} val texts, {len(rows.classes)} "
                 f"classes ({', '.join(rows.classes[:8])}{', ...' if len(rows.classes) > 8 else ''})")
 
-    @staticmethod
-    def summary_lines(m: dict) -> list[str]:
-        if "val_accuracy" not in m:
-            return []
-        return [f"final val_acc:     {m['val_accuracy']:.4f} (val_loss {m['val_loss']:.4f}, "
-                f"{m['val_samples']} texts)"]
-
-    @staticmethod
-    def progress_fields(m: dict) -> list[str]:
-        return [f"val_loss {m['val_loss']:.4f}", f"val_acc {m['val_accuracy']:.4f}"] if "val_accuracy" in m else []
-
     @classmethod
     def model_from_checkpoint(cls, cfg: JobConfig, ckpt: str) -> torch.nn.Module:
         """The model a checkpoint holds, built as the workers built it (classes from its labels.json, checked
@@ -173,7 +163,6 @@ class TextClassification(Task[LabelledRows, TokenisedRows]):
                 "classify('some text', truncation=True)")
 
     # --- worker side ------------------------------------------------------------------------------------
-    eval_sum_names = ("loss", "correct", "samples")
     eval_batches_repeat = True  # a gather from arrays every worker holds: kept on the device after the first
 
     def __init__(self, cfg: JobConfig, rows: TokenisedRows):
@@ -219,20 +208,6 @@ class TextClassification(Task[LabelledRows, TokenisedRows]):
     def logits(self, model, batch: dict) -> torch.Tensor:
         out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
         return out.logits if hasattr(out, "logits") else out
-
-    def loss(self, model, batch):
-        labels = batch["label"]
-        loss = F.cross_entropy(self.logits(model, batch).float(), labels)
-        return loss, torch.full((), float(len(labels)), device=labels.device)  # no host-to-device copy
-
-    def eval_sums(self, model, batch):
-        logits, labels = self.logits(model, batch).float(), batch["label"]
-        return {"loss": F.cross_entropy(logits, labels, reduction="sum"),
-                "correct": (logits.argmax(dim=1) == labels).sum(), "samples": len(labels)}
-
-    def eval_metrics(self, sums):
-        n = max(sums["samples"], 1.0)
-        return {"val_loss": sums["loss"] / n, "val_accuracy": sums["correct"] / n, "val_samples": int(n)}
 
     def describe_samples(self, sample_ids):
         return [self.rows.describe("train", int(i)) for i in sample_ids]

@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterable, Iterator
 from behemoth.storage.checkpoint import TrainState
 from behemoth.data.prefetch import OpenedAhead
 from behemoth.data.order import rank_train_indices
+from behemoth.tasks.parts import checked_batches
 
 LOOKAHEAD_STEPS = 4  # these steps plus the end-of-epoch evaluation are what overlaps a pipeline's start-up
 
@@ -81,7 +82,8 @@ class EpochFeed:
     def _open(self, epoch: int, start_step: int) -> Iterator[list]:
         indices = rank_train_indices(self.task.num_train_samples, self.cfg.train.global_batch_size,
                                      self.cfg.train.seed, epoch, self.rank, self.world, start_step=start_step)
-        return _grouped(self.task.train_batches(indices, epoch, self.micro_batch), self.accum)
+        batches = self.task.train_batches(indices, epoch, self.micro_batch)
+        return _grouped(checked_batches(batches, self.task, "train_batches"), self.accum)
 
 
 class _Started:

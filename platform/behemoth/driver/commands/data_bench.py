@@ -353,7 +353,7 @@ def _touch(batch: dict, nbytes: dict) -> int:
             if flat.numel():
                 flat[:: max(4096 // value.element_size(), 1)].sum()
             nbytes[key] = nbytes.get(key, 0) + value.numel() * value.element_size()
-    return len(batch["sample_id"])  # every task's batches carry their samples' ids (tasks/contract.py)
+    return len(batch["sample_id"])  # every task's batches carry their samples' ids (tasks/parts.py: Batch)
 
 
 class _BenchContext(WorkerHost):
