@@ -128,10 +128,12 @@ def test_corrupt_image_fails_the_run_naming_the_file_without_retrying(images_wit
 
 def test_a_full_disk_fails_the_checkpoint_cleanly_and_a_rerun_resumes(image_root, tmp_path, monkeypatch, capfd):
     """The disk fills while the checkpoint of step 6 is written (ENOSPC injected after its first file, in the
-    worker's upload thread, as the OS raises it): the run ends at once with one message naming the folder and
-    the space needed (restarts allowed, none used: a full disk stays full); step 3's checkpoint is intact and
-    verifies; nothing of step 6's is left in the run folder or in the workers' TMPDIR; the rerun resumes from
-    step 3 and ends."""
+    worker's upload thread, as the OS raises it, and for every write after it: a full disk stays full): the run
+    ends at once with one message naming the folder and the space needed (restarts allowed, none used); step
+    3's checkpoint is intact and verifies; nothing of step 6's is left in the run folder or in the workers'
+    TMPDIR, nor of a rescue checkpoint, where the group was stopped while rank 0 still trained (it meets the
+    same full disk: a fault at step 6 alone let it write step 8's, and the rerun resumed there, in some runs);
+    the rerun resumes from step 3 and ends."""
     from behemoth.hosts.faults import DISK_FULL_ENV
     from behemoth.storage.checkpoint import checkpoint_folders, complete_checkpoints, verify
     from behemoth.driver.ray_cluster import session as ray_session
