@@ -11,6 +11,7 @@ import torch
 from behemoth.storage import checkpoint
 from behemoth.checkpoints import live_state
 from behemoth.storage.checkpoint import CheckpointError, TrainState
+from behemoth.storage.run_store import RunStore
 from behemoth.config import TrainConfig
 from behemoth.models.registry import build_model
 from behemoth.worker.optim import build_optimizer, lr_schedule
@@ -279,7 +280,7 @@ def test_a_full_disk_fails_the_checkpoint_cleanly_on_a_real_filesystem(small_dis
     with pytest.raises(StorageFullError, match=rf"the checkpoint of step 2 did not fit: no space left on the "
                                                rf"device of {run}; it needs about 2.0 MB, \d\.\d MB is free"):
         saver.store(big, ray.train.Checkpoint.from_directory(str(staging)), "checkpoint_2",
-                    pyarrow.fs.LocalFileSystem(), str(run))
+                    RunStore(pyarrow.fs.LocalFileSystem(), str(run)))
     assert not (run / "checkpoint_2").exists() and not staging.exists()
     assert checkpoint.complete_checkpoints(run) == [(1, str(earlier))]
     checkpoint.verify(earlier)
@@ -304,13 +305,14 @@ def test_a_full_disk_fails_a_sharded_checkpoint_cleanly_on_a_real_filesystem(sma
     model(torch.randn(2, 1000)).sum().backward()
     opt.step()
     writer = ShardedWriter(rank=0)
-    written, _ = writer.start(model, opt, str(run / "checkpoint_2"))
+    target = RunStore(pyarrow.fs.LocalFileSystem(), str(run)).writing("checkpoint_2")
+    assert target.folder == str(run / "checkpoint_2")  # (a local run folder: written in place)
+    written, _ = writer.start(model, opt, target.folder)
     assert writer.last_bytes == 2 * 500_500 * 4  # weights and momentum
     small = checkpoint.Snapshot({}, {"train_state.json": '{"step": 2}'}, 2)
     with pytest.raises(StorageFullError, match=rf"the checkpoint of step 2 did not fit: no space left on the "
                                                rf"device of {run}; it needs about 4.0 MB for this rank's shards"):
-        saver.commit_sharded(writer, written, str(run / "checkpoint_2"), small, 2, writer.last_bytes,
-                             pyarrow.fs.LocalFileSystem(), str(run), "checkpoint_2", local=True)
+        saver.commit_sharded(writer, written, target, small, 2, writer.last_bytes)
     assert not (run / "checkpoint_2").exists()
     assert checkpoint.complete_checkpoints(run) == [(1, str(earlier))]
     checkpoint.verify(earlier)
@@ -929,7 +931,8 @@ def test_a_background_write_records_the_cpu_seconds_it_spent(tmp_path, monkeypat
 
     from behemoth.checkpoints import saver
 
-    monkeypatch.setattr(saver.hosts, "current", lambda: types.SimpleNamespace(checkpoint_at=lambda dest, fs: dest))
+    monkeypatch.setattr(saver.hosts, "current", lambda: types.SimpleNamespace(checkpoint_at=lambda dest, fs: dest,
+                                                                               persist=None))
     sets = saver.HostBuffers()
     _, written = sets.take()
     snap = checkpoint.Snapshot(state_dicts={"model.pt": {"w": torch.randn(2_000_000)}},
@@ -937,7 +940,7 @@ def test_a_background_write_records_the_cpu_seconds_it_spent(tmp_path, monkeypat
     staging = tmp_path / "staging"
     staging.mkdir()
     saver.store(snap, ray.train.Checkpoint.from_directory(str(staging)), "checkpoint_1",
-                pyarrow.fs.LocalFileSystem(), str(tmp_path / "run"), written)
+                RunStore(pyarrow.fs.LocalFileSystem(), str(tmp_path / "run")), written)
     assert written.is_set() and written.cpu_s > 0  # (8 MB written and hashed: milliseconds of CPU)
     assert sets.last_write_cpu_s() == written.cpu_s == sets.totals["cpu_s"]
     checkpoint.verify(tmp_path / "run" / "checkpoint_1")

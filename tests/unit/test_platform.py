@@ -137,6 +137,24 @@ def test_local_or_uri_is_decided_in_the_storage_room_only():
     assert found == []
 
 
+def _place_questions(source: str) -> list[str]:
+    """A handle asked what kind of place it is (`.is_local`, `.can_append`, `.local_path()`), or a filesystem
+    resolved by hand (`filesystem(`)."""
+    return re.findall(r"\.is_local\b|\.can_append\b|\.local_path\(|\bfilesystem\(", source)
+
+
+def test_where_a_checkpoint_lives_is_the_run_stores_to_say():
+    """Issue 77 item 1: the rooms that write, open, keep and delete checkpoints (checkpoints/, hosts/) hold a
+    storage/run_store.RunStore and never ask whether their place is local: written in place or staged and
+    uploaded, claimed by mkdir or not, opened where it lies or by range are decided in the run store."""
+    pkg = REPO / "platform" / "behemoth"
+    assert _place_questions("Store(p).is_local or s.can_append or s.local_path() or filesystem(x)") == [
+        ".is_local", ".can_append", ".local_path(", "filesystem("]  # the check's own check
+    found = [f"{path.relative_to(pkg)}: {spelling}" for room in ("checkpoints", "hosts")
+             for path in sorted((pkg / room).rglob("*.py")) for spelling in _place_questions(path.read_text())]
+    assert found == []
+
+
 def test_the_worker_room_reaches_checkpoints_through_their_face_only():
     """Issue 68 item 2: checkpointing is one room whose face (checkpoints/__init__.py: save, restore, latest,
     verify) is all the worker room, the loop above all, talks to: no worker/ file imports a module behind it."""

@@ -292,18 +292,19 @@ def test_a_restore_deletes_an_unfinished_upload_only_while_its_driver_holds_the_
     LeaseLostError and deletes nothing; while the lease is its driver's, it removes the dead upload."""
     import pyarrow.fs
     from behemoth.checkpoints.restore import remove_partial_uploads
+    from behemoth.storage.run_store import RunStore
 
     (tmp_path / "checkpoint_5").mkdir()  # no manifest: an upload that has not finished
-    fs = pyarrow.fs.LocalFileSystem()
+    run = RunStore(pyarrow.fs.LocalFileSystem(), str(tmp_path))
     with RunLock(str(tmp_path), "run 'a'") as lock:
         fence = lock.fence()
         (tmp_path / LOCK_NAME).write_text(json.dumps({**lease_of(live_process), "generation": 2}))  # taken over
         with pytest.raises(LeaseLostError, match=r"stops before removing checkpoint uploads that did not finish "
                                                  rf"\({tmp_path}/checkpoint_5\)"):
-            remove_partial_uploads(str(tmp_path), fs, set(), fence)
+            remove_partial_uploads(run, set(), fence)
         assert (tmp_path / "checkpoint_5").is_dir()
         (tmp_path / LOCK_NAME).write_text(json.dumps(lock.lease))  # this driver's lease again
-        assert remove_partial_uploads(str(tmp_path), fs, set(), fence) == [f"{tmp_path}/checkpoint_5"]
+        assert remove_partial_uploads(run, set(), fence) == [f"{tmp_path}/checkpoint_5"]
         assert not (tmp_path / "checkpoint_5").exists()
 
 

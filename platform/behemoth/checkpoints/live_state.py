@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import tempfile
 import threading
 from collections.abc import Iterator
 from dataclasses import asdict
@@ -14,8 +13,8 @@ from pathlib import Path
 import torch
 
 from behemoth.storage.checkpoint import (EMA_FILE, MODEL_FILE, Snapshot, TrainState, is_sharded_format,
-                                         read_manifest_bytes, verify, write)
-from behemoth.storage.store import Store
+                                         verify, write)
+from behemoth.storage.run_store import RunStore
 from behemoth.errors import CheckpointError
 from behemoth.models.lora import is_adapted
 from behemoth.hosts import collectives
@@ -188,29 +187,11 @@ def _host_buffers(tree, pool: dict, path: str, pairs: list):
     return tree
 
 
-@contextlib.contextmanager
-def opened(ckpt) -> Iterator[tuple[Path, object, bool]]:
-    """A Ray Train checkpoint as (a local folder, its shards read where they are or None, whether the folder
-    is a copy on this node), for `load`. On local storage: the run folder's (shared by every rank of a
-    cluster). In an object store, a sharded checkpoint whose manifest has its shard files' chunk hashes: its
-    small files in a temporary folder of this process, the shard files read by range (shard_reader.RemoteShards:
-    each rank fetches only its plan's bytes); any other checkpoint (a full one, or sharded before chunk
-    hashes): downloaded whole once per node, the node's ranks sharing the copy (node_copy)."""
-    from behemoth.storage import shard_reader
-    from behemoth.storage.node_copy import node_copy
-
-    if Store(ckpt.path, ckpt.filesystem).is_local:
-        yield Path(ckpt.path), None, False
-        return
-    text = read_manifest_bytes(ckpt.path, ckpt.filesystem, ckpt.path)
-    remote = shard_reader.remote_shards(ckpt.filesystem, ckpt.path, ckpt.path, text)
-    if remote is None:
-        with node_copy(ckpt.filesystem, ckpt.path, ckpt.path, text) as d:
-            yield d, None, True
-        return
-    with tempfile.TemporaryDirectory(prefix="behemoth-restore-") as d:
-        remote.download_rest(d)
-        yield Path(d), remote, True
+def opened(ckpt):
+    """A host's checkpoint value as (a local folder, its shards read where they are or None, whether the folder
+    is a copy on this node), for `load`: opened where its run store keeps it (storage/run_store.RunStore.opened:
+    in place, by range, or copied once per node)."""
+    return RunStore.of_checkpoint(ckpt).opened(ckpt.path)
 
 
 @contextlib.contextmanager

@@ -41,10 +41,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
-import shutil
-import tempfile
 import threading
-from types import SimpleNamespace
 
 import torch
 
@@ -55,7 +52,7 @@ from behemoth.checkpoints.trainables import Trainables
 from behemoth.hosts.console import console
 from behemoth.models.wrappers import is_sharded, unwrap
 from behemoth.storage.checkpoint import MODEL_FILE, TrainState
-from behemoth.storage.store import Store
+from behemoth.storage.run_store import RunStore
 
 PREFIX = "checkpoint_rescue_step"
 UPDATE_WAIT_S = 1.0  # the longest a rescue from Ray Train's shutdown waits for an update in flight to be counted
@@ -170,17 +167,14 @@ def _write(rescue: Rescue, why: str) -> str | None:
     ctx, step = hosts.current(), rescue.state.step
     if rescue.fence is not None:  # (the run lock's: a driver that lost the folder writes nothing there)
         rescue.fence.check("writing a rescue checkpoint into it")
-    fs, run_path = ctx.storage()
-    local = Store(run_path, fs).is_local
+    run = RunStore(*ctx.storage())
     name = f"{PREFIX}{step:09d}"
-    if local:
-        try:  # the live workers race for the folder: one writes it
-            os.makedirs(f"{run_path}/{name}", exist_ok=False)
-        except FileExistsError:
-            return None
-    elif rescue.rank > 1:
+    claimed = run.claim(name)  # the live workers race for the folder: one writes it
+    if claimed is False:
         return None
-    else:
+    if claimed is None:  # (a place without an atomic claim: ranks 0 and 1 write, each under a name of its own)
+        if rescue.rank > 1:
+            return None
         name += f"_rank{rescue.rank}"
     with _side_stream(rescue.run.model):
         # (the group ends on it: a resume loses nothing, and auto's count of interruptions that lost work keeps)
@@ -188,18 +182,13 @@ def _write(rescue: Rescue, why: str) -> str | None:
         snap = live_state.snapshot(**rescue.run.parts(), state=ended, task_files=rescue.task_files,
                                    job_yaml=rescue.job_yaml, metrics={"step": step, "rescued_by_rank": rescue.rank})
     if not _finite(snap.state_dicts[MODEL_FILE]):
-        if local:
-            os.rmdir(f"{run_path}/{name}")
+        if claimed:
+            run.release(name)
         console(f"rank {rescue.rank}: no rescue checkpoint at step {step}: the weights are not finite (a step's "
                 f"gradients were, and train.nonfinite stops the run only at its next report): the last good "
                 f"checkpoint stays the latest")
         return None
-    staging = None if local else SimpleNamespace(path=tempfile.mkdtemp(prefix="behemoth-rescue-"))
-    try:
-        written = store(snap, staging, name, fs, run_path)
-    finally:
-        if staging is not None:
-            shutil.rmtree(staging.path, ignore_errors=True)
+    written = store(snap, None, name, run)  # (staged, where the store stages, in a folder of its own)
     console(f"rank {rescue.rank}: {why}; wrote this worker's state at step {step} as {written.path}: the next "
             f"group resumes there")
     return written.path

@@ -10,6 +10,7 @@ from behemoth.checkpoints import live_state
 from behemoth.checkpoints.memory_copy import restore_newer
 from behemoth.checkpoints.rescue import is_rescue
 from behemoth.storage.checkpoint import TrainState
+from behemoth.storage.run_store import RunStore
 from behemoth.errors import CheckpointError, PartlyLoadedError
 from behemoth.hosts.console import console
 from behemoth.checkpoints.trainables import Trainables
@@ -46,8 +47,7 @@ def _restore_checkpoint(run: Trainables, fence=None) -> TrainState | None:
     registered = _step_of(latest)
     rank0 = ctx.rank == 0
     if rank0:
-        fs, run_path = ctx.storage()
-        remove_partial_uploads(run_path, fs, {c.path for c in candidates}, fence)
+        remove_partial_uploads(RunStore(*ctx.storage()), {c.path for c in candidates}, fence)
     unregistered = [ckpt for step, ckpt in _run_folder_checkpoints() if step > registered]
     if unregistered and rank0:
         why = ("a live worker's state when Ray Train stopped its group (checkpoint.rescue)"
@@ -108,29 +108,27 @@ def _step_of(latest) -> int:
     return -1
 
 
-def remove_partial_uploads(run_folder: str, fs, registered: set[str], fence=None) -> list[str]:
+def remove_partial_uploads(run: RunStore, registered: set[str], fence=None) -> list[str]:
     """Delete checkpoint folders of this run that have no manifest and that Ray Train never registered:
-    uploads cut short by a failure (saver.upload_manifest_last puts the manifest last). No upload of this run
+    uploads cut short by a failure (storage/run_store.CheckpointWrite puts the manifest last). No upload of this run
     is in flight while a worker group starts (the previous group is gone), so each one is dead, unless another
     driver has taken the folder over meanwhile: then an unfinished upload may be its live one, so the lease is
     checked first (LeaseLostError ends the run, nothing deleted). Returns the folders removed."""
-    partial = [path for path, complete in checkpoint.checkpoint_folders(run_folder, fs)
-               if not complete and path not in registered]
+    partial = [path for path in run.partial() if path not in registered]
     if partial and fence is not None:
         fence.check(f"removing checkpoint uploads that did not finish ({', '.join(partial)})")
     for path in partial:
         console(f"removing {path}: a checkpoint upload that did not finish (no manifest); it is never "
                 f"restored")
-        fs.delete_dir(path)
+        run.delete(path)
     return partial
 
 
 def _run_folder_checkpoints() -> list[tuple[int, object]]:
     """(step, checkpoint) of the complete checkpoints in this run's folder, newest first, on the run's storage
     (a local folder or an object store)."""
-    fs, run_path = hosts.current().storage()
-    return [(step, hosts.current().checkpoint_at(path, fs))
-            for step, path in checkpoint.complete_checkpoints(run_path, fs)]
+    run = RunStore(*hosts.current().storage())
+    return [(step, hosts.current().checkpoint_at(path, run.fs)) for step, path in run.complete()]
 
 
 def load_init_from(model, cfg, task, rank: int, world: int) -> str | None:

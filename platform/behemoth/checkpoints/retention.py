@@ -29,21 +29,20 @@ def retire_unregistered(place, kept: list, fence=None) -> list[str]:
     finished run's (checkpoint, metrics)). Retention would have deleted them had Ray Train known them; without
     this they stay forever. Returns the folders removed. `fence`: the run lock's (runlock.Fence), checked first:
     a driver whose folder another driver took over removes nothing there."""
-    from behemoth.storage.checkpoint import complete_checkpoints
-    from behemoth.storage.filesystem import filesystem
+    from behemoth.storage.run_store import RunStore
 
     if fence is not None:
         fence.check("removing the checkpoints Ray Train never registered")
     kept_paths = {place.as_uri(c.path).rstrip("/") for c, _ in kept}
-    found = complete_checkpoints(place.folder)
+    run = RunStore.at(place.folder)
+    found = run.complete()  # (as the place names them: URIs for a URI's, as as_uri names the kept ones)
     kept_steps = [step for step, path in found if path.rstrip("/") in kept_paths]
     if not kept_steps:
         return []
     oldest_kept, removed = min(kept_steps), []
     for step, path in found:
         if step < oldest_kept and path.rstrip("/") not in kept_paths:
-            fs, where = filesystem(path)
-            fs.delete_dir(where)
+            run.delete(path)
             removed.append(path)
             print(f"[behemoth] removed {path} (step {step}): a checkpoint Ray Train never registered, older than "
                   f"the {len(kept_steps)} it keeps (checkpoint.keep)", flush=True)

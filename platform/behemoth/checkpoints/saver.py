@@ -14,7 +14,7 @@ import uuid
 
 from behemoth.storage import checkpoint
 from behemoth.storage.checkpoint import TrainState
-from behemoth.storage.store import Store
+from behemoth.storage.run_store import CheckpointWrite, RunStore
 from behemoth.config import JobConfig, dump_yaml
 from behemoth.errors import StorageFullError
 from behemoth.metrics import PhaseClock
@@ -144,11 +144,9 @@ class CheckpointSaver:
         commit (hashes, manifest by rank 0) runs in the host's upload thread, or here without async_save."""
         self.writer.wait()  # the previous checkpoint is committed: its collectives are over
         ctx = hosts.current()
-        fs, run_path = ctx.storage()
         name = self.writer.agree(ctx.new_checkpoint_name())
-        local = Store(run_path, fs).is_local
-        folder = f"{run_path}/{name}" if local else tempfile.mkdtemp(prefix="behemoth-shards-")
-        written, self.copying = self.writer.start(run.model, run.optimizer, folder,
+        target = run_store().writing(name)
+        written, self.copying = self.writer.start(run.model, run.optimizer, target.folder,
                                                   overlap=self.cfg.checkpoint.async_save)
         small = None
         if self.rank == 0:
@@ -156,7 +154,7 @@ class CheckpointSaver:
                                                 task_files=self.task_files, job_yaml=self.job_yaml,
                                                 hook_states=hook_states, metrics=metrics)
             small = checkpoint.Snapshot(dicts, texts, state.step)
-        commit = functools.partial(_commit_sharded, self.writer, written, folder, small, local, state.step,
+        commit = functools.partial(_commit_sharded, self.writer, written, target, small, state.step,
                                    self.writer.last_bytes)
         reported = time.perf_counter()
         if sender is not None:  # (the reports before it go first)
@@ -256,80 +254,75 @@ def send_report(metrics: dict, upload_fn=None, *, async_upload: bool = False, di
             shutil.rmtree(folder, ignore_errors=True)
 
 
-def _commit_sharded(writer: ShardedWriter, written, folder: str, small, local: bool, step: int, needed: int,
+def run_store() -> RunStore:
+    """This run's checkpoints, where the host keeps them."""
+    return RunStore(*hosts.current().storage())
+
+
+def _commit_sharded(writer: ShardedWriter, written, target: CheckpointWrite, small, step: int, needed: int,
                     ckpt, dir_name: str):
     """The upload function of a sharded checkpoint (the host's upload thread with async_save): `commit_sharded`
     into this run's storage. (send_report removes `ckpt`, its empty checkpoint folder.)"""
-    fs, run_path = hosts.current().storage()
-    commit_sharded(writer, written, folder, small, step, needed, fs, run_path, dir_name, local)
-    return hosts.current().checkpoint_at(f"{run_path}/{dir_name}", fs)
+    commit_sharded(writer, written, target, small, step, needed)
+    return hosts.current().checkpoint_at(target.dest, target.store.fs)
 
 
-def commit_sharded(writer: ShardedWriter, written, folder: str, small, step: int, needed: int, fs, run_path: str,
-                   dir_name: str, local: bool) -> None:
-    """Commit a sharded checkpoint (ShardedWriter.commit): `folder` is the checkpoint in the run folder, or
-    under a URI a local staging folder whose files each rank uploads (rank 0 the manifest last). A full disk on
-    any rank fails every rank's commit (DCP shares its write errors): each removes what it wrote and raises one
-    StorageFullError (not retried) naming the folder; the checkpoints before it are untouched."""
-    dest = f"{run_path}/{dir_name}"
-
-    def upload(names: list[str]) -> None:
-        for name in names:
-            Store(f"{dest}/{name}", fs).put_file(os.path.join(folder, name))
-
+def commit_sharded(writer: ShardedWriter, written, target: CheckpointWrite, small, step: int, needed: int) -> None:
+    """Commit a sharded checkpoint (ShardedWriter.commit) written into `target.folder`: the checkpoint itself, or
+    a local staging folder whose files each rank uploads (rank 0 the manifest last), as the run store decides. A
+    full disk on any rank fails every rank's commit (DCP shares its write errors): each removes what it wrote and
+    raises one StorageFullError (not retried) naming the folder; the checkpoints before it are untouched."""
     try:
-        writer.commit(written, folder, small, None if local else upload)
+        writer.commit(written, target.folder, small, target.upload)
     except Exception as e:
         if not checkpoint.is_disk_full(e):
             raise
-        shutil.rmtree(folder, ignore_errors=True)
-        raise StorageFullError(_disk_full_message(step, needed, folder, run_path, " for this rank's shards")) from None
+        target.abandon()
+        raise StorageFullError(_disk_full_message(step, needed, target.folder, target.store.path,
+                                                  " for this rank's shards")) from None
     finally:
-        if not local:
-            shutil.rmtree(folder, ignore_errors=True)
+        target.clean()
 
 
 def write_checkpoint(snap, ckpt, dir_name: str, written: threading.Event | None = None):
     """The upload function the host calls (in its upload thread when saving asynchronously): `store` into
     this run's storage."""
-    fs, run_path = hosts.current().storage()
-    return store(snap, ckpt, dir_name, fs, run_path, written)
+    return store(snap, ckpt, dir_name, run_store(), written)
 
 
-def store(snap, ckpt, dir_name: str, fs, run_path: str, written: threading.Event | None = None):
-    """Write the snapshot as checkpoint `dir_name` of the run folder `run_path` on the pyarrow filesystem `fs`
-    and return it as the host's checkpoint; `written` is set once the snapshot's buffers have been read.
+def store(snap, ckpt, dir_name: str, run: RunStore, written: threading.Event | None = None):
+    """Write the snapshot as checkpoint `dir_name` of the run store `run` and return it as the host's
+    checkpoint; `written` is set once the snapshot's buffers have been read. `ckpt`: the host's empty local
+    folder for it (or None), where the store stages files it uploads.
 
-    On local storage (a disk or a shared mount) the files are written straight into the run folder, manifest
-    last: the checkpoint needs its own size on disk once, not twice. An object store needs local files to
-    upload: they are staged in `ckpt`'s empty temporary folder, then uploaded manifest last. A full disk, at
-    either place, removes what this checkpoint wrote and raises one StorageFullError (not retried) naming the
-    folder and the space needed; the checkpoints before it are untouched."""
-    local = Store(run_path, fs).is_local
-    dest = f"{run_path}/{dir_name}"
+    The store decides where the files go (run_store.CheckpointWrite): straight into the run folder on a local
+    disk or shared mount (the checkpoint needs its own size on disk once, not twice), or staged locally and
+    uploaded to an object store, the manifest last either way. A full disk, at either place, removes what this
+    checkpoint wrote and raises one StorageFullError (not retried) naming the folder and the space needed; the
+    checkpoints before it are untouched."""
+    target = run.writing(dir_name, staging=None if ckpt is None else ckpt.path)
+    kill = functools.partial(faults.kill_in_upload, snap.step)
     cpu_began = time.thread_time()
     try:
         try:
-            if local:
-                checkpoint.write(dest, snap, before_manifest=lambda: faults.kill_in_upload(snap.step),
-                                 after_file=functools.partial(faults.disk_full, snap.step))
-            else:
-                checkpoint.write(ckpt.path, snap, after_file=functools.partial(faults.disk_full, snap.step))
+            checkpoint.write(target.folder, snap, before_manifest=target.before_manifest(kill),
+                             after_file=functools.partial(faults.disk_full, snap.step))
         finally:
             if written is not None:
                 written.cpu_s = time.thread_time() - cpu_began
                 written.set()
-        if local:
-            return hosts.current().checkpoint_at(dest, fs)
-        return upload_manifest_last(ckpt, dir_name, snap.step)
+        host = hosts.current()
+        return target.finish(host.persist, host.checkpoint_at, checkpoint.MANIFEST, before_manifest=kill)
     except Exception as e:  # a full disk can arrive as torch's RuntimeError
         if not checkpoint.is_disk_full(e):
             raise
-        shutil.rmtree(ckpt.path, ignore_errors=True)  # staged files (an object store's), or the empty folder
-        if local:
-            shutil.rmtree(dest, ignore_errors=True)
-        raise StorageFullError(_disk_full_message(snap.step, checkpoint.snapshot_bytes(snap),
-                                                  dest if local else ckpt.path, run_path)) from None
+        target.abandon()
+        if ckpt is not None:
+            shutil.rmtree(ckpt.path, ignore_errors=True)  # (the host's empty folder, where the files went in place)
+        raise StorageFullError(_disk_full_message(snap.step, checkpoint.snapshot_bytes(snap), target.folder,
+                                                  run.path)) from None
+    finally:
+        target.clean()
 
 
 def _disk_full_message(step: int, needed: int, where: str, run_path: str, needed_for: str = "") -> str:
@@ -348,20 +341,3 @@ def _disk_full_message(step: int, needed: int, where: str, run_path: str, needed
 
 def _mb(n: int) -> str:
     return f"{n / 1e6:.1f} MB"
-
-
-def upload_manifest_last(ckpt, dir_name: str, step: int):
-    """Copy a written checkpoint folder to the run's storage (local or URI) with its manifest last: Ray's own
-    copy moves the files in parallel, so a copy cut short (the worker or node dies) could leave a manifest
-    beside incomplete files. Uploaded this way, a folder in the run folder without a manifest is an upload
-    that did not finish (restore_latest removes it), and one with a manifest has all its files."""
-    held = tempfile.mkdtemp(prefix="manifest-")
-    try:
-        shutil.move(os.path.join(ckpt.path, checkpoint.MANIFEST), held)
-        persisted = hosts.current().persist(ckpt.path, dir_name)
-        faults.kill_in_upload(step)
-        Store(f"{persisted.path}/{checkpoint.MANIFEST}", persisted.filesystem).put_file(
-            os.path.join(held, checkpoint.MANIFEST))
-    finally:
-        shutil.rmtree(held, ignore_errors=True)
-    return persisted

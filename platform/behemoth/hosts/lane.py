@@ -13,14 +13,13 @@ import weakref
 from datetime import datetime
 from types import SimpleNamespace
 
-import pyarrow.fs
 import torch
 
 from behemoth.hosts.contract import WorkerHost
 from behemoth.hosts.ray_train import ray_checkpoint, ray_node_id
-from behemoth.storage.checkpoint import complete_checkpoints
-from behemoth.storage.filesystem import filesystem, local
+from behemoth.storage.filesystem import local
 from behemoth.storage.paths import RunPlace
+from behemoth.storage.run_store import RunStore
 
 _MODELS: list = []  # a weak reference to each trial's model: none may outlive its trial (models_alive)
 
@@ -44,12 +43,13 @@ class LaneHost(WorkerHost):
         RunRecorder; `fence`: the sweep's lease fence (or None); `forward`: called with every report (Tune's)."""
         self.run_name, self.retain = place.name, retain
         self.folder = place.folder
-        self.fs, self.run_path = filesystem(place.folder)
+        self.store = RunStore.at(place.folder)
+        self.fs, self.run_path = self.store.fs, self.store.path
         self.recorder, self.fence, self.forward = recorder, fence, forward
         self._device = _lane_device()
         # the run's complete checkpoints with their metrics, oldest first (a resumed trial's are registered)
         self.kept = [(ray_checkpoint(path, self.fs), _metrics_of(path, self.fs))
-                     for _, path in reversed(complete_checkpoints(self.run_path, self.fs))]
+                     for _, path in reversed(self.store.complete(as_named=False))]
         self.kept = [self.kept[i] for i in retain([m for _, m in self.kept])]
         self.last_metrics: dict = {}
         self._jobs: queue.Queue = queue.Queue()
@@ -86,10 +86,7 @@ class LaneHost(WorkerHost):
             self.forward(metrics)  # Tune may stop the trial here (SystemExit in this, the training thread)
 
     def persist(self, folder: str, dir_name: str):
-        dest = f"{self.run_path}/{dir_name}"
-        pyarrow.fs.copy_files(folder, dest, source_filesystem=local(),
-                              destination_filesystem=self.fs)
-        return ray_checkpoint(dest, self.fs)
+        return ray_checkpoint(self.store.put_folder(folder, dir_name), self.fs)
 
     def prepare_model(self, model, wrap_ddp: bool):
         if self._device.type == "cuda":
@@ -110,7 +107,7 @@ class LaneHost(WorkerHost):
             keep = self.retain([m for _, m in self.kept])
             for i, (old, _) in enumerate(self.kept):
                 if i not in keep:
-                    self.fs.delete_dir(old.path)
+                    self.store.delete(old.path)
             self.kept = [self.kept[i] for i in keep]
         self.last_metrics = metrics
         self.recorder.after_report(SimpleNamespace(checkpoint=ckpt), [metrics])

@@ -3,6 +3,8 @@
 - `filesystem`: the one answer to "local path or URI, and which pyarrow filesystem reads it".
 - `store`: Store, the handle other rooms hold instead of asking that question: a place decided local-or-URI once,
   with verbs (read, write, append, list, copy a local folder up, a local copy or working folder).
+- `run_store`: RunStore, where a run's checkpoints live, decided once: every checkpoint listed, written (in place,
+  or staged and uploaded, the manifest last), claimed, opened and deleted through it (CheckpointWrite: one write);
 - `paths`: a run's place (storage root, run folder, a sweep trial's folder), the run-name rules, and the one rule
   for a name that comes from data (a listing's key, a manifest's file): a relative path that stays inside its folder.
 - `checkpoint`: the checkpoint format (state files, manifest of sizes and checksums written last, verify).
@@ -17,6 +19,6 @@
 - `lease_stores`: where the lease lies and how it changes, conditionally (link/flock, S3 If-Match, read-back).
 
 The checkpoints room (behemoth.checkpoints, above this one) takes a checkpoint and continues from one (live_state,
-saver, sharded, restore: they need the model, the process group and the step), when the worker room says;
-everything here is what those bytes are and where they lie, and needs neither.
+saver, sharded, restore: they need the model, the process group and the step), when the worker room says, through
+a RunStore; everything here is what those bytes are and where they lie, and needs neither.
 """
