@@ -131,9 +131,8 @@ def test_a_full_disk_fails_the_checkpoint_cleanly_and_a_rerun_resumes(image_root
     worker's upload thread, as the OS raises it, and for every write after it: a full disk stays full): the run
     ends at once with one message naming the folder and the space needed (restarts allowed, none used); step
     3's checkpoint is intact and verifies; nothing of step 6's is left in the run folder or in the workers'
-    TMPDIR, nor of a rescue checkpoint, where the group was stopped while rank 0 still trained (it meets the
-    same full disk: a fault at step 6 alone let it write step 8's, and the rerun resumed there, in some runs);
-    the rerun resumes from step 3 and ends."""
+    TMPDIR, nor of a rescue checkpoint where the group was stopped while rank 0 still trained (it meets the same
+    full disk); the rerun resumes from step 3 and ends."""
     from behemoth.hosts.faults import DISK_FULL_ENV
     from behemoth.storage.checkpoint import checkpoint_folders, complete_checkpoints, verify
     from behemoth.driver.ray_cluster import session as ray_session

@@ -9,6 +9,7 @@ import os
 from pathlib import Path
 from types import SimpleNamespace
 
+import pyarrow.fs
 import pytest
 import torch
 
@@ -55,14 +56,14 @@ def test_a_checkpoint_is_written_found_opened_and_deleted_through_the_store(plac
     seen = []
 
     def before_manifest():  # (where a worker killed mid-upload dies: its files are there, the manifest not)
-        fs, dest = store.fs, store.folder("checkpoint_1")
-        seen.append(sorted(i.base_name for i in fs.get_file_info(__import__("pyarrow.fs").fs.FileSelector(dest))))
+        listed = store.fs.get_file_info(pyarrow.fs.FileSelector(store.folder("checkpoint_1")))
+        seen.append(sorted(i.base_name for i in listed))
 
-    write = store.writing("checkpoint_1")
+    write = store.writing("checkpoint_1", before_manifest=before_manifest)
     assert (write.folder == write.dest) == in_place  # in place, or staged in a local folder of its own
     assert write.upload is None if in_place else callable(write.upload)
-    checkpoint.write(write.folder, _snap(1), before_manifest=write.before_manifest(before_manifest))
-    ckpt = write.finish(persist, at, checkpoint.MANIFEST, before_manifest=before_manifest)
+    write.write(_snap(1))
+    ckpt = write.finish(persist, at)
     write.clean()
     assert seen == [["model.pt", "train_state.json"]]  # the hook ran once, before the manifest, either way
     assert ckpt.path == write.dest and (in_place or not os.path.exists(write.folder))  # staging removed
@@ -81,8 +82,9 @@ def test_a_failed_write_leaves_nothing_and_the_earlier_checkpoint_stays(place):
     store = RunStore.at(place)
     persist, at = _host(store)
     first = store.writing("checkpoint_1")
-    checkpoint.write(first.folder, _snap(1))
-    first.finish(persist, at, checkpoint.MANIFEST)
+    first.write(_snap(1))
+    first.finish(persist, at)
+    first.clean()
     broken = store.writing("checkpoint_2")
     checkpoint.write_files(broken.folder, _snap(2), lambda name: None)  # (files, no manifest: cut short)
     broken.abandon()

@@ -133,8 +133,9 @@ def _own_members(part) -> set[str]:
 
 def test_a_task_is_its_five_parts_each_of_at_most_twelve_typed_members():
     """Issue 77 item 2: the contract is five small interfaces (the driver's data, the worker's batches, the
-    model, the step, the evaluation), none over 12 members; `Task` adds none of its own; every method of a part
-    is annotated (its return and each parameter but self/cls and the model)."""
+    model, the step, the evaluation), none over 12 members, none in two parts; `Task` adds none of its own; every
+    method of a part is annotated (its return, but __init__'s, and each parameter but self/cls, the model, and the
+    index lists `indices` and `sample_ids`)."""
     from behemoth.tasks.parts import TaskBatches, TaskData, TaskEvaluation, TaskModel, TaskStep
 
     parts = (TaskData, TaskBatches, TaskModel, TaskStep, TaskEvaluation)
@@ -184,7 +185,7 @@ def test_a_ready_made_classification_gives_a_tasks_loss_and_evaluation_from_its_
     assert Rows.summary_lines(metrics)[0].endswith("6 rows)") and Rows.progress_fields(metrics)[1].startswith("val_acc")
 
 
-def test_a_batch_without_sample_ids_is_one_error_naming_the_task_at_the_first_step():
+def test_a_batch_without_sample_ids_is_one_error_naming_the_task_and_the_member_that_made_it():
     import pytest
 
     from behemoth.errors import ConfigError

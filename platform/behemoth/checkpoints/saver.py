@@ -300,19 +300,18 @@ def store(snap, ckpt, dir_name: str, run: RunStore, written: threading.Event | N
     uploaded to an object store, the manifest last either way. A full disk, at either place, removes what this
     checkpoint wrote and raises one StorageFullError (not retried) naming the folder and the space needed; the
     checkpoints before it are untouched."""
-    target = run.writing(dir_name, staging=None if ckpt is None else ckpt.path)
-    kill = functools.partial(faults.kill_in_upload, snap.step)
+    target = run.writing(dir_name, staging=None if ckpt is None else ckpt.path,
+                         before_manifest=functools.partial(faults.kill_in_upload, snap.step))
     cpu_began = time.thread_time()
     try:
         try:
-            checkpoint.write(target.folder, snap, before_manifest=target.before_manifest(kill),
-                             after_file=functools.partial(faults.disk_full, snap.step))
+            target.write(snap, after_file=functools.partial(faults.disk_full, snap.step))
         finally:
             if written is not None:
                 written.cpu_s = time.thread_time() - cpu_began
                 written.set()
         host = hosts.current()
-        return target.finish(host.persist, host.checkpoint_at, checkpoint.MANIFEST, before_manifest=kill)
+        return target.finish(host.persist, host.checkpoint_at)
     except Exception as e:  # a full disk can arrive as torch's RuntimeError
         if not checkpoint.is_disk_full(e):
             raise

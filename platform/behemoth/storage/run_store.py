@@ -80,18 +80,18 @@ class RunStore:
 
     def put_folder(self, local_folder: str, name: str) -> str:
         """Copy a local folder's files in as checkpoint `name`; returns its folder (a path on `fs`)."""
-        import pyarrow.fs
-
         dest = self.folder(name)
-        pyarrow.fs.copy_files(local_folder, dest, source_filesystem=filesystem.local(), destination_filesystem=self.fs)
+        Store(dest, self.fs).put_folder(local_folder)
         return dest
 
     # ---- writing -----------------------------------------------------------------------------------------
-    def writing(self, name: str, staging: str | None = None) -> CheckpointWrite:
+    def writing(self, name: str, staging: str | None = None,
+                before_manifest: Callable[[], None] = lambda: None) -> CheckpointWrite:
         """A checkpoint `name` to write: its files go to `CheckpointWrite.folder`. `staging`: an empty local
         folder the caller removes (a host's checkpoint folder), used where the files are staged; without one a
-        staged write makes its own and removes it when finished or abandoned."""
-        return CheckpointWrite(self, name, staging)
+        staged write makes its own (removed by `clean`). `before_manifest`: called once every other file is at its
+        place and the manifest is not (the failure tests' kill point: hosts/faults.py)."""
+        return CheckpointWrite(self, name, staging, before_manifest)
 
     def claim(self, name: str) -> bool | None:
         """Take checkpoint `name` for this writer alone, by making its folder: True for the writer that made it,
@@ -144,18 +144,22 @@ class CheckpointWrite:
     `finish` for a whole folder), the manifest last. `dest` is where the checkpoint ends up (a path on the
     store's filesystem)."""
 
-    def __init__(self, store: RunStore, name: str, staging: str | None):
+    def __init__(self, store: RunStore, name: str, staging: str | None, before_manifest: Callable[[], None]):
         self.store, self.name, self.dest = store, name, store.folder(name)
+        self._before_manifest = before_manifest
         self._own_staging = not store.in_place and staging is None
         if store.in_place:
             self.folder = self.dest
         else:
             self.folder = tempfile.mkdtemp(prefix="behemoth-stage-") if staging is None else staging
 
-    def before_manifest(self, hook: Callable[[], None]) -> Callable[[], None] | None:
-        """`hook` where the files written into `folder` are the checkpoint itself (it then runs before the
-        manifest is written there); None where they are staged (`finish` runs it before the manifest's upload)."""
-        return hook if self.store.in_place else None
+    def write(self, snap, after_file=None) -> None:
+        """A snapshot's files into `folder`, the manifest last (`after_file(path)` after each state file); in
+        place the before-manifest call comes here, staged it comes in `finish`."""
+        from behemoth.storage.checkpoint import write
+
+        write(self.folder, snap, before_manifest=self._before_manifest if self.store.in_place else None,
+              after_file=after_file)
 
     @property
     def upload(self) -> Callable[[list[str]], None] | None:
@@ -170,23 +174,23 @@ class CheckpointWrite:
 
         return put
 
-    def finish(self, persist: Callable[[str, str], object], checkpoint_at: Callable[[str, object], object],
-               manifest: str, before_manifest: Callable[[], None] = lambda: None):
+    def finish(self, persist: Callable[[str, str], object], checkpoint_at: Callable[[str, object], object]):
         """The written checkpoint as the host's checkpoint value. In place: `checkpoint_at(dest, fs)`. Staged:
-        `persist(folder, name)` (the host's upload of a folder) without the manifest, `before_manifest()`, then
-        the manifest: a copy cut short (the worker or node dies) leaves a folder without a manifest, which
+        `persist(folder, name)` (the host's upload of a folder) without the manifest, the before-manifest call,
+        then the manifest: a copy cut short (the worker or node dies) leaves a folder without a manifest, which
         restore removes, never a manifest beside incomplete files."""
+        from behemoth.storage.checkpoint import MANIFEST
+
         if self.store.in_place:
             return checkpoint_at(self.dest, self.store.fs)
         held = tempfile.mkdtemp(prefix="manifest-")
         try:
-            shutil.move(os.path.join(self.folder, manifest), held)
+            shutil.move(os.path.join(self.folder, MANIFEST), held)
             persisted = persist(self.folder, self.name)
-            before_manifest()
-            Store(f"{persisted.path}/{manifest}", persisted.filesystem).put_file(os.path.join(held, manifest))
+            self._before_manifest()
+            Store(f"{persisted.path}/{MANIFEST}", persisted.filesystem).put_file(os.path.join(held, MANIFEST))
         finally:
             shutil.rmtree(held, ignore_errors=True)
-            self.clean()
         return persisted
 
     def clean(self) -> None:

@@ -46,7 +46,8 @@ def checked_batches(batches: Iterable[Batch], task, where: str) -> Iterator[Batc
 
     ids = first.get("sample_id") if isinstance(first, dict) else None
     if not torch.is_tensor(ids):
-        got = (f"a dict with keys {sorted(first)[:12]}" if isinstance(first, dict) else f"a {type(first).__name__}")
+        got = (f"a dict with keys {sorted(map(str, first))[:12]}" if isinstance(first, dict)
+               else f"a {type(first).__name__}")
         raise ConfigError(f"task {type(task).__name__}'s {where} gave {got}: a batch is a dict of tensors by name "
                           f"holding \"sample_id\", a tensor of the indices of the samples it carries (behemoth.Batch)")
     yield first
