@@ -421,6 +421,10 @@ def test_check_refuses_what_cannot_work_before_ray(image_root, tmp_path, capsys,
 
     job = job_dict(image_root, tmp_path / "runs", train={"init_from": str(tmp_path / "no-run")})
     assert "train.init_from: " in _check(tmp_path, job, capsys)[1]
+    (tmp_path / "empty-run").mkdir()  # under a URI too (file://: the object-store arm): read before Ray, refused
+    job = job_dict(image_root, tmp_path / "runs", train={"init_from": f"file://{tmp_path}/empty-run"})
+    code, err = _check(tmp_path, job, capsys)
+    assert code == 2 and err.startswith("behemoth: config error: train.init_from: ") and "is not a behemoth checkpoint" in err
     job = job_dict(image_root, tmp_path / "runs", train={"global_batch_size": 4096})
     assert _check(tmp_path, job, capsys) == (2, "behemoth: config error: train.global_batch_size 4096 exceeds the 96 "
                                                 "training samples: an epoch would have no step. Lower it to at most "

@@ -78,15 +78,15 @@ def test_a_storage_uri_with_options_is_refused_before_anything_is_joined_onto_it
 def test_a_store_gives_the_same_bytes_through_either_arm(tmp_path, uri):
     """storage/store.py decides local-or-URI once: a local folder and the same folder as a file:// URI (the
     object-store arm, through the pyarrow calls s3:// takes) read, write, list, copy up and copy down alike; only
-    a local file appends in place and has a local path."""
+    a local file appends in place."""
     from pathlib import Path
 
     from behemoth.storage.store import Store
 
     root = f"file://{tmp_path}/place" if uri else str(tmp_path / "place")
     place = Store(root)
-    assert place.is_local is not uri and place.can_append is not uri
-    assert place.local_path() == (None if uri else root) and place.expanded() == root
+    assert place.is_local is not uri and place.expanded() == root and place.absolute() == root
+    assert Store("rel/x").absolute() == os.path.abspath("rel/x") and Store("s3://b/rel").absolute() == "s3://b/rel"
     assert Store(f"{root}/a.txt").read_text() is None and not Store(f"{root}/a.txt").exists()
     Store(f"{root}/a.txt").write_bytes(b"one\n")
     assert Store(f"{root}/a.txt").read_bytes() == b"one\n" and Store(f"{root}/a.txt").read_text() == "one\n"
@@ -102,6 +102,10 @@ def test_a_store_gives_the_same_bytes_through_either_arm(tmp_path, uri):
     Store(f"{root}/up").put_folder(built)
     Store(f"{root}/up/d.bin").put_file(built / "b.bin")
     assert Store(f"{root}/up").list_files(".bin") == ["b.bin", "c.bin", "d.bin"] and Store(f"{root}/no").list_files() == []
+    stamps = Store(f"{root}/up").file_stamps()  # (name, size, modified ns): what a folder rewritten in place changes
+    assert stamps == sorted((n, len(n), os.stat(built.parent / "place" / "up" / n).st_mtime_ns)
+                            for n in ("b.bin", "c.bin", "d.bin", "meta.json"))
+    assert Store(f"{root}/no").file_stamps() is None and Store(f"{root}/up/b.bin").file_stamps() is None
     (tmp_path / "place" / "cache").mkdir()  # (a file:// URI's folder must be there; a bucket's need not)
     with Store(f"{root}/cache").built_here("behemoth-test-", last="meta.json") as folder:
         assert (folder == Path(root, "cache")) is not uri

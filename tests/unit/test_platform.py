@@ -138,21 +138,45 @@ def test_local_or_uri_is_decided_in_the_storage_room_only():
 
 
 def _place_questions(source: str) -> list[str]:
-    """A handle asked what kind of place it is (`.is_local`, `.can_append`, `.local_path()`), or a filesystem
-    resolved by hand (`filesystem(`)."""
+    """A handle asked what kind of place it is (`.is_local`, or the `.can_append` / `.local_path()` it had), or a
+    filesystem resolved by hand (`filesystem(`)."""
     return re.findall(r"\.is_local\b|\.can_append\b|\.local_path\(|\bfilesystem\(", source)
 
 
-def test_where_a_checkpoint_lives_is_the_run_stores_to_say():
-    """Issue 77 item 1: the rooms that write, open, keep and delete checkpoints (checkpoints/, hosts/) hold a
-    storage/run_store.RunStore and never ask whether their place is local: written in place or staged and
-    uploaded, claimed by mkdir or not, opened where it lies or by range are decided in the run store."""
+# The files outside storage/ that may ask a Store whether its place is a path on a file system, and why: each
+# needs what only a file system gives (memory-mapping, appending, renaming under a lock, a folder that a tool writes
+# into) or says what a path means on a cluster. Reading, writing, listing, copying and opening never ask: Store's,
+# RunStore's and model_copy's verbs choose. A file added here must say why a verb cannot do.
+ASKS_WHETHER_A_PATH = {
+    "data/image/images.py": "the decoded cache is a folder on each node's own disk, memory-mapped (a URI refused)",
+    "tasks/image.py": "data.cache auto: no decoded cache for a URI cache_dir (the same reason)",
+    "data/token_store.py": "a folder's shards are memory-mapped, a URI's read by range",
+    "tracking/records.py": "a local log grows in place; an object store's is written in parts, listed back",
+    "tracking/mlflow_run.py": "a folder is MLflow's file store (file://); anything else is a server's URI as given",
+    "tracking/wandb_run.py": "W&B writes its files into a folder: the run's where it is one, else this machine's",
+    "driver/sweep/config.py": "a sweep's own files are Tune's, in a folder (an object store is refused, said why)",
+    "driver/commands/node_check.py": "the paths each node must hold on its own disk (a URI every node reaches)",
+    "driver/commands/cluster_check.py": "advice: a local storage_path on a multi-node cluster is each node's own",
+    "driver/commands/kuberay_check.py": "the same advice per pod; the run's records read offline, from a path only",
+    "driver/commands/data_bench.py": "its figures are kept beside a local cache, replaced under a file lock",
+}
+
+
+def test_where_bytes_live_is_the_storage_rooms_to_say():
+    """Issue 77 item 1: no room but storage/ asks what kind of place it holds, except where the answer is a
+    feature's precondition (ASKS_WHETHER_A_PATH, each with its reason): the rooms that write, open, keep and
+    delete checkpoints (checkpoints/, hosts/) hold a storage/run_store.RunStore (in place or staged, claimed by
+    mkdir or not, opened where it lies or by range are decided there); a model's folder, a token cache, a run's
+    profile and records are read and written through Store's and model_copy's verbs."""
     pkg = REPO / "platform" / "behemoth"
     assert _place_questions("Store(p).is_local or s.can_append or s.local_path() or filesystem(x)") == [
         ".is_local", ".can_append", ".local_path(", "filesystem("]  # the check's own check
-    found = [f"{path.relative_to(pkg)}: {spelling}" for room in ("checkpoints", "hosts")
-             for path in sorted((pkg / room).rglob("*.py")) for spelling in _place_questions(path.read_text())]
+    asking = {str(path.relative_to(pkg)): _place_questions(path.read_text()) for path in sorted(pkg.rglob("*.py"))
+              if path.relative_to(pkg).parts[0] != "storage"}
+    found = [f"{name}: {q}" for name, qs in asking.items() for q in qs
+             if q != ".is_local" or name not in ASKS_WHETHER_A_PATH]
     assert found == []
+    assert sorted(name for name, qs in asking.items() if qs) == sorted(ASKS_WHETHER_A_PATH)  # none listed idly
 
 
 def test_the_worker_room_reaches_checkpoints_through_their_face_only():

@@ -327,6 +327,33 @@ def test_the_precomputed_reference_is_the_starting_models_read_by_block_and_chec
         precomputed.loss(policy, batch)
 
 
+def test_the_references_identity_changes_with_its_starting_folder_local_or_under_a_uri(tmp_path):
+    """The precomputed reference is reused only for the same starting weights: train.init_from's files (names,
+    sizes, modification times) are part of its identity, read alike from a folder and from the same folder
+    under a URI (file://: the object-store arm), so a folder rewritten in place is a new reference."""
+    import os
+
+    from behemoth.tasks.preference_reference import reference_identity
+
+    start = tmp_path / "start"
+    start.mkdir()
+    (start / "model.safetensors").write_bytes(b"w" * 10)
+    index = SimpleNamespace(stats={"cache": "tokens"})
+    for source in (str(start), f"file://{start}"):
+        cfg = _task().cfg
+        cfg.train.init_from = source
+        before = reference_identity(cfg, index)
+        assert [name for name, *_ in before["init_from_files"]] == ["model.safetensors"]
+        stat = os.stat(start / "model.safetensors")
+        (start / "model.safetensors").write_bytes(b"v" * 10)  # the same size, its time put back: the same stamp
+        os.utime(start / "model.safetensors", ns=(stat.st_atime_ns, stat.st_mtime_ns))
+        assert reference_identity(cfg, index) == before
+        os.utime(start / "model.safetensors", ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))  # rewritten later
+        assert reference_identity(cfg, index) != before
+    cfg.train.init_from = str(tmp_path / "missing")
+    assert reference_identity(cfg, index)["init_from_files"] is None
+
+
 def test_the_starting_weights_are_held_in_model_dtype_as_the_policy_is():
     """The reference (a copy, or the pass's model) in model.dtype, as the loop holds the policy: a checkpoint's
     stored dtype (from_pretrained keeps it) would score the pairs otherwise than the step-0 policy."""

@@ -67,6 +67,12 @@ def listing(uri: str, key: str) -> dict[str, list]:
                           f"S3-compatible store") from None
 
 
+def stored_listing(value: str, key: str) -> dict[str, list] | None:
+    """`listing` of an object store's folder; None where `value` names none (a local path or a Hub name, which
+    from_pretrained reads as they are)."""
+    return listing(value, key) if is_uri(value) else None
+
+
 def local_source(value: str, key: str, weights: bool = True) -> str:
     """`value` as from_pretrained reads it: a URI's folder copied to this node (once), anything else as it is.
     `weights` False: a copy without the weight files, for reading the config or the tokenizer."""

@@ -2,9 +2,9 @@
 
 Tracking's records and event files, the token store's cache and the checkpoint saver each write to a place that
 is a local path or a URI (s3://, gs://, ...). The choice is made here, when the handle is made: the call sites
-read, write, list and copy through its verbs and never ask which kind of place it is. Where a site's question
-really is "may I look at this on disk" (a preflight check, a folder memory-mapped), `is_local` / `local_path()`
-answer it; `can_append` says whether a file can grow in place (an object store's cannot).
+read, write, list and copy through its verbs and never ask which kind of place it is. Where a feature needs a
+file system (a folder memory-mapped or locked, a log appended to, a folder a tool writes into) `is_local` says
+whether the place is a path; tests/unit/test_platform.py's ASKS_WHETHER_A_PATH lists those sites and why.
 """
 
 from __future__ import annotations
@@ -28,20 +28,11 @@ class Store:
         self._pair = None  # (pyarrow filesystem, path on it), made once on first use (a URI's resolves its bucket)
         self.is_local = filesystem.is_local(fs) if fs is not None else not filesystem.is_uri(path)
 
-    @property
-    def can_append(self) -> bool:
-        """Whether a file here grows in place (a local file); an object store rewrites whole objects."""
-        return self.is_local
-
     def pyarrow(self):
         """(pyarrow filesystem, path on it)."""
         if self._pair is None:
             self._pair = filesystem.filesystem(self.path, self._fs)
         return self._pair
-
-    def local_path(self) -> str | None:
-        """The path to open on this machine's disk, or None for a remote place."""
-        return self.path if self.is_local else None
 
     def exists(self) -> bool:
         fs, where = self.pyarrow()
@@ -52,6 +43,16 @@ class Store:
 
         fs, where = self.pyarrow()
         return fs.get_file_info(where).type == pyarrow.fs.FileType.Directory
+
+    def file_stamps(self) -> list[tuple[str, int, int]] | None:
+        """(name, size, modification time in ns) of each file in this folder, sorted; None where it is no folder."""
+        import pyarrow.fs
+
+        if not self.is_dir():
+            return None
+        fs, where = self.pyarrow()
+        return sorted((f.base_name, f.size, f.mtime_ns or 0) for f in fs.get_file_info(pyarrow.fs.FileSelector(where))
+                      if f.type == pyarrow.fs.FileType.File)
 
     def read_bytes(self) -> bytes:
         """A file's bytes (FileNotFoundError, or the object store's error, where there is none)."""
@@ -85,8 +86,8 @@ class Store:
             f.write(data)
 
     def append_text(self, text: str) -> None:
-        """Append to a local file (can_append), creating its folder."""
-        assert self.can_append, f"{self.path}: an object store's file cannot be appended to"
+        """Append to a local file (an object store's objects are written whole), creating its folder."""
+        assert self.is_local, f"{self.path}: an object store's file cannot be appended to"
         os.makedirs(os.path.dirname(self.path), exist_ok=True)
         with open(self.path, "a", encoding="utf-8") as f:
             f.write(text)
@@ -155,6 +156,10 @@ class Store:
         with tempfile.TemporaryDirectory(prefix=prefix) as local:
             yield Path(local) / "built"
             self.put_files_in_order(Path(local) / "built", last)
+
+    def absolute(self) -> str:
+        """The path made absolute where it is local; a URI as it is."""
+        return os.path.abspath(self.path) if self.is_local else self.path
 
     def expanded(self) -> str:
         """The path with a local `~` expanded; a URI as it is (Path would fold its //)."""

@@ -16,7 +16,6 @@ from typing import Any
 
 from behemoth.config import DataConfig, JobConfig
 from behemoth.errors import ConfigError
-from behemoth.storage.store import Store
 from behemoth.tasks.parts import (Batch, CheckedT, PreparedT, TaskBatches, TaskData, TaskEvaluation, TaskModel,
                                   TaskStep)
 
@@ -74,6 +73,5 @@ def local_model(cfg: JobConfig, weights: bool = True):
     from behemoth.storage.model_copy import local_source
 
     model = cfg.model
-    if not model.pretrained or Store(model.pretrained).is_local:
-        return model
-    return dataclasses.replace(model, pretrained=local_source(model.pretrained, "model.pretrained", weights))
+    source = local_source(model.pretrained, "model.pretrained", weights) if model.pretrained else model.pretrained
+    return model if source == model.pretrained else dataclasses.replace(model, pretrained=source)

@@ -22,7 +22,6 @@ from typing import TYPE_CHECKING, Callable, ClassVar, Generic, Iterable, Iterato
 
 from behemoth.config import DataConfig, JobConfig
 from behemoth.errors import ConfigError, did_you_mean
-from behemoth.storage.store import Store
 
 if TYPE_CHECKING:  # annotations only: importing torch here would make `import behemoth` import it
     import torch
@@ -84,10 +83,7 @@ class TaskData(abc.ABC, Generic[CheckedT, PreparedT]):
         model = cfg.model.pretrained
         if getattr(cfg.data, "tokenizer", None) != "" or not model:
             return
-        # an object store's folder: its listing is checked before Ray (driver/run/preflight.py)
-        if not Store(model).is_local:
-            cfg.data.tokenizer = model
-            return
+        # (an object store's folder is no local one: its listing is checked before Ray, driver/run/preflight.py)
         if looks_local(model) and Path(model).expanduser().is_dir() and not holds_tokenizer(model):
             raise ConfigError(f"data.tokenizer is empty and model.pretrained {model} holds no tokenizer "
                               f"({', '.join(TOKENIZER_FILES)}): set data.tokenizer to the model's tokenizer (a "

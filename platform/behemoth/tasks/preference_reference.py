@@ -9,7 +9,6 @@ from __future__ import annotations
 import hashlib
 import io
 import json
-import os
 from types import SimpleNamespace
 
 import numpy as np
@@ -59,12 +58,10 @@ class ReferenceScorer:
 
 def reference_identity(cfg: JobConfig, index) -> dict:
     """What the precomputed reference depends on: the token cache, the model as built (its config, the seed),
-    train.init_from's folder and its files (names, sizes, modification times: a folder rewritten in place
-    changes it), the precision and the device kind."""
+    train.init_from's folder and its files (names, sizes, modification times, a URI's folder's as listed: a
+    folder rewritten in place changes it), the precision and the device kind."""
     source = cfg.train.init_from
-    files = None
-    if source and Store(source).is_local and os.path.isdir(source):
-        files = sorted((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in os.scandir(source) if f.is_file())
+    files = Store(source).file_stamps() if source else None
     return {"version": REFERENCE_VERSION, "tokens": index.stats["cache"], "model": cfg.model.name,
             "pretrained": cfg.model.pretrained, "hf_config": cfg.model.hf_config, "seed": cfg.train.seed,
             "init_from": source, "init_from_files": files, "precision": cfg.train.precision,

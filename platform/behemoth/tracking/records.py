@@ -46,7 +46,7 @@ class JsonlLog:
 
     def append(self, record: dict) -> None:
         line = json.dumps(record, default=_plain) + "\n"
-        if self.store.can_append:
+        if self.store.is_local:
             self.store.append_text(line)
             return
         with self._lock:
@@ -117,7 +117,7 @@ def read_jsonl(path: str) -> list[dict]:
     """The records of a log ([] if there is none): the file, then under a URI its parts in order; a line cut
     short by a kill is skipped."""
     text = read_text(path) or ""
-    if not Store(path).can_append:  # an object store's log is its parts
+    if not Store(path).is_local:  # an object store's log is its parts
         text += "\n" + "".join(read_text(f"{path}{PARTS}/{name}") or "" for name in _part_names(path))
     records = []
     for line in text.splitlines():
@@ -130,7 +130,7 @@ def read_jsonl(path: str) -> list[dict]:
 
 def _part_names(path: str) -> list[str]:
     store = Store(f"{path}{PARTS}")
-    return [] if store.can_append else store.list_files(".jsonl")
+    return [] if store.is_local else store.list_files(".jsonl")
 
 
 def latest_per_step(reports: list[dict]) -> list[dict]:

@@ -15,7 +15,8 @@ import html
 import io
 import os
 
-from behemoth.storage import filesystem, paths
+from behemoth.storage import paths
+from behemoth.storage.store import Store
 from behemoth.errors import ConfigError
 from behemoth.tracking import goodput
 from behemoth.tracking.records import (
@@ -91,11 +92,7 @@ def _samples(kept: list[dict]) -> list[str]:
 
 def _profile_links(run_dir: str) -> list[str]:
     """The run's profiler traces (train.profile: RUN/profile/), linked from the report (beside it: ../profile)."""
-    import pyarrow.fs
-
-    fs, where = filesystem.filesystem(paths.join(run_dir, "profile"))
-    found = sorted(f.base_name for f in fs.get_file_info(pyarrow.fs.FileSelector(where, allow_not_found=True))
-                   if f.type == pyarrow.fs.FileType.File)
+    found = Store(paths.join(run_dir, "profile")).list_files()
     if not found:
         return []
     items = "".join(f'<li><a href="../profile/{html.escape(n)}">{html.escape(n)}</a></li>' for n in found)

@@ -45,7 +45,7 @@ def run_id(run_dir: str) -> str:
 
 def local_dir(run_dir: str) -> str:
     """Where W&B writes its files: the run folder where it is local, else a cache folder of this machine."""
-    if Store(run_dir).local_path() is not None:
+    if Store(run_dir).is_local:
         return run_dir
     folder = os.path.expanduser("~/.cache/behemoth/wandb")
     os.makedirs(folder, exist_ok=True)

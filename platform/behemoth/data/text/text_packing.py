@@ -45,7 +45,6 @@ from behemoth.data.token_store import ShardWriter, TokenBlocks, TokenShards, loa
 from behemoth.errors import DataError
 from behemoth.progress import progress
 from behemoth.storage import paths
-from behemoth.storage.filesystem import read_file
 from behemoth.storage.store import Store
 
 CACHE_VERSION = 4  # 4: shards with their sha256; 3: each block with its index; 2: shards of tokens; 1: train.npy
@@ -166,7 +165,7 @@ def _cache_meta(cache: str) -> dict | None:
     """A complete cache's meta.json (local or under a URI), or None. Every shard it names is a file of the cache's
     own folder (the workers read and memory-map each one joined onto it): else DataError, the cache damaged."""
     try:
-        meta = json.loads(read_file(f"{cache}/meta.json"))
+        meta = json.loads(Store(f"{cache}/meta.json").read_bytes())
     except (FileNotFoundError, OSError):
         return None
     for split in ("train", "val"):

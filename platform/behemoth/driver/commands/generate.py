@@ -193,9 +193,8 @@ def load_generator(path: str, which: str = "best", trusted: TrustedCode | None =
     that keeps none."""
     import torch
 
-    store = Store(path)
-    local = store.expanded()
-    if store.is_local and not Path(local).is_dir():
+    local = Store(path).expanded()
+    if not Store(local).is_dir():
         raise ConfigError(f"{path} does not exist (or is not a folder): give a behemoth checkpoint or run folder, "
                           f"or a Hugging Face model folder (behemoth export writes one)")
     if not (weights.is_hf_folder(local) or weights.is_checkpoint(local) or complete_checkpoints(local)):

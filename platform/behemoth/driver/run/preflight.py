@@ -14,20 +14,19 @@ from behemoth.config import JobConfig
 from behemoth.errors import CheckpointError, ConfigError
 from behemoth.models import registry
 from behemoth.models.sources import check_source, hub_endpoint
-from behemoth.storage.store import Store
 
 
 def _check_source(value: str, key: str, needs: str = "config.json") -> None:
     """A local folder or Hub name (models/sources.py), or an object store's folder (a URI: copied once per node
     when read, storage/model_copy.py) holding what from_pretrained reads: its listing is checked (every name in
     it too), nothing copied here (the task's check reads the config and tokenizer from a copy without weights)."""
-    if Store(value).is_local:
+    from behemoth.models.sources import TOKENIZER_FILES
+    from behemoth.storage.model_copy import stored_listing
+
+    files = stored_listing(value, key)
+    if files is None:  # no object store's folder: a local folder or a Hub name
         check_source(value, key, needs)
         return
-    from behemoth.models.sources import TOKENIZER_FILES
-    from behemoth.storage.model_copy import listing
-
-    files = listing(value, key)
     wanted = (needs,) if needs else TOKENIZER_FILES
     if not any(name in files for name in wanted):
         raise ConfigError(f"{key} {value}: the folder holds no {' or '.join(wanted)} "
@@ -39,8 +38,8 @@ def check_sources(cfg: JobConfig) -> None:
     """Before the task's own check (which loads the tokenizer): model.pretrained and data.tokenizer are local
     folders that exist, object-store folders holding a model or a tokenizer, or Hub names this machine can get
     (offline: one line, no retries); train.init_from is a
-    folder that exists (a URI is read where it is, when the run resolves it); the tracking packages it names are
-    installed."""
+    folder holding weights (a checkpoint, a run's or a Hugging Face folder; under a URI too: its listing read
+    here); the tracking packages it names are installed."""
     check_tracking(cfg)
     hub_endpoint()  # (transformers imports huggingface_hub's downloads, which trip on a malformed one)
     if cfg.model.pretrained and not registry.is_import_path(cfg.model.name):
@@ -49,7 +48,7 @@ def check_sources(cfg: JobConfig) -> None:
     if tokenizer:
         _check_source(tokenizer, "data.tokenizer", needs="")
     source = cfg.train.init_from
-    if source and Store(source).is_local:
+    if source:
         from behemoth.storage import weights
 
         try:

@@ -140,9 +140,9 @@ def base_job(sweep_cfg: SweepConfig) -> dict:
 
 def _absolute(path: str) -> str:
     """A relative path that exists here (or a cache folder) made absolute; URIs and hub names unchanged."""
-    if not path or not Store(path).is_local or os.path.isabs(path):
+    if not path or os.path.isabs(path) or not (os.path.exists(path) or path.endswith("cache")):
         return path
-    return os.path.abspath(path) if os.path.exists(path) or path.endswith("cache") else path
+    return Store(path).absolute()
 
 
 def trial_job(base: dict, params: dict, lr_scaling: str = "none", place: paths.RunPlace | None = None) -> JobConfig:

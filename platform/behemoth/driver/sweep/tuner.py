@@ -42,7 +42,6 @@ from behemoth.driver.sweep.lane import lane_reason
 from behemoth.driver.sweep.reaper import OrphanedPlacementGroupReaper, check_state_api
 from behemoth.driver.sweep.results import SweepResult, write_results
 from behemoth.driver.sweep.trial import TrialOutcomeLines, run_trial, trial_process_resources
-from behemoth.storage.store import Store
 
 __all__ = ["SweepConfig", "SweepResult", "load_sweep", "run_sweep", "sweep"]
 
@@ -196,8 +195,6 @@ def _check_same_sweep(sweep_cfg: SweepConfig, sweep_dir: str) -> None:
     path = Path(sweep_dir, "sweep.yaml")
     now = {"job": base_job(sweep_cfg), "space": sweep_cfg.space, "num_samples": sweep_cfg.num_samples,
            "lr_scaling": sweep_cfg.lr_scaling}
-    if not Store(sweep_dir).is_local:
-        return
     if path.is_file():
         before = yaml.safe_load(path.read_text())
         changed = [key for key in now if before.get(key) != now[key]]
