@@ -5,7 +5,8 @@ PlacementGroupCleaner, a DatasetManager (whatever the trainer's datasets) and th
 too, off on behemoth's local instance). behemoth's trainer (ray_session.torch_trainer) leaves the DatasetManager
 out: it passes no dataset to the trainer. This bench runs the same tiny 2-worker job (the demo images, 2 steps)
 through both, alternating, in one local Ray (as a sweep's trials share one), and prints per run: its wall time,
-the whole machine's CPU-seconds during it, and the Ray Train actors it started.
+the whole machine's CPU-seconds during it, and the Ray Train actors it started; then where the last lean
+run's time went, from its timeline.jsonl (BENCHMARKS.md, "Where a tiny fit's time goes").
 
     .venv/bin/python bench/ray_train_processes.py [--repeats 5]
 """
@@ -45,6 +46,27 @@ def run(cfg, lean: bool) -> tuple[float, float, dict]:
     return t1 - t0, (t0, t1), collections.Counter(a.class_name for a in started)
 
 
+# (label, the mark it starts at, the mark it ends at): the invocation's marks and the worker group's clock
+_PHASES = (("Ray Train's controller up, our first callback run", "fit_called", "controller_start"),
+           ("to the workers' processes", "controller_start", "mark_process"),
+           ("the workers' start-up to the loop's first line", "mark_process", "mark_started"),
+           ("the task and the model", "mark_started", "mark_model_built"),
+           ("DDP's construction, restore, the data feed", "mark_model_built", "mark_restored"),
+           ("the steps, the evaluation, the end", "mark_restored", "invocation_end"))
+
+
+def phases(run_dir: Path) -> list[tuple[str, float]]:
+    """Where a run's one invocation went, in seconds per phase, from its timeline.jsonl."""
+    from behemoth.tracking.records import read_jsonl
+
+    events = read_jsonl(str(run_dir / "timeline.jsonl"))
+    start = next(e for e in events if e["event"] == "invocation_start")
+    end = next(e for e in events if e["event"] == "invocation_end")
+    at = {**start["marks"], "controller_start": next(e["time"] for e in events if e["event"] == "controller_start"),
+          **{k: v for k, v in end["clock"].items() if k.startswith("mark_")}, "invocation_end": end["time"]}
+    return [(label, at[b] - at[a]) for label, a, b in _PHASES]
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--repeats", type=int, default=5)
@@ -69,6 +91,10 @@ def main() -> None:
                 actors[lean] = started
                 print(f"repeat {i} {'lean ' if lean else 'plain'}: wall {wall:.1f} s, machine CPU {cpus[lean][-1]:.1f} s, "
                       f"actors started {dict(started)}", flush=True)
+        last = Path(storage, f"lean{args.repeats - 1}")
+        print(f"  where the last lean run's {sum(s for _, s in phases(last)):.1f} s went:")
+        for label, seconds in phases(last):
+            print(f"    {label:52s} {seconds:5.1f} s")
     cpu.stop()
     for lean, name in ((False, "TorchTrainer as Ray Train makes it"), (True, "behemoth's (no DatasetManager)")):
         print(f"  {name:36s} wall {spread(walls[lean], '{:.1f}')} s; machine CPU {spread(cpus[lean], '{:.1f}')} s; "
