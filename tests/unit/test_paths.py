@@ -77,7 +77,7 @@ def test_a_storage_uri_with_options_is_refused_before_anything_is_joined_onto_it
 @pytest.mark.parametrize("uri", [False, True])
 def test_a_store_gives_the_same_bytes_through_either_arm(tmp_path, uri):
     """storage/store.py decides local-or-URI once: a local folder and the same folder as a file:// URI (the
-    object-store arm, through the pyarrow calls s3:// takes) read, write, list, copy up and copy down alike; only
+    object-store arm, through the pyarrow calls s3:// takes) read, write, list, stamp, copy up and copy down alike; only
     a local file appends in place."""
     from pathlib import Path
 
