@@ -7,8 +7,10 @@ Llama-style LM for `--steps` steps while a storm preempts the node of rank 0, th
   way, drawn anew for each repeat and the same for every side of it), alternately with a notice (each node's
   fake cloud metadata service announces the reclaim `--notice` seconds ahead, `behemoth spot-watch` on every
   node turns it into Ray's drain, and the node is removed at the deadline) and without one (removed at once);
-- a replacement node joins `--replacement-delay` seconds after a node is removed (a cloud takes minutes to
-  launch one; the delay is the same for both sides), and every side meets every preemption.
+- a replacement node joins `--replacement-delay` seconds after the autoscaler launched it (a cloud takes minutes
+  to launch one; the delay is the same for both sides): at the node's drain, where a notice drained it, as Ray's
+  autoscaler v2 does (`ray up`'s default; `--launch-at removal`: at the node's removal, as v1 does), and every
+  side meets every preemption.
 
 The sides, alternating (ABBA) over `--repeats`: behemoth as a spot user runs it (`train`, `checkpoint.every_n_steps:
 auto` with `checkpoint.hold_budget` the share of its calm run's time the plain script's checkpoints held its
@@ -33,7 +35,8 @@ the old group ended, the restart to the new group's training function, its set-u
 Then one line of medians (min, max) per side and the ratios (goodput, steps redone without notice, recovery).
 
     .venv/bin/python bench/preemption_storm.py [--steps 1500] [--preemptions 4] [--notice 6] \\
-        [--replacement-delay 60] [--checkpoint-every 150] [--repeats 3] [--sides behemoth,plain] \\
+        [--replacement-delay 60] [--launch-at drain|removal] [--checkpoint-every 150] [--repeats 3] \\
+        [--sides behemoth,plain] \\
         [--hold-budget plain|none|SHARE] [--behemoth-set KEY=VALUE ...]
 """
 
@@ -127,13 +130,19 @@ def _plain_log(path: str, rank: int, group: str):
 
 
 class Storm:
-    """The cluster's worker nodes, each with its fake metadata service and its `behemoth spot-watch`."""
+    """The cluster's worker nodes, each with its fake metadata service and its `behemoth spot-watch`, and the
+    autoscaler's part: a lost node's replacement joins `delay_s` after the autoscaler launched it, at the node's
+    drain (`launch_at="drain"`: Ray's autoscaler v2, `ray up`'s default since Ray 2.50, counts a draining node as
+    gone against Ray Train's standing request for its group, so a noticed node's replacement is launched at the
+    notice; measured with ray.cluster_utils.AutoscalingCluster, BENCHMARKS.md) or at its removal (`"removal"`:
+    the v1 autoscaler, which counts a node until it is dead)."""
 
-    def __init__(self, cluster, notice_s: float, delay_s: float):
-        self.cluster, self.notice_s, self.delay_s = cluster, notice_s, delay_s
+    def __init__(self, cluster, notice_s: float, delay_s: float, launch_at: str = "drain"):
+        self.cluster, self.notice_s, self.delay_s, self.launch_at = cluster, notice_s, delay_s, launch_at
         self.nodes = {}  # node id -> (node, FakeMetadata, watcher process)
-        self.events = []  # {time, kind, node, removed, replaced}
-        self.pending: list[dict] = []  # events whose replacement node has yet to join
+        self.events = []  # {time, kind, node, deadline, drained, launched, removed, replaced}
+        self.doomed: dict[int, tuple] = {}  # event index -> (node, metadata, watcher): noticed, not yet removed
+        self.pending: list[dict] = []  # events whose replacement is launched and has yet to join
 
     def add(self):
         from fake_metadata import FakeMetadata
@@ -148,30 +157,55 @@ class Storm:
         self.nodes[node.node_id] = (node, metadata, watcher)
 
     def preempt(self, node_id: str, notice: bool) -> None:
-        """Reclaim the node (after the notice, where there is one); its replacement joins delay_s later."""
+        """Reclaim the node: at once, or announce the reclaim `notice_s` ahead (tick() removes it then)."""
         node, metadata, watcher = self.nodes.pop(node_id)
-        event = {"time": time.time(), "kind": "notice" if notice else "no notice", "node": node_id}
+        now = time.time()
+        event = {"time": now, "kind": "notice" if notice else "no notice", "node": node_id,
+                 "deadline": now + (self.notice_s if notice else 0.0)}
         self.events.append(event)
+        self.doomed[len(self.events) - 1] = (node, metadata, watcher)
         if notice:
             deadline = datetime.datetime.now(datetime.timezone.utc) + datetime.timedelta(seconds=self.notice_s)
             metadata.aws_action = {"action": "terminate", "time": deadline.strftime("%Y-%m-%dT%H:%M:%S.%fZ")}
-            time.sleep(self.notice_s)
-        self.cluster.remove_node(node)
-        event["removed"] = time.time()
-        watcher.kill()
-        metadata.close()
-        self.pending.append(event)
+        self.tick()
+
+    def _draining(self) -> set[str]:
+        from ray._raylet import GcsClient
+        from ray.core.generated import gcs_pb2
+
+        draining = gcs_pb2.NodeSnapshot.State.Value("DRAINING")
+        infos = GcsClient(address=self.cluster.address).get_all_node_info()
+        return {node_id.hex() for node_id, info in infos.items() if info.state_snapshot.state == draining}
 
     def tick(self) -> None:
-        """Add the replacements that are due (from the main thread: Ray's node start sets signal handlers)."""
-        for event in [e for e in self.pending if time.time() >= e["removed"] + self.delay_s]:
+        """Remove the nodes whose deadline came, launch replacements (at a drain or a removal) and add those due
+        (from the main thread: Ray's node start sets signal handlers)."""
+        now = time.time()
+        if self.launch_at == "drain" and any("launched" not in self.events[i] for i in self.doomed):
+            draining = self._draining()
+            for i in self.doomed:
+                if "launched" not in self.events[i] and self.events[i]["node"] in draining:
+                    self.events[i]["drained"] = self.events[i]["launched"] = now
+                    self.pending.append(self.events[i])
+        for i in [i for i in self.doomed if now >= self.events[i]["deadline"]]:
+            node, metadata, watcher = self.doomed.pop(i)
+            self.cluster.remove_node(node)
+            event = self.events[i]
+            event["removed"] = time.time()
+            watcher.kill()
+            metadata.close()
+            if "launched" not in event:
+                event["launched"] = event["removed"]
+                self.pending.append(event)
+        for event in [e for e in self.pending if time.time() >= e["launched"] + self.delay_s]:
             self.add()
             event["replaced"] = time.time()
             self.pending.remove(event)
 
     def settle(self) -> None:
-        """The replacements under way joined (the next side starts on a whole cluster)."""
-        while self.pending:
+        """The noticed nodes went and the replacements under way joined (the next side starts on a whole
+        cluster)."""
+        while self.pending or self.doomed:
             self.tick()
             time.sleep(0.1)
         self.cluster.wait_for_nodes()
@@ -211,7 +245,8 @@ def schedule(steps: int, preemptions: int, every: int, seed: int) -> list[int]:
 
 def _since_last(rows: list[dict], storm: Storm) -> list[dict]:
     """The steps of worker groups started after the last preemption's node was removed (a group that outlives its
-    node for a moment, or trains on through a notice, is not struck twice)."""
+    node for a moment, or trains on through a notice, is not struck twice; run_storm strikes again only once the
+    noticed node is gone)."""
     since = max((e.get("removed", e["time"]) for e in storm.events), default=0.0)
     first = {}
     for r in rows:
@@ -228,7 +263,7 @@ def run_storm(storm: Storm, log: Path, train, at_steps: list[int]) -> list[dict]
         while thread.is_alive():
             storm.tick()
             rows = _since_last(step_log(log), storm)
-            if rows and max(r["step"] for r in rows) >= at and rows[-1]["node"] in storm.nodes:
+            if not storm.doomed and rows and max(r["step"] for r in rows) >= at and rows[-1]["node"] in storm.nodes:
                 break
             time.sleep(0.1)
         if not thread.is_alive():
@@ -286,6 +321,7 @@ def figures(side: str, rows: list[dict], events: list[dict], steps: int, step_s:
                     last = marks[name]
             phases = {"until_group_ended": round(ended - at, 1), **phases}
         per_event.append({"kind": event["kind"], "redone": sum(r["step"] <= reached for r in restarted),
+                          "replaced_s": round(event["replaced"] - at, 1) if "replaced" in event else None,
                           "to_next_new_step_s": round(new["time"] - at, 1) if new else None, "phases": phases})
     redone = len(rows) - len({r["step"] for r in rows})
     paid = paid_node_s(events, times[0], times[-1])
@@ -298,11 +334,15 @@ def figures(side: str, rows: list[dict], events: list[dict], steps: int, step_s:
 
 def paid_node_s(events: list[dict], start: float, end: float) -> float:
     """The worker-node seconds a cloud bills from the run's first step to its last: every worker node the
-    cluster had, training or idle (the storm takes one away at each preemption until its replacement joins)."""
+    cluster had, training or idle (the storm takes one away at each preemption until its replacement joins; a
+    replacement launched at a notice may join before the noticed node goes: both are billed meanwhile)."""
+    def within(a: float, b: float) -> float:
+        return max(0.0, min(b, end) - max(a, start))
+
     paid = WORKER_NODES * (end - start)
     for event in events:
-        gone, back = max(event.get("removed", end), start), min(event.get("replaced", end), end)
-        paid -= max(0.0, back - gone)
+        gone, back = event.get("removed", end), event.get("replaced", end)
+        paid += within(back, gone) - within(gone, back)
     return paid
 
 
@@ -312,8 +352,11 @@ def main() -> None:
     p.add_argument("--preemptions", type=int, default=4, help="alternating with and without a notice")
     p.add_argument("--notice", type=float, default=6.0, help="seconds from a notice to the node's removal")
     p.add_argument("--replacement-delay", type=float, default=60.0,
-                   help="seconds from a node's removal to its replacement joining (a cloud launches one and starts "
+                   help="seconds from the replacement's launch to its joining (a cloud launches a node and starts "
                         "Ray on it in minutes: 60 s is the short end)")
+    p.add_argument("--launch-at", choices=["drain", "removal"], default="drain",
+                   help="when the autoscaler launches a lost node's replacement: at its drain, the notice (Ray's "
+                        "autoscaler v2, `ray up`'s default), or at its removal (the v1 autoscaler)")
     p.add_argument("--checkpoint-every", type=int, default=150, help="the plain script's checkpoint interval")
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--sides", default="behemoth,plain", help="behemoth (elastic: scaling.num_workers [1, 2]), "
@@ -352,7 +395,7 @@ def main() -> None:
         return job
 
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
-    storm = Storm(cluster, args.notice, args.replacement_delay)
+    storm = Storm(cluster, args.notice, args.replacement_delay, args.launch_at)
     for _ in range(WORKER_NODES):
         storm.add()
     cluster.wait_for_nodes()
@@ -501,6 +544,7 @@ def _summary(results: dict[str, list[dict]], args) -> None:
                           # the user's bill whatever the step's speed; > 1: behemoth finished sooner)
                           "wall_ratio_plain_over_behemoth": round(r["wall_s"] / b["wall_s"], 3),
                           "notice_s": args.notice, "replacement_delay_s": args.replacement_delay,
+                          "launch_at": args.launch_at,
                           "preemptions": args.preemptions, "repeats": args.repeats}), flush=True)
 
 
