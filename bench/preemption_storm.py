@@ -36,7 +36,7 @@ Then one line of medians (min, max) per side and the ratios (goodput, steps redo
 
     .venv/bin/python bench/preemption_storm.py [--steps 1500] [--preemptions 4] [--notice 6] \\
         [--replacement-delay 60] [--launch-at drain|removal] [--checkpoint-every 150] [--repeats 3] \\
-        [--sides behemoth,plain] \\
+        [--sides behemoth,plain] [--pin-cores] \\
         [--hold-budget plain|none|SHARE] [--behemoth-set KEY=VALUE ...]
 """
 
@@ -137,17 +137,32 @@ class Storm:
     notice; measured with ray.cluster_utils.AutoscalingCluster, BENCHMARKS.md) or at its removal (`"removal"`:
     the v1 autoscaler, which counts a node until it is dead)."""
 
-    def __init__(self, cluster, notice_s: float, delay_s: float, launch_at: str = "drain"):
+    def __init__(self, cluster, notice_s: float, delay_s: float, launch_at: str = "drain", pin: bool = False):
         self.cluster, self.notice_s, self.delay_s, self.launch_at = cluster, notice_s, delay_s, launch_at
+        # --pin-cores: worker node k's processes on CPU k only (its replacement's too), as a machine of its own
+        # would be: without it the nodes share every core, and one left alone trains nearly as fast as two
+        self.cores = sorted(os.sched_getaffinity(0))[:WORKER_NODES] if pin else None
+        self.core_of: dict[str, int] = {}
         self.nodes = {}  # node id -> (node, FakeMetadata, watcher process)
         self.events = []  # {time, kind, node, deadline, drained, launched, removed, replaced}
         self.doomed: dict[int, tuple] = {}  # event index -> (node, metadata, watcher): noticed, not yet removed
         self.pending: list[dict] = []  # events whose replacement is launched and has yet to join
 
-    def add(self):
+    def add(self, core: int | None = None):
+        """A worker node (on `core` where the storm pins them: the lost node's, or the first no node holds)."""
         from fake_metadata import FakeMetadata
 
-        node = self.cluster.add_node(num_cpus=1)
+        if self.cores is None:
+            node = self.cluster.add_node(num_cpus=1)
+        else:
+            core = core if core is not None else min(set(self.cores) - set(self.core_of.values()))
+            every = os.sched_getaffinity(0)
+            os.sched_setaffinity(0, {core})  # (this thread's: the raylet, its agents and its workers inherit it)
+            try:
+                node = self.cluster.add_node(num_cpus=1)
+            finally:
+                os.sched_setaffinity(0, every)
+            self.core_of[node.node_id] = core
         metadata = FakeMetadata()
         watcher = subprocess.Popen(
             [sys.executable, "-m", "behemoth", "spot-watch", "--cloud", "aws", "--metadata-url", metadata.url,
@@ -198,7 +213,7 @@ class Storm:
                 event["launched"] = event["removed"]
                 self.pending.append(event)
         for event in [e for e in self.pending if time.time() >= e["launched"] + self.delay_s]:
-            self.add()
+            self.add(self.core_of.pop(event["node"], None))
             event["replaced"] = time.time()
             self.pending.remove(event)
 
@@ -386,6 +401,9 @@ def main() -> None:
     p.add_argument("--launch-at", choices=["drain", "removal"], default="drain",
                    help="when the autoscaler launches a lost node's replacement: at its drain, the notice (Ray's "
                         "autoscaler v2, `ray up`'s default), or at its removal (the v1 autoscaler)")
+    p.add_argument("--pin-cores", action="store_true",
+                   help="each worker node's processes on one CPU of their own (the head's float), as on machines of "
+                        "their own: a node left alone then trains at its own CPU's speed, not at the whole machine's")
     p.add_argument("--checkpoint-every", type=int, default=150, help="the plain script's checkpoint interval")
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--sides", default="behemoth,plain", help="behemoth (elastic: scaling.num_workers [1, 2]), "
@@ -424,7 +442,7 @@ def main() -> None:
         return job
 
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
-    storm = Storm(cluster, args.notice, args.replacement_delay, args.launch_at)
+    storm = Storm(cluster, args.notice, args.replacement_delay, args.launch_at, pin=args.pin_cores)
     for _ in range(WORKER_NODES):
         storm.add()
     cluster.wait_for_nodes()
@@ -573,7 +591,7 @@ def _summary(results: dict[str, list[dict]], args) -> None:
                           # the user's bill whatever the step's speed; > 1: behemoth finished sooner)
                           "wall_ratio_plain_over_behemoth": round(r["wall_s"] / b["wall_s"], 3),
                           "notice_s": args.notice, "replacement_delay_s": args.replacement_delay,
-                          "launch_at": args.launch_at,
+                          "launch_at": args.launch_at, "pin_cores": args.pin_cores,
                           "preemptions": args.preemptions, "repeats": args.repeats}), flush=True)
 
 
