@@ -32,7 +32,10 @@ the notices'; the run's last checkpoint left out) and its share of the time in t
 the budget's measure; each calm run's `hold_share` is the periodic ones' budget); and per preemption its kind, steps
 redone, the seconds from the notice (or the loss) to the next new step, and where they went (`phases`: until
 the old group ended, the restart to the new group's training function, its set-up to the loop, the first step).
-Then one line of medians (min, max) per side and the ratios (goodput, steps redone without notice, recovery).
+Also per run: `lost_s`, the seconds not spent training new steps at the full group's rate (time not stepping,
+redone steps, half of each step a lone worker trained), and `share_new`, 1 - lost_s / wall: the step's speed left
+out. Then one line of medians (min, max) per side and the ratios (goodput, share_new, time lost, steps redone
+without notice, recovery).
 
     .venv/bin/python bench/preemption_storm.py [--steps 1500] [--preemptions 4] [--notice 6] \\
         [--replacement-delay 60] [--launch-at drain|removal] [--checkpoint-every 150] [--repeats 3] \\
@@ -238,7 +241,7 @@ def step_log(path: Path) -> list[dict]:
     if path.is_dir():
         from integration.ledger_audit import read_ledger
 
-        rows = [{"step": r["step"], "time": r["time"], "node": r["node"], "group": r["group"]}
+        rows = [{"step": r["step"], "time": r["time"], "node": r["node"], "group": r["group"], "world": r["world"]}
                 for r in read_ledger(path) if r["rank"] == 0]
         return sorted(rows, key=lambda r: r["time"])
     if not path.is_file():
@@ -369,11 +372,28 @@ def figures(side: str, rows: list[dict], events: list[dict], steps: int, step_s:
                           "to_next_new_step_s": round(new["time"] - at, 1) if new else None, "phases": phases})
     redone = len(rows) - len({r["step"] for r in rows})
     paid = paid_node_s(events, times[0], times[-1])
+    lost = time_lost(rows)
     out = {"side": side, "wall_s": round(wall, 1), "steps": steps, "steps_redone": redone,
            "step_s": round(step_s, 4), "goodput": round(steps * step_s / wall, 3),
+           "lost_s": round(lost, 1), "share_new": round(1 - lost / wall, 3),
            "paid_node_s": round(paid, 1), "goodput_paid": round(steps * step_s * WORKER_NODES / paid, 3),
            "preemptions": per_event}
     return out
+
+
+def time_lost(rows: list[dict]) -> float:
+    """Seconds of the wall time not spent training new steps at the full group's rate, whatever the step's speed
+    (the calm run's step, goodput's measure, wanders as much as the losses on a shared VM): the time not stepping
+    (restarts, waits, holds), the redone steps at the run's median step, and half of each step a lone worker
+    trained in place of two (here one worker of this tiny model steps nearly as fast as two; on GPUs, half)."""
+    wall = rows[-1]["time"] - rows[0]["time"]
+    gaps = [(b["time"] - a["time"], b.get("world", WORKER_NODES)) for a, b in zip(rows, rows[1:])
+            if b["step"] == a["step"] + 1 and b["group"] == a["group"]]
+    stepping = sum(g for g, _ in gaps)
+    alone = sum(g for g, world in gaps if world < WORKER_NODES)
+    full = [g for g, world in gaps if world >= WORKER_NODES] or [0.0]
+    redone = len(rows) - len({r["step"] for r in rows})
+    return wall - stepping + redone * statistics.median(full) + alone / 2
 
 
 def paid_node_s(events: list[dict], start: float, end: float) -> float:
@@ -573,6 +593,8 @@ def _summary(results: dict[str, list[dict]], args) -> None:
                        "redone_notice": statistics.median(noticed) if noticed else None,
                        "recovery_s": statistics.median([x for x in recovery if x is not None] or [0]),
                        "wall_s": statistics.median(o["wall_s"] for o in outs),
+                       "lost_s": statistics.median(o["lost_s"] for o in outs),
+                       "share_new": statistics.median(o["share_new"] for o in outs),
                        "checkpoint_share": statistics.median(o["checkpoint_share"] for o in outs)}
         print(f"{side}: goodput {spread([o['goodput'] for o in outs])} (per paid node-second "
               f"{spread([o['goodput_paid'] for o in outs])}); steps redone per noticed preemption "
@@ -585,6 +607,10 @@ def _summary(results: dict[str, list[dict]], args) -> None:
         ratio = {key: round(b[key] / r[key], 3) if b[key] is not None and r[key] else None
                  for key in ("redone_no_notice", "recovery_s")}
         print(json.dumps({"medians": lines, "goodput_ratio": round(b["goodput"] / r["goodput"], 3),
+                          # (the share of the wall time training new steps, and the time lost: the step's speed
+                          # left out, see time_lost)
+                          "share_new_ratio": round(b["share_new"] / r["share_new"], 3),
+                          "lost_ratio": round(b["lost_s"] / r["lost_s"], 3) if r["lost_s"] else None,
                           "goodput_paid_ratio": round(b["goodput_paid"] / r["goodput_paid"], 3),
                           "redone_no_notice_ratio": ratio["redone_no_notice"], "recovery_ratio": ratio["recovery_s"],
                           # (goodput counts each side's steps at its own calm step: the same steps' wall time is
