@@ -387,8 +387,7 @@ def time_lost(rows: list[dict]) -> float:
     (restarts, waits, holds), the redone steps at the run's median step, and half of each step a lone worker
     trained in place of two (here one worker of this tiny model steps nearly as fast as two; on GPUs, half)."""
     wall = rows[-1]["time"] - rows[0]["time"]
-    gaps = [(b["time"] - a["time"], b.get("world", WORKER_NODES)) for a, b in zip(rows, rows[1:])
-            if b["step"] == a["step"] + 1 and b["group"] == a["group"]]
+    gaps = step_gaps(rows)
     stepping = sum(g for g, _ in gaps)
     alone = sum(g for g, world in gaps if world < WORKER_NODES)
     full = [g for g, world in gaps if world >= WORKER_NODES] or [0.0]
@@ -542,17 +541,24 @@ def _calm_run(side: str, behemoth_job, tokens, args, work: Path) -> dict:
     called = time.time()
     train()
     rows = step_log(log)
-    gaps = [b["time"] - a["time"] for a, b in zip(rows, rows[1:]) if b["step"] == a["step"] + 1]
+    gaps = [g for g, _ in step_gaps(rows)]
     # the share of its training time its checkpoints held the loop (the blocking budget; no notice in a calm run)
     share = _blocked(side, work / f"{side}-calm", log, steps) / loop_s(rows)
     return {"step_s": statistics.median(gaps), "startup_s": round(rows[0]["time"] - called, 1),
             "hold_share": round(share, 5)}
 
 
+def step_gaps(rows: list[dict]) -> list[tuple[float, int]]:
+    """(seconds, workers) from each step to the next one of the same worker group (a checkpoint's hold inside
+    them; restarts, and the steps a restart went back over, left out: a group resumed at exactly the next step,
+    as after a notice, is a restart too)."""
+    return [(b["time"] - a["time"], b.get("world", WORKER_NODES)) for a, b in zip(rows, rows[1:])
+            if b["step"] == a["step"] + 1 and b["group"] == a["group"]]
+
+
 def loop_s(rows: list[dict]) -> float:
-    """Seconds rank 0 spent in its training loop: the gaps from each step to the next one (a checkpoint's hold
-    inside them; restarts, and the steps a restart went back over, left out)."""
-    return sum(b["time"] - a["time"] for a, b in zip(rows, rows[1:]) if b["step"] == a["step"] + 1)
+    """Seconds rank 0 spent in its training loop (step_gaps)."""
+    return sum(g for g, _ in step_gaps(rows))
 
 
 def _blocked(side: str, run_dir: Path, log: Path, steps: int) -> float:
