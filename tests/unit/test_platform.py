@@ -200,6 +200,47 @@ def test_the_worker_side_never_imports_ray():
     assert found == []
 
 
+def test_ray_trains_controller_side_imports_no_torch():
+    """Ray Train's controller (a new process per fit) unpickles the trainer's backend config and runs behemoth's
+    callbacks; none of it may import torch (1.5-2 s on the path of every fit's start, BENCHMARKS.md "Where a
+    tiny fit's time goes"): the torch backend config (ray_internals/torch_backend.py), the modules of every
+    controller callback and the TensorBoard writer, in a fresh interpreter."""
+    import subprocess
+    import sys
+
+    script = """
+import pickle, sys, tempfile
+import behemoth.tracking.callbacks, behemoth.hosts.lease_fence, behemoth.hosts.rescue_callback
+import behemoth.driver.ray_cluster.failure_policy, behemoth.driver.ray_cluster.placement_cleaner
+from behemoth.ray_internals.torch_backend import LazyTorchConfig
+from behemoth.tracking.tensorboard import ScalarWriter
+config = pickle.loads(pickle.dumps(LazyTorchConfig(backend="gloo")))
+config.backend_cls(), config.train_func_context, config.framework, config.to_dict()
+with ScalarWriter(tempfile.mkdtemp(), purge_step=3) as writer:
+    writer.add_scalar("train/loss", 1.0, 3)
+print(sorted(m for m in sys.modules if m == "torch" or m.startswith("torch.")))
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "[]", done.stdout[:500]
+
+
+def test_the_lazy_torch_config_has_ray_torch_configs_fields_and_defaults():
+    """LazyTorchConfig stands for Ray's TorchConfig (TorchTrainer sets its backend; Ray Train's state reads
+    to_dict): on a Ray upgrade that adds or renames a field, this fails."""
+    import dataclasses
+
+    from ray.train.torch import TorchConfig
+
+    from behemoth.ray_internals.torch_backend import LazyTorchConfig
+
+    def fields(cls) -> list:
+        return [(f.name, f.default) for f in dataclasses.fields(cls)]
+
+    assert fields(LazyTorchConfig) == fields(TorchConfig)
+    assert LazyTorchConfig(backend="gloo").to_dict() == TorchConfig(backend="gloo").to_dict()
+    assert LazyTorchConfig().framework == TorchConfig().framework
+
+
 def _private_ray_names(source: str) -> list[str]:
     """Ray's private APIs a source uses: imports of `ray.*._x` modules (`_internal`, `_private`, `_common`, ...)
     or of `_x` names from Ray, Ray's generated protobufs, and private module names in string literals (a

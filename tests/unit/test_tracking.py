@@ -268,6 +268,31 @@ def test_tensorboard_shows_each_step_once_after_a_restart(tmp_path, uri, monkeyp
     assert os.listdir(tmp_path / "tmp") == []  # nothing left in the temp folder
 
 
+def test_the_scalar_writer_writes_the_events_torchs_summary_writer_writes(tmp_path):
+    """ScalarWriter (no torch import: it runs in Ray Train's controller) against torch.utils.tensorboard's
+    SummaryWriter, the same calls: the same events, wall times aside, and the same file name but for its time."""
+    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+    from torch.utils.tensorboard import SummaryWriter
+
+    from behemoth.tracking.tensorboard import ScalarWriter
+
+    def events(folder):
+        (name,) = os.listdir(folder)
+        read = list(EventFileLoader(str(folder / name)).Load())
+        for event in read:
+            event.wall_time = 0
+        return name, [e.SerializeToString() for e in read]
+
+    for purge_step in (None, 21):
+        for kind, make in (("ours", ScalarWriter), ("torch", SummaryWriter)):
+            with make(str(tmp_path / f"{kind}{purge_step}"), purge_step=purge_step) as writer:
+                writer.add_scalar("train/loss", 0.25, 21, walltime=T0)
+                writer.add_scalar("speed/samples_per_s", 1200, 22)
+        (ours, mine), (theirs, torchs) = events(tmp_path / f"ours{purge_step}"), events(tmp_path / f"torch{purge_step}")
+        assert mine == torchs and len(mine) == 3 + 2 * (purge_step is not None)
+        assert ours.split(".")[:3] == theirs.split(".")[:3] == ["events", "out", "tfevents"]
+
+
 def test_mlflow_run_is_continued_and_nested(tmp_path):
     from behemoth.tracking import mlflow_run
 

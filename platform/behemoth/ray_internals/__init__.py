@@ -7,6 +7,7 @@ fails when a file outside this folder imports a private Ray name or when the ins
   the variables it propagates to workers, its per-report logger.
 - `data`: Ray Data's streaming executor (its scheduling loop is paced), its stats actor, the autoscaling
   coordinator's actor name, its progress logger.
+- `torch_backend`: Ray Train's torch process-group set-up, called so that its controller does not import torch.
 - `core`: Ray core's private state API, the node's log folder, its log-line hook, its token-auth logger, a node's
   drain for preemption (GCS's DrainNode), and
   the autoscaler's config checks.

@@ -1,4 +1,5 @@
-"""TensorBoard event files in RUN_FOLDER/tensorboard, written with torch.utils.tensorboard.
+"""TensorBoard event files in RUN_FOLDER/tensorboard: scalars, the events torch.utils.tensorboard's
+SummaryWriter writes, written with TensorBoard's own event writer (ScalarWriter).
 
 A worker group that starts from a checkpoint opens a new event file with `purge_step` = the first step it
 trains: TensorBoard hides what the failed group logged for the steps trained again, so each step shows once.
@@ -42,6 +43,45 @@ def scalar_tags(metrics: dict) -> dict[str, float]:
     return out
 
 
+class ScalarWriter:
+    """torch.utils.tensorboard.SummaryWriter's events for scalars (add_scalar's old-style simple_value, and
+    purge_step's file-version and session-start events), written with the tensorboard package's EventFileWriter,
+    which SummaryWriter itself writes with. This runs in Ray Train's controller, which imports no torch otherwise:
+    torch.utils.tensorboard would import it (1.5-2 s of a CPU during the run; tensorboard's writer: 0.4 s)."""
+
+    def __init__(self, log_dir: str, purge_step: int | None = None):
+        from tensorboard.compat.proto.event_pb2 import Event, SessionLog
+        from tensorboard.summary.writer.event_file_writer import EventFileWriter
+
+        self._events = EventFileWriter(str(log_dir), 10, 120, "")  # SummaryWriter's defaults
+        if purge_step is not None:
+            self._add(Event(step=purge_step, file_version="brain.Event:2"))
+            self._add(Event(step=purge_step, session_log=SessionLog(status=SessionLog.START)))
+
+    def _add(self, event, walltime: float | None = None) -> None:
+        event.wall_time = time.time() if walltime is None else walltime
+        self._events.add_event(event)
+
+    def add_scalar(self, tag: str, value: float, step: int, walltime: float | None = None) -> None:
+        from tensorboard.compat.proto.event_pb2 import Event
+        from tensorboard.compat.proto.summary_pb2 import Summary
+
+        self._add(Event(step=int(step), summary=Summary(value=[Summary.Value(tag=tag, simple_value=float(value))])),
+                  walltime)
+
+    def flush(self) -> None:
+        self._events.flush()
+
+    def close(self) -> None:
+        self._events.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
 class TensorBoardLog:
     def __init__(self, run_dir: str, mirror_every_s: float = 30.0):
         self.target = paths.join(run_dir, FOLDER)
@@ -49,13 +89,11 @@ class TensorBoardLog:
         self.writer, self.group, self.mirror_every_s, self.mirrored = None, None, mirror_every_s, 0.0
 
     def log(self, metrics: dict, checkpoint: bool = False) -> None:
-        from torch.utils.tensorboard import SummaryWriter
-
         step = metrics["step"]
         if metrics.get("group_id") != self.group:  # a worker group starts (or restarts from a checkpoint)
             self.close()
             self.group = metrics.get("group_id")
-            self.writer = SummaryWriter(self.local, purge_step=metrics.get("resumed_from_step", 0) + 1)
+            self.writer = ScalarWriter(self.local, purge_step=metrics.get("resumed_from_step", 0) + 1)
         for tag, value in scalar_tags(metrics).items():
             self.writer.add_scalar(tag, value, step, walltime=metrics.get("wall_time"))
         if checkpoint or time.time() - self.mirrored > self.mirror_every_s:
@@ -64,9 +102,7 @@ class TensorBoardLog:
 
     def log_final(self, step: int, values: dict[str, float]) -> None:
         """Scalars of the whole run (the goodput account), at its last step."""
-        from torch.utils.tensorboard import SummaryWriter
-
-        with SummaryWriter(self.local) as writer:
+        with ScalarWriter(self.local) as writer:
             for tag, value in values.items():
                 writer.add_scalar(tag, value, step)
         self.finish()

@@ -227,11 +227,15 @@ def end_ray(end: bool) -> None:
 
 
 def torch_trainer(*args, **kwargs):
-    """Ray Train's TorchTrainer, less the processes behemoth's runs do not use and with the process's signal
-    handlers put back after its fit (see LeanTorchTrainer)."""
+    """Ray Train's TorchTrainer, less the processes behemoth's runs do not use, with the process's signal
+    handlers put back after its fit (see LeanTorchTrainer) and a torch backend config that does not make Ray
+    Train's controller import torch (ray_internals/torch_backend.py)."""
     from ray.train.torch import TorchTrainer
 
+    from behemoth.ray_internals.torch_backend import LazyTorchConfig
     from behemoth.ray_internals.train_v2 import DatasetsCallback, PlacementGroupCleanerCallback
+
+    kwargs.setdefault("torch_config", LazyTorchConfig())
 
     class LeanTorchTrainer(TorchTrainer):
         """Ray Train 2.60 starts a DatasetManager actor for every run (its DatasetsCallback, whatever the
