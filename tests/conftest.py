@@ -62,10 +62,11 @@ def pytest_configure(config):
         config._bystander = Bystander.start(_SESSION_DIR / "bystander")
 
 
-# The integration modules that use the shared local Ray instance run next to each other; then those with an
-# instance of their own: test_token_store.py (a small object store), test_s3.py (its workers need the S3
-# variables) and test_tune.py (the dashboard); the unit tests last.
-_RUNS_LATE = {"test_token_store.py": 1, "test_s3.py": 2, "test_tune.py": 3}
+# The integration modules that use the shared local Ray instance run next to each other (its start-up paid once);
+# then those with an instance of their own: test_fault_tolerance.py (a multi-node cluster), test_token_store.py (a
+# small object store), test_s3.py (its workers need the S3 variables) and test_tune.py (the dashboard); the unit
+# tests last.
+_RUNS_LATE = {"test_fault_tolerance.py": 1, "test_token_store.py": 2, "test_s3.py": 3, "test_tune.py": 4}
 
 
 @pytest.hookimpl(tryfirst=True)  # before `-m` deselects: the tier's markers must be on the items by then
@@ -73,7 +74,8 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.path.parent.name == "integration":
             item.add_marker(pytest.mark.integration)
-    items.sort(key=lambda item: _RUNS_LATE.get(item.path.name, 0) if item.path.parent.name == "integration" else 3)
+    items.sort(key=lambda item: _RUNS_LATE.get(item.path.name, 0) if item.path.parent.name == "integration"
+               else max(_RUNS_LATE.values()) + 1)
     # (a stable sort: otherwise pytest's order)
     try:
         import torch

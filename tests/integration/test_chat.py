@@ -178,6 +178,13 @@ def test_a_chat_run_learns_the_replies_resumes_exactly_exports_and_generates(str
 
 
 def test_lora_fine_tunes_a_chat_model_on_its_assistant_tokens(chat_corpus, tmp_path):
+    """model.lora (issues 58, 65) through Ray Train: 2 DDP workers train the adapters of a config-built Llama (the
+    same frozen base on both: the seed); each checkpoint holds only the adapters, every lora_B moved and the
+    validation loss fell from the frozen base's (`loss < 10` once held with adapters of no effect, lora_alpha 0);
+    the export loads as a plain transformers model and keeps the chat template. (The text task's LoRA is the same
+    code, tasks/causal_lm.py, that ChatLM inherits: one run covers both.)"""
+    from transformers import AutoModelForCausalLM
+
     from behemoth.driver.commands.export import export
     from behemoth.storage.checkpoint import complete_checkpoints
 
@@ -190,12 +197,15 @@ def test_lora_fine_tunes_a_chat_model_on_its_assistant_tokens(chat_corpus, tmp_p
     (step, latest), *_ = complete_checkpoints(tmp_path / "lora")
     kept = torch.load(f"{latest}/model.pt", weights_only=True)
     assert step == 8 and kept and all("lora_" in name for name in kept)
-    assert any(v.abs().sum() > 0 for name, v in kept.items() if "lora_B" in name)
+    adapters_b = [v for name, v in kept.items() if "lora_B" in name]
+    assert adapters_b and all(v.abs().sum() > 0 for v in adapters_b)
     initial = _initial_val_loss(cfg)  # the frozen base's (lora_B starts at zero)
     assert summary.metrics["val_loss"] < initial - 0.01, (initial, summary.metrics["val_loss"])
     out, _ = export(latest, str(tmp_path / "export"))
-    assert (out / "adapter" / "adapter_config.json").is_file() and (out / "chat_template.jinja").is_file() or \
+    assert (out / "adapter" / "adapter_config.json").is_file()
+    assert (out / "chat_template.jinja").is_file() or \
         "chat_template" in json.loads((out / "tokenizer_config.json").read_text())
+    AutoModelForCausalLM.from_pretrained(out)
 
 
 def _initial_val_loss(cfg) -> float:

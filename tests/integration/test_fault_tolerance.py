@@ -367,10 +367,10 @@ def test_r7_a_spot_notice_drains_the_node_and_the_run_loses_no_step(cluster, str
     ledger = tmp_path / f"ledger-{name}"
     monkeypatch.setenv("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "1")  # (an earlier module's local instance set 0)
     monkeypatch.setenv("RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S", "0.5")
-    # 0.3 s more per step up to step 70: the deadline lands before step 60's checkpoint (the steps after it need
-    # no pace: 24 s of the test's time)
+    # 0.3 s more per step from step 31 (the watcher starts at step 30) to step 70: the deadline lands before step
+    # 60's checkpoint (the steps before and after need no pace: 9 and 24 s of the test's time)
     env = ray_session.worker_env_vars
-    monkeypatch.setattr(ray_session, "worker_env_vars", lambda: {**env(), SLOW_WORLD_ENV: f"{name}:2:0.3:70"})
+    monkeypatch.setattr(ray_session, "worker_env_vars", lambda: {**env(), SLOW_WORLD_ENV: f"{name}:2:0.3:70:31"})
     cfg = config_from_dict(job(text_corpus, tmp_path, name, train={"log_every": 2},
                                checkpoint={"every_n_steps": 30, "keep": 10}, failure={"max_failures": 0}))
     metadata = FakeMetadata()
@@ -449,7 +449,7 @@ def test_r8_a_pod_evicted_with_sigterm_drains_its_node_and_the_run_loses_no_step
     from behemoth.driver.ray_cluster import session as ray_session
 
     env = ray_session.worker_env_vars  # (R7's pace: the drain's deadline lands before step 60's checkpoint)
-    monkeypatch.setattr(ray_session, "worker_env_vars", lambda: {**env(), SLOW_WORLD_ENV: f"{name}:2:0.3:70"})
+    monkeypatch.setattr(ray_session, "worker_env_vars", lambda: {**env(), SLOW_WORLD_ENV: f"{name}:2:0.3:70:31"})
     before = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
     c.remove_node(nodes.pop())  # (its place: the pod's node)
     pod = subprocess.Popen([sys.executable, "-m", "ray.scripts.scripts", "start", "--address", c.address, "--block",

@@ -335,12 +335,6 @@ def test_the_data_processes_the_driver_starts_are_the_ones_the_workers_tasks_run
         assert seen["map"][0] in warm and seen["map"][1], seen
 
 
-def train_run(cfg):
-    from behemoth.driver.run.trainer import train
-
-    return train(cfg)
-
-
 def _toy_job(tmp_path, name: str, **sections) -> dict:
     """The cheapest run: the toy task (linear regression, 512 rows), one worker, batches of 64 (8 steps an epoch)."""
     job = job_dict(tmp_path, tmp_path / "runs", name, scaling={"num_workers": 1},
@@ -349,36 +343,6 @@ def _toy_job(tmp_path, name: str, **sections) -> dict:
     for section, values in sections.items():
         job[section].update(values)
     return job
-
-
-def test_early_stopping_ends_a_run_at_its_patience_and_a_rerun_trains_nothing(tmp_path, capfd):
-    """train.early_stopping (issue 58) in a real run: val_mse cannot improve by more than min_delta 1e6, so
-    after the first evaluation (step 4) two more without improvement (steps 8, 12) stop the run at step 12 of
-    48, that step checkpointed with the decision; the rerun trains nothing and says why; one with early stopping
-    off trains on."""
-    from behemoth.driver.run.trainer import train
-    from behemoth.storage.checkpoint import complete_checkpoints, read_state
-
-    job = _toy_job(tmp_path, "early", train={"epochs": 6, "early_stopping": {"patience": 2, "min_delta": 1e6}},
-                   eval={"every_n_steps": 4})
-    summary = train(config_from_dict(job))
-    assert summary.metrics["step"] == 12, summary.metrics
-    (step, latest), *_ = complete_checkpoints(tmp_path / "runs" / "early")
-    state = read_state(latest)
-    assert step == 12 and state.stopped_early_at == 12 and state.evals_without_improvement == 2
-    assert "early stop at step 12: val_mse has not improved" in capfd.readouterr().out
-    again = train(config_from_dict(job))
-    assert again.resumed_from_step == 12 and again.metrics["step"] == 12
-    out = capfd.readouterr().out
-    assert "run stopped early at step 12: val_mse did not improve on " in out
-    assert "for 2 evaluations (train.early_stopping): nothing to train. To train on from here: --set " \
-           "train.early_stopping=null, or a train.early_stopping.patience above 2" in out
-    # issue 65: with early stopping off the rerun trains on to the run's end, and says so
-    job["train"]["early_stopping"] = None
-    on = train(config_from_dict(job))
-    assert on.resumed_from_step == 12 and on.metrics["step"] == 48, on.metrics
-    assert ("the run stopped early at step 12 (train.early_stopping); early stopping is off now: it trains on "
-            "from step 12") in capfd.readouterr().out
 
 
 def test_a_non_finite_step_stops_the_run_naming_it_or_is_skipped(tmp_path):
@@ -408,42 +372,53 @@ def test_a_non_finite_step_stops_the_run_naming_it_or_is_skipped(tmp_path):
     assert math.isfinite(summary.metrics["val_mse"])
 
 
-def test_a_run_with_a_weight_average_evaluates_and_keeps_it(tmp_path):
-    """train.ema_decay (issue 58) in a real run: the run's reported val_mse is its weight average's, the one its
-    checkpoint keeps as ema.pt and `behemoth eval` of that checkpoint computes again (eval and export read the
-    average, not model.pt, whose val_mse differs)."""
-    import torch
-
+def test_a_run_stopped_early_keeps_its_weight_average_and_its_reruns_say_what_they_ignore_and_apply(tmp_path, capfd):
+    """Three features on one run (three fits, not seven: each costs Ray Train's start-up).
+    train.early_stopping (issue 58): val_mse cannot improve by more than min_delta 1e6, so after the first
+    evaluation (step 4) two more without improvement (steps 8, 12) stop the run at step 12 of 48, that step
+    checkpointed with the decision. train.ema_decay (issue 58): the run's reported val_mse is its weight
+    average's, the one its checkpoint keeps as ema.pt and `behemoth eval` of that checkpoint computes again (eval
+    and export read the average, not model.pt). Issue 59 item 4: the same command with --set train.lr=... says
+    before anything starts that train.lr is ignored (and how to start a new run); the run trains nothing (it
+    stopped early, and says why) and exits 2. Issue 65: with early stopping off and an epoch added, the rerun
+    trains on to the new end and says which changed keys apply."""
     from behemoth.driver.run.evaluation import evaluate_checkpoint
-    from behemoth.storage.checkpoint import complete_checkpoints, read_manifest
+    from behemoth.driver.run.trainer import train
+    from behemoth.storage.checkpoint import read_manifest, read_state
 
-    job = _toy_job(tmp_path, "ema", train={"epochs": 1, "ema_decay": 0.8})
-    summary = train_run(config_from_dict(job))
-    (step, latest), *_ = complete_checkpoints(tmp_path / "runs" / "ema")
-    assert step == 8 and "ema.pt" in read_manifest((Path(latest) / "manifest.json").read_bytes(), latest)["files"]
+    job = _toy_job(tmp_path, "early", train={"epochs": 6, "ema_decay": 0.8,
+                                             "early_stopping": {"patience": 2, "min_delta": 1e6}},
+                   eval={"every_n_steps": 4})
+    summary = train(config_from_dict(job))
+    assert summary.metrics["step"] == 12, summary.metrics
+    (step, latest), *_ = complete_checkpoints(tmp_path / "runs" / "early")
+    state = read_state(latest)
+    assert step == 12 and state.stopped_early_at == 12 and state.evals_without_improvement == 2
+    assert "early stop at step 12: val_mse has not improved" in capfd.readouterr().out
+    assert "ema.pt" in read_manifest((Path(latest) / "manifest.json").read_bytes(), latest)["files"]
     metrics, _ = evaluate_checkpoint(config_from_dict(job), latest)
     assert metrics["val_mse"] == pytest.approx(summary.metrics["val_mse"], rel=1e-5)
     raw, average = (torch.load(Path(latest) / name, weights_only=True) for name in ("model.pt", "ema.pt"))
     assert not torch.equal(raw["weight"], average["weight"])  # (the two differ: the check above could fail)
 
-
-def test_a_rerun_of_a_complete_run_with_a_changed_lr_says_it_was_ignored_and_fails(tmp_path, capfd):
-    """Issue 59 item 4 end to end: the run completes; the same command with --set train.lr=... says before
-    anything starts that train.lr is ignored (and how to start a new run), trains nothing and exits 2; with
-    --set train.epochs=2 it trains the added epoch and exits 0."""
-    job = _toy_job(tmp_path, "rerun", train={"epochs": 1})
     path = tmp_path / "job.yaml"
     path.write_text(yaml.safe_dump(job))
-    assert main(["train", str(path)]) == 0
-    capfd.readouterr()
     assert main(["train", str(path), "--set", "train.lr=0.01"]) == 2
     out, err = capfd.readouterr()
-    assert ("rerun of run 'rerun' from step 8. ignored: train.lr 0.05 -> 0.01 (the optimizer's settings come back "
+    assert ("rerun of run 'early' from step 12. ignored: train.lr 0.05 -> 0.01 (the optimizer's settings come back "
             "with its state from the checkpoint). To start a new run with these settings instead") in out
-    assert "run 'rerun' was already complete at step 8: nothing was trained, and train.lr 0.05 -> 0.01" in err
-    assert main(["train", str(path), "--set", "train.epochs=2"]) == 0
-    assert "changed keys that apply from step 8: train.epochs 1 -> 2" in capfd.readouterr().out
-    assert max(step for step, _ in complete_checkpoints(tmp_path / "runs" / "rerun")) == 16
+    assert "run stopped early at step 12: val_mse did not improve on " in out
+    assert "for 2 evaluations (train.early_stopping): nothing to train. To train on from here: --set " \
+           "train.early_stopping=null, or a train.early_stopping.patience above 2" in out
+    assert "run 'early' was already complete at step 12: nothing was trained, and train.lr 0.05 -> 0.01" in err
+    assert max(step for step, _ in complete_checkpoints(tmp_path / "runs" / "early")) == 12
+
+    assert main(["train", str(path), "--set", "train.early_stopping=null", "--set", "train.epochs=7"]) == 0
+    out = capfd.readouterr().out
+    assert "changed keys that apply from step 12: " in out and "train.epochs 6 -> 7" in out, out
+    assert ("the run stopped early at step 12 (train.early_stopping); early stopping is off now: it trains on "
+            "from step 12") in out
+    assert max(step for step, _ in complete_checkpoints(tmp_path / "runs" / "early")) == 56
 
 
 def test_check_nodes_asks_every_node_for_the_jobs_local_paths(image_root, tmp_path, capsys):

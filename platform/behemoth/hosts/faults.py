@@ -15,10 +15,10 @@ untouched.
   (tests/integration/test_tracking.py: the goodput account's lost work against a kill at a known step).
 - BEHEMOTH_FAULT_RAISE_AT_STEP=RUN:STEP makes rank 0 raise a RuntimeError after STEP, every time (a sweep's
   trial that fails while the others go on: tests/integration/test_lanes.py).
-- BEHEMOTH_FAULT_SLOW_WORLD=RUN:WORLD:SECONDS[:UNTIL] makes every step (up to step UNTIL) trained by a worker
-  group of WORLD workers take SECONDS longer: the elastic test's shrunk group cannot finish the run before Ray
-  Train grows it back, however fast the machine trains (test_fault_tolerance.py, R6); the spot notice's deadline
-  lands between two checkpoints (R7).
+- BEHEMOTH_FAULT_SLOW_WORLD=RUN:WORLD:SECONDS[:UNTIL[:FROM]] makes every step (from step FROM up to step UNTIL)
+  trained by a worker group of WORLD workers take SECONDS longer: the elastic test's shrunk group cannot finish
+  the run before Ray Train grows it back, however fast the machine trains (test_fault_tolerance.py, R6); the spot
+  notice's deadline lands between two checkpoints (R7, R8).
 """
 
 from __future__ import annotations
@@ -89,5 +89,6 @@ def disk_full(step: int, path: Path) -> None:
 
 def slow_step(world: int, step: int) -> None:
     fields = _spec_for_this_run(SLOW_WORLD_ENV)
-    if fields is not None and int(fields[0]) == world and (len(fields) < 3 or step <= int(fields[2])):
+    if (fields is not None and int(fields[0]) == world and (len(fields) < 3 or step <= int(fields[2]))
+            and (len(fields) < 4 or step >= int(fields[3]))):
         time.sleep(float(fields[1]))
