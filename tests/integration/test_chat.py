@@ -178,11 +178,10 @@ def test_a_chat_run_learns_the_replies_resumes_exactly_exports_and_generates(str
 
 
 def test_lora_fine_tunes_a_chat_model_on_its_assistant_tokens(chat_corpus, tmp_path):
-    """model.lora (issues 58, 65) through Ray Train: 2 DDP workers train the adapters of a config-built Llama (the
-    same frozen base on both: the seed); each checkpoint holds only the adapters, every lora_B moved and the
-    validation loss fell from the frozen base's (`loss < 10` once held with adapters of no effect, lora_alpha 0);
-    the export loads as a plain transformers model and keeps the chat template. (The text task's LoRA is the same
-    code, tasks/causal_lm.py, that ChatLM inherits: one run covers both.)"""
+    """model.lora (issues 58, 65) through Ray Train, 2 DDP workers: each checkpoint holds only the adapters, every
+    lora_B moved, the validation loss fell from the frozen base's, and the export loads as a plain transformers
+    model and keeps the chat template. (The text task's LoRA is the same code, tasks/causal_lm.py, that ChatLM
+    inherits: one run covers both.)"""
     from transformers import AutoModelForCausalLM
 
     from behemoth.driver.commands.export import export

@@ -179,12 +179,18 @@ def _what_a_trial_could_leave(state: dict) -> tuple:
     clock: each Ray process's metrics exporter connects to its node's metrics agent (`MetricsAgentPort`, the
     dashboard agent's gRPC port) when Ray's export timer first fires, so it appeared between the second and third
     trial's starts in about one run of four ("tcp -> 36221", the agent's port in that run's dashboard_agent.log)."""
+    agents = _metrics_agents()
+    fds = [fd for fd in state["fds"] if fd not in agents]
+    return state["threads"], len(fds), state["torch_threads"]
+
+
+def _metrics_agents() -> set[str]:
+    """Each node's metrics agent as trial.process_state names a connection to it ("tcp -> PORT")."""
     import ray
 
     agents = {f"tcp -> {node['MetricsAgentPort']}" for node in ray.nodes() if node.get("MetricsAgentPort")}
     assert agents  # (Ray reports the port: without it the exclusion would silently exclude nothing)
-    fds = [fd for fd in state["fds"] if fd not in agents]
-    return state["threads"], len(fds), state["torch_threads"]
+    return agents
 
 
 def _nothing_left(before: dict, after: dict) -> bool:
@@ -195,11 +201,9 @@ def _nothing_left(before: dict, after: dict) -> bool:
     agent's connection exists, is let through."""
     from collections import Counter
 
-    import ray
-
     if _what_a_trial_could_leave(after) == _what_a_trial_could_leave(before):
         return True
-    agents = {f"tcp -> {node['MetricsAgentPort']}" for node in ray.nodes() if node.get("MetricsAgentPort")}
+    agents = _metrics_agents()
     was, now = Counter(before["fds"]), Counter(after["fds"])
     return (before["threads"] == after["threads"] and before["torch_threads"] == after["torch_threads"]
             and not any(fd in agents for fd in after["fds"]) and now - was == Counter({"socket": 1})

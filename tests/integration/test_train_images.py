@@ -379,7 +379,7 @@ def test_a_run_stopped_early_keeps_its_weight_average_and_its_reruns_say_what_th
     checkpointed with the decision. train.ema_decay (issue 58): the run's reported val_mse is its weight
     average's, the one its checkpoint keeps as ema.pt and `behemoth eval` of that checkpoint computes again (eval
     and export read the average, not model.pt). Issue 59 item 4: the same command with --set train.lr=... says
-    before anything starts that train.lr is ignored (and how to start a new run); the run trains nothing (it
+    that train.lr is ignored (and how to start a new run); the run trains nothing (it
     stopped early, and says why) and exits 2. Issue 65: with early stopping off and an epoch added, the rerun
     trains on to the new end and says which changed keys apply."""
     from behemoth.driver.run.evaluation import evaluate_checkpoint

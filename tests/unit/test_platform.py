@@ -212,6 +212,7 @@ def test_ray_trains_controller_side_imports_no_torch():
 import pickle, sys, tempfile
 import behemoth.tracking.callbacks, behemoth.hosts.lease_fence, behemoth.hosts.rescue_callback
 import behemoth.driver.ray_cluster.failure_policy, behemoth.driver.ray_cluster.placement_cleaner
+import behemoth.driver.sweep.trial  # (a sweep's trial through Ray Train: its EvalReportCallback)
 from behemoth.ray_internals.torch_backend import LazyTorchConfig
 from behemoth.tracking.tensorboard import ScalarWriter
 config = pickle.loads(pickle.dumps(LazyTorchConfig(backend="gloo")))

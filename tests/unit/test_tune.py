@@ -32,7 +32,7 @@ def write_sweep(tmp_path: Path, image_root: Path, **keys) -> Path:
 def test_the_dpo_sweep_config_checks_over_the_preference_demo():
     """jobs/configs/sweep_dpo.yaml: beta x lr, each trial one worker in a warm lane, metric the held-out preference
     accuracy (the task reports it with mode max). Its run: docs/preference.md."""
-    from behemoth.driver.sweep.lane import lane_reason
+    from behemoth.driver.sweep.config import lane_reason
 
     s = load_sweep(REPO / "jobs/configs/sweep_dpo.yaml")
     jobs = check_sweep(s)
@@ -226,7 +226,7 @@ def test_a_sweep_whose_every_trial_failed_ends_on_one_line_naming_its_results(tm
 def test_which_trials_train_in_a_warm_lane_and_why_the_others_do_not(image_root, tmp_path):
     """One worker: a lane. Several workers, an elastic range, FSDP, sharded checkpoints or torch.compile: Ray
     Train (each reason said); the sweep's line counts them."""
-    from behemoth.driver.sweep.lane import lane_reason
+    from behemoth.driver.sweep.config import lane_reason
     from behemoth.driver.sweep.tuner import _lanes_line
     from behemoth.job import config_from_dict
 

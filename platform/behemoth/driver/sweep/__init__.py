@@ -1,7 +1,8 @@
 """The sweep room (driver side): a job's keys swept with Ray Tune, each trial a behemoth training run.
 
   tuner.py    the sweep: its checks, Ray Tune's Tuner, resuming a killed sweep, the sweep's tracking
-  config.py   the sweep YAML's schema, the trials' job configs, the checks before Ray, one trial's resources
+  config.py   the sweep YAML's schema, the trials' job configs, the checks before Ray, which trials train in a
+              lane, one trial's resources
   trial.py    one trial in its Tune actor: in a warm lane (one worker) or through a TorchTrainer (several)
   lane.py     the warm lane: a one-worker trial trained in its Tune actor, reused from trial to trial
   reaper.py   frees the placement groups a stopped trial's Ray Train controller leaves behind

@@ -286,3 +286,26 @@ def check_sweep_file(path: str, overrides: list[str]) -> int:
     print(f"# sweep {sweep_cfg.name}: {len(jobs)} trial jobs checked ({', '.join(sweep_cfg.space)}); metric "
           f"{metric} ({mode}); scheduler {sweep_cfg.scheduler.kind}; folder {sweep_cfg.storage_path}")
     return 0
+
+
+# Which trials train in a warm lane (lane.py), decided from the job alone: here, not in lane.py, whose imports
+# (torch) the sweep's driver and a trial's Ray Train controller (it unpickles trial.EvalReportCallback) need not pay.
+def lane_reason(cfg: JobConfig) -> str | None:
+    """None where a trial of `cfg` trains in a warm lane; else why it goes through Ray Train."""
+    s = cfg.scaling
+    if s.elastic or s.num_workers != 1:
+        return f"{s.num_workers} workers (a lane trains one)"
+    if s.strategy != "ddp":
+        return f"scaling.strategy {s.strategy} (FSDP shards over a process group)"
+    if cfg.checkpoint.sharded(s.strategy):
+        return "sharded checkpoints (written through a process group)"
+    if cfg.train.compile:
+        return "train.compile (a compiled graph would stay in the lane's process)"
+    return None
+
+
+def lane_resources(cfg: JobConfig) -> dict:
+    """What a lane holds while its trial trains: the one worker's CPUs and GPU (the trial's process is it)."""
+    from behemoth.driver.run.trainer import worker_resources
+
+    return worker_resources(cfg)

@@ -50,27 +50,6 @@ from behemoth.hosts.lane import LaneHost
 _PREPARED: dict[str, object] = {}
 LANE_DATA_SHARE = 0.25
 _TRIALS_HERE = [0]  # trials this process has hosted (the trial's console line says which one it is)
-def lane_reason(cfg: JobConfig) -> str | None:
-    """None where a trial of `cfg` trains in a warm lane; else why it goes through Ray Train."""
-    s = cfg.scaling
-    if s.elastic or s.num_workers != 1:
-        return f"{s.num_workers} workers (a lane trains one)"
-    if s.strategy != "ddp":
-        return f"scaling.strategy {s.strategy} (FSDP shards over a process group)"
-    if cfg.checkpoint.sharded(s.strategy):
-        return "sharded checkpoints (written through a process group)"
-    if cfg.train.compile:
-        return "train.compile (a compiled graph would stay in the lane's process)"
-    return None
-
-
-def lane_resources(cfg: JobConfig) -> dict:
-    """What a lane holds while its trial trains: the one worker's CPUs and GPU (the trial's process is it)."""
-    from behemoth.driver.run.trainer import worker_resources
-
-    return worker_resources(cfg)
-
-
 def train_in_lane(cfg: JobConfig, forward=None, parent_mlflow_run: str | None = None, fence=None,
                   worker_env: dict | None = None):
     """Train (or resume) the one-worker run of `cfg` in this process, as trainer.train would through Ray Train;

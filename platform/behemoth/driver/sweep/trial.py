@@ -16,8 +16,7 @@ from ray.tune.integration.ray_train import TuneReportCallback
 from behemoth.storage import paths
 from behemoth.config import from_dict
 from behemoth.metrics import logged_reports
-from behemoth.driver.sweep.config import SweepConfig, metric_and_mode, trial_job
-from behemoth.driver.sweep.lane import lane_reason, lane_resources, train_in_lane
+from behemoth.driver.sweep.config import SweepConfig, lane_reason, lane_resources, metric_and_mode, trial_job
 
 TRIAL_DRIVER_MEMORY = 512 * 1024**2  # bytes: a trial's process (Ray, torch imported) holds ~0.4 GiB
 
@@ -37,6 +36,9 @@ def run_trial(params: dict, sweep: dict, base: dict, place: paths.RunPlace, mlfl
     from ray import tune
 
     from behemoth.driver.run.trainer import train
+    # (the lane, which imports torch, where it is used: a trial through Ray Train hands EvalReportCallback, of this
+    # module, to its controller, which imports no torch: ray_internals/torch_backend.py)
+    from behemoth.driver.sweep.lane import train_in_lane
 
     sweep_cfg = from_dict(SweepConfig, sweep, where="sweep")
     trial_id = tune.get_context().get_trial_id()
