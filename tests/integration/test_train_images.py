@@ -435,3 +435,54 @@ def test_check_nodes_asks_every_node_for_the_jobs_local_paths(image_root, tmp_pa
     path.write_text(yaml.safe_dump(job_dict(tmp_path / "nowhere", tmp_path / "runs")))
     assert main(["check-nodes", str(path)]) == 1
     assert capsys.readouterr().out.count(f"MISSING data.root {tmp_path / 'nowhere'}") == nodes
+
+
+def _second_block_waits(batch: dict, *, marker: str, timeout_s: float) -> dict:
+    """A decode task stand-in: the second block (x == 1) waits for `marker` (at most timeout_s), then says it ended."""
+    import time
+    from pathlib import Path
+
+    if batch["x"][0] == 1:
+        waited = time.monotonic() + timeout_s
+        while not Path(marker).exists() and time.monotonic() < waited:
+            time.sleep(0.05)
+        Path(marker + ".ended").touch()
+    return batch
+
+
+def test_an_epochs_first_batch_waits_for_its_first_block_alone(image_root, tmp_path, monkeypatch):
+    """The first window of a rank's epoch is read without Ray Data's block prefetch: with it, Ray Data yields a block
+    only once the next one is done too, so the epoch's first step waited for the first 512-image task as well as for
+    the one-batch block made to be waited for alone (~2 s of every epoch's start on 2 cores: BENCHMARKS.md). Later
+    windows keep the prefetch (it pulls another node's blocks ahead)."""
+    import pyarrow as pa
+    import ray.data
+    import numpy as np
+    from behemoth.data.image import image_batches
+
+    def read_first(prefetch: int, timeout_s: float) -> bool:
+        """Whether the second block's task had ended when the first batch came."""
+        marker = str(tmp_path / f"go{prefetch}")
+        ds = ray.data.from_blocks([pa.table({"x": [0] * 4}), pa.table({"x": [1] * 16})]).map_batches(
+            _second_block_waits, batch_format="numpy", batch_size=None,
+            fn_kwargs=dict(marker=marker, timeout_s=timeout_s))
+        it = image_batches.window_opener(ds, 4, prefetch, "cpu", False)()
+        first = next(it)
+        ended = Path(marker + ".ended").exists()
+        Path(marker).touch()
+        assert first["x"].tolist() == [0] * 4 and sum(len(b["x"]) for b in it) == 16
+        return ended
+
+    image_batches.ordered_data_context()
+    assert not read_first(0, timeout_s=120)  # not waited for: the task waits for the marker made after it
+    assert read_first(2, timeout_s=3)  # Ray Data's prefetch waited for it (if a Ray upgrade changes this, see above)
+
+    # rank_batches reads its first window with prefetch 0, the rest with data.prefetch_batches
+    asked = []
+    monkeypatch.setattr(image_batches, "window_opener", lambda ds, b, prefetch, *a: asked.append(prefetch))
+    cfg = config_from_dict(job_dict(image_root, tmp_path / "runs")).data
+    index = build_index(cfg)
+    indices = np.arange(30_000) % index.train.num_rows  # ~60 blocks of at most 512 rows: several windows
+    image_batches.rank_batches(index.train, indices, cfg, seed=0, epoch=0, train=True, batch_size=8,
+                               prefetch_batches=2)
+    assert len(asked) >= 2 and asked[0] == 0 and set(asked[1:]) == {2}, asked

@@ -161,6 +161,41 @@ def test_a_slow_opening_is_started_as_many_steps_ahead_as_it_takes(open_s, step_
     assert 2 * EPOCH_STEPS - lead <= at <= 2 * EPOCH_STEPS - lead + 1, (at, lead)
 
 
+def test_an_epoch_whose_pipeline_has_started_all_its_parts_has_the_next_one_opened_at_once():
+    """A pipeline that says when it has started its last part (`all_opened`, the image task's chain of decode windows):
+    the next epoch is opened at the first step after it says so, long before the step-count lead (the CPUs get the
+    next epoch's work as they would the next window's), and only one epoch ahead; the steps are unchanged."""
+    SAYS_AT = 2  # the pipeline has started all its parts when this many of its batches have been taken
+
+    class Said:
+        def __init__(self, batches):
+            self.batches, self.taken, self.all_opened = batches, 0, threading.Event()
+
+        def __iter__(self):
+            return self
+
+        def __next__(self):
+            batch = next(self.batches)
+            self.taken += 1
+            if self.taken == SAYS_AT:
+                self.all_opened.set()
+            return batch
+
+    class Windowed(Task):
+        def train_batches(self, indices, epoch, batch_size):
+            return Said(super().train_batches(indices, epoch, batch_size))
+
+    task = Windowed()
+    task.steps_done = 0
+    assert run(task, 3 * EPOCH_STEPS) == expected(3 * EPOCH_STEPS)
+    # batch 2 is taken for step 1 (2 micro-batches a step): the feed sees the event after step 1; the thread may
+    # start a step after the one that asked for it; epoch 2 waits for epoch 1 to be current (one epoch ahead)
+    assert [(e, at) for e, _, at in task.opened][0] == (0, 0)
+    assert [e for e, _, _ in task.opened] == [0, 1, 2]
+    opened_at = {e: at for e, _, at in task.opened}
+    assert 1 <= opened_at[1] <= 2 and EPOCH_STEPS + 1 <= opened_at[2] <= EPOCH_STEPS + 2, opened_at
+
+
 def test_batches_without_sample_ids_stop_the_feed_at_the_first_step_naming_the_task():
     from behemoth.errors import ConfigError
 

@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from behemoth.data.prefetch import chained, prefetched
+from behemoth.data.prefetch import Chain, prefetched
 
 
 class Source:
@@ -96,7 +96,8 @@ def test_an_epoch_left_early_by_the_feed_stops_its_thread():
 
 def test_chained_iterators_give_every_item_in_order_and_open_the_next_one_ahead():
     """A rank's windows (data/image/image_batches.py): the next iterator is opened, and its first item pulled, while the
-    current one is consumed; the items are those of the iterators one after another."""
+    current one is consumed; the items are those of the iterators one after another. `all_opened` is set when the
+    last one has been opened (what the next epoch's opening waits for, worker/feed.py), not before."""
     opened, events = [], threading.Event()
 
     def opener(i):
@@ -107,13 +108,18 @@ def test_chained_iterators_give_every_item_in_order_and_open_the_next_one_ahead(
             return iter(range(10 * i, 10 * i + 3))
         return open_
 
-    it = chained([opener(i) for i in range(3)])
+    it = Chain([opener(i) for i in range(3)])
     assert next(it) == 0
     assert events.wait(5)  # window 1 opened while window 0 is still being consumed
-    assert opened == [0, 1]
-    assert list(it) == [1, 2, 10, 11, 12, 20, 21, 22]
+    assert opened == [0, 1] and not it.all_opened.is_set()
+    assert [next(it) for _ in range(3)] == [1, 2, 10]
+    assert it.all_opened.wait(5)  # window 2 opened as window 1 is read: all three started
+    assert list(it) == [11, 12, 20, 21, 22]
     assert opened == [0, 1, 2]
-    assert list(chained([])) == []
+    empty = Chain([])
+    assert list(empty) == [] and empty.all_opened.is_set()
+    one = Chain([opener(5)])
+    assert next(one) == 50 and one.all_opened.is_set()
 
 
 def test_chained_raises_an_opening_error_where_its_first_item_was_due_and_closes_what_it_opened():
@@ -135,11 +141,11 @@ def test_chained_raises_an_opening_error_where_its_first_item_was_due_and_closes
     def broken():
         raise OSError("cannot open window 1")
 
-    it = chained([lambda: iter([1, 2]), broken])
+    it = Chain([lambda: iter([1, 2]), broken])
     assert [next(it), next(it)] == [1, 2]
     with pytest.raises(OSError, match="cannot open window 1"):
         next(it)
-    it = chained([lambda: iter([1, 2]), lambda: Closable([3, 4])])
+    it = Chain([lambda: iter([1, 2]), lambda: Closable([3, 4])])
     assert next(it) == 1
     it.close()  # left early: the window opened ahead is closed, not left running
     assert closed == [True]

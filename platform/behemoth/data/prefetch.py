@@ -62,18 +62,43 @@ def _put(ready: queue.Queue, item, stop: threading.Event) -> bool:
     return False
 
 
-def chained(openers: list[Callable[[], Iterator]]) -> Iterator:
+class Chain:
     """The items of `openers[0]()`, then of `openers[1]()`, ...: while one iterator is consumed, the next is
     opened and its first item pulled in a daemon thread (a Ray Dataset starts executing at its first item). An
-    error opening one is raised here, where its first item was due. Closing early closes the one opened ahead."""
-    ahead = OpenedAhead(openers[0]) if openers else None
-    try:
-        for i in range(len(openers)):
-            current, ahead = ahead.iterator(), OpenedAhead(openers[i + 1]) if i + 1 < len(openers) else None
-            yield from current
-    finally:
-        if ahead is not None:
-            ahead.close()
+    error opening one is raised here, where its first item was due. Closing early closes the one opened ahead.
+
+    `all_opened` is set once the last iterator has been opened: nothing of the chain is left to start, so
+    whatever comes after it (the next epoch's pipeline, worker/feed.py) can start now, as the chain's next
+    iterator would have."""
+
+    def __init__(self, openers: list[Callable[[], Iterator]]):
+        self.all_opened = threading.Event()
+        self._items = self._chained(openers)
+
+    def __iter__(self) -> Chain:
+        return self
+
+    def __next__(self):
+        return next(self._items)
+
+    def close(self) -> None:
+        self._items.close()
+
+    def _chained(self, openers: list[Callable[[], Iterator]]) -> Iterator:
+        ahead = self._open(openers, 0)
+        try:
+            for i in range(len(openers)):
+                current, ahead = ahead.iterator(), self._open(openers, i + 1)
+                yield from current
+        finally:
+            if ahead is not None:
+                ahead.close()
+
+    def _open(self, openers: list[Callable[[], Iterator]], i: int) -> OpenedAhead | None:
+        ahead = OpenedAhead(openers[i]) if i < len(openers) else None
+        if i >= len(openers) - 1:
+            self.all_opened.set()
+        return ahead
 
 
 class OpenedAhead:

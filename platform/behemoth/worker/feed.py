@@ -7,7 +7,9 @@ processes that run them), which the training steps would wait through at every e
 epoch's end, a background thread builds the next epoch's pipeline and pulls its first micro-batches: its
 start-up overlaps the last steps and the end-of-epoch evaluation. How far before: `LOOKAHEAD_STEPS`, or as many
 steps as twice the last measured opening takes at the current step rate where that is more (a data-bound run
-of 224-px JPEGs steps in ~0.1 s and opens an epoch in ~1-2 s), at most half an epoch. The run's first
+of 224-px JPEGs steps in ~0.1 s and opens an epoch in ~1-2 s), at most half an epoch; or as soon as the current
+epoch's pipeline has started its last part (a train_batches iterator with an `all_opened` event, such as the image
+task's chain of decode windows), whichever comes first. The run's first
 epoch is opened the same way right after the restore, so that rank 0's FLOP count overlaps its start-up. The
 order is unchanged: the next epoch's samples depend only on (seed, epoch, rank, world size), as they do when it
 is started at the boundary; a resume starts mid-epoch, as it would without the lookahead.
@@ -38,6 +40,7 @@ class EpochFeed:
         self._next: _Started | None = None
         self._open_s: float | None = None  # the last epoch opened in the background: seconds to its first step
         self._steps_timed: tuple[float, int] | None = None  # (time of this epoch's first step, steps since)
+        self._all_opened: dict[int, object] = {}  # epoch -> its pipeline's all_opened event, where it has one
 
     def start(self, state: TrainState) -> None:
         """Open the state's epoch (from its position) in the background: the set-up before the first step
@@ -56,7 +59,8 @@ class EpochFeed:
         self._time_step(state)
         left = self.epoch_steps - state.step_in_epoch
         next_epoch_starts_at = state.step + left
-        if self._next is None and 0 < left <= self._lead_steps() and next_epoch_starts_at < total_steps:
+        due = left <= self._lead_steps() or self._all_started(state.epoch)
+        if self._next is None and 0 < left and due and next_epoch_starts_at < total_steps:
             epoch = state.epoch + 1  # bound now: the state moves on while the thread starts
             self._next = _Started(epoch, 0, lambda: self._open(epoch, 0))
 
@@ -76,6 +80,16 @@ class EpochFeed:
         step_s = (time.monotonic() - began) / steps
         return max(LOOKAHEAD_STEPS, min(math.ceil(2 * self._open_s / step_s), self.epoch_steps // 2))
 
+    def _all_started(self, epoch: int) -> bool:
+        """Whether the epoch's pipeline has started all of its parts (the image task's windows of decode tasks,
+        data/prefetch.Chain): the next epoch's then start as its next window would have. Waiting for the last
+        steps instead leaves CPUs idle: Ray Data yields a block only once the next is done, so the last steps
+        arrive when every decode task of the epoch has ended."""
+        for old in [e for e in list(self._all_opened) if e < epoch]:  # (the opening thread adds to it)
+            del self._all_opened[old]
+        event = self._all_opened.get(epoch)
+        return event is not None and event.is_set()
+
     def _opened(self, seconds: float) -> None:
         self._open_s = seconds
 
@@ -83,6 +97,7 @@ class EpochFeed:
         indices = rank_train_indices(self.task.num_train_samples, self.cfg.train.global_batch_size,
                                      self.cfg.train.seed, epoch, self.rank, self.world, start_step=start_step)
         batches = self.task.train_batches(indices, epoch, self.micro_batch)
+        self._all_opened[epoch] = getattr(batches, "all_opened", None)
         return _grouped(checked_batches(batches, self.task, "train_batches"), self.accum)
 
 

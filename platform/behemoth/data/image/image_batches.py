@@ -316,16 +316,23 @@ def rank_batches(index_table: pa.Table, indices: np.ndarray, cfg: ImageData, *, 
                  world: int = 1):
     """Torch batches of index rows `indices`, in that order, decoded and augmented by Ray Data CPU tasks: one
     Ray Dataset per window of the rows (rank_windows), the next window's tasks running while this one's batches
-    are taken. On GPU, batches are pinned and copied to the device in Ray Data's prefetch threads."""
-    from behemoth.data.prefetch import chained
-
-    def opener(ds):
-        return lambda: iter(ds.iter_torch_batches(batch_size=batch_size, prefetch_batches=prefetch_batches,
-                                                  device=device, pin_memory=pin_memory))
+    are taken (a prefetch.Chain: its `all_opened` says when the last window has started). On GPU, batches are
+    pinned and copied to the device in Ray Data's iterator thread."""
+    from behemoth.data.prefetch import Chain
 
     windows = rank_windows(index_table, indices, cfg, seed=seed, epoch=epoch, train=train, batch_size=batch_size,
                            window_blocks=window_blocks(cfg, world))
-    return chained([opener(ds) for ds in windows])
+    # The first window is read without Ray Data's block prefetch, which holds each block back until the next
+    # one is done (it fetches ahead before it yields): the epoch's first step would wait for the first
+    # BLOCK_ROWS-image task as well as the one-batch block made to be waited for alone. Later windows, opened
+    # while the one before is read, keep it (it pulls another node's blocks ahead).
+    return Chain([window_opener(ds, batch_size, prefetch_batches if w else 0, device, pin_memory)
+                  for w, ds in enumerate(windows)])
+
+
+def window_opener(ds, batch_size: int, prefetch_batches: int, device, pin_memory: bool):
+    return lambda: iter(ds.iter_torch_batches(batch_size=batch_size, prefetch_batches=prefetch_batches,
+                                              device=device, pin_memory=pin_memory))
 
 
 def window_blocks(cfg: ImageData, world: int) -> int:
