@@ -65,15 +65,20 @@ def _put(ready: queue.Queue, item, stop: threading.Event) -> bool:
 class Chain:
     """The items of `openers[0]()`, then of `openers[1]()`, ...: while one iterator is consumed, the next is
     opened and its first item pulled in a daemon thread (a Ray Dataset starts executing at its first item). An
-    error opening one is raised here, where its first item was due. Closing early closes the one opened ahead.
+    error opening one is raised here, where its first item was due. Closing early (or dropping it) closes the one
+    opened ahead.
 
-    `all_opened` is set once the last iterator has been opened: nothing of the chain is left to start, so
-    whatever comes after it (the next epoch's pipeline, worker/feed.py) can start now, as the chain's next
-    iterator would have."""
+    `all_opened` is set once the chain has opened its last iterator (opened ahead, while the one before is read):
+    nothing of it is left to start, so whatever comes after it (the next epoch's pipeline, worker/feed.py) is
+    started then. At the chain's end that keeps the next part's work queued behind its own, as within it: a
+    short last part that is already done when it is read would leave the CPUs without work until the next
+    chain's first task starts."""
 
     def __init__(self, openers: list[Callable[[], Iterator]]):
         self.all_opened = threading.Event()
-        self._items = self._chained(openers)
+        # a generator of its own (not a method): it holds no reference to the Chain, so dropping the Chain frees
+        # it at once and its `finally` closes the iterator opened ahead without waiting for the cycle collector
+        self._items = _chained(openers, self.all_opened)
 
     def __iter__(self) -> Chain:
         return self
@@ -84,21 +89,23 @@ class Chain:
     def close(self) -> None:
         self._items.close()
 
-    def _chained(self, openers: list[Callable[[], Iterator]]) -> Iterator:
-        ahead = self._open(openers, 0)
-        try:
-            for i in range(len(openers)):
-                current, ahead = ahead.iterator(), self._open(openers, i + 1)
-                yield from current
-        finally:
-            if ahead is not None:
-                ahead.close()
 
-    def _open(self, openers: list[Callable[[], Iterator]], i: int) -> OpenedAhead | None:
-        ahead = OpenedAhead(openers[i]) if i < len(openers) else None
-        if i >= len(openers) - 1:
-            self.all_opened.set()
-        return ahead
+def _chained(openers: list[Callable[[], Iterator]], all_opened: threading.Event) -> Iterator:
+    ahead = _open(openers, 0, all_opened)
+    try:
+        for i in range(len(openers)):
+            current, ahead = ahead.iterator(), _open(openers, i + 1, all_opened)
+            yield from current
+    finally:
+        if ahead is not None:
+            ahead.close()
+
+
+def _open(openers: list[Callable[[], Iterator]], i: int, all_opened: threading.Event) -> OpenedAhead | None:
+    ahead = OpenedAhead(openers[i]) if i < len(openers) else None
+    if i >= len(openers) - 1:
+        all_opened.set()
+    return ahead
 
 
 class OpenedAhead:

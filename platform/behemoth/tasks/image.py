@@ -228,7 +228,7 @@ class ImageClassification(Task[ImageIndex, ImageIndex]):
             device = hosts.device()
             pin = self.cfg.scaling.use_gpu and device.type != "cpu"
             return _to_device(prefetched(_as_tensors(batches, pin), self.cfg.data.prefetch_batches), device)
-        # On GPU, batches are pinned and copied to the device in Ray Data's prefetch threads, overlapping
+        # On GPU, batches are pinned and copied to the device in Ray Data's iterator threads, overlapping
         # the copy with the step before.
         return rank_batches(table, indices, self.cfg.data, seed=self.cfg.train.seed, epoch=epoch, train=train,
                             batch_size=batch_size, prefetch_batches=self.cfg.data.prefetch_batches,

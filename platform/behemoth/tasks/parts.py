@@ -49,8 +49,8 @@ def checked_batches(batches: Iterable[Batch], task, where: str) -> Iterator[Batc
                else f"a {type(first).__name__}")
         raise ConfigError(f"task {type(task).__name__}'s {where} gave {got}: a batch is a dict of tensors by name "
                           f"holding \"sample_id\", a tensor of the indices of the samples it carries (behemoth.Batch)")
-    yield first
     try:
+        yield first
         yield from it
     finally:
         if hasattr(it, "close"):  # (an epoch left early closes its pipeline now, as the loop expects)

@@ -8,7 +8,7 @@ epoch's end, a background thread builds the next epoch's pipeline and pulls its 
 start-up overlaps the last steps and the end-of-epoch evaluation. How far before: `LOOKAHEAD_STEPS`, or as many
 steps as twice the last measured opening takes at the current step rate where that is more (a data-bound run
 of 224-px JPEGs steps in ~0.1 s and opens an epoch in ~1-2 s), at most half an epoch; or as soon as the current
-epoch's pipeline has started its last part (a train_batches iterator with an `all_opened` event, such as the image
+epoch's pipeline has opened its last part (a train_batches iterator with an `all_opened` event, such as the image
 task's chain of decode windows), whichever comes first. The run's first
 epoch is opened the same way right after the restore, so that rank 0's FLOP count overlaps its start-up. The
 order is unchanged: the next epoch's samples depend only on (seed, epoch, rank, world size), as they do when it
@@ -59,7 +59,7 @@ class EpochFeed:
         self._time_step(state)
         left = self.epoch_steps - state.step_in_epoch
         next_epoch_starts_at = state.step + left
-        due = left <= self._lead_steps() or self._all_started(state.epoch)
+        due = left <= self._lead_steps() or self._all_opened_in(state.epoch)
         if self._next is None and 0 < left and due and next_epoch_starts_at < total_steps:
             epoch = state.epoch + 1  # bound now: the state moves on while the thread starts
             self._next = _Started(epoch, 0, lambda: self._open(epoch, 0))
@@ -80,11 +80,11 @@ class EpochFeed:
         step_s = (time.monotonic() - began) / steps
         return max(LOOKAHEAD_STEPS, min(math.ceil(2 * self._open_s / step_s), self.epoch_steps // 2))
 
-    def _all_started(self, epoch: int) -> bool:
-        """Whether the epoch's pipeline has started all of its parts (the image task's windows of decode tasks,
-        data/prefetch.Chain): the next epoch's then start as its next window would have. Waiting for the last
-        steps instead leaves CPUs idle: Ray Data yields a block only once the next is done, so the last steps
-        arrive when every decode task of the epoch has ended."""
+    def _all_opened_in(self, epoch: int) -> bool:
+        """Whether the epoch's pipeline has opened all of its parts (the image task's chain of decode windows,
+        data/prefetch.Chain): the next epoch's tasks then queue behind its last ones, as a next window's would.
+        Waiting for the last steps instead leaves CPUs idle: Ray Data yields a block only once the next is done,
+        so the last steps arrive when every decode task of the epoch has ended."""
         for old in [e for e in list(self._all_opened) if e < epoch]:  # (the opening thread adds to it)
             del self._all_opened[old]
         event = self._all_opened.get(epoch)

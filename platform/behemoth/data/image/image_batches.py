@@ -316,18 +316,13 @@ def rank_batches(index_table: pa.Table, indices: np.ndarray, cfg: ImageData, *, 
                  world: int = 1):
     """Torch batches of index rows `indices`, in that order, decoded and augmented by Ray Data CPU tasks: one
     Ray Dataset per window of the rows (rank_windows), the next window's tasks running while this one's batches
-    are taken (a prefetch.Chain: its `all_opened` says when the last window has started). On GPU, batches are
-    pinned and copied to the device in Ray Data's iterator thread."""
+    are taken (a prefetch.Chain: its `all_opened` says when the last window has been opened). On GPU, batches
+    are pinned and copied to the device in Ray Data's iterator thread."""
     from behemoth.data.prefetch import Chain
 
     windows = rank_windows(index_table, indices, cfg, seed=seed, epoch=epoch, train=train, batch_size=batch_size,
                            window_blocks=window_blocks(cfg, world))
-    # The first window is read without Ray Data's block prefetch, which holds each block back until the next
-    # one is done (it fetches ahead before it yields): the epoch's first step would wait for the first
-    # BLOCK_ROWS-image task as well as the one-batch block made to be waited for alone. Later windows, opened
-    # while the one before is read, keep it (it pulls another node's blocks ahead).
-    return Chain([window_opener(ds, batch_size, prefetch_batches if w else 0, device, pin_memory)
-                  for w, ds in enumerate(windows)])
+    return Chain([window_opener(ds, batch_size, prefetch_batches, device, pin_memory) for ds in windows])
 
 
 def window_opener(ds, batch_size: int, prefetch_batches: int, device, pin_memory: bool):
@@ -353,8 +348,10 @@ def rank_windows(index_table: pa.Table, indices: np.ndarray, cfg: ImageData, *, 
     exact resume depends on. Ray Data's per-operator CPU reservation is off for them: it held a pipeline of
     one operator to about one running task on 2 CPUs (one decode task every 0.8 s at an epoch's start), and
     what bounds the memory is the window instead (per open epoch pipeline at most two windows of decoded
-    images: the one read and the one opened ahead). The first
-    block is one batch, so that the epoch's first step waits for as little as it can.
+    images: the one read and the one opened ahead). The first window is one block of one batch, so that the
+    epoch's first step waits for as little as it can: Ray Data's iterator (with prefetch_batches > 0) yields a
+    block only once the next block of its dataset is done, so in a window of its own that block is not held
+    back for a BLOCK_ROWS-image task (it was: ~2 s of each epoch's start on 2 cores, BENCHMARKS.md).
     """
     import ray.data
 
@@ -362,16 +359,17 @@ def rank_windows(index_table: pa.Table, indices: np.ndarray, cfg: ImageData, *, 
     rows = index_table.take(pa.array(indices, type=pa.int64()))
     first = max(batch_size, 1)
     block = first * max(4, -(-BLOCK_ROWS // first))
-    # block boundaries: one batch, then whole blocks; windows of WINDOW_BLOCKS blocks
+    # block boundaries: one batch, then whole blocks; that first block a window of its own, then windows of
+    # window_blocks blocks
     edges = [0, *range(first, rows.num_rows, block), rows.num_rows]
     blocks = [rows.slice(a, b - a) for a, b in zip(edges, edges[1:])] or [rows]
     windows = []
-    for w in range(0, len(blocks), window_blocks):
+    for a, b in [(0, 1), *((w, w + window_blocks) for w in range(1, len(blocks), window_blocks))]:
         # from_blocks, not from_arrow: from_arrow reads each block's metadata in a remote task that asks for a
         # whole CPU, which never runs while the training workers hold all but a fraction of every node's CPUs
         # (a sweep's fractional-CPU trials), so the pipeline would hang. from_blocks computes it here, and
         # keeps the blocks as given.
-        ds = ray.data.from_blocks(blocks[w:w + window_blocks]).map_batches(
+        ds = ray.data.from_blocks(blocks[a:b]).map_batches(
             transform_batch, batch_format="numpy", batch_size=None, num_cpus=cfg.cpus_per_task,
             fn_kwargs=dict(cfg=cfg, seed=seed, epoch=epoch, train=train))
         ds.context.op_resource_reservation_enabled = False  # the dataset's own copy of the context

@@ -29,15 +29,15 @@ def ensure_ray(num_cpus: int | None = None) -> None:
     import ray
 
     from behemoth.driver.ray_cluster import output_filter as ray_console
+    if os.environ.get("RAY_ADDRESS") and num_cpus is not None:  # (refused whether or not this process is connected)
+        from behemoth.errors import ConfigError
+
+        raise ConfigError(f"--cpus {num_cpus} sizes a local Ray instance; RAY_ADDRESS names a running cluster, "
+                          f"whose CPUs are its own: unset one of them")
     if ray.is_initialized():
         ray_console.install()
         return
     if os.environ.get("RAY_ADDRESS"):
-        if num_cpus is not None:
-            from behemoth.errors import ConfigError
-
-            raise ConfigError(f"--cpus {num_cpus} sizes a local Ray instance; RAY_ADDRESS names a running cluster, "
-                              f"whose CPUs are its own: unset one of them")
         options = {"runtime_env": {"py_modules": [package_folder()]}}
     else:
         # behemoth's worker variables for the whole job, not only Ray Train's workers: see warm_up_data_processes
