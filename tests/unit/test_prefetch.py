@@ -94,6 +94,25 @@ def test_an_epoch_left_early_by_the_feed_stops_its_thread():
     assert inner.gi_frame is None  # closed
 
 
+def closable(closed: list):
+    """An iterator class whose close() is recorded in `closed` (a window's Ray Data iterator)."""
+
+    class Closable:
+        def __init__(self, items):
+            self.items = iter(items)
+
+        def __iter__(self):
+            return self
+
+        def __next__(self):
+            return next(self.items)
+
+        def close(self):
+            closed.append(True)
+
+    return Closable
+
+
 def test_chained_iterators_give_every_item_in_order_and_open_the_next_one_ahead():
     """A rank's windows (data/image/image_batches.py): the next iterator is opened, and its first item pulled, while the
     current one is consumed; the items are those of the iterators one after another. `all_opened` is set when the
@@ -129,19 +148,7 @@ def test_a_chain_dropped_early_closes_the_iterator_it_opened_ahead_at_once():
     import gc
 
     closed = []
-
-    class Closable:
-        def __init__(self, items):
-            self.items = iter(items)
-
-        def __iter__(self):
-            return self
-
-        def __next__(self):
-            return next(self.items)
-
-        def close(self):
-            closed.append(True)
+    Closable = closable(closed)
 
     gc.disable()
     try:
@@ -155,19 +162,7 @@ def test_a_chain_dropped_early_closes_the_iterator_it_opened_ahead_at_once():
 
 def test_chained_raises_an_opening_error_where_its_first_item_was_due_and_closes_what_it_opened():
     closed = []
-
-    class Closable:
-        def __init__(self, items):
-            self.items = iter(items)
-
-        def __iter__(self):
-            return self
-
-        def __next__(self):
-            return next(self.items)
-
-        def close(self):
-            closed.append(True)
+    Closable = closable(closed)
 
     def broken():
         raise OSError("cannot open window 1")
