@@ -199,3 +199,29 @@ def test_a_batch_without_sample_ids_is_one_error_naming_the_task_and_the_member_
                       ([{"sample_id": [0, 1]}], "a dict with keys ['sample_id']")):
         with pytest.raises(ConfigError, match=f"task UntypedRegression's train_batches gave {said[:12]}"):
             list(checked_batches(iter(bad), task, "train_batches"))
+
+
+def test_checked_batches_closed_at_its_first_batch_closes_the_pipeline_under_it():
+    """An epoch left after its first batch (a run stopped at its first step, an epoch opened ahead and never trained):
+    closing the checked batches closes the task's pipeline then (the image task's chain of Ray Datasets)."""
+    from behemoth.tasks.parts import checked_batches
+
+    closed = []
+
+    class Pipeline:
+        def __init__(self):
+            self.batches = iter([{"sample_id": torch.arange(2)}] * 3)
+
+        def __iter__(self):
+            return self
+
+        def __next__(self):
+            return next(self.batches)
+
+        def close(self):
+            closed.append(True)
+
+    checked = checked_batches(Pipeline(), UntypedRegression.__new__(UntypedRegression), "train_batches")
+    next(checked)
+    checked.close()
+    assert closed == [True]

@@ -317,7 +317,7 @@ def rank_batches(index_table: pa.Table, indices: np.ndarray, cfg: ImageData, *, 
     """Torch batches of index rows `indices`, in that order, decoded and augmented by Ray Data CPU tasks: one
     Ray Dataset per window of the rows (rank_windows), the next window's tasks running while this one's batches
     are taken (a prefetch.Chain: its `all_opened` says when the last window has been opened). On GPU, batches
-    are pinned and copied to the device in Ray Data's iterator thread."""
+    are pinned and copied to the device in Ray Data's iterator threads."""
     from behemoth.data.prefetch import Chain
 
     windows = rank_windows(index_table, indices, cfg, seed=seed, epoch=epoch, train=train, batch_size=batch_size,
@@ -364,12 +364,12 @@ def rank_windows(index_table: pa.Table, indices: np.ndarray, cfg: ImageData, *, 
     edges = [0, *range(first, rows.num_rows, block), rows.num_rows]
     blocks = [rows.slice(a, b - a) for a, b in zip(edges, edges[1:])] or [rows]
     windows = []
-    for a, b in [(0, 1), *((w, w + window_blocks) for w in range(1, len(blocks), window_blocks))]:
+    for part in [blocks[:1], *(blocks[w:w + window_blocks] for w in range(1, len(blocks), window_blocks))]:
         # from_blocks, not from_arrow: from_arrow reads each block's metadata in a remote task that asks for a
         # whole CPU, which never runs while the training workers hold all but a fraction of every node's CPUs
         # (a sweep's fractional-CPU trials), so the pipeline would hang. from_blocks computes it here, and
         # keeps the blocks as given.
-        ds = ray.data.from_blocks(blocks[a:b]).map_batches(
+        ds = ray.data.from_blocks(part).map_batches(
             transform_batch, batch_format="numpy", batch_size=None, num_cpus=cfg.cpus_per_task,
             fn_kwargs=dict(cfg=cfg, seed=seed, epoch=epoch, train=train))
         ds.context.op_resource_reservation_enabled = False  # the dataset's own copy of the context

@@ -37,8 +37,7 @@ from behemoth.errors import ConfigError
 from behemoth.driver.ray_cluster import session as ray_session
 from behemoth.driver.ray_cluster import warmup
 from behemoth.driver.sweep.config import (SweepConfig, asha_max_t, base_job, check_sweep, concurrency_bound,
-                                          load_sweep, metric_and_mode, optuna_searcher)
-from behemoth.driver.sweep.config import lane_reason
+                                          lane_reason, load_sweep, metric_and_mode, optuna_searcher)
 from behemoth.driver.sweep.reaper import OrphanedPlacementGroupReaper, check_state_api
 from behemoth.driver.sweep.results import SweepResult, write_results
 from behemoth.driver.sweep.trial import TrialOutcomeLines, run_trial, trial_process_resources
