@@ -268,6 +268,12 @@ def main() -> int:
     args = p.parse_args()
     import torch
 
+    if args.dry_run:
+        # torch.compile's calls made, its compilation not: on a GPU it generates Triton kernels, which a CPU cannot
+        # rehearse, and its CPU code generation (~45 s of the dry run's ~175 s on 2 cores) is tested where it
+        # matters here (tests/unit/test_blocks.py, tests/integration/test_speed_switches.py). The steps' processes
+        # and the Ray instances they start inherit it.
+        os.environ["TORCH_COMPILE_DISABLE"] = "1"
     root = socket_root()
     storage = os.path.join(root, "s")
     chosen = steps(storage, args.part, dry_run=args.dry_run)
