@@ -82,10 +82,10 @@ class _LazyTorchBackend(Backend):
     share_cuda_visible_devices: bool = True
 
     def on_start(self, worker_group, backend_config: LazyTorchConfig):
-        backend = backend_config.backend
+        backend, resources = backend_config.backend, worker_group.get_resources_per_worker()
         if backend is None:
-            backend = "nccl" if worker_group.get_resources_per_worker().get("GPU", 0) > 0 else "gloo"
-        if backend == "tpu_dist" or worker_group.get_resources_per_worker().get("TPU", 0) > 0:
+            backend = "nccl" if resources.get("GPU", 0) > 0 else "gloo"
+        if backend == "tpu_dist" or resources.get("TPU", 0) > 0:
             raise ValueError("behemoth's torch backend sets up no TPU process group (Ray's TorchConfig does)")
         addr, port = worker_group.execute_single(0, get_address_and_port)
         if backend_config.init_method == "env":
