@@ -370,7 +370,7 @@ def figures(side: str, rows: list[dict], events: list[dict], steps: int, step_s:
         per_event.append({"kind": event["kind"], "redone": sum(r["step"] <= reached for r in restarted),
                           "replaced_s": round(event["replaced"] - at, 1) if "replaced" in event else None,
                           "to_next_new_step_s": round(new["time"] - at, 1) if new else None, "phases": phases})
-    redone = len(rows) - len({r["step"] for r in rows})
+    redone = steps_redone(rows)
     paid = paid_node_s(events, times[0], times[-1])
     lost = time_lost(rows)
     out = {"side": side, "wall_s": round(wall, 1), "steps": steps, "steps_redone": redone,
@@ -391,8 +391,12 @@ def time_lost(rows: list[dict]) -> float:
     stepping = sum(g for g, _ in gaps)
     alone = sum(g for g, world in gaps if world < WORKER_NODES)
     full = [g for g, world in gaps if world >= WORKER_NODES] or [0.0]
-    redone = len(rows) - len({r["step"] for r in rows})
-    return wall - stepping + redone * statistics.median(full) + alone / 2
+    return wall - stepping + steps_redone(rows) * statistics.median(full) + alone / 2
+
+
+def steps_redone(rows: list[dict]) -> int:
+    """Steps the ledger holds more than once (each retraining of a step after a restart counts)."""
+    return len(rows) - len({r["step"] for r in rows})
 
 
 def paid_node_s(events: list[dict], start: float, end: float) -> float:
