@@ -257,6 +257,25 @@ def in_thread(fn) -> tuple[threading.Thread, dict]:
     return t, out
 
 
+def closable(closed: list):
+    """An iterator class whose close() is recorded in `closed` (a Ray Data iterator, a task's pipeline)."""
+
+    class Closable:
+        def __init__(self, items):
+            self.items = iter(items)
+
+        def __iter__(self):
+            return self
+
+        def __next__(self):
+            return next(self.items)
+
+        def close(self):
+            closed.append(True)
+
+    return Closable
+
+
 def train_worker_pids() -> list[int]:
     """Ray Train's worker processes (`ray::RayTrainWorker...`) of the Ray instances this test process started:
     its descendants only (a local instance's raylet and a test cluster's nodes are children of this process),

@@ -7,6 +7,7 @@ import time
 import pytest
 
 from behemoth.data.prefetch import Chain, prefetched
+from conftest import closable
 
 
 class Source:
@@ -92,25 +93,6 @@ def test_an_epoch_left_early_by_the_feed_stops_its_thread():
     steps.close()
     assert not [t for t in threading.enumerate() if t not in before and t.name == "behemoth-prefetch"]
     assert inner.gi_frame is None  # closed
-
-
-def closable(closed: list):
-    """An iterator class whose close() is recorded in `closed` (a window's Ray Data iterator)."""
-
-    class Closable:
-        def __init__(self, items):
-            self.items = iter(items)
-
-        def __iter__(self):
-            return self
-
-        def __next__(self):
-            return next(self.items)
-
-        def close(self):
-            closed.append(True)
-
-    return Closable
 
 
 def test_chained_iterators_give_every_item_in_order_and_open_the_next_one_ahead():

@@ -13,7 +13,7 @@ import torch
 
 from behemoth.tasks import Task, make_task, task_of
 from behemoth.tasks.registry import task_class
-from conftest import job_dict
+from conftest import closable, job_dict
 
 
 class UntypedRegression(Task):
@@ -207,21 +207,8 @@ def test_checked_batches_closed_at_its_first_batch_closes_the_pipeline_under_it(
     from behemoth.tasks.parts import checked_batches
 
     closed = []
-
-    class Pipeline:
-        def __init__(self):
-            self.batches = iter([{"sample_id": torch.arange(2)}] * 3)
-
-        def __iter__(self):
-            return self
-
-        def __next__(self):
-            return next(self.batches)
-
-        def close(self):
-            closed.append(True)
-
-    checked = checked_batches(Pipeline(), UntypedRegression.__new__(UntypedRegression), "train_batches")
+    pipeline = closable(closed)([{"sample_id": torch.arange(2)}] * 3)
+    checked = checked_batches(pipeline, UntypedRegression.__new__(UntypedRegression), "train_batches")
     next(checked)
     checked.close()
     assert closed == [True]
