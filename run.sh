@@ -6,7 +6,7 @@
 #   ./run.sh demo-dpo  preference tuning (DPO) of the chat demo's model on generated answer pairs (runs the chat
 #                   demo first where runs/demo_chat is missing)
 #   ./run.sh test   set up, run the quick tier: every unit test and one end-to-end check per capability
-#                   (arguments go to pytest: paths narrow it, e.g. tests/unit)
+#                   (arguments go to pytest: paths narrow it, e.g. tests/unit; see tier() below)
 #   ./run.sh test-full  the full tier (CI: .ci/run): every test, with a Ray instance of its own started beside
 #                   the suite that must still be alive at its end
 #   ./run.sh test-gpu   the GPU tier (one GPU): the real-shape benches first, then the GPU-marked tests, the
@@ -49,6 +49,25 @@ exec_python() {
   BEHEMOTH_EXEC_TIME=$(date +%s.%N) exec "$@"
 }
 
+# A tier's tests. With no test named (options only), the unit tests first, in as many processes as there are
+# cores, up to 4 (they start no Ray instance; each one's own processes and threads are few), then the end-to-end
+# tests in one process, each of them needing the cores for its Ray instance; the exit status is the worse of the
+# two. With a test named (a path, -k EXPR, ...): one process, as named. $1: the tier's -m expression ("": all).
+tier() {
+  local select=() unit_args=() arg cores unit=0 end_to_end=0
+  [ -z "$1" ] || select=(-m "$1")
+  shift
+  for arg in "$@"; do
+    [[ $arg == -* ]] || exec_python "$VENV/bin/python" -m pytest "${select[@]}" "$@"  # pyproject testpaths = tests
+    [ "$arg" = --bystander-ray ] || unit_args+=("$arg")  # the Ray instance beside the suite: the end-to-end part's
+  done
+  cores=$(nproc)
+  [ "$cores" -lt 2 ] || unit_args+=(-n "$(( cores < 4 ? cores : 4 ))" --dist loadfile)
+  "$VENV/bin/python" -m pytest "${select[@]}" "${unit_args[@]}" tests/unit || unit=$?
+  "$VENV/bin/python" -m pytest "${select[@]}" "$@" tests/integration || end_to_end=$?
+  return $(( unit > end_to_end ? unit : end_to_end ))
+}
+
 cmd=${1:-}
 shift || true
 case "$cmd" in
@@ -81,11 +100,11 @@ case "$cmd" in
   test)
     setup
     # the quick tier: an end-to-end test (tests/integration) runs here only when it is marked quick
-    exec_python "$VENV/bin/python" -m pytest -m "quick or not integration" "$@"  # pyproject testpaths = tests
+    tier "quick or not integration" "$@"
     ;;
   test-full)
     setup
-    exec_python "$VENV/bin/python" -m pytest --bystander-ray "$@"
+    tier "" --bystander-ray "$@"
     ;;
   test-gpu)
     setup

@@ -56,6 +56,12 @@ def pytest_configure(config):
     os.environ["RAY_AUTH_TOKEN_PATH"] = str(token)
     os.environ.pop("RAY_ADDRESS", None)  # never a cluster of the user's
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+    # transformers' log handler writes to the sys.stderr of the moment it is made: made inside a test that captures
+    # output (where transformers is first imported), it wrote to that test's closed stream ever after, and a later
+    # test's stderr got "--- Logging error ---" (seen once the unit tests ran in two processes, in another order)
+    from transformers.utils import logging as transformers_logging
+
+    transformers_logging.get_logger()
     if config.getoption("--bystander-ray"):
         from bystander import Bystander
 

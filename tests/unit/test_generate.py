@@ -4,6 +4,7 @@ template's end-of-turn token; `behemoth generate` gives transformers' own ids fr
 export, greedy and seeded sampling alike; its errors are one line."""
 
 import json
+import logging
 import shutil
 
 import pytest
@@ -205,9 +206,11 @@ def test_the_stop_ids_hold_the_end_of_turn_token_the_template_writes_where_the_v
     assert generation_config(tok, render_text).pad_token_id == tok.eos_token_id
 
 
-def test_a_prompt_longer_than_the_models_positions_is_refused_and_a_completion_stops_at_them(chat_model, capsys):
-    """The model has 32 positions: a prompt that fills them is refused before any generation, naming it and its
-    length; a completion stops at the last position, whatever --max-new-tokens says (it ran on past them before,
+def test_a_prompt_longer_than_the_models_positions_is_refused_and_a_completion_stops_at_them(chat_model, capsys,
+                                                                                              caplog):
+    """The model has 32 positions: a prompt that fills them is refused before any generation, in one line naming
+    it and its length (transformers' own "Token indices sequence length" warning not before it: caplog sees every
+    record, wherever transformers' handler writes); a completion stops at the last position, whatever --max-new-tokens says (it ran on past them before,
     through positions the model never learnt)."""
     from behemoth.driver.commands.generate import Sampling, load_generator
 
@@ -216,6 +219,7 @@ def test_a_prompt_longer_than_the_models_positions_is_refused_and_a_completion_s
     assert main(["generate", str(out), "--prompt", long]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "prompt 1 is " in err and "the model has 32 positions" in err, err
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
     generator = load_generator(str(out))
     ids = generator.encode("once upon a time the", chat=False)
     new = generator.complete(ids, Sampling(max_new_tokens=100, temperature=1.0, seed=1))

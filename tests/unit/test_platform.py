@@ -409,31 +409,49 @@ def test_the_report_check_sees_every_spelling():
         assert not any(_reports_to_ray_train(n) for n in ast.walk(ast.parse(source))), source
 
 
-def test_the_quick_tier_runs_every_unit_test_and_only_the_end_to_end_tests_marked_quick():
-    """`./run.sh test`'s selection (-m "quick or not integration"): of tests/integration/ it takes exactly the
-    tests marked quick (conftest marks every test there integration, whatever its module says: a new end-to-end
-    test lands in the full tier), and of tests/unit/ every test; the capabilities the quick tier checks end to
-    end (each quick test's marker comment names its own) are all there."""
-    import re
+_MARKS_PLUGIN = """
+import json, os
+
+def pytest_collection_finish(session):
+    with open(os.environ["MARKS_OUT"], "w") as out:
+        json.dump({item.nodeid: sorted(m.name for m in item.iter_markers()) for item in session.items}, out)
+"""
+
+
+def test_the_quick_tier_runs_every_unit_test_and_only_the_end_to_end_tests_marked_quick(tmp_path):
+    """`./run.sh test` (options only: its two parts, the unit tests in several processes, then the end-to-end
+    ones), run here with --collect-only in a stand-in virtual environment: of tests/integration/ it takes exactly
+    the tests marked quick (conftest marks every test there integration, whatever its module says: a new
+    end-to-end test lands in the full tier), of tests/unit/ every test, and every test of the suite is in one of
+    the two; the capabilities the quick tier checks end to end (each quick test's marker comment names its own)
+    are all there."""
+    import json
+    import os
     import subprocess
     import sys
 
-    def collecting(*args: str) -> subprocess.Popen:
-        return subprocess.Popen([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
-                                 *args], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-
-    def collected(run: subprocess.Popen) -> set[str]:
-        out, _ = run.communicate(timeout=300)
-        return {line for line in out.splitlines() if "::" in line}
-
-    tier = '"quick or not integration"'
-    # the three collections at once (each imports every test module: ~8 s apiece on 2 cores, one after another)
-    runs = [collecting("-m", tier.strip('"'), "tests/integration", "tests/unit"),
-            collecting("-m", "quick", "tests/integration"), collecting("tests/unit")]
-    quick, marked, unit = map(collected, runs)
-    assert marked and {t for t in quick if t.startswith("tests/integration/")} == marked
-    assert {t for t in quick if t.startswith("tests/unit/")} == unit
-    assert tier in (REPO / "run.sh").read_text()
+    venv = tmp_path / "venv" / "bin"
+    venv.mkdir(parents=True)
+    (venv / "python").write_text(f'#!/bin/sh\nexec {sys.executable} "$@"\n')
+    (venv / "pip").write_text("#!/bin/sh\nexit 0\n")  # (the stamp differs: run.sh "installs" with it)
+    for tool in ("python", "pip"):
+        (venv / tool).chmod(0o755)
+    (tmp_path / "marks_plugin.py").write_text(_MARKS_PLUGIN)
+    env = {**os.environ, "BEHEMOTH_VENV": str(venv.parent), "MARKS_OUT": str(tmp_path / "marks.json"),
+           "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+    # every test with its markers (one collection of the whole suite), beside run.sh's two (~8 s apiece, 2 cores)
+    every = subprocess.Popen([sys.executable, "-m", "pytest", "--collect-only", "-q", "-pno:cacheprovider",
+                              "-pmarks_plugin"], cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    tier = subprocess.run([str(REPO / "run.sh"), "test", "--collect-only", "-q", "-pno:cacheprovider"], cwd=REPO,
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert every.wait(timeout=300) == 0 and tier.returncode == 0, tier.stdout[-3000:] + tier.stderr[-3000:]
+    quick = [line for line in tier.stdout.splitlines() if "::" in line]
+    marks = json.loads((tmp_path / "marks.json").read_text())
+    unit = {t for t in marks if t.startswith("tests/unit/")}
+    marked = {t for t in marks if t.startswith("tests/integration/") and "quick" in marks[t]}
+    assert marked and set(marks) == unit | {t for t in marks if t.startswith("tests/integration/")}
+    assert len(quick) == len(set(quick)) and set(quick) == unit | marked
+    assert [t.split("/")[1] for t in quick] == ["unit"] * len(unit) + ["integration"] * len(marked)  # in turn
     said = " ".join(re.findall(r"@pytest\.mark\.quick  # quick tier: (.*)",
                                "".join((REPO / t.split("::")[0]).read_text() for t in sorted(marked))))
     # the README's list of what the quick tier checks end to end: each one is a quick test's own

@@ -113,9 +113,11 @@ class Generator:
             messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
             text = self._rendered(messages, which)
             self._check_length(text, which)
-            return tok(text, add_special_tokens=False)["input_ids"]  # (the template writes any BOS itself)
+            # (the template writes any BOS itself; verbose=False: a prompt past the model's positions is refused
+            # by `run` in one line, without transformers' "Token indices sequence length" warning before it)
+            return tok(text, add_special_tokens=False, verbose=False)["input_ids"]
         self._check_length(prompt, which)
-        return tok(prompt)["input_ids"]
+        return tok(prompt, verbose=False)["input_ids"]
 
     def _rendered(self, messages: list, which: str) -> str:
         from behemoth.data.chat.chat import render_prompt
