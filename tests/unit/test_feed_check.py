@@ -64,6 +64,26 @@ def test_cpus_sizes_only_a_local_instance(monkeypatch):
         ensure_ray(num_cpus=4)
 
 
+def test_cpus_against_an_instance_this_process_holds_must_be_its_size(monkeypatch):
+    """A Python caller already connected (ray.init before the bench): --cpus other than the instance's CPUs is
+    refused in one line (it was ignored: the figure said N CPUs and ran on the instance's); its own size goes on."""
+    import pytest
+    import ray
+
+    from behemoth.driver.ray_cluster import output_filter, session
+    from behemoth.errors import ConfigError
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setattr(ray, "is_initialized", lambda: True)
+    monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 2.0})
+    monkeypatch.setattr(output_filter, "install", lambda: None)
+    with pytest.raises(ConfigError, match="--cpus 4 sizes a local Ray instance, but this process is connected to "
+                                          "one with 2 CPUs already"):
+        session.ensure_ray(num_cpus=4)
+    session.ensure_ray(num_cpus=2)
+    session.ensure_ray()
+
+
 def test_a_job_on_a_running_cluster_carries_the_whole_package(monkeypatch):
     """Against RAY_ADDRESS the job's `py_modules` is behemoth's package folder, the one a node without behemoth
     installed imports it from (tests/integration/test_job_submit.py runs such a cluster). It was once derived from
