@@ -282,6 +282,20 @@ def closable(closed: list):
     return Closable
 
 
+def stand_in_venv(root: Path, pip: str = "exit 0") -> Path:
+    """A virtual environment for run.sh (BEHEMOTH_VENV) whose python runs this one and whose pip runs `pip` (a
+    shell line): run.sh's install step, without an install."""
+    import sys
+
+    venv = root / "venv"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "python").write_text(f'#!/bin/sh\nexec {sys.executable} "$@"\n')
+    (venv / "bin" / "pip").write_text(f"#!/bin/sh\n{pip}\n")
+    for tool in ("python", "pip"):
+        (venv / "bin" / tool).chmod(0o755)
+    return venv
+
+
 def train_worker_pids() -> list[int]:
     """Ray Train's worker processes (`ray::RayTrainWorker...`) of the Ray instances this test process started:
     its descendants only (a local instance's raylet and a test cluster's nodes are children of this process),

@@ -210,8 +210,8 @@ def test_a_prompt_longer_than_the_models_positions_is_refused_and_a_completion_s
                                                                                               caplog):
     """The model has 32 positions: a prompt that fills them is refused before any generation, in one line naming
     it and its length (transformers' own "Token indices sequence length" warning not before it: caplog sees every
-    record, wherever transformers' handler writes); a completion stops at the last position, whatever --max-new-tokens says (it ran on past them before,
-    through positions the model never learnt)."""
+    record, wherever transformers' handler writes); a completion stops at the last position, whatever
+    --max-new-tokens says (it ran on past them before, through positions the model never learnt)."""
     from behemoth.driver.commands.generate import Sampling, load_generator
 
     _, out, _ = chat_model

@@ -430,21 +430,20 @@ def test_the_quick_tier_runs_every_unit_test_and_only_the_end_to_end_tests_marke
     import subprocess
     import sys
 
-    venv = tmp_path / "venv" / "bin"
-    venv.mkdir(parents=True)
-    (venv / "python").write_text(f'#!/bin/sh\nexec {sys.executable} "$@"\n')
-    (venv / "pip").write_text("#!/bin/sh\nexit 0\n")  # (the stamp differs: run.sh "installs" with it)
-    for tool in ("python", "pip"):
-        (venv / tool).chmod(0o755)
+    from conftest import stand_in_venv
+
+    venv = stand_in_venv(tmp_path)  # (its stamp differs: run.sh "installs" with its pip, which does nothing)
     (tmp_path / "marks_plugin.py").write_text(_MARKS_PLUGIN)
-    env = {**os.environ, "BEHEMOTH_VENV": str(venv.parent), "MARKS_OUT": str(tmp_path / "marks.json"),
+    env = {**os.environ, "BEHEMOTH_VENV": str(venv), "MARKS_OUT": str(tmp_path / "marks.json"),
            "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
     # every test with its markers (one collection of the whole suite), beside run.sh's two (~8 s apiece, 2 cores)
     every = subprocess.Popen([sys.executable, "-m", "pytest", "--collect-only", "-q", "-pno:cacheprovider",
-                              "-pmarks_plugin"], cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+                              "-pmarks_plugin"], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     tier = subprocess.run([str(REPO / "run.sh"), "test", "--collect-only", "-q", "-pno:cacheprovider"], cwd=REPO,
                           env=env, capture_output=True, text=True, timeout=300)
-    assert every.wait(timeout=300) == 0 and tier.returncode == 0, tier.stdout[-3000:] + tier.stderr[-3000:]
+    said_every = every.communicate(timeout=300)[0]
+    assert every.returncode == 0, said_every[-3000:]
+    assert tier.returncode == 0, tier.stdout[-3000:] + tier.stderr[-3000:]
     quick = [line for line in tier.stdout.splitlines() if "::" in line]
     marks = json.loads((tmp_path / "marks.json").read_text())
     unit = {t for t in marks if t.startswith("tests/unit/")}

@@ -484,20 +484,16 @@ def test_run_sh_counts_from_when_python_starts_not_its_install(tmp_path):
     does; run.sh reports the install once, on its own. The install here is a stand-in pip that takes 1.5 s, in a
     virtual environment whose python runs this one."""
     import subprocess
-    import sys
 
-    venv = tmp_path / "venv" / "bin"
-    venv.mkdir(parents=True)
-    (venv / "python").write_text(f'#!/bin/sh\nexec {sys.executable} "$@"\n')
-    (venv / "pip").write_text("#!/bin/sh\nsleep 0.5\n")
-    for tool in ("python", "pip"):
-        (venv / tool).chmod(0o755)
+    from conftest import stand_in_venv
+
+    venv = stand_in_venv(tmp_path, pip="sleep 0.5")
     out = tmp_path / "probe.json"
     (tmp_path / "test_probe.py").write_text(f"OUT = {str(out)!r}\n{PROBE}")
     repo = Path(__file__).resolve().parents[2]
     spawned = time.time()
     ran = subprocess.run([str(repo / "run.sh"), "test", "-q", "-p", "no:cacheprovider", str(tmp_path / "test_probe.py")],
-                         env={**os.environ, "BEHEMOTH_VENV": str(tmp_path / "venv")}, capture_output=True, text=True)
+                         env={**os.environ, "BEHEMOTH_VENV": str(venv)}, capture_output=True, text=True)
     assert ran.returncode == 0, ran.stdout + ran.stderr
     probe = json.loads(out.read_text())
     assert spawned + 1.5 <= probe["start"] <= probe["now"] - 1.0, (spawned, probe)  # after the install

@@ -35,9 +35,9 @@ def ensure_ray(num_cpus: int | None = None) -> None:
         raise ConfigError(f"--cpus {num_cpus} sizes a local Ray instance; RAY_ADDRESS names a running cluster, "
                           f"whose CPUs are its own: unset one of them")
     if ray.is_initialized():
-        held = ray.cluster_resources().get("CPU", 0) if num_cpus is not None else None
-        if held != num_cpus:  # (a Python caller connected already: the bench's figure would be at the
-            from behemoth.errors import ConfigError  # instance's CPUs, said as at num_cpus)
+        # A Python caller connected already: the bench would run on the instance's CPUs and say num_cpus.
+        if num_cpus is not None and (held := ray.cluster_resources().get("CPU", 0)) != num_cpus:
+            from behemoth.errors import ConfigError
 
             raise ConfigError(f"--cpus {num_cpus} sizes a local Ray instance, but this process is connected to one "
                               f"with {held:g} CPUs already: call it before ray.init, or leave --cpus out")
