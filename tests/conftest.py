@@ -70,9 +70,8 @@ def pytest_configure(config):
 
 # The integration modules that use the shared local Ray instance run next to each other (its start-up paid once);
 # then those with an instance of their own: test_fault_tolerance.py (a multi-node cluster), test_token_store.py (a
-# small object store), test_s3.py (its workers need the S3 variables) and test_tune.py (the dashboard); the unit
-# tests last.
-_RUNS_LATE = {"test_fault_tolerance.py": 1, "test_token_store.py": 2, "test_s3.py": 3, "test_tune.py": 4}
+# small object store) and test_s3.py (its workers need the S3 variables); the unit tests last.
+_RUNS_LATE = {"test_fault_tolerance.py": 1, "test_token_store.py": 2, "test_s3.py": 3}
 
 
 @pytest.hookimpl(tryfirst=True)  # before `-m` deselects: the tier's markers must be on the items by then
@@ -172,8 +171,8 @@ def ray_local():
     env = {k: os.environ.get(k) for k in _INHERITED}
     # As on the local instance behemoth starts (ray_session.set_ray_train_env): no preemption watcher, one process
     # fewer to start with every worker group; set in the driver while this module runs only (the modules that
-    # start Ray another way, `ray start` or the dashboard, keep Ray's default; the shared instance's processes
-    # keep what they inherited when it started).
+    # start Ray another way, `ray start` or a cluster of their own, keep Ray's default; the shared instance's
+    # processes keep what they inherited when it started).
     ours = PREEMPTION_WATCHER_ENV not in os.environ
     os.environ.setdefault(PREEMPTION_WATCHER_ENV, "0")
     if _LOCAL_RAY["env"] != env or not ray.is_initialized():

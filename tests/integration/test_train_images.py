@@ -258,20 +258,6 @@ def test_the_decoded_cache_and_tar_shards_train_to_the_same_weights_as_decoding_
     assert f"regnet_tiny_cifar on image_webdataset data ({shards}/train-*.tar)" in exported["shards"]["README.md"].decode()
 
 
-def test_a_sweep_refuses_to_start_without_rays_state_api(image_root, tmp_path):
-    """This module's Ray runs without its dashboard: a stopped trial's resources would never be freed (Ray
-    Train's PlacementGroupCleaner needs the state API), so the sweep refuses before any trial."""
-    from behemoth.config import ConfigError
-    from behemoth.driver.sweep.tuner import sweep
-
-    job = tmp_path / "job.yaml"
-    job.write_text(yaml.safe_dump(job_dict(image_root, tmp_path / "runs")))
-    with pytest.raises(ConfigError, match="Ray's state API is not reachable .* start Ray with the dashboard"):
-        sweep(job, {"train.lr": {"grid": [0.1, 0.01]}}, storage_path=str(tmp_path / "sweeps"),
-              scheduler={"kind": "fifo"})  # a 1-epoch job: ASHA would have no rung before its end
-    assert not (tmp_path / "sweeps").exists()
-
-
 def test_a_task_of_ones_own_runs_end_to_end_from_its_file_alone(tmp_path, capfd):
     """Adding a workload is its file: tests/integration/toy_task.py (linear regression, nothing of behemoth's
     image or text code), named by import path in data.kind. Its own data keys (data.features) are read,

@@ -1,4 +1,5 @@
-"""A real Ray Tune sweep on a local Ray instance: three trials, each a behemoth training run through Ray Train (2
+"""A real Ray Tune sweep on the suite's local Ray instance (without the dashboard, hence without Ray's state API,
+as `ray start --include-dashboard=false` starts one): three trials, each a behemoth training run through Ray Train (2
 workers: a trial of one trains in a warm lane instead, tests/integration/test_lanes.py; the tiny RegNet, 2
 epochs), one at a time, ASHA deciding at epoch 1 over the learning rates 0.05, 0.005, 0.0005.
 
@@ -28,9 +29,9 @@ from behemoth.storage.checkpoint import read_state
 from behemoth.job import config_from_dict, load_config
 from behemoth.driver.run.trainer import train
 from behemoth.driver.sweep.tuner import sweep
-from conftest import job_dict, stop_local_ray
+from conftest import job_dict
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("ray_local")]
 # Grid order = trial order (one at a time): each later one learns less. The first trial's worker and the second's
 # driver are killed; ASHA (reduction factor 2) stops the third at epoch 1, its val_loss being past the median of
 # the two before it.
@@ -54,23 +55,6 @@ def sweep_images(tmp_path_factory) -> Path:
         if folder.name not in ("disk_warm", "disk_cool"):
             shutil.rmtree(folder)
     return root
-
-
-@pytest.fixture(scope="module")
-def ray_with_dashboard():
-    """A local Ray instance as users start it: with the dashboard, whose state API Ray Train's
-    PlacementGroupCleaner needs to free the resources of a trial that Tune stops."""
-    import tempfile
-
-    from conftest import _SESSION_DIR
-
-    from behemoth.driver.ray_cluster.session import LOCAL_RAY_SYSTEM_CONFIG
-
-    stop_local_ray()  # the other modules' shared instance (conftest.py)
-    ray.init(num_cpus=2, include_dashboard=True, logging_level="warning", _system_config=LOCAL_RAY_SYSTEM_CONFIG,
-             _temp_dir=tempfile.mkdtemp(prefix="ray-", dir=_SESSION_DIR))
-    yield
-    ray.shutdown()
 
 
 def write_sweep(tmp_path: Path, image_root: Path) -> Path:
@@ -168,8 +152,8 @@ def nth_trial(sweep_dir: Path, n: int) -> str | None:
     return ids[n] if len(ids) > n else None
 
 
-def test_sweep_survives_worker_and_driver_kills_asha_stops_trials_and_resources_return(
-        ray_with_dashboard, sweep_images, tmp_path, capfd):
+def test_sweep_survives_worker_and_driver_kills_asha_stops_trials_and_resources_return(sweep_images, tmp_path,
+                                                                                    capfd):
     path = write_sweep(tmp_path, sweep_images)
     sweep_dir = tmp_path / "sweeps" / "tiny"
     runs = sweep_dir / "runs"
@@ -242,6 +226,9 @@ def test_sweep_survives_worker_and_driver_kills_asha_stops_trials_and_resources_
             assert f"[behemoth] trial {trial_id} stopped early by the scheduler at epoch" in console
     assert "[behemoth] trial " in console and ("stopped early by the scheduler" in console or " finished: " in console)
     assert "Traceback" not in console and "PreemptionWatcher" not in console
+    # this instance has no dashboard (no state API): the trials' placement-group cleaners ask GCS (they logged a
+    # failed state-API query every second, and freed nothing, before)
+    assert "Failed to query Ray Train Controller actor state" not in console
     # Best first; the Python API's best config is that row's.
     assert table["val_loss"].is_monotonic_increasing and result.best_value == table["val_loss"].iloc[0]
     assert result.best_params == {"train.lr": table["train.lr"].iloc[0]}
@@ -262,14 +249,13 @@ def test_sweep_survives_worker_and_driver_kills_asha_stops_trials_and_resources_
     trials = [r for r in logged if r.data.tags.get("mlflow.parentRunId") == parents[0].info.run_id]
     assert sorted(float(r.data.params["train.lr"]) for r in trials) == sorted(LRS) and len(logged) == len(LRS) + 1
 
-    # Ray Data's stats actor is the one the sweep created up front, in no trial's placement group: trials
-    # ending did not kill it (that made later trials' datasets report to a new one: KeyError tracebacks).
-    from ray.util.state import list_actors
+    # Ray Data's stats actor is the one the sweep created up front (or an earlier run on this instance), in no
+    # trial's placement group: trials ending did not kill it (that made later trials' datasets report to a new
+    # one: KeyError tracebacks), so the instance has had one, alive (GCS's table keeps dead actors too).
+    from behemoth.ray_internals.core import gcs_state
 
-    # (this instance named: Ray would look for one on the machine, and there are two: the suite's bystander)
-    stats = list_actors(address=ray.get_runtime_context().gcs_address, filters=[("class_name", "=", "_StatsActor")],
-                        raise_on_missing_output=False)
-    assert len(stats) == 1 and stats[0].state == "ALIVE" and not stats[0].placement_group_id, stats
+    stats = [a for a in gcs_state().actor_table(None).values() if a["ActorClassName"] == "_StatsActor"]
+    assert [a["State"] for a in stats] == ["ALIVE"], stats
 
     # No leaked placement groups: every CPU free again, no placement group left alive.
     try:
@@ -306,7 +292,7 @@ def test_sweep_survives_worker_and_driver_kills_asha_stops_trials_and_resources_
     assert sorted(kept) == [12, 24]
 
 
-def test_a_placement_group_whose_creator_died_is_freed(ray_with_dashboard):
+def test_a_placement_group_whose_creator_died_is_freed():
     """What the sweep's reaper does for a stopped trial's controller that created its worker group's placement
     group on its way out (a Ray Train race): an actor creates a group, dies, and the group's CPU comes back."""
     from ray.util.placement_group import placement_group
@@ -333,3 +319,36 @@ def test_a_placement_group_whose_creator_died_is_freed(ray_with_dashboard):
     wait_until(lambda: ray.available_resources().get("CPU") == before - 0.25, "its CPU back", 30)
     assert ray.util.placement_group_table(drivers)["state"] == "CREATED"
     ray.util.remove_placement_group(drivers)
+
+
+def test_ray_trains_placement_group_cleaner_frees_a_dead_controllers_group_without_the_dashboard():
+    """Ray Train's cleaner, as behemoth launches it (ThisClusterCleaner, detached, in a process of its own), frees
+    the group of a controller that died without freeing it, on this instance without the dashboard: it reads the
+    controller's state from GCS (Ray 2.60's asks the state API, which needs the dashboard: it logged a failed query
+    every second and never freed the group). A stand-in controller: an actor that is alive, then killed."""
+    from ray.util.placement_group import placement_group
+
+    from behemoth.driver.ray_cluster.placement_cleaner import ThisClusterCleaner
+
+    @ray.remote(num_cpus=0)
+    class Controller:
+        def actor_id(self) -> str:
+            return ray.get_runtime_context().get_actor_id()
+
+    controller = Controller.remote()
+    group = placement_group([{"CPU": 0.5}])
+    ray.get(group.ready())
+    cleaner = ray.remote(num_cpus=0)(ThisClusterCleaner).options(lifetime="detached").remote(
+        controller_actor_id=ray.get(controller.actor_id.remote()), check_interval_s=0.2, get_actor_timeout_s=5,
+        stop_timeout=2)
+    try:
+        ray.get(cleaner.register_placement_group.remote(group))
+        assert ray.get(cleaner.start_monitoring.remote())
+        time.sleep(1)  # (checks of a live controller: the group stays)
+        assert ray.util.placement_group_table(group)["state"] == "CREATED"
+        ray.kill(controller)
+        wait_until(lambda: ray.util.placement_group_table(group)["state"] == "REMOVED", "the group freed", 30)
+    finally:
+        ray.kill(cleaner)  # (it exits by itself once it has freed the group)
+        if ray.util.placement_group_table(group)["state"] != "REMOVED":
+            ray.util.remove_placement_group(group)

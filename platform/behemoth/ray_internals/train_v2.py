@@ -14,6 +14,7 @@ from ray.train.v2._internal.callbacks import DatasetsCallback, placement_group_c
 from ray.train.v2._internal.callbacks.placement_group_callback import PlacementGroupCleanerCallback
 from ray.train.v2._internal.execution.callback import (ControllerCallback, ReportCallback, TrainContextCallback,
                                                        WorkerCallback)
+from ray.train.v2._internal.execution.controller import placement_group_cleaner
 from ray.train.v2._internal.execution.controller.placement_group_cleaner import PlacementGroupCleaner
 from ray.train.v2._internal.execution.failure_handling import DefaultFailurePolicy
 from ray.train.v2._internal.execution.failure_handling.failure_policy import FailureDecision
@@ -23,7 +24,8 @@ __all__ = ["ControllerCallback", "DatasetsCallback", "DefaultFailurePolicy", "Fa
            "WorkerGroupStartupTimeoutError", "waiting_for_nodes",
            "PlacementGroupCleaner", "PlacementGroupCleanerCallback", "ReportCallback", "TrainContextCallback",
            "WorkerCallback",
-           "launch_placement_group_cleaner", "node_terminated", "preemption_error", "preemption_notice",
+           "cleaner_reads_gcs", "launch_placement_group_cleaner", "node_terminated", "preemption_error",
+           "preemption_notice",
            "quiet_report_log",
            "set_failure_policy_factory",
            "worker_environment"]
@@ -70,6 +72,21 @@ def set_failure_policy_factory(create) -> None:
 def launch_placement_group_cleaner(cleaner_class) -> None:
     """The class PlacementGroupCleanerCallback launches as its cleaner actor (read when the controller starts)."""
     placement_group_callback.PlacementGroupCleaner = cleaner_class
+
+
+def cleaner_reads_gcs() -> None:
+    """Make Ray Train's placement-group cleaner, in this process (the cleaner actor's own), ask GCS's actor table
+    whether the run's controller is alive. Ray 2.60's cleaner asks the state API (`is_actor_alive`, imported into
+    its module), which needs Ray's dashboard: on an instance without one every check raised, the cleaner logged
+    "Failed to query Ray Train Controller actor state" to the driver's console once a second for the whole run,
+    and never saw a dead controller (whose workers' resources it exists to free). GCS answers without the
+    dashboard; an actor it does not know counts as dead, as in Ray's check."""
+    from behemoth.ray_internals.core import gcs_state
+
+    def alive(actor_id: str, timeout: float) -> bool:  # (timeout: Ray's state API call's; GCS's own applies)
+        return gcs_state().actor_table(actor_id).get("State", "DEAD") != "DEAD"
+
+    placement_group_cleaner.is_actor_alive = alive
 
 
 def worker_environment() -> dict:

@@ -1,11 +1,10 @@
-"""Placement groups a stopped trial can leave behind, freed while a sweep runs; and the state-API check a sweep
-makes before it starts (Ray Train frees a stopped trial's workers through it)."""
+"""Placement groups a stopped trial can leave behind, freed while a sweep runs (read from GCS: no dashboard
+needed)."""
 
 from __future__ import annotations
 
 import time
 
-from behemoth.errors import ConfigError
 
 class OrphanedPlacementGroupReaper:
     """Frees the placement groups of this job whose creating actor is dead, while a sweep runs and once more
@@ -93,25 +92,3 @@ def _live_train_controllers() -> int:
     job = ray.get_runtime_context().get_job_id()
     return sum(1 for a in gcs_state().actor_table(None).values()
                if a.get("State") == "ALIVE" and a.get("JobID") == job and a.get("ActorClassName", "").endswith("TrainController"))
-
-
-def check_state_api() -> None:
-    """When Tune stops a trial (ASHA), the trial's Ray Train controller dies with it, and Ray Train's
-    PlacementGroupCleaner frees the trial's workers' resources once Ray's state API reports the controller
-    dead. Without the state API (Ray started without its dashboard) those resources stay held and later
-    trials wait for them forever, so a sweep refuses to start."""
-    import ray
-    from ray.util.state import list_actors
-    from ray.util.state.exception import RayStateApiException
-
-    try:
-        # This driver's cluster, named: without an address Ray's state API looks for the machine's running GCS
-        # processes and refuses where there are two (a user's own Ray beside behemoth's: the suite's bystander)
-        list_actors(address=ray.get_runtime_context().gcs_address, limit=1, timeout=10,
-                    raise_on_missing_output=False)
-    except (RayStateApiException, ConnectionError) as e:
-        raise ConfigError(
-            f"Ray's state API is not reachable ({type(e).__name__}): Ray was started without its dashboard. A "
-            f"sweep needs it (Ray Train frees a stopped trial's workers through it): start Ray with the "
-            f"dashboard (ray start --head without --include-dashboard=false; ray.init(include_dashboard=True))"
-        ) from None

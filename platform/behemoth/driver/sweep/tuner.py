@@ -38,7 +38,7 @@ from behemoth.driver.ray_cluster import session as ray_session
 from behemoth.driver.ray_cluster import warmup
 from behemoth.driver.sweep.config import (SweepConfig, asha_max_t, base_job, check_sweep, concurrency_bound,
                                           lane_reason, load_sweep, metric_and_mode, optuna_searcher)
-from behemoth.driver.sweep.reaper import OrphanedPlacementGroupReaper, check_state_api
+from behemoth.driver.sweep.reaper import OrphanedPlacementGroupReaper
 from behemoth.driver.sweep.results import SweepResult, write_results
 from behemoth.driver.sweep.trial import TrialOutcomeLines, run_trial, trial_process_resources
 
@@ -72,8 +72,6 @@ def _run_sweep(sweep_cfg: SweepConfig, jobs: list, place: paths.RunPlace, fence)
     for job in _distinct_data(jobs):  # checks the data, starts Ray; text: tokenised once, here, into the cache
         prepare_data(job)
     through_ray_train = sorted({why for why in map(lane_reason, jobs) if why is not None})
-    if through_ray_train:  # (a lane's trial has no Ray Train controller, nor placement group, to free)
-        check_state_api()
     _check_same_sweep(sweep_cfg, sweep_dir)
     warmup.start_data_stats_actor()
     import ray
