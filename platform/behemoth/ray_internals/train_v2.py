@@ -80,11 +80,17 @@ def cleaner_reads_gcs() -> None:
     its module), which needs Ray's dashboard: on an instance without one every check raised, the cleaner logged
     "Failed to query Ray Train Controller actor state" to the driver's console once a second for the whole run,
     and never saw a dead controller (whose workers' resources it exists to free). GCS answers without the
-    dashboard; an actor it does not know counts as dead, as in Ray's check."""
+    dashboard; an actor it does not know counts as dead, as in Ray's check. A failed read is raised as the state
+    API's error, which Ray's loop logs before it checks again (anything else would end its monitor thread)."""
+    from ray.util.state.exception import RayStateApiException
+
     from behemoth.ray_internals.core import gcs_state
 
     def alive(actor_id: str, timeout: float) -> bool:  # (timeout: Ray's state API call's; GCS's own applies)
-        return gcs_state().actor_table(actor_id).get("State", "DEAD") != "DEAD"
+        try:
+            return gcs_state().actor_table(actor_id).get("State", "DEAD") != "DEAD"
+        except Exception as e:  # noqa: BLE001 - GCS unreachable for a moment (a head restarting)
+            raise RayStateApiException(f"GCS's actor table: {e}") from e
 
     placement_group_cleaner.is_actor_alive = alive
 
