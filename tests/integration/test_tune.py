@@ -251,11 +251,16 @@ def test_sweep_survives_worker_and_driver_kills_asha_stops_trials_and_resources_
 
     # Ray Data's stats actor is the one the sweep created up front (or an earlier run on this instance), in no
     # trial's placement group: trials ending did not kill it (that made later trials' datasets report to a new
-    # one: KeyError tracebacks), so the instance has had one, alive (GCS's table keeps dead actors too).
+    # one: KeyError tracebacks), so the instance has had one, alive (GCS's table keeps dead actors too). Read from
+    # GCS: this instance has no state API.
+    from ray.core.generated import gcs_pb2
+
     from behemoth.ray_internals.core import gcs_state
 
-    stats = [a for a in gcs_state().actor_table(None).values() if a["ActorClassName"] == "_StatsActor"]
-    assert [a["State"] for a in stats] == ["ALIVE"], stats
+    actors = map(gcs_pb2.ActorTableData.FromString, gcs_state()._connect_and_get_accessor().get_actor_table(None, None))
+    stats = [(gcs_pb2.ActorTableData.ActorState.Name(a.state), a.placement_group_id) for a in actors
+             if a.class_name == "_StatsActor"]
+    assert len(stats) == 1 and stats[0][0] == "ALIVE" and not stats[0][1], stats
 
     # No leaked placement groups: every CPU free again, no placement group left alive.
     try:
