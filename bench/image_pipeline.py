@@ -13,6 +13,10 @@ Sides, in rotating order, --rounds of each, every one measured for --seconds aft
   default prefetch; the consumer is this process.
 - dataloader+fast: the same DataLoader with behemoth's per-image transform (data/image/decode.py): what a user gets
   who copies behemoth's decode into their own loader (isolates the pipeline from the per-image work).
+- raytasks (not in the default sides): behemoth's decode task (`transform_batch`, BLOCK_ROWS images a task,
+  --cpus-per-task each) as plain Ray tasks, twice as many in flight as the CPUs run, this process taking each
+  output from the object store in order: Ray's core alone, without Ray Data or the worker's feed (on a local Ray
+  instance this side starts and stops).
 - behemoth: `behemoth data bench JOB` in a process of its own (its own local Ray instance, one consumer
   actor as a training worker, Ray Data decode tasks, the worker's feed); its printed samples/s.
 
@@ -26,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import io
+import itertools
 import math
 import os
 import random
@@ -35,6 +40,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import warnings
 from pathlib import Path
 
 from _common import REPO, spread  # noqa: F401  (puts platform/ on sys.path)
@@ -163,6 +169,40 @@ def dataloader_side(paths, labels, seconds, batch, meter, transform):
             loader._iterator._shutdown_workers()
 
 
+def ray_tasks_side(paths, labels, seconds, batch, meter, cpus_per_task):
+    import ray
+    import torch
+
+    from behemoth.data.image.image_batches import BLOCK_ROWS, transform_batch
+    from behemoth.data.image.images import ImageData
+
+    cfg = ImageData(root="unused", image_size=SIZE, augment="random_resized_crop")
+    decode = ray.remote(num_cpus=cpus_per_task)(transform_batch)
+
+    def rows(epoch, start):
+        ids = np.random.default_rng(epoch).permutation(len(paths))[start:start + BLOCK_ROWS]
+        return {"sample_id": ids, "path": np.asarray([paths[i] for i in ids]), "row": np.full(len(ids), -1),
+                "label": np.asarray([labels[i] for i in ids]), "size": np.full(len(ids), -1)}
+
+    def batches():
+        starts = ((e, s) for e in itertools.count() for s in range(0, len(paths) - BLOCK_ROWS + 1, BLOCK_ROWS))
+        submit = lambda k: decode.remote(rows(*k), cfg=cfg, seed=0, epoch=k[0], train=True)  # noqa: E731
+        refs = [submit(next(starts)) for _ in range(2 * int(os.cpu_count() / cpus_per_task))]
+        while True:
+            out = ray.get(refs.pop(0))
+            refs.append(submit(next(starts)))
+            for s in range(0, BLOCK_ROWS - batch + 1, batch):  # read-only in the object store: read, not written
+                yield torch.from_numpy(out["image"][s:s + batch]), torch.from_numpy(out["label"][s:s + batch])
+            del out
+
+    ray.init(num_cpus=os.cpu_count(), include_dashboard=False, logging_level="WARNING")
+    warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+    try:
+        return timed(batches(), seconds, meter)
+    finally:
+        ray.shutdown()
+
+
 def behemoth_side(job: Path, seconds: float) -> tuple[float, float]:
     out = subprocess.run([sys.executable, "-m", "behemoth", "data", "bench", str(job), "--seconds", str(seconds)],
                          cwd=REPO, capture_output=True, text=True)
@@ -229,6 +269,8 @@ def main() -> None:
             elif side.startswith("dataloader"):
                 transform = fast_transform if side.endswith("fast") else plain_transform
                 rate, cpus = dataloader_side(paths, labels, a.seconds, a.batch, meter, transform)
+            elif side == "raytasks":
+                rate, cpus = ray_tasks_side(paths, labels, a.seconds, a.batch, meter, a.cpus_per_task)
             else:
                 rate, cpus = behemoth_side(job, a.seconds)
             results[side].append((rate, cpus))
@@ -244,6 +286,10 @@ def main() -> None:
             print(f"behemoth / dataloader:             {med['behemoth'] / med['dataloader']:.2f} (floor 1.2)")
         if "dataloader+fast" in med:
             print(f"behemoth / dataloader+fast:        {med['behemoth'] / med['dataloader+fast']:.2f}")
+        if "raytasks" in med:
+            print(f"behemoth / raytasks:               {med['behemoth'] / med['raytasks']:.2f}")
+        if "fast" in med:
+            print(f"behemoth / (fast x {cpus} CPUs):       {med['behemoth'] / (med['fast'] * cpus):.2f} (goal 0.85)")
         if "plain" in med:
             print(f"behemoth / (plain x {cpus} CPUs):      {med['behemoth'] / (med['plain'] * cpus):.2f} (floor 0.8)")
     print(f"bytes per image delivered: {SIZE * SIZE * 3:,} (uint8); photo folder: {made}")
