@@ -23,8 +23,8 @@ class DataConfig:
     another task's section is an unknown key, and each section checks its own values."""
 
     # A key of behemoth.tasks.registry.TASKS (image_folder, image_parquet, image_webdataset: image
-    # classification; text: causal language modelling; text_classification), or a task class of one's own as
-    # module:Class. A job without one is image_folder.
+    # classification; text: causal language modelling; text_classification; chat; preference), or a task class
+    # of one's own as module:Class. A job without one is image_folder.
     kind: str = "image_folder"
     # Files (or globs) holding the training and validation samples (image_parquet, image_webdataset, text).
     train_files: list[str] = field(default_factory=list)
