@@ -169,7 +169,7 @@ def test_a_token_cache_in_the_bucket_trains_like_a_local_one(s3_endpoint, ray_lo
     a, b = (train(cfg) for cfg in (remote, local))
     assert a.metrics["step"] == b.metrics["step"] == 8
     wa, wb = (torch.load(f"{s.latest_checkpoint}/model.pt") for s in (a, b))
-    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    assert len(wa) > 0 and wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
 def test_a_model_and_its_tokenizer_in_the_bucket_are_copied_once_per_node_and_trained(s3_endpoint, ray_local,

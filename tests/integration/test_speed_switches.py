@@ -201,8 +201,12 @@ def test_fp16_with_grad_scaler_on_gpu(tmp_path):
         train_step(model, opt, sched, scaler, [{"x": x[i].to(device), "y": y[i].to(device)}], cfg,
                    harness.ToyTask(), device)
     assert scaler.is_enabled() and scaler.get_scale() > 0
+    # a scale no fresh scaler has (3 steps without an overflow leave the default 65,536): a load that left the
+    # scaler's state behind would keep the default
+    scaler.update(1234.0)
+    assert grad_scaler(device, "fp16").get_scale() != 1234.0
     live_state.save(tmp_path, model=model, optimizer=opt, scheduler=sched, scaler=scaler, state=TrainState(),
                     task_files={}, job_yaml="")
     scaler2 = grad_scaler(device, "fp16")
     live_state.load(tmp_path, model=harness.make_model().to(device), scaler=scaler2)
-    assert scaler2.get_scale() == scaler.get_scale()
+    assert scaler2.get_scale() == 1234.0 and scaler2.state_dict() == scaler.state_dict()

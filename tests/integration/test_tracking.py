@@ -63,8 +63,9 @@ def test_tracking_and_goodput_of_a_run_with_a_killed_worker(ray_local, image_roo
           f"the ledger's clock ({ended[last] - ended[20]:.3f} s less {spent:.3f} s of reports); measured wall "
           f"{wall:.1f} s")
     assert abs(first.terms["lost"] - truth) <= 0.1 * truth, (first.terms["lost"], truth)
-    assert abs(sum(acc.terms.values()) - acc.total_s) < 1e-6
-    assert acc.terms["unaccounted"] < 0.02 * acc.total_s  # the measured terms cover the wall time
+    # the measured terms cover the wall time, none counted twice (unaccounted is the rest: negative where a phase
+    # was counted twice)
+    assert abs(acc.terms["unaccounted"]) < 0.02 * acc.total_s, acc.terms
     # the account ends when the run does; the report and MLflow's artifacts are written after it (goodput.json
     # first, as soon as the account is made)
     accounted = (run / "goodput.json").stat().st_mtime - started
