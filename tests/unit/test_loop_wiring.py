@@ -530,3 +530,25 @@ def test_a_callback_path_that_is_not_a_callback_is_one_line_before_ray(tmp_path,
     job["data"] = {"kind": "unit.test_loop_wiring:Regression"}
     with pytest.raises(ConfigError, match=f"train.callbacks: .*{said}"):
         check_data(config_from_dict(job))
+
+
+class FrozenCount(Callback):
+    seen: list = []
+
+    def after_step(self, ctx, state):
+        import gc
+
+        FrozenCount.seen.append(gc.get_freeze_count())
+
+
+def test_what_the_worker_built_before_its_loop_is_frozen_through_the_loop_and_given_back_after(tmp_path, monkeypatch):
+    """A full collection scans every object the process holds: in a training worker one took ~0.6 s (BENCHMARKS.md,
+    R9's stall). The loop freezes what was built before it (gc.freeze: full collections scan only what the steps
+    make; 0.6-0.7 ms there after) and unfreezes it when it ends, so that a lane's next trial can collect it."""
+    import gc
+
+    assert gc.get_freeze_count() == 0
+    FrozenCount.seen = []
+    _run(tmp_path, monkeypatch, train={"callbacks": ["unit.test_loop_wiring:FrozenCount"]})
+    assert len(FrozenCount.seen) == 8 and min(FrozenCount.seen) > 10_000, FrozenCount.seen  # torch, the model, ...
+    assert gc.get_freeze_count() == 0

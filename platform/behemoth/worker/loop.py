@@ -20,6 +20,7 @@ lane) is reached only through hosts/.
 from __future__ import annotations
 
 import contextlib
+import gc
 import time
 
 import torch
@@ -96,8 +97,16 @@ def train_loop_per_worker(loop_config: dict) -> dict:
                            StepProfiler(cfg, rank, device), *task.callbacks(),
                            *(cls() for cls in callback_classes(cfg.train.callbacks))])
     clock.mark("loop_started")
-    with rescue.around_the_loop():  # a peer lost without notice: this worker's state, whole, as a checkpoint
-        _train_steps(step_ctx, state, feed, callbacks, reporter, rescue)
+    # Python's full collections scan every object the process holds: in a training worker (torch, transformers,
+    # Ray, the run's own) one took ~0.6 s on a 2-core machine, a stalled step wherever it fell (under DDP every
+    # rank's). What the worker built before its loop lives through it: frozen, a full collection scans only what
+    # the steps make. Given back after the loop (a lane's next trial must be able to collect this one's cycles).
+    gc.freeze()
+    try:
+        with rescue.around_the_loop():  # a peer lost without notice: this worker's state, whole, as a checkpoint
+            _train_steps(step_ctx, state, feed, callbacks, reporter, rescue)
+    finally:
+        gc.unfreeze()
     reporter.sender.flush()  # (the last reports, a checkpoint's among them, reach the host before the function ends)
     # Rank 0's return value reaches the driver as Result.return_value.
     return {"resumed_from_step": step_ctx.resumed_from_step, "final_step": state.step,
