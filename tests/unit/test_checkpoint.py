@@ -348,6 +348,54 @@ def test_retention_reaches_checkpoints_ray_train_never_registered(tmp_path):
     assert retire_unregistered(run_place(cfg), kept_with_newer) == []  # 12 is newer than what Ray keeps: left alone
 
 
+def test_a_users_folders_in_a_run_folder_and_an_unreadable_state_are_never_removed(tmp_path):
+    """Only folders under the names Ray Train and the rescue write are a run's checkpoints. A user's export into
+    the run folder (runs/r/checkpoint_best_hf: no manifest) was removed at the next resume as an upload cut
+    short, and a copy of a checkpoint kept there (with its manifest) was retired as one Ray Train never
+    registered. A checkpoint whose train state cannot be read now (a network error on a bucket) is not judged
+    older than the kept ones: it stays."""
+    import pyarrow.fs
+    from types import SimpleNamespace
+
+    from behemoth.checkpoints.restore import remove_partial_uploads
+    from behemoth.checkpoints.retention import retire_unregistered
+    from behemoth.driver.run.resume import run_place
+    from behemoth.job import config_from_dict
+
+    cfg = config_from_dict({"data": {"root": "x"}, "checkpoint": {"storage_path": str(tmp_path), "run_name": "r",
+                                                                   "keep": 1}})
+    run = tmp_path / "r"
+    model = build_model("regnet_tiny_cifar", 4)
+    opt = build_optimizer(model, CFG)
+    sched = lr_schedule(opt, CFG, 10)
+
+    def save(name, step):
+        live_state.save(run / name, model=model, optimizer=opt, scheduler=sched, state=TrainState(step=step),
+                        task_files={}, job_yaml="")
+
+    save("checkpoint_2026-01-01_00-00-03.000000", 3)
+    save("checkpoint_2026-01-01_00-00-06.000000", 6)
+    save("checkpoint_2026-01-01_00-00-09.000000", 9)
+    save("checkpoint_best_copy", 3)  # the user's copy of the step-3 checkpoint, manifest and all
+    (run / "checkpoint_2026-01-01_00-00-06.000000" / "train_state.json").write_text("{not json")  # unreadable
+    (run / "checkpoint_best_hf").mkdir()  # the user's export, written there
+    (run / "checkpoint_best_hf" / "config.json").write_text("{}")
+    (run / "checkpoint_2026-01-01_00-00-12.000000").mkdir()  # an upload cut short
+    (run / "checkpoint_rescue_step000000011").mkdir()  # a rescue cut short
+
+    assert [path.rsplit("/", 1)[1] for _, path in checkpoint.complete_checkpoints(run)] == [
+        "checkpoint_2026-01-01_00-00-09.000000", "checkpoint_2026-01-01_00-00-03.000000",
+        "checkpoint_2026-01-01_00-00-06.000000"]  # (9, 3, then the unreadable one's -1)
+    removed = remove_partial_uploads(RunStore(pyarrow.fs.LocalFileSystem(), str(run)), set())
+    assert sorted(p.rsplit("/", 1)[1] for p in removed) == ["checkpoint_2026-01-01_00-00-12.000000",
+                                                            "checkpoint_rescue_step000000011"]
+    kept = [(SimpleNamespace(path=str(run / "checkpoint_2026-01-01_00-00-09.000000")), {})]
+    assert retire_unregistered(run_place(cfg), kept) == [str(run / "checkpoint_2026-01-01_00-00-03.000000")]
+    assert sorted(p.name for p in run.iterdir()) == [
+        "checkpoint_2026-01-01_00-00-06.000000", "checkpoint_2026-01-01_00-00-09.000000", "checkpoint_best_copy",
+        "checkpoint_best_hf"]
+
+
 def test_a_sharded_checkpoint_round_trips_and_names_a_damaged_shard(tmp_path):
     """checkpoint.format sharded in one process (no process group; the 2-rank and 2 -> 1 cases are the
     integration tests'): the DCP files and the small files under one manifest (format 3; that it comes last is

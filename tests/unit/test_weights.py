@@ -21,18 +21,18 @@ def _checkpoint(folder, step, metrics=None, model=None):
 
 def test_a_run_folders_best_and_latest_and_what_is_not_a_source(tmp_path):
     run = tmp_path / "run"
-    _checkpoint(run / "checkpoint_a", 10, {"val_accuracy": 0.5})
-    _checkpoint(run / "checkpoint_b", 20, {"val_accuracy": 0.8})
-    _checkpoint(run / "checkpoint_c", 30, {"val_accuracy": 0.8})  # a tie: the later one
-    _checkpoint(run / "checkpoint_d", 40, {"loss": 0.1})  # no evaluation with this one
-    (run / "checkpoint_e").mkdir()  # an upload that never finished: no manifest, never chosen
+    _checkpoint(run / "checkpoint_1", 10, {"val_accuracy": 0.5})
+    _checkpoint(run / "checkpoint_2", 20, {"val_accuracy": 0.8})
+    _checkpoint(run / "checkpoint_3", 30, {"val_accuracy": 0.8})  # a tie: the later one
+    _checkpoint(run / "checkpoint_4", 40, {"loss": 0.1})  # no evaluation with this one
+    (run / "checkpoint_5").mkdir()  # an upload that never finished: no manifest, never chosen
     best, how = weights.resolve(str(run), "best", ("val_accuracy", "max"))
-    assert best.endswith("checkpoint_c") and how == "its best checkpoint by val_accuracy (0.8000, step 30)"
-    assert weights.resolve(str(run), "best", ("val_accuracy", "min"))[0].endswith("checkpoint_a")
-    assert weights.resolve(str(run), "latest")[0].endswith("checkpoint_d")
+    assert best.endswith("checkpoint_3") and how == "its best checkpoint by val_accuracy (0.8000, step 30)"
+    assert weights.resolve(str(run), "best", ("val_accuracy", "min"))[0].endswith("checkpoint_1")
+    assert weights.resolve(str(run), "latest")[0].endswith("checkpoint_4")
     fallback, how = weights.resolve(str(run), "best", ("val_loss", "min"))
-    assert fallback.endswith("checkpoint_d") and "none of its checkpoints records val_loss" in how
-    assert weights.resolve(str(run / "checkpoint_a"))[1] == "as given"
+    assert fallback.endswith("checkpoint_4") and "none of its checkpoints records val_loss" in how
+    assert weights.resolve(str(run / "checkpoint_1"))[1] == "as given"
     with pytest.raises(CheckpointError, match="does not exist"):
         weights.resolve(str(tmp_path / "nowhere"))
     (tmp_path / "empty").mkdir()

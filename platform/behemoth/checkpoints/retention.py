@@ -41,7 +41,9 @@ def retire_unregistered(place, kept: list, fence=None) -> list[str]:
         return []
     oldest_kept, removed = min(kept_steps), []
     for step, path in found:
-        if step < oldest_kept and path.rstrip("/") not in kept_paths:
+        # (step -1: its train state could not be read, which a passing network error also gives: kept, not
+        # judged; restoring it names the problem)
+        if 0 <= step < oldest_kept and path.rstrip("/") not in kept_paths:
             run.delete(path)
             removed.append(path)
             print(f"[behemoth] removed {path} (step {step}): a checkpoint Ray Train never registered, older than "

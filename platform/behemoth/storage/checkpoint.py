@@ -33,6 +33,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -280,16 +281,25 @@ def read_state(directory: str | Path, fs=None) -> TrainState:
     return TrainState(**json.loads(read_file(f"{directory}/train_state.json", fs)))
 
 
+# The names a run's checkpoint folders are written under: Ray Train's timestamps (a lane's too, as Ray Train
+# names them: checkpoint_2026-01-01_00-00-00.000000; Ray's older numbering, checkpoint_000001, reads the same) and
+# a rescue's (checkpoints/rescue.py: checkpoint_rescue_step000000045, _rank1 where two ranks write). Nothing else
+# in a run folder is one: a folder a user made there (an export into runs/x/checkpoint_best_hf, a copy kept as
+# checkpoint_..._old) is never restored, retired, or removed as an upload cut short.
+CHECKPOINT_NAME = re.compile(r"checkpoint_(\d[\d._-]*|rescue_step\d+(_rank\d+)?)")
+
+
 def checkpoint_folders(run_dir: str | Path, fs=None) -> list[tuple[str, bool]]:
-    """(path, complete) of each checkpoint_* folder in a run folder, complete meaning its manifest is there.
-    `fs`: the pyarrow filesystem `run_dir` is a path on; None: `run_dir` is a local path or a URI. The paths
-    are paths on that filesystem (a URI's without its scheme: see complete_checkpoints for URIs back)."""
+    """(path, complete) of each checkpoint folder in a run folder (a name CHECKPOINT_NAME matches), complete
+    meaning its manifest is there. `fs`: the pyarrow filesystem `run_dir` is a path on; None: `run_dir` is a
+    local path or a URI. The paths are paths on that filesystem (a URI's without its scheme: see
+    complete_checkpoints for URIs back)."""
     import pyarrow.fs
 
     fs, run_dir = filesystem(run_dir, fs)
     found = []
     for entry in fs.get_file_info(pyarrow.fs.FileSelector(str(run_dir), allow_not_found=True)):
-        if entry.type == pyarrow.fs.FileType.Directory and entry.base_name.startswith("checkpoint_"):
+        if entry.type == pyarrow.fs.FileType.Directory and CHECKPOINT_NAME.fullmatch(entry.base_name):
             manifest = fs.get_file_info(f"{entry.path}/{MANIFEST}")
             found.append((entry.path, manifest.type == pyarrow.fs.FileType.File))
     return found
