@@ -91,6 +91,52 @@ def test_int_accepted_for_float_but_not_bool_for_int(tmp_path):
         load_config(write(tmp_path, "train:\n  epochs: true\n"))
 
 
+def test_numbers_written_as_papers_write_them_are_numbers(tmp_path):
+    """`lr: 3e-4` (YAML 1.2's float; YAML 1.1, which PyYAML reads, wants 3.0e-4) was refused as text: 'train.lr
+    expects float, got str'. In the file, in --set and in a sweep; a quoted '3e-4' stays text."""
+    cfg = load_config(write(tmp_path, "train:\n  lr: 3e-4\n  weight_decay: 5E-4\n  adam_eps: 1e-8\n"))
+    assert (cfg.train.lr, cfg.train.weight_decay, cfg.train.adam_eps) == (3e-4, 5e-4, 1e-8)
+    assert load_config(write(tmp_path, "train:\n  lr: 0.1\n"), ["train.lr=2e-3"]).train.lr == 2e-3
+    with pytest.raises(ConfigError, match="train.lr expects float, got str '3e-4'"):
+        load_config(write(tmp_path, "train:\n  lr: '3e-4'\n"))
+
+
+def test_a_key_given_twice_is_refused_naming_it_and_both_lines(tmp_path):
+    """YAML 1.1 keeps the last of two equal keys without a word: a second `lr:`, or a second `train:` section
+    pasted at the end, replaced the first."""
+    with pytest.raises(ConfigError, match=r"key 'lr' is given twice in one mapping \(first on line 4\).*line 6"):
+        load_config(write(tmp_path, "train:\n  lr: 0.1\n  epochs: 2\n  lr: 0.2\n"))
+    with pytest.raises(ConfigError, match=r"key 'train' is given twice in one mapping \(first on line 3\)"):
+        load_config(write(tmp_path, "train:\n  lr: 0.1\nmodel:\n  name: resnet18\ntrain:\n  epochs: 3\n"))
+    # (merge keys still merge: `<<` is not a key given twice)
+    cfg = load_config(write(tmp_path, "train:\n  <<: {lr: 0.2}\n  epochs: 3\n"))
+    assert (cfg.train.lr, cfg.train.epochs) == (0.2, 3)
+
+
+def test_set_reaches_into_an_empty_or_switched_off_section(tmp_path):
+    """`--set model.lora.r=16` where the file says `lora: null`, `--set eval.every_n_steps=5` under an empty
+    `eval:`: the section was refused as 'not a section'."""
+    from behemoth.config import apply_override
+
+    raw = {"model": {"name": "causal_lm", "lora": None}, "eval": None}
+    apply_override(raw, "model.lora.r=16")
+    apply_override(raw, "eval.every_n_steps=5")
+    assert raw == {"model": {"name": "causal_lm", "lora": {"r": 16}}, "eval": {"every_n_steps": 5}}
+    p = write(tmp_path, "eval:\ntrain:\n  lr: 0.1\n")
+    assert load_config(p, ["eval.every_n_steps=5"]).eval.every_n_steps == 5
+    with pytest.raises(ConfigError, match=r"--set train.lr.x: lr is not a section \(it holds 0.1\)"):
+        load_config(p, ["train.lr.x=1"])
+    with pytest.raises(ConfigError, match=r"--set 'train.lr=\[1': the value is not valid YAML"):
+        load_config(p, ["train.lr=[1"])
+
+
+def test_a_config_that_is_not_utf8_is_one_line(tmp_path):
+    p = tmp_path / "job.yaml"
+    p.write_bytes("# caf\xe9\ndata:\n  root: /x\n".encode("latin-1"))
+    with pytest.raises(ConfigError, match=r"job.yaml is not UTF-8 text \(byte 0xe9 at offset 5\): save it as UTF-8"):
+        load_config(p)
+
+
 def test_missing_and_invalid_files(tmp_path):
     with pytest.raises(ConfigError, match="does not exist"):
         load_config(tmp_path / "nope.yaml")

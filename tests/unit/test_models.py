@@ -129,6 +129,29 @@ def test_image_classifier_from_hf_config_gets_the_classes_and_image_size():
                                num_classes=3, image_size=32)
 
 
+def test_model_configs_transformers_refuses_are_one_line_before_ray(image_root, tmp_path, capsys):
+    """Keys transformers' strict config classes refuse (64 hidden units over 5 attention heads) came out as
+    huggingface_hub's raw StrictDataclassClassValidationError, which is no ValueError; and an image_classifier's
+    hf_config was first built on the workers, after Ray Train had started (model_type vitt passed the check)."""
+    import yaml
+
+    from behemoth.config import ModelConfig
+    from behemoth.driver.commands.cli import main
+    from behemoth.models.causal_lm import causal_lm_config
+    from conftest import job_dict
+
+    lm = ModelConfig(name="causal_lm", hf_config={"model_type": "llama", "hidden_size": 64,
+                                                  "num_attention_heads": 5})
+    with pytest.raises(ConfigError, match=r"^model.hf_config: .*hidden size \(64\).* attention heads \(5\)"):
+        causal_lm_config(lm, vocab_size=100, eos_id=0, bos_id=None)
+    job = job_dict(image_root, tmp_path / "runs", model={"name": "image_classifier", "hf_config": {"model_type": "vitt"}})
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(job))
+    assert main(["check", str(tmp_path / "job.yaml")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("behemoth: config error: model.hf_config: Unrecognized model identifier: vitt")
+    assert len(err.splitlines()) == 1
+
+
 def test_resnet_sizes_match_the_papers():
     def params(name):
         return sum(p.numel() for p in build_model(name, 1000).parameters()) / 1e6

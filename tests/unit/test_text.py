@@ -397,3 +397,15 @@ def test_document_mask_needs_a_transformers_model(tmp_path):
            "model": {"name": "unit.test_text:tiny_lm"}}
     with pytest.raises(ConfigError, match="data.document_mask needs a transformers model"):
         config_from_dict(job)
+
+
+def test_a_double_star_glob_finds_files_at_any_depth(tmp_path):
+    """`data.train_files: [corpus/**/*.jsonl]` read one folder level (glob without recursive): two of three files
+    left out without a word."""
+    from behemoth.data.pipeline import expand_files
+
+    for name in ("a.jsonl", "sub/b.jsonl", "sub/deeper/c.jsonl"):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text("{}\n")
+    found = expand_files([f"{tmp_path}/**/*.jsonl"], "data.train_files")
+    assert [f[len(str(tmp_path)) + 1:] for f in found] == ["a.jsonl", "sub/b.jsonl", "sub/deeper/c.jsonl"]

@@ -7,6 +7,7 @@ names the expected type (`one of ['none', 'full'] or int`, not `Union`).
 from __future__ import annotations
 
 import dataclasses
+import re
 import sys
 import types
 import typing
@@ -21,14 +22,48 @@ if TYPE_CHECKING:
     from behemoth.config.schema import JobConfig, ModelConfig
 
 
+class _JobLoader(yaml.SafeLoader):
+    """PyYAML's safe loader with two of YAML 1.2's rules: `3e-4` is a number (YAML 1.1, which PyYAML follows,
+    wants `3.0e-4` and reads `3e-4` as text, so `lr: 3e-4`, as the docs and every paper write it, was refused as
+    a string), and a key given twice in one mapping is an error (1.1 keeps the last silently: a second `lr:` or
+    a second `train:` section pasted at the end replaced the first without a word)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen: dict = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # (`<<: *defaults`: merged by the base class)
+                continue
+            key = self.construct_object(key_node, deep=deep)
+            if isinstance(key, (str, int, float, bool)) and key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"key '{key}' is given twice in one mapping (first on line {seen[key] + 1}): keep "
+                    f"one", key_node.start_mark)
+            if isinstance(key, (str, int, float, bool)):
+                seen[key] = key_node.start_mark.line
+        return super().construct_mapping(node, deep=deep)
+
+
+_JobLoader.add_implicit_resolver(  # (YAML 1.2's float: an exponent without a point, e.g. 3e-4, 1E5)
+    "tag:yaml.org,2002:float", re.compile(r"^[-+]?[0-9][0-9_]*(\.[0-9_]*)?[eE][-+]?[0-9]+$"), list("-+0123456789"))
+
+
+def load_yaml(text: str):
+    """A YAML document as behemoth reads every config, sweep and `--set` value (_JobLoader's rules)."""
+    return yaml.load(text, Loader=_JobLoader)  # noqa: S506 - a SafeLoader subclass: no arbitrary objects
+
+
 def read_yaml_mapping(path: str | Path, what: str = "config file", holds: str = "sections (data, model, "
                       "train, ...)") -> dict:
-    """The mapping a YAML file holds; a missing file, invalid YAML or another shape is a ConfigError."""
+    """The mapping a YAML file holds; a missing file, text that is not UTF-8, invalid YAML or another shape is a
+    ConfigError."""
     p = Path(path)
     if not p.is_file():
         raise ConfigError(f"{what} {p} does not exist")
     try:
-        raw = yaml.safe_load(p.read_text()) or {}
+        raw = load_yaml(p.read_text(encoding="utf-8")) or {}
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{p} is not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset {e.start}): save it "
+                          f"as UTF-8") from None
     except yaml.YAMLError as e:
         raise ConfigError(f"{p} is not valid YAML: {' '.join(str(e).split())}") from None
     if not isinstance(raw, dict):
@@ -53,10 +88,15 @@ def apply_override(raw: dict, item: str) -> None:
     keys = dotted.strip().split(".")
     node = raw
     for k in keys[:-1]:
-        node = node.setdefault(k, {})
+        if node.get(k) is None or node.get(k) is False:  # (absent, empty `eval:`, or an optional section off)
+            node[k] = {}
+        node = node[k]
         if not isinstance(node, dict):
-            raise ConfigError(f"--set {dotted}: {k} is not a section")
-    node[keys[-1]] = yaml.safe_load(value) if value != "" else ""
+            raise ConfigError(f"--set {dotted}: {k} is not a section (it holds {node!r})")
+    try:
+        node[keys[-1]] = load_yaml(value) if value != "" else ""
+    except yaml.YAMLError as e:
+        raise ConfigError(f"--set {item!r}: the value is not valid YAML ({' '.join(str(e).split())})") from None
 
 
 def from_dict(cls: type, raw: Any, where: str, prefix: str = "", scope: str = "") -> Any:

@@ -15,7 +15,7 @@ def expand_files(patterns: list[str], key: str) -> list[str]:
     """Files named by `patterns` (paths or globs), in order; a pattern that matches nothing names config `key`."""
     files = []
     for pattern in patterns:
-        matched = sorted(glob.glob(pattern)) if any(c in pattern for c in "*?[") else [pattern]
+        matched = sorted(glob.glob(pattern, recursive=True)) if any(c in pattern for c in "*?[") else [pattern]
         missing = [f for f in matched if not Path(f).is_file()]
         if not matched or missing:
             raise DataError(f"{key}: {missing[0] if missing else pattern} matches no file")

@@ -45,9 +45,20 @@ def causal_lm_config(model_cfg, *, vocab_size: int, eos_id: int, bos_id: int | N
         overrides.setdefault("eos_token_id", eos_id)
         overrides.setdefault("bos_token_id", bos_id if bos_id is not None else eos_id)
         return AutoConfig.for_model(model_type, **overrides)
-    except (OSError, ValueError) as e:  # an unknown model_type, a config.json that cannot be read
+    except config_errors() as e:  # an unknown model_type, a config.json that cannot be read, keys that disagree
         where = f"model.pretrained {model_cfg.pretrained}" if model_cfg.pretrained else "model.hf_config"
         raise ConfigError(f"{where}: {' '.join(str(e).split())}") from None
+
+
+def config_errors() -> tuple[type[BaseException], ...]:
+    """What transformers raises for a model config it will not build: an unknown model_type or unreadable
+    config.json (OSError, ValueError), and, for the configs it checks as strict dataclasses (Llama, Qwen, ...:
+    `hidden_size` 64 with 5 attention heads), huggingface_hub's validation error, which is neither."""
+    try:
+        from huggingface_hub.errors import StrictDataclassError
+    except ImportError:  # (a huggingface_hub before strict dataclasses)
+        return OSError, ValueError
+    return OSError, ValueError, StrictDataclassError
 
 
 def check_causal_lm(model_cfg, *, vocab_size: int, eos_id: int, bos_id: int | None, seq_len: int) -> None:

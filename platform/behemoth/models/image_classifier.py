@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 from behemoth.errors import ConfigError
+from behemoth.models.causal_lm import config_errors
 
 
 def build_image_classifier(model_cfg, *, num_classes: int, image_size: int):
@@ -26,11 +27,23 @@ def build_image_classifier(model_cfg, *, num_classes: int, image_size: int):
     model_type = overrides.pop("model_type")
     try:
         config = AutoConfig.for_model(model_type, **overrides)
-    except (ValueError, TypeError) as e:  # unknown model_type, or a key its config rejects
-        raise ConfigError(f"model.hf_config: {e}") from None
+    except (TypeError, *config_errors()) as e:  # unknown model_type, a key its config rejects, keys that disagree
+        raise ConfigError(f"model.hf_config: {' '.join(str(e).split())}") from None
     if hasattr(config, "image_size") and "image_size" not in model_cfg.hf_config:
         config.image_size = image_size
     try:
         return AutoModelForImageClassification.from_config(config)
     except ValueError as e:  # a model_type with no image-classification head
         raise ConfigError(f"model.hf_config: model_type {model_type}: {e}") from None
+
+
+def check_image_classifier(model_cfg, *, num_classes: int, image_size: int) -> None:
+    """On the driver, before Ray: model.hf_config's model built on torch's meta device (no memory), as the
+    workers will build it, so that a model_type or keys transformers refuses are one line here, not a failure on
+    every worker after Ray Train has started. (model.pretrained's folder is checked where it is read.)"""
+    if model_cfg.pretrained:
+        return
+    import torch
+
+    with torch.device("meta"):
+        build_image_classifier(model_cfg, num_classes=num_classes, image_size=image_size)

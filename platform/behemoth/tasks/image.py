@@ -75,6 +75,10 @@ class ImageClassification(Task[ImageIndex, ImageIndex]):
         index = build_index(cfg.data)
         if registry.is_import_path(cfg.model.name):
             registry.check_user_model(cfg.model.name, num_classes=len(index.classes))
+        elif cfg.model.name == registry.IMAGE_CLASSIFIER:
+            from behemoth.models.image_classifier import check_image_classifier
+
+            check_image_classifier(cfg.model, num_classes=len(index.classes), image_size=cfg.data.image_size)
         return index
 
     @classmethod

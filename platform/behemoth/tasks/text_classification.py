@@ -29,6 +29,7 @@ from behemoth.data.text.labelled_text import (
 from behemoth.data.prefetch import to_device_ahead
 from behemoth.errors import ConfigError
 from behemoth.models import registry
+from behemoth.models.causal_lm import config_errors
 from behemoth.models.lora import add_adapters
 from behemoth import hosts
 from behemoth.tasks.classification import Classification
@@ -60,7 +61,7 @@ def build_classifier(cfg: JobConfig, classes: list[str], vocab_size: int, pad_id
             model_type = overrides.pop("model_type")
             overrides.setdefault("vocab_size", vocab_size)
             model = AutoModelForSequenceClassification.from_config(AutoConfig.for_model(model_type, **overrides, **labels))
-    except (TypeError, ValueError) as e:  # an unknown model_type or key, a model_type without a classifier head
+    except (TypeError, *config_errors()) as e:  # an unknown model_type or key, no classifier head, keys that disagree
         raise ConfigError(f"{where}: no sequence classifier from it: {e}") from None
     # The batches are padded with the tokenizer's pad id, and a decoder-only classifier pools the last token that
     # is not config.pad_token_id: the two must agree, or training pools padding where the exported pipeline

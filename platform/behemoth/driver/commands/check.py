@@ -7,6 +7,7 @@ from pathlib import Path
 
 import yaml
 
+from behemoth.config.load import load_yaml
 from behemoth.driver.commands.args import add_config_args
 
 
@@ -42,8 +43,8 @@ def handle(args) -> int:
 def _is_sweep(path: str) -> bool:
     """A sweep YAML (job: and space: at its top) rather than a job's."""
     try:
-        raw = yaml.safe_load(Path(path).read_text())
-    except (OSError, yaml.YAMLError):
+        raw = load_yaml(Path(path).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):
         return False  # (the job loader says what is wrong with it)
     return isinstance(raw, dict) and "job" in raw and "space" in raw
 
