@@ -154,6 +154,100 @@ def test_parquet_missing_column_named(image_root, tmp_path):
         build_index(cfg(kind="image_parquet", train_files=[str(tmp_path / "x*.parquet")], val_files=["y"]))
 
 
+def _png(colour=(0, 0, 0)) -> bytes:
+    buf = io.BytesIO()
+    Image.new("RGB", (8, 8), colour).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def _parquet_job(tmp_path, train: dict, val: dict, **kw) -> ImageData:
+    """An image_parquet job over one train and one val file holding these columns (image column 'img', label
+    column 'cls' unless given)."""
+    for split, columns in (("train", train), ("val", val)):
+        pq.write_table(pa.table(columns), tmp_path / f"{split}.parquet")
+    return cfg(kind="image_parquet", train_files=[str(tmp_path / "train.parquet")],
+               val_files=[str(tmp_path / "val.parquet")], image_column="img", label_column="cls", **kw)
+
+
+@pytest.mark.parametrize("content", [b"img,cls\nx,cat\n", b"PAR1 truncated download"])
+def test_a_file_that_is_not_parquet_is_named_with_its_data_key(tmp_path, content):
+    """Audit item 1: a CSV named .parquet or a truncated download was pyarrow's ArrowInvalid traceback."""
+    job = _parquet_job(tmp_path, {"img": [_png()] * 2, "cls": ["cat", "dog"]}, {"img": [_png()], "cls": ["cat"]})
+    (tmp_path / "val.parquet").write_bytes(content)
+    with pytest.raises(DataError, match=rf"{tmp_path / 'val.parquet'} is not a parquet file pyarrow can read "
+                                        rf"\(.*\): write it again, or remove it from the data.val_files list"):
+        build_index(job)
+
+
+@pytest.mark.parametrize("column, values, expected", [
+    ("cls", [["cat"], ["dog"]], r"column 'cls' \(data.label_column\) is list<.*>: a label is a class name"),
+    ("cls", [{"name": "cat"}, {"name": "dog"}], r"column 'cls' \(data.label_column\) is struct<.*>: a label"),
+    ("cls", [0.0, 1.0], r"column 'cls' \(data.label_column\) is double: a label is a class name"),
+    ("img", ["a.png", "b.png"], (r"column 'img' \(data.image_column\) is string \(paths or text: the parquet "
+                                 r"must hold the images' bytes.*\): it must hold the encoded images")),
+    ("img", [1, 2], r"column 'img' \(data.image_column\) is int64: it must hold the encoded images, as binary"),
+    ("img", [{"bytes": None, "path": "a.png"}, {"bytes": _png(), "path": "b.png"}],
+     (r"column 'img' \(data.image_column\) has 1 images with 'bytes' null: they were saved by path, and the "
+      r"parquet must hold the image bytes")),
+])
+def test_parquet_columns_of_the_wrong_type_are_named_when_indexed(tmp_path, column, values, expected):
+    """Audit item 3: a list or struct label was ArrowNotImplementedError; an image column of paths or ints, or
+    HF structs saved by path, passed the index and failed in every decode task."""
+    train = {"img": [_png(), _png()], "cls": ["cat", "dog"], column: values}
+    job = _parquet_job(tmp_path, train, {"img": [_png()], "cls": ["cat"]})
+    with pytest.raises(DataError, match=rf"^{tmp_path / 'train.parquet'}: {expected}"):
+        build_index(job)
+    # the right types pass: HF structs with bytes, integer labels, pandas' categorical (a dictionary) labels
+    hf = [{"bytes": _png(), "path": None}] * 2
+    for labels in ([3, 7], pa.array(["cat", "dog"]).dictionary_encode()):
+        val_label = labels[:1] if isinstance(labels, list) else labels.slice(0, 1)
+        index = build_index(_parquet_job(tmp_path, {"img": hf, "cls": labels}, {"img": hf[:1], "cls": val_label}))
+        assert index.train.num_rows == 2 and index.val.num_rows == 1 and len(index.classes) == 2
+
+
+def test_parquet_val_labels_the_training_rows_lack_or_no_val_rows_are_refused(tmp_path):
+    """Audit item 4: train cat/dog with val 0/1 made 4 classes (two never trained on); a val file of no rows gave
+    val metrics of 0.0. Both are one line naming the validation file."""
+    train = {"img": [_png()] * 3, "cls": ["cat", "dog", "cat"]}
+    job = _parquet_job(tmp_path, train, {"img": [_png()] * 3, "cls": [0, 1, 0]})
+    with pytest.raises(DataError, match=rf"^{tmp_path / 'val.parquet'}: label\(s\) '0', '1' are not among the "
+                                        rf"training rows' labels \('cat', 'dog'\)"):
+        build_index(job)
+    job = _parquet_job(tmp_path, train, {"img": pa.array([], pa.binary()), "cls": pa.array([], pa.string())})
+    with pytest.raises(DataError, match=rf"^data: the val split has no rows \({tmp_path / 'val.parquet'}\)"):
+        build_index(job)
+    index = build_index(_parquet_job(tmp_path, train, {"img": [_png()], "cls": ["dog"]}))
+    assert index.classes == ["cat", "dog"] and index.val["label"].to_pylist() == [1]
+
+
+def test_image_folder_reads_every_still_image_format_and_leaves_other_files_out(tmp_path):
+    """Audit item 2: .webp, .bmp, .gif, .tif/.tiff images were skipped without a word (half of a folder of jpg,
+    JPEG, webp and bmp files). Each is indexed and decodes to RGB (a paletted GIF too); notes beside them are
+    not images and stay out."""
+    colour = (200, 40, 10)
+    formats = {"a.jpg": "JPEG", "b.JPEG": "JPEG", "c.webp": "WEBP", "d.bmp": "BMP", "e.gif": "GIF",
+               "f.tif": "TIFF", "g.TIFF": "TIFF", "h.png": "PNG"}
+    for split in ("train", "val"):
+        for cls in ("cat", "dog"):
+            folder = tmp_path / split / cls
+            folder.mkdir(parents=True)
+            for name, fmt in formats.items():
+                img = Image.new("RGB", (16, 16), colour)
+                paletted = img.convert("P", palette=Image.Palette.ADAPTIVE)  # the colour exactly, in a palette
+                (paletted if fmt == "GIF" else img).save(folder / name, format=fmt, lossless=True)
+            (folder / "notes.txt").write_text("not an image")
+            (folder / "meta.json").write_text("{}")
+    assert Image.open(tmp_path / "train" / "cat" / "e.gif").mode == "P"
+    index = index_image_folder(tmp_path)
+    assert index.train.num_rows == index.val.num_rows == 2 * len(formats)
+    assert {Path(p).name for p in index.train["path"].to_pylist()} == set(formats)
+    out = transform_batch(batch_of(index.train), cfg=cfg(augment="none"), seed=0, epoch=0, train=False)
+    assert out["valid"].all() and out["image"].shape == (2 * len(formats), 16, 16, 3)
+    lossy = [Path(p).suffix.lower() in (".jpg", ".jpeg") for p in index.train["path"].to_pylist()]
+    for image, jpeg in zip(out["image"], lossy):
+        np.testing.assert_allclose(image.reshape(-1, 3).mean(0), colour, atol=8 if jpeg else 0)
+
+
 def test_missing_folder_and_empty_class_named(tmp_path):
     with pytest.raises(DataError, match=f"data folder {tmp_path / 'nope'} does not exist"):
         index_image_folder(tmp_path / "nope")

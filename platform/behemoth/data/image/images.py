@@ -1,7 +1,7 @@
 """Image classification data: the job's `data:` section (ImageData) and the index of samples, built on the driver.
 
 Three layouts are read:
-- ImageFolder: ROOT/{train,val}/<class>/*.{png,jpg,jpeg} (the CIFAR/ImageNet layout);
+- ImageFolder: ROOT/{train,val}/<class>/*.{png,jpg,jpeg,webp,bmp,gif,tif,tiff} (the CIFAR/ImageNet layout);
 - parquet: files with an image-bytes column (raw bytes, or Hugging Face's {"bytes", "path"} struct) and a
   label column (class names or integers);
 - WebDataset tar shards: an image member and a .cls member per sample key (data/image/image_shards.py).
@@ -31,7 +31,10 @@ from behemoth.data.image.decode import MAX_IMAGE_PIXELS
 from behemoth.data.pipeline import expand_files
 from behemoth.storage.store import Store
 
-IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg"}
+# The still-image formats the WebDataset reader takes (image_shards.IMAGE_EXTENSIONS) and those Pillow decodes
+# as well (decode_rgb: a GIF's first frame, converted to RGB); anything else in a class folder (notes, JSON
+# sidecars) is not an image and is left out of the index.
+IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif", ".tif", ".tiff"}
 # One row per sample. `row`: -1 for an image file; the row in `path` for parquet; for a tar shard the byte
 # offset of the image member's data, `size` its length (-1 otherwise).
 INDEX_SCHEMA = pa.schema([("sample_id", pa.int64()), ("path", pa.string()), ("row", pa.int64()),
@@ -40,7 +43,7 @@ INDEX_SCHEMA = pa.schema([("sample_id", pa.int64()), ("path", pa.string()), ("ro
 
 @dataclass
 class ImageData(DataConfig):
-    """`data:` of an image job: image_folder (ROOT/{train,val}/<class>/*.{png,jpg,jpeg}), image_parquet
+    """`data:` of an image job: image_folder (ROOT/{train,val}/<class>/*.{png,jpg,webp,...}), image_parquet
     (data.train_files / val_files with an image-bytes column and a label column) or image_webdataset
     (data.train_files / val_files: tar shards)."""
 
@@ -240,7 +243,8 @@ def _list_class_folders(folder: Path) -> dict[str, list[Path]]:
     for class_dir in progress(class_dirs, f"indexing {folder}", unit="class"):
         files = sorted(p for p in class_dir.iterdir() if p.suffix.lower() in IMAGE_SUFFIXES)
         if not files:
-            raise DataError(f"class folder {class_dir} holds no .png/.jpg/.jpeg images: add some or remove it")
+            raise DataError(f"class folder {class_dir} holds no images ({'/'.join(sorted(IMAGE_SUFFIXES))}): add "
+                            f"some or remove it")
         found[class_dir.name] = files
     if not found:
         raise DataError(f"{folder} has no class folders: expected {folder}/<class>/*.png")
@@ -248,16 +252,23 @@ def _list_class_folders(folder: Path) -> dict[str, list[Path]]:
 
 
 def index_parquet(train_files: list[str], val_files: list[str], image_col: str, label_col: str) -> ImageIndex:
+    """The index of parquet files, every file's columns checked before Ray starts: a damaged file, an image
+    column without the image bytes or a label column that is neither names nor integers is one line naming the
+    file; so is a validation split with no rows or with labels the training split lacks."""
     labels = {}
     rows = {}
     for split, patterns in (("train", train_files), ("val", val_files)):
-        files = expand_files(patterns, f"data.{split}_files")
-        rows[split], labels[split] = _read_label_columns(files, image_col, label_col)
-    all_labels = pa.concat_arrays([labels["train"], labels["val"]])
+        key = f"data.{split}_files"
+        files = expand_files(patterns, key)
+        rows[split], labels[split] = _read_label_columns(files, image_col, label_col, key)
+        if not rows[split]:
+            raise DataError(f"data: the {split} split has no rows ({', '.join(files)}): fill the files or list others "
+                            f"in {key}")
     # Sorted class names, as text (integer labels too: "10" before "2"; changing it would renumber the classes
-    # of existing runs)
-    classes = [str(v) for v in sorted(set(all_labels.to_pylist()))]
+    # of existing runs). The training split's: a class only validation holds could never be predicted
+    classes = [str(v) for v in sorted(set(labels["train"].to_pylist()))]
     to_index = {name: i for i, name in enumerate(classes)}
+    _check_val_labels(rows["val"], labels["val"], to_index)
     tables = {
         split: _index_table([(p, r, to_index[str(v)]) for (p, r), v in zip(rows[split], labels[split].to_pylist())])
         for split in ("train", "val")
@@ -265,19 +276,74 @@ def index_parquet(train_files: list[str], val_files: list[str], image_col: str, 
     return ImageIndex(tables["train"], tables["val"], classes)
 
 
-def _read_label_columns(files: list[str], image_col: str, label_col: str):
+def _check_val_labels(rows: list[tuple[str, int]], labels: pa.Array, known: dict[str, int]) -> None:
+    """DataError naming the first validation file holding a label the training rows lack (train cat/dog, val
+    0/1 gave 4 classes, half of them never trained on), with a few of each side's labels."""
+    unknown: dict[str, list[str]] = {}
+    for (path, _), label in zip(rows, labels.to_pylist()):
+        if label not in known:
+            found = unknown.setdefault(path, [])
+            if label not in found:
+                found.append(label)
+    if unknown:
+        path, names = next(iter(unknown.items()))
+        few = ", ".join(repr(n) for n in sorted(names)[:5]) + (", ..." if len(names) > 5 else "")
+        trained = ", ".join(repr(n) for n in list(known)[:5]) + (", ..." if len(known) > 5 else "")
+        raise DataError(f"{path}: label(s) {few} are not among the training rows' labels ({trained}): validation "
+                        f"labels must name the same classes as data.train_files'")
+
+
+def _read_label_columns(files: list[str], image_col: str, label_col: str, key: str):
     rows, labels = [], []
     for f in files:
-        schema = pq.read_schema(f)
-        for col, key in ((image_col, "image_column"), (label_col, "label_column")):
+        try:
+            pf = pq.ParquetFile(f)
+        except (pa.ArrowException, OSError) as e:  # a truncated download, a CSV named .parquet
+            raise DataError(f"{f} is not a parquet file pyarrow can read ({' '.join(str(e).split())[:200]}): write "
+                            f"it again, or remove it from the {key} list") from None
+        schema = pf.schema_arrow
+        for col, col_key in ((image_col, "image_column"), (label_col, "label_column")):
             if col not in schema.names:
-                raise DataError(f"{f} has no column '{col}' (data.{key}); its columns: {schema.names}")
-        column = pq.read_table(f, columns=[label_col]).column(label_col).combine_chunks()
+                raise DataError(f"{f} has no column '{col}' (data.{col_key}); its columns: {schema.names}")
+        _check_image_column(f, pf, image_col)
+        label_type = schema.field(label_col).type
+        if pa.types.is_dictionary(label_type):  # pandas' categorical: its values are what counts
+            label_type = label_type.value_type
+        if not (pa.types.is_string(label_type) or pa.types.is_large_string(label_type)
+                or pa.types.is_integer(label_type)):
+            raise DataError(f"{f}: column '{label_col}' (data.label_column) is {label_type}: a label is a class "
+                            f"name (string) or an integer; point data.label_column at such a column")
+        column = pf.read(columns=[label_col]).column(label_col).combine_chunks()
         if column.null_count:
             raise DataError(f"{f}: column '{label_col}' has {column.null_count} empty labels")
         rows += [(f, i) for i in range(len(column))]
         labels.append(column.cast(pa.string()))
-    return rows, pa.concat_arrays(labels)
+    return rows, pa.concat_arrays(labels) if labels else pa.array([], pa.string())
+
+
+def _check_image_column(path: str, pf: pq.ParquetFile, column: str) -> None:
+    """DataError where `column` cannot hold encoded images: binary, or Hugging Face's {bytes, path} struct with
+    bytes in it. Read from the schema and the row groups' statistics, not from the images: a path or an int
+    passed the index and failed in every decode task; a struct saved by path (bytes null) made every sample
+    "cannot identify image file"."""
+    kind = pf.schema_arrow.field(column).type
+    struct = pa.types.is_struct(kind) and kind.get_field_index("bytes") >= 0
+    inner = kind.field("bytes").type if struct else kind
+    if not (pa.types.is_binary(inner) or pa.types.is_large_binary(inner)):
+        hint = (" (paths or text: the parquet must hold the images' bytes, or use data.kind image_folder on the "
+                "files)" if pa.types.is_string(inner) or pa.types.is_large_string(inner) else "")
+        raise DataError(f"{path}: column '{column}' (data.image_column) is {kind}{hint}: it must hold the encoded "
+                        f"images, as binary or as a struct with a binary 'bytes' field (Hugging Face's Image)")
+    if struct:
+        md = pf.metadata
+        leaf = f"{column}.bytes"
+        nulls = sum(c.statistics.null_count for g in range(md.num_row_groups)
+                    for c in (md.row_group(g).column(i) for i in range(md.num_columns))
+                    if c.path_in_schema == leaf and c.statistics is not None and c.statistics.has_null_count)
+        if nulls:
+            raise DataError(f"{path}: column '{column}' (data.image_column) has {nulls} images with 'bytes' null: "
+                            f"they were saved by path, and the parquet must hold the image bytes; write it with "
+                            f"the images embedded, or use data.kind image_folder on the image files")
 
 
 def index_webdataset(train_files: list[str], val_files: list[str], cache_dir: Path | None = None) -> ImageIndex:
