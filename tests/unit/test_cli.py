@@ -228,6 +228,24 @@ def test_export_imports_no_model_builder_that_only_the_checkpoint_names(tmp_path
     assert f"{out} is already a Hugging Face folder, not a behemoth checkpoint" in capsys.readouterr().err
 
 
+def test_export_writes_a_local_folder_refusing_a_uri_and_expanding_home(tmp_path, monkeypatch, capsys):
+    """--out is a local folder: a URI is refused in one line before any checkpoint is read (no code imported,
+    nothing written; Path made a folder ./s3:/bucket/x of it), and ~ is the home folder, not a folder named ~."""
+    module, marker = _hostile_module(tmp_path, monkeypatch)
+    run = _run_of(tmp_path, job_dict(tmp_path / "images", tmp_path / "runs", model={"name": f"{module}:build"}))
+    (tmp_path / "cwd").mkdir()
+    monkeypatch.chdir(tmp_path / "cwd")
+    for uri in ("s3://bucket/x", "gs://bucket/x"):
+        assert main(["export", str(run), "--out", uri, "--model-code", f"{module}:build"]) == 2
+        err = capsys.readouterr().err
+        assert f"--out {uri} is a URI: export writes a local folder" in err and err.count("\n") == 1
+    assert not marker.exists() and os.listdir(tmp_path / "cwd") == []
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert main(["export", str(run), "--out", "~/exported", "--model-code", f"{module}:build"]) == 0
+    assert (tmp_path / "home" / "exported" / "model.safetensors").is_file()
+    assert os.listdir(tmp_path / "cwd") == []
+
+
 def test_export_imports_no_task_that_only_the_checkpoint_names(tmp_path, monkeypatch, capsys):
     module, marker = _hostile_module(tmp_path, monkeypatch)
     run = _run_of(tmp_path, job_dict(tmp_path / "images", tmp_path / "runs", data={"kind": f"{module}:Task"},

@@ -122,6 +122,27 @@ def test_a_damaged_cache_is_detected_and_built_again(image_root, tmp_path, damag
     assert any("building it again" in line for line in said), said
 
 
+@pytest.mark.parametrize("name", ["../../../outside.npy", "absolute", "sub/pixels-00000.npy"])
+def test_a_manifest_naming_a_file_outside_the_cache_is_damage(image_root, tmp_path, name):
+    """A shard's name in manifest.json is joined onto the cache's folder and memory-mapped: one naming a file
+    elsewhere (here a copy of the shard, its size and time the same, so only the name can tell) is damage,
+    and the cache is built again, its own shard named."""
+    index = index_image_folder(image_root)
+    plan, _ = build(index.train, tmp_path / "cache")
+    folder = Path(plan.folder)
+    name = str(tmp_path / "outside.npy") if name == "absolute" else name
+    (folder / name).parent.mkdir(parents=True, exist_ok=True)
+    shutil.copy2(folder / "pixels-00000.npy", folder / name)  # (copy2: the same modification time)
+    manifest = json.loads((folder / "manifest.json").read_text())
+    manifest["shards"][0]["file"] = name
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+    assert "not a file's plain name inside the cache's folder" in image_cache.check(folder, plan)
+    said = []
+    image_cache_build.open_or_build(plan, index.train, workers=False, log=said.append)
+    assert image_cache.check(folder, plan) is None and any("building it again" in line for line in said), said
+    assert json.loads((folder / "manifest.json").read_text())["shards"][0]["file"] == "pixels-00000.npy"
+
+
 def test_an_untouched_cache_is_opened_not_built_and_a_copied_one_is_checked_by_hash(image_root, tmp_path):
     index = index_image_folder(image_root)
     plan, _ = build(index.train, tmp_path / "cache")

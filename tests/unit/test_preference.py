@@ -5,6 +5,7 @@ gradient from a prompt or padding token. Without Ray (a run: tests/integration/t
 
 import json
 import random
+import re
 from types import SimpleNamespace
 
 import numpy as np
@@ -352,6 +353,34 @@ def test_the_references_identity_changes_with_its_starting_folder_local_or_under
         assert reference_identity(cfg, index) != before
     cfg.train.init_from = str(tmp_path / "missing")
     assert reference_identity(cfg, index)["init_from_files"] is None
+
+
+def test_a_found_references_table_names_only_its_own_files(tmp_path):
+    """A reference found beside the token cache is read from its meta.json: a file named outside its folder
+    ('..', a '/', absolute) or a "folder" key among the splits (it would move the folder the workers read) is a
+    damaged reference, refused naming meta.json, never read; a whole one is returned with its own folder."""
+    from behemoth.tasks.preference_reference import precompute_reference, reference_folder, reference_identity
+
+    cfg, index = _task().cfg, SimpleNamespace(stats={"cache": str(tmp_path / "tokens")})
+    folder = reference_folder(reference_identity(cfg, index), index)
+    (tmp_path / "tokens" / folder.rsplit("/", 1)[1]).mkdir(parents=True)
+    entry = {"file": "val.npz", "sha256": "0" * 64}
+
+    def found(files):
+        (tmp_path / folder / "meta.json").write_text(json.dumps({"identity": {}, "files": files}))
+        return precompute_reference(PreferenceLM, cfg, index)
+
+    whole = {"train": {"file": "train.npz", "sha256": "1" * 64}, "val": entry}
+    assert found(whole) == ({"folder": folder, **whole}, False)
+    for bad in ({"train": {"file": "../../../outside.npz", "sha256": "1" * 64}, "val": entry},
+                {"train": {"file": "sub/train.npz", "sha256": "1" * 64}, "val": entry},
+                {"train": {"file": str(tmp_path / "outside.npz"), "sha256": "1" * 64}, "val": entry},
+                {**whole, "folder": str(tmp_path)}, {"train": whole["train"]}, ["train.npz"]):
+        with pytest.raises(DataError, match=re.escape(f"{folder}/meta.json is not a DPO")):
+            found(bad)
+    (tmp_path / folder / "meta.json").write_text("{not json")
+    with pytest.raises(DataError, match="meta.json is not a DPO reference's table"):
+        precompute_reference(PreferenceLM, cfg, index)
 
 
 def test_the_starting_weights_are_held_in_model_dtype_as_the_policy_is():

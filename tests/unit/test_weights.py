@@ -1,6 +1,7 @@
 """behemoth.storage.weights: which folder the weights come from, and loading them into a freshly built model."""
 
 import json
+import re
 
 import pyarrow.fs
 import pytest
@@ -55,6 +56,33 @@ def test_read_verifies_a_checkpoint_and_reads_hugging_face_files(tmp_path):
     (hf / "config.json").write_text("{}")
     save_file(model.state_dict(), hf / "model.safetensors")
     assert weights.is_hf_folder(hf) and torch.equal(weights.read_state_dict(hf)["bias"], model.bias)
+
+
+def test_a_sharded_hugging_face_folder_reads_only_shards_inside_it(tmp_path):
+    """model.safetensors.index.json's shard names are joined onto the folder and loaded: one in a subfolder
+    reads, one with '..' or an absolute one (a file elsewhere, here real weights) is refused naming the index
+    file and the shard, before anything is loaded."""
+    from safetensors.torch import save_file
+
+    model = torch.nn.Linear(3, 2)
+    hf = tmp_path / "hf"
+    (hf / "sub").mkdir(parents=True)
+    (hf / "config.json").write_text("{}")
+    save_file({"weight": model.weight.detach()}, hf / "sub" / "a.safetensors")
+    save_file({"bias": model.bias.detach()}, tmp_path / "elsewhere.safetensors")
+
+    def index(bias_shard):
+        weight_map = {"weight": "sub/a.safetensors", "bias": bias_shard}
+        (hf / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+
+    save_file({"bias": model.bias.detach()}, hf / "b.safetensors")
+    index("b.safetensors")
+    assert torch.equal(weights.read_state_dict(hf)["weight"], model.weight)
+    outside = ("../elsewhere.safetensors", str(tmp_path / "elsewhere.safetensors"), "sub/../../elsewhere.safetensors")
+    for shard in outside:
+        index(shard)
+        with pytest.raises(CheckpointError, match=re.escape(f"index.json names the shard {shard!r}, which is not")):
+            weights.read_state_dict(hf)
 
 
 def test_load_takes_every_tensor_but_an_allowed_head_and_names_what_does_not_fit():

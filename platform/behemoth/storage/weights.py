@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Callable, Iterator, Optional
 
 from behemoth.storage.checkpoint import MANIFEST, SHARDED_FORMATS, complete_checkpoints, read_manifest, verify, weight_files
 from behemoth.storage.filesystem import filesystem, is_uri, read_file
+from behemoth.storage.paths import is_inside
 from behemoth.errors import CheckpointError
 
 if TYPE_CHECKING:  # imported where used: reading a job config imports this module, and needs no torch
@@ -170,12 +171,24 @@ def _read_state_dict(p: Path, path: str | Path) -> dict:
     if (p / "model.safetensors").is_file():
         return load_file(p / "model.safetensors")
     if (p / "model.safetensors.index.json").is_file():
-        shards = sorted(set(json.loads((p / "model.safetensors.index.json").read_text())["weight_map"].values()))
-        return {k: v for shard in shards for k, v in load_file(p / shard).items()}
+        return {k: v for shard in _index_shards(p, path) for k, v in load_file(p / shard).items()}
     if (p / "pytorch_model.bin").is_file():
         return torch.load(p / "pytorch_model.bin", map_location="cpu", weights_only=True)
     raise CheckpointError(f"{path}: no model weights found (a checkpoint's {MANIFEST} and model.pt, or "
                           f"{' / '.join(HF_WEIGHT_FILES)})")
+
+
+def _index_shards(p: Path, path: str | Path) -> list[str]:
+    """The shard files a Hugging Face folder's model.safetensors.index.json names, each checked to stay inside
+    the folder: they are joined onto it and read, so '..' or an absolute name would load weights from elsewhere."""
+    index = "model.safetensors.index.json"
+    shards = sorted(set(json.loads((p / index).read_text())["weight_map"].values()), key=str)
+    for shard in shards:
+        if not is_inside(shard):
+            raise CheckpointError(f"{path}/{index} names the shard {shard!r}, which is not a file inside its "
+                                  f"folder (absolute, or with a '..' or empty part): name each shard by its "
+                                  f"path inside the folder")
+    return shards
 
 
 # (key, tensor of the model, tensor of the source) -> may this key keep its fresh initialisation

@@ -16,6 +16,7 @@ import torch
 
 from behemoth.config import JobConfig
 from behemoth.errors import DataError
+from behemoth.storage.paths import is_inside
 from behemoth.storage.store import Store
 from behemoth.tasks.dpo import pairs_per_row, sequence_logps
 
@@ -68,6 +69,12 @@ def reference_identity(cfg: JobConfig, index) -> dict:
             "dtype": cfg.model.dtype, "tf32": cfg.train.tf32, "gpu": cfg.scaling.use_gpu}
 
 
+def reference_folder(identity: dict, index) -> str:
+    """Where the reference of this identity is kept: beside the token cache, under its fingerprint."""
+    key = hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    return f"{index.stats['cache']}/reference-{key}"
+
+
 def precompute_reference(task_class, cfg: JobConfig, index) -> tuple[dict, bool]:
     """The reference's table per split as the workers read it, {folder, train: {file, sha256}, val: {...}}, and
     whether it was computed now (a Ray Data pass, written) rather than found. Needs Ray."""
@@ -82,12 +89,13 @@ def precompute_reference(task_class, cfg: JobConfig, index) -> tuple[dict, bool]
         chosen, _ = weights.resolve(cfg.train.init_from, cfg.train.init_from_checkpoint, task_class.best)
         cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, init_from=chosen))
     identity = reference_identity(cfg, index)
-    key = hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()[:16]
-    folder = f"{index.stats['cache']}/reference-{key}"
+    folder = reference_folder(identity, index)
     try:
-        return {"folder": folder, **json.loads(Store(f"{folder}/meta.json").read_bytes())["files"]}, False
+        found = Store(f"{folder}/meta.json").read_bytes()
     except FileNotFoundError:
-        pass
+        found = None
+    if found is not None:
+        return {**_found_files(folder, found), "folder": folder}, False
     workers = cfg.scaling.min_workers
     per_worker = cfg.train.global_batch_size // workers  # (the run's micro-batch: the pass holds whole logits too)
     micro = cfg.train.micro_batch_size
@@ -108,4 +116,22 @@ def precompute_reference(task_class, cfg: JobConfig, index) -> tuple[dict, bool]
             (local / f"{split}.npz").write_bytes(data)
             files[split] = {"file": f"{split}.npz", "sha256": hashlib.sha256(data).hexdigest()}
         (local / "meta.json").write_text(json.dumps({"identity": identity, "files": files}, default=str))
-    return {"folder": folder, **files}, True
+    return {**files, "folder": folder}, True
+
+
+def _found_files(folder: str, raw: bytes) -> dict:
+    """The {train, val} table a found meta.json records, each file one plain name inside `folder`: the workers
+    read f"{folder}/{file}", so a name with a '/' or '..' (or a key that is not a split, "folder" among them)
+    would read a file outside the reference; else DataError, the reference damaged."""
+    try:
+        files = json.loads(raw)["files"]
+        ok = isinstance(files, dict) and set(files) == {"train", "val"} and all(
+            isinstance(entry, dict) and isinstance(entry.get("sha256"), str) and is_inside(entry.get("file"))
+            and "/" not in entry["file"] for entry in files.values())
+    except (ValueError, TypeError, KeyError):  # (not JSON, or not an object holding "files")
+        ok = False
+    if not ok:
+        raise DataError(f"{folder}/meta.json is not a DPO reference's table (train and val, each one file named "
+                        f"plainly inside its folder, and its sha256): the reference is damaged; delete {folder} "
+                        f"and rerun to compute it again")
+    return {split: {"file": entry["file"], "sha256": entry["sha256"]} for split, entry in files.items()}

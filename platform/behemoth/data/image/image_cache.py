@@ -37,6 +37,7 @@ import pyarrow as pa
 
 from behemoth.data.image.decode import MAX_IMAGE_PIXELS
 from behemoth.errors import DataError
+from behemoth.storage.paths import is_inside
 
 FORMAT = 2  # 2: the manifest names the image column and Pillow's version
 # What decode_fitted stores: change it whenever decode_rgb or center_fit would give other pixels for the same bytes
@@ -203,6 +204,10 @@ def check(folder: Path, cache: CachePlan) -> str | None:
     if made_for != (FORMAT, cache.rows, cache.size, cache.image_column, cache.views):
         return "made for other data"
     for entry in [*manifest["shards"], manifest["valid"], *([manifest["sizes"]] if cache.views else [])]:
+        # DecodedImages memory-maps folder / file: a name with a '/' or '..', or an absolute one, would read a
+        # file outside the cache, so the manifest is damaged (and the cache built again)
+        if not is_inside(entry["file"]) or "/" in entry["file"]:
+            return f"manifest.json names {entry['file']!r}, not a file's plain name inside the cache's folder"
         path = folder / entry["file"]
         try:
             st = path.stat()

@@ -36,6 +36,7 @@ from behemoth.models import registry
 from behemoth.models.lora import is_adapted
 from behemoth.tasks import task_of
 from behemoth.tasks.registry import is_custom_kind
+from behemoth.storage.filesystem import is_uri
 from behemoth.storage.store import Store
 from behemoth.driver.commands.args import add_trusted_code_args
 
@@ -62,8 +63,11 @@ ADAPTER_FOLDER = "adapter"  # model.lora: PEFT's adapter folder, beside the merg
 
 def export(path: str, out: str, which: str = "best", trusted: TrustedCode = TrustedCode()) -> tuple[Path, str]:
     """Write the export of `path` (a checkpoint folder, or a run folder: its `which` checkpoint) to `out`, a
-    new or empty folder. Returns (the folder, which checkpoint was exported and why)."""
-    out_dir = Path(out)
+    new or empty local folder (`~` expanded). Returns (the folder, which checkpoint was exported and why)."""
+    if is_uri(out):  # refused before anything is read: Path would make a local folder ./s3:/bucket/x of it
+        raise ConfigError(f"--out {out} is a URI: export writes a local folder; export into one (--out "
+                          f"exports/NAME) and copy that folder to {out} afterwards with your storage's tool")
+    out_dir = Path(out).expanduser()
     if out_dir.exists() and any(out_dir.iterdir()):
         raise ConfigError(f"--out {out} is not empty: export into a new folder (nothing is overwritten)")
     with tempfile.TemporaryDirectory(prefix="behemoth-kept-") as kept:
@@ -221,7 +225,8 @@ def add_command(sub) -> None:
     p = sub.add_parser("export", help="write a checkpoint as a Hugging Face model folder (save_pretrained: "
                        "safetensors, config with labels, image processor or tokenizer, model card)")
     p.add_argument("checkpoint", help="a checkpoint folder, or a run folder (its best checkpoint by default)")
-    p.add_argument("--out", required=True, help="a new (or empty) folder to write")
+    p.add_argument("--out", required=True, help="a new (or empty) local folder to write (not a URI: copy the "
+                   "folder to a bucket afterwards)")
     pick = p.add_mutually_exclusive_group()
     pick.add_argument("--best", dest="which", action="store_const", const="best", default="best",
                       help="a run folder's best checkpoint by the task's metric (default)")
