@@ -69,7 +69,7 @@ def test_values_checked(tmp_path):
     with pytest.raises(ConfigError, match="train.lr must be > 0"):
         load_config(write(tmp_path, "train:\n  lr: 0\n"))
     with pytest.raises(ConfigError, match="data.kind image_folder cannot train model.name resnet19: it is not a known "
-                                          "model; did you mean 'resnet18'"):
+                                          "model for this task; did you mean 'resnet18'"):
         load_config(write(tmp_path, "model:\n  name: resnet19\n"))
 
 
@@ -135,6 +135,42 @@ def test_a_config_that_is_not_utf8_is_one_line(tmp_path):
     p.write_bytes("# caf\xe9\ndata:\n  root: /x\n".encode("latin-1"))
     with pytest.raises(ConfigError, match=r"job.yaml is not UTF-8 text \(byte 0xe9 at offset 5\): save it as UTF-8"):
         load_config(p)
+
+
+def test_max_bad_samples_is_refused_where_nothing_would_be_dropped(tmp_path):
+    """text and text_classification refuse an unreadable record in the check whatever the budget: a budget given
+    there was taken without a word and never used. Chat (which drops bad conversations) keeps it."""
+    text = ("data:\n  kind: {kind}\n  train_files: [a.jsonl]\n  val_files: [b.jsonl]\n  max_bad_samples: 5\n"
+            "  tokenizer: /some/tokenizer\n")
+    for kind in ("text", "text_classification"):
+        with pytest.raises(ConfigError, match=rf"data.max_bad_samples is for images .* a {kind} record that cannot "
+                                              r"be read stops the check naming its file and line"):
+            load_config(write(tmp_path, text.format(kind=kind) + "model:\n  name: causal_lm\n"))
+    cfg = load_config(write(tmp_path, text.format(kind="chat") + "model:\n  name: causal_lm\n"
+                            "  hf_config: {model_type: llama}\n"))
+    assert cfg.data.max_bad_samples == 5
+
+
+def test_training_data_that_makes_no_sample_is_a_data_error_not_batch_advice(tmp_path):
+    """An empty corpus (or zero parquet rows) was answered 'train.global_batch_size 1 exceeds the 0 training
+    samples ... Lower it to at most 0'."""
+    from behemoth.driver.run import preflight
+    from behemoth.errors import DataError
+
+    cfg = load_config(write(tmp_path, "data:\n  kind: text\n  train_files: [corpus/*.txt]\n  val_fraction: 0.1\n"
+                            "  seq_len: 64\n  tokenizer: /t\nmodel:\n  name: causal_lm\n"
+                            "  hf_config: {model_type: llama}\n"))
+    with pytest.raises(DataError, match=r"^the training data \(corpus/\*.txt\) makes no training sample \(for "
+                                        r"text: not one block of data.seq_len 64 tokens\): check that its files"):
+        preflight.check_epoch(cfg, 0)
+    with pytest.raises(ConfigError, match="exceeds the 3 training samples"):
+        preflight.check_epoch(cfg, 3)
+
+
+def test_an_unknown_model_name_reads_in_order(tmp_path):
+    with pytest.raises(ConfigError, match=r"it is not a known model for this task; did you mean 'resnet50'\? "
+                                          r"\(known: "):
+        load_config(write(tmp_path, "model:\n  name: resnet5\n"))
 
 
 def test_missing_and_invalid_files(tmp_path):

@@ -144,7 +144,8 @@ def test_model_configs_transformers_refuses_are_one_line_before_ray(image_root, 
                                                   "num_attention_heads": 5})
     with pytest.raises(ConfigError, match=r"^model.hf_config: .*hidden size \(64\).* attention heads \(5\)"):
         causal_lm_config(lm, vocab_size=100, eos_id=0, bos_id=None)
-    job = job_dict(image_root, tmp_path / "runs", model={"name": "image_classifier", "hf_config": {"model_type": "vitt"}})
+    vitt = {"name": "image_classifier", "hf_config": {"model_type": "vitt"}}
+    job = job_dict(image_root, tmp_path / "runs", model=vitt)
     (tmp_path / "job.yaml").write_text(yaml.safe_dump(job))
     assert main(["check", str(tmp_path / "job.yaml")]) == 2
     err = capsys.readouterr().err

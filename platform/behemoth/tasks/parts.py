@@ -220,7 +220,7 @@ class TaskModel(abc.ABC):
         model, known = cfg.model, [*cls.model_names, *cls.hf_models]
         if ":" not in model.name and model.name not in known:
             raise ConfigError(f"data.kind {cfg.data.kind} cannot train model.name {model.name}: it is not a known "
-                              f"model{did_you_mean(model.name, known)} for this task (known: "
+                              f"model for this task{did_you_mean(model.name, known)} (known: "
                               f"{', '.join(known) or 'none'}; "
                               f"or your own builder as my_package.my_module:function)")
         if model.name in cls.hf_models:

@@ -21,6 +21,7 @@ import pyarrow as pa
 
 from behemoth.config import DataConfig
 from behemoth.data.pipeline import expand_files, ordered_data_context
+from behemoth.data.text.text import NO_BAD_SAMPLES
 from behemoth.errors import ConfigError, DataError
 
 _READERS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
@@ -54,6 +55,8 @@ class LabelledTextData(DataConfig):
                               "(jsonl, csv or parquet), or data.hf_dataset")
         if self.train_files and not self.val_files:
             raise ConfigError("data: no validation rows: set data.val_files")
+        if self.max_bad_samples:
+            raise ConfigError(NO_BAD_SAMPLES.format(kind="text_classification"))
         if not self.tokenizer:
             raise ConfigError("data.tokenizer is empty: set a tokenizer folder or hub name "
                               "(behemoth data train-tokenizer makes one from your texts)")

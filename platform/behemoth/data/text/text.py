@@ -44,6 +44,14 @@ FIRST_BYTES, FIRST_RECORDS = 1 << 13, 16  # what the driver reads of every file 
 _FORMATS = {".txt": "txt", ".text": "txt", ".jsonl": "jsonl", ".json": "jsonl", ".parquet": "parquet"}
 
 
+# A text record that cannot be read (a field that is not text, a line that is not JSON) is refused by the check,
+# naming its file and line, before any of it is tokenised: there is nothing for data.max_bad_samples to drop, and
+# a budget that was taken but never used said it would skip what it did not.
+NO_BAD_SAMPLES = ("data.max_bad_samples is for images (undecodable ones) and chat or preference records: a "
+                   "{kind} record that cannot be read stops the check naming its file and line; mend or remove it, "
+                   "and leave data.max_bad_samples at 0")
+
+
 @dataclass
 class TextData(DataConfig):
     """`data:` of a language-model job (kind: text): text files (data.train_files / val_files) or a Hugging
@@ -87,6 +95,8 @@ class TextData(DataConfig):
                               "or data.hf_dataset")
         if self.train_files and self.hf_dataset:
             raise ConfigError("data.train_files and data.hf_dataset are both set: keep one")
+        if self.max_bad_samples and self.kind == "text":  # (chat and preference, this class's heirs, drop them)
+            raise ConfigError(NO_BAD_SAMPLES.format(kind="text"))
         if not self.tokenizer:
             raise ConfigError("data.tokenizer is empty: set a tokenizer folder or hub name "
                               "(behemoth data train-tokenizer makes one from your corpus)")

@@ -11,7 +11,7 @@ import importlib.util
 import sys
 
 from behemoth.config import JobConfig
-from behemoth.errors import CheckpointError, ConfigError
+from behemoth.errors import CheckpointError, ConfigError, DataError
 from behemoth.models import registry
 from behemoth.models.sources import check_source, hub_endpoint
 
@@ -87,6 +87,11 @@ def check_epoch(cfg: JobConfig, samples: int | None) -> None:
     (where they are known: `samples` None is a text corpus not yet packed, whose steps only train.max_steps
     bounds)."""
     batch = cfg.train.global_batch_size
+    if samples == 0:  # (advice to lower the batch "to at most 0" helps no one: the data is what is wrong)
+        blocks = (f" (for {cfg.data.kind}: not one block of data.seq_len {cfg.data.seq_len} tokens)"
+                  if hasattr(cfg.data, "seq_len") else "")
+        raise DataError(f"the training data ({cfg.data.source()}) makes no training sample{blocks}: check that "
+                        f"its files hold what data.kind {cfg.data.kind} reads, or point the data keys at others")
     if samples is not None and samples < batch:
         raise ConfigError(f"train.global_batch_size {batch} exceeds the {samples} training samples: an epoch would "
                           f"have no step. Lower it to at most {samples} (a divisor of the workers' split: "
