@@ -173,6 +173,23 @@ def test_an_unknown_model_name_reads_in_order(tmp_path):
         load_config(write(tmp_path, "model:\n  name: resnet5\n"))
 
 
+def test_settings_that_would_be_dropped_without_a_word_are_refused(tmp_path):
+    """An empty job file (refused by its first missing key, data.root, as if the file held something);
+    data.val_fraction beside data.val_files (the files won); train.early_stopping with no evaluation to watch
+    (it never stopped anything)."""
+    (tmp_path / "empty.yaml").write_text("# nothing yet\n")
+    with pytest.raises(ConfigError, match=r"empty.yaml is empty: it must hold a mapping of sections"):
+        load_config(tmp_path / "empty.yaml")
+    text = ("data:\n  kind: text\n  train_files: [a.jsonl]\n  val_files: [b.jsonl]\n  val_fraction: 0.1\n"
+            "  tokenizer: /t\nmodel:\n  name: causal_lm\n  hf_config: {model_type: llama}\n")
+    with pytest.raises(ConfigError, match=r"data.val_files and data.val_fraction 0.1 are both set"):
+        load_config(write(tmp_path, text))
+    with pytest.raises(ConfigError, match=r"train.early_stopping watches the evaluations' metric, and none are made"):
+        load_config(write(tmp_path, "train:\n  early_stopping: {}\neval:\n  per_epoch: false\n"))
+    assert load_config(write(tmp_path, "train:\n  early_stopping: {}\neval:\n  per_epoch: false\n"
+                                       "  every_n_steps: 50\n")).train.early_stopping.patience > 0
+
+
 def test_missing_and_invalid_files(tmp_path):
     with pytest.raises(ConfigError, match="does not exist"):
         load_config(tmp_path / "nope.yaml")

@@ -60,12 +60,14 @@ def read_yaml_mapping(path: str | Path, what: str = "config file", holds: str = 
     if not p.is_file():
         raise ConfigError(f"{what} {p} does not exist")
     try:
-        raw = load_yaml(p.read_text(encoding="utf-8")) or {}
+        raw = load_yaml(p.read_text(encoding="utf-8"))
     except UnicodeDecodeError as e:
         raise ConfigError(f"{p} is not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset {e.start}): save it "
                           f"as UTF-8") from None
     except yaml.YAMLError as e:
         raise ConfigError(f"{p} is not valid YAML: {' '.join(str(e).split())}") from None
+    if raw is None:  # (every default is no job: the first missing key's message hid that the file is empty)
+        raise ConfigError(f"{p} is empty: it must hold a mapping of {holds}")
     if not isinstance(raw, dict):
         raise ConfigError(f"{p} must hold a mapping of {holds}")
     return raw

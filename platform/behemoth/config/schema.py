@@ -350,6 +350,9 @@ class JobConfig:
             raise ConfigError(f"train.ema_decay keeps a full copy of the model on every worker and writes it whole: "
                               f"it needs scaling.strategy ddp and checkpoint.format full (got "
                               f"{self.scaling.strategy}, {self.checkpoint.format})")
+        if self.train.early_stopping is not None and not (self.eval.per_epoch or self.eval.every_n_steps):
+            raise ConfigError("train.early_stopping watches the evaluations' metric, and none are made (eval.per_epoch "
+                              "false, no eval.every_n_steps): turn one on, or drop train.early_stopping")
         if self.scaling.strategy != "ddp" and self.train.grad_compression != "none":
             raise ConfigError(f"train.grad_compression {self.train.grad_compression} is a DDP communication hook; "
                               f"scaling.strategy {self.scaling.strategy} reduce-scatters its own gradients: "

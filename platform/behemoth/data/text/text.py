@@ -102,6 +102,9 @@ class TextData(DataConfig):
                               "(behemoth data train-tokenizer makes one from your corpus)")
         if not 0 <= self.val_fraction < 1:
             raise ConfigError(f"data.val_fraction must be in [0, 1), got {self.val_fraction}")
+        if self.val_files and self.val_fraction:  # (the files won, and the fraction was dropped without a word)
+            raise ConfigError(f"data.val_files and data.val_fraction {self.val_fraction} are both set: validation "
+                              f"is one or the other; keep one")
         if self.train_files and not self.val_files and self.val_fraction == 0:
             raise ConfigError("data: no validation text: set data.val_files or data.val_fraction (e.g. 0.05)")
         if self.seq_len < 2:
