@@ -159,6 +159,7 @@ ASKS_WHETHER_A_PATH = {
     "driver/commands/cluster_check.py": "advice: a local storage_path on a multi-node cluster is each node's own",
     "driver/commands/kuberay_check.py": "the same advice per pod; the run's records read offline, from a path only",
     "driver/commands/data_bench.py": "its figures are kept beside a local cache, replaced under a file lock",
+    "driver/commands/export.py": "save_pretrained writes a local folder: a URI for --out is refused, said why",
 }
 
 

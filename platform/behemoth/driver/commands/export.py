@@ -36,7 +36,6 @@ from behemoth.models import registry
 from behemoth.models.lora import is_adapted
 from behemoth.tasks import task_of
 from behemoth.tasks.registry import is_custom_kind
-from behemoth.storage.filesystem import is_uri
 from behemoth.storage.store import Store
 from behemoth.driver.commands.args import add_trusted_code_args
 
@@ -64,7 +63,7 @@ ADAPTER_FOLDER = "adapter"  # model.lora: PEFT's adapter folder, beside the merg
 def export(path: str, out: str, which: str = "best", trusted: TrustedCode = TrustedCode()) -> tuple[Path, str]:
     """Write the export of `path` (a checkpoint folder, or a run folder: its `which` checkpoint) to `out`, a
     new or empty local folder (`~` expanded). Returns (the folder, which checkpoint was exported and why)."""
-    if is_uri(out):  # refused before anything is read: Path would make a local folder ./s3:/bucket/x of it
+    if not Store(out).is_local:  # refused before anything is read: Path would make a local ./s3:/bucket/x of it
         raise ConfigError(f"--out {out} is a URI: export writes a local folder; export into one (--out "
                           f"exports/NAME) and copy that folder to {out} afterwards with your storage's tool")
     out_dir = Path(out).expanduser()
