@@ -318,6 +318,16 @@ def test_a_full_disk_fails_a_sharded_checkpoint_cleanly_on_a_real_filesystem(sma
     checkpoint.verify(earlier)
 
 
+def _save_at(run, steps: dict[str, int]) -> None:
+    """A tiny model's full checkpoint under each name in `run`, at its step."""
+    model = build_model("regnet_tiny_cifar", 4)
+    opt = build_optimizer(model, CFG)
+    sched = lr_schedule(opt, CFG, 10)
+    for name, step in steps.items():
+        live_state.save(run / name, model=model, optimizer=opt, scheduler=sched, state=TrainState(step=step),
+                        task_files={}, job_yaml="")
+
+
 def test_retention_reaches_checkpoints_ray_train_never_registered(tmp_path):
     """A run resumed from a checkpoint Ray Train never registered (its driver died between the upload and the
     registration): at the end, checkpoint.keep applies to it too. Complete checkpoints older than every one Ray
@@ -331,12 +341,7 @@ def test_retention_reaches_checkpoints_ray_train_never_registered(tmp_path):
     cfg = config_from_dict({"data": {"root": "x"}, "checkpoint": {"storage_path": str(tmp_path), "run_name": "r",
                                                                    "keep": 2}})
     run = tmp_path / "r"
-    model = build_model("regnet_tiny_cifar", 4)
-    opt = build_optimizer(model, CFG)
-    sched = lr_schedule(opt, CFG, 10)
-    for s in (3, 6, 9, 12, 15):
-        live_state.save(run / f"checkpoint_{s:02d}", model=model, optimizer=opt, scheduler=sched,
-                           state=TrainState(step=s), task_files={}, job_yaml="")
+    _save_at(run, {f"checkpoint_{s:02d}": s for s in (3, 6, 9, 12, 15)})
     (run / "checkpoint_15" / "manifest.json").unlink()  # an upload cut short: not this function's business
     kept = [(SimpleNamespace(path=str(run / f"checkpoint_{s:02d}")), {}) for s in (9, 12)]
     removed = retire_unregistered(run_place(cfg), kept)
@@ -365,18 +370,9 @@ def test_a_users_folders_in_a_run_folder_and_an_unreadable_state_are_never_remov
     cfg = config_from_dict({"data": {"root": "x"}, "checkpoint": {"storage_path": str(tmp_path), "run_name": "r",
                                                                    "keep": 1}})
     run = tmp_path / "r"
-    model = build_model("regnet_tiny_cifar", 4)
-    opt = build_optimizer(model, CFG)
-    sched = lr_schedule(opt, CFG, 10)
-
-    def save(name, step):
-        live_state.save(run / name, model=model, optimizer=opt, scheduler=sched, state=TrainState(step=step),
-                        task_files={}, job_yaml="")
-
-    save("checkpoint_2026-01-01_00-00-03.000000", 3)
-    save("checkpoint_2026-01-01_00-00-06.000000", 6)
-    save("checkpoint_2026-01-01_00-00-09.000000", 9)
-    save("checkpoint_best_copy", 3)  # the user's copy of the step-3 checkpoint, manifest and all
+    _save_at(run, {"checkpoint_2026-01-01_00-00-03.000000": 3, "checkpoint_2026-01-01_00-00-06.000000": 6,
+                   "checkpoint_2026-01-01_00-00-09.000000": 9,
+                   "checkpoint_best_copy": 3})  # (the user's copy of the step-3 checkpoint, manifest and all)
     (run / "checkpoint_2026-01-01_00-00-06.000000" / "train_state.json").write_text("{not json")  # unreadable
     (run / "checkpoint_best_hf").mkdir()  # the user's export, written there
     (run / "checkpoint_best_hf" / "config.json").write_text("{}")
