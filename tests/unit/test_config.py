@@ -167,6 +167,24 @@ def test_training_data_that_makes_no_sample_is_a_data_error_not_batch_advice(tmp
         preflight.check_epoch(cfg, 3)
 
 
+def test_a_warmup_as_long_as_the_run_is_said(tmp_path, capsys):
+    """train.warmup_steps 1000 in a 10-step run: the learning rate never reached train.lr, and nothing said so."""
+    from behemoth.driver.run import preflight
+
+    cfg = load_config(write(tmp_path, "train:\n  warmup_steps: 1000\n  max_steps: 10\n  global_batch_size: 8\n"))
+    preflight.check_epoch(cfg, 800)
+    assert capsys.readouterr().err == (
+        "[behemoth] warning: train.warmup_steps makes a warm-up of 1000 steps, not shorter than the run's 10 "
+        "(train.max_steps): the learning rate never reaches train.lr 0.1 and never decays\n")
+    cfg = load_config(write(tmp_path, "train:\n  warmup_epochs: 2\n  epochs: 2\n  global_batch_size: 8\n"))
+    preflight.check_epoch(cfg, 80)
+    assert "warmup_epochs makes a warm-up of 20 steps, not shorter than the run's 20 (2 epoch(s) of 10 steps)" in \
+        capsys.readouterr().err
+    preflight.check_epoch(load_config(write(tmp_path, "train:\n  warmup_steps: 9\n  max_steps: 10\n"
+                                                      "  global_batch_size: 8\n")), 800)
+    assert capsys.readouterr().err == ""
+
+
 def test_an_unknown_model_name_reads_in_order(tmp_path):
     with pytest.raises(ConfigError, match=r"it is not a known model for this task; did you mean 'resnet50'\? "
                                           r"\(known: "):

@@ -8,6 +8,7 @@ through here.
 from __future__ import annotations
 
 import importlib.util
+import math
 import sys
 
 from behemoth.config import JobConfig
@@ -97,22 +98,42 @@ def check_epoch(cfg: JobConfig, samples: int | None) -> None:
                           f"have no step. Lower it to at most {samples} (a divisor of the workers' split: "
                           f"scaling.num_workers x micro-batch), or add data")
     _check_profile_window(cfg, samples)
+    _warn_of_a_warmup_past_the_end(cfg, samples)
 
 
-def _check_profile_window(cfg: JobConfig, samples: int | None) -> None:
-    """A window ending after the run's last step is never closed: no trace is written, and nothing says so."""
-    train, window = cfg.train, cfg.train.profile
-    if window is None:
-        return
-    runs = []  # (the run's steps, what decides them)
+def _run_steps(cfg: JobConfig, samples: int | None) -> tuple[int, str] | None:
+    """(the run's steps, what decides them), where they are known."""
+    train, runs = cfg.train, []
     if samples is not None:
         epoch_steps = samples // train.global_batch_size
         runs.append((epoch_steps * train.epochs, f"{train.epochs} epoch(s) of {epoch_steps} steps"))
     if train.max_steps:
         runs.append((train.max_steps, "train.max_steps"))
-    if not runs:
+    return min(runs) if runs else None
+
+
+def _warn_of_a_warmup_past_the_end(cfg: JobConfig, samples: int | None) -> None:
+    """A warm-up as long as the run or longer: the learning rate never reaches train.lr and the decay never
+    starts. Said, not refused (a short trial run of a long job's settings is a fair thing to start)."""
+    run, train = _run_steps(cfg, samples), cfg.train
+    if run is None or (train.warmup_epochs is not None and samples is None):
         return
-    steps, by = min(runs)
+    warm = (train.warmup_steps if train.warmup_epochs is None  # (as worker/optim.warmup_steps counts them)
+            else math.ceil(train.warmup_epochs * (samples // train.global_batch_size)))
+    if warm and warm >= run[0]:
+        key = "train.warmup_steps" if train.warmup_epochs is None else "train.warmup_epochs"
+        print(f"[behemoth] warning: {key} makes a warm-up of {warm} steps, not shorter than the run's "
+              f"{run[0]} ({run[1]}): the learning rate never reaches train.lr {train.lr} and never decays",
+              file=sys.stderr, flush=True)
+
+
+def _check_profile_window(cfg: JobConfig, samples: int | None) -> None:
+    """A window ending after the run's last step is never closed: no trace is written, and nothing says so."""
+    window = cfg.train.profile
+    run = _run_steps(cfg, samples) if window is not None else None
+    if run is None:
+        return
+    steps, by = run
     last = window.start_step + window.steps
     if last > steps:
         raise ConfigError(f"train.profile records steps {window.start_step + 1}..{last}, beyond the run's {steps} "
