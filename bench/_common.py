@@ -24,8 +24,9 @@ def lm_corpus(root: Path = REPO / "data" / "bench_text", train_documents: int = 
     from behemoth.data.text.synth_text import write_synth_text
     from behemoth.data.tokenizer import train_tokenizer
 
-    if not (root / "tokenizer" / "tokenizer.json").is_file():
+    if not (root / "train.jsonl").is_file():  # (each made once: neither is ever written over)
         write_synth_text(root, train_documents=train_documents, val_documents=100, seed=0)
+    if not (root / "tokenizer" / "tokenizer.json").is_file():
         train_tokenizer([str(root / "train.jsonl")], root / "tokenizer", vocab_size=1024)
     return root
 

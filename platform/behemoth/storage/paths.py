@@ -9,6 +9,7 @@ import os
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
+from pathlib import Path
 
 from behemoth.errors import ConfigError
 from behemoth.storage.filesystem import is_uri  # noqa: F401 (the run paths' own question too)
@@ -131,3 +132,14 @@ def listing_problem(names: Iterable[str]) -> str | None:
                 return (f"the objects {folder!r} and {name!r} make {folder!r} both a file and a folder, which a "
                         f"local copy cannot hold")
     return None
+
+
+def local_out_folder(out: str | os.PathLike, flag: str = "--out") -> Path:
+    """`out` as a local folder a command writes into (made later, by the writer): a file there, or on the path
+    to it, is one ConfigError naming it (mkdir's NotADirectoryError or FileExistsError otherwise; a tokenizer's
+    save_pretrained only warned, and wrote nothing)."""
+    path = Path(out)
+    existing = next((p for p in (path, *path.parents) if p.exists()), path)  # out, or the folder it is made in
+    if existing.exists() and not existing.is_dir():
+        raise ConfigError(f"{flag} {out}: {existing} is a file, not a folder: give a folder")
+    return path

@@ -40,7 +40,7 @@ class SplitResult:
 def read_labels(path: Path) -> list[Label]:
     """Every row of the labels file, its names checked (plain names: no folder, no `..`)."""
     try:
-        text = path.read_text()
+        text = path.read_text(encoding="utf-8-sig")  # a CSV saved by Excel starts with a BOM
     except (OSError, UnicodeDecodeError) as e:
         raise DataError(f"cannot read the labels file {path}: {e}") from None
     kaggle = text.startswith("ImageId,")  # its ImageId is the file's stem; a FILENAME has a suffix

@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
+from behemoth.errors import ConfigError
 from behemoth.progress import progress
 
 SHAPES = ("disk", "square", "ring", "plus", "bar")
@@ -43,7 +44,8 @@ def _shape_mask(shape: str, size: int, rng: np.random.Generator, width: int | No
         r2 = dx**2 + dy**2
         return (r2 <= radius**2) & (r2 >= (radius - thick) ** 2)
     if shape == "plus":
-        return ((np.abs(dx) <= thick / 2) & (np.abs(dy) <= radius)) | ((np.abs(dy) <= thick / 2) & (np.abs(dx) <= radius))
+        return (((np.abs(dx) <= thick / 2) & (np.abs(dy) <= radius))
+                | ((np.abs(dy) <= thick / 2) & (np.abs(dx) <= radius)))
     return (np.abs(dy) <= thick / 2) & (np.abs(dx) <= radius)  # horizontal bar
 
 
@@ -105,6 +107,10 @@ def write_synth_images(out: str | Path, classes: int = 10, per_class: int = 200,
     if not 1 <= classes <= len(CLASS_NAMES):
         raise ValueError(f"--classes must be between 1 and {len(CLASS_NAMES)}")
     out = Path(out)
+    # a second run into the same folder (another --format, fewer classes) would leave both runs' images side by
+    # side, one dataset silently doubled; as `behemoth export`, only a new or empty folder is written
+    if out.is_dir() and any(out.iterdir()):
+        raise ConfigError(f"--out {out} is not empty: write the images into a new folder (nothing is overwritten)")
     splits = (("train", per_class), ("val", val_per_class))
     images = [(split_id, split, c, i) for split_id, (split, n) in enumerate(splits) for c in range(classes)
               for i in range(n)]

@@ -14,6 +14,8 @@ import json
 import random
 from pathlib import Path
 
+from behemoth.errors import ConfigError
+
 NAMES = ["Ada", "Boris", "Chloe", "Dmitri", "Elena", "Farid", "Greta", "Hugo", "Ines", "Jonas", "Kira", "Luca",
          "Mira", "Nils", "Olga", "Pavel", "Quinn", "Rosa", "Sven", "Tara"]
 PLACES = ["market", "harbour", "library", "forest", "bakery", "station", "garden", "museum", "river", "castle",
@@ -63,6 +65,10 @@ def write_synth_text(out: str | Path, train_documents: int = 4000, val_documents
 def _write_jsonl(out: str | Path, counts: dict[str, int], row) -> dict[str, int]:
     """OUT/<split>.jsonl with counts[split] rows, row i being row(split, i)."""
     out = Path(out)
+    # every file checked before any is written: a user's corpus of the same name is never replaced
+    held = [out / f"{split}.jsonl" for split in counts if (out / f"{split}.jsonl").exists()]
+    if held:
+        raise ConfigError(f"--out {out}: {held[0]} exists: give another --out (nothing is overwritten)")
     out.mkdir(parents=True, exist_ok=True)
     for split, n in counts.items():
         with open(out / f"{split}.jsonl", "w", encoding="utf-8") as f:

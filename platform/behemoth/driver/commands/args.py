@@ -41,12 +41,19 @@ def image_size(text: str):
 
 
 def int_between(low: int, high: int):
+    """An integer from `low` to `high`; anything else refused in one line that names the range."""
     def parse(text: str) -> int:
-        value = int(text)
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer: give one between {low} and {high}") \
+                from None
         if not low <= value <= high:
             raise argparse.ArgumentTypeError(f"{value} is not between {low} and {high}")
         return value
 
+    # argparse names the type by this in its own messages ("invalid parse value" otherwise)
+    parse.__name__ = f"integer between {low} and {high}"
     return parse
 
 

@@ -39,11 +39,20 @@ def main(argv: list[str] | None = None) -> int:
         print(f"behemoth: config error: {e}", file=sys.stderr)
         return 2
     except Exception as e:  # data errors and training failures: one clear line, then the exit code
-        message = user_facing_error(e)
+        message = user_facing_error(e) or _file_error(e)
         if message is None:
             raise
         print(f"behemoth: error: {message}", file=sys.stderr)
         return 1
+
+
+def _file_error(e: BaseException) -> str | None:
+    """A file the command was pointed at that the system refused (missing, a file where a folder goes, no
+    permission), said as the system says it with the path, where no check before it caught the case; None for
+    anything else (a traceback: a bug to see whole)."""
+    if not isinstance(e, OSError) or e.filename is None or e.strerror is None:
+        return None
+    return f"{e.strerror}: {e.filename}" + (f" -> {e.filename2}" if e.filename2 is not None else "")
 
 
 def run(argv: list[str] | None = None) -> None:

@@ -7,6 +7,10 @@ from pathlib import Path
 
 from behemoth.driver.commands.args import add_config_args, image_size, int_between, positive
 from behemoth.errors import ConfigError
+from behemoth.storage.paths import local_out_folder
+
+COUNT = int_between(1, 10**9)  # images or documents: 0 or a negative one wrote an empty split and said "wrote -50"
+SEED = int_between(0, 2**32 - 1)  # numpy refuses a negative seed with a raw ValueError
 
 
 def add_command(sub) -> None:
@@ -15,14 +19,14 @@ def add_command(sub) -> None:
                         "ImageNet-shaped, photograph-like JPEGs with --format jpeg)")
     p.add_argument("--out", required=True, help="output folder; train/ and val/ are created inside")
     p.add_argument("--classes", type=int_between(1, 10), default=10, help="number of classes, 1 to 10")
-    p.add_argument("--per-class", type=int, default=200, help="training images per class")
-    p.add_argument("--val-per-class", type=int, default=50, help="validation images per class")
+    p.add_argument("--per-class", type=COUNT, default=200, help="training images per class")
+    p.add_argument("--val-per-class", type=COUNT, default=50, help="validation images per class")
     p.add_argument("--format", choices=["png", "jpeg"], default="png", help="png: the demo's small squares; "
                    "jpeg: photograph-like textures at ImageNet's shapes and file sizes (70 %% landscape, 20 %% "
                    "portrait, 10 %% twice as large)")
     p.add_argument("--size", type=image_size, default=None, help="png: the side in pixels (default 32); jpeg: "
                    "WIDTHxHEIGHT of the landscape images (default 500x375)")
-    p.add_argument("--seed", type=int, default=0, help="random seed (the same seed writes the same data)")
+    p.add_argument("--seed", type=SEED, default=0, help="random seed (the same seed writes the same data)")
     p.set_defaults(handler=synth_images)
 
     p = data.add_parser("split-val", help="move ImageNet's flat validation images into one folder per class "
@@ -72,9 +76,9 @@ def _add_text_commands(data) -> None:
                    "(data.kind chat): rows {messages: [{role, content}, ...]}")
     p.add_argument("--preference", action="store_true", help="pairs of answers about the stories, the story's and "
                    "a wrong one, for preference tuning (data.kind preference): rows {prompt, chosen, rejected}")
-    p.add_argument("--train-documents", type=int, default=4000, help="stories in train.jsonl")
-    p.add_argument("--val-documents", type=int, default=400, help="stories in val.jsonl")
-    p.add_argument("--seed", type=int, default=0, help="random seed (the same seed writes the same data)")
+    p.add_argument("--train-documents", type=COUNT, default=4000, help="stories in train.jsonl")
+    p.add_argument("--val-documents", type=COUNT, default=400, help="stories in val.jsonl")
+    p.add_argument("--seed", type=SEED, default=0, help="random seed (the same seed writes the same data)")
     p.set_defaults(handler=synth_text)
 
     p = data.add_parser("train-tokenizer", help="train a byte-level BPE tokenizer on text files, saved for "
@@ -97,8 +101,8 @@ def synth_images(args) -> int:
     size = args.size or ((500, 375) if args.format == "jpeg" else 32)
     if args.format == "png" and not isinstance(size, int):
         raise ConfigError(f"--size {args.size[0]}x{args.size[1]}: PNG demo images are square: give one side")
-    counts = write_synth_images(args.out, args.classes, args.per_class, args.val_per_class, size, args.seed,
-                                args.format)
+    counts = write_synth_images(local_out_folder(args.out), args.classes, args.per_class, args.val_per_class, size,
+                                args.seed, args.format)
     print(f"wrote {counts['train']} train and {counts['val']} val images to {args.out}")
     return 0
 
@@ -110,7 +114,7 @@ def synth_text(args) -> int:
         raise ConfigError("synth-text: --labelled, --chat and --preference write different corpora: give one")
     write = (synth.write_synth_labelled_text if args.labelled else synth.write_synth_chat if args.chat
              else synth.write_synth_preference if args.preference else synth.write_synth_text)
-    counts = write(args.out, args.train_documents, args.val_documents, args.seed)
+    counts = write(local_out_folder(args.out), args.train_documents, args.val_documents, args.seed)
     print(f"wrote {counts['train']} train and {counts['val']} val documents to {args.out}/{{train,val}}.jsonl")
     return 0
 
@@ -130,7 +134,7 @@ def shards(args) -> int:
     from behemoth.data.image.image_shards import write_shards
     from behemoth.data.image.images import index_image_folder
 
-    out = Path(args.out)
+    out = local_out_folder(args.out)
     written = write_shards(index_image_folder(Path(args.root)), out, args.samples_per_shard)
     print(f"wrote {written['train']} train and {written['val']} val shards to {out}; train on them with\n"
           f"  data: {{kind: image_webdataset, train_files: [{out}/train-*.tar], val_files: [{out}/val-*.tar]}}")
@@ -162,6 +166,7 @@ def cache(args) -> int:
 def train_tokenizer(args) -> int:
     from behemoth.data.tokenizer import train_tokenizer as train
 
-    tok = train(args.files, args.out, args.vocab_size, args.text_field, args.document, chat=args.chat)
+    tok = train(args.files, local_out_folder(args.out), args.vocab_size, args.text_field, args.document, chat=args.chat)
     print(f"wrote a byte-level BPE tokenizer ({len(tok)} tokens, eos {tok.eos_token!r}) to {args.out}")
     return 0
+
