@@ -126,3 +126,52 @@ def test_local_storage_path_on_a_multi_node_cluster(tmp_path):
     assert "'/home/ubuntu/runs' is a local path on a multi-node cluster" in messages(cluster, [str(job)])
     job.write_text("data:\n  root: /data/imagenet\ncheckpoint:\n  storage_path: s3://bucket/runs\n")
     assert messages(cluster, [str(job)]) == ""
+
+
+def _one_line(path, capsys) -> str:
+    assert main(["check-cluster", str(path)]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    return err
+
+
+@pytest.mark.parametrize("edit, key", [
+    (lambda t: re.sub(r'^  ("~/(behemoth|\.ray/auth_token)")', r"  # \1", t, flags=re.M), "file_mounts"),
+    (lambda t: t + "docker:\n", "docker"),
+    (lambda t: re.sub(r"^provider:\n(  .*\n)+", "provider:\n", t, flags=re.M), "provider"),
+])
+def test_an_empty_section_is_refused_in_one_line_naming_it_before_ray_reads_it(tmp_path, capsys, edit, key):
+    """`file_mounts:` with every entry commented out, an empty `docker:` or `provider:`: Ray's prepare_config
+    failed on them with "AttributeError: 'NoneType' object has no attribute ..."."""
+    path = tmp_path / "cluster.yaml"
+    path.write_text(edit(filled(CLUSTER.read_text())))
+    assert f"cluster.yaml: {key} (line " in _one_line(path, capsys)
+    assert "is empty (nothing after its colon, or every entry commented out)" in messages(path)
+
+
+@pytest.mark.parametrize("rule, says", [
+    ({"FromPort": "22", "ToPort": 22, "IpProtocol": "tcp", "IpRanges": [{"CidrIp": "0.0.0.0/0"}]},
+     "IpPermissions[0].FromPort (line N): '22' is not a port number. Fix: write it as an integer: FromPort: 22"),
+    ({"FromPort": 22, "ToPort": 22, "IpProtocol": "tcp", "IpRanges": ["0.0.0.0/0"]},
+     "IpPermissions[0].IpRanges (line N): ['0.0.0.0/0'] is not a list of mappings"),
+    ("tcp 22 0.0.0.0/0", "IpPermissions[0] (line N): 'tcp 22 0.0.0.0/0' is not a rule"),
+])
+def test_a_security_group_rule_not_in_ec2s_shape_is_one_line_naming_it(tmp_path, capsys, rule, says):
+    path = mutated(tmp_path, lambda c: c["provider"].update(security_group={"GroupName": "x", "IpPermissions": [rule]}))
+    assert says in re.sub(r"\(line \d+\)", "(line N)", _one_line(path, capsys))
+
+
+def test_a_kuberay_manifest_beside_other_documents_is_checked_and_a_file_of_several_configs_refused(tmp_path,
+                                                                                                     capsys):
+    """`kubectl apply -f` takes several documents: the RayClusters and RayJobs among them are checked (a
+    ConfigMap beside a RayCluster was refused as not valid YAML, over several lines); a file of several documents
+    none of which is a KubeRay manifest is refused in one line."""
+    manifest = (REPO / "deploy/kuberay/resnet50-8gpu-raycluster.yaml").read_text()
+    config_map = "apiVersion: v1\nkind: ConfigMap\nmetadata: {name: settings}\ndata: {a: b}\n"
+    path = tmp_path / "cluster.yaml"
+    path.write_text(manifest + "---\n" + config_map)
+    assert main(["check-cluster", str(path)]) == 0
+    path.write_text(config_map + "---\n" + manifest.replace("mode: token", "mode: disabled"))
+    assert "cluster.yaml: document 2 of 2: spec.authOptions.mode: Ray's token auth is off" in _one_line(path, capsys)
+    path.write_text(config_map + "---\n" + config_map)
+    assert "holds 2 YAML documents and none is a KubeRay RayCluster or RayJob" in _one_line(path, capsys)

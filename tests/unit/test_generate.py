@@ -170,6 +170,24 @@ def test_generate_errors_are_one_line_and_exit_2(chat_model, text_corpus, tmp_pa
     assert "--temperature must be a finite number" in refused(ckpt, "--prompt", "x", "--temperature", "nan")
 
 
+def test_an_export_whose_weights_are_cut_short_or_a_git_lfs_pointer_is_one_line_naming_the_file(chat_model, tmp_path,
+                                                                                                 capsys):
+    """A model.safetensors copied short, or left a Git LFS pointer by a clone without LFS: one line naming the
+    file (and `git lfs pull`), exit 1, not safetensors' "header too large"."""
+    _, out, _ = chat_model
+    damaged = tmp_path / "damaged"
+    shutil.copytree(out, damaged)
+    weights_file = damaged / "model.safetensors"
+    whole = weights_file.read_bytes()
+    for data, says in ((whole[:len(whole) // 2], f"{weights_file} is damaged"),
+                       (b"version https://git-lfs.github.com/spec/v1\noid sha256:" + b"0" * 64 + b"\nsize 9\n",
+                        f"{weights_file} is a Git LFS pointer, not the weights: run `git lfs pull`")):
+        weights_file.write_bytes(data)
+        assert main(["generate", str(damaged), "--prompt", "x"]) == 1
+        err = capsys.readouterr().err
+        assert err.startswith("behemoth: error: ") and err.count("\n") == 1 and says in err, err
+
+
 def test_generate_runs_no_code_a_model_folder_names(tmp_path, capsys):
     """A Hugging Face folder whose config.json maps its classes to the folder's own Python (auto_map): refused in
     one line, the code never imported (trust_remote_code is never on for generate)."""

@@ -270,3 +270,41 @@ def test_an_interval_that_is_not_one_is_refused_in_one_line(capsys, interval):
                                                        f"{interval!r}: give seconds between two reads, more than 0 "
                                                        f"and at most 30")
     assert build_parser().parse_args(["spot-watch", "--cloud", "aws", "--interval", "0.2"]).interval == 0.2
+
+
+def _refused(capsys, *args) -> str:
+    from behemoth.driver.commands.cli import main
+
+    assert main(["spot-watch", "--cloud", "aws", "--metadata-url", "http://127.0.0.1:9", *args]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("behemoth: config error: ") and err.count("\n") == 1, err
+    return err
+
+
+def test_no_ray_on_this_node_or_an_address_that_is_not_one_is_one_line_saying_what_to_do(monkeypatch, capsys):
+    """Started before `ray start`: Ray's raw ConnectionError ("Could not find any running Ray instance"); `--address
+    foo` (or RAY_ADDRESS=foo): its raw ValueError ("Invalid address format"). No Ray is started: the node's own
+    Ray is looked for where Ray looks (its processes, its session file), here found empty."""
+    from ray._private import services
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setattr(services, "find_gcs_addresses", lambda: [])
+    monkeypatch.setattr(services, "find_bootstrap_address", lambda temp_dir: None)
+    assert ("Could not find any running Ray instance on this node: start the watcher after `ray start` on this "
+            "node" in _refused(capsys))
+    for address in ("foo", "host:port", "host:0", ":6379"):
+        assert (f"--address {address!r}: give the cluster's GCS address as HOST:PORT"
+                in _refused(capsys, "--address", address))
+    monkeypatch.setenv("RAY_ADDRESS", "foo")
+    assert "RAY_ADDRESS 'foo': Invalid address format: foo: give the cluster's GCS address as HOST:PORT" in _refused(
+        capsys)
+
+
+def test_a_node_id_that_is_not_one_is_refused_before_the_watch_starts(capsys):
+    """Ray reads a malformed id as the nil node's, whose drain GCS accepts: the watcher said "drained" while its
+    node trained on. A well-formed id is taken as given (its node is found by GCS at the drain)."""
+    for node_id in ("abc", "z" * 56, "a" * 57):
+        with pytest.raises(ConfigError, match=rf"^--node-id '{node_id}' is not a Ray node id \(56 hex digits\)"):
+            spot_watch.own_node("10.0.0.1:6379", node_id)
+    assert "--node-id 'abc' is not a Ray node id" in _refused(capsys, "--address", "10.0.0.1:6379", "--node-id", "abc")
+    assert spot_watch.own_node("10.0.0.1:6379", "0f" * 28) == "0f" * 28

@@ -174,6 +174,44 @@ def test_records_go_through_pyarrow_for_a_uri(tmp_path):
     assert [r["step"] for r in read_jsonl(uri)] == [1, 2]
 
 
+@pytest.mark.parametrize("uri", [False, True])
+def test_a_record_that_is_not_an_object_of_numbers_or_not_utf8_is_skipped_like_a_cut_line(tmp_path, uri):
+    """Damaged lines (a bare number, a step written as text, bytes that are not UTF-8) are skipped as a line a
+    kill cut short is, and the rest read: `behemoth report` draws the run (it crashed with a TypeError, or a
+    UnicodeDecodeError before reading a line)."""
+    from behemoth.tracking.records import METRICS, TIMELINE
+    from behemoth.tracking.run_report import write_report
+
+    run = tmp_path / "run"
+    run.mkdir()
+    good = steady("a", "g1", 1, 10, loop=T0 + 20, start_time=T0 + 20)
+    damaged = [b"5", b'{"step": "3", "loss": 0.1}', b'{"step": 4, "wall_time": "soon"}', b'[{"step": 5}]',
+               b'{"step": 6, "note": "\xff\xfe"}', b'{"event": "failure", "time": null}']
+    lines = [json.dumps(r).encode() for r in good[:5]] + damaged + [json.dumps(r).encode() for r in good[5:]]
+    (run / METRICS).write_bytes(b"\n".join(lines) + b"\n")
+    (run / TIMELINE).write_bytes(json.dumps(start("a", T0 + 5, T0)).encode() + b"\n\xff" + b"\n" + damaged[-1])
+    where = f"file://{run}" if uri else str(run)
+    assert read_jsonl(f"{where}/{METRICS}") == good
+    assert [e["event"] for e in read_jsonl(f"{where}/{TIMELINE}")] == ["invocation_start"]
+    assert (run / "report" / "loss.png").exists() is False and write_report(where).endswith("report.html")
+    assert (run / "report" / "loss.png").is_file()
+
+
+@pytest.mark.parametrize("csv, says", [
+    (b"", "results.csv cannot be read as a table (No columns to parse from file)"),
+    (b"trial_id,val_accuracy,run_dir\nt0,0.5,/nowhere\n", "results.csv has no status column (it has: trial_id, "
+                                                           "val_accuracy, run_dir)"),
+    (b"trial_id,status,run_dir\nt0,fin\xffished,/nowhere\n", "results.csv cannot be read as a table ('utf-8'"),
+])
+def test_a_results_csv_that_cannot_be_read_is_one_line_naming_it(tmp_path, capsys, csv, says):
+    from behemoth.driver.commands.cli import main
+
+    (tmp_path / "results.csv").write_bytes(csv)
+    assert main(["report", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"behemoth: error: {tmp_path}/") and says in err and err.count("\n") == 1, err
+
+
 def test_records_on_s3_upload_each_record_once(tmp_path):
     """On the S3 test server (a versioned bucket: every PUT is kept and counted), 10,000 reports written as a
     run writes them (buffered, flushed at every 200th as at a checkpoint) upload no more bytes than the log

@@ -41,6 +41,53 @@ def test_a_run_folders_best_and_latest_and_what_is_not_a_source(tmp_path):
         weights.resolve(str(tmp_path / "empty"))
 
 
+def test_a_nan_inf_or_non_numeric_metric_is_never_the_best(tmp_path):
+    """A diverged evaluation (NaN, inf) or a hand-edited value is no score: `best` never picks it, whichever way
+    the metric is ranked; a run with no finite score falls back to its latest checkpoint, saying so."""
+    run = tmp_path / "run"
+    _checkpoint(run / "checkpoint_1", 10, {"val_loss": 0.9})
+    _checkpoint(run / "checkpoint_2", 20, {"val_loss": 0.5})
+    _checkpoint(run / "checkpoint_3", 30, {"val_loss": float("nan")})
+    _checkpoint(run / "checkpoint_4", 40, {"val_loss": float("-inf")})
+    _checkpoint(run / "checkpoint_5", 50, {"val_loss": "0.1"})
+    best, how = weights.resolve(str(run), "best", ("val_loss", "min"))
+    assert best.endswith("checkpoint_2") and how == "its best checkpoint by val_loss (0.5000, step 20)"
+    assert weights.resolve(str(run), "best", ("val_loss", "max"))[0].endswith("checkpoint_1")
+    nan_only = tmp_path / "nan_only"
+    _checkpoint(nan_only / "checkpoint_1", 10, {"val_loss": float("nan")})
+    _checkpoint(nan_only / "checkpoint_2", 20, {"val_loss": float("inf")})
+    latest, how = weights.resolve(str(nan_only), "best", ("val_loss", "min"))
+    assert latest.endswith("checkpoint_2") and "none of its checkpoints records val_loss as a finite number" in how
+
+
+def test_a_damaged_or_git_lfs_pointer_safetensors_file_is_one_line_naming_it(tmp_path):
+    """A copy cut short, or the pointer a clone without Git LFS leaves: a CheckpointError naming the file (and
+    `git lfs pull`), never safetensors' own "header too large"; the shards an index names alike."""
+    from safetensors.torch import save_file
+
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text("{}")
+    save_file(torch.nn.Linear(3, 2).state_dict(), hf / "model.safetensors")
+    whole = (hf / "model.safetensors").read_bytes()
+    for cut, why in ((whole[:-4], "where its header promises"), (whole[:20], "too few for the header"),
+                     (b"\x10\0\0\0\0\0\0\0not json at all!", "its header is not safetensors' JSON")):
+        (hf / "model.safetensors").write_bytes(cut)
+        with pytest.raises(CheckpointError, match=re.escape(f"{hf}/model.safetensors is damaged")) as e:
+            weights.read_state_dict(hf)
+        assert why in str(e.value) and "\n" not in str(e.value)
+    pointer = b"version https://git-lfs.github.com/spec/v1\noid sha256:" + b"0" * 64 + b"\nsize 1234\n"
+    (hf / "model.safetensors").write_bytes(pointer)
+    with pytest.raises(CheckpointError, match=re.escape(f"{hf}/model.safetensors is a Git LFS pointer, not the "
+                                                        f"weights: run `git lfs pull`")):
+        weights.read_state_dict(hf)
+    (hf / "model.safetensors").unlink()
+    (hf / "a.safetensors").write_bytes(pointer)
+    (hf / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"weight": "a.safetensors"}}))
+    with pytest.raises(CheckpointError, match=re.escape(f"{hf}/a.safetensors is a Git LFS pointer")):
+        weights.check_hf_weights(hf)
+
+
 def test_read_verifies_a_checkpoint_and_reads_hugging_face_files(tmp_path):
     model = torch.nn.Linear(3, 2)
     ckpt = _checkpoint(tmp_path / "ckpt", 1, model=model)

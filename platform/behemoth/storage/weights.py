@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
+import os
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Iterator, Optional
+from typing import TYPE_CHECKING, Callable, Iterator, NoReturn, Optional
 
 from behemoth.storage.checkpoint import MANIFEST, SHARDED_FORMATS, complete_checkpoints, read_manifest, verify, weight_files
 from behemoth.storage.filesystem import filesystem, is_uri, read_file
@@ -90,13 +92,20 @@ def resolve(path: str, which: str = "best", best: tuple[str, str] = ("val_loss",
     if which == "latest":
         return found[0][1], latest
     metric, mode = best
+    # a diverged evaluation (NaN, inf) or a hand-edited value is no score: left out, never the best (retention
+    # ranks it worst, behemoth.metrics.checkpoint_score)
     scored = [(m[metric], step, ckpt) for step, ckpt in found
-              if metric in (m := checkpoint_metrics(ckpt))]
+              if _is_score(m := checkpoint_metrics(ckpt), metric)]
     if not scored:
-        return found[0][1], f"{latest}: none of its checkpoints records {metric}"
+        return found[0][1], f"{latest}: none of its checkpoints records {metric} as a finite number"
     # ties go to the later checkpoint
     value, step, ckpt = max(scored, key=lambda s: (s[0] if mode == "max" else -s[0], s[1]))
     return ckpt, f"its best checkpoint by {metric} ({value:.4f}, step {step})"
+
+
+def _is_score(metrics: dict, metric: str) -> bool:
+    value = metrics.get(metric)
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def check(folder: str) -> None:
@@ -130,9 +139,10 @@ def check(folder: str) -> None:
 def checkpoint_metrics(ckpt: str | Path) -> dict:
     """What a run reported with a checkpoint ({} for checkpoints written before behemoth recorded it)."""
     try:
-        return json.loads(read_file(f"{ckpt}/metrics.json"))
-    except (OSError, ValueError):
+        metrics = json.loads(read_file(f"{ckpt}/metrics.json"))
+    except (OSError, ValueError):  # (a UnicodeDecodeError is a ValueError)
         return {}
+    return metrics if isinstance(metrics, dict) else {}
 
 
 def read_state_dict(path: str | Path) -> dict:
@@ -166,16 +176,75 @@ def _read_state_dict(p: Path, path: str | Path) -> dict:
             return read_sharded_weights(p)
         (weights,) = weight_files(manifest)  # the weight average where the run kept one (train.ema_decay)
         return torch.load(p / weights, map_location="cpu", weights_only=True)
-    from safetensors.torch import load_file
-
     if (p / "model.safetensors").is_file():
-        return load_file(p / "model.safetensors")
+        return _load_safetensors(p / "model.safetensors", f"{path}/model.safetensors")
     if (p / "model.safetensors.index.json").is_file():
-        return {k: v for shard in _index_shards(p, path) for k, v in load_file(p / shard).items()}
+        return {k: v for shard in _index_shards(p, path)
+                for k, v in _load_safetensors(p / shard, f"{path}/{shard}").items()}
     if (p / "pytorch_model.bin").is_file():
         return torch.load(p / "pytorch_model.bin", map_location="cpu", weights_only=True)
     raise CheckpointError(f"{path}: no model weights found (a checkpoint's {MANIFEST} and model.pt, or "
                           f"{' / '.join(HF_WEIGHT_FILES)})")
+
+
+def _load_safetensors(file: Path, where: str) -> dict:
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    check_safetensors(file, where)
+    try:
+        return load_file(file)
+    except SafetensorError as e:  # damage the header check cannot see (a tensor's bytes that do not fit its dtype)
+        raise CheckpointError(f"{where} is damaged ({e}): copy it again from where it came from") from None
+
+
+def check_hf_weights(folder: str | Path) -> None:
+    """A local Hugging Face folder's safetensors files (model.safetensors, or the shards its index names), each
+    checked as `check_safetensors` does, before transformers reads them (a URI's are checked once fetched)."""
+    if is_uri(str(folder)):
+        return
+    p = Path(folder)
+    if (p / "model.safetensors").is_file():
+        check_safetensors(p / "model.safetensors", f"{folder}/model.safetensors")
+    elif (p / "model.safetensors.index.json").is_file():
+        for shard in _index_shards(p, folder):
+            check_safetensors(p / shard, f"{folder}/{shard}")
+
+
+def check_safetensors(file: Path, where: str) -> None:
+    """A safetensors file's header and the tensor bytes it promises, checked without loading them: a copy cut
+    short, or the Git LFS pointer a clone without LFS leaves in its place, otherwise fails deep in safetensors
+    as "header too large" or "incomplete metadata", naming no file."""
+    try:
+        with open(file, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            head = f.read(64)
+            length = int.from_bytes(head[:8], "little") if len(head) >= 8 else -1
+            header = None
+            if 0 < length <= size - 8:
+                f.seek(8)
+                header = f.read(length)
+    except OSError as e:
+        raise CheckpointError(f"{where} cannot be read ({e.strerror or e})") from None
+    if head.startswith(b"version https://git-lfs"):
+        raise CheckpointError(f"{where} is a Git LFS pointer, not the weights: run `git lfs pull` in the clone it "
+                              f"comes from (or download the file itself)")
+    if header is None:
+        _damaged(where, f"{size} bytes, too few for the header it announces")
+    try:
+        tensors = json.loads(header)
+        end = max((t["data_offsets"][1] for k, t in tensors.items() if k != "__metadata__"), default=0)
+    except (ValueError, TypeError, KeyError, IndexError, AttributeError):
+        _damaged(where, "its header is not safetensors' JSON")
+    if not isinstance(end, int):
+        _damaged(where, "its header is not safetensors' JSON")
+    if 8 + length + end > size:
+        _damaged(where, f"{size} bytes, where its header promises {8 + length + end}")
+
+
+def _damaged(where: str, why: str) -> NoReturn:
+    raise CheckpointError(f"{where} is damaged ({why}: cut short, or not a safetensors file): copy it again from "
+                          f"where it came from") from None
 
 
 def _index_shards(p: Path, path: str | Path) -> list[str]:

@@ -19,6 +19,7 @@ killed writer loses at most its last `flush_s` seconds of records.
 from __future__ import annotations
 
 import json
+import math
 import threading
 import time
 import uuid
@@ -96,7 +97,11 @@ class JsonlLog:
 
 def exists(path: str) -> bool:
     """Whether a log has been written (as a file, or under a URI as parts)."""
-    return read_text(path) is not None or bool(_part_names(path))
+    try:
+        found = read_text(path) is not None
+    except UnicodeDecodeError:  # a file, with damaged lines: read_jsonl reads the rest
+        found = True
+    return found or bool(_part_names(path))
 
 
 def read_text(path: str) -> str | None:
@@ -114,18 +119,50 @@ def write_bytes(path: str, data: bytes, make_folder: bool = True) -> None:
 
 
 def read_jsonl(path: str) -> list[dict]:
-    """The records of a log ([] if there is none): the file, then under a URI its parts in order; a line cut
-    short by a kill is skipped."""
-    text = read_text(path) or ""
+    """The records of a log ([] if there is none): the file, then under a URI its parts in order. A line that
+    is no record is skipped, as a line cut short by a kill is: not UTF-8, not JSON, not a JSON object, or a
+    step or time that is not a number (a disk fault or a hand edit; the readers do arithmetic on those)."""
+    lines = _lines(path)
     if not Store(path).is_local:  # an object store's log is its parts
-        text += "\n" + "".join(read_text(f"{path}{PARTS}/{name}") or "" for name in _part_names(path))
+        lines += [line for name in _part_names(path) for line in _lines(f"{path}{PARTS}/{name}")]
     records = []
-    for line in text.splitlines():
+    for line in lines:
         try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:
+            record = json.loads(line)
+        except (json.JSONDecodeError, RecursionError):  # (RecursionError: brackets nested past Python's limit)
             continue
+        if _is_record(record):
+            records.append(record)
     return records
+
+
+def _lines(path: str) -> list[str]:
+    """A file's lines ([] if there is none); a line that is not UTF-8 is dropped, not the whole file."""
+    store = Store(path)
+    try:
+        return (store.read_text() or "").splitlines()
+    except UnicodeDecodeError:
+        pass
+    lines = []
+    for raw in store.read_bytes().splitlines():
+        try:
+            lines.append(raw.decode())
+        except UnicodeDecodeError:
+            continue
+    return lines
+
+
+_INTEGERS = ("step", "resumed_from_step")  # counted and compared: latest_per_step, goodput
+_NUMBERS = ("wall_time", "time", "epoch", "world_size")  # subtracted, sorted, plotted
+
+
+def _is_record(record) -> bool:
+    if not isinstance(record, dict):
+        return False
+    number = (int, float)
+    return (all(isinstance(record[k], int) and not isinstance(record[k], bool) for k in _INTEGERS if k in record)
+            and all(isinstance(record[k], number) and not isinstance(record[k], bool) and math.isfinite(record[k])
+                    for k in _NUMBERS if k in record))
 
 
 def _part_names(path: str) -> list[str]:

@@ -17,18 +17,10 @@ import os
 
 from behemoth.storage import paths
 from behemoth.storage.store import Store
-from behemoth.errors import ConfigError
+from behemoth.errors import ConfigError, DataError
 from behemoth.tracking import goodput
-from behemoth.tracking.records import (
-    METRICS,
-    TIMELINE,
-    exists,
-    latest_per_step,
-    read_jsonl,
-    read_text,
-    write_bytes,
-    write_text,
-)
+from behemoth.tracking.records import METRICS, TIMELINE, exists, latest_per_step, read_jsonl, read_text, write_bytes
+from behemoth.tracking.records import write_text
 
 FOLDER = "report"
 _COLOURS = {"productive": "#2e7d32", "startup": "#90a4ae", "data_wait": "#fbc02d", "checkpoint": "#6a1b9a",
@@ -39,7 +31,7 @@ _COLOURS = {"productive": "#2e7d32", "startup": "#90a4ae", "data_wait": "#fbc02d
 def write_report(folder: str) -> str:
     """A run folder or a sweep folder -> its report.html (returned)."""
     folder = paths.storage_root(folder)
-    if read_text(paths.join(folder, "results.csv")) is not None:
+    if exists(paths.join(folder, "results.csv")):  # (also one that is not UTF-8: refused by its reader)
         return write_sweep_report(folder)
     if not exists(paths.join(folder, METRICS)):
         raise ConfigError(f"{folder} is neither a run folder (no {METRICS}) nor a sweep folder (no results.csv): "
@@ -170,7 +162,7 @@ def _restarts(reports: list[dict]) -> list[tuple[int, str]]:
     seen, marks, last_inv = set(), [], None
     for r in reports:
         g = r.get("group_id")
-        if g and g not in seen:
+        if g and g not in seen and "step" in r:
             if seen:
                 kind = "rerun" if r.get("invocation") != last_inv else "restart"
                 marks.append((int(r.get("resumed_from_step", r["step"])), kind))
@@ -280,7 +272,7 @@ def write_sweep_report(sweep_dir: str) -> str:
     import pandas as pd
 
     plt = _pyplot()
-    table = pd.read_csv(io.StringIO(read_text(paths.join(sweep_dir, "results.csv"))))
+    table = _results_table(sweep_dir)
     fixed = {"trial_id", "status", "epoch", "step", "best_checkpoint", "run_dir", "lr"}
     metric = next((c for c in table.columns if c.startswith("val_")), None)
     keys = [c for c in table.columns if c not in fixed and c != metric]
@@ -310,7 +302,7 @@ def write_sweep_report(sweep_dir: str) -> str:
         fig, ax = plt.subplots(figsize=(7.5, 3.8))
         for _, row in table.iterrows():
             kept = latest_per_step(read_jsonl(paths.join(str(row["run_dir"]), METRICS)))
-            pts = [(r["epoch"], r[metric]) for r in kept if metric in r and "epoch" in r]
+            pts = [(r["epoch"], r[metric]) for r in kept if "epoch" in r and isinstance(r.get(metric), (int, float))]
             if pts:
                 label = ", ".join(f"{k}={row[k]}" for k in keys)
                 ax.plot(*zip(*pts), "o-", label=label, markersize=4)
@@ -333,6 +325,24 @@ def write_sweep_report(sweep_dir: str) -> str:
     target = paths.join(out, "report.html")
     write_text(target, _page(f"behemoth sweep {os.path.basename(sweep_dir.rstrip('/'))}", sections))
     return target
+
+
+def _results_table(sweep_dir: str):
+    """results.csv as `behemoth tune` writes it, or one line naming it (empty, cut short, not UTF-8, or without
+    the columns read here)."""
+    import pandas as pd
+
+    path = paths.join(sweep_dir, "results.csv")
+    try:  # (pandas' EmptyDataError and ParserError are ValueErrors)
+        table = pd.read_csv(io.StringIO(read_text(path) or ""))
+    except (UnicodeDecodeError, ValueError) as e:
+        raise DataError(f"{path} cannot be read as a table ({(str(e).strip() or type(e).__name__).splitlines()[0]})"
+                        f": give the sweep folder `behemoth tune` wrote, or a run folder") from None
+    missing = [c for c in ("status", "run_dir") if c not in table.columns]
+    if missing:
+        raise DataError(f"{path} has no {' or '.join(missing)} column (it has: {', '.join(map(str, table.columns))}): "
+                        f"not the results.csv `behemoth tune` writes; give the sweep folder it wrote")
+    return table
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -60,13 +60,20 @@ def check_cluster(path: str | Path, job_configs: list[str] | None = None) -> lis
         raise ConfigError(f"cluster file {path} does not exist")
     text = Path(path).read_text()
     try:
-        raw = yaml.safe_load(text)
+        every = list(yaml.safe_load_all(text))
     except yaml.YAMLError as e:
-        return [Finding("<file>", f"not valid YAML ({e})", "fix the syntax")]
+        return [Finding("<file>", f"not valid YAML ({' '.join(str(e).split())})", "fix the syntax")]
     from behemoth.driver.commands.kuberay_check import check_kuberay, is_kuberay
 
-    if is_kuberay(raw):  # a KubeRay RayCluster or RayJob (kuberay_check.py), not a `ray up` file
-        return check_kuberay(raw, job_configs or [], Finding)
+    documents = [d for d in every if d is not None]  # (an empty one: a stray `---`)
+    manifests = [(n, d) for n, d in enumerate(every, 1) if is_kuberay(d)]
+    if manifests:  # KubeRay RayClusters or RayJobs (kuberay_check.py), beside what `kubectl apply` also takes
+        return [finding for n, m in manifests for finding in
+                _in_document(check_kuberay(m, job_configs or [], Finding), n, len(every))]
+    if len(documents) > 1:  # a `ray up` file is one document
+        return [Finding("<file>", f"holds {len(documents)} YAML documents and none is a KubeRay RayCluster or "
+                        f"RayJob", "give one cluster config per file (`ray up`'s, or KubeRay manifests)")]
+    raw = documents[0] if documents else None
     lines = _line_index(text)
     prepared, findings = _ray_schema(raw)
     if findings:  # the lints assume a structurally valid config
@@ -75,6 +82,26 @@ def check_cluster(path: str | Path, job_configs: list[str] | None = None) -> lis
     findings += _open_ports(raw) + _ssh_default(raw) + _token_auth(prepared) + _dashboard_host(prepared)
     findings += _gpu_resources(raw) + _spot_watch(raw) + _storage(raw, job_configs or [])
     return _with_lines(findings, lines)
+
+
+def _in_document(findings: list[Finding], n: int, of: int) -> list[Finding]:
+    """A manifest's findings, named by their document where the file holds more than one."""
+    for f in findings if of > 1 else []:
+        f.key = f"document {n} of {of}: {f.key}"
+    return findings
+
+
+def _empty_keys(node, key: str = "") -> list[Finding]:
+    """Keys given no value (`file_mounts:` with every entry commented out, an empty `docker:`): Ray's
+    prepare_config reads them as mappings and fails with an AttributeError naming none."""
+    if isinstance(node, dict):
+        return [f for k, v in node.items() for f in _empty_keys(v, f"{key}.{k}" if key else str(k))]
+    if isinstance(node, list):
+        return [f for i, v in enumerate(node) for f in _empty_keys(v, f"{key}[{i}]")]
+    if node is None and key:
+        return [Finding(key, "is empty (nothing after its colon, or every entry commented out)",
+                        "give it its value or entries, or remove the key")]
+    return []
 
 
 def _ray_schema(raw) -> tuple[dict, list[Finding]]:
@@ -87,6 +114,8 @@ def _ray_schema(raw) -> tuple[dict, list[Finding]]:
 
     if not isinstance(raw, dict):
         return {}, [Finding("<file>", "must be a mapping", "start from cluster.yaml in the repository")]
+    if empty := _empty_keys(raw):
+        return {}, empty
     try:
         prepared = prepare_cluster_config(copy.deepcopy(raw))
         # Every schema violation at once (validate_config stops at the first), then Ray's other checks.
@@ -97,7 +126,7 @@ def _ray_schema(raw) -> tuple[dict, list[Finding]]:
                                       f"Ray's cluster schema rejects it: {e.message}",
                                       "see Ray's cluster YAML reference") for e in errors]
         validate_cluster_config(prepared)
-    except (ValueError, KeyError, TypeError) as e:
+    except (ValueError, KeyError, TypeError, AttributeError) as e:  # (a shape no check above foresaw)
         key = "head_node_type" if "head_node_type" in str(e) else "<config>"
         return {}, [Finding(key, f"Ray rejects it: {e}", "correct the value")]
     return prepared, []
@@ -109,6 +138,10 @@ def _open_ports(raw: dict) -> list[Finding]:
     out = []
     rules = raw.get("provider", {}).get("security_group", {}).get("IpPermissions", [])
     for i, rule in enumerate(rules):
+        key = f"provider.security_group.IpPermissions[{i}]"
+        if malformed := _malformed_rule(rule, key):  # (not in Ray's schema: boto3 refuses it at `ray up`)
+            out += malformed
+            continue
         cidrs = {r.get("CidrIp") for r in rule.get("IpRanges", [])} | {
             r.get("CidrIpv6") for r in rule.get("Ipv6Ranges", [])}
         if not cidrs & WORLD:
@@ -122,12 +155,27 @@ def _open_ports(raw: dict) -> list[Finding]:
         if randomised and lo <= EPHEMERAL[1] and EPHEMERAL[0] <= hi:
             opened.append(f"ports {max(lo, EPHEMERAL[0])}-{min(hi, EPHEMERAL[1])} (where the OS places Ray's "
                           f"{', '.join(randomised)})")
-        key = f"provider.security_group.IpPermissions[{i}]"
         for what in opened:
             fix = ("allow SSH from your own CIDR only" if what.startswith("port 22 ") else
                    "remove the rule (nodes reach each other inside the group); reach the dashboard with "
                    "`ray dashboard cluster.yaml` (SSH tunnel)")
             out.append(Finding(key, f"{what} is open to the world ({world})", fix))
+    return out
+
+
+def _malformed_rule(rule, key: str) -> list[Finding]:
+    """A security-group rule not in EC2's shape: ports as integers, address ranges as mappings."""
+    if not isinstance(rule, dict):
+        return [Finding(key, f"{rule!r} is not a rule", "write it as {IpProtocol: tcp, FromPort: 22, ToPort: 22, "
+                        "IpRanges: [{CidrIp: 10.0.0.0/8}]}")]
+    out = [Finding(f"{key}.{port}", f"{rule[port]!r} is not a port number", f"write it as an integer: {port}: 22")
+           for port in ("FromPort", "ToPort") if port in rule
+           and (not isinstance(rule[port], int) or isinstance(rule[port], bool))]
+    for ranges, field in (("IpRanges", "CidrIp"), ("Ipv6Ranges", "CidrIpv6")):
+        given = rule.get(ranges, [])
+        if not isinstance(given, list) or not all(isinstance(r, dict) for r in given):
+            out.append(Finding(f"{key}.{ranges}", f"{given!r} is not a list of mappings",
+                               f"write each range as a mapping: {ranges}: [{{{field}: 10.0.0.0/8}}]"))
     return out
 
 

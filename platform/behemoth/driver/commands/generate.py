@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from behemoth.driver.commands.export import TrustedCode, load_checkpoint_model
-from behemoth.errors import ConfigError
+from behemoth.errors import CheckpointError, ConfigError
 from behemoth.storage import weights
 from behemoth.storage.store import Store
 from behemoth.storage.checkpoint import complete_checkpoints
@@ -226,6 +226,7 @@ def load_generator(path: str, which: str = "best", trusted: TrustedCode | None =
 def _from_hf_folder(folder: str):
     """transformers alone, never the folder's code (trust_remote_code False): an architecture transformers does
     not know, or one that is not a causal LM, is refused in one line."""
+    from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as transformers_logging
 
@@ -235,6 +236,10 @@ def _from_hf_folder(folder: str):
     except (ValueError, OSError, KeyError) as e:
         raise ConfigError(f"{folder}: not a causal language model transformers can load without running the "
                           f"folder's code ({_first_line(e)})") from None
+    except SafetensorError as e:  # a weights file cut short, or a Git LFS pointer: its own line names which
+        weights.check_hf_weights(folder)
+        raise CheckpointError(f"{folder}: its safetensors weights are damaged ({_first_line(e)}): copy them again "
+                              f"from where they came from") from None
     return model, _tokenizer(folder, folder), folder
 
 

@@ -25,6 +25,8 @@ import datetime
 import http.client
 import json
 import math
+import os
+import re
 import socket
 import sys
 import time
@@ -248,9 +250,16 @@ def wait_for_notice(reader, interval_s: float, stop_after_s: float | None = None
 
 def own_node(address: str, node_id: str | None) -> str:
     """This node's Ray node id: `node_id`, or the one alive node whose raylet listens on this host's address."""
+    import ray
+
     from behemoth.ray_internals.core import alive_nodes_at
 
-    if node_id:
+    if node_id is not None:
+        # Ray reads a malformed id as the nil id and logs; GCS then accepts the drain of that (dead) node: the
+        # watcher said "drained" while its own node trained on, unwarned
+        if not re.fullmatch(f"[0-9a-fA-F]{{{2 * ray.NodeID.size()}}}", node_id):
+            raise ConfigError(f"--node-id {node_id!r} is not a Ray node id ({2 * ray.NodeID.size()} hex digits): "
+                              f"copy this node's from `ray list nodes`, or leave --node-id out")
         return node_id
     ip = _this_ip()
     found = alive_nodes_at(address, ip)
@@ -269,10 +278,10 @@ def _this_ip() -> str:
 
 def run(cloud: str, metadata_url: str | None, address: str | None, node_id: str | None, interval_s: float) -> int:
     """The command: watch, drain once, say so in one line. Exit 0 after draining, 1 if GCS refused the drain."""
-    from behemoth.ray_internals.core import drain_for_preemption, gcs_address
+    from behemoth.ray_internals.core import drain_for_preemption
 
     reader = source(cloud, metadata_url)
-    gcs = gcs_address(address)
+    gcs = _gcs(address)
     node = own_node(gcs, node_id)
     notice = wait_for_notice(reader, interval_s)
     accepted, why = drain_for_preemption(gcs, node, f"{cloud} preemption: {notice.detail}", notice.deadline)
@@ -282,6 +291,25 @@ def run(cloud: str, metadata_url: str | None, address: str | None, node_id: str 
         return 1
     _say(f"{notice.detail}; drained Ray node {node} for preemption, {left:.0f} s to the deadline")
     return 0
+
+
+def _gcs(address: str | None) -> str:
+    """The cluster's GCS address, host:port: `address`, or this node's `ray start` (RAY_ADDRESS where set)."""
+    from behemoth.ray_internals.core import gcs_address
+
+    if address is not None:
+        host, _, port = address.rpartition(":")
+        if not (host and port.isascii() and port.isdigit() and 0 < int(port) < 65536):
+            raise ConfigError(f"--address {address!r}: give the cluster's GCS address as HOST:PORT (the head's "
+                              f"`ray start --port`, 6379 by default), or leave it out on a node Ray runs on")
+    try:
+        return gcs_address(address)
+    except ConnectionError as e:  # (none running here, or several: Ray's first sentence says which)
+        raise ConfigError(f"{str(e).split('. ')[0]} on this node: start the watcher after `ray start` on this node "
+                          f"(as cluster.yaml's worker_start_ray_commands do), or give --address HOST:PORT") from None
+    except ValueError as e:  # (a host Ray refuses; or RAY_ADDRESS, read where --address is not given)
+        culprit = f"--address {address!r}" if address is not None else f"RAY_ADDRESS {os.environ.get('RAY_ADDRESS')!r}"
+        raise ConfigError(f"{culprit}: {e}: give the cluster's GCS address as HOST:PORT") from None
 
 
 # `spot-watch --interval`: at most 30 s, GCE's whole notice (a longer interval could read a notice after its VM is
