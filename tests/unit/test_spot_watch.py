@@ -300,11 +300,19 @@ def test_no_ray_on_this_node_or_an_address_that_is_not_one_is_one_line_saying_wh
         capsys)
 
 
-def test_a_node_id_that_is_not_one_is_refused_before_the_watch_starts(capsys):
+def test_a_node_id_that_is_not_one_is_refused_before_the_watch_starts(capsys, monkeypatch):
     """Ray reads a malformed id as the nil node's, whose drain GCS accepts: the watcher said "drained" while its
-    node trained on. A well-formed id is taken as given (its node is found by GCS at the drain)."""
+    node trained on. A well-formed id must name an alive node of the cluster (GCS's node table: faked here; R7
+    in tests/integration/test_fault_tolerance.py gives a real one), else the mistake showed only at a notice."""
+    from behemoth.ray_internals import core
+
     for node_id in ("abc", "z" * 56, "a" * 57):
         with pytest.raises(ConfigError, match=rf"^--node-id '{node_id}' is not a Ray node id \(56 hex digits\)"):
             spot_watch.own_node("10.0.0.1:6379", node_id)
     assert "--node-id 'abc' is not a Ray node id" in _refused(capsys, "--address", "10.0.0.1:6379", "--node-id", "abc")
-    assert spot_watch.own_node("10.0.0.1:6379", "0f" * 28) == "0f" * 28
+    asked = []
+    monkeypatch.setattr(core, "alive_nodes_at", lambda address, ip: asked.append((address, ip)) or ["0f" * 28])
+    assert spot_watch.own_node("10.0.0.1:6379", "0F" * 28) == "0f" * 28 and asked == [("10.0.0.1:6379", None)]
+    with pytest.raises(ConfigError, match=rf"^--node-id {'0e' * 28} names no alive node of the cluster at "
+                                          rf"10.0.0.1:6379 \(alive: {'0f' * 28}\): copy this node's id"):
+        spot_watch.own_node("10.0.0.1:6379", "0e" * 28)

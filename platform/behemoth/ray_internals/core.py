@@ -78,12 +78,13 @@ def gcs_address(address: str | None) -> str:
     return services.canonicalize_bootstrap_address_or_die(address or "auto")
 
 
-def alive_nodes_at(address: str, ip: str) -> list[str]:
-    """The hex ids of the alive Ray nodes whose raylet listens on `ip`."""
+def alive_nodes_at(address: str, ip: str | None) -> list[str]:
+    """The hex ids of the alive Ray nodes whose raylet listens on `ip` (None: every alive node's)."""
     from ray._raylet import GcsClient
 
     infos = GcsClient(address=address).get_all_node_info()
-    return [node_id.hex() for node_id, info in infos.items() if info.node_manager_address == ip and info.state == 0]
+    return [node_id.hex() for node_id, info in infos.items()
+            if info.state == 0 and ip in (None, info.node_manager_address)]
 
 
 def drain_for_preemption(address: str, node_id: str, message: str, deadline_s: float) -> tuple[bool, str]:

@@ -260,7 +260,12 @@ def own_node(address: str, node_id: str | None) -> str:
         if not re.fullmatch(f"[0-9a-fA-F]{{{2 * ray.NodeID.size()}}}", node_id):
             raise ConfigError(f"--node-id {node_id!r} is not a Ray node id ({2 * ray.NodeID.size()} hex digits): "
                               f"copy this node's from `ray list nodes`, or leave --node-id out")
-        return node_id
+        alive = alive_nodes_at(address, None)  # (a mistyped id would be found out only at a notice's drain)
+        if node_id.lower() not in alive:
+            shown = ", ".join(alive[:4]) + (f" and {len(alive) - 4} more" if len(alive) > 4 else "")
+            raise ConfigError(f"--node-id {node_id} names no alive node of the cluster at {address} (alive: "
+                              f"{shown or 'none'}): copy this node's id from `ray list nodes`, or leave --node-id out")
+        return node_id.lower()
     ip = _this_ip()
     found = alive_nodes_at(address, ip)
     if len(found) != 1:
