@@ -8,7 +8,7 @@ workload, both sides), `data/` (Ray Data pipelines), `models/`, `storage/` (wher
 their format), `config/`, `tracking/`, `ray_internals/` (every private Ray API, for the next Ray); on the
 floor `errors`, `job`, `metrics`, `progress`, `version`.
 
-Python API (the face: docs and examples import only these): `behemoth.train(cfg) -> RunSummary`,
+Python API (the face: docs and examples import only these): `behemoth.train(cfg or a job YAML's path) -> RunSummary`,
 `behemoth.sweep(job, space, ...) -> SweepResult` (also `behemoth.tune.sweep`), `behemoth.load_config(path,
 overrides) -> JobConfig`, `behemoth.cli(argv)` (the `behemoth` command in this process: jobs/*.py), `Task` (a
 workload of one's own, `data.kind: module:Class`; its parts in tasks/parts.py, a batch a `Batch`),

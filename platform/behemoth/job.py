@@ -5,6 +5,7 @@ task registry: config knows no task, a task knows config.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from behemoth.config import (
@@ -23,6 +24,13 @@ from behemoth.tasks.registry import is_custom_kind, task_class
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> JobConfig:
     """Read a job YAML (or start from defaults), apply `a.b=c` overrides, check types and values; every error
     names the file."""
+    if path is not None and not isinstance(path, (str, os.PathLike)):  # (pathlib's TypeError named nothing)
+        raise ConfigError(f"load_config takes the path of a job YAML, got {type(path).__name__}: for a mapping of "
+                          f"sections use behemoth.job.config_from_dict")
+    if isinstance(overrides, (str, bytes)) or not all(isinstance(o, str) for o in overrides or []):
+        # (a string was read character by character: "--set 't': expected KEY=VALUE")
+        raise ConfigError(f"overrides: a list of 'KEY=VALUE' strings (e.g. ['train.lr=0.05']), got "
+                          f"{type(overrides).__name__} {overrides!r}"[:300])
     where = str(path) if path else "<defaults>"
     raw = read_yaml_mapping(path) if path is not None else {}
     for item in overrides or []:
@@ -55,6 +63,9 @@ def _read(raw: dict, where: str) -> tuple[type[Task], JobConfig]:
     """The job's task and its config, `data:` read into the task's section (not yet checked)."""
     if not isinstance(raw, dict):
         raise ConfigError(f"{where}: the file must be a mapping of sections, got {type(raw).__name__}")
+    if "job" in raw or "space" in raw:  # (else: "unknown key 'job'; valid keys: data, model, ...")
+        raise ConfigError(f"{where}: a sweep file (it has {' and '.join(k for k in ('job', 'space') if k in raw)}"
+                          f"): run it with `behemoth tune`, or behemoth.tune.sweep from Python")
     data = raw.get("data") or {}
     if not isinstance(data, dict):
         raise ConfigError(f"{where}: data must be a mapping, got {type(data).__name__}")

@@ -208,6 +208,33 @@ def test_settings_that_would_be_dropped_without_a_word_are_refused(tmp_path):
                                        "  every_n_steps: 50\n")).train.early_stopping.patience > 0
 
 
+def test_the_python_api_says_what_it_takes(tmp_path, capsys):
+    """behemoth.train("job.yaml") failed with "'str' object has no attribute 'checkpoint'"; load_config's
+    overrides as one string were read character by character ("--set 't': expected KEY=VALUE"), a dict for the
+    path was pathlib's TypeError; a sweep file read as a job said "unknown key 'job'"; `behemoth check` took a
+    sweep file without `space:` (misspelled `spaces:`) for a job."""
+    from behemoth.driver.commands.cli import main
+    from behemoth.driver.run.trainer import _job
+
+    p = write(tmp_path, "train:\n  lr: 0.1\n")
+    assert _job(str(p)).train.lr == 0.1 and _job(p).train.lr == 0.1
+    with pytest.raises(ConfigError, match=r"^train\(\) takes a JobConfig or a job YAML's path, got dict"):
+        _job({"train": {"lr": 0.1}})
+    with pytest.raises(ConfigError, match=r"^overrides: a list of 'KEY=VALUE' strings .* got str 'train.lr=0.05'"):
+        load_config(p, "train.lr=0.05")
+    with pytest.raises(ConfigError, match=r"^overrides: a list of 'KEY=VALUE' strings .* got list \[None\]"):
+        load_config(p, [None])
+    with pytest.raises(ConfigError, match=r"^load_config takes the path of a job YAML, got dict: .*config_from_dict"):
+        load_config({"train": {}})
+    sweep = tmp_path / "sweep.yaml"
+    sweep.write_text(f"name: s\njob: {p}\nspaces:\n  train.lr: {{grid: [0.1]}}\n")
+    with pytest.raises(ConfigError, match=r"sweep.yaml: a sweep file \(it has job\): run it with `behemoth tune`"):
+        load_config(sweep)
+    assert main(["check", str(sweep)]) == 2
+    err = capsys.readouterr().err
+    assert "spaces" in err and "valid keys: data, model" not in err  # (the sweep loader's message, not the job's)
+
+
 def test_missing_and_invalid_files(tmp_path):
     with pytest.raises(ConfigError, match="does not exist"):
         load_config(tmp_path / "nope.yaml")

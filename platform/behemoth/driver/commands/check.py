@@ -41,12 +41,12 @@ def handle(args) -> int:
 
 
 def _is_sweep(path: str) -> bool:
-    """A sweep YAML (job: and space: at its top) rather than a job's."""
+    """A sweep YAML (job: or space: at its top) rather than a job's."""
     try:
         raw = load_yaml(Path(path).read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, yaml.YAMLError):
         return False  # (the job loader says what is wrong with it)
-    return isinstance(raw, dict) and "job" in raw and "space" in raw
+    return isinstance(raw, dict) and ("job" in raw or "space" in raw)  # (the sweep's loader says what is missing)
 
 
 def _node_paths_line(cfg) -> str:

@@ -11,6 +11,7 @@ Data) before the workers start.
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 
 from behemoth.config import JobConfig
@@ -19,7 +20,7 @@ from behemoth.driver.ray_cluster.stale_requests import withdraw_killed_drivers_r
 from behemoth.driver.run.resume import retention, run_dir, run_place
 from behemoth.driver.run.sequence import Launched, PlannedRun, prepare_data, run_sequence, used_up
 from behemoth.driver.run.summary import RunSummary
-from behemoth.errors import RunFailedError, user_facing_error
+from behemoth.errors import ConfigError, RunFailedError, user_facing_error
 from behemoth.hosts.state_keeper import start_keeper, stop_keeper
 
 
@@ -88,7 +89,20 @@ def build_trainer(cfg: JobConfig, data, callbacks: list | None = None, fence=Non
         checkpoint_config=retention(cfg)))
 
 
-def train(cfg: JobConfig, callbacks: list | None = None, lock: bool = True, process_start: float | None = None,
+def _job(cfg) -> JobConfig:
+    """train()'s job: a JobConfig, or the path of a job YAML (read as `behemoth train PATH` reads it); anything
+    else one line (a path string failed with "'str' object has no attribute 'checkpoint'")."""
+    if isinstance(cfg, JobConfig):
+        return cfg
+    if isinstance(cfg, (str, os.PathLike)):
+        from behemoth.job import load_config
+
+        return load_config(cfg)
+    raise ConfigError(f"train() takes a JobConfig or a job YAML's path, got {type(cfg).__name__}: "
+                      f"behemoth.train(behemoth.load_config(PATH, ['KEY=VALUE', ...]))")
+
+
+def train(cfg: JobConfig | str | os.PathLike, callbacks: list | None = None, lock: bool = True, process_start: float | None = None,
           parent_mlflow_run: str | None = None, end_ray: bool = False, fence=None) -> RunSummary:
     """Run (or resume, if the run name already has checkpoints) one training job. Blocks until it ends.
     `lock`: hold the run folder's lease (storage/runlock.py); a sweep's trial runs under its sweep's, whose
@@ -99,6 +113,7 @@ def train(cfg: JobConfig, callbacks: list | None = None, lock: bool = True, proc
     shutdown, seconds of it, then runs beside the run's last records instead of after them)."""
     from behemoth.tracking.invocation import RunTracking
 
+    cfg = _job(cfg)
     tracking = RunTracking(cfg, run_dir(cfg), process_start, parent_mlflow_run)
     if not lock:
         return run_sequence(cfg, RayTrainLauncher(tracking, callbacks, end_ray, fence), tracking, fence)
