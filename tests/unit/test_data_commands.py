@@ -5,6 +5,7 @@ import json
 
 import pytest
 from behemoth.driver.commands.cli import main
+from behemoth.errors import ConfigError
 
 
 def _run(capsys, *argv) -> tuple[int, str]:
@@ -157,3 +158,11 @@ def test_a_path_the_system_refuses_is_one_line_where_no_check_caught_it(capsys):
     assert main(["data", "synth-images", "--out", "/proc/behemoth-test/x"]) == 1
     err = capsys.readouterr().err
     assert err == "behemoth: error: No such file or directory: /proc/behemoth-test\n"
+
+
+def test_the_cli_from_python_takes_a_list():
+    """behemoth.cli("train job.yaml") ran `behemoth t r a i n ...`: argparse's usage error, naming no cause."""
+    import behemoth
+
+    with pytest.raises(ConfigError, match=r"^behemoth.cli takes the arguments as a list, e.g. \['check', 'x.yaml'\]"):
+        behemoth.cli("check x.yaml")

@@ -63,6 +63,8 @@ def run(argv: list[str] | None = None) -> None:
 def run_command(argv: list[str]) -> None:
     """`behemoth.cli(argv)`: the `behemoth` command with these arguments, in this process (jobs/*.py under
     `ray job submit`), which then ends with its status (2: a config error, 1: a data or run failure)."""
+    if isinstance(argv, (str, bytes)):  # (list("train x") is one argument per character)
+        raise ConfigError(f"behemoth.cli takes the arguments as a list, e.g. {str(argv).split()!r}, got a string")
     run(list(argv))
 
 
