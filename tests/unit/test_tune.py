@@ -10,7 +10,7 @@ import yaml
 from behemoth.driver.commands.cli import main
 from behemoth.config import ConfigError
 from behemoth.driver.sweep.config import (SweepConfig, base_job, check_sweep, concurrency_bound, load_sweep,
-                                          trial_job)
+                                          metric_and_mode, trial_job)
 from behemoth.driver.sweep.tuner import sweep
 from behemoth.storage.paths import RunPlace
 from conftest import job_dict
@@ -72,7 +72,16 @@ def test_a_sweep_on_an_object_store_is_refused_with_what_to_do(tmp_path, image_r
      r"space key 'train.lrr' is not a key of the sweep's job \(data.kind image_folder\); did you mean 'train.lr'"),
     # a key of another task's data section: the job's kind decides which keys exist
     ({"data.seq_len": {"grid": [64]}}, r"space key 'data.seq_len' is not a key of the sweep's job \(data.kind image"),
-    ({"lr": {"grid": [0.1]}}, "space key 'lr' is not a key of the sweep's job"),
+    # a field name matched within its section, other trainers' names included (errors.KEY_SYNONYMS); a bare one
+    # in every section (these suggested train.min_lr_ratio, train.micro_batch_size and nothing)
+    ({"lr": {"grid": [0.1]}}, r"space key 'lr' is not a key of the sweep's job \(.*\); did you mean 'train.lr'\?$"),
+    ({"learning_rate": {"grid": [0.1]}}, r"'learning_rate' is not a key .*; did you mean 'train.lr'\?$"),
+    ({"train.learning_rate": {"grid": [0.1]}}, r"; did you mean 'train.lr'\?$"),
+    ({"train.batch_size": {"grid": [16]}}, r"; did you mean 'train.global_batch_size'\?$"),
+    # a range over an integer key: its integer ends made valid jobs, the floats between failed every trial in Ray
+    ({"train.global_batch_size": {"loguniform": [16, 64]}}, r"^space.train.global_batch_size: loguniform "
+     r"draws floats and the key is an integer: use choice or grid \(e.g. \{choice: \[16, 64\]\}\)$"),
+    ({"train.epochs": {"uniform": [2, 4]}}, "space.train.epochs: uniform draws floats and the key is an integer"),
     ({"train.lr": {"loguniform": [0, 1]}}, r"train.lr.loguniform needs \[low, high\] with low < high and low > 0"),
     ({"train.lr": {"normal": [0, 1]}}, "space.train.lr: expected one of"),
     ({"train.lr": {"grid": []}}, "space.train.lr.grid is empty"),
@@ -247,3 +256,111 @@ def test_which_trials_train_in_a_warm_lane_and_why_the_others_do_not(image_root,
         assert lane_reason(cfg) == why
     line = _lanes_line([one, one, others["2 workers (a lane trains one)"]])
     assert line.startswith("2 of 3 trial configs in warm lanes") and "through Ray Train: 2 workers" in line
+
+
+def test_a_range_over_a_float_key_is_still_accepted(tmp_path, image_root):
+    space = {"train.lr": {"uniform": [0.01, 0.1]}, "train.global_batch_size": {"choice": [16, 32]}}
+    assert len(check_sweep(load_sweep(write_sweep(tmp_path, image_root, space=space)))) == 4
+
+
+def test_a_failed_first_start_does_not_lock_out_its_corrected_rerun(tmp_path, image_root):
+    """The first start recorded sweep.yaml before the checks that refuse a sweep before any trial (the cluster's
+    bound, MLflow) and before Tune had any state: its rerun with the fix was refused 'a different job'. Only a
+    folder Tune can restore (Tuner.can_restore: its tuner.pkl) is compared (no Ray started)."""
+    from behemoth.driver.sweep.tuner import _check_same_sweep
+
+    folder = str(tmp_path / "sweeps" / "s")
+    # too large for the cluster: concurrency_bound refuses it after this check, before Tune writes anything
+    _check_same_sweep(load_sweep(write_sweep(tmp_path, image_root, set=["scaling.cpus_per_worker=64"])), folder)
+    fixed = load_sweep(write_sweep(tmp_path, image_root, set=["scaling.cpus_per_worker=0.5"]))
+    assert _check_same_sweep(fixed, folder)["job"]["scaling"]["cpus_per_worker"] == 0.5
+
+
+def test_a_rerun_with_another_metric_mode_scheduler_or_searcher_is_refused(tmp_path, image_root):
+    """Tuner.restore keeps the first start's scheduler and searcher while results.csv ranks by the rerun's metric:
+    a rerun must repeat them as it repeats the job and space. Defaults said out loud are the same sweep."""
+    from behemoth.driver.sweep.tuner import _check_same_sweep, _record_sweep
+
+    folder = str(tmp_path / "sweeps" / "s")
+    path = write_sweep(tmp_path, image_root, set=["train.epochs=4"])
+    _record_sweep(folder, _check_same_sweep(load_sweep(path), folder))
+    _check_same_sweep(load_sweep(path, ["metric=val_loss"]), folder)  # no Tune state yet: nothing to resume
+    (Path(folder) / "tuner.pkl").write_bytes(b"")  # Tune's state: a rerun restores it
+    assert _check_same_sweep(load_sweep(path, ["mode=max", "scheduler.max_t=4"]), folder)["mode"] == "max"
+    for override, changed in (("metric=val_loss", "metric and mode"), ("scheduler.kind=fifo", "scheduler"),
+                              ("scheduler.grace_period=2", "scheduler"), ("searcher=optuna", "searcher"),
+                              ("train.epochs=3", "job and scheduler")):
+        with pytest.raises(ConfigError, match=f"^sweep 's' in {folder} was started with a different {changed}: give "
+                                              f"this sweep another name"):
+            _check_same_sweep(load_sweep(path, [override]), folder)
+
+
+def test_a_mode_against_the_metrics_direction_is_refused(tmp_path, image_root):
+    """mode: min on val_accuracy made the worst trial the best (results.csv, best.yaml)."""
+    with pytest.raises(ConfigError, match="mode min contradicts metric val_accuracy, which the task reports as "
+                                          "higher-is-better: set mode: max or leave mode out"):
+        check_sweep(load_sweep(write_sweep(tmp_path, image_root, mode="min")))
+    with pytest.raises(ConfigError, match="mode max contradicts metric val_loss, which the task reports as "
+                                          "lower-is-better: set mode: min"):
+        check_sweep(load_sweep(write_sweep(tmp_path, image_root, metric="val_loss", mode="max")))
+    s = load_sweep(write_sweep(tmp_path, image_root, metric="loss", mode="min"))
+    assert metric_and_mode(s, check_sweep(s)[0]) == ("loss", "min")
+
+
+def test_an_asha_max_t_past_a_trials_end_is_refused(tmp_path, image_root):
+    """max_t 4 on 2-epoch trials put an ASHA rung at a trial's last report, which _scheduler's max_t a hair below
+    the run's length exists to avoid (a trial stopped while it shuts down can leak its placement group)."""
+    with pytest.raises(ConfigError, match=r"scheduler.max_t 4 is longer than a trial \(train.epochs 2\), so ASHA "
+                                          r"would decide at a trial's last report: set scheduler.max_t to at most 2"):
+        check_sweep(load_sweep(write_sweep(tmp_path, image_root, scheduler={"max_t": 4})))
+    epochs = {"train.epochs": {"choice": [4, 2]}}  # every trial's length: the 2-epoch ones too
+    with pytest.raises(ConfigError, match=r"scheduler.max_t 4 is longer than a trial \(train.epochs 2\)"):
+        check_sweep(load_sweep(write_sweep(tmp_path, image_root, scheduler={"max_t": 4}, space=epochs)))
+    assert len(check_sweep(load_sweep(write_sweep(tmp_path, image_root, scheduler={"max_t": 2})))) == 4
+
+
+def test_a_missing_job_file_names_the_sweep_file_its_key_and_where_it_is_read_from(tmp_path, image_root,
+                                                                                    monkeypatch):
+    """job: configs/job.yaml in configs/sweep.yaml: 'config file configs/configs/job.yaml does not exist' named
+    neither the sweep file nor its job key, nor that the path is read from the sweep file's folder."""
+    monkeypatch.chdir(tmp_path)
+    path = write_sweep(tmp_path, image_root)
+    (tmp_path / "configs").mkdir()
+    (tmp_path / "job.yaml").rename(tmp_path / "configs/job.yaml")
+    raw = yaml.safe_load(path.read_text())
+    (tmp_path / "configs/sweep.yaml").write_text(yaml.safe_dump({**raw, "job": "configs/job.yaml"}))
+    with pytest.raises(ConfigError) as raised:
+        load_sweep("configs/sweep.yaml")
+    assert str(raised.value) == ("configs/sweep.yaml: job: configs/job.yaml is not found relative to the sweep "
+                                 "file's folder (configs/configs/job.yaml does not exist): write job: job.yaml")
+
+
+def test_the_python_api_takes_a_job_path_and_a_storage_path(tmp_path, image_root, monkeypatch):
+    """A JobConfig, a dict or None as the job was 'config file JobConfig(...2 KB...) does not exist'; a Path as
+    storage_path was refused 'expects str, got PosixPath'."""
+    from behemoth.driver.sweep import tuner
+    from behemoth.job import config_from_dict
+
+    job = tmp_path / "job.yaml"
+    job.write_text(yaml.safe_dump(job_dict(image_root, tmp_path / "runs")))
+    space = {"train.lr": {"grid": [0.1]}}
+    for wrong, name in ((config_from_dict(job_dict(image_root, tmp_path)), "JobConfig"), ({}, "dict"),
+                        (None, "NoneType")):
+        with pytest.raises(ConfigError) as raised:
+            sweep(wrong, space)
+        assert str(raised.value) == (f"sweep(): job takes the path of a job YAML (str or os.PathLike), got {name}: "
+                                     f"write a JobConfig to a file first (behemoth.config.dump_yaml(cfg))")
+    monkeypatch.setattr(tuner, "run_sweep", lambda cfg: cfg)  # the config it would run: no Ray
+    cfg = sweep(job, space, storage_path=tmp_path / "sweeps")
+    assert (cfg.job, cfg.storage_path) == (str(job), str(tmp_path / "sweeps"))
+
+
+def test_set_of_a_space_key_says_to_give_the_whole_space(tmp_path, image_root):
+    """--set space.train.lr.grid=[0.1] was 'space.train expects ...': a space key's own dot cannot be addressed
+    by --set; the whole space can (and that form is loaded as written)."""
+    path = write_sweep(tmp_path, image_root)
+    with pytest.raises(ConfigError, match=r"^--set space.train.lr.grid=\[0.1\]: a space key has dots of its own, so "
+                                          r"--set cannot reach into the space: give the whole space \(it replaces "
+                                          r"the file's\), --set 'space=\{train.lr: \{grid: \[0.1\]\}\}'$"):
+        load_sweep(path, ["space.train.lr.grid=[0.1]"])
+    assert load_sweep(path, ["space={train.lr: {grid: [0.1]}}"]).space == {"train.lr": {"grid": [0.1]}}

@@ -10,6 +10,8 @@ import dataclasses
 import itertools
 import math
 import os
+import types
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -18,7 +20,7 @@ from behemoth.storage import paths
 from behemoth.config import JobConfig, apply_override, from_dict, read_yaml_mapping
 from behemoth.config.train_section import check_finite
 from behemoth.errors import ConfigError
-from behemoth.errors import did_you_mean
+from behemoth.errors import closest_key, did_you_mean
 from behemoth.job import config_from_dict, load_config
 from behemoth.tasks import task_of
 from behemoth.storage.store import Store
@@ -108,18 +110,38 @@ def load_sweep(path: str | Path, overrides: list[str] | None = None) -> SweepCon
     raw = read_yaml_mapping(p, "sweep file", "sweep keys (name, job, space, ...)")
     job_sections = {f.name for f in dataclasses.fields(JobConfig)}
     for item in overrides or []:
+        if item.split("=", 1)[0].strip().startswith("space."):
+            raise ConfigError(_space_override_error(item))
         if item.split(".", 1)[0] in job_sections:
             raw["set"] = list(raw.get("set") or []) + [item]
         else:
             apply_override(raw, item)
     sweep_cfg = from_dict(SweepConfig, raw, where=str(p))
     if sweep_cfg.job and not Path(sweep_cfg.job).is_absolute():
-        sweep_cfg.job = str(p.parent / sweep_cfg.job)
+        given, sweep_cfg.job = sweep_cfg.job, str(p.parent / sweep_cfg.job)
+        # read from the sweep file's folder, not the working directory: say so, with the path that would work
+        if not Path(sweep_cfg.job).is_file():
+            fix = f": write job: {os.path.relpath(given, p.parent)}" if Path(given).is_file() else ""
+            raise ConfigError(f"{p}: job: {given} is not found relative to the sweep file's folder "
+                              f"({sweep_cfg.job} does not exist){fix}")
     try:
         sweep_cfg.validate()
     except ConfigError as e:
         raise ConfigError(f"{p}: {e}") from None
     return sweep_cfg
+
+
+def _space_override_error(item: str) -> str:
+    """`--set space.train.lr.grid=[0.1]`: a space key holds dots of its own (train.lr), so a dotted --set cannot
+    name one; the whole space can be given, which this message spells out from the item."""
+    dotted, _, value = item.partition("=")
+    parts = dotted.strip().split(".")[1:]
+    if len(parts) > 2 and parts[-1] in DISTRIBUTIONS:
+        example = f"{{{'.'.join(parts[:-1])}: {{{parts[-1]}: {value or '[...]'}}}}}"
+    else:
+        example = f"{{{'.'.join(parts) or 'train.lr'}: {value or '{grid: [...]}'}}}"
+    return (f"--set {item}: a space key has dots of its own, so --set cannot reach into the space: give the whole "
+            f"space (it replaces the file's), --set 'space={example}'")
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -170,7 +192,12 @@ def metric_and_mode(sweep_cfg: SweepConfig, cfg: JobConfig) -> tuple[str, str]:
     if metric not in reported:
         raise ConfigError(f"metric {metric!r} is never reported by a {cfg.model.name} run; it reports "
                           f"{', '.join(reported)} at each evaluation")
-    return metric, sweep_cfg.mode or reported.get(metric, default_mode)
+    direction = default_mode if metric == default_metric else reported[metric]  # (as tasks.contract.run_metric)
+    if sweep_cfg.mode is not None and sweep_cfg.mode != direction:  # the "best" trial would be the worst
+        raise ConfigError(f"mode {sweep_cfg.mode} contradicts metric {metric}, which the task reports as "
+                          f"{'higher' if direction == 'max' else 'lower'}-is-better: set mode: {direction} or "
+                          f"leave mode out (it follows the metric)")
+    return metric, direction
 
 
 def check_sweep(sweep_cfg: SweepConfig) -> list[JobConfig]:
@@ -186,8 +213,14 @@ def check_sweep(sweep_cfg: SweepConfig) -> list[JobConfig]:
     for key, dist in sweep_cfg.space.items():
         if key not in valid:
             raise ConfigError(f"space key '{key}' is not a key of the sweep's job (data.kind {base['data']['kind']})"
-                              f"{did_you_mean(key, valid)}")
-        axes.append([(key, v) for v in next(iter(dist.values()))])
+                              f"{_suggest_key(key, list(valid))}")
+        kind, values = next(iter(dist.items()))
+        # Only a range's two ends become jobs below, and integer ends pass: the floats Tune draws between them
+        # would fail in every trial, after Ray started
+        if kind in ("uniform", "loguniform") and _takes(valid[key], int) and not _takes(valid[key], float):
+            raise ConfigError(f"space.{key}: {kind} draws floats and the key is an integer: use choice or grid "
+                              f"(e.g. {{choice: [{values[0]}, {values[1]}]}})")
+        axes.append([(key, v) for v in values])
     jobs = []
     for combination in itertools.product(*axes):
         try:
@@ -196,17 +229,46 @@ def check_sweep(sweep_cfg: SweepConfig) -> list[JobConfig]:
             values = ", ".join(f"{k}={v!r}" for k, v in combination)
             raise ConfigError(f"space: the trial {values} is not a valid job: {e}") from None
     metric_and_mode(sweep_cfg, jobs[0])
-    if sweep_cfg.scheduler.kind == "asha":
-        asha_max_t(sweep_cfg, jobs[0])
+    if sweep_cfg.scheduler.kind == "asha":  # a max_t of the sweep's own against each trial's length
+        for job in jobs if sweep_cfg.scheduler.max_t is not None else jobs[:1]:
+            asha_max_t(sweep_cfg, job)
     if sweep_cfg.searcher == "optuna":
         optuna_searcher(sweep_cfg, "val_loss", "min")  # raises the install hint when optuna is missing
     return jobs
 
 
-def _job_keys(base: dict) -> list[str]:
-    """Every key (section.field) of the sweep's job; its data section's are those of its kind."""
+def _job_keys(base: dict) -> dict[str, Any]:
+    """Every key (section.field) of the sweep's job, with its type; its data section's are those of its kind."""
     job = config_from_dict(base, where="the sweep's job")
-    return [f"{s.name}.{f.name}" for s in dataclasses.fields(job) for f in dataclasses.fields(getattr(job, s.name))]
+    keys = {}
+    for s in dataclasses.fields(job):
+        hints = typing.get_type_hints(type(getattr(job, s.name)))
+        keys.update({f"{s.name}.{f.name}": hints[f.name] for f in dataclasses.fields(getattr(job, s.name))})
+    return keys
+
+
+def _takes(tp: Any, kind: type) -> bool:
+    """Whether a config key of type `tp` takes a value of type `kind` (int or float)."""
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        return any(_takes(a, kind) for a in typing.get_args(tp))
+    return tp is Any or tp is kind
+
+
+def _suggest_key(key: str, valid: list[str]) -> str:
+    """The did-you-mean of a space key: matched on its field name within its section, where other trainers'
+    names (errors.KEY_SYNONYMS) count (the whole dotted names matched `train.learning_rate` with
+    `train.min_lr_ratio`); a bare field name is looked for in every section."""
+    fields: dict[str, list[str]] = {}  # field name -> the sections that have it
+    for name in valid:
+        section, field_name = name.split(".", 1)
+        fields.setdefault(field_name, []).append(section)
+    section, _, name = key.rpartition(".")
+    if section and section not in {s for ss in fields.values() for s in ss}:
+        return did_you_mean(key, valid)  # an unknown section: the whole name is all there is to match
+    close = closest_key(name, [f for f, sections in fields.items() if not section or section in sections])
+    if close is None:
+        return ""
+    return "; did you mean " + " or ".join(f"'{s}.{close}'" for s in ([section] if section else fields[close])) + "?"
 
 
 def asha_max_t(sweep_cfg: SweepConfig, job: JobConfig) -> float:
@@ -215,6 +277,14 @@ def asha_max_t(sweep_cfg: SweepConfig, job: JobConfig) -> float:
     max_t = s.max_t or (job.train.epochs if s.time_attr == "epoch" else job.train.max_steps)
     if max_t is None:
         raise ConfigError("scheduler.time_attr is step and the job has no train.max_steps: set scheduler.max_t")
+    length = job.train.epochs if s.time_attr == "epoch" else job.train.max_steps
+    # Past the run's end, ASHA's rungs reach the trial's last report: the decision _scheduler's max_t a hair
+    # below the run's length avoids (stopping a trial that is shutting down can leak its placement group)
+    if length is not None and max_t > length:
+        key = "train.epochs" if s.time_attr == "epoch" else "train.max_steps"
+        raise ConfigError(f"scheduler.max_t {max_t:g} is longer than a trial ({key} {length}), so ASHA would decide "
+                          f"at a trial's last report: set scheduler.max_t to at most {length}, or leave it out "
+                          f"(it follows the job)")
     if max_t <= s.grace_period:  # Ray's ASHAScheduler would fail on an assertion (its max_t is a hair below)
         raise ConfigError(f"scheduler asha: a trial lasts {max_t:g} {s.time_attr}(s), not more than "
                           f"scheduler.grace_period {s.grace_period:g}, so ASHA has no point to stop a trial before "

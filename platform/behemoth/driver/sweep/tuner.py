@@ -34,6 +34,7 @@ import yaml
 from behemoth.storage import paths
 from behemoth.config import JobConfig, from_dict
 from behemoth.errors import ConfigError
+from behemoth.job import config_from_dict
 from behemoth.driver.ray_cluster import session as ray_session
 from behemoth.driver.ray_cluster import warmup
 from behemoth.driver.sweep.config import (SweepConfig, asha_max_t, base_job, check_sweep, concurrency_bound,
@@ -45,11 +46,16 @@ from behemoth.driver.sweep.trial import TrialOutcomeLines, run_trial, trial_proc
 __all__ = ["SweepConfig", "SweepResult", "load_sweep", "run_sweep", "sweep"]
 
 
-def sweep(job: str | Path, space: dict, **options) -> SweepResult:
+def sweep(job: str | os.PathLike, space: dict, **options) -> SweepResult:
     """Sweep a job YAML from a Python script. `space`: {"train.lr": {"loguniform": [0.01, 0.3]}, ...};
-    `options`: the other SweepConfig keys (name, storage_path, num_samples, metric, mode, scheduler (a dict),
-    searcher, lr_scaling, max_concurrent_trials, trial_max_failures, set)."""
-    raw = {"job": str(job), "space": space, **options}
+    `options`: the other SweepConfig keys (name, storage_path (str or a path), num_samples, metric, mode,
+    scheduler (a dict), searcher, lr_scaling, max_concurrent_trials, trial_max_failures, set)."""
+    if not isinstance(job, (str, os.PathLike)):  # str() of a JobConfig made a 2 KB "config file ... does not exist"
+        raise ConfigError(f"sweep(): job takes the path of a job YAML (str or os.PathLike), got {type(job).__name__}: "
+                          f"write a JobConfig to a file first (behemoth.config.dump_yaml(cfg))")
+    if isinstance(options.get("storage_path"), os.PathLike):  # a path, as load_config takes the job's
+        options["storage_path"] = os.fspath(options["storage_path"])
+    raw = {"job": os.fspath(job), "space": space, **options}
     return run_sweep(from_dict(SweepConfig, raw, where="sweep()"))
 
 
@@ -72,7 +78,7 @@ def _run_sweep(sweep_cfg: SweepConfig, jobs: list, place: paths.RunPlace, fence)
     for job in _distinct_data(jobs):  # checks the data, starts Ray; text: tokenised once, here, into the cache
         prepare_data(job)
     through_ray_train = sorted({why for why in map(lane_reason, jobs) if why is not None})
-    _check_same_sweep(sweep_cfg, sweep_dir)
+    record = _check_same_sweep(sweep_cfg, sweep_dir)
     warmup.start_data_stats_actor()
     import ray
     from ray import tune
@@ -107,6 +113,8 @@ def _run_sweep(sweep_cfg: SweepConfig, jobs: list, place: paths.RunPlace, fence)
                 failure_config=tune.FailureConfig(max_failures=sweep_cfg.trial_max_failures),
                 callbacks=[TrialOutcomeLines(metric)]),
         )
+    # Tune's state (tuner.pkl) now exists, and a rerun restores it: from here the sweep is what it was started as
+    _record_sweep(sweep_dir, record)
     with OrphanedPlacementGroupReaper() if through_ray_train else contextlib.nullcontext(), \
             ray_session.signal_handlers_kept():
         grid = tuner.fit()
@@ -187,21 +195,40 @@ def _distinct_data(jobs: list[JobConfig]) -> list[JobConfig]:
     return out
 
 
-def _check_same_sweep(sweep_cfg: SweepConfig, sweep_dir: str) -> None:
-    """A rerun of a sweep name resumes it: with the same job and space only. The first run stores them."""
+def _check_same_sweep(sweep_cfg: SweepConfig, sweep_dir: str) -> dict:
+    """A rerun of a sweep name resumes it (where Tune has state to restore: Tuner.can_restore, as _run_sweep
+    decides): with the same job, space, metric, mode, scheduler and searcher only (Tuner.restore keeps the first
+    start's scheduler and searcher, while results.csv would rank by the new metric). Returns what the first
+    start records (_record_sweep); a start that failed before Tune's state existed records nothing, so its
+    corrected rerun is a new sweep, not a refused one."""
+    from ray import tune
+
+    job = base_job(sweep_cfg)
+    cfg = config_from_dict(job, where="the sweep's job")
+    metric, mode = metric_and_mode(sweep_cfg, cfg)
+    scheduler = dataclasses.asdict(sweep_cfg.scheduler)
+    if sweep_cfg.scheduler.kind == "asha":  # its default max_t resolved: the same run length either way
+        scheduler["max_t"] = asha_max_t(sweep_cfg, cfg)
+    now = {"job": job, "space": sweep_cfg.space, "num_samples": sweep_cfg.num_samples,
+           "lr_scaling": sweep_cfg.lr_scaling, "metric": metric, "mode": mode, "scheduler": scheduler,
+           "searcher": sweep_cfg.searcher}
     path = Path(sweep_dir, "sweep.yaml")
-    now = {"job": base_job(sweep_cfg), "space": sweep_cfg.space, "num_samples": sweep_cfg.num_samples,
-           "lr_scaling": sweep_cfg.lr_scaling}
-    if path.is_file():
-        before = yaml.safe_load(path.read_text())
-        changed = [key for key in now if before.get(key) != now[key]]
+    if path.is_file() and tune.Tuner.can_restore(sweep_dir):
+        before = yaml.safe_load(path.read_text()) or {}
+        # (a record of an earlier version lacks the later keys: those are not compared)
+        changed = [key for key in now if key in before and before[key] != now[key]]
         if changed:
             raise ConfigError(f"sweep '{sweep_cfg.name}' in {sweep_dir} was started with a different "
                               f"{' and '.join(changed)}: give this sweep another name (name=...), or delete the "
                               f"folder to start it over")
-        return
+    return now
+
+
+def _record_sweep(sweep_dir: str, record: dict) -> None:
+    """sweep.yaml: what a rerun must repeat, written once Tune's state exists (a rerun restores it)."""
+    path = Path(sweep_dir, "sweep.yaml")
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(yaml.safe_dump(now, sort_keys=False))
+    path.write_text(yaml.safe_dump(record, sort_keys=False))
 
 
 def _domain(dist: dict):
