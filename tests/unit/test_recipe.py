@@ -252,18 +252,23 @@ def test_val_fraction_split_is_stable():
 
 @pytest.mark.parametrize("change", ["job", "space", "num_samples", "lr_scaling"])
 def test_a_sweep_rerun_with_another_definition_is_refused(tmp_path, image_root, change):
+    from pathlib import Path
+
     from behemoth.driver.sweep.config import load_sweep
-    from behemoth.driver.sweep.tuner import _check_same_sweep
+    from behemoth.driver.sweep.tuner import _check_same_sweep, _record_sweep
     from unit.test_tune import write_sweep
 
     first = load_sweep(write_sweep(tmp_path, image_root))
     sweep_dir = str(tmp_path / "sweeps" / "s")
-    _check_same_sweep(first, sweep_dir)  # the first run stores its definition
+    _record_sweep(sweep_dir, _check_same_sweep(first, sweep_dir))  # the first run stores its definition
+    (Path(sweep_dir) / "tuner.pkl").write_bytes(b"")  # and Tune its state (Tuner.can_restore): a rerun resumes
     _check_same_sweep(first, sweep_dir)  # the same again: a resume, accepted
     changed = {"job": {"set": ["train.epochs=3"]}, "space": {"space": {"train.lr": {"grid": [0.5]}}},
                "num_samples": {"num_samples": 2}, "lr_scaling": {"lr_scaling": "linear"}}[change]
     again = load_sweep(write_sweep(tmp_path, image_root, **changed))
-    with pytest.raises(ConfigError, match=rf"sweep 's' in .* was started with a different {change}: give"):
+    # (the job's epochs also move ASHA's max_t, which defaults to them: named with it, the scheduler)
+    named = {"job": "job and scheduler"}.get(change, change)
+    with pytest.raises(ConfigError, match=rf"sweep 's' in .* was started with a different {named}: give"):
         _check_same_sweep(again, sweep_dir)
 
 
