@@ -64,6 +64,31 @@ def test_shards_hold_the_folders_samples_in_its_order_and_decode_to_the_same_pix
     assert len(files(again, "train")) == 3
 
 
+def test_a_folder_of_every_still_image_format_makes_shards_read_whole(tmp_path):
+    """image_folder reads bmp, gif and tiff; `data shards` copies each file's suffix into its member's name, and
+    the shard reader took png/jpg/jpeg/webp only: those samples had no image member, and their shards failed."""
+    from PIL import Image
+
+    root = tmp_path / "mixed"
+    formats = ("png", "jpg", "webp", "bmp", "gif", "tif", "tiff")
+    for split, n in (("train", 2), ("val", 1)):
+        for c, colour in (("red", (200, 0, 0)), ("blue", (0, 0, 200))):
+            (root / split / c).mkdir(parents=True)
+            for k in range(n):
+                for ext in formats:
+                    Image.new("RGB", (12, 10), colour).save(root / split / c / f"{k}.{ext}")
+    folder = index_image_folder(root)
+    assert folder.train.num_rows == 2 * 2 * len(formats)
+    out = tmp_path / "shards"
+    assert main(["data", "shards", str(root), "--out", str(out), "--samples-per-shard", "9"]) == 0
+    index = index_webdataset(files(out, "train"), files(out, "val"))
+    assert index.train.column("label").to_pylist() == folder.train.column("label").to_pylist()
+    assert index.val.num_rows == folder.val.num_rows == 2 * len(formats)
+    cfg = ImageData(root="unused", image_size=8, augment="none")
+    decoded = transform_batch(batch_of(index.train), cfg=cfg, seed=0, epoch=0, train=False)
+    assert decoded["valid"].all()
+
+
 def test_the_decoded_cache_of_shards_holds_the_folders_pixels(image_root, shards, tmp_path):
     from behemoth.data.image import image_cache, image_cache_build
 

@@ -22,7 +22,9 @@ from pathlib import Path
 from behemoth.errors import DataError
 from behemoth.progress import progress
 
-IMAGE_EXTENSIONS = ("png", "jpg", "jpeg", "webp")
+# The still-image formats Pillow decodes (decode_rgb: a GIF's first frame, as RGB): an image folder's and a
+# shard's alike, so that `behemoth data shards` of any folder gives shards this reader reads whole
+IMAGE_EXTENSIONS = ("png", "jpg", "jpeg", "webp", "bmp", "gif", "tif", "tiff")
 LABEL_EXTENSION = "cls"
 CLASSES_FILE = "classes.txt"
 

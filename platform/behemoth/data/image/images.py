@@ -31,10 +31,9 @@ from behemoth.data.image.decode import MAX_IMAGE_PIXELS
 from behemoth.data.pipeline import expand_files
 from behemoth.storage.store import Store
 
-# The still-image formats the WebDataset reader takes (image_shards.IMAGE_EXTENSIONS) and those Pillow decodes
-# as well (decode_rgb: a GIF's first frame, converted to RGB); anything else in a class folder (notes, JSON
-# sidecars) is not an image and is left out of the index.
-IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif", ".tif", ".tiff"}
+# The still-image formats, as the WebDataset reader takes them (image_shards.IMAGE_EXTENSIONS); anything else in
+# a class folder (notes, JSON sidecars) is not an image and is left out of the index.
+IMAGE_SUFFIXES = {f".{ext}" for ext in image_shards.IMAGE_EXTENSIONS}
 # One row per sample. `row`: -1 for an image file; the row in `path` for parquet; for a tar shard the byte
 # offset of the image member's data, `size` its length (-1 otherwise).
 INDEX_SCHEMA = pa.schema([("sample_id", pa.int64()), ("path", pa.string()), ("row", pa.int64()),

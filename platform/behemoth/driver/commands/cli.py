@@ -22,8 +22,8 @@ COMMANDS = (train, tune, eval_checkpoint, export, generate, report, check, clust
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="behemoth", description="Fault-tolerant distributed training on Ray (Ray Data + Ray Train: DDP or FSDP).",
-        epilog="Exit status: 0 success; 1 a data error, a damaged checkpoint or a failed run (one line says "
-               "which); 2 a config error or bad arguments. Also: python -m behemoth ...")
+        epilog="Exit status: 0 success; 1 a data error, a damaged checkpoint, a file the system refused or a failed "
+               "run (one line says which); 2 a config error or bad arguments. Also: python -m behemoth ...")
     parser.add_argument("--version", action="version", version=f"behemoth {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     for command in COMMANDS:

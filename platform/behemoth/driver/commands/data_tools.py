@@ -17,7 +17,7 @@ def add_command(sub) -> None:
     data = sub.add_parser("data", help="data utilities").add_subparsers(dest="data_command", required=True)
     p = data.add_parser("synth-images", help="write a learnable demo image dataset (ImageFolder of PNGs, or of "
                         "ImageNet-shaped, photograph-like JPEGs with --format jpeg)")
-    p.add_argument("--out", required=True, help="output folder; train/ and val/ are created inside")
+    p.add_argument("--out", required=True, help="a new or empty output folder; train/ and val/ are created inside")
     p.add_argument("--classes", type=int_between(1, 10), default=10, help="number of classes, 1 to 10")
     p.add_argument("--per-class", type=COUNT, default=200, help="training images per class")
     p.add_argument("--val-per-class", type=COUNT, default=50, help="validation images per class")
@@ -39,9 +39,9 @@ def add_command(sub) -> None:
 
     _add_text_commands(data)
 
-    p = data.add_parser("shards", help="write an ImageFolder as WebDataset tar shards (KEY.<png|jpg> + KEY.cls per "
+    p = data.add_parser("shards", help="write an ImageFolder as WebDataset tar shards (KEY.<png|jpg|...> + KEY.cls per "
                         "image, classes.txt), for data.kind image_webdataset; samples keep the folder's order")
-    p.add_argument("root", help="the ImageFolder: ROOT/{train,val}/<class>/*.{png,jpg,jpeg}")
+    p.add_argument("root", help="the ImageFolder: ROOT/{train,val}/<class>/*.{png,jpg,jpeg,webp,bmp,gif,tif,tiff}")
     p.add_argument("--out", required=True, help="output folder: {train,val}-NNNNNN.tar and classes.txt")
     p.add_argument("--samples-per-shard", type=int_between(1, 10**9), default=10000, help="images per tar shard")
     p.set_defaults(handler=shards)
@@ -69,7 +69,8 @@ def add_command(sub) -> None:
 def _add_text_commands(data) -> None:
     """`behemoth data synth-text` and `train-tokenizer`: the demo corpora and a local tokenizer."""
     p = data.add_parser("synth-text", help="write a learnable demo text corpus (train.jsonl, val.jsonl)")
-    p.add_argument("--out", required=True, help="output folder")
+    p.add_argument("--out", required=True, help="output folder, holding no train.jsonl or val.jsonl (nothing is "
+                   "written over)")
     p.add_argument("--labelled", action="store_true", help="stories with a label each (their character's mood: 4 "
                    "classes), for text classification: rows {text, label}")
     p.add_argument("--chat", action="store_true", help="conversations about the stories, for chat fine-tuning "
@@ -84,8 +85,9 @@ def _add_text_commands(data) -> None:
     p = data.add_parser("train-tokenizer", help="train a byte-level BPE tokenizer on text files, saved for "
                         "AutoTokenizer.from_pretrained (EOS <|endoftext|>)")
     p.add_argument("files", nargs="+", help=".txt, .jsonl or .parquet files (as data.train_files reads them)")
-    p.add_argument("--out", required=True, help="output folder (use it as data.tokenizer)")
-    p.add_argument("--vocab-size", type=int, default=4096, help="tokens in the vocabulary, special tokens included")
+    p.add_argument("--out", required=True, help="output folder holding no tokenizer yet (use it as data.tokenizer)")
+    p.add_argument("--vocab-size", type=int, default=4096, help="tokens in the vocabulary, special tokens included "
+                   "(at least 257, 259 with --chat; at most 1,000,000)")
     p.add_argument("--text-field", default="text", help="JSONL field / parquet column (data.text_field)")
     p.add_argument("--document", choices=["line", "file"], default="line", help=".txt: a document per line "
                    "or per file (data.document)")
