@@ -163,6 +163,15 @@ class TrainConfig:
     # step_callbacks.py), each handed the step context. Imported and checked before Ray starts.
     callbacks: list[str] = field(default_factory=list)
 
+    def warmup_steps_for(self, epoch_steps: int | None) -> int:
+        """warmup_steps, or warmup_epochs in steps of this run's global batch (rounded up): the schedule's
+        (worker/optim.py) and the pre-flight's (driver/run/preflight.py) one count."""
+        if self.warmup_epochs is None:
+            return self.warmup_steps
+        if epoch_steps is None:
+            raise ValueError("train.warmup_epochs needs the steps per epoch")
+        return math.ceil(self.warmup_epochs * epoch_steps)
+
     def validate(self) -> None:
         self._check_ranges()
         if self.micro_batch_size is not None and self.grad_accum_steps != 1:

@@ -134,12 +134,15 @@ def listing_problem(names: Iterable[str]) -> str | None:
     return None
 
 
-def local_out_folder(out: str | os.PathLike, flag: str = "--out") -> Path:
+def local_out_folder(out: str | os.PathLike, flag: str = "--out", empty: str | None = None) -> Path:
     """`out` as a local folder a command writes into (made later, by the writer): a file there, or on the path
     to it, is one ConfigError naming it (mkdir's NotADirectoryError or FileExistsError otherwise; a tokenizer's
-    save_pretrained only warned, and wrote nothing)."""
-    path = Path(out)
+    save_pretrained only warned, and wrote nothing). `empty` (what is written, as the refusal names it): the
+    folder must be new or empty (what is in it would be written over, or mixed with what is written)."""
+    path = Path(out).expanduser()
     existing = next((p for p in (path, *path.parents) if p.exists()), path)  # out, or the folder it is made in
     if existing.exists() and not existing.is_dir():
         raise ConfigError(f"{flag} {out}: {existing} is a file, not a folder: give a folder")
+    if empty and path.is_dir() and any(path.iterdir()):
+        raise ConfigError(f"{flag} {out} is not empty: write {empty} into a new folder (nothing is overwritten)")
     return path

@@ -26,11 +26,7 @@ def build_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Opt
 
 def warmup_steps(cfg: TrainConfig, epoch_steps: int | None) -> int:
     """train.warmup_steps, or train.warmup_epochs in steps of this run's global batch (rounded up)."""
-    if cfg.warmup_epochs is None:
-        return cfg.warmup_steps
-    if epoch_steps is None:
-        raise ValueError("train.warmup_epochs needs the steps per epoch")
-    return math.ceil(cfg.warmup_epochs * epoch_steps)
+    return cfg.warmup_steps_for(epoch_steps)
 
 
 def lr_factor(cfg: TrainConfig, total_steps: int, step: int, warmup: int | None = None) -> float:

@@ -20,8 +20,8 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from behemoth.errors import ConfigError
 from behemoth.progress import progress
+from behemoth.storage.paths import local_out_folder
 
 SHAPES = ("disk", "square", "ring", "plus", "bar")
 FAMILIES = ("warm", "cool")
@@ -106,11 +106,9 @@ def write_synth_images(out: str | Path, classes: int = 10, per_class: int = 200,
     photograph-like, `size` = (width, height) of the landscape ones). Returns the number of images per split."""
     if not 1 <= classes <= len(CLASS_NAMES):
         raise ValueError(f"--classes must be between 1 and {len(CLASS_NAMES)}")
-    out = Path(out)
     # a second run into the same folder (another --format, fewer classes) would leave both runs' images side by
-    # side, one dataset silently doubled; as `behemoth export`, only a new or empty folder is written
-    if out.is_dir() and any(out.iterdir()):
-        raise ConfigError(f"--out {out} is not empty: write the images into a new folder (nothing is overwritten)")
+    # side, one dataset silently doubled: only a new or empty folder is written
+    out = local_out_folder(out, empty="the images")
     splits = (("train", per_class), ("val", val_per_class))
     images = [(split_id, split, c, i) for split_id, (split, n) in enumerate(splits) for c in range(classes)
               for i in range(n)]

@@ -36,6 +36,7 @@ from behemoth.models import registry
 from behemoth.models.lora import is_adapted
 from behemoth.tasks import task_of
 from behemoth.tasks.registry import is_custom_kind
+from behemoth.storage.paths import local_out_folder
 from behemoth.storage.store import Store
 from behemoth.driver.commands.args import add_trusted_code_args
 
@@ -66,9 +67,7 @@ def export(path: str, out: str, which: str = "best", trusted: TrustedCode = Trus
     if not Store(out).is_local:  # refused before anything is read: Path would make a local ./s3:/bucket/x of it
         raise ConfigError(f"--out {out} is a URI: export writes a local folder; export into one (--out "
                           f"exports/NAME) and copy that folder to {out} afterwards with your storage's tool")
-    out_dir = Path(out).expanduser()
-    if out_dir.exists() and any(out_dir.iterdir()):
-        raise ConfigError(f"--out {out} is not empty: export into a new folder (nothing is overwritten)")
+    out_dir = local_out_folder(out, empty="the export")
     with tempfile.TemporaryDirectory(prefix="behemoth-kept-") as kept:
         loaded = load_checkpoint_model(path, which, trusted, Path(kept))
         out_dir.mkdir(parents=True, exist_ok=True)

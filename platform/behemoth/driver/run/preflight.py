@@ -8,10 +8,10 @@ through here.
 from __future__ import annotations
 
 import importlib.util
-import math
 import sys
 
 from behemoth.config import JobConfig
+from behemoth.data.order import steps_per_epoch
 from behemoth.errors import CheckpointError, ConfigError, DataError
 from behemoth.models import registry
 from behemoth.models.sources import check_source, hub_endpoint
@@ -105,7 +105,7 @@ def _run_steps(cfg: JobConfig, samples: int | None) -> tuple[int, str] | None:
     """(the run's steps, what decides them), where they are known."""
     train, runs = cfg.train, []
     if samples is not None:
-        epoch_steps = samples // train.global_batch_size
+        epoch_steps = steps_per_epoch(samples, train.global_batch_size)
         runs.append((epoch_steps * train.epochs, f"{train.epochs} epoch(s) of {epoch_steps} steps"))
     if train.max_steps:
         runs.append((train.max_steps, "train.max_steps"))
@@ -118,8 +118,7 @@ def _warn_of_a_warmup_past_the_end(cfg: JobConfig, samples: int | None) -> None:
     run, train = _run_steps(cfg, samples), cfg.train
     if run is None or (train.warmup_epochs is not None and samples is None):
         return
-    warm = (train.warmup_steps if train.warmup_epochs is None  # (as worker/optim.warmup_steps counts them)
-            else math.ceil(train.warmup_epochs * (samples // train.global_batch_size)))
+    warm = train.warmup_steps_for(None if samples is None else steps_per_epoch(samples, train.global_batch_size))
     if warm and warm >= run[0]:
         key = "train.warmup_steps" if train.warmup_epochs is None else "train.warmup_epochs"
         print(f"[behemoth] warning: {key} makes a warm-up of {warm} steps, not shorter than the run's "
