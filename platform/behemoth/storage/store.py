@@ -38,6 +38,12 @@ class Store:
         fs, where = self.pyarrow()
         return filesystem.exists(where, fs)
 
+    def is_file(self) -> bool:
+        import pyarrow.fs
+
+        fs, where = self.pyarrow()
+        return fs.get_file_info(where).type == pyarrow.fs.FileType.File
+
     def is_dir(self) -> bool:
         import pyarrow.fs
 

@@ -96,12 +96,9 @@ class JsonlLog:
 
 
 def exists(path: str) -> bool:
-    """Whether a log has been written (as a file, or under a URI as parts)."""
-    try:
-        found = read_text(path) is not None
-    except UnicodeDecodeError:  # a file, with damaged lines: read_jsonl reads the rest
-        found = True
-    return found or bool(_part_names(path))
+    """Whether a log has been written (as a file, or under a URI as parts): asked of the store, not read (a
+    whole metrics log read to learn it is there, then read again by its reader)."""
+    return Store(path).is_file() or bool(_part_names(path))
 
 
 def read_text(path: str) -> str | None:
