@@ -171,7 +171,7 @@ def _parquet_job(tmp_path, train: dict, val: dict, **kw) -> ImageData:
 
 @pytest.mark.parametrize("content", [b"img,cls\nx,cat\n", b"PAR1 truncated download"])
 def test_a_file_that_is_not_parquet_is_named_with_its_data_key(tmp_path, content):
-    """Audit item 1: a CSV named .parquet or a truncated download was pyarrow's ArrowInvalid traceback."""
+    """a CSV named .parquet or a truncated download was pyarrow's ArrowInvalid traceback."""
     job = _parquet_job(tmp_path, {"img": [_png()] * 2, "cls": ["cat", "dog"]}, {"img": [_png()], "cls": ["cat"]})
     (tmp_path / "val.parquet").write_bytes(content)
     with pytest.raises(DataError, match=rf"{tmp_path / 'val.parquet'} is not a parquet file pyarrow can read "
@@ -191,7 +191,7 @@ def test_a_file_that_is_not_parquet_is_named_with_its_data_key(tmp_path, content
       r"parquet must hold the image bytes")),
 ])
 def test_parquet_columns_of_the_wrong_type_are_named_when_indexed(tmp_path, column, values, expected):
-    """Audit item 3: a list or struct label was ArrowNotImplementedError; an image column of paths or ints, or
+    """a list or struct label was pyarrow's 'Unsupported cast' traceback; an image column of paths or ints, or
     HF structs saved by path, passed the index and failed in every decode task."""
     train = {"img": [_png(), _png()], "cls": ["cat", "dog"], column: values}
     job = _parquet_job(tmp_path, train, {"img": [_png()], "cls": ["cat"]})
@@ -206,7 +206,7 @@ def test_parquet_columns_of_the_wrong_type_are_named_when_indexed(tmp_path, colu
 
 
 def test_parquet_val_labels_the_training_rows_lack_or_no_val_rows_are_refused(tmp_path):
-    """Audit item 4: train cat/dog with val 0/1 made 4 classes (two never trained on); a val file of no rows gave
+    """train cat/dog with val 0/1 made 4 classes (two never trained on); a val file of no rows gave
     val metrics of 0.0. Both are one line naming the validation file."""
     train = {"img": [_png()] * 3, "cls": ["cat", "dog", "cat"]}
     job = _parquet_job(tmp_path, train, {"img": [_png()] * 3, "cls": [0, 1, 0]})
@@ -221,7 +221,7 @@ def test_parquet_val_labels_the_training_rows_lack_or_no_val_rows_are_refused(tm
 
 
 def test_image_folder_reads_every_still_image_format_and_leaves_other_files_out(tmp_path):
-    """Audit item 2: .webp, .bmp, .gif, .tif/.tiff images were skipped without a word (half of a folder of jpg,
+    """.webp, .bmp, .gif, .tif/.tiff images were skipped without a word (half of a folder of jpg,
     JPEG, webp and bmp files). Each is indexed and decodes to RGB (a paletted GIF too); notes beside them are
     not images and stay out."""
     colour = (200, 40, 10)

@@ -19,8 +19,8 @@ from behemoth.storage import paths
 from behemoth.storage.store import Store
 from behemoth.errors import ConfigError, DataError
 from behemoth.tracking import goodput
-from behemoth.tracking.records import METRICS, TIMELINE, exists, latest_per_step, read_jsonl, read_text, write_bytes
-from behemoth.tracking.records import write_text
+from behemoth.tracking.records import (METRICS, TIMELINE, exists, latest_per_step, read_jsonl, read_text,
+                                       write_bytes, write_text)
 
 FOLDER = "report"
 _COLOURS = {"productive": "#2e7d32", "startup": "#90a4ae", "data_wait": "#fbc02d", "checkpoint": "#6a1b9a",
