@@ -26,7 +26,7 @@ def _last_line(err: str) -> str:
 
 @pytest.mark.parametrize("name", ["train.jsonl", "val.jsonl"])
 def test_synth_text_never_overwrites_a_corpus_in_out(tmp_path, capsys, name):
-    """Audit: an existing train.jsonl or val.jsonl in --out was replaced and "wrote ..." printed."""
+    """An existing train.jsonl or val.jsonl in --out was replaced and "wrote ..." printed."""
     (tmp_path / name).write_text('{"text": "my own corpus"}\n')
     code, err = _run(capsys, "synth-text", "--out", str(tmp_path), "--train-documents", "3", "--val-documents", "2")
     assert code == 2 and err.count("\n") == 1
@@ -36,7 +36,7 @@ def test_synth_text_never_overwrites_a_corpus_in_out(tmp_path, capsys, name):
 
 
 def test_synth_images_refuses_a_folder_that_holds_images(tmp_path, capsys):
-    """Audit: a png run then a `--format jpeg` run into the same --out left both datasets side by side."""
+    """A png run then a `--format jpeg` run into the same --out left both datasets side by side."""
     out = tmp_path / "images"
     out.mkdir()  # an empty folder is fine
     small = ["--classes", "2", "--per-class", "2", "--val-per-class", "1"]
@@ -59,7 +59,7 @@ def test_synth_images_refuses_a_folder_that_holds_images(tmp_path, capsys):
     (["shards", "root", "--samples-per-shard", "1e3"], "argument --samples-per-shard: '1e3' is not an integer"),
 ])
 def test_counts_and_seeds_out_of_range_are_one_argparse_line(tmp_path, capsys, argv, message):
-    """Audit: `--per-class -5` printed "wrote -50 train", `--seed -1` was numpy's raw ValueError, and a count that is
+    """`--per-class -5` printed "wrote -50 train", `--seed -1` was numpy's raw ValueError, and a count that is
     not an integer said "invalid parse value: 'abc'"."""
     code, err = _run(capsys, *argv, "--out", str(tmp_path / "out"))
     assert code == 2 and message in _last_line(err) and not (tmp_path / "out").exists()
@@ -74,7 +74,7 @@ def test_an_integer_arguments_type_is_named_in_argparses_own_messages():
 @pytest.mark.parametrize("command", [["synth-images"], ["synth-text"], ["shards", "ROOT"], ["train-tokenizer", "F"]])
 @pytest.mark.parametrize("below", [False, True])
 def test_an_out_that_is_a_file_is_one_line_naming_it(tmp_path, capsys, command, below):
-    """Audit: NotADirectoryError / FileExistsError tracebacks for `--out afile` (or a folder below a file)."""
+    """NotADirectoryError / FileExistsError tracebacks for `--out afile` (or a folder below a file)."""
     afile = tmp_path / "afile"
     afile.write_text("mine")
     (tmp_path / "corpus.jsonl").write_text('{"text": "hello world"}\n')
@@ -93,7 +93,7 @@ def _corpus(tmp_path):
 
 @pytest.mark.parametrize("extra", [["--chat"], ["--chat", "--text-field", "conversation"]])
 def test_train_tokenizer_on_no_text_is_one_line_and_writes_nothing(tmp_path, capsys, extra):
-    """Audit: `--chat` on a file of texts (or a wrong --text-field) trained on nothing and wrote a 259-token
+    """`--chat` on a file of texts (or a wrong --text-field) trained on nothing and wrote a 259-token
     tokenizer, saying so."""
     code, err = _run(capsys, "train-tokenizer", str(_corpus(tmp_path)), "--out", str(tmp_path / "tok"), *extra)
     assert code == 1 and err.count("\n") == 1 and "no conversation turn read from" in err
@@ -101,7 +101,7 @@ def test_train_tokenizer_on_no_text_is_one_line_and_writes_nothing(tmp_path, cap
 
 
 def test_train_tokenizer_never_replaces_a_tokenizer(tmp_path, capsys):
-    """Audit: an existing tokenizer.json in --out was silently replaced."""
+    """An existing tokenizer.json in --out was silently replaced."""
     (tmp_path / "tok").mkdir()
     (tmp_path / "tok" / "tokenizer.json").write_text("{}")
     code, err = _run(capsys, "train-tokenizer", str(_corpus(tmp_path)), "--out", str(tmp_path / "tok"),
@@ -112,7 +112,7 @@ def test_train_tokenizer_never_replaces_a_tokenizer(tmp_path, capsys):
 
 
 def test_train_tokenizer_chat_files_are_expanded_and_checked_as_text_files_are(tmp_path, capsys):
-    """Audit: `--chat missing.jsonl` was a raw FileNotFoundError and a --chat glob was read as a file name."""
+    """`--chat missing.jsonl` was a raw FileNotFoundError and a --chat glob was read as a file name."""
     from behemoth.data.text.synth_text import write_synth_chat
 
     code, err = _run(capsys, "train-tokenizer", str(tmp_path / "missing.jsonl"), "--chat", "--out",
@@ -127,7 +127,7 @@ def test_train_tokenizer_chat_files_are_expanded_and_checked_as_text_files_are(t
 @pytest.mark.parametrize("vocab, chat, low", [("-5", False, 257), ("0", False, 257), ("10000000000000", False, 257),
                                               ("258", True, 259)])
 def test_train_tokenizer_vocab_size_out_of_range_is_one_line(tmp_path, capsys, vocab, chat, low):
-    """Audit: -5 was an OverflowError, 0 silently 257 tokens, a huge one aborted Rust's allocator."""
+    """-5 was an OverflowError, 0 silently 257 tokens, a huge one aborted Rust's allocator."""
     code, err = _run(capsys, "train-tokenizer", str(_corpus(tmp_path)), "--out", str(tmp_path / "tok"),
                      "--vocab-size", vocab, *(["--chat"] if chat else []))
     assert code == 2 and err.count("\n") == 1
@@ -137,7 +137,7 @@ def test_train_tokenizer_vocab_size_out_of_range_is_one_line(tmp_path, capsys, v
 
 @pytest.mark.parametrize("kaggle", [True, False])
 def test_split_val_reads_a_labels_file_saved_with_a_bom(tmp_path, capsys, kaggle):
-    """Audit: Excel's CSV starts with a UTF-8 BOM; read as text, its header was not 'ImageId,' and every row was
+    """Excel's CSV starts with a UTF-8 BOM; read as text, its header was not 'ImageId,' and every row was
     refused as "expected 'FILENAME CLASS'"."""
     val = tmp_path / "val"
     val.mkdir()
