@@ -166,3 +166,21 @@ def test_the_cli_from_python_takes_a_list():
 
     with pytest.raises(ConfigError, match=r"^behemoth.cli takes the arguments as a list, e.g. \['check', 'x.yaml'\]"):
         behemoth.cli("check x.yaml")
+
+
+def test_split_val_moves_every_format_an_image_folder_reads(tmp_path, capsys):
+    """split-val moved only .png/.jpg/.jpeg: a flat val folder of .webp (or .bmp, .tif...) was refused as
+    "images without a label" never listed, and an image folder reads all of these formats."""
+    from behemoth.data.image.images import IMAGE_SUFFIXES
+
+    val = tmp_path / "val"
+    val.mkdir()
+    names = [f"img{i}{suffix}" for i, suffix in enumerate(sorted(IMAGE_SUFFIXES))]
+    for name in names:
+        (val / name).write_bytes(name.encode())
+    labels = tmp_path / "labels.txt"
+    labels.write_text("".join(f"{name} n{i % 2}\n" for i, name in enumerate(names)))
+    code, err = _run(capsys, "split-val", str(val), "--labels", str(labels))
+    assert code == 0, err
+    assert sorted(p.relative_to(val).as_posix() for p in val.rglob("*") if p.is_file()) == sorted(
+        f"n{i % 2}/{name}" for i, name in enumerate(names))

@@ -17,10 +17,13 @@ import io
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from behemoth.data.image.image_shards import IMAGE_EXTENSIONS
 from behemoth.errors import DataError
 from behemoth.storage.paths import PART_MAX, is_inside
 
-IMAGE_SUFFIXES = (".jpeg", ".jpg", ".png")
+# the formats an image folder is read in (images.IMAGE_SUFFIXES): an image split-val left behind in the flat
+# folder would be refused there as "val holds images directly"
+IMAGE_SUFFIXES = tuple(f".{ext}" for ext in IMAGE_EXTENSIONS)
 _KAGGLE_COLUMNS = ("ImageId", "PredictionString")
 
 
