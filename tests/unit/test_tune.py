@@ -80,10 +80,18 @@ def test_a_sweep_on_an_object_store_is_refused_with_what_to_do(tmp_path, image_r
     ({"train.batch_size": {"grid": [16]}}, r"; did you mean 'train.global_batch_size'\?$"),
     # a range over an integer key: its integer ends made valid jobs, the floats between failed every trial in Ray
     ({"train.global_batch_size": {"loguniform": [16, 64]}}, r"^space.train.global_batch_size: loguniform "
-     r"draws floats and the key is an integer: use choice or grid \(e.g. \{choice: \[16, 64\]\}\)$"),
+     r"draws floats and the key is an integer: use randint, choice or grid \(e.g. \{choice: \[16, 64\]\}\)$"),
     ({"train.epochs": {"uniform": [2, 4]}}, "space.train.epochs: uniform draws floats and the key is an integer"),
     ({"train.lr": {"loguniform": [0, 1]}}, r"train.lr.loguniform needs \[low, high\] with low < high and low > 0"),
     ({"train.lr": {"normal": [0, 1]}}, "space.train.lr: expected one of"),
+    # integer ranges: two integers, low < high (both drawn), a log range above 0
+    ({"train.epochs": {"randint": [2, 4.5]}}, r"space.train.epochs.randint needs \[low, high\], two integers with "
+     r"low < high \(both drawn\), got \[2, 4.5\]"),
+    ({"train.epochs": {"randint": [3, 3]}}, r"train.epochs.randint needs \[low, high\], two integers"),
+    ({"train.epochs": {"randint": [True, 3]}}, r"train.epochs.randint needs \[low, high\], two integers"),
+    ({"train.global_batch_size": {"lograndint": [0, 64]}}, r"lograndint needs .* and low > 0 \(both drawn\)"),
+    # each end is a job: one that is not valid is named before Ray starts
+    ({"train.global_batch_size": {"randint": [16, 17]}}, "the trial train.global_batch_size=17 is not a valid job"),
     ({"train.lr": {"grid": []}}, "space.train.lr.grid is empty"),
     ({"train.global_batch_size": {"grid": [16, 15]}},
      "the trial train.global_batch_size=15 is not a valid job: train.global_batch_size 15 is not divisible"),
@@ -96,6 +104,20 @@ def test_bad_space_is_refused_before_any_trial(tmp_path, image_root, space, mess
     path.write_text(yaml.safe_dump(raw))
     with pytest.raises(ConfigError, match=message):
         check_sweep(load_sweep(path))
+
+
+@pytest.mark.parametrize("kind", ["randint", "lograndint"])
+def test_an_integer_range_draws_integers_with_both_ends_included(kind):
+    """Tune's randint and lograndint leave their upper bound out; a sweep's [low, high] draws both (a range over
+    train.epochs or a LoRA rank, which uniform refuses: it draws floats)."""
+    import random
+
+    from behemoth.driver.sweep.tuner import _domain
+
+    random.seed(0)
+    domain = _domain({kind: [1, 3]})
+    draws = [domain.sample(random_state=i) for i in range(200)]
+    assert {type(d) for d in draws} == {int} and set(draws) == {1, 2, 3}
 
 
 def test_metric_the_training_never_reports_is_refused(tmp_path, image_root):

@@ -25,7 +25,9 @@ from behemoth.job import config_from_dict, load_config
 from behemoth.tasks import task_of
 from behemoth.storage.store import Store
 
-DISTRIBUTIONS = ("grid", "choice", "uniform", "loguniform")
+DISTRIBUTIONS = ("grid", "choice", "uniform", "loguniform", "randint", "lograndint")
+# integer draws, both ends included (Tune's randint leaves its upper bound out: tuner._domain adds one)
+INTEGER_RANGES = ("randint", "lograndint")
 
 
 @dataclass
@@ -47,6 +49,7 @@ class SweepConfig:
     # Overrides applied to every trial before the space, like `behemoth train --set`.
     set: list[str] = field(default_factory=list)
     # KEY: {grid: [...]} | {choice: [...]} | {uniform: [low, high]} | {loguniform: [low, high]}
+    #      | {randint: [low, high]} | {lograndint: [low, high]} (integers, both ends included)
     space: dict[str, dict[str, list[Any]]] = field(default_factory=dict)
     # Samples of the space (each grid combination num_samples times).
     num_samples: int = 1
@@ -101,6 +104,12 @@ def _check_distribution(key: str, dist: dict) -> None:
         if not ok or (kind == "loguniform" and values[0] <= 0):
             raise ConfigError(f"space.{key}.{kind} needs [low, high] with low < high"
                               f"{' and low > 0' if kind == 'loguniform' else ''}, got {values}")
+    if kind in INTEGER_RANGES:
+        ok = len(values) == 2 and all(isinstance(v, int) and not isinstance(v, bool) for v in values) \
+            and values[0] < values[1]
+        if not ok or (kind == "lograndint" and values[0] <= 0):
+            raise ConfigError(f"space.{key}.{kind} needs [low, high], two integers with low < high"
+                              f"{' and low > 0' if kind == 'lograndint' else ''} (both drawn), got {values}")
 
 
 def load_sweep(path: str | Path, overrides: list[str] | None = None) -> SweepConfig:
@@ -218,8 +227,8 @@ def check_sweep(sweep_cfg: SweepConfig) -> list[JobConfig]:
         # Only a range's two ends become jobs below, and integer ends pass: the floats Tune draws between them
         # would fail in every trial, after Ray started
         if kind in ("uniform", "loguniform") and _takes(valid[key], int) and not _takes(valid[key], float):
-            raise ConfigError(f"space.{key}: {kind} draws floats and the key is an integer: use choice or grid "
-                              f"(e.g. {{choice: [{values[0]}, {values[1]}]}})")
+            raise ConfigError(f"space.{key}: {kind} draws floats and the key is an integer: use randint, choice "
+                              f"or grid (e.g. {{choice: [{values[0]}, {values[1]}]}})")
         axes.append([(key, v) for v in values])
     jobs = []
     for combination in itertools.product(*axes):

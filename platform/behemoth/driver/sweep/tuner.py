@@ -37,8 +37,9 @@ from behemoth.errors import ConfigError
 from behemoth.job import config_from_dict
 from behemoth.driver.ray_cluster import session as ray_session
 from behemoth.driver.ray_cluster import warmup
-from behemoth.driver.sweep.config import (SweepConfig, asha_max_t, base_job, check_sweep, concurrency_bound,
-                                          lane_reason, load_sweep, metric_and_mode, optuna_searcher)
+from behemoth.driver.sweep.config import (INTEGER_RANGES, SweepConfig, asha_max_t, base_job, check_sweep,
+                                          concurrency_bound, lane_reason, load_sweep, metric_and_mode,
+                                          optuna_searcher)
 from behemoth.driver.sweep.reaper import OrphanedPlacementGroupReaper
 from behemoth.driver.sweep.results import SweepResult, write_results
 from behemoth.driver.sweep.trial import TrialOutcomeLines, run_trial, trial_process_resources
@@ -235,8 +236,11 @@ def _domain(dist: dict):
     from ray import tune
 
     kind, values = next(iter(dist.items()))
-    return {"grid": tune.grid_search, "choice": tune.choice}[kind](values) if kind in ("grid", "choice") \
-        else getattr(tune, kind)(*values)
+    if kind in ("grid", "choice"):
+        return {"grid": tune.grid_search, "choice": tune.choice}[kind](values)
+    if kind in INTEGER_RANGES:  # the sweep's high is drawn too; Tune's upper bound is not
+        return getattr(tune, kind)(values[0], values[1] + 1)
+    return getattr(tune, kind)(*values)
 
 
 def _scheduler(sweep_cfg: SweepConfig, job: JobConfig):
