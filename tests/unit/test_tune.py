@@ -341,6 +341,23 @@ def test_an_asha_max_t_past_a_trials_end_is_refused(tmp_path, image_root):
     assert len(check_sweep(load_sweep(write_sweep(tmp_path, image_root, scheduler={"max_t": 2})))) == 4
 
 
+def test_asha_over_a_space_of_run_lengths_plans_for_the_shortest_trial(tmp_path, image_root):
+    """With train.epochs in the space and no max_t, ASHA planned for the first trial's length: {choice: [8, 2]}
+    put rungs at 1, 2 and 4 epochs, one at the 2-epoch trials' last report (what max_t a hair below a run's
+    length exists to avoid). Now every rung is before every trial's end; longer trials run on past max_t."""
+    from behemoth.driver.sweep.tuner import _scheduler
+
+    for epochs in ([8, 2], [2, 8]):
+        s = load_sweep(write_sweep(tmp_path, image_root, space={"train.epochs": {"choice": epochs}}))
+        asha = _scheduler(s, check_sweep(s))
+        rungs = {milestone for bracket in asha._brackets for milestone, _ in bracket._rungs}
+        assert rungs and all(rung < 2 for rung in rungs), rungs
+        assert not asha._stop_last_trials  # (an 8-epoch trial is not stopped at max_t)
+    randint = {"train.epochs": {"randint": [2, 8]}}
+    with pytest.raises(ConfigError, match=r"scheduler.max_t 4 is longer than a trial \(train.epochs 2\)"):
+        check_sweep(load_sweep(write_sweep(tmp_path, image_root, scheduler={"max_t": 4}, space=randint)))
+
+
 def test_a_missing_job_file_names_the_sweep_file_its_key_and_where_it_is_read_from(tmp_path, image_root,
                                                                                     monkeypatch):
     """job: configs/job.yaml in configs/sweep.yaml: 'config file configs/configs/job.yaml does not exist' named

@@ -38,7 +38,7 @@ class SchedulerConfig:
     time_attr: Literal["epoch", "step"] = "epoch"
     grace_period: float = 1
     reduction_factor: float = 2
-    # The run length ASHA plans for (default: the job's epochs, or its steps).
+    # The run length ASHA plans for (default: the shortest trial's epochs, or its steps).
     max_t: float | None = None
 
 
@@ -238,9 +238,8 @@ def check_sweep(sweep_cfg: SweepConfig) -> list[JobConfig]:
             values = ", ".join(f"{k}={v!r}" for k, v in combination)
             raise ConfigError(f"space: the trial {values} is not a valid job: {e}") from None
     metric_and_mode(sweep_cfg, jobs[0])
-    if sweep_cfg.scheduler.kind == "asha":  # a max_t of the sweep's own against each trial's length
-        for job in jobs if sweep_cfg.scheduler.max_t is not None else jobs[:1]:
-            asha_max_t(sweep_cfg, job)
+    if sweep_cfg.scheduler.kind == "asha":  # its max_t against every trial's length
+        asha_max_t(sweep_cfg, jobs)
     if sweep_cfg.searcher == "optuna":
         optuna_searcher(sweep_cfg, "val_loss", "min")  # raises the install hint when optuna is missing
     return jobs
@@ -280,20 +279,26 @@ def _suggest_key(key: str, valid: list[str]) -> str:
     return "; did you mean " + " or ".join(f"'{s}.{close}'" for s in ([section] if section else fields[close])) + "?"
 
 
-def asha_max_t(sweep_cfg: SweepConfig, job: JobConfig) -> float:
-    """The length of a trial in ASHA's time_attr; ConfigError where ASHA would have no rung before its end."""
+def asha_max_t(sweep_cfg: SweepConfig, jobs: list[JobConfig]) -> float:
+    """The run length ASHA plans for, in its time_attr: scheduler.max_t, by default the shortest trial's (`jobs`:
+    every trial job check_sweep makes). ConfigError where a rung would fall at a trial's last report, or ASHA
+    would have no rung before a trial's end."""
     s = sweep_cfg.scheduler
-    max_t = s.max_t or (job.train.epochs if s.time_attr == "epoch" else job.train.max_steps)
+    key = "train.epochs" if s.time_attr == "epoch" else "train.max_steps"
+    lengths = [length for job in jobs
+               if (length := job.train.epochs if s.time_attr == "epoch" else job.train.max_steps) is not None]
+    shortest = min(lengths, default=None)
+    # The shortest, not the first trial's: with train.epochs in the space, the first trial's length put ASHA's
+    # rungs at a shorter trial's last report
+    max_t = s.max_t or shortest
     if max_t is None:
         raise ConfigError("scheduler.time_attr is step and the job has no train.max_steps: set scheduler.max_t")
-    length = job.train.epochs if s.time_attr == "epoch" else job.train.max_steps
-    # Past the run's end, ASHA's rungs reach the trial's last report: the decision _scheduler's max_t a hair
+    # Past a run's end, ASHA's rungs reach that trial's last report: the decision _scheduler's max_t a hair
     # below the run's length avoids (stopping a trial that is shutting down can leak its placement group)
-    if length is not None and max_t > length:
-        key = "train.epochs" if s.time_attr == "epoch" else "train.max_steps"
-        raise ConfigError(f"scheduler.max_t {max_t:g} is longer than a trial ({key} {length}), so ASHA would decide "
-                          f"at a trial's last report: set scheduler.max_t to at most {length}, or leave it out "
-                          f"(it follows the job)")
+    if shortest is not None and max_t > shortest:
+        raise ConfigError(f"scheduler.max_t {max_t:g} is longer than a trial ({key} {shortest}), so ASHA would "
+                          f"decide at a trial's last report: set scheduler.max_t to at most {shortest}, or leave "
+                          f"it out (it follows the shortest trial)")
     if max_t <= s.grace_period:  # Ray's ASHAScheduler would fail on an assertion (its max_t is a hair below)
         raise ConfigError(f"scheduler asha: a trial lasts {max_t:g} {s.time_attr}(s), not more than "
                           f"scheduler.grace_period {s.grace_period:g}, so ASHA has no point to stop a trial before "

@@ -79,7 +79,7 @@ def _run_sweep(sweep_cfg: SweepConfig, jobs: list, place: paths.RunPlace, fence)
     for job in _distinct_data(jobs):  # checks the data, starts Ray; text: tokenised once, here, into the cache
         prepare_data(job)
     through_ray_train = sorted({why for why in map(lane_reason, jobs) if why is not None})
-    record = _check_same_sweep(sweep_cfg, sweep_dir)
+    record = _check_same_sweep(sweep_cfg, sweep_dir, jobs)
     warmup.start_data_stats_actor()
     import ray
     from ray import tune
@@ -103,7 +103,7 @@ def _run_sweep(sweep_cfg: SweepConfig, jobs: list, place: paths.RunPlace, fence)
             param_space={key: _domain(dist) for key, dist in sweep_cfg.space.items()},
             tune_config=tune.TuneConfig(
                 metric=metric, mode=mode, num_samples=sweep_cfg.num_samples, max_concurrent_trials=concurrent,
-                scheduler=_scheduler(sweep_cfg, jobs[0]), search_alg=_searcher(sweep_cfg, metric, mode),
+                scheduler=_scheduler(sweep_cfg, jobs), search_alg=_searcher(sweep_cfg, metric, mode),
                 # A trial's actor serves the next trial of the same resources: a lane stays warm. Not where trials
                 # go through Ray Train: there a reused actor whose trial ASHA had stopped was seen to leave the next
                 # trial's reports unread (its Ray Train controller blocked in TuneReportCallback's queue, Tune
@@ -196,20 +196,21 @@ def _distinct_data(jobs: list[JobConfig]) -> list[JobConfig]:
     return out
 
 
-def _check_same_sweep(sweep_cfg: SweepConfig, sweep_dir: str) -> dict:
+def _check_same_sweep(sweep_cfg: SweepConfig, sweep_dir: str, jobs: list[JobConfig] | None = None) -> dict:
     """A rerun of a sweep name resumes it (where Tune has state to restore: Tuner.can_restore, as _run_sweep
     decides): with the same job, space, metric, mode, scheduler and searcher only (Tuner.restore keeps the first
     start's scheduler and searcher, while results.csv would rank by the new metric). Returns what the first
     start records (_record_sweep); a start that failed before Tune's state existed records nothing, so its
-    corrected rerun is a new sweep, not a refused one."""
+    corrected rerun is a new sweep, not a refused one. `jobs`: check_sweep's trial jobs (default: the job alone)."""
     from ray import tune
 
     job = base_job(sweep_cfg)
     cfg = config_from_dict(job, where="the sweep's job")
+    jobs = jobs or [cfg]
     metric, mode = metric_and_mode(sweep_cfg, cfg)
     scheduler = dataclasses.asdict(sweep_cfg.scheduler)
     if sweep_cfg.scheduler.kind == "asha":  # its default max_t resolved: the same run length either way
-        scheduler["max_t"] = asha_max_t(sweep_cfg, cfg)
+        scheduler["max_t"] = asha_max_t(sweep_cfg, jobs)
     now = {"job": job, "space": sweep_cfg.space, "num_samples": sweep_cfg.num_samples,
            "lr_scaling": sweep_cfg.lr_scaling, "metric": metric, "mode": mode, "scheduler": scheduler,
            "searcher": sweep_cfg.searcher}
@@ -243,13 +244,13 @@ def _domain(dist: dict):
     return getattr(tune, kind)(*values)
 
 
-def _scheduler(sweep_cfg: SweepConfig, job: JobConfig):
+def _scheduler(sweep_cfg: SweepConfig, jobs: list[JobConfig]):
     from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
 
     s = sweep_cfg.scheduler
     if s.kind == "fifo":
         return FIFOScheduler()
-    max_t = asha_max_t(sweep_cfg, job)
+    max_t = asha_max_t(sweep_cfg, jobs)
     # No decision at the run's end: ASHA puts a rung at max_t itself, where "stopping" a trial that has
     # trained to its end kills its Ray Train controller while it shuts down, after it has released Ray
     # Train's placement-group cleaner and before it has removed its placement group, which then holds its CPUs
