@@ -67,3 +67,27 @@ def test_nothing_kept_when_too_big_or_cut_short(monkeypatch):
         with pytest.raises(ValueError):
             batches(failing, range(10))
     assert failing.calls == 2
+
+
+def test_a_new_task_in_the_same_process_reads_its_own_batches_and_the_old_ones_go_with_their_task():
+    """A sweep's lane trains trial after trial in one process: the batches were kept per (split, batch size,
+    indices) alone, so a trial with another data.image_size (or another validation file of as many rows) was
+    evaluated on the trial before's batches, and every trial's stayed in memory."""
+    import gc
+
+    class Scaled(Task):
+        def __init__(self, scale):
+            super().__init__()
+            self.scale = scale
+
+        def eval_batches(self, indices, batch_size, split="val"):
+            for b in super().eval_batches(indices, batch_size, split):
+                yield {**b, "x": b["x"] * self.scale}
+
+    first, second = Scaled(1), Scaled(64)
+    batches(first, range(10))
+    assert [b["x"].tolist() for b in batches(second, range(10))][0] == [0, 64, 128, 192]
+    assert second.calls == 1
+    del first
+    gc.collect()
+    assert list(evaluate._KEPT) == [second]

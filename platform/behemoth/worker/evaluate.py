@@ -4,6 +4,7 @@ the function `behemoth eval` runs on every worker (a checkpoint's model through 
 from __future__ import annotations
 
 import hashlib
+import weakref
 
 import numpy as np
 import torch
@@ -62,10 +63,12 @@ def _stacked(sums: dict, names: tuple[str, ...], like: torch.Tensor) -> torch.Te
 
 
 # Evaluation batches kept in this worker process, for tasks whose evaluation batches are the same every time
-# (`eval_batches_repeat`, e.g. images: centre crop, no augmentation): (split, batch size, indices) -> batches
-# on the CPU, or None where they outgrew KEEP_BYTES. Otherwise every evaluation would build a new Ray Data
-# pipeline and pay its start-up; kept, every evaluation after the first is forwards only.
-_KEPT: dict = {}
+# (`eval_batches_repeat`, e.g. images: centre crop, no augmentation): per task object (one per run, or per
+# trial in a sweep's lane: a trial with another image_size or validation file never sees the one before's),
+# (split, batch size, indices) -> batches on the CPU, or None where they outgrew KEEP_BYTES. Otherwise every
+# evaluation would build a new Ray Data pipeline and pay its start-up; kept, every evaluation after the first
+# is forwards only. They go with their task.
+_KEPT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 KEEP_BYTES = 256 * 2**20  # per worker: CIFAR-size validation sets fit many times; ImageNet's does not
 
 
@@ -74,8 +77,9 @@ def _eval_batches(task: Task, indices, batch_size: int, split: str, device):
         yield from task.eval_batches(indices, batch_size, split)
         return
     key = (split, batch_size, hashlib.sha1(np.ascontiguousarray(indices).tobytes()).hexdigest())
-    if _KEPT.get(key) is not None:
-        for batch in _KEPT[key]:
+    kept_by_task = _KEPT.setdefault(task, {})
+    if kept_by_task.get(key) is not None:
+        for batch in kept_by_task[key]:
             yield {k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()}
         return
     kept, size = [], 0
@@ -87,7 +91,7 @@ def _eval_batches(task: Task, indices, batch_size: int, split: str, device):
             else:
                 kept.append({k: v.cpu() if torch.is_tensor(v) else v for k, v in batch.items()})
         yield batch
-    _KEPT[key] = kept  # only once every batch was delivered: a pass cut short by an error keeps nothing
+    kept_by_task[key] = kept  # only once every batch was delivered: a pass cut short by an error keeps nothing
 
 
 def evaluate_checkpoint_per_worker(loop_config: dict) -> dict:
