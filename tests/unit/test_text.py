@@ -241,6 +241,41 @@ def test_a_document_in_a_packed_block_sees_only_itself_with_document_mask(implem
         assert sums["tokens"].item() == 9 and sums["loss"].item() == pytest.approx(9 * loss.item(), rel=1e-6)
 
 
+def test_with_document_mask_the_step_is_a_mean_over_its_predicted_tokens_not_of_micro_batch_means():
+    """data.document_mask leaves out a document's first token: a micro-batch of many short documents predicts
+    fewer tokens than one of a single document. Every micro-batch weighed 1/n, so the accumulated gradient (and
+    the reported loss) was a mean of micro-batch means; now it is the mean over the step's predicted tokens, as
+    one batch of both rows gives it."""
+    from types import SimpleNamespace
+
+    from behemoth.tasks.causal_lm import CausalLM
+    from behemoth.worker.loop import loss_weights
+
+    eos = 1
+    torch.manual_seed(0)
+    rows = torch.randint(2, 50, (2, 16))
+    rows[0, 1::2] = eos  # row 0: eight 2-token documents, 8 tokens predicted; row 1: one document, 15
+    task = object.__new__(CausalLM)
+    task.cfg, task.index, task.transformers_model = SimpleNamespace(data=SimpleNamespace(document_mask=True)), \
+        SimpleNamespace(eos_id=eos), True
+    model = _tiny_llama("sdpa").train()
+    batches = [{"input_ids": rows[i:i + 1]} for i in range(2)]
+    weights = loss_weights(task, batches)
+    assert [float(task.loss_items(b)) for b in batches] == [8, 15]
+    reported = 0.0
+    for batch, weight in zip(batches, weights):
+        loss, count = task.loss(model, batch)
+        (loss * weight).backward()
+        reported += float(loss) * float(count)
+    accumulated = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    whole, count = task.loss(model, {"input_ids": rows})
+    whole.backward()
+    assert float(count) == 23 and reported / 23 == pytest.approx(float(whole), rel=1e-5)
+    for got, want in zip(accumulated, (p.grad for p in model.parameters())):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-7)
+
+
 def _flex_against_dense(device: str, backward: bool) -> None:
     """FlexAttention with the block mask of a batch's packed documents against SDPA with the dense mask: the mask
     function element for element, then the logits, loss (and the gradients where `backward`)."""

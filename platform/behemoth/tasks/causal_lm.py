@@ -224,10 +224,24 @@ class CausalLM(Task[list[Unit], TokenIndex]):
 
         return to_device_ahead(gathered(), hosts.device(), host_keys=("sample_id",))
 
+    def loss_items(self, batch):
+        """With data.document_mask, the tokens predicted, which vary with the documents' starts between
+        micro-batches and ranks: the step weighs each micro-batch by them (Task.loss_items), so its gradient is
+        the mean over the step's predicted tokens. Without it every row predicts seq_len - 1: equal weights."""
+        return self._predicted(batch["input_ids"]) if self.cfg.data.document_mask else None
+
+    def _predicted(self, ids: torch.Tensor) -> torch.Tensor:
+        """data.document_mask: the tokens `ids` predicts (not a document's first: a token after an EOS), a device
+        scalar."""
+        return (ids.shape[0] * (ids.shape[1] - 1) - (ids[:, :-1] == self.index.eos_id).sum()).to(torch.float32)
+
     def loss(self, model, batch):
         """Labels are the inputs, shifted by one: each row predicts seq_len - 1 tokens (with data.document_mask,
-        not the first token of a document from the one before)."""
+        not the first token of a document from the one before). (the mean loss, its count: the rows, or with
+        data.document_mask the tokens predicted, as loss_items weighs them)."""
         ids = batch["input_ids"]
+        if self.cfg.data.document_mask:
+            return self._mean_loss(model, ids), self._predicted(ids)
         # the count filled on the device: torch.tensor(n, device=...) would be a blocking host-to-device copy
         return self._mean_loss(model, ids), torch.full((), float(len(ids)), device=ids.device)
 
@@ -280,8 +294,7 @@ class CausalLM(Task[list[Unit], TokenIndex]):
         ids = batch["input_ids"]
         loss = self._mean_loss(model, ids).to(torch.float64)
         if self.cfg.data.document_mask:  # the predicted tokens: not the documents' first ones
-            starts = ids[:, :-1] == self.index.eos_id
-            predicted = (ids.shape[0] * (ids.shape[1] - 1) - starts.sum()).to(torch.float64)
+            predicted = self._predicted(ids).to(torch.float64)
             return {"loss": loss * predicted, "tokens": predicted}
         predicted = ids.shape[0] * (ids.shape[1] - 1)
         return {"loss": loss * predicted, "tokens": torch.tensor(float(predicted), device=ids.device)}
