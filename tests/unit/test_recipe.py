@@ -452,6 +452,40 @@ def test_mixup_and_cutmix_mix_each_sample_with_its_partner_and_say_in_what_share
     assert mix(images, labels, valid, 0.0, 0.0) is None
 
 
+@pytest.mark.parametrize("mixup", [0.0, 0.4])
+def test_with_bad_samples_the_image_step_is_a_mean_over_its_samples_not_of_micro_batch_means(mixup):
+    """data.max_bad_samples: a micro-batch that lost 2 of its 4 images weighed as much as a whole one, so each of
+    its samples counted twice as much as each of the other's; now the accumulated gradient is one batch's."""
+    from types import SimpleNamespace
+
+    from behemoth.tasks.image import ImageClassification
+    from behemoth.worker.loop import loss_weights
+
+    task = object.__new__(ImageClassification)
+    data = SimpleNamespace(mean=[0.5] * 3, std=[0.25] * 3, label_smoothing=0.0, mixup_alpha=mixup, cutmix_alpha=0.0,
+                           max_bad_samples=10)
+    task.cfg, task.transformers_model, task._mean_std = SimpleNamespace(data=data), False, {}
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(3 * 4 * 4, 7))
+    batches = [{"image": torch.randint(0, 256, (4, 4, 4, 3), dtype=torch.uint8), "label": torch.randint(0, 7, (4,)),
+                "valid": torch.tensor(valid), "sample_id": torch.arange(4)}
+               for valid in ([True, True, False, False], [True] * 4)]
+    weights = loss_weights(task, batches)
+    if mixup:  # a sample whose partner (the mirrored one: mixing.mix) did not decode carries no loss either
+        assert [int(task.loss_items(b)) for b in batches] == [0, 4] and [float(w) for w in weights] == [0.0, 1.0]
+        return
+    assert [int(task.loss_items(b)) for b in batches] == [2, 4]
+    for batch, weight in zip(batches, weights):
+        (task.loss(model, batch)[0] * weight).backward()
+    accumulated = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    task.loss(model, {k: torch.cat([b[k] for b in batches]) for k in batches[0]})[0].backward()
+    for got, want in zip(accumulated, (p.grad for p in model.parameters())):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+    data.max_bad_samples = 0  # every sample decodes or the run stops: no count, no all-reduce
+    assert task.loss_items(batches[0]) is None
+
+
 def test_the_image_loss_smooths_labels_and_weighs_a_mixed_samples_two_labels():
     from types import SimpleNamespace
 

@@ -254,6 +254,17 @@ class ImageClassification(Task[ImageIndex, ImageIndex]):
                 self._decoded_splits[split] = (decoded, labels)
             return self._decoded_splits[split]
 
+    def loss_items(self, batch):
+        """With data.max_bad_samples, the micro-batch's samples that carry a loss (decodable, and with mixup or
+        cutmix a decodable partner), which vary between micro-batches and ranks: the step weighs each by them, so
+        its gradient is the mean over the step's samples (Task.loss_items). Otherwise every sample decodes (or
+        the run stops): equal weights, and no all-reduce a step for them."""
+        d = self.cfg.data
+        if not d.max_bad_samples:
+            return None
+        valid = batch["valid"]
+        return (valid & valid.flip(0) if d.mixup_alpha > 0 or d.cutmix_alpha > 0 else valid).sum()
+
     def loss(self, model, batch):
         """Mean cross-entropy over the decodable samples (undecodable ones, valid=False, carry no loss), against
         labels smoothed by data.label_smoothing; with mixup or cutmix (data/image/mixing.py) each sample's loss weighs

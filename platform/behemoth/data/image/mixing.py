@@ -30,7 +30,7 @@ def mix(images: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor, mixup_a
     if mixup_alpha <= 0 and cutmix_alpha <= 0:
         return None
     n, device = images.shape[0], images.device
-    partner = images.flip(0)
+    partner = images.flip(0)  # (tasks/image.py's loss_items pairs the samples the same way)
     if mixup_alpha > 0:
         share = _beta(mixup_alpha, n, device)
         mixed = images * _per_sample(share) + partner * _per_sample(1 - share)
