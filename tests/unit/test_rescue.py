@@ -191,6 +191,29 @@ def test_a_group_stopped_while_it_trains_leaves_its_state_once_and_only_when_who
         assert [p.name for p in (tmp_path / "run").iterdir()] == [f"{rescue.PREFIX}000000004"]
 
 
+@pytest.mark.parametrize("how", ["peer lost in the backward", "group stopped in the forward"])
+def test_a_rescue_keeps_the_batchnorm_statistics_of_the_step_it_names(tmp_path, how):
+    """BatchNorm's running statistics change in the next step's forward, before its update: a peer lost in that
+    step's backward (gloo's all-reduce), or Ray Train's stop during it, wrote them one forward ahead of the step
+    the checkpoint names, so the resumed run counted that batch twice."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 4), torch.nn.BatchNorm1d(4))
+    run, state = _run(model), TrainState()
+    with hosts.hosted(_Host(0, str(tmp_path / "run"))):
+        guard = _rescue(run, state, rank=0)
+        for _ in range(3):
+            _step(run, state, guard, torch.randn(8, 16))
+        after = {k: v.clone() for k, v in model.state_dict().items()}
+        run.optimizer.zero_grad()
+        model(torch.randn(8, 16)).square().mean()  # step 4's forward: the statistics move
+        assert not torch.equal(model.state_dict()["1.running_mean"], after["1.running_mean"])
+        written = guard.after_error(_peer_loss()) if how.startswith("peer") else guard.at_shutdown()
+    fresh = _run(torch.nn.Sequential(torch.nn.Linear(16, 4), torch.nn.BatchNorm1d(4)))
+    assert live_state.load(written, **fresh.parts()).step == 3
+    restored = fresh.model.state_dict()
+    assert restored.keys() == after.keys() and all(torch.equal(restored[k], after[k]) for k in after)
+
+
 def _lease_lost(before: str):
     from behemoth.errors import LeaseLostError
 

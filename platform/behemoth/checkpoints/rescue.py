@@ -21,7 +21,10 @@ Only where the writer's state is the run's, whole and newer than what is saved:
   own until the next forward broadcasts rank 0's, and a checkpoint takes rank 0's;
 - between steps: from the optimizer update's start (`updating`, CheckpointSaver.before_update) until the loop
   counts the step (`stepped`) the weights are a step ahead of the train state; a rescue waits for that span to
-  end (up to a second: the update holds no collective) and writes nothing where an error cut it;
+  end (up to a second: the update holds no collective) and writes nothing where an error cut it. The model's
+  buffers change earlier, in the next step's forward (BatchNorm's statistics; a peer is usually lost in that
+  step's backward, and Ray Train's stop comes at any point of it): they are copied when the step is counted,
+  and the rescue writes those copies;
 - when the step is newer than the checkpoint the run restored or last wrote synchronously (a notice's last);
 - with finite weights: under train.nonfinite: stop a step's non-finite gradients end the run only at the next
   report, and the last good checkpoint must stay the latest;
@@ -47,6 +50,7 @@ import torch
 
 from behemoth import hosts
 from behemoth.checkpoints import live_state
+from behemoth.checkpoints.live_state import trained_state
 from behemoth.checkpoints.saver import store
 from behemoth.checkpoints.trainables import Trainables
 from behemoth.hosts.console import console
@@ -109,6 +113,8 @@ class Rescue:
         self._whole = threading.Lock()  # held by the loop from an update's start until its step is counted
         self._in_update = False
         self._once = threading.Lock()  # one rescue, from whichever thread comes first
+        # the model's buffers as the last counted step left them: {state-dict key: (the buffer, its copy)}
+        self._buffers = {} if self.off is not None else _buffer_copies(run.model)
         hosts.when_stopped(self.at_shutdown)  # (Ray Train's shutdown of the group: hosts/rescue_callback.py)
 
     def updating(self) -> None:
@@ -116,6 +122,8 @@ class Rescue:
         self._in_update = True
 
     def stepped(self) -> None:
+        if self._buffers:  # (a few small device copies: BatchNorm's statistics are ~0.1 MB in a ResNet-50)
+            torch._foreach_copy_([c for _, c in self._buffers.values()], [b for b, _ in self._buffers.values()])
         if self._in_update:  # (the lock is the training thread's: a rescue's own is released by the rescue)
             self._in_update = False
             self._whole.release()
@@ -181,6 +189,8 @@ def _write(rescue: Rescue, why: str) -> str | None:
         ended = dataclasses.replace(rescue.state, ended_on_notice=True)
         snap = live_state.snapshot(**rescue.run.parts(), state=ended, task_files=rescue.task_files,
                                    job_yaml=rescue.job_yaml, metrics={"step": step, "rescued_by_rank": rescue.rank})
+    for key, (_, copy) in rescue._buffers.items():  # as the step left them, not as the next forward did
+        snap.state_dicts[MODEL_FILE][key] = copy.to("cpu", copy=True)
     if not _finite(snap.state_dicts[MODEL_FILE]):
         if claimed:
             run.release(name)
@@ -192,6 +202,13 @@ def _write(rescue: Rescue, why: str) -> str | None:
     console(f"rank {rescue.rank}: {why}; wrote this worker's state at step {step} as {written.path}: the next "
             f"group resumes there")
     return written.path
+
+
+def _buffer_copies(model) -> dict:
+    """{key: (buffer, a copy of it)} for the model's buffers its checkpoint keeps (state-dict keys)."""
+    module = unwrap(model)
+    kept = trained_state(module)
+    return {name: (b, b.detach().clone()) for name, b in module.named_buffers() if name in kept}
 
 
 def _finite(weights: dict) -> bool:
