@@ -60,6 +60,30 @@ def test_a_nan_inf_or_non_numeric_metric_is_never_the_best(tmp_path):
     assert latest.endswith("checkpoint_2") and "none of its checkpoints records val_loss as a finite number" in how
 
 
+@pytest.mark.parametrize("rule, chosen", [(None, "checkpoint_1"), ({"metric": "val_loss", "patience": 3},
+                                                                     "checkpoint_2")])
+def test_a_run_folders_best_is_the_one_its_run_kept_and_named(tmp_path, rule, chosen):
+    """An image run with train.early_stopping on val_loss keeps its best checkpoints by val_loss, and its summary
+    names the best by it; export, eval, generate and init_from chose by the task's val_accuracy among them, another
+    checkpoint. Now by the run's own metric, read from the job its newest checkpoint records."""
+    import yaml
+
+    from behemoth.tasks.image import ImageClassification as task
+
+    run = tmp_path / "run"
+    job = {"data": {"kind": "image_folder", "root": "x"}, "train": {"early_stopping": rule}}
+    for i, (step, loss, accuracy) in enumerate([(10, 0.5, 0.9), (20, 0.3, 0.8)], start=1):
+        model = torch.nn.Linear(3, 2)
+        texts = {"train_state.json": json.dumps({"step": step}), "job.yaml": yaml.safe_dump(job),
+                 "metrics.json": json.dumps({"val_loss": loss, "val_accuracy": accuracy})}
+        checkpoint.write(run / f"checkpoint_{i}", Snapshot({"model.pt": model.state_dict()}, texts, step))
+    best, how = weights.resolve(str(run), "best", task.best, task.reported)
+    assert best.endswith(chosen) and how.startswith(f"its best checkpoint by {rule['metric'] if rule else 'val_'}")
+    # a metric the task does not report (another task's run) is not one to rank by: the task's own
+    assert weights.resolve(str(run), "best", ("val_accuracy", "max"), {"val_perplexity": "min"})[0].endswith(
+        "checkpoint_1")
+
+
 def test_a_damaged_or_git_lfs_pointer_safetensors_file_is_one_line_naming_it(tmp_path):
     """A copy cut short, or the pointer a clone without Git LFS leaves: a CheckpointError naming the file (and
     `git lfs pull`), never safetensors' own "header too large"; the shards an index names alike."""

@@ -15,7 +15,8 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterator, NoReturn, Optional
 
-from behemoth.storage.checkpoint import MANIFEST, SHARDED_FORMATS, complete_checkpoints, read_manifest, verify, weight_files
+from behemoth.storage.checkpoint import (MANIFEST, SHARDED_FORMATS, complete_checkpoints, job_sections, read_manifest,
+                                         read_verified, verify, weight_files)
 from behemoth.storage.filesystem import filesystem, is_uri, read_file
 from behemoth.storage.paths import is_inside
 from behemoth.errors import CheckpointError
@@ -69,10 +70,14 @@ def fetched(path: str) -> Iterator[Path]:
         yield Path(target)
 
 
-def resolve(path: str, which: str = "best", best: tuple[str, str] = ("val_loss", "min")) -> tuple[str, str]:
+def resolve(path: str, which: str = "best", best: tuple[str, str] = ("val_loss", "min"),
+            reported: dict[str, str] | None = None) -> tuple[str, str]:
     """(the folder holding the weights, how it was chosen) for a checkpoint folder, a Hugging Face folder or a
     run folder, local or under a URI; of a run's complete checkpoints `which` picks the best by `best`
-    (metric, "max"/"min") among those whose metrics.json records it, or the latest."""
+    (metric, "max"/"min") among those whose metrics.json records it, or the latest. `reported` (a task's
+    metrics and their directions): where the run judged itself by another of them (train.early_stopping.metric
+    in the job its newest checkpoint records), by that one, as its retention kept its checkpoints and its
+    summary named the best."""
     import pyarrow.fs
 
     uri = is_uri(path)
@@ -91,7 +96,7 @@ def resolve(path: str, which: str = "best", best: tuple[str, str] = ("val_loss",
     latest = f"its latest checkpoint (step {found[0][0]})"
     if which == "latest":
         return found[0][1], latest
-    metric, mode = best
+    metric, mode = _run_metric(found[0][1], reported) or best
     # a diverged evaluation (NaN, inf) or a hand-edited value is no score: left out, never the best (retention
     # ranks it worst, behemoth.metrics.checkpoint_score)
     scored = [(m[metric], step, ckpt) for step, ckpt in found
@@ -101,6 +106,21 @@ def resolve(path: str, which: str = "best", best: tuple[str, str] = ("val_loss",
     # ties go to the later checkpoint
     value, step, ckpt = max(scored, key=lambda s: (s[0] if mode == "max" else -s[0], s[1]))
     return ckpt, f"its best checkpoint by {metric} ({value:.4f}, step {step})"
+
+
+def _run_metric(ckpt: str, reported: dict[str, str] | None) -> tuple[str, str] | None:
+    """The metric (and direction) the run of checkpoint `ckpt` judged itself by, where its job set
+    train.early_stopping.metric to one of `reported`; None otherwise (or where its job cannot be read: verified
+    against its manifest first, as everything read from a checkpoint)."""
+    if not reported:
+        return None
+    try:
+        raw = job_sections(read_verified(ckpt, "job.yaml"), ckpt)
+    except (OSError, CheckpointError):
+        return None
+    rule = (raw.get("train") or {}).get("early_stopping")
+    metric = rule.get("metric") if isinstance(rule, dict) else None
+    return (metric, reported[metric]) if isinstance(metric, str) and metric in reported else None
 
 
 def _is_score(metrics: dict, metric: str) -> bool:

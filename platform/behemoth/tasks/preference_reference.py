@@ -86,7 +86,8 @@ def precompute_reference(task_class, cfg: JobConfig, index) -> tuple[dict, bool]
 
         from behemoth.storage import weights
 
-        chosen, _ = weights.resolve(cfg.train.init_from, cfg.train.init_from_checkpoint, task_class.best)
+        chosen, _ = weights.resolve(cfg.train.init_from, cfg.train.init_from_checkpoint,
+                                    task_class.best, task_class.reported)
         cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, init_from=chosen))
     identity = reference_identity(cfg, index)
     folder = reference_folder(identity, index)

@@ -119,7 +119,7 @@ def load_checkpoint_model(path: str, which: str, trusted: TrustedCode, folder: P
     `behemoth generate`): the checkpoint's kept files are written into `folder`, which the caller removes."""
     cfg = _job_of(path, trusted)
     task = task_of(cfg)
-    ckpt, how = weights.resolve(path, which, task.best)
+    ckpt, how = weights.resolve(path, which, task.best, task.reported)
     if not weights.is_checkpoint(ckpt):
         raise ConfigError(f"{path} is already a Hugging Face folder, not a behemoth checkpoint")
     cfg = _job_of(ckpt, trusted)  # the chosen checkpoint's own config

@@ -38,7 +38,7 @@ def evaluate_checkpoint(cfg: JobConfig, checkpoint: str, split: str = "val", whi
     from behemoth.worker.evaluate import evaluate_checkpoint_per_worker
 
     task = task_of(cfg)
-    ckpt, how = weights.resolve(checkpoint, which, task.best)
+    ckpt, how = weights.resolve(checkpoint, which, task.best, task.reported)
     weights.check(ckpt)  # damage it can see without the weights fails here, before Ray starts
     data = prepare_data(cfg, epoch=False, task=task)
     differs = task_files_differ(cfg, data, ckpt)

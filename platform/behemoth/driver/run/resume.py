@@ -253,7 +253,8 @@ def resolve_init_from(cfg: JobConfig, checkpoints: list[tuple[int, str]] | None 
     source = cfg.train.init_from
     if not source:
         return cfg
-    chosen, how = weights.resolve(source, cfg.train.init_from_checkpoint, task_of(cfg).best)
+    task = task_of(cfg)
+    chosen, how = weights.resolve(source, cfg.train.init_from_checkpoint, task.best, task.reported)
     weights.check(chosen)  # damage it can see without the weights fails here, before Ray starts
     if _listed(cfg, checkpoints):
         print(f"[behemoth] train.init_from is set, but run '{cfg.checkpoint.run_name}' has checkpoints of its own: "
