@@ -552,3 +552,12 @@ def test_what_the_worker_built_before_its_loop_is_frozen_through_the_loop_and_gi
     _run(tmp_path, monkeypatch, train={"callbacks": ["unit.test_loop_wiring:FrozenCount"]})
     assert len(FrozenCount.seen) == 8 and min(FrozenCount.seen) > 10_000, FrozenCount.seen  # torch, the model, ...
     assert gc.get_freeze_count() == 0
+
+
+def test_the_learning_rate_reported_is_the_one_the_step_trained_with(tmp_path, monkeypatch):
+    """The report read the scheduler after the step had moved it on: warm-up's rates one step high, and the last
+    report min_lr where the last step trained at more. Warm-up 4 steps, then linear to 0 over 8."""
+    _, reports, _ = _run(tmp_path, monkeypatch, train={"warmup_steps": 4, "schedule": "linear", "min_lr_ratio": 0.0})
+    lrs = {r["step"]: r["lr"] for r in reports if "lr" in r}
+    # step s trained at index s - 1: (s / 4) x 0.05 in warm-up, then 0.05 x (1 - (s - 1 - 4) / 4)
+    assert lrs == pytest.approx({2: 0.025, 4: 0.05, 6: 0.0375, 8: 0.0125})

@@ -340,7 +340,7 @@ class Reporter:
             "total_steps": self.total_steps,
             "epoch": state.step / self.epoch_steps,
             "loss": stats[0] / max(stats[1], 1.0),
-            "lr": self.run.scheduler.get_last_lr()[0],
+            "lr": self._lr_of_step(state.step),
             "samples_per_s": samples_per_s,
             "data_wait_frac": data_wait_fraction(window.data_wait_s, elapsed),
             "eta_s": (self.total_steps - state.step) * cfg.train.global_batch_size / max(samples_per_s, 1e-9),
@@ -360,6 +360,13 @@ class Reporter:
             metrics["checkpoint_interval_steps"] = int(stats[6])
         return metrics, bool(stats[3]), {"interval": int(stats[6]), "final": stats[7] > 0, "step_s": step_s,
                                          "protected": stats[9] > 0}
+
+    def _lr_of_step(self, step: int) -> float:
+        """The learning rate step `step` (1-based: the report's last) trained with; the scheduler has already
+        moved on to the next step's (get_last_lr), which was reported before: a step high in warm-up, min_lr at
+        the end."""
+        scheduler = self.run.scheduler
+        return scheduler.base_lrs[0] * scheduler.lr_lambdas[0](max(step - 1, 0))
 
     def _reduced(self, stats: list[float]) -> tuple[list[float], dict[str, float]]:
         """`stats` summed over the ranks in one all-reduce, with the task's own window sums (by their names)
