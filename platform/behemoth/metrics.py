@@ -178,11 +178,17 @@ def progress_line(m: dict, total_steps: int, epochs: float, task_fields: list[st
 # Dense peak TFLOP/s per GPU from the vendors' data sheets (no sparsity), by precision. fp32 means TF32
 # tensor cores where the card has them (what fp32 matmuls run on with train.tf32, the default), else plain
 # fp32; fp32_no_tf32: the plain fp32 units (train.tf32: false).
+# A key is matched to the device's name word by word ("NVIDIA H100 80GB HBM3" is H100; "NVIDIA L40" is not
+# L4): its longest matching key; a name with a variant word no matching key has (PCIe, NVL: other clocks and
+# power) matches none, and MFU then waits for train.peak_tflops.
 GPU_PEAK_TFLOPS = {
-    "H200": {"bf16": 989.0, "fp16": 989.0, "fp32": 494.0, "fp32_no_tf32": 67.0},
-    "H100": {"bf16": 989.0, "fp16": 989.0, "fp32": 494.0, "fp32_no_tf32": 67.0},  # SXM; PCIe ~756/378/51
+    "H200": {"bf16": 989.0, "fp16": 989.0, "fp32": 494.0, "fp32_no_tf32": 67.0},  # SXM
+    "H100": {"bf16": 989.0, "fp16": 989.0, "fp32": 494.0, "fp32_no_tf32": 67.0},  # SXM
+    "GH200": {"bf16": 989.0, "fp16": 989.0, "fp32": 494.0, "fp32_no_tf32": 67.0},
+    "H100 PCIE": {"bf16": 756.0, "fp16": 756.0, "fp32": 378.0, "fp32_no_tf32": 51.0},
     "A100": {"bf16": 312.0, "fp16": 312.0, "fp32": 156.0, "fp32_no_tf32": 19.5},
     "L40S": {"bf16": 362.0, "fp16": 362.0, "fp32": 183.0, "fp32_no_tf32": 91.6},
+    "L40": {"bf16": 181.0, "fp16": 181.0, "fp32": 90.5, "fp32_no_tf32": 90.5},
     "A10G": {"bf16": 70.0, "fp16": 70.0, "fp32": 35.0, "fp32_no_tf32": 31.2},
     "L4": {"bf16": 121.0, "fp16": 121.0, "fp32": 60.0, "fp32_no_tf32": 30.3},
     "V100": {"bf16": 15.7, "fp16": 125.0, "fp32": 15.7, "fp32_no_tf32": 15.7},  # no bf16 or TF32 tensor cores
@@ -217,11 +223,26 @@ def peak_flops(device, precision: str, override_tflops: float | None = None,
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
         column = "fp32_no_tf32" if precision == "fp32" and not tf32 else precision
-        for key, table in GPU_PEAK_TFLOPS.items():
-            if key in name.upper().replace("NVIDIA ", ""):
-                return table[column] * 1e12, f"data sheet for {name}, {column.replace('fp32_no_tf32', 'fp32 without TF32')}"
+        table = gpu_peak_table(name)
+        if table is not None:
+            return table[column] * 1e12, f"data sheet for {name}, {column.replace('fp32_no_tf32', 'fp32 without TF32')}"
         return None, f"{name} is not in behemoth's data-sheet table: set train.peak_tflops for MFU"
     return None, "no data-sheet peak for a CPU: set train.peak_tflops for MFU"
+
+
+GPU_VARIANT_WORDS = {"PCIE", "NVL"}
+
+
+def gpu_peak_table(name: str) -> dict[str, float] | None:
+    """GPU_PEAK_TFLOPS's row for a device name (torch.cuda.get_device_name), or None: see the table."""
+    import re
+
+    words = set(re.split(r"[\s_-]+", name.upper()))
+    matching = [key for key in GPU_PEAK_TFLOPS if set(key.split()) <= words]
+    if not matching:
+        return None
+    key = max(matching, key=lambda k: len(k.split()))
+    return None if (words & GPU_VARIANT_WORDS) - set(key.split()) else GPU_PEAK_TFLOPS[key]
 
 
 def mfu(flops_per_sample: float, samples_per_s: float, devices: int, device_peak_flops: float) -> float:

@@ -98,6 +98,31 @@ def test_mfu_and_peak_flops():
     assert metrics.peak_memory_bytes(torch.device("cpu")) > 50e6  # this process's peak RSS
 
 
+@pytest.mark.parametrize("name, bf16", [
+    ("NVIDIA H100 80GB HBM3", 989.0), ("NVIDIA H200", 989.0), ("NVIDIA A100-SXM4-80GB", 312.0),
+    ("NVIDIA L40S", 362.0), ("Tesla T4", 8.1), ("NVIDIA GH200 480GB", 989.0),
+    # matched by substring: L40 read as L4 (MFU 1.5x too high), the PCIe H100 as the SXM one (24 % too low)
+    ("NVIDIA L40", 181.0), ("NVIDIA L4", 121.0), ("NVIDIA H100 PCIe", 756.0),
+    ("NVIDIA H100 NVL", None), ("NVIDIA RTX 6000 Ada Generation", None)])
+def test_a_gpus_data_sheet_row_is_found_by_its_whole_name(monkeypatch, name, bf16):
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+    peak, source = metrics.peak_flops(torch.device("cuda"), "bf16")
+    assert (peak and peak / 1e12) == bf16 and (f"data sheet for {name}, bf16" if bf16 else "train.peak_tflops") in source
+
+
+def test_mfu_counts_against_the_bf16_peak_where_the_parameters_are_bf16(monkeypatch):
+    """model.dtype bfloat16 with train.precision fp32 runs every matmul in bf16: MFU against the fp32 column was
+    2x too high (TF32), 15x without TF32."""
+    from behemoth.job import config_from_dict
+    from behemoth.worker.speed import SpeedMeter
+
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
+    job = {"data": {"kind": "image_folder", "root": "x"}, "model": {"dtype": "bfloat16"},
+           "train": {"precision": "fp32", "tf32": False}}
+    speed = SpeedMeter(config_from_dict(job), torch.device("cuda"), 1, 8, 1)
+    assert speed.peak == 989e12 and speed.peak_source.endswith("bf16")
+
+
 def test_no_mfu_without_a_peak_the_device_cannot_beat():
     """A CPU has no data-sheet peak (a timed matmul was beaten: 101 % MFU in sweep trials): no MFU, the
     achieved TFLOP/s instead, and the line says why."""

@@ -21,7 +21,9 @@ class SpeedMeter:
 
     def __init__(self, cfg: JobConfig, device, world: int, micro_batch: int, accum: int):
         self.device, self.world, self.micro_batch, self.accum = device, world, micro_batch, accum
-        self.peak, self.peak_source = metrics.peak_flops(device, cfg.train.precision, cfg.train.peak_tflops,
+        # the matmuls' dtype: bf16 parameters (model.dtype) run in bf16 whatever train.precision says
+        precision = "bf16" if cfg.model.dtype == "bfloat16" else cfg.train.precision
+        self.peak, self.peak_source = metrics.peak_flops(device, precision, cfg.train.peak_tflops,
                                                          tf32=cfg.train.tf32)
         self.flops_per_sample = None  # set by count(), on rank 0
 
