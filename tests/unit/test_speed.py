@@ -92,6 +92,22 @@ def test_flops_per_sample_counts_the_model():
     assert metrics.training_flops_per_sample(lambda: model(x), 8) == 3 * 2 * 64 * 32
 
 
+def test_a_causal_lms_attention_is_counted_on_a_cpu():
+    """torch's FLOP counter has no formula for SDPA's fused CPU kernel: a Llama's attention counted nothing on a
+    CPU (its TFLOP/s and MFU under-stated, more so the longer the sequence). Counted as the eager model counts it."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    counts = {}
+    for implementation in ("sdpa", "eager"):
+        config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                             num_attention_heads=2, max_position_embeddings=512)
+        config._attn_implementation = implementation
+        model, ids = LlamaForCausalLM(config), torch.randint(0, 64, (1, 512))
+        counts[implementation] = metrics.training_flops_per_sample(lambda: model(input_ids=ids), 1, "cpu")
+    attention = 3 * 2 * 2 * 512 * 512 * 32  # (QK^T and AV, full, forward x 3)
+    assert counts["sdpa"] == counts["eager"] and counts["sdpa"] > attention
+
+
 def test_mfu_and_peak_flops():
     assert metrics.mfu(1e9, 100.0, devices=2, device_peak_flops=1e11) == pytest.approx(0.5)
     assert metrics.peak_flops(torch.device("cpu"), "fp32", override_tflops=2.0) == (2e12, "train.peak_tflops 2")

@@ -45,7 +45,7 @@ class SpeedMeter:
         if key not in _COUNTED:
             buffers = {k: v.clone() for k, v in model.named_buffers()}
             model.eval()
-            _COUNTED[key] = metrics.training_flops_per_sample(lambda: task.loss(model, batch), 1)
+            _COUNTED[key] = metrics.training_flops_per_sample(lambda: task.loss(model, batch), 1, self.device)
             model.train()
             model.load_state_dict(buffers, strict=False)
         self.flops_per_sample = _COUNTED[key]
