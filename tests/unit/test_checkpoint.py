@@ -60,6 +60,49 @@ def test_round_trip_restores_everything_exactly(tmp_path):
     assert_same_tensors(model.state_dict(), model2.state_dict())
 
 
+@pytest.mark.parametrize("sharded", [False, True])
+def test_a_resume_keeps_the_optimizer_this_run_built(tmp_path, sharded):
+    """A run stopped by a non-finite step (train.nonfinite: stop) and resumed with skip, as its error says: the
+    load put back the saved param groups' fused=None, and skip's found_inf then failed every step on a CPU."""
+    from types import SimpleNamespace
+
+    from behemoth.worker.loop import train_step
+    from behemoth.worker.precision import grad_scaler
+
+    class Task:
+        def loss_items(self, batch):
+            return None
+
+        def loss(self, model, batch):
+            return torch.nn.functional.mse_loss(model(batch["x"]), batch["y"]), torch.tensor(4.0)
+
+    def built(nonfinite):
+        cfg = SimpleNamespace(train=TrainConfig(optimizer="adamw", lr=0.01, nonfinite=nonfinite, grad_clip=0.0))
+        torch.manual_seed(0)
+        model = torch.nn.Linear(3, 1)
+        opt = build_optimizer(model, cfg.train)
+        return cfg, model, opt, lr_schedule(opt, cfg.train, 10), grad_scaler(torch.device("cpu"), "fp32")
+
+    batch = [{"x": torch.randn(4, 3), "y": torch.randn(4, 1)}]
+    cfg, model, opt, sched, scaler = built("stop")
+    train_step(model, opt, sched, scaler, batch, cfg, Task(), torch.device("cpu"))
+    if sharded:
+        from behemoth.checkpoints.sharded import ShardedWriter
+
+        small = checkpoint.Snapshot(*live_state.extras(scheduler=sched, state=TrainState(step=1), task_files={},
+                                                       job_yaml="x"), step=1)
+        writer = ShardedWriter(rank=0)
+        writer.commit(writer.start(model, opt, str(tmp_path))[0], str(tmp_path), small)
+    else:
+        live_state.save(tmp_path, model=model, optimizer=opt, scheduler=sched, state=TrainState(step=1),
+                        task_files={}, job_yaml="x")
+    cfg, model, opt, sched, scaler = built("skip")
+    assert opt.param_groups[0]["fused"]
+    live_state.load(tmp_path, model=model, optimizer=opt, scheduler=sched)
+    assert all(group["fused"] for group in opt.param_groups)
+    train_step(model, opt, sched, scaler, batch, cfg, Task(), torch.device("cpu"))
+
+
 def test_manifest_lists_every_file_and_is_written_last(tmp_path):
     model, opt, sched = make()
     live_state.save(tmp_path, model=model, optimizer=opt, scheduler=sched, state=TrainState(), task_files={},

@@ -219,7 +219,8 @@ def load(directory: str | Path, *, model, optimizer=None, scheduler=None, scaler
         return torch.load(d / name, map_location="cpu", weights_only=True) if (d / name).is_file() else None
 
     if is_sharded_format(d):
-        sharded.load(d, model, optimizer, remote, shared=not node_copy)
+        with optimizer_as_built(optimizer):
+            sharded.load(d, model, optimizer, remote, shared=not node_copy)
     else:
         collectives.on_every_rank(lambda: verify(d))  # all ranks skip a copy damaged on one node together
         load_model_and_optimizer(read(MODEL_FILE), read("optimizer.pt") if optimizer else None, d, model=model,
@@ -236,6 +237,26 @@ def load(directory: str | Path, *, model, optimizer=None, scheduler=None, scaler
 def load_model_and_optimizer(model_sd: dict, optim_sd: dict | None, where, *, model, optimizer=None) -> None:
     """A full state's model and optimizer dicts into the live objects (a full checkpoint's, or a lone worker's
     memory copy: checkpoints/memory_copy.py): keyed by parameter index (DDP's) or by name (FSDP's), into either."""
+    with optimizer_as_built(optimizer):
+        _load_model_and_optimizer(model_sd, optim_sd, where, model, optimizer)
+
+
+# How an optimizer computes its update, not what it learned: its param groups carry these, and a load puts back
+# the saved run's. A run written with train.nonfinite: stop (no fused kernel on a CPU) and resumed with skip (the
+# fix its error message names) lost the fused kernel that skip's found_inf needs, and failed every step.
+IMPLEMENTATION_KEYS = ("fused", "foreach", "capturable", "differentiable")
+
+
+@contextlib.contextmanager
+def optimizer_as_built(optimizer):
+    """Around a load of `optimizer`'s state: its param groups keep this run's implementation flags."""
+    built = [{k: g[k] for k in IMPLEMENTATION_KEYS if k in g} for g in optimizer.param_groups] if optimizer else []
+    yield
+    for group, flags in zip(optimizer.param_groups if optimizer else [], built):
+        group.update(flags)
+
+
+def _load_model_and_optimizer(model_sd: dict, optim_sd: dict | None, where, model, optimizer) -> None:
     by_name = bool(optim_sd) and _keyed_by_name(optim_sd)
     if is_sharded(model) or by_name:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
