@@ -994,6 +994,29 @@ def test_the_weight_average_is_kept_restored_exactly_and_what_eval_and_export_re
     assert_same_tensors(weights.read_state_dict(tmp_path / "plain"), model.state_dict())
 
 
+def test_the_weight_average_of_a_bf16_model_moves_as_an_fp32_one_does():
+    """model.dtype bfloat16 with train.ema_decay: the average was a bf16 copy, whose update, (1 - decay) x the
+    change, rounds to nothing: after the weights moved by 0.05 and 2,000 updates at 0.999 it had moved 0.002
+    of the 0.043 it should. The average is kept in fp32."""
+    from behemoth.worker.ema import WeightAverage
+
+    moved = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.BatchNorm1d(64)).to(dtype)
+        ema = WeightAverage(model, decay=0.999)
+        start = ema.module[0].weight.detach().double().clone()
+        with torch.no_grad():
+            model[0].weight += 0.05
+        for _ in range(2000):
+            ema.update()
+        assert {p.dtype for p in ema.module.parameters()} == {torch.float32}
+        moved[dtype] = float((ema.module[0].weight.double() - start).mean())
+    exact = 0.05 * (1 - 0.999 ** 2000)
+    assert moved[torch.float32] == pytest.approx(exact, rel=1e-3)
+    assert moved[torch.bfloat16] == pytest.approx(exact, rel=2e-2)  # (the weights' own bf16 rounding)
+
+
 def test_the_weight_average_needs_ddp_and_full_checkpoints(tmp_path):
     from behemoth.errors import ConfigError
     from behemoth.job import config_from_dict
