@@ -129,7 +129,7 @@ def _steps_with_a_nan(nonfinite: str, optimizer: str):
     from behemoth.worker.optim import build_optimizer
 
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.Linear(4, 1))
+    model = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.BatchNorm1d(4), torch.nn.Linear(4, 1))
     cfg = JobConfig()
     cfg.train.nonfinite, cfg.train.optimizer, cfg.train.lr = nonfinite, optimizer, 0.01
     opt = build_optimizer(model, cfg.train)
@@ -150,8 +150,9 @@ def _steps_with_a_nan(nonfinite: str, optimizer: str):
 @pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
 def test_a_step_with_a_non_finite_gradient_is_skipped_whole_with_nonfinite_skip(optimizer):
     """train.nonfinite: skip (issue 58): the step whose gradient norm is NaN changes neither the weights nor the
-    optimizer's state (AdamW's moments and step count, SGD's momentum); the next step trains on. With stop,
-    the same step poisons the weights (the run then stops at its next report: Reporter.nonfinite_guard)."""
+    optimizer's state (AdamW's moments and step count, SGD's momentum), nor BatchNorm's statistics, which its
+    forward had already moved (NaN in every evaluation after: they are put back); the next step trains on. With
+    stop, the same step poisons the weights (the run then stops at its next report: Reporter.nonfinite_guard)."""
     skipped = _steps_with_a_nan("skip", optimizer)
     (w0, s0, n0), (w1, s1, n1), (w2, s2, n2) = skipped
     assert torch.isfinite(n0) and not torch.isfinite(n1) and torch.isfinite(n2)

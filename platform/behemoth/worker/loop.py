@@ -204,6 +204,10 @@ def train_step(model, optimizer, scheduler, scaler, micro_batches: list[dict], c
     optimizer.zero_grad(set_to_none=True)
     loss_sum, n_sum = 0.0, 0.0
     weights = loss_weights(task, micro_batches)
+    # a step that may be skipped (non-finite gradients): its forward moves BatchNorm's statistics (and count)
+    # before anyone knows, and a NaN there would stay in every evaluation and checkpoint after; kept to be put back
+    buffers = _buffers(model) if cfg.train.nonfinite == "skip" or scaler.is_enabled() else []
+    before = [b.clone() for b in buffers]
     for i, batch in enumerate(micro_batches):
         last = i == len(micro_batches) - 1
         with contextlib.nullcontext() if last else parallel.no_grad_sync(model):
@@ -223,6 +227,9 @@ def train_step(model, optimizer, scheduler, scaler, micro_batches: list[dict], c
         loss_sum, n_sum = loss_sum + loss.detach().float() * n_valid, n_sum + n_valid
     scaler.unscale_(optimizer)  # the true gradients' norm (and clipping), not the fp16-scaled ones
     norm = parallel.grad_norm(model, cfg.train.grad_clip)
+    if buffers:  # (on the device: where the step is skipped, the statistics as they were; no host sync)
+        finite = torch.isfinite(norm)
+        torch._foreach_copy_(buffers, [torch.where(finite, b, old) for b, old in zip(buffers, before)])
     if cfg.train.nonfinite == "skip" and not scaler.is_enabled():  # (fp16's scaler skips overflows itself)
         optimizer.found_inf = (~torch.isfinite(norm)).float()  # read by the fused update, on the device
     if before_update is not None:
@@ -248,6 +255,10 @@ def loss_weights(task: Task, micro_batches: list[dict]) -> list:
         world = torch.distributed.get_world_size()
     per_rank = total.clamp(min=1) / world
     return [count / per_rank for count in counts]
+
+
+def _buffers(model) -> list[torch.Tensor]:
+    return list(parallel.unwrap(model).buffers())
 
 
 def _steps(cfg: JobConfig, task: Task) -> tuple[int, int]:
