@@ -77,6 +77,42 @@ def test_documents_are_separated_by_eos(text_corpus):
     assert docs[0] == first and len(docs) > 10
 
 
+def _tokenizer_starting_with_bos(corpus, folder):
+    """The corpus's tokenizer with a BOS its encoding starts every text with, as Llama's and Mistral's do."""
+    from tokenizers import Tokenizer, processors
+    from transformers import PreTrainedTokenizerFast
+
+    core = Tokenizer.from_file(str(corpus / "tokenizer" / "tokenizer.json"))
+    core.add_special_tokens(["<s>"])
+    core.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", core.token_to_id("<s>"))])
+    PreTrainedTokenizerFast(tokenizer_object=core, bos_token="<s>", eos_token="<|endoftext|>").save_pretrained(folder)
+    return str(folder)
+
+
+@pytest.mark.parametrize("starts_with_bos", [False, True])
+def test_each_document_is_what_its_tokenizer_makes_of_its_text(tmp_path, text_corpus, starts_with_bos):
+    """A tokenizer that starts a text with BOS (Llama's): no block held one, while `generate` put one before
+    every prompt. Text that spells a special token ("<|endoftext|>" in a web page) became that token (an EOS,
+    with data.document_mask a document's end, mid-document). An empty JSONL text made a document of an EOS."""
+    tokenizer = _tokenizer_starting_with_bos(text_corpus, tmp_path / "tok") if starts_with_bos else \
+        str(text_corpus / "tokenizer")
+    docs = ["the fox ran home", "", "   ", "a <|endoftext|> b"]
+    (tmp_path / "t.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    cfg = text_cfg(text_corpus, train_files=[str(tmp_path / "t.jsonl")], val_files=[str(tmp_path / "t.jsonl")],
+                   tokenizer=tokenizer, seq_len=1)  # (blocks of one token: the whole stream, no tail)
+    blocks, counts = pack_without_ray(cfg)["train"]
+    tok = load_tokenizer(tokenizer)
+    stream = blocks.reshape(-1).tolist()
+    assert counts["documents"] == 2 and stream.count(tok.eos_token_id) == 2
+    bos = [tok.bos_token_id] if starts_with_bos else []
+    expected = [*bos, *tok("the fox ran home", add_special_tokens=False)["input_ids"], tok.eos_token_id,
+                *bos, *tok("a <|endoftext|> b", add_special_tokens=False, split_special_tokens=True)["input_ids"],
+                tok.eos_token_id]
+    assert stream == expected
+    # what generate starts a prompt with, and the blocks now too
+    assert (tok("x")["input_ids"][0] == tok.bos_token_id) == starts_with_bos
+
+
 def test_workers_shards_cover_each_block_once_per_epoch():
     blocks, global_batch, world = 1001, 16, 2
     steps = steps_per_epoch(blocks, global_batch)

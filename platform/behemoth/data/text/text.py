@@ -227,8 +227,8 @@ def read_unit_documents(unit: Unit, text_field: str) -> list[str]:
     lines = text.split("\n")
     if unit.fmt == "txt":
         return [line for line in lines if line.strip()]
-    return [_jsonl_text(unit.path, offset, text, i, line, text_field) for i, line in enumerate(lines)
-            if line.strip()]
+    texts = (_jsonl_text(unit.path, offset, text, i, line, text_field) for i, line in enumerate(lines) if line.strip())
+    return [t for t in texts if t.strip()]  # (an empty text is no document: the other formats skip it too)
 
 
 def _jsonl_text(path: str, offset: int, text: str, i: int, line: str, text_field: str) -> str:
@@ -310,15 +310,23 @@ def load_tokenizer(name: str):
 @dataclass(frozen=True)
 class TokenizerSpec:
     """What a tokenising task needs: the fast tokenizer's serialised core (a JSON string, or an object-store
-    reference to one) and the EOS id."""
+    reference to one), the EOS id, and the BOS id where the tokenizer starts a text with it (Llama's, Mistral's;
+    None where it does not: GPT-2's)."""
 
     core: object
     eos_id: int
+    bos_id: int | None = None
 
     @classmethod
     def of(cls, name: str) -> TokenizerSpec:
         tok = load_tokenizer(name)
-        return cls(core=tok.backend_tokenizer.to_str(), eos_id=tok.eos_token_id)
+        return cls(core=tok.backend_tokenizer.to_str(), eos_id=tok.eos_token_id, bos_id=starts_with_bos(tok))
+
+
+def starts_with_bos(tok) -> int | None:
+    """The BOS id where the tokenizer puts it before a text it encodes (as `generate` encodes a prompt), else None."""
+    bos = tok.bos_token_id
+    return bos if bos is not None and tok("a")["input_ids"][:1] == [bos] else None
 
 
 @functools.lru_cache(maxsize=4)
@@ -326,16 +334,23 @@ def _tokenizer_core(core):
     import ray
     from tokenizers import Tokenizer
 
-    return Tokenizer.from_str(core if isinstance(core, str) else ray.get(core))
+    tokenizer = Tokenizer.from_str(core if isinstance(core, str) else ray.get(core))
+    # a corpus's text is text: "<|endoftext|>" written in a document is those characters, not an EOS ending it
+    # (with data.document_mask, a document boundary) in the middle
+    tokenizer.encode_special_tokens = True
+    return tokenizer
 
 
 def tokenize_documents(texts: list[str], splits: list[str], tokenizer: TokenizerSpec) -> pa.Table:
-    """Documents -> one row per split: the documents' tokens, each followed by EOS, in order."""
+    """Documents -> one row per split: the documents' tokens, each after BOS where the tokenizer starts a text
+    with one (the model then sees in training what a prompt to `generate` starts with, as the model's own
+    pretraining did) and followed by EOS, in order."""
     core = _tokenizer_core(tokenizer.core)
     ids = [e.ids for e in core.encode_batch(texts, add_special_tokens=False)] if texts else []
     rows = {"split": [], "tokens": [], "documents": []}
+    bos = [] if tokenizer.bos_id is None else [tokenizer.bos_id]
     for split in ("train", "val"):
-        chosen = [doc + [tokenizer.eos_id] for doc, s in zip(ids, splits) if s == split]
+        chosen = [bos + doc + [tokenizer.eos_id] for doc, s in zip(ids, splits) if s == split]
         if chosen:
             rows["split"].append(split)
             total = sum(map(len, chosen))

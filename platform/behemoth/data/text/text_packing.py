@@ -47,7 +47,9 @@ from behemoth.progress import progress
 from behemoth.storage import paths
 from behemoth.storage.store import Store
 
-CACHE_VERSION = 4  # 4: shards with their sha256; 3: each block with its index; 2: shards of tokens; 1: train.npy
+CACHE_VERSION = 5  # 5: a document after BOS where the tokenizer starts texts with one, special tokens' text as
+# text, empty texts skipped; 4: shards with their sha256; 3: each block with its index; 2: shards of tokens;
+# 1: train.npy
 
 
 @dataclass
@@ -230,7 +232,7 @@ def _token_stream(cfg: TextData, units: list[Unit], seed: int):
     # A DataError raised in a task reaches the user as one line (cli); Ray Data would also log its trace.
     ordered_data_context(logging.CRITICAL)
     spec = TokenizerSpec.of(cfg.tokenizer)
-    spec = TokenizerSpec(core=ray.put(spec.core), eos_id=spec.eos_id)  # once, not once per task
+    spec = dataclasses.replace(spec, core=ray.put(spec.core))  # once, not once per task
     common = {"text_field": cfg.text_field, "tokenizer": spec, "seed": seed, "val_fraction": cfg.val_fraction}
     if cfg.hf_dataset:
         pipelines = [ray.data.from_blocks(_hf_blocks(ds, cfg.text_field)).map_batches(
