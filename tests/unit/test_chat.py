@@ -68,6 +68,23 @@ def test_the_assistant_turns_are_the_trained_tokens_found_from_the_templates_ren
     assert every.all()
 
 
+def test_a_conversation_opening_with_the_assistant_trains_its_later_replies_only(chat_corpus):
+    """A conversation whose first turn is the assistant's: its span began at the rendering's first character, so
+    the template's opening (a default system prompt, the turn's header) was trained as the reply. It is context
+    now, and the replies after a user's turn train as in any conversation."""
+    tok = chat_tokenizer(_cfg(chat_corpus))
+    opening = [{"role": "assistant", "content": "Hello there."}, *[m for m in CHAT if m["role"] != "system"]]
+    ids, trained, _ = split_flags(encode_conversation(tok, opening))
+    runs, run = [], []
+    for token, on in zip(ids.tolist(), trained.tolist()):
+        if on:
+            run.append(token)
+        elif run:
+            runs.append(tok.decode(run)), run.clear()
+    runs += [tok.decode(run)] if run else []
+    assert runs == ["Ada found the key.<|im_end|>\n", "At the market.<|im_end|>\n"]
+
+
 def test_a_template_that_rewrites_earlier_turns_is_refused_by_name(chat_corpus, tmp_path):
     # a template that shows the system line only once the conversation has an assistant turn: the prefix with the
     # generation prompt is not the start of the conversation with the reply

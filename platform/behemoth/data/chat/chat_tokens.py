@@ -91,15 +91,18 @@ def _chars_besides(message: dict, cap: int) -> int:
 
 
 def assistant_spans(render: Render, messages: list[dict], text: str, stop_at: int) -> list[tuple[int, int]]:
-    """The character ranges of the assistant's turns in `text` (the whole rendering): turn i is the rendering of
-    messages[:i+1] after that of messages[:i] with the generation prompt (its end-of-turn included). Turns that
-    start at or past `stop_at` are not looked for (their tokens are never stored). Raises ValueError where the
-    renderings are not prefixes of each other (the template rewrites earlier turns)."""
+    """The character ranges of the assistant's turns in `text` (the whole rendering) but an opening one: turn i is
+    the rendering of messages[:i+1] after that of messages[:i] with the generation prompt (its end-of-turn
+    included). Turns that start at or past `stop_at` are not looked for (their tokens are never stored). Raises
+    ValueError where the renderings are not prefixes of each other (the template rewrites earlier turns)."""
     spans = []
     for i, message in enumerate(messages):
-        if message["role"] != "assistant":
+        # A conversation's opening assistant turn is context, not trained: with no turn before it, nothing tells
+        # the template's opening (a default system prompt, the turn's header) from the reply, and its span was
+        # all of them
+        if message["role"] != "assistant" or i == 0:
             continue
-        prompt = render(messages[:i], True) if i else ""
+        prompt = render(messages[:i], True)
         if len(prompt) >= stop_at and text.startswith(prompt):
             break  # (this turn's tokens and every later one's come after the last stored token)
         through = render(messages[:i + 1], False)
