@@ -293,8 +293,13 @@ def trained_state(module: torch.nn.Module) -> dict:
     state = module.state_dict()
     if not is_adapted(module):
         return state
-    frozen = {name for name, p in module.named_parameters() if not p.requires_grad}
-    return {k: v for k, v in state.items() if k not in frozen}
+    return {k: v for k, v in state.items() if k not in _frozen(module)}
+
+
+def _frozen(module: torch.nn.Module) -> set[str]:
+    """The names of the parameters that do not train, every name of a tied one (a frozen output layer tied to
+    the embedding is under both: named_parameters' default lists it once, and its second name was saved)."""
+    return {name for name, p in module.named_parameters(remove_duplicate=False) if not p.requires_grad}
 
 
 def load_trained_state(module: torch.nn.Module, state: dict, where) -> None:
@@ -302,7 +307,7 @@ def load_trained_state(module: torch.nn.Module, state: dict, where) -> None:
     if not is_adapted(module):
         module.load_state_dict(state)
         return
-    frozen = {name for name, p in module.named_parameters() if not p.requires_grad}
+    frozen = _frozen(module)
     missing, unexpected = module.load_state_dict(state, strict=False)
     missing = [k for k in missing if k not in frozen]
     if missing or unexpected:
