@@ -134,6 +134,40 @@ def test_a_lora_checkpoint_of_a_model_with_tied_embeddings_keeps_the_adapters_al
     assert kept and all("lora_" in name for name in kept), sorted(n for n in kept if "lora_" not in n)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_weight_average_of_a_lora_model_averages_its_adapters_over_the_shared_base(text_corpus, tmp_path, dtype):
+    """train.ema_decay with model.lora: the average was a copy of the whole model (the frozen base's memory twice),
+    updated over the base every step, and ema.pt (and each lone worker's memory copy) held all of it. The base is
+    shared now, the adapters averaged (in fp32 over bf16 weights) and kept, and the average evaluates."""
+    from behemoth.data.text.text import load_tokenizer
+    from behemoth.worker.ema import WeightAverage
+    from behemoth.worker.precision import master_weights
+
+    cfg = config_from_dict(lm_job_dict(text_corpus, tmp_path, scaling={"num_workers": 1},
+                                       train={"optimizer": "adamw", "lr": 0.05, "ema_decay": 0.5},
+                                       model={"dtype": dtype, "lora": {"r": 4, "alpha": 8.0,
+                                                                       "target_modules": ["q_proj", "v_proj"]}}))
+    model, optimizer, scheduler = _built(cfg, load_tokenizer(cfg.data.tokenizer))
+    model = master_weights(model, dtype)
+    ema = WeightAverage(model, decay=0.5)
+    frozen = {n: p for n, p in model.named_parameters() if not p.requires_grad}
+    averaged = dict(ema.module.named_parameters())
+    assert all(averaged[n] is p for n, p in frozen.items())  # the base: the model's own tensors
+    assert ema.state_dict().keys() == live_state.trained_state(model).keys()
+    assert {averaged[n].dtype for n in averaged if n not in frozen} == {torch.float32}
+    optimizer = build_optimizer(model, cfg.train)
+    _steps(model, optimizer, lr_schedule(optimizer, cfg.train, total_steps=20), cfg, [0])
+    ema.update()
+    b = next(n for n in averaged if "lora_B" in n)
+    assert averaged[b].abs().sum() > 0 and not torch.equal(averaged[b], dict(model.named_parameters())[b].float())
+    _loss(ema.module, seed=0)  # (the fp32 adapters over a bf16 base evaluate)
+    live_state.save(tmp_path / "c", model=model, optimizer=optimizer, scheduler=scheduler, state=TrainState(step=1),
+                    task_files={}, job_yaml="x: 1\n", ema=ema)
+    again = WeightAverage(model, decay=0.5)
+    again.load_state_dict(torch.load(tmp_path / "c" / "ema.pt", weights_only=True))
+    assert all(torch.equal(v, again.state_dict()[k]) for k, v in ema.state_dict().items())
+
+
 def test_lora_is_refused_where_it_cannot_work(text_corpus, tmp_path):
     from behemoth.errors import ConfigError
 

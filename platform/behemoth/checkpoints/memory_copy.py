@@ -97,11 +97,13 @@ class MemoryCopy:
     def fits(self) -> bool:
         """Whether this run's state is copied at all: DDP or one process (FSDP's shards are each rank's own)
         and at most MAX_BYTES, counted before the first step as the weights' bytes x 3 (and Adam's two moments,
-        which the optimizer makes at its first step), the weight average's on top."""
+        which the optimizer makes at its first step), the weight average's bytes on top (an fp32 average of a
+        bf16 model is twice its weights)."""
         if is_sharded(self.run.model):
             return False
         weights = tensor_bytes(live_state.trained_state(unwrap(self.run.model)))
-        return weights * (3 + (self.run.ema is not None)) <= MAX_BYTES
+        average = tensor_bytes(self.run.ema.state_dict()) if self.run.ema is not None else 0
+        return weights * 3 + average <= MAX_BYTES
 
     def state_dicts(self) -> dict:
         """What a checkpoint holds of the loop's state, as the live objects' state dicts (no copy taken)."""

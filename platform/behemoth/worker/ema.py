@@ -14,6 +14,7 @@ import copy
 
 import torch
 
+from behemoth.models.lora import is_adapted
 from behemoth.worker.step_callbacks import Callback
 
 
@@ -23,15 +24,19 @@ class WeightAverage(Callback):
 
     def __init__(self, model: torch.nn.Module, decay: float):
         self.decay = decay
-        self.module = copy.deepcopy(model).requires_grad_(False)
+        # A LoRA model's frozen base is shared, not copied: it never changes, so it is its own average (a copy
+        # doubled the base's memory, and every update and every ema.pt went over all of it)
+        self._shared = {id(p): p for p in model.parameters() if not p.requires_grad} if is_adapted(model) else {}
+        self.module = copy.deepcopy(model, memo=dict(self._shared)).requires_grad_(False)
+        pairs = [(e, p) for e, p in zip(self.module.parameters(), model.parameters()) if id(p) not in self._shared]
+        self._ema_params, self._params = [e for e, _ in pairs], [p for _, p in pairs]
+        self._buffers = list(model.buffers())
+        self._ema_buffers = list(self.module.buffers())
         # A half-precision model's average in fp32: each update's (1 - decay) x the change is below bf16's
         # resolution, so a bf16 average barely moved (2,000 updates at 0.999: 4 % of the way)
-        if any(p.dtype in (torch.bfloat16, torch.float16) for p in self.module.parameters()):
-            self.module.float()
-        self._params = list(model.parameters())
-        self._buffers = list(model.buffers())
-        self._ema_params = list(self.module.parameters())
-        self._ema_buffers = list(self.module.buffers())
+        if any(p.dtype in (torch.bfloat16, torch.float16) for p in self._params):
+            for tensor in self._ema_params + [b for b in self._ema_buffers if b.is_floating_point()]:
+                tensor.data = tensor.data.float()
 
     @torch.no_grad()
     def update(self) -> None:
@@ -59,7 +64,16 @@ class WeightAverage(Callback):
             e.copy_(w)
 
     def state_dict(self) -> dict:
-        return self.module.state_dict()
+        """The average: of a LoRA model, its adapters (and buffers), as the checkpoint keeps the model's."""
+        shared = self._shared_names()
+        return {k: v for k, v in self.module.state_dict().items() if k not in shared}
 
     def load_state_dict(self, state: dict) -> None:
-        self.module.load_state_dict(state)
+        missing, unexpected = self.module.load_state_dict(state, strict=False)
+        missing = [k for k in missing if k not in self._shared_names()]
+        if missing or unexpected:
+            raise RuntimeError(f"the weight average's state does not fit the model: missing {missing[:5]}, "
+                               f"unexpected {unexpected[:5]}")
+
+    def _shared_names(self) -> set[str]:
+        return {name for name, p in self.module.named_parameters(remove_duplicate=False) if id(p) in self._shared}
