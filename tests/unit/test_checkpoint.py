@@ -103,6 +103,45 @@ def test_a_resume_keeps_the_optimizer_this_run_built(tmp_path, sharded):
     train_step(model, opt, sched, scaler, batch, cfg, Task(), torch.device("cpu"))
 
 
+def test_a_resume_matches_the_optimizers_moments_to_parameters_by_name(tmp_path):
+    """A model whose code now declares its layers in another order (same names, same shapes): the weights came
+    back by name, Adam's moments by place, each to the other layer, silently. By name now; a parameter the
+    checkpoint's optimizer never had is an error naming it."""
+
+    class EncDec(torch.nn.Module):
+        def __init__(self, dec_first=False):
+            super().__init__()
+            if dec_first:
+                self.dec = torch.nn.Linear(8, 8)
+            self.enc = torch.nn.Linear(8, 8)
+            if not dec_first:
+                self.dec = torch.nn.Linear(8, 8)
+
+        def forward(self, x):
+            return self.dec(torch.relu(self.enc(x)))
+
+    torch.manual_seed(0)
+    model = EncDec()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    (model(torch.randn(4, 8)) * 10).square().mean().backward()
+    opt.step()
+    live_state.save(tmp_path / "c", model=model, optimizer=opt, scheduler=sched, state=TrainState(step=1),
+                    task_files={}, job_yaml="x: 1\n")
+    names = {id(p): n for n, p in model.named_parameters()}
+    moments = {names[id(p)]: opt.state[p]["exp_avg_sq"] for p in model.parameters()}
+    reordered = EncDec(dec_first=True)
+    opt2 = torch.optim.AdamW(reordered.parameters(), lr=0.1)
+    live_state.load(tmp_path / "c", model=reordered, optimizer=opt2,
+                    scheduler=torch.optim.lr_scheduler.LambdaLR(opt2, lambda s: 1.0))
+    for name, p in reordered.named_parameters():
+        assert torch.equal(opt2.state[p]["exp_avg_sq"], moments[name]), name
+
+    renamed = torch.nn.ModuleDict({"encoder": torch.nn.Linear(8, 8), "dec": torch.nn.Linear(8, 8)})
+    with pytest.raises(CheckpointError, match=r"lacks \['encoder.bias', 'encoder.weight'\]"):
+        live_state.load(tmp_path / "c", model=renamed, optimizer=torch.optim.AdamW(renamed.parameters()))
+
+
 def test_manifest_lists_every_file_and_is_written_last(tmp_path):
     model, opt, sched = make()
     live_state.save(tmp_path, model=model, optimizer=opt, scheduler=sched, state=TrainState(), task_files={},

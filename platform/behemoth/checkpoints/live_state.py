@@ -129,6 +129,8 @@ def snapshot(*, model, optimizer, scheduler, state: TrainState, task_files: dict
         pool, pairs = ({} if buffers is None else buffers), []
         model_sd = _host_buffers(trained_state(unwrap(model)), pool, "model", pairs)
         optim_sd = _host_buffers(optimizer.state_dict(), pool, "optimizer", pairs)
+        # the names of the numbered parameters: a load matches the moments to parameters by name, not place
+        optim_sd["param_names"] = param_names(optimizer, model)
         # (the weight average changes only after the optimizer's update, as the parameters do)
         ema_sd = None if ema is None else _host_buffers(ema.state_dict(), pool, "ema", pairs)
         volatile = {b.data_ptr() for b in unwrap(model).buffers()}
@@ -257,12 +259,21 @@ def optimizer_as_built(optimizer):
 
 
 def _load_model_and_optimizer(model_sd: dict, optim_sd: dict | None, where, model, optimizer) -> None:
+    saved_names = optim_sd.pop("param_names", None) if optim_sd else None
+    if saved_names is not None and optimizer is not None and saved_names != param_names(optimizer, model):
+        # numbered in another order than this run's model numbers them (a model's code that declares its layers
+        # in another order): by name, or each moment would go to the parameter now at its place
+        missing = sorted(set(param_names(optimizer, model)) - set(saved_names))
+        if missing or len(set(saved_names)) != len(saved_names):
+            raise CheckpointError(f"{where}: its optimizer state names parameters this model does not have, or "
+                                  f"lacks {missing[:5]}: the model's code changed since the checkpoint")
+        optim_sd = _by_name(optim_sd, saved_names)
     by_name = bool(optim_sd) and _keyed_by_name(optim_sd)
     if is_sharded(model) or by_name:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
         if optim_sd and not by_name:
-            optim_sd = _by_name(optim_sd, optimizer, model)
+            optim_sd = _by_name(optim_sd, param_names(optimizer, model))
         set_state_dict(unwrap(model), optimizer if optimizer else [], model_state_dict=model_sd,
                        optim_state_dict=optim_sd or {}, options=StateDictOptions(full_state_dict=True))
     else:
@@ -321,10 +332,15 @@ def _keyed_by_name(optim_sd: dict) -> bool:
     return any(isinstance(p, str) for group in optim_sd.get("param_groups", []) for p in group["params"])
 
 
-def _by_name(optim_sd: dict, optimizer, model) -> dict:
-    """optimizer.state_dict()'s layout (parameters numbered in the order of the optimizer's groups) -> keyed
-    by parameter name, with this run's optimizer (built by the same recipe) giving the order."""
+def param_names(optimizer, model) -> list[str]:
+    """The names of the optimizer's parameters, in the order optimizer.state_dict() numbers them."""
     names = {id(p): name for name, p in unwrap(model).named_parameters()}
-    order = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
+    return [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
+
+
+def _by_name(optim_sd: dict, order: list[str]) -> dict:
+    """optimizer.state_dict()'s layout (parameters numbered in the order of the optimizer's groups) -> keyed
+    by parameter name, `order` naming the numbers (the saved run's, or this run's optimizer built by the same
+    recipe)."""
     return {"state": {order[i]: v for i, v in optim_sd["state"].items()},
             "param_groups": [{**g, "params": [order[i] for i in g["params"]]} for g in optim_sd["param_groups"]]}
