@@ -156,6 +156,17 @@ def test_a_rerun_of_a_finished_run_loses_nothing():
     assert sum(acc.terms.values()) == pytest.approx(acc.total_s) == pytest.approx(30 + 25)
 
 
+def test_a_finished_runs_rerun_adds_its_evaluation_to_the_last_steps_record():
+    """Rerunning a finished run evaluates its final weights and reports them at the last step, from a new group:
+    that report replaced the step's record, and report.html said "steps 20 of None" and its curves lost their
+    last point."""
+    first = [{"step": s, "group_id": "a", "loss": 1.0 / s, "total_steps": 20, "lr": 0.1} for s in (10, 20)]
+    rerun = {"step": 20, "group_id": "b", "resumed_from_step": 20, "val_loss": 0.5}
+    kept = latest_per_step(first + [rerun])
+    assert [r["step"] for r in kept] == [10, 20]
+    assert kept[-1] == {**first[-1], **rerun}
+
+
 def test_latest_per_step_keeps_the_surviving_record_of_each_step():
     first = steady("a", "g1", 1, 25, loop=T0, start_time=T0)
     second = steady("a", "g2", 21, 30, loop=T0 + 60, start_time=T0 + 60, resumed=20)

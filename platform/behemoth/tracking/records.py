@@ -169,7 +169,8 @@ def _part_names(path: str) -> list[str]:
 
 def latest_per_step(reports: list[dict]) -> list[dict]:
     """The reports that survived: a step trained again after a restore replaces the earlier record of it
-    (and of every later step of the group that was lost). Ordered by step."""
+    (and of every later step of the group that was lost); a report of a step its group did not train (a finished
+    run's rerun) is added to that step's record. Ordered by step."""
     kept: dict[int, dict] = {}
     groups = set()
     for r in reports:
@@ -180,7 +181,12 @@ def latest_per_step(reports: list[dict]) -> list[dict]:
             start = r.get("resumed_from_step", r["step"] - 1)
             for step in [s for s in kept if s > start]:
                 del kept[step]
-        kept[r["step"]] = r
+        if r["step"] <= r.get("resumed_from_step", -1) and r["step"] in kept:
+            # a step its group did not train: a finished run's rerun evaluating its final weights, added to
+            # the step's record (replacing it left the report without its training figures and total_steps)
+            kept[r["step"]] = {**kept[r["step"]], **r}
+        else:
+            kept[r["step"]] = r
     return [kept[s] for s in sorted(kept)]
 
 
