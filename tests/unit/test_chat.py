@@ -48,6 +48,17 @@ def _cfg(corpus, **data) -> ChatData:
     return cfg
 
 
+def _trained_runs(tok, ids, trained) -> list[str]:
+    """The decoded runs of consecutive trained tokens."""
+    runs, run = [], []
+    for token, on in zip(ids.tolist(), trained.tolist()):
+        if on:
+            run.append(token)
+        elif run:
+            runs.append(tok.decode(run)), run.clear()
+    return runs + ([tok.decode(run)] if run else [])
+
+
 def test_the_assistant_turns_are_the_trained_tokens_found_from_the_templates_renderings(chat_corpus):
     tok = chat_tokenizer(_cfg(chat_corpus))
     stored = encode_conversation(tok, CHAT)
@@ -56,13 +67,7 @@ def test_the_assistant_turns_are_the_trained_tokens_found_from_the_templates_ren
     assert starts.tolist() == [True] + [False] * (len(ids) - 1)
     # the trained runs are exactly each reply and its end of turn (the model learns to stop), nothing of the
     # system's or user's turns, nor the generation prompt "<|im_start|>assistant\n"
-    runs, run = [], []
-    for token, on in zip(ids.tolist(), trained.tolist()):
-        if on:
-            run.append(token)
-        elif run:
-            runs.append(tok.decode(run)), run.clear()
-    runs += [tok.decode(run)] if run else []
+    runs = _trained_runs(tok, ids, trained)
     assert runs == ["Ada found the key.<|im_end|>\n", "At the market.<|im_end|>\n"]
     every = split_flags(encode_conversation(tok, CHAT, train_on="all"))[1]
     assert every.all()
@@ -75,13 +80,7 @@ def test_a_conversation_opening_with_the_assistant_trains_its_later_replies_only
     tok = chat_tokenizer(_cfg(chat_corpus))
     opening = [{"role": "assistant", "content": "Hello there."}, *[m for m in CHAT if m["role"] != "system"]]
     ids, trained, _ = split_flags(encode_conversation(tok, opening))
-    runs, run = [], []
-    for token, on in zip(ids.tolist(), trained.tolist()):
-        if on:
-            run.append(token)
-        elif run:
-            runs.append(tok.decode(run)), run.clear()
-    runs += [tok.decode(run)] if run else []
+    runs = _trained_runs(tok, ids, trained)
     assert runs == ["Ada found the key.<|im_end|>\n", "At the market.<|im_end|>\n"]
 
 
