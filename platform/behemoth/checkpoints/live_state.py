@@ -171,21 +171,27 @@ def save(directory: str | Path, **state) -> Path:
     return write(directory, snapshot(**state))
 
 
-def _host_buffers(tree, pool: dict, path: str, pairs: list):
+def _host_buffers(tree, pool: dict, path: str, pairs: list, seen: dict | None = None):
     """The state dict with every tensor replaced by a host buffer (pool[path] reused when it fits; pinned
     for CUDA tensors) that no longer aliases the training state; the (buffer, source) pairs still to copy
-    are appended to `pairs`."""
+    are appended to `pairs`. A tensor under two keys (tied embeddings) gets one buffer under both, which
+    torch.save writes once (a buffer each wrote a tied 1B model's embedding twice)."""
+    seen = {} if seen is None else seen
     if isinstance(tree, torch.Tensor):
         t = tree.detach()
+        same = (t.data_ptr(), t.device, t.dtype, tuple(t.shape), t.stride())
+        if t.numel() and same in seen:
+            return seen[same]
         buf = pool.get(path)
         if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
             buf = pool[path] = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda)
         pairs.append((buf, t))
+        seen[same] = buf
         return buf
     if isinstance(tree, dict):
-        return {k: _host_buffers(v, pool, f"{path}/{k}", pairs) for k, v in tree.items()}
+        return {k: _host_buffers(v, pool, f"{path}/{k}", pairs, seen) for k, v in tree.items()}
     if isinstance(tree, (list, tuple)):
-        return type(tree)(_host_buffers(v, pool, f"{path}/{i}", pairs) for i, v in enumerate(tree))
+        return type(tree)(_host_buffers(v, pool, f"{path}/{i}", pairs, seen) for i, v in enumerate(tree))
     return tree
 
 
