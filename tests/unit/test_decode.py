@@ -2,6 +2,7 @@
 large crops, EXIF orientation, and PIL's verdict for everything else, against PIL's own reading of the file."""
 
 import io
+import re
 
 import numpy as np
 import pyarrow as pa
@@ -77,6 +78,51 @@ def test_large_crops_decode_at_reduced_scale_and_stay_close():
         diffs.append(np.abs(got.astype(int) - reference(data, size, seed).astype(int)).mean())
     assert {2, 4, 8} <= set(scales)
     assert max(diffs) < 3.0, diffs  # mean absolute difference in levels of 255 (measured: at most ~2)
+
+
+def test_a_crop_decoded_at_reduced_scale_keeps_the_windows_edges():
+    """The box's sides were each rounded onto the reduced grid, so its far edges moved by up to `scale` pixels of
+    the full image (a window of 14..1185 read as 16..1188 at 1/4). Its edges are rounded now: on a grid where a
+    pixel holds its own column, the crop (at its own size: no resampling) starts and ends at the rounded edges."""
+    columns = np.arange(400)
+    pixels = np.stack(np.broadcast_arrays(columns % 256, columns // 256, 0 * columns), -1)[None].repeat(400, 0)
+    box = (14, 14, 1171, 1171)  # full-scale pixels: columns 14..1184, on the 1/4 grid 3.5..296.25
+    size = round(1185 / 4) - round(14 / 4)
+    out = decode._resize_flip(pixels.astype(np.uint8), box, 4, size, np.random.default_rng(0))
+    seen = out[0, :, 0].astype(int) + 256 * out[0, :, 1].astype(int)
+    assert sorted([seen[0], seen[-1]]) == [round(14 / 4), round(1185 / 4) - 1]
+
+
+def test_an_orientation_given_in_xmp_alone_turns_the_training_crop_as_it_turns_evaluation():
+    """PIL reads the orientation from XMP's tiff:Orientation where the JPEG has no Exif segment (evaluation,
+    the cache, the export): the fast path looked for Exif only, and drew training crops on the image lying on
+    its side."""
+    xmp = (b'<?xpacket begin="" id="W5M0MpCehiHzreSzNTczkc9d"?><x:xmpmeta xmlns:x="adobe:ns:meta/"><rdf:RDF '
+           b'xmlns:rdf="http://www.w3.org/1999/02/22-rdf-syntax-ns#"><rdf:Description rdf:about="" '
+           b'xmlns:tiff="http://ns.adobe.com/tiff/1.0/" tiff:Orientation="6"/></rdf:RDF></x:xmpmeta>'
+           b'<?xpacket end="w"?>')
+    out = io.BytesIO()
+    Image.fromarray(photo(120, 80)).save(out, "JPEG", quality=95, xmp=xmp)
+    data = out.getvalue()
+    assert decode_rgb(data).size == (80, 120) and decode._jpeg_header(data) == (120, 80, 6)
+    for seed in range(5):
+        np.testing.assert_array_equal(decode.random_resized_crop(data, 64, np.random.default_rng(seed), decode_rgb),
+                                      reference(data, 64, seed))  # (crops under 2 x 64: decoded at full scale)
+
+
+@pytest.mark.parametrize("mode", ["I;16", "F"])
+def test_a_16_bit_or_float_image_is_a_bad_sample_not_pixels_clipped_to_black_and_white(mode):
+    """PIL's convert("RGB") clips 16-bit and float pixels to 0 or 255 (a 16-bit ramp decoded as 0, 255, 255,
+    ...; 0.5 as black), silently, on every path: refused as undecodable, naming the mode."""
+    from behemoth.data.image.image_batches import is_the_images_fault
+
+    ramp = np.linspace(0, 65535 if mode == "I;16" else 1.0, 64 * 8).reshape(8, 64)
+    img = Image.fromarray(ramp.astype(np.uint16 if mode == "I;16" else np.float32))
+    out = io.BytesIO()
+    img.save(out, "PNG" if mode == "I;16" else "TIFF")
+    with pytest.raises(ValueError, match=f"a {re.escape(img.mode)} image .* convert the dataset to 8 bits") as raised:
+        decode_rgb(out.getvalue())
+    assert is_the_images_fault(raised.value)  # (a bad sample under data.max_bad_samples)
 
 
 def test_what_libjpeg_turbo_leaves_goes_to_pil():

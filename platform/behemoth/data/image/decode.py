@@ -166,7 +166,10 @@ def _resize_flip(pixels: np.ndarray, box, scale: int, size: int, rng: np.random.
                  out: np.ndarray | None = None) -> np.ndarray:
     import torch
 
-    left, top, cw, ch = (round(v / scale) for v in box)
+    # the box's edges on the reduced grid, each rounded (its sides rounded apart moved the far edges by up to
+    # `scale` pixels of the full image)
+    left, top = round(box[0] / scale), round(box[1] / scale)
+    cw, ch = round((box[0] + box[2]) / scale) - left, round((box[1] + box[3]) / scale) - top
     h, w = pixels.shape[:2]
     left, top = min(left, w - 1), min(top, h - 1)
     crop = pixels[top:top + max(ch, 1), left:left + max(cw, 1)]
@@ -206,7 +209,7 @@ def _jpeg_header(data: bytes) -> tuple[int, int, int] | None:
 def _orientation(data: bytes) -> int:
     """The EXIF orientation (1: upright), read by PIL only where an Exif segment is in the file's head."""
     head = data[:65536]
-    if b"Exif\x00\x00" not in head:
+    if b"Exif\x00\x00" not in head and b"tiff:Orientation" not in head:  # (PIL reads XMP's too)
         return 1
     from PIL import Image
 

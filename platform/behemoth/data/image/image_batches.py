@@ -201,6 +201,12 @@ def decode_rgb(data: bytes, max_pixels: int = MAX_IMAGE_PIXELS) -> Image.Image:
     model is handed the pixels it was trained on. One declaring more than `max_pixels` pixels is refused from
     its header (decode.open_bounded)."""
     img = open_bounded(data, max_pixels)
+    if img.mode.startswith(("I", "F")):
+        # PIL's convert clips 16-bit and float pixels to 0/255 (a 16-bit ramp came out black, then white), as
+        # transformers' load_image does: refused, a bad sample, rather than trained on (or scaled here and
+        # handed otherwise to the exported model)
+        raise ValueError(f"a {img.mode} image (16-bit or floating-point pixels): behemoth reads 8-bit images; "
+                         f"convert the dataset to 8 bits per channel")
     ImageOps.exif_transpose(img, in_place=True)
     return img.convert("RGB")
 
