@@ -130,6 +130,18 @@ def test_classes_without_classes_txt_are_the_indices_seen_in_numeric_order(shard
     assert index.classes == ["2", "10"] and index.train.column("label").to_pylist() == [1, 0]
 
 
+def test_a_class_only_the_validation_shards_hold_is_refused(shards, tmp_path):
+    """Without classes.txt the classes were the indices seen in train and val together: a class only validation
+    held made a class never trained on, whose samples always counted wrong. Refused, as image_folder and
+    image_parquet refuse it."""
+    png = image_batches._load_bytes(
+        batch_of(index_webdataset(files(shards, "train"), files(shards, "val")).train.slice(0, 1)), "image")[0]
+    train = _tar(tmp_path / "train.tar", {"a.png": png, "a.cls": b"0", "b.png": png, "b.cls": b"1"})
+    val = _tar(tmp_path / "val.tar", {"c.png": png, "c.cls": b"0", "d.png": png, "d.cls": b"2"})
+    with pytest.raises(DataError, match=r"val.tar: label\(s\) '2' are not among the training rows' labels"):
+        index_webdataset([train], [val])
+
+
 def test_the_kept_index_holds_across_working_folders_and_goes_with_classes_txt(shards, tmp_path, monkeypatch):
     """A sweep's trials run in folders of their own: absolute shard paths keep one index; a new classes.txt
     makes another (its names are in the index)."""

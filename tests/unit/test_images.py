@@ -220,6 +220,19 @@ def test_parquet_val_labels_the_training_rows_lack_or_no_val_rows_are_refused(tm
     assert index.classes == ["cat", "dog"] and index.val["label"].to_pylist() == [1]
 
 
+def test_parquet_integer_labels_are_numbered_in_numeric_order(tmp_path):
+    """Integer labels were sorted as text (0, 1, 10, 11, 2, ...): a Hugging Face set's labels 0-999 were renumbered,
+    so a pretrained classifier of as many classes was fine-tuned with its head's rows permuted, and the same data
+    as WebDataset shards numbered its classes otherwise. Names that are digits stay names, sorted as text."""
+    labels = list(range(12))
+    index = build_index(_parquet_job(tmp_path, {"img": [_png()] * 12, "cls": labels}, {"img": [_png()], "cls": [10]}))
+    assert index.classes == [str(v) for v in labels] and index.train["label"].to_pylist() == labels
+    assert index.val["label"].to_pylist() == [10]
+    named = build_index(_parquet_job(tmp_path, {"img": [_png()] * 3, "cls": ["2", "10", "1"]},
+                                     {"img": [_png()], "cls": ["10"]}))
+    assert named.classes == ["1", "10", "2"]
+
+
 def test_image_folder_reads_every_still_image_format_and_leaves_other_files_out(tmp_path):
     """.webp, .bmp, .gif, .tif/.tiff images were skipped without a word (half of a folder of jpg,
     JPEG, webp and bmp files). Each is indexed and decodes to RGB (a paletted GIF too); notes beside them are

@@ -254,18 +254,19 @@ def index_parquet(train_files: list[str], val_files: list[str], image_col: str, 
     """The index of parquet files, every file's columns checked before Ray starts: a damaged file, an image
     column without the image bytes or a label column that is neither names nor integers is one line naming the
     file; so is a validation split with no rows or with labels the training split lacks."""
-    labels = {}
-    rows = {}
+    labels, rows, integer = {}, {}, {}
     for split, patterns in (("train", train_files), ("val", val_files)):
         key = f"data.{split}_files"
         files = expand_files(patterns, key)
-        rows[split], labels[split] = _read_label_columns(files, image_col, label_col, key)
+        rows[split], labels[split], integer[split] = _read_label_columns(files, image_col, label_col, key)
         if not rows[split]:
             raise DataError(f"data: the {split} split has no rows ({', '.join(files)}): fill the files or list others "
                             f"in {key}")
-    # Sorted class names, as text (integer labels too: "10" before "2"; changing it would renumber the classes
-    # of existing runs). The training split's: a class only validation holds could never be predicted
-    classes = [str(v) for v in sorted(set(labels["train"].to_pylist()))]
+    # The training split's classes (one only validation holds could never be predicted), sorted: names as text,
+    # integer labels as numbers (as text, 10 came before 2: a Hugging Face set's labels 0-999 were renumbered,
+    # and a pretrained classifier's head of the same size kept with its rows permuted)
+    seen = set(labels["train"].to_pylist())
+    classes = sorted(seen, key=int) if integer["train"] else sorted(seen)
     to_index = {name: i for i, name in enumerate(classes)}
     _check_val_labels(rows["val"], labels["val"], to_index)
     tables = {
@@ -293,7 +294,8 @@ def _check_val_labels(rows: list[tuple[str, int]], labels: pa.Array, known: dict
 
 
 def _read_label_columns(files: list[str], image_col: str, label_col: str, key: str):
-    rows, labels = [], []
+    """(the files' rows, their labels as text, whether every file's labels are integers)."""
+    rows, labels, integer = [], [], True
     for f in files:
         try:
             pf = pq.ParquetFile(f)
@@ -317,7 +319,8 @@ def _read_label_columns(files: list[str], image_col: str, label_col: str, key: s
             raise DataError(f"{f}: column '{label_col}' has {column.null_count} empty labels")
         rows += [(f, i) for i in range(len(column))]
         labels.append(column.cast(pa.string()))
-    return rows, pa.concat_arrays(labels) if labels else pa.array([], pa.string())
+        integer = integer and pa.types.is_integer(label_type)
+    return rows, pa.concat_arrays(labels) if labels else pa.array([], pa.string()), integer
 
 
 def _check_image_column(path: str, pf: pq.ParquetFile, column: str) -> None:
@@ -356,7 +359,12 @@ def index_webdataset(train_files: list[str], val_files: list[str], cache_dir: Pa
     if index is not None:
         return index
     entries = {split: image_shards.index_shards(found) for split, found in files.items()}
-    classes, position = image_shards.class_names(files["train"], {e[3] for es in entries.values() for e in es})
+    # the training shards' classes (with classes.txt, its lines): a class only validation holds is refused, as
+    # image_folder and image_parquet refuse it (it could never be predicted)
+    classes, position = image_shards.class_names(files["train"], {e[3] for e in entries["train"]})
+    known = {str(k): v for k, v in position.items()}
+    _check_val_labels([(p, offset) for p, offset, _, _ in entries["val"]],
+                      pa.array([str(e[3]) for e in entries["val"]], pa.string()), known)
     tables = {split: _index_table([(p, offset, position[label]) for p, offset, _, label in es],
                                   sizes=[size for _, _, size, _ in es])
               for split, es in entries.items()}
