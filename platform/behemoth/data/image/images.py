@@ -378,7 +378,8 @@ def _shards_listing_file(files: dict[str, list[str]], cache_dir: Path) -> Path:
 
     # the folder relative names are read from, where there are any (a sweep's trials run in folders of their own)
     relative = any(not os.path.isabs(f) for found in files.values() for f in found)
-    h = hashlib.sha256(f"tar shards\0{os.getcwd() if relative else ''}".encode())
+    # ("2": the classes the training shards' alone; an index of before held validation's too, unchecked)
+    h = hashlib.sha256(f"tar shards 2\0{os.getcwd() if relative else ''}".encode())
     names = image_shards.classes_file(files["train"])
     for split, found in files.items():
         for path in [*found, *([str(names)] if names.is_file() and split == "train" else [])]:
