@@ -725,7 +725,9 @@ def test_every_float_key_is_a_finite_number(tmp_path):
     ("train.warmup_steps=-1", r"train.warmup_steps must be >= 0, got -1"),
     ("train.warmup_epochs=-1", r"train.warmup_epochs must be >= 0"),
     ("train.ema_decay=1", r"train.ema_decay must be in \(0, 1\) \(0.999 or 0.9999 are usual\), got 1.0"),
-    ("train.powersgd_warmup_steps=-1", r"train.powersgd_warmup_steps must be >= 0"),
+    ("train.powersgd_warmup_steps=-1", r"train.powersgd_warmup_steps must be >= 2"),
+    # (torch's PowerSGD refused 0 and 1 only when the workers built it, after Ray started)
+    ("train.powersgd_warmup_steps=1", r"train.powersgd_warmup_steps must be >= 2 \(torch's PowerSGD with error "),
     ("train.seed=-1", r"train.seed must be in \[0, 4294967296\), got -1"),
     ("train.peak_tflops=0", r"train.peak_tflops must be > 0"),
     ("train.early_stopping.min_delta=-0.1", r"train.early_stopping.min_delta must be >= 0, got -0.1"),
@@ -744,6 +746,23 @@ def test_every_number_is_in_its_range(tmp_path, override, message):
     """Issue 65 item 3: each number's range, one line naming the key, the range and the value."""
     with pytest.raises(ConfigError, match=message):
         load_config(write(tmp_path, "train:\n  lr: 0.1\n"), [override])
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["train.grad_compression=powersgd", "train.nonfinite=skip"],
+     r"train.grad_compression powersgd with train.nonfinite skip: a skipped non-finite step would leave NaN in "
+     r"PowerSGD's error feedback"),
+    (["train.grad_compression=powersgd", "train.precision=fp16", "scaling.use_gpu=true"],
+     r"train.grad_compression powersgd with train.precision fp16"),
+    (["scaling.strategy=fsdp_full", "train.optimizer=sgd", "train.nonfinite=skip"],
+     r"train.nonfinite skip with SGD under scaling.strategy fsdp_full: .* no fused SGD for sharded parameters"),
+])
+def test_combinations_that_failed_on_the_workers_are_refused(tmp_path, overrides, message):
+    """PowerSGD kept a skipped step's NaN in its error feedback, and every step after it was NaN and skipped
+    (fp16's scaler skips an overflowing step every ~2,000 steps by design); torch has no fused SGD for FSDP's
+    sharded parameters, which skip's flag needs."""
+    with pytest.raises(ConfigError, match=message):
+        load_config(write(tmp_path, "train:\n  lr: 0.1\n"), overrides)
 
 
 def test_a_sweeps_numbers_are_finite_too(tmp_path):

@@ -188,3 +188,52 @@ def test_causal_lm_from_config_takes_the_tokenizers_vocabulary():
     with pytest.raises(ConfigError, match="model.hf_config: .*lama2"):
         build_causal_lm(ModelConfig(name="causal_lm", hf_config={"model_type": "lama2"}), vocab_size=300,
                         eos_id=0, bos_id=None, seq_len=64)
+
+
+def _fsdp_bf16_batchnorm_and_sgd(rank: int, port: int, out: str) -> None:
+    """One gloo process: a ResNet with BatchNorm sharded by behemoth (bf16 policy), a step of behemoth's SGD with
+    train.nonfinite skip's fused request (the config refuses that under FSDP; the optimizer must not break)."""
+    import json
+    from pathlib import Path
+
+    import torch.distributed as dist
+    from transformers import ResNetConfig, ResNetForImageClassification
+
+    from behemoth.config import TrainConfig
+    from behemoth.worker import parallel
+    from behemoth.worker.optim import build_optimizer
+    from behemoth.worker.precision import autocast
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=1)
+    seen = {}
+    try:
+        torch.manual_seed(0)
+        model = ResNetForImageClassification(ResNetConfig(embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1],
+                                                          num_labels=3))
+        model = parallel.shard(model, reshard_after_forward=True, precision="bf16")
+        optimizer = build_optimizer(model, TrainConfig(optimizer="sgd", lr=0.1, nonfinite="skip"))
+        with autocast(torch.device("cpu"), "bf16"):
+            logits = model(pixel_values=torch.randn(2, 3, 32, 32)).logits
+        logits.float().sum().backward()
+        optimizer.step()
+        seen = {"logits": str(logits.dtype), "stepped": True}
+    except Exception as e:  # noqa: BLE001 - reported to the test
+        seen = {"error": f"{type(e).__name__}: {e}"[:300]}
+    Path(out).write_text(json.dumps(seen))
+    dist.destroy_process_group()
+
+
+def test_fsdp_in_bf16_trains_a_batchnorm_model_with_sgd(tmp_path):
+    """FSDP's bf16 policy cast BatchNorm's weight to bf16 beside its fp32 running statistics ("expected scalar
+    type BFloat16 but found Float": every image model with scaling.strategy fsdp and bf16), and behemoth's fused
+    SGD has no sharding rule for FSDP's parameters (NotImplementedError at the first step, on any GPU)."""
+    import json
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_fsdp_bf16_batchnorm_and_sgd, args=(port, str(tmp_path / "seen.json")), nprocs=1)
+    assert json.loads((tmp_path / "seen.json").read_text()) == {"logits": "torch.bfloat16", "stepped": True}

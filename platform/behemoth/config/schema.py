@@ -357,6 +357,19 @@ class JobConfig:
             raise ConfigError(f"train.grad_compression {self.train.grad_compression} is a DDP communication hook; "
                               f"scaling.strategy {self.scaling.strategy} reduce-scatters its own gradients: "
                               f"set grad_compression: none or strategy: ddp")
+        if self.train.grad_compression == "powersgd" and (self.train.precision == "fp16"
+                                                          or self.train.nonfinite == "skip"):
+            # a skipped step's NaN stays in PowerSGD's error feedback and warm start: every step after is NaN
+            # (fp16's scaler skips an overflowing step by design, every 2,000 steps or so)
+            raise ConfigError(f"train.grad_compression powersgd with "
+                              f"{'train.precision fp16' if self.train.precision == 'fp16' else 'train.nonfinite skip'}"
+                              f": a skipped non-finite step would leave NaN in PowerSGD's error feedback, and every "
+                              f"step after it would be skipped too; use bf16 precision, nonfinite: stop, or "
+                              f"grad_compression bf16")
+        if (self.scaling.strategy != "ddp" and self.train.optimizer == "sgd" and self.train.nonfinite == "skip"):
+            raise ConfigError(f"train.nonfinite skip with SGD under scaling.strategy {self.scaling.strategy}: skip "
+                              f"takes the fused optimizer's flag, and torch has no fused SGD for sharded "
+                              f"parameters; use train.optimizer adamw, nonfinite: stop, or strategy: ddp")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

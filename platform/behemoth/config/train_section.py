@@ -200,8 +200,10 @@ class TrainConfig:
         for key in ("max_steps", "grad_clip", "auto_batch_memory_mb", "peak_tflops"):
             if getattr(self, key) is not None:
                 positive(f"train.{key}", getattr(self, key))
-        for key in ("weight_decay", "warmup_steps", "powersgd_warmup_steps"):
+        for key in ("weight_decay", "warmup_steps"):
             within(f"train.{key}", getattr(self, key), 0)
+        within("train.powersgd_warmup_steps", self.powersgd_warmup_steps, 2,
+               hint=" (torch's PowerSGD with error feedback starts after at least a step of plain all-reduce)")
         within("train.momentum", self.momentum, 0, 1)
         within("train.min_lr_ratio", self.min_lr_ratio, 0, 1, "[]")
         within("train.wsd_decay_fraction", self.wsd_decay_fraction, 0, 1, "(]")

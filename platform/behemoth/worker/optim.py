@@ -19,8 +19,11 @@ def build_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Opt
     # the whole update by it (weights, moments and step count) without the host reading it (train_step).
     fused = bool(decay + no_decay) and ((decay + no_decay)[0].device.type == "cuda" or cfg.nonfinite == "skip")
     if cfg.optimizer == "sgd":
+        # (torch has no fused SGD for FSDP's sharded parameters, DTensors: its first step failed. Fused AdamW has
+        # one. The config refuses train.nonfinite: skip there, whose flag needs the fused kernel)
+        sharded = any(type(p).__name__ == "DTensor" for p in decay + no_decay)
         return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.momentum > 0,
-                               fused=fused or None)
+                               fused=(fused and not sharded) or None)
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.adam_betas), eps=cfg.adam_eps, fused=fused or None)
 
 

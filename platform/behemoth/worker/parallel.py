@@ -73,6 +73,11 @@ def shard(model: torch.nn.Module, reshard_after_forward: bool, precision: str = 
     low = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
     policy = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32 if low else None)
     names = set(getattr(model, "_no_split_modules", None) or [])
+    if low is not None:  # BatchNorm in fp32 (its running statistics are): a bf16 weight beside them fails
+        for module in list(model.modules())[1:]:
+            if isinstance(module, torch.nn.modules.batchnorm._BatchNorm):
+                fully_shard(module, mesh=mesh, reshard_after_forward=reshard_after_forward,
+                            mp_policy=MixedPrecisionPolicy())
     for module in list(model.modules())[1:]:
         if type(module).__name__ in names:
             fully_shard(module, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
@@ -132,7 +137,7 @@ def register_compression(model, cfg: TrainConfig):
         return None
     state = powerSGD_hook.PowerSGDState(
         process_group=None, matrix_approximation_rank=cfg.powersgd_rank,
-        start_powerSGD_iter=max(cfg.powersgd_warmup_steps, 1), min_compression_rate=2, random_seed=cfg.seed)
+        start_powerSGD_iter=cfg.powersgd_warmup_steps, min_compression_rate=2, random_seed=cfg.seed)
     compression = PowerSGD(state, unwrap(model), in_order=dist.get_backend() == "gloo")
     model.register_comm_hook(state, compression.hook)
     return compression
