@@ -3,7 +3,8 @@ Taking the state from live objects and loading it back into them: behemoth.check
 
 A checkpoint directory holds:
   model.pt, optimizer.pt, scheduler.pt   torch state dicts (the model unwrapped from DDP; under FSDP the full
-                                         state gathered by torch.distributed.checkpoint's get_state_dict)
+                                         state gathered by torch.distributed.checkpoint's get_state_dict; a
+                                         numbered optimizer state with its parameters' names, `param_names`)
   scaler.pt                              the fp16 gradient scaler's state (train.precision fp16 only)
   comm_hook.pt                           each rank's gradient-compression state (PowerSGD only)
   train_state.json                       step, epoch, step in epoch, samples consumed, world size
