@@ -80,13 +80,11 @@ def plain_transform(path: str, rnd: random.Random) -> np.ndarray:
 
 def fast_transform(path: str, rnd: random.Random, out: np.ndarray | None = None) -> np.ndarray:
     from behemoth.data.image.decode import random_resized_crop
-    from behemoth.data.image.image_batches import center_fit, decode_rgb
+    from behemoth.data.image.image_batches import decode_rgb
 
     with open(path, "rb") as f:
         data = f.read()
-    rng = np.random.default_rng(rnd.getrandbits(64))
-    pixels = random_resized_crop(data, SIZE, rng, decode_rgb, out=out)
-    return center_fit(decode_rgb(data), SIZE) if pixels is None else pixels
+    return random_resized_crop(data, SIZE, np.random.default_rng(rnd.getrandbits(64)), decode_rgb, out=out)
 
 
 class Files:

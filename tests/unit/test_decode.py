@@ -125,6 +125,31 @@ def test_a_16_bit_or_float_image_is_a_bad_sample_not_pixels_clipped_to_black_and
     assert is_the_images_fault(raised.value)  # (a bad sample under data.max_bad_samples)
 
 
+def test_after_ten_missed_draws_the_crop_is_torchvisions_fallback():
+    """No crop fitted in 10 draws (likely on a 4:1 image): torchvision takes the largest centred crop whose
+    ratio is the image's clamped to 3/4-4/3 and squashes it to the output; behemoth centre-fitted a square (a
+    4:1 image's middle quarter, not its middle third). Now torchvision's box, on every path (the fast path,
+    PIL's, a decoded cache's views)."""
+    def missed_ten(w, h):
+        for seed in range(1000):
+            rng = np.random.default_rng(seed)
+            for _ in range(10):
+                area, ratio = w * h * rng.uniform(0.08, 1.0), np.exp(rng.uniform(np.log(3 / 4), np.log(4 / 3)))
+                if 0 < round(np.sqrt(area * ratio)) <= w and 0 < round(np.sqrt(area / ratio)) <= h:
+                    break
+            else:
+                return seed
+        raise AssertionError("every seed fitted a crop")
+
+    for (w, h), box in (((1000, 250), (333, 0, 333, 250)), ((250, 1000), (0, 333, 250, 333))):
+        seed = missed_ten(w, h)
+        assert decode._crop_box(w, h, np.random.default_rng(seed)) == box
+        data = jpeg(photo(w, h))
+        # (at 128 px the fallback's 250-px side is under twice the output: decoded at full scale, bit for bit)
+        np.testing.assert_array_equal(decode.random_resized_crop(data, 128, np.random.default_rng(seed), decode_rgb),
+                                      reference(data, 128, seed))
+
+
 def test_what_libjpeg_turbo_leaves_goes_to_pil():
     """PNG and CMYK JPEGs are PIL's to decode; a damaged JPEG is PIL's to refuse (a bad sample), a JPEG that
     PIL reads is never dropped because libjpeg-turbo was strict."""

@@ -18,7 +18,8 @@ libjpeg-turbo's path from simplejpeg's header, on PIL's (`open_bounded`) from th
 
 Anything simplejpeg does not decode (PNG, CMYK JPEGs, damaged files) goes through PIL
 (image_batches.decode_rgb), whose verdict on a bad image is the one that counts. The crop's draws are those of
-the PIL path before this module (area, ratio, up to 10 tries, offsets; then the flip), from the sample's own
+the PIL path before this module (area, ratio, up to 10 tries, offsets, then torchvision's fallback; then the
+flip), from the sample's own
 generator: the same sample gets the same crop in the same epoch wherever it is decoded, so resumed runs are
 exact.
 """
@@ -38,26 +39,23 @@ _SOI = b"\xff\xd8"
 
 
 def random_resized_crop(data: bytes, size: int, rng: np.random.Generator, decode_pil,
-                        max_pixels: int = MAX_IMAGE_PIXELS, out: np.ndarray | None = None) -> np.ndarray | None:
-    """uint8 [size, size, 3]: an Inception-style crop (area 8-100 %, aspect ratio 3/4-4/3, log-uniform) of the
-    upright image, resized to size x size, flipped left-right with probability 1/2; None where no crop fitted
-    in 10 tries (the caller centre-fits the image, and draws the flip). `decode_pil(data)` is the fallback
+                        max_pixels: int = MAX_IMAGE_PIXELS, out: np.ndarray | None = None) -> np.ndarray:
+    """uint8 [size, size, 3]: an Inception-style crop (area 8-100 %, aspect ratio 3/4-4/3, log-uniform; after 10
+    misses torchvision's fallback: _crop_box) of the upright image, resized to size x size, flipped left-right
+    with probability 1/2. `decode_pil(data)` is the fallback
     decoder: an upright RGB PIL image, or the error that makes the sample a bad one (bounded by the same
     `max_pixels` as this path). With `out` (uint8 [size, size, 3], C-contiguous, e.g. a row of a batch), the
     pixels are written there and `out` is returned."""
     header = _jpeg_header(data)
     if header is None:
         pixels = np.asarray(decode_pil(data))
-        box = _crop_box(pixels.shape[1], pixels.shape[0], rng)
-        return None if box is None else _resize_flip(pixels, box, 1, size, rng, out)
+        return _resize_flip(pixels, _crop_box(pixels.shape[1], pixels.shape[0], rng), 1, size, rng, out)
     width, height, orientation = header
     # before the decode: libjpeg allocates for the whole declared image (a progressive one's coefficients
     # too, whatever the DCT scale) before it finds the data a few bytes long
     bounded(width, height, max_pixels)
     upright_w, upright_h = (height, width) if orientation >= 5 else (width, height)
     box = _crop_box(upright_w, upright_h, rng)
-    if box is None:
-        return None
     scale = _dct_scale(box, size)
     try:
         pixels = _decode_jpeg(data, width, height, scale)
@@ -119,20 +117,18 @@ def crop_from_view(view: np.ndarray, width: int, height: int, size: int, rng: np
                    out: np.ndarray | None = None) -> np.ndarray:
     """random_resized_crop's uint8 [size, size, 3] from a stored view of the whole image (uint8 [S, S, 3], the
     upright image of `width` x `height` resized to S x S): the crop is drawn on the original size with the same
-    draws, mapped onto the view, resized, flipped as drawn (into `out` where given). Where no crop fits in 10
-    tries, the centre square (what centre-fitting keeps)."""
+    draws, mapped onto the view, resized, flipped as drawn (into `out` where given)."""
     box = _crop_box(width, height, rng)
-    if box is None:
-        side = min(width, height)
-        box = ((width - side) // 2, (height - side) // 2, side, side)
     s = view.shape[0]
     left, top, cw, ch = box
     scaled = (round(left * s / width), round(top * s / height), round(cw * s / width), round(ch * s / height))
     return _resize_flip(view, scaled, 1, size, rng, out)
 
 
-def _crop_box(w: int, h: int, rng: np.random.Generator) -> tuple[int, int, int, int] | None:
-    """(left, top, width, height) of the crop in the upright image, or None after 10 misses."""
+def _crop_box(w: int, h: int, rng: np.random.Generator) -> tuple[int, int, int, int]:
+    """(left, top, width, height) of the crop in the upright image; after 10 misses torchvision's fallback: the
+    largest centred crop whose aspect ratio is the image's clamped to 3/4-4/3 (squashed to a square by the
+    resize). Centre-fitting a square there instead kept a 4:1 image's middle quarter, not its middle third."""
     for _ in range(10):
         area = w * h * rng.uniform(0.08, 1.0)
         ratio = np.exp(rng.uniform(np.log(3 / 4), np.log(4 / 3)))
@@ -140,7 +136,13 @@ def _crop_box(w: int, h: int, rng: np.random.Generator) -> tuple[int, int, int, 
         if 0 < cw <= w and 0 < ch <= h:
             left, top = rng.integers(0, w - cw + 1), rng.integers(0, h - ch + 1)
             return int(left), int(top), cw, ch
-    return None
+    if w / h < 3 / 4:
+        cw, ch = w, int(round(w / (3 / 4)))
+    elif w / h > 4 / 3:
+        cw, ch = int(round(h * (4 / 3))), h
+    else:
+        cw, ch = w, h
+    return (w - cw) // 2, (h - ch) // 2, cw, ch
 
 
 def _dct_scale(box: tuple[int, int, int, int], size: int) -> int:

@@ -88,9 +88,8 @@ def _transformed(data: bytes, size: int, cfg: ImageData, rng: np.random.Generato
         row[:] = center_fit(decode(data), size)
     elif cfg.augment != "random_resized_crop":
         row[:] = augment_fitted(center_fit(decode(data), size), cfg, rng)
-    elif random_resized_crop(data, size, rng, decode, cfg.max_image_pixels, out=row) is None:
-        pixels = center_fit(decode(data), size)  # no crop fitted in 10 tries
-        row[:] = pixels[:, ::-1] if rng.random() < 0.5 else pixels
+    else:
+        random_resized_crop(data, size, rng, decode, cfg.max_image_pixels, out=row)
     return row
 
 
