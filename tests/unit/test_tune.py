@@ -249,9 +249,49 @@ def test_a_sweep_whose_every_trial_failed_ends_on_one_line_naming_its_results(tm
     (tmp_path / "sweeps" / "s").mkdir(parents=True)
     with pytest.raises(Exception) as raised:
         write_results(s, grid, "val_accuracy", "max", RunPlace.of(str(tmp_path / "sweeps"), "s"))
-    assert user_facing_error(raised.value) == (f"no trial of sweep s reported val_accuracy: see the trials' errors "
-                                               f"in {tmp_path}/sweeps/s/results.csv")
+    assert user_facing_error(raised.value) == (f"no trial of sweep s that did not fail reported val_accuracy as a "
+                                               f"finite number: see the trials' statuses in "
+                                               f"{tmp_path}/sweeps/s/results.csv")
     assert (tmp_path / "sweeps/s/results.csv").read_text().count("error: mat1 and mat2 shapes") == 2
+
+
+def test_the_best_trial_is_one_that_did_not_fail_its_values_as_tune_gave_them_its_checkpoint_by_the_sweeps_metric(
+        tmp_path, image_root):
+    """A trial that evaluated well and then diverged (an error) was chosen best, and best.yaml retrained it into
+    the same NaN; a null among a choice's values came back from the table as nan (best.yaml failed after the
+    sweep); the best checkpoint was the run's best by its own metric (or, for a trial the scheduler stopped, its
+    newest), not by the sweep's; an infinite value could be best; a missing checkpoint was nan, not None."""
+    import json
+
+    import torch
+    from ray.tune import Result
+
+    from behemoth.driver.sweep.results import write_results
+    from behemoth.storage import checkpoint as ckpt
+
+    space = {"train.lr": {"grid": [0.1, 0.02, 0.05]}, "train.grad_clip": {"choice": [None, 1.0]}}
+    s = load_sweep(write_sweep(tmp_path, image_root, metric="val_loss", space=space))
+    place = RunPlace.of(str(tmp_path / "sweeps"), "s")
+
+    def result(i, lr, clip, loss, error=None, done=True):
+        metrics = {"trial_id": f"t{i}", "val_loss": loss, "step": 8 if done else 4, "total_steps": 8, "epoch": 1.0}
+        return Result(metrics={**metrics, "config": {"train.lr": lr, "train.grad_clip": clip}}, checkpoint=None,
+                      error=error, path=str(tmp_path))
+
+    grid = [result(0, 0.1, 1.0, 0.1, error=RuntimeError("loss is nan at step 6"), done=False),
+            result(1, 0.02, None, 0.4), result(2, 0.05, 1.0, float("inf"), done=False)]
+    run = Path(place.child("runs", "t1").folder)
+    for step, (loss, accuracy) in ((4, (0.3, 0.85)), (8, (0.5, 0.9))):
+        texts = {"train_state.json": json.dumps({"step": step}),
+                 "metrics.json": json.dumps({"val_loss": loss, "val_accuracy": accuracy})}
+        ckpt.write(run / f"checkpoint_{step}", ckpt.Snapshot({"model.pt": torch.nn.Linear(2, 2).state_dict()}, texts,
+                                                              step))
+    (run / "summary.json").write_text(json.dumps({"best_checkpoint": str(run / "checkpoint_8"), "metrics": {}}))
+    out = write_results(s, grid, "val_loss", "min", place)
+    assert out.best_params == {"train.lr": 0.02, "train.grad_clip": None} and out.best_value == 0.4
+    assert out.best_checkpoint.endswith("checkpoint_4") and out.best_job.train.grad_clip is None
+    assert list(out.table["trial_id"]) == ["t0", "t1", "t2"]  # (the errored one listed, first by its value)
+    assert out.table["status"][0].startswith("error: loss is nan") and out.table["best_checkpoint"].isna()[2]
 
 
 def test_which_trials_train_in_a_warm_lane_and_why_the_others_do_not(image_root, tmp_path):

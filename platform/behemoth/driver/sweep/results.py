@@ -11,7 +11,7 @@ from typing import Any
 from behemoth.storage import paths
 from behemoth.config import JobConfig, dump_yaml
 from behemoth.driver.sweep.config import SweepConfig, base_job, trial_job
-from behemoth.errors import RunFailedError
+from behemoth.errors import CheckpointError, RunFailedError
 
 @dataclass
 class SweepResult:
@@ -27,21 +27,27 @@ class SweepResult:
 
 
 def write_results(sweep_cfg: SweepConfig, grid, metric: str, mode: str, place: paths.RunPlace) -> SweepResult:
-    """One row per trial (best first) -> results.csv; the best trial's job -> best.yaml."""
+    """One row per trial (best first) -> results.csv; the best trial's job -> best.yaml. The best is the best
+    finite value among the trials that did not fail (one that evaluated well and then diverged is listed, never
+    chosen)."""
+    import numpy as np
     import pandas as pd
 
     base, keys = base_job(sweep_cfg), list(sweep_cfg.space)
-    rows = [_trial_row(sweep_cfg, r, base, keys, metric, place) for r in grid]
-    table = pd.DataFrame(rows).sort_values(metric, ascending=mode == "min", na_position="last", kind="stable")
-    table = table.reset_index(drop=True)
+    rows = [_trial_row(sweep_cfg, r, base, keys, metric, mode, place) for r in grid]
+    # each trial's values as Tune gave them (a column of None and 300 reads as floats in a DataFrame: nan, 300.0)
+    params = [{k: r.config.get(k) for k in keys} for r in grid]
+    table = pd.DataFrame([{**row, "_row": i} for i, row in enumerate(rows)])
+    table = table.sort_values(metric, ascending=mode == "min", na_position="last", kind="stable").reset_index(drop=True)
     results_csv = place.join("results.csv")
-    table.to_csv(results_csv, index=False)
-    scored = table[table[metric].notna()]
+    table.drop(columns="_row").to_csv(results_csv, index=False)
+    values = pd.to_numeric(table[metric], errors="coerce")
+    scored = table[np.isfinite(values) & ~table["status"].str.startswith("error")]
     if scored.empty:
-        raise RunFailedError(f"no trial of sweep {sweep_cfg.name} reported {metric}: see the trials' errors in "
-                            f"{results_csv}")
+        raise RunFailedError(f"no trial of sweep {sweep_cfg.name} that did not fail reported {metric} as a finite "
+                             f"number: see the trials' statuses in {results_csv}")
     best = scored.iloc[0]
-    best_params = {k: _plain(best[k]) for k in keys}
+    best_params = params[int(best["_row"])]
     best_job = trial_job(base, best_params, sweep_cfg.lr_scaling)
     best_job.checkpoint.storage_path = base["checkpoint"]["storage_path"]
     best_job.checkpoint.run_name = f"{sweep_cfg.name}_best"
@@ -51,14 +57,15 @@ def write_results(sweep_cfg: SweepConfig, grid, metric: str, mode: str, place: p
         f"({best['status']}).\n# {', '.join(f'{k}={v!r}' for k, v in best_params.items())}; train.lr after "
         f"lr_scaling {sweep_cfg.lr_scaling}: {best_job.train.lr:.6g}.\n# Reproduce it: behemoth train {best_yaml}\n"
         + dump_yaml(best_job))
-    return SweepResult(table=table, best_params=best_params, best_job=best_job, best_value=float(best[metric]),
-                       metric=metric, best_checkpoint=best["best_checkpoint"] or None, best_yaml=best_yaml,
-                       results_csv=results_csv, sweep_dir=place.folder)
+    checkpoint = rows[int(best["_row"])]["best_checkpoint"]
+    return SweepResult(table=table.drop(columns="_row"), best_params=best_params, best_job=best_job,
+                       best_value=float(best[metric]), metric=metric, best_checkpoint=checkpoint or None,
+                       best_yaml=best_yaml, results_csv=results_csv, sweep_dir=place.folder)
 
 
-def _trial_row(sweep_cfg: SweepConfig, result, base: dict, keys: list[str], metric: str,
+def _trial_row(sweep_cfg: SweepConfig, result, base: dict, keys: list[str], metric: str, mode: str,
                place: paths.RunPlace) -> dict:
-    from behemoth.storage.checkpoint import complete_checkpoints
+    from behemoth.storage import weights
 
     params = {k: result.config.get(k) for k in keys}
     m = result.metrics or {}
@@ -71,13 +78,20 @@ def _trial_row(sweep_cfg: SweepConfig, result, base: dict, keys: list[str], metr
         status = "finished"  # (ASHA may still "stop" a trial at its last report, as it ends)
     elif result.error is not None:
         status = f"error: {str(result.error).strip().splitlines()[0][:200]}"
+    elif summary:  # it ended by itself before its last step: its own train.early_stopping
+        status = "stopped by train.early_stopping"
     else:
         status = "stopped early"
-    kept = complete_checkpoints(run_dir)
+    # its best checkpoint by the sweep's metric (the run's summary names its best by the run's own, and a
+    # trial the scheduler stopped has no summary: the newest was named), among those its retention kept
+    try:
+        best_checkpoint, _ = weights.resolve(run_dir, "best", (metric, mode))
+    except CheckpointError:  # (no checkpoint at all)
+        best_checkpoint = None
     return {"trial_id": trial_id, "status": status, **params,
             "lr": trial_job(base, params, sweep_cfg.lr_scaling).train.lr,
             metric: m.get(metric, float("nan")), "epoch": m.get("epoch"), "step": m.get("step"),
-            "best_checkpoint": summary.get("best_checkpoint") or (kept[0][1] if kept else None), "run_dir": run_dir}
+            "best_checkpoint": best_checkpoint, "run_dir": run_dir}
 
 
 def _trial_id_from_starts(place: paths.RunPlace, params: dict) -> str | None:
@@ -85,8 +99,3 @@ def _trial_id_from_starts(place: paths.RunPlace, params: dict) -> str | None:
     path = Path(place.join("trial_starts.jsonl"))
     starts = [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
     return next((s["trial_id"] for s in reversed(starts) if s["params"] == params), None)
-
-
-def _plain(value):
-    """numpy scalars from the table -> plain Python (for YAML and the config's type checks)."""
-    return value.item() if hasattr(value, "item") else value
