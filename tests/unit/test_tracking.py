@@ -642,3 +642,28 @@ def test_wandb_metrics_hand_wandb_no_step_twice():
     for step in (1, 2, 3, 4, 3, 4, 5):
         metrics.log({"train/loss": 1.0}, step)
     assert logged == [1, 2, 3, 4, 5]
+
+
+def test_a_uris_password_never_reaches_a_tracker_or_the_report(tmp_path):
+    """A password in a URI the job names (pyarrow's s3://KEY:SECRET@bucket, MLflow's postgresql://user:PASSWORD@
+    host) went into MLflow's params, W&B's config, the run-folder tag and report.html as written."""
+    from behemoth.job import config_from_dict
+    from behemoth.storage.paths import redacted
+    from behemoth.tracking import mlflow_run
+    from behemoth.tracking.invocation import RunTracking
+    from behemoth.tracking.run_report import _run_summary
+
+    secret = "s3://AKIAEXAMPLE:wJalr/SECRETKEY@bucket/images"
+    assert redacted(secret) == "s3://AKIAEXAMPLE:***@bucket/images"
+    assert redacted("postgresql://mlf:Pa55w0rd@db/mlflow") == "postgresql://mlf:***@db/mlflow"
+    assert redacted({"a": [secret, "s3://bucket/x", "http://host:5000/p"]}) == {
+        "a": ["s3://AKIAEXAMPLE:***@bucket/images", "s3://bucket/x", "http://host:5000/p"]}
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    cfg = config_from_dict({"data": {"kind": "image_folder", "root": secret}, "model": {"name": "regnet_tiny_cifar"},
+                            "tracking": {"mlflow": {"uri": uri}, "wandb": {"project": "p", "mode": "offline"}}})
+    tracking = RunTracking(cfg, str(tmp_path / "run"))
+    tracking.callbacks()
+    params = mlflow_run.client(uri).get_run(tracking.mlflow_run_id).data.params
+    assert params["data.root"] == "s3://AKIAEXAMPLE:***@bucket/images"
+    assert tracking._wandb_target()["config"]["data"]["root"] == "s3://AKIAEXAMPLE:***@bucket/images"
+    assert "SECRETKEY" not in _run_summary("s3://K:SECRETKEY@bucket/run", [], None)

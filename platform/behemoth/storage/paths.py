@@ -25,6 +25,22 @@ def storage_root(path: str) -> str:
     return path if is_uri(path) else os.path.abspath(os.path.expanduser(path))
 
 
+# A URI's userinfo password (s3://KEY:SECRET@bucket, postgresql://user:PASSWORD@host/db, the form pyarrow and
+# MLflow take): what trackers, reports and warnings show carries *** in its place
+_USERINFO = re.compile(r"(?P<head>[A-Za-z][A-Za-z0-9+.-]*://[^/@:\s]*:)[^@\s]*@")
+
+
+def redacted(value):
+    """`value` (a string, or a config's dicts and lists of them) with every URI's userinfo password as ***."""
+    if isinstance(value, str):
+        return _USERINFO.sub(lambda m: f"{m['head']}***@", value)
+    if isinstance(value, dict):
+        return {k: redacted(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(redacted(v) for v in value)
+    return value
+
+
 def join(root: str, *parts: str) -> str:
     """`root`/`parts`, with '/' for a URI (never the OS separator)."""
     if is_uri(root):

@@ -67,9 +67,10 @@ class RunTracking:
             from behemoth.tracking import mlflow_run
 
             mlflow_run.client(mlflow.uri)  # MLflow not installed: a config error, before the run starts
-            self.mlflow_run_id = _quietly(f"MLflow ({mlflow.uri}: tracking is off for this run)", lambda: mlflow_run.open_run(
-                mlflow.uri, mlflow.experiment, self.run_dir, self.cfg.checkpoint.run_name, self.cfg.to_dict(),
-                self.parent_mlflow_run))
+            self.mlflow_run_id = _quietly(
+                f"MLflow ({paths.redacted(mlflow.uri)}: tracking is off for this run)", lambda: mlflow_run.open_run(
+                    mlflow.uri, mlflow.experiment, self.run_dir, self.cfg.checkpoint.run_name,
+                    paths.redacted(self.cfg.to_dict()), self.parent_mlflow_run))
         self.mark("fit_called")
         self._timeline().append({"time": time.time(), "event": "invocation_start", "invocation": self.invocation,
                                  "marks": self.marks})
@@ -86,7 +87,7 @@ class RunTracking:
         wandb_run.check_installed()  # not installed: a config error, before the run starts
         return {"project": w.project, "entity": w.entity, "mode": w.mode, "id": wandb_run.run_id(self.run_dir),
                 "name": self.cfg.checkpoint.run_name, "dir": wandb_run.local_dir(self.run_dir),
-                "config": self.cfg.to_dict()}
+                "config": paths.redacted(self.cfg.to_dict())}  # (no URI's password leaves for W&B)
 
     def finish(self, status: str, clock: dict | None = None, final_step: int | None = None,
                best_checkpoint: str | None = None) -> None:

@@ -68,7 +68,7 @@ def open_run(uri: str, experiment: str, run_dir: str, run_name: str, params: dic
         c.update_run(known["run_id"], status="RUNNING")
         return known["run_id"]
     experiment_id = experiment_id_of(c, uri, experiment)
-    tags = {"behemoth.run_dir": run_dir}
+    tags = {"behemoth.run_dir": paths.redacted(run_dir)}
     if parent_run_id:
         tags["mlflow.parentRunId"] = parent_run_id
     run_id = c.create_run(experiment_id, run_name=run_name, tags=tags).info.run_id
@@ -158,9 +158,9 @@ class MlflowMetrics:
                 c.log_batch(self.run_id, metrics=[Metric(k, v, millis, step) for k, v in values.items()])
             except Exception as e:  # noqa: BLE001 - tracking must never end the run
                 self.failed = True
-                print(f"[behemoth] WARNING: MLflow tracking to {self.uri} failed and is off for the rest of this "
-                      f"run (training goes on): {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",
-                      flush=True)
+                first = str(e).splitlines()[0] if str(e) else ""
+                print(f"[behemoth] WARNING: MLflow tracking to {paths.redacted(self.uri)} failed and is off for the "
+                      f"rest of this run (training goes on): {type(e).__name__}: {first}", flush=True)
 
 
 def _read_record(path: str) -> dict | None:

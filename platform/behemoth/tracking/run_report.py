@@ -236,7 +236,7 @@ def _goodput_bars(plt, account: goodput.Account):
 
 def _run_summary(run_dir: str, kept: list[dict], account) -> str:
     last = kept[-1] if kept else {}
-    rows = [("run folder", run_dir), ("steps", f"{last.get('step')} of {last.get('total_steps')}"),
+    rows = [("run folder", paths.redacted(run_dir)), ("steps", f"{last.get('step')} of {last.get('total_steps')}"),
             ("samples seen", last.get("samples_seen"))]
     finals = {}
     for r in kept:

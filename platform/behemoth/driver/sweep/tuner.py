@@ -149,10 +149,10 @@ def _sweep_mlflow_run(sweep_cfg: SweepConfig, job: JobConfig, sweep_dir: str) ->
     mlflow_run.client(job.tracking.mlflow.uri)  # MLflow not installed: a config error now
     try:
         return mlflow_run.open_run(job.tracking.mlflow.uri, job.tracking.mlflow.experiment, sweep_dir,
-                                   f"sweep {sweep_cfg.name}", _to_dict(sweep_cfg))
+                                   f"sweep {sweep_cfg.name}", paths.redacted(_to_dict(sweep_cfg)))
     except Exception as e:  # noqa: BLE001 - tracking never stops a sweep
-        print(f"[behemoth] WARNING: MLflow ({job.tracking.mlflow.uri}) is off for this sweep: {type(e).__name__}: "
-              f"{e}", flush=True)
+        print(f"[behemoth] WARNING: MLflow ({paths.redacted(job.tracking.mlflow.uri)}) is off for this sweep: "
+              f"{type(e).__name__}: {e}", flush=True)
         return None
 
 
