@@ -129,9 +129,46 @@ def test_a_lora_checkpoint_of_a_model_with_tied_embeddings_keeps_the_adapters_al
     cfg = config_from_dict(job)
     from behemoth.data.text.text import load_tokenizer
 
-    model, _, _ = _built(cfg, load_tokenizer(cfg.data.tokenizer))
+    model, optimizer, scheduler = _built(cfg, load_tokenizer(cfg.data.tokenizer))
     kept = live_state.trained_state(model)
     assert kept and all("lora_" in name for name in kept), sorted(n for n in kept if "lora_" not in n)
+    # ... and what export, generate and eval build from it loads (it named lm_head.weight missing)
+    from behemoth.tasks.causal_lm import CausalLM
+
+    _steps(model, optimizer, scheduler, cfg, [0])
+    live_state.save(tmp_path / "c", model=model, optimizer=optimizer, scheduler=scheduler, state=TrainState(step=1),
+                    task_files={}, job_yaml=dump_yaml(cfg))
+    exported = CausalLM.model_from_checkpoint(cfg, str(tmp_path / "c"))
+    assert _loss(exported, seed=3) == pytest.approx(_loss(model, seed=3), rel=1e-6)
+
+
+def test_export_builds_the_model_in_the_runs_dtype_not_the_pretrained_files(text_corpus, tmp_path):
+    """A float32 run from a bf16 pretrained model (from_pretrained keeps the stored dtype, the workers train in
+    model.dtype): export built the model in bf16 and copied the trained fp32 weights into it, rounding away a
+    third of the fine-tuning (a norm weight's whole update)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from behemoth.data.text.text import load_tokenizer
+    from behemoth.tasks.causal_lm import CausalLM
+    from behemoth.worker.precision import master_weights
+
+    job = lm_job_dict(text_corpus, tmp_path, scaling={"num_workers": 1})
+    tok = load_tokenizer(job["data"]["tokenizer"])
+    config = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32)
+    LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(tmp_path / "pre")
+    job["model"] = {"name": "causal_lm", "pretrained": str(tmp_path / "pre")}
+    cfg = config_from_dict(job)
+    model, optimizer, scheduler = _built(cfg, tok)
+    model = master_weights(model, cfg.model.dtype)  # (as the workers hold it)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1e-4)  # a fine-tuning's small update, under bf16's step near 1.0 (0.008)
+    live_state.save(tmp_path / "c", model=model, optimizer=optimizer, scheduler=scheduler, state=TrainState(step=1),
+                    task_files={}, job_yaml=dump_yaml(cfg))
+    exported = CausalLM.model_from_checkpoint(cfg, str(tmp_path / "c"))
+    assert {p.dtype for p in exported.parameters()} == {torch.float32}
+    assert all(torch.equal(a, b) for a, b in zip(exported.state_dict().values(), model.state_dict().values()))
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

@@ -19,3 +19,11 @@ def is_sharded(model) -> bool:
     from torch.distributed.fsdp import FSDPModule
 
     return isinstance(getattr(model, "_orig_mod", model), FSDPModule)
+
+
+def in_model_dtype(model, dtype: str):
+    """The model with every floating-point parameter and buffer in `dtype` (model.dtype: float32 or bfloat16),
+    whatever dtype it was built or loaded in: transformers' from_pretrained keeps a checkpoint's stored dtype.
+    The workers train in it (worker/precision.master_weights), and export builds in it: a float32 run from a
+    bf16 pretrained model was exported into bf16 parameters, a third of its fine-tuning rounded away."""
+    return model.to(torch.float32 if dtype == "float32" else torch.bfloat16)

@@ -296,7 +296,9 @@ def load_weights(model: torch.nn.Module, source: dict, where: str,
                    if k in source and source[k].shape != own[k].shape and k not in reinit]
     tied = _tied_to_present(own, source)
     # a LoRA model (model.lora): its checkpoints hold what trains; the frozen base is the model's, as built
-    frozen = {n for n, p in model.named_parameters() if not p.requires_grad} if hasattr(model, "peft_config") else set()
+    # (every name of a tied one: a frozen output layer tied to the embedding is under both, and kept under neither)
+    frozen = {n for n, p in model.named_parameters(remove_duplicate=False)
+              if not p.requires_grad} if hasattr(model, "peft_config") else set()
     missing = [k for k in own if k not in source and k not in tied and k not in frozen]
     unexpected = [k for k in source if k not in own]
     problems = [f"{label}: {', '.join(keys[:5])}{' ...' if len(keys) > 5 else ''}"

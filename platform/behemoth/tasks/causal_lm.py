@@ -141,10 +141,11 @@ class CausalLM(Task[list[Unit], TokenIndex]):
         """Driver side (export): the model a checkpoint holds, built as the workers built it (the vocabulary
         from the run's tokenizer, data.tokenizer: export's is the checkpoint's kept copy, exported_job)."""
         from behemoth.data.text.text import load_tokenizer
+        from behemoth.models.wrappers import in_model_dtype
 
         tok = load_tokenizer(cfg.data.tokenizer)
         torch.manual_seed(cfg.train.seed)  # as the workers seed it: LoRA's base, built from a config, is theirs
-        model = build_lm(cfg, len(tok), tok.eos_token_id, tok.bos_token_id)
+        model = in_model_dtype(build_lm(cfg, len(tok), tok.eos_token_id, tok.bos_token_id), cfg.model.dtype)
         weights.load_weights(model, weights.read_state_dict(ckpt), ckpt)
         return model
 

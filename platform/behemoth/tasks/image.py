@@ -122,8 +122,10 @@ class ImageClassification(Task[ImageIndex, ImageIndex]):
     @classmethod
     def model_from_checkpoint(cls, cfg: JobConfig, ckpt: str) -> torch.nn.Module:
         """Driver side (export): the model a checkpoint holds, built as the workers built it."""
+        from behemoth.models.wrappers import in_model_dtype
+
         classes = read_json(ckpt, "classes.json")  # (checked against its manifest, as the weights are)
-        model = build_image_model(cfg, classes)
+        model = in_model_dtype(build_image_model(cfg, classes), cfg.model.dtype)  # (as the workers trained it)
         weights.load_weights(model, weights.read_state_dict(ckpt), ckpt)
         # the registered RegNets train as plain torch modules with transformers' layout (models/regnet.py)
         return model.to_transformers(classes) if hasattr(model, "to_transformers") else model

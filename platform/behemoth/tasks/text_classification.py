@@ -140,10 +140,12 @@ class TextClassification(Classification, Task[LabelledRows, TokenisedRows]):
     def model_from_checkpoint(cls, cfg: JobConfig, ckpt: str) -> torch.nn.Module:
         """The model a checkpoint holds, built as the workers built it (classes from its labels.json, checked
         against its manifest: an edited one would name the classes wrongly in the export)."""
+        from behemoth.models.wrappers import in_model_dtype
+
         classes = read_json(ckpt, "labels.json")
         tok = load_classification_tokenizer(cfg.data.tokenizer)
         torch.manual_seed(cfg.train.seed)  # as the workers seed it: LoRA's base, built from a config, is theirs
-        model = build_classifier(cfg, classes, len(tok), tok.pad_token_id)
+        model = in_model_dtype(build_classifier(cfg, classes, len(tok), tok.pad_token_id), cfg.model.dtype)
         weights.load_weights(model, weights.read_state_dict(ckpt), ckpt)
         return model
 

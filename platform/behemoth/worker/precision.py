@@ -29,10 +29,10 @@ def grad_scaler(device: torch.device, precision: str) -> torch.amp.GradScaler:
 
 
 def master_weights(model: torch.nn.Module, dtype: str) -> torch.nn.Module:
-    """The model with every floating-point parameter and buffer in `dtype` (model.dtype: float32 or bfloat16),
-    whatever dtype it was built or loaded in: transformers' from_pretrained keeps a checkpoint's stored dtype,
-    and AdamW's state takes its parameters' dtype."""
-    return model.to(torch.float32 if dtype == "float32" else torch.bfloat16)
+    """The model in model.dtype (models/wrappers.in_model_dtype): AdamW's state takes its parameters' dtype."""
+    from behemoth.models.wrappers import in_model_dtype
+
+    return in_model_dtype(model, dtype)
 
 
 def device_settings(model: torch.nn.Module, device: torch.device, tf32: bool, channels_last: bool) -> torch.nn.Module:
