@@ -313,3 +313,25 @@ def test_a_prompts_file_of_json_nested_past_pythons_recursion_is_one_line(tmp_pa
     path.write_text('{"prompt": "hi"}\n' + "[" * 100_000 + "\n")
     with pytest.raises(ConfigError, match=rf"{path}:2: not a JSON object this reads \(nested too deeply\)"):
         read_prompts(str(path))
+
+
+def test_a_text_prompt_is_encoded_as_training_encoded_a_document(text_corpus, tmp_path):
+    """A tokenizer whose post-processor writes <s> before and </s> after a text (add_eos_token): the prompt
+    ended in EOS, which the model reads as a finished document; a special token's spelling in it was that
+    token, where training read it as text. Now [BOS] + the text as text, as data/text/text.py encodes a document."""
+    from tokenizers import Tokenizer, processors
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    from behemoth.driver.commands.generate import Generator
+
+    core = Tokenizer.from_file(str(text_corpus / "tokenizer" / "tokenizer.json"))
+    core.add_special_tokens(["<s>", "</s>"])
+    core.post_processor = processors.TemplateProcessing(
+        single="<s> $A </s>", special_tokens=[("<s>", core.token_to_id("<s>")), ("</s>", core.token_to_id("</s>"))])
+    PreTrainedTokenizerFast(tokenizer_object=core, bos_token="<s>", eos_token="</s>").save_pretrained(tmp_path)
+    tok = AutoTokenizer.from_pretrained(tmp_path)
+    prompt = "once upon a time <|endoftext|> there"
+    ids = Generator(model=None, tokenizer=tok, config=None, source="t").encode(prompt, chat=False)
+    text = tok(prompt, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+    assert ids == [tok.bos_token_id, *text] and tok.eos_token_id not in ids
+    assert tok.convert_tokens_to_ids("<|endoftext|>") not in ids

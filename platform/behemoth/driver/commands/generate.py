@@ -102,7 +102,7 @@ class Generator:
 
     def encode(self, prompt: Prompt, chat: bool, which: str = "the prompt") -> list:
         """The prompt's token ids: a conversation (or, with `chat`, a text as a user's turn) through the chat
-        template with its generation prompt; a text as the tokenizer encodes it. A template that cannot render
+        template with its generation prompt; a text as training encoded a document. A template that cannot render
         it, or a text longer than the model's positions can hold, is one ConfigError naming `which`."""
         tok = self.tokenizer
         if isinstance(prompt, list) or chat:
@@ -117,7 +117,14 @@ class Generator:
             # by `run` in one line, without transformers' "Token indices sequence length" warning before it)
             return tok(text, add_special_tokens=False, verbose=False)["input_ids"]
         self._check_length(prompt, which)
-        return tok(prompt, verbose=False)["input_ids"]
+        # as training encoded a document (data/text/text.py): BOS where the tokenizer starts texts with one, the
+        # text as text (a special token's spelling is its characters), and no EOS a post-processor would append
+        # (the model would read the prompt as a finished document)
+        from behemoth.data.text.text import starts_with_bos
+
+        bos = starts_with_bos(tok)
+        ids = tok(prompt, add_special_tokens=False, split_special_tokens=True, verbose=False)["input_ids"]
+        return ([bos] if bos is not None else []) + ids
 
     def _rendered(self, messages: list, which: str) -> str:
         from behemoth.data.chat.chat import render_prompt
