@@ -667,3 +667,68 @@ def test_a_uris_password_never_reaches_a_tracker_or_the_report(tmp_path):
     assert params["data.root"] == "s3://AKIAEXAMPLE:***@bucket/images"
     assert tracking._wandb_target()["config"]["data"]["root"] == "s3://AKIAEXAMPLE:***@bucket/images"
     assert "SECRETKEY" not in _run_summary("s3://K:SECRETKEY@bucket/run", [], None)
+
+
+@pytest.mark.parametrize("error, failure, status", [(KeyboardInterrupt(), None, "KILLED"),
+                                                    (SystemExit(0), None, "KILLED"),
+                                                    (RuntimeError("restarts used up"), RuntimeError, "FAILED")])
+def test_an_invocation_that_ends_without_an_end_of_its_own_is_killed_in_mlflow_not_left_running(
+        tmp_path, error, failure, status):
+    """Ctrl-C in the driver, or a sweep's trial the scheduler stopped (SystemExit in its lane): the invocation
+    writes no end record, and its MLflow run stayed RUNNING for good (a sweep's stopped trials shown running
+    under a finished parent)."""
+    import contextlib
+
+    from behemoth.driver.run.sequence import run_sequence
+    from behemoth.job import config_from_dict
+    from behemoth.tracking import mlflow_run
+    from behemoth.tracking.invocation import RunTracking
+    from conftest import job_dict
+
+    class Launcher:  # (Ray Train's or a lane's, up to the launch)
+        def prepare(self, run, mark):
+            return None
+
+        def launch(self, run, data):
+            tracking.callbacks()
+            raise error
+
+        def records_failure(self, e):
+            return failure is not None and isinstance(e, failure)
+
+        @contextlib.contextmanager
+        def ending(self):
+            yield
+
+    (tmp_path / "images").mkdir()
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    cfg = config_from_dict(job_dict(tmp_path / "images", tmp_path / "runs", "r",
+                                    tracking={"mlflow": {"uri": uri, "experiment": "e"}}))
+    tracking = RunTracking(cfg, str(tmp_path / "runs" / "r"))
+    with pytest.raises(type(error)):
+        run_sequence(cfg, Launcher(), tracking)
+    assert mlflow_run.client(uri).get_run(tracking.mlflow_run_id).info.status == status
+
+
+@pytest.mark.parametrize("result_error, aborted, exit_code", [(None, False, 0), (RuntimeError("x"), False, 1),
+                                                              (None, True, 1)])
+def test_a_failed_or_aborted_run_ends_its_wandb_run_failed(monkeypatch, result_error, aborted, exit_code):
+    """W&B's run was finished with no exit code whatever the controller's result: a run whose restarts were used
+    up showed as finished in W&B and as failed in MLflow."""
+    from types import SimpleNamespace
+
+    from behemoth.tracking import wandb_run
+    from behemoth.tracking.callbacks import RunRecorder
+
+    monkeypatch.setattr(wandb_run, "_wait_for_the_files", lambda: None)
+    finished = []
+    recorder = RunRecorder.__new__(RunRecorder)
+    recorder._metrics = recorder._tb = recorder._mlflow = None
+    recorder._warned = set()
+    recorder._wandb = wandb_run.WandbMetrics({})
+    recorder._wandb.run = SimpleNamespace(finish=lambda exit_code=None: finished.append(exit_code))
+    if aborted:
+        recorder.before_controller_abort()
+    else:
+        recorder.after_controller_finish(SimpleNamespace(error=result_error))
+    assert finished == [exit_code]

@@ -70,10 +70,10 @@ class RunRecorder(ControllerCallback, ReportCallback):
         self.event("failure", decision=failure_decision.value)
 
     def after_controller_finish(self, result):
-        self.close()
+        self.close(failed=getattr(result, "error", None) is not None)
 
     def before_controller_abort(self):
-        self.close()
+        self.close(failed=True)
 
     # ------------------------------------------------------------------------------------------------------
     @property
@@ -111,7 +111,7 @@ class RunRecorder(ControllerCallback, ReportCallback):
             self._timeline = JsonlLog(paths.join(self.run_dir, TIMELINE))
         self._timeline.append({"time": time.time(), "event": name, "invocation": self.invocation, **fields})
 
-    def close(self) -> None:
+    def close(self, failed: bool = False) -> None:
         if self._metrics is not None:
             self._metrics.close()
         if self._tb is not None:
@@ -120,7 +120,7 @@ class RunRecorder(ControllerCallback, ReportCallback):
         if self._mlflow is not None:
             self._mlflow.close()
         if self._wandb is not None:
-            self._guarded("W&B", self._wandb.close)
+            self._guarded("W&B", lambda: self._wandb.close(failed))
             self._wandb = None
 
     def _guarded(self, what: str, fn) -> None:

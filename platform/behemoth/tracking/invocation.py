@@ -123,6 +123,15 @@ class RunTracking:
 
             _quietly("MLflow", log)
 
+    def abandon(self) -> None:
+        """The invocation ended without an end of its own (Ctrl-C, a stopped driver, a sweep's trial the scheduler
+        stopped): no record of it is written, but its MLflow run is KILLED, not left RUNNING for good."""
+        if self.mlflow_run_id:
+            from behemoth.tracking import mlflow_run
+
+            _quietly("MLflow", lambda: mlflow_run.client(self.cfg.tracking.mlflow.uri).set_terminated(
+                self.mlflow_run_id, status="KILLED"))
+
     def _artifacts(self, best_checkpoint: str | None) -> list[str]:
         """The report's folder and the best (else the latest) checkpoint's manifest, local or under a URI."""
         from behemoth.storage.checkpoint import MANIFEST, complete_checkpoints

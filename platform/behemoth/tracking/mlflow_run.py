@@ -106,16 +106,18 @@ def finish(uri: str, run_id: str, status: str, metrics: dict[str, float], step: 
     import time
 
     now = int(time.time() * 1000)
-    if metrics:
-        c.log_batch(run_id, metrics=[Metric(k, float(v), now, step) for k, v in metrics.items()])
-    for path in artifacts:
-        if os.path.isdir(path):
-            c.log_artifacts(run_id, path, artifact_path=os.path.basename(path))
-        elif os.path.isfile(path):
-            c.log_artifact(run_id, path)
-    for name, content in (text or {}).items():
-        c.log_text(run_id, content, name)
-    c.set_terminated(run_id, status=status)
+    try:
+        if metrics:
+            c.log_batch(run_id, metrics=[Metric(k, float(v), now, step) for k, v in metrics.items()])
+        for path in artifacts:
+            if os.path.isdir(path):
+                c.log_artifacts(run_id, path, artifact_path=os.path.basename(path))
+            elif os.path.isfile(path):
+                c.log_artifact(run_id, path)
+        for name, content in (text or {}).items():
+            c.log_text(run_id, content, name)
+    finally:  # (an upload that failed left the run RUNNING for good)
+        c.set_terminated(run_id, status=status)
 
 
 class MlflowMetrics:

@@ -67,9 +67,10 @@ class WandbMetrics:
         self.run.log(values, step=step)
         self.last_step = step
 
-    def close(self) -> None:
+    def close(self, failed: bool = False) -> None:
+        """`failed`: the run ended in an error (W&B shows it failed, as MLflow does), not finished."""
         if self.run is not None:
-            self.run.finish()
+            self.run.finish(exit_code=1 if failed else 0)
             self.run = None
             _wait_for_the_files()
 

@@ -95,6 +95,8 @@ def run_sequence(cfg: JobConfig, launcher: Launcher, tracking, fence=None) -> Ru
     except BaseException as e:
         if launcher.records_failure(e):  # else the invocation has no end record (a stopped trial, a killed driver)
             tracking.finish("failed")
+        else:
+            tracking.abandon()
         raise
     retire_unregistered(run.place, launched.kept, fence)  # older complete checkpoints nobody registered
     summary = summarise(cfg, launched.result, time.time() - started)

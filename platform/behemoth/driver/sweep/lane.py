@@ -92,9 +92,9 @@ class LaneLauncher:
         _TRIALS_HERE[0] += 1
         try:
             returned = _loop_with_restarts(run.cfg, data, ctx, recorder)
-        except BaseException:  # (a SystemExit too: Tune stopped the trial at a report)
+        except BaseException as e:  # (a SystemExit too: Tune stopped the trial at a report)
             ctx.close()
-            recorder.close()
+            recorder.close(failed=self.records_failure(e))
             raise
         finally:
             _tidy()
