@@ -369,6 +369,22 @@ def test_mlflow_run_is_continued_and_nested(tmp_path):
     assert (tmp_path / "mlartifacts" / "exp" / run_id / "artifacts" / "art.txt").is_file()
 
 
+def test_a_run_folders_mlflow_run_deleted_since_is_replaced_by_a_new_one(tmp_path, capsys):
+    """The run recorded in mlflow.json deleted in MLflow (or the store recreated at the same URI): every later
+    rerun failed to reopen it and turned MLflow off for that run folder for good."""
+    from behemoth.tracking import mlflow_run
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    run_dir = str(tmp_path / "run")
+    first = mlflow_run.open_run(uri, "exp", run_dir, "r1", {"train": {"lr": 0.1}})
+    mlflow_run.client(uri).delete_run(first)
+    again = mlflow_run.open_run(uri, "exp", run_dir, "r1", {"train": {"lr": 0.1}})
+    assert again != first and mlflow_run.client(uri).get_run(again).info.status == "RUNNING"
+    assert json.loads((tmp_path / "run" / mlflow_run.RUN_FILE).read_text())["run_id"] == again
+    assert f"MLflow run {first} of " in capsys.readouterr().out
+    assert mlflow_run.open_run(uri, "exp", run_dir, "r1", {"train": {"lr": 0.1}}) == again  # and kept
+
+
 def test_mlflow_to_a_folder(tmp_path):
     """tracking.mlflow.uri as a plain folder: MLflow's file store (which MLflow 3 allows only when asked)."""
     from behemoth.tracking import mlflow_run

@@ -65,8 +65,16 @@ def open_run(uri: str, experiment: str, run_dir: str, run_name: str, params: dic
     record = paths.join(run_dir, RUN_FILE)
     known = _read_record(record)
     if known and known.get("uri") == uri:
-        c.update_run(known["run_id"], status="RUNNING")
-        return known["run_id"]
+        from mlflow.exceptions import MlflowException
+
+        try:
+            c.update_run(known["run_id"], status="RUNNING")
+            return known["run_id"]
+        except MlflowException as e:  # (a store that does not answer fails again below, as before)
+            # the recorded run is gone (deleted; another store at this URI): a new run, not tracking off for
+            # this run folder for good
+            print(f"[behemoth] MLflow run {known['run_id']} of {record} is not in {paths.redacted(uri)} "
+                  f"({' '.join(str(e).split())[:120]}): this run logs to a new MLflow run", flush=True)
     experiment_id = experiment_id_of(c, uri, experiment)
     tags = {"behemoth.run_dir": paths.redacted(run_dir)}
     if parent_run_id:
