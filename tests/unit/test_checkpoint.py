@@ -138,7 +138,8 @@ def test_a_resume_matches_the_optimizers_moments_to_parameters_by_name(tmp_path)
         assert torch.equal(opt2.state[p]["exp_avg_sq"], moments[name]), name
 
     renamed = torch.nn.ModuleDict({"encoder": torch.nn.Linear(8, 8), "dec": torch.nn.Linear(8, 8)})
-    with pytest.raises(CheckpointError, match=r"lacks \['encoder.bias', 'encoder.weight'\]"):
+    with pytest.raises(CheckpointError, match=r"does not name this model's parameters \(lacks \['encoder.bias', "
+                                              r"'encoder.weight'\], names \['enc.bias', 'enc.weight'\]\)"):
         live_state.load(tmp_path / "c", model=renamed, optimizer=torch.optim.AdamW(renamed.parameters()))
 
 

@@ -16,6 +16,7 @@ from behemoth.storage.checkpoint import (EMA_FILE, MODEL_FILE, Snapshot, TrainSt
                                          verify, write)
 from behemoth.storage.run_store import RunStore
 from behemoth.errors import CheckpointError
+from behemoth.storage.weights import frozen_names
 from behemoth.models.lora import is_adapted
 from behemoth.hosts import collectives
 from behemoth.checkpoints import sharded
@@ -266,20 +267,21 @@ def optimizer_as_built(optimizer):
 
 def _load_model_and_optimizer(model_sd: dict, optim_sd: dict | None, where, model, optimizer) -> None:
     saved_names = optim_sd.pop("param_names", None) if optim_sd else None
-    if saved_names is not None and optimizer is not None and saved_names != param_names(optimizer, model):
+    names = param_names(optimizer, model) if optimizer is not None else []
+    if saved_names is not None and optimizer is not None and saved_names != names:
         # numbered in another order than this run's model numbers them (a model's code that declares its layers
         # in another order): by name, or each moment would go to the parameter now at its place
-        missing = sorted(set(param_names(optimizer, model)) - set(saved_names))
-        if missing or len(set(saved_names)) != len(saved_names):
-            raise CheckpointError(f"{where}: its optimizer state names parameters this model does not have, or "
-                                  f"lacks {missing[:5]}: the model's code changed since the checkpoint")
+        if sorted(saved_names) != sorted(names):
+            lacks, other = sorted(set(names) - set(saved_names)), sorted(set(saved_names) - set(names))
+            raise CheckpointError(f"{where}: its optimizer state does not name this model's parameters (lacks "
+                                  f"{lacks[:5]}, names {other[:5]}): the model's code changed since the checkpoint")
         optim_sd = _by_name(optim_sd, saved_names)
     by_name = bool(optim_sd) and _keyed_by_name(optim_sd)
     if is_sharded(model) or by_name:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
         if optim_sd and not by_name:
-            optim_sd = _by_name(optim_sd, param_names(optimizer, model))
+            optim_sd = _by_name(optim_sd, names)
         set_state_dict(unwrap(model), optimizer if optimizer else [], model_state_dict=model_sd,
                        optim_state_dict=optim_sd or {}, options=StateDictOptions(full_state_dict=True))
     else:
@@ -310,13 +312,8 @@ def trained_state(module: torch.nn.Module) -> dict:
     state = module.state_dict()
     if not is_adapted(module):
         return state
-    return {k: v for k, v in state.items() if k not in _frozen(module)}
-
-
-def _frozen(module: torch.nn.Module) -> set[str]:
-    """The names of the parameters that do not train, every name of a tied one (a frozen output layer tied to
-    the embedding is under both: named_parameters' default lists it once, and its second name was saved)."""
-    return {name for name, p in module.named_parameters(remove_duplicate=False) if not p.requires_grad}
+    frozen = frozen_names(module)
+    return {k: v for k, v in state.items() if k not in frozen}
 
 
 def load_trained_state(module: torch.nn.Module, state: dict, where) -> None:
@@ -324,7 +321,7 @@ def load_trained_state(module: torch.nn.Module, state: dict, where) -> None:
     if not is_adapted(module):
         module.load_state_dict(state)
         return
-    frozen = _frozen(module)
+    frozen = frozen_names(module)
     missing, unexpected = module.load_state_dict(state, strict=False)
     missing = [k for k in missing if k not in frozen]
     if missing or unexpected:

@@ -284,6 +284,15 @@ def _index_shards(p: Path, path: str | Path) -> list[str]:
 ReinitPolicy = Callable[[str, "torch.Tensor", "torch.Tensor"], bool]
 
 
+def frozen_names(model) -> set[str]:
+    """The names of a LoRA model's parameters that do not train (its base; empty for a model without adapters),
+    every name of a tied one: a frozen output layer tied to the embedding is under both, and named_parameters'
+    default lists it once (its second name was kept in every checkpoint, then expected on load)."""
+    if not hasattr(model, "peft_config"):  # (models/lora.is_adapted: this room does not import models)
+        return set()
+    return {name for name, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
+
+
 def load_weights(model: torch.nn.Module, source: dict, where: str,
                  reinit_ok: Optional[ReinitPolicy] = None) -> list[str]:
     """Load `source` into `model`. Every tensor of the model must come from the source by name and shape,
@@ -296,9 +305,7 @@ def load_weights(model: torch.nn.Module, source: dict, where: str,
                    if k in source and source[k].shape != own[k].shape and k not in reinit]
     tied = _tied_to_present(own, source)
     # a LoRA model (model.lora): its checkpoints hold what trains; the frozen base is the model's, as built
-    # (every name of a tied one: a frozen output layer tied to the embedding is under both, and kept under neither)
-    frozen = {n for n, p in model.named_parameters(remove_duplicate=False)
-              if not p.requires_grad} if hasattr(model, "peft_config") else set()
+    frozen = frozen_names(model)
     missing = [k for k in own if k not in source and k not in tied and k not in frozen]
     unexpected = [k for k in source if k not in own]
     problems = [f"{label}: {', '.join(keys[:5])}{' ...' if len(keys) > 5 else ''}"
