@@ -122,7 +122,8 @@ def test_lora_trains_and_keeps_only_adapters_resumes_exactly_and_exports_adapter
 def test_a_lora_checkpoint_of_a_model_with_tied_embeddings_keeps_the_adapters_alone(text_corpus, tmp_path):
     """An output layer tied to the embedding (Llama 3.2's, Gemma's) is one frozen parameter under two names, and
     named_parameters lists it once: the other name, lm_head.weight, was kept in every checkpoint (~1 GB at a 1B
-    model's vocabulary in fp32), as was the frozen base in the lone worker's memory copies."""
+    model's vocabulary in fp32). The checkpoint keeps the adapters alone, and the model export builds from it
+    loads them."""
     job = lm_job_dict(text_corpus, tmp_path, scaling={"num_workers": 1},
                       model={"lora": {"r": 4, "alpha": 8.0, "target_modules": ["q_proj", "v_proj"]}})
     job["model"]["hf_config"]["tie_word_embeddings"] = True
@@ -174,8 +175,8 @@ def test_export_builds_the_model_in_the_runs_dtype_not_the_pretrained_files(text
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_the_weight_average_of_a_lora_model_averages_its_adapters_over_the_shared_base(text_corpus, tmp_path, dtype):
     """train.ema_decay with model.lora: the average was a copy of the whole model (the frozen base's memory twice),
-    updated over the base every step, and ema.pt (and each lone worker's memory copy) held all of it. The base is
-    shared now, the adapters averaged (in fp32 over bf16 weights) and kept, and the average evaluates."""
+    updated over the base every step, and ema.pt held all of it. The base is shared now, the adapters averaged
+    (in fp32 over bf16 weights), ema.pt holds them alone and loads back, and the average evaluates."""
     from behemoth.data.text.text import load_tokenizer
     from behemoth.worker.ema import WeightAverage
     from behemoth.worker.precision import master_weights

@@ -662,7 +662,7 @@ def test_wandb_metrics_hand_wandb_no_step_twice():
 
 def test_a_uris_password_never_reaches_a_tracker_or_the_report(tmp_path):
     """A password in a URI the job names (pyarrow's s3://KEY:SECRET@bucket, MLflow's postgresql://user:PASSWORD@
-    host) went into MLflow's params, W&B's config, the run-folder tag and report.html as written."""
+    host) went into MLflow's params, W&B's config and report.html's run folder as written."""
     from behemoth.job import config_from_dict
     from behemoth.storage.paths import redacted
     from behemoth.tracking import mlflow_run

@@ -259,8 +259,8 @@ def test_the_best_trial_is_one_that_did_not_fail_its_values_as_tune_gave_them_it
         tmp_path, image_root):
     """A trial that evaluated well and then diverged (an error) was chosen best, and best.yaml retrained it into
     the same NaN; a null among a choice's values came back from the table as nan (best.yaml failed after the
-    sweep); the best checkpoint was the run's best by its own metric (or, for a trial the scheduler stopped, its
-    newest), not by the sweep's; an infinite value could be best; a missing checkpoint was nan, not None."""
+    sweep); the best checkpoint was the run's best by its own metric, not by the sweep's; an infinite value
+    could be best."""
     import json
 
     import torch
@@ -292,6 +292,8 @@ def test_the_best_trial_is_one_that_did_not_fail_its_values_as_tune_gave_them_it
     assert out.best_checkpoint.endswith("checkpoint_4") and out.best_job.train.grad_clip is None
     assert list(out.table["trial_id"]) == ["t0", "t1", "t2"]  # (the errored one listed, first by its value)
     assert out.table["status"][0].startswith("error: loss is nan") and out.table["best_checkpoint"].isna()[2]
+    ranked_up = write_results(s, grid, "val_loss", "max", place)  # (ranked the other way: t2's inf first)
+    assert ranked_up.best_params["train.lr"] == 0.02
 
 
 def test_which_trials_train_in_a_warm_lane_and_why_the_others_do_not(image_root, tmp_path):

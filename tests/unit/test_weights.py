@@ -64,8 +64,9 @@ def test_a_nan_inf_or_non_numeric_metric_is_never_the_best(tmp_path):
                                                                      "checkpoint_2")])
 def test_a_run_folders_best_is_the_one_its_run_kept_and_named(tmp_path, rule, chosen):
     """An image run with train.early_stopping on val_loss keeps its best checkpoints by val_loss, and its summary
-    names the best by it; export, eval, generate and init_from chose by the task's val_accuracy among them, another
-    checkpoint. Now by the run's own metric, read from the job its newest checkpoint records."""
+    names the best by it; weights.resolve (what export, eval, generate and init_from call) chose by the task's
+    val_accuracy among them, another checkpoint. Now by the run's own metric, read from the job its newest
+    checkpoint records."""
     import yaml
 
     from behemoth.tasks.image import ImageClassification as task
