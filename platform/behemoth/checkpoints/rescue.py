@@ -115,6 +115,7 @@ class Rescue:
         self._once = threading.Lock()  # one rescue, from whichever thread comes first
         # the model's buffers as the last counted step left them: {state-dict key: (the buffer, its copy)}
         self._buffers = {} if self.off is not None else _buffer_copies(run.model)
+        self._copy_pairs = ([c for _, c in self._buffers.values()], [b for b, _ in self._buffers.values()])
         hosts.when_stopped(self.at_shutdown)  # (Ray Train's shutdown of the group: hosts/rescue_callback.py)
 
     def updating(self) -> None:
@@ -123,7 +124,7 @@ class Rescue:
 
     def stepped(self) -> None:
         if self._buffers:  # (a few small device copies: BatchNorm's statistics are ~0.1 MB in a ResNet-50)
-            torch._foreach_copy_([c for _, c in self._buffers.values()], [b for b, _ in self._buffers.values()])
+            torch._foreach_copy_(*self._copy_pairs)
         if self._in_update:  # (the lock is the training thread's: a rescue's own is released by the rescue)
             self._in_update = False
             self._whole.release()
