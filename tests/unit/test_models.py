@@ -238,3 +238,45 @@ def test_fsdp_in_bf16_trains_a_batchnorm_model_with_sgd(tmp_path):
         port = s.getsockname()[1]
     mp.spawn(_fsdp_bf16_batchnorm_and_sgd, args=(port, str(tmp_path / "seen.json")), nprocs=1)
     assert json.loads((tmp_path / "seen.json").read_text()) == {"logits": "torch.bfloat16", "stepped": True}
+
+
+def test_a_pretrained_classifier_is_fed_pixels_normalised_as_it_was_trained(image_root, tmp_path, capsys):
+    """data.mean / data.std left out of a job fine-tuning a pretrained classifier: its image processor's
+    statistics (ImageNet's for a ResNet), not behemoth's 0.5 / 0.25, which fed every pretrained ResNet inputs
+    ~2x off in scale and shifted: written into the job (and so its job.yaml). Set in the job: kept. A folder
+    without a processor: the defaults, said in one warning; a processor that is not JSON: one error."""
+    import json
+
+    from transformers import ResNetConfig, ResNetForImageClassification
+
+    from behemoth.job import config_from_dict
+    from conftest import job_dict
+
+    folder = tmp_path / "resnet"
+    ResNetForImageClassification(ResNetConfig(embedding_size=8, hidden_sizes=[8], depths=[1],
+                                              num_labels=4)).save_pretrained(folder)
+    imagenet = {"image_mean": [0.485, 0.456, 0.406], "image_std": [0.229, 0.224, 0.225]}
+    (folder / "preprocessor_config.json").write_text(json.dumps({"crop_pct": 0.875, **imagenet}))
+    model = {"name": "image_classifier", "pretrained": str(folder)}
+    capsys.readouterr()  # (save_pretrained's progress bar)
+
+    cfg = config_from_dict(job_dict(image_root, tmp_path / "runs", model=model))
+    assert (cfg.data.mean, cfg.data.std) == (imagenet["image_mean"], imagenet["image_std"])
+    assert cfg.to_dict()["data"]["mean"] == imagenet["image_mean"]  # what job.yaml holds
+    mine = config_from_dict(job_dict(image_root, tmp_path / "runs", model=model, data={"mean": [0.1, 0.2, 0.3]}))
+    assert (mine.data.mean, mine.data.std) == ([0.1, 0.2, 0.3], imagenet["image_std"])
+    plain = config_from_dict(job_dict(image_root, tmp_path / "runs"))  # no pretrained model: behemoth's defaults
+    assert (plain.data.mean, plain.data.std) == ([0.5] * 3, [0.25] * 3)
+    assert capsys.readouterr().err == ""
+
+    (folder / "preprocessor_config.json").write_text(json.dumps({"image_mean": 0.5, "image_std": 0.5}))  # ViT's
+    cfg = config_from_dict(job_dict(image_root, tmp_path / "runs", model=model))
+    assert (cfg.data.mean, cfg.data.std) == ([0.5] * 3, [0.5] * 3)
+    (folder / "preprocessor_config.json").unlink()
+    cfg = config_from_dict(job_dict(image_root, tmp_path / "runs", model=model))
+    assert (cfg.data.mean, cfg.data.std) == ([0.5] * 3, [0.25] * 3)
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and "has no image processor" in err and "data.mean / data.std" in err
+    (folder / "preprocessor_config.json").write_text("{not json")
+    with pytest.raises(ConfigError, match=r"preprocessor_config.json is not valid JSON.*set data.mean"):
+        config_from_dict(job_dict(image_root, tmp_path / "runs", model=model))

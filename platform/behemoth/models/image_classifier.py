@@ -9,8 +9,12 @@
 
 from __future__ import annotations
 
+import json
+import sys
+
 from behemoth.errors import ConfigError
 from behemoth.models.causal_lm import config_errors
+from behemoth.models.sources import model_file
 
 
 def build_image_classifier(model_cfg, *, num_classes: int, image_size: int):
@@ -47,3 +51,33 @@ def check_image_classifier(model_cfg, *, num_classes: int, image_size: int) -> N
 
     with torch.device("meta"):
         build_image_classifier(model_cfg, num_classes=num_classes, image_size=image_size)
+
+
+PROCESSOR_FILE = "preprocessor_config.json"  # transformers' image processor's settings (IMAGE_PROCESSOR_NAME)
+
+
+def processor_normalisation(source: str, named: str, default: tuple[list[float], list[float]]):
+    """(image_mean, image_std) of the image processor of the model at `source` (a local folder or a Hub name;
+    model.pretrained `named`): the statistics its weights were trained on. Where it has none, `default`, said in
+    one warning. A processor file that is not JSON is the model folder's fault: one error naming it."""
+    found = model_file(source, PROCESSOR_FILE)
+    values = _normalisation(found, named) if found is not None else None
+    if values is None:
+        print(f"[behemoth] warning: model.pretrained {named} has no image processor giving image_mean and image_std "
+              f"({PROCESSOR_FILE}): data.mean / data.std default to {default[0]} / {default[1]}; set them to "
+              f"the statistics the model was trained with", file=sys.stderr, flush=True)
+    return values or default
+
+
+def _normalisation(found, named: str) -> tuple[list[float], list[float]] | None:
+    try:
+        settings = json.loads(found.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ConfigError(f"model.pretrained {named}: {PROCESSOR_FILE} is not valid JSON ({e}): "
+                          f"repair or remove it, or set data.mean and data.std") from None
+    values = [settings.get(key) if isinstance(settings, dict) else None for key in ("image_mean", "image_std")]
+    # (transformers takes one number for every channel too)
+    values = [[v] * 3 if isinstance(v, (int, float)) and not isinstance(v, bool) else v for v in values]
+    if not all(isinstance(v, list) and len(v) == 3 and all(isinstance(x, (int, float)) for x in v) for v in values):
+        return None  # (none given, or not three channels': the job's defaults, with the warning)
+    return [float(x) for x in values[0]], [float(x) for x in values[1]]

@@ -127,3 +127,20 @@ def set_offline() -> None:
 
     constants.HF_HUB_OFFLINE = True
     os.environ["HF_HUB_OFFLINE"] = "1"
+
+
+def model_file(source: str, name: str) -> Path | None:
+    """The file `name` of a model's top-level files (a local folder, or a Hub name: from this machine's Hugging Face
+    cache, else downloaded where the Hub answers), or None where the model has none or cannot be reached here (the
+    source's own check says which, before Ray: check_source)."""
+    if looks_local(source):
+        found = Path(source).expanduser() / name
+        return found if found.is_file() else None
+    try:
+        from huggingface_hub import hf_hub_download
+
+        if _in_cache(source, name) or hub_reachable():
+            return Path(hf_hub_download(source, name))
+    except Exception:  # noqa: BLE001 - no such file or repository, a malformed name, the Hub failing: none here
+        pass
+    return None

@@ -24,9 +24,10 @@ from behemoth.config import JobConfig
 from behemoth.errors import BadSampleError, ConfigError
 from behemoth.data.image import image_cache, image_cache_build
 from behemoth.data.image.image_batches import cached_batches, describe_samples, normalise, rank_batches
-from behemoth.data.image.images import ImageData, ImageIndex, build_index
+from behemoth.data.image.images import DEFAULT_MEAN, DEFAULT_STD, ImageData, ImageIndex, build_index
 from behemoth.data.prefetch import prefetched
 from behemoth.models import registry
+from behemoth.models.image_classifier import processor_normalisation
 from behemoth import hosts
 from behemoth.tasks.contract import Task, local_model
 from behemoth.storage.store import Store
@@ -57,6 +58,19 @@ class ImageClassification(Task[ImageIndex, ImageIndex]):
     hf_models = {registry.IMAGE_CLASSIFIER: "vit"}  # any AutoModelForImageClassification
     bad_samples_are = "undecodable images"
     builder_keywords = "num_classes"
+
+    @classmethod
+    def complete(cls, cfg: JobConfig) -> None:
+        """data.mean / data.std left out: model.pretrained's (its image processor's: ImageNet's for a ResNet, 0.5 for
+        a ViT), else 0.5 / 0.25; written into the job, so its job.yaml (and a resume's comparison) names them."""
+        data = cfg.data
+        if data.mean and data.std:
+            return
+        mean, std = DEFAULT_MEAN, DEFAULT_STD
+        if cfg.model.pretrained:
+            mean, std = processor_normalisation(local_model(cfg, weights=False).pretrained, cfg.model.pretrained,
+                                                (mean, std))
+        data.mean, data.std = list(data.mean or mean), list(data.std or std)
 
     @classmethod
     def data_modules(cls, cfg: JobConfig, index: ImageIndex) -> tuple[str, ...]:
@@ -182,7 +196,6 @@ class ImageClassification(Task[ImageIndex, ImageIndex]):
         self._decoded_splits, self._decoded_lock = {}, threading.Lock()
         self._mean_std = {}  # device -> (mean, std) tensors, made once: no copy to the device per step
 
-
     def build_model(self):
         return build_image_model(self.cfg, self.index.classes)
 
@@ -211,7 +224,6 @@ class ImageClassification(Task[ImageIndex, ImageIndex]):
         """Validation-style batches (no augmentation) of the val split, or of the train split."""
         return self._batches(split, indices, 0, batch_size, train=False)
 
-
     def example_batch(self, batch_size: int):
         import torch
 
@@ -228,14 +240,13 @@ class ImageClassification(Task[ImageIndex, ImageIndex]):
             decoded, labels = self._decoded(split)
             batches = cached_batches(decoded, labels, indices, self.cfg.data, seed=self.cfg.train.seed,
                                      epoch=epoch, train=train, batch_size=batch_size)
-            # Made (and on GPU pinned) data.prefetch_batches ahead in a thread: the crop and flip overlap the
-            # step instead of adding to it. The copy to the device is queued by the training thread
-            # when it takes a batch, so the batches waiting in a queue hold no device memory.
+            # Made (and on GPU pinned) data.prefetch_batches ahead in a thread: the crop and flip overlap the step
+            # instead of adding to it. The training thread queues the copy to the device when it takes a batch:
+            # the batches waiting in a queue hold no device memory.
             device = hosts.device()
             pin = self.cfg.scaling.use_gpu and device.type != "cpu"
             return _to_device(prefetched(_as_tensors(batches, pin), self.cfg.data.prefetch_batches), device)
-        # On GPU, batches are pinned and copied to the device in Ray Data's iterator threads, overlapping
-        # the copy with the step before.
+        # On GPU, batches are pinned and copied to the device in Ray Data's iterator threads (during the step before)
         return rank_batches(table, indices, self.cfg.data, seed=self.cfg.train.seed, epoch=epoch, train=train,
                             batch_size=batch_size, prefetch_batches=self.cfg.data.prefetch_batches,
                             device=hosts.device(), pin_memory=self.cfg.scaling.use_gpu,

@@ -34,6 +34,8 @@ from behemoth.storage.store import Store
 # The still-image formats, as the WebDataset reader takes them (image_shards.IMAGE_EXTENSIONS); anything else in
 # a class folder (notes, JSON sidecars) is not an image and is left out of the index.
 IMAGE_SUFFIXES = {f".{ext}" for ext in image_shards.IMAGE_EXTENSIONS}
+# data.mean / data.std where neither the job nor model.pretrained's image processor gives them
+DEFAULT_MEAN, DEFAULT_STD = [0.5, 0.5, 0.5], [0.25, 0.25, 0.25]
 # One row per sample. `row`: -1 for an image file; the row in `path` for parquet; for a tar shard the byte
 # offset of the image member's data, `size` its length (-1 otherwise).
 INDEX_SCHEMA = pa.schema([("sample_id", pa.int64()), ("path", pa.string()), ("row", pa.int64()),
@@ -52,8 +54,11 @@ class ImageData(DataConfig):
     image_size: int = 32
     augment: Literal["crop_flip", "random_resized_crop", "none"] = "crop_flip"
     crop_padding: int = 4
-    mean: list[float] = field(default_factory=lambda: [0.5, 0.5, 0.5])
-    std: list[float] = field(default_factory=lambda: [0.25, 0.25, 0.25])
+    # Per-channel normalisation of 0..1 pixels. Left out: model.pretrained's own (its image processor's image_mean
+    # and image_std: the statistics its weights were trained on), else DEFAULT_MEAN / DEFAULT_STD (tasks/image.py:
+    # ImageClassification.complete, which writes them into the job, so the run's job.yaml names them).
+    mean: list[float] = field(default_factory=list)
+    std: list[float] = field(default_factory=list)
     # decoded: every image is decoded and centre-fitted once per node into cache_dir (data/image/image_cache.py);
     # epochs, restarts and sweep trials read those rows. auto: decoded where the decoded set takes at most
     # cache_max_share of the node's RAM and of the free disk at cache_dir (or is built already), and the
@@ -88,7 +93,8 @@ class ImageData(DataConfig):
             raise ConfigError(f"data.kind is {self.kind}: set data.train_files and data.val_files")
         if self.image_size <= 0:
             raise ConfigError(f"data.image_size must be > 0, got {self.image_size!r}")
-        if len(self.mean) != 3 or len(self.std) != 3 or min(self.std) <= 0:
+        # (empty: left out, filled in by the task's `complete` before a job is checked)
+        if len(self.mean) not in (0, 3) or len(self.std) not in (0, 3) or min(self.std, default=1) <= 0:
             raise ConfigError("data.mean and data.std need 3 values each (RGB), std > 0")
         if isinstance(self.max_image_pixels, bool) or self.max_image_pixels <= 0:
             raise ConfigError(f"data.max_image_pixels must be a number of pixels > 0 (default {MAX_IMAGE_PIXELS:,}, "
