@@ -155,7 +155,7 @@ def main() -> None:
         import dataclasses
 
         from behemoth.data.image import image_cache_build
-        from behemoth.tasks.image import decide_cache
+        from behemoth.data.image.image_cache import decide_cache
 
         plans, why = decide_cache(dataclasses.replace(cfg, cache="decoded"), index)
         for split, plan in plans.items():

@@ -52,11 +52,12 @@ def behemoth_side(cfg, paths: list[str]) -> np.ndarray:
     return normalise(torch.from_numpy(out["image"]), torch.from_numpy(out["valid"]), mean, std).numpy()
 
 
-@pytest.fixture(scope="module")
-def exported(tmp_path_factory):
-    """A model built from a demo-like config (32 px), saved as `behemoth export` saves one, and the images."""
+@pytest.fixture(scope="module", params=[None, 0.875], ids=["fit", "eval_crop_pct"])
+def exported(tmp_path_factory, request):
+    """A model built from a demo-like config (32 px), saved as `behemoth export` saves one, and the images; with
+    data.eval_crop_pct left out (the shorter side resized to 32) and at 0.875 (to 36, then the centre 32)."""
     folder = tmp_path_factory.mktemp("export_parity")
-    cfg = config_from_dict(job_dict(folder, folder, data={"image_size": 32}))
+    cfg = config_from_dict(job_dict(folder, folder, data={"image_size": 32, "eval_crop_pct": request.param}))
     torch.manual_seed(0)
     model = build_image_model(cfg, CLASSES).to_transformers(CLASSES).eval()
     out = folder / "export"
@@ -74,6 +75,7 @@ def test_the_exported_processor_gives_behemoths_pixels_logits_and_top1(exported)
     cfg, model, out, paths = exported
     ours = behemoth_side(cfg, paths)
     processor = AutoImageProcessor.from_pretrained(out, backend="pil")
+    assert processor.size["shortest_edge"] == (36 if cfg.data.eval_crop_pct else 32)
     theirs = processor([load_image(p) for p in paths], return_tensors="pt")["pixel_values"]
     # the same uint8 pixels: what is left is float rounding of /255 and mean/std
     np.testing.assert_allclose(theirs.numpy(), ours, atol=1e-5, rtol=0)

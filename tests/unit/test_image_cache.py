@@ -3,6 +3,7 @@ every epoch, a damaged or stale cache never read, one build per node however man
 Ray: the cache is built in-process here (workers=False); the runs in tests/integration/test_train_images.py
 build it with Ray Data."""
 
+import dataclasses
 import json
 import os
 import re
@@ -25,7 +26,8 @@ from behemoth.data.image import image_cache, image_cache_build
 from behemoth.data.image.image_batches import cached_batches, decode_fitted, transform_batch
 from behemoth.data.image.images import index_image_folder, index_parquet
 from behemoth.errors import ConfigError, DataError
-from behemoth.tasks.image import ImageData, decide_cache
+from behemoth.data.image.image_cache import decide_cache
+from behemoth.tasks.image import ImageData
 
 SIZE = 16
 
@@ -695,3 +697,45 @@ def test_cache_side_is_checked():
     with pytest.raises(ConfigError, match="or set data.cache_side"):
         cfg(augment="random_resized_crop", cache="decoded").validate()
     cfg(augment="random_resized_crop", cache="decoded", cache_side=32).validate()
+
+
+def test_evaluation_with_eval_crop_pct_reads_its_own_rows(mixed_images, tmp_path, monkeypatch):
+    """data.eval_crop_pct < 1 (ImageNet's 0.875: the shorter side resized to image_size / 0.875, the centre kept):
+    the validation cache stores evaluation's pixels (transform_batch's, bit for bit) under a key of its own; the
+    training rows stay crop_flip's base (the shorter side at image_size), so evaluating the train split decodes
+    again rather than reading them; at 1 the keys and the shorter side are as before."""
+    import torch
+
+    from behemoth import hosts
+    from behemoth.job import config_from_dict
+    from behemoth.tasks import image as image_task
+
+    index = index_image_folder(mixed_images)
+    c = cfg(eval_crop_pct=0.875, max_bad_samples=1)
+    assert c.eval_fit() == 18 and cfg(eval_crop_pct=1.0).eval_fit() == SIZE == cfg().eval_fit()
+    plans, _ = decide_cache(dataclasses.replace(c, cache_dir=str(tmp_path / "c")), index)
+    assert (plans["val"].fit, plans["train"].fit) == (18, 0)
+    before, _ = decide_cache(cfg(cache_dir=str(tmp_path / "c")), index)
+    assert before["val"].folder != plans["val"].folder and before["train"] == plans["train"]
+    assert image_cache.plan(index.val, SIZE, str(tmp_path / "c"), "image", fit=SIZE) == before["val"]
+    decoded = image_cache_build.open_or_build(plans["val"], index.val, workers=False, log=lambda line: None)
+    labels, order = index.val.column("label").to_numpy(), np.arange(index.val.num_rows)
+    got = next(cached_batches(decoded, labels, order, c, seed=0, epoch=0, train=False, batch_size=len(order)))
+    want = transform_batch(batch_of(index.val), cfg=c, seed=0, epoch=0, train=False)
+    np.testing.assert_array_equal(got["image"], want["image"])
+    plain = transform_batch(batch_of(index.val), cfg=cfg(max_bad_samples=1), seed=0, epoch=0, train=False)
+    assert not np.array_equal(plain["image"], want["image"])  # (the crop is a real one)
+
+    job = config_from_dict({"data": {"root": str(mixed_images), "image_size": SIZE, "cache": "decoded",
+                                     "cache_dir": str(tmp_path / "c"), "eval_crop_pct": 0.875,
+                                     "max_bad_samples": 1},
+                            "checkpoint": {"storage_path": str(tmp_path), "run_name": "r"}})
+    index = image_task.ImageClassification.prepare(job, image_task.ImageClassification.check(job))
+    decoded_again = []
+    monkeypatch.setattr(image_task, "rank_batches", lambda table, *a, **k: decoded_again.append(table) or iter(()))
+    task = image_task.ImageClassification(job, index)
+    with hosts.hosted(types.SimpleNamespace(world=1, device=torch.device("cpu"))):  # (no Ray Train session here)
+        list(task.eval_batches(np.arange(4), 4, split="train"))
+        assert decoded_again == [index.train]
+        list(task.eval_batches(np.arange(4), 4, split="val"))  # read from its cache (built on first use)
+        assert decoded_again == [index.train]

@@ -243,8 +243,9 @@ def test_fsdp_in_bf16_trains_a_batchnorm_model_with_sgd(tmp_path):
 def test_a_pretrained_classifier_is_fed_pixels_normalised_as_it_was_trained(image_root, tmp_path, capsys):
     """data.mean / data.std left out of a job fine-tuning a pretrained classifier: its image processor's
     statistics (ImageNet's for a ResNet), not behemoth's 0.5 / 0.25, which fed every pretrained ResNet inputs
-    ~2x off in scale and shifted: written into the job (and so its job.yaml). Set in the job: kept. A folder
-    without a processor: the defaults, said in one warning; a processor that is not JSON: one error."""
+    ~2x off in scale and shifted; data.eval_crop_pct its processor's crop (crop_pct, or a crop size over the
+    resize), not the whole shorter side: written into the job (and so its job.yaml). Set in the job: kept. A
+    folder without a processor: the defaults, said in one warning; a processor that is not JSON: one error."""
     import json
 
     from transformers import ResNetConfig, ResNetForImageClassification
@@ -262,16 +263,22 @@ def test_a_pretrained_classifier_is_fed_pixels_normalised_as_it_was_trained(imag
 
     cfg = config_from_dict(job_dict(image_root, tmp_path / "runs", model=model))
     assert (cfg.data.mean, cfg.data.std) == (imagenet["image_mean"], imagenet["image_std"])
+    assert cfg.data.eval_crop_pct == 0.875  # evaluated as it was: 256 for 224, the centre kept
     assert cfg.to_dict()["data"]["mean"] == imagenet["image_mean"]  # what job.yaml holds
-    mine = config_from_dict(job_dict(image_root, tmp_path / "runs", model=model, data={"mean": [0.1, 0.2, 0.3]}))
-    assert (mine.data.mean, mine.data.std) == ([0.1, 0.2, 0.3], imagenet["image_std"])
+    mine = config_from_dict(job_dict(image_root, tmp_path / "runs", model=model,
+                                     data={"mean": [0.1, 0.2, 0.3], "eval_crop_pct": 1.0}))
+    assert (mine.data.mean, mine.data.std, mine.data.eval_crop_pct) == ([0.1, 0.2, 0.3], imagenet["image_std"], 1)
     plain = config_from_dict(job_dict(image_root, tmp_path / "runs"))  # no pretrained model: behemoth's defaults
-    assert (plain.data.mean, plain.data.std) == ([0.5] * 3, [0.25] * 3)
+    assert (plain.data.mean, plain.data.std, plain.data.eval_crop_pct) == ([0.5] * 3, [0.25] * 3, None)
     assert capsys.readouterr().err == ""
 
+    (folder / "preprocessor_config.json").write_text(json.dumps({  # BiT's (and behemoth's exports'): a crop size
+        "do_center_crop": True, "size": {"shortest_edge": 256}, "crop_size": {"height": 224, "width": 224},
+        **imagenet}))
+    assert config_from_dict(job_dict(image_root, tmp_path / "runs", model=model)).data.eval_fit() == 16 * 256 // 224
     (folder / "preprocessor_config.json").write_text(json.dumps({"image_mean": 0.5, "image_std": 0.5}))  # ViT's
     cfg = config_from_dict(job_dict(image_root, tmp_path / "runs", model=model))
-    assert (cfg.data.mean, cfg.data.std) == ([0.5] * 3, [0.5] * 3)
+    assert (cfg.data.mean, cfg.data.std, cfg.data.eval_crop_pct) == ([0.5] * 3, [0.5] * 3, None)
     (folder / "preprocessor_config.json").unlink()
     cfg = config_from_dict(job_dict(image_root, tmp_path / "runs", model=model))
     assert (cfg.data.mean, cfg.data.std) == ([0.5] * 3, [0.25] * 3)

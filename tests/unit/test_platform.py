@@ -148,8 +148,9 @@ def _place_questions(source: str) -> list[str]:
 # into) or says what a path means on a cluster. Reading, writing, listing, copying and opening never ask: Store's,
 # RunStore's and model_copy's verbs choose. A file added here must say why a verb cannot do.
 ASKS_WHETHER_A_PATH = {
-    "data/image/images.py": "the decoded cache is a folder on each node's own disk, memory-mapped (a URI refused)",
-    "tasks/image.py": "data.cache auto: no decoded cache for a URI cache_dir (the same reason)",
+    "data/image/image_config.py": "the decoded cache is a folder on each node's own disk, memory-mapped (a URI refused)",
+    "data/image/images.py": "the kept listing of an image folder lives beside the decoded cache, in a local folder",
+    "data/image/image_cache.py": "data.cache auto: no decoded cache for a URI cache_dir (the same reason)",
     "data/token_store.py": "a folder's shards are memory-mapped, a URI's read by range",
     "tracking/records.py": "a local log grows in place; an object store's is written in parts, listed back",
     "tracking/mlflow_run.py": "a folder is MLflow's file store (file://); anything else is a server's URI as given",

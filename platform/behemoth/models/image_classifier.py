@@ -10,7 +10,7 @@
 from __future__ import annotations
 
 import json
-import sys
+from typing import NamedTuple
 
 from behemoth.errors import ConfigError
 from behemoth.models.causal_lm import config_errors
@@ -56,28 +56,47 @@ def check_image_classifier(model_cfg, *, num_classes: int, image_size: int) -> N
 PROCESSOR_FILE = "preprocessor_config.json"  # transformers' image processor's settings (IMAGE_PROCESSOR_NAME)
 
 
-def processor_normalisation(source: str, named: str, default: tuple[list[float], list[float]]):
-    """(image_mean, image_std) of the image processor of the model at `source` (a local folder or a Hub name;
-    model.pretrained `named`): the statistics its weights were trained on. Where it has none, `default`, said in
-    one warning. A processor file that is not JSON is the model folder's fault: one error naming it."""
+class Preprocessing(NamedTuple):
+    """What a pretrained model's image processor says of its inputs (None: it does not say)."""
+
+    mean: list[float] | None = None  # image_mean, image_std: the statistics its weights were trained on
+    std: list[float] | None = None
+    crop_pct: float | None = None  # evaluation's centre crop over the shorter side it is cut from
+
+
+def pretrained_preprocessing(source: str, named: str) -> Preprocessing:
+    """The image processor settings of the model at `source` (a local folder or a Hub name; model.pretrained
+    `named`). A processor file that is not JSON is the model folder's fault: one error naming it."""
     found = model_file(source, PROCESSOR_FILE)
-    values = _normalisation(found, named) if found is not None else None
-    if values is None:
-        print(f"[behemoth] warning: model.pretrained {named} has no image processor giving image_mean and image_std "
-              f"({PROCESSOR_FILE}): data.mean / data.std default to {default[0]} / {default[1]}; set them to "
-              f"the statistics the model was trained with", file=sys.stderr, flush=True)
-    return values or default
-
-
-def _normalisation(found, named: str) -> tuple[list[float], list[float]] | None:
+    if found is None:
+        return Preprocessing()
     try:
         settings = json.loads(found.read_text(encoding="utf-8"))
     except (ValueError, UnicodeDecodeError) as e:
         raise ConfigError(f"model.pretrained {named}: {PROCESSOR_FILE} is not valid JSON ({e}): "
-                          f"repair or remove it, or set data.mean and data.std") from None
-    values = [settings.get(key) if isinstance(settings, dict) else None for key in ("image_mean", "image_std")]
+                          f"repair or remove it, or set data.mean, data.std and data.eval_crop_pct") from None
+    if not isinstance(settings, dict):
+        return Preprocessing()
     # (transformers takes one number for every channel too)
-    values = [[v] * 3 if isinstance(v, (int, float)) and not isinstance(v, bool) else v for v in values]
-    if not all(isinstance(v, list) and len(v) == 3 and all(isinstance(x, (int, float)) for x in v) for v in values):
-        return None  # (none given, or not three channels': the job's defaults, with the warning)
-    return [float(x) for x in values[0]], [float(x) for x in values[1]]
+    values = [settings.get(key) for key in ("image_mean", "image_std")]
+    values = [[v] * 3 if _number(v) else v for v in values]
+    three = all(isinstance(v, list) and len(v) == 3 and all(_number(x) for x in v) for v in values)
+    mean, std = ([float(x) for x in v] for v in values) if three else (None, None)
+    return Preprocessing(mean, std, _crop_pct(settings))
+
+
+def _crop_pct(settings: dict) -> float | None:
+    """ConvNeXt's and timm's crop_pct; else a centre crop's size over the shorter side it resizes to (BiT's, CLIP's,
+    behemoth's exports: shortest_edge 256, crop 224); else None (a ViT's: resized to the square, no crop)."""
+    if _number(settings.get("crop_pct")) and 0 < settings["crop_pct"] <= 1:
+        return float(settings["crop_pct"])
+    size, crop = settings.get("size"), settings.get("crop_size")
+    if settings.get("do_center_crop") and isinstance(size, dict) and isinstance(crop, dict):
+        short, side = size.get("shortest_edge"), crop.get("height")
+        if _number(short) and _number(side) and 0 < side <= short:
+            return side / short
+    return None
+
+
+def _number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)

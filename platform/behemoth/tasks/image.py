@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import sys
 import threading
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -23,14 +24,15 @@ from behemoth.storage.checkpoint import read_json
 from behemoth.config import JobConfig
 from behemoth.errors import BadSampleError, ConfigError
 from behemoth.data.image import image_cache, image_cache_build
+from behemoth.data.image.image_cache import decide_cache
 from behemoth.data.image.image_batches import cached_batches, describe_samples, normalise, rank_batches
-from behemoth.data.image.images import DEFAULT_MEAN, DEFAULT_STD, ImageData, ImageIndex, build_index
+from behemoth.data.image.image_config import DEFAULT_MEAN, DEFAULT_STD, ImageData
+from behemoth.data.image.images import ImageIndex, build_index
 from behemoth.data.prefetch import prefetched
 from behemoth.models import registry
-from behemoth.models.image_classifier import processor_normalisation
+from behemoth.models.image_classifier import pretrained_preprocessing
 from behemoth import hosts
 from behemoth.tasks.contract import Task, local_model
-from behemoth.storage.store import Store
 
 
 def build_image_model(cfg: JobConfig, classes: list[str]) -> torch.nn.Module:
@@ -61,16 +63,19 @@ class ImageClassification(Task[ImageIndex, ImageIndex]):
 
     @classmethod
     def complete(cls, cfg: JobConfig) -> None:
-        """data.mean / data.std left out: model.pretrained's (its image processor's: ImageNet's for a ResNet, 0.5 for
-        a ViT), else 0.5 / 0.25; written into the job, so its job.yaml (and a resume's comparison) names them."""
-        data = cfg.data
-        if data.mean and data.std:
-            return
-        mean, std = DEFAULT_MEAN, DEFAULT_STD
-        if cfg.model.pretrained:
-            mean, std = processor_normalisation(local_model(cfg, weights=False).pretrained, cfg.model.pretrained,
-                                                (mean, std))
-        data.mean, data.std = list(data.mean or mean), list(data.std or std)
+        """data.mean / data.std / data.eval_crop_pct left out: model.pretrained's (its image processor's: ImageNet's
+        statistics and 0.875 for a ResNet, 0.5 for a ViT), else 0.5 / 0.25 / 1; written into the job, so that its
+        job.yaml (and a resume's comparison with it) names them."""
+        data, model = cfg.data, cfg.model
+        if model.pretrained and not (data.mean and data.std and data.eval_crop_pct):
+            found = pretrained_preprocessing(local_model(cfg, weights=False).pretrained, model.pretrained)
+            if found.mean is None and not (data.mean and data.std):
+                print(f"[behemoth] warning: model.pretrained {model.pretrained} has no image processor giving "
+                      f"image_mean and image_std: data.mean / data.std default to {DEFAULT_MEAN} / {DEFAULT_STD}; "
+                      f"set them to the statistics the model was trained with", file=sys.stderr, flush=True)
+            data.mean, data.std = data.mean or found.mean or [], data.std or found.std or []
+            data.eval_crop_pct = data.eval_crop_pct or found.crop_pct
+        data.mean, data.std = list(data.mean or DEFAULT_MEAN), list(data.std or DEFAULT_STD)
 
     @classmethod
     def data_modules(cls, cfg: JobConfig, index: ImageIndex) -> tuple[str, ...]:
@@ -147,8 +152,9 @@ class ImageClassification(Task[ImageIndex, ImageIndex]):
     @classmethod
     def save_for_transformers(cls, cfg: JobConfig, out: Path) -> None:
         """An image processor config that repeats the validation preprocessing (behemoth.data.image.image_batches:
-        decode_rgb, center_fit, then /255 and mean/std): RGB, shorter side resized to data.image_size
-        (bilinear, the longer side's size truncated as transformers does), centre crop. With transformers' PIL
+        decode_rgb, center_fit, then /255 and mean/std): RGB, shorter side resized to data.image_size /
+        data.eval_crop_pct (bilinear, the longer side's size truncated as transformers does), centre crop of
+        data.image_size. With transformers' PIL
         backend the pixels are behemoth's, bit for bit (tests/unit/test_export_parity.py). Its torchvision
         backend (the default where torchvision is installed) resizes to the same size and crops the same
         window, but torch's uint8 resize rounds some values one level off PIL's (and differently on CPUs with
@@ -157,7 +163,7 @@ class ImageClassification(Task[ImageIndex, ImageIndex]):
         (out / "preprocessor_config.json").write_text(json.dumps({
             "image_processor_type": "BitImageProcessor",
             "do_convert_rgb": True,
-            "do_resize": True, "size": {"shortest_edge": size}, "resample": 2,  # PIL.Image.BILINEAR
+            "do_resize": True, "size": {"shortest_edge": cfg.data.eval_fit()}, "resample": 2,  # PIL.Image.BILINEAR
             "do_center_crop": True, "crop_size": {"height": size, "width": size},
             "do_rescale": True, "rescale_factor": 1 / 255,
             "do_normalize": True, "image_mean": list(cfg.data.mean), "image_std": list(cfg.data.std),
@@ -235,8 +241,10 @@ class ImageClassification(Task[ImageIndex, ImageIndex]):
 
     def _batches(self, split, indices, epoch, batch_size, train):
         table = getattr(self.index, split)
-        # a split kept as views (random_resized_crop's training rows) is decoded again for evaluation's centre fit
-        if self.index.cache and (train or not self.index.cache[split].views):
+        # a split kept otherwise than evaluation fits it (random_resized_crop's views; crop_flip's base where
+        # data.eval_crop_pct < 1) is decoded again for evaluation's centre fit
+        plan = self.index.cache and self.index.cache[split]
+        if plan and (train or (not plan.views and (plan.fit or plan.size) == self.cfg.data.eval_fit())):
             decoded, labels = self._decoded(split)
             batches = cached_batches(decoded, labels, indices, self.cfg.data, seed=self.cfg.train.seed,
                                      epoch=epoch, train=train, batch_size=batch_size)
@@ -348,37 +356,6 @@ def build_decoded_cache(cfg: JobConfig, start_ray) -> list[str]:
         lines.append(f"{split}: {plan.rows} images, {decoded.manifest['bytes'] / 1e6:.1f} MB in {plan.folder} "
                      f"({len(decoded.errors)} undecodable)")
     return lines
-
-
-def decide_cache(cfg: ImageData, index: ImageIndex) -> tuple[dict | None, str]:
-    """data.cache resolved for this run: the splits' cache plans (None: decode every epoch), and why."""
-    if cfg.cache == "none":
-        return None, "none (data.cache=none): images are decoded every epoch"
-    views = cfg.augment == "random_resized_crop" and cfg.cache_side > 0  # crops taken from stored views
-    if (cfg.augment == "random_resized_crop" and not views) or not Store(cfg.cache_dir).is_local:
-        why = "random_resized_crop crops the original (data.cache_side keeps views to crop from)" \
-            if cfg.augment == "random_resized_crop" else f"data.cache_dir {cfg.cache_dir} is a URI, not a folder on each node"
-        return None, f"none (auto: {why}): images are decoded every epoch"
-    # training rows: views of the whole image at cache_side (random_resized_crop), else centre-fitted; evaluation
-    # rows always centre-fitted at image_size
-    plans = {"train": image_cache.plan(index.train, cfg.cache_side if views else cfg.image_size, cfg.cache_dir,
-                                       cfg.image_column, views=views, max_pixels=cfg.max_image_pixels),
-             "val": image_cache.plan(index.val, cfg.image_size, cfg.cache_dir, cfg.image_column,
-                                     max_pixels=cfg.max_image_pixels)}
-    need = sum(p.nbytes for p in plans.values())
-    built = all(image_cache.check(Path(p.folder), p) is None for p in plans.values())
-    where = Path(plans["train"].folder).parent
-    size = f"{need / 1e6:,.1f} MB for {sum(p.rows for p in plans.values()):,} images at {cfg.image_size}x{cfg.image_size}"
-    if views:
-        size += f" (train: whole-image views at {cfg.cache_side}x{cfg.cache_side} to crop from)"
-    if cfg.cache == "auto" and not built:
-        room = cfg.cache_max_share * min(image_cache.node_memory(), image_cache.free_disk(where))
-        if need > room:
-            return None, (f"none (auto: the decoded images, {size}, would take more than data.cache_max_share="
-                          f"{cfg.cache_max_share} of this node's RAM or of the free disk at {where}): images are "
-                          f"decoded every epoch")
-    state = "built already" if built else "built on first use, once per node"
-    return plans, f"decoded ({size}, in {where}; {state})"
 
 
 def _as_tensors(batches, pin: bool):

@@ -1,6 +1,7 @@
 """Image classification's data.
 
-- `images`: the image data config (ImageData), and an image folder's, parquet set's or tar shards' index.
+- `image_config`: the image job's `data:` section (ImageData).
+- `images`: an image folder's, parquet set's or tar shards' index.
 - `image_batches`: a rank's epoch of batches: samples read, decoded and augmented by Ray Data tasks.
 - `decode`: decode and random-resized-crop at the per-core limit, the same pixels everywhere.
 - `image_shards`: WebDataset tar shards read safely.

@@ -85,7 +85,7 @@ def _transformed(data: bytes, size: int, cfg: ImageData, rng: np.random.Generato
     generator."""
     decode = functools.partial(decode_rgb, max_pixels=cfg.max_image_pixels)
     if not train:
-        row[:] = center_fit(decode(data), size)
+        row[:] = center_fit(decode(data), size, cfg.eval_fit())
     elif cfg.augment != "random_resized_crop":
         row[:] = augment_fitted(center_fit(decode(data), size), cfg, rng)
     else:
@@ -93,11 +93,13 @@ def _transformed(data: bytes, size: int, cfg: ImageData, rng: np.random.Generato
     return row
 
 
-def decode_fitted(batch: dict, *, size: int, image_column: str, max_pixels: int = MAX_IMAGE_PIXELS) -> dict:
-    """Index rows -> {"sample_id", "pixels": uint8 [n,S,S,3] centre-fitted, "valid", "error"}: the rows of the
+def decode_fitted(batch: dict, *, size: int, image_column: str, max_pixels: int = MAX_IMAGE_PIXELS,
+                  fit: int = 0) -> dict:
+    """Index rows -> {"sample_id", "pixels": uint8 [n,S,S,3] centre-fitted (center_fit: from the shorter side at
+    `fit`, default S), "valid", "error"}: the rows of the
     decoded cache (data/image/image_cache.py), the deterministic part of transform_batch. An undecodable image is a
     row of zeros, not valid, with its error (the run decides with data.max_bad_samples when it reads it)."""
-    return _decoded_rows(batch, size, image_column, max_pixels, views=False)
+    return _decoded_rows(batch, size, image_column, max_pixels, views=False, fit=fit)
 
 
 def decode_views(batch: dict, *, size: int, image_column: str, max_pixels: int = MAX_IMAGE_PIXELS) -> dict:
@@ -107,7 +109,7 @@ def decode_views(batch: dict, *, size: int, image_column: str, max_pixels: int =
     return _decoded_rows(batch, size, image_column, max_pixels, views=True)
 
 
-def _decoded_rows(batch: dict, size: int, image_column: str, max_pixels: int, views: bool) -> dict:
+def _decoded_rows(batch: dict, size: int, image_column: str, max_pixels: int, views: bool, fit: int = 0) -> dict:
     raw = _load_bytes(batch, image_column)
     pixels = np.zeros((len(raw), size, size, 3), dtype=np.uint8)
     sizes = np.zeros((len(raw), 2), dtype=np.int32)
@@ -119,7 +121,7 @@ def _decoded_rows(batch: dict, size: int, image_column: str, max_pixels: int, vi
             valid[i] = False
             continue
         sizes[i] = img.size
-        pixels[i] = np.asarray(img.resize((size, size), Image.BILINEAR)) if views else center_fit(img, size)
+        pixels[i] = np.asarray(img.resize((size, size), Image.BILINEAR)) if views else center_fit(img, size, fit)
     rows = {"sample_id": batch["sample_id"], "pixels": pixels, "valid": valid, "error": np.array(errors, dtype=object)}
     return {**rows, "sizes": sizes} if views else rows
 
@@ -219,11 +221,13 @@ def fit_size(width: int, height: int, size: int) -> tuple[int, int]:
     return (size, new_long) if width <= height else (new_long, size)
 
 
-def center_fit(img: Image.Image, size: int) -> np.ndarray:
-    """Resize the shorter side to `size` (bilinear, fit_size), centre-crop to size x size (evaluation, and
-    crop_flip's base). The exported image processor (tasks/image.py: save_for_transformers) repeats it."""
-    if img.size != (size, size):
-        img = img.resize(fit_size(*img.size, size), Image.BILINEAR)
+def center_fit(img: Image.Image, size: int, fit: int = 0) -> np.ndarray:
+    """Resize the shorter side to `fit` (default `size`; bilinear, fit_size), centre-crop to size x size
+    (crop_flip's base; evaluation, its `fit` ImageData.eval_fit). The exported image processor (tasks/image.py:
+    save_for_transformers) repeats it."""
+    fit = fit or size
+    if img.size != (size, size) or fit != size:
+        img = img.resize(fit_size(*img.size, fit), Image.BILINEAR)
         # the top-left corner transformers' center_crop picks: (dimension - crop) // 2
         left, top = (img.width - size) // 2, (img.height - size) // 2
         img = img.crop((left, top, left + size, top + size))

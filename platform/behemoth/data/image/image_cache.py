@@ -4,8 +4,8 @@ This module holds what a cache is: its plan and key, the check that one is compl
 rows (DecodedImages); building one, once per node, is data/image/image_cache_build.py's.
 
 What is stored is the deterministic part of the image pipeline (image_batches.decode_rgb, then
-image_batches.center_fit to data.image_size): the base that crop_flip pads, crops and flips and that evaluation
-uses as it is. The random part (drawn from (seed, epoch, sample id), image_batches.augment_fitted) and the
+image_batches.center_fit to data.image_size): the base that crop_flip pads, crops and flips, and the rows that
+evaluation uses as they are (the validation split's fitted from the shorter side at ImageData.eval_fit). The random part (drawn from (seed, epoch, sample id), image_batches.augment_fitted) and the
 normalisation still run every epoch, on the worker, from these rows: the same pixels reach the model as without
 the cache, so a run ends on the same weights (tests/integration/test_train_images.py). random_resized_crop crops
 the original image, not a fitted one: it is cached only where the job asks (data.cache_side), as views of the
@@ -36,8 +36,10 @@ import numpy as np
 import pyarrow as pa
 
 from behemoth.data.image.decode import MAX_IMAGE_PIXELS
+from behemoth.data.image.image_config import ImageData
 from behemoth.errors import DataError
 from behemoth.storage.paths import is_inside
+from behemoth.storage.store import Store
 
 FORMAT = 2  # 2: the manifest names the image column and Pillow's version
 # What decode_fitted stores: change it whenever decode_rgb or center_fit would give other pixels for the same bytes
@@ -61,6 +63,9 @@ class CachePlan:
     pillow: str = ""
     # data.max_image_pixels (part of the key: it decides which images are stored as bad)
     max_pixels: int = MAX_IMAGE_PIXELS
+    # centre-fitted rows: the shorter side the image is resized to before the crop (0: size; evaluation's rows:
+    # ImageData.eval_fit). Part of the key.
+    fit: int = 0
 
     @property
     def nbytes(self) -> int:
@@ -68,7 +73,7 @@ class CachePlan:
 
 
 def cache_key(table: pa.Table, size: int, image_column: str, views: bool = False,
-              max_pixels: int = MAX_IMAGE_PIXELS) -> str:
+              max_pixels: int = MAX_IMAGE_PIXELS, fit: int = 0) -> str:
     """A hash of every input of the stored pixels:
     - the samples in order: each one's file (absolute path), parquet row or tar member offset, and tar member
       length (the index's `path`, `row` and `size` columns);
@@ -76,7 +81,8 @@ def cache_key(table: pa.Table, size: int, image_column: str, views: bool = False
     - `image_column`: which cell of a parquet row is decoded (a set may hold several image columns);
     - `size` (data.image_size), and how the pixels are made from the bytes: PIXELS (decode_rgb, center_fit)
       and Pillow's version (its decoders and resampling), with the cache FORMAT;
-    - `max_pixels` (data.max_image_pixels): an image over it is stored as bad.
+    - `max_pixels` (data.max_image_pixels): an image over it is stored as bad;
+    - `fit`: the shorter side center_fit resizes to, where it is not `size` (evaluation's eval_crop_pct).
     Not inputs: the labels (read from the index every run, never stored) and the augmentation, normalisation
     and seed (applied to the stored rows every epoch)."""
     import PIL
@@ -85,6 +91,8 @@ def cache_key(table: pa.Table, size: int, image_column: str, views: bool = False
                        f"column {image_column}\0max pixels {max_pixels}\n".encode())
     if views:  # (centre-fitted caches keep the keys they had)
         h.update(f"{VIEWS}\n".encode())
+    if fit and fit != size:  # (as do those fitted from the shorter side at size)
+        h.update(f"fitted from the shorter side at {fit}\n".encode())
     for column in ("row", "size"):
         h.update(np.asarray(table.column(column).to_numpy(), dtype="<i8").tobytes())
     paths = [os.path.abspath(p) for p in table.column("path").to_pylist()]  # however the data folder was named
@@ -155,11 +163,12 @@ def network_warning(folder: str | Path) -> str | None:
 
 
 def plan(table: pa.Table, size: int, cache_dir: str, image_column: str, views: bool = False,
-         max_pixels: int = MAX_IMAGE_PIXELS) -> CachePlan:
-    folder = Path(cache_dir).absolute() / "images" / cache_key(table, size, image_column, views, max_pixels)
+         max_pixels: int = MAX_IMAGE_PIXELS, fit: int = 0) -> CachePlan:
+    fit = 0 if fit == size else fit
+    folder = Path(cache_dir).absolute() / "images" / cache_key(table, size, image_column, views, max_pixels, fit)
     import PIL
 
-    return CachePlan(str(folder), size, table.num_rows, image_column, views, PIL.__version__, max_pixels)
+    return CachePlan(str(folder), size, table.num_rows, image_column, views, PIL.__version__, max_pixels, fit)
 
 
 class DecodedImages:
@@ -226,3 +235,34 @@ def file_sha256(path: Path) -> str:
         while chunk := f.read(8 << 20):
             h.update(chunk)
     return h.hexdigest()
+
+
+def decide_cache(cfg: ImageData, index) -> tuple[dict | None, str]:
+    """data.cache resolved for this run: the splits' cache plans (None: decode every epoch), and why."""
+    if cfg.cache == "none":
+        return None, "none (data.cache=none): images are decoded every epoch"
+    views = cfg.augment == "random_resized_crop" and cfg.cache_side > 0  # crops taken from stored views
+    if (cfg.augment == "random_resized_crop" and not views) or not Store(cfg.cache_dir).is_local:
+        why = "random_resized_crop crops the original (data.cache_side keeps views to crop from)" \
+            if cfg.augment == "random_resized_crop" else f"data.cache_dir {cfg.cache_dir} is a URI, not a folder on each node"
+        return None, f"none (auto: {why}): images are decoded every epoch"
+    # training rows: views of the whole image at cache_side (random_resized_crop), else centre-fitted; evaluation
+    # rows always centre-fitted at image_size, from the shorter side at eval_fit
+    plans = {"train": plan(index.train, cfg.cache_side if views else cfg.image_size, cfg.cache_dir,
+                                       cfg.image_column, views=views, max_pixels=cfg.max_image_pixels),
+             "val": plan(index.val, cfg.image_size, cfg.cache_dir, cfg.image_column,
+                                     max_pixels=cfg.max_image_pixels, fit=cfg.eval_fit())}
+    need = sum(p.nbytes for p in plans.values())
+    built = all(check(Path(p.folder), p) is None for p in plans.values())
+    where = Path(plans["train"].folder).parent
+    size = f"{need / 1e6:,.1f} MB for {sum(p.rows for p in plans.values()):,} images at {cfg.image_size}x{cfg.image_size}"
+    if views:
+        size += f" (train: whole-image views at {cfg.cache_side}x{cfg.cache_side} to crop from)"
+    if cfg.cache == "auto" and not built:
+        room = cfg.cache_max_share * min(node_memory(), free_disk(where))
+        if need > room:
+            return None, (f"none (auto: the decoded images, {size}, would take more than data.cache_max_share="
+                          f"{cfg.cache_max_share} of this node's RAM or of the free disk at {where}): images are "
+                          f"decoded every epoch")
+    state = "built already" if built else "built on first use, once per node"
+    return plans, f"decoded ({size}, in {where}; {state})"

@@ -252,7 +252,8 @@ def _decoded_batches(table: pa.Table, cache: CachePlan, workers: bool, cpus_per_
     decode = decode_views if cache.views else decode_fitted
 
     blocks = [table.slice(i, BUILD_BLOCK_ROWS) for i in range(0, table.num_rows, BUILD_BLOCK_ROWS)]
-    kwargs = dict(size=cache.size, image_column=cache.image_column, max_pixels=cache.max_pixels)
+    kwargs = dict(size=cache.size, image_column=cache.image_column, max_pixels=cache.max_pixels,
+                  **({} if cache.views else {"fit": cache.fit}))
     if not workers:
         for block in blocks:
             yield decode({k: block.column(k).to_numpy(zero_copy_only=False) for k in block.column_names}, **kwargs)
