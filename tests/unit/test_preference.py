@@ -424,3 +424,32 @@ def test_config_names_what_a_preference_run_cannot_take(corpus):
             "train": {"init_from": "runs/sft"}}
     with pytest.raises(ConfigError, match="name the SFT model as model.pretrained"):
         PreferenceLM.check_model(config_from_dict(base))
+
+
+def test_a_prompts_pairs_fall_on_one_side_of_the_validation_split(corpus):
+    """data.val_fraction splits pairs by their prompt (explicit, or the messages both replies open with), not by
+    the whole record: 40 prompts with 4 pairs each (UltraFeedback's completions paired every way) put each
+    prompt's 4 on one side, where a split by record scored validation on prompts trained on (~all 40 were on both
+    sides at 0.5)."""
+    from behemoth.data.chat.chat import Record
+    from behemoth.data.chat.chat_packing import ChatSpec, encode_records
+
+    cfg = _data(corpus, train_files=[], val_files=[], hf_dataset="unused", val_fraction=0.5)
+    tok = chat_tokenizer(cfg)
+    spec = ChatSpec(render=RenderSpec.of(tok), window=Window.of(tok, "assistant", cfg.seq_len), seed=3,
+                    val_fraction=0.5, pairs=cfg.pair_fields())
+    records, prompts = [], []
+    for p in range(40):
+        prompt = [{"role": "user", "content": f"Who found key {p}?"}]
+        for r in range(4):
+            reply = [{"role": "assistant", "content": f"Ada found key {p}, take {r}."}]
+            other = [{"role": "assistant", "content": f"Boris found map {p}, take {r}."}]
+            # half with the prompt as its own field, half HH's way: the prompt opens both conversations
+            value = ({"prompt": prompt, "chosen": reply, "rejected": other} if r % 2 else
+                     {"chosen": prompt + reply, "rejected": prompt + other})
+            records.append(Record("pairs.jsonl", len(records) + 1, value))
+            prompts.append(p)
+    splits = encode_records(records, "auto", spec).column("split").to_pylist()
+    sides = {p: {s for s, q in zip(splits, prompts) if q == p} for p in range(40)}
+    assert all(len(s) == 1 for s in sides.values()), sides
+    assert 8 <= sum(s == {"val"} for s in sides.values()) <= 32  # (both sides used)

@@ -59,14 +59,15 @@ def encode_records(records: list[Record], split: str, spec: ChatSpec) -> pa.Tabl
     """Rows of split ('train', 'val' or 'bad'), tokens (flags included: at most seq_len + 1, data/chat/chat_render.py;
     a preference pair's both sequences) and for a bad record its source, line in the unit and reason; a pair
     longer than a block keeps its split, with TOO_LONG as its problem (the packer counts it)."""
-    problems, good = [], []
+    problems, good, samples = [], [], []
     for record in records:
         problem, sample = record_sample(record.value, spec.pairs, spec.window.train_on)
         problems.append(problem)
+        samples.append(sample)
         good += [] if problem else [sample]
     results = iter(render_samples(_task_render_spec(spec.render), good, spec.window, spec.pairs))
     rows = {"split": [], "tokens": [], "source": [], "line": [], "problem": []}
-    for record, problem in zip(records, problems):
+    for record, problem, sample in zip(records, problems, samples):
         tokens = np.empty(0, np.int32)
         if problem is None:
             result = next(results)
@@ -77,8 +78,11 @@ def encode_records(records: list[Record], split: str, spec: ChatSpec) -> pa.Tabl
             else:
                 tokens = result
         if problem is None or problem == TOO_LONG:
-            chosen = split if split != "auto" else ("val" if is_validation(json.dumps(record.value, sort_keys=True),
-                                                                           spec.seed, spec.val_fraction) else "train")
+            # a pair's side is its prompt's: a prompt's several pairs (UltraFeedback's completions paired every way,
+            # HH's turns) never fall on both sides, where validation would score replies to prompts trained on
+            key = json.dumps(sample[0] if spec.pairs else record.value, sort_keys=True)
+            chosen = split if split != "auto" else ("val" if is_validation(key, spec.seed, spec.val_fraction)
+                                                    else "train")
         _add_row(rows, chosen if problem in (None, TOO_LONG) else "bad", tokens, record.source, record.line,
                  problem or "")
     return _rows_table(rows)
@@ -188,7 +192,7 @@ def prepare_chat(cfg: ChatData, seed: int, units: list[Unit]):
     tok = chat_tokenizer(cfg)
     key = {"chat": CHAT_VERSION, "messages_field": cfg.messages_field, "template": tok.chat_template,
            "train_on": cfg.train_on, "packing": cfg.packing, "overlong": cfg.overlong, "open_blocks": OPEN_BLOCKS,
-           **({"pairs": cfg.pair_fields(), "pair_version": 1} if cfg.pair_fields() else {})}
+           **({"pairs": cfg.pair_fields(), "pair_version": 2} if cfg.pair_fields() else {})}  # 2: split by prompt
     index = packed_index(cfg, units, seed, np.int32, tok, _pack_chat, key)
     bad = index.stats.get("bad_records", 0)
     if bad > cfg.max_bad_samples:  # (a cache built under a larger data.max_bad_samples)
