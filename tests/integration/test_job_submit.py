@@ -155,3 +155,9 @@ def test_submitted_job_trains_and_a_bad_config_fails(cluster, image_root, tmp_pa
     assert bad.returncode != 0
     assert "config error" in bad.stdout + bad.stderr and "train.lr must be > 0" in bad.stdout + bad.stderr
     assert re.search(r"Job 'raysubmit_\w+' failed", bad.stdout + bad.stderr)  # the job's status, not just the CLI's
+
+    # checkpoints into the uploaded copy of the working dir (Ray deletes it): refused, naming the fix
+    lost = _submit(address, env, outside, config, "checkpoint.storage_path=runs")
+    said = lost.stdout + lost.stderr
+    assert lost.returncode != 0 and "checkpoint.storage_path 'runs' is a relative path" in said, said[-3000:]
+    assert "--set checkpoint.storage_path=$PWD/runs" in said

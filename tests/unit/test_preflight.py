@@ -302,3 +302,49 @@ def test_a_malformed_hf_endpoint_is_one_line_for_a_job_that_names_no_hub_model(i
     assert _check(tmp_path, job_dict(image_root, tmp_path / "runs"), capsys)[::2] == (
         2, "behemoth: config error: HF_ENDPOINT 'https://hf.invalid:99999' is not a valid Hub address (Port out of "
            "range 0-65535): fix it (e.g. https://huggingface.co or a mirror's https://HOST) or unset it\n")
+
+
+def test_a_relative_path_to_write_to_is_refused_in_a_submitted_jobs_uploaded_folder(image_root, tmp_path, capsys,
+                                                                                      monkeypatch):
+    """`ray job submit --working-dir .` runs the driver in Ray's unpacked copy of the upload: a relative
+    checkpoint.storage_path (the default `runs`), MLflow folder or sqlite database, or sweep folder was written
+    inside it, deleted with Ray's session or its package cache, and a resubmission of a changed folder ran in
+    another copy, found no checkpoint and trained from step 0. Refused there in one line naming the fix; absolute
+    paths and URIs pass; outside a submitted job (and for a `local://` working dir, the node's own) nothing
+    changes. (Ray's job supervisor hands the driver its runtime env in RAY_JOB_CONFIG_JSON_ENV_VAR.)"""
+    import json
+
+    import yaml
+
+    from behemoth.driver.sweep.config import check_sweep, load_sweep
+    from behemoth.errors import ConfigError
+    from conftest import job_dict
+
+    job = job_dict(image_root, tmp_path / "runs")
+    assert _check(tmp_path, job, capsys, "checkpoint.storage_path=runs")[0] == 0  # (not in a submitted job)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("RAY_JOB_CONFIG_JSON_ENV_VAR", json.dumps({"runtime_env": {
+        "working_dir": "gcs://_ray_pkg_0123456789abcdef.zip"}, "metadata": {}}))
+    code, out, err = _check(tmp_path, job, capsys, "checkpoint.storage_path=runs")
+    assert (code, out) == (2, "") and err == (
+        f"behemoth: config error: checkpoint.storage_path 'runs' is a relative path, and this job runs in the working "
+        f"dir `ray job submit` uploaded ({tmp_path}), a copy Ray deletes: what is written there is lost to the next "
+        f"submission. Give an absolute path on the cluster's nodes or shared storage (e.g. --set "
+        f"checkpoint.storage_path=$PWD/runs from the folder you submit from), or a URI\n")
+    for uri, refused in (("mlruns", True), ("sqlite:///mlruns.db", True), (f"sqlite:///{tmp_path}/m.db", False),
+                         (str(tmp_path / "mlruns"), False), ("http://127.0.0.1:5000", False)):
+        code, _, err = _check(tmp_path, job, capsys, f"tracking.mlflow.uri={uri}")
+        assert code == (2 if refused else 0), (uri, err)
+        assert not refused or f"tracking.mlflow.uri '{uri}' is a relative path" in err
+    assert "--set tracking.mlflow.uri=sqlite:///$PWD/mlruns.db" in _check(
+        tmp_path, job, capsys, "tracking.mlflow.uri=sqlite:///mlruns.db")[2]
+    assert _check(tmp_path, job, capsys, "checkpoint.storage_path=s3://bucket/runs")[0] != 2  # a URI: not refused
+
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(job))
+    sweep = tmp_path / "sweep.yaml"
+    sweep.write_text(yaml.safe_dump({"job": "job.yaml", "space": {"train.lr": {"grid": [0.1]}},
+                                     "storage_path": "runs/sweeps"}))
+    with pytest.raises(ConfigError, match=r"^storage_path 'runs/sweeps' is a relative path"):
+        check_sweep(load_sweep(sweep))
+    monkeypatch.setenv("RAY_JOB_CONFIG_JSON_ENV_VAR", json.dumps({"runtime_env": {"working_dir": "local:///srv/app"}}))
+    assert _check(tmp_path, job, capsys, "checkpoint.storage_path=runs")[0] == 0

@@ -8,6 +8,7 @@ through here.
 from __future__ import annotations
 
 import importlib.util
+import os
 import sys
 
 from behemoth.config import JobConfig
@@ -35,6 +36,47 @@ def _check_source(value: str, key: str, needs: str = "config.json") -> None:
                           f"(e.g. `aws s3 sync DIR {value}`)")
 
 
+def uploaded_working_dir() -> str | None:
+    """This driver's folder where it runs in a working dir `ray job submit --working-dir` uploaded (Ray unpacks
+    each upload into its session's cache of packages, and deletes it with the session or to make room), else
+    None. (A `local://` working dir is the node's own folder, which Ray never deletes.)"""
+    import json
+
+    try:
+        runtime_env = json.loads(os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR", "{}")).get("runtime_env") or {}
+    except (ValueError, AttributeError):
+        return None
+    working_dir = runtime_env.get("working_dir") if isinstance(runtime_env, dict) else None
+    if not isinstance(working_dir, str) or not working_dir or working_dir.startswith("local://"):
+        return None
+    return os.getcwd()
+
+
+def check_paths_outlive_the_job(cfg: JobConfig) -> None:
+    """The run's checkpoints and its MLflow folder or database outlive the job (check_outlives_the_job)."""
+    check_outlives_the_job("checkpoint.storage_path", cfg.checkpoint.storage_path)
+    check_outlives_the_job("tracking.mlflow.uri", cfg.tracking.mlflow.uri)
+
+
+def check_outlives_the_job(key: str, value: str | None) -> None:
+    """Under `ray job submit --working-dir`, the driver runs in Ray's unpacked copy of the upload: a relative
+    path to write to (checkpoint.storage_path, an MLflow folder or sqlite database, a sweep's folder) would be
+    written inside it, and lost with it (the next submission, of a changed folder, runs in another copy and finds
+    no checkpoint to resume). Refused, naming the fix."""
+    from behemoth.storage.filesystem import is_uri
+
+    folder = uploaded_working_dir()
+    if folder is None or not value:
+        return
+    scheme = "sqlite:///" if value.startswith("sqlite:///") else ""  # (sqlite:///REL.db, sqlite:////ABS.db)
+    path = value[len(scheme):]
+    if (scheme or not is_uri(value)) and not os.path.isabs(os.path.expanduser(path)):
+        raise ConfigError(f"{key} {value!r} is a relative path, and this job runs in the working dir `ray job "
+                          f"submit` uploaded ({folder}), a copy Ray deletes: what is written there is lost to the "
+                          f"next submission. Give an absolute path on the cluster's nodes or shared storage (e.g. "
+                          f"--set {key}={scheme}$PWD/{path} from the folder you submit from), or a URI")
+
+
 def check_sources(cfg: JobConfig) -> None:
     """Before the task's own check (which loads the tokenizer): model.pretrained and data.tokenizer are local
     folders that exist, object-store folders holding a model or a tokenizer, or Hub names this machine can get
@@ -42,6 +84,7 @@ def check_sources(cfg: JobConfig) -> None:
     folder holding weights (a checkpoint, a run's or a Hugging Face folder; under a URI too: its listing read
     here); the tracking packages it names are installed."""
     check_tracking(cfg)
+    check_paths_outlive_the_job(cfg)
     hub_endpoint()  # (transformers imports huggingface_hub's downloads, which trip on a malformed one)
     if cfg.model.pretrained and not registry.is_import_path(cfg.model.name):
         _check_source(cfg.model.pretrained, "model.pretrained")

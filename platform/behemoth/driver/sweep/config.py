@@ -21,6 +21,7 @@ from behemoth.config import JobConfig, apply_override, from_dict, read_yaml_mapp
 from behemoth.config.train_section import check_finite
 from behemoth.errors import ConfigError
 from behemoth.errors import closest_key, did_you_mean
+from behemoth.driver.run.preflight import check_outlives_the_job
 from behemoth.job import config_from_dict, load_config
 from behemoth.tasks import task_of
 from behemoth.storage.store import Store
@@ -217,7 +218,9 @@ def check_sweep(sweep_cfg: SweepConfig) -> list[JobConfig]:
         raise ConfigError(f"sweep storage_path {sweep_cfg.storage_path}: a sweep keeps its folder on a local or "
                           f"shared filesystem (an object store is not supported for sweeps yet; single runs "
                           f"support it): give a path, e.g. a shared mount on a cluster")
+    check_outlives_the_job("storage_path", sweep_cfg.storage_path)  # (trials' runs are in the sweep's folder)
     base = base_job(sweep_cfg)  # the job file itself first: its errors name it
+    check_outlives_the_job("tracking.mlflow.uri", base["tracking"]["mlflow"]["uri"])
     axes, valid = [], _job_keys(base)
     for key, dist in sweep_cfg.space.items():
         if key not in valid:
