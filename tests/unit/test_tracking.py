@@ -748,3 +748,23 @@ def test_a_failed_or_aborted_run_ends_its_wandb_run_failed(monkeypatch, result_e
     else:
         recorder.after_controller_finish(SimpleNamespace(error=result_error))
     assert finished == [exit_code]
+
+
+def test_a_rerun_with_a_changed_config_says_so_in_its_mlflow_run(tmp_path):
+    """A rerun that changes train.lr (from the step it resumes at) continued its MLflow run with the first
+    invocation's params alone: the run's page said lr 0.1 for a run that trained on at 0.05. MLflow refuses a
+    param's second value: the change is the tag rerun.train.lr (gone when a later rerun goes back to 0.1); a key
+    new to the run is logged as a param."""
+    from behemoth.tracking import mlflow_run
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    run_dir = str(tmp_path / "run")
+    run_id = mlflow_run.open_run(uri, "exp", run_dir, "r1", {"train": {"lr": 0.1, "epochs": 4}})
+    c = mlflow_run.client(uri)
+    assert mlflow_run.open_run(uri, "exp", run_dir, "r1", {"train": {"lr": 0.05, "epochs": 4, "max_steps": 9}}) \
+        == run_id
+    run = c.get_run(run_id)
+    assert run.data.params == {"train.lr": "0.1", "train.epochs": "4", "train.max_steps": "9"}
+    assert {k: v for k, v in run.data.tags.items() if k.startswith("rerun.")} == {"rerun.train.lr": "0.05"}
+    mlflow_run.open_run(uri, "exp", run_dir, "r1", {"train": {"lr": 0.1, "epochs": 4, "max_steps": 9}})
+    assert not [k for k in c.get_run(run_id).data.tags if k.startswith("rerun.")]

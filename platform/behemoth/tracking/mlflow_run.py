@@ -69,6 +69,7 @@ def open_run(uri: str, experiment: str, run_dir: str, run_name: str, params: dic
 
         try:
             c.update_run(known["run_id"], status="RUNNING")
+            _log_rerun_params(c, known["run_id"], params)
             return known["run_id"]
         except MlflowException as e:  # (a store that does not answer fails again below, as before)
             # the recorded run is gone (deleted; another store at this URI): a new run, not tracking off for
@@ -80,13 +81,33 @@ def open_run(uri: str, experiment: str, run_dir: str, run_name: str, params: dic
     if parent_run_id:
         tags["mlflow.parentRunId"] = parent_run_id
     run_id = c.create_run(experiment_id, run_name=run_name, tags=tags).info.run_id
-    items = list(flat(params).items())
-    from mlflow.entities import Param
-
-    for i in range(0, len(items), 100):  # MLflow takes at most 100 params per batch
-        c.log_batch(run_id, params=[Param(k, v) for k, v in items[i:i + 100]])
+    _log_batches(c, run_id, params=flat(params))
     write_text(record, json.dumps({"uri": uri, "experiment_id": experiment_id, "run_id": run_id}))
     return run_id
+
+
+def _log_rerun_params(c, run_id: str, params: dict) -> None:
+    """A rerun's config against the params its MLflow run holds. MLflow keeps a param's first value (it refuses
+    another): a key new to the run is logged as a param; a changed value is the tag `rerun.KEY`, its value now
+    (removed again where a later rerun goes back to the param's value), so that the run's page says what it
+    trains with since."""
+    run, now = c.get_run(run_id), flat(params)
+    logged, mark = run.data.params, "rerun."
+    _log_batches(c, run_id, params={k: v for k, v in now.items() if k not in logged},
+                 tags={mark + k: v for k, v in now.items() if k in logged and logged[k] != v})
+    for tag in run.data.tags:
+        key = tag[len(mark):]
+        if tag.startswith(mark) and now.get(key) == logged.get(key):
+            c.delete_tag(run_id, tag)
+
+
+def _log_batches(c, run_id: str, params: dict | None = None, tags: dict | None = None) -> None:
+    from mlflow.entities import Param, RunTag
+
+    for kind, items in (("params", list((params or {}).items())), ("tags", list((tags or {}).items()))):
+        make = Param if kind == "params" else RunTag
+        for i in range(0, len(items), 100):  # MLflow takes at most 100 params (or tags) per batch
+            c.log_batch(run_id, **{kind: [make(k, v) for k, v in items[i:i + 100]]})
 
 
 def experiment_id_of(c, uri: str, name: str) -> str:
