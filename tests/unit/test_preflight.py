@@ -310,8 +310,8 @@ def test_a_relative_path_to_write_to_is_refused_in_a_submitted_jobs_uploaded_fol
     checkpoint.storage_path (the default `runs`), MLflow folder or sqlite database, or sweep folder was written
     inside it, deleted with Ray's session or its package cache, and a resubmission of a changed folder ran in
     another copy, found no checkpoint and trained from step 0. Refused there in one line naming the fix; absolute
-    paths and URIs pass; outside a submitted job (and for a `local://` working dir, the node's own) nothing
-    changes. (Ray's job supervisor hands the driver its runtime env in RAY_JOB_CONFIG_JSON_ENV_VAR.)"""
+    paths and URIs pass; a relative data.cache_dir (made again by every submission) is a warning; outside a
+    submitted job (and for a `local://` working dir, the node's own) nothing changes. (Ray's job supervisor hands the driver its runtime env in RAY_JOB_CONFIG_JSON_ENV_VAR.)"""
     import json
 
     import yaml
@@ -325,6 +325,7 @@ def test_a_relative_path_to_write_to_is_refused_in_a_submitted_jobs_uploaded_fol
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("RAY_JOB_CONFIG_JSON_ENV_VAR", json.dumps({"runtime_env": {
         "working_dir": "gcs://_ray_pkg_0123456789abcdef.zip"}, "metadata": {}}))
+    assert _check(tmp_path, job, capsys, f"data.cache_dir={tmp_path}/cache")[2] == ""
     code, out, err = _check(tmp_path, job, capsys, "checkpoint.storage_path=runs")
     assert (code, out) == (2, "") and err == (
         f"behemoth: config error: checkpoint.storage_path 'runs' is a relative path, and this job runs in the working "
@@ -339,6 +340,8 @@ def test_a_relative_path_to_write_to_is_refused_in_a_submitted_jobs_uploaded_fol
     assert "--set tracking.mlflow.uri=sqlite:///$PWD/mlruns.db" in _check(
         tmp_path, job, capsys, "tracking.mlflow.uri=sqlite:///mlruns.db")[2]
     assert _check(tmp_path, job, capsys, "checkpoint.storage_path=s3://bucket/runs")[0] != 2  # a URI: not refused
+    code, _, err = _check(tmp_path, job, capsys, "data.cache_dir=data_cache")  # a cache: made again, said
+    assert code == 0 and "data.cache_dir 'data_cache' is a relative path" in err and "$PWD/data_cache" in err
 
     (tmp_path / "job.yaml").write_text(yaml.safe_dump(job))
     sweep = tmp_path / "sweep.yaml"

@@ -53,9 +53,17 @@ def uploaded_working_dir() -> str | None:
 
 
 def check_paths_outlive_the_job(cfg: JobConfig) -> None:
-    """The run's checkpoints and its MLflow folder or database outlive the job (check_outlives_the_job)."""
+    """The run's checkpoints and its MLflow folder or database outlive the job (check_outlives_the_job); a
+    relative data.cache_dir is only a cost (the tokenised or decoded data made again by every submission): said."""
     check_outlives_the_job("checkpoint.storage_path", cfg.checkpoint.storage_path)
     check_outlives_the_job("tracking.mlflow.uri", cfg.tracking.mlflow.uri)
+    cache = getattr(cfg.data, "cache_dir", "")
+    folder = uploaded_working_dir()
+    if folder and cache and "://" not in cache and not os.path.isabs(os.path.expanduser(cache)):
+        print(f"[behemoth] warning: data.cache_dir {cache!r} is a relative path, in the working dir `ray job submit` "
+              f"uploaded ({folder}), a copy Ray deletes: the data prepared there is prepared again by every "
+              f"submission. Give an absolute path (e.g. --set data.cache_dir=$PWD/{cache})", file=sys.stderr,
+              flush=True)
 
 
 def check_outlives_the_job(key: str, value: str | None) -> None:
