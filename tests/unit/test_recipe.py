@@ -268,7 +268,7 @@ def test_a_sweep_rerun_with_another_definition_is_refused(tmp_path, image_root, 
                "num_samples": {"num_samples": 2}, "lr_scaling": {"lr_scaling": "linear"}}[change]
     again = load_sweep(write_sweep(tmp_path, image_root, **changed))
     # (the job's epochs also move ASHA's max_t, which defaults to them: named with it, the scheduler)
-    named = {"job": "job and scheduler"}.get(change, change)
+    named = {"job": r"job \(train.epochs\) and scheduler"}.get(change, change)
     with pytest.raises(ConfigError, match=rf"sweep 's' in .* was started with a different {named}: give"):
         _check_same_sweep(again, sweep_dir)
 

@@ -353,7 +353,7 @@ def test_a_rerun_with_another_metric_mode_scheduler_or_searcher_is_refused(tmp_p
     assert _check_same_sweep(load_sweep(path, ["mode=max", "scheduler.max_t=4"]), folder)["mode"] == "max"
     for override, changed in (("metric=val_loss", "metric and mode"), ("scheduler.kind=fifo", "scheduler"),
                               ("scheduler.grace_period=2", "scheduler"), ("searcher=optuna", "searcher"),
-                              ("train.epochs=3", "job and scheduler")):
+                              ("train.epochs=3", r"job \(train.epochs\) and scheduler")):
         with pytest.raises(ConfigError, match=f"^sweep 's' in {folder} was started with a different {changed}: give "
                                               f"this sweep another name"):
             _check_same_sweep(load_sweep(path, [override]), folder)
@@ -445,3 +445,20 @@ def test_set_of_a_space_key_says_to_give_the_whole_space(tmp_path, image_root):
                                           r"the file's\), --set 'space=\{train.lr: \{grid: \[0.1\]\}\}'$"):
         load_sweep(path, ["space.train.lr.grid=[0.1]"])
     assert load_sweep(path, ["space={train.lr: {grid: [0.1]}}"]).space == {"train.lr": {"grid": [0.1]}}
+
+
+def test_a_sweep_recorded_before_a_key_was_added_to_behemoth_still_resumes(tmp_path, image_root):
+    """A sweep started by an earlier behemoth records its job without the keys added since (data.eval_crop_pct):
+    its rerun compared the whole job and was refused ("a different job") for a key it never set. Now a key absent
+    from the record reads as None, as a run's resume reads its job.yaml; a real change is still refused, by name."""
+    from behemoth.driver.sweep.tuner import _check_same_sweep, _record_sweep
+
+    folder = str(tmp_path / "sweeps" / "s")
+    path = write_sweep(tmp_path, image_root)
+    record = _check_same_sweep(load_sweep(path), folder)
+    assert record["job"]["data"].pop("eval_crop_pct") is None  # as an earlier behemoth wrote it
+    _record_sweep(folder, record)
+    (Path(folder) / "tuner.pkl").write_bytes(b"")  # Tune's state: a rerun restores it
+    _check_same_sweep(load_sweep(path), folder)
+    with pytest.raises(ConfigError, match=r"started with a different job \(data.eval_crop_pct\): give"):
+        _check_same_sweep(load_sweep(path, ["set=[data.eval_crop_pct=0.875]"]), folder)

@@ -217,13 +217,23 @@ def _check_same_sweep(sweep_cfg: SweepConfig, sweep_dir: str, jobs: list[JobConf
     path = Path(sweep_dir, "sweep.yaml")
     if path.is_file() and tune.Tuner.can_restore(sweep_dir):
         before = yaml.safe_load(path.read_text()) or {}
-        # (a record of an earlier version lacks the later keys: those are not compared)
-        changed = [key for key in now if key in before and before[key] != now[key]]
+        # (a record of an earlier version lacks the later keys: those are not compared; nor, in its job, a key
+        # added to behemoth since, whose value is None: read as a run's resume reads its job.yaml)
+        changed = [key if key != "job" else f"job ({', '.join(_job_changes(before[key], now[key]))})"
+                   for key in now if key in before and (_job_changes(before[key], now[key]) if key == "job"
+                                                        else before[key] != now[key])]
         if changed:
             raise ConfigError(f"sweep '{sweep_cfg.name}' in {sweep_dir} was started with a different "
                               f"{' and '.join(changed)}: give this sweep another name (name=...), or delete the "
                               f"folder to start it over")
     return now
+
+
+def _job_changes(before: dict, now: dict) -> list[str]:
+    """The keys of a sweep's job whose values differ, a key absent from `before` read as None (as a run's resume
+    reads its job.yaml: a key added to behemoth since, left out, is no change)."""
+    return [f"{section}.{key}" for section, values in now.items() for key, value in values.items()
+            if ((before or {}).get(section) or {}).get(key) != value]
 
 
 def _record_sweep(sweep_dir: str, record: dict) -> None:
