@@ -462,3 +462,21 @@ def test_a_sweep_recorded_before_a_key_was_added_to_behemoth_still_resumes(tmp_p
     _check_same_sweep(load_sweep(path), folder)
     with pytest.raises(ConfigError, match=r"started with a different job \(data.eval_crop_pct\): give"):
         _check_same_sweep(load_sweep(path, ["set=[data.eval_crop_pct=0.875]"]), folder)
+
+
+def test_a_resumed_sweep_says_which_limits_apply(tmp_path, capsys):
+    """Tuner.restore takes no TuneConfig: a resumed sweep runs at the first start's max_concurrent_trials and
+    trial_max_failures whatever the rerun asks, and the sweep's line printed the rerun's ("at most 4 at once" for a
+    sweep running 2). The record keeps the first start's, the line says what applies, a different ask is named."""
+    from behemoth.driver.sweep.tuner import _record_sweep, _restored_limits
+
+    folder = str(tmp_path / "s")
+    _record_sweep(folder, {"job": {}, "max_concurrent_trials": 2, "trial_max_failures": 1})
+    record = {"job": {}, "max_concurrent_trials": 4, "trial_max_failures": 1}
+    assert _restored_limits(folder, record) == 2 and record["max_concurrent_trials"] == 2
+    assert capsys.readouterr().out == ("[behemoth] resuming: Tune restores the first start's max_concurrent_trials 2 "
+                                       "(this rerun's: 4); to run with other limits, give the sweep another name\n")
+    same = {"job": {}, "max_concurrent_trials": 2, "trial_max_failures": 1}
+    assert _restored_limits(folder, same) == 2 and capsys.readouterr().out == ""
+    _record_sweep(folder, {"job": {}})  # recorded by an earlier version: the rerun's, as before
+    assert _restored_limits(folder, dict(record, max_concurrent_trials=3)) == 3

@@ -85,6 +85,9 @@ def _run_sweep(sweep_cfg: SweepConfig, jobs: list, place: paths.RunPlace, fence)
     from ray import tune
 
     concurrent = sweep_cfg.max_concurrent_trials or concurrency_bound(jobs, ray.cluster_resources())
+    record.update(max_concurrent_trials=concurrent, trial_max_failures=sweep_cfg.trial_max_failures)
+    if tune.Tuner.can_restore(sweep_dir):  # Tune restores the first start's: what applies is said as it is
+        concurrent = _restored_limits(sweep_dir, record)
     mlflow_parent = _sweep_mlflow_run(sweep_cfg, jobs[0], sweep_dir)
     trainable = tune.with_resources(
         tune.with_parameters(run_trial, sweep=_to_dict(sweep_cfg), base=base_job(sweep_cfg), place=place,
@@ -227,6 +230,22 @@ def _check_same_sweep(sweep_cfg: SweepConfig, sweep_dir: str, jobs: list[JobConf
                               f"{' and '.join(changed)}: give this sweep another name (name=...), or delete the "
                               f"folder to start it over")
     return now
+
+
+def _restored_limits(sweep_dir: str, record: dict) -> int:
+    """A resumed sweep's max_concurrent_trials and trial_max_failures are the first start's (Tuner.restore takes
+    no TuneConfig): kept in `record` as they apply, a rerun's other values said in one line, not silently dropped.
+    Returns the concurrency that applies. (A record of an earlier version without them: the rerun's, as before.)"""
+    path = Path(sweep_dir, "sweep.yaml")
+    before = (yaml.safe_load(path.read_text()) or {}) if path.is_file() else {}
+    differ = [f"{key} {before[key]} (this rerun's: {record[key]})" for key in ("max_concurrent_trials",
+              "trial_max_failures") if before.get(key) is not None and before[key] != record[key]]
+    if differ:
+        print(f"[behemoth] resuming: Tune restores the first start's {' and '.join(differ)}; to run with other "
+              f"limits, give the sweep another name", flush=True)
+    record.update({key: before[key] for key in ("max_concurrent_trials", "trial_max_failures")
+                   if before.get(key) is not None})
+    return record["max_concurrent_trials"]
 
 
 def _job_changes(before: dict, now: dict) -> list[str]:
