@@ -561,3 +561,33 @@ def test_the_learning_rate_reported_is_the_one_the_step_trained_with(tmp_path, m
     lrs = {r["step"]: r["lr"] for r in reports if "lr" in r}
     # step s trained at index s - 1: (s / 4) x 0.05 in warm-up, then 0.05 x (1 - (s - 1 - 4) / 4)
     assert lrs == pytest.approx({2: 0.025, 4: 0.05, 6: 0.0375, 8: 0.0125})
+
+
+class EvalBuilt(Regression):
+    """A task whose model comes built in eval mode, as transformers' from_pretrained returns every model, with a
+    layer that records the mode of every training forward."""
+
+    modes: list = []
+
+    def build_model(self):
+        class Mode(torch.nn.Module):
+            def forward(self, x):
+                if torch.is_grad_enabled():
+                    EvalBuilt.modes.append(self.training)
+                return x
+
+        return torch.nn.Sequential(torch.nn.Linear(self.cfg.data.features, 1), Mode()).eval()
+
+
+def test_a_model_built_in_eval_mode_trains_in_training_mode_on_every_rank(tmp_path, monkeypatch):
+    """A pretrained transformers model (from_pretrained: eval mode) trained with its BatchNorm statistics frozen
+    and dropout and drop-path off on every rank but 0, whose FLOP count happened to call train(), and on rank 0
+    too in a warm lane that had counted the model before; with train.ema_decay the first evaluation's train() went
+    to the average, so for the whole run. Here the count is skipped, as on those ranks: every step's forward is
+    in training mode."""
+    from behemoth.worker.speed import SpeedMeter
+
+    monkeypatch.setattr(SpeedMeter, "count", lambda self, task, model: None)  # (ranks other than 0 never count)
+    EvalBuilt.modes.clear()
+    _run(tmp_path, monkeypatch, task="EvalBuilt", train={"ema_decay": 0.9})
+    assert EvalBuilt.modes and all(EvalBuilt.modes), EvalBuilt.modes[:10]

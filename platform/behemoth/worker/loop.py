@@ -154,7 +154,9 @@ def _build_run(cfg: JobConfig, task: Task, clock: PhaseClock, rank: int, world: 
     if cfg.scaling.torch_threads:
         torch.set_num_threads(cfg.scaling.torch_threads)
     torch.manual_seed(cfg.train.seed)
-    model = device_settings(master_weights(task.build_model(), cfg.model.dtype).to(device), device,
+    # in training mode whatever it was built in: transformers' from_pretrained returns a model in eval mode
+    # (BatchNorm's statistics frozen, dropout and drop-path off), which only rank 0's FLOP count used to undo
+    model = device_settings(master_weights(task.build_model(), cfg.model.dtype).to(device).train(), device,
                             cfg.train.tf32, task.channels_last)
     # Fine-tuning: train.init_from's weights (unless the run resumes from its own checkpoints).
     init_line = load_init_from(model, cfg, task, rank, world)

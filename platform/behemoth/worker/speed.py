@@ -43,10 +43,10 @@ class SpeedMeter:
                tuple((name, tuple(p.shape)) for name, p in model.named_parameters()),
                tuple((k, tuple(v.shape), str(v.dtype)) for k, v in batch.items() if hasattr(v, "shape")))
         if key not in _COUNTED:
-            buffers = {k: v.clone() for k, v in model.named_buffers()}
+            buffers, training = {k: v.clone() for k, v in model.named_buffers()}, model.training
             model.eval()
             _COUNTED[key] = metrics.training_flops_per_sample(lambda: task.loss(model, batch), 1, self.device)
-            model.train()
+            model.train(training)
             model.load_state_dict(buffers, strict=False)
         self.flops_per_sample = _COUNTED[key]
 
