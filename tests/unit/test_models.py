@@ -269,7 +269,7 @@ def test_a_pretrained_classifier_is_fed_pixels_normalised_as_it_was_trained(imag
                                      data={"mean": [0.1, 0.2, 0.3], "eval_crop_pct": 1.0}))
     assert (mine.data.mean, mine.data.std, mine.data.eval_crop_pct) == ([0.1, 0.2, 0.3], imagenet["image_std"], 1)
     plain = config_from_dict(job_dict(image_root, tmp_path / "runs"))  # no pretrained model: behemoth's defaults
-    assert (plain.data.mean, plain.data.std, plain.data.eval_crop_pct) == ([0.5] * 3, [0.25] * 3, None)
+    assert (plain.data.mean, plain.data.std, plain.data.eval_crop_pct) == ([0.5] * 3, [0.25] * 3, 1.0)
     assert capsys.readouterr().err == ""
 
     (folder / "preprocessor_config.json").write_text(json.dumps({  # BiT's (and behemoth's exports'): a crop size
@@ -278,7 +278,7 @@ def test_a_pretrained_classifier_is_fed_pixels_normalised_as_it_was_trained(imag
     assert config_from_dict(job_dict(image_root, tmp_path / "runs", model=model)).data.eval_fit() == 16 * 256 // 224
     (folder / "preprocessor_config.json").write_text(json.dumps({"image_mean": 0.5, "image_std": 0.5}))  # ViT's
     cfg = config_from_dict(job_dict(image_root, tmp_path / "runs", model=model))
-    assert (cfg.data.mean, cfg.data.std, cfg.data.eval_crop_pct) == ([0.5] * 3, [0.5] * 3, None)
+    assert (cfg.data.mean, cfg.data.std, cfg.data.eval_crop_pct) == ([0.5] * 3, [0.5] * 3, 1.0)
     (folder / "preprocessor_config.json").unlink()
     cfg = config_from_dict(job_dict(image_root, tmp_path / "runs", model=model))
     assert (cfg.data.mean, cfg.data.std) == ([0.5] * 3, [0.25] * 3)
@@ -287,3 +287,119 @@ def test_a_pretrained_classifier_is_fed_pixels_normalised_as_it_was_trained(imag
     (folder / "preprocessor_config.json").write_text("{not json")
     with pytest.raises(ConfigError, match=r"preprocessor_config.json is not valid JSON.*set data.mean"):
         config_from_dict(job_dict(image_root, tmp_path / "runs", model=model))
+
+
+@pytest.mark.parametrize("settings, crop_pct", [
+    ({"crop_pct": 0.875, "size": {"shortest_edge": 224}}, 0.875),  # ConvNeXt's, ResNet's
+    ({"crop_pct": 0.875, "size": {"shortest_edge": 384}}, None),  # from 384 up: resized to the square, no crop
+    ({"crop_pct": None, "image_processor_type": "ConvNextImageProcessor", "size": {"shortest_edge": 224}}, 0.875),
+    ({"do_center_crop": True, "size": {"shortest_edge": 256}, "crop_size": {"height": 224, "width": 224}}, 0.875),
+    ({"size": 256, "crop_size": 224}, 0.875),  # an older feature extractor's plain numbers
+    ({"do_center_crop": True, "size": {"height": 256, "width": 256}, "crop_size": {"height": 224, "width": 224}},
+     0.875),  # DeiT's
+    ({"size": {"height": 224, "width": 224}}, None),  # ViT's: no crop
+    ({"do_center_crop": False, "size": {"shortest_edge": 256}, "crop_size": {"height": 224, "width": 224}}, None),
+])
+def test_evaluations_crop_is_read_as_transformers_processors_mean_it(settings, crop_pct):
+    """transformers' ConvNeXt processor applies crop_pct below a 384 shortest edge only (and 224 / 256 where it is
+    null); BiT, CLIP and DeiT give a crop size and the size they resize to; old files give plain numbers."""
+    from behemoth.models.image_classifier import _crop_pct
+
+    assert _crop_pct(settings) == crop_pct
+
+
+def test_a_job_yaml_written_before_eval_crop_pct_is_read_as_evaluated_then():
+    """A checkpoint's job.yaml from before data.eval_crop_pct was evaluated with the shorter side at image_size:
+    read without the key, its export (or a resume's comparison) would take the pretrained model's crop now."""
+    import yaml
+
+    from behemoth.storage.checkpoint import job_sections
+
+    old = {"data": {"kind": "image_folder", "image_size": 224}, "model": {"name": "image_classifier"}}
+    assert job_sections(yaml.safe_dump(old).encode(), "ckpt")["data"]["eval_crop_pct"] == 1.0
+    text = {"data": {"kind": "text", "seq_len": 64}}
+    assert "eval_crop_pct" not in job_sections(yaml.safe_dump(text).encode(), "ckpt")["data"]
+    new = {"data": {"kind": "image_folder", "image_size": 224, "eval_crop_pct": 0.875}}
+    assert job_sections(yaml.safe_dump(new).encode(), "ckpt")["data"]["eval_crop_pct"] == 0.875
+
+
+@pytest.mark.parametrize("kind", ["vit", "deit"])
+def test_a_vision_transformer_pretrained_at_another_size_takes_the_jobs_images(tmp_path, kind):
+    """A ViT (or DeiT) pretrained at 64 px fine-tuned at data.image_size 32 or 128 failed every worker's first step
+    (transformers: "Input image size (32*32) doesn't match model (64*64)"), and setting hf_config.image_size made
+    from_pretrained re-initialise the position embeddings (a line in its log). Its positions are resampled once,
+    as transformers' interpolate_pos_encoding does them: the same logits, and the saved model (the export) takes
+    the job's size in transformers alone."""
+    import transformers
+    from transformers import AutoModelForImageClassification
+
+    from behemoth.config import ModelConfig
+    from behemoth.models.image_classifier import build_image_classifier
+
+    name = "ViT" if kind == "vit" else "DeiT"
+    config = getattr(transformers, f"{name}Config")(image_size=64, patch_size=16, hidden_size=32, num_hidden_layers=1,
+                                                    num_attention_heads=2, intermediate_size=64, num_labels=10)
+    getattr(transformers, f"{name}ForImageClassification")(config).save_pretrained(tmp_path / "pre")
+    for size in (32, 128):
+        torch.manual_seed(0)
+        model = build_image_classifier(ModelConfig(name="image_classifier", pretrained=str(tmp_path / "pre")),
+                                       num_classes=3, image_size=size).eval()
+        reference = AutoModelForImageClassification.from_pretrained(tmp_path / "pre", num_labels=3,
+                                                                    ignore_mismatched_sizes=True).eval()
+        reference.load_state_dict({k: v for k, v in model.state_dict().items() if "position_embeddings" not in k},
+                                  strict=False)
+        x = torch.randn(2, 3, size, size)
+        with torch.no_grad():
+            torch.testing.assert_close(model(pixel_values=x).logits,
+                                       reference(pixel_values=x, interpolate_pos_encoding=True).logits)
+        model.save_pretrained(tmp_path / f"at{size}")
+        exported = AutoModelForImageClassification.from_pretrained(tmp_path / f"at{size}").eval()
+        assert exported.config.image_size == size and exported(pixel_values=x).logits.shape == (2, 3)
+
+
+def test_an_image_classifiers_num_labels_is_the_datas_and_a_deit_builds_from_scratch():
+    """hf_config.num_labels other than the data's classes built a head of that size while the export's id2label
+    had the data's (transformers' pipeline could not load it): refused. DeiT from a config failed with a raw
+    TypeError out of transformers (its two heads and no `architectures`)."""
+    from behemoth.config import ModelConfig
+    from behemoth.models.image_classifier import build_image_classifier, check_image_classifier
+
+    five = ModelConfig(name="image_classifier", pretrained="/unused", hf_config={"num_labels": 5})
+    with pytest.raises(ConfigError, match=r"^model.hf_config.num_labels 5: the data has 3 classes"):
+        check_image_classifier(five, num_classes=3, image_size=32)
+    deit = ModelConfig(name="image_classifier", hf_config={
+        "model_type": "deit", "hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
+        "intermediate_size": 64, "patch_size": 8})
+    check_image_classifier(deit, num_classes=3, image_size=32)
+    assert build_image_classifier(deit, num_classes=3, image_size=32)(
+        pixel_values=torch.randn(2, 3, 32, 32)).logits.shape == (2, 3)
+
+
+def test_a_pretrained_run_from_before_the_models_own_statistics_resumes_as_it_was_trained(image_root, tmp_path):
+    """A run fine-tuning a pretrained ResNet started before data.mean / std / eval_crop_pct came from its processor
+    (its job.yaml: 0.5 / 0.25, no eval_crop_pct) is refused as trained with another config, naming the keys; set
+    back to those values, it resumes (an eval_crop_pct of 1 matched nothing: a job.yaml without it read as None)."""
+    import json
+
+    import yaml
+    from transformers import ResNetConfig, ResNetForImageClassification
+
+    from behemoth.driver.run.resume import check_resume_compatible
+    from behemoth.job import config_from_dict
+    from behemoth.storage.checkpoint import job_sections
+    from conftest import job_dict
+
+    folder = tmp_path / "resnet"
+    ResNetForImageClassification(ResNetConfig(embedding_size=8, hidden_sizes=[8], depths=[1])).save_pretrained(folder)
+    (folder / "preprocessor_config.json").write_text(json.dumps(
+        {"crop_pct": 0.875, "image_mean": [0.485, 0.456, 0.406], "image_std": [0.229, 0.224, 0.225]}))
+    job = job_dict(image_root, tmp_path / "runs", model={"name": "image_classifier", "pretrained": str(folder)})
+    before = config_from_dict(job).to_dict()
+    before["data"].update(mean=[0.5] * 3, std=[0.25] * 3)
+    del before["data"]["eval_crop_pct"]  # as the earlier behemoth wrote it
+    latest = ("runs/t/checkpoint_000010", job_sections(yaml.safe_dump(before).encode(), "checkpoint_000010"))
+    with pytest.raises(ConfigError, match=r"data.mean: \[0.5, 0.5, 0.5\] -> \[0.485, 0.456, 0.406\]; data.std: .*; "
+                                          r"data.eval_crop_pct: 1.0 -> 0.875\. Set them back"):
+        check_resume_compatible(config_from_dict(job), latest)
+    job["data"].update(mean=[0.5] * 3, std=[0.25] * 3, eval_crop_pct=1.0)
+    check_resume_compatible(config_from_dict(job), latest)

@@ -316,20 +316,25 @@ def test_a_relative_path_to_write_to_is_refused_in_a_submitted_jobs_uploaded_fol
 
     import yaml
 
+    from behemoth.driver.run.preflight import check_outlives_the_job
     from behemoth.driver.sweep.config import check_sweep, load_sweep
     from behemoth.errors import ConfigError
     from conftest import job_dict
 
     job = job_dict(image_root, tmp_path / "runs")
     assert _check(tmp_path, job, capsys, "checkpoint.storage_path=runs")[0] == 0  # (not in a submitted job)
-    monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("RAY_JOB_CONFIG_JSON_ENV_VAR", json.dumps({"runtime_env": {
         "working_dir": "gcs://_ray_pkg_0123456789abcdef.zip"}, "metadata": {}}))
+    monkeypatch.chdir(tmp_path)  # an entrypoint that went elsewhere first (`cd /shared && python ...`): not refused
+    assert _check(tmp_path, job, capsys, "checkpoint.storage_path=runs")[0] == 0
+    upload = tmp_path / "session" / "runtime_resources" / "working_dir_files" / "_ray_pkg_0123456789abcdef"
+    upload.mkdir(parents=True)
+    monkeypatch.chdir(upload)  # where Ray runs a submitted job's entrypoint
     assert _check(tmp_path, job, capsys, f"data.cache_dir={tmp_path}/cache")[2] == ""
     code, out, err = _check(tmp_path, job, capsys, "checkpoint.storage_path=runs")
     assert (code, out) == (2, "") and err == (
         f"behemoth: config error: checkpoint.storage_path 'runs' is a relative path, and this job runs in the working "
-        f"dir `ray job submit` uploaded ({tmp_path}), a copy Ray deletes: what is written there is lost to the next "
+        f"dir `ray job submit` uploaded ({upload}), a copy Ray deletes: what is written there is lost to the next "
         f"submission. Give an absolute path on the cluster's nodes or shared storage (e.g. --set "
         f"checkpoint.storage_path=$PWD/runs from the folder you submit from), or a URI\n")
     for uri, refused in (("mlruns", True), ("sqlite:///mlruns.db", True), (f"sqlite:///{tmp_path}/m.db", False),
@@ -339,7 +344,7 @@ def test_a_relative_path_to_write_to_is_refused_in_a_submitted_jobs_uploaded_fol
         assert not refused or f"tracking.mlflow.uri '{uri}' is a relative path" in err
     assert "--set tracking.mlflow.uri=sqlite:///$PWD/mlruns.db" in _check(
         tmp_path, job, capsys, "tracking.mlflow.uri=sqlite:///mlruns.db")[2]
-    assert _check(tmp_path, job, capsys, "checkpoint.storage_path=s3://bucket/runs")[0] != 2  # a URI: not refused
+    check_outlives_the_job("checkpoint.storage_path", "s3://bucket/runs")  # a URI: not refused
     code, _, err = _check(tmp_path, job, capsys, "data.cache_dir=data_cache")  # a cache: made again, said
     assert code == 0 and "data.cache_dir 'data_cache' is a relative path" in err and "$PWD/data_cache" in err
 

@@ -449,14 +449,15 @@ def test_set_of_a_space_key_says_to_give_the_whole_space(tmp_path, image_root):
 
 def test_a_sweep_recorded_before_a_key_was_added_to_behemoth_still_resumes(tmp_path, image_root):
     """A sweep started by an earlier behemoth records its job without the keys added since (data.eval_crop_pct):
-    its rerun compared the whole job and was refused ("a different job") for a key it never set. Now a key absent
-    from the record reads as None, as a run's resume reads its job.yaml; a real change is still refused, by name."""
+    its rerun compared the whole job and was refused ("a different job") for a key it never set. Now the record
+    reads as a run's resume reads its job.yaml (a key added since: its value then); a real change is still
+    refused, by name."""
     from behemoth.driver.sweep.tuner import _check_same_sweep, _record_sweep
 
     folder = str(tmp_path / "sweeps" / "s")
     path = write_sweep(tmp_path, image_root)
     record = _check_same_sweep(load_sweep(path), folder)
-    assert record["job"]["data"].pop("eval_crop_pct") is None  # as an earlier behemoth wrote it
+    assert record["job"]["data"].pop("eval_crop_pct") == 1.0  # as an earlier behemoth wrote it
     _record_sweep(folder, record)
     (Path(folder) / "tuner.pkl").write_bytes(b"")  # Tune's state: a rerun restores it
     _check_same_sweep(load_sweep(path), folder)
@@ -480,3 +481,33 @@ def test_a_resumed_sweep_says_which_limits_apply(tmp_path, capsys):
     assert _restored_limits(folder, same) == 2 and capsys.readouterr().out == ""
     _record_sweep(folder, {"job": {}})  # recorded by an earlier version: the rerun's, as before
     assert _restored_limits(folder, dict(record, max_concurrent_trials=3)) == 3
+
+
+def test_a_sweep_over_pretrained_models_gives_each_trial_its_own_models_statistics(tmp_path, image_root):
+    """A sweep whose space chooses model.pretrained: the job's keys whose default is the model's (data.mean,
+    data.std, data.eval_crop_pct; a text job's data.tokenizer) were filled once from the job's own model and
+    handed to every trial. Left out of the job, each trial's model fills them; set in the job, they stay."""
+    import json
+
+    from transformers import ResNetConfig, ResNetForImageClassification
+
+    folders = {}
+    for name, (mean, crop) in {"a": ([0.485, 0.456, 0.406], 0.875), "b": ([0.5, 0.5, 0.5], 0.95)}.items():
+        folders[name] = tmp_path / name
+        ResNetForImageClassification(ResNetConfig(embedding_size=8, hidden_sizes=[8], depths=[1])).save_pretrained(
+            folders[name])
+        (folders[name] / "preprocessor_config.json").write_text(json.dumps(
+            {"image_mean": mean, "image_std": [0.2] * 3, "crop_pct": crop}))
+    job = tmp_path / "job.yaml"
+    job.write_text(yaml.safe_dump(job_dict(image_root, tmp_path / "runs",
+                                           model={"name": "image_classifier", "pretrained": str(folders["a"])})))
+    raw = {"job": "job.yaml", "space": {"model.pretrained": {"grid": [str(folders["a"]), str(folders["b"])]}},
+           "name": "s", "storage_path": str(tmp_path / "sweeps")}
+    (tmp_path / "sweep.yaml").write_text(yaml.safe_dump(raw))
+    jobs = {j.model.pretrained: j.data for j in check_sweep(load_sweep(tmp_path / "sweep.yaml"))}
+    assert (jobs[str(folders["b"])].mean, jobs[str(folders["b"])].eval_crop_pct) == ([0.5] * 3, 0.95)
+    assert (jobs[str(folders["a"])].mean, jobs[str(folders["a"])].eval_crop_pct) == ([0.485, 0.456, 0.406], 0.875)
+    (tmp_path / "sweep.yaml").write_text(yaml.safe_dump({**raw, "set": ["data.mean=[0.1, 0.2, 0.3]"]}))
+    mine = {j.model.pretrained: j.data for j in check_sweep(load_sweep(tmp_path / "sweep.yaml"))}
+    assert {tuple(d.mean) for d in mine.values()} == {(0.1, 0.2, 0.3)}
+    assert {d.eval_crop_pct for d in mine.values()} == {0.875, 0.95}

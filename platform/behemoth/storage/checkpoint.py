@@ -263,6 +263,16 @@ def job_sections(data: bytes, ckpt: str) -> dict:
         if value is not None and not isinstance(value, dict):
             raise CheckpointError(f"checkpoint {ckpt}: its job.yaml's {section} is a {type(value).__name__}, "
                                   f"not a section (a mapping of keys)")
+    return as_written_then(raw)
+
+
+def as_written_then(raw: dict) -> dict:
+    """A job's sections written by an earlier behemoth (a checkpoint's job.yaml, a sweep's record) with the keys
+    added since that meant something then: an image job without data.eval_crop_pct was evaluated at 1 (left
+    out, it would now take the pretrained model's crop). Keys added since whose absence reads as None need none."""
+    data = raw.get("data") or {}
+    if "image_size" in data and "eval_crop_pct" not in data:
+        raw = {**raw, "data": {**data, "eval_crop_pct": 1.0}}
     return raw
 
 

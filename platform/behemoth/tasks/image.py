@@ -61,6 +61,8 @@ class ImageClassification(Task[ImageIndex, ImageIndex]):
     bad_samples_are = "undecodable images"
     builder_keywords = "num_classes"
 
+    completed_keys = ("mean", "std", "eval_crop_pct")
+
     @classmethod
     def complete(cls, cfg: JobConfig) -> None:
         """data.mean / data.std / data.eval_crop_pct left out: model.pretrained's (its image processor's: ImageNet's
@@ -76,6 +78,7 @@ class ImageClassification(Task[ImageIndex, ImageIndex]):
             data.mean, data.std = data.mean or found.mean or [], data.std or found.std or []
             data.eval_crop_pct = data.eval_crop_pct or found.crop_pct
         data.mean, data.std = list(data.mean or DEFAULT_MEAN), list(data.std or DEFAULT_STD)
+        data.eval_crop_pct = data.eval_crop_pct or 1.0  # (a job.yaml names it: export never reads the model again)
 
     @classmethod
     def data_modules(cls, cfg: JobConfig, index: ImageIndex) -> tuple[str, ...]:

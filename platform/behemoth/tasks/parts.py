@@ -72,6 +72,9 @@ class TaskData(abc.ABC, Generic[CheckedT, PreparedT]):
     # A job's `data:` mapping is read into the section of its kind.
     data_config: ClassVar[type[DataConfig]] = DataConfig
 
+    # The data keys `complete` fills where the job leaves them out (a sweep over model.* leaves them to each trial)
+    completed_keys: ClassVar[tuple[str, ...]] = ("tokenizer",)
+
     @classmethod
     def complete(cls, cfg: JobConfig) -> None:
         """Fill the keys whose default comes from another section, before the job is checked: data.tokenizer

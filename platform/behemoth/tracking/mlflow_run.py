@@ -69,13 +69,18 @@ def open_run(uri: str, experiment: str, run_dir: str, run_name: str, params: dic
 
         try:
             c.update_run(known["run_id"], status="RUNNING")
-            _log_rerun_params(c, known["run_id"], params)
-            return known["run_id"]
         except MlflowException as e:  # (a store that does not answer fails again below, as before)
             # the recorded run is gone (deleted; another store at this URI): a new run, not tracking off for
             # this run folder for good
             print(f"[behemoth] MLflow run {known['run_id']} of {record} is not in {paths.redacted(uri)} "
                   f"({' '.join(str(e).split())[:120]}): this run logs to a new MLflow run", flush=True)
+        else:
+            try:
+                _log_rerun_params(c, known["run_id"], params)
+            except MlflowException as e:  # (the run is there: it goes on, without these)
+                print(f"[behemoth] warning: MLflow run {known['run_id']}: this rerun's changed params were not "
+                      f"recorded ({' '.join(str(e).split())[:120]})", flush=True)
+            return known["run_id"]
     experiment_id = experiment_id_of(c, uri, experiment)
     tags = {"behemoth.run_dir": paths.redacted(run_dir)}
     if parent_run_id:

@@ -49,7 +49,8 @@ def uploaded_working_dir() -> str | None:
     working_dir = runtime_env.get("working_dir") if isinstance(runtime_env, dict) else None
     if not isinstance(working_dir, str) or not working_dir or working_dir.startswith("local://"):
         return None
-    return os.getcwd()
+    here = os.getcwd()  # (an entrypoint may `cd` elsewhere first: only Ray's unpacked copies are at risk)
+    return here if f"{os.sep}runtime_resources{os.sep}working_dir_files{os.sep}" in f"{here}{os.sep}" else None
 
 
 def check_paths_outlive_the_job(cfg: JobConfig) -> None:

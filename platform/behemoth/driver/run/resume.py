@@ -86,8 +86,8 @@ def check_resume_compatible(cfg: JobConfig, latest=_LOOK) -> None:
     if changed:
         raise ConfigError(
             f"run '{cfg.checkpoint.run_name}' in {folder} was trained with a different config "
-            f"({name}): {'; '.join(changed)}. Start a new run with another "
-            f"checkpoint.run_name, or resume anyway with --set checkpoint.resume_changed_config=true"
+            f"({name}): {'; '.join(changed)}. Set them back to resume it as it was trained, start a new run with "
+            f"another checkpoint.run_name, or resume anyway with --set checkpoint.resume_changed_config=true"
         )
 
 

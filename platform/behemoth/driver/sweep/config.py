@@ -167,7 +167,16 @@ def base_job(sweep_cfg: SweepConfig) -> dict:
         value = getattr(cfg.data, key)
         setattr(cfg.data, key, [_absolute(v) for v in value] if isinstance(value, list) else _absolute(value))
     cfg.checkpoint.storage_path = _absolute(cfg.checkpoint.storage_path)
-    return cfg.to_dict()
+    job = cfg.to_dict()
+    if any(key.startswith("model.") for key in sweep_cfg.space):
+        # keys whose default is the model's (its tokenizer, its image statistics), left out of the job: each
+        # trial's own model fills them (Task.complete), not the job's, which load_config filled them from
+        raw = read_yaml_mapping(Path(sweep_cfg.job))
+        for item in sweep_cfg.set:
+            apply_override(raw, item)
+        given, blank = raw.get("data") or {}, dataclasses.asdict(type(cfg.data)())
+        job["data"].update({key: blank[key] for key in task_of(cfg).completed_keys if key in blank and key not in given})
+    return job
 
 
 def _absolute(path: str) -> str:

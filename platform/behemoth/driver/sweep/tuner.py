@@ -249,10 +249,13 @@ def _restored_limits(sweep_dir: str, record: dict) -> int:
 
 
 def _job_changes(before: dict, now: dict) -> list[str]:
-    """The keys of a sweep's job whose values differ, a key absent from `before` read as None (as a run's resume
-    reads its job.yaml: a key added to behemoth since, left out, is no change)."""
+    """The keys of a sweep's job whose values differ, `before` read as a run's resume reads its job.yaml: a key
+    added to behemoth since is no change (its value then, or None: storage/checkpoint.as_written_then)."""
+    from behemoth.storage.checkpoint import as_written_then
+
+    before = as_written_then(before or {})
     return [f"{section}.{key}" for section, values in now.items() for key, value in values.items()
-            if ((before or {}).get(section) or {}).get(key) != value]
+            if (before.get(section) or {}).get(key) != value]
 
 
 def _record_sweep(sweep_dir: str, record: dict) -> None:
