@@ -254,3 +254,25 @@ def test_a_sequence_classifier_with_lora_trains_its_adapters_and_its_head():
     assert losses[-1] < losses[0], losses
     adapters_b = [p for n, p in model.named_parameters() if "lora_B" in n]
     assert adapters_b and all(p.abs().sum() > 0 for p in adapters_b)
+
+
+@pytest.mark.parametrize("model_type, head", [("bart", "classification_head"), ("deberta-v2", "pooler")])
+def test_a_classifiers_head_outside_peft_names_trains_too(model_type, head):
+    """peft's SEQ_CLS keeps only modules named classifier, score or pre_classifier: BART's classification_head
+    and DeBERTa's pooler (both built fresh for the task) stayed random and frozen for the whole run. Every
+    top-level module outside the base model trains now."""
+    from types import SimpleNamespace
+
+    from behemoth.config import LoraConfig
+    from behemoth.tasks.text_classification import build_classifier
+
+    sizes = ({"d_model": 32, "encoder_layers": 1, "decoder_layers": 1, "encoder_attention_heads": 2,
+              "decoder_attention_heads": 2, "encoder_ffn_dim": 64, "decoder_ffn_dim": 64} if model_type == "bart" else
+             {"hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2, "intermediate_size": 64})
+    model_cfg = SimpleNamespace(name="sequence_classifier", pretrained=None, trust_remote_code=False,
+                                lora=LoraConfig(r=2), hf_config={"model_type": model_type, **sizes})
+    model = build_classifier(SimpleNamespace(model=model_cfg, data=SimpleNamespace(max_length=16)), ["neg", "pos"],
+                             vocab_size=100, pad_id=0)
+    heads = [(n, p.requires_grad) for n, p in model.named_parameters() if f".{head}." in n and "original_module" not in n]
+    assert heads and all(grad for _, grad in heads), heads
+    assert set(n for n, p in model.named_parameters() if p.requires_grad) <= set(live_state.trained_state(model))

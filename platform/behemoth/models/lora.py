@@ -1,6 +1,6 @@
 """LoRA adapters (model.lora) on a transformers model, through the peft library: the base model's weights are
 frozen as built, low-rank adapters are added to the named modules (peft's default for the model type where
-none are named), and a sequence classifier's head trains too (peft's SEQ_CLS keeps it). The workers, `behemoth
+none are named), and a sequence classifier's head trains too (every module outside the base model). The workers, `behemoth
 eval` and `export` build the adapted model the same way, from the same seed; a checkpoint holds only what
 trains (checkpoints/live_state.py), an export both the adapter folder and the merged model (driver/commands/export.py).
 """
@@ -19,8 +19,13 @@ def add_adapters(model, lora_cfg, task_type: str):
         import peft
     except ImportError:
         raise ConfigError("model.lora needs the peft library: pip install 'behemoth[lora]'") from None
+    # a classifier's head trains whole: every top-level module outside the base model (peft's SEQ_CLS keeps only
+    # those named classifier, score or pre_classifier: BART's classification_head and DeBERTa's pooler, built
+    # fresh, stayed random and frozen)
+    heads = [name for name, child in model.named_children() if name != getattr(model, "base_model_prefix", None)
+             and any(True for _ in child.parameters())] if task_type == "SEQ_CLS" else None
     config = peft.LoraConfig(r=lora_cfg.r, lora_alpha=lora_cfg.alpha, lora_dropout=lora_cfg.dropout,
-                             target_modules=lora_cfg.target_modules, task_type=task_type)
+                             target_modules=lora_cfg.target_modules, task_type=task_type, modules_to_save=heads)
     try:
         with warnings.catch_warnings():  # peft reads a property transformers 5 deprecates: noise on every console
             warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)
