@@ -205,3 +205,32 @@ def test_an_edited_or_damaged_labels_json_counts_as_a_damaged_checkpoint(tmp_pat
         assert err.count("\n") == 1 and "labels.json does not match its manifest" in err, err
     Path(older, "labels.json").write_text('["sadness", "joy"]')  # no good checkpoint: nothing to compare with
     resume.check_resume_data(cfg, rows)
+
+
+def test_a_hugging_face_class_label_gives_its_names_in_its_order(tmp_path):
+    """A saved dataset whose label column is a ClassLabel (as most of the Hub's classification sets: sst2, imdb,
+    emotion) was read as its integers: the classes were "0", "2" and the export's pipeline answered "2", not
+    "positive". Now its names, in the ClassLabel's order (not sorted: its index is the order its own models
+    were trained with); an index outside its names (-1, unlabelled) is a label the training rows lack."""
+    import datasets
+
+    features = datasets.Features({"text": datasets.Value("string"),
+                                  "label": datasets.ClassLabel(names=["positive", "neutral", "negative"])})
+    train = [{"text": "great", "label": 0}, {"text": "awful", "label": 2}, {"text": "fine", "label": 0}]
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(train, features=features),
+                          "validation": datasets.Dataset.from_list([{"text": "bad", "label": 2}], features=features),
+                          "test": datasets.Dataset.from_list([{"text": "?", "label": -1}], features=features),
+                          }).save_to_disk(tmp_path / "ds")
+    rows = read_labelled(LabelledTextData(kind="text_classification", hf_dataset=str(tmp_path / "ds"), tokenizer="t"))
+    assert rows.classes == ["positive", "negative"] and rows.labels["train"] == ["positive", "negative", "positive"]
+    assert rows.labels["val"] == ["negative"]
+    with pytest.raises(DataError, match=r"label '-1' is not among the training rows' labels \(positive, negative\)"):
+        read_labelled(LabelledTextData(kind="text_classification", hf_dataset=str(tmp_path / "ds"), tokenizer="t",
+                                       val_split="test"))
+
+
+def test_a_label_of_other_digits_than_ascii_is_a_name(tmp_path):
+    """"²" passed str.isdigit and then int() raised a raw ValueError: labels are numbers only in ASCII digits."""
+    train = [{"text": "a", "label": "²"}, {"text": "b", "label": "1"}]
+    rows = read_labelled(data(write(tmp_path, "a.jsonl", train), write(tmp_path, "b.jsonl", train[:1])))
+    assert rows.classes == ["1", "²"]

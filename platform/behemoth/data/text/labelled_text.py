@@ -12,6 +12,8 @@ gather by row index. Nothing is decoded or tokenised during training.
 from __future__ import annotations
 
 import functools
+import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar
@@ -26,6 +28,7 @@ from behemoth.errors import ConfigError, DataError
 
 _READERS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
 BLOCK_ROWS = 2048  # rows per tokenising task
+CLASS_ORDER = b"behemoth.class_order"  # a table's metadata: a Hugging Face ClassLabel's names, in its order
 
 
 @dataclass
@@ -107,10 +110,12 @@ def describe_row(origins: list[tuple[str, int]], row: int) -> str:
 
 def read_labelled(cfg: LabelledTextData) -> LabelledRows:
     """Every row of both splits, checked (columns present, texts non-empty, validation labels known)."""
-    texts, labels, origins = {}, {}, {}
+    texts, labels, origins, order = {}, {}, {}, None
     for split, tables in _split_tables(cfg):
         texts[split], labels[split], origins[split] = [], [], []
         for where, table in tables:
+            if split == "train" and table.schema.metadata and CLASS_ORDER in table.schema.metadata:
+                order = json.loads(table.schema.metadata[CLASS_ORDER])
             split_texts, split_labels = _columns(cfg, where, table)
             texts[split] += split_texts
             labels[split] += split_labels
@@ -118,8 +123,11 @@ def read_labelled(cfg: LabelledTextData) -> LabelledRows:
         if not texts[split]:
             raise DataError(f"data: the {split} split has no rows ({', '.join(w for w, _ in origins[split])})")
     names = set(labels["train"])
-    numeric = all(n.lstrip("-").isdigit() for n in names)
-    classes = sorted(names, key=(lambda n: (int(n), n)) if numeric else str)  # "1" and "01": one order
+    numeric = all(re.fullmatch(r"-?[0-9]+", n) for n in names)  # (ASCII digits: str.isdigit takes "²")
+    if order is not None and names <= set(order):  # a Hugging Face ClassLabel's order
+        classes = sorted(names, key=order.index)
+    else:
+        classes = sorted(names, key=(lambda n: (int(n), n)) if numeric else str)  # "1" and "01": one order
     if len(classes) < 2:
         raise DataError(f"data: the training rows hold {len(classes)} label(s) ({classes}): a classifier needs 2 "
                         f"or more")
@@ -172,7 +180,18 @@ def _hf_split(cfg: LabelledTextData, name: str) -> pa.Table:
         splits = list(loaded) if isinstance(loaded, datasets.DatasetDict) else "one unnamed split"
         raise DataError(f"data.hf_dataset {cfg.hf_dataset!r} has no split '{name}' (its splits: {splits}); set "
                         f"data.train_split / data.val_split")
-    return loaded[name].with_format("arrow")[:]
+    split = loaded[name]
+    table = split.with_format("arrow")[:]
+    feature = split.features.get(cfg.label_column)
+    if isinstance(feature, datasets.ClassLabel) and cfg.label_column in table.column_names:
+        # a ClassLabel's integers are indices into its names: the classes are those names, in its order (the
+        # export's id2label says "positive", not "1"); an index outside them (-1: unlabelled) is kept as a number
+        index = table.column(cfg.label_column).to_pylist()
+        names = [feature.names[i] if isinstance(i, int) and 0 <= i < len(feature.names) else i for i in index]
+        table = table.set_column(table.column_names.index(cfg.label_column), cfg.label_column,
+                                 pa.array([str(n) if n is not None else None for n in names], pa.string()))
+        table = table.replace_schema_metadata({CLASS_ORDER: json.dumps(feature.names)})
+    return table
 
 
 def _columns(cfg: LabelledTextData, where: str, table: pa.Table) -> tuple[list[str], list[str]]:
