@@ -234,3 +234,23 @@ def test_a_label_of_other_digits_than_ascii_is_a_name(tmp_path):
     train = [{"text": "a", "label": "²"}, {"text": "b", "label": "1"}]
     rows = read_labelled(data(write(tmp_path, "a.jsonl", train), write(tmp_path, "b.jsonl", train[:1])))
     assert rows.classes == ["1", "²"]
+
+
+def test_a_classifier_from_a_config_takes_the_tokenizers_ends_and_an_eos_pooling_one_needs_its_eos(tmp_path,
+                                                                                                  tokenizer):
+    """model.hf_config's GPT-2 kept its architecture's BOS/EOS 50256 in a 300-token vocabulary (transformers warns
+    at the export's load): the tokenizer's now. BART's classifier reads the hidden state at each text's EOS, which
+    this tokenizer never appends: every worker failed its first step; refused in check, naming the fix."""
+    from behemoth.tasks.text_classification import TextClassification, build_classifier
+
+    tok = load_classification_tokenizer(tokenizer)
+    gpt2 = {"model_type": "gpt2", "n_embd": 16, "n_layer": 1, "n_head": 2, "n_positions": 16}
+    cfg = config_from_dict(classifier_job(tmp_path, tokenizer, hf_config=gpt2))
+    TextClassification.check(cfg)
+    model = build_classifier(cfg, ["joy", "sadness"], len(tok), tok.pad_token_id, (tok.bos_token_id, tok.eos_token_id))
+    assert (model.config.bos_token_id, model.config.eos_token_id) == (tok.bos_token_id, tok.eos_token_id) != (50256,) * 2
+    bart = {"model_type": "bart", "d_model": 16, "encoder_layers": 1, "decoder_layers": 1, "encoder_attention_heads": 2,
+            "decoder_attention_heads": 2, "encoder_ffn_dim": 32, "decoder_ffn_dim": 32, "max_position_embeddings": 16}
+    with pytest.raises(ConfigError, match=r"model type bart classifies from the hidden state at the EOS token that "
+                                          r"ends each text, and data.tokenizer .* appends none"):
+        TextClassification.check(config_from_dict(classifier_job(tmp_path, tokenizer, hf_config=bart)))

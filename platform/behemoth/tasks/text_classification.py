@@ -39,9 +39,12 @@ from behemoth.tasks.kept_tokenizer import kept_tokenizer_files, with_kept_tokeni
 SEQUENCE_CLASSIFIER = "sequence_classifier"
 
 
-def build_classifier(cfg: JobConfig, classes: list[str], vocab_size: int, pad_id: int) -> torch.nn.Module:
+def build_classifier(cfg: JobConfig, classes: list[str], vocab_size: int, pad_id: int,
+                     ends: tuple[int | None, int | None] = (None, None)) -> torch.nn.Module:
     """The job's model for these classes; a transformers model carries their names (id2label) and the pad id
-    (a decoder-only model classifies from the last token that is not padding)."""
+    (a decoder-only model classifies from the last token that is not padding); one built from model.hf_config
+    also the tokenizer's BOS and EOS ids (`ends`), not its architecture's defaults (GPT-2's 50256 in a 300-token
+    vocabulary)."""
     if registry.is_import_path(cfg.model.name):
         return registry.build_user_model(cfg.model.name, num_classes=len(classes), vocab_size=vocab_size)
     from transformers import AutoConfig, AutoModelForSequenceClassification
@@ -60,6 +63,8 @@ def build_classifier(cfg: JobConfig, classes: list[str], vocab_size: int, pad_id
         else:
             model_type = overrides.pop("model_type")
             overrides.setdefault("vocab_size", vocab_size)
+            overrides.setdefault("bos_token_id", ends[0])
+            overrides.setdefault("eos_token_id", ends[1])
             model = AutoModelForSequenceClassification.from_config(AutoConfig.for_model(model_type, **overrides, **labels))
     except (TypeError, *config_errors()) as e:  # an unknown model_type or key, no classifier head, keys that disagree
         raise ConfigError(f"{where}: no sequence classifier from it: {e}") from None
@@ -77,6 +82,30 @@ def build_classifier(cfg: JobConfig, classes: list[str], vocab_size: int, pad_id
         raise ConfigError(f"{where}: max_position_embeddings {positions} < data.max_length {cfg.data.max_length}: "
                           f"lower data.max_length or raise model.hf_config.max_position_embeddings")
     return model if cfg.model.lora is None else add_adapters(model, cfg.model.lora, "SEQ_CLS")
+
+
+# Model types whose classifier reads the hidden state at the EOS token that ends each text (transformers raises
+# on a batch whose rows have none)
+EOS_POOLING = {"bart", "mbart", "plbart", "mvp", "led", "bigbird_pegasus"}
+
+
+def _check_eos_pooling(cfg: JobConfig, tok) -> None:
+    """An EOS-pooling model (BART's family) with a tokenizer that appends no EOS failed every worker's first step
+    ("All examples must have the same number of <eos> tokens"): refused before Ray."""
+    if registry.is_import_path(cfg.model.name):
+        return
+    if cfg.model.pretrained:
+        from transformers import AutoConfig
+
+        model_type = AutoConfig.from_pretrained(local_model(cfg, weights=False).pretrained,
+                                                trust_remote_code=cfg.model.trust_remote_code).model_type
+    else:
+        model_type = cfg.model.hf_config.get("model_type")
+    ids = tok("a text", truncation=True, max_length=cfg.data.max_length)["input_ids"]
+    if model_type in EOS_POOLING and (tok.eos_token_id is None or not ids or ids[-1] != tok.eos_token_id):
+        raise ConfigError(f"model type {model_type} classifies from the hidden state at the EOS token that ends each "
+                          f"text, and data.tokenizer {cfg.data.tokenizer} appends none: use the model's own tokenizer "
+                          f"(BART's appends </s>), or another model type")
 
 
 class TextClassification(Classification, Task[LabelledRows, TokenisedRows]):
@@ -106,7 +135,8 @@ class TextClassification(Classification, Task[LabelledRows, TokenisedRows]):
             registry.check_user_model(cfg.model.name, num_classes=len(rows.classes), vocab_size=len(tok))
         elif not cfg.model.pretrained:
             with torch.device("meta"):
-                build_classifier(cfg, rows.classes, len(tok), tok.pad_token_id)
+                build_classifier(cfg, rows.classes, len(tok), tok.pad_token_id, (tok.bos_token_id, tok.eos_token_id))
+        _check_eos_pooling(cfg, tok)
         return rows
 
     @classmethod
@@ -145,7 +175,8 @@ class TextClassification(Classification, Task[LabelledRows, TokenisedRows]):
         classes = read_json(ckpt, "labels.json")
         tok = load_classification_tokenizer(cfg.data.tokenizer)
         torch.manual_seed(cfg.train.seed)  # as the workers seed it: LoRA's base, built from a config, is theirs
-        model = in_model_dtype(build_classifier(cfg, classes, len(tok), tok.pad_token_id), cfg.model.dtype)
+        model = in_model_dtype(build_classifier(cfg, classes, len(tok), tok.pad_token_id,
+                                                (tok.bos_token_id, tok.eos_token_id)), cfg.model.dtype)
         weights.load_weights(model, weights.read_state_dict(ckpt), ckpt)
         return model
 
@@ -177,7 +208,8 @@ class TextClassification(Classification, Task[LabelledRows, TokenisedRows]):
         self.reinit_ok = weights.classification_head(len(rows.classes))
 
     def build_model(self):
-        model = build_classifier(self.cfg, self.rows.classes, self.rows.vocab_size, self.rows.pad_id)
+        model = build_classifier(self.cfg, self.rows.classes, self.rows.vocab_size, self.rows.pad_id,
+                                 (self.rows.bos_id, self.rows.eos_id))
         if getattr(getattr(model, "config", None), "use_cache", None):
             model.config.use_cache = False  # a decoder's key/value cache is for generation: training drops it
         return model

@@ -92,6 +92,8 @@ class TokenisedRows:
     origins: dict[str, list[tuple[str, int]]]
     pad_id: int
     vocab_size: int
+    bos_id: int | None = None  # the tokenizer's (a model built from model.hf_config takes them)
+    eos_id: int | None = None
     # the tokenizer's saved files (data/chat/chat.tokenizer_files), kept in every checkpoint for the export
     tokenizer_files: dict[str, bytes] = field(default_factory=dict)
 
@@ -228,7 +230,8 @@ def tokenise(cfg: LabelledTextData, rows: LabelledRows) -> TokenisedRows:
         ids[split] = np.concatenate([p["input_ids"] for p in parts])
         mask[split] = np.concatenate([p["attention_mask"] for p in parts])
         labels[split] = np.asarray([class_id[name] for name in rows.labels[split]], dtype=np.int64)
-    return TokenisedRows(ids, mask, labels, rows.classes, rows.origins, tok.pad_token_id, len(tok))
+    return TokenisedRows(ids, mask, labels, rows.classes, rows.origins, tok.pad_token_id, len(tok), tok.bos_token_id,
+                         tok.eos_token_id)
 
 
 @functools.lru_cache(maxsize=4)
