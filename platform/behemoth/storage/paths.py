@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from behemoth.errors import ConfigError
-from behemoth.storage.filesystem import is_uri  # noqa: F401 (the run paths' own question too)
+from behemoth.storage.filesystem import is_uri  # (the run paths' own question too)
 
 
 def storage_root(path: str) -> str:
@@ -28,6 +28,16 @@ def storage_root(path: str) -> str:
 # A URI's userinfo password (s3://KEY:SECRET@bucket, postgresql://user:PASSWORD@host/db, the form pyarrow and
 # MLflow take): what trackers, reports and warnings show carries *** in its place
 _USERINFO = re.compile(r"(?P<head>[A-Za-z][A-Za-z0-9+.-]*://[^/@:\s]*:)[^@\s]*@")
+
+
+def relative_local(value: str) -> tuple[str, str] | None:
+    """(its scheme, the path) where `value` names a relative path on this machine: a plain relative path, or
+    MLflow's sqlite:///RELATIVE.db (sqlite:////ABSOLUTE.db is absolute); None for an absolute path or a URI."""
+    scheme = "sqlite:///" if value.startswith("sqlite:///") else ""
+    path = value[len(scheme):]
+    if not path or (not scheme and is_uri(value)) or os.path.isabs(os.path.expanduser(path)):
+        return None
+    return scheme, path
 
 
 def redacted(value):

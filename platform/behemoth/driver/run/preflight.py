@@ -16,6 +16,7 @@ from behemoth.data.order import steps_per_epoch
 from behemoth.errors import CheckpointError, ConfigError, DataError
 from behemoth.models import registry
 from behemoth.models.sources import check_source, hub_endpoint
+from behemoth.storage import paths
 
 
 def _check_source(value: str, key: str, needs: str = "config.json") -> None:
@@ -60,7 +61,7 @@ def check_paths_outlive_the_job(cfg: JobConfig) -> None:
     check_outlives_the_job("tracking.mlflow.uri", cfg.tracking.mlflow.uri)
     cache = getattr(cfg.data, "cache_dir", "")
     folder = uploaded_working_dir()
-    if folder and cache and "://" not in cache and not os.path.isabs(os.path.expanduser(cache)):
+    if folder and cache and paths.relative_local(cache):
         print(f"[behemoth] warning: data.cache_dir {cache!r} is a relative path, in the working dir `ray job submit` "
               f"uploaded ({folder}), a copy Ray deletes: the data prepared there is prepared again by every "
               f"submission. Give an absolute path (e.g. --set data.cache_dir=$PWD/{cache})", file=sys.stderr,
@@ -72,14 +73,10 @@ def check_outlives_the_job(key: str, value: str | None) -> None:
     path to write to (checkpoint.storage_path, an MLflow folder or sqlite database, a sweep's folder) would be
     written inside it, and lost with it (the next submission, of a changed folder, runs in another copy and finds
     no checkpoint to resume). Refused, naming the fix."""
-    from behemoth.storage.filesystem import is_uri
-
     folder = uploaded_working_dir()
-    if folder is None or not value:
-        return
-    scheme = "sqlite:///" if value.startswith("sqlite:///") else ""  # (sqlite:///REL.db, sqlite:////ABS.db)
-    path = value[len(scheme):]
-    if (scheme or not is_uri(value)) and not os.path.isabs(os.path.expanduser(path)):
+    relative = paths.relative_local(value) if folder and value else None
+    if relative:
+        scheme, path = relative
         raise ConfigError(f"{key} {value!r} is a relative path, and this job runs in the working dir `ray job "
                           f"submit` uploaded ({folder}), a copy Ray deletes: what is written there is lost to the "
                           f"next submission. Give an absolute path on the cluster's nodes or shared storage (e.g. "
