@@ -453,3 +453,22 @@ def test_a_prompts_pairs_fall_on_one_side_of_the_validation_split(corpus):
     sides = {p: {s for s, q in zip(splits, prompts) if q == p} for p in range(40)}
     assert all(len(s) == 1 for s in sides.values()), sides
     assert 8 <= sum(s == {"val"} for s in sides.values()) <= 32  # (both sides used)
+
+
+@pytest.mark.parametrize("model_type", ["gpt2", "llama"])
+def test_the_policy_trains_without_dropout_as_its_reference_is_scored(model_type):
+    """The reference's log-probabilities are taken without dropout (eval mode, or precomputed so); the policy,
+    trained in training mode, had its dropout on (GPT-2's 0.1, Llama's attention_dropout): its step-0
+    log-ratio to the reference was noise, not 0. Off, as TRL's disable_dropout (its default) does: in training
+    mode the policy's sums equal the reference's at the start."""
+    sizes = ({"n_embd": 32, "n_layer": 1, "n_head": 2, "n_positions": 64, "resid_pdrop": 0.3, "embd_pdrop": 0.3,
+              "attn_pdrop": 0.3} if model_type == "gpt2" else
+             {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "max_position_embeddings": 64, "attention_dropout": 0.3})
+    task = _task(model_keys={"hf_config": {"model_type": model_type, **sizes}})
+    torch.manual_seed(task.cfg.train.seed)  # (the seed starting_model builds the reference from)
+    policy = task.build_model().train()
+    reference = task.starting_model().eval()
+    stored = torch.randint(2, 64, (2, 49))
+    with torch.no_grad():
+        torch.testing.assert_close(policy(input_ids=stored).logits, reference(input_ids=stored).logits)

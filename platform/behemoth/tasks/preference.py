@@ -114,6 +114,19 @@ class PreferenceLM(ChatLM):
         self._window: torch.Tensor | None = None
         self._reference: torch.nn.Module | None = None
 
+    def build_model(self):
+        """The model with its dropout off (TRL's disable_dropout, its default): the loss compares the policy's
+        log-probabilities with the reference's, which are taken without dropout; with it on, the policy's side is
+        noise and the step-0 log-ratio is not 0. (nn.Dropout modules, and attention's dropout where a model keeps
+        it as a number: Llama's config.attention_dropout.)"""
+        model = super().build_model()
+        for module in model.modules():
+            if isinstance(module, torch.nn.Dropout):
+                module.p = 0.0
+            if isinstance(getattr(module, "attention_dropout", None), float):
+                module.attention_dropout = 0.0
+        return model
+
     def loss_items(self, batch):
         return pairs_per_row(batch["input_ids"]).sum()
 
