@@ -79,3 +79,16 @@ def _read(raw: dict, where: str) -> tuple[type[Task], JobConfig]:
     cfg = from_dict(JobConfig, {k: v for k, v in raw.items() if k != "data"}, where)
     cfg.data = from_dict(task.data_config, data, where, prefix="data.", scope=f" for data.kind {kind}")
     return task, cfg
+
+
+def left_to_the_model(path: str | Path, overrides: list[str], cfg: JobConfig) -> dict:
+    """The data keys whose default is the job's model's (its tokenizer, its image statistics: Task.complete) that
+    the job file and `overrides` leave out, at their blank defaults (load_config filled them from the job's own
+    model): a sweep over model.* leaves them to each trial's model."""
+    import dataclasses
+
+    raw = read_yaml_mapping(Path(path))
+    for item in overrides:
+        apply_override(raw, item)
+    given, blank = raw.get("data") or {}, dataclasses.asdict(type(cfg.data)())
+    return {key: blank[key] for key in task_class(cfg.data.kind).completed_keys if key in blank and key not in given}

@@ -19,10 +19,9 @@ from typing import Any, Literal
 from behemoth.storage import paths
 from behemoth.config import JobConfig, apply_override, from_dict, read_yaml_mapping
 from behemoth.config.train_section import check_finite
-from behemoth.errors import ConfigError
-from behemoth.errors import closest_key, did_you_mean
+from behemoth.errors import ConfigError, closest_key, did_you_mean
 from behemoth.driver.run.preflight import check_outlives_the_job
-from behemoth.job import config_from_dict, load_config
+from behemoth.job import config_from_dict, left_to_the_model, load_config
 from behemoth.tasks import task_of
 from behemoth.storage.store import Store
 
@@ -168,14 +167,8 @@ def base_job(sweep_cfg: SweepConfig) -> dict:
         setattr(cfg.data, key, [_absolute(v) for v in value] if isinstance(value, list) else _absolute(value))
     cfg.checkpoint.storage_path = _absolute(cfg.checkpoint.storage_path)
     job = cfg.to_dict()
-    if any(key.startswith("model.") for key in sweep_cfg.space):
-        # keys whose default is the model's (its tokenizer, its image statistics), left out of the job: each
-        # trial's own model fills them (Task.complete), not the job's, which load_config filled them from
-        raw = read_yaml_mapping(Path(sweep_cfg.job))
-        for item in sweep_cfg.set:
-            apply_override(raw, item)
-        given, blank = raw.get("data") or {}, dataclasses.asdict(type(cfg.data)())
-        job["data"].update({key: blank[key] for key in task_of(cfg).completed_keys if key in blank and key not in given})
+    if any(key.startswith("model.") for key in sweep_cfg.space):  # each trial's model fills them, not the job's
+        job["data"].update(left_to_the_model(sweep_cfg.job, sweep_cfg.set, cfg))
     return job
 
 
