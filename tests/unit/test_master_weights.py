@@ -86,3 +86,20 @@ def test_adamw_is_fused_on_a_gpu_and_updates_as_the_default_kernel(tmp_path):
             opt.step()
             opt.zero_grad()
     torch.testing.assert_close(models[0].weight, models[1].weight, atol=1e-6, rtol=1e-5)
+
+
+def test_a_bf16_model_keeps_its_rotary_frequencies_in_float32():
+    """model.dtype bfloat16 cast every buffer, the rotary embedding's inv_freq too: its angles moved from the ones
+    the model was pretrained with (cos off by 0.1 at position 1,024) and from those its export computes
+    (transformers' from_pretrained(dtype=bf16) keeps the non-persistent buffer in float32)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from behemoth.models.wrappers import in_model_dtype
+
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=4, num_key_value_heads=2))
+    want = model.model.rotary_emb.inv_freq.clone()
+    model = in_model_dtype(model, "bfloat16")
+    assert model.model.rotary_emb.inv_freq.dtype == torch.float32 and torch.equal(model.model.rotary_emb.inv_freq, want)
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}

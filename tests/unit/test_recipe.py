@@ -588,3 +588,40 @@ def test_warmup_in_epochs_follows_the_global_batch():
     assert lrs[0] == pytest.approx(0.02) and lrs[18] == pytest.approx(0.38) and lrs[19] == pytest.approx(0.4)
     with pytest.raises(ConfigError, match="train.warmup_epochs must be >= 0 and replaces train.warmup_steps"):
         TrainConfig(warmup_epochs=1, warmup_steps=5).validate()
+
+
+def test_a_diverged_evaluation_is_never_early_stoppings_best_nor_the_summarys():
+    """A first evaluation of NaN became early stopping's best, and every later value compared False against it:
+    the run stopped at its patience while its metric improved. The summary's best ranked NaN and a null (Ray's
+    snapshot keeps a non-finite value so) among the scores, and broke a tie to the older checkpoint."""
+    from types import SimpleNamespace
+
+    from behemoth.config import EarlyStoppingConfig
+    from behemoth.driver.run.summary import summarise
+    from behemoth.storage.checkpoint import TrainState
+    from behemoth.worker.reporting import early_stop
+
+    class _Task:
+        best, reported = ("val_accuracy", "max"), {"val_accuracy": "max", "val_loss": "min", "loss": "min"}
+
+    cfg = JobConfig()
+    cfg.train.early_stopping = EarlyStoppingConfig(metric="val_loss", patience=2)
+    state = TrainState()
+    decisions = []
+    for step, val_loss in ((10, float("nan")), (20, 2.0), (30, 1.5), (40, float("inf")), (50, 1.0)):
+        state.step = step
+        decisions.append(early_stop(cfg, _Task(), state, {"val_loss": val_loss}, total_steps=100))
+    assert decisions == [False] * 5 and state.best_metric == 1.0
+
+    from behemoth.job import config_from_dict
+    from conftest import job_dict
+
+    cfg = config_from_dict(job_dict("/tmp/unused", "/tmp/unused"))  # the task's metric: val_accuracy, max
+    ckpt = lambda name: SimpleNamespace(path=f"/tmp/unused/t/{name}")  # noqa: E731
+    best = [(ckpt("checkpoint_2026-12-01_08-00-02"), {"val_accuracy": float("nan")}),
+            (ckpt("checkpoint_2026-12-01_08-00-01"), {"val_accuracy": 0.5}),
+            (ckpt("checkpoint_2026-12-01_08-00-03"), {"val_accuracy": 0.5}),
+            (ckpt("checkpoint_2026-12-01_08-00-04"), {"val_accuracy": None})]
+    result = SimpleNamespace(metrics={"step": 4}, checkpoint=best[-1][0], return_value={}, best_checkpoints=best)
+    summary = summarise(cfg, result, 1.0)
+    assert summary.best_value == 0.5 and summary.best_checkpoint.endswith("checkpoint_2026-12-01_08-00-03")

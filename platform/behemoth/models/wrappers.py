@@ -25,5 +25,14 @@ def in_model_dtype(model, dtype: str):
     """The model with every floating-point parameter and buffer in `dtype` (model.dtype: float32 or bfloat16),
     whatever dtype it was built or loaded in: transformers' from_pretrained keeps a checkpoint's stored dtype.
     The workers train in it (worker/precision.master_weights), and export builds in it: a float32 run from a
-    bf16 pretrained model was exported into bf16 parameters, a third of its fine-tuning rounded away."""
-    return model.to(torch.float32 if dtype == "float32" else torch.bfloat16)
+    bf16 pretrained model was exported into bf16 parameters, a third of its fine-tuning rounded away.
+    Non-persistent float32 buffers stay float32, as transformers' from_pretrained(dtype=...) keeps them: a rotary
+    embedding's inv_freq in bf16 moved the angles (cos off by 0.1 at position 1,024, 0.4 at 4,096) from the ones
+    the model was pretrained with and its export uses."""
+    kept = [(module, name, getattr(module, name)) for module in model.modules()
+            for name in getattr(module, "_non_persistent_buffers_set", ())
+            if getattr(module, name, None) is not None and getattr(module, name).dtype == torch.float32]
+    model = model.to(torch.float32 if dtype == "float32" else torch.bfloat16)
+    for module, name, buffer in kept:
+        setattr(module, name, buffer)
+    return model

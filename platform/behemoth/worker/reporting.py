@@ -74,7 +74,10 @@ def early_stop(cfg: JobConfig, task: Task, state: TrainState, report: dict, tota
     if value is None or state.step >= total_steps:
         return False
     best, state.early_stopping_metric = state.best_metric, metric
-    improved = best is None or (value > best + rule.min_delta if mode == "max" else value < best - rule.min_delta)
+    if not math.isfinite(value):  # an evaluation that diverged (NaN, an overflow's inf): never the best, no better
+        value = -math.inf if mode == "max" else math.inf
+    improved = (best is None and math.isfinite(value)) or (
+        best is not None and (value > best + rule.min_delta if mode == "max" else value < best - rule.min_delta))
     if improved:
         state.best_metric, state.evals_without_improvement = value, 0
         return False

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from behemoth.config import JobConfig
@@ -58,8 +59,12 @@ def summarise(cfg: JobConfig, result, wall_s: float) -> RunSummary:
     (metrics, checkpoint, best_checkpoints as (checkpoint, metrics), return_value)."""
     task = task_of(cfg)
     key, mode = run_metric(task, cfg)  # (retention keeps its best checkpoint: driver/run/resume.py retention)
-    scored = [(m[key], c.path) for c, m in (result.best_checkpoints or []) if key in m]
-    best_value, best_path = (max(scored) if mode == "max" else min(scored)) if scored else (None, None)
+    # finite scores only (a diverged evaluation, or one Ray's snapshot kept as null, is no score), a tie to the
+    # newer checkpoint (its name sorts later: a time or a step), as retention and weights.resolve rank them
+    scored = [(m[key], c.path) for c, m in (result.best_checkpoints or [])
+              if isinstance(m.get(key), (int, float)) and math.isfinite(m[key])]
+    best = max(scored, key=lambda s: (s[0] if mode == "max" else -s[0], s[1])) if scored else None
+    best_value, best_path = best if best else (None, None)
     place = run_place(cfg)  # Ray gives paths on the storage's filesystem
     final = logged_reports(dict(result.metrics or {}))[-1]  # (not the logged steps it carries)
     return RunSummary(
