@@ -281,7 +281,7 @@ def test_early_stopping_counts_evaluations_without_improvement_in_the_train_stat
 
     from behemoth.config import EarlyStoppingConfig
     from behemoth.storage.checkpoint import TrainState
-    from behemoth.worker.reporting import early_stop
+    from behemoth.worker.early_stopping import early_stop
 
     class _Task:
         best, reported = ("val_accuracy", "max"), {"val_accuracy": "max", "val_loss": "min", "loss": "min"}
@@ -329,7 +329,7 @@ def test_a_rerun_of_an_early_stopped_run_trains_on_where_the_rule_no_longer_stop
     to go on: Reporter.completed_run). Another early_stopping.metric starts the counts again: the best value
     so far is another metric's, maybe in the other direction."""
     from behemoth.config import EarlyStoppingConfig
-    from behemoth.worker.reporting import resume_early_stopping
+    from behemoth.worker.early_stopping import resume_early_stopping
 
     cfg = JobConfig()
     cfg.train.early_stopping = {"off": None, "patience raised": EarlyStoppingConfig(patience=5),
@@ -356,7 +356,7 @@ def test_another_early_stopping_metric_resets_the_counts_of_a_run_still_going():
     """Issue 65: val_accuracy's best (0.7, higher is better) must not be compared with val_loss (lower is
     better): without the reset, a val_loss of 0.9 counts as no improvement on 0.7 and the run stops."""
     from behemoth.config import EarlyStoppingConfig
-    from behemoth.worker.reporting import early_stop, resume_early_stopping
+    from behemoth.worker.early_stopping import early_stop, resume_early_stopping
 
     cfg = JobConfig()
     cfg.train.early_stopping = EarlyStoppingConfig(metric="val_loss", patience=1)
@@ -599,7 +599,7 @@ def test_a_diverged_evaluation_is_never_early_stoppings_best_nor_the_summarys():
     from behemoth.config import EarlyStoppingConfig
     from behemoth.driver.run.summary import summarise
     from behemoth.storage.checkpoint import TrainState
-    from behemoth.worker.reporting import early_stop
+    from behemoth.worker.early_stopping import early_stop
 
     class _Task:
         best, reported = ("val_accuracy", "max"), {"val_accuracy": "max", "val_loss": "min", "loss": "min"}

@@ -20,6 +20,7 @@ restore, latest, verify) its only way to checkpoints. Its modules (docs/architec
 - `precision`: autocast, gradient scaler, fp32 master weights, a GPU's settings (TF32, cuDNN)
 - `profiling`: train.profile: torch.profiler traces (and CUDA memory history) of a window of steps
 - `reporting`: what a report step does (metrics, evaluation, checkpoint) and when
+- `early_stopping`: train.early_stopping at an evaluation, and a resumed run's counts
 - `report_sender`: ReportSender, a report handed to the host without holding the step
 - `step_callbacks`: what runs around every step besides the update (EMA, ledger, memory copies, faults, profiler)
 - `step_context`: what every step is taken with (config, task, trainables, rank, clock...), built once

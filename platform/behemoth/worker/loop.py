@@ -45,7 +45,8 @@ from behemoth.worker.optim import build_optimizer, lr_schedule
 from behemoth.worker.plan import batch_plan
 from behemoth.worker.profiling import StepProfiler
 from behemoth.worker.precision import autocast, device_settings, grad_scaler, master_weights
-from behemoth.worker.reporting import Reporter, resume_early_stopping
+from behemoth.worker.early_stopping import resume_early_stopping
+from behemoth.worker.reporting import Reporter
 from behemoth.checkpoints import CheckpointSaver, Rescue, Trainables, load_init_from, restore_latest
 from behemoth.worker.speed import SpeedMeter
 from behemoth.worker.step_callbacks import Callbacks, callback_classes
@@ -154,8 +155,7 @@ def _build_run(cfg: JobConfig, task: Task, clock: PhaseClock, rank: int, world: 
     if cfg.scaling.torch_threads:
         torch.set_num_threads(cfg.scaling.torch_threads)
     torch.manual_seed(cfg.train.seed)
-    # in training mode whatever it was built in: transformers' from_pretrained returns a model in eval mode
-    # (BatchNorm's statistics frozen, dropout and drop-path off), which only rank 0's FLOP count used to undo
+    # in training mode whatever it was built in (transformers' from_pretrained returns a model in eval mode)
     model = device_settings(master_weights(task.build_model(), cfg.model.dtype).to(device).train(), device,
                             cfg.train.tf32, task.channels_last)
     # Fine-tuning: train.init_from's weights (unless the run resumes from its own checkpoints).
