@@ -703,7 +703,8 @@ def test_evaluation_with_eval_crop_pct_reads_its_own_rows(mixed_images, tmp_path
     """data.eval_crop_pct < 1 (ImageNet's 0.875: the shorter side resized to image_size / 0.875, the centre kept):
     the validation cache stores evaluation's pixels (transform_batch's, bit for bit) under a key of its own; the
     training rows stay crop_flip's base (the shorter side at image_size), so evaluating the train split decodes
-    again rather than reading them; at 1 the keys and the shorter side are as before."""
+    again rather than reading them; at 1 (the shorter side at image_size) the plan and key are those without a
+    fit."""
     import torch
 
     from behemoth import hosts

@@ -460,7 +460,7 @@ def test_the_policy_trains_without_dropout_as_its_reference_is_scored(model_type
     """The reference's log-probabilities are taken without dropout (eval mode, or precomputed so); the policy,
     trained in training mode, had its dropout on (GPT-2's 0.1, Llama's attention_dropout): its step-0
     log-ratio to the reference was noise, not 0. Off, as TRL's disable_dropout (its default) does: in training
-    mode the policy's sums equal the reference's at the start."""
+    mode the policy's logits equal the reference's at the start."""
     sizes = ({"n_embd": 32, "n_layer": 1, "n_head": 2, "n_positions": 64, "resid_pdrop": 0.3, "embd_pdrop": 0.3,
               "attn_pdrop": 0.3} if model_type == "gpt2" else
              {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 4,

@@ -484,9 +484,9 @@ def test_a_resumed_sweep_says_which_limits_apply(tmp_path, capsys):
 
 
 def test_a_sweep_over_pretrained_models_gives_each_trial_its_own_models_statistics(tmp_path, image_root):
-    """A sweep whose space chooses model.pretrained: the job's keys whose default is the model's (data.mean,
-    data.std, data.eval_crop_pct; a text job's data.tokenizer) were filled once from the job's own model and
-    handed to every trial. Left out of the job, each trial's model fills them; set in the job, they stay."""
+    """A sweep whose space chooses model.pretrained: the job's keys whose default is the model's (an image job's
+    data.mean, data.std, data.eval_crop_pct) were filled once from the job's own model and handed to every trial.
+    Left out of the job, each trial's model fills them; set in the job (data.mean here), they stay."""
     import json
 
     from transformers import ResNetConfig, ResNetForImageClassification
