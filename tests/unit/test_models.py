@@ -245,7 +245,8 @@ def test_a_pretrained_classifier_is_fed_pixels_normalised_as_it_was_trained(imag
     statistics (ImageNet's for a ResNet), not behemoth's 0.5 / 0.25, which fed every pretrained ResNet inputs
     ~2x off in scale and shifted; data.eval_crop_pct its processor's crop (crop_pct, or a crop size over the
     resize), not the whole shorter side: written into the job (and so its job.yaml). Set in the job: kept. A
-    folder without a processor: the defaults, said in one warning; a processor that is not JSON: one error."""
+    folder without a processor: the defaults, said in one warning; a processor that is not JSON, or over 1 MiB
+    (bounded before it is read): one error."""
     import json
 
     from transformers import ResNetConfig, ResNetForImageClassification
@@ -286,6 +287,9 @@ def test_a_pretrained_classifier_is_fed_pixels_normalised_as_it_was_trained(imag
     assert len(err.splitlines()) == 1 and "has no image processor" in err and "data.mean / data.std" in err
     (folder / "preprocessor_config.json").write_text("{not json")
     with pytest.raises(ConfigError, match=r"preprocessor_config.json is not valid JSON.*set data.mean"):
+        config_from_dict(job_dict(image_root, tmp_path / "runs", model=model))
+    (folder / "preprocessor_config.json").write_text(" " * (1 << 20) + "{}")  # bounded before it is read
+    with pytest.raises(ConfigError, match=r"preprocessor_config.json holds 1,048,578 bytes, not an image processor"):
         config_from_dict(job_dict(image_root, tmp_path / "runs", model=model))
 
 

@@ -91,6 +91,7 @@ def check_image_classifier(model_cfg, *, num_classes: int, image_size: int) -> N
 
 
 PROCESSOR_FILE = "preprocessor_config.json"  # transformers' image processor's settings (IMAGE_PROCESSOR_NAME)
+PROCESSOR_MAX_BYTES = 1 << 20
 
 
 class Preprocessing(NamedTuple):
@@ -107,6 +108,10 @@ def pretrained_preprocessing(source: str, named: str) -> Preprocessing:
     found = model_file(source, PROCESSOR_FILE)
     if found is None:
         return Preprocessing()
+    if found.stat().st_size > PROCESSOR_MAX_BYTES:  # (read before the job is checked: bounded first)
+        raise ConfigError(f"model.pretrained {named}: {PROCESSOR_FILE} holds {found.stat().st_size:,} bytes, not an "
+                          f"image processor's settings (a few hundred): replace it, or set data.mean, data.std and "
+                          f"data.eval_crop_pct")
     try:
         settings = json.loads(found.read_text(encoding="utf-8"))
     except (ValueError, UnicodeDecodeError) as e:
